@@ -1,0 +1,6 @@
+//! taskgate: Nomad's task lifecycle coordinator as an HTTP service.
+//!
+//! Layers, each a folder: `lifecycle` (pure rules), `registry` (runtime
+//! state and waiting), `store` (durability), `http` (axum and OpenAPI).
+
+pub mod lifecycle;

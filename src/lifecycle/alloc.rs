@@ -1,0 +1,241 @@
+//! One allocation's record and the operations on it: register, report,
+//! restart, restore. Each operation returns the next version of the record
+//! (or `None` when nothing changed); the caller persists and publishes it.
+
+use std::sync::Arc;
+
+use super::{
+    AllocId, AllocSpec, CoordState, Desired, Event, RunState, TaskName, TaskReport, TaskStatus,
+    Timestamp,
+    coordinator::{evaluate, is_open, waiting_on},
+    desired_states,
+};
+
+/// Which tasks an operator restart targets (SEMANTICS.md, Restart).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RestartMode {
+    /// One task, by position; it must be running and not a poststop task.
+    Task(usize),
+    /// Every running non-poststop task.
+    Running,
+    /// Every running or dead non-poststop task; resets the coordinator.
+    AllTasks,
+}
+
+impl RestartMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RestartMode::Task(_) => "task",
+            RestartMode::Running => "running",
+            RestartMode::AllTasks => "all_tasks",
+        }
+    }
+}
+
+/// Why a restart was refused. A refused restart changes nothing.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RestartError {
+    #[error("allocation has finished (coordinator is in poststop)")]
+    AllocationFinished,
+    #[error("task \"{0}\" is not running")]
+    TaskNotRunning(TaskName),
+}
+
+/// The event recorded on each task told to restart.
+pub const RESTART_EVENT: &str = "Restart Signaled";
+
+/// Everything known about one allocation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Allocation {
+    pub id: AllocId,
+    /// Shared between versions: the spec never changes after registration.
+    pub spec: Arc<AllocSpec>,
+    pub state: CoordState,
+    /// Parallel to `spec.tasks()`.
+    pub tasks: Vec<TaskStatus>,
+    pub create_index: u64,
+    pub modify_index: u64,
+    pub created_at: Timestamp,
+    pub modified_at: Timestamp,
+    /// Stop orders, derived from `tasks` whenever they change.
+    desired: Vec<Desired>,
+}
+
+impl Allocation {
+    /// A new allocation, evaluated once with every task pending.
+    pub fn register(id: AllocId, spec: Arc<AllocSpec>, index: u64, now: Timestamp) -> Self {
+        let tasks = vec![TaskStatus::new(index); spec.tasks().len()];
+        let state = evaluate(CoordState::Init, &spec, &tasks);
+        let desired = desired_states(&spec, &tasks);
+        Self {
+            id,
+            spec,
+            state,
+            tasks,
+            create_index: index,
+            modify_index: index,
+            created_at: now,
+            modified_at: now,
+            desired,
+        }
+    }
+
+    /// Rebuilds a record exactly as it was stored: the coordinator state is
+    /// taken as given, never re-evaluated, so recovery opens or closes no
+    /// gate.
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_parts(
+        id: AllocId,
+        spec: Arc<AllocSpec>,
+        state: CoordState,
+        tasks: Vec<TaskStatus>,
+        create_index: u64,
+        modify_index: u64,
+        created_at: Timestamp,
+        modified_at: Timestamp,
+    ) -> Self {
+        let desired = desired_states(&spec, &tasks);
+        Self {
+            id,
+            spec,
+            state,
+            tasks,
+            create_index,
+            modify_index,
+            created_at,
+            modified_at,
+            desired,
+        }
+    }
+
+    /// Position of a task by name.
+    pub fn position(&self, name: &str) -> Option<usize> {
+        self.spec.position(name)
+    }
+
+    pub fn task_name(&self, i: usize) -> &TaskName {
+        &self.spec.tasks()[i].name
+    }
+
+    /// Whether task `i`'s gate is open.
+    pub fn allowed(&self, i: usize) -> bool {
+        is_open(self.state, self.spec.tasks()[i].stage())
+    }
+
+    /// Task `i`'s stop order.
+    pub fn desired(&self, i: usize) -> &Desired {
+        &self.desired[i]
+    }
+
+    pub fn waiting_on(&self) -> Vec<TaskName> {
+        waiting_on(self.state, &self.spec, &self.tasks)
+    }
+
+    /// Applies reports (task position, report) together, then evaluates once.
+    pub fn report(
+        &self,
+        reports: &[(usize, TaskReport)],
+        now: Timestamp,
+        next_index: impl FnOnce() -> u64,
+    ) -> Option<Self> {
+        let mut next = self.clone();
+        for (i, r) in reports {
+            next.tasks[*i].apply(r, now);
+        }
+        next.state = evaluate(next.state, &next.spec, &next.tasks);
+        next.settle(self, now, next_index)
+    }
+
+    /// Restore: jump to `prestart`, apply the reports, evaluate.
+    pub fn restore(
+        &self,
+        reports: &[(usize, TaskReport)],
+        now: Timestamp,
+        next_index: impl FnOnce() -> u64,
+    ) -> Option<Self> {
+        let mut next = self.clone();
+        for (i, r) in reports {
+            next.tasks[*i].apply(r, now);
+        }
+        next.state = evaluate(CoordState::Prestart, &next.spec, &next.tasks);
+        next.settle(self, now, next_index)
+    }
+
+    /// An operator restart. Returns the next version (if anything changed)
+    /// and the positions of the tasks told to restart.
+    pub fn restart(
+        &self,
+        mode: RestartMode,
+        reason: &str,
+        now: Timestamp,
+        next_index: impl FnOnce() -> u64,
+    ) -> Result<(Option<Self>, Vec<usize>), RestartError> {
+        if self.state == CoordState::Poststop {
+            return Err(RestartError::AllocationFinished);
+        }
+        let eligible = |i: usize, states: &[RunState]| {
+            !self.spec.tasks()[i].is_poststop() && states.contains(&self.tasks[i].state)
+        };
+        let chosen: Vec<usize> = match mode {
+            RestartMode::Task(i) => {
+                if !eligible(i, &[RunState::Running]) {
+                    return Err(RestartError::TaskNotRunning(self.task_name(i).clone()));
+                }
+                vec![i]
+            }
+            RestartMode::Running => (0..self.tasks.len())
+                .filter(|&i| eligible(i, &[RunState::Running]))
+                .collect(),
+            RestartMode::AllTasks => (0..self.tasks.len())
+                .filter(|&i| eligible(i, &[RunState::Running, RunState::Dead]))
+                .collect(),
+        };
+        let mut next = self.clone();
+        for &i in &chosen {
+            let t = &mut next.tasks[i];
+            t.restart_generation += 1;
+            t.push_event(Event {
+                kind: RESTART_EVENT.to_owned(),
+                time: now,
+                message: reason.to_owned(),
+                details: [("mode".to_owned(), mode.as_str().to_owned())].into(),
+            });
+        }
+        if mode == RestartMode::AllTasks {
+            // Evaluated at once like after any change: if every task is
+            // already pending the coordinator moves on without waiting for a
+            // report that might never come.
+            next.state = evaluate(CoordState::Init, &next.spec, &next.tasks);
+        }
+        Ok((next.settle(self, now, next_index), chosen))
+    }
+
+    /// Refreshes derived data, then stamps a new index on the allocation and
+    /// on every task whose view changed (its status, its gate or its stop
+    /// order). Returns `None` when nothing changed at all.
+    fn settle(
+        mut self,
+        prev: &Self,
+        now: Timestamp,
+        next_index: impl FnOnce() -> u64,
+    ) -> Option<Self> {
+        self.desired = desired_states(&self.spec, &self.tasks);
+        let touched: Vec<usize> = (0..self.tasks.len())
+            .filter(|&i| {
+                self.tasks[i] != prev.tasks[i]
+                    || self.allowed(i) != prev.allowed(i)
+                    || self.desired[i] != prev.desired[i]
+            })
+            .collect();
+        if touched.is_empty() && self.state == prev.state {
+            return None;
+        }
+        let index = next_index();
+        for i in touched {
+            self.tasks[i].modify_index = index;
+        }
+        self.modify_index = index;
+        self.modified_at = now;
+        Some(self)
+    }
+}

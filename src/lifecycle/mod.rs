@@ -1,0 +1,95 @@
+//! The lifecycle coordinator, pure and synchronous.
+//!
+//! This folder owns every rule of `SEMANTICS.md`: stages, the coordinator
+//! state machine, the gate table, task-report rules, stop orders, restart
+//! planning, restore and `waiting_on`. It must not touch tokio, axum, the
+//! store or any I/O: time and indexes come in as arguments, so every
+//! decision is a plain function of its inputs and is unit-tested here.
+//!
+//! ```text
+//!   register ──▶ init ──(all pending)──▶ prestart ──(ephemerals ok, sidecars up)──▶ main
+//!                 ▲                                                                  │
+//!                 │ all-tasks restart                              (no main pending) │
+//!                 │                                                                  ▼
+//!              any state ──(every non-poststop task dead)──▶ poststop ◀── wait_alloc ◀── poststart
+//!                                                                (poststart ephemerals dead)
+//!
+//!  gates open per state   pre_eph  pre_side  main  post_eph  post_side  poststop
+//!      init                  .        .       .       .         .          .
+//!      prestart              O        O       .       .         .          .
+//!      main                  .        O       O       .         .          .
+//!      poststart             .        O       O       O         O          .
+//!      wait_alloc            .        O       O       .         O          .
+//!      poststop              .        .       .       .         .          O
+//! ```
+//!
+//! A restore jumps to `prestart` and evaluates; nothing else moves backwards.
+
+#[macro_use]
+mod names;
+mod alloc;
+mod coordinator;
+mod ids;
+mod orders;
+mod spec;
+mod task;
+
+pub use alloc::{Allocation, RestartError, RestartMode};
+pub use coordinator::{CoordState, evaluate, gates, next_state, waiting_on};
+pub use ids::{AllocId, IdError, TaskName};
+pub use names::UnknownName;
+pub use orders::{Desired, StopKind, StopReason, desired_states};
+pub use spec::{AllocSpec, Hook, Lifecycle, Stage, TaskSpec};
+pub use task::{Event, EventInput, RunState, TaskReport, TaskStatus};
+
+/// Where in a request a rule was broken, and how. The `field` is a path into
+/// the request body (`tasks[1].name`, `tasks.web.event.message`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldError {
+    pub field: String,
+    pub message: String,
+}
+
+impl FieldError {
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// Size limits on what clients may put into an allocation (DESIGN.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Tasks per allocation.
+    pub max_tasks: usize,
+    /// Bytes in one event message (and in a restart reason).
+    pub max_event_message: usize,
+    /// Entries in one event's `details`.
+    pub max_event_details: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_tasks: 256,
+            max_event_message: 4096,
+            max_event_details: 32,
+        }
+    }
+}
+
+/// Events kept per task; the oldest is dropped first.
+pub const MAX_EVENTS: usize = 10;
+
+/// Bytes in an event type.
+pub const MAX_EVENT_TYPE: usize = 64;
+
+/// Timestamps are UTC instants, rendered as RFC 3339.
+pub type Timestamp = time::OffsetDateTime;
+
+#[cfg(test)]
+mod properties;
+#[cfg(test)]
+mod scenarios;

@@ -1,0 +1,220 @@
+//! Stop orders: what the allocation runner would kill, as a pure function
+//! of the reported task states.
+
+use super::{AllocSpec, RunState, TaskName, TaskStatus};
+
+named_enum! {
+    /// Why a task is told to stop.
+    pub enum StopKind ("stop reason") {
+        LeaderTaskDead = "Leader Task Dead",
+        SiblingTaskFailed = "Sibling Task Failed",
+        MainTasksDead = "Main Tasks Dead",
+    }
+}
+
+/// A stop order's reason; `task` names the failed sibling, if any.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StopReason {
+    pub kind: StopKind,
+    pub task: Option<TaskName>,
+}
+
+/// What a task should be doing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Desired {
+    Run,
+    Stop(StopReason),
+}
+
+impl Desired {
+    pub fn is_stop(&self) -> bool {
+        matches!(self, Desired::Stop(_))
+    }
+
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Desired::Run => "run",
+            Desired::Stop(_) => "stop",
+        }
+    }
+
+    pub fn reason(&self) -> Option<&StopReason> {
+        match self {
+            Desired::Run => None,
+            Desired::Stop(r) => Some(r),
+        }
+    }
+}
+
+/// The desired status of every task, in registration order. Poststop tasks
+/// always run; for the others the first rule that holds decides:
+/// a successful dead leader, then a failed sibling, then "only sidecars
+/// left alive".
+pub fn desired_states(spec: &AllocSpec, status: &[TaskStatus]) -> Vec<Desired> {
+    let tasks = || spec.tasks().iter().zip(status);
+    let non_poststop = || tasks().filter(|(s, _)| !s.is_poststop());
+
+    let leader_done = tasks().any(|(s, t)| s.leader && t.successful());
+    let failed = non_poststop()
+        .find(|(_, t)| t.state == RunState::Dead && t.failed)
+        .map(|(s, _)| s.name.clone());
+    let main_tasks_dead = tasks().any(|(s, _)| s.is_sidecar())
+        && non_poststop()
+            .filter(|(s, _)| !s.is_sidecar())
+            .all(|(_, t)| t.state == RunState::Dead);
+
+    let order = if leader_done {
+        Desired::Stop(StopReason {
+            kind: StopKind::LeaderTaskDead,
+            task: None,
+        })
+    } else if let Some(task) = failed {
+        Desired::Stop(StopReason {
+            kind: StopKind::SiblingTaskFailed,
+            task: Some(task),
+        })
+    } else if main_tasks_dead {
+        Desired::Stop(StopReason {
+            kind: StopKind::MainTasksDead,
+            task: None,
+        })
+    } else {
+        Desired::Run
+    };
+    spec.tasks()
+        .iter()
+        .map(|s| {
+            if s.is_poststop() {
+                Desired::Run
+            } else {
+                order.clone()
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lifecycle::{Hook, Limits, spec::tests::task};
+
+    fn spec(tasks: Vec<crate::lifecycle::TaskSpec>) -> AllocSpec {
+        AllocSpec::new(tasks, &Limits::default()).unwrap()
+    }
+
+    fn st(state: RunState, failed: bool) -> TaskStatus {
+        let mut t = TaskStatus::new(1);
+        t.state = state;
+        t.failed = failed;
+        t
+    }
+
+    use RunState::*;
+
+    #[test]
+    fn a_successful_leader_stops_every_non_poststop_task() {
+        let mut web = task("web", None);
+        web.leader = true;
+        let s = spec(vec![
+            web,
+            task("log", Some((Hook::Poststart, true))),
+            task("clean", Some((Hook::Poststop, false))),
+        ]);
+        let d = desired_states(
+            &s,
+            &[st(Dead, false), st(Running, false), st(Pending, false)],
+        );
+        let leader = Desired::Stop(StopReason {
+            kind: StopKind::LeaderTaskDead,
+            task: None,
+        });
+        assert_eq!(d, [leader.clone(), leader, Desired::Run]);
+    }
+
+    #[test]
+    fn a_failed_leader_is_a_failed_sibling_not_a_dead_leader() {
+        let mut web = task("web", None);
+        web.leader = true;
+        let s = spec(vec![web, task("side", Some((Hook::Prestart, true)))]);
+        let d = desired_states(&s, &[st(Dead, true), st(Running, false)]);
+        assert_eq!(
+            d[1],
+            Desired::Stop(StopReason {
+                kind: StopKind::SiblingTaskFailed,
+                task: Some(TaskName::parse("web").unwrap()),
+            })
+        );
+    }
+
+    #[test]
+    fn the_first_failed_task_in_registration_order_is_named() {
+        let s = spec(vec![
+            task("a", None),
+            task("b", None),
+            task("c", None),
+            task("post", Some((Hook::Poststop, false))),
+        ]);
+        let d = desired_states(
+            &s,
+            &[
+                st(Running, false),
+                st(Dead, true),
+                st(Dead, true),
+                st(Dead, true),
+            ],
+        );
+        let reason = d[0].reason().unwrap();
+        assert_eq!(reason.kind.as_str(), "Sibling Task Failed");
+        assert_eq!(reason.task.as_ref().unwrap().as_str(), "b");
+        assert_eq!(d[3], Desired::Run, "poststop tasks always run");
+    }
+
+    #[test]
+    fn a_failed_poststop_task_stops_nobody() {
+        let s = spec(vec![
+            task("a", None),
+            task("post", Some((Hook::Poststop, false))),
+        ]);
+        let d = desired_states(&s, &[st(Running, false), st(Dead, true)]);
+        assert_eq!(d, [Desired::Run, Desired::Run]);
+    }
+
+    #[test]
+    fn sidecars_stop_when_every_other_task_is_dead() {
+        let s = spec(vec![
+            task("init", Some((Hook::Prestart, false))),
+            task("proxy", Some((Hook::Prestart, true))),
+            task("web", None),
+        ]);
+        let d = desired_states(
+            &s,
+            &[st(Dead, false), st(Running, false), st(Running, false)],
+        );
+        assert!(d.iter().all(|d| *d == Desired::Run));
+        let d = desired_states(&s, &[st(Dead, false), st(Running, false), st(Dead, false)]);
+        assert_eq!(d[1].reason().unwrap().kind, StopKind::MainTasksDead);
+    }
+
+    #[test]
+    fn an_allocation_of_only_sidecars_is_told_to_stop_at_once() {
+        let s = spec(vec![task("proxy", Some((Hook::Prestart, true)))]);
+        let d = desired_states(&s, &[st(Pending, false)]);
+        assert_eq!(d[0].reason().unwrap().kind, StopKind::MainTasksDead);
+    }
+
+    #[test]
+    fn without_sidecars_nothing_stops_on_main_death() {
+        let s = spec(vec![task("a", None), task("b", None)]);
+        let d = desired_states(&s, &[st(Dead, false), st(Running, false)]);
+        assert_eq!(d, [Desired::Run, Desired::Run]);
+    }
+
+    #[test]
+    fn stop_reason_names_are_exact() {
+        let names: Vec<_> = StopKind::ALL.iter().map(|k| k.as_str()).collect();
+        assert_eq!(
+            names,
+            ["Leader Task Dead", "Sibling Task Failed", "Main Tasks Dead"]
+        );
+    }
+}

@@ -1,0 +1,219 @@
+//! Property tests: random allocations driven by random sequences of
+//! reports, restarts and restores, checked against the invariants of
+//! SEMANTICS.md after every step.
+
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use time::macros::datetime;
+
+use super::*;
+
+const NOW: Timestamp = datetime!(2026-11-21 10:00 UTC);
+
+fn arb_lifecycle() -> impl Strategy<Value = Option<Lifecycle>> {
+    prop_oneof![
+        Just(None),
+        (
+            prop_oneof![Just(Hook::Prestart), Just(Hook::Poststart)],
+            any::<bool>()
+        )
+            .prop_map(|(hook, sidecar)| Some(Lifecycle { hook, sidecar })),
+        Just(Some(Lifecycle {
+            hook: Hook::Poststop,
+            sidecar: false
+        })),
+    ]
+}
+
+fn arb_alloc() -> impl Strategy<Value = Allocation> {
+    (
+        prop::collection::vec(arb_lifecycle(), 1..7),
+        prop::option::of(0usize..7),
+    )
+        .prop_map(|(lcs, leader)| {
+            let specs = lcs
+                .into_iter()
+                .enumerate()
+                .map(|(i, lifecycle)| TaskSpec {
+                    name: TaskName::parse(&format!("t{i}")).unwrap(),
+                    lifecycle,
+                    leader: leader == Some(i),
+                })
+                .collect();
+            let spec = AllocSpec::new(specs, &Limits::default()).unwrap();
+            Allocation::register(AllocId::parse("a").unwrap(), Arc::new(spec), 1, NOW)
+        })
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Report(Vec<(usize, RunState, bool, bool)>),
+    Restart(u8, usize),
+    Restore(Vec<(usize, RunState, bool, bool)>),
+}
+
+fn arb_reports() -> impl Strategy<Value = Vec<(usize, RunState, bool, bool)>> {
+    prop::collection::vec(
+        (
+            0usize..7,
+            prop_oneof![
+                Just(RunState::Pending),
+                Just(RunState::Running),
+                Just(RunState::Dead)
+            ],
+            any::<bool>(),
+            any::<bool>(),
+        ),
+        1..4,
+    )
+}
+
+fn arb_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => arb_reports().prop_map(Op::Report),
+        1 => (0u8..3, 0usize..7).prop_map(|(m, t)| Op::Restart(m, t)),
+        1 => arb_reports().prop_map(Op::Restore),
+    ]
+}
+
+/// Turns generated tuples into reports for the tasks that exist, one report
+/// per task (the API rejects duplicates, so the model does too).
+fn to_reports(a: &Allocation, raw: &[(usize, RunState, bool, bool)]) -> Vec<(usize, TaskReport)> {
+    let mut out: Vec<(usize, TaskReport)> = Vec::new();
+    for &(i, state, failed, with_event) in raw {
+        let i = i % a.tasks.len();
+        if out.iter().any(|(j, _)| *j == i) {
+            continue;
+        }
+        let event = with_event.then(|| EventInput {
+            kind: "Test".into(),
+            time: None,
+            message: String::new(),
+            details: Default::default(),
+        });
+        out.push((
+            i,
+            TaskReport {
+                state,
+                failed: failed && state == RunState::Dead,
+                event,
+            },
+        ));
+    }
+    out
+}
+
+fn check_invariants(a: &Allocation) -> Result<(), TestCaseError> {
+    // The allowed set is the gate-table row of the current state.
+    let row = gates(a.state);
+    for (i, spec) in a.spec.tasks().iter().enumerate() {
+        prop_assert_eq!(a.allowed(i), row[spec.stage().column()]);
+    }
+    // Every non-poststop task dead means poststop.
+    let all_dead = a
+        .spec
+        .tasks()
+        .iter()
+        .zip(&a.tasks)
+        .filter(|(s, _)| !s.is_poststop())
+        .all(|(_, t)| t.state == RunState::Dead);
+    // (Not the converse: poststop is terminal, even if a task later reports
+    // `pending` against the protocol.)
+    if all_dead {
+        prop_assert_eq!(a.state, CoordState::Poststop);
+    }
+    // The state is stable: evaluating again changes nothing.
+    prop_assert_eq!(evaluate(a.state, &a.spec, &a.tasks), a.state);
+    // Something always holds a live coordinator where it is.
+    prop_assert_eq!(a.waiting_on().is_empty(), a.state == CoordState::Poststop);
+    // No task carries an index newer than its allocation.
+    prop_assert!(a.tasks.iter().all(|t| t.modify_index <= a.modify_index));
+    // Poststop tasks are never told to stop.
+    for (i, spec) in a.spec.tasks().iter().enumerate() {
+        if spec.is_poststop() {
+            prop_assert!(!a.desired(i).is_stop());
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn invariants_hold_over_random_histories(
+        start in arb_alloc(),
+        ops in prop::collection::vec(arb_op(), 0..40),
+    ) {
+        let mut a = start;
+        let mut index = a.modify_index;
+        check_invariants(&a)?;
+        for op in ops {
+            let before = a.clone();
+            let mut next_index = || { index += 1; index };
+            let (next, may_go_back_to) = match &op {
+                Op::Report(raw) => {
+                    let r = to_reports(&a, raw);
+                    (a.report(&r, NOW, &mut next_index), None)
+                }
+                Op::Restore(raw) => {
+                    let r = to_reports(&a, raw);
+                    (a.restore(&r, NOW, &mut next_index), Some(CoordState::Prestart))
+                }
+                Op::Restart(m, t) => {
+                    let mode = match m {
+                        0 => RestartMode::Task(t % a.tasks.len()),
+                        1 => RestartMode::Running,
+                        _ => RestartMode::AllTasks,
+                    };
+                    match a.restart(mode, "prop", NOW, &mut next_index) {
+                        Ok((next, chosen)) => {
+                            for &i in &chosen {
+                                prop_assert!(!a.spec.tasks()[i].is_poststop());
+                            }
+                            let back = (mode == RestartMode::AllTasks).then_some(CoordState::Init);
+                            (next, back)
+                        }
+                        Err(RestartError::AllocationFinished) => {
+                            prop_assert_eq!(a.state, CoordState::Poststop);
+                            (None, None)
+                        }
+                        Err(RestartError::TaskNotRunning(_)) => {
+                            prop_assert!(matches!(mode, RestartMode::Task(_)));
+                            (None, None)
+                        }
+                    }
+                }
+            };
+            if let Some(next) = next {
+                prop_assert!(next.modify_index > before.modify_index, "indexes only go up");
+                a = next;
+            }
+            // The state moves only forward, except through the two resets.
+            if a.state < before.state {
+                prop_assert!(
+                    may_go_back_to.is_some_and(|floor| a.state >= floor),
+                    "{} went back to {} on {:?}", before.state, a.state, op
+                );
+            }
+            check_invariants(&a)?;
+            // Repeating every task's current state without an event is a no-op.
+            let same: Vec<_> = a.tasks.iter().enumerate().map(|(i, t)| {
+                (i, TaskReport { state: t.state, failed: t.failed, event: None })
+            }).collect();
+            prop_assert!(a.report(&same, NOW, || 0).is_none(), "a no-op report changed something");
+        }
+    }
+
+    #[test]
+    fn evaluate_is_idempotent(a in arb_alloc(), raw in arb_reports(), from in 0usize..6) {
+        let mut tasks = a.tasks.clone();
+        for (i, r) in to_reports(&a, &raw) {
+            tasks[i].apply(&r, NOW);
+        }
+        let once = evaluate(CoordState::ALL[from], &a.spec, &tasks);
+        prop_assert_eq!(evaluate(once, &a.spec, &tasks), once);
+        prop_assert_eq!(next_state(once, &a.spec, &tasks), once);
+    }
+}

@@ -1,0 +1,254 @@
+//! What an allocation is made of: tasks, their lifecycle hooks and the
+//! stage each one listens on.
+
+use std::collections::HashSet;
+
+use super::{FieldError, Limits, TaskName};
+
+named_enum! {
+    /// When a task runs relative to the main tasks.
+    pub enum Hook ("hook") {
+        Prestart = "prestart",
+        Poststart = "poststart",
+        Poststop = "poststop",
+    }
+}
+
+named_enum! {
+    /// The gate a task listens on. The declaration order is the column
+    /// order of the gate table.
+    pub enum Stage ("stage") {
+        PrestartEphemeral = "prestart_ephemeral",
+        PrestartSidecar = "prestart_sidecar",
+        Main = "main",
+        PoststartEphemeral = "poststart_ephemeral",
+        PoststartSidecar = "poststart_sidecar",
+        Poststop = "poststop",
+    }
+}
+
+impl Stage {
+    /// Position in the gate table.
+    pub const fn column(self) -> usize {
+        match self {
+            Stage::PrestartEphemeral => 0,
+            Stage::PrestartSidecar => 1,
+            Stage::Main => 2,
+            Stage::PoststartEphemeral => 3,
+            Stage::PoststartSidecar => 4,
+            Stage::Poststop => 5,
+        }
+    }
+}
+
+/// A task's lifecycle block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Lifecycle {
+    pub hook: Hook,
+    pub sidecar: bool,
+}
+
+/// One task of an allocation, as registered.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TaskSpec {
+    pub name: TaskName,
+    /// `None` for a main task.
+    pub lifecycle: Option<Lifecycle>,
+    pub leader: bool,
+}
+
+impl TaskSpec {
+    pub fn stage(&self) -> Stage {
+        match self.lifecycle {
+            None => Stage::Main,
+            Some(Lifecycle { hook, sidecar }) => match (hook, sidecar) {
+                (Hook::Prestart, false) => Stage::PrestartEphemeral,
+                (Hook::Prestart, true) => Stage::PrestartSidecar,
+                (Hook::Poststart, false) => Stage::PoststartEphemeral,
+                (Hook::Poststart, true) => Stage::PoststartSidecar,
+                (Hook::Poststop, _) => Stage::Poststop,
+            },
+        }
+    }
+
+    pub fn is_poststop(&self) -> bool {
+        self.stage() == Stage::Poststop
+    }
+
+    pub fn is_sidecar(&self) -> bool {
+        matches!(self.lifecycle, Some(Lifecycle { sidecar: true, .. }))
+    }
+}
+
+/// A validated task list: 1 to `max_tasks` tasks, unique names, at most one
+/// leader, no sidecar poststop task. Two specs are equal when they would
+/// behave the same (an omitted `sidecar` equals `false`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(transparent)]
+pub struct AllocSpec {
+    tasks: Vec<TaskSpec>,
+}
+
+impl AllocSpec {
+    /// Checks the cross-task rules. Every broken rule is reported, each
+    /// with the path `tasks[i]...` of the offending field.
+    pub fn new(tasks: Vec<TaskSpec>, limits: &Limits) -> Result<Self, Vec<FieldError>> {
+        let mut errors = Vec::new();
+        if tasks.is_empty() {
+            errors.push(FieldError::new("tasks", "at least one task is required"));
+        }
+        if tasks.len() > limits.max_tasks {
+            errors.push(FieldError::new(
+                "tasks",
+                format!(
+                    "at most {} tasks are allowed, got {}",
+                    limits.max_tasks,
+                    tasks.len()
+                ),
+            ));
+        }
+        let mut seen = HashSet::new();
+        let mut leader: Option<&TaskName> = None;
+        for (i, task) in tasks.iter().enumerate() {
+            if !seen.insert(task.name.as_str()) {
+                errors.push(FieldError::new(
+                    format!("tasks[{i}].name"),
+                    format!("duplicate task name \"{}\"", task.name),
+                ));
+            }
+            if task.leader {
+                match leader {
+                    Some(first) => errors.push(FieldError::new(
+                        format!("tasks[{i}].leader"),
+                        format!("at most one leader is allowed; \"{first}\" is already the leader"),
+                    )),
+                    None => leader = Some(&task.name),
+                }
+            }
+            if let Some(Lifecycle {
+                hook: Hook::Poststop,
+                sidecar: true,
+            }) = task.lifecycle
+            {
+                errors.push(FieldError::new(
+                    format!("tasks[{i}].lifecycle.sidecar"),
+                    "a poststop task cannot be a sidecar",
+                ));
+            }
+        }
+        if errors.is_empty() {
+            Ok(Self { tasks })
+        } else {
+            Err(errors)
+        }
+    }
+
+    pub fn tasks(&self) -> &[TaskSpec] {
+        &self.tasks
+    }
+
+    /// Position of a task by name.
+    pub fn position(&self, name: &str) -> Option<usize> {
+        self.tasks.iter().position(|t| t.name.as_str() == name)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A task spec from a short notation, for tests: `("web", None)`,
+    /// `("side", Some((Hook::Prestart, true)))`.
+    pub(crate) fn task(name: &str, lc: Option<(Hook, bool)>) -> TaskSpec {
+        TaskSpec {
+            name: TaskName::parse(name).unwrap(),
+            lifecycle: lc.map(|(hook, sidecar)| Lifecycle { hook, sidecar }),
+            leader: false,
+        }
+    }
+
+    #[test]
+    fn stage_follows_the_lifecycle_table() {
+        use Hook::*;
+        let cases = [
+            (None, Stage::Main),
+            (Some((Prestart, false)), Stage::PrestartEphemeral),
+            (Some((Prestart, true)), Stage::PrestartSidecar),
+            (Some((Poststart, false)), Stage::PoststartEphemeral),
+            (Some((Poststart, true)), Stage::PoststartSidecar),
+            (Some((Poststop, false)), Stage::Poststop),
+        ];
+        for (lc, stage) in cases {
+            assert_eq!(task("t", lc).stage(), stage, "{lc:?}");
+        }
+    }
+
+    #[test]
+    fn stage_columns_follow_declaration_order() {
+        for (i, s) in Stage::ALL.iter().enumerate() {
+            assert_eq!(s.column(), i);
+        }
+    }
+
+    #[test]
+    fn rejects_cross_task_rule_breaks_with_paths() {
+        let limits = Limits::default();
+        let mut a = task("web", None);
+        a.leader = true;
+        let mut b = task("web", Some((Hook::Poststop, true)));
+        b.leader = true;
+        let errors = AllocSpec::new(vec![a, b], &limits).unwrap_err();
+        let fields: Vec<_> = errors.iter().map(|e| e.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "tasks[1].name",
+                "tasks[1].leader",
+                "tasks[1].lifecycle.sidecar"
+            ]
+        );
+        assert_eq!(errors[0].message, "duplicate task name \"web\"");
+    }
+
+    #[test]
+    fn rejects_empty_and_oversized_task_lists() {
+        let limits = Limits {
+            max_tasks: 2,
+            ..Limits::default()
+        };
+        assert_eq!(
+            AllocSpec::new(vec![], &limits).unwrap_err()[0].field,
+            "tasks"
+        );
+        let three = vec![task("a", None), task("b", None), task("c", None)];
+        let err = AllocSpec::new(three, &limits).unwrap_err();
+        assert_eq!(err[0].message, "at most 2 tasks are allowed, got 3");
+    }
+
+    #[test]
+    fn wire_names_are_exact() {
+        let names: Vec<_> = Stage::ALL.iter().map(|s| s.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "prestart_ephemeral",
+                "prestart_sidecar",
+                "main",
+                "poststart_ephemeral",
+                "poststart_sidecar",
+                "poststop"
+            ]
+        );
+        for s in Stage::ALL {
+            assert_eq!(serde_json::to_value(s).unwrap(), s.as_str());
+            assert_eq!(s.as_str().parse::<Stage>().unwrap(), *s);
+        }
+        let hooks: Vec<_> = Hook::ALL.iter().map(|h| h.as_str()).collect();
+        assert_eq!(hooks, ["prestart", "poststart", "poststop"]);
+        let err = "prestop".parse::<Hook>().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "unknown hook \"prestop\", expected one of `prestart`, `poststart`, `poststop`"
+        );
+    }
+}

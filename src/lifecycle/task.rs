@@ -1,0 +1,312 @@
+//! What an agent reports about one task, and how a report changes the
+//! task's recorded status (timestamps, restart counting, the event ring).
+
+use std::collections::{BTreeMap, VecDeque};
+
+use super::{FieldError, Limits, MAX_EVENT_TYPE, MAX_EVENTS, Timestamp};
+
+named_enum! {
+    /// The reported run state of a task. A task that never reported is
+    /// `pending`.
+    pub enum RunState ("task state") {
+        Pending = "pending",
+        Running = "running",
+        Dead = "dead",
+    }
+}
+
+/// One entry of a task's event history.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Event {
+    /// The event type (`Started`, `Terminated`, `Restart Signaled`, ...).
+    pub kind: String,
+    pub time: Timestamp,
+    pub message: String,
+    pub details: BTreeMap<String, String>,
+}
+
+/// An event as a client sends it: `time` defaults to the server's clock.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EventInput {
+    pub kind: String,
+    pub time: Option<Timestamp>,
+    pub message: String,
+    pub details: BTreeMap<String, String>,
+}
+
+/// One task-state report: the new state, the failed flag, maybe an event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TaskReport {
+    pub state: RunState,
+    pub failed: bool,
+    pub event: Option<EventInput>,
+}
+
+impl TaskReport {
+    /// Checks the size limits of the event. `prefix` is the path of this
+    /// report in the request (empty for a single report).
+    pub fn validate(&self, prefix: &str, limits: &Limits) -> Vec<FieldError> {
+        let mut errors = Vec::new();
+        let Some(event) = &self.event else {
+            return errors;
+        };
+        let field = |name: &str| format!("{prefix}event.{name}");
+        let type_len = event.kind.chars().count();
+        if type_len == 0 || type_len > MAX_EVENT_TYPE {
+            errors.push(FieldError::new(
+                field("type"),
+                format!("must be 1 to {MAX_EVENT_TYPE} characters, got {type_len}"),
+            ));
+        }
+        if event.message.len() > limits.max_event_message {
+            errors.push(FieldError::new(
+                field("message"),
+                format!(
+                    "must be at most {} bytes, got {}",
+                    limits.max_event_message,
+                    event.message.len()
+                ),
+            ));
+        }
+        if event.details.len() > limits.max_event_details {
+            errors.push(FieldError::new(
+                field("details"),
+                format!(
+                    "must have at most {} entries, got {}",
+                    limits.max_event_details,
+                    event.details.len()
+                ),
+            ));
+        }
+        errors
+    }
+}
+
+/// Everything recorded about one task. Derived facts (its gate, its stop
+/// order) are not stored here; see `Allocation`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TaskStatus {
+    pub state: RunState,
+    pub failed: bool,
+    /// Times the task went back to `pending` after running or dying.
+    pub restarts: u64,
+    pub started_at: Option<Timestamp>,
+    pub finished_at: Option<Timestamp>,
+    pub last_restart: Option<Timestamp>,
+    /// The most recent events, oldest first, at most `MAX_EVENTS`.
+    pub events: VecDeque<Event>,
+    /// Restart orders given to this task; only goes up.
+    pub restart_generation: u64,
+    /// Global index of the last change that touched this task.
+    pub modify_index: u64,
+}
+
+impl TaskStatus {
+    /// A task that has never reported.
+    pub fn new(index: u64) -> Self {
+        Self {
+            state: RunState::Pending,
+            failed: false,
+            restarts: 0,
+            started_at: None,
+            finished_at: None,
+            last_restart: None,
+            events: VecDeque::new(),
+            restart_generation: 0,
+            modify_index: index,
+        }
+    }
+
+    /// `dead` and not failed.
+    pub fn successful(&self) -> bool {
+        self.state == RunState::Dead && !self.failed
+    }
+
+    /// Applies a report with the rules of SEMANTICS.md. A report with the
+    /// same state, the same flag and no event leaves the status untouched.
+    pub fn apply(&mut self, report: &TaskReport, now: Timestamp) {
+        let from = self.state;
+        let to = report.state;
+        if from != to {
+            match to {
+                RunState::Running => self.started_at = Some(now),
+                RunState::Dead => {
+                    if self.finished_at.is_none() {
+                        self.finished_at = Some(now);
+                    }
+                }
+                RunState::Pending => {
+                    self.restarts += 1;
+                    self.last_restart = Some(now);
+                }
+            }
+        }
+        self.state = to;
+        self.failed = report.failed;
+        if let Some(e) = &report.event {
+            self.push_event(Event {
+                kind: e.kind.clone(),
+                time: e.time.unwrap_or(now),
+                message: e.message.clone(),
+                details: e.details.clone(),
+            });
+        }
+    }
+
+    /// Appends an event, dropping the oldest beyond `MAX_EVENTS`.
+    pub fn push_event(&mut self, event: Event) {
+        while self.events.len() >= MAX_EVENTS {
+            self.events.pop_front();
+        }
+        self.events.push_back(event);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use time::macros::datetime;
+
+    const T0: Timestamp = datetime!(2026-11-21 10:00 UTC);
+    const T1: Timestamp = datetime!(2026-11-21 10:01 UTC);
+    const T2: Timestamp = datetime!(2026-11-21 10:02 UTC);
+
+    fn report(state: RunState) -> TaskReport {
+        TaskReport {
+            state,
+            failed: false,
+            event: None,
+        }
+    }
+
+    fn event(kind: &str) -> EventInput {
+        EventInput {
+            kind: kind.into(),
+            time: None,
+            message: String::new(),
+            details: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn started_at_moves_on_each_start_and_finished_at_is_kept() {
+        let mut t = TaskStatus::new(1);
+        t.apply(&report(RunState::Running), T0);
+        assert_eq!(t.started_at, Some(T0));
+        t.apply(&report(RunState::Dead), T1);
+        assert_eq!(t.finished_at, Some(T1));
+        t.apply(&report(RunState::Pending), T2);
+        assert_eq!((t.restarts, t.last_restart), (1, Some(T2)));
+        t.apply(&report(RunState::Running), T2);
+        assert_eq!(t.started_at, Some(T2), "started_at moves on");
+        t.apply(&report(RunState::Dead), T2);
+        assert_eq!(
+            t.finished_at,
+            Some(T1),
+            "finished_at is never cleared or moved"
+        );
+    }
+
+    #[test]
+    fn running_to_running_does_not_move_started_at() {
+        let mut t = TaskStatus::new(1);
+        t.apply(&report(RunState::Running), T0);
+        t.apply(&report(RunState::Running), T1);
+        assert_eq!(t.started_at, Some(T0));
+    }
+
+    #[test]
+    fn only_going_back_to_pending_counts_a_restart() {
+        let mut t = TaskStatus::new(1);
+        t.apply(&report(RunState::Pending), T0);
+        assert_eq!(t.restarts, 0, "pending to pending is no restart");
+        t.apply(&report(RunState::Running), T0);
+        t.apply(&report(RunState::Pending), T1);
+        t.apply(&report(RunState::Dead), T1);
+        t.apply(&report(RunState::Pending), T2);
+        assert_eq!(t.restarts, 2);
+        assert_eq!(t.last_restart, Some(T2));
+    }
+
+    #[test]
+    fn events_keep_the_ten_most_recent_oldest_first() {
+        let mut t = TaskStatus::new(1);
+        for i in 0..13 {
+            let mut r = report(RunState::Running);
+            r.event = Some(event(&format!("e{i}")));
+            t.apply(&r, T0);
+        }
+        let kinds: Vec<_> = t.events.iter().map(|e| e.kind.as_str()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "e3", "e4", "e5", "e6", "e7", "e8", "e9", "e10", "e11", "e12"
+            ]
+        );
+    }
+
+    #[test]
+    fn an_event_without_time_gets_the_server_time() {
+        let mut t = TaskStatus::new(1);
+        let mut r = report(RunState::Running);
+        r.event = Some(event("Started"));
+        t.apply(&r, T1);
+        let mut given = event("Other");
+        given.time = Some(T0);
+        r.event = Some(given);
+        t.apply(&r, T2);
+        assert_eq!(t.events[0].time, T1);
+        assert_eq!(t.events[1].time, T0);
+    }
+
+    #[test]
+    fn a_report_that_changes_nothing_leaves_the_status_equal() {
+        let mut t = TaskStatus::new(1);
+        t.apply(&report(RunState::Running), T0);
+        let before = t.clone();
+        t.apply(&report(RunState::Running), T1);
+        assert_eq!(t, before);
+    }
+
+    #[test]
+    fn validate_names_each_oversized_field() {
+        let limits = Limits {
+            max_event_message: 3,
+            max_event_details: 1,
+            ..Limits::default()
+        };
+        let mut e = event(&"x".repeat(MAX_EVENT_TYPE + 1));
+        e.message = "four".into();
+        e.details = [("a".into(), "1".into()), ("b".into(), "2".into())].into();
+        let r = TaskReport {
+            state: RunState::Dead,
+            failed: false,
+            event: Some(e),
+        };
+        let fields: Vec<_> = r
+            .validate("tasks.web.", &limits)
+            .into_iter()
+            .map(|e| e.field)
+            .collect();
+        assert_eq!(
+            fields,
+            [
+                "tasks.web.event.type",
+                "tasks.web.event.message",
+                "tasks.web.event.details"
+            ]
+        );
+        let mut ok = r.clone();
+        ok.event = Some(event("Started"));
+        assert!(ok.validate("", &limits).is_empty());
+        let mut empty = r;
+        empty.event = Some(event(""));
+        assert_eq!(empty.validate("", &limits)[0].field, "event.type");
+    }
+
+    #[test]
+    fn run_state_names_are_exact() {
+        let names: Vec<_> = RunState::ALL.iter().map(|s| s.as_str()).collect();
+        assert_eq!(names, ["pending", "running", "dead"]);
+    }
+}
