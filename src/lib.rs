@@ -4,3 +4,5 @@
 //! state and waiting), `store` (durability), `http` (axum and OpenAPI).
 
 pub mod lifecycle;
+pub mod registry;
+pub mod store;

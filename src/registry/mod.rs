@@ -1,0 +1,432 @@
+//! The runtime: one handle per allocation, the global index, and waiting.
+//!
+//! Every write follows decide → persist → publish in one place
+//! (`Registry::update`): the next record is computed by `lifecycle`, handed
+//! to the store, and only after the commit is it published on the
+//! handle's watch channel, where readers and parked waiters see it. No
+//! caller ever sees a record that a crash could take back.
+//!
+//! This module must not know HTTP: it speaks allocations, task names and
+//! durations.
+
+mod handle;
+mod wait;
+
+use std::{
+    collections::BTreeMap,
+    ops::Bound,
+    sync::{
+        Arc, PoisonError, RwLock,
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+    },
+};
+
+use time::OffsetDateTime;
+use tokio::sync::watch;
+
+use crate::{
+    lifecycle::{
+        AllocId, AllocSpec, Allocation, Limits, RestartError, RestartMode, TaskName, TaskReport,
+    },
+    store::{Op, Store, StoreError},
+};
+use handle::{Handle, Slot};
+
+/// Runtime limits that are not about allocation contents.
+#[derive(Clone, Copy, Debug)]
+pub struct RegistryConfig {
+    pub limits: Limits,
+    /// Requests parked in long-polls and blocking queries at once.
+    pub max_waiters: usize,
+}
+
+impl Default for RegistryConfig {
+    fn default() -> Self {
+        Self {
+            limits: Limits::default(),
+            max_waiters: 100_000,
+        }
+    }
+}
+
+/// Which tasks a restart request names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RestartTarget {
+    Task(TaskName),
+    Running,
+    AllTasks,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    #[error("allocation \"{0}\" not found")]
+    AllocationNotFound(String),
+    #[error("task \"{task}\" not found in allocation \"{alloc}\"")]
+    TaskNotFound { alloc: String, task: String },
+    #[error("allocation \"{id}\" is already registered with a different task spec")]
+    AllocationExists { id: AllocId, index: u64 },
+    #[error("{error}")]
+    RestartRefused { error: RestartError, index: u64 },
+    #[error("allocation \"{0}\" was deleted")]
+    Deleted(String),
+    #[error("too many requests are waiting; retry later")]
+    TooManyWaiters,
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// A cheap-to-clone handle on all allocations.
+#[derive(Clone)]
+pub struct Registry {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    /// Allocation ID → handle, sorted for listing. Inserted by `register`,
+    /// removed by `delete`, read by everything. A std lock: it is only held
+    /// to look up or insert, never across an `.await`.
+    allocs: RwLock<BTreeMap<AllocId, Arc<Handle>>>,
+    /// The last global index handed out. Every change takes the next one.
+    index: AtomicU64,
+    /// Where every change is committed before it is published.
+    store: Arc<dyn Store>,
+    config: RegistryConfig,
+    /// Requests parked now (`taskgate_waiters`).
+    waiters: AtomicUsize,
+    /// Turns `true` once, at shutdown; every parked waiter watches it.
+    shutdown: watch::Sender<bool>,
+}
+
+fn now() -> OffsetDateTime {
+    OffsetDateTime::now_utc()
+}
+
+impl Registry {
+    /// Loads every record from the store and rebuilds the handles exactly as
+    /// they were, coordinator states included.
+    pub fn open(store: Arc<dyn Store>, config: RegistryConfig) -> Result<Self, StoreError> {
+        let loaded = store.load()?;
+        let mut last = loaded.last_index;
+        let mut allocs = BTreeMap::new();
+        for a in loaded.allocations {
+            last = last.max(a.modify_index);
+            allocs.insert(a.id.clone(), Arc::new(Handle::live(Arc::new(a))));
+        }
+        Ok(Self {
+            shared: Arc::new(Shared {
+                allocs: RwLock::new(allocs),
+                index: AtomicU64::new(last),
+                store,
+                config,
+                waiters: AtomicUsize::new(0),
+                shutdown: watch::Sender::new(false),
+            }),
+        })
+    }
+
+    pub fn config(&self) -> &RegistryConfig {
+        &self.shared.config
+    }
+
+    /// The last global index handed out.
+    pub fn last_index(&self) -> u64 {
+        self.shared.index.load(Ordering::SeqCst)
+    }
+
+    /// Registered allocations.
+    pub fn len(&self) -> usize {
+        self.read_map().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Requests parked in waits now.
+    pub fn waiters(&self) -> usize {
+        self.shared.waiters.load(Ordering::SeqCst)
+    }
+
+    /// Ends every parked wait with `ShuttingDown` and refuses new ones.
+    /// Writes keep working, so requests in flight can finish.
+    pub fn shutdown(&self) {
+        self.shared.shutdown.send_replace(true);
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        *self.shared.shutdown.borrow()
+    }
+
+    fn read_map(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<AllocId, Arc<Handle>>> {
+        self.shared
+            .allocs
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn handle(&self, id: &str) -> Result<Arc<Handle>, RegistryError> {
+        self.read_map()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| RegistryError::AllocationNotFound(id.to_owned()))
+    }
+
+    fn next_index(&self) -> u64 {
+        self.shared.index.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    /// The committed record of an allocation.
+    pub fn get(&self, id: &str) -> Result<Arc<Allocation>, RegistryError> {
+        self.handle(id)?
+            .current()
+            .ok_or_else(|| RegistryError::AllocationNotFound(id.to_owned()))
+    }
+
+    /// One page of allocations whose ID starts with `prefix`, in ID order,
+    /// from `start` (inclusive) on. Returns the ID that starts the next page.
+    pub fn list(
+        &self,
+        prefix: &str,
+        start: Option<&str>,
+        per_page: usize,
+    ) -> (Vec<Arc<Allocation>>, Option<AllocId>) {
+        let from = start.unwrap_or(prefix);
+        let map = self.read_map();
+        let mut page = Vec::new();
+        for (id, handle) in map.range::<str, _>((Bound::Included(from), Bound::Unbounded)) {
+            if !id.as_str().starts_with(prefix) {
+                break;
+            }
+            if let Some(a) = handle.current() {
+                if page.len() == per_page {
+                    return (page, Some(id.clone()));
+                }
+                page.push(a);
+            }
+        }
+        (page, None)
+    }
+
+    /// Registers an allocation. Returns the record and whether it is new; an
+    /// identical spec already registered is an idempotent success.
+    pub async fn register(
+        &self,
+        id: AllocId,
+        spec: AllocSpec,
+    ) -> Result<(Arc<Allocation>, bool), RegistryError> {
+        // A handle found here may be deleted before its lock is ours; then
+        // the map no longer holds it and the next round finds the new state.
+        // Each round needs a delete to race it, so a few rounds suffice.
+        for _ in 0..8 {
+            let (handle, fresh) = self.get_or_insert(&id);
+            let _write = match fresh {
+                Some(guard) => guard,
+                None => handle.write.clone().lock_owned().await,
+            };
+            match handle.slot_now() {
+                Slot::Live(a) if *a.spec == spec => return Ok((a, false)),
+                Slot::Live(a) => {
+                    return Err(RegistryError::AllocationExists {
+                        id,
+                        index: a.modify_index,
+                    });
+                }
+                Slot::Deleted => continue,
+                Slot::Creating => {
+                    let a = Arc::new(Allocation::register(
+                        id.clone(),
+                        Arc::new(spec),
+                        self.next_index(),
+                        now(),
+                    ));
+                    return match self.shared.store.commit(Op::Put(a.clone())).await {
+                        Ok(()) => {
+                            handle.publish(Slot::Live(a.clone()));
+                            Ok((a, true))
+                        }
+                        Err(e) => {
+                            self.remove(&id, &handle);
+                            Err(e.into())
+                        }
+                    };
+                }
+            }
+        }
+        Err(RegistryError::Store(StoreError::Io(format!(
+            "allocation \"{id}\" kept being deleted while it was registered"
+        ))))
+    }
+
+    /// Finds the handle for `id`, or inserts a new one in `Creating` state
+    /// together with its write lock, so nobody can write it before it exists.
+    fn get_or_insert(
+        &self,
+        id: &AllocId,
+    ) -> (Arc<Handle>, Option<tokio::sync::OwnedMutexGuard<()>>) {
+        if let Some(h) = self.read_map().get(id) {
+            return (h.clone(), None);
+        }
+        let mut map = self
+            .shared
+            .allocs
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(h) = map.get(id) {
+            return (h.clone(), None);
+        }
+        let handle = Arc::new(Handle::creating());
+        let guard = handle
+            .write
+            .clone()
+            .try_lock_owned()
+            .expect("a new handle's lock is free");
+        map.insert(id.clone(), handle.clone());
+        (handle, Some(guard))
+    }
+
+    /// Removes `handle` from the map (if it is still the one there) and
+    /// tells everyone watching it that it is gone.
+    fn remove(&self, id: &AllocId, handle: &Arc<Handle>) {
+        handle.publish(Slot::Deleted);
+        let mut map = self
+            .shared
+            .allocs
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if map.get(id).is_some_and(|h| Arc::ptr_eq(h, handle)) {
+            map.remove(id);
+        }
+    }
+
+    /// Deletes an allocation; its waiters end with `Deleted`.
+    pub async fn delete(&self, id: &str) -> Result<(), RegistryError> {
+        let handle = self.handle(id)?;
+        let _write = handle.write.lock().await;
+        let Slot::Live(a) = handle.slot_now() else {
+            return Err(RegistryError::AllocationNotFound(id.to_owned()));
+        };
+        let op = Op::Delete {
+            id: a.id.clone(),
+            index: self.next_index(),
+        };
+        self.shared.store.commit(op).await?;
+        self.remove(&a.id, &handle);
+        Ok(())
+    }
+
+    /// Decide → persist → publish for one allocation. `decide` gets the
+    /// committed record and a source of fresh indexes, and returns the next
+    /// record (or `None` for no change) plus a result for the caller.
+    ///
+    /// The write lock is a tokio mutex held across the commit on purpose:
+    /// one allocation's writes are serialized, so a failed commit leaves
+    /// nothing to undo and the next writer starts from the committed record.
+    async fn update<R>(
+        &self,
+        id: &str,
+        decide: impl FnOnce(
+            &Allocation,
+            &dyn Fn() -> u64,
+        ) -> Result<(Option<Allocation>, R), RegistryError>,
+    ) -> Result<(Arc<Allocation>, R), RegistryError> {
+        let handle = self.handle(id)?;
+        let _write = handle.write.lock().await;
+        let Slot::Live(current) = handle.slot_now() else {
+            return Err(RegistryError::AllocationNotFound(id.to_owned()));
+        };
+        let (next, out) = decide(&current, &|| self.next_index())?;
+        let Some(next) = next else {
+            return Ok((current, out));
+        };
+        let next = Arc::new(next);
+        self.shared.store.commit(Op::Put(next.clone())).await?;
+        handle.publish(Slot::Live(next.clone()));
+        Ok((next, out))
+    }
+
+    fn positions(
+        a: &Allocation,
+        reports: Vec<(TaskName, TaskReport)>,
+    ) -> Result<Vec<(usize, TaskReport)>, RegistryError> {
+        reports
+            .into_iter()
+            .map(|(name, r)| {
+                a.position(name.as_str()).map(|i| (i, r)).ok_or_else(|| {
+                    RegistryError::TaskNotFound {
+                        alloc: a.id.to_string(),
+                        task: name.to_string(),
+                    }
+                })
+            })
+            .collect()
+    }
+
+    /// Applies task-state reports together, then evaluates once. An unknown
+    /// task rejects the whole batch.
+    pub async fn report(
+        &self,
+        id: &str,
+        reports: Vec<(TaskName, TaskReport)>,
+    ) -> Result<Arc<Allocation>, RegistryError> {
+        let (a, ()) = self
+            .update(id, |a, next_index| {
+                let reports = Self::positions(a, reports)?;
+                Ok((a.report(&reports, now(), next_index), ()))
+            })
+            .await?;
+        Ok(a)
+    }
+
+    /// Restore: the coordinator goes to `prestart`, the states are applied,
+    /// and it evaluates until stable.
+    pub async fn restore(
+        &self,
+        id: &str,
+        reports: Vec<(TaskName, TaskReport)>,
+    ) -> Result<Arc<Allocation>, RegistryError> {
+        let (a, ()) = self
+            .update(id, |a, next_index| {
+                let reports = Self::positions(a, reports)?;
+                Ok((a.restore(&reports, now(), next_index), ()))
+            })
+            .await?;
+        Ok(a)
+    }
+
+    /// An operator restart. Returns the record and the tasks told to restart.
+    pub async fn restart(
+        &self,
+        id: &str,
+        target: RestartTarget,
+        reason: &str,
+    ) -> Result<(Arc<Allocation>, Vec<TaskName>), RegistryError> {
+        self.update(id, |a, next_index| {
+            let mode = match &target {
+                RestartTarget::Task(name) => {
+                    RestartMode::Task(a.position(name.as_str()).ok_or_else(|| {
+                        RegistryError::TaskNotFound {
+                            alloc: a.id.to_string(),
+                            task: name.to_string(),
+                        }
+                    })?)
+                }
+                RestartTarget::Running => RestartMode::Running,
+                RestartTarget::AllTasks => RestartMode::AllTasks,
+            };
+            let (next, chosen) = a
+                .restart(mode, reason, now(), next_index)
+                .map_err(|error| RegistryError::RestartRefused {
+                    error,
+                    index: a.modify_index,
+                })?;
+            let names = chosen.iter().map(|&i| a.task_name(i).clone()).collect();
+            Ok((next, names))
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,128 @@
+//! Waiting: blocking queries and the start-condition long-poll.
+//!
+//! A waiter subscribes to its allocation's watch channel and uses
+//! `wait_for` with its predicate, raced against its timeout and the
+//! shutdown signal. `watch` keeps the latest value, so a change published
+//! between the first check and the park is never slept through; there is
+//! no polling and no task per gate.
+
+use std::{
+    sync::{Arc, atomic::Ordering},
+    time::Duration,
+};
+
+use super::{Registry, RegistryError, Shared, handle::Slot};
+use crate::lifecycle::Allocation;
+
+/// Counts one parked request while it lives.
+struct Parked(Arc<Shared>);
+
+impl Drop for Parked {
+    fn drop(&mut self) {
+        self.0.waiters.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Registry {
+    fn park(&self) -> Result<Parked, RegistryError> {
+        if self.is_shutting_down() {
+            return Err(RegistryError::ShuttingDown);
+        }
+        let before = self.shared.waiters.fetch_add(1, Ordering::SeqCst);
+        let parked = Parked(self.shared.clone());
+        if before >= self.shared.config.max_waiters {
+            return Err(RegistryError::TooManyWaiters);
+        }
+        Ok(parked)
+    }
+
+    /// Answers at once when `done` holds for the committed record, else
+    /// parks until it holds, `timeout` elapses (then answers with the
+    /// current record: a timeout is not an error), the allocation is
+    /// deleted (`Deleted`) or the server shuts down (`ShuttingDown`).
+    pub async fn wait_until(
+        &self,
+        id: &str,
+        timeout: Duration,
+        done: impl Fn(&Allocation) -> bool,
+    ) -> Result<Arc<Allocation>, RegistryError> {
+        let handle = self.handle(id)?;
+        let mut rx = handle.subscribe();
+        let current = match &*rx.borrow_and_update() {
+            Slot::Live(a) => a.clone(),
+            Slot::Creating | Slot::Deleted => {
+                return Err(RegistryError::AllocationNotFound(id.to_owned()));
+            }
+        };
+        if done(&current) || timeout.is_zero() {
+            return Ok(current);
+        }
+        let _parked = self.park()?;
+        let mut shutdown = self.shared.shutdown.subscribe();
+        let gone = || RegistryError::Deleted(id.to_owned());
+        tokio::select! {
+            changed = async {
+                rx.wait_for(|s| match s {
+                    Slot::Live(a) => done(a),
+                    Slot::Creating | Slot::Deleted => true,
+                })
+                .await
+                .map(|s| s.clone())
+            } => match changed {
+                Ok(Slot::Live(a)) => Ok(a),
+                Ok(Slot::Creating | Slot::Deleted) | Err(_) => Err(gone()),
+            },
+            () = tokio::time::sleep(timeout) => handle.current().ok_or_else(gone),
+            _ = shutdown.wait_for(|stopping| *stopping) => Err(RegistryError::ShuttingDown),
+        }
+    }
+
+    /// Blocking query on an allocation: until its `modify_index` > `index`.
+    pub async fn wait_alloc(
+        &self,
+        id: &str,
+        index: u64,
+        timeout: Duration,
+    ) -> Result<Arc<Allocation>, RegistryError> {
+        self.wait_until(id, timeout, |a| a.modify_index > index)
+            .await
+    }
+
+    /// Position of a task in a committed record, or `TaskNotFound`.
+    pub fn task_position(&self, a: &Allocation, task: &str) -> Result<usize, RegistryError> {
+        a.position(task).ok_or_else(|| RegistryError::TaskNotFound {
+            alloc: a.id.to_string(),
+            task: task.to_owned(),
+        })
+    }
+
+    /// Blocking query on one task: until the task's `modify_index` > `index`.
+    pub async fn wait_task(
+        &self,
+        id: &str,
+        task: &str,
+        index: u64,
+        timeout: Duration,
+    ) -> Result<(Arc<Allocation>, usize), RegistryError> {
+        let i = self.task_position(&*self.get(id)?, task)?;
+        let a = self
+            .wait_until(id, timeout, |a| a.tasks[i].modify_index > index)
+            .await?;
+        Ok((a, i))
+    }
+
+    /// The start-condition long-poll: until the task is allowed to start or
+    /// told to stop.
+    pub async fn wait_start(
+        &self,
+        id: &str,
+        task: &str,
+        timeout: Duration,
+    ) -> Result<(Arc<Allocation>, usize), RegistryError> {
+        let i = self.task_position(&*self.get(id)?, task)?;
+        let a = self
+            .wait_until(id, timeout, |a| a.allowed(i) || a.desired(i).is_stop())
+            .await?;
+        Ok((a, i))
+    }
+}

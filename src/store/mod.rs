@@ -1,0 +1,56 @@
+//! Durable allocation records. The registry hands every change to a
+//! `Store` and publishes it only once the store says it is committed
+//! (decide, persist, publish).
+//!
+//! This layer knows records, not rules: it never evaluates a coordinator.
+
+mod memory;
+
+use std::{future::Future, pin::Pin, sync::Arc};
+
+pub use memory::MemoryStore;
+
+use crate::lifecycle::{AllocId, Allocation};
+
+/// One change to persist.
+#[derive(Clone, Debug)]
+pub enum Op {
+    /// Create or replace an allocation's record.
+    Put(Arc<Allocation>),
+    /// Remove an allocation. `index` is the global index the deletion used,
+    /// so the counter never goes back across a restart.
+    Delete { id: AllocId, index: u64 },
+}
+
+/// Everything a store holds, as loaded at start.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    pub allocations: Vec<Allocation>,
+    /// The highest global index ever committed (deletions included).
+    pub last_index: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("store I/O failed: {0}")]
+    Io(String),
+    #[error("the store is closed")]
+    Closed,
+}
+
+/// A commit in flight: resolves once the change is durable, or failed.
+pub type Commit = Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send>>;
+
+/// Where records live.
+///
+/// `commit` may acknowledge asynchronously (a writer thread that groups
+/// many changes into one durable transaction). Changes submitted in order
+/// are committed in that order; the registry submits one allocation's
+/// changes one at a time, in order.
+pub trait Store: Send + Sync + 'static {
+    /// Every record, as committed.
+    fn load(&self) -> Result<Loaded, StoreError>;
+
+    /// Queues a change. The returned future resolves when it is durable.
+    fn commit(&self, op: Op) -> Commit;
+}
