@@ -3,6 +3,9 @@
 //! Layers, each a folder: `lifecycle` (pure rules), `registry` (runtime
 //! state and waiting), `store` (durability), `http` (axum and OpenAPI).
 
+pub mod app;
+pub mod config;
+pub mod http;
 pub mod lifecycle;
 pub mod registry;
 pub mod store;

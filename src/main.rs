@@ -1,1 +1,76 @@
-fn main() {}
+use std::process::ExitCode;
+
+use clap::Parser;
+use taskgate::{
+    app::Application,
+    config::{Cli, Command},
+};
+use tracing_subscriber::EnvFilter;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Openapi => {
+            print!("{}", taskgate::http::openapi::document());
+            ExitCode::SUCCESS
+        }
+        Command::Serve(config) => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    EnvFilter::try_new(&config.log).unwrap_or_else(|_| EnvFilter::new("info")),
+                )
+                .init();
+            let runtime = match tokio::runtime::Runtime::new() {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("taskgate: cannot start the runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            runtime.block_on(serve(config))
+        }
+    }
+}
+
+async fn serve(config: taskgate::config::ServeConfig) -> ExitCode {
+    let app = match Application::build(config).await {
+        Ok(app) => app,
+        Err(e) => {
+            eprintln!("taskgate: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    tracing::info!(addr = %app.local_addr(), "taskgate listening");
+    match app.run_until_stopped(shutdown_signal()).await {
+        Ok(()) => {
+            tracing::info!("taskgate stopped");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "server failed");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+}

@@ -38,7 +38,7 @@ pub use alloc::{Allocation, RestartError, RestartMode};
 pub use coordinator::{CoordState, evaluate, gates, next_state, waiting_on};
 pub use ids::{AllocId, IdError, TaskName};
 pub use names::UnknownName;
-pub use orders::{Desired, StopKind, StopReason, desired_states};
+pub use orders::{Desired, DesiredKind, StopKind, StopReason, desired_states};
 pub use spec::{AllocSpec, Hook, Lifecycle, Stage, TaskSpec};
 pub use task::{Event, EventInput, RunState, TaskReport, TaskStatus};
 

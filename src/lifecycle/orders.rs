@@ -12,6 +12,14 @@ named_enum! {
     }
 }
 
+named_enum! {
+    /// What a task should be doing, by name.
+    pub enum DesiredKind ("desired status") {
+        Run = "run",
+        Stop = "stop",
+    }
+}
+
 /// A stop order's reason; `task` names the failed sibling, if any.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StopReason {
@@ -31,10 +39,10 @@ impl Desired {
         matches!(self, Desired::Stop(_))
     }
 
-    pub fn as_str(&self) -> &'static str {
+    pub fn kind(&self) -> DesiredKind {
         match self {
-            Desired::Run => "run",
-            Desired::Stop(_) => "stop",
+            Desired::Run => DesiredKind::Run,
+            Desired::Stop(_) => DesiredKind::Stop,
         }
     }
 

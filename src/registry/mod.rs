@@ -300,20 +300,22 @@ impl Registry {
         }
     }
 
-    /// Deletes an allocation; its waiters end with `Deleted`.
-    pub async fn delete(&self, id: &str) -> Result<(), RegistryError> {
+    /// Deletes an allocation; its waiters end with `Deleted`. Returns the
+    /// index the deletion took.
+    pub async fn delete(&self, id: &str) -> Result<u64, RegistryError> {
         let handle = self.handle(id)?;
         let _write = handle.write.lock().await;
         let Slot::Live(a) = handle.slot_now() else {
             return Err(RegistryError::AllocationNotFound(id.to_owned()));
         };
+        let index = self.next_index();
         let op = Op::Delete {
             id: a.id.clone(),
-            index: self.next_index(),
+            index,
         };
         self.shared.store.commit(op).await?;
         self.remove(&a.id, &handle);
-        Ok(())
+        Ok(index)
     }
 
     /// Decide → persist → publish for one allocation. `decide` gets the

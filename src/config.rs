@@ -1,0 +1,78 @@
+//! Command line and environment: one clap struct per subcommand, every flag
+//! also a `TASKGATE_*` variable. `taskgate serve --help` is the reference.
+
+use std::{net::SocketAddr, time::Duration};
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::http::params::parse_duration;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "taskgate",
+    version,
+    about = "Nomad's task lifecycle coordinator as a service"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the server.
+    Serve(ServeConfig),
+    /// Print the OpenAPI document (the committed copy is openapi/openapi.json).
+    Openapi,
+}
+
+fn duration(s: &str) -> Result<Duration, String> {
+    parse_duration(s)
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ServeConfig {
+    /// Address to listen on (host:port; port 0 picks a free one).
+    #[arg(long, env = "TASKGATE_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+
+    /// Keep everything in memory: nothing survives a restart. For tests and
+    /// experiments.
+    #[arg(long, env = "TASKGATE_IN_MEMORY")]
+    pub in_memory: bool,
+
+    /// Log filter, as RUST_LOG (`info`, `taskgate=debug,tower_http=info`).
+    #[arg(long, env = "TASKGATE_LOG", default_value = "info")]
+    pub log: String,
+
+    /// Largest request body accepted, in bytes.
+    #[arg(long, env = "TASKGATE_BODY_LIMIT", default_value_t = 1024 * 1024)]
+    pub body_limit: usize,
+
+    /// Longest wait a blocking query or long-poll may ask for.
+    #[arg(long, env = "TASKGATE_MAX_WAIT", default_value = "300s", value_parser = duration)]
+    pub max_wait: Duration,
+
+    /// Requests that may be parked in waits at once; more get 503.
+    #[arg(long, env = "TASKGATE_MAX_WAITERS", default_value_t = 100_000)]
+    pub max_waiters: usize,
+
+    /// How long in-flight requests may take to finish after SIGTERM/SIGINT.
+    #[arg(long, env = "TASKGATE_SHUTDOWN_GRACE", default_value = "10s", value_parser = duration)]
+    pub shutdown_grace: Duration,
+}
+
+impl ServeConfig {
+    /// Defaults for tests: in memory, an OS-chosen loopback port.
+    pub fn for_tests() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            in_memory: true,
+            log: "warn".into(),
+            body_limit: 1024 * 1024,
+            max_wait: Duration::from_secs(300),
+            max_waiters: 100_000,
+            shutdown_grace: Duration::from_secs(10),
+        }
+    }
+}

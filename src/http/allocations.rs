@@ -1,0 +1,294 @@
+//! `/v1/allocations` and `/v1/allocations/{alloc_id}`: register, status,
+//! list, deregister, batch reports, restart and restore. Each handler
+//! parses, makes one registry call, and renders.
+
+use axum::{
+    extract::State,
+    http::{HeaderValue, StatusCode, header},
+    response::{IntoResponse, Response},
+};
+
+use super::{
+    AppState, NEXT_TOKEN_HEADER,
+    dto::{BatchBody, RegisterBody, RestartBody},
+    error::{ApiError, Problem},
+    extract::{AllocPath, ApiJson, ApiJsonOrEmpty, ApiQuery, NoParams},
+    indexed,
+    params::{BlockingParams, ListParams},
+    views::{AllocationView, ListItem, RestartView},
+};
+use crate::{
+    lifecycle::{FieldError, TaskName},
+    registry::RestartTarget,
+};
+
+/// The reason recorded when a restart request gives none.
+pub const DEFAULT_RESTART_REASON: &str = "Restart requested through the API";
+
+/// Register an allocation.
+///
+/// A new allocation is evaluated at once with every task `pending`.
+/// Registering the same spec again is an idempotent success (200).
+#[utoipa::path(
+    put, path = "/v1/allocations/{alloc_id}", tag = "allocations",
+    params(("alloc_id" = String, Path, description = "Allocation ID")),
+    request_body = RegisterBody,
+    responses(
+        (status = 201, description = "Registered", body = AllocationView,
+         headers(("Location" = String, description = "Path of the new allocation"),
+                 ("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
+        (status = 200, description = "Already registered with the same spec", body = AllocationView,
+         headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
+        (status = 409, description = "`allocation_exists`: registered with a different spec",
+         body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn register(
+    State(s): State<AppState>,
+    AllocPath(id): AllocPath,
+    _: ApiQuery<NoParams>,
+    ApiJson(body): ApiJson<RegisterBody>,
+) -> Result<Response, ApiError> {
+    let spec = body
+        .into_spec(&s.registry.config().limits)
+        .map_err(|e| ApiError::invalid("the allocation spec is not valid", e))?;
+    let (a, created) = s.registry.register(id, spec).await?;
+    let status = if created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    let mut res = indexed(status, a.modify_index, &AllocationView::new(&a));
+    if created {
+        let location = format!("/v1/allocations/{}", a.id);
+        if let Ok(v) = HeaderValue::from_str(&location) {
+            res.headers_mut().insert(header::LOCATION, v);
+        }
+    }
+    Ok(res)
+}
+
+/// Read an allocation (blocking query).
+///
+/// With `index=N` the answer waits until the allocation's `modify_index`
+/// is greater than N or `wait` elapses; either way it is a 200 with the
+/// current value.
+#[utoipa::path(
+    get, path = "/v1/allocations/{alloc_id}", tag = "allocations",
+    params(
+        ("alloc_id" = String, Path, description = "Allocation ID"),
+        ("index" = Option<u64>, Query, description = "Wait for a modify_index greater than this (0: answer at once)"),
+        ("wait" = Option<String>, Query, description = "Longest wait, with a unit (`500ms`, `30s`, `5m`); default 30s, capped at 300s, plus up to wait/16 jitter"),
+    ),
+    responses(
+        (status = 200, description = "The allocation", body = AllocationView,
+         headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
+        (status = 404, description = "`allocation_not_found`", body = Problem, content_type = "application/problem+json"),
+        (status = 410, description = "`allocation_deleted`: deleted while the request waited", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "`too_many_waiters` or `shutting_down`", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
+    )
+)]
+pub async fn get(
+    State(s): State<AppState>,
+    AllocPath(id): AllocPath,
+    ApiQuery(q): ApiQuery<BlockingParams>,
+) -> Result<Response, ApiError> {
+    let a = if q.index == 0 {
+        s.registry.get(id.as_str())?
+    } else {
+        s.registry
+            .wait_alloc(id.as_str(), q.index, s.wait_time(q.wait))
+            .await?
+    };
+    Ok(indexed(
+        StatusCode::OK,
+        a.modify_index,
+        &AllocationView::new(&a),
+    ))
+}
+
+/// List allocations.
+///
+/// IDs in sorted order, filtered by prefix, paged with `per_page` and the
+/// token from `X-Taskgate-NextToken`.
+#[utoipa::path(
+    get, path = "/v1/allocations", tag = "allocations",
+    params(
+        ("prefix" = Option<String>, Query, description = "Only IDs starting with this"),
+        ("per_page" = Option<usize>, Query, description = "1 to 1000, default 100"),
+        ("next_token" = Option<String>, Query, description = "The X-Taskgate-NextToken of the previous page"),
+    ),
+    responses(
+        (status = 200, description = "One page of allocations", body = Vec<ListItem>,
+         headers(("X-Taskgate-NextToken" = String, description = "Present when there are more: pass it as next_token"))),
+    )
+)]
+pub async fn list(
+    State(s): State<AppState>,
+    ApiQuery(q): ApiQuery<ListParams>,
+) -> Result<Response, ApiError> {
+    let (page, next) = s.registry.list(
+        &q.prefix,
+        q.next_token.as_ref().map(|t| t.as_str()),
+        q.per_page,
+    );
+    let items: Vec<ListItem> = page.iter().map(|a| ListItem::new(a)).collect();
+    let mut res = axum::Json(items).into_response();
+    if let Some(next) = next.and_then(|n| HeaderValue::from_str(n.as_str()).ok()) {
+        res.headers_mut().insert(NEXT_TOKEN_HEADER, next);
+    }
+    Ok(res)
+}
+
+/// Deregister an allocation. Requests waiting on it end with 410.
+#[utoipa::path(
+    delete, path = "/v1/allocations/{alloc_id}", tag = "allocations",
+    params(("alloc_id" = String, Path, description = "Allocation ID")),
+    responses(
+        (status = 204, description = "Deleted",
+         headers(("X-Taskgate-Index" = u64, description = "The index of the deletion"))),
+        (status = 404, description = "`allocation_not_found`", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn delete(
+    State(s): State<AppState>,
+    AllocPath(id): AllocPath,
+    _: ApiQuery<NoParams>,
+) -> Result<Response, ApiError> {
+    let index = s.registry.delete(id.as_str()).await?;
+    let mut res = StatusCode::NO_CONTENT.into_response();
+    res.headers_mut()
+        .insert(super::INDEX_HEADER, HeaderValue::from(index));
+    Ok(res)
+}
+
+/// Report several tasks at once.
+///
+/// All reports are applied together, then the coordinator evaluates once.
+/// An unknown task or an invalid value rejects the whole request.
+#[utoipa::path(
+    post, path = "/v1/allocations/{alloc_id}/task-states", tag = "tasks",
+    params(("alloc_id" = String, Path, description = "Allocation ID")),
+    request_body = BatchBody,
+    responses(
+        (status = 200, description = "The allocation after the reports", body = AllocationView,
+         headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
+        (status = 404, description = "`allocation_not_found` or `task_not_found`", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn report_batch(
+    State(s): State<AppState>,
+    AllocPath(id): AllocPath,
+    _: ApiQuery<NoParams>,
+    ApiJson(body): ApiJson<BatchBody>,
+) -> Result<Response, ApiError> {
+    let reports = body
+        .into_reports(&s.registry.config().limits)
+        .map_err(|e| ApiError::invalid("a task report is not valid", e))?;
+    let a = s.registry.report(id.as_str(), reports).await?;
+    Ok(indexed(
+        StatusCode::OK,
+        a.modify_index,
+        &AllocationView::new(&a),
+    ))
+}
+
+/// Restore a coordinator from known task states.
+///
+/// Puts the coordinator in `prestart`, applies the states as reports, and
+/// evaluates until stable. For an owner that lost its coordinator.
+#[utoipa::path(
+    post, path = "/v1/allocations/{alloc_id}/restore", tag = "allocations",
+    params(("alloc_id" = String, Path, description = "Allocation ID")),
+    request_body = BatchBody,
+    responses(
+        (status = 200, description = "The restored allocation", body = AllocationView,
+         headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
+        (status = 404, description = "`allocation_not_found` or `task_not_found`", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn restore(
+    State(s): State<AppState>,
+    AllocPath(id): AllocPath,
+    _: ApiQuery<NoParams>,
+    ApiJson(body): ApiJson<BatchBody>,
+) -> Result<Response, ApiError> {
+    let reports = body
+        .into_reports(&s.registry.config().limits)
+        .map_err(|e| ApiError::invalid("a task state is not valid", e))?;
+    let a = s.registry.restore(id.as_str(), reports).await?;
+    Ok(indexed(
+        StatusCode::OK,
+        a.modify_index,
+        &AllocationView::new(&a),
+    ))
+}
+
+/// Restart tasks.
+///
+/// `{}` restarts every running task, `{"task": "web"}` one running task,
+/// `{"all_tasks": true}` every running or dead task and resets the
+/// coordinator to `init`. Poststop tasks never restart. A restart records
+/// an order (`restart_generation` + 1 and a "Restart Signaled" event); it
+/// does not change reported states.
+#[utoipa::path(
+    post, path = "/v1/allocations/{alloc_id}/restart", tag = "allocations",
+    params(("alloc_id" = String, Path, description = "Allocation ID")),
+    request_body(content = RestartBody, description = "May be empty, meaning `{}`"),
+    responses(
+        (status = 200, description = "The tasks told to restart", body = RestartView,
+         headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
+        (status = 404, description = "`allocation_not_found` or `task_not_found`", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`task_not_running` or `allocation_finished`", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn restart(
+    State(s): State<AppState>,
+    AllocPath(id): AllocPath,
+    _: ApiQuery<NoParams>,
+    ApiJsonOrEmpty(body): ApiJsonOrEmpty<RestartBody>,
+) -> Result<Response, ApiError> {
+    let limits = s.registry.config().limits;
+    let mut errors = Vec::new();
+    let target = match (body.task, body.all_tasks) {
+        (Some(_), true) => {
+            errors.push(FieldError::new(
+                "all_tasks",
+                "give either `task` or `all_tasks`, not both",
+            ));
+            None
+        }
+        (Some(task), false) => match TaskName::parse(&task) {
+            Ok(name) => Some(RestartTarget::Task(name)),
+            Err(e) => {
+                errors.push(FieldError::new("task", format!("{task:?} {e}")));
+                None
+            }
+        },
+        (None, true) => Some(RestartTarget::AllTasks),
+        (None, false) => Some(RestartTarget::Running),
+    };
+    let reason = body
+        .reason
+        .unwrap_or_else(|| DEFAULT_RESTART_REASON.to_owned());
+    if reason.len() > limits.max_event_message {
+        errors.push(FieldError::new(
+            "reason",
+            format!("must be at most {} bytes", limits.max_event_message),
+        ));
+    }
+    let Some(target) = target.filter(|_| errors.is_empty()) else {
+        return Err(ApiError::invalid(
+            "the restart request is not valid",
+            errors,
+        ));
+    };
+    let (a, restarted) = s.registry.restart(id.as_str(), target, &reason).await?;
+    let view = RestartView {
+        restarted: restarted.iter().map(ToString::to_string).collect(),
+        coordinator_state: a.state,
+        index: a.modify_index,
+    };
+    Ok(indexed(StatusCode::OK, a.modify_index, &view))
+}

@@ -1,0 +1,221 @@
+//! Request bodies as clients send them, and their conversion into the
+//! validated domain types ("parse, don't validate"). Decoding rejects
+//! unknown, duplicate and missing fields (`invalid_json`); the rules that
+//! need the whole value (identifiers, limits, one leader) come after
+//! (`invalid_request`), each with the path of its field.
+
+use std::{fmt, marker::PhantomData};
+
+use serde::{
+    Deserialize, Deserializer,
+    de::{MapAccess, Visitor},
+};
+use time::OffsetDateTime;
+use utoipa::ToSchema;
+
+use crate::lifecycle::{
+    AllocSpec, EventInput, FieldError, Hook, Lifecycle, Limits, RunState, TaskName, TaskReport,
+    TaskSpec,
+};
+
+/// A JSON object whose keys must be unique, kept in the order sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UniqueMap<V>(pub Vec<(String, V)>);
+
+impl<V> Default for UniqueMap<V> {
+    fn default() -> Self {
+        Self(Vec::new())
+    }
+}
+
+impl<'de, V: Deserialize<'de>> Deserialize<'de> for UniqueMap<V> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V_<V>(PhantomData<V>);
+        impl<'de, V: Deserialize<'de>> Visitor<'de> for V_<V> {
+            type Value = UniqueMap<V>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut out: Vec<(String, V)> = Vec::new();
+                while let Some(key) = map.next_key::<String>()? {
+                    if out.iter().any(|(k, _)| *k == key) {
+                        return Err(serde::de::Error::custom(format!("duplicate key `{key}`")));
+                    }
+                    let value = map.next_value()?;
+                    out.push((key, value));
+                }
+                Ok(UniqueMap(out))
+            }
+        }
+        d.deserialize_map(V_(PhantomData))
+    }
+}
+
+/// `PUT /v1/allocations/{alloc_id}`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RegisterBody {
+    /// 1 to 256 tasks with unique names.
+    pub tasks: Vec<TaskSpecBody>,
+}
+
+/// One task of a registration.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TaskSpecBody {
+    /// 1 to 128 characters from `A-Z a-z 0-9 . _ -`, starting with a letter or digit.
+    #[schema(example = "web")]
+    pub name: String,
+    /// Absent or `null` for a main task.
+    #[serde(default)]
+    pub lifecycle: Option<LifecycleBody>,
+    /// At most one task is the leader.
+    #[serde(default)]
+    pub leader: bool,
+}
+
+/// A task's lifecycle hook.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LifecycleBody {
+    pub hook: Hook,
+    /// Keep running alongside later stages; not allowed on `poststop`.
+    #[serde(default)]
+    pub sidecar: bool,
+}
+
+impl RegisterBody {
+    pub fn into_spec(self, limits: &Limits) -> Result<AllocSpec, Vec<FieldError>> {
+        let mut errors = Vec::new();
+        let mut tasks = Vec::with_capacity(self.tasks.len());
+        for (i, t) in self.tasks.into_iter().enumerate() {
+            match TaskName::parse(&t.name) {
+                Ok(name) => tasks.push(TaskSpec {
+                    name,
+                    lifecycle: t.lifecycle.map(|l| Lifecycle {
+                        hook: l.hook,
+                        sidecar: l.sidecar,
+                    }),
+                    leader: t.leader,
+                }),
+                Err(e) => errors.push(FieldError::new(
+                    format!("tasks[{i}].name"),
+                    format!("{:?} {e}", t.name),
+                )),
+            }
+        }
+        if !errors.is_empty() {
+            return Err(errors);
+        }
+        AllocSpec::new(tasks, limits)
+    }
+}
+
+/// `PUT .../tasks/{task}/state`, and each value of a batch.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReportBody {
+    pub state: RunState,
+    /// Only meaningful with `dead`: the task failed.
+    #[serde(default)]
+    pub failed: bool,
+    #[serde(default)]
+    pub event: Option<EventBody>,
+}
+
+/// An event to record with a report.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EventBody {
+    /// 1 to 64 characters.
+    #[serde(rename = "type")]
+    #[schema(example = "Terminated")]
+    pub kind: String,
+    /// At most 4 KiB.
+    #[serde(default)]
+    #[schema(example = "Exit Code: 1")]
+    pub message: String,
+    /// String to string, at most 32 entries.
+    #[serde(default)]
+    #[schema(value_type = BTreeMap<String, String>)]
+    pub details: UniqueMap<String>,
+    /// RFC 3339; defaults to the server's time.
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    pub time: Option<OffsetDateTime>,
+}
+
+impl ReportBody {
+    /// Converts and checks limits; `prefix` is this report's path in the
+    /// request (`""` or `tasks.web.`).
+    pub fn into_report(self, prefix: &str, limits: &Limits) -> Result<TaskReport, Vec<FieldError>> {
+        let report = TaskReport {
+            state: self.state,
+            failed: self.failed,
+            event: self.event.map(|e| EventInput {
+                kind: e.kind,
+                time: e.time.map(|t| t.to_offset(time::UtcOffset::UTC)),
+                message: e.message,
+                details: e.details.0.into_iter().collect(),
+            }),
+        };
+        let errors = report.validate(prefix, limits);
+        if errors.is_empty() {
+            Ok(report)
+        } else {
+            Err(errors)
+        }
+    }
+}
+
+/// `POST .../task-states` and `POST .../restore`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BatchBody {
+    /// Task name to report; each task at most once.
+    #[schema(value_type = BTreeMap<String, ReportBody>)]
+    pub tasks: UniqueMap<ReportBody>,
+}
+
+impl BatchBody {
+    pub fn into_reports(
+        self,
+        limits: &Limits,
+    ) -> Result<Vec<(TaskName, TaskReport)>, Vec<FieldError>> {
+        let mut errors = Vec::new();
+        let mut out = Vec::with_capacity(self.tasks.0.len());
+        for (name, body) in self.tasks.0 {
+            let prefix = format!("tasks.{name}.");
+            let name = TaskName::parse(&name)
+                .map_err(|e| FieldError::new(format!("tasks.{name}"), format!("{name:?} {e}")));
+            match (name, body.into_report(&prefix, limits)) {
+                (Ok(n), Ok(r)) => out.push((n, r)),
+                (n, r) => {
+                    errors.extend(n.err());
+                    errors.extend(r.err().into_iter().flatten());
+                }
+            }
+        }
+        if errors.is_empty() {
+            Ok(out)
+        } else {
+            Err(errors)
+        }
+    }
+}
+
+/// `POST .../restart`: `{}` restarts running tasks, `{"task": "web"}` one
+/// task, `{"all_tasks": true}` every task and the coordinator.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RestartBody {
+    /// Restart only this task; it must be running.
+    #[serde(default)]
+    pub task: Option<String>,
+    /// Restart every running or dead task and reset the coordinator.
+    #[serde(default)]
+    pub all_tasks: bool,
+    /// Recorded in each task's "Restart Signaled" event (at most 4 KiB).
+    #[serde(default)]
+    pub reason: Option<String>,
+}

@@ -1,0 +1,194 @@
+//! The one error type of the HTTP layer: RFC 9457 problem+json with a
+//! stable `code`. A 5xx never carries internal text; the cause is logged
+//! once, here.
+
+use axum::{
+    http::{HeaderValue, StatusCode, header},
+    response::{IntoResponse, Response},
+};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::{
+    lifecycle::{FieldError, RestartError},
+    registry::RegistryError,
+    store::StoreError,
+};
+
+use super::INDEX_HEADER;
+
+/// Seconds a client is asked to wait before retrying a 503.
+const RETRY_AFTER_SECS: &str = "1";
+
+/// An RFC 9457 problem document.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Problem {
+    /// Always `about:blank`: `code` carries the meaning.
+    #[schema(example = "about:blank")]
+    pub r#type: &'static str,
+    /// The HTTP status text.
+    #[schema(example = "Conflict")]
+    pub title: String,
+    pub status: u16,
+    /// What went wrong, for a person.
+    pub detail: String,
+    /// Stable, machine-readable error code.
+    #[schema(example = "task_not_running")]
+    pub code: &'static str,
+    /// On validation failures: each broken rule with the field it concerns.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub errors: Vec<ProblemField>,
+}
+
+/// One validation failure.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ProblemField {
+    /// Path of the offending field (`tasks[1].name`) or query parameter.
+    pub field: String,
+    pub message: String,
+}
+
+impl From<FieldError> for ProblemField {
+    fn from(e: FieldError) -> Self {
+        Self {
+            field: e.field,
+            message: e.message,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub detail: String,
+    pub errors: Vec<ProblemField>,
+    /// The allocation's `modify_index`, when the error concerns one that
+    /// exists (sent as `X-Taskgate-Index`).
+    pub index: Option<u64>,
+    pub retry_after: bool,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, detail: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            detail: detail.into(),
+            errors: Vec::new(),
+            index: None,
+            retry_after: false,
+        }
+    }
+
+    /// 400 `invalid_request` with the broken rules listed.
+    pub fn invalid(detail: impl Into<String>, errors: Vec<FieldError>) -> Self {
+        let mut e = Self::new(StatusCode::BAD_REQUEST, "invalid_request", detail);
+        e.errors = errors.into_iter().map(Into::into).collect();
+        e
+    }
+
+    /// 400 `invalid_json`, naming the field where decoding failed.
+    pub fn invalid_json(field: Option<String>, message: String) -> Self {
+        let mut e = Self::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+            format!("the request body is not valid: {message}"),
+        );
+        if let Some(field) = field {
+            e.errors.push(ProblemField { field, message });
+        }
+        e
+    }
+
+    pub fn not_found() -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not_found", "no such route")
+    }
+
+    pub fn internal() -> Self {
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "internal error; the cause is in the server log",
+        )
+    }
+
+    fn with_index(mut self, index: u64) -> Self {
+        self.index = Some(index);
+        self
+    }
+
+    fn retry_later(mut self) -> Self {
+        self.retry_after = true;
+        self
+    }
+}
+
+impl From<RegistryError> for ApiError {
+    fn from(e: RegistryError) -> Self {
+        let detail = e.to_string();
+        match e {
+            RegistryError::AllocationNotFound(_) => {
+                Self::new(StatusCode::NOT_FOUND, "allocation_not_found", detail)
+            }
+            RegistryError::TaskNotFound { .. } => {
+                Self::new(StatusCode::NOT_FOUND, "task_not_found", detail)
+            }
+            RegistryError::AllocationExists { index, .. } => {
+                Self::new(StatusCode::CONFLICT, "allocation_exists", detail).with_index(index)
+            }
+            RegistryError::RestartRefused { error, index } => {
+                let code = match error {
+                    RestartError::AllocationFinished => "allocation_finished",
+                    RestartError::TaskNotRunning(_) => "task_not_running",
+                };
+                Self::new(StatusCode::CONFLICT, code, detail).with_index(index)
+            }
+            RegistryError::Deleted(_) => Self::new(StatusCode::GONE, "allocation_deleted", detail),
+            RegistryError::TooManyWaiters => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "too_many_waiters", detail).retry_later()
+            }
+            RegistryError::ShuttingDown => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", detail).retry_later()
+            }
+            RegistryError::Store(e) => e.into(),
+        }
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        tracing::error!(error = %e, "store commit failed");
+        Self::internal()
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let problem = Problem {
+            r#type: "about:blank",
+            title: self.status.canonical_reason().unwrap_or("Error").to_owned(),
+            status: self.status.as_u16(),
+            detail: self.detail,
+            code: self.code,
+            errors: self.errors,
+        };
+        let body = serde_json::to_vec(&problem).unwrap_or_default();
+        let mut res = (self.status, body).into_response();
+        let headers = res.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(index) = self.index {
+            headers.insert(INDEX_HEADER, HeaderValue::from(index));
+        }
+        if self.retry_after {
+            headers.insert(
+                header::RETRY_AFTER,
+                HeaderValue::from_static(RETRY_AFTER_SECS),
+            );
+        }
+        res
+    }
+}

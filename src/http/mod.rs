@@ -1,0 +1,194 @@
+//! All axum and utoipa code: routes, extractors that turn rejections into
+//! problem+json, the error type and the OpenAPI document. Handlers parse,
+//! call one registry method and render; no lifecycle rule and no store call
+//! lives here.
+
+mod allocations;
+pub mod dto;
+pub mod error;
+pub mod extract;
+pub mod openapi;
+pub mod params;
+mod service;
+mod tasks;
+pub mod views;
+
+use std::{sync::Arc, time::Duration};
+
+use axum::{
+    Router,
+    body::Body,
+    extract::{DefaultBodyLimit, Request},
+    http::{HeaderValue, StatusCode, header},
+    middleware::{self, Next},
+    response::{IntoResponse, Response},
+    routing::{get, post, put},
+};
+use serde::Serialize;
+use tower_http::catch_panic::CatchPanicLayer;
+use utoipa_swagger_ui::{Config as SwaggerConfig, SwaggerUi};
+
+use crate::registry::Registry;
+use error::ApiError;
+
+/// The allocation's `modify_index` after the call.
+pub const INDEX_HEADER: &str = "x-taskgate-index";
+/// The token of the next page of a listing.
+pub const NEXT_TOKEN_HEADER: &str = "x-taskgate-nexttoken";
+
+/// HTTP-level settings.
+#[derive(Clone, Copy, Debug)]
+pub struct HttpConfig {
+    /// Largest request body accepted.
+    pub body_limit: usize,
+    /// Wait of a blocking query or long-poll without `wait`.
+    pub default_wait: Duration,
+    /// Longest wait a client may ask for.
+    pub max_wait: Duration,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        Self {
+            body_limit: 1024 * 1024,
+            default_wait: Duration::from_secs(30),
+            max_wait: Duration::from_secs(300),
+        }
+    }
+}
+
+/// What every handler gets.
+#[derive(Clone)]
+pub struct AppState {
+    pub registry: Registry,
+    pub config: HttpConfig,
+    /// The OpenAPI document, rendered once.
+    openapi: Arc<str>,
+}
+
+impl AppState {
+    /// How long a wait may last: the asked `wait` (or the default), capped,
+    /// plus a random jitter of up to a sixteenth so that many clients with
+    /// the same timeout do not all come back at once.
+    pub fn wait_time(&self, asked: Option<Duration>) -> Duration {
+        let base = asked
+            .unwrap_or(self.config.default_wait)
+            .min(self.config.max_wait);
+        base + (base / 16).mul_f64(fastrand::f64())
+    }
+}
+
+/// A JSON answer with `X-Taskgate-Index`.
+pub(crate) fn indexed<T: Serialize>(status: StatusCode, index: u64, body: &T) -> Response {
+    let mut res = (status, axum::Json(body)).into_response();
+    res.headers_mut()
+        .insert(INDEX_HEADER, HeaderValue::from(index));
+    res
+}
+
+/// The whole HTTP application.
+pub fn app(registry: Registry, config: HttpConfig) -> Router {
+    let state = AppState {
+        registry,
+        config,
+        openapi: openapi::document().into(),
+    };
+    let api = Router::new()
+        .route("/v1/allocations", get(allocations::list))
+        .route(
+            "/v1/allocations/{alloc_id}",
+            put(allocations::register)
+                .get(allocations::get)
+                .delete(allocations::delete),
+        )
+        .route(
+            "/v1/allocations/{alloc_id}/task-states",
+            post(allocations::report_batch),
+        )
+        .route(
+            "/v1/allocations/{alloc_id}/restart",
+            post(allocations::restart),
+        )
+        .route(
+            "/v1/allocations/{alloc_id}/restore",
+            post(allocations::restore),
+        )
+        .route("/v1/allocations/{alloc_id}/tasks/{task}", get(tasks::get))
+        .route(
+            "/v1/allocations/{alloc_id}/tasks/{task}/state",
+            put(tasks::report),
+        )
+        .route(
+            "/v1/allocations/{alloc_id}/tasks/{task}/start-condition",
+            get(tasks::start_condition),
+        )
+        .route("/v1/health", get(service::health))
+        .route("/metrics", get(service::metrics))
+        .route("/openapi.json", get(service::openapi_json))
+        .with_state(state);
+    let docs: Router = SwaggerUi::new("/docs")
+        .config(SwaggerConfig::new(["/openapi.json"]))
+        .into();
+    api.merge(docs)
+        .fallback(|| async { ApiError::not_found() })
+        .layer(DefaultBodyLimit::max(config.body_limit))
+        .layer(middleware::from_fn(problem_for_bare_errors))
+        .layer(middleware::from_fn(pretty))
+        .layer(CatchPanicLayer::custom(
+            |_: Box<dyn std::any::Any + Send>| {
+                tracing::error!("a request handler panicked");
+                ApiError::internal().into_response()
+            },
+        ))
+}
+
+/// Gives a problem+json body to errors that axum answers by itself with no
+/// body of ours (405 with its `Allow` header kept).
+async fn problem_for_bare_errors(req: Request, next: Next) -> Response {
+    let res = next.run(req).await;
+    if res.status() != StatusCode::METHOD_NOT_ALLOWED
+        || res.headers().contains_key(header::CONTENT_TYPE)
+    {
+        return res;
+    }
+    let (parts, _) = res.into_parts();
+    let allow = parts.headers.get(header::ALLOW).cloned();
+    let detail = match allow.as_ref().and_then(|v| v.to_str().ok()) {
+        Some(allowed) => format!("method not allowed here; allowed: {allowed}"),
+        None => "method not allowed here".to_owned(),
+    };
+    let mut res =
+        ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", detail).into_response();
+    if let Some(allow) = allow {
+        res.headers_mut().insert(header::ALLOW, allow);
+    }
+    res
+}
+
+/// `?pretty` on any route: re-renders a JSON answer indented, for curl.
+async fn pretty(req: Request, next: Next) -> Response {
+    let wanted = extract::query_pairs(req.uri().query())
+        .is_some_and(|pairs| pairs.iter().any(|(k, _)| k == extract::PRETTY));
+    let res = next.run(req).await;
+    let is_json = res
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| {
+            ct.starts_with("application/json") || ct.starts_with("application/problem+json")
+        });
+    if !wanted || !is_json {
+        return res;
+    }
+    let (mut parts, body) = res.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, usize::MAX).await else {
+        return ApiError::internal().into_response();
+    };
+    let rendered = serde_json::from_slice::<serde_json::Value>(&bytes)
+        .ok()
+        .and_then(|v| serde_json::to_vec_pretty(&v).ok());
+    let mut out = rendered.unwrap_or_else(|| bytes.to_vec());
+    out.push(b'\n');
+    parts.headers.remove(header::CONTENT_LENGTH);
+    Response::from_parts(parts, Body::from(out))
+}

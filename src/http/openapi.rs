@@ -1,0 +1,146 @@
+//! The OpenAPI 3.1 document: every route, parameter, schema and error.
+//! `taskgate openapi` prints it; `openapi/openapi.json` is its committed
+//! copy, and a test fails when they differ.
+
+use utoipa::{
+    Modify, OpenApi, PartialSchema, ToSchema,
+    openapi::{
+        ContentBuilder, OpenApi as Doc, Ref, RefOr, ResponseBuilder,
+        path::Operation,
+        schema::{ObjectBuilder, Schema, Type},
+    },
+};
+
+use super::{allocations, error, service, tasks, views};
+use crate::lifecycle::{CoordState, DesiredKind, Hook, RunState, Stage, StopKind};
+
+/// String-enum schemas for the lifecycle enums, with their values taken
+/// from the enums' own name tables.
+macro_rules! name_schema {
+    ($($ty:ty => $doc:literal),+ $(,)?) => {$(
+        impl PartialSchema for $ty {
+            fn schema() -> RefOr<Schema> {
+                ObjectBuilder::new()
+                    .schema_type(Type::String)
+                    .enum_values(Some(<$ty>::ALL.iter().map(|v| v.as_str())))
+                    .description(Some($doc))
+                    .into()
+            }
+        }
+        impl ToSchema for $ty {}
+    )+};
+}
+
+name_schema! {
+    CoordState => "The coordinator state; it decides which stage gates are open.",
+    Stage => "The gate a task listens on, derived from its lifecycle.",
+    Hook => "When a task runs relative to the main tasks.",
+    RunState => "A task's reported state.",
+    StopKind => "Why a task is told to stop.",
+    DesiredKind => "What a task should be doing.",
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "taskgate",
+        description = "Nomad's task lifecycle coordinator as a service: agents report task \
+states and long-poll for permission to start; operators restart and restore. \
+Errors are RFC 9457 problem documents with a stable `code`.",
+    ),
+    paths(
+        allocations::list,
+        allocations::register,
+        allocations::get,
+        allocations::delete,
+        allocations::report_batch,
+        allocations::restart,
+        allocations::restore,
+        tasks::get,
+        tasks::report,
+        tasks::start_condition,
+        service::health,
+        service::metrics,
+        service::openapi_json,
+    ),
+    components(schemas(error::Problem, error::ProblemField, views::HealthView)),
+    modifiers(&CommonResponses),
+    tags(
+        (name = "allocations", description = "Register, read, list, restart, restore and delete allocations"),
+        (name = "tasks", description = "Task views, state reports and the start-condition long-poll"),
+        (name = "service", description = "Health, metrics and this document"),
+    )
+)]
+pub struct ApiDoc;
+
+/// Adds the errors every route can answer, so no handler repeats them:
+/// 400 `invalid_request` (path identifiers, query parameters), 404 for
+/// unknown routes, 500 `internal`; on routes with a body also 400
+/// `invalid_json`, 413 and 415.
+struct CommonResponses;
+
+fn problem(description: &str) -> utoipa::openapi::Response {
+    ResponseBuilder::new()
+        .description(description)
+        .content(
+            "application/problem+json",
+            ContentBuilder::new()
+                .schema(Some(Ref::from_schema_name(error::Problem::name())))
+                .build(),
+        )
+        .build()
+}
+
+fn add(op: &mut Operation, status: &str, description: &str) {
+    op.responses
+        .responses
+        .entry(status.to_owned())
+        .or_insert_with(|| problem(description).into());
+}
+
+impl Modify for CommonResponses {
+    fn modify(&self, doc: &mut Doc) {
+        for item in doc.paths.paths.values_mut() {
+            let ops = [
+                &mut item.get,
+                &mut item.put,
+                &mut item.post,
+                &mut item.delete,
+            ];
+            for op in ops.into_iter().flatten() {
+                let has_body = op.request_body.is_some();
+                if has_body {
+                    add(
+                        op,
+                        "400",
+                        "`invalid_json`: the body is not JSON or does not match the schema; \
+                         `invalid_request`: it breaks a rule, or a path identifier or query \
+                         parameter is bad (see `errors`)",
+                    );
+                    add(op, "413", "`payload_too_large`: the body is over the limit");
+                    add(
+                        op,
+                        "415",
+                        "`unsupported_media_type`: the body is not sent as application/json",
+                    );
+                } else {
+                    add(
+                        op,
+                        "400",
+                        "`invalid_request`: a path identifier or query parameter is bad (see `errors`)",
+                    );
+                }
+                add(op, "500", "`internal`: the cause is in the server log");
+            }
+        }
+    }
+}
+
+/// The document as committed: pretty JSON with a final newline.
+pub fn document() -> String {
+    let mut s = ApiDoc::openapi()
+        .to_pretty_json()
+        .expect("the OpenAPI document serializes");
+    s.push('\n');
+    s
+}

@@ -1,0 +1,203 @@
+//! Query parameters of the blocking routes: `index`, `wait` (a duration
+//! with a unit), and the list's paging.
+
+use std::time::Duration;
+
+use super::extract::{Pairs, QueryParams};
+use crate::lifecycle::{AllocId, FieldError};
+
+/// Parses a duration with units, as Go and Consul write them: `500ms`,
+/// `30s`, `5m`, `1m30s`, `1.5s`. A unit is required; negatives are refused.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    const UNITS: &[(&str, f64)] = &[
+        ("ns", 1e-9),
+        ("us", 1e-6),
+        ("µs", 1e-6),
+        ("ms", 1e-3),
+        ("s", 1.0),
+        ("m", 60.0),
+        ("h", 3600.0),
+    ];
+    if s.is_empty() {
+        return Err("empty duration".into());
+    }
+    if s.starts_with('-') {
+        return Err(format!("{s:?} is negative"));
+    }
+    let mut rest = s;
+    let mut total = 0.0f64;
+    while !rest.is_empty() {
+        let num_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        if num_len == 0 {
+            return Err(format!("{s:?} is not a duration such as 500ms, 30s or 5m"));
+        }
+        let value: f64 = rest[..num_len]
+            .parse()
+            .map_err(|_| format!("{s:?} has a bad number"))?;
+        rest = &rest[num_len..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let unit = &rest[..unit_len];
+        if unit.is_empty() {
+            return Err(format!("{s:?} needs a unit (ms, s, m or h)"));
+        }
+        let scale = UNITS
+            .iter()
+            .find(|(u, _)| *u == unit)
+            .map(|(_, scale)| scale)
+            .ok_or_else(|| format!("{s:?} has an unknown unit {unit:?}"))?;
+        total += value * scale;
+        rest = &rest[unit_len..];
+    }
+    Duration::try_from_secs_f64(total).map_err(|_| format!("{s:?} is out of range"))
+}
+
+fn parse_wait(pairs: &Pairs, errors: &mut Vec<FieldError>) -> Option<Duration> {
+    let raw = pairs.get("wait")?;
+    parse_duration(raw)
+        .map_err(|e| errors.push(FieldError::new("wait", e)))
+        .ok()
+}
+
+/// `?index=N&wait=D` of a blocking query.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct BlockingParams {
+    /// Wait for a `modify_index` greater than this; 0 answers at once.
+    pub index: u64,
+    pub wait: Option<Duration>,
+}
+
+impl QueryParams for BlockingParams {
+    const NAMES: &'static [&'static str] = &["index", "wait"];
+
+    fn from_pairs(pairs: &Pairs) -> Result<Self, Vec<FieldError>> {
+        let mut errors = Vec::new();
+        let index = match pairs.get("index") {
+            None => 0,
+            Some(raw) => raw.parse::<u64>().unwrap_or_else(|_| {
+                errors.push(FieldError::new(
+                    "index",
+                    format!("{raw:?} is not a non-negative integer index"),
+                ));
+                0
+            }),
+        };
+        let wait = parse_wait(pairs, &mut errors);
+        if errors.is_empty() {
+            Ok(Self { index, wait })
+        } else {
+            Err(errors)
+        }
+    }
+}
+
+/// `?wait=D` of the start-condition long-poll.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct WaitParams {
+    pub wait: Option<Duration>,
+}
+
+impl QueryParams for WaitParams {
+    const NAMES: &'static [&'static str] = &["wait"];
+
+    fn from_pairs(pairs: &Pairs) -> Result<Self, Vec<FieldError>> {
+        let mut errors = Vec::new();
+        let wait = parse_wait(pairs, &mut errors);
+        if errors.is_empty() {
+            Ok(Self { wait })
+        } else {
+            Err(errors)
+        }
+    }
+}
+
+/// Page size bounds of the allocation list.
+pub const MAX_PER_PAGE: usize = 1000;
+pub const DEFAULT_PER_PAGE: usize = 100;
+
+/// `?prefix=&per_page=&next_token=` of the allocation list.
+#[derive(Debug, PartialEq, Eq)]
+pub struct ListParams {
+    pub prefix: String,
+    pub per_page: usize,
+    pub next_token: Option<AllocId>,
+}
+
+impl QueryParams for ListParams {
+    const NAMES: &'static [&'static str] = &["prefix", "per_page", "next_token"];
+
+    fn from_pairs(pairs: &Pairs) -> Result<Self, Vec<FieldError>> {
+        let mut errors = Vec::new();
+        let prefix = pairs.get("prefix").unwrap_or_default().to_owned();
+        let per_page = match pairs.get("per_page") {
+            None => DEFAULT_PER_PAGE,
+            Some(raw) => match raw.parse::<usize>() {
+                Ok(n) if (1..=MAX_PER_PAGE).contains(&n) => n,
+                _ => {
+                    errors.push(FieldError::new(
+                        "per_page",
+                        format!("{raw:?} must be an integer from 1 to {MAX_PER_PAGE}"),
+                    ));
+                    DEFAULT_PER_PAGE
+                }
+            },
+        };
+        // A token is the first ID of the next page, so it must be an ID
+        // that this prefix could have listed.
+        let next_token = pairs
+            .get("next_token")
+            .and_then(|raw| match AllocId::parse(raw) {
+                Ok(id) if id.as_str().starts_with(&prefix) => Some(id),
+                _ => {
+                    errors.push(FieldError::new(
+                        "next_token",
+                        format!("{raw:?} is not a token returned for this listing"),
+                    ));
+                    None
+                }
+            });
+        if errors.is_empty() {
+            Ok(Self {
+                prefix,
+                per_page,
+                next_token,
+            })
+        } else {
+            Err(errors)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_need_a_unit_and_accept_go_forms() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("0s"), Ok(Duration::ZERO));
+        for bad in [
+            "",
+            "30",
+            "-1s",
+            "s",
+            "1x",
+            "1.2.3s",
+            "1e3s",
+            "99999999999999999999h",
+        ] {
+            assert!(parse_duration(bad).is_err(), "{bad:?} should be refused");
+        }
+        assert_eq!(
+            parse_duration("30").unwrap_err(),
+            "\"30\" needs a unit (ms, s, m or h)"
+        );
+    }
+}

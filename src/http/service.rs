@@ -1,0 +1,87 @@
+//! Service routes: health, metrics, the OpenAPI document, the docs UI.
+
+use std::fmt::Write;
+
+use axum::{
+    extract::State,
+    http::{HeaderValue, StatusCode, header},
+    response::{IntoResponse, Response},
+};
+
+use super::{
+    AppState, error::ApiError, error::Problem, extract::ApiQuery, extract::NoParams,
+    views::HealthView,
+};
+
+/// Health.
+///
+/// 200 once the store is loaded and the server accepts work; 503 while it
+/// stops. Never needs a token.
+#[utoipa::path(
+    get, path = "/v1/health", tag = "service",
+    responses(
+        (status = 200, description = "Serving", body = HealthView),
+        (status = 503, description = "`shutting_down`", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn health(
+    State(s): State<AppState>,
+    _: ApiQuery<NoParams>,
+) -> Result<Response, ApiError> {
+    if s.registry.is_shutting_down() {
+        return Err(crate::registry::RegistryError::ShuttingDown.into());
+    }
+    Ok(axum::Json(HealthView { status: "ok" }).into_response())
+}
+
+/// Metrics in the Prometheus text format.
+#[utoipa::path(
+    get, path = "/metrics", tag = "service",
+    responses((status = 200, description = "Prometheus text exposition", body = String, content_type = "text/plain"))
+)]
+pub async fn metrics(State(s): State<AppState>, _: ApiQuery<NoParams>) -> Response {
+    let mut out = String::new();
+    let gauges = [
+        (
+            "taskgate_waiters",
+            "Requests parked in a long-poll or blocking query.",
+            s.registry.waiters() as u64,
+        ),
+        (
+            "taskgate_allocations",
+            "Registered allocations.",
+            s.registry.len() as u64,
+        ),
+        (
+            "taskgate_last_index",
+            "The last global index handed out.",
+            s.registry.last_index(),
+        ),
+    ];
+    for (name, help, value) in gauges {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+        );
+    }
+    let mut res = out.into_response();
+    res.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    res
+}
+
+/// This OpenAPI document.
+#[utoipa::path(
+    get, path = "/openapi.json", tag = "service",
+    responses((status = 200, description = "The OpenAPI 3.1 document", body = Object))
+)]
+pub async fn openapi_json(State(s): State<AppState>, _: ApiQuery<NoParams>) -> Response {
+    let mut res = (StatusCode::OK, s.openapi.to_string()).into_response();
+    res.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    res
+}

@@ -1,0 +1,129 @@
+//! `/v1/allocations/{alloc_id}/tasks/{task}`: one task's view (blocking
+//! query), its state report, and the start-condition long-poll.
+
+use axum::{extract::State, http::StatusCode, response::Response};
+
+use super::{
+    AppState,
+    dto::ReportBody,
+    error::{ApiError, Problem},
+    extract::{ApiJson, ApiQuery, NoParams, TaskPath},
+    indexed,
+    params::{BlockingParams, WaitParams},
+    views::{AllocationView, StartConditionView, TaskDetailView},
+};
+
+/// Read one task (blocking query).
+///
+/// `index` compares with the task's own `modify_index`, so an agent
+/// watching for restart and stop orders is woken only by changes to its
+/// task (its state, its gate, its orders).
+#[utoipa::path(
+    get, path = "/v1/allocations/{alloc_id}/tasks/{task}", tag = "tasks",
+    params(
+        ("alloc_id" = String, Path, description = "Allocation ID"),
+        ("task" = String, Path, description = "Task name"),
+        ("index" = Option<u64>, Query, description = "Wait for a task modify_index greater than this (0: answer at once)"),
+        ("wait" = Option<String>, Query, description = "Longest wait, with a unit (`500ms`, `30s`, `5m`); default 30s, capped at 300s, plus up to wait/16 jitter"),
+    ),
+    responses(
+        (status = 200, description = "The task", body = TaskDetailView,
+         headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
+        (status = 404, description = "`allocation_not_found` or `task_not_found`", body = Problem, content_type = "application/problem+json"),
+        (status = 410, description = "`allocation_deleted`: deleted while the request waited", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "`too_many_waiters` or `shutting_down`", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
+    )
+)]
+pub async fn get(
+    State(s): State<AppState>,
+    TaskPath(id, task): TaskPath,
+    ApiQuery(q): ApiQuery<BlockingParams>,
+) -> Result<Response, ApiError> {
+    let (a, i) = if q.index == 0 {
+        let a = s.registry.get(id.as_str())?;
+        let i = s.registry.task_position(&a, task.as_str())?;
+        (a, i)
+    } else {
+        s.registry
+            .wait_task(id.as_str(), task.as_str(), q.index, s.wait_time(q.wait))
+            .await?
+    };
+    Ok(indexed(
+        StatusCode::OK,
+        a.modify_index,
+        &TaskDetailView::new(&a, i),
+    ))
+}
+
+/// Report one task's state.
+///
+/// `started_at` is set when the task becomes running, `finished_at` when it
+/// first dies; going back to `pending` counts a restart. A report that
+/// changes nothing changes no index.
+#[utoipa::path(
+    put, path = "/v1/allocations/{alloc_id}/tasks/{task}/state", tag = "tasks",
+    params(
+        ("alloc_id" = String, Path, description = "Allocation ID"),
+        ("task" = String, Path, description = "Task name"),
+    ),
+    request_body = ReportBody,
+    responses(
+        (status = 200, description = "The allocation after the report", body = AllocationView,
+         headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
+        (status = 404, description = "`allocation_not_found` or `task_not_found`", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn report(
+    State(s): State<AppState>,
+    TaskPath(id, task): TaskPath,
+    _: ApiQuery<NoParams>,
+    ApiJson(body): ApiJson<ReportBody>,
+) -> Result<Response, ApiError> {
+    let report = body
+        .into_report("", &s.registry.config().limits)
+        .map_err(|e| ApiError::invalid("the report is not valid", e))?;
+    let a = s.registry.report(id.as_str(), vec![(task, report)]).await?;
+    Ok(indexed(
+        StatusCode::OK,
+        a.modify_index,
+        &AllocationView::new(&a),
+    ))
+}
+
+/// May this task start? (long-poll)
+///
+/// Answers at once if the task is allowed or told to stop; otherwise waits
+/// until one of those holds or `wait` elapses. A timeout is a 200 with
+/// `allowed: false`.
+#[utoipa::path(
+    get, path = "/v1/allocations/{alloc_id}/tasks/{task}/start-condition", tag = "tasks",
+    params(
+        ("alloc_id" = String, Path, description = "Allocation ID"),
+        ("task" = String, Path, description = "Task name"),
+        ("wait" = Option<String>, Query, description = "Longest wait, with a unit (`500ms`, `30s`, `5m`); default 30s, capped at 300s, plus up to wait/16 jitter"),
+    ),
+    responses(
+        (status = 200, description = "The task's start condition now", body = StartConditionView,
+         headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
+        (status = 404, description = "`allocation_not_found` or `task_not_found`", body = Problem, content_type = "application/problem+json"),
+        (status = 410, description = "`allocation_deleted`: deleted while the request waited", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "`too_many_waiters` or `shutting_down`", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
+    )
+)]
+pub async fn start_condition(
+    State(s): State<AppState>,
+    TaskPath(id, task): TaskPath,
+    ApiQuery(q): ApiQuery<WaitParams>,
+) -> Result<Response, ApiError> {
+    let (a, i) = s
+        .registry
+        .wait_start(id.as_str(), task.as_str(), s.wait_time(q.wait))
+        .await?;
+    Ok(indexed(
+        StatusCode::OK,
+        a.modify_index,
+        &StartConditionView::new(&a, i),
+    ))
+}

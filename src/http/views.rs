@@ -1,0 +1,225 @@
+//! Response bodies, built from committed records.
+
+use serde::Serialize;
+use time::OffsetDateTime;
+use utoipa::ToSchema;
+
+use crate::lifecycle::{
+    Allocation, CoordState, DesiredKind, Event, Hook, RunState, Stage, StopKind,
+};
+
+/// An allocation with every task.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AllocationView {
+    #[schema(example = "a1")]
+    pub id: String,
+    pub coordinator_state: CoordState,
+    /// Tasks (registration order) whose state holds the coordinator where it is.
+    pub waiting_on: Vec<String>,
+    pub create_index: u64,
+    pub modify_index: u64,
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339")]
+    pub modified_at: OffsetDateTime,
+    /// In registration order.
+    pub tasks: Vec<TaskView>,
+}
+
+/// A task's lifecycle block as registered.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LifecycleView {
+    pub hook: Hook,
+    pub sidecar: bool,
+}
+
+/// One task: its spec, its gate, its reported state and its orders.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TaskView {
+    pub name: String,
+    /// `null` for a main task.
+    pub lifecycle: Option<LifecycleView>,
+    pub leader: bool,
+    pub stage: Stage,
+    /// Whether the task's gate is open: it may start.
+    pub allowed: bool,
+    pub state: RunState,
+    pub failed: bool,
+    pub restarts: u64,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub started_at: Option<OffsetDateTime>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub finished_at: Option<OffsetDateTime>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub last_restart: Option<OffsetDateTime>,
+    /// At most 10, oldest first.
+    pub events: Vec<EventView>,
+    pub desired: DesiredKind,
+    /// Set when `desired` is `stop`.
+    pub stop_reason: Option<StopReasonView>,
+    /// Restart orders given to this task; only goes up.
+    pub restart_generation: u64,
+    pub modify_index: u64,
+}
+
+/// A recorded task event.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct EventView {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub time: OffsetDateTime,
+    pub message: String,
+    pub details: std::collections::BTreeMap<String, String>,
+}
+
+/// Why a task is told to stop.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct StopReasonView {
+    #[serde(rename = "type")]
+    pub kind: StopKind,
+    /// The failed task, for "Sibling Task Failed"; else `null`.
+    pub task: Option<String>,
+}
+
+/// `GET .../tasks/{task}`: the task view with its allocation's state.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TaskDetailView {
+    #[serde(flatten)]
+    pub task: TaskView,
+    pub coordinator_state: CoordState,
+    pub alloc_modify_index: u64,
+}
+
+/// The answer to "may I start?".
+#[derive(Debug, Serialize, ToSchema)]
+pub struct StartConditionView {
+    pub alloc_id: String,
+    pub task: String,
+    pub allowed: bool,
+    pub desired: DesiredKind,
+    pub coordinator_state: CoordState,
+    pub waiting_on: Vec<String>,
+    /// The allocation's `modify_index`.
+    pub index: u64,
+}
+
+/// The answer to a restart.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RestartView {
+    /// Tasks told to restart, in registration order.
+    pub restarted: Vec<String>,
+    pub coordinator_state: CoordState,
+    pub index: u64,
+}
+
+/// One allocation in a listing.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ListItem {
+    pub id: String,
+    pub coordinator_state: CoordState,
+    pub modify_index: u64,
+    pub task_count: usize,
+}
+
+/// `GET /v1/health`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct HealthView {
+    #[schema(example = "ok")]
+    pub status: &'static str,
+}
+
+fn event_view(e: &Event) -> EventView {
+    EventView {
+        kind: e.kind.clone(),
+        time: e.time,
+        message: e.message.clone(),
+        details: e.details.clone(),
+    }
+}
+
+impl TaskView {
+    pub fn new(a: &Allocation, i: usize) -> Self {
+        let spec = &a.spec.tasks()[i];
+        let t = &a.tasks[i];
+        let desired = a.desired(i);
+        Self {
+            name: spec.name.to_string(),
+            lifecycle: spec.lifecycle.map(|l| LifecycleView {
+                hook: l.hook,
+                sidecar: l.sidecar,
+            }),
+            leader: spec.leader,
+            stage: spec.stage(),
+            allowed: a.allowed(i),
+            state: t.state,
+            failed: t.failed,
+            restarts: t.restarts,
+            started_at: t.started_at,
+            finished_at: t.finished_at,
+            last_restart: t.last_restart,
+            events: t.events.iter().map(event_view).collect(),
+            desired: desired.kind(),
+            stop_reason: desired.reason().map(|r| StopReasonView {
+                kind: r.kind,
+                task: r.task.as_ref().map(ToString::to_string),
+            }),
+            restart_generation: t.restart_generation,
+            modify_index: t.modify_index,
+        }
+    }
+}
+
+fn names(a: &Allocation) -> Vec<String> {
+    a.waiting_on().iter().map(ToString::to_string).collect()
+}
+
+impl AllocationView {
+    pub fn new(a: &Allocation) -> Self {
+        Self {
+            id: a.id.to_string(),
+            coordinator_state: a.state,
+            waiting_on: names(a),
+            create_index: a.create_index,
+            modify_index: a.modify_index,
+            created_at: a.created_at,
+            modified_at: a.modified_at,
+            tasks: (0..a.tasks.len()).map(|i| TaskView::new(a, i)).collect(),
+        }
+    }
+}
+
+impl TaskDetailView {
+    pub fn new(a: &Allocation, i: usize) -> Self {
+        Self {
+            task: TaskView::new(a, i),
+            coordinator_state: a.state,
+            alloc_modify_index: a.modify_index,
+        }
+    }
+}
+
+impl StartConditionView {
+    pub fn new(a: &Allocation, i: usize) -> Self {
+        Self {
+            alloc_id: a.id.to_string(),
+            task: a.task_name(i).to_string(),
+            allowed: a.allowed(i),
+            desired: a.desired(i).kind(),
+            coordinator_state: a.state,
+            waiting_on: names(a),
+            index: a.modify_index,
+        }
+    }
+}
+
+impl ListItem {
+    pub fn new(a: &Allocation) -> Self {
+        Self {
+            id: a.id.to_string(),
+            coordinator_state: a.state,
+            modify_index: a.modify_index,
+            task_count: a.tasks.len(),
+        }
+    }
+}
