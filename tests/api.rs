@@ -1,0 +1,1099 @@
+//! Handler tests through the whole router with `oneshot`: every endpoint of
+//! API.md and every error code it lists.
+
+mod common;
+
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use common::{five_tasks, test_app, test_app_with};
+use serde_json::json;
+use taskgate::{http::HttpConfig, registry::RegistryConfig};
+
+// ---- register ----
+
+#[tokio::test]
+async fn register_answers_201_with_location_index_and_the_full_view() {
+    let app = test_app();
+    let a = app.register_five("a1").await;
+    assert_eq!(a.header("location"), Some("/v1/allocations/a1"));
+    assert_eq!(a.index(), a.body["modify_index"].as_u64().unwrap());
+    assert_eq!(a.body["id"], "a1");
+    assert_eq!(a.body["coordinator_state"], "prestart");
+    assert_eq!(a.body["waiting_on"], json!(["init", "proxy"]));
+    assert_eq!(a.body["create_index"], a.body["modify_index"]);
+    assert!(a.body["created_at"].as_str().unwrap().ends_with('Z'));
+    let names: Vec<_> = a.body["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["init", "proxy", "web", "announce", "cleanup"]);
+    let init = a.task("init");
+    let keys: Vec<_> = init.as_object().unwrap().keys().cloned().collect();
+    let mut expected = [
+        "name",
+        "lifecycle",
+        "leader",
+        "stage",
+        "allowed",
+        "state",
+        "failed",
+        "restarts",
+        "started_at",
+        "finished_at",
+        "last_restart",
+        "events",
+        "desired",
+        "stop_reason",
+        "restart_generation",
+        "modify_index",
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut keys_sorted = keys.clone();
+    keys_sorted.sort();
+    expected.sort();
+    assert_eq!(keys_sorted, expected);
+    assert_eq!(
+        init["lifecycle"],
+        json!({"hook": "prestart", "sidecar": false})
+    );
+    assert_eq!(init["stage"], "prestart_ephemeral");
+    assert_eq!(init["allowed"], true);
+    assert_eq!(init["state"], "pending");
+    assert_eq!(init["desired"], "run");
+    assert_eq!(init["stop_reason"], json!(null));
+    assert_eq!(init["started_at"], json!(null));
+    assert_eq!(a.task("web")["lifecycle"], json!(null));
+    assert_eq!(a.task("web")["leader"], true);
+    assert_eq!(a.task("web")["allowed"], false);
+    assert_eq!(a.task("proxy")["stage"], "prestart_sidecar");
+}
+
+#[tokio::test]
+async fn register_is_idempotent_and_refuses_a_different_spec() {
+    let app = test_app();
+    let first = app.register_five("a1").await;
+    let again = app
+        .call("PUT", "/v1/allocations/a1", Some(five_tasks()))
+        .await;
+    assert_eq!(again.status, StatusCode::OK);
+    assert_eq!(again.header("location"), None);
+    assert_eq!(again.body["modify_index"], first.body["modify_index"]);
+    // An explicit default is the same spec.
+    let explicit = json!({"tasks": [
+        {"name": "init", "lifecycle": {"hook": "prestart", "sidecar": false}, "leader": false},
+        {"name": "proxy", "lifecycle": {"hook": "prestart", "sidecar": true}},
+        {"name": "web", "leader": true, "lifecycle": null},
+        {"name": "announce", "lifecycle": {"hook": "poststart"}},
+        {"name": "cleanup", "lifecycle": {"hook": "poststop"}}
+    ]});
+    assert_eq!(
+        app.call("PUT", "/v1/allocations/a1", Some(explicit))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let other = app
+        .call(
+            "PUT",
+            "/v1/allocations/a1",
+            Some(json!({"tasks": [{"name": "web"}]})),
+        )
+        .await;
+    other.assert_problem(409, "allocation_exists");
+    assert_eq!(other.index(), first.index());
+}
+
+#[tokio::test]
+async fn register_rule_breaks_are_invalid_request_with_fields() {
+    let app = test_app();
+    let a = app
+        .call(
+            "PUT",
+            "/v1/allocations/a1",
+            Some(json!({"tasks": [
+                {"name": "web", "leader": true},
+                {"name": "web", "leader": true},
+                {"name": "post", "lifecycle": {"hook": "poststop", "sidecar": true}}
+            ]})),
+        )
+        .await;
+    a.assert_problem(400, "invalid_request");
+    assert_eq!(
+        a.error_fields(),
+        [
+            "tasks[1].name",
+            "tasks[1].leader",
+            "tasks[2].lifecycle.sidecar"
+        ]
+    );
+    assert_eq!(
+        a.body["errors"][0]["message"],
+        "duplicate task name \"web\""
+    );
+
+    let bad_name = app
+        .call(
+            "PUT",
+            "/v1/allocations/a1",
+            Some(json!({"tasks": [{"name": "../x"}]})),
+        )
+        .await;
+    bad_name.assert_problem(400, "invalid_request");
+    assert_eq!(bad_name.error_fields(), ["tasks[0].name"]);
+
+    let none = app
+        .call("PUT", "/v1/allocations/a1", Some(json!({"tasks": []})))
+        .await;
+    none.assert_problem(400, "invalid_request");
+
+    let many: Vec<_> = (0..257).map(|i| json!({"name": format!("t{i}")})).collect();
+    let too_many = app
+        .call("PUT", "/v1/allocations/a1", Some(json!({"tasks": many})))
+        .await;
+    too_many.assert_problem(400, "invalid_request");
+    assert_eq!(
+        app.get("/v1/allocations/a1").await.status,
+        StatusCode::NOT_FOUND
+    );
+}
+
+#[tokio::test]
+async fn bodies_that_do_not_match_the_schema_are_invalid_json_naming_the_field() {
+    let app = test_app();
+    let cases = [
+        (
+            r#"{"tasks": [{"name": "web", "colour": 1}]}"#,
+            Some("tasks[0].colour"),
+        ),
+        (r#"{"tasks": [{"name": 7}]}"#, Some("tasks[0].name")),
+        (
+            r#"{"tasks": [{"name": "w", "lifecycle": {"hook": "prestop"}}]}"#,
+            Some("tasks[0].lifecycle.hook"),
+        ),
+        (r#"{"tasks": [{"lifecycle": null}]}"#, Some("tasks[0]")),
+        (
+            r#"{"tasks": [{"name": "a", "name": "b"}]}"#,
+            Some("tasks[0]"),
+        ),
+        (r#"{"tasks": [], "tasks": []}"#, None),
+        ("not json", None),
+        (r#"{"tasks": [{"name": "a"}]"#, None),
+    ];
+    for (body, field) in cases {
+        let a = app
+            .raw("PUT", "/v1/allocations/a1", Some("application/json"), body)
+            .await;
+        a.assert_problem(400, "invalid_json");
+        if let Some(field) = field {
+            assert_eq!(a.error_fields(), [field], "{body}");
+        }
+    }
+    let prestop = app
+        .raw(
+            "PUT",
+            "/v1/allocations/a1",
+            Some("application/json"),
+            r#"{"tasks": [{"name": "w", "lifecycle": {"hook": "prestop"}}]}"#,
+        )
+        .await;
+    assert!(
+        prestop.body["detail"]
+            .as_str()
+            .unwrap()
+            .contains("prestart")
+    );
+}
+
+#[tokio::test]
+async fn bodies_need_a_json_content_type() {
+    let app = test_app();
+    let body = five_tasks().to_string();
+    app.raw("PUT", "/v1/allocations/a1", None, body.clone())
+        .await
+        .assert_problem(415, "unsupported_media_type");
+    app.raw(
+        "PUT",
+        "/v1/allocations/a1",
+        Some("text/plain"),
+        body.clone(),
+    )
+    .await
+    .assert_problem(415, "unsupported_media_type");
+    let ok = app
+        .raw(
+            "PUT",
+            "/v1/allocations/a1",
+            Some("application/json; charset=utf-8"),
+            body,
+        )
+        .await;
+    assert_eq!(ok.status, StatusCode::CREATED);
+}
+
+#[tokio::test]
+async fn bodies_over_the_limit_are_413() {
+    let app = test_app_with(
+        RegistryConfig::default(),
+        HttpConfig {
+            body_limit: 1024,
+            ..HttpConfig::default()
+        },
+    );
+    let big = format!(r#"{{"tasks": [{{"name": "{}"}}]}}"#, "x".repeat(2000));
+    app.raw("PUT", "/v1/allocations/a1", Some("application/json"), big)
+        .await
+        .assert_problem(413, "payload_too_large");
+    let default = test_app();
+    let huge = format!(
+        r#"{{"tasks": [{{"name": "{}"}}]}}"#,
+        "x".repeat(1024 * 1024)
+    );
+    default
+        .raw("PUT", "/v1/allocations/a1", Some("application/json"), huge)
+        .await
+        .assert_problem(413, "payload_too_large");
+}
+
+// ---- identifiers, routes, methods ----
+
+#[tokio::test]
+async fn bad_identifiers_in_paths_are_invalid_request() {
+    let app = test_app();
+    for uri in [
+        "/v1/allocations/..",
+        "/v1/allocations/a%2Fb",
+        "/v1/allocations/-a",
+        "/v1/allocations/a%20b",
+        "/v1/allocations/a1/tasks/..",
+        "/v1/allocations/%C3%A9/tasks/web",
+    ] {
+        let a = app.get(uri).await;
+        a.assert_problem(400, "invalid_request");
+        assert!(!a.error_fields().is_empty(), "{uri}");
+    }
+    let long = format!("/v1/allocations/{}", "a".repeat(129));
+    app.get(&long).await.assert_problem(400, "invalid_request");
+    let ok = format!("/v1/allocations/{}", "a".repeat(128));
+    app.get(&ok)
+        .await
+        .assert_problem(404, "allocation_not_found");
+}
+
+#[tokio::test]
+async fn unknown_routes_are_404_and_wrong_methods_405_with_allow() {
+    let app = test_app();
+    app.get("/v2/nothing")
+        .await
+        .assert_problem(404, "not_found");
+    let a = app.call("POST", "/v1/allocations/a1", None).await;
+    a.assert_problem(405, "method_not_allowed");
+    let allow = a.header("allow").unwrap();
+    for m in ["GET", "PUT", "DELETE"] {
+        assert!(allow.contains(m), "{allow}");
+    }
+    app.call("DELETE", "/v1/health", None)
+        .await
+        .assert_problem(405, "method_not_allowed");
+}
+
+// ---- reads, query parameters, pretty ----
+
+#[tokio::test]
+async fn get_answers_with_the_index_header_and_rejects_unknown_parameters() {
+    let app = test_app();
+    let reg = app.register_five("a1").await;
+    let a = app.get("/v1/allocations/a1").await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.index(), reg.index());
+    assert_eq!(a.body, reg.body);
+
+    let typo = app.get("/v1/allocations/a1?wiat=30s").await;
+    typo.assert_problem(400, "invalid_request");
+    assert_eq!(typo.error_fields(), ["wiat"]);
+    for (q, field) in [
+        ("index=-1", "index"),
+        ("index=abc", "index"),
+        ("index=99999999999999999999999", "index"),
+        ("wait=30", "wait"),
+        ("wait=-1s", "wait"),
+        ("wait=soon", "wait"),
+        ("index=1&index=2", "index"),
+    ] {
+        let a = app.get(&format!("/v1/allocations/a1?{q}")).await;
+        a.assert_problem(400, "invalid_request");
+        assert_eq!(a.error_fields(), [field], "{q}");
+    }
+    app.get("/v1/nope?x=1")
+        .await
+        .assert_problem(404, "not_found");
+    app.get("/v1/allocations/zz")
+        .await
+        .assert_problem(404, "allocation_not_found");
+}
+
+#[tokio::test]
+async fn pretty_indents_any_json_answer() {
+    let app = test_app();
+    app.register_five("a1").await;
+    let plain = app.get("/v1/allocations/a1").await;
+    assert!(!String::from_utf8_lossy(&plain.raw).contains('\n'));
+    let pretty = app.get("/v1/allocations/a1?pretty").await;
+    let text = String::from_utf8(pretty.raw.clone()).unwrap();
+    assert!(text.starts_with("{\n  \""), "{text}");
+    assert_eq!(pretty.body, plain.body);
+    assert_eq!(pretty.index(), plain.index());
+    let problem = app.get("/v1/allocations/zz?pretty=1").await;
+    problem.assert_problem(404, "allocation_not_found");
+    assert!(String::from_utf8_lossy(&problem.raw).contains("\n  \"code\""));
+    let write = app.report("a1", "init", json!({"state": "running"})).await;
+    assert_eq!(write.status, StatusCode::OK);
+    let write_pretty = app
+        .call(
+            "PUT",
+            "/v1/allocations/a1/tasks/init/state?pretty",
+            Some(json!({"state": "dead"})),
+        )
+        .await;
+    assert!(String::from_utf8_lossy(&write_pretty.raw).contains("\n  \"id\": \"a1\""));
+}
+
+// ---- list ----
+
+#[tokio::test]
+async fn list_filters_by_prefix_and_pages_with_a_token() {
+    let app = test_app();
+    for id in ["web-3", "db-1", "web-1", "web-2"] {
+        app.register_five(id).await;
+    }
+    let page = app.get("/v1/allocations?prefix=web-&per_page=2").await;
+    assert_eq!(page.status, StatusCode::OK);
+    let ids: Vec<_> = page
+        .body
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["web-1", "web-2"]);
+    let item = &page.body[0];
+    assert_eq!(item["coordinator_state"], "prestart");
+    assert_eq!(item["task_count"], 5);
+    assert!(item["modify_index"].is_u64());
+    let token = page.header("x-taskgate-nexttoken").unwrap().to_owned();
+    let next = app
+        .get(&format!(
+            "/v1/allocations?prefix=web-&per_page=2&next_token={token}"
+        ))
+        .await;
+    assert_eq!(next.body.as_array().unwrap().len(), 1);
+    assert_eq!(next.body[0]["id"], "web-3");
+    assert_eq!(next.header("x-taskgate-nexttoken"), None);
+    let all = app.get("/v1/allocations").await;
+    assert_eq!(all.body.as_array().unwrap().len(), 4);
+    assert_eq!(all.body[0]["id"], "db-1");
+
+    for q in [
+        "per_page=0",
+        "per_page=1001",
+        "per_page=x",
+        "next_token=..",
+        "prefix=web-&next_token=db-1",
+        "page=2",
+    ] {
+        app.get(&format!("/v1/allocations?{q}"))
+            .await
+            .assert_problem(400, "invalid_request");
+    }
+}
+
+// ---- delete ----
+
+#[tokio::test]
+async fn delete_answers_204_then_404() {
+    let app = test_app();
+    let reg = app.register_five("a1").await;
+    let d = app.call("DELETE", "/v1/allocations/a1", None).await;
+    assert_eq!(d.status, StatusCode::NO_CONTENT);
+    assert!(d.raw.is_empty());
+    assert!(d.index() > reg.index());
+    app.get("/v1/allocations/a1")
+        .await
+        .assert_problem(404, "allocation_not_found");
+    app.call("DELETE", "/v1/allocations/a1", None)
+        .await
+        .assert_problem(404, "allocation_not_found");
+    // The ID can be registered again, with a newer index.
+    let again = app.register_five("a1").await;
+    assert!(again.index() > d.index());
+}
+
+// ---- reports ----
+
+#[tokio::test]
+async fn a_report_records_state_event_and_timestamps() {
+    let app = test_app();
+    let reg = app.register_five("a1").await;
+    let a = app
+        .report(
+            "a1",
+            "init",
+            json!({"state": "running", "event": {"type": "Started", "details": {"pid": "42"}}}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert!(a.index() > reg.index());
+    let init = a.task("init");
+    assert_eq!(init["state"], "running");
+    assert!(init["started_at"].is_string());
+    assert_eq!(init["events"][0]["type"], "Started");
+    assert_eq!(init["events"][0]["message"], "");
+    assert_eq!(init["events"][0]["details"], json!({"pid": "42"}));
+    assert_eq!(init["modify_index"], a.body["modify_index"]);
+
+    let d = app
+        .report(
+            "a1",
+            "init",
+            json!({"state": "dead", "failed": true, "event": {"type": "Terminated", "message": "Exit Code: 1", "time": "2026-01-02T03:04:05+01:00"}}),
+        )
+        .await;
+    let init = d.task("init");
+    assert_eq!(init["failed"], true);
+    assert!(init["finished_at"].is_string());
+    assert_eq!(init["events"][1]["time"], "2026-01-02T02:04:05Z");
+    assert_eq!(
+        d.body["coordinator_state"], "prestart",
+        "a failed init holds prestart"
+    );
+    assert_eq!(d.task("proxy")["desired"], "stop");
+    assert_eq!(
+        d.task("proxy")["stop_reason"],
+        json!({"type": "Sibling Task Failed", "task": "init"})
+    );
+    assert_eq!(d.task("cleanup")["desired"], "run");
+}
+
+#[tokio::test]
+async fn a_noop_report_changes_no_index() {
+    let app = test_app();
+    app.register_five("a1").await;
+    let first = app.report("a1", "init", json!({"state": "running"})).await;
+    let same = app
+        .report("a1", "init", json!({"state": "running", "failed": false}))
+        .await;
+    assert_eq!(same.index(), first.index());
+    assert_eq!(same.body, first.body);
+}
+
+#[tokio::test]
+async fn report_errors() {
+    let app = test_app();
+    app.register_five("a1").await;
+    app.report("zz", "init", json!({"state": "running"}))
+        .await
+        .assert_problem(404, "allocation_not_found");
+    app.report("a1", "nope", json!({"state": "running"}))
+        .await
+        .assert_problem(404, "task_not_found");
+    let bad = app.report("a1", "init", json!({"state": "sleeping"})).await;
+    bad.assert_problem(400, "invalid_json");
+    assert_eq!(bad.error_fields(), ["state"]);
+    app.report("a1", "init", json!({"failed": true}))
+        .await
+        .assert_problem(400, "invalid_json");
+    let long = app
+        .report(
+            "a1",
+            "init",
+            json!({"state": "running", "event": {"type": "X", "message": "m".repeat(4097)}}),
+        )
+        .await;
+    long.assert_problem(400, "invalid_request");
+    assert_eq!(long.error_fields(), ["event.message"]);
+    let details: serde_json::Map<_, _> = (0..33).map(|i| (format!("k{i}"), json!("v"))).collect();
+    let many = app
+        .report(
+            "a1",
+            "init",
+            json!({"state": "running", "event": {"type": "X", "details": details}}),
+        )
+        .await;
+    assert_eq!(many.error_fields(), ["event.details"]);
+    app.report(
+        "a1",
+        "init",
+        json!({"state": "running", "event": {"type": ""}}),
+    )
+    .await
+    .assert_problem(400, "invalid_request");
+    let dup = app
+        .raw(
+            "PUT",
+            "/v1/allocations/a1/tasks/init/state",
+            Some("application/json"),
+            r#"{"state": "running", "event": {"type": "X", "details": {"a": "1", "a": "2"}}}"#,
+        )
+        .await;
+    dup.assert_problem(400, "invalid_json");
+    let bad_time = app
+        .report(
+            "a1",
+            "init",
+            json!({"state": "running", "event": {"type": "X", "time": "yesterday"}}),
+        )
+        .await;
+    bad_time.assert_problem(400, "invalid_json");
+    assert_eq!(bad_time.error_fields(), ["event.time"]);
+    // Nothing of the refused reports was applied.
+    let a = app.get("/v1/allocations/a1").await;
+    assert_eq!(a.task("init")["state"], "pending");
+    assert_eq!(a.task("init")["events"], json!([]));
+}
+
+#[tokio::test]
+async fn a_batch_applies_together_then_evaluates_once() {
+    let app = test_app();
+    app.register_five("a1").await;
+    let a = app
+        .call(
+            "POST",
+            "/v1/allocations/a1/task-states",
+            Some(json!({"tasks": {"init": {"state": "dead"}, "proxy": {"state": "running"}}})),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.body["coordinator_state"], "main");
+    assert_eq!(a.task("web")["allowed"], true);
+    assert_eq!(
+        a.task("init")["modify_index"],
+        a.task("proxy")["modify_index"]
+    );
+}
+
+#[tokio::test]
+async fn a_batch_with_one_bad_entry_applies_nothing() {
+    let app = test_app();
+    let reg = app.register_five("a1").await;
+    let unknown = app
+        .call(
+            "POST",
+            "/v1/allocations/a1/task-states",
+            Some(json!({"tasks": {"init": {"state": "dead"}, "ghost": {"state": "running"}}})),
+        )
+        .await;
+    unknown.assert_problem(404, "task_not_found");
+    let invalid = app
+        .call(
+            "POST",
+            "/v1/allocations/a1/task-states",
+            Some(json!({"tasks": {"init": {"state": "dead"}, "proxy": {"state": "running", "event": {"type": "x".repeat(65)}}}})),
+        )
+        .await;
+    invalid.assert_problem(400, "invalid_request");
+    assert_eq!(invalid.error_fields(), ["tasks.proxy.event.type"]);
+    let wrong_type = app
+        .call(
+            "POST",
+            "/v1/allocations/a1/task-states",
+            Some(json!({"tasks": {"init": {"state": "dead"}, "proxy": {"state": 3}}})),
+        )
+        .await;
+    wrong_type.assert_problem(400, "invalid_json");
+    assert_eq!(wrong_type.error_fields(), ["tasks.proxy.state"]);
+    let dup = app
+        .raw(
+            "POST",
+            "/v1/allocations/a1/task-states",
+            Some("application/json"),
+            r#"{"tasks": {"init": {"state": "dead"}, "init": {"state": "running"}}}"#,
+        )
+        .await;
+    dup.assert_problem(400, "invalid_json");
+    let a = app.get("/v1/allocations/a1").await;
+    assert_eq!(a.index(), reg.index(), "nothing was applied");
+    assert_eq!(a.task("init")["state"], "pending");
+}
+
+// ---- start condition ----
+
+#[tokio::test]
+async fn start_condition_answers_at_once_when_allowed() {
+    let app = test_app();
+    app.register_five("a1").await;
+    let a = app
+        .get("/v1/allocations/a1/tasks/init/start-condition")
+        .await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(
+        a.body,
+        json!({"alloc_id": "a1", "task": "init", "allowed": true, "desired": "run",
+               "coordinator_state": "prestart", "waiting_on": ["init", "proxy"],
+               "index": a.index()})
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn start_condition_times_out_with_a_200_not_allowed() {
+    let app = test_app();
+    app.register_five("a1").await;
+    let started = tokio::time::Instant::now();
+    let a = app
+        .get("/v1/allocations/a1/tasks/web/start-condition?wait=2s")
+        .await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.body["allowed"], false);
+    assert_eq!(a.body["waiting_on"], json!(["init", "proxy"]));
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_secs(2), "{waited:?}");
+    assert!(
+        waited <= Duration::from_secs(2) + Duration::from_secs(2) / 16,
+        "jitter is at most wait/16: {waited:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn waits_are_capped_at_the_maximum() {
+    let app = test_app();
+    app.register_five("a1").await;
+    let started = tokio::time::Instant::now();
+    app.get("/v1/allocations/a1/tasks/web/start-condition?wait=1h")
+        .await;
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_secs(300), "{waited:?}");
+    assert!(
+        waited <= Duration::from_secs(300) + Duration::from_secs(300) / 16,
+        "{waited:?}"
+    );
+    let started = tokio::time::Instant::now();
+    app.get("/v1/allocations/a1/tasks/web/start-condition")
+        .await;
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_secs(30)
+            && waited <= Duration::from_secs(30) + Duration::from_secs(30) / 16,
+        "default 30s: {waited:?}"
+    );
+}
+
+#[tokio::test]
+async fn start_condition_answers_at_once_when_told_to_stop() {
+    let app = test_app();
+    app.register_five("a1").await;
+    app.report("a1", "init", json!({"state": "dead", "failed": true}))
+        .await;
+    let a = app
+        .get("/v1/allocations/a1/tasks/web/start-condition?wait=300s")
+        .await;
+    assert_eq!(a.body["allowed"], false);
+    assert_eq!(a.body["desired"], "stop");
+}
+
+#[tokio::test]
+async fn start_condition_errors() {
+    let app = test_app();
+    app.register_five("a1").await;
+    app.get("/v1/allocations/zz/tasks/web/start-condition")
+        .await
+        .assert_problem(404, "allocation_not_found");
+    app.get("/v1/allocations/a1/tasks/nope/start-condition")
+        .await
+        .assert_problem(404, "task_not_found");
+    let a = app
+        .get("/v1/allocations/a1/tasks/web/start-condition?index=3")
+        .await;
+    a.assert_problem(400, "invalid_request");
+    assert_eq!(a.error_fields(), ["index"]);
+}
+
+#[tokio::test]
+async fn a_deletion_ends_a_parked_long_poll_with_410() {
+    let app = test_app();
+    app.register_five("a1").await;
+    let waiting = {
+        let router = app.router.clone();
+        let app2 = common::TestApp {
+            router,
+            registry: app.registry.clone(),
+            store: app.store.clone(),
+        };
+        tokio::spawn(async move {
+            app2.get("/v1/allocations/a1/tasks/web/start-condition?wait=300s")
+                .await
+        })
+    };
+    app.parked(1).await;
+    assert_eq!(
+        app.call("DELETE", "/v1/allocations/a1", None).await.status,
+        StatusCode::NO_CONTENT
+    );
+    waiting
+        .await
+        .unwrap()
+        .assert_problem(410, "allocation_deleted");
+    assert_eq!(app.registry.waiters(), 0);
+}
+
+#[tokio::test]
+async fn the_waiter_limit_answers_503_with_retry_after() {
+    let app = test_app_with(
+        RegistryConfig {
+            max_waiters: 0,
+            ..RegistryConfig::default()
+        },
+        HttpConfig::default(),
+    );
+    app.register_five("a1").await;
+    let a = app
+        .get("/v1/allocations/a1/tasks/web/start-condition?wait=5s")
+        .await;
+    a.assert_problem(503, "too_many_waiters");
+    assert_eq!(a.header("retry-after"), Some("1"));
+    // A wait that needs no parking is still answered.
+    let now = app
+        .get("/v1/allocations/a1/tasks/init/start-condition")
+        .await;
+    assert_eq!(now.status, StatusCode::OK);
+}
+
+// ---- task view and blocking queries ----
+
+#[tokio::test]
+async fn task_view_carries_its_allocation_state() {
+    let app = test_app();
+    let reg = app.register_five("a1").await;
+    let t = app.get("/v1/allocations/a1/tasks/proxy").await;
+    assert_eq!(t.status, StatusCode::OK);
+    assert_eq!(t.index(), reg.index());
+    assert_eq!(t.body["name"], "proxy");
+    assert_eq!(t.body["coordinator_state"], "prestart");
+    assert_eq!(t.body["alloc_modify_index"], reg.body["modify_index"]);
+    assert_eq!(t.body["stage"], "prestart_sidecar");
+    app.get("/v1/allocations/a1/tasks/nope")
+        .await
+        .assert_problem(404, "task_not_found");
+}
+
+#[tokio::test(start_paused = true)]
+async fn blocking_queries_answer_at_once_for_an_old_index_and_wait_otherwise() {
+    let app = test_app();
+    let reg = app.register_five("a1").await;
+    let index = reg.index();
+    let now = app
+        .get(&format!("/v1/allocations/a1?index={}&wait=10s", index - 1))
+        .await;
+    assert_eq!(now.index(), index);
+    let started = tokio::time::Instant::now();
+    let timed_out = app
+        .get(&format!("/v1/allocations/a1?index={index}&wait=10s"))
+        .await;
+    assert_eq!(timed_out.status, StatusCode::OK, "a timeout is a 200");
+    assert_eq!(timed_out.index(), index);
+    assert!(started.elapsed() >= Duration::from_secs(10));
+    let task = app
+        .get(&format!(
+            "/v1/allocations/a1/tasks/web?index={index}&wait=1s"
+        ))
+        .await;
+    assert_eq!(task.status, StatusCode::OK);
+    assert_eq!(task.body["modify_index"].as_u64().unwrap(), index);
+}
+
+// ---- restart ----
+
+async fn running_five(app: &common::TestApp) {
+    app.register_five("a1").await;
+    app.call(
+        "POST",
+        "/v1/allocations/a1/task-states",
+        Some(json!({"tasks": {"init": {"state": "dead"}, "proxy": {"state": "running"}, "web": {"state": "running"}}})),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn restart_running_tasks_by_default_even_with_an_empty_body() {
+    let app = test_app();
+    running_five(&app).await;
+    let before = app.get("/v1/allocations/a1").await;
+    let r = app
+        .raw("POST", "/v1/allocations/a1/restart", None, "")
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["restarted"], json!(["proxy", "web"]));
+    assert_eq!(r.body["coordinator_state"], "poststart");
+    assert!(r.body["index"].as_u64().unwrap() > before.index());
+    assert_eq!(r.index(), r.body["index"].as_u64().unwrap());
+    let a = app.get("/v1/allocations/a1").await;
+    let web = a.task("web");
+    assert_eq!(web["restart_generation"], 1);
+    assert_eq!(
+        web["state"], "running",
+        "a restart does not change reported states"
+    );
+    let ev = web["events"].as_array().unwrap().last().unwrap();
+    assert_eq!(ev["type"], "Restart Signaled");
+    assert_eq!(ev["message"], "Restart requested through the API");
+    let again = app
+        .call("POST", "/v1/allocations/a1/restart", Some(json!({})))
+        .await;
+    assert_eq!(again.body["restarted"], json!(["proxy", "web"]));
+}
+
+#[tokio::test]
+async fn restart_one_task_with_a_reason() {
+    let app = test_app();
+    running_five(&app).await;
+    let r = app
+        .call(
+            "POST",
+            "/v1/allocations/a1/restart",
+            Some(json!({"task": "web", "reason": "new config"})),
+        )
+        .await;
+    assert_eq!(r.body["restarted"], json!(["web"]));
+    let a = app.get("/v1/allocations/a1").await;
+    assert_eq!(a.task("proxy")["restart_generation"], 0);
+    let ev = a.task("web")["events"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    assert_eq!(ev["message"], "new config");
+}
+
+#[tokio::test]
+async fn restart_all_tasks_resets_the_coordinator() {
+    let app = test_app();
+    running_five(&app).await;
+    let r = app
+        .call(
+            "POST",
+            "/v1/allocations/a1/restart",
+            Some(json!({"all_tasks": true})),
+        )
+        .await;
+    assert_eq!(r.body["restarted"], json!(["init", "proxy", "web"]));
+    assert_eq!(r.body["coordinator_state"], "init");
+    let a = app.get("/v1/allocations/a1").await;
+    for t in a.body["tasks"].as_array().unwrap() {
+        assert_eq!(t["allowed"], false, "all gates closed in init");
+    }
+    assert_eq!(a.body["waiting_on"], json!(["init", "proxy", "web"]));
+    assert_eq!(a.task("cleanup")["restart_generation"], 0);
+}
+
+#[tokio::test]
+async fn restart_errors() {
+    let app = test_app();
+    running_five(&app).await;
+    let both = app
+        .call(
+            "POST",
+            "/v1/allocations/a1/restart",
+            Some(json!({"task": "web", "all_tasks": true})),
+        )
+        .await;
+    both.assert_problem(400, "invalid_request");
+    assert_eq!(both.error_fields(), ["all_tasks"]);
+    app.call(
+        "POST",
+        "/v1/allocations/a1/restart",
+        Some(json!({"task": "ghost"})),
+    )
+    .await
+    .assert_problem(404, "task_not_found");
+    let not_running = app
+        .call(
+            "POST",
+            "/v1/allocations/a1/restart",
+            Some(json!({"task": "init"})),
+        )
+        .await;
+    not_running.assert_problem(409, "task_not_running");
+    assert_eq!(not_running.body["detail"], "task \"init\" is not running");
+    assert!(not_running.header("x-taskgate-index").is_some());
+    app.call(
+        "POST",
+        "/v1/allocations/a1/restart",
+        Some(json!({"task": "cleanup"})),
+    )
+    .await
+    .assert_problem(409, "task_not_running");
+    app.call(
+        "POST",
+        "/v1/allocations/a1/restart",
+        Some(json!({"reason": "x".repeat(4097)})),
+    )
+    .await
+    .assert_problem(400, "invalid_request");
+    app.call(
+        "POST",
+        "/v1/allocations/a1/restart",
+        Some(json!({"everything": true})),
+    )
+    .await
+    .assert_problem(400, "invalid_json");
+    app.raw(
+        "POST",
+        "/v1/allocations/a1/restart",
+        Some("text/plain"),
+        "{}",
+    )
+    .await
+    .assert_problem(415, "unsupported_media_type");
+    app.call("POST", "/v1/allocations/zz/restart", Some(json!({})))
+        .await
+        .assert_problem(404, "allocation_not_found");
+    // Into poststop: every non-poststop task dead.
+    app.call(
+        "POST",
+        "/v1/allocations/a1/task-states",
+        Some(json!({"tasks": {"proxy": {"state": "dead"}, "web": {"state": "dead"}, "announce": {"state": "dead"}}})),
+    )
+    .await;
+    let before = app.get("/v1/allocations/a1").await;
+    assert_eq!(before.body["coordinator_state"], "poststop");
+    for body in [json!({}), json!({"all_tasks": true})] {
+        app.call("POST", "/v1/allocations/a1/restart", Some(body))
+            .await
+            .assert_problem(409, "allocation_finished");
+    }
+    let after = app.get("/v1/allocations/a1").await;
+    assert_eq!(after.body, before.body, "a refused restart changes nothing");
+}
+
+// ---- restore ----
+
+#[tokio::test]
+async fn restore_jumps_to_prestart_and_evaluates() {
+    let app = test_app();
+    app.register_five("a1").await;
+    let r = app
+        .call(
+            "POST",
+            "/v1/allocations/a1/restore",
+            Some(json!({"tasks": {"init": {"state": "dead"}, "proxy": {"state": "running"}, "web": {"state": "running"}}})),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.body["coordinator_state"], "poststart");
+    assert_eq!(r.task("announce")["allowed"], true);
+    app.call(
+        "POST",
+        "/v1/allocations/a1/restore",
+        Some(json!({"tasks": {"ghost": {"state": "dead"}}})),
+    )
+    .await
+    .assert_problem(404, "task_not_found");
+    app.call(
+        "POST",
+        "/v1/allocations/zz/restore",
+        Some(json!({"tasks": {}})),
+    )
+    .await
+    .assert_problem(404, "allocation_not_found");
+}
+
+// ---- service routes ----
+
+#[tokio::test]
+async fn health_turns_503_on_shutdown() {
+    let app = test_app();
+    let ok = app.get("/v1/health").await;
+    assert_eq!(ok.status, StatusCode::OK);
+    assert_eq!(ok.body, json!({"status": "ok"}));
+    app.registry.shutdown();
+    let stopping = app.get("/v1/health").await;
+    stopping.assert_problem(503, "shutting_down");
+    assert_eq!(stopping.header("retry-after"), Some("1"));
+}
+
+#[tokio::test]
+async fn metrics_count_waiters() {
+    let app = test_app();
+    app.register_five("a1").await;
+    let m = app.get("/metrics").await;
+    assert_eq!(m.status, StatusCode::OK);
+    let text = String::from_utf8(m.raw).unwrap();
+    assert!(text.contains("\ntaskgate_waiters 0\n"), "{text}");
+    assert!(text.contains("\ntaskgate_allocations 1\n"), "{text}");
+    assert!(
+        m.headers["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/plain")
+    );
+}
+
+#[tokio::test]
+async fn a_failed_commit_is_a_500_that_says_nothing_internal() {
+    let app = test_app();
+    app.register_five("a1").await;
+    app.store.fail_commits(true);
+    let a = app.report("a1", "init", json!({"state": "running"})).await;
+    a.assert_problem(500, "internal");
+    assert!(!String::from_utf8_lossy(&a.raw).contains("injected"));
+    app.store.fail_commits(false);
+    let now = app.get("/v1/allocations/a1").await;
+    assert_eq!(now.task("init")["state"], "pending", "memory is as it was");
+}
+
+#[tokio::test]
+async fn the_served_openapi_document_is_the_committed_one() {
+    let app = test_app();
+    let served = app.get("/openapi.json").await;
+    assert_eq!(served.status, StatusCode::OK);
+    let committed =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/openapi/openapi.json"))
+            .expect("openapi/openapi.json is committed");
+    assert!(
+        served.raw == committed.as_bytes(),
+        "openapi/openapi.json is stale: regenerate it with `cargo run -- openapi > openapi/openapi.json`"
+    );
+    assert_eq!(served.body["openapi"], "3.1.0");
+}
+
+#[tokio::test]
+async fn the_openapi_document_names_every_error_code_of_the_contract() {
+    let doc = taskgate::http::openapi::document();
+    for code in [
+        "invalid_json",
+        "invalid_request",
+        "allocation_not_found",
+        "task_not_found",
+        "allocation_exists",
+        "task_not_running",
+        "allocation_finished",
+        "allocation_deleted",
+        "payload_too_large",
+        "unsupported_media_type",
+        "too_many_waiters",
+        "shutting_down",
+        "internal",
+    ] {
+        assert!(
+            doc.contains(&format!("`{code}`")),
+            "{code} is not documented"
+        );
+    }
+}
+
+#[tokio::test]
+async fn docs_are_served_from_the_binary() {
+    let app = test_app();
+    let redirect = app.get("/docs").await;
+    assert!(redirect.status.is_redirection());
+    let page = app.get("/docs/").await;
+    assert_eq!(page.status, StatusCode::OK);
+    let html = String::from_utf8(page.raw).unwrap();
+    assert!(html.contains("swagger-ui"), "{html}");
+    assert!(!html.contains("https://"), "no asset from another host");
+    let init = app.get("/docs/swagger-initializer.js").await;
+    let js = String::from_utf8(init.raw).unwrap();
+    assert!(js.contains("/openapi.json"), "{js}");
+}

@@ -1,0 +1,224 @@
+//! Test helpers: an in-process router for `oneshot` handler tests, and a
+//! real server on an OS-chosen loopback port for end-to-end tests.
+#![allow(dead_code)]
+
+use std::{sync::Arc, time::Duration};
+
+use axum::{
+    Router,
+    body::Body,
+    http::{HeaderMap, Method, Request, StatusCode, header},
+};
+use http_body_util::BodyExt;
+use serde_json::Value;
+use taskgate::{
+    app::Application,
+    config::ServeConfig,
+    http::{HttpConfig, app},
+    registry::{Registry, RegistryConfig},
+    store::MemoryStore,
+};
+use tower::ServiceExt;
+
+pub struct TestApp {
+    pub router: Router,
+    pub registry: Registry,
+    pub store: Arc<MemoryStore>,
+}
+
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Value,
+    pub raw: Vec<u8>,
+}
+
+impl Answer {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    /// The `X-Taskgate-Index` header.
+    pub fn index(&self) -> u64 {
+        self.header("x-taskgate-index")
+            .expect("X-Taskgate-Index is present")
+            .parse()
+            .unwrap()
+    }
+
+    /// Asserts a problem+json answer with this status and code.
+    #[track_caller]
+    pub fn assert_problem(&self, status: u16, code: &str) {
+        assert_eq!(self.status.as_u16(), status, "body: {}", self.body);
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "body: {}",
+            self.body
+        );
+        assert_eq!(self.body["code"], code, "body: {}", self.body);
+        assert_eq!(self.body["status"], status);
+        assert_eq!(self.body["type"], "about:blank");
+        assert!(self.body["title"].is_string());
+        assert!(self.body["detail"].is_string());
+    }
+
+    /// The `errors[].field` values of a problem.
+    pub fn error_fields(&self) -> Vec<String> {
+        self.body["errors"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|e| e["field"].as_str().unwrap().to_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// A task view by name from an allocation view.
+    pub fn task(&self, name: &str) -> &Value {
+        self.body["tasks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["name"] == name)
+            .unwrap_or_else(|| panic!("no task {name} in {}", self.body))
+    }
+}
+
+pub fn test_app() -> TestApp {
+    test_app_with(RegistryConfig::default(), HttpConfig::default())
+}
+
+pub fn test_app_with(registry: RegistryConfig, http: HttpConfig) -> TestApp {
+    let store = Arc::new(MemoryStore::new());
+    let registry = Registry::open(store.clone(), registry).unwrap();
+    TestApp {
+        router: app(registry.clone(), http),
+        registry,
+        store,
+    }
+}
+
+impl TestApp {
+    pub async fn send(&self, req: Request<Body>) -> Answer {
+        let res = self.router.clone().oneshot(req).await.unwrap();
+        let status = res.status();
+        let headers = res.headers().clone();
+        let raw = res.into_body().collect().await.unwrap().to_bytes().to_vec();
+        let body = serde_json::from_slice(&raw).unwrap_or(Value::Null);
+        Answer {
+            status,
+            headers,
+            body,
+            raw,
+        }
+    }
+
+    /// A request with a JSON body (if any).
+    pub async fn call(&self, method: &str, uri: &str, body: Option<Value>) -> Answer {
+        let mut req = Request::builder()
+            .method(Method::from_bytes(method.as_bytes()).unwrap())
+            .uri(uri);
+        let body = match body {
+            Some(v) => {
+                req = req.header(header::CONTENT_TYPE, "application/json");
+                Body::from(v.to_string())
+            }
+            None => Body::empty(),
+        };
+        self.send(req.body(body).unwrap()).await
+    }
+
+    /// A request with a raw body and content type.
+    pub async fn raw(
+        &self,
+        method: &str,
+        uri: &str,
+        ct: Option<&str>,
+        body: impl Into<Body>,
+    ) -> Answer {
+        let mut req = Request::builder()
+            .method(Method::from_bytes(method.as_bytes()).unwrap())
+            .uri(uri);
+        if let Some(ct) = ct {
+            req = req.header(header::CONTENT_TYPE, ct);
+        }
+        self.send(req.body(body.into()).unwrap()).await
+    }
+
+    pub async fn get(&self, uri: &str) -> Answer {
+        self.call("GET", uri, None).await
+    }
+
+    /// Registers the five-task allocation of API.md as `id`.
+    pub async fn register_five(&self, id: &str) -> Answer {
+        let a = self
+            .call("PUT", &format!("/v1/allocations/{id}"), Some(five_tasks()))
+            .await;
+        assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+        a
+    }
+
+    pub async fn report(&self, id: &str, task: &str, body: Value) -> Answer {
+        self.call(
+            "PUT",
+            &format!("/v1/allocations/{id}/tasks/{task}/state"),
+            Some(body),
+        )
+        .await
+    }
+
+    /// Waits (bounded) until `n` requests are parked.
+    pub async fn parked(&self, n: usize) {
+        parked(&self.registry, n).await
+    }
+}
+
+/// Waits until `n` requests are parked in waits. Polls a readiness
+/// condition, bounded: a bug fails the test instead of hanging it.
+pub async fn parked(registry: &Registry, n: usize) {
+    for _ in 0..2_000 {
+        if registry.waiters() >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("{n} waiters never parked (have {})", registry.waiters());
+}
+
+/// The example allocation of API.md.
+pub fn five_tasks() -> Value {
+    serde_json::json!({"tasks": [
+        {"name": "init", "lifecycle": {"hook": "prestart"}},
+        {"name": "proxy", "lifecycle": {"hook": "prestart", "sidecar": true}},
+        {"name": "web", "leader": true},
+        {"name": "announce", "lifecycle": {"hook": "poststart"}},
+        {"name": "cleanup", "lifecycle": {"hook": "poststop"}}
+    ]})
+}
+
+/// A real server on 127.0.0.1 with an OS-chosen port, stopped by dropping
+/// (or sending on) `stop`.
+pub struct Server {
+    pub base: String,
+    pub registry: Registry,
+    pub stop: Option<tokio::sync::oneshot::Sender<()>>,
+    pub task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+pub async fn spawn_server() -> Server {
+    let app = Application::build(ServeConfig::for_tests()).await.unwrap();
+    let base = format!("http://{}", app.local_addr());
+    let registry = app.registry().clone();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(app.run_until_stopped(async move {
+        let _ = rx.await;
+    }));
+    Server {
+        base,
+        registry,
+        stop: Some(tx),
+        task,
+    }
+}
