@@ -1,0 +1,197 @@
+//! End-to-end over a real socket: a server on an OS-chosen loopback port
+//! and HTTP/1.1 clients. Waits are bounded by `tokio::time::timeout`, so a
+//! bug fails a test instead of hanging it.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{five_tasks, parked, spawn_server};
+use serde_json::{Value, json};
+
+const BOUND: Duration = Duration::from_secs(20);
+
+async fn json_of(res: reqwest::Response) -> (u16, Value) {
+    let status = res.status().as_u16();
+    (status, res.json().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_parked_before_a_change_are_answered_right_after_it() {
+    let server = spawn_server().await;
+    let http = reqwest::Client::new();
+    let base = server.base.clone();
+    let reg = http
+        .put(format!("{base}/v1/allocations/a1"))
+        .json(&five_tasks())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reg.status(), 201);
+    let index: u64 = reg.headers()["x-taskgate-index"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+
+    let mut waits = Vec::new();
+    for path in [
+        "tasks/web/start-condition?wait=300s".to_owned(),
+        "tasks/web/start-condition?wait=300s".to_owned(),
+        "tasks/proxy/start-condition?wait=300s".to_owned(),
+        format!("tasks/web?index={index}&wait=300s"),
+        format!("?index={index}&wait=300s"),
+    ] {
+        let url = if path.starts_with('?') {
+            format!("{base}/v1/allocations/a1{path}")
+        } else {
+            format!("{base}/v1/allocations/a1/{path}")
+        };
+        let http = http.clone();
+        waits.push(tokio::spawn(async move {
+            json_of(http.get(url).send().await.unwrap()).await
+        }));
+    }
+    // proxy is allowed at once; the four others park.
+    parked(&server.registry, 4).await;
+    assert!(!waits[0].is_finished());
+
+    let report = http
+        .post(format!("{base}/v1/allocations/a1/task-states"))
+        .json(&json!({"tasks": {"init": {"state": "dead"}, "proxy": {"state": "running"}}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(report.status(), 200);
+    let acked: u64 = report.headers()["x-taskgate-index"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+
+    let mut answers = Vec::new();
+    for w in waits {
+        answers.push(
+            tokio::time::timeout(BOUND, w)
+                .await
+                .expect("answered")
+                .unwrap(),
+        );
+    }
+    for (status, body) in &answers[..2] {
+        assert_eq!(*status, 200);
+        assert_eq!(body["allowed"], true);
+        assert_eq!(body["coordinator_state"], "main");
+        assert_eq!(body["index"].as_u64().unwrap(), acked);
+    }
+    assert_eq!(answers[2].1["allowed"], true);
+    assert_eq!(
+        answers[3].1["allowed"], true,
+        "web's gate opened: its task view changed"
+    );
+    assert_eq!(answers[4].1["modify_index"].as_u64().unwrap(), acked);
+    assert_eq!(server.registry.waiters(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_allocation_ends_waits_with_410() {
+    let server = spawn_server().await;
+    let http = reqwest::Client::new();
+    let base = server.base.clone();
+    http.put(format!("{base}/v1/allocations/gone"))
+        .json(&five_tasks())
+        .send()
+        .await
+        .unwrap();
+    let waits: Vec<_> = [
+        "tasks/web/start-condition?wait=300s",
+        "?index=999&wait=300s",
+    ]
+    .into_iter()
+    .map(|p| {
+        let url = if p.starts_with('?') {
+            format!("{base}/v1/allocations/gone{p}")
+        } else {
+            format!("{base}/v1/allocations/gone/{p}")
+        };
+        let http = http.clone();
+        tokio::spawn(async move { json_of(http.get(url).send().await.unwrap()).await })
+    })
+    .collect();
+    parked(&server.registry, 2).await;
+    let del = http
+        .delete(format!("{base}/v1/allocations/gone"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(del.status(), 204);
+    for w in waits {
+        let (status, body) = tokio::time::timeout(BOUND, w)
+            .await
+            .expect("answered")
+            .unwrap();
+        assert_eq!(status, 410);
+        assert_eq!(body["code"], "allocation_deleted");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_wait_is_a_200_with_allowed_false() {
+    let server = spawn_server().await;
+    let http = reqwest::Client::new();
+    let base = server.base.clone();
+    http.put(format!("{base}/v1/allocations/a1"))
+        .json(&five_tasks())
+        .send()
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let res = http
+        .get(format!(
+            "{base}/v1/allocations/a1/tasks/web/start-condition?wait=300ms"
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    let (status, body) = json_of(res).await;
+    assert_eq!(status, 200);
+    assert_eq!(body["allowed"], false);
+    assert_eq!(body["desired"], "run");
+    assert_eq!(body["waiting_on"], json!(["init", "proxy"]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_answers_parked_waits_with_503_and_stops_the_server() {
+    let mut server = spawn_server().await;
+    let http = reqwest::Client::new();
+    let base = server.base.clone();
+    http.put(format!("{base}/v1/allocations/a1"))
+        .json(&five_tasks())
+        .send()
+        .await
+        .unwrap();
+    let waits: Vec<_> = (0..3)
+        .map(|_| {
+            let http = http.clone();
+            let url = format!("{base}/v1/allocations/a1/tasks/web/start-condition?wait=300s");
+            tokio::spawn(async move { http.get(url).send().await.unwrap() })
+        })
+        .collect();
+    parked(&server.registry, 3).await;
+    server.stop.take().unwrap().send(()).unwrap();
+    for w in waits {
+        let res = tokio::time::timeout(BOUND, w)
+            .await
+            .expect("answered")
+            .unwrap();
+        assert_eq!(res.status(), 503);
+        assert_eq!(res.headers()["retry-after"], "1");
+        let body: Value = res.json().await.unwrap();
+        assert_eq!(body["code"], "shutting_down");
+    }
+    let stopped = tokio::time::timeout(BOUND, server.task)
+        .await
+        .expect("server stopped");
+    assert!(stopped.unwrap().is_ok());
+}

@@ -1,0 +1,96 @@
+//! Runs the README's walkthrough against a real server, so it cannot rot:
+//! each `curl` command of the marked block runs in `sh` with the server's
+//! address in place of `localhost:8080`, and each `# expect:` line must be
+//! in the output of the command before it.
+
+mod common;
+
+use std::process::Command;
+
+/// One command of the walkthrough and what its output must contain.
+struct Step {
+    command: String,
+    expect: Vec<String>,
+}
+
+fn walkthrough() -> Vec<Step> {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let block = readme
+        .split("<!-- walkthrough:start -->")
+        .nth(1)
+        .and_then(|rest| rest.split("<!-- walkthrough:end -->").next())
+        .expect("README has a walkthrough block");
+    let mut steps: Vec<Step> = Vec::new();
+    let mut open: Option<String> = None;
+    for line in block.lines() {
+        if let Some(cmd) = open.as_mut() {
+            cmd.push('\n');
+            cmd.push_str(line);
+        } else if let Some(expect) = line.strip_prefix("# expect: ") {
+            steps
+                .last_mut()
+                .expect("an expect line follows a command")
+                .expect
+                .push(expect.to_owned());
+            continue;
+        } else if line.starts_with("curl ") {
+            open = Some(line.to_owned());
+        } else {
+            continue;
+        }
+        let cmd = open.as_ref().unwrap();
+        // A command goes on while a quote is open or the line ends in `\`.
+        let quotes_open = cmd.matches('\'').count() % 2 == 1;
+        if !quotes_open && !cmd.ends_with('\\') {
+            steps.push(Step {
+                command: open.take().unwrap(),
+                expect: Vec::new(),
+            });
+        }
+    }
+    assert!(open.is_none(), "unterminated command in the walkthrough");
+    steps
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_walkthrough_runs_as_written() {
+    let steps = walkthrough();
+    assert!(
+        steps.len() >= 15,
+        "the walkthrough was found ({} steps)",
+        steps.len()
+    );
+    assert!(
+        steps.iter().all(|s| !s.expect.is_empty()),
+        "every command checks its output"
+    );
+    let server = common::spawn_server().await;
+    let addr = server.base.trim_start_matches("http://").to_owned();
+    for step in steps {
+        let command = step.command.replace("localhost:8080", &addr);
+        let out = tokio::task::spawn_blocking(move || {
+            Command::new("sh")
+                .arg("-c")
+                .arg(format!("{command} --max-time 30"))
+                .output()
+                .expect("sh runs (and curl is installed)")
+        })
+        .await
+        .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{}\nfailed: {}",
+            step.command,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for expect in &step.expect {
+            assert!(
+                stdout.contains(expect.as_str()),
+                "{}\nexpected {expect:?} in:\n{stdout}",
+                step.command
+            );
+        }
+    }
+}
