@@ -25,7 +25,7 @@ use axum::{
     routing::{get, post, put},
 };
 use serde::Serialize;
-use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::{catch_panic::CatchPanicLayer, trace::TraceLayer};
 use utoipa_swagger_ui::{Config as SwaggerConfig, SwaggerUi};
 
 use crate::registry::Registry;
@@ -134,6 +134,7 @@ pub fn app(registry: Registry, config: HttpConfig) -> Router {
         .layer(DefaultBodyLimit::max(config.body_limit))
         .layer(middleware::from_fn(problem_for_bare_errors))
         .layer(middleware::from_fn(pretty))
+        .layer(TraceLayer::new_for_http())
         .layer(CatchPanicLayer::custom(
             |_: Box<dyn std::any::Any + Send>| {
                 tracing::error!("a request handler panicked");
@@ -142,8 +143,8 @@ pub fn app(registry: Registry, config: HttpConfig) -> Router {
         ))
 }
 
-/// Gives a problem+json body to errors that axum answers by itself with no
-/// body of ours (405 with its `Allow` header kept).
+/// Gives a problem+json body to the 405 that axum answers by itself.
+/// (axum adds the `Allow` header outside route layers, so it is kept.)
 async fn problem_for_bare_errors(req: Request, next: Next) -> Response {
     let res = next.run(req).await;
     if res.status() != StatusCode::METHOD_NOT_ALLOWED
@@ -151,18 +152,12 @@ async fn problem_for_bare_errors(req: Request, next: Next) -> Response {
     {
         return res;
     }
-    let (parts, _) = res.into_parts();
-    let allow = parts.headers.get(header::ALLOW).cloned();
-    let detail = match allow.as_ref().and_then(|v| v.to_str().ok()) {
-        Some(allowed) => format!("method not allowed here; allowed: {allowed}"),
-        None => "method not allowed here".to_owned(),
-    };
-    let mut res =
-        ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", detail).into_response();
-    if let Some(allow) = allow {
-        res.headers_mut().insert(header::ALLOW, allow);
-    }
-    res
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "this method is not allowed on this path; the Allow header lists those that are",
+    )
+    .into_response()
 }
 
 /// `?pretty` on any route: re-renders a JSON answer indented, for curl.
