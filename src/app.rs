@@ -1,16 +1,21 @@
-//! The application: open the store, rebuild the registry, bind, serve
-//! until a shutdown future completes, then drain.
+//! The application: bind, answer 503 while the store loads, rebuild the
+//! registry, then serve until a shutdown future completes, drain, and close
+//! the store.
 
-use std::{future::Future, net::SocketAddr, sync::Arc};
+use std::{future::Future, net::SocketAddr, sync::Arc, time::Duration};
 
+use axum::{
+    http::StatusCode,
+    response::{IntoResponse, Response},
+};
 use tokio::net::TcpListener;
 
 use crate::{
     config::ServeConfig,
-    http::{self, HttpConfig},
+    http::{self, HttpConfig, error::ApiError},
     lifecycle::Limits,
     registry::{Registry, RegistryConfig},
-    store::{MemoryStore, Store},
+    store::{MemoryStore, RedbStore, RedbStoreConfig, Store, StoreError},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -20,47 +25,102 @@ pub enum StartError {
         addr: SocketAddr,
         source: std::io::Error,
     },
-    #[error("cannot load the store: {0}")]
-    Store(#[from] crate::store::StoreError),
     #[error("{0}")]
-    Config(String),
+    Store(#[from] StoreError),
 }
 
 pub struct Application {
     listener: TcpListener,
     registry: Registry,
+    store: Arc<dyn Store>,
     router: axum::Router,
     config: ServeConfig,
 }
 
+/// What every request gets while the store is loading.
+async fn starting() -> Response {
+    let mut res = ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "starting",
+        "the server is loading its store; retry shortly",
+    )
+    .into_response();
+    res.headers_mut().insert(
+        axum::http::header::RETRY_AFTER,
+        axum::http::HeaderValue::from_static("1"),
+    );
+    res
+}
+
 impl Application {
-    /// Loads every record, then binds. The listener takes work only once
-    /// the store is loaded, so health is never 200 before that.
+    /// Binds, then loads every record while answering 503 `starting` on the
+    /// port, so health is never 200 before the store is loaded and clients
+    /// are never refused a connection.
     pub async fn build(config: ServeConfig) -> Result<Self, StartError> {
-        let store: Arc<dyn Store> = if config.in_memory {
-            Arc::new(MemoryStore::new())
-        } else {
-            return Err(StartError::Config(
-                "no disk store is built into this version yet: pass --in-memory \
-                 (TASKGATE_IN_MEMORY=true)"
-                    .into(),
-            ));
+        let listener =
+            TcpListener::bind(config.listen)
+                .await
+                .map_err(|source| StartError::Bind {
+                    addr: config.listen,
+                    source,
+                })?;
+        let bind_err = |source| StartError::Bind {
+            addr: config.listen,
+            source,
         };
-        Self::with_store(config, store).await
+        // A second handle on the same socket serves the 503s meanwhile.
+        let std_listener = listener.into_std().map_err(bind_err)?;
+        let interim =
+            TcpListener::from_std(std_listener.try_clone().map_err(bind_err)?).map_err(bind_err)?;
+        let listener = TcpListener::from_std(std_listener).map_err(bind_err)?;
+        let (stop_interim, stopped) = tokio::sync::oneshot::channel::<()>();
+        let interim = tokio::spawn(
+            axum::serve(interim, axum::Router::new().fallback(starting))
+                .with_graceful_shutdown(async move {
+                    let _ = stopped.await;
+                })
+                .into_future(),
+        );
+
+        let loaded = {
+            let config = config.clone();
+            tokio::task::spawn_blocking(move || open_store(&config))
+                .await
+                .map_err(|e| StoreError::Unusable(format!("loading the store failed: {e}")))
+        };
+        let _ = stop_interim.send(());
+        if tokio::time::timeout(Duration::from_secs(5), interim)
+            .await
+            .is_err()
+        {
+            tracing::warn!("a client kept a connection of the start-up window open");
+        }
+        let (store, registry) = loaded??;
+        Ok(Self::assemble(listener, store, registry, config))
     }
 
-    /// As `build`, with a given store (tests share one across restarts).
+    /// As `build`, on a given store (tests share one across restarts).
     pub async fn with_store(
         config: ServeConfig,
         store: Arc<dyn Store>,
     ) -> Result<Self, StartError> {
-        let registry = Registry::open(
-            store,
-            RegistryConfig {
-                limits: Limits::default(),
-                max_waiters: config.max_waiters,
-            },
-        )?;
+        let listener =
+            TcpListener::bind(config.listen)
+                .await
+                .map_err(|source| StartError::Bind {
+                    addr: config.listen,
+                    source,
+                })?;
+        let registry = Registry::open(store.clone(), registry_config(&config))?;
+        Ok(Self::assemble(listener, store, registry, config))
+    }
+
+    fn assemble(
+        listener: TcpListener,
+        store: Arc<dyn Store>,
+        registry: Registry,
+        config: ServeConfig,
+    ) -> Self {
         let router = http::app(
             registry.clone(),
             HttpConfig {
@@ -69,19 +129,13 @@ impl Application {
                 ..HttpConfig::default()
             },
         );
-        let listener =
-            TcpListener::bind(config.listen)
-                .await
-                .map_err(|source| StartError::Bind {
-                    addr: config.listen,
-                    source,
-                })?;
-        Ok(Self {
+        Self {
             listener,
             registry,
+            store,
             router,
             config,
-        })
+        }
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -96,7 +150,8 @@ impl Application {
 
     /// Serves until `shutdown` completes. Then: health turns 503, parked
     /// waits answer 503 `shutting_down` at once, new connections are
-    /// refused, and requests in flight get `shutdown_grace` to finish.
+    /// refused, requests in flight get `shutdown_grace` to finish and
+    /// commit, and the store is closed.
     pub async fn run_until_stopped(
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
@@ -118,12 +173,49 @@ impl Application {
                 std::future::pending::<()>().await;
             }
         };
-        tokio::select! {
+        let served = tokio::select! {
             res = serve => res,
             () = deadline => {
                 tracing::warn!(?grace, "requests still running after the shutdown grace; stopping anyway");
                 Ok(())
             }
+        };
+        let store = self.store;
+        match tokio::task::spawn_blocking(move || store.close()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!(error = %e, "closing the store failed"),
+            Err(e) => tracing::error!(error = %e, "closing the store panicked"),
         }
+        served
     }
+}
+
+fn registry_config(config: &ServeConfig) -> RegistryConfig {
+    RegistryConfig {
+        limits: Limits::default(),
+        max_waiters: config.max_waiters,
+    }
+}
+
+/// Opens the configured store and loads it into a registry (blocking).
+fn open_store(config: &ServeConfig) -> Result<(Arc<dyn Store>, Registry), StoreError> {
+    let store: Arc<dyn Store> = if config.in_memory {
+        Arc::new(MemoryStore::new())
+    } else {
+        let store = RedbStore::open(RedbStoreConfig {
+            dir: config.data_dir.clone(),
+            max_batch: usize::try_from(config.commit_batch).unwrap_or(usize::MAX),
+        })?;
+        tracing::info!(file = %store.path().display(), "store opened");
+        Arc::new(store)
+    };
+    let started = std::time::Instant::now();
+    let registry = Registry::open(store.clone(), registry_config(config))?;
+    tracing::info!(
+        allocations = registry.len(),
+        last_index = registry.last_index(),
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "store loaded"
+    );
+    Ok((store, registry))
 }

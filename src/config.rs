@@ -1,7 +1,7 @@
 //! Command line and environment: one clap struct per subcommand, every flag
 //! also a `TASKGATE_*` variable. `taskgate serve --help` is the reference.
 
-use std::{net::SocketAddr, time::Duration};
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::{Args, Parser, Subcommand};
 
@@ -36,10 +36,19 @@ pub struct ServeConfig {
     #[arg(long, env = "TASKGATE_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
 
-    /// Keep everything in memory: nothing survives a restart. For tests and
-    /// experiments.
+    /// Directory of the embedded store (one redb file). Created if missing.
+    #[arg(long, env = "TASKGATE_DATA_DIR", default_value = "./taskgate-data")]
+    pub data_dir: PathBuf,
+
+    /// Keep everything in memory instead: nothing survives a restart. For
+    /// tests and experiments.
     #[arg(long, env = "TASKGATE_IN_MEMORY")]
     pub in_memory: bool,
+
+    /// Most changes the store groups into one durable commit. 1 turns
+    /// group commit off (one fsync per change).
+    #[arg(long, env = "TASKGATE_COMMIT_BATCH", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..))]
+    pub commit_batch: u64,
 
     /// Log filter, as RUST_LOG (`info`, `taskgate=debug,tower_http=info`).
     #[arg(long, env = "TASKGATE_LOG", default_value = "info")]
@@ -67,7 +76,9 @@ impl ServeConfig {
     pub fn for_tests() -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            data_dir: PathBuf::from("./taskgate-data"),
             in_memory: true,
+            commit_batch: 4096,
             log: "warn".into(),
             body_limit: 1024 * 1024,
             max_wait: Duration::from_secs(300),

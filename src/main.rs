@@ -1,4 +1,4 @@
-use std::process::ExitCode;
+use std::{io::IsTerminal, process::ExitCode};
 
 use clap::Parser;
 use taskgate::{
@@ -15,10 +15,16 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::Serve(config) => {
+            let filter = match EnvFilter::try_new(&config.log) {
+                Ok(f) => f,
+                Err(e) => {
+                    eprintln!("taskgate: bad --log filter {:?}: {e}", config.log);
+                    return ExitCode::FAILURE;
+                }
+            };
             tracing_subscriber::fmt()
-                .with_env_filter(
-                    EnvFilter::try_new(&config.log).unwrap_or_else(|_| EnvFilter::new("info")),
-                )
+                .with_env_filter(filter)
+                .with_ansi(std::io::stdout().is_terminal())
                 .init();
             let runtime = match tokio::runtime::Runtime::new() {
                 Ok(rt) => rt,

@@ -5,10 +5,13 @@
 //! This layer knows records, not rules: it never evaluates a coordinator.
 
 mod memory;
+mod record;
+mod redb;
 
 use std::{future::Future, pin::Pin, sync::Arc};
 
 pub use memory::MemoryStore;
+pub use redb::{DATA_FILE, RedbStore, RedbStoreConfig, StoreStats};
 
 use crate::lifecycle::{AllocId, Allocation};
 
@@ -30,12 +33,18 @@ pub struct Loaded {
     pub last_index: u64,
 }
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {
+    /// A commit failed; nothing of it is applied.
     #[error("store I/O failed: {0}")]
     Io(String),
+    /// The store was closed (the server is stopping).
     #[error("the store is closed")]
     Closed,
+    /// The data file cannot be used: corrupt, locked, or of an unknown
+    /// format. Nothing was changed in it.
+    #[error("{0}")]
+    Unusable(String),
 }
 
 /// A commit in flight: resolves once the change is durable, or failed.
@@ -53,4 +62,10 @@ pub trait Store: Send + Sync + 'static {
 
     /// Queues a change. The returned future resolves when it is durable.
     fn commit(&self, op: Op) -> Commit;
+
+    /// Commits what is queued and releases the store. Later commits fail
+    /// with `Closed`.
+    fn close(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
 }
