@@ -54,10 +54,10 @@ fn start(dir: &Path) -> Server {
     std::thread::spawn(move || {
         let mut tx = Some(tx);
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(addr) = line.split("addr=").nth(1) {
-                if let Some(tx) = tx.take() {
-                    let _ = tx.send(addr.trim().to_owned());
-                }
+            if let Some(addr) = line.split("addr=").nth(1)
+                && let Some(tx) = tx.take()
+            {
+                let _ = tx.send(addr.trim().to_owned());
             }
         }
     });
@@ -275,10 +275,10 @@ async fn verify(base: &str, model: &Model) {
 async fn healthy(base: &str) {
     let http = reqwest::Client::new();
     for _ in 0..600 {
-        if let Ok(res) = http.get(format!("{base}/v1/health")).send().await {
-            if res.status() == 200 {
-                return;
-            }
+        if let Ok(res) = http.get(format!("{base}/v1/health")).send().await
+            && res.status() == 200
+        {
+            return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
