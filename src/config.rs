@@ -24,6 +24,14 @@ pub enum Command {
     Serve(ServeConfig),
     /// Print the OpenAPI document (the committed copy is openapi/openapi.json).
     Openapi,
+    /// Benchmark: start servers of this binary and measure them (BENCHMARKS.md).
+    Bench(crate::bench::BenchConfig),
+    /// A bare axum 200 handler: the ceiling the benchmark compares against.
+    #[command(hide = true)]
+    BenchCeiling {
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: SocketAddr,
+    },
 }
 
 fn duration(s: &str) -> Result<Duration, String> {

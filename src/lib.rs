@@ -4,6 +4,7 @@
 //! state and waiting), `store` (durability), `http` (axum and OpenAPI).
 
 pub mod app;
+pub mod bench;
 pub mod config;
 pub mod http;
 pub mod lifecycle;

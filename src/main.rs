@@ -14,6 +14,29 @@ fn main() -> ExitCode {
             print!("{}", taskgate::http::openapi::document());
             ExitCode::SUCCESS
         }
+        Command::Bench(config) => {
+            match tokio::runtime::Runtime::new()
+                .and_then(|rt| rt.block_on(taskgate::bench::run(config)))
+            {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("taskgate bench: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::BenchCeiling { listen } => {
+            tracing_subscriber::fmt().with_ansi(false).init();
+            match tokio::runtime::Runtime::new()
+                .and_then(|rt| rt.block_on(taskgate::bench::ceiling(listen)))
+            {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("taskgate bench-ceiling: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Serve(config) => {
             let filter = match EnvFilter::try_new(&config.log) {
                 Ok(f) => f,

@@ -1,0 +1,497 @@
+//! `taskgate bench`: a load benchmark anyone can rerun. It starts its own
+//! server processes (this same binary), drives them over loopback with a
+//! fixed number of HTTP/1.1 keep-alive clients, and prints a table. The
+//! ceiling (a bare axum 200 handler, also this binary) is measured in the
+//! same run, so the ratios hold whatever the machine.
+
+use std::{
+    io::{BufRead, BufReader as StdBufReader},
+    net::SocketAddr,
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use clap::Args;
+use tokio::{
+    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
+    net::TcpStream,
+};
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchConfig {
+    /// Concurrent keep-alive clients per scenario.
+    #[arg(long, default_value_t = 64)]
+    pub clients: usize,
+    /// Measured time per scenario (after a one-second warm-up).
+    #[arg(long, default_value = "10s", value_parser = crate::http::params::parse_duration)]
+    pub duration: Duration,
+    /// Scenarios to run, comma-separated: ceiling, durable, memory,
+    /// no-group-commit, recovery.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "ceiling,durable,memory,no-group-commit,recovery"
+    )]
+    pub scenarios: Vec<String>,
+    /// Allocations (of five tasks) registered for the recovery scenario.
+    #[arg(long, default_value_t = 100_000)]
+    pub recovery_allocations: usize,
+    /// Where the durable scenarios keep their data (a fresh temporary
+    /// directory per scenario by default).
+    #[arg(long)]
+    pub work_dir: Option<PathBuf>,
+}
+
+/// A server process of this binary, killed on drop.
+struct Proc {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Proc {
+    /// Starts `taskgate ARGS` and reads `addr=...` from its log.
+    fn start(args: &[String]) -> std::io::Result<Self> {
+        let exe = std::env::current_exe()?;
+        let mut child = Command::new(exe)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()?;
+        let stdout = child.stdout.take().expect("piped");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut tx = Some(tx);
+            for line in StdBufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(addr) = line.split("addr=").nth(1)
+                    && let Some(tx) = tx.take()
+                {
+                    let _ = tx.send(addr.trim().to_owned());
+                }
+            }
+        });
+        let addr = rx
+            .recv_timeout(Duration::from_secs(120))
+            .map_err(|_| std::io::Error::other("the server did not log its address"))?;
+        let addr = addr
+            .parse()
+            .map_err(|_| std::io::Error::other(format!("bad address {addr:?}")))?;
+        Ok(Self { child, addr })
+    }
+
+    fn rss_kib(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).ok()?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    }
+
+    fn terminate(mut self) -> std::io::Result<()> {
+        Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()?;
+        self.child.wait()?;
+        Ok(())
+    }
+}
+
+/// One HTTP/1.1 keep-alive connection; just enough client for a benchmark
+/// (Content-Length bodies only), so the load generator spends little CPU.
+struct Conn {
+    stream: BufReader<TcpStream>,
+    line: String,
+    body: Vec<u8>,
+}
+
+impl Conn {
+    async fn open(addr: SocketAddr) -> std::io::Result<Self> {
+        let stream = TcpStream::connect(addr).await?;
+        stream.set_nodelay(true)?;
+        Ok(Self {
+            stream: BufReader::new(stream),
+            line: String::new(),
+            body: Vec::new(),
+        })
+    }
+
+    /// Sends a request and reads the whole answer; returns the status.
+    async fn call(&mut self, method: &str, path: &str, body: &[u8]) -> std::io::Result<u16> {
+        let mut req = format!("{method} {path} HTTP/1.1\r\nHost: bench\r\n");
+        if !body.is_empty() {
+            req.push_str("Content-Type: application/json\r\n");
+        }
+        req.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
+        let mut bytes = req.into_bytes();
+        bytes.extend_from_slice(body);
+        self.stream.get_mut().write_all(&bytes).await?;
+
+        self.line.clear();
+        self.stream.read_line(&mut self.line).await?;
+        let status: u16 = self
+            .line
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| std::io::Error::other(format!("bad status line {:?}", self.line)))?;
+        let mut length = None;
+        loop {
+            self.line.clear();
+            if self.stream.read_line(&mut self.line).await? == 0 {
+                return Err(std::io::Error::other("connection closed"));
+            }
+            let l = self.line.trim_end();
+            if l.is_empty() {
+                break;
+            }
+            if let Some((k, v)) = l.split_once(':')
+                && k.eq_ignore_ascii_case("content-length")
+            {
+                length = v.trim().parse::<usize>().ok();
+            }
+        }
+        let length = length.ok_or_else(|| std::io::Error::other("no Content-Length"))?;
+        self.body.resize(length, 0);
+        self.stream.read_exact(&mut self.body).await?;
+        Ok(status)
+    }
+}
+
+/// What one scenario measured.
+struct Outcome {
+    name: String,
+    requests: u64,
+    errors: u64,
+    elapsed: Duration,
+    latencies_us: Vec<u32>,
+}
+
+impl Outcome {
+    fn rate(&self) -> f64 {
+        self.requests as f64 / self.elapsed.as_secs_f64()
+    }
+
+    fn pct(&self, p: f64) -> f64 {
+        if self.latencies_us.is_empty() {
+            return 0.0;
+        }
+        let i = ((self.latencies_us.len() as f64 - 1.0) * p).round() as usize;
+        f64::from(self.latencies_us[i]) / 1000.0
+    }
+}
+
+/// Runs `clients` loops of `request` for warm-up plus `duration`; only the
+/// requests that start after the warm-up are counted.
+async fn drive<F>(
+    name: &str,
+    addr: SocketAddr,
+    clients: usize,
+    duration: Duration,
+    request: F,
+) -> std::io::Result<Outcome>
+where
+    F: Fn(usize, u64) -> (&'static str, String, Vec<u8>) + Send + Sync + Clone + 'static,
+{
+    let warmup = Duration::from_secs(1);
+    let start = Instant::now();
+    let measure_from = start + warmup;
+    let end = measure_from + duration;
+    let mut tasks = Vec::with_capacity(clients);
+    for c in 0..clients {
+        let request = request.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut conn = Conn::open(addr).await?;
+            let mut lat = Vec::new();
+            let (mut ok, mut errors) = (0u64, 0u64);
+            let mut n = 0u64;
+            loop {
+                let sent = Instant::now();
+                if sent >= end {
+                    break;
+                }
+                let (method, path, body) = request(c, n);
+                n += 1;
+                let status = conn.call(method, &path, &body).await?;
+                if sent >= measure_from {
+                    lat.push(sent.elapsed().as_micros().min(u128::from(u32::MAX)) as u32);
+                    if status < 300 {
+                        ok += 1;
+                    } else {
+                        errors += 1;
+                    }
+                }
+            }
+            Ok::<_, std::io::Error>((ok, errors, lat))
+        }));
+    }
+    let mut out = Outcome {
+        name: name.to_owned(),
+        requests: 0,
+        errors: 0,
+        elapsed: duration,
+        latencies_us: Vec::new(),
+    };
+    for t in tasks {
+        let (ok, errors, lat) = t.await.map_err(std::io::Error::other)??;
+        out.requests += ok;
+        out.errors += errors;
+        out.latencies_us.extend(lat);
+    }
+    out.latencies_us.sort_unstable();
+    Ok(out)
+}
+
+const FIVE_TASKS: &str = r#"{"tasks": [
+  {"name": "init", "lifecycle": {"hook": "prestart"}},
+  {"name": "proxy", "lifecycle": {"hook": "prestart", "sidecar": true}},
+  {"name": "web", "leader": true},
+  {"name": "announce", "lifecycle": {"hook": "poststart"}},
+  {"name": "cleanup", "lifecycle": {"hook": "poststop"}}]}"#;
+
+fn serve_args(extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = ["serve", "--listen", "127.0.0.1:0", "--log", "info"]
+        .map(String::from)
+        .to_vec();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+/// Registers `count` five-task allocations `prefix-N` with `clients`
+/// connections.
+async fn register_many(
+    addr: SocketAddr,
+    prefix: &str,
+    count: usize,
+    clients: usize,
+) -> std::io::Result<()> {
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let prefix = prefix.to_owned();
+        tasks.push(tokio::spawn(async move {
+            let mut conn = Conn::open(addr).await?;
+            for i in (c..count).step_by(clients) {
+                let status = conn
+                    .call(
+                        "PUT",
+                        &format!("/v1/allocations/{prefix}-{i}"),
+                        FIVE_TASKS.as_bytes(),
+                    )
+                    .await?;
+                if status != 201 && status != 200 {
+                    return Err(std::io::Error::other(format!("register answered {status}")));
+                }
+            }
+            Ok::<_, std::io::Error>(())
+        }));
+    }
+    for t in tasks {
+        t.await.map_err(std::io::Error::other)??;
+    }
+    Ok(())
+}
+
+/// State reports to the `web` task of each client's own allocation,
+/// alternating running and pending so that every report is a real change.
+async fn reports(name: &str, server: &Proc, config: &BenchConfig) -> std::io::Result<Outcome> {
+    register_many(server.addr, "bench", config.clients, config.clients).await?;
+    drive(
+        name,
+        server.addr,
+        config.clients,
+        config.duration,
+        |c, n| {
+            let state = if n % 2 == 0 { "running" } else { "pending" };
+            (
+                "PUT",
+                format!("/v1/allocations/bench-{c}/tasks/web/state"),
+                format!(r#"{{"state": "{state}"}}"#).into_bytes(),
+            )
+        },
+    )
+    .await
+}
+
+fn data_dir(
+    config: &BenchConfig,
+    name: &str,
+) -> std::io::Result<(PathBuf, Option<tempfile_dir::TempDir>)> {
+    match &config.work_dir {
+        Some(dir) => {
+            let d = dir.join(name);
+            let _ = std::fs::remove_dir_all(&d);
+            Ok((d, None))
+        }
+        None => {
+            let t = tempfile_dir::TempDir::new(name)?;
+            Ok((t.path().to_owned(), Some(t)))
+        }
+    }
+}
+
+/// A temporary directory removed on drop (the bench needs nothing more).
+mod tempfile_dir {
+    use std::path::{Path, PathBuf};
+
+    pub struct TempDir(PathBuf);
+
+    impl TempDir {
+        pub fn new(name: &str) -> std::io::Result<Self> {
+            let dir = std::env::temp_dir().join(format!(
+                "taskgate-bench-{name}-{}-{}",
+                std::process::id(),
+                fastrand::u64(..)
+            ));
+            std::fs::create_dir_all(&dir)?;
+            Ok(Self(dir))
+        }
+
+        pub fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// Runs the chosen scenarios and prints the table.
+pub async fn run(config: BenchConfig) -> std::io::Result<()> {
+    let mut outcomes: Vec<Outcome> = Vec::new();
+    let mut notes: Vec<String> = Vec::new();
+    for scenario in &config.scenarios {
+        eprintln!("bench: {scenario} ...");
+        match scenario.as_str() {
+            "ceiling" => {
+                let server = Proc::start(&[
+                    "bench-ceiling".into(),
+                    "--listen".into(),
+                    "127.0.0.1:0".into(),
+                ])?;
+                outcomes.push(
+                    drive(
+                        "ceiling: bare axum 200",
+                        server.addr,
+                        config.clients,
+                        config.duration,
+                        |_, _| ("GET", "/".to_owned(), Vec::new()),
+                    )
+                    .await?,
+                );
+            }
+            "durable" | "no-group-commit" => {
+                let (dir, _guard) = data_dir(&config, scenario)?;
+                let dir = dir.to_string_lossy().into_owned();
+                let mut extra = vec!["--data-dir", dir.as_str()];
+                if scenario == "no-group-commit" {
+                    extra.extend(["--commit-batch", "1"]);
+                }
+                let server = Proc::start(&serve_args(&extra))?;
+                let name = if scenario == "durable" {
+                    "reports, durable (group commit)"
+                } else {
+                    "reports, durable, one commit per write"
+                };
+                outcomes.push(reports(name, &server, &config).await?);
+            }
+            "memory" => {
+                let server = Proc::start(&serve_args(&["--in-memory"]))?;
+                outcomes.push(reports("reports, --in-memory", &server, &config).await?);
+            }
+            "recovery" => notes.push(recovery(&config).await?),
+            other => {
+                return Err(std::io::Error::other(format!("unknown scenario {other:?}")));
+            }
+        }
+    }
+    let ceiling = outcomes
+        .iter()
+        .find(|o| o.name.starts_with("ceiling"))
+        .map(Outcome::rate);
+    println!(
+        "\n{} clients, {:?} per scenario, {} cores\n",
+        config.clients,
+        config.duration,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    println!("| scenario | requests | errors | req/s | p50 ms | p99 ms | max ms | of ceiling |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    for o in &outcomes {
+        let share = ceiling.map_or("-".to_owned(), |c| format!("{:.0}%", 100.0 * o.rate() / c));
+        println!(
+            "| {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {} |",
+            o.name,
+            o.requests,
+            o.errors,
+            o.rate(),
+            o.pct(0.5),
+            o.pct(0.99),
+            o.pct(1.0),
+            share
+        );
+    }
+    for n in notes {
+        println!("\n{n}");
+    }
+    Ok(())
+}
+
+/// Registers many allocations on a durable server, stops it, and measures
+/// the restart until `/v1/health` is 200, and the memory then.
+async fn recovery(config: &BenchConfig) -> std::io::Result<String> {
+    let (dir, _guard) = data_dir(config, "recovery")?;
+    let dir = dir.to_string_lossy().into_owned();
+    let args = serve_args(&["--data-dir", dir.as_str()]);
+    let server = Proc::start(&args)?;
+    let started = Instant::now();
+    register_many(
+        server.addr,
+        "rec",
+        config.recovery_allocations,
+        config.clients,
+    )
+    .await?;
+    let registering = started.elapsed();
+    server.terminate()?;
+
+    let started = Instant::now();
+    let server = Proc::start(&args)?;
+    let mut conn;
+    loop {
+        if started.elapsed() > Duration::from_secs(300) {
+            return Err(std::io::Error::other("the server did not become healthy"));
+        }
+        conn = Conn::open(server.addr).await?;
+        if conn.call("GET", "/v1/health", b"").await? == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let ready = started.elapsed();
+    let status = conn.call("GET", "/v1/allocations/rec-0", b"").await?;
+    let rss = server.rss_kib().unwrap_or(0);
+    Ok(format!(
+        "recovery: {n} allocations of 5 tasks (registered in {registering:.1?}); restart to healthy \
+         in {ready:.2?}; resident memory after load {mib:.0} MiB; first read answered {status}",
+        n = config.recovery_allocations,
+        mib = rss as f64 / 1024.0,
+    ))
+}
+
+/// `taskgate bench-ceiling`: the bare axum handler the benchmark compares
+/// against.
+pub async fn ceiling(listen: SocketAddr) -> std::io::Result<()> {
+    let app = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
+    let listener = tokio::net::TcpListener::bind(listen).await?;
+    tracing::info!(addr = %listener.local_addr()?, "ceiling listening");
+    axum::serve(listener, app).await
+}
