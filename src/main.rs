@@ -1,3 +1,6 @@
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::{io::IsTerminal, process::ExitCode};
 
 use clap::Parser;

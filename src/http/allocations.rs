@@ -134,7 +134,7 @@ pub async fn list(
         q.per_page,
     );
     let items: Vec<ListItem> = page.iter().map(|a| ListItem::new(a)).collect();
-    let mut res = axum::Json(items).into_response();
+    let mut res = super::json(StatusCode::OK, &items);
     if let Some(next) = next.and_then(|n| HeaderValue::from_str(n.as_str()).ok()) {
         res.headers_mut().insert(NEXT_TOKEN_HEADER, next);
     }

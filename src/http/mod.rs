@@ -80,10 +80,32 @@ impl AppState {
 
 /// A JSON answer with `X-Taskgate-Index`.
 pub(crate) fn indexed<T: Serialize>(status: StatusCode, index: u64, body: &T) -> Response {
-    let mut res = (status, axum::Json(body)).into_response();
+    let mut res = json(status, body);
     res.headers_mut()
         .insert(INDEX_HEADER, HeaderValue::from(index));
     res
+}
+
+/// A JSON answer. Serialized into one buffer sized for an allocation view,
+/// so a typical answer is written without growing it (axum's `Json`
+/// starts small and reallocates several times for a multi-KiB view).
+pub(crate) fn json<T: Serialize>(status: StatusCode, body: &T) -> Response {
+    let mut buf = Vec::with_capacity(4096);
+    match serde_json::to_writer(&mut buf, body) {
+        Ok(()) => (
+            status,
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )],
+            buf,
+        )
+            .into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "a response did not serialize");
+            ApiError::internal().into_response()
+        }
+    }
 }
 
 /// The whole HTTP application.

@@ -31,7 +31,7 @@ pub async fn health(
     if s.registry.is_shutting_down() {
         return Err(crate::registry::RegistryError::ShuttingDown.into());
     }
-    Ok(axum::Json(HealthView { status: "ok" }).into_response())
+    Ok(super::json(StatusCode::OK, &HealthView { status: "ok" }))
 }
 
 /// Metrics in the Prometheus text format.
