@@ -205,6 +205,7 @@ fn open_store(config: &ServeConfig) -> Result<(Arc<dyn Store>, Registry), StoreE
         let store = RedbStore::open(RedbStoreConfig {
             dir: config.data_dir.clone(),
             max_batch: usize::try_from(config.commit_batch).unwrap_or(usize::MAX),
+            cache_bytes: config.store_cache_mib.saturating_mul(1024 * 1024),
         })?;
         tracing::info!(file = %store.path().display(), "store opened");
         Arc::new(store)

@@ -58,6 +58,10 @@ pub struct ServeConfig {
     #[arg(long, env = "TASKGATE_COMMIT_BATCH", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..))]
     pub commit_batch: u64,
 
+    /// Page cache of the disk store, in MiB.
+    #[arg(long, env = "TASKGATE_STORE_CACHE_MIB", default_value_t = 64)]
+    pub store_cache_mib: usize,
+
     /// Log filter, as RUST_LOG (`info`, `taskgate=debug,tower_http=info`).
     #[arg(long, env = "TASKGATE_LOG", default_value = "info")]
     pub log: String,
@@ -87,6 +91,7 @@ impl ServeConfig {
             data_dir: PathBuf::from("./taskgate-data"),
             in_memory: true,
             commit_batch: 4096,
+            store_cache_mib: 64,
             log: "warn".into(),
             body_limit: 1024 * 1024,
             max_wait: Duration::from_secs(300),

@@ -11,7 +11,7 @@ mod redb;
 use std::{future::Future, pin::Pin, sync::Arc};
 
 pub use memory::MemoryStore;
-pub use redb::{DATA_FILE, RedbStore, RedbStoreConfig, StoreStats};
+pub use redb::{DATA_FILE, DEFAULT_CACHE_BYTES, RedbStore, RedbStoreConfig, StoreStats};
 
 use crate::lifecycle::{AllocId, Allocation};
 

@@ -41,7 +41,14 @@ pub struct RedbStoreConfig {
     pub dir: PathBuf,
     /// Most changes in one commit; 1 turns group commit off.
     pub max_batch: usize,
+    /// redb's page cache. Every record also lives in memory as a decoded
+    /// allocation, so a small cache serves the writer; redb's default
+    /// (1 GiB) would hold a second copy of the whole file after loading.
+    pub cache_bytes: usize,
 }
+
+/// Default page cache of the store.
+pub const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
 
 enum Msg {
     Put {
@@ -96,7 +103,10 @@ impl RedbStore {
             ))
         })?;
         let path = config.dir.join(DATA_FILE);
-        let db = Database::create(&path).map_err(|e| match e {
+        let db = Database::builder()
+            .set_cache_size(config.cache_bytes)
+            .create(&path)
+            .map_err(|e| match e {
             DatabaseError::DatabaseAlreadyOpen => StoreError::Unusable(format!(
                 "data file {} is in use by another process (is another taskgate running on this directory?)",
                 path.display()
@@ -393,6 +403,7 @@ mod tests {
         RedbStore::open(RedbStoreConfig {
             dir: dir.to_owned(),
             max_batch,
+            cache_bytes: DEFAULT_CACHE_BYTES,
         })
         .unwrap()
     }
@@ -485,6 +496,7 @@ mod tests {
         let err = RedbStore::open(RedbStoreConfig {
             dir: dir.path().to_owned(),
             max_batch: 1,
+            cache_bytes: DEFAULT_CACHE_BYTES,
         })
         .err()
         .unwrap()
@@ -521,6 +533,7 @@ mod tests {
         let err = RedbStore::open(RedbStoreConfig {
             dir: dir.path().to_owned(),
             max_batch: 1,
+            cache_bytes: DEFAULT_CACHE_BYTES,
         })
         .err()
         .unwrap()
