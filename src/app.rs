@@ -57,22 +57,34 @@ impl Application {
     /// port, so health is never 200 before the store is loaded and clients
     /// are never refused a connection.
     pub async fn build(config: ServeConfig) -> Result<Self, StartError> {
-        let listener =
-            TcpListener::bind(config.listen)
-                .await
-                .map_err(|source| StartError::Bind {
-                    addr: config.listen,
-                    source,
-                })?;
+        let bind_err = |source| StartError::Bind {
+            addr: config.listen,
+            source,
+        };
+        let listener = std::net::TcpListener::bind(config.listen).map_err(bind_err)?;
+        listener.set_nonblocking(true).map_err(bind_err)?;
+        let opener_config = config.clone();
+        Self::build_on(listener, config, move || {
+            open_configured_store(&opener_config)
+        })
+        .await
+    }
+
+    /// As `build`, on a bound listener and with a given way to open the
+    /// store (tests use both to watch the start-up window).
+    pub async fn build_on(
+        listener: std::net::TcpListener,
+        config: ServeConfig,
+        open: impl FnOnce() -> Result<Arc<dyn Store>, StoreError> + Send + 'static,
+    ) -> Result<Self, StartError> {
         let bind_err = |source| StartError::Bind {
             addr: config.listen,
             source,
         };
         // A second handle on the same socket serves the 503s meanwhile.
-        let std_listener = listener.into_std().map_err(bind_err)?;
         let interim =
-            TcpListener::from_std(std_listener.try_clone().map_err(bind_err)?).map_err(bind_err)?;
-        let listener = TcpListener::from_std(std_listener).map_err(bind_err)?;
+            TcpListener::from_std(listener.try_clone().map_err(bind_err)?).map_err(bind_err)?;
+        let listener = TcpListener::from_std(listener).map_err(bind_err)?;
         let (stop_interim, stopped) = tokio::sync::oneshot::channel::<()>();
         let interim = tokio::spawn(
             axum::serve(interim, axum::Router::new().fallback(starting))
@@ -83,8 +95,8 @@ impl Application {
         );
 
         let loaded = {
-            let config = config.clone();
-            tokio::task::spawn_blocking(move || open_store(&config))
+            let registry_config = registry_config(&config);
+            tokio::task::spawn_blocking(move || load(open()?, registry_config))
                 .await
                 .map_err(|e| StoreError::Unusable(format!("loading the store failed: {e}")))
         };
@@ -96,22 +108,6 @@ impl Application {
             tracing::warn!("a client kept a connection of the start-up window open");
         }
         let (store, registry) = loaded??;
-        Ok(Self::assemble(listener, store, registry, config))
-    }
-
-    /// As `build`, on a given store (tests share one across restarts).
-    pub async fn with_store(
-        config: ServeConfig,
-        store: Arc<dyn Store>,
-    ) -> Result<Self, StartError> {
-        let listener =
-            TcpListener::bind(config.listen)
-                .await
-                .map_err(|source| StartError::Bind {
-                    addr: config.listen,
-                    source,
-                })?;
-        let registry = Registry::open(store.clone(), registry_config(&config))?;
         Ok(Self::assemble(listener, store, registry, config))
     }
 
@@ -197,21 +193,27 @@ fn registry_config(config: &ServeConfig) -> RegistryConfig {
     }
 }
 
-/// Opens the configured store and loads it into a registry (blocking).
-fn open_store(config: &ServeConfig) -> Result<(Arc<dyn Store>, Registry), StoreError> {
-    let store: Arc<dyn Store> = if config.in_memory {
-        Arc::new(MemoryStore::new())
-    } else {
-        let store = RedbStore::open(RedbStoreConfig {
-            dir: config.data_dir.clone(),
-            max_batch: usize::try_from(config.commit_batch).unwrap_or(usize::MAX),
-            cache_bytes: config.store_cache_mib.saturating_mul(1024 * 1024),
-        })?;
-        tracing::info!(file = %store.path().display(), "store opened");
-        Arc::new(store)
-    };
+/// Opens the store the configuration names (blocking).
+fn open_configured_store(config: &ServeConfig) -> Result<Arc<dyn Store>, StoreError> {
+    if config.in_memory {
+        return Ok(Arc::new(MemoryStore::new()));
+    }
+    let store = RedbStore::open(RedbStoreConfig {
+        dir: config.data_dir.clone(),
+        max_batch: usize::try_from(config.commit_batch).unwrap_or(usize::MAX),
+        cache_bytes: config.store_cache_mib.saturating_mul(1024 * 1024),
+    })?;
+    tracing::info!(file = %store.path().display(), "store opened");
+    Ok(Arc::new(store))
+}
+
+/// Loads every record of `store` into a registry (blocking).
+fn load(
+    store: Arc<dyn Store>,
+    config: RegistryConfig,
+) -> Result<(Arc<dyn Store>, Registry), StoreError> {
     let started = std::time::Instant::now();
-    let registry = Registry::open(store.clone(), registry_config(config))?;
+    let registry = Registry::open(store.clone(), config)?;
     tracing::info!(
         allocations = registry.len(),
         last_index = registry.last_index(),

@@ -195,3 +195,62 @@ async fn shutdown_answers_parked_waits_with_503_and_stops_the_server() {
         .expect("server stopped");
     assert!(stopped.unwrap().is_ok());
 }
+
+/// A store whose load waits until the test lets it go.
+struct GatedStore {
+    inner: taskgate::store::MemoryStore,
+    gate: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
+}
+
+impl taskgate::store::Store for GatedStore {
+    fn load(&self) -> Result<taskgate::store::Loaded, taskgate::store::StoreError> {
+        let _ = self.gate.lock().unwrap().recv();
+        self.inner.load()
+    }
+
+    fn commit(&self, op: taskgate::store::Op) -> taskgate::store::Commit {
+        self.inner.commit(op)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_is_503_starting_until_the_store_is_loaded() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let (release, gate) = std::sync::mpsc::channel();
+    let store = std::sync::Arc::new(GatedStore {
+        inner: taskgate::store::MemoryStore::new(),
+        gate: std::sync::Mutex::new(gate),
+    });
+    let building = tokio::spawn(taskgate::app::Application::build_on(
+        listener,
+        taskgate::config::ServeConfig::for_tests(),
+        move || Ok(store as std::sync::Arc<dyn taskgate::store::Store>),
+    ));
+    let http = reqwest::Client::new();
+    let res = tokio::time::timeout(BOUND, http.get(format!("{base}/v1/health")).send())
+        .await
+        .expect("answered while loading")
+        .unwrap();
+    assert_eq!(res.status(), 503);
+    assert_eq!(res.headers()["retry-after"], "1");
+    let body: Value = res.json().await.unwrap();
+    assert_eq!(body["code"], "starting");
+    assert!(!building.is_finished());
+
+    release.send(()).unwrap();
+    let app = tokio::time::timeout(BOUND, building)
+        .await
+        .expect("built")
+        .unwrap()
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(app.run_until_stopped(async move {
+        let _ = stopped.await;
+    }));
+    let res = http.get(format!("{base}/v1/health")).send().await.unwrap();
+    assert_eq!(res.status(), 200);
+    stop.send(()).unwrap();
+    serving.await.unwrap().unwrap();
+}

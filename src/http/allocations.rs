@@ -85,7 +85,7 @@ pub async fn register(
          headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
         (status = 404, description = "`allocation_not_found`", body = Problem, content_type = "application/problem+json"),
         (status = 410, description = "`allocation_deleted`: deleted while the request waited", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "`too_many_waiters` or `shutting_down`", body = Problem, content_type = "application/problem+json",
+        (status = 503, description = "`too_many_waiters`, `shutting_down`, or `starting` (the store is still loading)", body = Problem, content_type = "application/problem+json",
          headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
     )
 )]

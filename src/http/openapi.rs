@@ -75,7 +75,7 @@ pub struct ApiDoc;
 
 /// Adds the errors every route can answer, so no handler repeats them:
 /// 400 `invalid_request` (path identifiers, query parameters), 404 for
-/// unknown routes, 500 `internal`; on routes with a body also 400
+/// unknown routes, 500 `internal`, 503 `starting`; on routes with a body also 400
 /// `invalid_json`, 413 and 415.
 struct CommonResponses;
 
@@ -131,6 +131,11 @@ impl Modify for CommonResponses {
                     );
                 }
                 add(op, "500", "`internal`: the cause is in the server log");
+                add(
+                    op,
+                    "503",
+                    "`starting`: the store is still loading (with `Retry-After`)",
+                );
             }
         }
     }

@@ -16,12 +16,12 @@ use super::{
 /// Health.
 ///
 /// 200 once the store is loaded and the server accepts work; 503 while it
-/// stops. Never needs a token.
+/// starts or stops. Never needs a token.
 #[utoipa::path(
     get, path = "/v1/health", tag = "service",
     responses(
         (status = 200, description = "Serving", body = HealthView),
-        (status = 503, description = "`shutting_down`", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "`starting` (the store is still loading) or `shutting_down`", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn health(

@@ -31,7 +31,7 @@ use super::{
          headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
         (status = 404, description = "`allocation_not_found` or `task_not_found`", body = Problem, content_type = "application/problem+json"),
         (status = 410, description = "`allocation_deleted`: deleted while the request waited", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "`too_many_waiters` or `shutting_down`", body = Problem, content_type = "application/problem+json",
+        (status = 503, description = "`too_many_waiters`, `shutting_down`, or `starting` (the store is still loading)", body = Problem, content_type = "application/problem+json",
          headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
     )
 )]
@@ -108,7 +108,7 @@ pub async fn report(
          headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
         (status = 404, description = "`allocation_not_found` or `task_not_found`", body = Problem, content_type = "application/problem+json"),
         (status = 410, description = "`allocation_deleted`: deleted while the request waited", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "`too_many_waiters` or `shutting_down`", body = Problem, content_type = "application/problem+json",
+        (status = 503, description = "`too_many_waiters`, `shutting_down`, or `starting` (the store is still loading)", body = Problem, content_type = "application/problem+json",
          headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
     )
 )]
