@@ -17,28 +17,10 @@ fn main() -> ExitCode {
             print!("{}", taskgate::http::openapi::document());
             ExitCode::SUCCESS
         }
-        Command::Bench(config) => {
-            match tokio::runtime::Runtime::new()
-                .and_then(|rt| rt.block_on(taskgate::bench::run(config)))
-            {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("taskgate bench: {e}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
+        Command::Bench(config) => block_on("bench", taskgate::bench::run(config)),
         Command::BenchCeiling { listen } => {
             tracing_subscriber::fmt().with_ansi(false).init();
-            match tokio::runtime::Runtime::new()
-                .and_then(|rt| rt.block_on(taskgate::bench::ceiling(listen)))
-            {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("taskgate bench-ceiling: {e}");
-                    ExitCode::FAILURE
-                }
-            }
+            block_on("bench-ceiling", taskgate::bench::ceiling(listen))
         }
         Command::Serve(config) => {
             let filter = match EnvFilter::try_new(&config.log) {
@@ -60,6 +42,18 @@ fn main() -> ExitCode {
                 }
             };
             runtime.block_on(serve(config))
+        }
+    }
+}
+
+/// Runs a subcommand's future on a new runtime; an error is printed and
+/// makes the exit code 1.
+fn block_on(name: &str, fut: impl std::future::Future<Output = std::io::Result<()>>) -> ExitCode {
+    match tokio::runtime::Runtime::new().and_then(|rt| rt.block_on(fut)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("taskgate {name}: {e}");
+            ExitCode::FAILURE
         }
     }
 }

@@ -138,12 +138,7 @@ impl Allocation {
         now: Timestamp,
         next_index: impl FnOnce() -> u64,
     ) -> Option<Self> {
-        let mut next = self.clone();
-        for (i, r) in reports {
-            next.tasks[*i].apply(r, now);
-        }
-        next.state = evaluate(next.state, &next.spec, &next.tasks);
-        next.settle(self, now, next_index)
+        self.apply_reports(reports, None, now, next_index)
     }
 
     /// Restore: jump to `prestart`, apply the reports, evaluate.
@@ -153,11 +148,23 @@ impl Allocation {
         now: Timestamp,
         next_index: impl FnOnce() -> u64,
     ) -> Option<Self> {
+        self.apply_reports(reports, Some(CoordState::Prestart), now, next_index)
+    }
+
+    /// Applies reports, then evaluates from `from` (default: the current
+    /// state).
+    fn apply_reports(
+        &self,
+        reports: &[(usize, TaskReport)],
+        from: Option<CoordState>,
+        now: Timestamp,
+        next_index: impl FnOnce() -> u64,
+    ) -> Option<Self> {
         let mut next = self.clone();
         for (i, r) in reports {
             next.tasks[*i].apply(r, now);
         }
-        next.state = evaluate(CoordState::Prestart, &next.spec, &next.tasks);
+        next.state = evaluate(from.unwrap_or(next.state), &next.spec, &next.tasks);
         next.settle(self, now, next_index)
     }
 

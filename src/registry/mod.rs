@@ -27,6 +27,7 @@ use tokio::sync::watch;
 use crate::{
     lifecycle::{
         AllocId, AllocSpec, Allocation, Limits, RestartError, RestartMode, TaskName, TaskReport,
+        Timestamp,
     },
     store::{Op, Store, StoreError},
 };
@@ -48,6 +49,10 @@ impl Default for RegistryConfig {
         }
     }
 }
+
+/// `Allocation::report` or `Allocation::restore`.
+type ApplyReports =
+    fn(&Allocation, &[(usize, TaskReport)], Timestamp, &dyn Fn() -> u64) -> Option<Allocation>;
 
 /// Which tasks a restart request names.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -372,13 +377,8 @@ impl Registry {
         id: &str,
         reports: Vec<(TaskName, TaskReport)>,
     ) -> Result<Arc<Allocation>, RegistryError> {
-        let (a, ()) = self
-            .update(id, |a, next_index| {
-                let reports = Self::positions(a, reports)?;
-                Ok((a.report(&reports, now(), next_index), ()))
-            })
-            .await?;
-        Ok(a)
+        self.apply_reports(id, reports, |a, r, now, next| a.report(r, now, next))
+            .await
     }
 
     /// Restore: the coordinator goes to `prestart`, the states are applied,
@@ -388,10 +388,20 @@ impl Registry {
         id: &str,
         reports: Vec<(TaskName, TaskReport)>,
     ) -> Result<Arc<Allocation>, RegistryError> {
+        self.apply_reports(id, reports, |a, r, now, next| a.restore(r, now, next))
+            .await
+    }
+
+    async fn apply_reports(
+        &self,
+        id: &str,
+        reports: Vec<(TaskName, TaskReport)>,
+        apply: ApplyReports,
+    ) -> Result<Arc<Allocation>, RegistryError> {
         let (a, ()) = self
             .update(id, |a, next_index| {
                 let reports = Self::positions(a, reports)?;
-                Ok((a.restore(&reports, now(), next_index), ()))
+                Ok((apply(a, &reports, now(), next_index), ()))
             })
             .await?;
         Ok(a)
