@@ -226,7 +226,7 @@ impl Registry {
         // Each round needs a delete to race it, so a few rounds suffice.
         for _ in 0..8 {
             let (handle, fresh) = self.get_or_insert(&id);
-            let _write = match fresh {
+            let write = match fresh {
                 Some(guard) => guard,
                 None => handle.write.clone().lock_owned().await,
             };
@@ -246,16 +246,20 @@ impl Registry {
                         self.next_index(),
                         now(),
                     ));
-                    return match self.shared.store.commit(Op::Put(a.clone())).await {
-                        Ok(()) => {
-                            handle.publish(Slot::Live(a.clone()));
-                            Ok((a, true))
-                        }
-                        Err(e) => {
-                            self.remove(&id, &handle);
-                            Err(e.into())
-                        }
-                    };
+                    let registry = self.clone();
+                    let published = a.clone();
+                    return self
+                        .commit_then(write, Op::Put(a), move |committed| match committed {
+                            Ok(()) => {
+                                handle.publish(Slot::Live(published.clone()));
+                                Ok((published, true))
+                            }
+                            Err(e) => {
+                                registry.remove(&id, &handle);
+                                Err(e.into())
+                            }
+                        })
+                        .await;
                 }
             }
         }
@@ -309,7 +313,7 @@ impl Registry {
     /// index the deletion took.
     pub async fn delete(&self, id: &str) -> Result<u64, RegistryError> {
         let handle = self.handle(id)?;
-        let _write = handle.write.lock().await;
+        let write = handle.write.clone().lock_owned().await;
         let Slot::Live(a) = handle.slot_now() else {
             return Err(RegistryError::AllocationNotFound(id.to_owned()));
         };
@@ -318,9 +322,13 @@ impl Registry {
             id: a.id.clone(),
             index,
         };
-        self.shared.store.commit(op).await?;
-        self.remove(&a.id, &handle);
-        Ok(index)
+        let registry = self.clone();
+        self.commit_then(write, op, move |committed| {
+            committed?;
+            registry.remove(&a.id, &handle);
+            Ok(index)
+        })
+        .await
     }
 
     /// Decide → persist → publish for one allocation. `decide` gets the
@@ -339,7 +347,7 @@ impl Registry {
         ) -> Result<(Option<Allocation>, R), RegistryError>,
     ) -> Result<(Arc<Allocation>, R), RegistryError> {
         let handle = self.handle(id)?;
-        let _write = handle.write.lock().await;
+        let write = handle.write.clone().lock_owned().await;
         let Slot::Live(current) = handle.slot_now() else {
             return Err(RegistryError::AllocationNotFound(id.to_owned()));
         };
@@ -348,9 +356,37 @@ impl Registry {
             return Ok((current, out));
         };
         let next = Arc::new(next);
-        self.shared.store.commit(Op::Put(next.clone())).await?;
-        handle.publish(Slot::Live(next.clone()));
+        let published = next.clone();
+        self.commit_then(write, Op::Put(next.clone()), move |committed| {
+            committed?;
+            handle.publish(Slot::Live(published));
+            Ok(())
+        })
+        .await?;
         Ok((next, out))
+    }
+
+    /// Commits `op`, then runs `finish` with the outcome while the
+    /// allocation's write lock is still held. Runs as a task of its own: a
+    /// client that goes away mid-request cannot cancel a change between its
+    /// commit and its publication, which would leave memory behind the disk.
+    async fn commit_then<T: Send + 'static>(
+        &self,
+        write: tokio::sync::OwnedMutexGuard<()>,
+        op: Op,
+        finish: impl FnOnce(Result<(), StoreError>) -> Result<T, RegistryError> + Send + 'static,
+    ) -> Result<T, RegistryError> {
+        let commit = self.shared.store.commit(op);
+        let task = tokio::spawn(async move {
+            let out = finish(commit.await);
+            drop(write);
+            out
+        });
+        task.await.unwrap_or_else(|e| {
+            Err(RegistryError::Store(StoreError::Io(format!(
+                "the commit task failed: {e}"
+            ))))
+        })
     }
 
     fn positions(

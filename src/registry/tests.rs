@@ -1,10 +1,12 @@
 use std::{sync::Arc, time::Duration};
 
 use super::*;
+use crate::store::Store;
 use crate::{
     lifecycle::{CoordState, Hook, Lifecycle, RunState, TaskSpec},
     store::MemoryStore,
 };
+use std::sync::atomic::Ordering;
 
 fn spec(tasks: &[(&str, Option<Hook>)]) -> AllocSpec {
     let tasks = tasks
@@ -339,4 +341,65 @@ async fn restart_errors_carry_the_current_index() {
         .await
         .unwrap_err();
     assert!(matches!(err, RegistryError::TaskNotFound { .. }));
+}
+
+/// A store whose commits wait for a permit, to stop a change mid-commit.
+struct SlowStore {
+    inner: MemoryStore,
+    permits: Arc<tokio::sync::Semaphore>,
+    queued: std::sync::atomic::AtomicUsize,
+}
+
+impl Store for SlowStore {
+    fn load(&self) -> Result<crate::store::Loaded, StoreError> {
+        self.inner.load()
+    }
+
+    fn commit(&self, op: Op) -> crate::store::Commit {
+        self.queued.fetch_add(1, Ordering::SeqCst);
+        let permits = self.permits.clone();
+        let done = self.inner.commit(op);
+        Box::pin(async move {
+            permits.acquire().await.expect("open").forget();
+            done.await
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_client_that_goes_away_mid_commit_does_not_cancel_the_publication() {
+    let store = Arc::new(SlowStore {
+        inner: MemoryStore::new(),
+        permits: Arc::new(tokio::sync::Semaphore::new(1)),
+        queued: std::sync::atomic::AtomicUsize::new(0),
+    });
+    let r = Registry::open(store.clone(), RegistryConfig::default()).unwrap();
+    r.register(id("a1"), two_stage()).await.unwrap();
+    let request = {
+        let r = r.clone();
+        tokio::spawn(async move { r.report("a1", report("init", RunState::Dead)).await })
+    };
+    for _ in 0..10_000 {
+        if store.queued.load(Ordering::SeqCst) == 2 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        store.queued.load(Ordering::SeqCst),
+        2,
+        "the report reached the store"
+    );
+    request.abort();
+    assert!(request.await.unwrap_err().is_cancelled());
+    store.permits.add_permits(1);
+    let mut published = false;
+    for _ in 0..10_000 {
+        if r.get("a1").unwrap().state == CoordState::Main {
+            published = true;
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert!(published, "the committed change was published");
 }
