@@ -14,6 +14,7 @@ use crate::{
     config::ServeConfig,
     http::{self, HttpConfig, error::ApiError},
     lifecycle::Limits,
+    metrics::Metrics,
     registry::{Registry, RegistryConfig},
     store::{MemoryStore, RedbStore, RedbStoreConfig, Store, StoreError},
 };
@@ -64,8 +65,8 @@ impl Application {
         let listener = std::net::TcpListener::bind(config.listen).map_err(bind_err)?;
         listener.set_nonblocking(true).map_err(bind_err)?;
         let opener_config = config.clone();
-        Self::build_on(listener, config, move || {
-            open_configured_store(&opener_config)
+        Self::build_on(listener, config, move |metrics| {
+            open_configured_store(&opener_config, metrics)
         })
         .await
     }
@@ -75,7 +76,7 @@ impl Application {
     pub async fn build_on(
         listener: std::net::TcpListener,
         config: ServeConfig,
-        open: impl FnOnce() -> Result<Arc<dyn Store>, StoreError> + Send + 'static,
+        open: impl FnOnce(Arc<Metrics>) -> Result<Arc<dyn Store>, StoreError> + Send + 'static,
     ) -> Result<Self, StartError> {
         let bind_err = |source| StartError::Bind {
             addr: config.listen,
@@ -96,7 +97,8 @@ impl Application {
 
         let loaded = {
             let registry_config = registry_config(&config);
-            tokio::task::spawn_blocking(move || load(open()?, registry_config))
+            let metrics = registry_config.metrics.clone();
+            tokio::task::spawn_blocking(move || load(open(metrics)?, registry_config))
                 .await
                 .map_err(|e| StoreError::Unusable(format!("loading the store failed: {e}")))
         };
@@ -190,11 +192,15 @@ fn registry_config(config: &ServeConfig) -> RegistryConfig {
     RegistryConfig {
         limits: Limits::default(),
         max_waiters: config.max_waiters,
+        metrics: Arc::new(Metrics::new()),
     }
 }
 
 /// Opens the store the configuration names (blocking).
-fn open_configured_store(config: &ServeConfig) -> Result<Arc<dyn Store>, StoreError> {
+fn open_configured_store(
+    config: &ServeConfig,
+    metrics: Arc<Metrics>,
+) -> Result<Arc<dyn Store>, StoreError> {
     if config.in_memory {
         return Ok(Arc::new(MemoryStore::new()));
     }
@@ -202,6 +208,7 @@ fn open_configured_store(config: &ServeConfig) -> Result<Arc<dyn Store>, StoreEr
         dir: config.data_dir.clone(),
         max_batch: usize::try_from(config.commit_batch).unwrap_or(usize::MAX),
         cache_bytes: config.store_cache_mib.saturating_mul(1024 * 1024),
+        metrics: Some(metrics),
     })?;
     tracing::info!(file = %store.path().display(), "store opened");
     Ok(Arc::new(store))

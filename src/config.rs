@@ -38,6 +38,12 @@ fn duration(s: &str) -> Result<Duration, String> {
     parse_duration(s)
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
 #[derive(Debug, Clone, Args)]
 pub struct ServeConfig {
     /// Address to listen on (host:port; port 0 picks a free one).
@@ -66,6 +72,11 @@ pub struct ServeConfig {
     #[arg(long, env = "TASKGATE_LOG", default_value = "info")]
     pub log: String,
 
+    /// Log format: `text` for people, `json` (one object per line) for log
+    /// pipelines.
+    #[arg(long, env = "TASKGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+
     /// Largest request body accepted, in bytes.
     #[arg(long, env = "TASKGATE_BODY_LIMIT", default_value_t = 1024 * 1024)]
     pub body_limit: usize,
@@ -93,6 +104,7 @@ impl ServeConfig {
             commit_batch: 4096,
             store_cache_mib: 64,
             log: "warn".into(),
+            log_format: LogFormat::Text,
             body_limit: 1024 * 1024,
             max_wait: Duration::from_secs(300),
             max_waiters: 100_000,

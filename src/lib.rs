@@ -8,5 +8,6 @@ pub mod bench;
 pub mod config;
 pub mod http;
 pub mod lifecycle;
+pub mod metrics;
 pub mod registry;
 pub mod store;

@@ -6,7 +6,7 @@ use std::{io::IsTerminal, process::ExitCode};
 use clap::Parser;
 use taskgate::{
     app::Application,
-    config::{Cli, Command},
+    config::{Cli, Command, LogFormat},
 };
 use tracing_subscriber::EnvFilter;
 
@@ -30,10 +30,11 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            tracing_subscriber::fmt()
-                .with_env_filter(filter)
-                .with_ansi(std::io::stdout().is_terminal())
-                .init();
+            let logs = tracing_subscriber::fmt().with_env_filter(filter);
+            match config.log_format {
+                LogFormat::Text => logs.with_ansi(std::io::stdout().is_terminal()).init(),
+                LogFormat::Json => logs.json().with_current_span(true).init(),
+            }
             let runtime = match tokio::runtime::Runtime::new() {
                 Ok(rt) => rt,
                 Err(e) => {

@@ -1031,6 +1031,55 @@ async fn metrics_count_waiters() {
 }
 
 #[tokio::test]
+async fn metrics_move_with_reports_transitions_restarts_and_requests() {
+    let app = test_app();
+    app.register_five("a1").await;
+    app.call(
+        "POST",
+        "/v1/allocations/a1/task-states",
+        Some(json!({"tasks": {"init": {"state": "dead"}, "proxy": {"state": "running"}, "web": {"state": "dead"}}})),
+    )
+    .await;
+    app.call("POST", "/v1/allocations/a1/restart", Some(json!({})))
+        .await;
+    let text = String::from_utf8(app.get("/metrics").await.raw).unwrap();
+    for line in [
+        "taskgate_state_reports_total 3\n",
+        "taskgate_coordinator_transitions_total{from=\"init\",to=\"prestart\"} 1\n",
+        "taskgate_coordinator_transitions_total{from=\"prestart\",to=\"poststart\"} 1\n",
+        "taskgate_restarts_total{mode=\"running\"} 1\n",
+        "taskgate_stop_orders_total{reason=\"Leader Task Dead\"} 4\n",
+        "taskgate_http_request_duration_seconds_count{method=\"PUT\",route=\"/v1/allocations/{alloc_id}\",status=\"201\"} 1\n",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in\n{text}");
+    }
+    assert!(!text.contains("a1"), "no allocation IDs in labels");
+}
+
+#[tokio::test]
+async fn request_ids_are_echoed_or_generated() {
+    let app = test_app();
+    let mine = app
+        .send(
+            axum::http::Request::get("/v1/health")
+                .header("x-request-id", "abc-123")
+                .body(axum::body::Body::empty())
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(mine.header("x-request-id"), Some("abc-123"));
+    let made = app.get("/v1/health").await;
+    let id = made.header("x-request-id").unwrap().to_owned();
+    assert_eq!(id.len(), 32);
+    assert_ne!(
+        app.get("/v1/health").await.header("x-request-id"),
+        Some(id.as_str())
+    );
+    let problem = app.get("/nowhere").await;
+    assert!(problem.header("x-request-id").is_some());
+}
+
+#[tokio::test]
 async fn a_failed_commit_is_a_500_that_says_nothing_internal() {
     let app = test_app();
     app.register_five("a1").await;

@@ -226,7 +226,7 @@ async fn health_is_503_starting_until_the_store_is_loaded() {
     let building = tokio::spawn(taskgate::app::Application::build_on(
         listener,
         taskgate::config::ServeConfig::for_tests(),
-        move || Ok(store as std::sync::Arc<dyn taskgate::store::Store>),
+        move |_| Ok(store as std::sync::Arc<dyn taskgate::store::Store>),
     ));
     let http = reqwest::Client::new();
     let res = tokio::time::timeout(BOUND, http.get(format!("{base}/v1/health")).send())

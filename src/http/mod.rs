@@ -25,7 +25,8 @@ use axum::{
     routing::{get, post, put},
 };
 use serde::Serialize;
-use tower_http::{catch_panic::CatchPanicLayer, trace::TraceLayer};
+use tower_http::catch_panic::CatchPanicLayer;
+use tracing::Instrument;
 use utoipa_swagger_ui::{Config as SwaggerConfig, SwaggerUi};
 
 use crate::registry::Registry;
@@ -110,6 +111,7 @@ pub(crate) fn json<T: Serialize>(status: StatusCode, body: &T) -> Response {
 
 /// The whole HTTP application.
 pub fn app(registry: Registry, config: HttpConfig) -> Router {
+    let metrics = registry.metrics().clone();
     let state = AppState {
         registry,
         config,
@@ -156,13 +158,64 @@ pub fn app(registry: Registry, config: HttpConfig) -> Router {
         .layer(DefaultBodyLimit::max(config.body_limit))
         .layer(middleware::from_fn(problem_for_bare_errors))
         .layer(middleware::from_fn(pretty))
-        .layer(TraceLayer::new_for_http())
+        .layer(middleware::from_fn_with_state(metrics, observe))
         .layer(CatchPanicLayer::custom(
             |_: Box<dyn std::any::Any + Send>| {
                 tracing::error!("a request handler panicked");
                 ApiError::internal().into_response()
             },
         ))
+}
+
+/// The request-ID header, accepted from the client or generated.
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// A client's request ID is kept if it is short printable ASCII.
+fn client_request_id(req: &Request) -> Option<HeaderValue> {
+    let v = req.headers().get(REQUEST_ID_HEADER)?;
+    let ok = !v.is_empty() && v.len() <= 128 && v.as_bytes().iter().all(|b| b.is_ascii_graphic());
+    ok.then(|| v.clone())
+}
+
+/// One span per request (method, matched route, request ID, status,
+/// latency), the request-ID header echoed, and the request counted.
+async fn observe(
+    axum::extract::State(metrics): axum::extract::State<Arc<crate::metrics::Metrics>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let started = std::time::Instant::now();
+    let method = req.method().as_str().to_owned();
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or("unmatched", |m| m.as_str())
+        .to_owned();
+    let request_id = client_request_id(&req).unwrap_or_else(|| {
+        HeaderValue::from_str(&format!("{:032x}", fastrand::u128(..)))
+            .expect("hex is a valid header value")
+    });
+    let span = tracing::info_span!(
+        "request",
+        method = %method,
+        route = %route,
+        request_id = request_id.to_str().unwrap_or_default(),
+        status = tracing::field::Empty,
+        latency_ms = tracing::field::Empty,
+    );
+    let mut res = next.run(req).instrument(span.clone()).await;
+    let latency = started.elapsed();
+    let status = res.status().as_u16();
+    span.record("status", status);
+    span.record("latency_ms", latency.as_secs_f64() * 1000.0);
+    if status >= 500 {
+        tracing::warn!(parent: &span, "request failed");
+    } else {
+        tracing::debug!(parent: &span, "request");
+    }
+    metrics.http_request(&method, &route, status, latency);
+    res.headers_mut().insert(REQUEST_ID_HEADER, request_id);
+    res
 }
 
 /// Gives a problem+json body to the 405 that axum answers by itself.

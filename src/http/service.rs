@@ -1,7 +1,5 @@
 //! Service routes: health, metrics, the OpenAPI document, the docs UI.
 
-use std::fmt::Write;
-
 use axum::{
     extract::State,
     http::{HeaderValue, StatusCode, header},
@@ -40,7 +38,6 @@ pub async fn health(
     responses((status = 200, description = "Prometheus text exposition", body = String, content_type = "text/plain"))
 )]
 pub async fn metrics(State(s): State<AppState>, _: ApiQuery<NoParams>) -> Response {
-    let mut out = String::new();
     let gauges = [
         (
             "taskgate_waiters",
@@ -58,13 +55,7 @@ pub async fn metrics(State(s): State<AppState>, _: ApiQuery<NoParams>) -> Respon
             s.registry.last_index(),
         ),
     ];
-    for (name, help, value) in gauges {
-        let _ = writeln!(
-            out,
-            "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
-        );
-    }
-    let mut res = out.into_response();
+    let mut res = s.registry.metrics().render(&gauges).into_response();
     res.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),

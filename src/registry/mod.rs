@@ -26,19 +26,22 @@ use tokio::sync::watch;
 
 use crate::{
     lifecycle::{
-        AllocId, AllocSpec, Allocation, Limits, RestartError, RestartMode, TaskName, TaskReport,
-        Timestamp,
+        AllocId, AllocSpec, Allocation, CoordState, Limits, RestartError, RestartMode, TaskName,
+        TaskReport, Timestamp,
     },
+    metrics::Metrics,
     store::{Op, Store, StoreError},
 };
 use handle::{Handle, Slot};
 
-/// Runtime limits that are not about allocation contents.
-#[derive(Clone, Copy, Debug)]
+/// Runtime settings of the registry.
+#[derive(Clone)]
 pub struct RegistryConfig {
     pub limits: Limits,
     /// Requests parked in long-polls and blocking queries at once.
     pub max_waiters: usize,
+    /// Where transitions, reports, restarts and stop orders are counted.
+    pub metrics: Arc<Metrics>,
 }
 
 impl Default for RegistryConfig {
@@ -46,6 +49,7 @@ impl Default for RegistryConfig {
         Self {
             limits: Limits::default(),
             max_waiters: 100_000,
+            metrics: Arc::new(Metrics::new()),
         }
     }
 }
@@ -133,6 +137,10 @@ impl Registry {
 
     pub fn config(&self) -> &RegistryConfig {
         &self.shared.config
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.shared.config.metrics
     }
 
     /// The last global index handed out.
@@ -248,7 +256,7 @@ impl Registry {
                     ));
                     let registry = self.clone();
                     let published = a.clone();
-                    return self
+                    let created = self
                         .commit_then(write, Op::Put(a), move |committed| match committed {
                             Ok(()) => {
                                 handle.publish(Slot::Live(published.clone()));
@@ -260,6 +268,16 @@ impl Registry {
                             }
                         })
                         .await;
+                    if let Ok((a, _)) = &created {
+                        tracing::info!(alloc = %a.id, state = %a.state, tasks = a.tasks.len(), "allocation registered");
+                        if a.state != CoordState::Init {
+                            self.shared
+                                .config
+                                .metrics
+                                .transition(CoordState::Init, a.state);
+                        }
+                    }
+                    return created;
                 }
             }
         }
@@ -326,6 +344,7 @@ impl Registry {
         self.commit_then(write, op, move |committed| {
             committed?;
             registry.remove(&a.id, &handle);
+            tracing::info!(alloc = %a.id, index, "allocation deleted");
             Ok(index)
         })
         .await
@@ -363,7 +382,35 @@ impl Registry {
             Ok(())
         })
         .await?;
+        self.observe(&current, &next);
         Ok((next, out))
+    }
+
+    /// Logs and counts what a committed change did to the coordinator and
+    /// the stop orders.
+    fn observe(&self, prev: &Allocation, next: &Allocation) {
+        let metrics = &self.shared.config.metrics;
+        if prev.state != next.state {
+            metrics.transition(prev.state, next.state);
+            tracing::info!(
+                alloc = %next.id,
+                from = %prev.state,
+                to = %next.state,
+                index = next.modify_index,
+                "coordinator transition"
+            );
+        }
+        for i in 0..next.tasks.len() {
+            if let (false, Some(reason)) = (prev.desired(i).is_stop(), next.desired(i).reason()) {
+                metrics.stop_order(reason.kind);
+                tracing::info!(
+                    alloc = %next.id,
+                    task = %next.task_name(i),
+                    reason = %reason.kind,
+                    "stop order"
+                );
+            }
+        }
     }
 
     /// Commits `op`, then runs `finish` with the outcome while the
@@ -434,12 +481,14 @@ impl Registry {
         reports: Vec<(TaskName, TaskReport)>,
         apply: ApplyReports,
     ) -> Result<Arc<Allocation>, RegistryError> {
+        let count = reports.len();
         let (a, ()) = self
             .update(id, |a, next_index| {
                 let reports = Self::positions(a, reports)?;
                 Ok((apply(a, &reports, now(), next_index), ()))
             })
             .await?;
+        self.shared.config.metrics.reports(count);
         Ok(a)
     }
 
@@ -473,6 +522,14 @@ impl Registry {
             Ok((next, names))
         })
         .await
+        .inspect(|_| {
+            let mode = match target {
+                RestartTarget::Task(_) => "task",
+                RestartTarget::Running => "running",
+                RestartTarget::AllTasks => "all_tasks",
+            };
+            self.shared.config.metrics.restart(mode);
+        })
     }
 }
 

@@ -22,7 +22,7 @@ use redb::{
 use tokio::sync::oneshot;
 
 use super::{Commit, Loaded, Op, Store, StoreError, record};
-use crate::lifecycle::Allocation;
+use crate::{lifecycle::Allocation, metrics::Metrics};
 
 /// The data file's name inside the data directory.
 pub const DATA_FILE: &str = "taskgate.redb";
@@ -45,6 +45,8 @@ pub struct RedbStoreConfig {
     /// allocation, so a small cache serves the writer; redb's default
     /// (1 GiB) would hold a second copy of the whole file after loading.
     pub cache_bytes: usize,
+    /// Where commit latency and batch sizes are recorded.
+    pub metrics: Option<Arc<Metrics>>,
 }
 
 /// Default page cache of the store.
@@ -121,9 +123,10 @@ impl RedbStore {
             let db = db.clone();
             let stats = stats.clone();
             let max_batch = config.max_batch.max(1);
+            let metrics = config.metrics.clone();
             std::thread::Builder::new()
                 .name("taskgate-store".into())
-                .spawn(move || writer_loop(&db, &rx, max_batch, &stats))
+                .spawn(move || writer_loop(&db, &rx, max_batch, &stats, metrics.as_deref()))
                 .map_err(|e| StoreError::Unusable(format!("cannot start the store writer: {e}")))?
         };
         Ok(Self {
@@ -306,7 +309,13 @@ impl Drop for RedbStore {
 }
 
 /// The single writer: one transaction and one durable commit per batch.
-fn writer_loop(db: &Database, queue: &Receiver<Msg>, max_batch: usize, stats: &Mutex<StoreStats>) {
+fn writer_loop(
+    db: &Database,
+    queue: &Receiver<Msg>,
+    max_batch: usize,
+    stats: &Mutex<StoreStats>,
+    metrics: Option<&Metrics>,
+) {
     let mut batch = Vec::with_capacity(max_batch);
     while let Ok(first) = queue.recv() {
         batch.push(first);
@@ -318,10 +327,14 @@ fn writer_loop(db: &Database, queue: &Receiver<Msg>, max_batch: usize, stats: &M
         }
         let mut closing = None;
         let mut acks = Vec::with_capacity(batch.len());
+        let started = std::time::Instant::now();
         let result = write_batch(db, batch.drain(..), &mut acks, &mut closing);
         match &result {
             Err(e) => tracing::error!(error = %e, changes = acks.len(), "store commit failed"),
             Ok(()) if !acks.is_empty() => {
+                if let Some(m) = metrics {
+                    m.commit(started.elapsed(), acks.len());
+                }
                 let mut s = stats.lock().unwrap_or_else(PoisonError::into_inner);
                 s.commits += 1;
                 s.changes += acks.len() as u64;
@@ -404,6 +417,7 @@ mod tests {
             dir: dir.to_owned(),
             max_batch,
             cache_bytes: DEFAULT_CACHE_BYTES,
+            metrics: None,
         })
         .unwrap()
     }
@@ -497,6 +511,7 @@ mod tests {
             dir: dir.path().to_owned(),
             max_batch: 1,
             cache_bytes: DEFAULT_CACHE_BYTES,
+            metrics: None,
         })
         .err()
         .unwrap()
@@ -534,6 +549,7 @@ mod tests {
             dir: dir.path().to_owned(),
             max_batch: 1,
             cache_bytes: DEFAULT_CACHE_BYTES,
+            metrics: None,
         })
         .err()
         .unwrap()

@@ -1,0 +1,281 @@
+//! Prometheus metrics, kept by hand: a few atomics and fixed-bucket
+//! histograms, one set per application instance (no global recorder, so
+//! tests in one process do not share counts). Label values come from small
+//! fixed sets (routes, states, reasons): never allocation IDs.
+
+use std::{
+    collections::BTreeMap,
+    fmt::Write,
+    sync::{
+        Mutex, PoisonError,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use crate::lifecycle::{CoordState, StopKind};
+
+/// Upper bounds (seconds) of the latency buckets.
+const LATENCY_BUCKETS: [f64; 16] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0,
+    300.0,
+];
+/// Upper bounds of the commit batch-size buckets.
+const BATCH_BUCKETS: [f64; 10] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 512.0, 4096.0];
+
+/// A histogram with fixed buckets.
+struct Histogram {
+    bounds: &'static [f64],
+    /// Cumulative counts are computed when rendering; these are per bucket,
+    /// plus one for +Inf.
+    counts: Vec<AtomicU64>,
+    /// Sum in micro-units (µs for seconds, units for sizes).
+    sum_micros: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum_micros: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    fn observe(&self, value: f64) {
+        let i = self
+            .bounds
+            .iter()
+            .position(|b| value <= *b)
+            .unwrap_or(self.bounds.len());
+        self.counts[i].fetch_add(1, Ordering::Relaxed);
+        self.sum_micros
+            .fetch_add((value * 1e6) as u64, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, labels: &str) {
+        let sep = if labels.is_empty() { "" } else { "," };
+        let mut cumulative = 0;
+        for (i, bound) in self.bounds.iter().enumerate() {
+            cumulative += self.counts[i].load(Ordering::Relaxed);
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{{labels}{sep}le=\"{bound}\"}} {cumulative}"
+            );
+        }
+        cumulative += self.counts[self.bounds.len()].load(Ordering::Relaxed);
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {cumulative}"
+        );
+        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        let braces = if labels.is_empty() {
+            String::new()
+        } else {
+            format!("{{{labels}}}")
+        };
+        let _ = writeln!(out, "{name}_sum{braces} {sum}");
+        let _ = writeln!(
+            out,
+            "{name}_count{braces} {}",
+            self.count.load(Ordering::Relaxed)
+        );
+    }
+}
+
+/// Every metric of one application.
+pub struct Metrics {
+    /// (method, route, status) → request latency. Written per request.
+    http: Mutex<BTreeMap<(String, String, u16), Histogram>>,
+    /// Coordinator transitions, `[from][to]` in `CoordState::ALL` order.
+    transitions: [[AtomicU64; 6]; 6],
+    /// Task-state reports applied (a batch counts each task).
+    reports: AtomicU64,
+    /// Restart requests that restarted something or reset the coordinator,
+    /// by mode: task, running, all_tasks.
+    restarts: [AtomicU64; 3],
+    /// New stop orders, by reason in `StopKind::ALL` order.
+    stop_orders: [AtomicU64; 3],
+    /// Store commit latency and batch size.
+    commit_latency: Histogram,
+    commit_batch: Histogram,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics { .. }")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            http: Mutex::new(BTreeMap::new()),
+            transitions: Default::default(),
+            reports: AtomicU64::new(0),
+            restarts: Default::default(),
+            stop_orders: Default::default(),
+            commit_latency: Histogram::new(&LATENCY_BUCKETS),
+            commit_batch: Histogram::new(&BATCH_BUCKETS),
+        }
+    }
+}
+
+/// Names of the restart modes, in `Metrics::restarts` order.
+pub const RESTART_MODES: [&str; 3] = ["task", "running", "all_tasks"];
+
+fn position<T: PartialEq>(all: &[T], x: &T) -> usize {
+    all.iter().position(|v| v == x).unwrap_or(0)
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn http_request(&self, method: &str, route: &str, status: u16, latency: Duration) {
+        let mut http = self.http.lock().unwrap_or_else(PoisonError::into_inner);
+        http.entry((method.to_owned(), route.to_owned(), status))
+            .or_insert_with(|| Histogram::new(&LATENCY_BUCKETS))
+            .observe(latency.as_secs_f64());
+    }
+
+    pub fn transition(&self, from: CoordState, to: CoordState) {
+        self.transitions[position(CoordState::ALL, &from)][position(CoordState::ALL, &to)]
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn reports(&self, n: usize) {
+        self.reports.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    pub fn restart(&self, mode: &str) {
+        self.restarts[position(&RESTART_MODES, &mode)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn stop_order(&self, reason: StopKind) {
+        self.stop_orders[position(StopKind::ALL, &reason)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn commit(&self, latency: Duration, changes: usize) {
+        self.commit_latency.observe(latency.as_secs_f64());
+        self.commit_batch.observe(changes as f64);
+    }
+
+    /// The Prometheus text exposition, with `gauges` (name, help, value).
+    pub fn render(&self, gauges: &[(&str, &str, u64)]) -> String {
+        let mut out = String::with_capacity(8192);
+        for (name, help, value) in gauges {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+            );
+        }
+
+        out.push_str("# HELP taskgate_http_request_duration_seconds HTTP requests by method, matched route and status.\n");
+        out.push_str("# TYPE taskgate_http_request_duration_seconds histogram\n");
+        let http = self.http.lock().unwrap_or_else(PoisonError::into_inner);
+        for ((method, route, status), h) in http.iter() {
+            let labels = format!("method=\"{method}\",route=\"{route}\",status=\"{status}\"");
+            h.render(&mut out, "taskgate_http_request_duration_seconds", &labels);
+        }
+        drop(http);
+
+        out.push_str("# HELP taskgate_coordinator_transitions_total Coordinator state changes, from the state before a change to the state after it (skipped empty stages are not counted).\n");
+        out.push_str("# TYPE taskgate_coordinator_transitions_total counter\n");
+        for (i, from) in CoordState::ALL.iter().enumerate() {
+            for (j, to) in CoordState::ALL.iter().enumerate() {
+                let n = self.transitions[i][j].load(Ordering::Relaxed);
+                if n > 0 {
+                    let _ = writeln!(
+                        out,
+                        "taskgate_coordinator_transitions_total{{from=\"{from}\",to=\"{to}\"}} {n}"
+                    );
+                }
+            }
+        }
+
+        let _ = writeln!(
+            out,
+            "# HELP taskgate_state_reports_total Task-state reports applied.\n# TYPE taskgate_state_reports_total counter\ntaskgate_state_reports_total {}",
+            self.reports.load(Ordering::Relaxed)
+        );
+
+        out.push_str(
+            "# HELP taskgate_restarts_total Restart requests that changed something, by mode.\n",
+        );
+        out.push_str("# TYPE taskgate_restarts_total counter\n");
+        for (mode, n) in RESTART_MODES.iter().zip(&self.restarts) {
+            let _ = writeln!(
+                out,
+                "taskgate_restarts_total{{mode=\"{mode}\"}} {}",
+                n.load(Ordering::Relaxed)
+            );
+        }
+
+        out.push_str("# HELP taskgate_stop_orders_total Tasks newly told to stop, by reason.\n");
+        out.push_str("# TYPE taskgate_stop_orders_total counter\n");
+        for (reason, n) in StopKind::ALL.iter().zip(&self.stop_orders) {
+            let _ = writeln!(
+                out,
+                "taskgate_stop_orders_total{{reason=\"{reason}\"}} {}",
+                n.load(Ordering::Relaxed)
+            );
+        }
+
+        out.push_str(
+            "# HELP taskgate_store_commit_duration_seconds Durable commits of the store.\n",
+        );
+        out.push_str("# TYPE taskgate_store_commit_duration_seconds histogram\n");
+        self.commit_latency
+            .render(&mut out, "taskgate_store_commit_duration_seconds", "");
+        out.push_str("# HELP taskgate_store_commit_batch_size Changes per durable commit.\n");
+        out.push_str("# TYPE taskgate_store_commit_batch_size histogram\n");
+        self.commit_batch
+            .render(&mut out, "taskgate_store_commit_batch_size", "");
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histograms_are_cumulative_with_sum_and_count() {
+        let m = Metrics::new();
+        m.http_request("GET", "/v1/health", 200, Duration::from_micros(300));
+        m.http_request("GET", "/v1/health", 200, Duration::from_millis(7));
+        let text = m.render(&[]);
+        assert!(text.contains(
+            "taskgate_http_request_duration_seconds_bucket{method=\"GET\",route=\"/v1/health\",status=\"200\",le=\"0.0005\"} 1\n"
+        ), "{text}");
+        assert!(text.contains("le=\"0.01\"} 2\n"), "{text}");
+        assert!(text.contains(
+            "taskgate_http_request_duration_seconds_count{method=\"GET\",route=\"/v1/health\",status=\"200\"} 2\n"
+        ));
+    }
+
+    #[test]
+    fn counters_use_exact_state_and_reason_names() {
+        let m = Metrics::new();
+        m.transition(CoordState::Poststart, CoordState::Poststop);
+        m.stop_order(StopKind::MainTasksDead);
+        m.restart("all_tasks");
+        m.commit(Duration::from_micros(200), 3);
+        let text = m.render(&[("taskgate_waiters", "Parked.", 4)]);
+        assert!(text.contains("taskgate_waiters 4\n"));
+        assert!(text.contains(
+            "taskgate_coordinator_transitions_total{from=\"poststart\",to=\"poststop\"} 1\n"
+        ));
+        assert!(text.contains("taskgate_stop_orders_total{reason=\"Main Tasks Dead\"} 1\n"));
+        assert!(text.contains("taskgate_restarts_total{mode=\"all_tasks\"} 1\n"));
+        assert!(
+            text.contains("taskgate_store_commit_batch_size_bucket{le=\"4\"} 1\n"),
+            "{text}"
+        );
+    }
+}
