@@ -4,10 +4,10 @@
 //! fixed sets (routes, states, reasons): never allocation IDs.
 
 use std::{
-    collections::BTreeMap,
+    collections::HashMap,
     fmt::Write,
     sync::{
-        Mutex, PoisonError,
+        PoisonError, RwLock,
         atomic::{AtomicU64, Ordering},
     },
     time::Duration,
@@ -88,8 +88,10 @@ impl Histogram {
 
 /// Every metric of one application.
 pub struct Metrics {
-    /// (method, route, status) → request latency. Written per request.
-    http: Mutex<BTreeMap<(String, String, u16), Histogram>>,
+    /// route → (method, status, request latency). Read-locked per request
+    /// and looked up without allocating (the histograms are atomics);
+    /// write-locked only for a new label set.
+    http: RwLock<HashMap<String, Vec<(String, u16, Histogram)>>>,
     /// Coordinator transitions, `[from][to]` in `CoordState::ALL` order.
     transitions: [[AtomicU64; 6]; 6],
     /// Task-state reports applied (a batch counts each task).
@@ -113,7 +115,7 @@ impl std::fmt::Debug for Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self {
-            http: Mutex::new(BTreeMap::new()),
+            http: RwLock::new(HashMap::new()),
             transitions: Default::default(),
             reports: AtomicU64::new(0),
             restarts: Default::default(),
@@ -137,10 +139,26 @@ impl Metrics {
     }
 
     pub fn http_request(&self, method: &str, route: &str, status: u16, latency: Duration) {
-        let mut http = self.http.lock().unwrap_or_else(PoisonError::into_inner);
-        http.entry((method.to_owned(), route.to_owned(), status))
-            .or_insert_with(|| Histogram::new(&LATENCY_BUCKETS))
-            .observe(latency.as_secs_f64());
+        let seconds = latency.as_secs_f64();
+        let find = |set: &Vec<(String, u16, Histogram)>| {
+            set.iter().position(|(m, s, _)| m == method && *s == status)
+        };
+        {
+            let http = self.http.read().unwrap_or_else(PoisonError::into_inner);
+            if let Some(set) = http.get(route)
+                && let Some(i) = find(set)
+            {
+                set[i].2.observe(seconds);
+                return;
+            }
+        }
+        let mut http = self.http.write().unwrap_or_else(PoisonError::into_inner);
+        let set = http.entry(route.to_owned()).or_default();
+        let i = find(set).unwrap_or_else(|| {
+            set.push((method.to_owned(), status, Histogram::new(&LATENCY_BUCKETS)));
+            set.len() - 1
+        });
+        set[i].2.observe(seconds);
     }
 
     pub fn transition(&self, from: CoordState, to: CoordState) {
@@ -177,8 +195,13 @@ impl Metrics {
 
         out.push_str("# HELP taskgate_http_request_duration_seconds HTTP requests by method, matched route and status.\n");
         out.push_str("# TYPE taskgate_http_request_duration_seconds histogram\n");
-        let http = self.http.lock().unwrap_or_else(PoisonError::into_inner);
-        for ((method, route, status), h) in http.iter() {
+        let http = self.http.read().unwrap_or_else(PoisonError::into_inner);
+        let mut series: Vec<_> = http
+            .iter()
+            .flat_map(|(route, set)| set.iter().map(move |(m, s, h)| (m, route, s, h)))
+            .collect();
+        series.sort_by(|a, b| (a.0, a.1, a.2).cmp(&(b.0, b.1, b.2)));
+        for (method, route, status, h) in series {
             let labels = format!("method=\"{method}\",route=\"{route}\",status=\"{status}\"");
             h.render(&mut out, "taskgate_http_request_duration_seconds", &labels);
         }

@@ -185,12 +185,12 @@ async fn observe(
     next: Next,
 ) -> Response {
     let started = std::time::Instant::now();
-    let method = req.method().as_str().to_owned();
+    let method = req.method().clone();
     let route = req
         .extensions()
         .get::<axum::extract::MatchedPath>()
-        .map_or("unmatched", |m| m.as_str())
-        .to_owned();
+        .cloned();
+    let route = route.as_ref().map_or("unmatched", |m| m.as_str());
     let request_id = client_request_id(&req).unwrap_or_else(|| {
         HeaderValue::from_str(&format!("{:032x}", fastrand::u128(..)))
             .expect("hex is a valid header value")
@@ -213,7 +213,7 @@ async fn observe(
     } else {
         tracing::debug!(parent: &span, "request");
     }
-    metrics.http_request(&method, &route, status, latency);
+    metrics.http_request(method.as_str(), route, status, latency);
     res.headers_mut().insert(REQUEST_ID_HEADER, request_id);
     res
 }
