@@ -86,12 +86,15 @@ impl Histogram {
     }
 }
 
+/// One (method, status) series of a route's request latency.
+type RouteSeries = (String, u16, Histogram);
+
 /// Every metric of one application.
 pub struct Metrics {
     /// route → (method, status, request latency). Read-locked per request
     /// and looked up without allocating (the histograms are atomics);
     /// write-locked only for a new label set.
-    http: RwLock<HashMap<String, Vec<(String, u16, Histogram)>>>,
+    http: RwLock<HashMap<String, Vec<RouteSeries>>>,
     /// Coordinator transitions, `[from][to]` in `CoordState::ALL` order.
     transitions: [[AtomicU64; 6]; 6],
     /// Task-state reports applied (a batch counts each task).
@@ -140,9 +143,8 @@ impl Metrics {
 
     pub fn http_request(&self, method: &str, route: &str, status: u16, latency: Duration) {
         let seconds = latency.as_secs_f64();
-        let find = |set: &Vec<(String, u16, Histogram)>| {
-            set.iter().position(|(m, s, _)| m == method && *s == status)
-        };
+        let find =
+            |set: &Vec<RouteSeries>| set.iter().position(|(m, s, _)| m == method && *s == status);
         {
             let http = self.http.read().unwrap_or_else(PoisonError::into_inner);
             if let Some(set) = http.get(route)
