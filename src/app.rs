@@ -12,7 +12,7 @@ use tokio::net::TcpListener;
 
 use crate::{
     config::ServeConfig,
-    http::{self, HttpConfig, error::ApiError},
+    http::{self, HttpConfig, auth::Auth, error::ApiError},
     lifecycle::Limits,
     metrics::Metrics,
     registry::{Registry, RegistryConfig},
@@ -28,6 +28,30 @@ pub enum StartError {
     },
     #[error("{0}")]
     Store(#[from] StoreError),
+    #[error("{0}")]
+    Config(String),
+}
+
+/// Tokens from the configuration; refuses an open server on a
+/// non-loopback address unless told it is meant.
+fn auth_for(config: &ServeConfig) -> Result<Arc<Auth>, StartError> {
+    let mut auth = Auth::load(
+        config.token_file.as_deref(),
+        config.operator_token.as_deref(),
+    )
+    .map_err(StartError::Config)?;
+    auth.public_metrics = config.public_metrics;
+    if !auth.enabled() && !config.listen.ip().is_loopback() && !config.insecure_no_auth {
+        return Err(StartError::Config(format!(
+            "refusing to listen on {} without authentication: give tokens with --token-file or \
+             TASKGATE_OPERATOR_TOKEN, or pass --insecure-no-auth if the network is trusted",
+            config.listen
+        )));
+    }
+    if !auth.enabled() {
+        tracing::warn!("no tokens configured: every request is allowed");
+    }
+    Ok(Arc::new(auth))
 }
 
 pub struct Application {
@@ -58,6 +82,7 @@ impl Application {
     /// port, so health is never 200 before the store is loaded and clients
     /// are never refused a connection.
     pub async fn build(config: ServeConfig) -> Result<Self, StartError> {
+        let auth = auth_for(&config)?;
         let bind_err = |source| StartError::Bind {
             addr: config.listen,
             source,
@@ -65,7 +90,7 @@ impl Application {
         let listener = std::net::TcpListener::bind(config.listen).map_err(bind_err)?;
         listener.set_nonblocking(true).map_err(bind_err)?;
         let opener_config = config.clone();
-        Self::build_on(listener, config, move |metrics| {
+        Self::build_on(listener, config, auth, move |metrics| {
             open_configured_store(&opener_config, metrics)
         })
         .await
@@ -76,6 +101,7 @@ impl Application {
     pub async fn build_on(
         listener: std::net::TcpListener,
         config: ServeConfig,
+        auth: Arc<Auth>,
         open: impl FnOnce(Arc<Metrics>) -> Result<Arc<dyn Store>, StoreError> + Send + 'static,
     ) -> Result<Self, StartError> {
         let bind_err = |source| StartError::Bind {
@@ -110,7 +136,7 @@ impl Application {
             tracing::warn!("a client kept a connection of the start-up window open");
         }
         let (store, registry) = loaded??;
-        Ok(Self::assemble(listener, store, registry, config))
+        Ok(Self::assemble(listener, store, registry, config, auth))
     }
 
     fn assemble(
@@ -118,6 +144,7 @@ impl Application {
         store: Arc<dyn Store>,
         registry: Registry,
         config: ServeConfig,
+        auth: Arc<Auth>,
     ) -> Self {
         let router = http::app(
             registry.clone(),
@@ -126,6 +153,7 @@ impl Application {
                 max_wait: config.max_wait,
                 ..HttpConfig::default()
             },
+            auth,
         );
         Self {
             listener,

@@ -68,6 +68,26 @@ pub struct ServeConfig {
     #[arg(long, env = "TASKGATE_STORE_CACHE_MIB", default_value_t = 64)]
     pub store_cache_mib: usize,
 
+    /// JSON file of tokens (only SHA-256 hashes of the secrets):
+    /// `{"tokens": [{"name": "ci", "role": "agent", "sha256": "<hex>",
+    /// "alloc_prefixes": ["web-"]}]}`; roles: operator, agent, reader.
+    #[arg(long, env = "TASKGATE_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+
+    /// One operator secret (prefer the environment variable: a flag shows
+    /// in the process list).
+    #[arg(long, env = "TASKGATE_OPERATOR_TOKEN", hide_env_values = true)]
+    pub operator_token: Option<String>,
+
+    /// Serve without tokens on a non-loopback address. Without it, such a
+    /// server refuses to start.
+    #[arg(long, env = "TASKGATE_INSECURE_NO_AUTH")]
+    pub insecure_no_auth: bool,
+
+    /// Serve /metrics without a token.
+    #[arg(long, env = "TASKGATE_PUBLIC_METRICS")]
+    pub public_metrics: bool,
+
     /// Log filter, as RUST_LOG (`info`, `taskgate=debug,tower_http=info`).
     #[arg(long, env = "TASKGATE_LOG", default_value = "info")]
     pub log: String,
@@ -103,6 +123,10 @@ impl ServeConfig {
             in_memory: true,
             commit_batch: 4096,
             store_cache_mib: 64,
+            token_file: None,
+            operator_token: None,
+            insecure_no_auth: false,
+            public_metrics: false,
             log: "warn".into(),
             log_format: LogFormat::Text,
             body_limit: 1024 * 1024,

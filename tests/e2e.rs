@@ -226,6 +226,7 @@ async fn health_is_503_starting_until_the_store_is_loaded() {
     let building = tokio::spawn(taskgate::app::Application::build_on(
         listener,
         taskgate::config::ServeConfig::for_tests(),
+        std::sync::Arc::new(taskgate::http::auth::Auth::default()),
         move |_| Ok(store as std::sync::Arc<dyn taskgate::store::Store>),
     ));
     let http = reqwest::Client::new();
@@ -253,4 +254,24 @@ async fn health_is_503_starting_until_the_store_is_loaded() {
     assert_eq!(res.status(), 200);
     stop.send(()).unwrap();
     serving.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn an_open_server_on_a_non_loopback_address_refuses_to_start() {
+    let mut config = taskgate::config::ServeConfig::for_tests();
+    config.listen = "0.0.0.0:0".parse().unwrap();
+    let err = taskgate::app::Application::build(config.clone())
+        .await
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("--insecure-no-auth") && err.contains("--token-file"),
+        "{err}"
+    );
+    // Configuring a token is what the refusal asks for; on loopback (the
+    // only address a test may bind) such a server starts.
+    let mut config = taskgate::config::ServeConfig::for_tests();
+    config.operator_token = Some("s3cret".into());
+    assert!(taskgate::app::Application::build(config).await.is_ok());
 }

@@ -4,6 +4,7 @@
 //! lives here.
 
 mod allocations;
+pub mod auth;
 pub mod dto;
 pub mod error;
 pub mod extract;
@@ -110,7 +111,7 @@ pub(crate) fn json<T: Serialize>(status: StatusCode, body: &T) -> Response {
 }
 
 /// The whole HTTP application.
-pub fn app(registry: Registry, config: HttpConfig) -> Router {
+pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Router {
     let metrics = registry.metrics().clone();
     let state = AppState {
         registry,
@@ -155,6 +156,7 @@ pub fn app(registry: Registry, config: HttpConfig) -> Router {
         .into();
     api.merge(docs)
         .fallback(|| async { ApiError::not_found() })
+        .layer(middleware::from_fn_with_state(auth, auth::authorize))
         .layer(DefaultBodyLimit::max(config.body_limit))
         .layer(middleware::from_fn(problem_for_bare_errors))
         .layer(middleware::from_fn(pretty))

@@ -98,9 +98,25 @@ fn add(op: &mut Operation, status: &str, description: &str) {
         .or_insert_with(|| problem(description).into());
 }
 
+/// Routes that never need a token.
+const PUBLIC: &[&str] = &["/v1/health", "/openapi.json"];
+
 impl Modify for CommonResponses {
     fn modify(&self, doc: &mut Doc) {
-        for item in doc.paths.paths.values_mut() {
+        use utoipa::openapi::security::{
+            Http, HttpAuthScheme, SecurityRequirement, SecurityScheme,
+        };
+        let mut scheme = Http::new(HttpAuthScheme::Bearer);
+        scheme.description = Some(
+            "A token of role operator, agent or reader, as `Authorization: Bearer <token>` \
+             (or `X-Taskgate-Token: <token>`). Needed when the server has tokens configured."
+                .into(),
+        );
+        doc.components
+            .get_or_insert_with(Default::default)
+            .add_security_scheme("token", SecurityScheme::Http(scheme));
+        for (path, item) in doc.paths.paths.iter_mut() {
+            let public = PUBLIC.contains(&path.as_str());
             let ops = [
                 &mut item.get,
                 &mut item.put,
@@ -128,6 +144,18 @@ impl Modify for CommonResponses {
                         op,
                         "400",
                         "`invalid_request`: a path identifier or query parameter is bad (see `errors`)",
+                    );
+                }
+                if !public {
+                    op.security = Some(vec![SecurityRequirement::new(
+                        "token",
+                        Vec::<String>::new(),
+                    )]);
+                    add(op, "401", "`unauthorized`: the token is missing or unknown");
+                    add(
+                        op,
+                        "403",
+                        "`forbidden`: the token's role or prefixes do not allow this",
                     );
                 }
                 add(op, "500", "`internal`: the cause is in the server log");

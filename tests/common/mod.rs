@@ -14,7 +14,7 @@ use serde_json::Value;
 use taskgate::{
     app::Application,
     config::ServeConfig,
-    http::{HttpConfig, app},
+    http::{HttpConfig, app, auth::Auth},
     registry::{Registry, RegistryConfig},
     store::MemoryStore,
 };
@@ -91,10 +91,14 @@ pub fn test_app() -> TestApp {
 }
 
 pub fn test_app_with(registry: RegistryConfig, http: HttpConfig) -> TestApp {
+    test_app_auth(registry, http, Auth::default())
+}
+
+pub fn test_app_auth(registry: RegistryConfig, http: HttpConfig, auth: Auth) -> TestApp {
     let store = Arc::new(MemoryStore::new());
     let registry = Registry::open(store.clone(), registry).unwrap();
     TestApp {
-        router: app(registry.clone(), http),
+        router: app(registry.clone(), http, Arc::new(auth)),
         registry,
         store,
     }

@@ -1,0 +1,341 @@
+//! Authentication and roles. Tokens are bearer secrets (`Authorization:
+//! Bearer …` or `X-Taskgate-Token`); the server keeps only their SHA-256
+//! hashes. Roles:
+//!
+//! - `operator`: everything;
+//! - `agent`: read, register, report states, start-condition, restore —
+//!   optionally only for allocation IDs with given prefixes;
+//! - `reader`: GET only (optionally scoped the same way).
+//!
+//! `/v1/health`, `/openapi.json` and `/docs` never need a token; `/metrics`
+//! needs one unless `--public-metrics`.
+
+use std::{path::Path, sync::Arc};
+
+use axum::{
+    extract::{MatchedPath, Request, State},
+    http::{HeaderValue, Method, StatusCode, header},
+    middleware::Next,
+    response::{IntoResponse, Response},
+};
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+use super::{error::ApiError, extract::query_pairs};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Operator,
+    Agent,
+    Reader,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokenFile {
+    tokens: Vec<TokenEntry>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokenEntry {
+    name: String,
+    role: Role,
+    /// Hex SHA-256 of the secret.
+    sha256: String,
+    #[serde(default)]
+    alloc_prefixes: Vec<String>,
+}
+
+/// One known token.
+#[derive(Debug)]
+pub struct Token {
+    pub name: String,
+    pub role: Role,
+    hash: [u8; 32],
+    /// Empty: every allocation.
+    pub alloc_prefixes: Vec<String>,
+}
+
+/// The configured tokens. No tokens at all means authentication is off.
+#[derive(Debug, Default)]
+pub struct Auth {
+    tokens: Vec<Token>,
+    /// `/metrics` without a token.
+    pub public_metrics: bool,
+}
+
+fn sha256(secret: &[u8]) -> [u8; 32] {
+    Sha256::digest(secret).into()
+}
+
+fn parse_hex(s: &str) -> Option<[u8; 32]> {
+    if s.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, chunk) in s.as_bytes().chunks(2).enumerate() {
+        let hex = std::str::from_utf8(chunk).ok()?;
+        out[i] = u8::from_str_radix(hex, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Equal in time that does not depend on where the inputs differ.
+fn same(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+impl Auth {
+    /// Tokens from a token file and/or one operator secret. Errors name the
+    /// file and the entry.
+    pub fn load(file: Option<&Path>, operator_secret: Option<&str>) -> Result<Self, String> {
+        let mut tokens = Vec::new();
+        if let Some(path) = file {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read the token file {}: {e}", path.display()))?;
+            let parsed: TokenFile = serde_json::from_str(&text)
+                .map_err(|e| format!("token file {}: {e}", path.display()))?;
+            for (i, t) in parsed.tokens.into_iter().enumerate() {
+                let at = format!("token file {}: tokens[{i}] ({:?})", path.display(), t.name);
+                let hash = parse_hex(&t.sha256.to_ascii_lowercase())
+                    .ok_or_else(|| format!("{at}: sha256 must be 64 hex digits"))?;
+                if t.role == Role::Operator && !t.alloc_prefixes.is_empty() {
+                    return Err(format!(
+                        "{at}: an operator token cannot be limited to prefixes"
+                    ));
+                }
+                tokens.push(Token {
+                    name: t.name,
+                    role: t.role,
+                    hash,
+                    alloc_prefixes: t.alloc_prefixes,
+                });
+            }
+        }
+        if let Some(secret) = operator_secret.filter(|s| !s.is_empty()) {
+            tokens.push(Token {
+                name: "operator (TASKGATE_OPERATOR_TOKEN)".into(),
+                role: Role::Operator,
+                hash: sha256(secret.as_bytes()),
+                alloc_prefixes: Vec::new(),
+            });
+        }
+        Ok(Self {
+            tokens,
+            public_metrics: false,
+        })
+    }
+
+    /// Whether any token is configured (else authentication is off).
+    pub fn enabled(&self) -> bool {
+        !self.tokens.is_empty()
+    }
+
+    /// The token a secret belongs to. Every token is compared, match or
+    /// not, so the time taken does not tell which one matched.
+    fn identify(&self, secret: &str) -> Option<&Token> {
+        let hash = sha256(secret.as_bytes());
+        let mut found = None;
+        for t in &self.tokens {
+            if same(&t.hash, &hash) && found.is_none() {
+                found = Some(t);
+            }
+        }
+        found
+    }
+}
+
+/// What a route needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Need {
+    Nothing,
+    AnyToken,
+    Read,
+    AgentWrite,
+    Operator,
+}
+
+fn need(method: &Method, route: &str, public_metrics: bool) -> Need {
+    match route {
+        "/v1/health" | "/openapi.json" => Need::Nothing,
+        r if r == "/docs" || r.starts_with("/docs/") => Need::Nothing,
+        "/metrics" if public_metrics => Need::Nothing,
+        "/metrics" => Need::AnyToken,
+        _ if *method == Method::GET || *method == Method::HEAD => Need::Read,
+        "/v1/allocations/{alloc_id}" if *method == Method::PUT => Need::AgentWrite,
+        "/v1/allocations/{alloc_id}/tasks/{task}/state"
+        | "/v1/allocations/{alloc_id}/task-states"
+        | "/v1/allocations/{alloc_id}/restore" => Need::AgentWrite,
+        _ => Need::Operator,
+    }
+}
+
+fn presented(req: &Request) -> Option<&str> {
+    let h = req.headers();
+    if let Some(v) = h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
+        let (scheme, token) = v.split_once(' ')?;
+        return scheme.eq_ignore_ascii_case("bearer").then(|| token.trim());
+    }
+    h.get("x-taskgate-token").and_then(|v| v.to_str().ok())
+}
+
+/// The allocation ID (or, for the list, the `prefix`) a request concerns.
+fn scope_target(req: &Request, route: &str) -> Option<String> {
+    if route == "/v1/allocations" {
+        let pairs = query_pairs(req.uri().query())?;
+        return Some(
+            pairs
+                .into_iter()
+                .find(|(k, _)| k == "prefix")
+                .map(|(_, v)| v)
+                .unwrap_or_default(),
+        );
+    }
+    req.uri().path().split('/').nth(3).map(str::to_owned)
+}
+
+fn unauthorized(detail: &str) -> Response {
+    let mut res = ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", detail).into_response();
+    res.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        HeaderValue::from_static("Bearer realm=\"taskgate\""),
+    );
+    res
+}
+
+fn forbidden(detail: String) -> Response {
+    ApiError::new(StatusCode::FORBIDDEN, "forbidden", detail).into_response()
+}
+
+/// The middleware. With no tokens configured, everything passes.
+pub async fn authorize(State(auth): State<Arc<Auth>>, req: Request, next: Next) -> Response {
+    if !auth.enabled() {
+        return next.run(req).await;
+    }
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|m| m.as_str().to_owned());
+    // Unknown routes answer 404 whoever asks: nothing is behind them.
+    let Some(route) = route else {
+        return next.run(req).await;
+    };
+    let need = need(req.method(), &route, auth.public_metrics);
+    if need == Need::Nothing {
+        return next.run(req).await;
+    }
+    let Some(secret) = presented(&req) else {
+        return unauthorized(
+            "a token is required (Authorization: Bearer <token>, or X-Taskgate-Token)",
+        );
+    };
+    let Some(token) = auth.identify(secret) else {
+        return unauthorized("the token is not known");
+    };
+    let allowed = match (need, token.role) {
+        (Need::Nothing | Need::AnyToken, _) => true,
+        (_, Role::Operator) => true,
+        (Need::Read, Role::Agent | Role::Reader) => true,
+        (Need::AgentWrite, Role::Agent) => true,
+        (Need::AgentWrite, Role::Reader) | (Need::Operator, Role::Agent | Role::Reader) => false,
+    };
+    if !allowed {
+        return forbidden(format!(
+            "token {:?} ({:?}) may not {} {route}",
+            token.name,
+            token.role,
+            req.method()
+        ));
+    }
+    if !token.alloc_prefixes.is_empty() && need != Need::AnyToken {
+        let target = scope_target(&req, &route).unwrap_or_default();
+        if !token
+            .alloc_prefixes
+            .iter()
+            .any(|p| target.starts_with(p.as_str()))
+        {
+            let what = if route == "/v1/allocations" {
+                "list with a `prefix` within".to_owned()
+            } else {
+                format!("use allocation {target:?}, outside")
+            };
+            return forbidden(format!(
+                "token {:?} may only {what} its prefixes {:?}",
+                token.name, token.alloc_prefixes
+            ));
+        }
+    }
+    next.run(req).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_file_entries_are_checked_with_their_names() {
+        let dir = std::env::temp_dir().join(format!("taskgate-auth-{}", fastrand::u64(..)));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("tokens.json");
+        std::fs::write(
+            &file,
+            r#"{"tokens": [{"name": "ci", "role": "agent", "sha256": "zz", "alloc_prefixes": ["web-"]}]}"#,
+        )
+        .unwrap();
+        let err = Auth::load(Some(&file), None).unwrap_err();
+        assert!(
+            err.contains("tokens[0] (\"ci\")") && err.contains("64 hex digits"),
+            "{err}"
+        );
+        std::fs::write(
+            &file,
+            r#"{"tokens": [{"name": "x", "role": "admin", "sha256": ""}]}"#,
+        )
+        .unwrap();
+        assert!(Auth::load(Some(&file), None).unwrap_err().contains("admin"));
+        let hash: String = sha256(b"s3cret")
+            .iter()
+            .map(|b| format!("{b:02X}"))
+            .collect();
+        std::fs::write(
+            &file,
+            format!(r#"{{"tokens": [{{"name": "ci", "role": "agent", "sha256": "{hash}"}}]}}"#),
+        )
+        .unwrap();
+        let auth = Auth::load(Some(&file), Some("op")).unwrap();
+        assert_eq!(auth.identify("s3cret").unwrap().name, "ci");
+        assert_eq!(auth.identify("op").unwrap().role, Role::Operator);
+        assert!(auth.identify("nope").is_none());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn routes_need_what_the_roles_table_says() {
+        use Method as M;
+        assert_eq!(need(&M::GET, "/v1/health", false), Need::Nothing);
+        assert_eq!(need(&M::GET, "/metrics", false), Need::AnyToken);
+        assert_eq!(need(&M::GET, "/metrics", true), Need::Nothing);
+        assert_eq!(
+            need(&M::GET, "/v1/allocations/{alloc_id}", false),
+            Need::Read
+        );
+        assert_eq!(
+            need(&M::PUT, "/v1/allocations/{alloc_id}", false),
+            Need::AgentWrite
+        );
+        assert_eq!(
+            need(&M::DELETE, "/v1/allocations/{alloc_id}", false),
+            Need::Operator
+        );
+        assert_eq!(
+            need(&M::POST, "/v1/allocations/{alloc_id}/restart", false),
+            Need::Operator
+        );
+        assert_eq!(
+            need(&M::POST, "/v1/allocations/{alloc_id}/restore", false),
+            Need::AgentWrite
+        );
+    }
+}
