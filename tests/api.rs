@@ -1124,6 +1124,9 @@ async fn the_openapi_document_names_every_error_code_of_the_contract() {
         "too_many_waiters",
         "shutting_down",
         "internal",
+        "unauthorized",
+        "forbidden",
+        "starting",
     ] {
         assert!(
             doc.contains(&format!("`{code}`")),
