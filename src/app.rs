@@ -16,6 +16,7 @@ use crate::{
     lifecycle::Limits,
     metrics::Metrics,
     registry::{Registry, RegistryConfig},
+    server::ServeOptions,
     store::{MemoryStore, RedbStore, RedbStoreConfig, Store, StoreError},
 };
 
@@ -30,6 +31,24 @@ pub enum StartError {
     Store(#[from] StoreError),
     #[error("{0}")]
     Config(String),
+}
+
+fn serve_options(config: &ServeConfig) -> Result<ServeOptions, StartError> {
+    let tls = match (&config.tls_cert, &config.tls_key) {
+        (Some(cert), Some(key)) => {
+            Some(crate::server::tls_acceptor(cert, key).map_err(StartError::Config)?)
+        }
+        (None, None) => None,
+        _ => {
+            return Err(StartError::Config(
+                "--tls-cert and --tls-key go together".into(),
+            ));
+        }
+    };
+    Ok(ServeOptions {
+        tls,
+        header_timeout: config.header_timeout,
+    })
 }
 
 /// Tokens from the configuration; refuses an open server on a
@@ -60,6 +79,7 @@ pub struct Application {
     store: Arc<dyn Store>,
     router: axum::Router,
     config: ServeConfig,
+    options: ServeOptions,
 }
 
 /// What every request gets while the store is loading.
@@ -113,13 +133,15 @@ impl Application {
             TcpListener::from_std(listener.try_clone().map_err(bind_err)?).map_err(bind_err)?;
         let listener = TcpListener::from_std(listener).map_err(bind_err)?;
         let (stop_interim, stopped) = tokio::sync::oneshot::channel::<()>();
-        let interim = tokio::spawn(
-            axum::serve(interim, axum::Router::new().fallback(starting))
-                .with_graceful_shutdown(async move {
-                    let _ = stopped.await;
-                })
-                .into_future(),
-        );
+        let options = serve_options(&config)?;
+        let interim = tokio::spawn(crate::server::serve(
+            interim,
+            axum::Router::new().fallback(starting),
+            options.clone(),
+            async move {
+                let _ = stopped.await;
+            },
+        ));
 
         let loaded = {
             let registry_config = registry_config(&config);
@@ -136,7 +158,9 @@ impl Application {
             tracing::warn!("a client kept a connection of the start-up window open");
         }
         let (store, registry) = loaded??;
-        Ok(Self::assemble(listener, store, registry, config, auth))
+        Ok(Self::assemble(
+            listener, store, registry, config, auth, options,
+        ))
     }
 
     fn assemble(
@@ -145,12 +169,14 @@ impl Application {
         registry: Registry,
         config: ServeConfig,
         auth: Arc<Auth>,
+        options: ServeOptions,
     ) -> Self {
         let router = http::app(
             registry.clone(),
             HttpConfig {
                 body_limit: config.body_limit,
                 max_wait: config.max_wait,
+                request_timeout: config.request_timeout,
                 ..HttpConfig::default()
             },
             auth,
@@ -161,6 +187,7 @@ impl Application {
             store,
             router,
             config,
+            options,
         }
     }
 
@@ -190,7 +217,7 @@ impl Application {
             registry.shutdown();
             let _ = stopping_tx.send(());
         };
-        let serve = axum::serve(self.listener, self.router).with_graceful_shutdown(signal);
+        let serve = crate::server::serve(self.listener, self.router, self.options, signal);
         let grace = self.config.shutdown_grace;
         let deadline = async move {
             if stopping_rx.await.is_ok() {
@@ -199,20 +226,19 @@ impl Application {
                 std::future::pending::<()>().await;
             }
         };
-        let served = tokio::select! {
-            res = serve => res,
+        tokio::select! {
+            () = serve => {}
             () = deadline => {
                 tracing::warn!(?grace, "requests still running after the shutdown grace; stopping anyway");
-                Ok(())
             }
-        };
+        }
         let store = self.store;
         match tokio::task::spawn_blocking(move || store.close()).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::error!(error = %e, "closing the store failed"),
             Err(e) => tracing::error!(error = %e, "closing the store panicked"),
         }
-        served
+        Ok(())
     }
 }
 

@@ -109,6 +109,24 @@ pub struct ServeConfig {
     #[arg(long, env = "TASKGATE_MAX_WAITERS", default_value_t = 100_000)]
     pub max_waiters: usize,
 
+    /// PEM certificate chain: serve HTTPS (with --tls-key).
+    #[arg(long, env = "TASKGATE_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "TASKGATE_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+
+    /// Longest time a client may take to send its request headers (and to
+    /// finish a TLS handshake).
+    #[arg(long, env = "TASKGATE_HEADER_TIMEOUT", default_value = "10s", value_parser = duration)]
+    pub header_timeout: Duration,
+
+    /// Longest time a request that does not wait (everything but blocking
+    /// queries and start-condition) may take; then 503 `timeout`.
+    #[arg(long, env = "TASKGATE_REQUEST_TIMEOUT", default_value = "30s", value_parser = duration)]
+    pub request_timeout: Duration,
+
     /// How long in-flight requests may take to finish after SIGTERM/SIGINT.
     #[arg(long, env = "TASKGATE_SHUTDOWN_GRACE", default_value = "10s", value_parser = duration)]
     pub shutdown_grace: Duration,
@@ -133,6 +151,10 @@ impl ServeConfig {
             max_wait: Duration::from_secs(300),
             max_waiters: 100_000,
             shutdown_grace: Duration::from_secs(10),
+            tls_cert: None,
+            tls_key: None,
+            header_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(30),
         }
     }
 }

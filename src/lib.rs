@@ -10,4 +10,5 @@ pub mod http;
 pub mod lifecycle;
 pub mod metrics;
 pub mod registry;
+pub mod server;
 pub mod store;

@@ -47,6 +47,8 @@ pub struct HttpConfig {
     pub default_wait: Duration,
     /// Longest wait a client may ask for.
     pub max_wait: Duration,
+    /// Longest time a request that does not wait may take.
+    pub request_timeout: Duration,
 }
 
 impl Default for HttpConfig {
@@ -55,6 +57,7 @@ impl Default for HttpConfig {
             body_limit: 1024 * 1024,
             default_wait: Duration::from_secs(30),
             max_wait: Duration::from_secs(300),
+            request_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -156,6 +159,10 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
         .into();
     api.merge(docs)
         .fallback(|| async { ApiError::not_found() })
+        .layer(middleware::from_fn_with_state(
+            config.request_timeout,
+            request_timeout,
+        ))
         .layer(middleware::from_fn_with_state(auth, auth::authorize))
         .layer(DefaultBodyLimit::max(config.body_limit))
         .layer(middleware::from_fn(problem_for_bare_errors))
@@ -167,6 +174,44 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
                 ApiError::internal().into_response()
             },
         ))
+}
+
+/// Routes whose GET may wait (bounded by the wait cap instead).
+const WAITING_ROUTES: [&str; 3] = [
+    "/v1/allocations/{alloc_id}",
+    "/v1/allocations/{alloc_id}/tasks/{task}",
+    "/v1/allocations/{alloc_id}/tasks/{task}/start-condition",
+];
+
+/// Bounds the time of requests that do not wait. A write that runs out of
+/// time may still be applied: its commit is not cancelled.
+async fn request_timeout(
+    axum::extract::State(limit): axum::extract::State<Duration>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let waits = req.method() == axum::http::Method::GET
+        && req
+            .extensions()
+            .get::<axum::extract::MatchedPath>()
+            .is_some_and(|m| WAITING_ROUTES.contains(&m.as_str()));
+    if waits {
+        return next.run(req).await;
+    }
+    match tokio::time::timeout(limit, next.run(req)).await {
+        Ok(res) => res,
+        Err(_) => {
+            let mut res = ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "timeout",
+                "the request took too long; a write may still have been applied",
+            )
+            .into_response();
+            res.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            res
+        }
+    }
 }
 
 /// The request-ID header, accepted from the client or generated.
