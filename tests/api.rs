@@ -1127,6 +1127,7 @@ async fn the_openapi_document_names_every_error_code_of_the_contract() {
         "unauthorized",
         "forbidden",
         "starting",
+        "timeout",
     ] {
         assert!(
             doc.contains(&format!("`{code}`")),
@@ -1148,4 +1149,29 @@ async fn docs_are_served_from_the_binary() {
     let init = app.get("/docs/swagger-initializer.js").await;
     let js = String::from_utf8(init.raw).unwrap();
     assert!(js.contains("/openapi.json"), "{js}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn requests_that_do_not_wait_are_bounded_in_time() {
+    let app = test_app_with(
+        RegistryConfig::default(),
+        HttpConfig {
+            request_timeout: Duration::from_secs(2),
+            ..HttpConfig::default()
+        },
+    );
+    app.register_five("a1").await;
+    app.store.stall_commits(true);
+    let started = tokio::time::Instant::now();
+    let a = app.report("a1", "init", json!({"state": "running"})).await;
+    a.assert_problem(503, "timeout");
+    assert_eq!(a.header("retry-after"), Some("1"));
+    assert_eq!(started.elapsed(), Duration::from_secs(2));
+    // A long-poll is bounded by its wait, not by the request timeout.
+    let started = tokio::time::Instant::now();
+    let w = app
+        .get("/v1/allocations/a1/tasks/web/start-condition?wait=10s")
+        .await;
+    assert_eq!(w.status, StatusCode::OK);
+    assert!(started.elapsed() >= Duration::from_secs(10));
 }

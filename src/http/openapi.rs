@@ -162,7 +162,9 @@ impl Modify for CommonResponses {
                 add(
                     op,
                     "503",
-                    "`starting`: the store is still loading (with `Retry-After`)",
+                    "`starting`: the store is still loading; `timeout`: a request that does \
+                     not wait took longer than the request timeout (a write may still have been \
+                     applied); both with `Retry-After`",
                 );
             }
         }

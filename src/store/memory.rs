@@ -19,6 +19,8 @@ pub struct MemoryStore {
     inner: Mutex<Inner>,
     /// When set, every commit fails (to test the failure path).
     fail: AtomicBool,
+    /// When set, commits never finish (to test timeouts).
+    stall: AtomicBool,
 }
 
 #[derive(Default)]
@@ -35,6 +37,11 @@ impl MemoryStore {
     /// Makes every following commit fail until called with `false`.
     pub fn fail_commits(&self, fail: bool) {
         self.fail.store(fail, Ordering::SeqCst);
+    }
+
+    /// Makes every following commit hang until the end of time.
+    pub fn stall_commits(&self, stall: bool) {
+        self.stall.store(stall, Ordering::SeqCst);
     }
 
     /// The committed record of an allocation.
@@ -54,6 +61,9 @@ impl Store for MemoryStore {
     }
 
     fn commit(&self, op: Op) -> Commit {
+        if self.stall.load(Ordering::SeqCst) {
+            return Box::pin(std::future::pending());
+        }
         if self.fail.load(Ordering::SeqCst) {
             return Box::pin(async { Err(StoreError::Io("injected failure".into())) });
         }
