@@ -24,6 +24,8 @@ pub enum Command {
     Serve(ServeConfig),
     /// Print the OpenAPI document (the committed copy is openapi/openapi.json).
     Openapi,
+    /// Probe a running server's /v1/health: exit 0 when healthy, 1 otherwise.
+    Health(crate::probe::HealthConfig),
     /// Benchmark: start servers of this binary and measure them (BENCHMARKS.md).
     Bench(crate::bench::BenchConfig),
     /// A bare axum 200 handler: the ceiling the benchmark compares against.

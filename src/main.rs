@@ -17,6 +17,17 @@ fn main() -> ExitCode {
             print!("{}", taskgate::http::openapi::document());
             ExitCode::SUCCESS
         }
+        Command::Health(config) => {
+            let healthy = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .is_ok_and(|rt| rt.block_on(taskgate::probe::run(config)));
+            if healthy {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
         Command::Bench(config) => block_on("bench", taskgate::bench::run(config)),
         Command::BenchCeiling { listen } => {
             tracing_subscriber::fmt().with_ansi(false).init();

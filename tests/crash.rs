@@ -4,14 +4,16 @@
 //! nothing is half-applied, and indexes never go back. Repeated `KILLS`
 //! times on one directory, so history accumulates across crashes.
 
+mod common;
+
 use std::{
     collections::BTreeMap,
-    io::{BufRead, BufReader},
     path::Path,
-    process::{Child, Command, Stdio},
     sync::{Arc, Mutex},
     time::Duration,
 };
+
+use common::process::Server;
 
 use serde_json::{Value, json};
 
@@ -19,55 +21,8 @@ const KILLS: usize = 40;
 const CLIENTS: usize = 8;
 const ALLOCS_PER_CLIENT: usize = 6;
 
-struct Server {
-    child: Child,
-    base: String,
-}
-
-impl Drop for Server {
-    /// A failing test must not leave a server behind.
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts `taskgate serve` on an OS-chosen port and reads the address from
-/// its log. Its output is drained for the life of the process.
 fn start(dir: &Path) -> Server {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_taskgate"))
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--log",
-            "info",
-            "--data-dir",
-        ])
-        .arg(dir)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("taskgate starts");
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut tx = Some(tx);
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(addr) = line.split("addr=").nth(1)
-                && let Some(tx) = tx.take()
-            {
-                let _ = tx.send(addr.trim().to_owned());
-            }
-        }
-    });
-    let addr = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the server logs its address");
-    Server {
-        child,
-        base: format!("http://{addr}"),
-    }
+    Server::start(&["--data-dir", dir.to_str().unwrap()])
 }
 
 /// What the clients know: per allocation, the last acknowledged value and
@@ -338,11 +293,7 @@ async fn acknowledged_changes_survive_sigkill() {
         .count();
     assert!(live > 0, "the clients did some work");
     eprintln!("{KILLS} kills; last index {max_acked}; {live} allocations live");
-    let status = Command::new("kill")
-        .args(["-TERM", &server.child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    server.terminate();
     let exit = server.child.wait().unwrap();
     assert!(exit.success(), "SIGTERM exits 0, got {exit:?}");
 }

@@ -2,6 +2,8 @@
 //! real server on an OS-chosen loopback port for end-to-end tests.
 #![allow(dead_code)]
 
+pub mod process;
+
 use std::{sync::Arc, time::Duration};
 
 use axum::{

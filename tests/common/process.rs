@@ -1,0 +1,74 @@
+//! The real `taskgate` binary as a child process.
+
+use std::{
+    io::{BufRead, BufReader},
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+/// A running `taskgate serve`, killed on drop so a failing test leaves
+/// nothing behind.
+pub struct Server {
+    pub child: Child,
+    pub base: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    /// Starts `taskgate serve --listen 127.0.0.1:0 ARGS` and reads the
+    /// address from its log. Its output is drained for the life of the
+    /// process.
+    pub fn start(args: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_taskgate"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--log", "info"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("taskgate starts");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut tx = Some(tx);
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(addr) = line.split("addr=").nth(1)
+                    && let Some(tx) = tx.take()
+                {
+                    let _ = tx.send(addr.trim().to_owned());
+                }
+            }
+        });
+        let addr = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the server logs its address");
+        Server {
+            child,
+            base: format!("http://{addr}"),
+        }
+    }
+
+    /// Sends SIGTERM.
+    pub fn terminate(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+}
+
+/// Runs `taskgate health --server BASE`; true on exit 0.
+pub fn health(base: &str) -> bool {
+    Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        .args(["health", "--server", base, "--timeout", "5s"])
+        .stderr(Stdio::null())
+        .status()
+        .unwrap()
+        .success()
+}

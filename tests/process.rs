@@ -1,0 +1,95 @@
+//! The real binary: `taskgate health`, and graceful shutdown with parked
+//! long-polls.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{
+    five_tasks,
+    process::{Server, health},
+};
+use serde_json::Value;
+
+const BOUND: Duration = Duration::from_secs(20);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_answers_parked_waits_with_503_and_exits_0() {
+    let mut server = Server::start(&["--in-memory"]);
+    let base = server.base.clone();
+    assert!(
+        tokio::task::spawn_blocking({
+            let base = base.clone();
+            move || health(&base)
+        })
+        .await
+        .unwrap(),
+        "taskgate health exits 0 on a healthy server"
+    );
+
+    let http = reqwest::Client::new();
+    let reg = http
+        .put(format!("{base}/v1/allocations/a1"))
+        .json(&five_tasks())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reg.status(), 201);
+    let waits: Vec<_> = (0..3)
+        .map(|_| {
+            let http = http.clone();
+            let url = format!("{base}/v1/allocations/a1/tasks/web/start-condition?wait=300s");
+            tokio::spawn(async move { http.get(url).send().await })
+        })
+        .collect();
+    // Parked: the gauge says so.
+    let mut parked = false;
+    for _ in 0..2_000 {
+        let m = http
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if m.contains("\ntaskgate_waiters 3\n") {
+            parked = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(parked, "three long-polls parked");
+
+    let asked = std::time::Instant::now();
+    server.terminate();
+    for w in waits {
+        let res = tokio::time::timeout(BOUND, w)
+            .await
+            .expect("answered")
+            .unwrap()
+            .unwrap();
+        assert_eq!(res.status(), 503);
+        let body: Value = res.json().await.unwrap();
+        assert_eq!(body["code"], "shutting_down");
+    }
+    let exit = tokio::task::spawn_blocking(move || {
+        let status = server.child.wait().unwrap();
+        (status, server)
+    })
+    .await
+    .unwrap()
+    .0;
+    assert!(exit.success(), "exit code 0, got {exit:?}");
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "stopped within the grace: {:?}",
+        asked.elapsed()
+    );
+    assert!(
+        !tokio::task::spawn_blocking(move || health(&base))
+            .await
+            .unwrap(),
+        "health fails once stopped"
+    );
+}
