@@ -40,6 +40,23 @@ fn duration(s: &str) -> Result<Duration, String> {
     parse_duration(s)
 }
 
+/// A secret that never shows in `Debug` output or logs.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+impl std::str::FromStr for Secret {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Self(s.to_owned()))
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {
     Text,
@@ -79,7 +96,7 @@ pub struct ServeConfig {
     /// One operator secret (prefer the environment variable: a flag shows
     /// in the process list).
     #[arg(long, env = "TASKGATE_OPERATOR_TOKEN", hide_env_values = true)]
-    pub operator_token: Option<String>,
+    pub operator_token: Option<Secret>,
 
     /// Serve without tokens on a non-loopback address. Without it, such a
     /// server refuses to start.

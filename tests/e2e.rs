@@ -272,6 +272,10 @@ async fn an_open_server_on_a_non_loopback_address_refuses_to_start() {
     // Configuring a token is what the refusal asks for; on loopback (the
     // only address a test may bind) such a server starts.
     let mut config = taskgate::config::ServeConfig::for_tests();
-    config.operator_token = Some("s3cret".into());
+    config.operator_token = Some(taskgate::config::Secret("s3cret".into()));
+    assert!(
+        !format!("{config:?}").contains("s3cret"),
+        "secrets never show in Debug"
+    );
     assert!(taskgate::app::Application::build(config).await.is_ok());
 }
