@@ -54,11 +54,9 @@ fn serve_options(config: &ServeConfig) -> Result<ServeOptions, StartError> {
 /// Tokens from the configuration; refuses an open server on a
 /// non-loopback address unless told it is meant.
 fn auth_for(config: &ServeConfig) -> Result<Arc<Auth>, StartError> {
-    let mut auth = Auth::load(
-        config.token_file.as_deref(),
-        config.operator_token.as_deref(),
-    )
-    .map_err(StartError::Config)?;
+    let operator = config.operator_token.as_ref().map(|s| s.0.as_str());
+    let mut auth =
+        Auth::load(config.token_file.as_deref(), operator).map_err(StartError::Config)?;
     auth.public_metrics = config.public_metrics;
     if !auth.enabled() && !config.listen.ip().is_loopback() && !config.insecure_no_auth {
         return Err(StartError::Config(format!(
