@@ -31,7 +31,7 @@ pub const DEFAULT_RESTART_REASON: &str = "Restart requested through the API";
 /// Registering the same spec again is an idempotent success (200).
 #[utoipa::path(
     put, path = "/v1/allocations/{alloc_id}", tag = "allocations",
-    params(("alloc_id" = String, Path, description = "Allocation ID")),
+    params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$")),
     request_body = RegisterBody,
     responses(
         (status = 201, description = "Registered", body = AllocationView,
@@ -76,9 +76,9 @@ pub async fn register(
 #[utoipa::path(
     get, path = "/v1/allocations/{alloc_id}", tag = "allocations",
     params(
-        ("alloc_id" = String, Path, description = "Allocation ID"),
-        ("index" = Option<u64>, Query, description = "Wait for a modify_index greater than this (0: answer at once)"),
-        ("wait" = Option<String>, Query, description = "Longest wait, with a unit (`500ms`, `30s`, `5m`); default 30s, capped at 300s, plus up to wait/16 jitter"),
+        ("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
+        ("index" = Option<u64>, Query, minimum = 0, description = "Wait for a modify_index greater than this (0: answer at once)"),
+        ("wait" = Option<String>, Query, pattern = "^([0-9]+(\\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$", description = "Longest wait, with a unit (`500ms`, `30s`, `5m`); default 30s, capped at 300s, plus up to wait/16 jitter"),
     ),
     responses(
         (status = 200, description = "The allocation", body = AllocationView,
@@ -116,8 +116,8 @@ pub async fn get(
     get, path = "/v1/allocations", tag = "allocations",
     params(
         ("prefix" = Option<String>, Query, description = "Only IDs starting with this"),
-        ("per_page" = Option<usize>, Query, description = "1 to 1000, default 100"),
-        ("next_token" = Option<String>, Query, description = "The X-Taskgate-NextToken of the previous page"),
+        ("per_page" = Option<usize>, Query, minimum = 1, maximum = 1000, description = "1 to 1000, default 100"),
+        ("next_token" = Option<String>, Query, min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$", description = "The X-Taskgate-NextToken of the previous page"),
     ),
     responses(
         (status = 200, description = "One page of allocations", body = Vec<ListItem>,
@@ -144,7 +144,7 @@ pub async fn list(
 /// Deregister an allocation. Requests waiting on it end with 410.
 #[utoipa::path(
     delete, path = "/v1/allocations/{alloc_id}", tag = "allocations",
-    params(("alloc_id" = String, Path, description = "Allocation ID")),
+    params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$")),
     responses(
         (status = 204, description = "Deleted",
          headers(("X-Taskgate-Index" = u64, description = "The index of the deletion"))),
@@ -169,7 +169,7 @@ pub async fn delete(
 /// An unknown task or an invalid value rejects the whole request.
 #[utoipa::path(
     post, path = "/v1/allocations/{alloc_id}/task-states", tag = "tasks",
-    params(("alloc_id" = String, Path, description = "Allocation ID")),
+    params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$")),
     request_body = BatchBody,
     responses(
         (status = 200, description = "The allocation after the reports", body = AllocationView,
@@ -200,7 +200,7 @@ pub async fn report_batch(
 /// evaluates until stable. For an owner that lost its coordinator.
 #[utoipa::path(
     post, path = "/v1/allocations/{alloc_id}/restore", tag = "allocations",
-    params(("alloc_id" = String, Path, description = "Allocation ID")),
+    params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$")),
     request_body = BatchBody,
     responses(
         (status = 200, description = "The restored allocation", body = AllocationView,
@@ -234,7 +234,7 @@ pub async fn restore(
 /// does not change reported states.
 #[utoipa::path(
     post, path = "/v1/allocations/{alloc_id}/restart", tag = "allocations",
-    params(("alloc_id" = String, Path, description = "Allocation ID")),
+    params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$")),
     request_body(content = RestartBody, description = "May be empty, meaning `{}`"),
     responses(
         (status = 200, description = "The tasks told to restart", body = RestartView,

@@ -57,6 +57,7 @@ impl<'de, V: Deserialize<'de>> Deserialize<'de> for UniqueMap<V> {
 #[serde(deny_unknown_fields)]
 pub struct RegisterBody {
     /// 1 to 256 tasks with unique names.
+    #[schema(min_items = 1, max_items = 256)]
     pub tasks: Vec<TaskSpecBody>,
 }
 
@@ -65,7 +66,12 @@ pub struct RegisterBody {
 #[serde(deny_unknown_fields)]
 pub struct TaskSpecBody {
     /// 1 to 128 characters from `A-Z a-z 0-9 . _ -`, starting with a letter or digit.
-    #[schema(example = "web")]
+    #[schema(
+        example = "web",
+        min_length = 1,
+        max_length = 128,
+        pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"
+    )]
     pub name: String,
     /// Absent or `null` for a main task.
     #[serde(default)]
@@ -130,11 +136,11 @@ pub struct ReportBody {
 pub struct EventBody {
     /// 1 to 64 characters.
     #[serde(rename = "type")]
-    #[schema(example = "Terminated")]
+    #[schema(example = "Terminated", min_length = 1, max_length = 64)]
     pub kind: String,
-    /// At most 4 KiB.
+    /// At most 4 KiB (of UTF-8).
     #[serde(default)]
-    #[schema(example = "Exit Code: 1")]
+    #[schema(example = "Exit Code: 1", max_length = 4096)]
     pub message: String,
     /// String to string, at most 32 entries.
     #[serde(default)]
@@ -211,11 +217,17 @@ impl BatchBody {
 pub struct RestartBody {
     /// Restart only this task; it must be running.
     #[serde(default)]
+    #[schema(
+        min_length = 1,
+        max_length = 128,
+        pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"
+    )]
     pub task: Option<String>,
     /// Restart every running or dead task and reset the coordinator.
     #[serde(default)]
     pub all_tasks: bool,
     /// Recorded in each task's "Restart Signaled" event (at most 4 KiB).
     #[serde(default)]
+    #[schema(max_length = 4096)]
     pub reason: Option<String>,
 }

@@ -171,11 +171,24 @@ impl Modify for CommonResponses {
     }
 }
 
+/// The identifier syntax, as a JSON Schema pattern.
+const ID_PATTERN: &str = "^[A-Za-z0-9][A-Za-z0-9._-]*$";
+
+/// Constraints utoipa's attributes cannot state, set on the JSON form:
+/// task names as the keys of a batch, the detail count of an event.
+fn refine(doc: &mut serde_json::Value) {
+    let schemas = &mut doc["components"]["schemas"];
+    schemas["BatchBody"]["properties"]["tasks"]["propertyNames"] = serde_json::json!({
+        "type": "string", "minLength": 1, "maxLength": 128, "pattern": ID_PATTERN
+    });
+    schemas["EventBody"]["properties"]["details"]["maxProperties"] = 32.into();
+}
+
 /// The document as committed: pretty JSON with a final newline.
 pub fn document() -> String {
-    let mut s = ApiDoc::openapi()
-        .to_pretty_json()
-        .expect("the OpenAPI document serializes");
+    let mut doc = serde_json::to_value(ApiDoc::openapi()).expect("the OpenAPI document serializes");
+    refine(&mut doc);
+    let mut s = serde_json::to_string_pretty(&doc).expect("JSON serializes");
     s.push('\n');
     s
 }

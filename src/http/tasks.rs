@@ -21,10 +21,10 @@ use super::{
 #[utoipa::path(
     get, path = "/v1/allocations/{alloc_id}/tasks/{task}", tag = "tasks",
     params(
-        ("alloc_id" = String, Path, description = "Allocation ID"),
-        ("task" = String, Path, description = "Task name"),
-        ("index" = Option<u64>, Query, description = "Wait for a task modify_index greater than this (0: answer at once)"),
-        ("wait" = Option<String>, Query, description = "Longest wait, with a unit (`500ms`, `30s`, `5m`); default 30s, capped at 300s, plus up to wait/16 jitter"),
+        ("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
+        ("task" = String, Path, description = "Task name", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
+        ("index" = Option<u64>, Query, minimum = 0, description = "Wait for a task modify_index greater than this (0: answer at once)"),
+        ("wait" = Option<String>, Query, pattern = "^([0-9]+(\\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$", description = "Longest wait, with a unit (`500ms`, `30s`, `5m`); default 30s, capped at 300s, plus up to wait/16 jitter"),
     ),
     responses(
         (status = 200, description = "The task", body = TaskDetailView,
@@ -64,8 +64,8 @@ pub async fn get(
 #[utoipa::path(
     put, path = "/v1/allocations/{alloc_id}/tasks/{task}/state", tag = "tasks",
     params(
-        ("alloc_id" = String, Path, description = "Allocation ID"),
-        ("task" = String, Path, description = "Task name"),
+        ("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
+        ("task" = String, Path, description = "Task name", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
     ),
     request_body = ReportBody,
     responses(
@@ -99,9 +99,9 @@ pub async fn report(
 #[utoipa::path(
     get, path = "/v1/allocations/{alloc_id}/tasks/{task}/start-condition", tag = "tasks",
     params(
-        ("alloc_id" = String, Path, description = "Allocation ID"),
-        ("task" = String, Path, description = "Task name"),
-        ("wait" = Option<String>, Query, description = "Longest wait, with a unit (`500ms`, `30s`, `5m`); default 30s, capped at 300s, plus up to wait/16 jitter"),
+        ("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
+        ("task" = String, Path, description = "Task name", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
+        ("wait" = Option<String>, Query, pattern = "^([0-9]+(\\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$", description = "Longest wait, with a unit (`500ms`, `30s`, `5m`); default 30s, capped at 300s, plus up to wait/16 jitter"),
     ),
     responses(
         (status = 200, description = "The task's start condition now", body = StartConditionView,
