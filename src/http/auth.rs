@@ -10,12 +10,11 @@
 //! `/v1/health`, `/openapi.json` and `/docs` never need a token; `/metrics`
 //! needs one unless `--public-metrics`.
 
-use std::{path::Path, sync::Arc};
+use std::path::Path;
 
 use axum::{
-    extract::{MatchedPath, Request, State},
+    extract::Request,
     http::{HeaderValue, Method, StatusCode, header},
-    middleware::Next,
     response::{IntoResponse, Response},
 };
 use serde::Deserialize;
@@ -209,65 +208,64 @@ fn forbidden(detail: String) -> Response {
     ApiError::new(StatusCode::FORBIDDEN, "forbidden", detail).into_response()
 }
 
-/// The middleware. With no tokens configured, everything passes.
-pub async fn authorize(State(auth): State<Arc<Auth>>, req: Request, next: Next) -> Response {
-    if !auth.enabled() {
-        return next.run(req).await;
-    }
-    let route = req
-        .extensions()
-        .get::<MatchedPath>()
-        .map(|m| m.as_str().to_owned());
-    // Unknown routes answer 404 whoever asks: nothing is behind them.
-    let Some(route) = route else {
-        return next.run(req).await;
-    };
-    let need = need(req.method(), &route, auth.public_metrics);
-    if need == Need::Nothing {
-        return next.run(req).await;
-    }
-    let Some(secret) = presented(&req) else {
-        return unauthorized(
-            "a token is required (Authorization: Bearer <token>, or X-Taskgate-Token)",
-        );
-    };
-    let Some(token) = auth.identify(secret) else {
-        return unauthorized("the token is not known");
-    };
-    let allowed = match (need, token.role) {
-        (Need::Nothing | Need::AnyToken, _) => true,
-        (_, Role::Operator) => true,
-        (Need::Read, Role::Agent | Role::Reader) => true,
-        (Need::AgentWrite, Role::Agent) => true,
-        (Need::AgentWrite, Role::Reader) | (Need::Operator, Role::Agent | Role::Reader) => false,
-    };
-    if !allowed {
-        return forbidden(format!(
-            "token {:?} ({:?}) may not {} {route}",
-            token.name,
-            token.role,
-            req.method()
-        ));
-    }
-    if !token.alloc_prefixes.is_empty() && need != Need::AnyToken {
-        let target = scope_target(&req, &route).unwrap_or_default();
-        if !token
-            .alloc_prefixes
-            .iter()
-            .any(|p| target.starts_with(p.as_str()))
-        {
-            let what = if route == "/v1/allocations" {
-                "list with a `prefix` within".to_owned()
-            } else {
-                format!("use allocation {target:?}, outside")
-            };
-            return forbidden(format!(
-                "token {:?} may only {what} its prefixes {:?}",
-                token.name, token.alloc_prefixes
-            ));
+impl Auth {
+    /// Decides a request: `None` lets it through, `Some` is the 401 or 403
+    /// to answer. `route` is the matched route; unknown routes pass (they
+    /// answer 404 whoever asks: nothing is behind them).
+    pub fn check(&self, req: &Request, route: Option<&str>) -> Option<Response> {
+        if !self.enabled() {
+            return None;
         }
+        let route = route?;
+        let need = need(req.method(), route, self.public_metrics);
+        if need == Need::Nothing {
+            return None;
+        }
+        let Some(secret) = presented(req) else {
+            return Some(unauthorized(
+                "a token is required (Authorization: Bearer <token>, or X-Taskgate-Token)",
+            ));
+        };
+        let Some(token) = self.identify(secret) else {
+            return Some(unauthorized("the token is not known"));
+        };
+        let allowed = match (need, token.role) {
+            (Need::Nothing | Need::AnyToken, _) => true,
+            (_, Role::Operator) => true,
+            (Need::Read, Role::Agent | Role::Reader) => true,
+            (Need::AgentWrite, Role::Agent) => true,
+            (Need::AgentWrite, Role::Reader) | (Need::Operator, Role::Agent | Role::Reader) => {
+                false
+            }
+        };
+        if !allowed {
+            return Some(forbidden(format!(
+                "token {:?} ({:?}) may not {} {route}",
+                token.name,
+                token.role,
+                req.method()
+            )));
+        }
+        if !token.alloc_prefixes.is_empty() && need != Need::AnyToken {
+            let target = scope_target(req, route).unwrap_or_default();
+            if !token
+                .alloc_prefixes
+                .iter()
+                .any(|p| target.starts_with(p.as_str()))
+            {
+                let what = if route == "/v1/allocations" {
+                    "list with a `prefix` within".to_owned()
+                } else {
+                    format!("use allocation {target:?}, outside")
+                };
+                return Some(forbidden(format!(
+                    "token {:?} may only {what} its prefixes {:?}",
+                    token.name, token.alloc_prefixes
+                )));
+            }
+        }
+        None
     }
-    next.run(req).await
 }
 
 #[cfg(test)]

@@ -1,0 +1,161 @@
+//! What every request passes through, in one middleware (each axum
+//! `from_fn` layer costs a boxed future and a service clone per request,
+//! so the edge is one layer, not five): a span with the request ID,
+//! authorization, the time bound on requests that do not wait,
+//! problem+json for axum's bare 405, `?pretty`, and the request metrics.
+
+use std::{sync::Arc, time::Duration};
+
+use axum::{
+    body::Body,
+    extract::{MatchedPath, Request, State},
+    http::{HeaderValue, Method, StatusCode, header},
+    middleware::Next,
+    response::{IntoResponse, Response},
+};
+use tracing::Instrument;
+
+use super::{
+    auth::Auth,
+    error::ApiError,
+    extract::{PRETTY, query_pairs},
+};
+use crate::metrics::Metrics;
+
+/// The request-ID header, accepted from the client or generated.
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// Routes whose GET may wait (bounded by the wait cap instead).
+const WAITING_ROUTES: [&str; 3] = [
+    "/v1/allocations/{alloc_id}",
+    "/v1/allocations/{alloc_id}/tasks/{task}",
+    "/v1/allocations/{alloc_id}/tasks/{task}/start-condition",
+];
+
+pub struct Edge {
+    pub metrics: Arc<Metrics>,
+    pub auth: Arc<Auth>,
+    /// Longest time a request that does not wait may take.
+    pub request_timeout: Duration,
+}
+
+/// A client's request ID is kept if it is short printable ASCII.
+fn client_request_id(req: &Request) -> Option<HeaderValue> {
+    let v = req.headers().get(REQUEST_ID_HEADER)?;
+    let ok = !v.is_empty() && v.len() <= 128 && v.as_bytes().iter().all(u8::is_ascii_graphic);
+    ok.then(|| v.clone())
+}
+
+pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Response {
+    let started = std::time::Instant::now();
+    let method = req.method().clone();
+    let matched = req.extensions().get::<MatchedPath>().cloned();
+    let route = matched.as_ref().map(MatchedPath::as_str);
+    let request_id = client_request_id(&req).unwrap_or_else(|| {
+        HeaderValue::from_str(&format!("{:032x}", fastrand::u128(..)))
+            .expect("hex is a valid header value")
+    });
+    let span = tracing::info_span!(
+        "request",
+        method = %method,
+        route = route.unwrap_or("unmatched"),
+        request_id = request_id.to_str().unwrap_or_default(),
+        status = tracing::field::Empty,
+        latency_ms = tracing::field::Empty,
+    );
+    let pretty = req.uri().query().is_some_and(|q| {
+        query_pairs(Some(q)).is_some_and(|pairs| pairs.iter().any(|(k, _)| k == PRETTY))
+    });
+
+    let mut res = async {
+        if let Some(denied) = edge.auth.check(&req, route) {
+            return denied;
+        }
+        let waits = method == Method::GET && route.is_some_and(|r| WAITING_ROUTES.contains(&r));
+        let res = if waits {
+            next.run(req).await
+        } else {
+            match tokio::time::timeout(edge.request_timeout, next.run(req)).await {
+                Ok(res) => res,
+                Err(_) => timed_out(),
+            }
+        };
+        let res = problem_for_bare_405(res);
+        if pretty { prettify(res).await } else { res }
+    }
+    .instrument(span.clone())
+    .await;
+
+    let latency = started.elapsed();
+    let status = res.status().as_u16();
+    span.record("status", status);
+    span.record("latency_ms", latency.as_secs_f64() * 1000.0);
+    if status >= 500 {
+        tracing::warn!(parent: &span, "request failed");
+    } else {
+        tracing::debug!(parent: &span, "request");
+    }
+    edge.metrics.http_request(
+        method.as_str(),
+        route.unwrap_or("unmatched"),
+        status,
+        latency,
+    );
+    res.headers_mut().insert(REQUEST_ID_HEADER, request_id);
+    res
+}
+
+/// A request that does not wait ran out of time. A write may still be
+/// applied: its commit is not cancelled.
+fn timed_out() -> Response {
+    let mut res = ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "timeout",
+        "the request took too long; a write may still have been applied",
+    )
+    .into_response();
+    res.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    res
+}
+
+/// Gives a problem+json body to the 405 that axum answers by itself.
+/// (axum adds the `Allow` header outside route layers, so it is kept.)
+fn problem_for_bare_405(res: Response) -> Response {
+    if res.status() != StatusCode::METHOD_NOT_ALLOWED
+        || res.headers().contains_key(header::CONTENT_TYPE)
+    {
+        return res;
+    }
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "this method is not allowed on this path; the Allow header lists those that are",
+    )
+    .into_response()
+}
+
+/// `?pretty`: re-renders a JSON answer indented, for curl.
+async fn prettify(res: Response) -> Response {
+    let is_json = res
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| {
+            ct.starts_with("application/json") || ct.starts_with("application/problem+json")
+        });
+    if !is_json {
+        return res;
+    }
+    let (mut parts, body) = res.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, usize::MAX).await else {
+        return ApiError::internal().into_response();
+    };
+    let rendered = serde_json::from_slice::<serde_json::Value>(&bytes)
+        .ok()
+        .and_then(|v| serde_json::to_vec_pretty(&v).ok());
+    let mut out = rendered.unwrap_or_else(|| bytes.to_vec());
+    out.push(b'\n');
+    parts.headers.remove(header::CONTENT_LENGTH);
+    Response::from_parts(parts, Body::from(out))
+}
