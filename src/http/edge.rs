@@ -60,8 +60,6 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
         method = %method,
         route = route.unwrap_or("unmatched"),
         request_id = request_id.to_str().unwrap_or_default(),
-        status = tracing::field::Empty,
-        latency_ms = tracing::field::Empty,
     );
     let pretty = req.uri().query().is_some_and(|q| {
         query_pairs(Some(q)).is_some_and(|pairs| pairs.iter().any(|(k, _)| k == PRETTY))
@@ -86,14 +84,16 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
     .instrument(span.clone())
     .await;
 
+    // Status and latency go on the request's closing event rather than
+    // being recorded into the span: recording re-renders the span's fields,
+    // a cost every request would pay even when nothing is logged.
     let latency = started.elapsed();
     let status = res.status().as_u16();
-    span.record("status", status);
-    span.record("latency_ms", latency.as_secs_f64() * 1000.0);
+    let latency_ms = latency.as_secs_f64() * 1000.0;
     if status >= 500 {
-        tracing::warn!(parent: &span, "request failed");
+        tracing::warn!(parent: &span, status, latency_ms, "request failed");
     } else {
-        tracing::debug!(parent: &span, "request");
+        tracing::debug!(parent: &span, status, latency_ms, "request");
     }
     edge.metrics.http_request(
         method.as_str(),
