@@ -183,15 +183,22 @@ pub async fn report_batch(
     _: ApiQuery<NoParams>,
     ApiJson(body): ApiJson<BatchBody>,
 ) -> Result<Response, ApiError> {
-    let reports = body
-        .into_reports(&s.registry.config().limits)
-        .map_err(|e| ApiError::invalid("a task report is not valid", e))?;
+    let reports = batch(&s, body)?;
     let a = s.registry.report(id.as_str(), reports).await?;
     Ok(indexed(
         StatusCode::OK,
         a.modify_index,
         &AllocationView::new(&a),
     ))
+}
+
+/// The reports of a batch body, checked against the limits.
+fn batch(
+    s: &AppState,
+    body: BatchBody,
+) -> Result<Vec<(TaskName, crate::lifecycle::TaskReport)>, ApiError> {
+    body.into_reports(&s.registry.config().limits)
+        .map_err(|e| ApiError::invalid("a task report is not valid", e))
 }
 
 /// Restore a coordinator from known task states.
@@ -214,9 +221,7 @@ pub async fn restore(
     _: ApiQuery<NoParams>,
     ApiJson(body): ApiJson<BatchBody>,
 ) -> Result<Response, ApiError> {
-    let reports = body
-        .into_reports(&s.registry.config().limits)
-        .map_err(|e| ApiError::invalid("a task state is not valid", e))?;
+    let reports = batch(&s, body)?;
     let a = s.registry.restore(id.as_str(), reports).await?;
     Ok(indexed(
         StatusCode::OK,

@@ -66,18 +66,7 @@ impl Allocation {
     pub fn register(id: AllocId, spec: Arc<AllocSpec>, index: u64, now: Timestamp) -> Self {
         let tasks = vec![TaskStatus::new(index); spec.tasks().len()];
         let state = evaluate(CoordState::Init, &spec, &tasks);
-        let desired = desired_states(&spec, &tasks);
-        Self {
-            id,
-            spec,
-            state,
-            tasks,
-            create_index: index,
-            modify_index: index,
-            created_at: now,
-            modified_at: now,
-            desired,
-        }
+        Self::from_parts(id, spec, state, tasks, index, index, now, now)
     }
 
     /// Rebuilds a record exactly as it was stored: the coordinator state is
