@@ -15,13 +15,23 @@ named_enum! {
     }
 }
 
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
 /// One entry of a task's event history.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Event {
     /// The event type (`Started`, `Terminated`, `Restart Signaled`, ...).
     pub kind: String,
     pub time: Timestamp,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub message: String,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub details: BTreeMap<String, String>,
 }
 
@@ -85,17 +95,26 @@ impl TaskReport {
 /// Everything recorded about one task. Derived facts (its gate, its stop
 /// order) are not stored here; see `Allocation`.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+// Stored compactly (see `store/record.rs`): fields at their default are
+// left out, which halves a typical record.
 pub struct TaskStatus {
     pub state: RunState,
+    #[serde(default, skip_serializing_if = "is_false")]
     pub failed: bool,
     /// Times the task went back to `pending` after running or dying.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub restarts: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_at: Option<Timestamp>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<Timestamp>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_restart: Option<Timestamp>,
     /// The most recent events, oldest first, at most `MAX_EVENTS`.
+    #[serde(default, skip_serializing_if = "VecDeque::is_empty")]
     pub events: VecDeque<Event>,
     /// Restart orders given to this task; only goes up.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub restart_generation: u64,
     /// Global index of the last change that touched this task.
     pub modify_index: u64,
