@@ -9,6 +9,7 @@ pub mod config;
 pub mod http;
 pub mod lifecycle;
 pub mod metrics;
+pub mod net;
 pub mod probe;
 pub mod registry;
 pub mod server;
