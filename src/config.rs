@@ -24,6 +24,9 @@ pub enum Command {
     Serve(ServeConfig),
     /// Print the OpenAPI document (the committed copy is openapi/openapi.json).
     Openapi,
+    /// Run one task of an allocation under its gate: `taskgate agent
+    /// --alloc ID --task NAME -- CMD ARGS...`.
+    Agent(crate::agent::AgentConfig),
     /// Probe a running server's /v1/health: exit 0 when healthy, 1 otherwise.
     Health(crate::probe::HealthConfig),
     /// Benchmark: start servers of this binary and measure them (BENCHMARKS.md).

@@ -3,6 +3,7 @@
 //! Layers, each a folder: `lifecycle` (pure rules), `registry` (runtime
 //! state and waiting), `store` (durability), `http` (axum and OpenAPI).
 
+pub mod agent;
 pub mod app;
 pub mod bench;
 pub mod config;
@@ -13,4 +14,5 @@ pub mod net;
 pub mod probe;
 pub mod registry;
 pub mod server;
+pub mod signals;
 pub mod store;

@@ -28,6 +28,19 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         }
+        Command::Agent(config) => {
+            tracing_subscriber::fmt()
+                .with_env_filter(EnvFilter::new("info"))
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::stderr().is_terminal())
+                .init();
+            let code = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map(|rt| rt.block_on(taskgate::agent::run(config)))
+                .unwrap_or(2);
+            ExitCode::from(u8::try_from(code).unwrap_or(1))
+        }
         Command::Bench(config) => block_on("bench", taskgate::bench::run(config)),
         Command::BenchCeiling { listen } => {
             tracing_subscriber::fmt().with_ansi(false).init();
@@ -79,7 +92,7 @@ async fn serve(config: taskgate::config::ServeConfig) -> ExitCode {
         }
     };
     tracing::info!(addr = %app.local_addr(), "taskgate listening");
-    match app.run_until_stopped(shutdown_signal()).await {
+    match app.run_until_stopped(taskgate::signals::terminated()).await {
         Ok(()) => {
             tracing::info!("taskgate stopped");
             ExitCode::SUCCESS
@@ -88,27 +101,5 @@ async fn serve(config: taskgate::config::ServeConfig) -> ExitCode {
             tracing::error!(error = %e, "server failed");
             ExitCode::FAILURE
         }
-    }
-}
-
-/// SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = term => {},
     }
 }

@@ -1,0 +1,404 @@
+//! `taskgate agent`: runs one task of an allocation under its gate, in the
+//! spirit of Nomad's task runner. It reports `pending`, long-polls
+//! start-condition until allowed, spawns the command in its own process
+//! group, reports `running`, watches its task for stop and restart orders
+//! while the command runs, and reports what happened when it ends.
+//! Reports are retried with backoff until the server takes them.
+
+mod api;
+mod policy;
+mod process;
+
+use std::{path::PathBuf, time::Duration};
+
+use clap::Args;
+use serde_json::{Value, json};
+use tokio::sync::watch;
+
+use crate::{config::Secret, http::params::parse_duration};
+use api::{Api, ApiError, TaskInfo};
+pub use policy::{RestartMode, RestartPolicy};
+use process::Exit;
+
+#[derive(Debug, Clone, Args)]
+pub struct AgentConfig {
+    /// The server's base URL.
+    #[arg(long, env = "TASKGATE_SERVER", default_value = "http://127.0.0.1:8080")]
+    pub server: String,
+    /// PEM CA certificate(s) to trust for an `https` server.
+    #[arg(long, env = "TASKGATE_CA_CERT")]
+    pub ca_cert: Option<PathBuf>,
+    /// The allocation ID.
+    #[arg(long, env = "TASKGATE_ALLOC")]
+    pub alloc: String,
+    /// The task this agent runs.
+    #[arg(long, env = "TASKGATE_TASK")]
+    pub task: String,
+    /// A token of role agent (or operator).
+    #[arg(long, env = "TASKGATE_TOKEN", hide_env_values = true)]
+    pub token: Option<Secret>,
+    /// Register the allocation from this spec file first (idempotent: every
+    /// agent of a group may pass the same file).
+    #[arg(long, env = "TASKGATE_REGISTER")]
+    pub register: Option<PathBuf>,
+    /// Restarts allowed within --restart-interval after the task fails.
+    #[arg(long, env = "TASKGATE_RESTART_ATTEMPTS", default_value_t = 2)]
+    pub restart_attempts: u32,
+    /// The window in which --restart-attempts are counted.
+    #[arg(long, env = "TASKGATE_RESTART_INTERVAL", default_value = "30m", value_parser = parse_duration)]
+    pub restart_interval: Duration,
+    /// Wait before a restart (plus up to 25% jitter).
+    #[arg(long, env = "TASKGATE_RESTART_DELAY", default_value = "15s", value_parser = parse_duration)]
+    pub restart_delay: Duration,
+    /// When the attempts are used up: `fail` the task, or `delay` until the
+    /// interval frees an attempt.
+    #[arg(long, env = "TASKGATE_RESTART_MODE", value_enum, default_value_t = RestartMode::Fail)]
+    pub restart_mode: RestartMode,
+    /// Restart sidecar and main tasks after a successful exit too
+    /// (ephemeral prestart/poststart and poststop tasks never are).
+    #[arg(long, env = "TASKGATE_RESTART_ON_SUCCESS")]
+    pub restart_on_success: bool,
+    /// After SIGTERM to the task's process group, wait this long before SIGKILL.
+    #[arg(long, env = "TASKGATE_KILL_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub kill_timeout: Duration,
+    /// The command and its arguments, after `--`.
+    #[arg(last = true, required = true, num_args = 1..)]
+    pub command: Vec<String>,
+}
+
+fn event(kind: &str, message: impl Into<String>, details: Value) -> Value {
+    json!({"type": kind, "message": message.into(), "details": details})
+}
+
+/// What ended a run of the command.
+enum Ended {
+    Exited(Exit),
+    StopOrder(String),
+    RestartOrder,
+    AgentStopping,
+}
+
+/// What to do after the task is dead.
+enum AfterDeath {
+    Restart,
+    Exit,
+}
+
+struct Agent {
+    api: Api,
+    config: AgentConfig,
+    /// Stage of the task (`main`, `poststop`, ...), from the server.
+    stage: String,
+    /// The last restart order seen.
+    generation: u64,
+    /// The task's `modify_index` last seen, for blocking queries.
+    index: u64,
+    /// Turns true on SIGTERM/SIGINT to the agent.
+    stopping: watch::Receiver<bool>,
+    policy: RestartPolicy,
+    /// The exit code the agent ends with: the task's last one.
+    exit_code: i32,
+}
+
+impl Agent {
+    fn is_stopping(&self) -> bool {
+        *self.stopping.borrow()
+    }
+
+    /// Completes once the agent is told to stop. Borrows nothing, so it can
+    /// race any call on `self`.
+    fn stopped(&self) -> impl std::future::Future<Output = ()> + 'static {
+        let mut rx = self.stopping.clone();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    }
+
+    fn learn(&mut self, t: &TaskInfo) {
+        self.index = self.index.max(t.modify_index);
+    }
+
+    async fn report(
+        &mut self,
+        state: &str,
+        failed: bool,
+        event: Option<Value>,
+    ) -> Result<(), ApiError> {
+        let mut body = json!({"state": state, "failed": failed});
+        if let Some(e) = event {
+            body["event"] = e;
+        }
+        self.api.report(&body).await
+    }
+
+    /// The whole life of the agent; returns its exit code.
+    async fn run(&mut self) -> Result<i32, ApiError> {
+        if let Some(file) = self.config.register.clone() {
+            self.api.register(&file).await?;
+        }
+        let info = self.api.task(0).await?;
+        self.stage = info.stage.clone();
+        self.generation = info.restart_generation;
+        self.learn(&info);
+        loop {
+            self.report("pending", false, None).await?;
+            if !self.wait_for_gate().await? {
+                // Told to stop before starting, or the agent is stopping.
+                self.report(
+                    "dead",
+                    false,
+                    Some(event(
+                        "Not Restarting",
+                        "told to stop before starting",
+                        json!({}),
+                    )),
+                )
+                .await?;
+                if self.is_stopping() {
+                    return Ok(self.exit_code);
+                }
+                match self.after_death().await? {
+                    AfterDeath::Restart => continue,
+                    AfterDeath::Exit => return Ok(self.exit_code),
+                }
+            }
+            match self.run_once().await? {
+                AfterDeath::Restart => continue,
+                AfterDeath::Exit => return Ok(self.exit_code),
+            }
+        }
+    }
+
+    /// Long-polls until the task may start (true) or must not (false).
+    async fn wait_for_gate(&mut self) -> Result<bool, ApiError> {
+        loop {
+            if self.is_stopping() {
+                return Ok(false);
+            }
+            let sc = tokio::select! {
+                sc = self.api.start_condition() => sc?,
+                () = self.stopped() => return Ok(false),
+            };
+            if sc.allowed && sc.desired != "stop" {
+                return Ok(true);
+            }
+            if sc.desired == "stop" {
+                // In `init` an all-tasks restart is under way and the stop
+                // orders still reflect the states before it: wait for them
+                // to clear instead of dying again.
+                if sc.coordinator_state != "init" {
+                    return Ok(false);
+                }
+                let t = tokio::select! {
+                    t = self.api.task(self.index) => t?,
+                    () = self.stopped() => return Ok(false),
+                };
+                self.learn(&t);
+            }
+        }
+    }
+
+    /// Runs the command once and handles how it ends.
+    async fn run_once(&mut self) -> Result<AfterDeath, ApiError> {
+        let mut child = match process::spawn(&self.config.command) {
+            Ok(c) => c,
+            Err(e) => {
+                self.exit_code = 127;
+                self.report(
+                    "dead",
+                    true,
+                    Some(event("Driver Failure", e.to_string(), json!({}))),
+                )
+                .await?;
+                return self.after_death().await;
+            }
+        };
+        let pid = child.pid();
+        self.report(
+            "running",
+            false,
+            Some(event("Started", "", json!({"pid": pid.to_string()}))),
+        )
+        .await?;
+        let ended = loop {
+            tokio::select! {
+                exit = child.wait() => break Ended::Exited(exit),
+                t = self.api.task(self.index) => {
+                    let t = t?;
+                    self.learn(&t);
+                    if t.desired == "stop" {
+                        break Ended::StopOrder(t.stop_reason.unwrap_or_default());
+                    }
+                    if t.restart_generation > self.generation {
+                        self.generation = t.restart_generation;
+                        break Ended::RestartOrder;
+                    }
+                }
+                () = self.stopped() => break Ended::AgentStopping,
+            }
+        };
+        match ended {
+            Ended::Exited(exit) => self.exited(exit).await,
+            Ended::StopOrder(reason) => {
+                self.report(
+                    "running",
+                    false,
+                    Some(event("Killing", reason.clone(), json!({}))),
+                )
+                .await?;
+                let exit = child.kill(self.config.kill_timeout).await;
+                self.exit_code = 0;
+                self.report("dead", false, Some(event("Killed", reason, exit.details())))
+                    .await?;
+                self.after_death().await
+            }
+            Ended::RestartOrder => {
+                child.kill(self.config.kill_timeout).await;
+                self.report(
+                    "pending",
+                    false,
+                    Some(event(
+                        "Restarting",
+                        "restart signaled by the server",
+                        json!({"delay": "0s"}),
+                    )),
+                )
+                .await?;
+                Ok(AfterDeath::Restart)
+            }
+            Ended::AgentStopping => {
+                let exit = child.kill(self.config.kill_timeout).await;
+                self.report(
+                    "dead",
+                    false,
+                    Some(event("Killed", "the agent is stopping", exit.details())),
+                )
+                .await?;
+                Ok(AfterDeath::Exit)
+            }
+        }
+    }
+
+    /// The command ended on its own: restart it or report it dead.
+    async fn exited(&mut self, exit: Exit) -> Result<AfterDeath, ApiError> {
+        self.exit_code = exit.code();
+        let failed = !exit.success();
+        let ephemeral = matches!(
+            self.stage.as_str(),
+            "prestart_ephemeral" | "poststart_ephemeral" | "poststop"
+        );
+        let wants_restart = failed || (!ephemeral && self.config.restart_on_success);
+        let decision = if wants_restart {
+            self.policy.decide(std::time::Instant::now())
+        } else {
+            policy::Decision::No("the task completed".into())
+        };
+        let terminated = event("Terminated", exit.describe(), exit.details());
+        match decision {
+            policy::Decision::After(delay) => {
+                self.report("pending", false, Some(terminated)).await?;
+                let shown = format!("{}ms", delay.as_millis());
+                self.report(
+                    "pending",
+                    false,
+                    Some(event(
+                        "Restarting",
+                        format!("restarting in {shown}"),
+                        json!({"delay": shown}),
+                    )),
+                )
+                .await?;
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => Ok(AfterDeath::Restart),
+                    () = self.stopped() => {
+                        self.report("dead", failed, Some(event("Not Restarting", "the agent is stopping", json!({})))).await?;
+                        Ok(AfterDeath::Exit)
+                    }
+                }
+            }
+            policy::Decision::No(reason) => {
+                self.report("dead", failed, Some(terminated)).await?;
+                self.report(
+                    "dead",
+                    failed,
+                    Some(event("Not Restarting", reason, json!({}))),
+                )
+                .await?;
+                self.after_death().await
+            }
+        }
+    }
+
+    /// A dead task stays attached: an all-tasks restart runs it again. It
+    /// ends when the allocation reaches `poststop` (for a non-poststop
+    /// task), when it is itself a finished poststop task, or when the
+    /// allocation is deleted.
+    async fn after_death(&mut self) -> Result<AfterDeath, ApiError> {
+        let mut alloc_index = 0;
+        loop {
+            if self.is_stopping() {
+                return Ok(AfterDeath::Exit);
+            }
+            let (t, seen) = tokio::select! {
+                t = self.api.task_in_allocation(alloc_index) => t?,
+                () = self.stopped() => return Ok(AfterDeath::Exit),
+            };
+            alloc_index = seen;
+            self.learn(&t);
+            if t.restart_generation > self.generation {
+                self.generation = t.restart_generation;
+                return Ok(AfterDeath::Restart);
+            }
+            let own_poststop_done = self.stage == "poststop" && t.state == "dead";
+            let allocation_done = self.stage != "poststop" && t.coordinator_state == "poststop";
+            if own_poststop_done || allocation_done {
+                return Ok(AfterDeath::Exit);
+            }
+        }
+    }
+}
+
+/// Runs the agent until it is done; returns the process exit code.
+pub async fn run(config: AgentConfig) -> i32 {
+    let api = match Api::new(&config) {
+        Ok(api) => api,
+        Err(e) => {
+            eprintln!("taskgate agent: {e}");
+            return 2;
+        }
+    };
+    let (stop_tx, stopping) = watch::channel(false);
+    tokio::spawn(async move {
+        crate::signals::terminated().await;
+        tracing::info!("stopping: the task will be stopped and reported dead");
+        let _ = stop_tx.send(true);
+    });
+    let policy = RestartPolicy {
+        attempts: config.restart_attempts,
+        interval: config.restart_interval,
+        delay: config.restart_delay,
+        mode: config.restart_mode,
+        history: Default::default(),
+    };
+    let mut agent = Agent {
+        api,
+        config,
+        stage: String::new(),
+        generation: 0,
+        index: 0,
+        stopping,
+        policy,
+        exit_code: 0,
+    };
+    match agent.run().await {
+        Ok(code) => code,
+        Err(ApiError::Gone) => {
+            tracing::info!("the allocation was deleted");
+            agent.exit_code
+        }
+        Err(ApiError::Fatal(e)) => {
+            eprintln!("taskgate agent: {e}");
+            2
+        }
+    }
+}
