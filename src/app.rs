@@ -33,6 +33,19 @@ pub enum StartError {
     Config(String),
 }
 
+/// Binds with SO_REUSEADDR, so a restarted server gets its port back while
+/// connections of the previous one linger in TIME_WAIT.
+fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(1024)?.into_std()
+}
+
 fn serve_options(config: &ServeConfig) -> Result<ServeOptions, StartError> {
     let tls = match (&config.tls_cert, &config.tls_key) {
         (Some(cert), Some(key)) => {
@@ -105,8 +118,7 @@ impl Application {
             addr: config.listen,
             source,
         };
-        let listener = std::net::TcpListener::bind(config.listen).map_err(bind_err)?;
-        listener.set_nonblocking(true).map_err(bind_err)?;
+        let listener = bind(config.listen).map_err(bind_err)?;
         let opener_config = config.clone();
         Self::build_on(listener, config, auth, move |metrics| {
             open_configured_store(&opener_config, metrics)

@@ -21,12 +21,17 @@ impl Drop for Server {
 }
 
 impl Server {
-    /// Starts `taskgate serve --listen 127.0.0.1:0 ARGS` and reads the
+    /// Starts `taskgate serve ARGS` (on `127.0.0.1:0` unless `ARGS` has a
+    /// `--listen`) and reads the
     /// address from its log. Its output is drained for the life of the
     /// process.
     pub fn start(args: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_taskgate"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--log", "info"])
+        let mut command = Command::new(env!("CARGO_BIN_EXE_taskgate"));
+        command.args(["serve", "--log", "info"]);
+        if !args.contains(&"--listen") {
+            command.args(["--listen", "127.0.0.1:0"]);
+        }
+        let mut child = command
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

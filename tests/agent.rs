@@ -1,0 +1,417 @@
+//! `taskgate agent` end to end, with real processes: one agent per task,
+//! each running a small shell command that appends to a shared log.
+
+mod common;
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use common::process::Server;
+use serde_json::{Value, json};
+
+const BOUND: Duration = Duration::from_secs(60);
+
+fn five_spec(dir: &Path) -> PathBuf {
+    let spec = dir.join("spec.json");
+    std::fs::write(&spec, common::five_tasks().to_string()).unwrap();
+    spec
+}
+
+/// Starts `taskgate agent` for one task, killed on drop.
+struct Agent {
+    child: Child,
+    task: &'static str,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn agent(
+    base: &str,
+    alloc: &str,
+    task: &'static str,
+    spec: &Path,
+    extra: &[&str],
+    cmd: &str,
+) -> Agent {
+    let child = Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        .args(["agent", "--server", base, "--alloc", alloc, "--task", task])
+        .arg("--register")
+        .arg(spec)
+        .args(["--restart-delay", "50ms", "--kill-timeout", "2s"])
+        .args(extra)
+        .args(["--", "sh", "-c", cmd])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("the agent starts");
+    Agent { child, task }
+}
+
+/// Waits (bounded) for every agent to exit; returns task → exit code.
+fn exits(agents: &mut [Agent]) -> Vec<(&'static str, i32)> {
+    let deadline = Instant::now() + BOUND;
+    let mut out = Vec::new();
+    for a in agents.iter_mut() {
+        loop {
+            if let Some(status) = a.child.try_wait().unwrap() {
+                out.push((a.task, status.code().unwrap_or(-1)));
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "agent {} did not exit on its own",
+                a.task
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    out
+}
+
+fn log_lines(dir: &Path) -> Vec<String> {
+    std::fs::read_to_string(dir.join("log"))
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+fn pos(lines: &[String], what: &str) -> usize {
+    lines
+        .iter()
+        .position(|l| l == what)
+        .unwrap_or_else(|| panic!("{what:?} not in {lines:?}"))
+}
+
+/// Waits (bounded) until the log holds `n` lines equal to `what`.
+fn wait_log(dir: &Path, what: &str, n: usize) {
+    let deadline = Instant::now() + BOUND;
+    while log_lines(dir).iter().filter(|l| *l == what).count() < n {
+        assert!(
+            Instant::now() < deadline,
+            "{what:?} ×{n} never logged: {:?}",
+            log_lines(dir)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn get(base: &str, path: &str) -> Value {
+    let out = Command::new("curl")
+        .args(["-s", &format!("{base}{path}")])
+        .output()
+        .unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn task_events(base: &str, alloc: &str, task: &str) -> Vec<String> {
+    get(base, &format!("/v1/allocations/{alloc}/tasks/{task}"))["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["type"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Commands of the five-task example: init writes a file web reads, the
+/// sidecar stays up, poststart and poststop append to the log. web runs
+/// until the test creates `finish` (bounded: 30 s).
+fn commands(dir: &Path) -> [(&'static str, String); 5] {
+    let d = dir.display();
+    [
+        (
+            "init",
+            format!(
+                "echo init-start >> {d}/log; echo ready > {d}/ready; echo init-done >> {d}/log"
+            ),
+        ),
+        (
+            "proxy",
+            format!("echo proxy-start >> {d}/log; exec sleep 300"),
+        ),
+        (
+            "web",
+            format!(
+                "test -f {d}/ready || exit 9; echo web-start >> {d}/log; \
+                 for i in $(seq 1 600); do [ -f {d}/finish ] && break; sleep 0.05; done; \
+                 rm -f {d}/finish; echo web-done >> {d}/log"
+            ),
+        ),
+        ("announce", format!("echo announce >> {d}/log")),
+        ("cleanup", format!("echo cleanup >> {d}/log")),
+    ]
+}
+
+fn start_five(base: &str, dir: &Path, alloc: &str) -> Vec<Agent> {
+    let spec = five_spec(dir);
+    commands(dir)
+        .into_iter()
+        .map(|(task, cmd)| agent(base, alloc, task, &spec, &[], &cmd))
+        .collect()
+}
+
+#[test]
+fn the_five_task_allocation_runs_in_nomads_order_and_every_agent_exits() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let mut agents = start_five(&server.base, dir.path(), "a1");
+    wait_log(dir.path(), "announce", 1);
+    std::fs::write(dir.path().join("finish"), "").unwrap();
+    let codes = exits(&mut agents);
+    assert!(codes.iter().all(|(_, c)| *c == 0), "{codes:?}");
+
+    let log = log_lines(dir.path());
+    assert!(
+        pos(&log, "init-done") < pos(&log, "web-start"),
+        "prestart finished before main began: {log:?}"
+    );
+    assert!(pos(&log, "proxy-start") < pos(&log, "web-start"), "{log:?}");
+    assert!(
+        pos(&log, "web-start") < pos(&log, "announce"),
+        "poststart after main was running: {log:?}"
+    );
+    assert_eq!(
+        log.last().map(String::as_str),
+        Some("cleanup"),
+        "poststop last: {log:?}"
+    );
+
+    let proxy = task_events(&server.base, "a1", "proxy");
+    assert!(
+        proxy.ends_with(&["Killing".to_owned(), "Killed".to_owned()]),
+        "sidecar stopped by a stop order: {proxy:?}"
+    );
+    let web = task_events(&server.base, "a1", "web");
+    assert!(
+        web.contains(&"Started".to_owned()) && web.contains(&"Terminated".to_owned()),
+        "{web:?}"
+    );
+    assert_eq!(
+        get(&server.base, "/v1/allocations/a1")["coordinator_state"],
+        "poststop"
+    );
+}
+
+#[test]
+fn an_all_tasks_restart_replays_the_order() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let mut agents = start_five(&server.base, dir.path(), "a2");
+    wait_log(dir.path(), "announce", 1);
+    let restart = Command::new("curl")
+        .args([
+            "-s",
+            "-X",
+            "POST",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            r#"{"all_tasks": true}"#,
+        ])
+        .arg(format!("{}/v1/allocations/a2/restart", server.base))
+        .output()
+        .unwrap();
+    let answer: Value = serde_json::from_slice(&restart.stdout).unwrap();
+    assert_eq!(
+        answer["restarted"],
+        json!(["init", "proxy", "web", "announce"]),
+        "{answer}"
+    );
+
+    wait_log(dir.path(), "announce", 2);
+    std::fs::write(dir.path().join("finish"), "").unwrap();
+    let codes = exits(&mut agents);
+    assert!(codes.iter().all(|(_, c)| *c == 0), "{codes:?}");
+
+    let log = log_lines(dir.path());
+    let nth = |what: &str, n: usize| {
+        log.iter()
+            .enumerate()
+            .filter(|(_, l)| *l == what)
+            .nth(n)
+            .map(|(i, _)| i)
+            .unwrap_or_else(|| panic!("{what:?} #{n} missing: {log:?}"))
+    };
+    assert!(
+        nth("init-start", 1) > nth("announce", 0),
+        "the replay starts after the restart: {log:?}"
+    );
+    assert!(
+        nth("init-done", 1) < nth("web-start", 1),
+        "prestart again before main: {log:?}"
+    );
+    assert!(
+        nth("web-start", 1) < nth("announce", 1),
+        "poststart again after main: {log:?}"
+    );
+    assert_eq!(log.iter().filter(|l| *l == "cleanup").count(), 1, "{log:?}");
+    assert_eq!(log.last().map(String::as_str), Some("cleanup"), "{log:?}");
+}
+
+#[test]
+fn a_failing_prestart_stops_its_siblings_and_runs_poststop() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = five_spec(dir.path());
+    let d = dir.path().display();
+    let mut agents = vec![
+        agent(
+            &server.base,
+            "a3",
+            "init",
+            &spec,
+            &["--restart-attempts", "0"],
+            &format!(
+                // Fails once the sidecar runs, so the sidecar is killed rather
+                // than stopped before it starts.
+                "for i in $(seq 1 600); do grep -q proxy-start {d}/log 2>/dev/null && break; sleep 0.05; done; \
+             echo init-failed >> {d}/log; exit 3"
+            ),
+        ),
+        agent(
+            &server.base,
+            "a3",
+            "proxy",
+            &spec,
+            &[],
+            &format!("echo proxy-start >> {d}/log; exec sleep 300"),
+        ),
+        agent(
+            &server.base,
+            "a3",
+            "web",
+            &spec,
+            &[],
+            &format!("echo web-start >> {d}/log"),
+        ),
+        agent(
+            &server.base,
+            "a3",
+            "announce",
+            &spec,
+            &[],
+            &format!("echo announce >> {d}/log"),
+        ),
+        agent(
+            &server.base,
+            "a3",
+            "cleanup",
+            &spec,
+            &[],
+            &format!("echo cleanup >> {d}/log"),
+        ),
+    ];
+    let codes = exits(&mut agents);
+    assert_eq!(
+        codes[0],
+        ("init", 3),
+        "the agent exits with the task's code: {codes:?}"
+    );
+    assert!(codes[1..].iter().all(|(_, c)| *c == 0), "{codes:?}");
+    let log = log_lines(dir.path());
+    assert!(
+        !log.contains(&"web-start".to_owned()),
+        "main never started: {log:?}"
+    );
+    assert!(!log.contains(&"announce".to_owned()), "{log:?}");
+    assert_eq!(log.last().map(String::as_str), Some("cleanup"), "{log:?}");
+    // web was told to stop before it started and reported dead without
+    // running; the sidecar was killed for the failed sibling.
+    let web = get(&server.base, "/v1/allocations/a3/tasks/web");
+    assert_eq!(web["state"], "dead");
+    let web_events: Vec<_> = web["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(web_events, ["Not Restarting"], "never started: {web}");
+    let proxy = get(&server.base, "/v1/allocations/a3/tasks/proxy");
+    let killing = proxy["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["type"] == "Killing")
+        .unwrap_or_else(|| panic!("the sidecar was not killed: {proxy}"));
+    assert_eq!(killing["message"], "Sibling Task Failed");
+    let init = task_events(&server.base, "a3", "init");
+    assert!(
+        init.ends_with(&["Terminated".to_owned(), "Not Restarting".to_owned()]),
+        "{init:?}"
+    );
+}
+
+#[test]
+fn a_server_killed_and_restarted_mid_run_loses_no_report() {
+    let data = tempfile::tempdir().unwrap();
+    let data_dir = data.path().to_str().unwrap().to_owned();
+    let mut server = Server::start(&["--data-dir", &data_dir]);
+    let base = server.base.clone();
+    let port = base.rsplit(':').next().unwrap().to_owned();
+    let dir = tempfile::tempdir().unwrap();
+    let spec = dir.path().join("spec.json");
+    std::fs::write(
+        &spec,
+        json!({"tasks": [{"name": "init", "lifecycle": {"hook": "prestart"}}, {"name": "web"}]})
+            .to_string(),
+    )
+    .unwrap();
+    let d = dir.path().display();
+    let mut agents = vec![
+        agent(
+            &base,
+            "a4",
+            "init",
+            &spec,
+            &[],
+            &format!("echo init >> {d}/log"),
+        ),
+        agent(
+            &base,
+            "a4",
+            "web",
+            &spec,
+            &[],
+            &format!(
+                "echo web-start >> {d}/log; for i in $(seq 1 600); do [ -f {d}/finish ] && break; sleep 0.05; done; echo web-done >> {d}/log; exit 4"
+            ),
+        ),
+    ];
+    wait_log(dir.path(), "web-start", 1);
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    // The task ends while the server is down: its agent keeps retrying.
+    std::fs::write(dir.path().join("finish"), "").unwrap();
+    wait_log(dir.path(), "web-done", 1);
+    let server = Server::start(&[
+        "--data-dir",
+        &data_dir,
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+    ]);
+    assert_eq!(server.base, base);
+    let codes = exits(&mut agents);
+    assert_eq!(codes, [("init", 0), ("web", 4)], "{codes:?}");
+    let web = get(&base, "/v1/allocations/a4/tasks/web");
+    assert_eq!(web["state"], "dead");
+    assert_eq!(web["failed"], true);
+    let events: Vec<_> = web["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["type"].as_str().unwrap())
+        .collect();
+    assert!(events.contains(&"Terminated"), "{events:?}");
+    assert_eq!(
+        get(&base, "/v1/allocations/a4")["coordinator_state"],
+        "poststop"
+    );
+}
