@@ -183,9 +183,13 @@ fn the_five_task_allocation_runs_in_nomads_order_and_every_agent_exits() {
         pos(&log, "init-done") < pos(&log, "web-start"),
         "prestart finished before main began: {log:?}"
     );
-    assert!(pos(&log, "proxy-start") < pos(&log, "web-start"), "{log:?}");
-    // The poststart gate opens when web is reported running, which can be
-    // before its shell writes to the log: compare the server's start times.
+    // A gate opens when a task is reported running, which can be before its
+    // shell writes to the log: for the sidecar and poststart, compare the
+    // server's start times.
+    assert!(
+        started_at(&server.base, "a1", "proxy") < started_at(&server.base, "a1", "web"),
+        "main after the prestart sidecar was running"
+    );
     assert!(
         started_at(&server.base, "a1", "web") < started_at(&server.base, "a1", "announce"),
         "poststart after main was running"
@@ -426,4 +430,85 @@ fn a_server_killed_and_restarted_mid_run_loses_no_report() {
         get(&base, "/v1/allocations/a4")["coordinator_state"],
         "poststop"
     );
+}
+
+#[test]
+fn sigterm_to_an_agent_stops_its_task_and_reports_it_dead() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = dir.path().join("spec.json");
+    std::fs::write(&spec, json!({"tasks": [{"name": "web"}]}).to_string()).unwrap();
+    let d = dir.path().display();
+    let mut web = agent(
+        &server.base,
+        "a5",
+        "web",
+        &spec,
+        &[],
+        &format!("echo web-start >> {d}/log; exec sleep 300"),
+    );
+    wait_log(dir.path(), "web-start", 1);
+    let deadline = Instant::now() + BOUND;
+    while get(&server.base, "/v1/allocations/a5/tasks/web")["state"] != "running" {
+        assert!(Instant::now() < deadline, "web never reported running");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let status = Command::new("kill")
+        .args(["-TERM", &web.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let codes = exits(std::slice::from_mut(&mut web));
+    assert_eq!(codes, [("web", 0)]);
+    let t = get(&server.base, "/v1/allocations/a5/tasks/web");
+    assert_eq!(t["state"], "dead");
+    let last = t["events"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(last["type"], "Killed");
+    assert_eq!(last["message"], "the agent is stopping");
+}
+
+#[test]
+fn a_failed_task_is_restarted_by_its_policy_and_then_reported_by_how_it_ended() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = dir.path().join("spec.json");
+    std::fs::write(&spec, json!({"tasks": [{"name": "web"}]}).to_string()).unwrap();
+    let d = dir.path().display();
+    // Fails the first time, succeeds the second.
+    let cmd =
+        format!("echo run >> {d}/log; if [ -f {d}/ran ]; then exit 0; fi; touch {d}/ran; exit 7");
+    let mut web = agent(
+        &server.base,
+        "a6",
+        "web",
+        &spec,
+        &["--restart-attempts", "1"],
+        &cmd,
+    );
+    let codes = exits(std::slice::from_mut(&mut web));
+    assert_eq!(codes, [("web", 0)], "the exit code of the last run");
+    assert_eq!(log_lines(dir.path()), ["run", "run"]);
+    let t = get(&server.base, "/v1/allocations/a6/tasks/web");
+    assert_eq!(t["state"], "dead");
+    assert_eq!(t["failed"], false);
+    assert_eq!(t["restarts"], 1);
+    let events: Vec<_> = t["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        events,
+        [
+            "Started",
+            "Terminated",
+            "Restarting",
+            "Started",
+            "Terminated",
+            "Not Restarting"
+        ],
+        "{t}"
+    );
+    assert_eq!(t["events"][1]["details"]["exit_code"], "7");
 }
