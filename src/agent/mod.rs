@@ -224,7 +224,15 @@ impl Agent {
             tokio::select! {
                 exit = child.wait() => break Ended::Exited(exit),
                 t = self.api.task(self.index) => {
-                    let t = t?;
+                    let t = match t {
+                        Ok(t) => t,
+                        Err(e) => {
+                            // Deleted allocation or a fatal answer: the
+                            // task's whole process group goes too.
+                            child.kill(self.config.kill_timeout).await;
+                            return Err(e);
+                        }
+                    };
                     self.learn(&t);
                     if t.desired == "stop" {
                         break Ended::StopOrder(t.stop_reason.unwrap_or_default());
