@@ -512,3 +512,47 @@ fn a_failed_task_is_restarted_by_its_policy_and_then_reported_by_how_it_ended() 
     );
     assert_eq!(t["events"][1]["details"]["exit_code"], "7");
 }
+
+#[test]
+fn deleting_the_allocation_ends_the_agent_and_its_task() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = dir.path().join("spec.json");
+    std::fs::write(&spec, json!({"tasks": [{"name": "web"}]}).to_string()).unwrap();
+    let d = dir.path().display();
+    let mut web = agent(
+        &server.base,
+        "a7",
+        "web",
+        &spec,
+        &[],
+        &format!("echo $$ > {d}/pid; echo web-start >> {d}/log; exec sleep 300"),
+    );
+    wait_log(dir.path(), "web-start", 1);
+    let pid = std::fs::read_to_string(dir.path().join("pid"))
+        .unwrap()
+        .trim()
+        .to_owned();
+    let deleted = Command::new("curl")
+        .args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "-X",
+            "DELETE",
+        ])
+        .arg(format!("{}/v1/allocations/a7", server.base))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&deleted.stdout), "204");
+    let codes = exits(std::slice::from_mut(&mut web));
+    assert_eq!(codes.len(), 1);
+    let alive = Command::new("kill")
+        .args(["-0", &pid])
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(!alive.success(), "the task's process {pid} was stopped");
+}
