@@ -14,6 +14,13 @@ use serde_json::{Value, json};
 
 const BOUND: Duration = Duration::from_secs(60);
 
+/// A spec of one main task, `web`.
+fn web_only(dir: &Path) -> PathBuf {
+    let spec = dir.join("spec.json");
+    std::fs::write(&spec, json!({"tasks": [{"name": "web"}]}).to_string()).unwrap();
+    spec
+}
+
 fn five_spec(dir: &Path) -> PathBuf {
     let spec = dir.join("spec.json");
     std::fs::write(&spec, common::five_tasks().to_string()).unwrap();
@@ -436,8 +443,7 @@ fn a_server_killed_and_restarted_mid_run_loses_no_report() {
 fn sigterm_to_an_agent_stops_its_task_and_reports_it_dead() {
     let server = Server::start(&["--in-memory"]);
     let dir = tempfile::tempdir().unwrap();
-    let spec = dir.path().join("spec.json");
-    std::fs::write(&spec, json!({"tasks": [{"name": "web"}]}).to_string()).unwrap();
+    let spec = web_only(dir.path());
     let d = dir.path().display();
     let mut web = agent(
         &server.base,
@@ -471,8 +477,7 @@ fn sigterm_to_an_agent_stops_its_task_and_reports_it_dead() {
 fn a_failed_task_is_restarted_by_its_policy_and_then_reported_by_how_it_ended() {
     let server = Server::start(&["--in-memory"]);
     let dir = tempfile::tempdir().unwrap();
-    let spec = dir.path().join("spec.json");
-    std::fs::write(&spec, json!({"tasks": [{"name": "web"}]}).to_string()).unwrap();
+    let spec = web_only(dir.path());
     let d = dir.path().display();
     // Fails the first time, succeeds the second.
     let cmd =
@@ -517,8 +522,7 @@ fn a_failed_task_is_restarted_by_its_policy_and_then_reported_by_how_it_ended() 
 fn deleting_the_allocation_ends_the_agent_and_its_task() {
     let server = Server::start(&["--in-memory"]);
     let dir = tempfile::tempdir().unwrap();
-    let spec = dir.path().join("spec.json");
-    std::fs::write(&spec, json!({"tasks": [{"name": "web"}]}).to_string()).unwrap();
+    let spec = web_only(dir.path());
     let d = dir.path().display();
     let mut web = agent(
         &server.base,
