@@ -144,16 +144,13 @@ impl Agent {
             self.report("pending", false, None).await?;
             if !self.wait_for_gate().await? {
                 // Told to stop before starting, or the agent is stopping.
-                self.report(
-                    "dead",
-                    false,
-                    Some(event(
-                        "Not Restarting",
-                        "told to stop before starting",
-                        json!({}),
-                    )),
-                )
-                .await?;
+                let why = if self.is_stopping() {
+                    "the agent is stopping"
+                } else {
+                    "told to stop before starting"
+                };
+                self.report("dead", false, Some(event("Not Restarting", why, json!({}))))
+                    .await?;
                 if self.is_stopping() {
                     return Ok(self.exit_code);
                 }
