@@ -27,13 +27,18 @@ pub struct BenchConfig {
     #[arg(long, default_value = "10s", value_parser = crate::http::params::parse_duration)]
     pub duration: Duration,
     /// Scenarios to run, comma-separated: ceiling, durable, memory,
-    /// no-group-commit, recovery.
+    /// no-group-commit, recovery, fanout (not in the default set: it holds
+    /// 10,000 connections).
     #[arg(
         long,
         value_delimiter = ',',
         default_value = "ceiling,durable,memory,no-group-commit,recovery"
     )]
     pub scenarios: Vec<String>,
+    /// Parked start-condition waiters in the fanout scenario (10 per
+    /// allocation).
+    #[arg(long, default_value_t = 10_000)]
+    pub fanout_waiters: usize,
     /// Allocations (of five tasks) registered for the recovery scenario.
     #[arg(long, default_value_t = 100_000)]
     pub recovery_allocations: usize,
@@ -271,8 +276,19 @@ async fn register_many(
     count: usize,
     clients: usize,
 ) -> std::io::Result<()> {
+    register_spec(addr, prefix, count, clients, FIVE_TASKS).await
+}
+
+/// Registers `count` allocations `prefix-N` of `spec`.
+async fn register_spec(
+    addr: SocketAddr,
+    prefix: &str,
+    count: usize,
+    clients: usize,
+    spec: &'static str,
+) -> std::io::Result<()> {
     let mut tasks = Vec::new();
-    for c in 0..clients {
+    for c in 0..clients.min(count.max(1)) {
         let prefix = prefix.to_owned();
         tasks.push(tokio::spawn(async move {
             let mut conn = Conn::open(addr).await?;
@@ -281,7 +297,7 @@ async fn register_many(
                     .call(
                         "PUT",
                         &format!("/v1/allocations/{prefix}-{i}"),
-                        FIVE_TASKS.as_bytes(),
+                        spec.as_bytes(),
                     )
                     .await?;
                 if status != 201 && status != 200 {
@@ -408,6 +424,7 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
                 outcomes.push(reports("reports, --in-memory", &server, &config).await?);
             }
             "recovery" => notes.push(recovery(&config).await?),
+            "fanout" => notes.push(fanout(&config).await?),
             other => {
                 return Err(std::io::Error::other(format!("unknown scenario {other:?}")));
             }
@@ -494,4 +511,173 @@ pub async fn ceiling(listen: SocketAddr) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(listen).await?;
     tracing::info!(addr = %listener.local_addr()?, "ceiling listening");
     axum::serve(listener, app).await
+}
+
+/// A gate task and ten main tasks: the main tasks wait until the gate is
+/// reported dead.
+const FAN_SPEC: &str = r#"{"tasks": [
+  {"name": "gate", "lifecycle": {"hook": "prestart"}},
+  {"name": "t0"}, {"name": "t1"}, {"name": "t2"}, {"name": "t3"}, {"name": "t4"},
+  {"name": "t5"}, {"name": "t6"}, {"name": "t7"}, {"name": "t8"}, {"name": "t9"}]}"#;
+
+/// The value of a gauge in the server's /metrics.
+async fn gauge(addr: SocketAddr, name: &str) -> std::io::Result<u64> {
+    let mut conn = Conn::open(addr).await?;
+    conn.call("GET", "/metrics", b"").await?;
+    let text = String::from_utf8_lossy(&conn.body);
+    Ok(text
+        .lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or(0))
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// Fan-out and idle waiters: parks `fanout_waiters` start-condition
+/// long-polls (10 per allocation, one connection each), measures the
+/// server's memory per parked waiter and the latency of paced state reports
+/// (5,000/s) while they are parked, then opens every gate with one batch
+/// report per allocation and measures how fast the waiters are answered.
+async fn fanout(config: &BenchConfig) -> std::io::Result<String> {
+    let (dir, _guard) = data_dir(config, "fanout")?;
+    let dir = dir.to_string_lossy().into_owned();
+    let server = Proc::start(&serve_args(&["--data-dir", dir.as_str()]))?;
+    let addr = server.addr;
+    let allocs = config.fanout_waiters.div_ceil(10);
+    register_spec(addr, "fan", allocs, 64, FAN_SPEC).await?;
+    register_many(addr, "busy", 64, 64).await?;
+    let rss_before = server.rss_kib().unwrap_or(0);
+
+    // Park the waiters, one keep-alive connection each.
+    let mut waiters = Vec::with_capacity(config.fanout_waiters);
+    for w in 0..config.fanout_waiters {
+        let mut conn = Conn::open(addr).await?;
+        let (alloc, task) = (w / 10, w % 10);
+        waiters.push(tokio::spawn(async move {
+            let path =
+                format!("/v1/allocations/fan-{alloc}/tasks/t{task}/start-condition?wait=300s");
+            let status = conn.call("GET", &path, b"").await?;
+            let answered = Instant::now();
+            let allowed = String::from_utf8_lossy(&conn.body).contains("\"allowed\":true");
+            if status != 200 || !allowed {
+                return Err(std::io::Error::other(format!("waiter answered {status}")));
+            }
+            Ok::<_, std::io::Error>((alloc, answered))
+        }));
+    }
+    let parked_deadline = Instant::now() + Duration::from_secs(120);
+    while gauge(addr, "taskgate_waiters ").await? < config.fanout_waiters as u64 {
+        if Instant::now() > parked_deadline {
+            return Err(std::io::Error::other("the waiters never all parked"));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let rss_parked = server.rss_kib().unwrap_or(0);
+    let per_waiter =
+        (rss_parked.saturating_sub(rss_before) * 1024) as f64 / config.fanout_waiters as f64;
+
+    // Paced reports while they are parked: 5,000/s over 32 connections.
+    let paced = {
+        let conns = 32u32;
+        let per_conn = Duration::from_secs_f64(f64::from(conns) / 5000.0);
+        let end = Instant::now() + Duration::from_secs(5);
+        let mut tasks = Vec::new();
+        for c in 0..conns {
+            tasks.push(tokio::spawn(async move {
+                let mut conn = Conn::open(addr).await?;
+                let mut lat = Vec::new();
+                let mut next = Instant::now() + per_conn.mul_f64(f64::from(c) / f64::from(conns));
+                let mut n = 0u64;
+                while next < end {
+                    tokio::time::sleep_until(next.into()).await;
+                    let state = if n % 2 == 0 { "running" } else { "pending" };
+                    let sent = Instant::now();
+                    conn.call(
+                        "PUT",
+                        &format!("/v1/allocations/busy-{}/tasks/web/state", c % 64),
+                        format!(r#"{{"state": "{state}"}}"#).as_bytes(),
+                    )
+                    .await?;
+                    lat.push(sent.elapsed());
+                    n += 1;
+                    next += per_conn;
+                }
+                Ok::<_, std::io::Error>(lat)
+            }));
+        }
+        let mut all = Vec::new();
+        for t in tasks {
+            all.extend(t.await.map_err(std::io::Error::other)??);
+        }
+        all.sort_unstable();
+        all
+    };
+
+    // Open every gate: one batch report per allocation, 64 at a time.
+    let acks: Vec<Instant> = {
+        let mut tasks = Vec::new();
+        for c in 0..64usize {
+            tasks.push(tokio::spawn(async move {
+                let mut conn = Conn::open(addr).await?;
+                let mut acked = Vec::new();
+                for a in (c..allocs).step_by(64) {
+                    let status = conn
+                        .call(
+                            "POST",
+                            &format!("/v1/allocations/fan-{a}/task-states"),
+                            br#"{"tasks": {"gate": {"state": "dead"}}}"#,
+                        )
+                        .await?;
+                    if status != 200 {
+                        return Err(std::io::Error::other(format!("report answered {status}")));
+                    }
+                    acked.push((a, Instant::now()));
+                }
+                Ok::<_, std::io::Error>(acked)
+            }));
+        }
+        let mut acks = vec![Instant::now(); allocs];
+        for t in tasks {
+            for (a, at) in t.await.map_err(std::io::Error::other)?? {
+                acks[a] = at;
+            }
+        }
+        acks
+    };
+    let last_ack = acks.iter().max().copied().unwrap_or_else(Instant::now);
+    let mut delays = Vec::with_capacity(waiters.len());
+    let mut last_answer = last_ack;
+    for w in waiters {
+        let (alloc, answered) = w.await.map_err(std::io::Error::other)??;
+        delays.push(answered.saturating_duration_since(acks[alloc]));
+        last_answer = last_answer.max(answered);
+    }
+    delays.sort_unstable();
+    Ok(format!(
+        "fanout: {w} start-condition waiters on {allocs} allocations (one connection each)\n\
+         - server memory per parked waiter (socket included): {per_waiter:.0} bytes \
+           ({before} KiB before parking, {parked} KiB parked)\n\
+         - paced state reports while parked: {n} at ~5,000/s, p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms\n\
+         - report acknowledged → waiter answered: p50 {f50:.1} ms, p99 {f99:.1} ms, max {fmax:.1} ms\n\
+         - all {w} answered {all:.1} ms after the last report was acknowledged",
+        w = config.fanout_waiters,
+        before = rss_before,
+        parked = rss_parked,
+        n = paced.len(),
+        p50 = percentile(&paced, 0.5).as_secs_f64() * 1e3,
+        p99 = percentile(&paced, 0.99).as_secs_f64() * 1e3,
+        max = percentile(&paced, 1.0).as_secs_f64() * 1e3,
+        f50 = percentile(&delays, 0.5).as_secs_f64() * 1e3,
+        f99 = percentile(&delays, 0.99).as_secs_f64() * 1e3,
+        fmax = percentile(&delays, 1.0).as_secs_f64() * 1e3,
+        all = last_answer
+            .saturating_duration_since(last_ack)
+            .as_secs_f64()
+            * 1e3,
+    ))
 }
