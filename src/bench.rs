@@ -595,7 +595,11 @@ async fn fanout(config: &BenchConfig) -> std::io::Result<String> {
                 let mut n = 0u64;
                 while next < end {
                     tokio::time::sleep_until(next.into()).await;
-                    let state = if n % 2 == 0 { "running" } else { "pending" };
+                    let state = if n.is_multiple_of(2) {
+                        "running"
+                    } else {
+                        "pending"
+                    };
                     let sent = Instant::now();
                     conn.call(
                         "PUT",
