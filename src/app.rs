@@ -95,17 +95,13 @@ pub struct Application {
 
 /// What every request gets while the store is loading.
 async fn starting() -> Response {
-    let mut res = ApiError::new(
+    ApiError::new(
         StatusCode::SERVICE_UNAVAILABLE,
         "starting",
         "the server is loading its store; retry shortly",
     )
-    .into_response();
-    res.headers_mut().insert(
-        axum::http::header::RETRY_AFTER,
-        axum::http::HeaderValue::from_static("1"),
-    );
-    res
+    .retry_later()
+    .into_response()
 }
 
 impl Application {

@@ -108,15 +108,13 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
 /// A request that does not wait ran out of time. A write may still be
 /// applied: its commit is not cancelled.
 fn timed_out() -> Response {
-    let mut res = ApiError::new(
+    ApiError::new(
         StatusCode::SERVICE_UNAVAILABLE,
         "timeout",
         "the request took too long; a write may still have been applied",
     )
-    .into_response();
-    res.headers_mut()
-        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-    res
+    .retry_later()
+    .into_response()
 }
 
 /// Gives a problem+json body to the 405 that axum answers by itself.

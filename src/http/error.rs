@@ -118,7 +118,8 @@ impl ApiError {
         self
     }
 
-    fn retry_later(mut self) -> Self {
+    /// Adds `Retry-After` (for 503s).
+    pub(crate) fn retry_later(mut self) -> Self {
         self.retry_after = true;
         self
     }
