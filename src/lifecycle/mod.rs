@@ -86,6 +86,11 @@ pub const MAX_EVENTS: usize = 10;
 /// Bytes in an event type.
 pub const MAX_EVENT_TYPE: usize = 64;
 
+/// For serde: a `false` flag is left out of stored records.
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
 /// Timestamps are UTC instants, rendered as RFC 3339.
 pub type Timestamp = time::OffsetDateTime;
 

@@ -45,12 +45,8 @@ impl Stage {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Lifecycle {
     pub hook: Hook,
-    #[serde(default, skip_serializing_if = "is_false")]
+    #[serde(default, skip_serializing_if = "super::is_false")]
     pub sidecar: bool,
-}
-
-fn is_false(b: &bool) -> bool {
-    !*b
 }
 
 /// One task of an allocation, as registered.
@@ -60,7 +56,7 @@ pub struct TaskSpec {
     /// `None` for a main task.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lifecycle: Option<Lifecycle>,
-    #[serde(default, skip_serializing_if = "is_false")]
+    #[serde(default, skip_serializing_if = "super::is_false")]
     pub leader: bool,
 }
 

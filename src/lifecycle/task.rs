@@ -15,10 +15,6 @@ named_enum! {
     }
 }
 
-fn is_false(b: &bool) -> bool {
-    !*b
-}
-
 fn is_zero(n: &u64) -> bool {
     *n == 0
 }
@@ -99,7 +95,7 @@ impl TaskReport {
 // left out, which halves a typical record.
 pub struct TaskStatus {
     pub state: RunState,
-    #[serde(default, skip_serializing_if = "is_false")]
+    #[serde(default, skip_serializing_if = "super::is_false")]
     pub failed: bool,
     /// Times the task went back to `pending` after running or dying.
     #[serde(default, skip_serializing_if = "is_zero")]

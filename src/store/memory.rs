@@ -43,12 +43,6 @@ impl MemoryStore {
     pub fn stall_commits(&self, stall: bool) {
         self.stall.store(stall, Ordering::SeqCst);
     }
-
-    /// The committed record of an allocation.
-    pub fn get(&self, id: &str) -> Option<Arc<Allocation>> {
-        let inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        inner.records.get(id).cloned()
-    }
 }
 
 impl Store for MemoryStore {

@@ -412,14 +412,17 @@ mod tests {
         registry::{Registry, RegistryConfig},
     };
 
-    fn open(dir: &Path, max_batch: usize) -> RedbStore {
-        RedbStore::open(RedbStoreConfig {
+    fn config(dir: &Path, max_batch: usize) -> RedbStoreConfig {
+        RedbStoreConfig {
             dir: dir.to_owned(),
             max_batch,
             cache_bytes: DEFAULT_CACHE_BYTES,
             metrics: None,
-        })
-        .unwrap()
+        }
+    }
+
+    fn open(dir: &Path, max_batch: usize) -> RedbStore {
+        RedbStore::open(config(dir, max_batch)).unwrap()
     }
 
     fn spec() -> AllocSpec {
@@ -507,15 +510,10 @@ mod tests {
                 .unwrap();
             txn.commit().unwrap();
         }
-        let err = RedbStore::open(RedbStoreConfig {
-            dir: dir.path().to_owned(),
-            max_batch: 1,
-            cache_bytes: DEFAULT_CACHE_BYTES,
-            metrics: None,
-        })
-        .err()
-        .unwrap()
-        .to_string();
+        let err = RedbStore::open(config(dir.path(), 1))
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains("file format 99"), "{err}");
         assert!(err.contains(DATA_FILE), "{err}");
         assert!(err.contains("Nothing in it was changed"), "{err}");
@@ -545,15 +543,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(DATA_FILE);
         std::fs::write(&path, vec![0x42u8; 8192]).unwrap();
-        let err = RedbStore::open(RedbStoreConfig {
-            dir: dir.path().to_owned(),
-            max_batch: 1,
-            cache_bytes: DEFAULT_CACHE_BYTES,
-            metrics: None,
-        })
-        .err()
-        .unwrap()
-        .to_string();
+        let err = RedbStore::open(config(dir.path(), 1))
+            .err()
+            .unwrap()
+            .to_string();
         assert!(err.contains(DATA_FILE), "{err}");
         assert_eq!(std::fs::read(&path).unwrap(), vec![0x42u8; 8192]);
     }
