@@ -36,17 +36,13 @@ async fn waiters_parked_before_a_change_are_answered_right_after_it() {
 
     let mut waits = Vec::new();
     for path in [
-        "tasks/web/start-condition?wait=300s".to_owned(),
-        "tasks/web/start-condition?wait=300s".to_owned(),
-        "tasks/proxy/start-condition?wait=300s".to_owned(),
-        format!("tasks/web?index={index}&wait=300s"),
+        "/tasks/web/start-condition?wait=300s".to_owned(),
+        "/tasks/web/start-condition?wait=300s".to_owned(),
+        "/tasks/proxy/start-condition?wait=300s".to_owned(),
+        format!("/tasks/web?index={index}&wait=300s"),
         format!("?index={index}&wait=300s"),
     ] {
-        let url = if path.starts_with('?') {
-            format!("{base}/v1/allocations/a1{path}")
-        } else {
-            format!("{base}/v1/allocations/a1/{path}")
-        };
+        let url = format!("{base}/v1/allocations/a1{path}");
         let http = http.clone();
         waits.push(tokio::spawn(async move {
             json_of(http.get(url).send().await.unwrap()).await
@@ -104,16 +100,12 @@ async fn a_deleted_allocation_ends_waits_with_410() {
         .await
         .unwrap();
     let waits: Vec<_> = [
-        "tasks/web/start-condition?wait=300s",
+        "/tasks/web/start-condition?wait=300s",
         "?index=999&wait=300s",
     ]
     .into_iter()
     .map(|p| {
-        let url = if p.starts_with('?') {
-            format!("{base}/v1/allocations/gone{p}")
-        } else {
-            format!("{base}/v1/allocations/gone/{p}")
-        };
+        let url = format!("{base}/v1/allocations/gone{p}");
         let http = http.clone();
         tokio::spawn(async move { json_of(http.get(url).send().await.unwrap()).await })
     })
