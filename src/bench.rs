@@ -27,8 +27,8 @@ pub struct BenchConfig {
     #[arg(long, default_value = "10s", value_parser = crate::http::params::parse_duration)]
     pub duration: Duration,
     /// Scenarios to run, comma-separated: ceiling, durable, memory,
-    /// no-group-commit, recovery, fanout (not in the default set: it holds
-    /// 10,000 connections).
+    /// no-group-commit, recovery; and by name only: fanout (holds 10,000
+    /// connections) and scale (registers 1,000,000 allocations).
     #[arg(
         long,
         value_delimiter = ',',
@@ -42,6 +42,10 @@ pub struct BenchConfig {
     /// Allocations (of five tasks) registered for the recovery scenario.
     #[arg(long, default_value_t = 100_000)]
     pub recovery_allocations: usize,
+    /// Allocation counts the scale scenario measures reports at, in
+    /// increasing order (the largest is also restarted and listed).
+    #[arg(long, value_delimiter = ',', default_value = "1000,100000,1000000")]
+    pub scale_sizes: Vec<usize>,
     /// Where the durable scenarios keep their data (a fresh temporary
     /// directory per scenario by default).
     #[arg(long)]
@@ -287,12 +291,33 @@ async fn register_spec(
     clients: usize,
     spec: &'static str,
 ) -> std::io::Result<()> {
+    register_ids(addr, prefix, 0..count, clients, spec).await
+}
+
+/// Registers the five-task allocations `prefix-N` for N in `ids`.
+async fn register_range(
+    addr: SocketAddr,
+    prefix: &str,
+    ids: std::ops::Range<usize>,
+    clients: usize,
+) -> std::io::Result<()> {
+    register_ids(addr, prefix, ids, clients, FIVE_TASKS).await
+}
+
+async fn register_ids(
+    addr: SocketAddr,
+    prefix: &str,
+    ids: std::ops::Range<usize>,
+    clients: usize,
+    spec: &'static str,
+) -> std::io::Result<()> {
     let mut tasks = Vec::new();
-    for c in 0..clients.min(count.max(1)) {
+    for c in 0..clients.min(ids.len().max(1)) {
         let prefix = prefix.to_owned();
+        let ids = ids.clone();
         tasks.push(tokio::spawn(async move {
             let mut conn = Conn::open(addr).await?;
-            for i in (c..count).step_by(clients) {
+            for i in (ids.start + c..ids.end).step_by(clients) {
                 let status = conn
                     .call(
                         "PUT",
@@ -425,6 +450,11 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
             }
             "recovery" => notes.push(recovery(&config).await?),
             "fanout" => notes.push(fanout(&config).await?),
+            "scale" => {
+                let (rows, note) = scale(&config).await?;
+                outcomes.extend(rows);
+                notes.push(note);
+            }
             other => {
                 return Err(std::io::Error::other(format!("unknown scenario {other:?}")));
             }
@@ -482,18 +512,8 @@ async fn recovery(config: &BenchConfig) -> std::io::Result<String> {
 
     let started = Instant::now();
     let server = Proc::start(&args)?;
-    let mut conn;
-    loop {
-        if started.elapsed() > Duration::from_secs(300) {
-            return Err(std::io::Error::other("the server did not become healthy"));
-        }
-        conn = Conn::open(server.addr).await?;
-        if conn.call("GET", "/v1/health", b"").await? == 200 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let ready = started.elapsed();
+    let ready = healthy(&server, started).await?;
+    let mut conn = Conn::open(server.addr).await?;
     let status = conn.call("GET", "/v1/allocations/rec-0", b"").await?;
     let rss = server.rss_kib().unwrap_or(0);
     Ok(format!(
@@ -684,4 +704,146 @@ async fn fanout(config: &BenchConfig) -> std::io::Result<String> {
             .as_secs_f64()
             * 1e3,
     ))
+}
+
+/// Many allocations and flat cost: grows one durable server through
+/// `scale_sizes` allocations of five tasks; at each size measures state
+/// reports spread over every allocation (so the whole map is touched, not a
+/// hot few) and the resident memory. At the largest size it times prefix
+/// listings, restarts the server and times recovery.
+async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> {
+    let (dir, _guard) = data_dir(config, "scale")?;
+    let dir = dir.to_string_lossy().into_owned();
+    let args = serve_args(&["--data-dir", dir.as_str()]);
+    let mut server = Proc::start(&args)?;
+    let mut rows = Vec::new();
+    let mut lines = Vec::new();
+    let mut registered = 0usize;
+    for &size in &config.scale_sizes {
+        let started = Instant::now();
+        let before = registered;
+        register_range(server.addr, "scale", before..size, config.clients).await?;
+        let took = started.elapsed();
+        registered = registered.max(size);
+        let rss = server.rss_kib().unwrap_or(0);
+        lines.push(format!(
+            "- {size} allocations: registered {n} more in {took:.1?}; resident memory {mib:.0} MiB \
+             ({per:.0} bytes per allocation)",
+            n = registered - before,
+            mib = rss as f64 / 1024.0,
+            per = rss as f64 * 1024.0 / size as f64,
+        ));
+        let clients = config.clients;
+        // Client c owns the allocations i ≡ c (mod clients) and walks them
+        // in a scattered order; each visit flips `web` between running and
+        // pending, so every report is a real change.
+        let owned = size / clients;
+        if owned == 0 {
+            return Err(std::io::Error::other("fewer allocations than clients"));
+        }
+        let step = coprime_step(owned);
+        rows.push(
+            drive(
+                &format!("reports, durable, {size} allocations"),
+                server.addr,
+                clients,
+                config.duration,
+                move |c, n| {
+                    let slot = (n as usize % owned) * step % owned;
+                    let round = n as usize / owned;
+                    let state = if round % 2 == 0 { "running" } else { "pending" };
+                    (
+                        "PUT",
+                        format!(
+                            "/v1/allocations/scale-{}/tasks/web/state",
+                            c + slot * clients
+                        ),
+                        format!(r#"{{"state": "{state}"}}"#).into_bytes(),
+                    )
+                },
+            )
+            .await?,
+        );
+    }
+    let rss_live = server.rss_kib().unwrap_or(0);
+
+    // Listing: the first page of a prefix that matches everything, one that
+    // matches a few, and no prefix at all.
+    let mut conn = Conn::open(server.addr).await?;
+    let probe = registered / 2;
+    for (what, path) in [
+        (
+            "prefix matching all",
+            "/v1/allocations?prefix=scale-".to_owned(),
+        ),
+        (
+            "prefix matching a few",
+            format!("/v1/allocations?prefix=scale-{}", probe / 10),
+        ),
+        ("no prefix", "/v1/allocations".to_owned()),
+    ] {
+        let mut lat = Vec::with_capacity(200);
+        for _ in 0..200 {
+            let sent = Instant::now();
+            let status = conn.call("GET", &path, b"").await?;
+            lat.push(sent.elapsed());
+            if status != 200 {
+                return Err(std::io::Error::other(format!("list answered {status}")));
+            }
+        }
+        lat.sort_unstable();
+        lines.push(format!(
+            "- first page, {what} (`GET {path}`, {bytes} bytes): p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms",
+            bytes = conn.body.len(),
+            p50 = percentile(&lat, 0.5).as_secs_f64() * 1e3,
+            p99 = percentile(&lat, 0.99).as_secs_f64() * 1e3,
+            max = percentile(&lat, 1.0).as_secs_f64() * 1e3,
+        ));
+    }
+    drop(conn);
+
+    server.terminate()?;
+    let started = Instant::now();
+    server = Proc::start(&args)?;
+    let ready = healthy(&server, started).await?;
+    let rss_recovered = server.rss_kib().unwrap_or(0);
+    let mut conn = Conn::open(server.addr).await?;
+    let status = conn
+        .call("GET", &format!("/v1/allocations/scale-{probe}"), b"")
+        .await?;
+    lines.push(format!(
+        "- {registered} allocations: resident memory {live:.0} MiB while serving; restart to healthy \
+         in {ready:.2?}, resident memory after recovery {rec:.0} MiB; a read after it answered {status}",
+        live = rss_live as f64 / 1024.0,
+        rec = rss_recovered as f64 / 1024.0,
+    ));
+    Ok((rows, format!("scale:\n{}", lines.join("\n"))))
+}
+
+/// A step that visits every slot of `0..n` once per round (coprime to n).
+fn coprime_step(n: usize) -> usize {
+    fn gcd(a: usize, b: usize) -> usize {
+        if b == 0 { a } else { gcd(b, a % b) }
+    }
+    let mut step = 7_919usize;
+    while n > 1 && gcd(step, n) != 1 {
+        step += 2;
+    }
+    step
+}
+
+/// Waits (bounded) until a freshly started server answers `/v1/health` 200;
+/// returns the time since `started`.
+async fn healthy(server: &Proc, started: Instant) -> std::io::Result<Duration> {
+    loop {
+        if started.elapsed() > Duration::from_secs(300) {
+            return Err(std::io::Error::other("the server did not become healthy"));
+        }
+        if let Ok(mut conn) = Conn::open(server.addr).await
+            && conn.call("GET", "/v1/health", b"").await? == 200
+        {
+            return Ok(started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
