@@ -46,6 +46,10 @@ pub struct BenchConfig {
     /// increasing order (the largest is also restarted and listed).
     #[arg(long, value_delimiter = ',', default_value = "1000,100000,1000000")]
     pub scale_sizes: Vec<usize>,
+    /// Runs the scale scenario on `--in-memory` (no store) instead of disk,
+    /// to tell the store's share of the cost from the rest.
+    #[arg(long)]
+    pub scale_in_memory: bool,
     /// Where the durable scenarios keep their data (a fresh temporary
     /// directory per scenario by default).
     #[arg(long)]
@@ -714,7 +718,16 @@ async fn fanout(config: &BenchConfig) -> std::io::Result<String> {
 async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> {
     let (dir, _guard) = data_dir(config, "scale")?;
     let dir = dir.to_string_lossy().into_owned();
-    let args = serve_args(&["--data-dir", dir.as_str()]);
+    let args = if config.scale_in_memory {
+        serve_args(&["--in-memory"])
+    } else {
+        serve_args(&["--data-dir", dir.as_str()])
+    };
+    let store = if config.scale_in_memory {
+        "in memory"
+    } else {
+        "durable"
+    };
     let mut server = Proc::start(&args)?;
     let mut rows = Vec::new();
     let mut lines = Vec::new();
@@ -744,14 +757,18 @@ async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> 
         let step = coprime_step(owned);
         rows.push(
             drive(
-                &format!("reports, durable, {size} allocations"),
+                &format!("reports, {store}, {size} allocations"),
                 server.addr,
                 clients,
                 config.duration,
                 move |c, n| {
                     let slot = (n as usize % owned) * step % owned;
                     let round = n as usize / owned;
-                    let state = if round % 2 == 0 { "running" } else { "pending" };
+                    let state = if round.is_multiple_of(2) {
+                        "running"
+                    } else {
+                        "pending"
+                    };
                     (
                         "PUT",
                         format!(

@@ -13,6 +13,10 @@ use hyper_util::{
     service::TowerToHyperService,
 };
 use tokio::net::TcpListener;
+
+/// Largest request head (request line and headers) accepted; a larger one
+/// is answered 431 and the connection closed.
+pub const MAX_HEADER_BYTES: usize = 64 * 1024;
 use tokio_rustls::{
     TlsAcceptor,
     rustls::{
@@ -84,6 +88,7 @@ pub async fn serve(
             builder
                 .timer(TokioTimer::new())
                 .header_read_timeout(options.header_timeout)
+                .max_header_size(MAX_HEADER_BYTES)
                 .keep_alive(true);
             let served = match options.tls {
                 None => {

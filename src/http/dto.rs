@@ -52,9 +52,45 @@ impl<'de, V: Deserialize<'de>> Deserialize<'de> for UniqueMap<V> {
     }
 }
 
+/// Implements `Deserialize` for request bodies so that they accept only a
+/// JSON object. serde's derive also takes an array of the fields in order
+/// (`["running"]` as a report), which is not in the contract. Each type
+/// derives with `#[serde(remote = "Self")]`, which makes the derived code
+/// an inherent `deserialize` function that the impl below calls with the
+/// object's entries.
+macro_rules! objects_only {
+    ($($t:ty),* $(,)?) => {$(
+        impl<'de> Deserialize<'de> for $t {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                struct ObjectVisitor;
+                impl<'de> Visitor<'de> for ObjectVisitor {
+                    type Value = $t;
+                    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                        f.write_str("a JSON object")
+                    }
+                    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<$t, A::Error> {
+                        <$t>::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    }
+                }
+                d.deserialize_map(ObjectVisitor)
+            }
+        }
+    )*};
+}
+
+objects_only!(
+    RegisterBody,
+    TaskSpecBody,
+    LifecycleBody,
+    ReportBody,
+    EventBody,
+    BatchBody,
+    RestartBody,
+);
+
 /// `PUT /v1/allocations/{alloc_id}`.
 #[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(remote = "Self", deny_unknown_fields)]
 pub struct RegisterBody {
     /// 1 to 256 tasks with unique names.
     #[schema(min_items = 1, max_items = 256)]
@@ -63,7 +99,7 @@ pub struct RegisterBody {
 
 /// One task of a registration.
 #[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(remote = "Self", deny_unknown_fields)]
 pub struct TaskSpecBody {
     /// 1 to 128 characters from `A-Z a-z 0-9 . _ -`, starting with a letter or digit.
     #[schema(
@@ -83,7 +119,7 @@ pub struct TaskSpecBody {
 
 /// A task's lifecycle hook.
 #[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(remote = "Self", deny_unknown_fields)]
 pub struct LifecycleBody {
     pub hook: Hook,
     /// Keep running alongside later stages; not allowed on `poststop`.
@@ -120,7 +156,7 @@ impl RegisterBody {
 
 /// `PUT .../tasks/{task}/state`, and each value of a batch.
 #[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(remote = "Self", deny_unknown_fields)]
 pub struct ReportBody {
     pub state: RunState,
     /// Only meaningful with `dead`: the task failed.
@@ -132,7 +168,7 @@ pub struct ReportBody {
 
 /// An event to record with a report.
 #[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(remote = "Self", deny_unknown_fields)]
 pub struct EventBody {
     /// 1 to 64 characters.
     #[serde(rename = "type")]
@@ -176,7 +212,7 @@ impl ReportBody {
 
 /// `POST .../task-states` and `POST .../restore`.
 #[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(remote = "Self", deny_unknown_fields)]
 pub struct BatchBody {
     /// Task name to report; each task at most once.
     #[schema(value_type = BTreeMap<String, ReportBody>)]
@@ -213,7 +249,7 @@ impl BatchBody {
 /// `POST .../restart`: `{}` restarts running tasks, `{"task": "web"}` one
 /// task, `{"all_tasks": true}` every task and the coordinator.
 #[derive(Debug, Default, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(remote = "Self", deny_unknown_fields)]
 pub struct RestartBody {
     /// Restart only this task; it must be running.
     #[serde(default)]

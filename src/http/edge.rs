@@ -37,6 +37,9 @@ pub struct Edge {
     pub auth: Arc<Auth>,
     /// Longest time a request that does not wait may take.
     pub request_timeout: Duration,
+    /// Largest request body; a larger announced `Content-Length` is
+    /// refused before any of the body is read.
+    pub body_limit: usize,
 }
 
 /// A client's request ID is kept if it is short printable ASCII.
@@ -62,12 +65,19 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
         request_id = request_id.to_str().unwrap_or_default(),
     );
     let pretty = req.uri().query().is_some_and(|q| {
-        query_pairs(Some(q)).is_some_and(|pairs| pairs.iter().any(|(k, _)| k == PRETTY))
+        query_pairs(Some(q)).is_some_and(|pairs| {
+            pairs
+                .iter()
+                .any(|(k, v)| k == PRETTY && pretty_on(v) == Some(true))
+        })
     });
 
     let mut res = async {
         if let Some(denied) = edge.auth.check(&req, route) {
             return denied;
+        }
+        if announced_length(&req).is_some_and(|n| n > edge.body_limit as u64) {
+            return payload_too_large().into_response();
         }
         let waits = method == Method::GET && route.is_some_and(|r| WAITING_ROUTES.contains(&r));
         let res = if waits {
@@ -103,6 +113,35 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
     );
     res.headers_mut().insert(REQUEST_ID_HEADER, request_id);
     res
+}
+
+/// The body length a request announces in `Content-Length`.
+fn announced_length(req: &Request) -> Option<u64> {
+    req.headers()
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
+/// The answer to a body over the limit, from here or from an extractor.
+pub fn payload_too_large() -> ApiError {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "payload_too_large",
+        "the request body is larger than the configured limit",
+    )
+}
+
+/// `?pretty`, `?pretty=true` and `?pretty=1` turn pretty-printing on,
+/// `false` and `0` off; anything else is not a value of it (`None`).
+pub fn pretty_on(value: &str) -> Option<bool> {
+    match value {
+        "" | "true" | "1" => Some(true),
+        "false" | "0" => Some(false),
+        _ => None,
+    }
 }
 
 /// A request that does not wait ran out of time. A write may still be

@@ -160,6 +160,7 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
         metrics,
         auth,
         request_timeout: config.request_timeout,
+        body_limit: config.body_limit,
     });
     api.merge(docs)
         .fallback(|| async { ApiError::not_found() })

@@ -132,6 +132,16 @@ impl QueryParams for ListParams {
     fn from_pairs(pairs: &Pairs) -> Result<Self, Vec<FieldError>> {
         let mut errors = Vec::new();
         let prefix = pairs.get("prefix").unwrap_or_default().to_owned();
+        // Every non-empty prefix of an allocation ID is itself a valid ID,
+        // so a prefix that is not could never match: a typo, not a query.
+        if !prefix.is_empty()
+            && let Err(e) = AllocId::parse(&prefix)
+        {
+            errors.push(FieldError::new(
+                "prefix",
+                format!("{prefix:?} {e}, so no allocation ID starts with it"),
+            ));
+        }
         let per_page = match pairs.get("per_page") {
             None => DEFAULT_PER_PAGE,
             Some(raw) => match raw.parse::<usize>() {
