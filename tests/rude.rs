@@ -1,0 +1,249 @@
+//! Slow and rude clients against the real binary: headers sent byte by
+//! byte, a client that never reads, thousands of connections dropped
+//! mid-request, long-polls abandoned by their clients. Other clients are
+//! served throughout and nothing leaks.
+
+mod common;
+
+use std::{
+    io::{Read, Write},
+    net::{SocketAddr, TcpStream},
+    time::{Duration, Instant},
+};
+
+use common::{
+    process::{Server, health},
+    raw::{connect, exchange, gauge, json_request, read_answer, request},
+};
+
+fn start(extra: &[&str]) -> (Server, SocketAddr) {
+    let mut args = vec!["--in-memory"];
+    args.extend_from_slice(extra);
+    let server = Server::start(&args);
+    let addr = server.base.trim_start_matches("http://").parse().unwrap();
+    let spec = common::five_tasks().to_string();
+    let answer = exchange(
+        addr,
+        &json_request("PUT", "/v1/allocations/a1", spec.as_bytes()),
+    );
+    assert_eq!(answer.status, 201);
+    (server, addr)
+}
+
+/// Another client gets a report acknowledged and a read answered, each
+/// within `limit`.
+#[track_caller]
+fn others_are_served(addr: SocketAddr, limit: Duration) {
+    let started = Instant::now();
+    let state = if fastrand::bool() {
+        "running"
+    } else {
+        "pending"
+    };
+    let body = format!(r#"{{"state": "{state}"}}"#);
+    let answer = exchange(
+        addr,
+        &json_request(
+            "PUT",
+            "/v1/allocations/a1/tasks/proxy/state",
+            body.as_bytes(),
+        ),
+    );
+    assert_eq!(answer.status, 200);
+    let answer = exchange(addr, &request("GET", "/v1/allocations/a1", None, b""));
+    assert_eq!(answer.status, 200);
+    assert!(
+        started.elapsed() < limit,
+        "another client waited {:?}",
+        started.elapsed()
+    );
+}
+
+/// Open file descriptors of a process.
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
+}
+
+/// Polls `probe` every 10 ms until it holds, for at most `limit`.
+fn eventually(limit: Duration, mut probe: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        if probe() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn headers_sent_byte_by_byte_are_served_and_do_not_hold_up_others() {
+    let (_server, addr) = start(&[]);
+    let mut slow = connect(addr);
+    let req = b"GET /v1/allocations/a1 HTTP/1.1\r\nHost: slow\r\nConnection: close\r\n\r\n";
+    for (i, byte) in req.iter().enumerate() {
+        slow.write_all(&[*byte]).unwrap();
+        // This is the client being slow, not synchronization.
+        std::thread::sleep(Duration::from_millis(2));
+        if i % 16 == 0 {
+            others_are_served(addr, Duration::from_secs(2));
+        }
+    }
+    let answer = read_answer(&mut slow).unwrap();
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.json()["id"], "a1");
+}
+
+#[test]
+fn a_client_slower_than_the_header_timeout_is_disconnected() {
+    let (server, addr) = start(&["--header-timeout", "500ms"]);
+    let mut slow = connect(addr);
+    slow.write_all(b"GET /v1/allocations/a1 HTTP/1.1\r\nHo")
+        .unwrap();
+    let started = Instant::now();
+    // The server must give up on its own: the next read sees the
+    // connection end (possibly after a 408) well before the read timeout.
+    let mut buf = Vec::new();
+    let ended = slow.read_to_end(&mut buf);
+    assert!(
+        ended.is_ok(),
+        "the server never closed the connection: {ended:?}"
+    );
+    let text = String::from_utf8_lossy(&buf);
+    assert!(
+        buf.is_empty() || text.starts_with("HTTP/1.1 408"),
+        "unexpected answer {text:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
+    others_are_served(addr, Duration::from_secs(2));
+    assert!(health(&server.base));
+}
+
+#[test]
+fn a_client_that_never_reads_does_not_block_others() {
+    let (server, addr) = start(&[]);
+    let baseline = open_fds(server.child.id());
+    // Pipeline thousands of requests for a large answer and never read:
+    // the server's writes to this socket block once the buffers are full.
+    let mut rude = connect(addr);
+    rude.set_write_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    let one = request("GET", "/v1/allocations/a1?pretty", None, b"");
+    let one = String::from_utf8(one)
+        .unwrap()
+        .replace("Connection: close\r\n", "");
+    let mut stuck = false;
+    for _ in 0..1_000_000 {
+        // Once the server stops reading (its writes to us are blocked),
+        // our own send buffer fills and the write times out.
+        if rude.write_all(one.as_bytes()).is_err() {
+            stuck = true;
+            break;
+        }
+    }
+    assert!(
+        stuck,
+        "the server kept reading: it never blocked on this client"
+    );
+    for _ in 0..20 {
+        others_are_served(addr, Duration::from_secs(2));
+    }
+    drop(rude);
+    assert!(health(&server.base));
+    assert!(
+        eventually(Duration::from_secs(10), || open_fds(server.child.id())
+            <= baseline),
+        "the server kept the rude connection open"
+    );
+}
+
+#[test]
+fn thousands_of_connections_dropped_mid_request_leave_nothing_behind() {
+    let (server, addr) = start(&[]);
+    let pid = server.child.id();
+    let baseline = open_fds(pid);
+    let partials: [&[u8]; 5] = [
+        b"GET /v1/allocations/a1 HT",
+        b"PUT /v1/allocations/a1/tasks/web/state HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n",
+        b"PUT /v1/allocations/a1/tasks/web/state HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"state\": \"run",
+        b"POST /v1/allocations/a1/task-states HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"tas",
+        b"",
+    ];
+    for round in 0..6 {
+        let mut open: Vec<TcpStream> = Vec::with_capacity(500);
+        for i in 0..500 {
+            let mut stream = connect(addr);
+            let _ = stream.write_all(partials[i % partials.len()]);
+            open.push(stream);
+        }
+        others_are_served(addr, Duration::from_secs(5));
+        if round % 2 == 0 {
+            // Half of the rounds first say they are done sending, so the
+            // server sees an orderly end of input mid-request; the others
+            // just vanish.
+            for s in &open {
+                let _ = s.shutdown(std::net::Shutdown::Write);
+            }
+        }
+        drop(open);
+    }
+    assert!(health(&server.base));
+    others_are_served(addr, Duration::from_secs(2));
+    assert!(
+        eventually(Duration::from_secs(20), || open_fds(pid) <= baseline),
+        "connections still open: {} fds, {baseline} before",
+        open_fds(pid)
+    );
+    assert_eq!(gauge(addr, "taskgate_waiters"), 0);
+    // The half-sent report never happened.
+    let a1 = exchange(
+        addr,
+        &request("GET", "/v1/allocations/a1/tasks/web", None, b""),
+    );
+    assert_eq!(a1.json()["state"], "pending");
+}
+
+#[test]
+fn abandoned_long_polls_are_released() {
+    let (server, addr) = start(&[]);
+    let pid = server.child.id();
+    let baseline = open_fds(pid);
+    let a1 = exchange(addr, &request("GET", "/v1/allocations/a1", None, b""));
+    let index: u64 = a1.header("x-taskgate-index").unwrap().parse().unwrap();
+    let targets = [
+        "/v1/allocations/a1/tasks/web/start-condition?wait=300s".to_owned(),
+        format!("/v1/allocations/a1?index={index}&wait=300s"),
+        format!("/v1/allocations/a1/tasks/web?index={index}&wait=300s"),
+    ];
+    let n = 1_500;
+    let mut parked = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut stream = connect(addr);
+        let req = request("GET", &targets[i % targets.len()], None, b"");
+        stream.write_all(&req).unwrap();
+        parked.push(stream);
+    }
+    assert!(
+        eventually(Duration::from_secs(30), || gauge(addr, "taskgate_waiters")
+            == n as u64),
+        "only {} of {n} parked",
+        gauge(addr, "taskgate_waiters")
+    );
+    others_are_served(addr, Duration::from_secs(2));
+    drop(parked);
+    assert!(
+        eventually(Duration::from_secs(20), || gauge(addr, "taskgate_waiters")
+            == 0),
+        "{} waiters left after their clients went away",
+        gauge(addr, "taskgate_waiters")
+    );
+    assert!(
+        eventually(Duration::from_secs(20), || open_fds(pid) <= baseline),
+        "connections still open"
+    );
+    assert!(health(&server.base));
+}
