@@ -396,12 +396,20 @@ async fn list_filters_by_prefix_and_pages_with_a_token() {
     assert_eq!(all.body.as_array().unwrap().len(), 4);
     assert_eq!(all.body[0]["id"], "db-1");
 
+    // A token from elsewhere still gives a well-defined page: IDs with the
+    // prefix from the later of token and prefix.
+    let before = app.get("/v1/allocations?prefix=web-&next_token=db-1").await;
+    assert_eq!(before.body.as_array().unwrap().len(), 3);
+    assert_eq!(before.body[0]["id"], "web-1");
+    let after = app.get("/v1/allocations?prefix=web-&next_token=x").await;
+    assert_eq!(after.body.as_array().unwrap().len(), 0);
+
     for q in [
         "per_page=0",
         "per_page=1001",
         "per_page=x",
         "next_token=..",
-        "prefix=web-&next_token=db-1",
+        "prefix=web/",
         "page=2",
     ] {
         app.get(&format!("/v1/allocations?{q}"))

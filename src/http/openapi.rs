@@ -182,6 +182,48 @@ fn refine(doc: &mut serde_json::Value) {
         "type": "string", "minLength": 1, "maxLength": 128, "pattern": ID_PATTERN
     });
     schemas["EventBody"]["properties"]["details"]["maxProperties"] = 32.into();
+    // Rules across fields, stated so that schema-valid requests are
+    // accepted: at most one leader; no sidecar on poststop; `task` and
+    // `all_tasks: true` not together.
+    schemas["RegisterBody"]["properties"]["tasks"]["contains"] = serde_json::json!({
+        "type": "object", "required": ["leader"], "properties": {"leader": {"const": true}}
+    });
+    schemas["RegisterBody"]["properties"]["tasks"]["minContains"] = 0.into();
+    // Names must be unique, which JSON Schema cannot say of one property;
+    // identical tasks at least are excluded here, and the contract run's
+    // hook (scripts/contract/hooks.py) keeps repeated names out.
+    schemas["RegisterBody"]["properties"]["tasks"]["uniqueItems"] = true.into();
+    schemas["RegisterBody"]["properties"]["tasks"]["maxContains"] = 1.into();
+    schemas["LifecycleBody"]["if"] = serde_json::json!({
+        "required": ["hook"], "properties": {"hook": {"const": "poststop"}}
+    });
+    schemas["LifecycleBody"]["then"] = serde_json::json!({
+        "properties": {"sidecar": {"const": false}}
+    });
+    schemas["RestartBody"]["not"] = serde_json::json!({
+        "required": ["task", "all_tasks"],
+        "properties": {"task": {"type": "string"}, "all_tasks": {"const": true}}
+    });
+    let paths = doc["paths"].as_object_mut().expect("paths is an object");
+    for (path, item) in paths.iter_mut() {
+        let ops = item.as_object_mut().expect("a path item is an object");
+        let params = ops
+            .values_mut()
+            .filter_map(|op| op.get_mut("parameters")?.as_array_mut())
+            .flatten();
+        for p in params {
+            match p["name"].as_str() {
+                Some("index") => p["schema"]["maximum"] = super::params::MAX_INDEX.into(),
+                Some("prefix") if path == "/v1/allocations" => {
+                    p["schema"] = serde_json::json!({
+                        "type": "string", "maxLength": 128,
+                        "pattern": "^([A-Za-z0-9][A-Za-z0-9._-]*)?$"
+                    });
+                }
+                _ => {}
+            }
+        }
+    }
 }
 
 /// The document as committed: pretty JSON with a final newline.

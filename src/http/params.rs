@@ -52,7 +52,9 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         total += value * scale;
         rest = &rest[unit_len..];
     }
-    Duration::try_from_secs_f64(total).map_err(|_| format!("{s:?} is out of range"))
+    // A wait longer than anything representable is simply very long: the
+    // cap applies to it like to any other long wait.
+    Ok(Duration::try_from_secs_f64(total).unwrap_or(Duration::MAX))
 }
 
 fn parse_wait(pairs: &Pairs, errors: &mut Vec<FieldError>) -> Option<Duration> {
@@ -61,6 +63,10 @@ fn parse_wait(pairs: &Pairs, errors: &mut Vec<FieldError>) -> Option<Duration> {
         .map_err(|e| errors.push(FieldError::new("wait", e)))
         .ok()
 }
+
+/// The largest `index` a blocking query takes: the int64 range the OpenAPI
+/// document states (the server's own indexes never come near it).
+pub const MAX_INDEX: u64 = i64::MAX as u64;
 
 /// `?index=N&wait=D` of a blocking query.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -77,13 +83,16 @@ impl QueryParams for BlockingParams {
         let mut errors = Vec::new();
         let index = match pairs.get("index") {
             None => 0,
-            Some(raw) => raw.parse::<u64>().unwrap_or_else(|_| {
-                errors.push(FieldError::new(
-                    "index",
-                    format!("{raw:?} is not a non-negative integer index"),
-                ));
-                0
-            }),
+            Some(raw) => match raw.parse::<u64>() {
+                Ok(n) if n <= MAX_INDEX => n,
+                _ => {
+                    errors.push(FieldError::new(
+                        "index",
+                        format!("{raw:?} is not an integer index from 0 to {MAX_INDEX}"),
+                    ));
+                    0
+                }
+            },
         };
         let wait = parse_wait(pairs, &mut errors);
         if errors.is_empty() {
@@ -155,17 +164,14 @@ impl QueryParams for ListParams {
                 }
             },
         };
-        // A token is the first ID of the next page, so it must be an ID
-        // that this prefix could have listed.
+        // A token is the first ID of the next page; any ID is accepted and
+        // the page starts at it (or at the prefix, if that comes later).
         let next_token = pairs
             .get("next_token")
             .and_then(|raw| match AllocId::parse(raw) {
-                Ok(id) if id.as_str().starts_with(&prefix) => Some(id),
-                _ => {
-                    errors.push(FieldError::new(
-                        "next_token",
-                        format!("{raw:?} is not a token returned for this listing"),
-                    ));
+                Ok(id) => Some(id),
+                Err(e) => {
+                    errors.push(FieldError::new("next_token", format!("{raw:?} {e}")));
                     None
                 }
             });

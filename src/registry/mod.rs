@@ -205,7 +205,12 @@ impl Registry {
         start: Option<&str>,
         per_page: usize,
     ) -> (Vec<Arc<Allocation>>, Option<AllocId>) {
-        let from = start.unwrap_or(prefix);
+        // A page starts at the token or at the prefix, whichever is later:
+        // a token from another listing still gives a well-defined page.
+        let from = match start {
+            Some(token) if token > prefix => token,
+            _ => prefix,
+        };
         let map = self.read_map();
         let mut page = Vec::new();
         for (id, handle) in map.range::<str, _>((Bound::Included(from), Bound::Unbounded)) {
