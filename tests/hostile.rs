@@ -423,7 +423,6 @@ fn bad_blocking_parameters_and_unknown_query_parameters_are_rejected() {
         "wait=10",
         "wait=-5s",
         "wait=5parsecs",
-        "wait=99999999999999999999h",
         "wait=1e9h",
         "wait=",
         "wait=5s&wait=6s",
