@@ -118,14 +118,16 @@ impl Proc {
 
 /// One HTTP/1.1 keep-alive connection; just enough client for a benchmark
 /// (Content-Length bodies only), so the load generator spends little CPU.
-struct Conn {
+/// A minimal HTTP/1.1 keep-alive client (also used by the soak client).
+pub(crate) struct Conn {
     stream: BufReader<TcpStream>,
     line: String,
-    body: Vec<u8>,
+    /// The body of the last answer.
+    pub(crate) body: Vec<u8>,
 }
 
 impl Conn {
-    async fn open(addr: SocketAddr) -> std::io::Result<Self> {
+    pub(crate) async fn open(addr: SocketAddr) -> std::io::Result<Self> {
         let stream = TcpStream::connect(addr).await?;
         stream.set_nodelay(true)?;
         Ok(Self {
@@ -135,8 +137,18 @@ impl Conn {
         })
     }
 
+    /// The last answer's body as JSON.
+    pub(crate) fn json(&self) -> std::io::Result<serde_json::Value> {
+        serde_json::from_slice(&self.body).map_err(std::io::Error::other)
+    }
+
     /// Sends a request and reads the whole answer; returns the status.
-    async fn call(&mut self, method: &str, path: &str, body: &[u8]) -> std::io::Result<u16> {
+    pub(crate) async fn call(
+        &mut self,
+        method: &str,
+        path: &str,
+        body: &[u8],
+    ) -> std::io::Result<u16> {
         let mut req = format!("{method} {path} HTTP/1.1\r\nHost: bench\r\n");
         if !body.is_empty() {
             req.push_str("Content-Type: application/json\r\n");
@@ -170,7 +182,11 @@ impl Conn {
                 length = v.trim().parse::<usize>().ok();
             }
         }
-        let length = length.ok_or_else(|| std::io::Error::other("no Content-Length"))?;
+        let length = match (length, status) {
+            (Some(n), _) => n,
+            (None, 204 | 304) => 0,
+            (None, _) => return Err(std::io::Error::other("no Content-Length")),
+        };
         self.body.resize(length, 0);
         self.stream.read_exact(&mut self.body).await?;
         Ok(status)

@@ -31,6 +31,9 @@ pub enum Command {
     Health(crate::probe::HealthConfig),
     /// Benchmark: start servers of this binary and measure them (BENCHMARKS.md).
     Bench(crate::bench::BenchConfig),
+    /// One client process of the soak test (tests/soak.rs).
+    #[command(hide = true)]
+    SoakClient(crate::soak::SoakConfig),
     /// A bare axum 200 handler: the ceiling the benchmark compares against.
     #[command(hide = true)]
     BenchCeiling {

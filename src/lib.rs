@@ -15,4 +15,5 @@ pub mod probe;
 pub mod registry;
 pub mod server;
 pub mod signals;
+pub mod soak;
 pub mod store;

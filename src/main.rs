@@ -42,6 +42,7 @@ fn main() -> ExitCode {
             ExitCode::from(u8::try_from(code).unwrap_or(1))
         }
         Command::Bench(config) => block_on("bench", taskgate::bench::run(config)),
+        Command::SoakClient(config) => block_on("soak-client", taskgate::soak::run(config)),
         Command::BenchCeiling { listen } => {
             tracing_subscriber::fmt().with_ansi(false).init();
             block_on("bench-ceiling", taskgate::bench::ceiling(listen))
