@@ -139,7 +139,10 @@ fn check_invariants(a: &Allocation) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(512))]
+    // `TASKGATE_FUZZ_CASES` runs more (CI's fuzz step does).
+    #![proptest_config(ProptestConfig::with_cases(
+        std::env::var("TASKGATE_FUZZ_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(512)
+    ))]
 
     #[test]
     fn invariants_hold_over_random_histories(

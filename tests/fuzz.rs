@@ -1,0 +1,313 @@
+//! Fuzzing request decoding, proptest-driven (cargo-fuzz needs a nightly
+//! toolchain; this machine has one stable toolchain). Generated requests
+//! (random bytes, JSON built from the API's own vocabulary, mutated valid
+//! bodies, hostile paths and query strings) go through the whole router.
+//! Every answer must be a documented status with a well-formed body, a
+//! refused write must change nothing, and the app must keep serving.
+//!
+//! `TASKGATE_FUZZ_CASES` sets the cases per target (default 1,000). A
+//! failing case is saved under `proptest-regressions/` and replayed first on
+//! every later run; fixed crashes also get a named test below.
+
+mod common;
+
+use axum::http::StatusCode;
+use common::{TestApp, test_app};
+use proptest::{prelude::*, test_runner::FileFailurePersistence};
+use serde_json::{Value, json};
+
+fn cases() -> u32 {
+    std::env::var("TASKGATE_FUZZ_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1_000)
+}
+
+fn config() -> ProptestConfig {
+    ProptestConfig {
+        cases: cases(),
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("regressions"))),
+        ..ProptestConfig::default()
+    }
+}
+
+/// The codes API.md allows for each status.
+fn documented(status: u16, code: &str) -> bool {
+    matches!(
+        (status, code),
+        (400, "invalid_json" | "invalid_request")
+            | (404, "allocation_not_found" | "task_not_found" | "not_found")
+            | (405, "method_not_allowed")
+            | (
+                409,
+                "allocation_exists" | "task_not_running" | "allocation_finished"
+            )
+            | (413, "payload_too_large")
+            | (415, "unsupported_media_type")
+    )
+}
+
+/// One runtime and one app (with `a1` registered) per property.
+struct Harness {
+    rt: tokio::runtime::Runtime,
+    app: TestApp,
+}
+
+impl Harness {
+    fn new() -> Self {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let app = test_app();
+        rt.block_on(app.register_five("a1"));
+        Self { rt, app }
+    }
+
+    /// Sends one request and checks the answer; a refused request must
+    /// leave `a1` exactly as it was.
+    fn check(
+        &self,
+        method: &str,
+        uri: &str,
+        ct: Option<&str>,
+        body: Vec<u8>,
+    ) -> Result<(), TestCaseError> {
+        self.rt.block_on(async {
+            let before = self.app.get("/v1/allocations/a1").await;
+            let sent = body.clone();
+            let answer = self.app.raw(method, uri, ct, body).await;
+            let status = answer.status.as_u16();
+            prop_assert!(status < 500, "{method} {uri}: {status} {}", answer.body);
+            if status >= 400 {
+                prop_assert_eq!(
+                    answer.header("content-type"),
+                    Some("application/problem+json")
+                );
+                let code = answer.body["code"].as_str().unwrap_or_default();
+                prop_assert!(
+                    documented(status, code),
+                    "{method} {uri}: {status} {}",
+                    answer.body
+                );
+                prop_assert_eq!(&answer.body["status"], &json!(status));
+                let after = self.app.get("/v1/allocations/a1").await;
+                // A refused request changed nothing.
+                prop_assert_eq!(&before.body, &after.body, "{} {} changed a1", method, uri);
+            } else {
+                if status != 204 {
+                    prop_assert!(
+                        !answer.body.is_null(),
+                        "{method} {uri}: a 2xx without a JSON body"
+                    );
+                }
+                // Only what the contract allows is accepted: a JSON object
+                // (or, for a restart, nothing at all).
+                if method != "GET" && !(sent.is_empty() && uri.ends_with("/restart")) {
+                    let parsed: Result<serde_json::Map<String, Value>, _> =
+                        serde_json::from_slice(&sent);
+                    prop_assert!(
+                        parsed.is_ok(),
+                        "{method} {uri} accepted {:?}",
+                        String::from_utf8_lossy(&sent)
+                    );
+                }
+            }
+            Ok(())
+        })?;
+        // The app still serves.
+        let health = self.rt.block_on(self.app.get("/v1/health"));
+        prop_assert_eq!(health.status, StatusCode::OK);
+        Ok(())
+    }
+}
+
+const WRITES: [(&str, &str); 6] = [
+    ("PUT", "/v1/allocations/a1"),
+    ("PUT", "/v1/allocations/new"),
+    ("PUT", "/v1/allocations/a1/tasks/web/state"),
+    ("POST", "/v1/allocations/a1/task-states"),
+    ("POST", "/v1/allocations/a1/restore"),
+    ("POST", "/v1/allocations/a1/restart"),
+];
+
+/// JSON from the API's own words, so the decoder gets past the first key.
+fn arb_json() -> impl Strategy<Value = Value> {
+    let key = prop::sample::select(vec![
+        "tasks",
+        "name",
+        "lifecycle",
+        "hook",
+        "sidecar",
+        "leader",
+        "state",
+        "failed",
+        "event",
+        "type",
+        "message",
+        "details",
+        "time",
+        "task",
+        "all_tasks",
+        "reason",
+        "web",
+        "init",
+        "proxy",
+        "x",
+    ]);
+    let word = prop::sample::select(vec![
+        "prestart",
+        "poststart",
+        "poststop",
+        "pending",
+        "running",
+        "dead",
+        "web",
+        "init",
+        "2026-11-22T10:00:00Z",
+        "",
+        "..",
+        "a/b",
+        "\u{0}",
+        "é",
+    ]);
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::from),
+        any::<i64>().prop_map(Value::from),
+        any::<f64>().prop_map(|f| json!(f)),
+        word.prop_map(Value::from),
+        ".{0,20}".prop_map(Value::from),
+    ];
+    leaf.prop_recursive(4, 64, 8, move |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+            prop::collection::vec((key.clone(), inner), 0..6).prop_map(|kv| {
+                Value::Object(kv.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())
+            }),
+        ]
+    })
+}
+
+fn valid_bodies() -> Vec<Vec<u8>> {
+    [
+        common::five_tasks(),
+        json!({"state": "dead", "failed": true, "event": {"type": "Terminated", "message": "Exit Code: 1", "details": {"exit_code": "1"}, "time": "2026-11-22T10:00:00Z"}}),
+        json!({"tasks": {"init": {"state": "dead"}, "proxy": {"state": "running"}}}),
+        json!({"all_tasks": true, "reason": "operator"}),
+        json!({"task": "web"}),
+    ]
+    .iter()
+    .map(|v| v.to_string().into_bytes())
+    .collect()
+}
+
+/// A valid body with a few random edits: flips, insertions, deletions,
+/// truncation.
+fn arb_mutated() -> impl Strategy<Value = Vec<u8>> {
+    (
+        prop::sample::select(valid_bodies()),
+        prop::collection::vec((any::<u8>(), any::<prop::sample::Index>(), 0u8..4), 1..6),
+    )
+        .prop_map(|(mut body, edits)| {
+            for (byte, at, kind) in edits {
+                if body.is_empty() {
+                    break;
+                }
+                let i = at.index(body.len());
+                match kind {
+                    0 => body[i] = byte,
+                    1 => body.insert(i, byte),
+                    2 => {
+                        body.remove(i);
+                    }
+                    _ => body.truncate(i),
+                }
+            }
+            body
+        })
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn random_bytes_as_bodies(which in 0..WRITES.len(), body in prop::collection::vec(any::<u8>(), 0..256)) {
+        thread_local!(static H: Harness = Harness::new());
+        let (method, uri) = WRITES[which];
+        H.with(|h| h.check(method, uri, Some("application/json"), body))?;
+    }
+
+    #[test]
+    fn vocabulary_json_as_bodies(which in 0..WRITES.len(), body in arb_json()) {
+        thread_local!(static H: Harness = Harness::new());
+        let (method, uri) = WRITES[which];
+        H.with(|h| h.check(method, uri, Some("application/json"), body.to_string().into_bytes()))?;
+    }
+
+    #[test]
+    fn mutated_valid_bodies(which in 0..WRITES.len(), body in arb_mutated()) {
+        thread_local!(static H: Harness = Harness::new());
+        let (method, uri) = WRITES[which];
+        H.with(|h| h.check(method, uri, Some("application/json"), body))?;
+    }
+
+    #[test]
+    fn hostile_paths_and_queries(
+        id in prop_oneof![Just("a1".to_owned()), "[ -~]{0,12}", ".{0,8}"],
+        task in prop_oneof![Just("web".to_owned()), "[ -~]{0,12}"],
+        route in 0usize..5,
+        query in prop::collection::vec(
+            (
+                prop::sample::select(vec!["index", "wait", "prefix", "per_page", "next_token", "pretty", "x"]),
+                prop_oneof![Just("0".to_owned()), Just("1ms".to_owned()), "[ -~]{0,10}", "[0-9]{1,25}"],
+            ),
+            0..3,
+        ),
+    ) {
+        thread_local!(static H: Harness = Harness::new());
+        let enc = |s: &str| -> String {
+            s.bytes()
+                .map(|b| if b.is_ascii_alphanumeric() || b"-._".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") })
+                .collect()
+        };
+        let path = match route {
+            0 => format!("/v1/allocations/{}", enc(&id)),
+            1 => format!("/v1/allocations/{}/tasks/{}", enc(&id), enc(&task)),
+            2 => format!("/v1/allocations/{}/tasks/{}/start-condition", enc(&id), enc(&task)),
+            3 => "/v1/allocations".to_owned(),
+            _ => format!("/v1/allocations/{}/tasks/{}/state", enc(&id), enc(&task)),
+        };
+        // Waits are kept short: a blocking query that parks is a valid
+        // answer, not a finding.
+        let mut pairs: Vec<String> = query.iter().map(|(k, v)| format!("{k}={}", enc(v))).collect();
+        if route == 0 || route == 1 || route == 2 {
+            pairs.retain(|p| !p.starts_with("wait="));
+            pairs.push("wait=1ms".to_owned());
+        }
+        let uri = format!("{path}?{}", pairs.join("&"));
+        let method = if route == 4 { "PUT" } else { "GET" };
+        let body = if route == 4 { br#"{"state": "running"}"#.to_vec() } else { Vec::new() };
+        let ct = (route == 4).then_some("application/json");
+        H.with(|h| h.check(method, &uri, ct, body))?;
+    }
+}
+
+/// Found by `vocabulary_json_as_bodies` (kept in tests/fuzz.regressions):
+/// serde's derive also decoded a struct from an array of its fields, so
+/// `[]` restarted running tasks and `["running"]` was a report.
+#[test]
+fn regression_arrays_are_not_objects() {
+    let h = Harness::new();
+    for (method, uri) in WRITES {
+        for body in ["[]", r#"["running"]"#, r#"[[{"name": "web"}]]"#] {
+            let answer = h.rt.block_on(h.app.raw(
+                method,
+                uri,
+                Some("application/json"),
+                body.as_bytes().to_vec(),
+            ));
+            answer.assert_problem(400, "invalid_json");
+        }
+    }
+}
