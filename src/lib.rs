@@ -7,6 +7,8 @@ pub mod agent;
 pub mod app;
 pub mod bench;
 pub mod config;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod http;
 pub mod lifecycle;
 pub mod metrics;

@@ -311,3 +311,30 @@ fn regression_arrays_are_not_objects() {
         }
     }
 }
+
+/// Every input the cargo-fuzz targets keep (`fuzz/seeds/`, and the crashes
+/// once found, `fuzz/regressions/`) replayed through the same functions.
+#[test]
+fn cargo_fuzz_inputs_replay_clean() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
+    let mut replayed = 0;
+    for (dir, target) in [
+        ("seeds/decode", taskgate::fuzzing::request as fn(&[u8])),
+        ("regressions/decode", taskgate::fuzzing::request),
+        ("seeds/lifecycle", taskgate::fuzzing::lifecycle),
+        ("regressions/lifecycle", taskgate::fuzzing::lifecycle),
+    ] {
+        let Ok(entries) = std::fs::read_dir(root.join(dir)) else {
+            continue;
+        };
+        for entry in entries {
+            let path = entry.unwrap().path();
+            let data = std::fs::read(&path).unwrap();
+            if std::panic::catch_unwind(|| target(&data)).is_err() {
+                panic!("{} fails again", path.display());
+            }
+            replayed += 1;
+        }
+    }
+    assert!(replayed >= 10, "only {replayed} inputs found under fuzz/");
+}

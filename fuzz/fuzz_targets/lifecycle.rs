@@ -1,0 +1,6 @@
+//! The lifecycle evaluator: see `taskgate::fuzzing::lifecycle`.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| taskgate::fuzzing::lifecycle(data));

@@ -1,0 +1,324 @@
+//! Fuzz targets, shared by the cargo-fuzz harness (`fuzz/`) and the
+//! regression tests that replay every input it ever found (`tests/fuzz.rs`
+//! over `fuzz/regressions/`). Each function takes arbitrary bytes and
+//! panics when an invariant breaks; it must never panic otherwise.
+
+use std::sync::Arc;
+
+use axum::{
+    body::Body,
+    http::{Request, header},
+};
+use serde_json::Value;
+use tower::Service;
+
+use crate::{
+    http::{HttpConfig, app, auth::Auth},
+    lifecycle::{
+        AllocId, AllocSpec, Allocation, CoordState, Hook, Lifecycle, Limits, RestartMode, RunState,
+        TaskName, TaskReport, TaskSpec, evaluate, gates,
+    },
+    registry::{Registry, RegistryConfig},
+    store::MemoryStore,
+};
+
+const FIVE_TASKS: &str = r#"{"tasks": [
+  {"name": "init", "lifecycle": {"hook": "prestart"}},
+  {"name": "proxy", "lifecycle": {"hook": "prestart", "sidecar": true}},
+  {"name": "web", "leader": true},
+  {"name": "announce", "lifecycle": {"hook": "poststart"}},
+  {"name": "cleanup", "lifecycle": {"hook": "poststop"}}]}"#;
+
+const WRITES: [(&str, &str); 6] = [
+    ("PUT", "/v1/allocations/a1"),
+    ("PUT", "/v1/allocations/new"),
+    ("PUT", "/v1/allocations/a1/tasks/web/state"),
+    ("POST", "/v1/allocations/a1/task-states"),
+    ("POST", "/v1/allocations/a1/restore"),
+    ("POST", "/v1/allocations/a1/restart"),
+];
+
+/// The codes API.md allows for each status.
+fn documented(status: u16, code: &str) -> bool {
+    matches!(
+        (status, code),
+        (400, "invalid_json" | "invalid_request")
+            | (404, "allocation_not_found" | "task_not_found" | "not_found")
+            | (405, "method_not_allowed")
+            | (
+                409,
+                "allocation_exists" | "task_not_running" | "allocation_finished"
+            )
+            | (413, "payload_too_large")
+            | (415, "unsupported_media_type")
+    )
+}
+
+/// Percent-encodes every byte that is not unreserved, so any bytes make a
+/// valid URI.
+fn encode(bytes: &[u8]) -> String {
+    bytes
+        .iter()
+        .map(|&b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+/// One request built from `data` through the whole router of an in-memory
+/// app in which `a1` (the five-task example) was just registered afresh.
+/// The first byte picks the request: a write with the rest as its JSON
+/// body, or a read with the rest as a path segment and query string.
+pub fn request(data: &[u8]) {
+    let Some((&pick, rest)) = data.split_first() else {
+        return;
+    };
+    // One runtime and one app per thread (building the router renders the
+    // OpenAPI document, which would dominate each run).
+    thread_local! {
+        static RT: tokio::runtime::Runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        static APP: axum::Router = {
+            let registry = Registry::open(Arc::new(MemoryStore::new()), RegistryConfig::default())
+                .expect("an empty store opens");
+            app(registry, HttpConfig::default(), Arc::new(Auth::default()))
+        };
+    }
+    let router = APP.with(Clone::clone);
+    RT.with(|rt| rt.block_on(request_on(router, pick, rest)));
+}
+
+async fn request_on(router: axum::Router, pick: u8, rest: &[u8]) {
+    {
+        let send = |method: &str, uri: &str, body: Vec<u8>| {
+            let req = Request::builder()
+                .method(method)
+                .uri(uri)
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from(body))
+                .expect("a valid request");
+            let mut router = router.clone();
+            async move {
+                let res = router.call(req).await.expect("infallible");
+                let status = res.status().as_u16();
+                let ct = res
+                    .headers()
+                    .get(header::CONTENT_TYPE)
+                    .map(|v| v.to_str().unwrap_or_default().to_owned());
+                let body = axum::body::to_bytes(res.into_body(), usize::MAX)
+                    .await
+                    .expect("a body");
+                (status, ct, body)
+            }
+        };
+        // Start from a fresh `a1` (and no `new`) whatever earlier runs did.
+        for id in ["a1", "new"] {
+            let (status, _, _) = send("DELETE", &format!("/v1/allocations/{id}"), Vec::new()).await;
+            assert!(status == 204 || status == 404, "DELETE {id}: {status}");
+        }
+        let (status, _, _) = send("PUT", "/v1/allocations/a1", FIVE_TASKS.into()).await;
+        assert_eq!(status, 201);
+        let (_, _, before) = send("GET", "/v1/allocations/a1", Vec::new()).await;
+
+        let (method, uri, body) = match pick % 9 {
+            w @ 0..=5 => (
+                WRITES[w as usize].0,
+                WRITES[w as usize].1.to_owned(),
+                rest.to_vec(),
+            ),
+            k => {
+                let split = rest.iter().position(|&b| b == b'?').unwrap_or(rest.len());
+                let (segment, query) = rest.split_at(split);
+                // The query keeps its own bytes except those a URI cannot
+                // hold, so parameter syntax (`&`, `=`, `%`) gets through.
+                let query: String = query
+                    .iter()
+                    .map(|&b| {
+                        if b.is_ascii_graphic() && b != b'#' {
+                            (b as char).to_string()
+                        } else {
+                            format!("%{b:02X}")
+                        }
+                    })
+                    .collect();
+                let query = if query.contains("wait=") {
+                    query
+                } else if query.is_empty() {
+                    "?wait=1ms".to_owned()
+                } else {
+                    format!("{query}&wait=1ms")
+                };
+                let uri = match k {
+                    6 => format!("/v1/allocations/{}{query}", encode(segment)),
+                    7 => format!("/v1/allocations/a1/tasks/{}{query}", encode(segment)),
+                    _ => format!("/v1/allocations{}", query.replace("wait=", "w=")),
+                };
+                ("GET", uri, Vec::new())
+            }
+        };
+        // A long wait someone asked for is legitimate; it is not what this
+        // target looks for. A URI the HTTP parser would refuse never
+        // reaches the router.
+        if (uri.contains("wait=") && !uri.contains("wait=1ms"))
+            || uri.parse::<axum::http::Uri>().is_err()
+        {
+            return;
+        }
+        let (status, ct, answer) = send(method, &uri, body.clone()).await;
+        assert!(status < 500, "{method} {uri}: {status}");
+        if status >= 400 {
+            assert_eq!(
+                ct.as_deref(),
+                Some("application/problem+json"),
+                "{method} {uri}"
+            );
+            let problem: Value = serde_json::from_slice(&answer).expect("a JSON problem");
+            let code = problem["code"].as_str().unwrap_or_default();
+            assert!(
+                documented(status, code),
+                "{method} {uri}: {status} {problem}"
+            );
+            assert_eq!(problem["status"], status);
+            let (_, _, after) = send("GET", "/v1/allocations/a1", Vec::new()).await;
+            assert_eq!(before, after, "{method} {uri} was refused but changed a1");
+        } else if method != "GET" && !(body.is_empty() && uri.ends_with("/restart")) {
+            let accepted: Result<serde_json::Map<String, Value>, _> = serde_json::from_slice(&body);
+            assert!(
+                accepted.is_ok(),
+                "{method} {uri} accepted a body that is not an object"
+            );
+        }
+    }
+}
+
+/// A random allocation (from the first byte and one byte per task) driven
+/// by operations (three bytes each), checked after every step against the
+/// invariants of SEMANTICS.md.
+pub fn lifecycle(data: &[u8]) {
+    let Some((&n, rest)) = data.split_first() else {
+        return;
+    };
+    let n = 1 + usize::from(n % 7);
+    if rest.len() < n {
+        return;
+    }
+    let (task_bytes, ops) = rest.split_at(n);
+    let mut leader = false;
+    let tasks: Vec<TaskSpec> = task_bytes
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| {
+            let lifecycle = match b % 6 {
+                0 | 1 => None,
+                2 => Some((Hook::Prestart, false)),
+                3 => Some((Hook::Prestart, true)),
+                4 => Some((Hook::Poststart, b & 0x40 != 0)),
+                _ => Some((Hook::Poststop, false)),
+            };
+            let is_leader = b & 0x80 != 0 && !leader;
+            leader |= is_leader;
+            TaskSpec {
+                name: TaskName::parse(&format!("t{i}")).expect("a valid name"),
+                lifecycle: lifecycle.map(|(hook, sidecar)| Lifecycle { hook, sidecar }),
+                leader: is_leader,
+            }
+        })
+        .collect();
+    let spec = AllocSpec::new(tasks, &Limits::default()).expect("a valid spec");
+    let now = time::OffsetDateTime::UNIX_EPOCH;
+    let mut index = 1u64;
+    let mut a = Allocation::register(
+        AllocId::parse("a").expect("an ID"),
+        Arc::new(spec),
+        index,
+        now,
+    );
+    check(&a);
+    for op in ops.chunks_exact(3) {
+        let (kind, task, what) = (op[0], usize::from(op[1]) % n, op[2]);
+        let state = match what % 3 {
+            0 => RunState::Pending,
+            1 => RunState::Running,
+            _ => RunState::Dead,
+        };
+        let report = TaskReport {
+            state,
+            failed: state == RunState::Dead && what & 0x80 != 0,
+            event: None,
+        };
+        let before = a.state;
+        let next_index = || {
+            index += 1;
+            index
+        };
+        let (next, back_to) = match kind % 8 {
+            0..=4 => (a.report(&[(task, report)], now, next_index), None),
+            5 => (
+                a.restore(&[(task, report)], now, next_index),
+                Some(CoordState::Prestart),
+            ),
+            6 => (
+                a.restart(RestartMode::Task(task), "fuzz", now, next_index)
+                    .ok()
+                    .and_then(|(next, _)| next),
+                None,
+            ),
+            _ => {
+                let mode = if what & 1 == 0 {
+                    RestartMode::Running
+                } else {
+                    RestartMode::AllTasks
+                };
+                let back = (mode == RestartMode::AllTasks).then_some(CoordState::Init);
+                (
+                    a.restart(mode, "fuzz", now, next_index)
+                        .ok()
+                        .and_then(|(next, _)| next),
+                    back,
+                )
+            }
+        };
+        if let Some(next) = next {
+            assert!(next.modify_index > a.modify_index, "an index went back");
+            // Forward only, except back to where a restart or restore
+            // starts over.
+            let from = back_to.map_or(before, |b| b.min(before));
+            assert!(
+                next.state >= from,
+                "{before:?} went back to {:?}",
+                next.state
+            );
+            a = next;
+        }
+        check(&a);
+    }
+}
+
+fn check(a: &Allocation) {
+    let row = gates(a.state);
+    for (i, spec) in a.spec.tasks().iter().enumerate() {
+        assert_eq!(a.allowed(i), row[spec.stage().column()], "gate of task {i}");
+        if spec.is_poststop() {
+            assert!(!a.desired(i).is_stop(), "a poststop task was told to stop");
+        }
+    }
+    let all_dead = a
+        .spec
+        .tasks()
+        .iter()
+        .zip(&a.tasks)
+        .filter(|(s, _)| !s.is_poststop())
+        .all(|(_, t)| t.state == RunState::Dead);
+    if all_dead {
+        assert_eq!(a.state, CoordState::Poststop);
+    }
+    assert_eq!(evaluate(a.state, &a.spec, &a.tasks), a.state, "not settled");
+    assert_eq!(a.waiting_on().is_empty(), a.state == CoordState::Poststop);
+    assert!(a.tasks.iter().all(|t| t.modify_index <= a.modify_index));
+}
