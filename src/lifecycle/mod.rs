@@ -39,7 +39,7 @@ pub use coordinator::{CoordState, evaluate, gates, next_state, waiting_on};
 pub use ids::{AllocId, IdError, TaskName};
 pub use names::UnknownName;
 pub use orders::{Desired, DesiredKind, StopKind, StopReason, desired_states};
-pub use spec::{AllocSpec, Hook, Lifecycle, Stage, TaskSpec};
+pub use spec::{AllocSpec, Hook, Lifecycle, SpecInterner, Stage, TaskSpec};
 pub use task::{Event, EventInput, RunState, TaskReport, TaskStatus};
 
 /// Where in a request a rule was broken, and how. The `field` is a path into

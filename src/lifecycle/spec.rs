@@ -1,7 +1,7 @@
 //! What an allocation is made of: tasks, their lifecycle hooks and the
 //! stage each one listens on.
 
-use std::collections::HashSet;
+use std::{collections::HashSet, sync::Arc};
 
 use super::{FieldError, Limits, TaskName};
 
@@ -42,7 +42,7 @@ impl Stage {
 }
 
 /// A task's lifecycle block.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct Lifecycle {
     pub hook: Hook,
     #[serde(default, skip_serializing_if = "super::is_false")]
@@ -50,7 +50,7 @@ pub struct Lifecycle {
 }
 
 /// One task of an allocation, as registered.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct TaskSpec {
     pub name: TaskName,
     /// `None` for a main task.
@@ -86,7 +86,7 @@ impl TaskSpec {
 /// A validated task list: 1 to `max_tasks` tasks, unique names, at most one
 /// leader, no sidecar poststop task. Two specs are equal when they would
 /// behave the same (an omitted `sidecar` equals `false`).
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(transparent)]
 pub struct AllocSpec {
     tasks: Vec<TaskSpec>,
@@ -153,6 +153,40 @@ impl AllocSpec {
     /// Position of a task by name.
     pub fn position(&self, name: &str) -> Option<usize> {
         self.tasks.iter().position(|t| t.name.as_str() == name)
+    }
+}
+
+/// Makes equal task specs one shared value: the allocations of one job
+/// share their spec, so a million of them need not hold a million copies.
+/// Specs no allocation uses any more are dropped now and then, so the set
+/// stays proportional to the specs in use.
+#[derive(Default)]
+pub struct SpecInterner {
+    specs: HashSet<Arc<AllocSpec>>,
+    /// Size after the last pruning; the next comes at twice that.
+    pruned_at: usize,
+}
+
+impl SpecInterner {
+    /// The shared copy of `spec` (this one, if it is new).
+    pub fn share(&mut self, spec: Arc<AllocSpec>) -> Arc<AllocSpec> {
+        if let Some(shared) = self.specs.get(&spec) {
+            return shared.clone();
+        }
+        if self.specs.len() >= 2 * self.pruned_at.max(512) {
+            self.specs.retain(|s| Arc::strong_count(s) > 1);
+            self.pruned_at = self.specs.len();
+        }
+        self.specs.insert(spec.clone());
+        spec
+    }
+
+    pub fn len(&self) -> usize {
+        self.specs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.specs.is_empty()
     }
 }
 
@@ -253,5 +287,27 @@ pub(crate) mod tests {
             err.to_string(),
             "unknown hook \"prestop\", expected one of `prestart`, `poststart`, `poststop`"
         );
+    }
+
+    #[test]
+    fn equal_specs_are_shared_and_unused_ones_dropped() {
+        let spec = |names: &[&str]| {
+            let tasks = names.iter().map(|n| task(n, None)).collect();
+            Arc::new(AllocSpec::new(tasks, &Limits::default()).unwrap())
+        };
+        let mut interner = SpecInterner::default();
+        let a = interner.share(spec(&["web"]));
+        let b = interner.share(spec(&["web"]));
+        assert!(Arc::ptr_eq(&a, &b));
+        let c = interner.share(spec(&["db"]));
+        assert!(!Arc::ptr_eq(&a, &c));
+        assert_eq!(interner.len(), 2);
+        // Specs nobody holds any more go at the next pruning.
+        drop(c);
+        for i in 0..2_000 {
+            drop(interner.share(spec(&[&format!("t{i}")])));
+        }
+        assert!(interner.len() < 1_100, "{} specs kept", interner.len());
+        assert!(Arc::ptr_eq(&interner.share(spec(&["web"])), &a));
     }
 }

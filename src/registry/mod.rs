@@ -16,7 +16,7 @@ use std::{
     collections::BTreeMap,
     ops::Bound,
     sync::{
-        Arc, PoisonError, RwLock,
+        Arc, Mutex, PoisonError, RwLock,
         atomic::{AtomicU64, AtomicUsize, Ordering},
     },
 };
@@ -26,8 +26,8 @@ use tokio::sync::watch;
 
 use crate::{
     lifecycle::{
-        AllocId, AllocSpec, Allocation, CoordState, Limits, RestartError, RestartMode, TaskName,
-        TaskReport, Timestamp,
+        AllocId, AllocSpec, Allocation, CoordState, Limits, RestartError, RestartMode,
+        SpecInterner, TaskName, TaskReport, Timestamp,
     },
     metrics::Metrics,
     store::{Op, Store, StoreError},
@@ -104,6 +104,9 @@ struct Shared {
     config: RegistryConfig,
     /// Requests parked now (`taskgate_waiters`).
     waiters: AtomicUsize,
+    /// Equal task specs shared between allocations (a std lock, held only
+    /// to look one up).
+    specs: Mutex<SpecInterner>,
     /// Turns `true` once, at shutdown; every parked waiter watches it.
     shutdown: watch::Sender<bool>,
 }
@@ -117,12 +120,22 @@ impl Registry {
     /// they were, coordinator states included.
     pub fn open(store: Arc<dyn Store>, config: RegistryConfig) -> Result<Self, StoreError> {
         let loaded = store.load()?;
-        let mut last = loaded.last_index;
-        let mut allocs = BTreeMap::new();
-        for a in loaded.allocations {
-            last = last.max(a.modify_index);
-            allocs.insert(a.id.clone(), Arc::new(Handle::live(Arc::new(a))));
-        }
+        let last = loaded
+            .allocations
+            .iter()
+            .map(|a| a.modify_index)
+            .fold(loaded.last_index, u64::max);
+        // Stores load in key order, for which collecting builds the map in
+        // one pass.
+        let mut specs = SpecInterner::default();
+        let allocs: BTreeMap<_, _> = loaded
+            .allocations
+            .into_iter()
+            .map(|mut a| {
+                a.spec = specs.share(a.spec);
+                (a.id.clone(), Arc::new(Handle::live(Arc::new(a))))
+            })
+            .collect();
         Ok(Self {
             shared: Arc::new(Shared {
                 allocs: RwLock::new(allocs),
@@ -130,6 +143,7 @@ impl Registry {
                 store,
                 config,
                 waiters: AtomicUsize::new(0),
+                specs: Mutex::new(specs),
                 shutdown: watch::Sender::new(false),
             }),
         })
@@ -255,7 +269,11 @@ impl Registry {
                 Slot::Creating => {
                     let a = Arc::new(Allocation::register(
                         id.clone(),
-                        Arc::new(spec),
+                        self.shared
+                            .specs
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .share(Arc::new(spec)),
                         self.next_index(),
                         now(),
                     ));

@@ -61,18 +61,24 @@ pub fn encode(a: &Allocation) -> Vec<u8> {
     serde_json::to_vec(&out).expect("an allocation record always serializes")
 }
 
-/// Decodes a stored record exactly as it was (no re-evaluation).
+/// Decodes a stored record exactly as it was (no re-evaluation). One parse
+/// for a record of this version; the version alone is read only to explain
+/// a record that does not decode.
 pub fn decode(bytes: &[u8]) -> Result<Allocation, String> {
-    let version = serde_json::from_slice::<VersionOnly>(bytes)
-        .map_err(|e| format!("not a taskgate record: {e}"))?
-        .v;
-    if version != RECORD_VERSION {
-        return Err(format!(
-            "record format version {version}, but this taskgate reads version {RECORD_VERSION}"
-        ));
-    }
-    let r: RecordIn = serde_json::from_slice(bytes).map_err(|e| format!("bad record: {e}"))?;
-    debug_assert_eq!(r.v, RECORD_VERSION);
+    let version_error = |version: u32| {
+        format!("record format version {version}, but this taskgate reads version {RECORD_VERSION}")
+    };
+    let r: RecordIn = match serde_json::from_slice::<RecordIn>(bytes) {
+        Ok(r) if r.v == RECORD_VERSION => r,
+        Ok(r) => return Err(version_error(r.v)),
+        Err(e) => {
+            return Err(match serde_json::from_slice::<VersionOnly>(bytes) {
+                Ok(v) if v.v != RECORD_VERSION => version_error(v.v),
+                Ok(_) => format!("bad record: {e}"),
+                Err(e) => format!("not a taskgate record: {e}"),
+            });
+        }
+    };
     if r.tasks.len() != r.status.len() {
         return Err(format!(
             "{} tasks but {} task states",

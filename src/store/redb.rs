@@ -209,30 +209,42 @@ impl Store for RedbStore {
             }
             Err(e) => return Err(io(&e)),
         };
+        // Records are decoded in chunks, each chunk split over the cores:
+        // decoding JSON is most of a recovery.
+        const CHUNK: usize = 16_384;
         let mut allocations: Vec<Allocation> =
             Vec::with_capacity(table.len().map_err(|e| io(&e))? as usize);
-        for entry in table.iter().map_err(|e| io(&e))? {
-            let (key, value) = entry.map_err(|e| io(&e))?;
-            let a = record::decode(value.value()).map_err(|e| {
-                unusable(
-                    path,
-                    format!(
-                        "the record of allocation {:?} is unreadable: {e}",
-                        key.value()
-                    ),
-                )
-            })?;
-            if a.id.as_str() != key.value() {
-                return Err(unusable(
-                    path,
-                    format!(
-                        "the record under {:?} is for allocation {:?}",
-                        key.value(),
-                        a.id
-                    ),
-                ));
+        let mut specs = crate::lifecycle::SpecInterner::default();
+        let mut raw: Vec<(String, Vec<u8>)> = Vec::with_capacity(CHUNK);
+        let mut iter = table.iter().map_err(|e| io(&e))?;
+        loop {
+            let entry = iter.next().transpose().map_err(|e| io(&e))?;
+            let done = entry.is_none();
+            if let Some((key, value)) = entry {
+                raw.push((key.value().to_owned(), value.value().to_vec()));
             }
-            allocations.push(a);
+            if raw.len() == CHUNK || (done && !raw.is_empty()) {
+                let decoded = decode_parallel(&raw);
+                for ((key, _), result) in raw.drain(..).zip(decoded) {
+                    let mut a = result.map_err(|e| {
+                        unusable(
+                            path,
+                            format!("the record of allocation {key:?} is unreadable: {e}"),
+                        )
+                    })?;
+                    if a.id.as_str() != key {
+                        return Err(unusable(
+                            path,
+                            format!("the record under {key:?} is for allocation {:?}", a.id),
+                        ));
+                    }
+                    a.spec = specs.share(a.spec);
+                    allocations.push(a);
+                }
+            }
+            if done {
+                break;
+            }
         }
         Ok(Loaded {
             allocations,
@@ -402,6 +414,28 @@ fn write_batch(
         }
     }
     txn.commit().map_err(|e| io(&e))
+}
+
+/// Decodes records on every core; the results keep the input order.
+fn decode_parallel(raw: &[(String, Vec<u8>)]) -> Vec<Result<Allocation, String>> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per = raw.len().div_ceil(threads).max(1);
+    std::thread::scope(|s| {
+        let parts: Vec<_> = raw
+            .chunks(per)
+            .map(|part| {
+                s.spawn(move || {
+                    part.iter()
+                        .map(|(_, bytes)| record::decode(bytes))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        parts
+            .into_iter()
+            .flat_map(|h| h.join().expect("decoding does not panic"))
+            .collect()
+    })
 }
 
 #[cfg(test)]
