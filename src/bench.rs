@@ -50,6 +50,11 @@ pub struct BenchConfig {
     /// to tell the store's share of the cost from the rest.
     #[arg(long)]
     pub scale_in_memory: bool,
+    /// The servers' `--log` filter. It must let the `taskgate listening`
+    /// line through (the bench reads the address from it);
+    /// `info,taskgate::http::edge=warn` turns the per-request span off.
+    #[arg(long, default_value = "info")]
+    pub server_log: String,
     /// Where the durable scenarios keep their data (a fresh temporary
     /// directory per scenario by default).
     #[arg(long)]
@@ -284,8 +289,12 @@ const FIVE_TASKS: &str = r#"{"tasks": [
   {"name": "announce", "lifecycle": {"hook": "poststart"}},
   {"name": "cleanup", "lifecycle": {"hook": "poststop"}}]}"#;
 
+/// The servers' `--log` filter (`--server-log`), set once per run.
+static SERVER_LOG: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
 fn serve_args(extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = ["serve", "--listen", "127.0.0.1:0", "--log", "info"]
+    let log = SERVER_LOG.get().map_or("info", String::as_str);
+    let mut args: Vec<String> = ["serve", "--listen", "127.0.0.1:0", "--log", log]
         .map(String::from)
         .to_vec();
     args.extend(extra.iter().map(|s| s.to_string()));
@@ -427,6 +436,7 @@ mod tempfile_dir {
 
 /// Runs the chosen scenarios and prints the table.
 pub async fn run(config: BenchConfig) -> std::io::Result<()> {
+    let _ = SERVER_LOG.set(config.server_log.clone());
     let mut outcomes: Vec<Outcome> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
     for scenario in &config.scenarios {
