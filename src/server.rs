@@ -82,43 +82,54 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         let service = TowerToHyperService::new(router.clone());
         let watcher = graceful.watcher();
-        let options = options.clone();
-        tokio::spawn(async move {
-            let mut builder = http1::Builder::new();
-            builder
-                .timer(TokioTimer::new())
-                .header_read_timeout(options.header_timeout)
-                .max_header_size(MAX_HEADER_BYTES)
-                .keep_alive(true);
-            let served = match options.tls {
-                None => {
+        // Plain and TLS connections are separate tasks: a task is as large
+        // as its future, and a plain connection should not carry the room a
+        // TLS stream needs.
+        match options.tls.clone() {
+            None => {
+                let builder = http1_builder(&options);
+                tokio::spawn(async move {
                     let conn = builder.serve_connection(TokioIo::new(stream), service);
-                    watcher.watch(conn).await
-                }
-                Some(acceptor) => {
-                    let tls =
-                        match tokio::time::timeout(options.header_timeout, acceptor.accept(stream))
-                            .await
-                        {
-                            Ok(Ok(tls)) => tls,
-                            Ok(Err(e)) => {
-                                tracing::debug!(error = %e, "TLS handshake failed");
-                                return;
-                            }
-                            Err(_) => {
-                                tracing::debug!("TLS handshake timed out");
-                                return;
-                            }
-                        };
-                    let conn = builder.serve_connection(TokioIo::new(tls), service);
-                    watcher.watch(conn).await
-                }
-            };
-            if let Err(e) = served {
-                tracing::debug!(error = %e, "connection ended with an error");
+                    log_end(watcher.watch(conn).await);
+                });
             }
-        });
+            Some(acceptor) => {
+                let builder = http1_builder(&options);
+                let handshake = options.header_timeout;
+                tokio::spawn(async move {
+                    let tls = match tokio::time::timeout(handshake, acceptor.accept(stream)).await {
+                        Ok(Ok(tls)) => tls,
+                        Ok(Err(e)) => {
+                            tracing::debug!(error = %e, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::debug!("TLS handshake timed out");
+                            return;
+                        }
+                    };
+                    let conn = builder.serve_connection(TokioIo::new(tls), service);
+                    log_end(watcher.watch(conn).await);
+                });
+            }
+        }
     }
     drop(listener);
     graceful.shutdown().await;
+}
+
+fn http1_builder(options: &ServeOptions) -> http1::Builder {
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(options.header_timeout)
+        .max_header_size(MAX_HEADER_BYTES)
+        .keep_alive(true);
+    builder
+}
+
+fn log_end(served: Result<(), hyper::Error>) {
+    if let Err(e) = served {
+        tracing::debug!(error = %e, "connection ended with an error");
+    }
 }
