@@ -13,7 +13,7 @@ mod handle;
 mod wait;
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeSet, HashMap},
     ops::Bound,
     sync::{
         Arc, Mutex, PoisonError, RwLock,
@@ -96,7 +96,7 @@ struct Shared {
     /// Allocation ID → handle, sorted for listing. Inserted by `register`,
     /// removed by `delete`, read by everything. A std lock: it is only held
     /// to look up or insert, never across an `.await`.
-    allocs: RwLock<BTreeMap<AllocId, Arc<Handle>>>,
+    allocs: RwLock<AllocMap>,
     /// The last global index handed out. Every change takes the next one.
     index: AtomicU64,
     /// Where every change is committed before it is published.
@@ -128,14 +128,10 @@ impl Registry {
         // Stores load in key order, for which collecting builds the map in
         // one pass.
         let mut specs = SpecInterner::default();
-        let allocs: BTreeMap<_, _> = loaded
-            .allocations
-            .into_iter()
-            .map(|mut a| {
-                a.spec = specs.share(a.spec);
-                (a.id.clone(), Arc::new(Handle::live(Arc::new(a))))
-            })
-            .collect();
+        let allocs = AllocMap::from_sorted(loaded.allocations.into_iter().map(|mut a| {
+            a.spec = specs.share(a.spec);
+            (a.id.clone(), Arc::new(Handle::live(Arc::new(a))))
+        }));
         Ok(Self {
             shared: Arc::new(Shared {
                 allocs: RwLock::new(allocs),
@@ -186,7 +182,7 @@ impl Registry {
         *self.shared.shutdown.borrow()
     }
 
-    fn read_map(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<AllocId, Arc<Handle>>> {
+    fn read_map(&self) -> std::sync::RwLockReadGuard<'_, AllocMap> {
         self.shared
             .allocs
             .read()
@@ -227,7 +223,7 @@ impl Registry {
         };
         let map = self.read_map();
         let mut page = Vec::new();
-        for (id, handle) in map.range::<str, _>((Bound::Included(from), Bound::Unbounded)) {
+        for (id, handle) in map.range_from(from) {
             if !id.as_str().starts_with(prefix) {
                 break;
             }
@@ -315,7 +311,7 @@ impl Registry {
         &self,
         id: &AllocId,
     ) -> (Arc<Handle>, Option<tokio::sync::OwnedMutexGuard<()>>) {
-        if let Some(h) = self.read_map().get(id) {
+        if let Some(h) = self.read_map().get(id.as_str()) {
             return (h.clone(), None);
         }
         let mut map = self
@@ -323,7 +319,7 @@ impl Registry {
             .allocs
             .write()
             .unwrap_or_else(PoisonError::into_inner);
-        if let Some(h) = map.get(id) {
+        if let Some(h) = map.get(id.as_str()) {
             return (h.clone(), None);
         }
         let handle = Arc::new(Handle::creating());
@@ -345,8 +341,8 @@ impl Registry {
             .allocs
             .write()
             .unwrap_or_else(PoisonError::into_inner);
-        if map.get(id).is_some_and(|h| Arc::ptr_eq(h, handle)) {
-            map.remove(id);
+        if map.get(id.as_str()).is_some_and(|h| Arc::ptr_eq(h, handle)) {
+            map.remove(id.as_str());
         }
     }
 
@@ -553,6 +549,59 @@ impl Registry {
             };
             self.shared.config.metrics.restart(mode);
         })
+    }
+}
+
+/// Allocation ID → handle: a hash map for the lookup every request makes
+/// (constant time, where a B-tree of a million string keys costs dozens of
+/// cache misses), and the IDs in order for listing.
+#[derive(Default)]
+struct AllocMap {
+    by_id: HashMap<AllocId, Arc<Handle>>,
+    ids: BTreeSet<AllocId>,
+}
+
+impl AllocMap {
+    /// From entries in ID order (as stores load them).
+    fn from_sorted(entries: impl Iterator<Item = (AllocId, Arc<Handle>)>) -> Self {
+        let mut by_id = HashMap::new();
+        let ids = entries
+            .map(|(id, handle)| {
+                by_id.insert(id.clone(), handle);
+                id
+            })
+            .collect();
+        Self { by_id, ids }
+    }
+
+    fn get(&self, id: &str) -> Option<&Arc<Handle>> {
+        self.by_id.get(id)
+    }
+
+    fn insert(&mut self, id: AllocId, handle: Arc<Handle>) {
+        if self.by_id.insert(id.clone(), handle).is_none() {
+            self.ids.insert(id);
+        }
+    }
+
+    fn remove(&mut self, id: &str) {
+        if self.by_id.remove(id).is_some() {
+            self.ids.remove(id);
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    /// Entries in ID order from `from` (inclusive).
+    fn range_from<'a>(
+        &'a self,
+        from: &str,
+    ) -> impl Iterator<Item = (&'a AllocId, &'a Arc<Handle>)> {
+        self.ids
+            .range::<str, _>((Bound::Included(from), Bound::Unbounded))
+            .map(|id| (id, &self.by_id[id.as_str()]))
     }
 }
 
