@@ -570,6 +570,30 @@ const FAN_SPEC: &str = r#"{"tasks": [
   {"name": "t0"}, {"name": "t1"}, {"name": "t2"}, {"name": "t3"}, {"name": "t4"},
   {"name": "t5"}, {"name": "t6"}, {"name": "t7"}, {"name": "t8"}, {"name": "t9"}]}"#;
 
+/// The value of an unlabelled series in the server's /metrics (0 if absent).
+async fn metric(addr: SocketAddr, name: &str) -> std::io::Result<f64> {
+    let mut conn = Conn::open(addr).await?;
+    conn.call("GET", "/metrics", b"").await?;
+    let text = String::from_utf8_lossy(&conn.body);
+    Ok(text
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(name)
+                .and_then(|v| v.strip_prefix(' '))
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .unwrap_or(0.0))
+}
+
+/// Store commits so far: (count, seconds in total, changes in total).
+async fn commits(addr: SocketAddr) -> std::io::Result<(f64, f64, f64)> {
+    Ok((
+        metric(addr, "taskgate_store_commit_duration_seconds_count").await?,
+        metric(addr, "taskgate_store_commit_duration_seconds_sum").await?,
+        metric(addr, "taskgate_store_commit_batch_size_sum").await?,
+    ))
+}
+
 /// The value of a gauge in the server's /metrics.
 async fn gauge(addr: SocketAddr, name: &str) -> std::io::Result<u64> {
     let mut conn = Conn::open(addr).await?;
@@ -781,6 +805,7 @@ async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> 
             return Err(std::io::Error::other("fewer allocations than clients"));
         }
         let step = coprime_step(owned);
+        let before_commits = commits(server.addr).await?;
         rows.push(
             drive(
                 &format!("reports, {store}, {size} allocations"),
@@ -807,6 +832,16 @@ async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> 
             )
             .await?,
         );
+        let after_commits = commits(server.addr).await?;
+        let n = after_commits.0 - before_commits.0;
+        if n > 0.0 {
+            lines.push(format!(
+                "  - while reporting at {size}: {n:.0} store commits, mean {ms:.2} ms, \
+                 mean {batch:.1} changes per commit",
+                ms = 1e3 * (after_commits.1 - before_commits.1) / n,
+                batch = (after_commits.2 - before_commits.2) / n,
+            ));
+        }
     }
     let rss_live = server.rss_kib().unwrap_or(0);
 
