@@ -189,11 +189,11 @@ fn refine(doc: &mut serde_json::Value) {
         "type": "object", "required": ["leader"], "properties": {"leader": {"const": true}}
     });
     schemas["RegisterBody"]["properties"]["tasks"]["minContains"] = 0.into();
+    schemas["RegisterBody"]["properties"]["tasks"]["maxContains"] = 1.into();
     // Names must be unique, which JSON Schema cannot say of one property;
     // identical tasks at least are excluded here, and the contract run's
     // hook (scripts/contract/hooks.py) keeps repeated names out.
     schemas["RegisterBody"]["properties"]["tasks"]["uniqueItems"] = true.into();
-    schemas["RegisterBody"]["properties"]["tasks"]["maxContains"] = 1.into();
     schemas["LifecycleBody"]["if"] = serde_json::json!({
         "required": ["hook"], "properties": {"hook": {"const": "poststop"}}
     });
