@@ -2,7 +2,7 @@
 //! committed, so a test can rebuild a registry from it as a restart would.
 
 use std::{
-    collections::BTreeMap,
+    collections::HashMap,
     sync::{
         Arc, Mutex, PoisonError,
         atomic::{AtomicBool, Ordering},
@@ -25,7 +25,7 @@ pub struct MemoryStore {
 
 #[derive(Default)]
 struct Inner {
-    records: BTreeMap<AllocId, Arc<Allocation>>,
+    records: HashMap<AllocId, Arc<Allocation>>,
     last_index: u64,
 }
 
@@ -49,7 +49,13 @@ impl Store for MemoryStore {
     fn load(&self) -> Result<Loaded, StoreError> {
         let inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         Ok(Loaded {
-            allocations: inner.records.values().map(|a| (**a).clone()).collect(),
+            // In ID order, as the `Store` contract (and redb) loads them.
+            allocations: {
+                let mut all: Vec<Allocation> =
+                    inner.records.values().map(|a| (**a).clone()).collect();
+                all.sort_unstable_by(|a, b| a.id.cmp(&b.id));
+                all
+            },
             last_index: inner.last_index,
         })
     }

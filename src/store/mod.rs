@@ -57,7 +57,7 @@ pub type Commit = Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send>>;
 /// are committed in that order; the registry submits one allocation's
 /// changes one at a time, in order.
 pub trait Store: Send + Sync + 'static {
-    /// Every record, as committed.
+    /// Every record, as committed, in ID order.
     fn load(&self) -> Result<Loaded, StoreError>;
 
     /// Queues a change. The returned future resolves when it is durable.
