@@ -245,6 +245,10 @@ fn rule_breaking_specs_and_reports_are_invalid_requests() {
         "invalid_request",
     );
     assert!(answer.json()["errors"].to_string().contains("at most"));
+    let overlong = format!(
+        r#"{{"state": "running", "event": {{"type": "x", "message": "{}"}}}}"#,
+        "m".repeat(5000)
+    );
     let cases: &[(&str, &str, &str, &[u8])] = &[
         ("no tasks", "PUT", REGISTER, br#"{"tasks": []}"#),
         (
@@ -301,17 +305,7 @@ fn rule_breaking_specs_and_reports_are_invalid_requests() {
             REGISTER,
             br#"{"tasks": [{"name": ""}]}"#,
         ),
-        (
-            "overlong event message",
-            "PUT",
-            REPORT,
-            format!(
-                r#"{{"state": "running", "event": {{"type": "x", "message": "{}"}}}}"#,
-                "m".repeat(5000)
-            )
-            .leak()
-            .as_bytes(),
-        ),
+        ("overlong event message", "PUT", REPORT, overlong.as_bytes()),
     ];
     for (what, method, path, body) in cases {
         b.expect(
