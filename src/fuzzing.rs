@@ -95,105 +95,103 @@ pub fn request(data: &[u8]) {
 }
 
 async fn request_on(router: axum::Router, pick: u8, rest: &[u8]) {
-    {
-        let send = |method: &str, uri: &str, body: Vec<u8>| {
-            let req = Request::builder()
-                .method(method)
-                .uri(uri)
-                .header(header::CONTENT_TYPE, "application/json")
-                .body(Body::from(body))
-                .expect("a valid request");
-            let mut router = router.clone();
-            async move {
-                let res = router.call(req).await.expect("infallible");
-                let status = res.status().as_u16();
-                let ct = res
-                    .headers()
-                    .get(header::CONTENT_TYPE)
-                    .map(|v| v.to_str().unwrap_or_default().to_owned());
-                let body = axum::body::to_bytes(res.into_body(), usize::MAX)
-                    .await
-                    .expect("a body");
-                (status, ct, body)
-            }
-        };
-        // Start from a fresh `a1` (and no `new`) whatever earlier runs did.
-        for id in ["a1", "new"] {
-            let (status, _, _) = send("DELETE", &format!("/v1/allocations/{id}"), Vec::new()).await;
-            assert!(status == 204 || status == 404, "DELETE {id}: {status}");
+    let send = |method: &str, uri: &str, body: Vec<u8>| {
+        let req = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body))
+            .expect("a valid request");
+        let mut router = router.clone();
+        async move {
+            let res = router.call(req).await.expect("infallible");
+            let status = res.status().as_u16();
+            let ct = res
+                .headers()
+                .get(header::CONTENT_TYPE)
+                .map(|v| v.to_str().unwrap_or_default().to_owned());
+            let body = axum::body::to_bytes(res.into_body(), usize::MAX)
+                .await
+                .expect("a body");
+            (status, ct, body)
         }
-        let (status, _, _) = send("PUT", "/v1/allocations/a1", FIVE_TASKS.into()).await;
-        assert_eq!(status, 201);
-        let (_, _, before) = send("GET", "/v1/allocations/a1", Vec::new()).await;
+    };
+    // Start from a fresh `a1` (and no `new`) whatever earlier runs did.
+    for id in ["a1", "new"] {
+        let (status, _, _) = send("DELETE", &format!("/v1/allocations/{id}"), Vec::new()).await;
+        assert!(status == 204 || status == 404, "DELETE {id}: {status}");
+    }
+    let (status, _, _) = send("PUT", "/v1/allocations/a1", FIVE_TASKS.into()).await;
+    assert_eq!(status, 201);
+    let (_, _, before) = send("GET", "/v1/allocations/a1", Vec::new()).await;
 
-        let (method, uri, body) = match pick % 9 {
-            w @ 0..=5 => (
-                WRITES[w as usize].0,
-                WRITES[w as usize].1.to_owned(),
-                rest.to_vec(),
-            ),
-            k => {
-                let split = rest.iter().position(|&b| b == b'?').unwrap_or(rest.len());
-                let (segment, query) = rest.split_at(split);
-                // The query keeps its own bytes except those a URI cannot
-                // hold, so parameter syntax (`&`, `=`, `%`) gets through.
-                let query: String = query
-                    .iter()
-                    .map(|&b| {
-                        if b.is_ascii_graphic() && b != b'#' {
-                            (b as char).to_string()
-                        } else {
-                            format!("%{b:02X}")
-                        }
-                    })
-                    .collect();
-                let query = if query.contains("wait=") {
-                    query
-                } else if query.is_empty() {
-                    "?wait=1ms".to_owned()
-                } else {
-                    format!("{query}&wait=1ms")
-                };
-                let uri = match k {
-                    6 => format!("/v1/allocations/{}{query}", encode(segment)),
-                    7 => format!("/v1/allocations/a1/tasks/{}{query}", encode(segment)),
-                    _ => format!("/v1/allocations{}", query.replace("wait=", "w=")),
-                };
-                ("GET", uri, Vec::new())
-            }
-        };
-        // A long wait someone asked for is legitimate; it is not what this
-        // target looks for. A URI the HTTP parser would refuse never
-        // reaches the router.
-        if (uri.contains("wait=") && !uri.contains("wait=1ms"))
-            || uri.parse::<axum::http::Uri>().is_err()
-        {
-            return;
+    let (method, uri, body) = match pick % 9 {
+        w @ 0..=5 => (
+            WRITES[w as usize].0,
+            WRITES[w as usize].1.to_owned(),
+            rest.to_vec(),
+        ),
+        k => {
+            let split = rest.iter().position(|&b| b == b'?').unwrap_or(rest.len());
+            let (segment, query) = rest.split_at(split);
+            // The query keeps its own bytes except those a URI cannot
+            // hold, so parameter syntax (`&`, `=`, `%`) gets through.
+            let query: String = query
+                .iter()
+                .map(|&b| {
+                    if b.is_ascii_graphic() && b != b'#' {
+                        (b as char).to_string()
+                    } else {
+                        format!("%{b:02X}")
+                    }
+                })
+                .collect();
+            let query = if query.contains("wait=") {
+                query
+            } else if query.is_empty() {
+                "?wait=1ms".to_owned()
+            } else {
+                format!("{query}&wait=1ms")
+            };
+            let uri = match k {
+                6 => format!("/v1/allocations/{}{query}", encode(segment)),
+                7 => format!("/v1/allocations/a1/tasks/{}{query}", encode(segment)),
+                _ => format!("/v1/allocations{}", query.replace("wait=", "w=")),
+            };
+            ("GET", uri, Vec::new())
         }
-        let (status, ct, answer) = send(method, &uri, body.clone()).await;
-        assert!(status < 500, "{method} {uri}: {status}");
-        if status >= 400 {
-            assert_eq!(
-                ct.as_deref(),
-                Some("application/problem+json"),
-                "{method} {uri}"
-            );
-            let problem: Value = serde_json::from_slice(&answer).expect("a JSON problem");
-            let code = problem["code"].as_str().unwrap_or_default();
-            assert!(
-                documented(status, code),
-                "{method} {uri}: {status} {problem}"
-            );
-            assert_eq!(problem["status"], status);
-            let (_, _, after) = send("GET", "/v1/allocations/a1", Vec::new()).await;
-            assert_eq!(before, after, "{method} {uri} was refused but changed a1");
-        } else if method != "GET" && !(body.is_empty() && uri.ends_with("/restart")) {
-            let accepted: Result<serde_json::Map<String, Value>, _> = serde_json::from_slice(&body);
-            assert!(
-                accepted.is_ok(),
-                "{method} {uri} accepted a body that is not an object"
-            );
-        }
+    };
+    // A long wait someone asked for is legitimate; it is not what this
+    // target looks for. A URI the HTTP parser would refuse never
+    // reaches the router.
+    if (uri.contains("wait=") && !uri.contains("wait=1ms"))
+        || uri.parse::<axum::http::Uri>().is_err()
+    {
+        return;
+    }
+    let (status, ct, answer) = send(method, &uri, body.clone()).await;
+    assert!(status < 500, "{method} {uri}: {status}");
+    if status >= 400 {
+        assert_eq!(
+            ct.as_deref(),
+            Some("application/problem+json"),
+            "{method} {uri}"
+        );
+        let problem: Value = serde_json::from_slice(&answer).expect("a JSON problem");
+        let code = problem["code"].as_str().unwrap_or_default();
+        assert!(
+            documented(status, code),
+            "{method} {uri}: {status} {problem}"
+        );
+        assert_eq!(problem["status"], status);
+        let (_, _, after) = send("GET", "/v1/allocations/a1", Vec::new()).await;
+        assert_eq!(before, after, "{method} {uri} was refused but changed a1");
+    } else if method != "GET" && !(body.is_empty() && uri.ends_with("/restart")) {
+        let accepted: Result<serde_json::Map<String, Value>, _> = serde_json::from_slice(&body);
+        assert!(
+            accepted.is_ok(),
+            "{method} {uri} accepted a body that is not an object"
+        );
     }
 }
 
