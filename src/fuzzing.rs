@@ -16,7 +16,7 @@ use crate::{
     http::{HttpConfig, app, auth::Auth},
     lifecycle::{
         AllocId, AllocSpec, Allocation, CoordState, Hook, Lifecycle, Limits, RestartMode, RunState,
-        TaskName, TaskReport, TaskSpec, evaluate, gates,
+        TaskName, TaskReport, TaskSpec,
     },
     registry::{Registry, RegistryConfig},
     store::MemoryStore,
@@ -299,24 +299,7 @@ pub fn lifecycle(data: &[u8]) {
 }
 
 fn check(a: &Allocation) {
-    let row = gates(a.state);
-    for (i, spec) in a.spec.tasks().iter().enumerate() {
-        assert_eq!(a.allowed(i), row[spec.stage().column()], "gate of task {i}");
-        if spec.is_poststop() {
-            assert!(!a.desired(i).is_stop(), "a poststop task was told to stop");
-        }
+    if let Err(broken) = a.check_invariants() {
+        panic!("{broken}: {a:?}");
     }
-    let all_dead = a
-        .spec
-        .tasks()
-        .iter()
-        .zip(&a.tasks)
-        .filter(|(s, _)| !s.is_poststop())
-        .all(|(_, t)| t.state == RunState::Dead);
-    if all_dead {
-        assert_eq!(a.state, CoordState::Poststop);
-    }
-    assert_eq!(evaluate(a.state, &a.spec, &a.tasks), a.state, "not settled");
-    assert_eq!(a.waiting_on().is_empty(), a.state == CoordState::Poststop);
-    assert!(a.tasks.iter().all(|t| t.modify_index <= a.modify_index));
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::{
     AllocId, AllocSpec, CoordState, Desired, Event, RunState, TaskName, TaskReport, TaskStatus,
     Timestamp,
-    coordinator::{evaluate, is_open, waiting_on},
+    coordinator::{evaluate, gates, is_open, waiting_on},
     desired_states,
 };
 
@@ -114,6 +114,56 @@ impl Allocation {
     /// Task `i`'s stop order.
     pub fn desired(&self, i: usize) -> &Desired {
         &self.desired[i]
+    }
+
+    /// The invariants of SEMANTICS.md every settled allocation keeps; the
+    /// first one broken, described. Checked by the property tests and the
+    /// lifecycle fuzz target after every step.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        // The allowed set is the gate-table row of the current state, and
+        // poststop tasks are never told to stop.
+        let row = gates(self.state);
+        for (i, spec) in self.spec.tasks().iter().enumerate() {
+            if self.allowed(i) != row[spec.stage().column()] {
+                return Err(format!("task {i}'s gate is not the gate table's"));
+            }
+            if spec.is_poststop() && self.desired(i).is_stop() {
+                return Err(format!("poststop task {i} was told to stop"));
+            }
+        }
+        // Every non-poststop task dead means poststop. (Not the converse:
+        // poststop is terminal, even if a task later reports `pending`
+        // against the protocol.)
+        let all_dead = self
+            .spec
+            .tasks()
+            .iter()
+            .zip(&self.tasks)
+            .filter(|(s, _)| !s.is_poststop())
+            .all(|(_, t)| t.state == RunState::Dead);
+        if all_dead && self.state != CoordState::Poststop {
+            return Err(format!(
+                "every task is dead but the state is {:?}",
+                self.state
+            ));
+        }
+        // The state is stable: evaluating again changes nothing.
+        if evaluate(self.state, &self.spec, &self.tasks) != self.state {
+            return Err(format!("{:?} is not settled", self.state));
+        }
+        // Something always holds a live coordinator where it is.
+        if self.waiting_on().is_empty() != (self.state == CoordState::Poststop) {
+            return Err(format!("waiting_on does not fit {:?}", self.state));
+        }
+        // No task carries an index newer than its allocation.
+        if self
+            .tasks
+            .iter()
+            .any(|t| t.modify_index > self.modify_index)
+        {
+            return Err("a task's index is newer than its allocation's".to_owned());
+        }
+        Ok(())
     }
 
     pub fn waiting_on(&self) -> Vec<TaskName> {

@@ -105,37 +105,7 @@ fn to_reports(a: &Allocation, raw: &[(usize, RunState, bool, bool)]) -> Vec<(usi
 }
 
 fn check_invariants(a: &Allocation) -> Result<(), TestCaseError> {
-    // The allowed set is the gate-table row of the current state.
-    let row = gates(a.state);
-    for (i, spec) in a.spec.tasks().iter().enumerate() {
-        prop_assert_eq!(a.allowed(i), row[spec.stage().column()]);
-    }
-    // Every non-poststop task dead means poststop.
-    let all_dead = a
-        .spec
-        .tasks()
-        .iter()
-        .zip(&a.tasks)
-        .filter(|(s, _)| !s.is_poststop())
-        .all(|(_, t)| t.state == RunState::Dead);
-    // (Not the converse: poststop is terminal, even if a task later reports
-    // `pending` against the protocol.)
-    if all_dead {
-        prop_assert_eq!(a.state, CoordState::Poststop);
-    }
-    // The state is stable: evaluating again changes nothing.
-    prop_assert_eq!(evaluate(a.state, &a.spec, &a.tasks), a.state);
-    // Something always holds a live coordinator where it is.
-    prop_assert_eq!(a.waiting_on().is_empty(), a.state == CoordState::Poststop);
-    // No task carries an index newer than its allocation.
-    prop_assert!(a.tasks.iter().all(|t| t.modify_index <= a.modify_index));
-    // Poststop tasks are never told to stop.
-    for (i, spec) in a.spec.tasks().iter().enumerate() {
-        if spec.is_poststop() {
-            prop_assert!(!a.desired(i).is_stop());
-        }
-    }
-    Ok(())
+    a.check_invariants().map_err(TestCaseError::fail)
 }
 
 proptest! {
