@@ -29,7 +29,8 @@ const FIVE_TASKS: &str = r#"{"tasks": [
   {"name": "announce", "lifecycle": {"hook": "poststart"}},
   {"name": "cleanup", "lifecycle": {"hook": "poststop"}}]}"#;
 
-const WRITES: [(&str, &str); 6] = [
+/// The write routes a fuzzed body is sent to.
+pub const WRITES: [(&str, &str); 6] = [
     ("PUT", "/v1/allocations/a1"),
     ("PUT", "/v1/allocations/new"),
     ("PUT", "/v1/allocations/a1/tasks/web/state"),
@@ -56,7 +57,7 @@ fn documented(status: u16, code: &str) -> bool {
 
 /// Percent-encodes every byte that is not unreserved, so any bytes make a
 /// valid URI.
-fn encode(bytes: &[u8]) -> String {
+pub fn encode(bytes: &[u8]) -> String {
     bytes
         .iter()
         .map(|&b| {
@@ -69,62 +70,13 @@ fn encode(bytes: &[u8]) -> String {
         .collect()
 }
 
-/// One request built from `data` through the whole router of an in-memory
-/// app in which `a1` (the five-task example) was just registered afresh.
-/// The first byte picks the request: a write with the rest as its JSON
-/// body, or a read with the rest as a path segment and query string.
+/// One request built from `data`, checked by [`check_request`]. The first
+/// byte picks the request: a write with the rest as its JSON body, or a
+/// read with the rest as a path segment and query string.
 pub fn request(data: &[u8]) {
     let Some((&pick, rest)) = data.split_first() else {
         return;
     };
-    // One runtime and one app per thread (building the router renders the
-    // OpenAPI document, which would dominate each run).
-    thread_local! {
-        static RT: tokio::runtime::Runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("a runtime");
-        static APP: axum::Router = {
-            let registry = Registry::open(Arc::new(MemoryStore::new()), RegistryConfig::default())
-                .expect("an empty store opens");
-            app(registry, HttpConfig::default(), Arc::new(Auth::default()))
-        };
-    }
-    let router = APP.with(Clone::clone);
-    RT.with(|rt| rt.block_on(request_on(router, pick, rest)));
-}
-
-async fn request_on(router: axum::Router, pick: u8, rest: &[u8]) {
-    let send = |method: &str, uri: &str, body: Vec<u8>| {
-        let req = Request::builder()
-            .method(method)
-            .uri(uri)
-            .header(header::CONTENT_TYPE, "application/json")
-            .body(Body::from(body))
-            .expect("a valid request");
-        let mut router = router.clone();
-        async move {
-            let res = router.call(req).await.expect("infallible");
-            let status = res.status().as_u16();
-            let ct = res
-                .headers()
-                .get(header::CONTENT_TYPE)
-                .map(|v| v.to_str().unwrap_or_default().to_owned());
-            let body = axum::body::to_bytes(res.into_body(), usize::MAX)
-                .await
-                .expect("a body");
-            (status, ct, body)
-        }
-    };
-    // Start from a fresh `a1` (and no `new`) whatever earlier runs did.
-    for id in ["a1", "new"] {
-        let (status, _, _) = send("DELETE", &format!("/v1/allocations/{id}"), Vec::new()).await;
-        assert!(status == 204 || status == 404, "DELETE {id}: {status}");
-    }
-    let (status, _, _) = send("PUT", "/v1/allocations/a1", FIVE_TASKS.into()).await;
-    assert_eq!(status, 201);
-    let (_, _, before) = send("GET", "/v1/allocations/a1", Vec::new()).await;
-
     let (method, uri, body) = match pick % 9 {
         w @ 0..=5 => (
             WRITES[w as usize].0,
@@ -169,7 +121,66 @@ async fn request_on(router: axum::Router, pick: u8, rest: &[u8]) {
     {
         return;
     }
-    let (status, ct, answer) = send(method, &uri, body.clone()).await;
+    check_request(method, &uri, body);
+}
+
+/// Sends one request (JSON content type) through the whole router of an
+/// in-memory app in which `a1` (the five-task example) was just registered
+/// afresh, and panics unless the answer keeps the contract: no 5xx; a 4xx
+/// is problem+json with a code API.md lists for its status and changed
+/// nothing; a 2xx other than 204 has a JSON body, and a write is accepted
+/// only with an object body (or, for a restart, none); the app still
+/// answers its health check.
+pub fn check_request(method: &str, uri: &str, body: Vec<u8>) {
+    // One runtime and one app per thread (building the router renders the
+    // OpenAPI document, which would dominate each run).
+    thread_local! {
+        static RT: tokio::runtime::Runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        static APP: axum::Router = {
+            let registry = Registry::open(Arc::new(MemoryStore::new()), RegistryConfig::default())
+                .expect("an empty store opens");
+            app(registry, HttpConfig::default(), Arc::new(Auth::default()))
+        };
+    }
+    let router = APP.with(Clone::clone);
+    RT.with(|rt| rt.block_on(check_on(router, method, uri, body)));
+}
+
+async fn check_on(router: axum::Router, method: &str, uri: &str, body: Vec<u8>) {
+    let send = |method: &str, uri: &str, body: Vec<u8>| {
+        let req = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body))
+            .expect("a valid request");
+        let mut router = router.clone();
+        async move {
+            let res = router.call(req).await.expect("infallible");
+            let status = res.status().as_u16();
+            let ct = res
+                .headers()
+                .get(header::CONTENT_TYPE)
+                .map(|v| v.to_str().unwrap_or_default().to_owned());
+            let body = axum::body::to_bytes(res.into_body(), usize::MAX)
+                .await
+                .expect("a body");
+            (status, ct, body)
+        }
+    };
+    // Start from a fresh `a1` (and no `new`) whatever earlier runs did.
+    for id in ["a1", "new"] {
+        let (status, _, _) = send("DELETE", &format!("/v1/allocations/{id}"), Vec::new()).await;
+        assert!(status == 204 || status == 404, "DELETE {id}: {status}");
+    }
+    let (status, _, _) = send("PUT", "/v1/allocations/a1", FIVE_TASKS.into()).await;
+    assert_eq!(status, 201);
+    let (_, _, before) = send("GET", "/v1/allocations/a1", Vec::new()).await;
+
+    let (status, ct, answer) = send(method, uri, body.clone()).await;
     assert!(status < 500, "{method} {uri}: {status}");
     if status >= 400 {
         assert_eq!(
@@ -186,13 +197,23 @@ async fn request_on(router: axum::Router, pick: u8, rest: &[u8]) {
         assert_eq!(problem["status"], status);
         let (_, _, after) = send("GET", "/v1/allocations/a1", Vec::new()).await;
         assert_eq!(before, after, "{method} {uri} was refused but changed a1");
-    } else if method != "GET" && !(body.is_empty() && uri.ends_with("/restart")) {
-        let accepted: Result<serde_json::Map<String, Value>, _> = serde_json::from_slice(&body);
-        assert!(
-            accepted.is_ok(),
-            "{method} {uri} accepted a body that is not an object"
-        );
+    } else {
+        if status != 204 {
+            assert!(
+                serde_json::from_slice::<Value>(&answer).is_ok(),
+                "{method} {uri}: a {status} without a JSON body"
+            );
+        }
+        if method != "GET" && !(body.is_empty() && uri.ends_with("/restart")) {
+            let accepted: Result<serde_json::Map<String, Value>, _> = serde_json::from_slice(&body);
+            assert!(
+                accepted.is_ok(),
+                "{method} {uri} accepted a body that is not an object"
+            );
+        }
     }
+    let (status, _, _) = send("GET", "/v1/health", Vec::new()).await;
+    assert_eq!(status, 200, "unhealthy after {method} {uri}");
 }
 
 /// A random allocation (from the first byte and one byte per task) driven

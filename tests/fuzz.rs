@@ -1,9 +1,10 @@
-//! Fuzzing request decoding, proptest-driven (cargo-fuzz needs a nightly
-//! toolchain; this machine has one stable toolchain). Generated requests
-//! (random bytes, JSON built from the API's own vocabulary, mutated valid
-//! bodies, hostile paths and query strings) go through the whole router.
-//! Every answer must be a documented status with a well-formed body, a
-//! refused write must change nothing, and the app must keep serving.
+//! Fuzzing request decoding, proptest-driven, beside the cargo-fuzz targets
+//! of `fuzz/`. Generated requests (random bytes, JSON built from the API's
+//! own vocabulary, mutated valid bodies, hostile paths and query strings) go
+//! through the whole router and are checked by the same function as the
+//! `decode` target (`taskgate::fuzzing::check_request`): every answer a
+//! documented status with a well-formed body, a refused write changes
+//! nothing, the app keeps serving.
 //!
 //! `TASKGATE_FUZZ_CASES` sets the cases per target (default 1,000). A
 //! failing case is saved under `proptest-regressions/` and replayed first on
@@ -11,10 +12,10 @@
 
 mod common;
 
-use axum::http::StatusCode;
-use common::{TestApp, test_app};
+use common::test_app;
 use proptest::{prelude::*, test_runner::FileFailurePersistence};
 use serde_json::{Value, json};
+use taskgate::fuzzing::{WRITES, check_request, encode};
 
 fn cases() -> u32 {
     std::env::var("TASKGATE_FUZZ_CASES")
@@ -30,106 +31,6 @@ fn config() -> ProptestConfig {
         ..ProptestConfig::default()
     }
 }
-
-/// The codes API.md allows for each status.
-fn documented(status: u16, code: &str) -> bool {
-    matches!(
-        (status, code),
-        (400, "invalid_json" | "invalid_request")
-            | (404, "allocation_not_found" | "task_not_found" | "not_found")
-            | (405, "method_not_allowed")
-            | (
-                409,
-                "allocation_exists" | "task_not_running" | "allocation_finished"
-            )
-            | (413, "payload_too_large")
-            | (415, "unsupported_media_type")
-    )
-}
-
-/// One runtime and one app (with `a1` registered) per property.
-struct Harness {
-    rt: tokio::runtime::Runtime,
-    app: TestApp,
-}
-
-impl Harness {
-    fn new() -> Self {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let app = test_app();
-        rt.block_on(app.register_five("a1"));
-        Self { rt, app }
-    }
-
-    /// Sends one request and checks the answer; a refused request must
-    /// leave `a1` exactly as it was.
-    fn check(
-        &self,
-        method: &str,
-        uri: &str,
-        ct: Option<&str>,
-        body: Vec<u8>,
-    ) -> Result<(), TestCaseError> {
-        self.rt.block_on(async {
-            let before = self.app.get("/v1/allocations/a1").await;
-            let sent = body.clone();
-            let answer = self.app.raw(method, uri, ct, body).await;
-            let status = answer.status.as_u16();
-            prop_assert!(status < 500, "{method} {uri}: {status} {}", answer.body);
-            if status >= 400 {
-                prop_assert_eq!(
-                    answer.header("content-type"),
-                    Some("application/problem+json")
-                );
-                let code = answer.body["code"].as_str().unwrap_or_default();
-                prop_assert!(
-                    documented(status, code),
-                    "{method} {uri}: {status} {}",
-                    answer.body
-                );
-                prop_assert_eq!(&answer.body["status"], &json!(status));
-                let after = self.app.get("/v1/allocations/a1").await;
-                // A refused request changed nothing.
-                prop_assert_eq!(&before.body, &after.body, "{} {} changed a1", method, uri);
-            } else {
-                if status != 204 {
-                    prop_assert!(
-                        !answer.body.is_null(),
-                        "{method} {uri}: a 2xx without a JSON body"
-                    );
-                }
-                // Only what the contract allows is accepted: a JSON object
-                // (or, for a restart, nothing at all).
-                if method != "GET" && !(sent.is_empty() && uri.ends_with("/restart")) {
-                    let parsed: Result<serde_json::Map<String, Value>, _> =
-                        serde_json::from_slice(&sent);
-                    prop_assert!(
-                        parsed.is_ok(),
-                        "{method} {uri} accepted {:?}",
-                        String::from_utf8_lossy(&sent)
-                    );
-                }
-            }
-            Ok(())
-        })?;
-        // The app still serves.
-        let health = self.rt.block_on(self.app.get("/v1/health"));
-        prop_assert_eq!(health.status, StatusCode::OK);
-        Ok(())
-    }
-}
-
-const WRITES: [(&str, &str); 6] = [
-    ("PUT", "/v1/allocations/a1"),
-    ("PUT", "/v1/allocations/new"),
-    ("PUT", "/v1/allocations/a1/tasks/web/state"),
-    ("POST", "/v1/allocations/a1/task-states"),
-    ("POST", "/v1/allocations/a1/restore"),
-    ("POST", "/v1/allocations/a1/restart"),
-];
 
 /// JSON from the API's own words, so the decoder gets past the first key.
 fn arb_json() -> impl Strategy<Value = Value> {
@@ -233,23 +134,20 @@ proptest! {
 
     #[test]
     fn random_bytes_as_bodies(which in 0..WRITES.len(), body in prop::collection::vec(any::<u8>(), 0..256)) {
-        thread_local!(static H: Harness = Harness::new());
         let (method, uri) = WRITES[which];
-        H.with(|h| h.check(method, uri, Some("application/json"), body))?;
+        check_request(method, uri, body);
     }
 
     #[test]
     fn vocabulary_json_as_bodies(which in 0..WRITES.len(), body in arb_json()) {
-        thread_local!(static H: Harness = Harness::new());
         let (method, uri) = WRITES[which];
-        H.with(|h| h.check(method, uri, Some("application/json"), body.to_string().into_bytes()))?;
+        check_request(method, uri, body.to_string().into_bytes());
     }
 
     #[test]
     fn mutated_valid_bodies(which in 0..WRITES.len(), body in arb_mutated()) {
-        thread_local!(static H: Harness = Harness::new());
         let (method, uri) = WRITES[which];
-        H.with(|h| h.check(method, uri, Some("application/json"), body))?;
+        check_request(method, uri, body);
     }
 
     #[test]
@@ -265,12 +163,7 @@ proptest! {
             0..3,
         ),
     ) {
-        thread_local!(static H: Harness = Harness::new());
-        let enc = |s: &str| -> String {
-            s.bytes()
-                .map(|b| if b.is_ascii_alphanumeric() || b"-._".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") })
-                .collect()
-        };
+        let enc = |s: &str| encode(s.as_bytes());
         let path = match route {
             0 => format!("/v1/allocations/{}", enc(&id)),
             1 => format!("/v1/allocations/{}/tasks/{}", enc(&id), enc(&task)),
@@ -288,25 +181,27 @@ proptest! {
         let uri = format!("{path}?{}", pairs.join("&"));
         let method = if route == 4 { "PUT" } else { "GET" };
         let body = if route == 4 { br#"{"state": "running"}"#.to_vec() } else { Vec::new() };
-        let ct = (route == 4).then_some("application/json");
-        H.with(|h| h.check(method, &uri, ct, body))?;
+        check_request(method, &uri, body);
     }
 }
 
 /// Found by `vocabulary_json_as_bodies` (kept in tests/fuzz.regressions):
 /// serde's derive also decoded a struct from an array of its fields, so
 /// `[]` restarted running tasks and `["running"]` was a report.
-#[test]
-fn regression_arrays_are_not_objects() {
-    let h = Harness::new();
+#[tokio::test]
+async fn regression_arrays_are_not_objects() {
+    let app = test_app();
+    app.register_five("a1").await;
     for (method, uri) in WRITES {
         for body in ["[]", r#"["running"]"#, r#"[[{"name": "web"}]]"#] {
-            let answer = h.rt.block_on(h.app.raw(
-                method,
-                uri,
-                Some("application/json"),
-                body.as_bytes().to_vec(),
-            ));
+            let answer = app
+                .raw(
+                    method,
+                    uri,
+                    Some("application/json"),
+                    body.as_bytes().to_vec(),
+                )
+                .await;
             answer.assert_problem(400, "invalid_json");
         }
     }
