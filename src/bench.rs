@@ -282,7 +282,9 @@ where
     Ok(out)
 }
 
-const FIVE_TASKS: &str = r#"{"tasks": [
+/// The five-task example of API.md, as a registration body (also used by
+/// the soak client and the fuzz targets).
+pub(crate) const FIVE_TASKS: &str = r#"{"tasks": [
   {"name": "init", "lifecycle": {"hook": "prestart"}},
   {"name": "proxy", "lifecycle": {"hook": "prestart", "sidecar": true}},
   {"name": "web", "leader": true},

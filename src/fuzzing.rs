@@ -13,6 +13,7 @@ use serde_json::Value;
 use tower::Service;
 
 use crate::{
+    bench::FIVE_TASKS,
     http::{HttpConfig, app, auth::Auth},
     lifecycle::{
         AllocId, AllocSpec, Allocation, CoordState, Hook, Lifecycle, Limits, RestartMode, RunState,
@@ -21,13 +22,6 @@ use crate::{
     registry::{Registry, RegistryConfig},
     store::MemoryStore,
 };
-
-const FIVE_TASKS: &str = r#"{"tasks": [
-  {"name": "init", "lifecycle": {"hook": "prestart"}},
-  {"name": "proxy", "lifecycle": {"hook": "prestart", "sidecar": true}},
-  {"name": "web", "leader": true},
-  {"name": "announce", "lifecycle": {"hook": "poststart"}},
-  {"name": "cleanup", "lifecycle": {"hook": "poststop"}}]}"#;
 
 /// The write routes a fuzzed body is sent to.
 pub const WRITES: [(&str, &str); 6] = [

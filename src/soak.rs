@@ -25,10 +25,10 @@ use serde_json::{Value, json};
 use tokio::{io::AsyncWriteExt, net::TcpStream, sync::Mutex};
 
 use crate::{
-    bench::Conn,
+    bench::{Conn, FIVE_TASKS},
+    http::dto::RegisterBody,
     lifecycle::{
-        AllocId, AllocSpec, Allocation, Hook, Lifecycle, Limits, RestartError, RestartMode,
-        RunState, TaskName, TaskReport, TaskSpec,
+        AllocId, AllocSpec, Allocation, Limits, RestartError, RestartMode, RunState, TaskReport,
     },
 };
 
@@ -59,33 +59,12 @@ pub struct SoakConfig {
 
 const TASKS: [&str; 5] = ["init", "proxy", "web", "announce", "cleanup"];
 
+/// The spec of the example body, decoded and checked as the server does.
 fn spec() -> AllocSpec {
-    let task = |name: &str, hook: Option<(Hook, bool)>, leader: bool| TaskSpec {
-        name: TaskName::parse(name).expect("a valid name"),
-        lifecycle: hook.map(|(hook, sidecar)| Lifecycle { hook, sidecar }),
-        leader,
-    };
-    AllocSpec::new(
-        vec![
-            task("init", Some((Hook::Prestart, false)), false),
-            task("proxy", Some((Hook::Prestart, true)), false),
-            task("web", None, true),
-            task("announce", Some((Hook::Poststart, false)), false),
-            task("cleanup", Some((Hook::Poststop, false)), false),
-        ],
-        &Limits::default(),
-    )
-    .expect("the soak spec is valid")
-}
-
-fn spec_json() -> Value {
-    json!({"tasks": [
-        {"name": "init", "lifecycle": {"hook": "prestart"}},
-        {"name": "proxy", "lifecycle": {"hook": "prestart", "sidecar": true}},
-        {"name": "web", "leader": true},
-        {"name": "announce", "lifecycle": {"hook": "poststart"}},
-        {"name": "cleanup", "lifecycle": {"hook": "poststop"}}
-    ]})
+    serde_json::from_str::<RegisterBody>(FIVE_TASKS)
+        .expect("the example decodes")
+        .into_spec(&Limits::default())
+        .expect("the example is a valid spec")
 }
 
 /// What the whole client counted.
@@ -324,7 +303,7 @@ async fn writer(
             time::OffsetDateTime::now_utc(),
         ));
     };
-    let body = spec_json().to_string();
+    let body = FIVE_TASKS;
     for o in &mut owned {
         let status = conn
             .call("PUT", &format!("/v1/allocations/{}", o.id), body.as_bytes())
