@@ -303,39 +303,9 @@ fn serve_args(extra: &[&str]) -> Vec<String> {
     args
 }
 
-/// Registers `count` five-task allocations `prefix-N` with `clients`
-/// connections.
-async fn register_many(
-    addr: SocketAddr,
-    prefix: &str,
-    count: usize,
-    clients: usize,
-) -> std::io::Result<()> {
-    register_spec(addr, prefix, count, clients, FIVE_TASKS).await
-}
-
-/// Registers `count` allocations `prefix-N` of `spec`.
-async fn register_spec(
-    addr: SocketAddr,
-    prefix: &str,
-    count: usize,
-    clients: usize,
-    spec: &'static str,
-) -> std::io::Result<()> {
-    register_ids(addr, prefix, 0..count, clients, spec).await
-}
-
-/// Registers the five-task allocations `prefix-N` for N in `ids`.
-async fn register_range(
-    addr: SocketAddr,
-    prefix: &str,
-    ids: std::ops::Range<usize>,
-    clients: usize,
-) -> std::io::Result<()> {
-    register_ids(addr, prefix, ids, clients, FIVE_TASKS).await
-}
-
-async fn register_ids(
+/// Registers the allocations `prefix-N` for N in `ids`, of `spec`, over
+/// `clients` connections.
+async fn register(
     addr: SocketAddr,
     prefix: &str,
     ids: std::ops::Range<usize>,
@@ -372,7 +342,14 @@ async fn register_ids(
 /// State reports to the `web` task of each client's own allocation,
 /// alternating running and pending so that every report is a real change.
 async fn reports(name: &str, server: &Proc, config: &BenchConfig) -> std::io::Result<Outcome> {
-    register_many(server.addr, "bench", config.clients, config.clients).await?;
+    register(
+        server.addr,
+        "bench",
+        0..config.clients,
+        config.clients,
+        FIVE_TASKS,
+    )
+    .await?;
     drive(
         name,
         server.addr,
@@ -532,11 +509,12 @@ async fn recovery(config: &BenchConfig) -> std::io::Result<String> {
     let args = serve_args(&["--data-dir", dir.as_str()]);
     let server = Proc::start(&args)?;
     let started = Instant::now();
-    register_many(
+    register(
         server.addr,
         "rec",
-        config.recovery_allocations,
+        0..config.recovery_allocations,
         config.clients,
+        FIVE_TASKS,
     )
     .await?;
     let registering = started.elapsed();
@@ -625,8 +603,8 @@ async fn fanout(config: &BenchConfig) -> std::io::Result<String> {
     let server = Proc::start(&serve_args(&["--data-dir", dir.as_str()]))?;
     let addr = server.addr;
     let allocs = config.fanout_waiters.div_ceil(10);
-    register_spec(addr, "fan", allocs, 64, FAN_SPEC).await?;
-    register_many(addr, "busy", 64, 64).await?;
+    register(addr, "fan", 0..allocs, 64, FAN_SPEC).await?;
+    register(addr, "busy", 0..64, 64, FIVE_TASKS).await?;
     let rss_before = server.rss_kib().unwrap_or(0);
 
     // Park the waiters, one keep-alive connection each.
@@ -787,7 +765,14 @@ async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> 
     for &size in &config.scale_sizes {
         let started = Instant::now();
         let before = registered;
-        register_range(server.addr, "scale", before..size, config.clients).await?;
+        register(
+            server.addr,
+            "scale",
+            before..size,
+            config.clients,
+            FIVE_TASKS,
+        )
+        .await?;
         let took = started.elapsed();
         registered = registered.max(size);
         let rss = server.rss_kib().unwrap_or(0);
