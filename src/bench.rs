@@ -574,17 +574,6 @@ async fn commits(addr: SocketAddr) -> std::io::Result<(f64, f64, f64)> {
     ))
 }
 
-/// The value of a gauge in the server's /metrics.
-async fn gauge(addr: SocketAddr, name: &str) -> std::io::Result<u64> {
-    let mut conn = Conn::open(addr).await?;
-    conn.call("GET", "/metrics", b"").await?;
-    let text = String::from_utf8_lossy(&conn.body);
-    Ok(text
-        .lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
-        .unwrap_or(0))
-}
-
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     if sorted.is_empty() {
         return Duration::ZERO;
@@ -625,7 +614,7 @@ async fn fanout(config: &BenchConfig) -> std::io::Result<String> {
         }));
     }
     let parked_deadline = Instant::now() + Duration::from_secs(120);
-    while gauge(addr, "taskgate_waiters ").await? < config.fanout_waiters as u64 {
+    while metric(addr, "taskgate_waiters").await? < config.fanout_waiters as f64 {
         if Instant::now() > parked_deadline {
             return Err(std::io::Error::other("the waiters never all parked"));
         }
