@@ -31,7 +31,7 @@ struct Snapshot {
 impl Battery {
     fn start() -> Self {
         let server = Server::start(&["--in-memory", "--body-limit", "1048576"]);
-        let addr: SocketAddr = server.base.trim_start_matches("http://").parse().unwrap();
+        let addr = server.addr();
         let spec = common::five_tasks().to_string();
         let answer = exchange(
             addr,

@@ -20,7 +20,7 @@ fn start(extra: &[&str]) -> (Server, SocketAddr) {
     let mut args = vec!["--in-memory"];
     args.extend_from_slice(extra);
     let server = Server::start(&args);
-    let addr = server.base.trim_start_matches("http://").parse().unwrap();
+    let addr = server.addr();
     let spec = common::five_tasks().to_string();
     let answer = exchange(
         addr,

@@ -79,7 +79,7 @@ fn soak_mixed_traffic_from_several_processes() {
     let data = dir.path().to_str().unwrap().to_owned();
     let args = ["--data-dir", data.as_str(), "--max-wait", "5s"];
     let mut server = Server::start(&args);
-    let addr: SocketAddr = server.base.trim_start_matches("http://").parse().unwrap();
+    let addr = server.addr();
     let pid = server.child.id();
 
     let started = Instant::now();
@@ -181,6 +181,6 @@ fn soak_mixed_traffic_from_several_processes() {
     let exit = server.child.wait().unwrap();
     assert!(exit.success(), "the server stopped with {exit}");
     let server = Server::start(&args);
-    let addr: SocketAddr = server.base.trim_start_matches("http://").parse().unwrap();
+    let addr = server.addr();
     check_final_state(addr, &expected);
 }

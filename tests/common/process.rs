@@ -58,6 +58,14 @@ impl Server {
         }
     }
 
+    /// The address the server listens on.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.base
+            .trim_start_matches("http://")
+            .parse()
+            .expect("the server logged a socket address")
+    }
+
     /// Sends SIGTERM.
     pub fn terminate(&self) {
         let status = Command::new("kill")
