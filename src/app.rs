@@ -268,6 +268,7 @@ fn open_configured_store(
         dir: config.data_dir.clone(),
         max_batch: usize::try_from(config.commit_batch).unwrap_or(usize::MAX),
         cache_bytes: config.store_cache_mib.saturating_mul(1024 * 1024),
+        log_limit: config.store_log_limit,
         metrics: Some(metrics),
     })?;
     tracing::info!(file = %store.path().display(), "store opened");

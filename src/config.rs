@@ -46,6 +46,32 @@ fn duration(s: &str) -> Result<Duration, String> {
     parse_duration(s)
 }
 
+/// A size in bytes: a number, optionally with `KiB`, `MiB` or `GiB`.
+fn byte_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?}: use a number of bytes, or KiB, MiB or GiB"
+            ));
+        }
+    };
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (e.g. 64MiB)"))?;
+    match n.checked_mul(scale) {
+        Some(0) => Err("the size must be at least 1 byte".into()),
+        Some(bytes) => Ok(bytes),
+        None => Err(format!("{s:?} is too large")),
+    }
+}
+
 /// A secret that never shows in `Debug` output or logs.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Secret(pub String);
@@ -92,6 +118,12 @@ pub struct ServeConfig {
     /// Page cache of the disk store, in MiB.
     #[arg(long, env = "TASKGATE_STORE_CACHE_MIB", default_value_t = 64)]
     pub store_cache_mib: usize,
+
+    /// Size of the store's log at which a checkpoint folds it into the data
+    /// file (`64MiB`, `512KiB`, or bytes). Recovery replays up to about
+    /// twice this; larger means fewer, bigger checkpoints.
+    #[arg(long, env = "TASKGATE_STORE_LOG_LIMIT", default_value = "64MiB", value_parser = byte_size)]
+    pub store_log_limit: u64,
 
     /// JSON file of tokens (only SHA-256 hashes of the secrets):
     /// `{"tokens": [{"name": "ci", "role": "agent", "sha256": "<hex>",
@@ -166,6 +198,7 @@ impl ServeConfig {
             in_memory: true,
             commit_batch: 4096,
             store_cache_mib: 64,
+            store_log_limit: crate::store::DEFAULT_LOG_LIMIT,
             token_file: None,
             operator_token: None,
             insecure_no_auth: false,

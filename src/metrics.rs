@@ -107,6 +107,10 @@ pub struct Metrics {
     /// Store commit latency and batch size.
     commit_latency: Histogram,
     commit_batch: Histogram,
+    /// Checkpoints of the store's log into its data file, and the records
+    /// they wrote.
+    checkpoint_latency: Histogram,
+    checkpoint_records: AtomicU64,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -125,6 +129,8 @@ impl Default for Metrics {
             stop_orders: Default::default(),
             commit_latency: Histogram::new(&LATENCY_BUCKETS),
             commit_batch: Histogram::new(&BATCH_BUCKETS),
+            checkpoint_latency: Histogram::new(&LATENCY_BUCKETS),
+            checkpoint_records: AtomicU64::new(0),
         }
     }
 }
@@ -183,6 +189,12 @@ impl Metrics {
     pub fn commit(&self, latency: Duration, changes: usize) {
         self.commit_latency.observe(latency.as_secs_f64());
         self.commit_batch.observe(changes as f64);
+    }
+
+    pub fn checkpoint(&self, latency: Duration, records: usize) {
+        self.checkpoint_latency.observe(latency.as_secs_f64());
+        self.checkpoint_records
+            .fetch_add(records as u64, Ordering::Relaxed);
     }
 
     /// The Prometheus text exposition, with `gauges` (name, help, value).
@@ -261,6 +273,19 @@ impl Metrics {
         out.push_str("# TYPE taskgate_store_commit_batch_size histogram\n");
         self.commit_batch
             .render(&mut out, "taskgate_store_commit_batch_size", "");
+        out.push_str(
+            "# HELP taskgate_store_checkpoint_duration_seconds Checkpoints of the store log into the data file.\n",
+        );
+        out.push_str("# TYPE taskgate_store_checkpoint_duration_seconds histogram\n");
+        self.checkpoint_latency
+            .render(&mut out, "taskgate_store_checkpoint_duration_seconds", "");
+        let _ = writeln!(
+            out,
+            "# HELP taskgate_store_checkpoint_records_total Records written into the data file by checkpoints.\n\
+             # TYPE taskgate_store_checkpoint_records_total counter\n\
+             taskgate_store_checkpoint_records_total {}",
+            self.checkpoint_records.load(Ordering::Relaxed)
+        );
         out
     }
 }

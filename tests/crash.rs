@@ -21,8 +21,22 @@ const KILLS: usize = 40;
 const CLIENTS: usize = 8;
 const ALLOCS_PER_CLIENT: usize = 6;
 
-fn start(dir: &Path) -> Server {
-    Server::start(&["--data-dir", dir.to_str().unwrap()])
+/// Even rounds fold the store's log into the data file every 16 KiB, so
+/// kills land before, during and after checkpoints; odd rounds keep the
+/// default limit, so their changes live in the log alone until a later
+/// round folds them.
+fn start(dir: &Path, round: usize) -> Server {
+    let limit = if round.is_multiple_of(2) {
+        "16KiB"
+    } else {
+        "64MiB"
+    };
+    Server::start(&[
+        "--data-dir",
+        dir.to_str().unwrap(),
+        "--store-log-limit",
+        limit,
+    ])
 }
 
 /// What the clients know: per allocation, the last acknowledged value and
@@ -240,14 +254,29 @@ async fn healthy(base: &str) {
     panic!("the server never became healthy");
 }
 
+/// The sequence number of the oldest store log segment in `dir`.
+fn oldest_segment(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            name.strip_prefix(taskgate::store::LOG_SEGMENT_PREFIX)?
+                .parse()
+                .ok()
+        })
+        .min()
+        .expect("the store keeps a log segment")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acknowledged_changes_survive_sigkill() {
     let dir = tempfile::tempdir().unwrap();
     let model: Model = Arc::default();
     let mut rng = fastrand::Rng::with_seed(0x7a5c_9a7e);
     let mut max_acked = 0u64;
+    let mut oldest_log_segment = 0;
     for round in 0..KILLS {
-        let mut server = start(dir.path());
+        let mut server = start(dir.path(), round);
         healthy(&server.base).await;
         verify(&server.base, &model).await;
 
@@ -277,12 +306,13 @@ async fn acknowledged_changes_survive_sigkill() {
         tokio::time::sleep(Duration::from_millis(rng.u64(30..250))).await;
         server.child.kill().expect("SIGKILL");
         server.child.wait().unwrap();
+        oldest_log_segment = oldest_log_segment.max(oldest_segment(dir.path()));
         for c in clients {
             max_acked = max_acked.max(c.await.expect("client"));
         }
     }
     // Final check after the last crash, then a clean stop.
-    let mut server = start(dir.path());
+    let mut server = start(dir.path(), KILLS);
     healthy(&server.base).await;
     verify(&server.base, &model).await;
     let live = model
@@ -292,6 +322,10 @@ async fn acknowledged_changes_survive_sigkill() {
         .filter(|k| k.acked.is_some())
         .count();
     assert!(live > 0, "the clients did some work");
+    assert!(
+        oldest_log_segment > 1,
+        "checkpoints folded log segments into the data file and removed them"
+    );
     eprintln!("{KILLS} kills; last index {max_acked}; {live} allocations live");
     server.terminate();
     let exit = server.child.wait().unwrap();

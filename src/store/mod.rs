@@ -7,11 +7,15 @@
 mod memory;
 mod record;
 mod redb;
+mod wal;
 
 use std::{future::Future, pin::Pin, sync::Arc};
 
 pub use memory::MemoryStore;
-pub use redb::{DATA_FILE, DEFAULT_CACHE_BYTES, RedbStore, RedbStoreConfig, StoreStats};
+pub use redb::{
+    DATA_FILE, DEFAULT_CACHE_BYTES, DEFAULT_LOG_LIMIT, RedbStore, RedbStoreConfig, StoreStats,
+};
+pub use wal::SEGMENT_PREFIX as LOG_SEGMENT_PREFIX;
 
 use crate::lifecycle::{AllocId, Allocation};
 
@@ -57,7 +61,8 @@ pub type Commit = Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send>>;
 /// are committed in that order; the registry submits one allocation's
 /// changes one at a time, in order.
 pub trait Store: Send + Sync + 'static {
-    /// Every record, as committed, in ID order.
+    /// Every record, as committed, in ID order. Called once, at start,
+    /// before any commit.
     fn load(&self) -> Result<Loaded, StoreError>;
 
     /// Queues a change. The returned future resolves when it is durable.
