@@ -565,13 +565,17 @@ async fn metric(addr: SocketAddr, name: &str) -> std::io::Result<f64> {
         .unwrap_or(0.0))
 }
 
-/// Store commits so far: (count, seconds in total, changes in total).
-async fn commits(addr: SocketAddr) -> std::io::Result<(f64, f64, f64)> {
-    Ok((
+/// Store work so far: commits (count, seconds, changes) and checkpoints
+/// (count, seconds, records).
+async fn store_work(addr: SocketAddr) -> std::io::Result<[f64; 6]> {
+    Ok([
         metric(addr, "taskgate_store_commit_duration_seconds_count").await?,
         metric(addr, "taskgate_store_commit_duration_seconds_sum").await?,
         metric(addr, "taskgate_store_commit_batch_size_sum").await?,
-    ))
+        metric(addr, "taskgate_store_checkpoint_duration_seconds_count").await?,
+        metric(addr, "taskgate_store_checkpoint_duration_seconds_sum").await?,
+        metric(addr, "taskgate_store_checkpoint_records_total").await?,
+    ])
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -781,7 +785,7 @@ async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> 
             return Err(std::io::Error::other("fewer allocations than clients"));
         }
         let step = coprime_step(owned);
-        let before_commits = commits(server.addr).await?;
+        let before = store_work(server.addr).await?;
         rows.push(
             drive(
                 &format!("reports, {store}, {size} allocations"),
@@ -808,14 +812,19 @@ async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> 
             )
             .await?,
         );
-        let after_commits = commits(server.addr).await?;
-        let n = after_commits.0 - before_commits.0;
-        if n > 0.0 {
+        let after = store_work(server.addr).await?;
+        let d: Vec<f64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
+        if d[0] > 0.0 {
             lines.push(format!(
                 "  - while reporting at {size}: {n:.0} store commits, mean {ms:.2} ms, \
-                 mean {batch:.1} changes per commit",
-                ms = 1e3 * (after_commits.1 - before_commits.1) / n,
-                batch = (after_commits.2 - before_commits.2) / n,
+                 mean {batch:.1} changes per commit; {cp:.0} checkpoints, {cps:.2} s \
+                 in all, {records:.0} records folded",
+                n = d[0],
+                ms = 1e3 * d[1] / d[0],
+                batch = d[2] / d[0],
+                cp = d[3],
+                cps = d[4],
+                records = d[5],
             ));
         }
     }

@@ -101,7 +101,8 @@ pub struct ServeConfig {
     #[arg(long, env = "TASKGATE_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
 
-    /// Directory of the embedded store (one redb file). Created if missing.
+    /// Directory of the embedded store (a redb file and its log). Created
+    /// if missing.
     #[arg(long, env = "TASKGATE_DATA_DIR", default_value = "./taskgate-data")]
     pub data_dir: PathBuf,
 

@@ -1,7 +1,8 @@
 //! The stored form of an allocation record, versioned on its own so the
 //! file outlives changes to the in-memory types. Version 1 is JSON: slower
 //! than a binary encoding, but a data file can be inspected with any redb
-//! reader and a human can read what is in it.
+//! reader and a human can read what is in it. The log (`wal.rs`) carries
+//! the same bytes.
 
 use std::sync::Arc;
 
