@@ -13,8 +13,10 @@
 //! since the last checkpoint to the checkpoint thread, which writes them
 //! into the redb file in one transaction (keys sorted, so neighbours share
 //! their pages), notes there which segment it folded, and removes the
-//! folded segments. A sealed segment waits for the previous checkpoint, so
-//! the log — and what recovery replays — stays near twice the limit.
+//! folded segments. The checkpoint thread runs at the lowest priority, in
+//! the time requests leave; while a checkpoint runs the log may grow to
+//! `LOG_SLACK` times its limit before the writer waits for it, so the log —
+//! and what recovery replays — stays under about five times the limit.
 //!
 //! Why not a redb commit per group commit: redb is a copy-on-write B-tree,
 //! and a commit rewrites every leaf it touches and the branch pages above
@@ -84,6 +86,8 @@ pub struct RedbStoreConfig {
 pub const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
 /// Default size of the log between checkpoints.
 pub const DEFAULT_LOG_LIMIT: u64 = 64 * 1024 * 1024;
+/// How far past its limit the log may grow while a checkpoint runs.
+const LOG_SLACK: u64 = 4;
 
 enum Msg {
     Put {
@@ -662,15 +666,33 @@ impl Writer {
     }
 
     /// Seals the current segment and hands what it (and its predecessors
-    /// since the last seal) changed to the checkpoint thread. Waits for the
-    /// previous checkpoint first: that bounds the log.
+    /// since the last seal) changed to the checkpoint thread. While the
+    /// previous checkpoint runs, the log may grow to `LOG_SLACK` times its
+    /// limit; past that the writer waits for it, which bounds the log (and
+    /// what recovery replays).
     fn seal(&mut self) {
         if self.in_flight {
-            if self.done.recv().is_err() {
-                tracing::error!("the checkpoint thread is gone; the store log keeps growing");
-                return;
+            match self.done.try_recv() {
+                Ok(_) => self.in_flight = false,
+                Err(mpsc::TryRecvError::Empty)
+                    if self.log_bytes < self.log_limit.saturating_mul(LOG_SLACK) =>
+                {
+                    return;
+                }
+                Err(mpsc::TryRecvError::Empty) => {
+                    if self.done.recv().is_err() {
+                        tracing::error!(
+                            "the checkpoint thread is gone; the store log keeps growing"
+                        );
+                        return;
+                    }
+                    self.in_flight = false;
+                }
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    tracing::error!("the checkpoint thread is gone; the store log keeps growing");
+                    return;
+                }
             }
-            self.in_flight = false;
         }
         let next = match wal::Segment::create(&self.dir, self.segment.seq + 1) {
             Ok(next) => next,
@@ -707,6 +729,12 @@ fn checkpointer(
     stats: &Mutex<StoreStats>,
     metrics: Option<&Metrics>,
 ) {
+    // Checkpoints yield to requests: the kernel runs this thread at the
+    // lowest priority, in the time the request threads leave (they wait
+    // on every commit's fsync). On Linux the nice value is per thread.
+    if let Err(e) = rustix::process::setpriority_process(None, 19) {
+        tracing::warn!(error = %e, "cannot lower the checkpoint thread's priority");
+    }
     let mut carried: Option<Overlay> = None;
     while let Ok(job) = jobs.recv() {
         let overlay = match carried.take() {
