@@ -77,7 +77,16 @@ fn soak_mixed_traffic_from_several_processes() {
         .unwrap_or(1);
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().to_str().unwrap().to_owned();
-    let args = ["--data-dir", data.as_str(), "--max-wait", "5s"];
+    // A small log limit: checkpoints fold the log into the data file all
+    // through the run, and the restart at the end recovers from both.
+    let args = [
+        "--data-dir",
+        data.as_str(),
+        "--max-wait",
+        "5s",
+        "--store-log-limit",
+        "256KiB",
+    ];
     let mut server = Server::start(&args);
     let addr = server.addr();
     let pid = server.child.id();
@@ -157,10 +166,16 @@ fn soak_mixed_traffic_from_several_processes() {
     }
     eprintln!(
         "soak: {requests} requests in {secs} s from {CLIENTS} processes; peak waiters \
-         {peak_waiters}; RSS {warm:?} KiB after warm-up, {last} KiB at the end"
+         {peak_waiters}; RSS {warm:?} KiB after warm-up, {last} KiB at the end; {cp} records \
+         folded by checkpoints",
+        cp = gauge(addr, "taskgate_store_checkpoint_records_total"),
     );
     assert!(requests > 1000, "only {requests} requests");
     assert!(peak_waiters > 0, "no waiter was ever parked");
+    assert!(
+        gauge(addr, "taskgate_store_checkpoint_records_total") > 0,
+        "no checkpoint folded the log into the data file"
+    );
 
     // No leaked waiters: every one ends once its client is gone.
     let released = Instant::now() + Duration::from_secs(30);
