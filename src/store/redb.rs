@@ -858,7 +858,7 @@ mod tests {
         RedbStore::open(config(dir, max_batch, log_limit)).unwrap()
     }
 
-    fn spec() -> AllocSpec {
+    pub(super) fn spec() -> AllocSpec {
         let task = TaskSpec {
             name: TaskName::parse("web").unwrap(),
             lifecycle: None,
@@ -1149,5 +1149,117 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, StoreError::Closed));
+    }
+}
+
+/// Random histories of puts and deletions, with reopens under different
+/// log limits (1 byte: a checkpoint per commit) and unfinished appends left
+/// at the end of the log, checked against a map after every reopen.
+#[cfg(test)]
+mod properties {
+    use std::collections::BTreeMap;
+
+    use proptest::prelude::*;
+
+    use super::{tests::spec, *};
+    use crate::lifecycle::AllocId;
+
+    #[derive(Clone, Debug)]
+    enum Step {
+        Put(u8),
+        Delete(u8),
+        Reopen(u64),
+        /// Close, append these bytes to the newest segment, reopen.
+        Tear(Vec<u8>),
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            6 => (0..8u8).prop_map(Step::Put),
+            2 => (0..8u8).prop_map(Step::Delete),
+            1 => prop::sample::select(vec![1, 300, 4096, DEFAULT_LOG_LIMIT]).prop_map(Step::Reopen),
+            1 => prop::collection::vec(any::<u8>(), 1..40).prop_map(Step::Tear),
+        ]
+    }
+
+    fn reopen(
+        dir: &Path,
+        log_limit: u64,
+        model: &BTreeMap<String, Allocation>,
+        last: u64,
+    ) -> RedbStore {
+        let store = RedbStore::open(RedbStoreConfig {
+            dir: dir.to_owned(),
+            max_batch: 16,
+            cache_bytes: 1 << 20,
+            log_limit,
+            metrics: None,
+        })
+        .unwrap();
+        let loaded = store.load().unwrap();
+        let expected: Vec<_> = model.values().cloned().collect();
+        assert_eq!(loaded.allocations, expected);
+        assert_eq!(loaded.last_index, last);
+        store
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(
+            std::env::var("TASKGATE_FUZZ_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(48)
+        ))]
+
+        #[test]
+        fn the_store_loads_exactly_what_was_committed(
+            steps in prop::collection::vec(step(), 1..60),
+        ) {
+            let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            let mut model = BTreeMap::new();
+            let mut last = 0;
+            let mut limit = 300;
+            let mut store = reopen(dir.path(), limit, &model, last);
+            let mut queued = Vec::new();
+            for step in steps {
+                match step {
+                    Step::Put(n) | Step::Delete(n) => {
+                        last += 1;
+                        let id = AllocId::parse(&format!("a{n}")).unwrap();
+                        let op = if let Step::Put(_) = step {
+                            let now = time::OffsetDateTime::UNIX_EPOCH;
+                            let a = Allocation::register(id.clone(), Arc::new(spec()), last, now);
+                            model.insert(id.to_string(), a.clone());
+                            Op::Put(Arc::new(a))
+                        } else {
+                            model.remove(id.as_str());
+                            Op::Delete { id, index: last }
+                        };
+                        // Queued together, so they share group commits.
+                        queued.push(store.commit(op));
+                    }
+                    Step::Reopen(new_limit) => {
+                        rt.block_on(async { for c in queued.drain(..) { c.await.unwrap() } });
+                        store.close().unwrap();
+                        drop(store);
+                        limit = new_limit;
+                        store = reopen(dir.path(), limit, &model, last);
+                    }
+                    Step::Tear(garbage) => {
+                        rt.block_on(async { for c in queued.drain(..) { c.await.unwrap() } });
+                        store.close().unwrap();
+                        drop(store);
+                        let (seq, _) = wal::list_segments(dir.path()).unwrap().pop().unwrap();
+                        let path = wal::segment_path(dir.path(), seq);
+                        let mut bytes = std::fs::read(&path).unwrap();
+                        bytes.extend_from_slice(&garbage);
+                        std::fs::write(&path, bytes).unwrap();
+                        store = reopen(dir.path(), limit, &model, last);
+                    }
+                }
+            }
+            rt.block_on(async { for c in queued.drain(..) { c.await.unwrap() } });
+            store.close().unwrap();
+            drop(store);
+            drop(reopen(dir.path(), DEFAULT_LOG_LIMIT, &model, last));
+        }
     }
 }
