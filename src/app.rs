@@ -46,7 +46,7 @@ fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
     socket.listen(1024)?.into_std()
 }
 
-fn serve_options(config: &ServeConfig) -> Result<ServeOptions, StartError> {
+fn serve_options(config: &ServeConfig, metrics: Arc<Metrics>) -> Result<ServeOptions, StartError> {
     let tls = match (&config.tls_cert, &config.tls_key) {
         (Some(cert), Some(key)) => {
             Some(crate::server::tls_acceptor(cert, key).map_err(StartError::Config)?)
@@ -61,6 +61,7 @@ fn serve_options(config: &ServeConfig) -> Result<ServeOptions, StartError> {
     Ok(ServeOptions {
         tls,
         header_timeout: config.header_timeout,
+        metrics,
     })
 }
 
@@ -139,7 +140,8 @@ impl Application {
             TcpListener::from_std(listener.try_clone().map_err(bind_err)?).map_err(bind_err)?;
         let listener = TcpListener::from_std(listener).map_err(bind_err)?;
         let (stop_interim, stopped) = tokio::sync::oneshot::channel::<()>();
-        let options = serve_options(&config)?;
+        let metrics = Arc::new(Metrics::new());
+        let options = serve_options(&config, metrics.clone())?;
         let interim = tokio::spawn(crate::server::serve(
             interim,
             axum::Router::new().fallback(starting),
@@ -150,8 +152,7 @@ impl Application {
         ));
 
         let loaded = {
-            let registry_config = registry_config(&config);
-            let metrics = registry_config.metrics.clone();
+            let registry_config = registry_config(&config, metrics.clone());
             tokio::task::spawn_blocking(move || load(open(metrics)?, registry_config))
                 .await
                 .map_err(|e| StoreError::Unusable(format!("loading the store failed: {e}")))
@@ -248,11 +249,11 @@ impl Application {
     }
 }
 
-fn registry_config(config: &ServeConfig) -> RegistryConfig {
+fn registry_config(config: &ServeConfig, metrics: Arc<Metrics>) -> RegistryConfig {
     RegistryConfig {
         limits: Limits::default(),
         max_waiters: config.max_waiters,
-        metrics: Arc::new(Metrics::new()),
+        metrics,
     }
 }
 

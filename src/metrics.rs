@@ -7,7 +7,7 @@ use std::{
     collections::HashMap,
     fmt::Write,
     sync::{
-        PoisonError, RwLock,
+        Arc, PoisonError, RwLock,
         atomic::{AtomicU64, Ordering},
     },
     time::Duration,
@@ -111,6 +111,8 @@ pub struct Metrics {
     /// they wrote.
     checkpoint_latency: Histogram,
     checkpoint_records: AtomicU64,
+    /// Client connections open now.
+    connections: AtomicU64,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -131,7 +133,17 @@ impl Default for Metrics {
             commit_batch: Histogram::new(&BATCH_BUCKETS),
             checkpoint_latency: Histogram::new(&LATENCY_BUCKETS),
             checkpoint_records: AtomicU64::new(0),
+            connections: AtomicU64::new(0),
         }
+    }
+}
+
+/// An open connection, counted in `taskgate_connections` while it lives.
+pub struct OpenConnection(Arc<Metrics>);
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.connections.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -189,6 +201,16 @@ impl Metrics {
     pub fn commit(&self, latency: Duration, changes: usize) {
         self.commit_latency.observe(latency.as_secs_f64());
         self.commit_batch.observe(changes as f64);
+    }
+
+    /// Counts a connection as open until the returned guard is dropped.
+    pub fn open_connection(self: &Arc<Self>) -> OpenConnection {
+        self.connections.fetch_add(1, Ordering::Relaxed);
+        OpenConnection(self.clone())
+    }
+
+    pub fn connections(&self) -> u64 {
+        self.connections.load(Ordering::Relaxed)
     }
 
     pub fn checkpoint(&self, latency: Duration, records: usize) {

@@ -14,6 +14,8 @@ use hyper_util::{
 };
 use tokio::net::TcpListener;
 
+use crate::metrics::Metrics;
+
 /// Largest request head (request line and headers) accepted; a larger one
 /// is answered 431 and the connection closed.
 pub const MAX_HEADER_BYTES: usize = 64 * 1024;
@@ -53,6 +55,8 @@ pub struct ServeOptions {
     /// Longest time a client may take to send a request's headers (and,
     /// with TLS, to finish the handshake).
     pub header_timeout: Duration,
+    /// Counts open connections (`taskgate_connections`).
+    pub metrics: Arc<Metrics>,
 }
 
 /// Serves `router` on `listener` until `shutdown` completes, then drains.
@@ -80,6 +84,7 @@ pub async fn serve(
             () = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
+        let open = options.metrics.open_connection();
         let service = TowerToHyperService::new(router.clone());
         let watcher = graceful.watcher();
         // Plain and TLS connections are separate tasks: a task is as large
@@ -91,6 +96,7 @@ pub async fn serve(
                 tokio::spawn(async move {
                     let conn = builder.serve_connection(TokioIo::new(stream), service);
                     log_end(watcher.watch(conn).await);
+                    drop(open);
                 });
             }
             Some(acceptor) => {
@@ -110,6 +116,7 @@ pub async fn serve(
                     };
                     let conn = builder.serve_connection(TokioIo::new(tls), service);
                     log_end(watcher.watch(conn).await);
+                    drop(open);
                 });
             }
         }

@@ -180,6 +180,17 @@ fn thousands_of_connections_dropped_mid_request_leave_nothing_behind() {
             let _ = stream.write_all(partials[i % partials.len()]);
             open.push(stream);
         }
+        if round == 0 {
+            // The gauge counts them (and the connection asking).
+            assert!(
+                eventually(Duration::from_secs(10), || gauge(
+                    addr,
+                    "taskgate_connections"
+                ) == 501),
+                "taskgate_connections {} with 500 open",
+                gauge(addr, "taskgate_connections")
+            );
+        }
         others_are_served(addr, Duration::from_secs(5));
         if round % 2 == 0 {
             // Half of the rounds first say they are done sending, so the
@@ -199,6 +210,11 @@ fn thousands_of_connections_dropped_mid_request_leave_nothing_behind() {
         open_fds(pid)
     );
     assert_eq!(gauge(addr, "taskgate_waiters"), 0);
+    assert_eq!(
+        gauge(addr, "taskgate_connections"),
+        1,
+        "only the one asking"
+    );
     // The half-sent report never happened.
     let a1 = exchange(
         addr,

@@ -54,6 +54,11 @@ pub async fn metrics(State(s): State<AppState>, _: ApiQuery<NoParams>) -> Respon
             "The last global index handed out.",
             s.registry.last_index(),
         ),
+        (
+            "taskgate_connections",
+            "Client connections open now.",
+            s.registry.metrics().connections(),
+        ),
     ];
     let mut res = s.registry.metrics().render(&gauges).into_response();
     res.headers_mut().insert(
