@@ -585,12 +585,48 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
+/// Resident memory per accepted connection that has sent nothing, on a
+/// fresh in-memory server: what a connection costs before any of
+/// taskgate's own code sees a request.
+async fn idle_connection_bytes(n: usize) -> std::io::Result<f64> {
+    let server = Proc::start(&serve_args(&["--in-memory"]))?;
+    let addr = server.addr;
+    let before = server.rss_kib().unwrap_or(0);
+    let mut conns = Vec::with_capacity(n);
+    for _ in 0..n {
+        conns.push(tokio::net::TcpStream::connect(addr).await?);
+    }
+    // Every one accepted (the gauge also counts the connection asking),
+    // then until the resident size stops moving: each connection's task
+    // sets up its buffers when it first runs.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metric(addr, "taskgate_connections").await? < (n + 1) as f64 {
+        if Instant::now() > deadline {
+            return Err(std::io::Error::other(
+                "the idle connections were never all accepted",
+            ));
+        }
+    }
+    let mut rss = server.rss_kib().unwrap_or(0);
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let now = server.rss_kib().unwrap_or(0);
+        if now == rss {
+            break;
+        }
+        rss = now;
+    }
+    drop(conns);
+    Ok((rss.saturating_sub(before) * 1024) as f64 / n as f64)
+}
+
 /// Fan-out and idle waiters: parks `fanout_waiters` start-condition
 /// long-polls (10 per allocation, one connection each), measures the
 /// server's memory per parked waiter and the latency of paced state reports
 /// (5,000/s) while they are parked, then opens every gate with one batch
 /// report per allocation and measures how fast the waiters are answered.
 async fn fanout(config: &BenchConfig) -> std::io::Result<String> {
+    let idle = idle_connection_bytes(config.fanout_waiters).await?;
     let (dir, _guard) = data_dir(config, "fanout")?;
     let dir = dir.to_string_lossy().into_owned();
     let server = Proc::start(&serve_args(&["--data-dir", dir.as_str()]))?;
@@ -713,6 +749,8 @@ async fn fanout(config: &BenchConfig) -> std::io::Result<String> {
         "fanout: {w} start-condition waiters on {allocs} allocations (one connection each)\n\
          - server memory per parked waiter (socket included): {per_waiter:.0} bytes \
            ({before} KiB before parking, {parked} KiB parked)\n\
+         - of which a connection costs before it sends a byte (hyper's buffers and the \
+           connection task; measured on a fresh server): {idle:.0} bytes\n\
          - paced state reports while parked: {n} at ~5,000/s, p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms\n\
          - report acknowledged → waiter answered: p50 {f50:.1} ms, p99 {f99:.1} ms, max {fmax:.1} ms\n\
          - all {w} answered {all:.1} ms after the last report was acknowledged",
