@@ -121,8 +121,9 @@ pub struct ServeConfig {
     pub store_cache_mib: usize,
 
     /// Size of the store's log at which a checkpoint folds it into the data
-    /// file (`64MiB`, `512KiB`, or bytes). Recovery replays up to about
-    /// twice this; larger means fewer, bigger checkpoints.
+    /// file (`64MiB`, `512KiB`, or bytes). The log stays under about four
+    /// times this (on disk, and in memory until folded), which is what
+    /// recovery replays at most; larger means fewer, bigger checkpoints.
     #[arg(long, env = "TASKGATE_STORE_LOG_LIMIT", default_value = "64MiB", value_parser = byte_size)]
     pub store_log_limit: u64,
 

@@ -15,8 +15,10 @@
 //! their pages), notes there which segment it folded, and removes the
 //! folded segments. The checkpoint thread runs at the lowest priority, in
 //! the time requests leave; while a checkpoint runs the log may grow to
-//! `LOG_SLACK` times its limit before the writer waits for it, so the log —
-//! and what recovery replays — stays under about five times the limit.
+//! `LOG_SLACK` times its limit before the writer waits for it. The log on
+//! disk (and in memory until folded) — the segments being folded plus
+//! those written since — so stays under about `2 × LOG_SLACK` times the
+//! limit: 256 MiB by default, what recovery replays at most.
 //!
 //! Why not a redb commit per group commit: redb is a copy-on-write B-tree,
 //! and a commit rewrites every leaf it touches and the branch pages above
@@ -87,7 +89,7 @@ pub const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
 /// Default size of the log between checkpoints.
 pub const DEFAULT_LOG_LIMIT: u64 = 64 * 1024 * 1024;
 /// How far past its limit the log may grow while a checkpoint runs.
-const LOG_SLACK: u64 = 4;
+const LOG_SLACK: u64 = 2;
 
 enum Msg {
     Put {

@@ -187,16 +187,24 @@ impl Segment {
     /// Creates segment `seq` in `dir`, header written and durable, the
     /// directory entry too.
     pub fn create(dir: &Path, seq: u64) -> io::Result<Self> {
+        let path = segment_path(dir, seq);
         let mut file = OpenOptions::new()
             .write(true)
             .create_new(true)
-            .open(segment_path(dir, seq))?;
+            .open(&path)?;
         let mut header = [0u8; HEADER];
         header[..8].copy_from_slice(&MAGIC);
         header[8..].copy_from_slice(&seq.to_le_bytes());
-        file.write_all(&header)?;
-        file.sync_all()?;
-        sync_dir(dir)?;
+        let written = file
+            .write_all(&header)
+            .and_then(|()| file.sync_all())
+            .and_then(|()| sync_dir(dir));
+        if let Err(e) = written {
+            // Nothing was ever appended to it: gone, a later try can
+            // create it again.
+            let _ = std::fs::remove_file(&path);
+            return Err(e);
+        }
         Ok(Self {
             file,
             seq,
