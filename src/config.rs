@@ -116,6 +116,14 @@ pub struct ServeConfig {
     #[arg(long, env = "TASKGATE_COMMIT_BATCH", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..))]
     pub commit_batch: u64,
 
+    /// Let the memory allocator back the heap with transparent huge pages.
+    /// Off by default: with them, buffer space a connection never touches
+    /// is resident anyway (a parked long-poll cost 24 KiB instead of
+    /// 15 KiB), and they measured no faster here, even with a million
+    /// allocations.
+    #[arg(long, env = "TASKGATE_TRANSPARENT_HUGE_PAGES")]
+    pub transparent_huge_pages: bool,
+
     /// Page cache of the disk store, in MiB.
     #[arg(long, env = "TASKGATE_STORE_CACHE_MIB", default_value_t = 64)]
     pub store_cache_mib: usize,
@@ -200,6 +208,7 @@ impl ServeConfig {
             in_memory: true,
             commit_batch: 4096,
             store_cache_mib: 64,
+            transparent_huge_pages: false,
             store_log_limit: crate::store::DEFAULT_LOG_LIMIT,
             token_file: None,
             operator_token: None,

@@ -48,6 +48,13 @@ fn main() -> ExitCode {
             block_on("bench-ceiling", taskgate::bench::ceiling(listen))
         }
         Command::Serve(config) => {
+            // Before the heap grows: the setting holds for pages touched
+            // from now on.
+            let huge_pages = if config.transparent_huge_pages {
+                Ok(())
+            } else {
+                taskgate::app::no_transparent_huge_pages()
+            };
             let filter = match EnvFilter::try_new(&config.log) {
                 Ok(f) => f,
                 Err(e) => {
@@ -59,6 +66,9 @@ fn main() -> ExitCode {
             match config.log_format {
                 LogFormat::Text => logs.with_ansi(std::io::stdout().is_terminal()).init(),
                 LogFormat::Json => logs.json().with_current_span(true).init(),
+            }
+            if let Err(e) = huge_pages {
+                tracing::warn!(error = %e, "cannot turn transparent huge pages off; memory per connection will be higher");
             }
             let runtime = match tokio::runtime::Runtime::new() {
                 Ok(rt) => rt,

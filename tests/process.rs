@@ -1,5 +1,5 @@
-//! The real binary: `taskgate health`, and graceful shutdown with parked
-//! long-polls.
+//! The real binary: `taskgate health`, graceful shutdown with parked
+//! long-polls, and transparent huge pages off by default.
 
 mod common;
 
@@ -92,4 +92,26 @@ async fn sigterm_answers_parked_waits_with_503_and_exits_0() {
             .unwrap(),
         "health fails once stopped"
     );
+}
+
+/// The kernel's view of the server process: whether transparent huge pages
+/// may back its memory (`THP_enabled` in /proc/PID/status).
+fn thp_enabled(server: &Server) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", server.child.id())).unwrap();
+    let line = status
+        .lines()
+        .find_map(|l| l.strip_prefix("THP_enabled:"))
+        .expect("a kernel that reports THP_enabled");
+    line.trim() == "1"
+}
+
+#[test]
+fn transparent_huge_pages_are_off_unless_asked_for() {
+    let server = Server::start(&["--in-memory"]);
+    assert!(
+        !thp_enabled(&server),
+        "huge pages would make untouched connection buffers resident"
+    );
+    let server = Server::start(&["--in-memory", "--transparent-huge-pages"]);
+    assert!(thp_enabled(&server));
 }
