@@ -1021,6 +1021,49 @@ async fn health_turns_503_on_shutdown() {
     assert_eq!(stopping.header("retry-after"), Some("1"));
 }
 
+/// A store that has stopped taking changes (as the disk store does after a
+/// log append it cannot vouch for).
+struct FailedStore(taskgate::store::MemoryStore);
+
+impl taskgate::store::Store for FailedStore {
+    fn load(&self) -> Result<taskgate::store::Loaded, taskgate::store::StoreError> {
+        self.0.load()
+    }
+
+    fn commit(&self, op: taskgate::store::Op) -> taskgate::store::Commit {
+        self.0.commit(op)
+    }
+
+    fn failure(&self) -> Option<String> {
+        Some("writing the store log failed (No space left on device)".into())
+    }
+}
+
+#[tokio::test]
+async fn health_turns_503_when_the_store_takes_no_more_changes() {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    let store = std::sync::Arc::new(FailedStore(taskgate::store::MemoryStore::new()));
+    let registry = taskgate::registry::Registry::open(store, RegistryConfig::default()).unwrap();
+    let router = taskgate::http::app(
+        registry,
+        HttpConfig::default(),
+        std::sync::Arc::new(taskgate::http::auth::Auth::default()),
+    );
+    let req = axum::http::Request::get("/v1/health")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let res = router.oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(body["code"], "store_failed");
+    assert!(
+        body["detail"].as_str().unwrap().contains("No space left"),
+        "{body}"
+    );
+}
+
 #[tokio::test]
 async fn metrics_count_waiters() {
     let app = test_app();

@@ -19,7 +19,7 @@ use super::{
     get, path = "/v1/health", tag = "service",
     responses(
         (status = 200, description = "Serving", body = HealthView),
-        (status = 503, description = "`starting` (the store is still loading) or `shutting_down`", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "`starting` (the store is still loading), `shutting_down`, or `store_failed` (the store takes no more changes after a write it cannot vouch for; restart the server)", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn health(
@@ -28,6 +28,13 @@ pub async fn health(
 ) -> Result<Response, ApiError> {
     if s.registry.is_shutting_down() {
         return Err(crate::registry::RegistryError::ShuttingDown.into());
+    }
+    if let Some(why) = s.registry.store_failure() {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store_failed",
+            why,
+        ));
     }
     Ok(super::json(StatusCode::OK, &HealthView { status: "ok" }))
 }

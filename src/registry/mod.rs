@@ -178,6 +178,11 @@ impl Registry {
         self.shared.shutdown.send_replace(true);
     }
 
+    /// Why the store takes no more changes, if it has stopped taking them.
+    pub fn store_failure(&self) -> Option<String> {
+        self.shared.store.failure()
+    }
+
     pub fn is_shutting_down(&self) -> bool {
         *self.shared.shutdown.borrow()
     }

@@ -68,6 +68,13 @@ pub trait Store: Send + Sync + 'static {
     /// Queues a change. The returned future resolves when it is durable.
     fn commit(&self, op: Op) -> Commit;
 
+    /// Why the store takes no more changes, if it has stopped taking them
+    /// (after a write it cannot vouch for; a restart recovers). Health
+    /// turns 503 then, so an orchestrator restarts the server.
+    fn failure(&self) -> Option<String> {
+        None
+    }
+
     /// Commits what is queued and releases the store. Later commits fail
     /// with `Closed`.
     fn close(&self) -> Result<(), StoreError> {

@@ -131,6 +131,8 @@ pub struct RedbStore {
     threads: Mutex<Vec<JoinHandle<()>>>,
     /// What the log held at open, until `load` takes it.
     recovered: Mutex<Option<Arc<Overlay>>>,
+    /// Set by the writer when the log takes no more changes.
+    failure: Arc<Mutex<Option<String>>>,
 }
 
 fn unusable(path: &Path, what: impl std::fmt::Display) -> StoreError {
@@ -201,6 +203,7 @@ impl RedbStore {
             )?
         };
         let (tx, rx) = mpsc::channel();
+        let failure = Arc::new(Mutex::new(None));
         let writer = Writer {
             dir: config.dir.clone(),
             log_bytes: log_bytes + segment.len,
@@ -210,7 +213,7 @@ impl RedbStore {
             jobs,
             done: done_rx,
             in_flight: false,
-            broken: None,
+            failure: failure.clone(),
             max_batch: config.max_batch.max(1),
             stats: stats.clone(),
             metrics: config.metrics.clone(),
@@ -223,6 +226,7 @@ impl RedbStore {
             queue: Mutex::new(Some(tx)),
             threads: Mutex::new(vec![writer, checkpointer]),
             recovered: Mutex::new(Some(overlay)),
+            failure,
         })
     }
 
@@ -460,6 +464,13 @@ impl Store for RedbStore {
         Box::pin(async move { done.await.unwrap_or(Err(StoreError::Closed)) })
     }
 
+    fn failure(&self) -> Option<String> {
+        self.failure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
     fn close(&self) -> Result<(), StoreError> {
         let (tx, rx) = mpsc::sync_channel(1);
         // Send the close and drop the queue under one lock, so no change
@@ -568,8 +579,9 @@ struct Writer {
     /// One answer per job: whether it was folded.
     done: Receiver<bool>,
     in_flight: bool,
-    /// Why the log takes no more changes, after a failed append.
-    broken: Option<String>,
+    /// Why the log takes no more changes, after a failed append (shared
+    /// with `RedbStore::failure`).
+    failure: Arc<Mutex<Option<String>>>,
     max_batch: usize,
     stats: Arc<Mutex<StoreStats>>,
     metrics: Option<Arc<Metrics>>,
@@ -644,7 +656,7 @@ impl Writer {
     }
 
     fn append(&mut self, buf: &[u8]) -> Result<(), StoreError> {
-        if let Some(why) = &self.broken {
+        if let Some(why) = &*self.failure.lock().unwrap_or_else(PoisonError::into_inner) {
             return Err(StoreError::Io(why.clone()));
         }
         match self.segment.append(buf) {
@@ -661,7 +673,7 @@ impl Writer {
                      is restarted and recovers from the log"
                 );
                 tracing::error!(error = %e, "store log append failed; the store takes no more changes");
-                self.broken = Some(why.clone());
+                *self.failure.lock().unwrap_or_else(PoisonError::into_inner) = Some(why.clone());
                 Err(StoreError::Io(why))
             }
         }
@@ -1053,6 +1065,46 @@ mod tests {
         let txn = store.db.begin_read().unwrap();
         let meta = txn.open_table(META).unwrap();
         assert_eq!(meta.get(META_FORMAT).unwrap().unwrap().value(), FILE_FORMAT);
+    }
+
+    #[test]
+    fn a_failed_append_stops_the_log_until_a_restart_and_says_why() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(wal::Segment::create(dir.path(), 1).unwrap());
+        let (jobs, _jobs) = mpsc::channel();
+        let (_done, done) = mpsc::channel();
+        let failure = Arc::new(Mutex::new(None));
+        let mut writer = Writer {
+            dir: dir.path().to_owned(),
+            segment: wal::Segment::read_only(dir.path(), 1).unwrap(),
+            log_bytes: 0,
+            log_limit: DEFAULT_LOG_LIMIT,
+            pending: Arc::default(),
+            jobs,
+            done,
+            in_flight: false,
+            failure: failure.clone(),
+            max_batch: 8,
+            stats: Arc::default(),
+            metrics: None,
+        };
+        let mut frame = Vec::new();
+        wal::frame(&mut frame, "a1", 1, Some(b"{}"));
+        let err = writer.append(&frame).unwrap_err().to_string();
+        assert!(err.contains("until taskgate is restarted"), "{err}");
+        let why = failure
+            .lock()
+            .unwrap()
+            .clone()
+            .expect("the failure is shared");
+        assert_eq!(err, format!("store I/O failed: {why}"));
+        // Later appends are refused without touching the file.
+        let again = writer.append(&frame).unwrap_err().to_string();
+        assert_eq!(again, err);
+        let len = std::fs::metadata(wal::segment_path(dir.path(), 1))
+            .unwrap()
+            .len();
+        assert_eq!(len, wal::Segment::HEADER_LEN);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -212,6 +212,14 @@ impl Segment {
         })
     }
 
+    /// Segment `seq` in `dir` opened for reading only, so appends fail.
+    #[cfg(test)]
+    pub fn read_only(dir: &Path, seq: u64) -> io::Result<Self> {
+        let file = File::open(segment_path(dir, seq))?;
+        let len = file.metadata()?.len();
+        Ok(Self { file, seq, len })
+    }
+
     /// Appends `bytes` (whole frames) and makes them durable.
     pub fn append(&mut self, bytes: &[u8]) -> io::Result<()> {
         self.file.write_all(bytes)?;
