@@ -311,31 +311,27 @@ fn serve_args(extra: &[&str]) -> Vec<String> {
     args
 }
 
-/// Registers the allocations `prefix-N` for N in `ids`, of `spec`, over
-/// `clients` connections.
-async fn register(
+/// One `PUT path(i)` with `body` for every `i` in `ids`, `clients`
+/// keep-alive connections at a time (client `c` takes `ids.start + c`,
+/// then every `clients`-th); any answer but `ok` is an error naming `what`.
+async fn put_each(
     addr: SocketAddr,
-    prefix: &str,
     ids: std::ops::Range<usize>,
     clients: usize,
-    spec: &'static str,
+    path: impl Fn(usize) -> String + Clone + Send + 'static,
+    body: String,
+    ok: &'static [u16],
+    what: &'static str,
 ) -> std::io::Result<()> {
     let mut tasks = Vec::new();
     for c in 0..clients.min(ids.len().max(1)) {
-        let prefix = prefix.to_owned();
-        let ids = ids.clone();
+        let (ids, path, body) = (ids.clone(), path.clone(), body.clone());
         tasks.push(tokio::spawn(async move {
             let mut conn = Conn::open(addr).await?;
             for i in (ids.start + c..ids.end).step_by(clients) {
-                let status = conn
-                    .call(
-                        "PUT",
-                        &format!("/v1/allocations/{prefix}-{i}"),
-                        spec.as_bytes(),
-                    )
-                    .await?;
-                if status != 201 && status != 200 {
-                    return Err(std::io::Error::other(format!("register answered {status}")));
+                let status = conn.call("PUT", &path(i), body.as_bytes()).await?;
+                if !ok.contains(&status) {
+                    return Err(std::io::Error::other(format!("{what} answered {status}")));
                 }
             }
             Ok::<_, std::io::Error>(())
@@ -347,29 +343,36 @@ async fn register(
     Ok(())
 }
 
+/// Registers `{prefix}-{i}` for every `i` in `ids` with `spec`.
+async fn register(
+    addr: SocketAddr,
+    prefix: &str,
+    ids: std::ops::Range<usize>,
+    clients: usize,
+    spec: &'static str,
+) -> std::io::Result<()> {
+    let prefix = prefix.to_owned();
+    let path = move |i| format!("/v1/allocations/{prefix}-{i}");
+    put_each(
+        addr,
+        ids,
+        clients,
+        path,
+        spec.into(),
+        &[200, 201],
+        "register",
+    )
+    .await
+}
+
 /// Reports `web` running, then pending, on every allocation `scale-0` to
 /// `scale-{size-1}` (`clients` at a time), so that the measured reports
 /// find every record at its settled size and start with a real change.
 async fn warm_up(addr: SocketAddr, size: usize, clients: usize) -> std::io::Result<()> {
     for state in ["running", "pending"] {
-        let mut tasks = Vec::new();
-        for c in 0..clients.min(size.max(1)) {
-            tasks.push(tokio::spawn(async move {
-                let mut conn = Conn::open(addr).await?;
-                let body = format!(r#"{{"state": "{state}"}}"#);
-                for i in (c..size).step_by(clients) {
-                    let path = format!("/v1/allocations/scale-{i}/tasks/web/state");
-                    let status = conn.call("PUT", &path, body.as_bytes()).await?;
-                    if status != 200 {
-                        return Err(std::io::Error::other(format!("warm-up answered {status}")));
-                    }
-                }
-                Ok::<_, std::io::Error>(())
-            }));
-        }
-        for t in tasks {
-            t.await.map_err(std::io::Error::other)??;
-        }
+        let path = |i| format!("/v1/allocations/scale-{i}/tasks/web/state");
+        let body = format!(r#"{{"state": "{state}"}}"#);
+        put_each(addr, 0..size, clients, path, body, &[200], "warm-up").await?;
     }
     Ok(())
 }
