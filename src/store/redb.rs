@@ -686,27 +686,21 @@ impl Writer {
     /// what recovery replays).
     fn seal(&mut self) {
         if self.in_flight {
-            match self.done.try_recv() {
-                Ok(_) => self.in_flight = false,
+            let answered = match self.done.try_recv() {
+                Ok(_) => true,
                 Err(mpsc::TryRecvError::Empty)
                     if self.log_bytes < self.log_limit.saturating_mul(LOG_SLACK) =>
                 {
                     return;
                 }
-                Err(mpsc::TryRecvError::Empty) => {
-                    if self.done.recv().is_err() {
-                        tracing::error!(
-                            "the checkpoint thread is gone; the store log keeps growing"
-                        );
-                        return;
-                    }
-                    self.in_flight = false;
-                }
-                Err(mpsc::TryRecvError::Disconnected) => {
-                    tracing::error!("the checkpoint thread is gone; the store log keeps growing");
-                    return;
-                }
+                Err(mpsc::TryRecvError::Empty) => self.done.recv().is_ok(),
+                Err(mpsc::TryRecvError::Disconnected) => false,
+            };
+            if !answered {
+                tracing::error!("the checkpoint thread is gone; the store log keeps growing");
+                return;
             }
+            self.in_flight = false;
         }
         let next = match wal::Segment::create(&self.dir, self.segment.seq + 1) {
             Ok(next) => next,
