@@ -164,16 +164,16 @@ fn soak_mixed_traffic_from_several_processes() {
             expected.push((a["id"].as_str().unwrap().to_owned(), a["view"].clone()));
         }
     }
+    let folded = gauge(addr, "taskgate_store_checkpoint_records_total");
     eprintln!(
         "soak: {requests} requests in {secs} s from {CLIENTS} processes; peak waiters \
-         {peak_waiters}; RSS {warm:?} KiB after warm-up, {last} KiB at the end; {cp} records \
-         folded by checkpoints",
-        cp = gauge(addr, "taskgate_store_checkpoint_records_total"),
+         {peak_waiters}; RSS {warm:?} KiB after warm-up, {last} KiB at the end; {folded} \
+         records folded by checkpoints"
     );
     assert!(requests > 1000, "only {requests} requests");
     assert!(peak_waiters > 0, "no waiter was ever parked");
     assert!(
-        gauge(addr, "taskgate_store_checkpoint_records_total") > 0,
+        folded > 0,
         "no checkpoint folded the log into the data file"
     );
 
