@@ -256,16 +256,11 @@ async fn healthy(base: &str) {
 
 /// The sequence number of the oldest store log segment in `dir`.
 fn oldest_segment(dir: &Path) -> u64 {
-    std::fs::read_dir(dir)
+    taskgate::store::log_segments(dir)
         .unwrap()
-        .filter_map(|e| {
-            let name = e.unwrap().file_name().into_string().unwrap();
-            name.strip_prefix(taskgate::store::LOG_SEGMENT_PREFIX)?
-                .parse()
-                .ok()
-        })
-        .min()
+        .first()
         .expect("the store keeps a log segment")
+        .0
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

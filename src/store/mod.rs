@@ -15,7 +15,7 @@ pub use memory::MemoryStore;
 pub use redb::{
     DATA_FILE, DEFAULT_CACHE_BYTES, DEFAULT_LOG_LIMIT, RedbStore, RedbStoreConfig, StoreStats,
 };
-pub use wal::SEGMENT_PREFIX as LOG_SEGMENT_PREFIX;
+pub use wal::list_segments as log_segments;
 
 use crate::lifecycle::{AllocId, Allocation};
 
