@@ -616,6 +616,72 @@ async fn store_work(addr: SocketAddr) -> std::io::Result<[f64; 6]> {
     ])
 }
 
+/// CPU time used so far (seconds, user + system), from `/proc`.
+#[derive(Debug, Clone, Copy, Default)]
+struct Cpu {
+    /// The load generator: this process.
+    client: f64,
+    /// The server's request threads (tokio workers and the rest).
+    requests: f64,
+    /// The store's writer thread (log appends and fsyncs).
+    writer: f64,
+    /// The store's checkpoint thread.
+    checkpoint: f64,
+}
+
+impl Cpu {
+    /// Reads the server's threads by name (`taskgate-store`,
+    /// `taskgate-checkpoint`) and this process as a whole.
+    fn sample(server: u32) -> std::io::Result<Self> {
+        let mut cpu = Self {
+            client: proc_stat_seconds(&std::fs::read_to_string("/proc/self/stat")?)?.1,
+            ..Self::default()
+        };
+        for entry in std::fs::read_dir(format!("/proc/{server}/task"))? {
+            // A thread that ended between the listing and the read is gone
+            // with its time; that is at most one short-lived thread.
+            let Ok(stat) = std::fs::read_to_string(entry?.path().join("stat")) else {
+                continue;
+            };
+            let (name, seconds) = proc_stat_seconds(&stat)?;
+            match name {
+                "taskgate-store" => cpu.writer += seconds,
+                "taskgate-checkp" => cpu.checkpoint += seconds,
+                _ => cpu.requests += seconds,
+            }
+        }
+        Ok(cpu)
+    }
+
+    fn since(self, before: Self) -> Self {
+        Self {
+            client: self.client - before.client,
+            requests: self.requests - before.requests,
+            writer: self.writer - before.writer,
+            checkpoint: self.checkpoint - before.checkpoint,
+        }
+    }
+}
+
+/// The name (as the kernel keeps it, at most 15 bytes) and the user +
+/// system seconds of a `/proc/.../stat` line.
+fn proc_stat_seconds(stat: &str) -> std::io::Result<(&str, f64)> {
+    let bad = || std::io::Error::other(format!("unexpected /proc stat line {stat:?}"));
+    let open = stat.find('(').ok_or_else(bad)?;
+    let close = stat.rfind(')').ok_or_else(bad)?;
+    let name = stat.get(open + 1..close).ok_or_else(bad)?;
+    // After the name: state is field 3, utime field 14, stime field 15.
+    let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+    let ticks = |i: usize| -> std::io::Result<u64> {
+        fields.get(i).and_then(|v| v.parse().ok()).ok_or_else(bad)
+    };
+    let total = ticks(11)? + ticks(12)?;
+    Ok((
+        name,
+        total as f64 / rustix::param::clock_ticks_per_second() as f64,
+    ))
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     if sorted.is_empty() {
         return Duration::ZERO;
@@ -871,6 +937,19 @@ async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> 
             ));
         }
         let before = store_work(server.addr).await?;
+        // CPU over exactly the measured window (drive's one-second warm-up
+        // excluded), read by a task of its own while the clients run.
+        let cpu = {
+            let (pid, from) = (server.child.id(), tokio::time::Instant::now());
+            let warmup = Duration::from_secs(1);
+            let duration = config.duration;
+            tokio::spawn(async move {
+                tokio::time::sleep_until(from + warmup).await;
+                let start = Cpu::sample(pid)?;
+                tokio::time::sleep_until(from + warmup + duration).await;
+                Ok::<_, std::io::Error>(Cpu::sample(pid)?.since(start))
+            })
+        };
         rows.push(
             drive(
                 &format!("reports, {store}, {size} allocations"),
@@ -898,6 +977,18 @@ async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> 
             .await?,
         );
         let after = store_work(server.addr).await?;
+        let cpu = cpu.await.map_err(std::io::Error::other)??;
+        let reports = rows.last().map_or(0, |r| r.requests).max(1) as f64;
+        let per = |seconds: f64| seconds * 1e6 / reports;
+        lines.push(format!(
+            "  - CPU per report at {size}: server {server:.1} µs (request threads {req:.1}, \
+             store writer {w:.1}, checkpoints {cp:.1}), load generator {client:.1} µs",
+            server = per(cpu.requests + cpu.writer + cpu.checkpoint),
+            req = per(cpu.requests),
+            w = per(cpu.writer),
+            cp = per(cpu.checkpoint),
+            client = per(cpu.client),
+        ));
         let d: Vec<f64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
         if d[0] > 0.0 {
             lines.push(format!(
@@ -993,5 +1084,51 @@ async fn healthy(server: &Proc, started: Instant) -> std::io::Result<Duration> {
             return Ok(started.elapsed());
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_proc_stat_line_gives_the_thread_name_and_its_cpu_seconds() {
+        let hz = rustix::param::clock_ticks_per_second() as f64;
+        // A name with a space and a parenthesis: the name ends at the last ')'.
+        let line = "4242 (odd) name) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 7 0";
+        let (name, seconds) = proc_stat_seconds(line).unwrap();
+        assert_eq!(name, "odd) name");
+        assert!((seconds - 300.0 / hz).abs() < 1e-9, "{seconds}");
+        assert!(proc_stat_seconds("4242 (cut) S 1 2").is_err());
+    }
+
+    #[test]
+    fn the_threads_of_a_process_add_up_to_its_time() {
+        let me = std::process::id();
+        let before = Cpu::sample(me).unwrap();
+        // Work until this thread's time shows (a tick is 10 ms; the loop
+        // gives up after 10 s of wall time, which only a sampler that does
+        // not see this busy thread would reach).
+        let started = Instant::now();
+        let mut x = 0u64;
+        let later = loop {
+            for i in 0..1_000_000u64 {
+                x = x.wrapping_mul(31).wrapping_add(std::hint::black_box(i));
+            }
+            let now = Cpu::sample(me).unwrap().since(before);
+            let seen = now.client > 0.0 && now.requests > 0.0;
+            if seen || started.elapsed() > Duration::from_secs(10) {
+                break now;
+            }
+        };
+        std::hint::black_box(x);
+        // No thread here is named like the store's: all of the time is
+        // counted under request threads, and the process total has it too.
+        assert!(later.client > 0.0, "no CPU time seen in 10 s: {later:?}");
+        assert!(
+            later.requests > 0.0,
+            "no thread's time seen in 10 s: {later:?}"
+        );
+        assert_eq!((later.writer, later.checkpoint), (0.0, 0.0), "{later:?}");
     }
 }
