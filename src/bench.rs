@@ -28,7 +28,9 @@ pub struct BenchConfig {
     pub duration: Duration,
     /// Scenarios to run, comma-separated: ceiling, durable, memory,
     /// no-group-commit, recovery; and by name only: fanout (holds 10,000
-    /// connections) and scale (registers 1,000,000 allocations).
+    /// connections), scale (registers 1,000,000 allocations) and
+    /// checkpoint (the store's checkpoint code alone, on a file as large
+    /// as the largest scale size).
     #[arg(
         long,
         value_delimiter = ',',
@@ -497,6 +499,7 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
             }
             "recovery" => notes.push(recovery(&config).await?),
             "fanout" => notes.push(fanout(&config).await?),
+            "checkpoint" => notes.push(checkpoint(&config).await?),
             "scale" => {
                 let (rows, note) = scale(&config).await?;
                 outcomes.extend(rows);
@@ -614,6 +617,77 @@ async fn store_work(addr: SocketAddr) -> std::io::Result<[f64; 6]> {
         metric(addr, "taskgate_store_checkpoint_duration_seconds_sum").await?,
         metric(addr, "taskgate_store_checkpoint_records_total").await?,
     ])
+}
+
+/// A record as large as the scale scenario's settled five-task
+/// allocations (771-byte log frames, measured with `ls -l` on a segment).
+const CHECKPOINT_RECORD_BYTES: usize = 740;
+
+/// The store's checkpoint code alone, on a data file of as many records as
+/// the largest scale size: fills it, then folds checkpoints of distinct
+/// records picked at random (what reports spread over every allocation give
+/// a checkpoint), timed by the wall clock and by the thread's CPU time.
+async fn checkpoint(config: &BenchConfig) -> std::io::Result<String> {
+    let (dir, _guard) = data_dir(config, "checkpoint")?;
+    let size = config
+        .scale_sizes
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(1_000_000);
+    tokio::task::spawn_blocking(move || {
+        let mut store = crate::store::FoldBench::create(&dir).map_err(std::io::Error::other)?;
+        let record = vec![b'x'; CHECKPOINT_RECORD_BYTES];
+        let mut ids: Vec<String> = (0..size).map(|i| format!("scale-{i}")).collect();
+        ids.sort_unstable();
+        let mut lines = vec![format!(
+            "checkpoint (the store's fold into a data file of {size} records of \
+             {CHECKPOINT_RECORD_BYTES} bytes):"
+        )];
+        // Returns (wall, CPU) seconds of one fold.
+        let mut fold = |changes: Vec<(String, Vec<u8>)>| -> std::io::Result<(f64, f64)> {
+            let cpu = || -> std::io::Result<f64> {
+                Ok(proc_stat_seconds(&std::fs::read_to_string("/proc/thread-self/stat")?)?.1)
+            };
+            let (started, before) = (Instant::now(), cpu()?);
+            store.fold(changes).map_err(std::io::Error::other)?;
+            Ok((started.elapsed().as_secs_f64(), cpu()? - before))
+        };
+        let us = |seconds: f64, n: usize| seconds * 1e6 / n.max(1) as f64;
+        // Filled in ten checkpoints of new records, each after the last.
+        let (mut wall, mut cpu, mut slowest) = (0.0, 0.0, 0.0f64);
+        let chunk = size.div_ceil(10).max(1);
+        for part in ids.chunks(chunk) {
+            let (w, c) = fold(part.iter().map(|id| (id.clone(), record.clone())).collect())?;
+            (wall, cpu, slowest) = (wall + w, cpu + c, slowest.max(us(w, part.len())));
+        }
+        lines.push(format!(
+            "- filled in ten checkpoints of new records in key order: {wall:.1} s, \
+             {per:.1} µs per record ({cpu_per:.1} µs of CPU; the slowest checkpoint \
+             {slowest:.1} µs per record)",
+            per = us(wall, size),
+            cpu_per = us(cpu, size),
+        ));
+        let mut rng = fastrand::Rng::with_seed(7);
+        let mut order: Vec<usize> = (0..size).collect();
+        for k in [size / 100, size * 9 / 100, size * 4 / 10] {
+            rng.shuffle(&mut order);
+            let changes = order[..k]
+                .iter()
+                .map(|&i| (ids[i].clone(), record.clone()))
+                .collect();
+            let (wall, cpu) = fold(changes)?;
+            lines.push(format!(
+                "- a checkpoint of {k} changed records picked at random: {wall:.2} s, \
+                 {per:.1} µs per record ({cpu_per:.1} µs of CPU)",
+                per = us(wall, k),
+                cpu_per = us(cpu, k),
+            ));
+        }
+        Ok(lines.join("\n"))
+    })
+    .await
+    .map_err(std::io::Error::other)?
 }
 
 /// CPU time used so far (seconds, user + system), from `/proc`.

@@ -804,6 +804,37 @@ fn fold(db: &Database, overlay: &Overlay, sealed: u64) -> Result<(), redb::Error
     Ok(())
 }
 
+/// A data file folded into by the checkpoints' own code, for `taskgate
+/// bench --scenarios checkpoint`: what a checkpoint costs per record, apart
+/// from the server around it.
+pub struct FoldBench {
+    db: Database,
+    sealed: u64,
+}
+
+impl FoldBench {
+    /// A new data file in `dir` with the store's default page cache.
+    pub fn create(dir: &Path) -> Result<Self, StoreError> {
+        let path = dir.join(DATA_FILE);
+        let db = Database::builder()
+            .set_cache_size(DEFAULT_CACHE_BYTES)
+            .create(&path)
+            .map_err(|e| unusable(&path, format!("cannot be created: {e}")))?;
+        Ok(Self { db, sealed: 0 })
+    }
+
+    /// Writes `changes` in one checkpoint, as the checkpoint thread does.
+    pub fn fold(&mut self, changes: Vec<(String, Vec<u8>)>) -> Result<(), StoreError> {
+        let mut overlay = Overlay::default();
+        for (id, record) in changes {
+            overlay.apply(id, Some(record), self.sealed + 1);
+        }
+        self.sealed += 1;
+        fold(&self.db, &overlay, self.sealed)
+            .map_err(|e| StoreError::Io(format!("checkpoint failed: {e}")))
+    }
+}
+
 /// Removes the segments up to `sealed`. A failure is only logged: the next
 /// open removes folded segments it finds.
 fn remove_folded(dir: &Path, sealed: u64) {
