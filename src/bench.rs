@@ -60,6 +60,10 @@ pub struct BenchConfig {
     /// warmed up first and the sizes compare like with like.
     #[arg(long)]
     pub scale_no_warm_up: bool,
+    /// The data file's page cache in the checkpoint scenario, in MiB (the
+    /// server's default is 64).
+    #[arg(long, default_value_t = 64)]
+    pub checkpoint_cache_mib: usize,
     /// The servers' `--log` filter. It must let the `taskgate listening`
     /// line through (the bench reads the address from it);
     /// `info,taskgate::http::edge=warn` turns the per-request span off.
@@ -635,14 +639,16 @@ async fn checkpoint(config: &BenchConfig) -> std::io::Result<String> {
         .copied()
         .max()
         .unwrap_or(1_000_000);
+    let cache_mib = config.checkpoint_cache_mib;
     tokio::task::spawn_blocking(move || {
-        let mut store = crate::store::FoldBench::create(&dir).map_err(std::io::Error::other)?;
+        let mut store = crate::store::FoldBench::create(&dir, cache_mib << 20)
+            .map_err(std::io::Error::other)?;
         let record = vec![b'x'; CHECKPOINT_RECORD_BYTES];
         let mut ids: Vec<String> = (0..size).map(|i| format!("scale-{i}")).collect();
         ids.sort_unstable();
         let mut lines = vec![format!(
             "checkpoint (the store's fold into a data file of {size} records of \
-             {CHECKPOINT_RECORD_BYTES} bytes):"
+             {CHECKPOINT_RECORD_BYTES} bytes, page cache {cache_mib} MiB):"
         )];
         // Returns (wall, CPU) seconds of one fold.
         let mut fold = |changes: Vec<(String, Vec<u8>)>| -> std::io::Result<(f64, f64)> {

@@ -813,11 +813,12 @@ pub struct FoldBench {
 }
 
 impl FoldBench {
-    /// A new data file in `dir` with the store's default page cache.
-    pub fn create(dir: &Path) -> Result<Self, StoreError> {
+    /// A new data file in `dir` with a page cache of `cache_bytes` (the
+    /// server's is `--store-cache-mib`, 64 MiB by default).
+    pub fn create(dir: &Path, cache_bytes: usize) -> Result<Self, StoreError> {
         let path = dir.join(DATA_FILE);
         let db = Database::builder()
-            .set_cache_size(DEFAULT_CACHE_BYTES)
+            .set_cache_size(cache_bytes)
             .create(&path)
             .map_err(|e| unusable(&path, format!("cannot be created: {e}")))?;
         Ok(Self { db, sealed: 0 })
