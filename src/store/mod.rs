@@ -13,8 +13,8 @@ use std::{future::Future, pin::Pin, sync::Arc};
 
 pub use memory::MemoryStore;
 pub use redb::{
-    DATA_FILE, DEFAULT_CACHE_BYTES, DEFAULT_LOG_LIMIT, FoldBench, RedbStore, RedbStoreConfig,
-    StoreStats,
+    DATA_FILE, DEFAULT_CACHE_BYTES, DEFAULT_LOG_LIMIT, FoldBench, FoldChanges, RedbStore,
+    RedbStoreConfig, StoreStats,
 };
 pub use wal::list_segments as log_segments;
 
