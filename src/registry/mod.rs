@@ -32,7 +32,7 @@ use crate::{
     metrics::Metrics,
     store::{Op, Store, StoreError},
 };
-use handle::{Handle, Slot};
+use handle::{Handle, Slot, WriteGuard};
 
 /// Runtime settings of the registry.
 #[derive(Clone)]
@@ -256,7 +256,7 @@ impl Registry {
             let (handle, fresh) = self.get_or_insert(&id);
             let write = match fresh {
                 Some(guard) => guard,
-                None => handle.write.clone().lock_owned().await,
+                None => handle.lock_write().await,
             };
             match handle.slot_now() {
                 Slot::Live(a) if *a.spec == spec => return Ok((a, false)),
@@ -312,10 +312,7 @@ impl Registry {
 
     /// Finds the handle for `id`, or inserts a new one in `Creating` state
     /// together with its write lock, so nobody can write it before it exists.
-    fn get_or_insert(
-        &self,
-        id: &AllocId,
-    ) -> (Arc<Handle>, Option<tokio::sync::OwnedMutexGuard<()>>) {
+    fn get_or_insert(&self, id: &AllocId) -> (Arc<Handle>, Option<WriteGuard>) {
         if let Some(h) = self.read_map().get(id.as_str()) {
             return (h.clone(), None);
         }
@@ -329,9 +326,7 @@ impl Registry {
         }
         let handle = Arc::new(Handle::creating());
         let guard = handle
-            .write
-            .clone()
-            .try_lock_owned()
+            .try_lock_write()
             .expect("a new handle's lock is free");
         map.insert(id.clone(), handle.clone());
         (handle, Some(guard))
@@ -355,7 +350,7 @@ impl Registry {
     /// index the deletion took.
     pub async fn delete(&self, id: &str) -> Result<u64, RegistryError> {
         let handle = self.handle(id)?;
-        let write = handle.write.clone().lock_owned().await;
+        let write = handle.lock_write().await;
         let Slot::Live(a) = handle.slot_now() else {
             return Err(RegistryError::AllocationNotFound(id.to_owned()));
         };
@@ -378,7 +373,7 @@ impl Registry {
     /// committed record and a source of fresh indexes, and returns the next
     /// record (or `None` for no change) plus a result for the caller.
     ///
-    /// The write lock is a tokio mutex held across the commit on purpose:
+    /// The write lock (an async one) is held across the commit on purpose:
     /// one allocation's writes are serialized, so a failed commit leaves
     /// nothing to undo and the next writer starts from the committed record.
     async fn update<R>(
@@ -390,7 +385,7 @@ impl Registry {
         ) -> Result<(Option<Allocation>, R), RegistryError>,
     ) -> Result<(Arc<Allocation>, R), RegistryError> {
         let handle = self.handle(id)?;
-        let write = handle.write.clone().lock_owned().await;
+        let write = handle.lock_write().await;
         let Slot::Live(current) = handle.slot_now() else {
             return Err(RegistryError::AllocationNotFound(id.to_owned()));
         };
@@ -443,7 +438,7 @@ impl Registry {
     /// commit and its publication, which would leave memory behind the disk.
     async fn commit_then<T: Send + 'static>(
         &self,
-        write: tokio::sync::OwnedMutexGuard<()>,
+        write: WriteGuard,
         op: Op,
         finish: impl FnOnce(Result<(), StoreError>) -> Result<T, RegistryError> + Send + 'static,
     ) -> Result<T, RegistryError> {
