@@ -1294,6 +1294,16 @@ mod properties {
         store
     }
 
+    /// Waits for every queued commit, then closes the store.
+    fn settle(rt: &tokio::runtime::Runtime, store: RedbStore, queued: &mut Vec<Commit>) {
+        rt.block_on(async {
+            for c in queued.drain(..) {
+                c.await.unwrap();
+            }
+        });
+        store.close().unwrap();
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(
             std::env::var("TASKGATE_FUZZ_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(48)
@@ -1328,16 +1338,12 @@ mod properties {
                         queued.push(store.commit(op));
                     }
                     Step::Reopen(new_limit) => {
-                        rt.block_on(async { for c in queued.drain(..) { c.await.unwrap() } });
-                        store.close().unwrap();
-                        drop(store);
+                        settle(&rt, store, &mut queued);
                         limit = new_limit;
                         store = reopen(dir.path(), limit, &model, last);
                     }
                     Step::Tear(garbage) => {
-                        rt.block_on(async { for c in queued.drain(..) { c.await.unwrap() } });
-                        store.close().unwrap();
-                        drop(store);
+                        settle(&rt, store, &mut queued);
                         let (seq, _) = wal::list_segments(dir.path()).unwrap().pop().unwrap();
                         let path = wal::segment_path(dir.path(), seq);
                         let mut bytes = std::fs::read(&path).unwrap();
@@ -1347,9 +1353,7 @@ mod properties {
                     }
                 }
             }
-            rt.block_on(async { for c in queued.drain(..) { c.await.unwrap() } });
-            store.close().unwrap();
-            drop(store);
+            settle(&rt, store, &mut queued);
             drop(reopen(dir.path(), DEFAULT_LOG_LIMIT, &model, last));
         }
     }
