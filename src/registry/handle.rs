@@ -1,12 +1,12 @@
 //! One allocation's runtime handle.
 
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::{Notify, Semaphore};
 
 use crate::lifecycle::Allocation;
 
-/// What a handle's watch channel holds.
+/// What a handle publishes.
 #[derive(Clone, Debug)]
 pub(crate) enum Slot {
     /// Inserted by a registration whose commit has not finished; readers
@@ -18,30 +18,36 @@ pub(crate) enum Slot {
     Deleted,
 }
 
+/// Everything of one allocation's runtime state but the record itself, in
+/// one heap block: with a million allocations every separate block a report
+/// touches is a cache miss (and, before, a `tokio::sync::watch` channel
+/// added a block of ~350 bytes whose every send locked nine mutexes).
 pub(crate) struct Handle {
     /// Serializes decide → persist → publish for this allocation: one
     /// permit, taken by a `WriteGuard` and held across the store commit
-    /// (see `Registry::update`), hence tokio's. Inline rather than an
-    /// `Arc<Mutex>` of its own: with a million allocations every separate
-    /// block a report touches is a cache miss.
+    /// (see `Registry::update`), hence tokio's.
     write: Semaphore,
     /// The committed state. Written only by the holder of `write`, after a
     /// commit; read by every reader and waiter without locking `write`.
-    slot: watch::Sender<Slot>,
+    slot: RwLock<Slot>,
+    /// Woken after every change of `slot` (see `wait_for`).
+    changed: Notify,
 }
 
 impl Handle {
     pub(crate) fn creating() -> Self {
-        Self {
-            write: Semaphore::new(1),
-            slot: watch::Sender::new(Slot::Creating),
-        }
+        Self::new(Slot::Creating)
     }
 
     pub(crate) fn live(a: Arc<Allocation>) -> Self {
+        Self::new(Slot::Live(a))
+    }
+
+    fn new(slot: Slot) -> Self {
         Self {
             write: Semaphore::new(1),
-            slot: watch::Sender::new(Slot::Live(a)),
+            slot: RwLock::new(slot),
+            changed: Notify::new(),
         }
     }
 
@@ -64,24 +70,46 @@ impl Handle {
     }
 
     pub(crate) fn slot_now(&self) -> Slot {
-        self.slot.borrow().clone()
+        self.slot
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// The committed record, if the allocation exists.
     pub(crate) fn current(&self) -> Option<Arc<Allocation>> {
-        match &*self.slot.borrow() {
-            Slot::Live(a) => Some(a.clone()),
+        match self.slot_now() {
+            Slot::Live(a) => Some(a),
             Slot::Creating | Slot::Deleted => None,
         }
     }
 
-    pub(crate) fn subscribe(&self) -> watch::Receiver<Slot> {
-        self.slot.subscribe()
-    }
-
     /// Publishes a committed change and wakes every waiter on this handle.
     pub(crate) fn publish(&self, slot: Slot) {
-        self.slot.send_replace(slot);
+        let old = std::mem::replace(
+            &mut *self.slot.write().unwrap_or_else(PoisonError::into_inner),
+            slot,
+        );
+        self.changed.notify_waiters();
+        // The replaced record is freed (if this was its last reference)
+        // outside the lock.
+        drop(old);
+    }
+
+    /// The committed state once `ready` holds for it. A change published
+    /// between a check and the park is never slept through: the waiter is
+    /// registered for the next wake-up before it looks at the state.
+    pub(crate) async fn wait_for(&self, mut ready: impl FnMut(&Slot) -> bool) -> Slot {
+        loop {
+            let notified = self.changed.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            let slot = self.slot_now();
+            if ready(&slot) {
+                return slot;
+            }
+            notified.await;
+        }
     }
 }
 
@@ -121,5 +149,39 @@ mod tests {
         let third = h.try_lock_write();
         assert!(third.is_some());
         assert!(h.try_lock_write().is_none(), "never more than one holder");
+    }
+
+    #[tokio::test]
+    async fn a_waiter_returns_at_once_or_on_the_publish_that_satisfies_it() {
+        let h = Arc::new(Handle::creating());
+        let now = h.wait_for(|s| matches!(s, Slot::Creating));
+        let now = tokio::time::timeout(Duration::ZERO, now).await;
+        assert!(matches!(now, Ok(Slot::Creating)), "already true: no park");
+
+        // Waiters in tasks of their own, so only a real wake-up (not a
+        // poll by the test) can finish them.
+        let waiters: Vec<_> = (0..3)
+            .map(|_| {
+                let h = h.clone();
+                tokio::spawn(async move { h.wait_for(|s| matches!(s, Slot::Deleted)).await })
+            })
+            .collect();
+        // On this single-threaded runtime, yielding runs each waiter to its
+        // park (if one ran late it would see the final state: still correct).
+        for _ in 0..3 {
+            tokio::task::yield_now().await;
+        }
+        h.publish(Slot::Creating);
+        for w in &waiters {
+            assert!(!w.is_finished(), "a change that does not satisfy it");
+        }
+        h.publish(Slot::Deleted);
+        for w in waiters {
+            let s = tokio::time::timeout(Duration::from_secs(10), w)
+                .await
+                .expect("woken by the publish")
+                .unwrap();
+            assert!(matches!(s, Slot::Deleted));
+        }
     }
 }

@@ -3,7 +3,7 @@
 //! Every write follows decide → persist → publish in one place
 //! (`Registry::update`): the next record is computed by `lifecycle`, handed
 //! to the store, and only after the commit is it published on the
-//! handle's watch channel, where readers and parked waiters see it. No
+//! handle (`handle.rs`), where readers and parked waiters see it. No
 //! caller ever sees a record that a crash could take back.
 //!
 //! This module must not know HTTP: it speaks allocations, task names and

@@ -1,10 +1,10 @@
 //! Waiting: blocking queries and the start-condition long-poll.
 //!
-//! A waiter subscribes to its allocation's watch channel and uses
-//! `wait_for` with its predicate, raced against its timeout and the
-//! shutdown signal. `watch` keeps the latest value, so a change published
-//! between the first check and the park is never slept through; there is
-//! no polling and no task per gate.
+//! A waiter checks its predicate on the allocation's committed state and
+//! parks on the handle's notification until it holds (`Handle::wait_for`),
+//! raced against its timeout and the shutdown signal. A change published
+//! between a check and the park is never slept through; there is no
+//! polling and no task per gate.
 
 use std::{
     sync::{Arc, atomic::Ordering},
@@ -47,9 +47,8 @@ impl Registry {
         done: impl Fn(&Allocation) -> bool,
     ) -> Result<Arc<Allocation>, RegistryError> {
         let handle = self.handle(id)?;
-        let mut rx = handle.subscribe();
-        let current = match &*rx.borrow_and_update() {
-            Slot::Live(a) => a.clone(),
+        let current = match handle.slot_now() {
+            Slot::Live(a) => a,
             Slot::Creating | Slot::Deleted => {
                 return Err(RegistryError::AllocationNotFound(id.to_owned()));
             }
@@ -61,16 +60,12 @@ impl Registry {
         let mut shutdown = self.shared.shutdown.subscribe();
         let gone = || RegistryError::Deleted(id.to_owned());
         tokio::select! {
-            changed = async {
-                rx.wait_for(|s| match s {
-                    Slot::Live(a) => done(a),
-                    Slot::Creating | Slot::Deleted => true,
-                })
-                .await
-                .map(|s| s.clone())
-            } => match changed {
-                Ok(Slot::Live(a)) => Ok(a),
-                Ok(Slot::Creating | Slot::Deleted) | Err(_) => Err(gone()),
+            changed = handle.wait_for(|s| match s {
+                Slot::Live(a) => done(a),
+                Slot::Creating | Slot::Deleted => true,
+            }) => match changed {
+                Slot::Live(a) => Ok(a),
+                Slot::Creating | Slot::Deleted => Err(gone()),
             },
             () = tokio::time::sleep(timeout) => handle.current().ok_or_else(gone),
             _ = shutdown.wait_for(|stopping| *stopping) => Err(RegistryError::ShuttingDown),
