@@ -276,7 +276,7 @@ fn open_configured_store(
     metrics: Arc<Metrics>,
 ) -> Result<Arc<dyn Store>, StoreError> {
     if config.in_memory {
-        return Ok(Arc::new(MemoryStore::new()));
+        return Ok(Arc::new(MemoryStore::volatile()));
     }
     let store = RedbStore::open(RedbStoreConfig {
         dir: config.data_dir.clone(),
