@@ -7,6 +7,7 @@
 mod memory;
 mod record;
 mod redb;
+mod snapshot;
 mod wal;
 
 use std::{future::Future, pin::Pin, sync::Arc};
