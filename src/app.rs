@@ -17,7 +17,7 @@ use crate::{
     metrics::Metrics,
     registry::{Registry, RegistryConfig},
     server::ServeOptions,
-    store::{MemoryStore, RedbStore, RedbStoreConfig, Store, StoreError},
+    store::{DiskStore, DiskStoreConfig, MemoryStore, Store, StoreError},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -278,14 +278,19 @@ fn open_configured_store(
     if config.in_memory {
         return Ok(Arc::new(MemoryStore::volatile()));
     }
-    let store = RedbStore::open(RedbStoreConfig {
+    if config.store_cache_mib.is_some() {
+        tracing::warn!(
+            "--store-cache-mib (TASKGATE_STORE_CACHE_MIB) has no effect since the store keeps \
+             a snapshot file instead of a redb file; remove it"
+        );
+    }
+    let store = DiskStore::open(DiskStoreConfig {
         dir: config.data_dir.clone(),
         max_batch: usize::try_from(config.commit_batch).unwrap_or(usize::MAX),
-        cache_bytes: config.store_cache_mib.saturating_mul(1024 * 1024),
         log_limit: config.store_log_limit,
         metrics: Some(metrics),
     })?;
-    tracing::info!(file = %store.path().display(), "store opened");
+    tracing::info!(dir = %store.dir().display(), "store opened");
     Ok(Arc::new(store))
 }
 

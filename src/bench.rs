@@ -60,10 +60,6 @@ pub struct BenchConfig {
     /// warmed up first and the sizes compare like with like.
     #[arg(long)]
     pub scale_no_warm_up: bool,
-    /// The data file's page cache in the checkpoint scenario, in MiB (the
-    /// server's default is 64).
-    #[arg(long, default_value_t = 64)]
-    pub checkpoint_cache_mib: usize,
     /// The servers' `--log` filter. It must let the `taskgate listening`
     /// line through (the bench reads the address from it);
     /// `info,taskgate::http::edge=warn` turns the per-request span off.
@@ -628,7 +624,7 @@ async fn store_work(addr: SocketAddr) -> std::io::Result<[f64; 6]> {
 /// head and allocation ID included).
 const CHECKPOINT_RECORD_BYTES: usize = 740;
 
-/// The store's checkpoint code alone, on a data file of as many records as
+/// The store's checkpoint code alone, on a snapshot of as many records as
 /// the largest scale size: fills it, then folds checkpoints of distinct
 /// records picked at random (what reports spread over every allocation give
 /// a checkpoint), timed by the wall clock and by the thread's CPU time.
@@ -640,15 +636,13 @@ async fn checkpoint(config: &BenchConfig) -> std::io::Result<String> {
         .copied()
         .max()
         .unwrap_or(1_000_000);
-    let cache_mib = config.checkpoint_cache_mib;
     tokio::task::spawn_blocking(move || {
-        let mut store = crate::store::FoldBench::create(&dir, cache_mib << 20)
-            .map_err(std::io::Error::other)?;
+        let mut store = crate::store::FoldBench::create(&dir);
         let record = vec![b'x'; CHECKPOINT_RECORD_BYTES];
         let mut ids: Vec<String> = (0..size).map(|i| format!("scale-{i}")).collect();
         ids.sort_unstable();
         // The three random checkpoints (1%, 9% and 40% of the records),
-        // each in key order; both ways of folding get the same ones.
+        // each in key order.
         let mut rng = fastrand::Rng::with_seed(7);
         let mut order: Vec<usize> = (0..size).collect();
         let picks: Vec<Vec<usize>> = [size / 100, size * 9 / 100, size * 4 / 10]
@@ -661,8 +655,8 @@ async fn checkpoint(config: &BenchConfig) -> std::io::Result<String> {
             })
             .collect();
         let mut lines = vec![format!(
-            "checkpoint (the store's fold into a data file of {size} records of \
-             {CHECKPOINT_RECORD_BYTES} bytes, page cache {cache_mib} MiB):"
+            "checkpoint (the store's fold into a snapshot of {size} records of \
+             {CHECKPOINT_RECORD_BYTES} bytes):"
         )];
         // (wall, CPU) seconds of `work`, on this thread.
         let timed = |work: &mut dyn FnMut() -> std::io::Result<()>| {
@@ -679,7 +673,7 @@ async fn checkpoint(config: &BenchConfig) -> std::io::Result<String> {
             let mut changes = Some(crate::store::FoldChanges::new(changes));
             timed(&mut || {
                 let changes = changes.take().expect("folded once");
-                store.fold(changes).map_err(std::io::Error::other)
+                store.fold(changes).map(drop).map_err(std::io::Error::other)
             })
         };
         let us = |seconds: f64, n: usize| seconds * 1e6 / n.max(1) as f64;
@@ -712,140 +706,10 @@ async fn checkpoint(config: &BenchConfig) -> std::io::Result<String> {
                 cpu_per = us(cpu, k),
             ));
         }
-        drop(store);
-
-        // The same checkpoints folded the other way: a sorted snapshot
-        // rewritten sequentially (see `snapshot_model`).
-        let snapshot = dir.join("model.snapshot");
-        let (wall, cpu) = timed(&mut || {
-            snapshot_model::write(&snapshot, ids.iter().map(|id| (id.as_str(), &record[..])))
-        })?;
-        lines.push(format!(
-            "- for comparison, a sorted snapshot file rewritten at each checkpoint \
-             (merged sequentially with the changes, checksummed, fsynced, renamed): \
-             written whole in {wall:.2} s ({cpu_per:.1} µs of CPU per record)",
-            cpu_per = us(cpu, size),
-        ));
-        // The first rewrite after the file was written costs several times
-        // the later ones (measured: 1.7–2.0 s of CPU against 0.4–1.2 s for
-        // a million records); it is shown apart, with no changes.
-        let (wall, cpu) = timed(&mut || snapshot_model::merge(&snapshot, &[]))?;
-        lines.push(format!(
-            "  - the first rewrite, with no changes: {wall:.2} s ({cpu:.2} s of CPU)"
-        ));
-        for picked in &picks {
-            let k = picked.len();
-            let changes: Vec<(&str, &[u8])> = picked
-                .iter()
-                .map(|&i| (ids[i].as_str(), &record[..]))
-                .collect();
-            let (wall, cpu) = timed(&mut || snapshot_model::merge(&snapshot, &changes))?;
-            lines.push(format!(
-                "  - {k} changed records merged in: {wall:.2} s, {per:.1} µs per changed \
-                 record ({cpu_per:.1} µs of CPU)",
-                per = us(wall, k),
-                cpu_per = us(cpu, k),
-            ));
-        }
         Ok(lines.join("\n"))
     })
     .await
     .map_err(std::io::Error::other)?
-}
-
-/// What a checkpoint would cost if the store kept its records in one
-/// sorted snapshot file instead of redb's B-tree, rewritten sequentially at
-/// each checkpoint (the old snapshot merged with the checkpoint's sorted
-/// changes), as LSM stores fold their logs. A cost model for the
-/// checkpoint scenario, not a store: frames are `len: u32 | crc32: u32 |
-/// id_len: u8 | id | record`, checked on the way in as a load would.
-mod snapshot_model {
-    use std::{
-        fs::File,
-        io::{self, BufRead, BufReader, BufWriter, Read, Write},
-        path::Path,
-    };
-
-    fn put(out: &mut impl Write, id: &str, record: &[u8]) -> io::Result<()> {
-        let id_len = [u8::try_from(id.len()).map_err(io::Error::other)?];
-        let mut crc = crc32fast::Hasher::new();
-        crc.update(&id_len);
-        crc.update(id.as_bytes());
-        crc.update(record);
-        let len = u32::try_from(1 + id.len() + record.len()).map_err(io::Error::other)?;
-        out.write_all(&len.to_le_bytes())?;
-        out.write_all(&crc.finalize().to_le_bytes())?;
-        out.write_all(&id_len)?;
-        out.write_all(id.as_bytes())?;
-        out.write_all(record)
-    }
-
-    fn finish(out: BufWriter<File>, tmp: &Path, path: &Path) -> io::Result<()> {
-        let file = out.into_inner().map_err(io::IntoInnerError::into_error)?;
-        file.sync_data()?;
-        std::fs::rename(tmp, path)?;
-        if let Some(dir) = path.parent() {
-            File::open(dir)?.sync_all()?;
-        }
-        Ok(())
-    }
-
-    /// Writes `records` (sorted by ID) as the snapshot at `path`.
-    pub fn write<'a>(
-        path: &Path,
-        records: impl Iterator<Item = (&'a str, &'a [u8])>,
-    ) -> io::Result<()> {
-        let tmp = path.with_extension("next");
-        let mut out = BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
-        for (id, record) in records {
-            put(&mut out, id, record)?;
-        }
-        finish(out, &tmp, path)
-    }
-
-    /// Rewrites the snapshot at `path` with `changes` (sorted by ID) in
-    /// place of the records they replace.
-    pub fn merge(path: &Path, changes: &[(&str, &[u8])]) -> io::Result<()> {
-        let tmp = path.with_extension("next");
-        let mut input = BufReader::with_capacity(1 << 20, File::open(path)?);
-        let mut out = BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
-        let mut changes = changes.iter().peekable();
-        let (mut head, mut payload) = ([0u8; 8], Vec::new());
-        while !input.fill_buf()?.is_empty() {
-            input.read_exact(&mut head)?;
-            let len = u32::from_le_bytes(head[..4].try_into().expect("4 bytes")) as usize;
-            let crc = u32::from_le_bytes(head[4..].try_into().expect("4 bytes"));
-            payload.resize(len, 0);
-            input.read_exact(&mut payload)?;
-            if crc32fast::hash(&payload) != crc {
-                return Err(io::Error::other("a snapshot frame fails its checksum"));
-            }
-            let id_len = usize::from(
-                *payload
-                    .first()
-                    .ok_or_else(|| io::Error::other("empty frame"))?,
-            );
-            let id = std::str::from_utf8(
-                payload
-                    .get(1..1 + id_len)
-                    .ok_or_else(|| io::Error::other("short frame"))?,
-            )
-            .map_err(io::Error::other)?;
-            while let Some((new_id, record)) = changes.next_if(|(c, _)| *c < id) {
-                put(&mut out, new_id, record)?;
-            }
-            if let Some((new_id, record)) = changes.next_if(|(c, _)| *c == id) {
-                put(&mut out, new_id, record)?;
-            } else {
-                out.write_all(&head)?;
-                out.write_all(&payload)?;
-            }
-        }
-        for (id, record) in changes {
-            put(&mut out, id, record)?;
-        }
-        finish(out, &tmp, path)
-    }
 }
 
 /// CPU time used so far (seconds, user + system), from `/proc`.
@@ -1332,47 +1196,6 @@ mod tests {
         assert_eq!(name, "odd) name");
         assert!((seconds - 300.0 / hz).abs() < 1e-9, "{seconds}");
         assert!(proc_stat_seconds("4242 (cut) S 1 2").is_err());
-    }
-
-    #[test]
-    fn the_snapshot_model_merges_changes_in_key_order_and_checks_its_frames() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("s");
-        let old: Vec<(&str, &[u8])> = vec![("a", b"1"), ("c", b"3"), ("e", b"5")];
-        snapshot_model::write(&path, old.into_iter()).unwrap();
-        let changes: Vec<(&str, &[u8])> = vec![("b", b"new"), ("c", b"33"), ("f", b"6")];
-        snapshot_model::merge(&path, &changes).unwrap();
-        // Read it back frame by frame.
-        let bytes = std::fs::read(&path).unwrap();
-        let (mut got, mut pos) = (Vec::new(), 0);
-        while pos < bytes.len() {
-            let len = u32::from_le_bytes(bytes[pos..pos + 4].try_into().unwrap()) as usize;
-            let payload = &bytes[pos + 8..pos + 8 + len];
-            let id_len = usize::from(payload[0]);
-            got.push((
-                String::from_utf8(payload[1..1 + id_len].to_vec()).unwrap(),
-                payload[1 + id_len..].to_vec(),
-            ));
-            pos += 8 + len;
-        }
-        let want: Vec<(String, Vec<u8>)> = [
-            ("a", "1"),
-            ("b", "new"),
-            ("c", "33"),
-            ("e", "5"),
-            ("f", "6"),
-        ]
-        .iter()
-        .map(|(k, v)| ((*k).to_owned(), v.as_bytes().to_vec()))
-        .collect();
-        assert_eq!(got, want);
-        assert!(!dir.path().join("s.next").exists(), "renamed into place");
-        // A flipped bit is caught on the next merge.
-        let mut damaged = bytes;
-        let last = damaged.len() - 1;
-        damaged[last] ^= 1;
-        std::fs::write(&path, damaged).unwrap();
-        assert!(snapshot_model::merge(&path, &[]).is_err());
     }
 
     #[test]

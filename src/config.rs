@@ -101,7 +101,7 @@ pub struct ServeConfig {
     #[arg(long, env = "TASKGATE_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
 
-    /// Directory of the embedded store (a redb file and its log). Created
+    /// Directory of the embedded store (a snapshot and its log). Created
     /// if missing.
     #[arg(long, env = "TASKGATE_DATA_DIR", default_value = "./taskgate-data")]
     pub data_dir: PathBuf,
@@ -125,14 +125,18 @@ pub struct ServeConfig {
     #[arg(long, env = "TASKGATE_TRANSPARENT_HUGE_PAGES")]
     pub transparent_huge_pages: bool,
 
-    /// Page cache of the disk store, in MiB.
-    #[arg(long, env = "TASKGATE_STORE_CACHE_MIB", default_value_t = 64)]
-    pub store_cache_mib: usize,
+    /// No effect: it sized the page cache of the redb file that held the
+    /// records up to taskgate 0.1 (the store is a snapshot file now).
+    /// Accepted, with a warning, so existing command lines still start.
+    #[arg(long, env = "TASKGATE_STORE_CACHE_MIB", hide = true)]
+    pub store_cache_mib: Option<usize>,
 
-    /// Size of the store's log at which a checkpoint folds it into the data
-    /// file (`64MiB`, `512KiB`, or bytes). The log stays under about four
-    /// times this (on disk, and in memory until folded), which is what
-    /// recovery replays at most; larger means fewer, bigger checkpoints.
+    /// Size of the store's log at which a checkpoint folds it into the
+    /// snapshot (`64MiB`, `512KiB`, or bytes), or a quarter of the
+    /// snapshot's size if that is larger (a checkpoint rewrites the whole
+    /// snapshot, so its cost per change stays the same at any size). The
+    /// log stays under about four times that, which is what recovery
+    /// replays at most; larger means fewer, bigger checkpoints.
     #[arg(long, env = "TASKGATE_STORE_LOG_LIMIT", default_value = "64MiB", value_parser = byte_size)]
     pub store_log_limit: u64,
 
@@ -208,7 +212,7 @@ impl ServeConfig {
             data_dir: PathBuf::from("./taskgate-data"),
             in_memory: true,
             commit_batch: 4096,
-            store_cache_mib: 64,
+            store_cache_mib: None,
             transparent_huge_pages: false,
             store_log_limit: crate::store::DEFAULT_LOG_LIMIT,
             token_file: None,

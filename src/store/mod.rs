@@ -4,19 +4,21 @@
 //!
 //! This layer knows records, not rules: it never evaluates a coordinator.
 
+mod disk;
 mod memory;
+mod migrate;
 mod record;
-mod redb;
 mod snapshot;
 mod wal;
 
 use std::{future::Future, pin::Pin, sync::Arc};
 
-pub use memory::MemoryStore;
-pub use redb::{
-    DATA_FILE, DEFAULT_CACHE_BYTES, DEFAULT_LOG_LIMIT, FoldBench, FoldChanges, RedbStore,
-    RedbStoreConfig, StoreStats,
+pub use disk::{
+    DEFAULT_LOG_LIMIT, DiskStore, DiskStoreConfig, FoldBench, FoldChanges, LOCK_FILE, StoreStats,
 };
+pub use memory::MemoryStore;
+pub use migrate::{MIGRATED_FILE, REDB_FILE};
+pub use snapshot::SNAPSHOT_FILE;
 pub use wal::list_segments as log_segments;
 
 use crate::lifecycle::{AllocId, Allocation};

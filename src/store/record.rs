@@ -47,7 +47,15 @@ struct VersionOnly {
     v: u32,
 }
 
+#[cfg(test)]
 pub fn encode(a: &Allocation) -> Vec<u8> {
+    let mut buf = Vec::new();
+    encode_into(a, &mut buf);
+    buf
+}
+
+/// Appends the record of `a` to `buf`.
+pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
     let out = RecordOut {
         v: RECORD_VERSION,
         id: &a.id,
@@ -59,7 +67,7 @@ pub fn encode(a: &Allocation) -> Vec<u8> {
         created_at: a.created_at,
         modified_at: a.modified_at,
     };
-    serde_json::to_vec(&out).expect("an allocation record always serializes")
+    serde_json::to_writer(buf, &out).expect("an allocation record always serializes");
 }
 
 /// Decodes a stored record exactly as it was (no re-evaluation). One parse

@@ -50,12 +50,6 @@ impl Overlay {
         self.changes.insert(id, record);
         self.last_index = self.last_index.max(index);
     }
-
-    /// Takes in `newer`'s changes, which win over ours.
-    pub fn absorb(&mut self, newer: Overlay) {
-        self.changes.extend(newer.changes);
-        self.last_index = self.last_index.max(newer.last_index);
-    }
 }
 
 pub fn segment_path(dir: &Path, seq: u64) -> PathBuf {
@@ -84,15 +78,31 @@ pub fn list_segments(dir: &Path) -> io::Result<Vec<(u64, PathBuf)>> {
 
 /// Appends one change as a frame to `buf`.
 pub fn frame(buf: &mut Vec<u8>, id: &str, index: u64, record: Option<&[u8]>) {
+    frame_with(buf, id, index, record.is_some(), |buf| {
+        if let Some(r) = record {
+            buf.extend_from_slice(r);
+        }
+    });
+}
+
+/// Appends a frame whose record (for a put) `fill` writes in place, so a
+/// record is encoded straight into its frame, with no copy.
+pub fn frame_with(
+    buf: &mut Vec<u8>,
+    id: &str,
+    index: u64,
+    put: bool,
+    fill: impl FnOnce(&mut Vec<u8>),
+) {
     let id_len = u8::try_from(id.len()).expect("allocation IDs are at most 128 bytes");
     let start = buf.len();
     buf.extend_from_slice(&[0; FRAME_HEAD]);
-    buf.push(if record.is_some() { PUT } else { DELETE });
+    buf.push(if put { PUT } else { DELETE });
     buf.extend_from_slice(&index.to_le_bytes());
     buf.push(id_len);
     buf.extend_from_slice(id.as_bytes());
-    if let Some(r) = record {
-        buf.extend_from_slice(r);
+    if put {
+        fill(buf);
     }
     let payload = &buf[start + FRAME_HEAD..];
     let len = u32::try_from(payload.len()).expect("a record is far below 4 GiB");

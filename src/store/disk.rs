@@ -1,5 +1,5 @@
-//! The embedded disk store: a redb file and a write-ahead log, one writer
-//! thread (group commit) and one checkpoint thread.
+//! The embedded disk store: a snapshot file and a write-ahead log, one
+//! writer thread (group commit) and one checkpoint thread.
 //!
 //! Requests serialize their record on their own thread and queue it. The
 //! writer takes everything queued at that moment (up to `max_batch`),
@@ -10,24 +10,23 @@
 //!
 //! Once the log holds `log_limit` bytes, the writer seals its segment,
 //! starts the next, and hands the newest record of every allocation changed
-//! since the last checkpoint to the checkpoint thread, which writes them
-//! into the redb file in one transaction (keys sorted, so neighbours share
-//! their pages), notes there which segment it folded, and removes the
-//! folded segments. The checkpoint thread runs at the lowest priority, in
-//! the time requests leave; while a checkpoint runs the log may grow to
-//! `LOG_SLACK` times its limit before the writer waits for it. The log on
-//! disk (and in memory until folded) — the segments being folded plus
-//! those written since — so stays under about `2 × LOG_SLACK` times the
-//! limit: 256 MiB by default, what recovery replays at most.
+//! since the last checkpoint to the checkpoint thread, which writes the next
+//! snapshot (`snapshot.rs`: the current one merged with those changes,
+//! sequentially, renamed into place), recording in it which segment it
+//! folded, and then removes the folded segments. The checkpoint thread runs
+//! at the lowest priority, in the time requests leave; while a checkpoint
+//! runs the log may grow to `LOG_SLACK` times its limit before the writer
+//! waits for it. The log on disk (and in memory until folded) — the
+//! segments being folded plus those written since — so stays under about
+//! `2 × LOG_SLACK` times the limit: 256 MiB by default, what recovery
+//! replays at most.
 //!
-//! Why not a redb commit per group commit: redb is a copy-on-write B-tree,
-//! and a commit rewrites every leaf it touches and the branch pages above
-//! them. Spread over a million allocations every change dirtied a leaf of
-//! its own, and a commit's cost per change doubled from 1,000 to 1,000,000
-//! allocations; a log append costs the same at any size.
+//! Recovery reads the snapshot, then replays the segments it has not
+//! folded, in order. A data directory from before the snapshot (a redb
+//! file) is migrated on open (`migrate.rs`).
 //!
-//! Recovery reads the redb file, then replays the segments it has not
-//! folded, in order.
+//! One process at a time: the store holds an exclusive lock on
+//! `taskgate.lock` in the data directory while it is open.
 
 use std::{
     path::{Path, PathBuf},
@@ -39,68 +38,45 @@ use std::{
     time::Instant,
 };
 
-use redb::{
-    Database, DatabaseError, ReadableDatabase, ReadableTable, ReadableTableMetadata,
-    TableDefinition, TableError,
-};
 use tokio::sync::oneshot;
 
 use super::{
-    Commit, Loaded, Op, Store, StoreError, record,
+    Commit, Loaded, Op, Store, StoreError, migrate, record,
+    snapshot::{self, NEXT_FILE, SNAPSHOT_FILE, Snapshot},
     wal::{self, Overlay},
 };
 use crate::{lifecycle::Allocation, metrics::Metrics};
 
-/// The data file's name inside the data directory.
-pub const DATA_FILE: &str = "taskgate.redb";
-
-/// allocation ID → record (see `record.rs`).
-const ALLOCATIONS: TableDefinition<&str, &[u8]> = TableDefinition::new("allocations");
-/// Store-wide facts: the file format, the last global index, and the last
-/// log segment folded into the file.
-const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
-const META_FORMAT: &str = "format";
-const META_LAST_INDEX: &str = "last_index";
-const META_LOG_FOLDED: &str = "log_folded";
-/// The file layout this build reads and writes (tables and their meaning).
-/// Format 2 is format 1 plus the log: a format-1 file is upgraded in place
-/// on open, and a taskgate that knows only format 1 (and would ignore the
-/// log) refuses a format-2 file.
-const FILE_FORMAT: u64 = 2;
-const FILE_FORMAT_WITHOUT_LOG: u64 = 1;
+/// The lock file's name inside the data directory.
+pub const LOCK_FILE: &str = "taskgate.lock";
 
 #[derive(Clone, Debug)]
-pub struct RedbStoreConfig {
+pub struct DiskStoreConfig {
     pub dir: PathBuf,
     /// Most changes in one commit; 1 turns group commit off.
     pub max_batch: usize,
-    /// redb's page cache. Every record also lives in memory as a decoded
-    /// allocation, so a small cache serves the checkpoints; redb's default
-    /// (1 GiB) would hold a second copy of the whole file after loading.
-    pub cache_bytes: usize,
     /// Log bytes after which a checkpoint folds them into the redb file.
     pub log_limit: u64,
     /// Where commit latency and batch sizes are recorded.
     pub metrics: Option<Arc<Metrics>>,
 }
 
-/// Default page cache of the store.
-pub const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
 /// Default size of the log between checkpoints.
 pub const DEFAULT_LOG_LIMIT: u64 = 64 * 1024 * 1024;
 /// How far past its limit the log may grow while a checkpoint runs.
 const LOG_SLACK: u64 = 2;
+/// The log's limit is at least the snapshot's size divided by this. A
+/// checkpoint rewrites the whole snapshot, so its cost grows with the
+/// number of allocations; with the limit growing alike, its cost per
+/// change stays the same at any size (and the disk writes at most ~4
+/// snapshot bytes per log byte).
+const SNAPSHOT_RATIO: u64 = 4;
 
 enum Msg {
-    Put {
-        id: String,
-        bytes: Vec<u8>,
-        index: u64,
-        ack: oneshot::Sender<Result<(), StoreError>>,
-    },
-    Delete {
-        id: String,
-        index: u64,
+    /// One change, as its log frame (built and checksummed by the
+    /// requester, on its own thread).
+    Change {
+        frame: Vec<u8>,
         ack: oneshot::Sender<Result<(), StoreError>>,
     },
     Close(mpsc::SyncSender<()>),
@@ -113,32 +89,33 @@ pub struct StoreStats {
     pub commits: u64,
     /// Changes (puts and deletes) in them.
     pub changes: u64,
-    /// Checkpoints written into the redb file.
+    /// Checkpoints (snapshots written).
     pub checkpoints: u64,
     /// Records (one per allocation changed) those checkpoints wrote.
     pub folded: u64,
 }
 
-pub struct RedbStore {
-    /// The open file; read by `load`, written only by the checkpoint thread.
-    db: Arc<Database>,
+pub struct DiskStore {
+    /// Held (locked) while the store is open.
+    _lock: std::fs::File,
     /// Written by the writer and the checkpoints; read by `stats`.
     stats: Arc<Mutex<StoreStats>>,
-    path: PathBuf,
+    dir: PathBuf,
     /// Queue to the writer thread; `None` once closed.
     queue: Mutex<Option<Sender<Msg>>>,
     /// The writer, then the checkpoint thread, joined in that order.
     threads: Mutex<Vec<JoinHandle<()>>>,
     /// What the log held at open, until `load` takes it.
-    recovered: Mutex<Option<Arc<Overlay>>>,
+    recovered: Mutex<Option<Overlay>>,
     /// Set by the writer when the log takes no more changes.
     failure: Arc<Mutex<Option<String>>>,
 }
 
 fn unusable(path: &Path, what: impl std::fmt::Display) -> StoreError {
     StoreError::Unusable(format!(
-        "data file {}: {what}. Nothing in it was changed. If it is damaged, restore it \
-         from a backup, or move it away to start with an empty store.",
+        "snapshot {}: {what}. Nothing in it was changed. The data directory must be \
+         restored from a backup as a whole (the snapshot and its log segments belong \
+         together), or moved away to start with an empty store.",
         path.display()
     ))
 }
@@ -152,29 +129,34 @@ fn unusable_log(path: &Path, what: impl std::fmt::Display) -> StoreError {
     ))
 }
 
-impl RedbStore {
+impl DiskStore {
     /// Opens (or creates) the data file, replays its log, and starts the
     /// writer and checkpoint threads.
-    pub fn open(config: RedbStoreConfig) -> Result<Self, StoreError> {
+    pub fn open(config: DiskStoreConfig) -> Result<Self, StoreError> {
         std::fs::create_dir_all(&config.dir).map_err(|e| {
             StoreError::Unusable(format!(
                 "cannot create the data directory {}: {e}",
                 config.dir.display()
             ))
         })?;
-        let path = config.dir.join(DATA_FILE);
-        let db = Database::builder()
-            .set_cache_size(config.cache_bytes)
-            .create(&path)
-            .map_err(|e| match e {
-            DatabaseError::DatabaseAlreadyOpen => StoreError::Unusable(format!(
-                "data file {} is in use by another process (is another taskgate running on this directory?)",
-                path.display()
-            )),
-            other => unusable(&path, format!("cannot be opened: {other}")),
-        })?;
-        let db = Arc::new(db);
-        let folded = Self::check_format(&db, &path)?;
+        let lock = lock(&config.dir)?;
+        migrate::redb_to_snapshot(&config.dir)?;
+        let path = config.dir.join(SNAPSHOT_FILE);
+        // A checkpoint that stopped before its rename: its snapshot is
+        // incomplete and its segments are all still there.
+        match std::fs::remove_file(config.dir.join(NEXT_FILE)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(StoreError::Unusable(format!(
+                    "cannot remove the unfinished snapshot {}: {e}",
+                    config.dir.join(NEXT_FILE).display()
+                )));
+            }
+            _ => {}
+        }
+        let folded = Snapshot::open(&config.dir)
+            .map_err(|e| unusable(&path, format!("cannot be read: {e}")))?
+            .map_or(0, |s| s.folded);
+        let snapshot_bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
         let (overlay, log_bytes, next_seq) = recover_log(&config.dir, folded)?;
         let segment = wal::Segment::create(&config.dir, next_seq).map_err(|e| {
             StoreError::Unusable(format!(
@@ -182,7 +164,6 @@ impl RedbStore {
                 wal::segment_path(&config.dir, next_seq).display()
             ))
         })?;
-        let overlay = Arc::new(overlay);
         let stats = Arc::new(Mutex::new(StoreStats::default()));
         let (jobs, jobs_rx) = mpsc::channel();
         let (done, done_rx) = mpsc::channel();
@@ -193,12 +174,12 @@ impl RedbStore {
                 .map_err(|e| StoreError::Unusable(format!("cannot start the {name} thread: {e}")))
         };
         let checkpointer = {
-            let (db, dir, stats) = (db.clone(), config.dir.clone(), stats.clone());
+            let (dir, stats) = (config.dir.clone(), stats.clone());
             let metrics = config.metrics.clone();
             spawn(
                 "taskgate-checkpoint",
                 Box::new(move || {
-                    checkpointer(&db, &dir, &jobs_rx, &done, &stats, metrics.as_deref())
+                    checkpointer(&dir, folded, &jobs_rx, &done, &stats, metrics.as_deref())
                 }),
             )?
         };
@@ -209,9 +190,9 @@ impl RedbStore {
             log_bytes: log_bytes + segment.len,
             segment,
             log_limit: config.log_limit.max(1),
-            pending: overlay.clone(),
             jobs,
             done: done_rx,
+            snapshot_bytes,
             in_flight: false,
             failure: failure.clone(),
             max_batch: config.max_batch.max(1),
@@ -220,9 +201,9 @@ impl RedbStore {
         };
         let writer = spawn("taskgate-store", Box::new(move || writer.run(&rx)))?;
         Ok(Self {
-            db,
+            _lock: lock,
             stats,
-            path,
+            dir: config.dir,
             queue: Mutex::new(Some(tx)),
             threads: Mutex::new(vec![writer, checkpointer]),
             recovered: Mutex::new(Some(overlay)),
@@ -230,57 +211,13 @@ impl RedbStore {
         })
     }
 
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// The data directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
     pub fn stats(&self) -> StoreStats {
         *self.stats.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// A new file gets the current format; an existing one must have it
-    /// (a format-1 file is upgraded). Returns the last log segment folded
-    /// into the file.
-    fn check_format(db: &Database, path: &Path) -> Result<u64, StoreError> {
-        let io = |e: &dyn std::fmt::Display| unusable(path, format!("cannot be read: {e}"));
-        let txn = db.begin_write().map_err(|e| io(&e))?;
-        let folded;
-        {
-            let mut meta = txn.open_table(META).map_err(|e| io(&e))?;
-            let format = meta
-                .get(META_FORMAT)
-                .map_err(|e| io(&e))?
-                .map(|v| v.value());
-            match format {
-                Some(FILE_FORMAT) => {}
-                Some(FILE_FORMAT_WITHOUT_LOG) => {
-                    meta.insert(META_FORMAT, FILE_FORMAT).map_err(|e| io(&e))?;
-                }
-                Some(other) => {
-                    return Err(unusable(
-                        path,
-                        format!(
-                            "it has file format {other}, and this taskgate reads format {FILE_FORMAT} \
-                             (was it written by a newer taskgate?)"
-                        ),
-                    ));
-                }
-                None => {
-                    let allocations = txn.open_table(ALLOCATIONS).map_err(|e| io(&e))?;
-                    if !allocations.is_empty().map_err(|e| io(&e))? {
-                        return Err(unusable(path, "it holds records but no format marker"));
-                    }
-                    drop(allocations);
-                    meta.insert(META_FORMAT, FILE_FORMAT).map_err(|e| io(&e))?;
-                }
-            }
-            folded = meta
-                .get(META_LOG_FOLDED)
-                .map_err(|e| io(&e))?
-                .map_or(0, |v| v.value());
-        }
-        txn.commit().map_err(|e| io(&e))?;
-        Ok(folded)
     }
 
     fn send(&self, msg: Msg) -> bool {
@@ -300,6 +237,30 @@ impl RedbStore {
             }
         }
         result
+    }
+}
+
+/// Takes the data directory's lock, or says who holds it.
+fn lock(dir: &Path) -> Result<std::fs::File, StoreError> {
+    let path = dir.join(LOCK_FILE);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| {
+            StoreError::Unusable(format!("cannot open the lock file {}: {e}", path.display()))
+        })?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(StoreError::Unusable(format!(
+            "the data directory {} is in use by another process (is another taskgate running on it?)",
+            dir.display()
+        ))),
+        Err(std::fs::TryLockError::Error(e)) => Err(StoreError::Unusable(format!(
+            "cannot lock {}: {e}",
+            path.display()
+        ))),
     }
 }
 
@@ -379,64 +340,32 @@ fn recover_log(dir: &Path, folded: u64) -> Result<(Overlay, u64, u64), StoreErro
     Ok((overlay, bytes, next))
 }
 
-impl Store for RedbStore {
+impl Store for DiskStore {
     fn load(&self) -> Result<Loaded, StoreError> {
-        let path = &self.path;
-        let io = |e: &dyn std::fmt::Display| unusable(path, format!("cannot be read: {e}"));
+        let path = self.dir.join(SNAPSHOT_FILE);
+        let io = |e: std::io::Error| unusable(&path, format!("cannot be read: {e}"));
         let overlay = self
             .recovered
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take()
             .ok_or_else(|| StoreError::Io("the store is loaded once, at start".into()))?;
-        let txn = self.db.begin_read().map_err(|e| io(&e))?;
-        let stored_index = match txn.open_table(META) {
-            Ok(meta) => meta
-                .get(META_LAST_INDEX)
-                .map_err(|e| io(&e))?
-                .map_or(0, |v| v.value()),
-            Err(TableError::TableDoesNotExist(_)) => 0,
-            Err(e) => return Err(io(&e)),
-        };
-        let table = match txn.open_table(ALLOCATIONS) {
-            Ok(t) => Some(t),
-            Err(TableError::TableDoesNotExist(_)) => None,
-            Err(e) => return Err(io(&e)),
-        };
-        let capacity = match &table {
-            Some(t) => t.len().map_err(|e| io(&e))? as usize + overlay.changes.len(),
-            None => overlay.changes.len(),
-        };
-        let mut loader = Loader::new(path, capacity);
-        // The log's changes are newer than the file's records: merged in
-        // key order, a logged record replaces the file's, a logged
+        let mut base = Snapshot::open(&self.dir).map_err(io)?;
+        let stored_index = base.as_ref().map_or(0, |b| b.last_index);
+        // The log's changes are newer than the snapshot's records: merged
+        // in ID order, a logged record replaces the snapshot's, a logged
         // deletion drops it.
-        let mut newer: Vec<(&String, &Option<Vec<u8>>)> = overlay.changes.iter().collect();
-        newer.sort_unstable_by(|a, b| a.0.cmp(b.0));
-        let mut newer = newer.into_iter().peekable();
-        if let Some(table) = &table {
-            for entry in table.iter().map_err(|e| io(&e))? {
-                let (key, value) = entry.map_err(|e| io(&e))?;
-                let key = key.value();
-                while let Some((id, record)) = newer.next_if(|(id, _)| id.as_str() < key) {
-                    if let Some(r) = record {
-                        loader.push(id.clone(), r.clone())?;
-                    }
-                }
-                if let Some((_, record)) = newer.next_if(|(id, _)| id.as_str() == key) {
-                    if let Some(r) = record {
-                        loader.push(key.to_owned(), r.clone())?;
-                    }
-                    continue;
-                }
-                loader.push(key.to_owned(), value.value().to_vec())?;
-            }
-        }
-        for (id, record) in newer {
-            if let Some(r) = record {
-                loader.push(id.clone(), r.clone())?;
-            }
-        }
+        let changes = snapshot::sorted(&overlay);
+        let stored = base.as_ref().map_or(0, Snapshot::records);
+        let mut loader = Loader::new(&path, usize::try_from(stored).unwrap_or(0) + changes.len());
+        let mut failed = None;
+        snapshot::load(base.as_mut(), &changes, |id, record| {
+            loader.push(id.to_owned(), record.to_vec()).map_err(|e| {
+                failed = Some(e);
+                std::io::Error::other("a record did not decode")
+            })
+        })
+        .map_err(|e| failed.take().unwrap_or_else(|| io(e)))?;
         Ok(Loaded {
             allocations: loader.finish()?,
             last_index: stored_index.max(overlay.last_index),
@@ -445,19 +374,14 @@ impl Store for RedbStore {
 
     fn commit(&self, op: Op) -> Commit {
         let (ack, done) = oneshot::channel();
-        let msg = match op {
-            Op::Put(a) => Msg::Put {
-                id: a.id.to_string(),
-                bytes: record::encode(&a),
-                index: a.modify_index,
-                ack,
-            },
-            Op::Delete { id, index } => Msg::Delete {
-                id: id.to_string(),
-                index,
-                ack,
-            },
-        };
+        let mut frame = Vec::new();
+        match op {
+            Op::Put(a) => wal::frame_with(&mut frame, a.id.as_str(), a.modify_index, true, |buf| {
+                record::encode_into(&a, buf);
+            }),
+            Op::Delete { id, index } => wal::frame(&mut frame, id.as_str(), index, None),
+        }
+        let msg = Msg::Change { frame, ack };
         if !self.send(msg) {
             return Box::pin(async { Err(StoreError::Closed) });
         }
@@ -490,7 +414,7 @@ impl Store for RedbStore {
     }
 }
 
-impl Drop for RedbStore {
+impl Drop for DiskStore {
     fn drop(&mut self) {
         // Stops the writer after what is queued; `close` may have done it.
         self.queue
@@ -558,11 +482,10 @@ impl<'a> Loader<'a> {
     }
 }
 
-/// A checkpoint to write: the newest change of every allocation changed in
-/// the segments up to `sealed`.
+/// A checkpoint to write: every segment up to `sealed` (and after the
+/// last one folded) into the next snapshot.
 struct Job {
     sealed: u64,
-    overlay: Overlay,
 }
 
 /// The single writer: one log append and one `fdatasync` per batch.
@@ -572,15 +495,15 @@ struct Writer {
     /// Log bytes since the last seal.
     log_bytes: u64,
     log_limit: u64,
-    /// Every change since the last seal (an `Arc` only so `load` can read
-    /// what was recovered without a copy).
-    pending: Arc<Overlay>,
     jobs: Sender<Job>,
-    /// One answer per job: whether it was folded.
-    done: Receiver<bool>,
+    /// One answer per job: the new snapshot's size, or `None` if the
+    /// checkpoint failed.
+    done: Receiver<Option<u64>>,
+    /// The snapshot's size (see `SNAPSHOT_RATIO`).
+    snapshot_bytes: u64,
     in_flight: bool,
     /// Why the log takes no more changes, after a failed append (shared
-    /// with `RedbStore::failure`).
+    /// with `DiskStore::failure`).
     failure: Arc<Mutex<Option<String>>>,
     max_batch: usize,
     stats: Arc<Mutex<StoreStats>>,
@@ -591,7 +514,6 @@ impl Writer {
     fn run(mut self, queue: &Receiver<Msg>) {
         let mut batch = Vec::with_capacity(self.max_batch);
         let mut buf = Vec::new();
-        let mut changes = Vec::new();
         let mut acks = Vec::new();
         while let Ok(first) = queue.recv() {
             batch.push(first);
@@ -605,19 +527,8 @@ impl Writer {
             buf.clear();
             for msg in batch.drain(..) {
                 match msg {
-                    Msg::Put {
-                        id,
-                        bytes,
-                        index,
-                        ack,
-                    } => {
-                        wal::frame(&mut buf, &id, index, Some(&bytes));
-                        changes.push((id, Some(bytes), index));
-                        acks.push(ack);
-                    }
-                    Msg::Delete { id, index, ack } => {
-                        wal::frame(&mut buf, &id, index, None);
-                        changes.push((id, None, index));
+                    Msg::Change { frame, ack } => {
+                        buf.extend_from_slice(&frame);
                         acks.push(ack);
                     }
                     // Everything queued before the close is in this batch.
@@ -634,17 +545,11 @@ impl Writer {
                     let mut s = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
                     s.commits += 1;
                     s.changes += acks.len() as u64;
-                    drop(s);
-                    let pending = Arc::make_mut(&mut self.pending);
-                    for (id, record, index) in changes.drain(..) {
-                        pending.apply(id, record, index);
-                    }
                 }
-                changes.clear();
                 for ack in acks.drain(..) {
                     let _ = ack.send(result.clone());
                 }
-                if result.is_ok() && self.log_bytes >= self.log_limit {
+                if result.is_ok() && self.log_bytes >= self.limit() {
                     self.seal();
                 }
             }
@@ -679,6 +584,11 @@ impl Writer {
         }
     }
 
+    /// The log size at which the next checkpoint starts.
+    fn limit(&self) -> u64 {
+        self.log_limit.max(self.snapshot_bytes / SNAPSHOT_RATIO)
+    }
+
     /// Seals the current segment and hands what it (and its predecessors
     /// since the last seal) changed to the checkpoint thread. While the
     /// previous checkpoint runs, the log may grow to `LOG_SLACK` times its
@@ -686,19 +596,22 @@ impl Writer {
     /// what recovery replays).
     fn seal(&mut self) {
         if self.in_flight {
-            let answered = match self.done.try_recv() {
-                Ok(_) => true,
+            let answer = match self.done.try_recv() {
+                Ok(answer) => Ok(answer),
                 Err(mpsc::TryRecvError::Empty)
-                    if self.log_bytes < self.log_limit.saturating_mul(LOG_SLACK) =>
+                    if self.log_bytes < self.limit().saturating_mul(LOG_SLACK) =>
                 {
                     return;
                 }
-                Err(mpsc::TryRecvError::Empty) => self.done.recv().is_ok(),
-                Err(mpsc::TryRecvError::Disconnected) => false,
+                Err(mpsc::TryRecvError::Empty) => self.done.recv().map_err(drop),
+                Err(mpsc::TryRecvError::Disconnected) => Err(()),
             };
-            if !answered {
+            let Ok(answer) = answer else {
                 tracing::error!("the checkpoint thread is gone; the store log keeps growing");
                 return;
+            };
+            if let Some(bytes) = answer {
+                self.snapshot_bytes = bytes;
             }
             self.in_flight = false;
         }
@@ -711,29 +624,22 @@ impl Writer {
         };
         let sealed = std::mem::replace(&mut self.segment, next);
         self.log_bytes = self.segment.len;
-        let overlay = std::mem::take(&mut self.pending);
-        let overlay = Arc::try_unwrap(overlay).unwrap_or_else(|shared| (*shared).clone());
-        if self
-            .jobs
-            .send(Job {
-                sealed: sealed.seq,
-                overlay,
-            })
-            .is_ok()
-        {
+        if self.jobs.send(Job { sealed: sealed.seq }).is_ok() {
             self.in_flight = true;
         }
     }
 }
 
-/// Folds sealed segments into the redb file, one job at a time. A failed
-/// checkpoint keeps its changes and writes them with the next job (whose
-/// segment number covers both), so nothing is marked folded unwritten.
+/// Folds sealed segments into the next snapshot, one job at a time: reads
+/// back the segments after `folded` up to the job's, keeps the newest
+/// change of each allocation, and merges them into the next snapshot. The
+/// writer keeps none of it in memory. A failed checkpoint leaves `folded`
+/// where it was, so the next job reads its segments again.
 fn checkpointer(
-    db: &Database,
     dir: &Path,
+    mut folded: u64,
     jobs: &Receiver<Job>,
-    done: &Sender<bool>,
+    done: &Sender<Option<u64>>,
     stats: &Mutex<StoreStats>,
     metrics: Option<&Metrics>,
 ) {
@@ -743,92 +649,77 @@ fn checkpointer(
     if let Err(e) = rustix::process::setpriority_process(None, 19) {
         tracing::warn!(error = %e, "cannot lower the checkpoint thread's priority");
     }
-    let mut carried: Option<Overlay> = None;
     while let Ok(job) = jobs.recv() {
-        let overlay = match carried.take() {
-            Some(mut older) => {
-                older.absorb(job.overlay);
-                older
-            }
-            None => job.overlay,
-        };
         let started = Instant::now();
-        match fold(db, &overlay, job.sealed) {
-            Ok(()) => {
+        let folding = sealed_changes(dir, folded, job.sealed).and_then(|overlay| {
+            snapshot::fold(dir, &overlay, job.sealed).map(|w| (w, overlay.changes.len()))
+        });
+        match folding {
+            Ok((written, changes)) => {
                 if let Some(m) = metrics {
-                    m.checkpoint(started.elapsed(), overlay.changes.len());
+                    m.checkpoint(started.elapsed(), changes);
                 }
                 let mut s = stats.lock().unwrap_or_else(PoisonError::into_inner);
                 s.checkpoints += 1;
-                s.folded += overlay.changes.len() as u64;
+                s.folded += changes as u64;
                 drop(s);
-                drop(overlay);
+                folded = job.sealed;
                 remove_folded(dir, job.sealed);
-                let _ = done.send(true);
+                let _ = done.send(Some(written.bytes));
             }
             Err(e) => {
                 tracing::error!(error = %e, "store checkpoint failed; its changes stay in the log and go with the next one");
-                carried = Some(overlay);
-                let _ = done.send(false);
+                let _ = done.send(None);
             }
         }
     }
 }
 
-/// One transaction: every change, in key order, and how far the log is
-/// folded.
-fn fold(db: &Database, overlay: &Overlay, sealed: u64) -> Result<(), redb::Error> {
-    let mut changes: Vec<_> = overlay.changes.iter().collect();
-    changes.sort_unstable_by(|a, b| a.0.cmp(b.0));
-    let txn = db.begin_write()?;
-    {
-        let mut table = txn.open_table(ALLOCATIONS)?;
-        for (id, record) in changes {
-            match record {
-                Some(r) => {
-                    table.insert(id.as_str(), r.as_slice())?;
-                }
-                None => {
-                    table.remove(id.as_str())?;
-                }
-            }
+/// The newest change of every allocation in the sealed segments after
+/// `folded` up to `sealed`. Sealed segments were written whole, so anything
+/// that does not read back is damage.
+fn sealed_changes(dir: &Path, folded: u64, sealed: u64) -> std::io::Result<Overlay> {
+    let mut overlay = Overlay::default();
+    for seq in folded + 1..=sealed {
+        let path = wal::segment_path(dir, seq);
+        let bytes = std::fs::read(&path)?;
+        let replayed = wal::replay(&bytes, seq, &mut overlay)
+            .map_err(|e| std::io::Error::other(format!("{}: {e}", path.display())))?;
+        if replayed.torn > 0 {
+            return Err(std::io::Error::other(format!(
+                "{}: sealed, but damaged at byte {}",
+                path.display(),
+                replayed.valid_len
+            )));
         }
-        let mut meta = txn.open_table(META)?;
-        let stored = meta.get(META_LAST_INDEX)?.map_or(0, |v| v.value());
-        if overlay.last_index > stored {
-            meta.insert(META_LAST_INDEX, overlay.last_index)?;
-        }
-        meta.insert(META_LOG_FOLDED, sealed)?;
     }
-    txn.commit()?;
-    Ok(())
+    Ok(overlay)
 }
 
-/// A data file folded into by the checkpoints' own code, for `taskgate
+/// A snapshot folded into by the checkpoints' own code, for `taskgate
 /// bench --scenarios checkpoint`: what a checkpoint costs per record, apart
 /// from the server around it.
 pub struct FoldBench {
-    db: Database,
+    dir: PathBuf,
     sealed: u64,
 }
 
 impl FoldBench {
-    /// A new data file in `dir` with a page cache of `cache_bytes` (the
-    /// server's is `--store-cache-mib`, 64 MiB by default).
-    pub fn create(dir: &Path, cache_bytes: usize) -> Result<Self, StoreError> {
-        let path = dir.join(DATA_FILE);
-        let db = Database::builder()
-            .set_cache_size(cache_bytes)
-            .create(&path)
-            .map_err(|e| unusable(&path, format!("cannot be created: {e}")))?;
-        Ok(Self { db, sealed: 0 })
+    /// Checkpoints into a new snapshot in `dir`.
+    pub fn create(dir: &Path) -> Self {
+        Self {
+            dir: dir.to_owned(),
+            sealed: 0,
+        }
     }
 
     /// Writes `changes` in one checkpoint, as the checkpoint thread does
-    /// (sorting them, one transaction, dropping them after).
-    pub fn fold(&mut self, changes: FoldChanges) -> Result<(), StoreError> {
+    /// (sorting them, merging them into the next snapshot, dropping them
+    /// after). Returns the records the snapshot holds.
+    pub fn fold(&mut self, changes: FoldChanges) -> Result<u64, StoreError> {
         self.sealed += 1;
-        fold(&self.db, &changes.0, self.sealed)
+        snapshot::fold(&self.dir, &changes.0, self.sealed)
+            .map(|written| written.records)
             .map_err(|e| StoreError::Io(format!("checkpoint failed: {e}")))
     }
 }
@@ -891,22 +782,21 @@ mod tests {
         registry::{Registry, RegistryConfig},
     };
 
-    fn config(dir: &Path, max_batch: usize, log_limit: u64) -> RedbStoreConfig {
-        RedbStoreConfig {
+    fn config(dir: &Path, max_batch: usize, log_limit: u64) -> DiskStoreConfig {
+        DiskStoreConfig {
             dir: dir.to_owned(),
             max_batch,
-            cache_bytes: DEFAULT_CACHE_BYTES,
             log_limit,
             metrics: None,
         }
     }
 
-    fn open(dir: &Path, max_batch: usize) -> RedbStore {
+    fn open(dir: &Path, max_batch: usize) -> DiskStore {
         open_with(dir, max_batch, DEFAULT_LOG_LIMIT)
     }
 
-    fn open_with(dir: &Path, max_batch: usize, log_limit: u64) -> RedbStore {
-        RedbStore::open(config(dir, max_batch, log_limit)).unwrap()
+    fn open_with(dir: &Path, max_batch: usize, log_limit: u64) -> DiskStore {
+        DiskStore::open(config(dir, max_batch, log_limit)).unwrap()
     }
 
     pub(super) fn spec() -> AllocSpec {
@@ -956,12 +846,10 @@ mod tests {
             .collect()
     }
 
-    fn file_records(store: &RedbStore) -> (u64, u64, u64) {
-        let txn = store.db.begin_read().unwrap();
-        let records = txn.open_table(ALLOCATIONS).map_or(0, |t| t.len().unwrap());
-        let meta = txn.open_table(META).unwrap();
-        let get = |k| meta.get(k).unwrap().map_or(0, |v| v.value());
-        (records, get(META_LAST_INDEX), get(META_LOG_FOLDED))
+    /// Records, last index and last folded segment of the snapshot.
+    fn snapshot_facts(dir: &Path) -> (u64, u64, u64) {
+        let s = Snapshot::open(dir).unwrap().expect("a snapshot");
+        (s.records(), s.last_index, s.folded)
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -997,7 +885,7 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_checkpoint_folds_the_log_into_the_file_and_removes_its_segments() {
+    async fn a_checkpoint_folds_the_log_into_the_snapshot_and_removes_its_segments() {
         let dir = tempfile::tempdir().unwrap();
         let (_, last, stats) = register(dir.path(), 1, &ids("a", 40)).await;
         assert!(stats.checkpoints > 0, "{stats:?}");
@@ -1007,10 +895,13 @@ mod tests {
         let left = segments(dir.path());
         assert_eq!(left.len(), 1, "{left:?}");
         assert_eq!(left[0].1, wal::Segment::HEADER_LEN, "{left:?}");
-        let store = open(dir.path(), 64);
-        let (records, last_index, folded) = file_records(&store);
+        let (records, last_index, folded) = snapshot_facts(dir.path());
         assert_eq!((records, last_index), (40, last));
-        assert_eq!(folded, left[0].0 - 1, "the file knows how far it folded");
+        assert_eq!(
+            folded,
+            left[0].0 - 1,
+            "the snapshot knows how far it folded"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1045,7 +936,7 @@ mod tests {
         let middle = bytes.len() / 2;
         bytes[middle] ^= 0x20;
         std::fs::write(&first, &bytes).unwrap();
-        let err = RedbStore::open(config(dir.path(), 1, DEFAULT_LOG_LIMIT))
+        let err = DiskStore::open(config(dir.path(), 1, DEFAULT_LOG_LIMIT))
             .err()
             .unwrap()
             .to_string();
@@ -1063,7 +954,7 @@ mod tests {
         }
         let all = segments(dir.path());
         std::fs::remove_file(wal::segment_path(dir.path(), all[1].0)).unwrap();
-        let err = RedbStore::open(config(dir.path(), 1, DEFAULT_LOG_LIMIT))
+        let err = DiskStore::open(config(dir.path(), 1, DEFAULT_LOG_LIMIT))
             .err()
             .unwrap()
             .to_string();
@@ -1073,8 +964,8 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_format_1_file_is_upgraded_and_its_records_kept() {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_redb_data_directory_is_migrated_with_its_log_and_the_old_file_kept() {
         let dir = tempfile::tempdir().unwrap();
         let a = Allocation::register(
             AllocId::parse("old").unwrap(),
@@ -1082,26 +973,61 @@ mod tests {
             3,
             time::OffsetDateTime::UNIX_EPOCH,
         );
-        {
-            let db = Database::create(dir.path().join(DATA_FILE)).unwrap();
-            let txn = db.begin_write().unwrap();
-            let mut meta = txn.open_table(META).unwrap();
-            meta.insert(META_FORMAT, FILE_FORMAT_WITHOUT_LOG).unwrap();
-            meta.insert(META_LAST_INDEX, 3).unwrap();
-            drop(meta);
-            txn.open_table(ALLOCATIONS)
-                .unwrap()
-                .insert("old", record::encode(&a).as_slice())
-                .unwrap();
-            txn.commit().unwrap();
+        let encoded = record::encode(&a);
+        for format in [None, Some(1), Some(2)] {
+            // A redb file that folded the log up to segment 4, and segment
+            // 5 holding a change it has not folded.
+            let _ = std::fs::remove_dir_all(dir.path());
+            std::fs::create_dir_all(dir.path()).unwrap();
+            let records: &[(&str, &[u8])] = if format.is_some() {
+                &[("old", &encoded)]
+            } else {
+                &[]
+            };
+            migrate::tests::write_redb(dir.path(), format, 4, records);
+            let mut s = wal::Segment::create(dir.path(), 5).unwrap();
+            let mut frame = Vec::new();
+            wal::frame(&mut frame, "gone", 12, None);
+            s.append(&frame).unwrap();
+            drop(s);
+            let store = open(dir.path(), 1);
+            let loaded = store.load().unwrap();
+            let expected = if format.is_some() {
+                vec![a.clone()]
+            } else {
+                vec![]
+            };
+            assert_eq!(loaded.allocations, expected, "{format:?}");
+            assert_eq!(
+                loaded.last_index, 12,
+                "{format:?}: the log's deletion counts"
+            );
+            drop(store);
+            assert!(!dir.path().join(migrate::REDB_FILE).exists());
+            assert!(
+                dir.path().join(migrate::MIGRATED_FILE).exists(),
+                "kept as a backup"
+            );
+            assert_eq!(
+                snapshot_facts(dir.path()).2,
+                4,
+                "the snapshot took over the fold mark"
+            );
+            assert_eq!(open(dir.path(), 1).load().unwrap().allocations, expected);
         }
-        let store = open(dir.path(), 1);
-        let loaded = store.load().unwrap();
-        assert_eq!(loaded.allocations, vec![a]);
-        assert_eq!(loaded.last_index, 3);
-        let txn = store.db.begin_read().unwrap();
-        let meta = txn.open_table(META).unwrap();
-        assert_eq!(meta.get(META_FORMAT).unwrap().unwrap().value(), FILE_FORMAT);
+    }
+
+    #[test]
+    fn a_second_store_on_the_same_directory_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = open(dir.path(), 1);
+        let err = DiskStore::open(config(dir.path(), 1, DEFAULT_LOG_LIMIT))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("in use by another process"), "{err}");
+        drop(first);
+        drop(open(dir.path(), 1));
     }
 
     #[test]
@@ -1116,9 +1042,9 @@ mod tests {
             segment: wal::Segment::read_only(dir.path(), 1).unwrap(),
             log_bytes: 0,
             log_limit: DEFAULT_LOG_LIMIT,
-            pending: Arc::default(),
             jobs,
             done,
+            snapshot_bytes: 0,
             in_flight: false,
             failure: failure.clone(),
             max_batch: 8,
@@ -1174,38 +1100,11 @@ mod tests {
     }
 
     #[test]
-    fn an_unknown_file_format_stops_the_open_with_a_clear_message() {
-        let dir = tempfile::tempdir().unwrap();
-        {
-            let db = Database::create(dir.path().join(DATA_FILE)).unwrap();
-            let txn = db.begin_write().unwrap();
-            txn.open_table(META)
-                .unwrap()
-                .insert(META_FORMAT, 99)
-                .unwrap();
-            txn.commit().unwrap();
-        }
-        let err = RedbStore::open(config(dir.path(), 1, DEFAULT_LOG_LIMIT))
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(err.contains("file format 99"), "{err}");
-        assert!(err.contains(DATA_FILE), "{err}");
-        assert!(err.contains("Nothing in it was changed"), "{err}");
-    }
-
-    #[test]
     fn a_corrupt_record_stops_the_load_naming_the_allocation() {
         let dir = tempfile::tempdir().unwrap();
-        {
-            let store = open(dir.path(), 1);
-            let txn = store.db.begin_write().unwrap();
-            txn.open_table(ALLOCATIONS)
-                .unwrap()
-                .insert("broken", b"{not json".as_slice())
-                .unwrap();
-            txn.commit().unwrap();
-        }
+        let mut w = snapshot::SnapshotWriter::create(dir.path(), 0, 1).unwrap();
+        w.put("broken", b"{not json").unwrap();
+        w.finish().unwrap();
         let store = open(dir.path(), 1);
         let err = store.load().err().unwrap().to_string();
         assert!(err.contains("\"broken\""), "{err}");
@@ -1215,15 +1114,19 @@ mod tests {
     }
 
     #[test]
-    fn a_file_that_is_not_redb_is_refused_and_left_alone() {
+    fn a_damaged_snapshot_stops_the_open_and_is_left_alone() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join(DATA_FILE);
+        let path = dir.path().join(SNAPSHOT_FILE);
         std::fs::write(&path, vec![0x42u8; 8192]).unwrap();
-        let err = RedbStore::open(config(dir.path(), 1, DEFAULT_LOG_LIMIT))
+        let err = DiskStore::open(config(dir.path(), 1, DEFAULT_LOG_LIMIT))
             .err()
             .unwrap()
             .to_string();
-        assert!(err.contains(DATA_FILE), "{err}");
+        assert!(err.contains(SNAPSHOT_FILE), "{err}");
+        assert!(
+            err.contains("does not start like a taskgate snapshot"),
+            "{err}"
+        );
         assert_eq!(std::fs::read(&path).unwrap(), vec![0x42u8; 8192]);
     }
 
@@ -1278,11 +1181,10 @@ mod properties {
         log_limit: u64,
         model: &BTreeMap<String, Allocation>,
         last: u64,
-    ) -> RedbStore {
-        let store = RedbStore::open(RedbStoreConfig {
+    ) -> DiskStore {
+        let store = DiskStore::open(DiskStoreConfig {
             dir: dir.to_owned(),
             max_batch: 16,
-            cache_bytes: 1 << 20,
             log_limit,
             metrics: None,
         })
@@ -1295,7 +1197,7 @@ mod properties {
     }
 
     /// Waits for every queued commit, then closes the store.
-    fn settle(rt: &tokio::runtime::Runtime, store: RedbStore, queued: &mut Vec<Commit>) {
+    fn settle(rt: &tokio::runtime::Runtime, store: DiskStore, queued: &mut Vec<Commit>) {
         rt.block_on(async {
             for c in queued.drain(..) {
                 c.await.unwrap();
