@@ -29,6 +29,7 @@
 //! `taskgate.lock` in the data directory while it is open.
 
 use std::{
+    collections::HashMap,
     path::{Path, PathBuf},
     sync::{
         Arc, Mutex, PoisonError,
@@ -651,10 +652,7 @@ fn checkpointer(
     }
     while let Ok(job) = jobs.recv() {
         let started = Instant::now();
-        let folding = sealed_changes(dir, folded, job.sealed).and_then(|overlay| {
-            snapshot::fold(dir, &overlay, job.sealed).map(|w| (w, overlay.changes.len()))
-        });
-        match folding {
+        match checkpoint(dir, folded, job.sealed) {
             Ok((written, changes)) => {
                 if let Some(m) = metrics {
                     m.checkpoint(started.elapsed(), changes);
@@ -675,25 +673,41 @@ fn checkpointer(
     }
 }
 
-/// The newest change of every allocation in the sealed segments after
-/// `folded` up to `sealed`. Sealed segments were written whole, so anything
-/// that does not read back is damage.
-fn sealed_changes(dir: &Path, folded: u64, sealed: u64) -> std::io::Result<Overlay> {
-    let mut overlay = Overlay::default();
-    for seq in folded + 1..=sealed {
-        let path = wal::segment_path(dir, seq);
-        let bytes = std::fs::read(&path)?;
-        let replayed = wal::replay(&bytes, seq, &mut overlay)
-            .map_err(|e| std::io::Error::other(format!("{}: {e}", path.display())))?;
+/// One checkpoint: the sealed segments after `folded` up to `sealed` read
+/// back whole, the newest change of every allocation in them picked out
+/// where it lies in those bytes (no copy per change), sorted, and merged
+/// into the next snapshot. Sealed segments were written whole, so anything
+/// that does not read back is damage. Returns the snapshot written and the
+/// number of allocations changed.
+fn checkpoint(dir: &Path, folded: u64, sealed: u64) -> std::io::Result<(snapshot::Written, usize)> {
+    let segments = (folded + 1..=sealed)
+        .map(|seq| std::fs::read(wal::segment_path(dir, seq)).map(|bytes| (seq, bytes)))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let mut newest: HashMap<&str, Option<&[u8]>> = HashMap::new();
+    let mut last_index = 0;
+    for (seq, bytes) in &segments {
+        let damaged = |what: String| {
+            std::io::Error::other(format!(
+                "{}: {what}",
+                wal::segment_path(dir, *seq).display()
+            ))
+        };
+        let replayed = wal::replay_with(bytes, *seq, |id, index, record| {
+            newest.insert(id, record);
+            last_index = last_index.max(index);
+        })
+        .map_err(damaged)?;
         if replayed.torn > 0 {
-            return Err(std::io::Error::other(format!(
-                "{}: sealed, but damaged at byte {}",
-                path.display(),
+            return Err(damaged(format!(
+                "sealed, but damaged at byte {}",
                 replayed.valid_len
             )));
         }
     }
-    Ok(overlay)
+    let mut changes: Vec<(&str, Option<&[u8]>)> = newest.into_iter().collect();
+    changes.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    let written = snapshot::fold_sorted(dir, &changes, last_index, sealed)?;
+    Ok((written, changes.len()))
 }
 
 /// A snapshot folded into by the checkpoints' own code, for `taskgate

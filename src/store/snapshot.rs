@@ -345,16 +345,23 @@ fn merge(
 /// written as the next snapshot, which records that the log is folded up
 /// to segment `sealed`.
 pub fn fold(dir: &Path, overlay: &Overlay, sealed: u64) -> io::Result<Written> {
-    let changes = sorted(overlay);
+    fold_sorted(dir, &sorted(overlay), overlay.last_index, sealed)
+}
+
+/// `fold` of changes already sorted by ID (newer than the snapshot), the
+/// highest index among them being `last_index`.
+pub fn fold_sorted(
+    dir: &Path,
+    changes: &[(&str, Option<&[u8]>)],
+    last_index: u64,
+    sealed: u64,
+) -> io::Result<Written> {
     let mut base = Snapshot::open(dir)?;
-    let last_index = base
-        .as_ref()
-        .map_or(0, |b| b.last_index)
-        .max(overlay.last_index);
+    let last_index = base.as_ref().map_or(0, |b| b.last_index).max(last_index);
     let out = std::cell::RefCell::new(SnapshotWriter::create(dir, sealed, last_index)?);
     merge(
         base.as_mut(),
-        &changes,
+        changes,
         |kept| out.borrow_mut().put_raw(kept.raw()),
         |id, record| out.borrow_mut().put(id, record),
     )?;

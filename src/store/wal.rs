@@ -127,6 +127,18 @@ pub struct Replayed {
 /// says where; a frame that passes its checksum but does not parse is
 /// damage and an error.
 pub fn replay(bytes: &[u8], seq: u64, overlay: &mut Overlay) -> Result<Replayed, String> {
+    replay_with(bytes, seq, |id, index, record| {
+        overlay.apply(id.to_owned(), record.map(<[u8]>::to_vec), index);
+    })
+}
+
+/// `replay`, handing each change to `each` as it lies in `bytes` (ID,
+/// index, record for a put), with no copy.
+pub fn replay_with<'a>(
+    bytes: &'a [u8],
+    seq: u64,
+    mut each: impl FnMut(&'a str, u64, Option<&'a [u8]>),
+) -> Result<Replayed, String> {
     if bytes.len() < HEADER {
         return Ok(Replayed {
             valid_len: 0,
@@ -155,7 +167,7 @@ pub fn replay(bytes: &[u8], seq: u64, overlay: &mut Overlay) -> Result<Replayed,
         }
         let (id, index, record) =
             parse(payload).map_err(|e| format!("the change at byte {pos} is damaged: {e}"))?;
-        overlay.apply(id, record, index);
+        each(id, index, record);
         pos = start + len;
         frames += 1;
     }
@@ -166,7 +178,7 @@ pub fn replay(bytes: &[u8], seq: u64, overlay: &mut Overlay) -> Result<Replayed,
     })
 }
 
-fn parse(payload: &[u8]) -> Result<(String, u64, Option<Vec<u8>>), &'static str> {
+fn parse(payload: &[u8]) -> Result<(&str, u64, Option<&[u8]>), &'static str> {
     let (&kind, rest) = payload.split_first().ok_or("empty")?;
     let index = rest.get(..8).ok_or("too short")?;
     let index = u64::from_le_bytes(index.try_into().expect("8 bytes"));
@@ -175,8 +187,8 @@ fn parse(payload: &[u8]) -> Result<(String, u64, Option<Vec<u8>>), &'static str>
     let id = std::str::from_utf8(id).map_err(|_| "the allocation ID is not UTF-8")?;
     let record = &rest[id_len as usize..];
     match kind {
-        PUT => Ok((id.to_owned(), index, Some(record.to_vec()))),
-        DELETE if record.is_empty() => Ok((id.to_owned(), index, None)),
+        PUT => Ok((id, index, Some(record))),
+        DELETE if record.is_empty() => Ok((id, index, None)),
         DELETE => Err("a deletion carries a record"),
         _ => Err("unknown kind of change"),
     }
