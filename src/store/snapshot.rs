@@ -358,14 +358,22 @@ pub fn fold_sorted(
 ) -> io::Result<Written> {
     let mut base = Snapshot::open(dir)?;
     let last_index = base.as_ref().map_or(0, |b| b.last_index).max(last_index);
-    let out = std::cell::RefCell::new(SnapshotWriter::create(dir, sealed, last_index)?);
-    merge(
-        base.as_mut(),
-        changes,
-        |kept| out.borrow_mut().put_raw(kept.raw()),
-        |id, record| out.borrow_mut().put(id, record),
-    )?;
-    out.into_inner().finish()
+    let written = SnapshotWriter::create(dir, sealed, last_index).and_then(|out| {
+        let out = std::cell::RefCell::new(out);
+        merge(
+            base.as_mut(),
+            changes,
+            |kept| out.borrow_mut().put_raw(kept.raw()),
+            |id, record| out.borrow_mut().put(id, record),
+        )?;
+        out.into_inner().finish()
+    });
+    if written.is_err() {
+        // Whatever stopped it (a full disk, say), the unfinished snapshot
+        // is of no use: give its space back now, not at the next start.
+        let _ = std::fs::remove_file(dir.join(NEXT_FILE));
+    }
+    written
 }
 
 /// Every record the snapshot in `dir` holds merged with `changes` (sorted,
@@ -456,6 +464,25 @@ mod tests {
         assert_eq!(contents(dir.path()), pairs(&[("a", "a1")]));
         fold(dir.path(), &overlay(&[("b", Some("b2"))], 2), 2).unwrap();
         assert_eq!(contents(dir.path()), pairs(&[("a", "a1"), ("b", "b2")]));
+    }
+
+    #[test]
+    fn a_checkpoint_over_a_damaged_snapshot_fails_and_leaves_it_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let changes: Vec<(String, Option<&str>)> = (0..50)
+            .map(|i| (format!("alloc-{i:02}"), Some("{\"v\":1}")))
+            .collect();
+        let changes: Vec<_> = changes.iter().map(|(id, r)| (id.as_str(), *r)).collect();
+        fold(dir.path(), &overlay(&changes, 50), 1).unwrap();
+        let path = dir.path().join(SNAPSHOT_FILE);
+        let mut bytes = std::fs::read(&path).unwrap();
+        let middle = bytes.len() / 2;
+        bytes[middle] ^= 0x01;
+        std::fs::write(&path, &bytes).unwrap();
+        let err = fold(dir.path(), &overlay(&[("new", Some("x"))], 51), 2).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
+        assert!(!dir.path().join(NEXT_FILE).exists(), "its space given back");
+        assert_eq!(std::fs::read(&path).unwrap(), bytes, "left as it was");
     }
 
     /// Whatever byte of the file is damaged, reading it fails (never a
