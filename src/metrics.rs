@@ -107,7 +107,7 @@ pub struct Metrics {
     /// Store commit latency and batch size.
     commit_latency: Histogram,
     commit_batch: Histogram,
-    /// Checkpoints of the store's log into its data file, and the records
+    /// Checkpoints of the store's log into its snapshot, and the records
     /// they wrote.
     checkpoint_latency: Histogram,
     checkpoint_records: AtomicU64,
@@ -296,14 +296,14 @@ impl Metrics {
         self.commit_batch
             .render(&mut out, "taskgate_store_commit_batch_size", "");
         out.push_str(
-            "# HELP taskgate_store_checkpoint_duration_seconds Checkpoints of the store log into the data file.\n",
+            "# HELP taskgate_store_checkpoint_duration_seconds Checkpoints of the store log into the snapshot.\n",
         );
         out.push_str("# TYPE taskgate_store_checkpoint_duration_seconds histogram\n");
         self.checkpoint_latency
             .render(&mut out, "taskgate_store_checkpoint_duration_seconds", "");
         let _ = writeln!(
             out,
-            "# HELP taskgate_store_checkpoint_records_total Records written into the data file by checkpoints.\n\
+            "# HELP taskgate_store_checkpoint_records_total Changed records folded into the snapshot by checkpoints.\n\
              # TYPE taskgate_store_checkpoint_records_total counter\n\
              taskgate_store_checkpoint_records_total {}",
             self.checkpoint_records.load(Ordering::Relaxed)

@@ -21,7 +21,7 @@ const KILLS: usize = 40;
 const CLIENTS: usize = 8;
 const ALLOCS_PER_CLIENT: usize = 6;
 
-/// Even rounds fold the store's log into the data file every 16 KiB, so
+/// Even rounds fold the store's log into the snapshot every 16 KiB, so
 /// kills land before, during and after checkpoints; odd rounds keep the
 /// default limit, so their changes live in the log alone until a later
 /// round folds them.
@@ -319,7 +319,7 @@ async fn acknowledged_changes_survive_sigkill() {
     assert!(live > 0, "the clients did some work");
     assert!(
         oldest_log_segment > 1,
-        "checkpoints folded log segments into the data file and removed them"
+        "checkpoints folded log segments into the snapshot and removed them"
     );
     eprintln!("{KILLS} kills; last index {max_acked}; {live} allocations live");
     server.terminate();

@@ -77,7 +77,7 @@ fn soak_mixed_traffic_from_several_processes() {
         .unwrap_or(1);
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().to_str().unwrap().to_owned();
-    // A small log limit: checkpoints fold the log into the data file all
+    // A small log limit: checkpoints fold the log into the snapshot all
     // through the run, and the restart at the end recovers from both.
     let args = [
         "--data-dir",
@@ -172,10 +172,7 @@ fn soak_mixed_traffic_from_several_processes() {
     );
     assert!(requests > 1000, "only {requests} requests");
     assert!(peak_waiters > 0, "no waiter was ever parked");
-    assert!(
-        folded > 0,
-        "no checkpoint folded the log into the data file"
-    );
+    assert!(folded > 0, "no checkpoint folded the log into the snapshot");
 
     // No leaked waiters: every one ends once its client is gone.
     let released = Instant::now() + Duration::from_secs(30);

@@ -56,7 +56,8 @@ pub struct DiskStoreConfig {
     pub dir: PathBuf,
     /// Most changes in one commit; 1 turns group commit off.
     pub max_batch: usize,
-    /// Log bytes after which a checkpoint folds them into the redb file.
+    /// Log bytes after which a checkpoint folds them into the snapshot (or a
+    /// quarter of the snapshot's size, if that is larger).
     pub log_limit: u64,
     /// Where commit latency and batch sizes are recorded.
     pub metrics: Option<Arc<Metrics>>,
@@ -124,15 +125,15 @@ fn unusable(path: &Path, what: impl std::fmt::Display) -> StoreError {
 fn unusable_log(path: &Path, what: impl std::fmt::Display) -> StoreError {
     StoreError::Unusable(format!(
         "store log segment {}: {what}. Nothing in it was changed. The data directory must \
-         be restored from a backup as a whole (the data file and its log segments belong \
+         be restored from a backup as a whole (the snapshot and its log segments belong \
          together).",
         path.display()
     ))
 }
 
 impl DiskStore {
-    /// Opens (or creates) the data file, replays its log, and starts the
-    /// writer and checkpoint threads.
+    /// Opens (or creates) the store in its directory (migrating a redb
+    /// file), replays its log, and starts the writer and checkpoint threads.
     pub fn open(config: DiskStoreConfig) -> Result<Self, StoreError> {
         std::fs::create_dir_all(&config.dir).map_err(|e| {
             StoreError::Unusable(format!(
@@ -297,7 +298,7 @@ fn recover_log(dir: &Path, folded: u64) -> Result<(Overlay, u64, u64), StoreErro
             return Err(unusable_log(
                 &path,
                 format!(
-                    "segment {} is missing (the data file has folded up to segment {folded})",
+                    "segment {} is missing (the snapshot has folded up to segment {folded})",
                     next
                 ),
             ));
@@ -375,7 +376,8 @@ impl Store for DiskStore {
 
     fn commit(&self, op: Op) -> Commit {
         let (ack, done) = oneshot::channel();
-        let mut frame = Vec::new();
+        // Sized for a typical record, so encoding it rarely reallocates.
+        let mut frame = Vec::with_capacity(1024);
         match op {
             Op::Put(a) => wal::frame_with(&mut frame, a.id.as_str(), a.modify_index, true, |buf| {
                 record::encode_into(&a, buf);

@@ -60,7 +60,7 @@ impl MemoryStore {
 
 impl Store for MemoryStore {
     fn load(&self) -> Result<Loaded, StoreError> {
-        // In ID order, as the `Store` contract (and redb) loads them.
+        // In ID order, as the `Store` contract (and the disk store) loads them.
         let mut allocations: Vec<Allocation> = self
             .records()
             .map(|records| records.values().map(|a| (**a).clone()).collect())

@@ -49,7 +49,7 @@ pub enum StoreError {
     /// The store was closed (the server is stopping).
     #[error("the store is closed")]
     Closed,
-    /// The data file cannot be used: corrupt, locked, or of an unknown
+    /// The data directory cannot be used: damaged, locked, or of an unknown
     /// format. Nothing was changed in it.
     #[error("{0}")]
     Unusable(String),

@@ -1,8 +1,8 @@
 //! The stored form of an allocation record, versioned on its own so the
-//! file outlives changes to the in-memory types. Version 1 is JSON: slower
-//! than a binary encoding, but a data file can be inspected with any redb
-//! reader and a human can read what is in it. The log (`wal.rs`) carries
-//! the same bytes.
+//! files outlive changes to the in-memory types. Version 1 is JSON: slower
+//! than a binary encoding, but a human can read what the snapshot
+//! (`snapshot.rs`) and the log (`wal.rs`) hold; both carry these bytes as
+//! they are.
 
 use std::sync::Arc;
 

@@ -2,9 +2,9 @@
 //!
 //! Every group commit is one append and one `fdatasync` to the current
 //! segment: sequential, and as cheap with a million allocations as with
-//! ten. Sealed segments are folded into the redb file by a checkpoint
-//! thread in large transactions (see `redb.rs`); recovery replays the
-//! segments not folded yet over what the redb file holds.
+//! ten. Sealed segments are folded into the snapshot by a checkpoint
+//! thread (see `disk.rs`, `snapshot.rs`); recovery replays the segments
+//! not folded yet over what the snapshot holds.
 //!
 //! A segment is a file `taskgate.wal.<seq>` (20 decimal digits): a 16-byte
 //! header (magic, then `seq` as u64 LE), then frames:
@@ -14,7 +14,7 @@
 //! payload = kind: u8 (1 put, 2 delete) | index: u64 LE | id_len: u8 | id | record (put only)
 //! ```
 //!
-//! The record is the same encoding the redb table holds (`record.rs`).
+//! The record is the same encoding the snapshot holds (`record.rs`).
 //! A crash can leave the end of the newest segment half-written; that tail
 //! was never acknowledged (acks follow the `fdatasync`) and is cut off on
 //! open. Anything else that does not read back stops the start.
