@@ -120,9 +120,12 @@ impl Snapshot {
         }))
     }
 
-    /// How many records the snapshot holds (as its trailer says).
+    /// How many records the snapshot holds, as its trailer says (checked
+    /// only once they are read), but never more than its bytes could hold:
+    /// callers size buffers by it.
     pub fn records(&self) -> u64 {
         self.stated
+            .min((self.end - HEADER as u64) / (FRAME_HEAD as u64 + 1))
     }
 
     /// Reads the next record; `false` after the last one.
@@ -516,6 +519,15 @@ mod tests {
                 "a flipped bit at byte {at} went unnoticed"
             );
         }
+        // A trailer claiming an absurd count is not believed before the
+        // records are read (the store sizes its load by it).
+        let mut bad = good.clone();
+        let at = good.len() - 1;
+        bad[at] ^= 0x80;
+        std::fs::write(&path, &bad).unwrap();
+        let s = Snapshot::open(dir.path()).unwrap().unwrap();
+        assert!(s.records() <= good.len() as u64, "{}", s.records());
+        assert!(read_all().is_err());
         for cut in [good.len() - 1, good.len() - TRAILER, HEADER + 3, 10] {
             std::fs::write(&path, &good[..cut]).unwrap();
             assert!(read_all().is_err(), "a cut at byte {cut} went unnoticed");
