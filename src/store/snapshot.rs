@@ -41,8 +41,10 @@ const END: [u8; 8] = *b"TGSNAPND";
 const HEADER: usize = 32;
 const TRAILER: usize = 16;
 const FRAME_HEAD: usize = 8;
-/// No record comes near this; a larger length is damage, not a record.
-const MAX_PAYLOAD: usize = 1 << 24;
+/// No record comes near this (the log's bound too); a larger length is
+/// damage, not a record. A frame is also never longer than what is left of
+/// the file.
+const MAX_PAYLOAD: usize = 1 << 30;
 const IO_BUFFER: usize = 1 << 20;
 /// A checkpoint makes what it wrote durable every this many bytes instead
 /// of all at the end: a snapshot of a million records is ~780 MB, and
