@@ -67,17 +67,37 @@ pub fn redb_to_snapshot(dir: &Path) -> Result<bool, StoreError> {
     Ok(true)
 }
 
+/// Opens the redb file read-only; a file that needs recovery (taskgate 0.1
+/// stopped uncleanly) is refused that way, and is opened for writing
+/// instead, which lets redb repair it first.
 fn write_snapshot(dir: &Path, path: &Path) -> Result<(), StoreError> {
-    let db = Database::builder()
-        .set_cache_size(16 << 20)
-        .open_read_only(path)
-        .map_err(|e| match e {
-            DatabaseError::DatabaseAlreadyOpen => unusable(
-                path,
-                "is in use by another process (is another taskgate running on this directory?)",
-            ),
-            other => unusable(path, format!("cannot be opened: {other}")),
-        })?;
+    let in_use = || {
+        unusable(
+            path,
+            "is in use by another process (is another taskgate running on this directory?)",
+        )
+    };
+    let mut builder = Database::builder();
+    builder.set_cache_size(16 << 20);
+    match builder.open_read_only(path) {
+        Ok(db) => migrate_from(&db, dir, path),
+        Err(DatabaseError::DatabaseAlreadyOpen) => Err(in_use()),
+        Err(read_only) => match builder.open(path) {
+            Ok(db) => {
+                tracing::warn!(
+                    file = %path.display(),
+                    error = %read_only,
+                    "the redb data file needed recovery before its migration; redb repaired it"
+                );
+                migrate_from(&db, dir, path)
+            }
+            Err(DatabaseError::DatabaseAlreadyOpen) => Err(in_use()),
+            Err(_) => Err(unusable(path, format!("cannot be opened: {read_only}"))),
+        },
+    }
+}
+
+fn migrate_from(db: &impl ReadableDatabase, dir: &Path, path: &Path) -> Result<(), StoreError> {
     let io = |e: &dyn std::fmt::Display| unusable(path, format!("cannot be read: {e}"));
     let txn = db.begin_read().map_err(|e| io(&e))?;
     let (format, last_index, folded) = match txn.open_table(META) {
@@ -155,6 +175,40 @@ pub(super) mod tests {
             }
         }
         txn.commit().unwrap();
+    }
+
+    /// The file of a taskgate 0.1 killed while it ran: a copy taken while
+    /// the database is open, after a commit.
+    #[test]
+    fn a_redb_file_that_needs_recovery_is_repaired_and_migrated() {
+        let (live, dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let db = Database::create(live.path().join(REDB_FILE)).unwrap();
+        let txn = db.begin_write().unwrap();
+        {
+            let mut meta = txn.open_table(META).unwrap();
+            meta.insert(META_FORMAT, 2).unwrap();
+            meta.insert(META_LAST_INDEX, 7).unwrap();
+            txn.open_table(ALLOCATIONS)
+                .unwrap()
+                .insert("a", b"{}".as_slice())
+                .unwrap();
+        }
+        txn.commit().unwrap();
+        let crashed = dir.path().join(REDB_FILE);
+        std::fs::copy(live.path().join(REDB_FILE), &crashed).unwrap();
+        drop(db);
+        assert!(
+            Database::builder().open_read_only(&crashed).is_err(),
+            "the copy needs recovery, so the migration takes its second way"
+        );
+        assert!(redb_to_snapshot(dir.path()).unwrap());
+        let mut s = super::super::snapshot::Snapshot::open(dir.path())
+            .unwrap()
+            .unwrap();
+        assert_eq!((s.records(), s.last_index), (1, 7));
+        assert!(s.advance().unwrap());
+        assert_eq!((s.id(), s.record()), ("a", b"{}".as_slice()));
+        assert!(dir.path().join(MIGRATED_FILE).exists());
     }
 
     #[test]
