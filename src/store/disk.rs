@@ -592,11 +592,10 @@ impl Writer {
         self.log_limit.max(self.snapshot_bytes / SNAPSHOT_RATIO)
     }
 
-    /// Seals the current segment and hands what it (and its predecessors
-    /// since the last seal) changed to the checkpoint thread. While the
-    /// previous checkpoint runs, the log may grow to `LOG_SLACK` times its
-    /// limit; past that the writer waits for it, which bounds the log (and
-    /// what recovery replays).
+    /// Seals the current segment and asks the checkpoint thread to fold
+    /// every segment up to it. While the previous checkpoint runs, the log
+    /// may grow to `LOG_SLACK` times its limit; past that the writer waits
+    /// for it, which bounds the log (and what recovery replays).
     fn seal(&mut self) {
         if self.in_flight {
             let answer = match self.done.try_recv() {
