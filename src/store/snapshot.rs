@@ -312,40 +312,41 @@ pub fn sorted(overlay: &Overlay) -> Vec<(&str, Option<&[u8]>)> {
     changes
 }
 
+/// One record of a merge, in ID order.
+enum Merged<'a> {
+    /// A record of the snapshot no change touches (its whole frame at
+    /// hand, to copy as it is).
+    Kept(&'a Snapshot),
+    /// A change's record (ID, record).
+    Put(&'a str, &'a [u8]),
+}
+
 /// Walks the snapshot in `dir` (if any) merged with `changes` (sorted by
-/// ID, newer than the snapshot): `keep` gets every record the snapshot
-/// holds that no change touches (as the snapshot it came from, to read or
-/// copy), `change` every put. Deletions drop the record.
+/// ID, newer than the snapshot), handing every record that results to
+/// `each`. Deletions drop the record.
 fn merge(
     base: Option<&mut Snapshot>,
     changes: &[(&str, Option<&[u8]>)],
-    mut keep: impl FnMut(&Snapshot) -> io::Result<()>,
-    mut change: impl FnMut(&str, &[u8]) -> io::Result<()>,
+    mut each: impl FnMut(Merged<'_>) -> io::Result<()>,
 ) -> io::Result<()> {
+    // A put, as its record; a deletion has none.
+    fn put<'a>(&(id, record): &(&'a str, Option<&'a [u8]>)) -> Option<Merged<'a>> {
+        record.map(|r| Merged::Put(id, r))
+    }
     let mut changes = changes.iter().peekable();
     if let Some(base) = base {
         while base.advance()? {
             let id = base.id();
-            while let Some((cid, record)) = changes.next_if(|(cid, _)| *cid < id) {
-                if let Some(r) = record {
-                    change(cid, r)?;
-                }
+            while let Some(change) = changes.next_if(|(cid, _)| *cid < id) {
+                put(change).map_or(Ok(()), &mut each)?;
             }
-            if let Some((cid, record)) = changes.next_if(|(cid, _)| *cid == id) {
-                if let Some(r) = record {
-                    change(cid, r)?;
-                }
-                continue;
+            match changes.next_if(|(cid, _)| *cid == id) {
+                Some(change) => put(change).map_or(Ok(()), &mut each)?,
+                None => each(Merged::Kept(base))?,
             }
-            keep(base)?;
         }
     }
-    for (cid, record) in changes {
-        if let Some(r) = record {
-            change(cid, r)?;
-        }
-    }
-    Ok(())
+    changes.filter_map(put).try_for_each(each)
 }
 
 /// A checkpoint: the snapshot in `dir` with `overlay`'s changes merged in,
@@ -365,15 +366,12 @@ pub fn fold_sorted(
 ) -> io::Result<Written> {
     let mut base = Snapshot::open(dir)?;
     let last_index = base.as_ref().map_or(0, |b| b.last_index).max(last_index);
-    let written = SnapshotWriter::create(dir, sealed, last_index).and_then(|out| {
-        let out = std::cell::RefCell::new(out);
-        merge(
-            base.as_mut(),
-            changes,
-            |kept| out.borrow_mut().put_raw(kept.raw()),
-            |id, record| out.borrow_mut().put(id, record),
-        )?;
-        out.into_inner().finish()
+    let written = SnapshotWriter::create(dir, sealed, last_index).and_then(|mut out| {
+        merge(base.as_mut(), changes, |merged| match merged {
+            Merged::Kept(kept) => out.put_raw(kept.raw()),
+            Merged::Put(id, record) => out.put(id, record),
+        })?;
+        out.finish()
     });
     if written.is_err() {
         // Whatever stopped it (a full disk, say), the unfinished snapshot
@@ -390,13 +388,10 @@ pub fn load(
     changes: &[(&str, Option<&[u8]>)],
     mut each: impl FnMut(&str, &[u8]) -> io::Result<()>,
 ) -> io::Result<()> {
-    let each = std::cell::RefCell::new(&mut each);
-    merge(
-        base,
-        changes,
-        |kept| (each.borrow_mut())(kept.id(), kept.record()),
-        |id, record| (each.borrow_mut())(id, record),
-    )
+    merge(base, changes, |merged| match merged {
+        Merged::Kept(kept) => each(kept.id(), kept.record()),
+        Merged::Put(id, record) => each(id, record),
+    })
 }
 
 #[cfg(test)]
