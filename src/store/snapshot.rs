@@ -418,6 +418,18 @@ mod tests {
         out
     }
 
+    /// A snapshot in `dir` of `n` records `alloc-00`, `alloc-01`, ...;
+    /// returns its path.
+    fn snapshot_of(dir: &Path, n: usize) -> PathBuf {
+        let ids: Vec<String> = (0..n).map(|i| format!("alloc-{i:02}")).collect();
+        let changes: Vec<_> = ids
+            .iter()
+            .map(|id| (id.as_str(), Some("{\"v\":1}")))
+            .collect();
+        fold(dir, &overlay(&changes, n as u64), 1).unwrap();
+        dir.join(SNAPSHOT_FILE)
+    }
+
     fn pairs(items: &[(&str, &str)]) -> Vec<(String, String)> {
         items
             .iter()
@@ -471,12 +483,7 @@ mod tests {
     #[test]
     fn a_checkpoint_over_a_damaged_snapshot_fails_and_leaves_it_alone() {
         let dir = tempfile::tempdir().unwrap();
-        let changes: Vec<(String, Option<&str>)> = (0..50)
-            .map(|i| (format!("alloc-{i:02}"), Some("{\"v\":1}")))
-            .collect();
-        let changes: Vec<_> = changes.iter().map(|(id, r)| (id.as_str(), *r)).collect();
-        fold(dir.path(), &overlay(&changes, 50), 1).unwrap();
-        let path = dir.path().join(SNAPSHOT_FILE);
+        let path = snapshot_of(dir.path(), 50);
         let mut bytes = std::fs::read(&path).unwrap();
         let middle = bytes.len() / 2;
         bytes[middle] ^= 0x01;
@@ -492,12 +499,7 @@ mod tests {
     #[test]
     fn any_flipped_bit_or_cut_is_found() {
         let dir = tempfile::tempdir().unwrap();
-        let changes: Vec<(String, Option<&str>)> = (0..20)
-            .map(|i| (format!("alloc-{i:02}"), Some("{\"v\":1}")))
-            .collect();
-        let changes: Vec<_> = changes.iter().map(|(id, r)| (id.as_str(), *r)).collect();
-        fold(dir.path(), &overlay(&changes, 20), 1).unwrap();
-        let path = dir.path().join(SNAPSHOT_FILE);
+        let path = snapshot_of(dir.path(), 20);
         let good = std::fs::read(&path).unwrap();
         let read_all = || -> io::Result<usize> {
             let mut base = Snapshot::open(dir.path())?.expect("a snapshot");
