@@ -54,11 +54,29 @@ impl Desired {
     }
 }
 
+/// What a poststop task is always told.
+pub static RUN: Desired = Desired::Run;
+
 /// The desired status of every task, in registration order. Poststop tasks
-/// always run; for the others the first rule that holds decides:
-/// a successful dead leader, then a failed sibling, then "only sidecars
-/// left alive".
+/// always run; the others all follow `stop_order`.
 pub fn desired_states(spec: &AllocSpec, status: &[TaskStatus]) -> Vec<Desired> {
+    let order = stop_order(spec, status);
+    spec.tasks()
+        .iter()
+        .map(|s| {
+            if s.is_poststop() {
+                Desired::Run
+            } else {
+                order.clone()
+            }
+        })
+        .collect()
+}
+
+/// The one order every non-poststop task gets: the first rule that holds
+/// decides — a successful dead leader, then a failed sibling, then "only
+/// sidecars left alive" — else run.
+pub fn stop_order(spec: &AllocSpec, status: &[TaskStatus]) -> Desired {
     let tasks = || spec.tasks().iter().zip(status);
     let non_poststop = || tasks().filter(|(s, _)| !s.is_poststop());
 
@@ -71,7 +89,7 @@ pub fn desired_states(spec: &AllocSpec, status: &[TaskStatus]) -> Vec<Desired> {
             .filter(|(s, _)| !s.is_sidecar())
             .all(|(_, t)| t.state == RunState::Dead);
 
-    let order = if leader_done {
+    if leader_done {
         Desired::Stop(StopReason {
             kind: StopKind::LeaderTaskDead,
             task: None,
@@ -88,17 +106,7 @@ pub fn desired_states(spec: &AllocSpec, status: &[TaskStatus]) -> Vec<Desired> {
         })
     } else {
         Desired::Run
-    };
-    spec.tasks()
-        .iter()
-        .map(|s| {
-            if s.is_poststop() {
-                Desired::Run
-            } else {
-                order.clone()
-            }
-        })
-        .collect()
+    }
 }
 
 #[cfg(test)]
