@@ -132,7 +132,7 @@ pub struct ServeConfig {
     pub store_cache_mib: Option<usize>,
 
     /// Size of the store's log at which a checkpoint folds it into the
-    /// snapshot (`64MiB`, `512KiB`, or bytes), or half of the
+    /// snapshot (`64MiB`, `512KiB`, or bytes), or a quarter of the
     /// snapshot's size if that is larger (a checkpoint rewrites the whole
     /// snapshot, so its cost per change stays the same at any size). The
     /// log stays under about four times that, which is what recovery

@@ -56,8 +56,8 @@ pub struct DiskStoreConfig {
     pub dir: PathBuf,
     /// Most changes in one commit; 1 turns group commit off.
     pub max_batch: usize,
-    /// Log bytes after which a checkpoint folds them into the snapshot (or
-    /// half of the snapshot's size, if that is larger).
+    /// Log bytes after which a checkpoint folds them into the snapshot (or a
+    /// quarter of the snapshot's size, if that is larger).
     pub log_limit: u64,
     /// Where commit latency and batch sizes are recorded.
     pub metrics: Option<Arc<Metrics>>,
@@ -70,11 +70,9 @@ const LOG_SLACK: u64 = 2;
 /// The log's limit is at least the snapshot's size divided by this. A
 /// checkpoint rewrites the whole snapshot, so its cost grows with the
 /// number of allocations; with the limit growing alike, its cost per
-/// change stays the same at any size. With 2 the disk writes at most ~2
-/// snapshot bytes per log byte (with 4, checkpoints were a third of the
-/// extra CPU per report at a million allocations; see BENCHMARKS.md), and
-/// recovery replays at most about the snapshot's size of log.
-const SNAPSHOT_RATIO: u64 = 2;
+/// change stays the same at any size (and the disk writes at most ~4
+/// snapshot bytes per log byte).
+const SNAPSHOT_RATIO: u64 = 4;
 
 enum Msg {
     /// One change, as its log frame (built and checksummed by the
