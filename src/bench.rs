@@ -9,6 +9,10 @@ use std::{
     net::SocketAddr,
     path::PathBuf,
     process::{Child, Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -60,6 +64,11 @@ pub struct BenchConfig {
     /// warmed up first and the sizes compare like with like.
     #[arg(long)]
     pub scale_no_warm_up: bool,
+    /// After the scale scenario's reports as fast as they go, reports at
+    /// this fixed rate for as long again, at each size: a p99 that is
+    /// the server's own, not the queue of a saturated run (0: skip).
+    #[arg(long, default_value_t = 10_000.0)]
+    pub scale_paced_rate: f64,
     /// The servers' `--log` filter. It must let the `taskgate listening`
     /// line through (the bench reads the address from it);
     /// `info,taskgate::http::edge=warn` turns the per-request span off.
@@ -290,6 +299,67 @@ where
     }
     out.latencies_us.sort_unstable();
     Ok(out)
+}
+
+/// Sends `request(c, n)` on `conns` keep-alive connections at `rate`
+/// requests per second in all, each connection on a fixed schedule, for
+/// `duration`. A request that falls due while its connection still waits
+/// for the previous answer is timed from when it was due, not from when
+/// it went out: a server that stalls is charged for every request that
+/// queued behind the stall, as the clients that were due would see it (a
+/// client that waited for the stall to end before sending would hide it).
+/// Any other request is timed from when it went out, so the timer's own
+/// lateness (tokio's is up to a millisecond) is not charged to the server.
+/// Returns the latencies, sorted, and the count of answers that were not
+/// 2xx.
+async fn paced<F>(
+    addr: SocketAddr,
+    conns: usize,
+    rate: f64,
+    duration: Duration,
+    request: F,
+) -> std::io::Result<(Vec<Duration>, u64)>
+where
+    F: Fn(usize, u64) -> (&'static str, String, Vec<u8>) + Send + Sync + Clone + 'static,
+{
+    let every = Duration::from_secs_f64(conns as f64 / rate);
+    let start = Instant::now();
+    let end = start + duration;
+    let mut tasks = Vec::with_capacity(conns);
+    for c in 0..conns {
+        let request = request.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut conn = Conn::open(addr).await?;
+            let mut lat = Vec::new();
+            let mut errors = 0u64;
+            // Connections start spread over one interval, not all at once.
+            let mut due = start + every.mul_f64(c as f64 / conns as f64);
+            let mut n = 0u64;
+            let mut free = start;
+            while due < end {
+                tokio::time::sleep_until(due.into()).await;
+                let from = if free > due { due } else { Instant::now() };
+                let (method, path, body) = request(c, n);
+                let status = conn.call(method, &path, &body).await?;
+                free = Instant::now();
+                lat.push(free - from);
+                if status >= 300 {
+                    errors += 1;
+                }
+                n += 1;
+                due += every;
+            }
+            Ok::<_, std::io::Error>((lat, errors))
+        }));
+    }
+    let (mut all, mut errors) = (Vec::new(), 0);
+    for t in tasks {
+        let (lat, e) = t.await.map_err(std::io::Error::other)??;
+        all.extend(lat);
+        errors += e;
+    }
+    all.sort_unstable();
+    Ok((all, errors))
 }
 
 /// The five-task example of API.md, as a registration body (also used by
@@ -865,45 +935,24 @@ async fn fanout(config: &BenchConfig) -> std::io::Result<String> {
         (rss_parked.saturating_sub(rss_before) * 1024) as f64 / config.fanout_waiters as f64;
 
     // Paced reports while they are parked: 5,000/s over 32 connections.
-    let paced = {
-        let conns = 32u32;
-        let per_conn = Duration::from_secs_f64(f64::from(conns) / 5000.0);
-        let end = Instant::now() + Duration::from_secs(5);
-        let mut tasks = Vec::new();
-        for c in 0..conns {
-            tasks.push(tokio::spawn(async move {
-                let mut conn = Conn::open(addr).await?;
-                let mut lat = Vec::new();
-                let mut next = Instant::now() + per_conn.mul_f64(f64::from(c) / f64::from(conns));
-                let mut n = 0u64;
-                while next < end {
-                    tokio::time::sleep_until(next.into()).await;
-                    let state = if n.is_multiple_of(2) {
-                        "running"
-                    } else {
-                        "pending"
-                    };
-                    let sent = Instant::now();
-                    conn.call(
-                        "PUT",
-                        &format!("/v1/allocations/busy-{}/tasks/web/state", c % 64),
-                        format!(r#"{{"state": "{state}"}}"#).as_bytes(),
-                    )
-                    .await?;
-                    lat.push(sent.elapsed());
-                    n += 1;
-                    next += per_conn;
-                }
-                Ok::<_, std::io::Error>(lat)
-            }));
-        }
-        let mut all = Vec::new();
-        for t in tasks {
-            all.extend(t.await.map_err(std::io::Error::other)??);
-        }
-        all.sort_unstable();
-        all
-    };
+    let (paced, paced_errors) = paced(addr, 32, 5000.0, Duration::from_secs(5), |c, n| {
+        let state = if n.is_multiple_of(2) {
+            "running"
+        } else {
+            "pending"
+        };
+        (
+            "PUT",
+            format!("/v1/allocations/busy-{}/tasks/web/state", c % 64),
+            format!(r#"{{"state": "{state}"}}"#).into_bytes(),
+        )
+    })
+    .await?;
+    if paced_errors > 0 {
+        return Err(std::io::Error::other(format!(
+            "{paced_errors} paced reports were refused"
+        )));
+    }
 
     // Open every gate: one batch report per allocation, 64 at a time.
     let acks: Vec<Instant> = {
@@ -951,7 +1000,8 @@ async fn fanout(config: &BenchConfig) -> std::io::Result<String> {
            ({before} KiB before parking, {parked} KiB parked)\n\
          - of which a connection costs before it sends a byte (hyper's buffers and the \
            connection task; measured on a fresh server): {idle:.0} bytes\n\
-         - paced state reports while parked: {n} at ~5,000/s, p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms\n\
+         - paced state reports while parked: {n} at 5,000/s, latency from when each was due: \
+           p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms\n\
          - report acknowledged → waiter answered: p50 {f50:.1} ms, p99 {f99:.1} ms, max {fmax:.1} ms\n\
          - all {w} answered {all:.1} ms after the last report was acknowledged",
         w = config.fanout_waiters,
@@ -1017,7 +1067,9 @@ async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> 
         let clients = config.clients;
         // Client c owns the allocations i ≡ c (mod clients) and walks them
         // in a scattered order; each visit flips `web` between running and
-        // pending, so every report is a real change.
+        // pending, so every report is a real change. The paced run goes on
+        // where the saturated one stopped (each client's count is kept
+        // here, not restarted by the driver), so it changes states too.
         let owned = size / clients;
         if owned == 0 {
             return Err(std::io::Error::other("fewer allocations than clients"));
@@ -1032,6 +1084,24 @@ async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> 
                 started.elapsed()
             ));
         }
+        let sent: Arc<Vec<AtomicU64>> = Arc::new((0..clients).map(|_| AtomicU64::new(0)).collect());
+        let report = move |c: usize, _| {
+            let n = sent[c].fetch_add(1, Ordering::Relaxed) as usize;
+            let slot = (n % owned) * step % owned;
+            let state = if (n / owned).is_multiple_of(2) {
+                "running"
+            } else {
+                "pending"
+            };
+            (
+                "PUT",
+                format!(
+                    "/v1/allocations/scale-{}/tasks/web/state",
+                    c + slot * clients
+                ),
+                format!(r#"{{"state": "{state}"}}"#).into_bytes(),
+            )
+        };
         let before = store_work(server.addr).await?;
         // CPU over exactly the measured window (drive's one-second warm-up
         // excluded), read by a task of its own while the clients run.
@@ -1052,23 +1122,7 @@ async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> 
                 server.addr,
                 clients,
                 config.duration,
-                move |c, n| {
-                    let slot = (n as usize % owned) * step % owned;
-                    let round = n as usize / owned;
-                    let state = if round.is_multiple_of(2) {
-                        "running"
-                    } else {
-                        "pending"
-                    };
-                    (
-                        "PUT",
-                        format!(
-                            "/v1/allocations/scale-{}/tasks/web/state",
-                            c + slot * clients
-                        ),
-                        format!(r#"{{"state": "{state}"}}"#).into_bytes(),
-                    )
-                },
+                report.clone(),
             )
             .await?,
         );
@@ -1098,6 +1152,20 @@ async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> 
                 cps = d[4],
                 records = d[5],
             ));
+        }
+        if config.scale_paced_rate > 0.0 {
+            let rate = config.scale_paced_rate;
+            let (lat, errors) = paced(server.addr, clients, rate, config.duration, report).await?;
+            rows.push(Outcome {
+                name: format!("reports at {rate:.0}/s, {store}, {size} allocations"),
+                requests: lat.len() as u64 - errors,
+                errors,
+                elapsed: config.duration,
+                latencies_us: lat
+                    .iter()
+                    .map(|d| d.as_micros().min(u128::from(u32::MAX)) as u32)
+                    .collect(),
+            });
         }
     }
     let rss_live = server.rss_kib().unwrap_or(0);
