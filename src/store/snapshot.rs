@@ -36,6 +36,10 @@ use super::wal::{self, Overlay};
 pub const SNAPSHOT_FILE: &str = "taskgate.snapshot";
 /// Where a checkpoint writes the next snapshot before renaming it.
 pub const NEXT_FILE: &str = "taskgate.snapshot.new";
+/// The snapshot a checkpoint replaced, kept under this name by `finish`
+/// so that the rename does not free its blocks all at once; the
+/// checkpoint thread removes it with `wal::remove_gently`.
+pub const OLD_FILE: &str = "taskgate.snapshot.old";
 const MAGIC: [u8; 8] = *b"TGSNAP\0\x01";
 const END: [u8; 8] = *b"TGSNAPND";
 const HEADER: usize = 32;
@@ -285,14 +289,27 @@ impl SnapshotWriter {
     }
 
     /// Writes the trailer, makes the file durable and renames it over the
-    /// current snapshot, durably.
+    /// current snapshot, durably. The replaced snapshot stays as
+    /// `OLD_FILE` (a second name, linked before the rename) for its
+    /// blocks to be freed gently.
     pub fn finish(mut self) -> io::Result<Written> {
         self.out.write_all(&END)?;
         self.out.write_all(&self.records.to_le_bytes())?;
         let file = self.out.into_inner().map_err(|e| e.into_error())?;
         file.sync_all()?;
         drop(file);
-        std::fs::rename(self.dir.join(NEXT_FILE), self.dir.join(SNAPSHOT_FILE))?;
+        let (current, old) = (self.dir.join(SNAPSHOT_FILE), self.dir.join(OLD_FILE));
+        // One left by a checkpoint whose removal failed: only a name to
+        // drop (unlinking never touches another name's blocks).
+        match std::fs::remove_file(&old) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        match std::fs::hard_link(&current, &old) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        std::fs::rename(self.dir.join(NEXT_FILE), current)?;
         wal::sync_dir(&self.dir)?;
         Ok(Written {
             records: self.records,
@@ -465,6 +482,27 @@ mod tests {
         let s = Snapshot::open(dir.path()).unwrap().unwrap();
         assert_eq!((s.folded, s.last_index), (3, 7));
         assert!(!dir.path().join(NEXT_FILE).exists());
+    }
+
+    #[test]
+    fn the_replaced_snapshot_keeps_a_name_of_its_own_until_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = dir.path().join(OLD_FILE);
+        fold(dir.path(), &overlay(&[("a", Some("a1"))], 1), 1).unwrap();
+        assert!(!old.exists(), "nothing was replaced");
+        let first = std::fs::read(dir.path().join(SNAPSHOT_FILE)).unwrap();
+        fold(dir.path(), &overlay(&[("b", Some("b2"))], 2), 2).unwrap();
+        assert_eq!(std::fs::read(&old).unwrap(), first);
+        assert_eq!(contents(dir.path()), pairs(&[("a", "a1"), ("b", "b2")]));
+        // Not removed in between (a failed removal): the next checkpoint
+        // drops that name and keeps the one it replaces.
+        let second = std::fs::read(dir.path().join(SNAPSHOT_FILE)).unwrap();
+        fold(dir.path(), &overlay(&[("a", None)], 3), 3).unwrap();
+        assert_eq!(std::fs::read(&old).unwrap(), second);
+        assert_eq!(contents(dir.path()), pairs(&[("b", "b2")]));
+        wal::remove_gently(&old).unwrap();
+        assert!(!old.exists());
+        assert_eq!(contents(dir.path()), pairs(&[("b", "b2")]));
     }
 
     #[test]
