@@ -21,13 +21,13 @@ const KILLS: usize = 40;
 const CLIENTS: usize = 8;
 const ALLOCS_PER_CLIENT: usize = 6;
 
-/// Even rounds fold the store's log into the snapshot every 16 KiB, so
+/// Even rounds fold the store's log into the snapshot every 4 KiB, so
 /// kills land before, during and after checkpoints; odd rounds keep the
 /// default limit, so their changes live in the log alone until a later
 /// round folds them.
 fn start(dir: &Path, round: usize) -> Server {
     let limit = if round.is_multiple_of(2) {
-        "16KiB"
+        "4KiB"
     } else {
         "64MiB"
     };

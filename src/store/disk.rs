@@ -434,7 +434,7 @@ impl Drop for DiskStore {
 }
 
 /// Decodes loaded records in chunks, each chunk on every core: decoding
-/// JSON is most of a recovery.
+/// is most of a recovery.
 struct Loader<'a> {
     path: &'a Path,
     raw: Vec<(String, Vec<u8>)>,
@@ -881,9 +881,9 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn acknowledged_changes_survive_a_reopen_exactly() {
-        // 1 byte: every commit seals a segment and checkpoints it; 4 KiB:
+        // 1 byte: every commit seals a segment and checkpoints it; 1 KiB:
         // some do; the default: none, the reopen replays the log alone.
-        for log_limit in [1, 4096, DEFAULT_LOG_LIMIT] {
+        for log_limit in [1, 1024, DEFAULT_LOG_LIMIT] {
             let dir = tempfile::tempdir().unwrap();
             let (views, _, stats) = register(dir.path(), log_limit, &ids("a", 50)).await;
             assert_eq!(stats.changes, 50, "{log_limit}");
@@ -1037,7 +1037,8 @@ mod tests {
             3,
             time::OffsetDateTime::UNIX_EPOCH,
         );
-        let encoded = record::encode(&a);
+        // Earlier builds wrote records as JSON (format 1).
+        let encoded = record::encode_json(&a);
         for format in [None, Some(1), Some(2)] {
             // A redb file that folded the log up to segment 4, and segment
             // 5 holding a change it has not folded.
@@ -1161,6 +1162,44 @@ mod tests {
                 assert_eq!(stats.commits, 200, "one commit per change");
             }
         }
+    }
+
+    #[tokio::test]
+    async fn records_of_an_earlier_build_load_and_changes_are_written_in_the_current_format() {
+        // An earlier build's data directory: format-1 (JSON) records in the
+        // snapshot and in the log.
+        let dir = tempfile::tempdir().unwrap();
+        let at = time::OffsetDateTime::UNIX_EPOCH;
+        let alloc = |id: &str, index| {
+            Allocation::register(AllocId::parse(id).unwrap(), Arc::new(spec()), index, at)
+        };
+        let (a, b) = (alloc("a", 1), alloc("b", 2));
+        let mut w = snapshot::SnapshotWriter::create(dir.path(), 0, 1).unwrap();
+        w.put("a", &record::encode_json(&a)).unwrap();
+        w.finish().unwrap();
+        let mut s = wal::Segment::create(dir.path(), 1).unwrap();
+        let mut frame = Vec::new();
+        wal::frame(&mut frame, "b", 2, Some(&record::encode_json(&b)));
+        s.append(&frame).unwrap();
+        drop(s);
+
+        let store = open(dir.path(), 1);
+        let loaded = store.load().unwrap();
+        assert_eq!(loaded.allocations, vec![a.clone(), b]);
+        let mut changed = a.clone();
+        changed.modify_index = 3;
+        store
+            .commit(Op::Put(Arc::new(changed.clone())))
+            .await
+            .unwrap();
+        store.close().unwrap();
+        drop(store);
+        let log = std::fs::read(wal::segment_path(dir.path(), 2)).unwrap();
+        let mut frames = Overlay::default();
+        wal::replay(&log, 2, &mut frames).unwrap();
+        let written = frames.changes["a"].as_deref().unwrap();
+        assert_eq!(written, record::encode(&changed), "written in format 2");
+        assert_eq!(open(dir.path(), 1).load().unwrap().allocations[0], changed);
     }
 
     #[test]

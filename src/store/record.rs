@@ -1,36 +1,412 @@
 //! The stored form of an allocation record, versioned on its own so the
-//! files outlive changes to the in-memory types. Version 1 is JSON: slower
-//! than a binary encoding, but a human can read what the snapshot
-//! (`snapshot.rs`) and the log (`wal.rs`) hold; both carry these bytes as
-//! they are.
+//! files outlive changes to the in-memory types. The snapshot
+//! (`snapshot.rs`) and the log (`wal.rs`) carry these bytes as they are.
+//!
+//! This build writes version 2, a compact binary encoding, and reads
+//! versions 1 and 2. Version 1 is JSON (`{"v":1,...}`): readable, but a
+//! settled five-task record takes ~720 bytes, over half of them task specs
+//! and timestamps spelled out, and every change writes its whole record to
+//! the log and, at the next checkpoint, rewrites the snapshot: what a
+//! change costs the store grows with the record. Version 2 holds the same
+//! fields in about a fifth of the bytes. A version-1 record left by an
+//! earlier build stays as it is until its allocation next changes.
+//!
+//! Version 2 (integers are unsigned LEB128 varints unless marked `zigzag`,
+//! signed; `str` is a varint length and UTF-8 bytes):
+//!
+//! ```text
+//! record = 0x02 | id: str | state: u8 | create_index | modify_index
+//!        | created_at: time | modified_at: time | tasks: varint | task*
+//! task   = name: str | kind: u8 | state: u8 | flags: u8 | restarts
+//!        | restart_generation | modify_index
+//!        | [started_at: time] | [finished_at: time] | [last_restart: time]
+//!        | events: varint | event*
+//! kind   = hook (0 none: a main task, 1 prestart, 2 poststart, 3 poststop)
+//!        | 0x10 sidecar | 0x20 leader
+//! flags  = 0x01 failed | 0x02 started_at | 0x04 finished_at | 0x08 last_restart
+//! event  = type: str | time | message: str | details: varint | (key: str | value: str)*
+//! time   = unix seconds: zigzag | nanoseconds | UTC offset seconds: zigzag
+//! ```
+//!
+//! States are stored as their position in the tables below (`COORD`,
+//! `RUN`, `HOOK`), which are part of the format: never reorder them.
+//! Details keys are strictly increasing. Anything else — an unknown code
+//! or flag, a length past the end, bytes left over — is damage.
 
-use std::sync::Arc;
-
-use serde::{Deserialize, Serialize};
-
-use crate::lifecycle::{
-    AllocId, AllocSpec, Allocation, CoordState, Limits, TaskSpec, TaskStatus, Timestamp,
+use std::{
+    collections::{BTreeMap, VecDeque},
+    sync::Arc,
 };
 
-/// The record format this build writes and reads.
-pub const RECORD_VERSION: u32 = 1;
+use serde::Deserialize;
 
-#[derive(Serialize)]
-struct RecordOut<'a> {
-    v: u32,
-    id: &'a AllocId,
-    tasks: &'a [TaskSpec],
+use crate::lifecycle::{
+    AllocId, AllocSpec, Allocation, CoordState, Event, Hook, Lifecycle, Limits, RunState, TaskName,
+    TaskSpec, TaskStatus, Timestamp,
+};
+
+/// The record format this build writes.
+pub const RECORD_VERSION: u8 = 2;
+/// The JSON format of earlier builds, still read.
+const JSON_VERSION: u32 = 1;
+
+const COORD: [CoordState; 6] = [
+    CoordState::Init,
+    CoordState::Prestart,
+    CoordState::Main,
+    CoordState::Poststart,
+    CoordState::WaitAlloc,
+    CoordState::Poststop,
+];
+const RUN: [RunState; 3] = [RunState::Pending, RunState::Running, RunState::Dead];
+/// Codes 1, 2, 3 (0 is a main task, with no lifecycle).
+const HOOK: [Hook; 3] = [Hook::Prestart, Hook::Poststart, Hook::Poststop];
+
+const SIDECAR: u8 = 0x10;
+const LEADER: u8 = 0x20;
+const FAILED: u8 = 0x01;
+const STARTED: u8 = 0x02;
+const FINISHED: u8 = 0x04;
+const LAST_RESTART: u8 = 0x08;
+
+fn code<T: PartialEq + Copy>(table: &[T], value: T) -> u8 {
+    table
+        .iter()
+        .position(|&v| v == value)
+        .expect("every variant has a code (tested)") as u8
+}
+
+fn put_varint(buf: &mut Vec<u8>, mut n: u64) {
+    while n >= 0x80 {
+        buf.push(n as u8 | 0x80);
+        n >>= 7;
+    }
+    buf.push(n as u8);
+}
+
+fn put_zigzag(buf: &mut Vec<u8>, n: i64) {
+    put_varint(buf, ((n << 1) ^ (n >> 63)) as u64);
+}
+
+fn put_str(buf: &mut Vec<u8>, s: &str) {
+    put_varint(buf, s.len() as u64);
+    buf.extend_from_slice(s.as_bytes());
+}
+
+fn put_time(buf: &mut Vec<u8>, t: Timestamp) {
+    put_zigzag(buf, t.unix_timestamp());
+    put_varint(buf, u64::from(t.nanosecond()));
+    put_zigzag(buf, i64::from(t.offset().whole_seconds()));
+}
+
+/// Appends the record of `a` to `buf`.
+pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
+    buf.push(RECORD_VERSION);
+    put_str(buf, a.id.as_str());
+    buf.push(code(&COORD, a.state));
+    put_varint(buf, a.create_index);
+    put_varint(buf, a.modify_index);
+    put_time(buf, a.created_at);
+    put_time(buf, a.modified_at);
+    let specs = a.spec.tasks();
+    put_varint(buf, specs.len() as u64);
+    for (spec, status) in specs.iter().zip(&a.tasks) {
+        put_str(buf, spec.name.as_str());
+        let mut kind = match spec.lifecycle {
+            None => 0,
+            Some(Lifecycle { hook, sidecar }) => {
+                (1 + code(&HOOK, hook)) | if sidecar { SIDECAR } else { 0 }
+            }
+        };
+        if spec.leader {
+            kind |= LEADER;
+        }
+        buf.push(kind);
+        buf.push(code(&RUN, status.state));
+        let times = [
+            (STARTED, status.started_at),
+            (FINISHED, status.finished_at),
+            (LAST_RESTART, status.last_restart),
+        ];
+        let flags = times
+            .iter()
+            .filter(|(_, t)| t.is_some())
+            .fold(if status.failed { FAILED } else { 0 }, |f, (bit, _)| {
+                f | bit
+            });
+        buf.push(flags);
+        put_varint(buf, status.restarts);
+        put_varint(buf, status.restart_generation);
+        put_varint(buf, status.modify_index);
+        for t in times.iter().filter_map(|(_, t)| *t) {
+            put_time(buf, t);
+        }
+        put_varint(buf, status.events.len() as u64);
+        for event in &status.events {
+            put_str(buf, &event.kind);
+            put_time(buf, event.time);
+            put_str(buf, &event.message);
+            put_varint(buf, event.details.len() as u64);
+            for (key, value) in &event.details {
+                put_str(buf, key);
+                put_str(buf, value);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+pub fn encode(a: &Allocation) -> Vec<u8> {
+    let mut buf = Vec::new();
+    encode_into(a, &mut buf);
+    buf
+}
+
+/// Decodes a stored record exactly as it was (no re-evaluation), of
+/// either version.
+pub fn decode(bytes: &[u8]) -> Result<Allocation, String> {
+    match bytes.first() {
+        Some(&RECORD_VERSION) => decode_binary(&bytes[1..]),
+        Some(b'{') => decode_json(bytes),
+        Some(&v) if v < b' ' => Err(format!(
+            "record format version {v}, but this taskgate reads versions {JSON_VERSION} \
+             and {RECORD_VERSION}"
+        )),
+        _ => Err("not a taskgate record".to_owned()),
+    }
+}
+
+/// The parts common to both versions, checked as a registration is: a
+/// damaged record must not break the coordinator's assumptions.
+#[allow(clippy::too_many_arguments)]
+fn assemble(
+    id: AllocId,
+    tasks: Vec<TaskSpec>,
     state: CoordState,
-    status: &'a [TaskStatus],
+    status: Vec<TaskStatus>,
     create_index: u64,
     modify_index: u64,
     created_at: Timestamp,
     modified_at: Timestamp,
+) -> Result<Allocation, String> {
+    if tasks.len() != status.len() {
+        return Err(format!(
+            "{} tasks but {} task states",
+            tasks.len(),
+            status.len()
+        ));
+    }
+    // The limit on the task count is not re-applied: a record registered
+    // under a larger configured limit stays readable.
+    let limits = Limits {
+        max_tasks: usize::MAX,
+        ..Limits::default()
+    };
+    let spec = AllocSpec::new(tasks, &limits)
+        .map_err(|e| format!("invalid task spec: {}", e[0].message))?;
+    Ok(Allocation::from_parts(
+        id,
+        Arc::new(spec),
+        state,
+        status,
+        create_index,
+        modify_index,
+        created_at,
+        modified_at,
+    ))
+}
+
+/// Reads version 2, after its first byte.
+struct Reader<'a> {
+    bytes: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn byte(&mut self, what: &str) -> Result<u8, String> {
+        let (&b, rest) = self
+            .bytes
+            .split_first()
+            .ok_or_else(|| format!("cut short in {what}"))?;
+        self.bytes = rest;
+        Ok(b)
+    }
+
+    fn varint(&mut self, what: &str) -> Result<u64, String> {
+        let mut n = 0u64;
+        for shift in (0..64).step_by(7) {
+            let b = self.byte(what)?;
+            let bits = u64::from(b & 0x7f);
+            if shift == 63 && bits > 1 {
+                break;
+            }
+            n |= bits << shift;
+            if b & 0x80 == 0 {
+                // One way to write each number: no high zero groups.
+                if b == 0 && shift > 0 {
+                    break;
+                }
+                return Ok(n);
+            }
+        }
+        Err(format!(
+            "{what} is not a 64-bit number in its shortest form"
+        ))
+    }
+
+    fn zigzag(&mut self, what: &str) -> Result<i64, String> {
+        let n = self.varint(what)?;
+        Ok((n >> 1) as i64 ^ -((n & 1) as i64))
+    }
+
+    /// A count of items each at least `min_bytes` long: never more than
+    /// the bytes left could hold, so nothing is sized past them.
+    fn count(&mut self, what: &str, min_bytes: usize) -> Result<usize, String> {
+        let n = self.varint(what)?;
+        if n > (self.bytes.len() / min_bytes) as u64 {
+            return Err(format!("{what} ({n}) is more than the record holds"));
+        }
+        Ok(n as usize)
+    }
+
+    fn str(&mut self, what: &str) -> Result<&'a str, String> {
+        let len = self.count(what, 1)?;
+        let (s, rest) = self.bytes.split_at(len);
+        self.bytes = rest;
+        std::str::from_utf8(s).map_err(|_| format!("{what} is not UTF-8"))
+    }
+
+    fn string(&mut self, what: &str) -> Result<String, String> {
+        self.str(what).map(str::to_owned)
+    }
+
+    fn time(&mut self, what: &str) -> Result<Timestamp, String> {
+        let secs = self.zigzag(what)?;
+        let nanos = u32::try_from(self.varint(what)?).map_err(|_| format!("bad {what}"))?;
+        let offset = i32::try_from(self.zigzag(what)?).map_err(|_| format!("bad {what}"))?;
+        let offset =
+            time::UtcOffset::from_whole_seconds(offset).map_err(|e| format!("bad {what}: {e}"))?;
+        Timestamp::from_unix_timestamp(secs)
+            .and_then(|t| t.replace_nanosecond(nanos))
+            .map_err(|e| format!("bad {what}: {e}"))?
+            .checked_to_offset(offset)
+            .ok_or_else(|| format!("bad {what}: out of range"))
+    }
+
+    fn code<T: Copy>(&mut self, table: &[T], what: &str) -> Result<T, String> {
+        let b = self.byte(what)?;
+        table
+            .get(usize::from(b))
+            .copied()
+            .ok_or_else(|| format!("unknown {what} {b}"))
+    }
+}
+
+fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
+    let mut r = Reader { bytes };
+    let id = AllocId::parse(r.str("the allocation ID")?)
+        .map_err(|e| format!("bad allocation ID: {e}"))?;
+    let state = r.code(&COORD, "coordinator state")?;
+    let create_index = r.varint("create_index")?;
+    let modify_index = r.varint("modify_index")?;
+    let created_at = r.time("created_at")?;
+    let modified_at = r.time("modified_at")?;
+    // A task takes at least 9 bytes (an empty name is refused below).
+    let n = r.count("the task count", 9)?;
+    let (mut specs, mut statuses) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for _ in 0..n {
+        let name = r.str("a task name")?;
+        let name = TaskName::parse(name).map_err(|e| format!("bad task name {name:?}: {e}"))?;
+        let kind = r.byte("a task kind")?;
+        if kind & !(0x0f | SIDECAR | LEADER) != 0 {
+            return Err(format!("task {name}: unknown kind {kind:#x}"));
+        }
+        let sidecar = kind & SIDECAR != 0;
+        let lifecycle = match kind & 0x0f {
+            0 if sidecar => return Err(format!("task {name}: a main task marked sidecar")),
+            0 => None,
+            hook => Some(Lifecycle {
+                hook: *HOOK
+                    .get(usize::from(hook - 1))
+                    .ok_or_else(|| format!("task {name}: unknown hook {hook}"))?,
+                sidecar,
+            }),
+        };
+        let run = r.code(&RUN, "task state")?;
+        let flags = r.byte("task flags")?;
+        if flags & !(FAILED | STARTED | FINISHED | LAST_RESTART) != 0 {
+            return Err(format!("task {name}: unknown flags {flags:#x}"));
+        }
+        let restarts = r.varint("restarts")?;
+        let restart_generation = r.varint("restart_generation")?;
+        let task_index = r.varint("a task's modify_index")?;
+        let mut time_if = |bit: u8, what: &str| -> Result<Option<Timestamp>, String> {
+            (flags & bit != 0).then(|| r.time(what)).transpose()
+        };
+        let started_at = time_if(STARTED, "started_at")?;
+        let finished_at = time_if(FINISHED, "finished_at")?;
+        let last_restart = time_if(LAST_RESTART, "last_restart")?;
+        // An event takes at least 6 bytes.
+        let n_events = r.count("the event count", 6)?;
+        let mut events = VecDeque::with_capacity(n_events);
+        for _ in 0..n_events {
+            let kind = r.string("an event type")?;
+            let time = r.time("an event time")?;
+            let message = r.string("an event message")?;
+            let n_details = r.count("the details count", 2)?;
+            let mut details = BTreeMap::new();
+            for _ in 0..n_details {
+                let key = r.string("a details key")?;
+                let value = r.string("a details value")?;
+                if details
+                    .last_key_value()
+                    .is_some_and(|(last, _)| *last >= key)
+                {
+                    return Err(format!("details key {key:?} out of order"));
+                }
+                details.insert(key, value);
+            }
+            events.push_back(Event {
+                kind,
+                time,
+                message,
+                details,
+            });
+        }
+        specs.push(TaskSpec {
+            name,
+            lifecycle,
+            leader: kind & LEADER != 0,
+        });
+        statuses.push(TaskStatus {
+            state: run,
+            failed: flags & FAILED != 0,
+            restarts,
+            started_at,
+            finished_at,
+            last_restart,
+            events,
+            restart_generation,
+            modify_index: task_index,
+        });
+    }
+    if !r.bytes.is_empty() {
+        return Err(format!("{} bytes after the record's end", r.bytes.len()));
+    }
+    assemble(
+        id,
+        specs,
+        state,
+        statuses,
+        create_index,
+        modify_index,
+        created_at,
+        modified_at,
+    )
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RecordIn {
+struct JsonRecord {
     v: u32,
     id: AllocId,
     tasks: Vec<TaskSpec>,
@@ -47,17 +423,55 @@ struct VersionOnly {
     v: u32,
 }
 
-#[cfg(test)]
-pub fn encode(a: &Allocation) -> Vec<u8> {
-    let mut buf = Vec::new();
-    encode_into(a, &mut buf);
-    buf
+/// Version 1. One parse for a record of this version; the version alone
+/// is read only to explain a record that does not decode.
+fn decode_json(bytes: &[u8]) -> Result<Allocation, String> {
+    let version_error = |version: u32| {
+        format!(
+            "record format version {version} (JSON), but this taskgate reads versions \
+             {JSON_VERSION} and {RECORD_VERSION}"
+        )
+    };
+    let r: JsonRecord = match serde_json::from_slice::<JsonRecord>(bytes) {
+        Ok(r) if r.v == JSON_VERSION => r,
+        Ok(r) => return Err(version_error(r.v)),
+        Err(e) => {
+            return Err(match serde_json::from_slice::<VersionOnly>(bytes) {
+                Ok(v) if v.v != JSON_VERSION => version_error(v.v),
+                Ok(_) => format!("bad record: {e}"),
+                Err(e) => format!("not a taskgate record: {e}"),
+            });
+        }
+    };
+    assemble(
+        r.id,
+        r.tasks,
+        r.state,
+        r.status,
+        r.create_index,
+        r.modify_index,
+        r.created_at,
+        r.modified_at,
+    )
 }
 
-/// Appends the record of `a` to `buf`.
-pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
-    let out = RecordOut {
-        v: RECORD_VERSION,
+/// Version 1, as earlier builds wrote it: for tests of reading it.
+#[cfg(test)]
+pub fn encode_json(a: &Allocation) -> Vec<u8> {
+    #[derive(serde::Serialize)]
+    struct JsonOut<'a> {
+        v: u32,
+        id: &'a AllocId,
+        tasks: &'a [TaskSpec],
+        state: CoordState,
+        status: &'a [TaskStatus],
+        create_index: u64,
+        modify_index: u64,
+        created_at: Timestamp,
+        modified_at: Timestamp,
+    }
+    serde_json::to_vec(&JsonOut {
+        v: JSON_VERSION,
         id: &a.id,
         tasks: a.spec.tasks(),
         state: a.state,
@@ -66,79 +480,30 @@ pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
         modify_index: a.modify_index,
         created_at: a.created_at,
         modified_at: a.modified_at,
-    };
-    serde_json::to_writer(buf, &out).expect("an allocation record always serializes");
-}
-
-/// Decodes a stored record exactly as it was (no re-evaluation). One parse
-/// for a record of this version; the version alone is read only to explain
-/// a record that does not decode.
-pub fn decode(bytes: &[u8]) -> Result<Allocation, String> {
-    let version_error = |version: u32| {
-        format!("record format version {version}, but this taskgate reads version {RECORD_VERSION}")
-    };
-    let r: RecordIn = match serde_json::from_slice::<RecordIn>(bytes) {
-        Ok(r) if r.v == RECORD_VERSION => r,
-        Ok(r) => return Err(version_error(r.v)),
-        Err(e) => {
-            return Err(match serde_json::from_slice::<VersionOnly>(bytes) {
-                Ok(v) if v.v != RECORD_VERSION => version_error(v.v),
-                Ok(_) => format!("bad record: {e}"),
-                Err(e) => format!("not a taskgate record: {e}"),
-            });
-        }
-    };
-    if r.tasks.len() != r.status.len() {
-        return Err(format!(
-            "{} tasks but {} task states",
-            r.tasks.len(),
-            r.status.len()
-        ));
-    }
-    // Stored specs were validated when registered; check them again so a
-    // damaged record cannot break the coordinator's assumptions. The limit
-    // on the task count is not re-applied: a record registered under a
-    // larger configured limit stays readable.
-    let limits = Limits {
-        max_tasks: usize::MAX,
-        ..Limits::default()
-    };
-    let spec = AllocSpec::new(r.tasks, &limits)
-        .map_err(|e| format!("invalid task spec: {}", e[0].message))?;
-    Ok(Allocation::from_parts(
-        r.id,
-        Arc::new(spec),
-        r.state,
-        r.status,
-        r.create_index,
-        r.modify_index,
-        r.created_at,
-        r.modified_at,
-    ))
+    })
+    .expect("an allocation record always serializes")
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lifecycle::{Hook, Lifecycle, RunState, TaskName, TaskReport};
+    use crate::lifecycle::TaskReport;
     use time::macros::datetime;
 
+    fn task(name: &str, hook: Option<Hook>, sidecar: bool, leader: bool) -> TaskSpec {
+        TaskSpec {
+            name: TaskName::parse(name).unwrap(),
+            lifecycle: hook.map(|hook| Lifecycle { hook, sidecar }),
+            leader,
+        }
+    }
+
+    /// A registered allocation with one report: what most records are.
     fn sample() -> Allocation {
         let spec = AllocSpec::new(
             vec![
-                TaskSpec {
-                    name: TaskName::parse("init").unwrap(),
-                    lifecycle: Some(Lifecycle {
-                        hook: Hook::Prestart,
-                        sidecar: false,
-                    }),
-                    leader: false,
-                },
-                TaskSpec {
-                    name: TaskName::parse("web").unwrap(),
-                    lifecycle: None,
-                    leader: true,
-                },
+                task("init", Some(Hook::Prestart), false, false),
+                task("web", None, false, true),
             ],
             &Limits::default(),
         )
@@ -153,19 +518,198 @@ mod tests {
         a.report(&[(0, report)], now, || 4).unwrap()
     }
 
-    #[test]
-    fn a_record_round_trips_exactly() {
-        let a = sample();
-        assert_eq!(decode(&encode(&a)).unwrap(), a);
+    /// Every field set, every kind of task, odd timestamps.
+    fn full() -> Allocation {
+        let spec = AllocSpec::new(
+            vec![
+                task("init", Some(Hook::Prestart), false, false),
+                task("proxy", Some(Hook::Prestart), true, false),
+                task("web", None, false, true),
+                task("announce", Some(Hook::Poststart), false, false),
+                task("log-ship", Some(Hook::Poststart), true, false),
+                task("cleanup", Some(Hook::Poststop), false, false),
+            ],
+            &Limits::default(),
+        )
+        .unwrap();
+        let east = datetime!(2026-11-21 10:00:00.000000001 +05:30);
+        let old = datetime!(1969-12-31 23:59:59.999999999 -11:00);
+        let event = |kind: &str, details: &[(&str, &str)]| Event {
+            kind: kind.to_owned(),
+            time: east,
+            message: "Exit Code: 1 — ünïcode".to_owned(),
+            details: details
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        };
+        let mut tasks: Vec<TaskStatus> = (0..6).map(TaskStatus::new).collect();
+        tasks[0] = TaskStatus {
+            state: RunState::Dead,
+            failed: true,
+            restarts: u64::MAX,
+            started_at: Some(old),
+            finished_at: Some(east),
+            last_restart: Some(datetime!(9999-12-31 23:59:59.999999999 UTC)),
+            events: VecDeque::from(vec![
+                event("Terminated", &[("exit_code", "1"), ("signal", "")]),
+                event("Restart Signaled", &[]),
+            ]),
+            restart_generation: 1 << 35,
+            modify_index: 300,
+        };
+        tasks[2].state = RunState::Running;
+        tasks[2].started_at = Some(datetime!(-9999-01-01 00:00:00 UTC));
+        Allocation::from_parts(
+            AllocId::parse("job.group_7-x").unwrap(),
+            Arc::new(spec),
+            CoordState::WaitAlloc,
+            tasks,
+            1,
+            u64::MAX - 1,
+            old,
+            east,
+        )
     }
 
     #[test]
-    fn an_unknown_version_is_refused_by_name() {
-        let mut v: serde_json::Value = serde_json::from_slice(&encode(&sample())).unwrap();
-        v["v"] = 2.into();
+    fn a_record_round_trips_exactly() {
+        for a in [sample(), full()] {
+            let back = decode(&encode(&a)).unwrap();
+            assert_eq!(back, a);
+            // Equal instants are equal timestamps; the offsets are kept too.
+            assert_eq!(back.created_at.offset(), a.created_at.offset());
+        }
+        let a = full();
+        let back = decode(&encode(&a)).unwrap();
+        assert_eq!(
+            back.tasks[0].events[0].time.offset(),
+            a.tasks[0].events[0].time.offset()
+        );
+    }
+
+    #[test]
+    fn version_1_json_records_are_still_read() {
+        for a in [sample(), full()] {
+            let json = encode_json(&a);
+            assert_eq!(json[0], b'{');
+            assert_eq!(decode(&json).unwrap(), a);
+        }
+    }
+
+    #[test]
+    fn the_format_is_pinned_byte_for_byte() {
+        // A change here breaks every data directory written before it.
+        let expected: &[u8] = &[
+            2, // version
+            2, b'a', b'1', // id
+            2,    // state: main
+            3, 4, // create_index, modify_index
+            // created_at and modified_at: 2026-11-21 10:00:00.123456789 UTC
+            // (1795255200 zigzagged, 123456789 ns, offset 0)
+            192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+            192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+            2, // tasks
+            // init: prestart; dead; finished_at; restarts 0, generation 0,
+            // index 4; finished_at; no events
+            4, b'i', b'n', b'i', b't', 1, 2, 4, 0, 0, 4, //
+            192, 174, 139, 176, 13, 149, 154, 239, 58, 0, 0, //
+            // web: main, leader; pending; no flags; 0, 0, index 4; no events
+            3, b'w', b'e', b'b', 0x20, 0, 0, 0, 0, 4, 0,
+        ];
+        assert_eq!(encode(&sample()), expected);
+    }
+
+    #[test]
+    fn every_state_has_exactly_one_code() {
+        fn check<T: PartialEq + Copy + std::fmt::Debug>(table: &[T], all: &[T]) {
+            assert_eq!(table.len(), all.len());
+            for v in all {
+                assert_eq!(table.iter().filter(|t| *t == v).count(), 1, "{v:?}");
+            }
+        }
+        check(&COORD, CoordState::ALL);
+        check(&RUN, RunState::ALL);
+        check(&HOOK, Hook::ALL);
+    }
+
+    #[test]
+    fn a_settled_five_task_record_is_a_fifth_of_its_json() {
+        let spec = AllocSpec::new(
+            vec![
+                task("init", Some(Hook::Prestart), false, false),
+                task("proxy", Some(Hook::Prestart), true, false),
+                task("web", None, false, true),
+                task("announce", Some(Hook::Poststart), false, false),
+                task("cleanup", Some(Hook::Poststop), false, false),
+            ],
+            &Limits::default(),
+        )
+        .unwrap();
+        let now = datetime!(2026-11-22 21:56:29.943529789 UTC);
+        let mut a = Allocation::register(
+            AllocId::parse("scale-123456").unwrap(),
+            Arc::new(spec),
+            1,
+            now,
+        );
+        // The scale benchmark's reports: web running, then pending.
+        for i in 0..12u64 {
+            let state = [RunState::Running, RunState::Pending][i as usize % 2];
+            let report = TaskReport {
+                state,
+                failed: false,
+                event: None,
+            };
+            a = a.report(&[(2, report)], now, || 1_000_000 + i).unwrap();
+        }
+        let (binary, json) = (encode(&a).len(), encode_json(&a).len());
+        assert!(json > 600, "{json}");
+        assert!(binary * 5 <= json, "{binary} bytes against {json}");
+    }
+
+    #[test]
+    fn unknown_versions_are_refused_by_name() {
+        let mut v: serde_json::Value = serde_json::from_slice(&encode_json(&sample())).unwrap();
+        v["v"] = 3.into();
         let err = decode(&serde_json::to_vec(&v).unwrap()).unwrap_err();
-        assert!(err.contains("version 2"), "{err}");
-        assert!(decode(b"\x00garbage").is_err());
+        assert!(err.contains("version 3 (JSON)"), "{err}");
+        let mut binary = encode(&sample());
+        binary[0] = 3;
+        let err = decode(&binary).unwrap_err();
+        assert!(err.contains("version 3,"), "{err}");
+        assert!(
+            decode(b"garbage")
+                .unwrap_err()
+                .contains("not a taskgate record")
+        );
+        assert!(decode(b"").is_err());
+    }
+
+    #[test]
+    fn every_cut_and_changed_byte_is_refused_or_still_a_valid_record() {
+        let bytes = encode(&full());
+        for len in 0..bytes.len() {
+            assert!(decode(&bytes[..len]).is_err(), "cut at {len}");
+        }
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert!(
+            decode(&longer)
+                .unwrap_err()
+                .contains("after the record's end")
+        );
+        // No change may panic or size anything past the record; what still
+        // decodes must encode back to the same bytes.
+        for at in 0..bytes.len() {
+            for flip in [0x01, 0x02, 0x10, 0x40, 0x80, 0xff] {
+                let mut changed = bytes.clone();
+                changed[at] ^= flip;
+                if let Ok(a) = decode(&changed) {
+                    assert_eq!(encode(&a), changed, "byte {at} ^ {flip:#x}");
+                }
+            }
+        }
     }
 
     #[test]
