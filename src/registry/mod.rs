@@ -13,7 +13,7 @@ mod handle;
 mod wait;
 
 use std::{
-    collections::{BTreeSet, HashMap},
+    collections::{BTreeSet, HashSet},
     ops::Bound,
     sync::{
         Arc, Mutex, PoisonError, RwLock,
@@ -130,7 +130,7 @@ impl Registry {
         let mut specs = SpecInterner::default();
         let allocs = AllocMap::from_sorted(loaded.allocations.into_iter().map(|mut a| {
             a.spec = specs.share(a.spec);
-            (a.id.clone(), Arc::new(Handle::live(Arc::new(a))))
+            Arc::new(Handle::live(Arc::new(a)))
         }));
         Ok(Self {
             shared: Arc::new(Shared {
@@ -324,7 +324,7 @@ impl Registry {
         if let Some(h) = map.get(id.as_str()) {
             return (h.clone(), None);
         }
-        let handle = Arc::new(Handle::creating());
+        let handle = Arc::new(Handle::creating(id));
         let guard = handle
             .try_lock_write()
             .expect("a new handle's lock is free");
@@ -557,17 +557,52 @@ impl Registry {
 /// cache misses), and the IDs in order for listing.
 #[derive(Default)]
 struct AllocMap {
-    by_id: HashMap<AllocId, Arc<Handle>>,
+    /// Keyed by the ID each handle holds (`ByHandleId`): the table holds
+    /// one pointer per allocation, and a lookup reads the ID from the
+    /// handle it goes on to use.
+    by_id: HashSet<ByHandleId>,
     ids: BTreeSet<AllocId>,
 }
 
+/// A handle in the registry's map, hashed and compared by its ID.
+struct ByHandleId(Arc<Handle>);
+
+impl std::hash::Hash for ByHandleId {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        // As the `str` it is looked up by hashes (`Borrow` requires it).
+        self.0.id().hash(state);
+    }
+}
+
+impl PartialEq for ByHandleId {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.id() == other.0.id()
+    }
+}
+
+impl Eq for ByHandleId {}
+
+impl std::borrow::Borrow<str> for ByHandleId {
+    fn borrow(&self) -> &str {
+        self.0.id()
+    }
+}
+
 impl AllocMap {
-    /// From entries in ID order (as stores load them).
-    fn from_sorted(entries: impl Iterator<Item = (AllocId, Arc<Handle>)>) -> Self {
-        let mut by_id = HashMap::new();
-        let ids = entries
-            .map(|(id, handle)| {
-                by_id.insert(id.clone(), handle);
+    /// From handles in ID order (as stores load them).
+    // A handle is hashed by its ID, which never changes (its other fields
+    // are the mutable part).
+    #[allow(clippy::mutable_key_type)]
+    fn from_sorted(handles: impl Iterator<Item = Arc<Handle>>) -> Self {
+        let mut by_id = HashSet::new();
+        let ids = handles
+            .map(|handle| {
+                let id = handle
+                    .current()
+                    .expect("loaded handles are live")
+                    .id
+                    .clone();
+                by_id.insert(ByHandleId(handle));
                 id
             })
             .collect();
@@ -575,17 +610,19 @@ impl AllocMap {
     }
 
     fn get(&self, id: &str) -> Option<&Arc<Handle>> {
-        self.by_id.get(id)
+        self.by_id.get(id).map(|h| &h.0)
     }
 
+    /// Adds `handle` (for `id`, which it holds), replacing one there.
     fn insert(&mut self, id: AllocId, handle: Arc<Handle>) {
-        if self.by_id.insert(id.clone(), handle).is_none() {
+        debug_assert_eq!(handle.id(), id.as_str());
+        if self.by_id.replace(ByHandleId(handle)).is_none() {
             self.ids.insert(id);
         }
     }
 
     fn remove(&mut self, id: &str) {
-        if self.by_id.remove(id).is_some() {
+        if self.by_id.remove(id) {
             self.ids.remove(id);
         }
     }
@@ -601,7 +638,12 @@ impl AllocMap {
     ) -> impl Iterator<Item = (&'a AllocId, &'a Arc<Handle>)> {
         self.ids
             .range::<str, _>((Bound::Included(from), Bound::Unbounded))
-            .map(|id| (id, &self.by_id[id.as_str()]))
+            .map(|id| {
+                (
+                    id,
+                    &self.by_id.get(id.as_str()).expect("ids and by_id agree").0,
+                )
+            })
     }
 }
 
