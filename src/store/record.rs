@@ -712,6 +712,50 @@ mod tests {
         }
     }
 
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// Decoding never panics, and whatever decodes is the one encoding
+        /// of its record (so a damaged record is never read as another).
+        fn check(bytes: &[u8]) -> Result<(), TestCaseError> {
+            if let Ok(a) = decode(bytes) {
+                prop_assert_eq!(encode(&a), bytes);
+            }
+            Ok(())
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+
+            #[test]
+            fn random_bytes_after_the_version(tail in prop::collection::vec(any::<u8>(), 0..300)) {
+                let mut bytes = vec![RECORD_VERSION];
+                bytes.extend(tail);
+                check(&bytes)?;
+            }
+
+            #[test]
+            fn records_with_bytes_changed_inserted_or_removed(
+                edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0..3u8), 1..6)
+            ) {
+                let mut bytes = encode(&full());
+                for (at, value, kind) in edits {
+                    let i = at.index(bytes.len());
+                    match kind {
+                        0 => bytes[i] = value,
+                        1 => bytes.insert(i, value),
+                        _ if bytes.len() > 1 => {
+                            bytes.remove(i);
+                        }
+                        _ => {}
+                    }
+                }
+                check(&bytes)?;
+            }
+        }
+    }
+
     #[test]
     fn a_record_is_not_reevaluated_on_load() {
         // A stored state that evaluation would move on is kept as stored.
