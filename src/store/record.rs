@@ -168,7 +168,7 @@ pub fn decode(bytes: &[u8]) -> Result<Allocation, String> {
     match bytes.first() {
         Some(&RECORD_VERSION) => decode_binary(&bytes[1..]),
         Some(b'{') => decode_json(bytes),
-        Some(&v) if v < b' ' => Err(format!(
+        Some(&v) if v > RECORD_VERSION && v < b' ' => Err(format!(
             "record format version {v}, but this taskgate reads versions {JSON_VERSION} \
              and {RECORD_VERSION}"
         )),
@@ -683,6 +683,9 @@ mod tests {
                 .unwrap_err()
                 .contains("not a taskgate record")
         );
+        binary[0] = 1;
+        let err = decode(&binary).unwrap_err();
+        assert!(err.contains("not a taskgate record"), "{err}");
         assert!(decode(b"").is_err());
     }
 
