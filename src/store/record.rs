@@ -11,8 +11,9 @@
 //! fields in about a fifth of the bytes. A version-1 record left by an
 //! earlier build stays as it is until its allocation next changes.
 //!
-//! Version 2 (integers are unsigned LEB128 varints unless marked `zigzag`,
-//! signed; `str` is a varint length and UTF-8 bytes):
+//! Version 2 (integers are unsigned LEB128 varints, each in its shortest
+//! form, unless marked `zigzag`, signed; `str` is a varint length and UTF-8
+//! bytes):
 //!
 //! ```text
 //! record = 0x02 | id: str | state: u8 | create_index | modify_index
