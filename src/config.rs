@@ -29,6 +29,10 @@ pub enum Command {
     Agent(crate::agent::AgentConfig),
     /// Probe a running server's /v1/health: exit 0 when healthy, 1 otherwise.
     Health(crate::probe::HealthConfig),
+    /// Print every allocation a stopped server's data directory holds, one
+    /// JSON object per line (as `GET /v1/allocations/{id}` shows it),
+    /// without changing the directory.
+    Dump(crate::dump::DumpConfig),
     /// Benchmark: start servers of this binary and measure them (BENCHMARKS.md).
     Bench(crate::bench::BenchConfig),
     /// One client process of the soak test (tests/soak.rs).

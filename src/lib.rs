@@ -7,6 +7,7 @@ pub mod agent;
 pub mod app;
 pub mod bench;
 pub mod config;
+pub mod dump;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod http;

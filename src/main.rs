@@ -41,6 +41,15 @@ fn main() -> ExitCode {
                 .unwrap_or(2);
             ExitCode::from(u8::try_from(code).unwrap_or(1))
         }
+        Command::Dump(config) => {
+            match taskgate::dump::run(&config, &mut std::io::stdout().lock()) {
+                Ok(_) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("taskgate dump: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Bench(config) => block_on("bench", taskgate::bench::run(config)),
         Command::SoakClient(config) => block_on("soak-client", taskgate::soak::run(config)),
         Command::BenchCeiling { listen } => {

@@ -1,5 +1,5 @@
 //! The real binary: `taskgate health`, graceful shutdown with parked
-//! long-polls, and transparent huge pages off by default.
+//! long-polls, transparent huge pages off by default, and `taskgate dump`.
 
 mod common;
 
@@ -114,4 +114,48 @@ fn transparent_huge_pages_are_off_unless_asked_for() {
     );
     let server = Server::start(&["--in-memory", "--transparent-huge-pages"]);
     assert!(thp_enabled(&server));
+}
+
+/// `taskgate dump` on a server's data directory: refused while the server
+/// runs, every allocation as one JSON line once it has stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dump_reads_a_stopped_servers_directory_and_refuses_a_running_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap().to_owned();
+    let mut server = Server::start(&["--data-dir", &data]);
+    let http = reqwest::Client::new();
+    for id in ["b1", "a1"] {
+        let reg = http
+            .put(format!("{}/v1/allocations/{id}", server.base))
+            .json(&five_tasks())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(reg.status(), 201);
+    }
+    let dump = || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_taskgate"))
+            .args(["dump", "--data-dir", &data])
+            .output()
+            .unwrap()
+    };
+    let running = dump();
+    assert!(!running.status.success());
+    let stderr = String::from_utf8_lossy(&running.stderr);
+    assert!(stderr.contains("in use by a running taskgate"), "{stderr}");
+
+    server.terminate();
+    assert!(server.child.wait().unwrap().success());
+    let stopped = dump();
+    assert!(stopped.status.success(), "{stopped:?}");
+    let ids: Vec<String> = String::from_utf8(stopped.stdout)
+        .unwrap()
+        .lines()
+        .map(|line| {
+            let v: Value = serde_json::from_str(line).unwrap();
+            assert_eq!(v["coordinator_state"], "prestart");
+            v["id"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(ids, ["a1", "b1"]);
 }

@@ -164,7 +164,7 @@ impl DiskStore {
             .map_err(|e| unusable(&path, format!("cannot be read: {e}")))?
             .map_or(0, |s| s.folded);
         let snapshot_bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
-        let (overlay, log_bytes, next_seq) = recover_log(&config.dir, folded)?;
+        let (overlay, log_bytes, next_seq) = recover_log(&config.dir, folded, true)?;
         let segment = wal::Segment::create(&config.dir, next_seq).map_err(|e| {
             StoreError::Unusable(format!(
                 "cannot create the store log segment {}: {e}",
@@ -273,9 +273,10 @@ fn lock(dir: &Path) -> Result<std::fs::File, StoreError> {
 
 /// Replays the log segments `folded` does not cover into an overlay.
 /// Returns it, the log's bytes, and the sequence number of the segment to
-/// write next. Removes segments already folded; cuts off an unfinished
-/// append at the end of the newest segment.
-fn recover_log(dir: &Path, folded: u64) -> Result<(Overlay, u64, u64), StoreError> {
+/// write next. With `repair`, removes segments already folded and cuts off
+/// an unfinished append at the end of the newest segment; without, changes
+/// nothing and reads up to the unfinished append.
+fn recover_log(dir: &Path, folded: u64, repair: bool) -> Result<(Overlay, u64, u64), StoreError> {
     let dir_error = |e: std::io::Error| {
         StoreError::Unusable(format!(
             "cannot read the store log in {}: {e}",
@@ -288,6 +289,9 @@ fn recover_log(dir: &Path, folded: u64) -> Result<(Overlay, u64, u64), StoreErro
     let mut live = Vec::new();
     let mut removed = false;
     for (seq, path) in wal::list_segments(dir).map_err(dir_error)? {
+        if seq <= folded && !repair {
+            continue;
+        }
         if seq <= folded {
             // Folded by a checkpoint that stopped before removing it.
             std::fs::remove_file(&path)
@@ -322,6 +326,10 @@ fn recover_log(dir: &Path, folded: u64) -> Result<(Overlay, u64, u64), StoreErro
                     ),
                 ));
             }
+            if !repair {
+                bytes += r.valid_len;
+                break;
+            }
             tracing::warn!(
                 segment = %path.display(),
                 bytes = r.torn,
@@ -347,36 +355,97 @@ fn recover_log(dir: &Path, folded: u64) -> Result<(Overlay, u64, u64), StoreErro
     Ok((overlay, bytes, next))
 }
 
+/// Every record of the snapshot in `dir` with the log's changes
+/// (`overlay`) over it, decoded.
+fn load_with(dir: &Path, overlay: &Overlay) -> Result<Loaded, StoreError> {
+    let path = dir.join(SNAPSHOT_FILE);
+    let io = |e: std::io::Error| unusable(&path, format!("cannot be read: {e}"));
+    let mut base = Snapshot::open(dir).map_err(io)?;
+    let stored_index = base.as_ref().map_or(0, |b| b.last_index);
+    // The log's changes are newer than the snapshot's records: merged in ID
+    // order, a logged record replaces the snapshot's, a logged deletion
+    // drops it.
+    let changes = snapshot::sorted(overlay);
+    let stored = base.as_ref().map_or(0, Snapshot::records);
+    let mut loader = Loader::new(&path, usize::try_from(stored).unwrap_or(0) + changes.len());
+    let mut failed = None;
+    snapshot::load(base.as_mut(), &changes, |id, record| {
+        loader.push(id.to_owned(), record.to_vec()).map_err(|e| {
+            failed = Some(e);
+            std::io::Error::other("a record did not decode")
+        })
+    })
+    .map_err(|e| failed.take().unwrap_or_else(|| io(e)))?;
+    Ok(Loaded {
+        allocations: loader.finish()?,
+        last_index: stored_index.max(overlay.last_index),
+    })
+}
+
+/// Everything the data directory `dir` holds, read without changing a
+/// byte of it (`taskgate dump`): what a start would load, except that an
+/// unfinished append at the end of the log is left where it is, and
+/// nothing is migrated. Refused while a taskgate has the directory open.
+pub fn read_only(dir: &Path) -> Result<Loaded, StoreError> {
+    if !dir.is_dir() {
+        return Err(StoreError::Unusable(format!(
+            "{} is not a data directory",
+            dir.display()
+        )));
+    }
+    // Held while reading: a checkpoint must not replace the files midway.
+    // A directory no store has opened has no lock file; nothing is created
+    // in it.
+    let lock_path = dir.join(LOCK_FILE);
+    let _lock = match std::fs::File::open(&lock_path) {
+        Ok(file) => match file.try_lock_shared() {
+            Ok(()) => Some(file),
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(StoreError::Unusable(format!(
+                    "the data directory {} is in use by a running taskgate: stop it first, \
+                     or dump a copy of the directory",
+                    dir.display()
+                )));
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(StoreError::Unusable(format!(
+                    "cannot lock {}: {e}",
+                    lock_path.display()
+                )));
+            }
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => {
+            return Err(StoreError::Unusable(format!(
+                "cannot open the lock file {}: {e}",
+                lock_path.display()
+            )));
+        }
+    };
+    let path = dir.join(SNAPSHOT_FILE);
+    if !path.exists() && dir.join(migrate::REDB_FILE).exists() {
+        return Err(StoreError::Unusable(format!(
+            "{} holds a taskgate 0.1 store ({}): start taskgate on it once to migrate it",
+            dir.display(),
+            migrate::REDB_FILE
+        )));
+    }
+    let folded = Snapshot::open(dir)
+        .map_err(|e| unusable(&path, format!("cannot be read: {e}")))?
+        .map_or(0, |s| s.folded);
+    let (overlay, _, _) = recover_log(dir, folded, false)?;
+    load_with(dir, &overlay)
+}
+
 impl Store for DiskStore {
     fn load(&self) -> Result<Loaded, StoreError> {
-        let path = self.dir.join(SNAPSHOT_FILE);
-        let io = |e: std::io::Error| unusable(&path, format!("cannot be read: {e}"));
         let overlay = self
             .recovered
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take()
             .ok_or_else(|| StoreError::Io("the store is loaded once, at start".into()))?;
-        let mut base = Snapshot::open(&self.dir).map_err(io)?;
-        let stored_index = base.as_ref().map_or(0, |b| b.last_index);
-        // The log's changes are newer than the snapshot's records: merged
-        // in ID order, a logged record replaces the snapshot's, a logged
-        // deletion drops it.
-        let changes = snapshot::sorted(&overlay);
-        let stored = base.as_ref().map_or(0, Snapshot::records);
-        let mut loader = Loader::new(&path, usize::try_from(stored).unwrap_or(0) + changes.len());
-        let mut failed = None;
-        snapshot::load(base.as_mut(), &changes, |id, record| {
-            loader.push(id.to_owned(), record.to_vec()).map_err(|e| {
-                failed = Some(e);
-                std::io::Error::other("a record did not decode")
-            })
-        })
-        .map_err(|e| failed.take().unwrap_or_else(|| io(e)))?;
-        Ok(Loaded {
-            allocations: loader.finish()?,
-            last_index: stored_index.max(overlay.last_index),
-        })
+        load_with(&self.dir, &overlay)
     }
 
     fn commit(&self, op: Op) -> Commit {
@@ -1200,6 +1269,85 @@ mod tests {
         let written = frames.changes["a"].as_deref().unwrap();
         assert_eq!(written, record::encode(&changed), "written in format 2");
         assert_eq!(open(dir.path(), 1).load().unwrap().allocations[0], changed);
+    }
+
+    /// Every file of `dir` with its bytes.
+    fn files(dir: &Path) -> Vec<(std::ffi::OsString, Vec<u8>)> {
+        let mut all: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                (e.file_name(), std::fs::read(e.path()).unwrap())
+            })
+            .collect();
+        all.sort();
+        all
+    }
+
+    fn copy_dir(from: &Path, to: &Path) {
+        for (name, bytes) in files(from) {
+            std::fs::write(to.join(name), bytes).unwrap();
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn read_only_loads_what_a_start_would_and_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        // Checkpoints along the way, so there is a snapshot and a log.
+        register(dir.path(), 1024, &ids("a", 40)).await;
+        {
+            let store = Arc::new(open_with(dir.path(), 64, DEFAULT_LOG_LIMIT));
+            let r = Registry::open(store.clone(), RegistryConfig::default()).unwrap();
+            r.delete("a7").await.unwrap();
+            drop(r);
+            store.close().unwrap();
+        }
+        // A crash mid-append, and a folded segment a checkpoint did not
+        // get to remove: what a start repairs.
+        let newest = wal::list_segments(dir.path()).unwrap().pop().unwrap().1;
+        let mut torn = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&newest)
+            .unwrap();
+        std::io::Write::write_all(&mut torn, &[7, 0, 0, 0, 1, 2]).unwrap();
+        drop(torn);
+        let folded = snapshot_facts(dir.path()).2;
+        std::fs::write(wal::segment_path(dir.path(), folded), b"folded").unwrap();
+        let before = files(dir.path());
+
+        let read = read_only(dir.path()).unwrap();
+        assert_eq!(files(dir.path()), before, "not a byte changed");
+        let copy = tempfile::tempdir().unwrap();
+        copy_dir(dir.path(), copy.path());
+        let started = open(copy.path(), 1).load().unwrap();
+        assert_eq!(read.allocations.len(), 39);
+        assert_eq!(read.allocations, started.allocations);
+        assert_eq!(read.last_index, started.last_index);
+    }
+
+    #[test]
+    fn read_only_refuses_a_directory_in_use_an_old_one_or_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path(), 1);
+        let err = read_only(dir.path()).err().unwrap().to_string();
+        assert!(err.contains("in use by a running taskgate"), "{err}");
+        drop(store);
+        assert!(read_only(dir.path()).unwrap().allocations.is_empty());
+
+        let old = tempfile::tempdir().unwrap();
+        std::fs::write(old.path().join(migrate::REDB_FILE), b"").unwrap();
+        let err = read_only(old.path()).err().unwrap().to_string();
+        assert!(
+            err.contains("start taskgate on it once to migrate it"),
+            "{err}"
+        );
+        assert_eq!(files(old.path()).len(), 1, "no lock file created");
+
+        let err = read_only(&old.path().join("missing"))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("is not a data directory"), "{err}");
     }
 
     #[test]

@@ -15,6 +15,7 @@ use std::{future::Future, pin::Pin, sync::Arc};
 
 pub use disk::{
     DEFAULT_LOG_LIMIT, DiskStore, DiskStoreConfig, FoldBench, FoldChanges, LOCK_FILE, StoreStats,
+    read_only,
 };
 pub use memory::MemoryStore;
 pub use migrate::{MIGRATED_FILE, REDB_FILE};
