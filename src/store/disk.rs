@@ -289,10 +289,10 @@ fn recover_log(dir: &Path, folded: u64, repair: bool) -> Result<(Overlay, u64, u
     let mut live = Vec::new();
     let mut removed = false;
     for (seq, path) in wal::list_segments(dir).map_err(dir_error)? {
-        if seq <= folded && !repair {
-            continue;
-        }
         if seq <= folded {
+            if !repair {
+                continue;
+            }
             // Folded by a checkpoint that stopped before removing it.
             std::fs::remove_file(&path)
                 .map_err(|e| unusable_log(&path, format!("cannot remove it: {e}")))?;
