@@ -130,7 +130,7 @@ impl Registry {
         let mut specs = SpecInterner::default();
         let allocs = AllocMap::from_sorted(loaded.allocations.into_iter().map(|mut a| {
             a.spec = specs.share(a.spec);
-            Arc::new(Handle::live(Arc::new(a)))
+            (a.id.clone(), Arc::new(Handle::live(Arc::new(a))))
         }));
         Ok(Self {
             shared: Arc::new(Shared {
@@ -589,19 +589,14 @@ impl std::borrow::Borrow<str> for ByHandleId {
 }
 
 impl AllocMap {
-    /// From handles in ID order (as stores load them).
+    /// From entries in ID order (as stores load them).
     // A handle is hashed by its ID, which never changes (its other fields
     // are the mutable part).
     #[allow(clippy::mutable_key_type)]
-    fn from_sorted(handles: impl Iterator<Item = Arc<Handle>>) -> Self {
+    fn from_sorted(entries: impl Iterator<Item = (AllocId, Arc<Handle>)>) -> Self {
         let mut by_id = HashSet::new();
-        let ids = handles
-            .map(|handle| {
-                let id = handle
-                    .current()
-                    .expect("loaded handles are live")
-                    .id
-                    .clone();
+        let ids = entries
+            .map(|(id, handle)| {
                 by_id.insert(ByHandleId(handle));
                 id
             })
