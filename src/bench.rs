@@ -30,7 +30,7 @@ pub struct BenchConfig {
     /// Measured time per scenario (after a one-second warm-up).
     #[arg(long, default_value = "10s", value_parser = crate::http::params::parse_duration)]
     pub duration: Duration,
-    /// Scenarios to run, comma-separated: ceiling, durable, memory,
+    /// Scenarios to run, comma-separated: ceiling, durable, events, memory,
     /// no-group-commit, recovery; and by name only: fanout (holds 10,000
     /// connections), scale (registers 1,000,000 allocations) and
     /// checkpoint (the store's checkpoint code alone, on a file as large
@@ -38,7 +38,7 @@ pub struct BenchConfig {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "ceiling,durable,memory,no-group-commit,recovery"
+        default_value = "ceiling,durable,events,memory,no-group-commit,recovery"
     )]
     pub scenarios: Vec<String>,
     /// Parked start-condition waiters in the fanout scenario (10 per
@@ -477,6 +477,83 @@ async fn reports(name: &str, server: &Proc, config: &BenchConfig) -> std::io::Re
     .await
 }
 
+/// An event as agents send them with their reports (Nomad's task events
+/// carry a type, a message and a few details).
+fn event_json(kind: &str, n: u64) -> String {
+    format!(
+        r#"{{"type": "{kind}", "message": "report {n} of this task, sent by the benchmark", "details": {{"exit_code": "0", "signal": "0"}}}}"#
+    )
+}
+
+/// As `reports`, but each report carries an event and every task of every
+/// allocation first gets a full history (`MAX_EVENTS` events each, in
+/// batch reports): what a report costs once an allocation has run for a
+/// while, since the response and the record include every task's history.
+async fn reports_with_events(server: &Proc, config: &BenchConfig) -> std::io::Result<Outcome> {
+    use crate::lifecycle::MAX_EVENTS;
+    register(
+        server.addr,
+        "events",
+        0..config.clients,
+        config.clients,
+        FIVE_TASKS,
+    )
+    .await?;
+    let mut fill = Vec::new();
+    for c in 0..config.clients {
+        let addr = server.addr;
+        fill.push(tokio::spawn(async move {
+            let mut conn = Conn::open(addr).await?;
+            for n in 0..MAX_EVENTS as u64 {
+                let tasks: Vec<String> = ["init", "proxy", "web", "announce", "cleanup"]
+                    .iter()
+                    .map(|t| {
+                        format!(
+                            r#""{t}": {{"state": "running", "event": {}}}"#,
+                            event_json("Started", n)
+                        )
+                    })
+                    .collect();
+                let body = format!(r#"{{"tasks": {{{}}}}}"#, tasks.join(", "));
+                let path = format!("/v1/allocations/events-{c}/task-states");
+                let status = conn.call("POST", &path, body.as_bytes()).await?;
+                if status != 200 {
+                    return Err(std::io::Error::other(format!(
+                        "filling the event history answered {status}"
+                    )));
+                }
+            }
+            Ok::<_, std::io::Error>(())
+        }));
+    }
+    for t in fill {
+        t.await.map_err(std::io::Error::other)??;
+    }
+    drive(
+        "reports with events, durable, full histories",
+        server.addr,
+        config.clients,
+        config.duration,
+        |c, n| {
+            let (state, kind) = if n % 2 == 0 {
+                ("pending", "Restarting")
+            } else {
+                ("running", "Started")
+            };
+            (
+                "PUT",
+                format!("/v1/allocations/events-{c}/tasks/web/state"),
+                format!(
+                    r#"{{"state": "{state}", "event": {}}}"#,
+                    event_json(kind, n)
+                )
+                .into_bytes(),
+            )
+        },
+    )
+    .await
+}
+
 fn data_dir(
     config: &BenchConfig,
     name: &str,
@@ -562,6 +639,12 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
                     "reports, durable, one commit per write"
                 };
                 outcomes.push(reports(name, &server, &config).await?);
+            }
+            "events" => {
+                let (dir, _guard) = data_dir(&config, scenario)?;
+                let dir = dir.to_string_lossy().into_owned();
+                let server = Proc::start(&serve_args(&["--data-dir", dir.as_str()]))?;
+                outcomes.push(reports_with_events(&server, &config).await?);
             }
             "memory" => {
                 let server = Proc::start(&serve_args(&["--in-memory"]))?;
