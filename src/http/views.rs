@@ -5,7 +5,7 @@ use time::OffsetDateTime;
 use utoipa::ToSchema;
 
 use crate::lifecycle::{
-    Allocation, CoordState, DesiredKind, Event, Hook, RunState, Stage, StopKind,
+    Allocation, CoordState, DesiredKind, Event, Events, Hook, RunState, Stage, StopKind,
 };
 
 /// An allocation with every task.
@@ -53,7 +53,9 @@ pub struct TaskView {
     #[serde(with = "time::serde::rfc3339::option")]
     pub last_restart: Option<OffsetDateTime>,
     /// At most 10, oldest first.
-    pub events: Vec<EventView>,
+    #[schema(value_type = Vec<EventView>)]
+    #[serde(serialize_with = "event_views")]
+    pub events: Events,
     pub desired: DesiredKind,
     /// Set when `desired` is `stop`.
     pub stop_reason: Option<StopReasonView>,
@@ -63,14 +65,32 @@ pub struct TaskView {
 }
 
 /// A recorded task event.
+// Borrowed from the record when a view is written: a task view holds the
+// history (shared with the record, not copied) and writes each event as
+// one of these.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct EventView {
+pub struct EventView<'a> {
     #[serde(rename = "type")]
-    pub kind: String,
+    pub kind: &'a str,
     #[serde(with = "time::serde::rfc3339")]
     pub time: OffsetDateTime,
-    pub message: String,
-    pub details: std::collections::BTreeMap<String, String>,
+    pub message: &'a str,
+    pub details: &'a std::collections::BTreeMap<String, String>,
+}
+
+impl<'a> From<&'a Event> for EventView<'a> {
+    fn from(e: &'a Event) -> Self {
+        Self {
+            kind: &e.kind,
+            time: e.time,
+            message: &e.message,
+            details: &e.details,
+        }
+    }
+}
+
+fn event_views<S: serde::Serializer>(events: &Events, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(events.iter().map(EventView::from))
 }
 
 /// Why a task is told to stop.
@@ -129,15 +149,6 @@ pub struct HealthView {
     pub status: &'static str,
 }
 
-fn event_view(e: &Event) -> EventView {
-    EventView {
-        kind: e.kind.clone(),
-        time: e.time,
-        message: e.message.clone(),
-        details: e.details.clone(),
-    }
-}
-
 impl TaskView {
     pub fn new(a: &Allocation, i: usize) -> Self {
         let spec = &a.spec.tasks()[i];
@@ -158,7 +169,7 @@ impl TaskView {
             started_at: t.started_at,
             finished_at: t.finished_at,
             last_restart: t.last_restart,
-            events: t.events.iter().map(event_view).collect(),
+            events: t.events.clone(),
             desired: desired.kind(),
             stop_reason: desired.reason().map(|r| StopReasonView {
                 kind: r.kind,

@@ -324,7 +324,7 @@ fn restart_one_task_signals_only_it_and_keeps_the_coordinator() {
         RunState::Running,
         "reported state unchanged"
     );
-    let ev = next.tasks[web].events.back().unwrap();
+    let ev = next.tasks[web].events.last().unwrap();
     assert_eq!(
         (ev.kind.as_str(), ev.message.as_str()),
         ("Restart Signaled", "why")

@@ -1,7 +1,7 @@
 //! What an agent reports about one task, and how a report changes the
 //! task's recorded status (timestamps, restart counting, the event ring).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::{collections::BTreeMap, sync::Arc};
 
 use super::{FieldError, Limits, MAX_EVENT_TYPE, MAX_EVENTS, Timestamp};
 
@@ -29,6 +29,108 @@ pub struct Event {
     pub message: String,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub details: BTreeMap<String, String>,
+}
+
+/// A task's most recent events, oldest first, at most `MAX_EVENTS`.
+///
+/// Shared between the versions of a record: every report makes a new
+/// version of its allocation, and copying each task's history into it —
+/// ten events with their own strings and details maps, for every task —
+/// was most of what a report cost once histories were full (and freeing
+/// the old copy the rest). Here a version copies one pointer per task,
+/// and adding an event copies the history's event pointers, never an
+/// event. Empty histories hold no heap block at all.
+#[derive(Clone, Default)]
+pub struct Events(Option<Arc<[Arc<Event>]>>);
+
+impl Events {
+    pub fn len(&self) -> usize {
+        self.0.as_ref().map_or(0, |e| e.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_none()
+    }
+
+    /// Oldest first.
+    pub fn iter(&self) -> impl DoubleEndedIterator<Item = &Event> + ExactSizeIterator {
+        self.0.as_deref().unwrap_or_default().iter().map(|e| &**e)
+    }
+
+    pub fn get(&self, i: usize) -> Option<&Event> {
+        self.0.as_ref()?.get(i).map(|e| &**e)
+    }
+
+    pub fn last(&self) -> Option<&Event> {
+        self.iter().next_back()
+    }
+
+    /// Appends an event, dropping the oldest beyond `MAX_EVENTS`.
+    pub fn push(&mut self, event: Event) {
+        let old = self.0.as_deref().unwrap_or_default();
+        let keep = old.len().min(MAX_EVENTS - 1);
+        let next: Arc<[Arc<Event>]> = old[old.len() - keep..]
+            .iter()
+            .cloned()
+            .chain([Arc::new(event)])
+            .collect();
+        self.0 = Some(next);
+    }
+}
+
+/// A history exactly as given (a stored record's), even past `MAX_EVENTS`.
+impl FromIterator<Event> for Events {
+    fn from_iter<I: IntoIterator<Item = Event>>(iter: I) -> Self {
+        let events: Arc<[Arc<Event>]> = iter.into_iter().map(Arc::new).collect();
+        Self((!events.is_empty()).then_some(events))
+    }
+}
+
+impl PartialEq for Events {
+    fn eq(&self, other: &Self) -> bool {
+        // The common case, a task a change did not touch, is one pointer
+        // compare.
+        match (&self.0, &other.0) {
+            (Some(a), Some(b)) if Arc::ptr_eq(a, b) => true,
+            _ => {
+                self.len() == other.len()
+                    && self
+                        .0
+                        .iter()
+                        .flat_map(|a| a.iter())
+                        .zip(other.0.iter().flat_map(|b| b.iter()))
+                        .all(|(a, b)| Arc::ptr_eq(a, b) || a == b)
+            }
+        }
+    }
+}
+
+impl Eq for Events {}
+
+impl std::ops::Index<usize> for Events {
+    type Output = Event;
+
+    fn index(&self, i: usize) -> &Event {
+        self.get(i).expect("an event index within the history")
+    }
+}
+
+impl std::fmt::Debug for Events {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl serde::Serialize for Events {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.iter())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Events {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(Vec::<Event>::deserialize(d)?.into_iter().collect())
+    }
 }
 
 /// An event as a client sends it: `time` defaults to the server's clock.
@@ -107,8 +209,8 @@ pub struct TaskStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_restart: Option<Timestamp>,
     /// The most recent events, oldest first, at most `MAX_EVENTS`.
-    #[serde(default, skip_serializing_if = "VecDeque::is_empty")]
-    pub events: VecDeque<Event>,
+    #[serde(default, skip_serializing_if = "Events::is_empty")]
+    pub events: Events,
     /// Restart orders given to this task; only goes up.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub restart_generation: u64,
@@ -126,7 +228,7 @@ impl TaskStatus {
             started_at: None,
             finished_at: None,
             last_restart: None,
-            events: VecDeque::new(),
+            events: Events::default(),
             restart_generation: 0,
             modify_index: index,
         }
@@ -170,10 +272,7 @@ impl TaskStatus {
 
     /// Appends an event, dropping the oldest beyond `MAX_EVENTS`.
     pub fn push_event(&mut self, event: Event) {
-        while self.events.len() >= MAX_EVENTS {
-            self.events.pop_front();
-        }
-        self.events.push_back(event);
+        self.events.push(event);
     }
 }
 
@@ -258,6 +357,63 @@ mod tests {
                 "e3", "e4", "e5", "e6", "e7", "e8", "e9", "e10", "e11", "e12"
             ]
         );
+    }
+
+    #[test]
+    fn a_copied_status_shares_its_history_and_a_new_event_copies_no_event() {
+        let mut t = TaskStatus::new(1);
+        for i in 0..MAX_EVENTS {
+            let mut r = report(RunState::Running);
+            r.event = Some(event(&format!("e{i}")));
+            t.apply(&r, T0);
+        }
+        let copy = t.clone();
+        let (a, b) = (
+            t.events.0.as_ref().unwrap(),
+            copy.events.0.as_ref().unwrap(),
+        );
+        assert!(Arc::ptr_eq(a, b), "a copy is one pointer, not ten events");
+
+        let mut next = copy.clone();
+        let mut r = report(RunState::Running);
+        r.event = Some(event("e10"));
+        next.apply(&r, T1);
+        let old = t.events.0.as_ref().unwrap();
+        let new = next.events.0.as_ref().unwrap();
+        assert_eq!(new.len(), MAX_EVENTS);
+        for (o, n) in old[1..].iter().zip(new.iter()) {
+            assert!(Arc::ptr_eq(o, n), "the kept events are the same blocks");
+        }
+        assert_eq!(next.events.last().unwrap().kind, "e10");
+        assert_eq!(t.events.len(), MAX_EVENTS, "the old version is untouched");
+        assert_eq!(t.events[0].kind, "e0");
+    }
+
+    #[test]
+    fn histories_compare_by_content_whoever_holds_them() {
+        let e = |k: &str| Event {
+            kind: k.into(),
+            time: T0,
+            message: String::new(),
+            details: BTreeMap::new(),
+        };
+        let a: Events = [e("a"), e("b")].into_iter().collect();
+        let b: Events = [e("a"), e("b")].into_iter().collect();
+        assert_eq!(a, b, "equal contents in separate blocks");
+        assert_ne!(a, [e("a")].into_iter().collect::<Events>());
+        assert_ne!(a, [e("a"), e("c")].into_iter().collect::<Events>());
+        let none: Events = std::iter::empty().collect();
+        assert_eq!(none, Events::default());
+        assert!(none.is_empty() && none.0.is_none(), "no block for nothing");
+        assert_eq!(
+            a.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>(),
+            ["a", "b"]
+        );
+        assert_eq!(a.get(2), None);
+        // Stored (format 1) records read their history back as JSON.
+        let json = serde_json::to_string(&a).unwrap();
+        assert_eq!(serde_json::from_str::<Events>(&json).unwrap(), a);
+        assert_eq!(serde_json::from_str::<Events>("[]").unwrap(), none);
     }
 
     #[test]

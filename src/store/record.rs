@@ -34,10 +34,7 @@
 //! Details keys are strictly increasing. Anything else — an unknown code
 //! or flag, a length past the end, bytes left over — is damage.
 
-use std::{
-    collections::{BTreeMap, VecDeque},
-    sync::Arc,
-};
+use std::{collections::BTreeMap, sync::Arc};
 
 use serde::Deserialize;
 
@@ -143,7 +140,7 @@ pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
             put_time(buf, t);
         }
         put_varint(buf, status.events.len() as u64);
-        for event in &status.events {
+        for event in status.events.iter() {
             put_str(buf, &event.kind);
             put_time(buf, event.time);
             put_str(buf, &event.message);
@@ -348,7 +345,7 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
         let last_restart = time_if(LAST_RESTART, "last_restart")?;
         // An event takes at least 6 bytes.
         let n_events = r.count("the event count", 6)?;
-        let mut events = VecDeque::with_capacity(n_events);
+        let mut events = Vec::with_capacity(n_events);
         for _ in 0..n_events {
             let kind = r.string("an event type")?;
             let time = r.time("an event time")?;
@@ -366,7 +363,7 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
                 }
                 details.insert(key, value);
             }
-            events.push_back(Event {
+            events.push(Event {
                 kind,
                 time,
                 message,
@@ -385,7 +382,7 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
             started_at,
             finished_at,
             last_restart,
-            events,
+            events: events.into_iter().collect(),
             restart_generation,
             modify_index: task_index,
         });
@@ -552,10 +549,12 @@ mod tests {
             started_at: Some(old),
             finished_at: Some(east),
             last_restart: Some(datetime!(9999-12-31 23:59:59.999999999 UTC)),
-            events: VecDeque::from(vec![
+            events: [
                 event("Terminated", &[("exit_code", "1"), ("signal", "")]),
                 event("Restart Signaled", &[]),
-            ]),
+            ]
+            .into_iter()
+            .collect(),
             restart_generation: 1 << 35,
             modify_index: 300,
         };
