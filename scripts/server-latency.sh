@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# How long state reports take inside the server at one scale size, from
+# the server's own histograms, to tell server time from the load
+# generator's and the network's.
+#
+# Runs `taskgate bench --scenarios scale` at SIZE allocations with a
+# 60-second window, waits until registration and warm-up are over (the
+# store's last index reaches 3 × SIZE), then reads /metrics at the start
+# and the end of SECS seconds and prints, for the window: the share of
+# `PUT .../tasks/{task}/state` requests at or under each bucket of
+# taskgate_http_request_duration_seconds, and the store's commits (mean
+# duration, changes per commit, share at or under each bucket).
+#
+# Compare two sizes: scripts/server-latency.sh 1000; scripts/server-latency.sh 1000000
+# usage: scripts/server-latency.sh SIZE [SECS=20] [OUT=/tmp/latency-SIZE]
+# needs: curl, ss (iproute2), python3, a release build
+set -euo pipefail
+size=${1:?usage: $0 SIZE [SECS] [OUT]}
+secs=${2:-20}
+out=${3:-/tmp/latency-$size}
+cd "$(dirname "$0")/.."
+bin=./target/release/taskgate
+[ -x "$bin" ] || { echo "build first: cargo build --release --locked" >&2; exit 2; }
+
+"$bin" bench --scenarios scale --scale-sizes "$size" --duration 60s >"$out.bench" 2>&1 &
+bench=$!
+trap 'kill $bench 2>/dev/null || true' EXIT
+
+pid= addr=
+for _ in $(seq 1 100); do
+    pid=$(pgrep -P "$bench" -f "taskgate serve" | head -1 || true)
+    if [ -n "$pid" ]; then
+        addr=$(ss -ltnpH | grep "pid=$pid," | awk '{print $4}' | head -1 || true)
+        [ -n "$addr" ] && break
+    fi
+    sleep 0.1
+done
+[ -n "$addr" ] || { echo "the server did not start; see $out.bench" >&2; exit 1; }
+
+last_index() {
+    curl -sf "http://$addr/metrics" | awk '$1 == "taskgate_last_index" {print $2}'
+}
+for _ in $(seq 1 6000); do
+    n=$(last_index || echo 0)
+    python3 -c "import sys; sys.exit(0 if float('$n' or 0) >= 3 * $size else 1)" && break
+    sleep 0.1
+done
+sleep 2
+curl -sf "http://$addr/metrics" >"$out.m0"
+sleep "$secs"
+curl -sf "http://$addr/metrics" >"$out.m1"
+
+python3 - "$out" "$size" <<'PY'
+import re, sys
+out, size = sys.argv[1], sys.argv[2]
+def read(path):
+    d = {}
+    for line in open(path):
+        if line.startswith("#") or not line.strip():
+            continue
+        k, v = line.rsplit(" ", 1)
+        d[k] = float(v)
+    return d
+a, b = read(out + ".m0"), read(out + ".m1")
+def window(family, match):
+    rows = {}
+    for k, v in b.items():
+        if k.startswith(family) and match in k:
+            rows[k] = v - a.get(k, 0.0)
+    return rows
+def le(k):
+    m = re.search(r'le="([^"]+)"', k).group(1)
+    return float("inf") if m == "+Inf" else float(m)
+def report(title, family, match):
+    rows = window(family, match)
+    buckets = {}
+    for k, v in rows.items():
+        if "_bucket" in k:
+            buckets[le(k)] = buckets.get(le(k), 0.0) + v
+    count = sum(v for k, v in rows.items() if k.startswith(family + "_count"))
+    total = sum(v for k, v in rows.items() if k.startswith(family + "_sum"))
+    if not count:
+        print(f"{title}: none in the window")
+        return
+    print(f"{title}: {count:.0f} in the window, mean {1e3 * total / count:.3f} ms")
+    top = buckets[float("inf")]
+    for bound in sorted(buckets):
+        if bound != float("inf") and bound <= 0.1:
+            print(f"  <= {bound * 1e3:g} ms: {100 * buckets[bound] / top:.2f}%")
+print(f"{size} allocations")
+report("state reports (server side)", "taskgate_http_request_duration_seconds",
+       'route="/v1/allocations/{alloc_id}/tasks/{task}/state"')
+report("store commits", "taskgate_store_commit_duration_seconds", "")
+batches = window("taskgate_store_commit_batch_size", "")
+n = sum(v for k, v in batches.items() if k.startswith("taskgate_store_commit_batch_size_count"))
+s = sum(v for k, v in batches.items() if k.startswith("taskgate_store_commit_batch_size_sum"))
+if n:
+    print(f"  {s / n:.1f} changes per commit")
+PY
