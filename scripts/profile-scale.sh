@@ -26,7 +26,7 @@ bin=./target/release/taskgate
 
 "$bin" bench --scenarios scale --scale-sizes "$size" --duration 60s >"$out.bench" 2>&1 &
 bench=$!
-trap 'kill $bench 2>/dev/null || true' EXIT
+trap 'kill ${pid:-} $bench 2>/dev/null || true' EXIT
 
 # The server is the bench's child; its address is the port it listens on.
 pid= addr=

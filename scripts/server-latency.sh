@@ -24,9 +24,12 @@ bin=./target/release/taskgate
 
 "$bin" bench --scenarios scale --scale-sizes "$size" --duration 60s >"$out.bench" 2>&1 &
 bench=$!
-trap 'kill $bench 2>/dev/null || true' EXIT
+# The bench stops its server when it ends on its own, not when killed:
+# stop both on the way out (the window is read long before the bench ends).
+pid=
+trap 'kill $pid $bench 2>/dev/null || true' EXIT
 
-pid= addr=
+addr=
 for _ in $(seq 1 100); do
     pid=$(pgrep -P "$bench" -f "taskgate serve" | head -1 || true)
     if [ -n "$pid" ]; then
