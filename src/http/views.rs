@@ -5,7 +5,7 @@ use time::OffsetDateTime;
 use utoipa::ToSchema;
 
 use crate::lifecycle::{
-    Allocation, CoordState, DesiredKind, Event, Events, Hook, RunState, Stage, StopKind,
+    Allocation, CoordState, DesiredKind, Details, Event, Events, Hook, RunState, Stage, StopKind,
 };
 
 /// An allocation with every task.
@@ -75,7 +75,8 @@ pub struct EventView<'a> {
     #[serde(with = "time::serde::rfc3339")]
     pub time: OffsetDateTime,
     pub message: &'a str,
-    pub details: &'a std::collections::BTreeMap<String, String>,
+    #[schema(value_type = std::collections::BTreeMap<String, String>)]
+    pub details: &'a Details,
 }
 
 impl<'a> From<&'a Event> for EventView<'a> {

@@ -251,7 +251,9 @@ impl Allocation {
                 kind: RESTART_EVENT.to_owned(),
                 time: now,
                 message: reason.to_owned(),
-                details: [("mode".to_owned(), mode.as_str().to_owned())].into(),
+                details: [("mode".to_owned(), mode.as_str().to_owned())]
+                    .into_iter()
+                    .collect(),
             });
         }
         if mode == RestartMode::AllTasks {

@@ -40,7 +40,7 @@ pub use ids::{AllocId, IdError, TaskName};
 pub use names::UnknownName;
 pub use orders::{Desired, DesiredKind, StopKind, StopReason, desired_states};
 pub use spec::{AllocSpec, Hook, Lifecycle, SpecInterner, Stage, TaskSpec};
-pub use task::{Event, EventInput, Events, RunState, TaskReport, TaskStatus};
+pub use task::{Details, Event, EventInput, Events, RunState, TaskReport, TaskStatus};
 
 /// Where in a request a rule was broken, and how. The `field` is a path into
 /// the request body (`tasks[1].name`, `tasks.web.event.message`).

@@ -27,8 +27,79 @@ pub struct Event {
     pub time: Timestamp,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub message: String,
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub details: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Details::is_empty")]
+    pub details: Details,
+}
+
+/// An event's details: string pairs in key order, each key once.
+///
+/// One block of pairs, not a `BTreeMap`: a map allocates a node with room
+/// for eleven pairs (~540 bytes) for the one or two an event carries, and
+/// a task keeps ten events — with full histories the maps were most of an
+/// allocation's memory.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Details(Box<[(String, String)]>);
+
+impl Details {
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// In key order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = (&str, &str)> {
+        self.0.iter().map(|(k, v)| (k.as_str(), v.as_str()))
+    }
+
+    pub fn get(&self, key: &str) -> Option<&str> {
+        let i = self.0.binary_search_by(|(k, _)| k.as_str().cmp(key)).ok()?;
+        Some(&self.0[i].1)
+    }
+}
+
+/// Pairs in any order; of equal keys the last one counts, as with a map.
+impl FromIterator<(String, String)> for Details {
+    fn from_iter<I: IntoIterator<Item = (String, String)>>(iter: I) -> Self {
+        let mut pairs: Vec<(String, String)> = iter.into_iter().collect();
+        pairs.sort_by(|a, b| a.0.cmp(&b.0));
+        // `later` is removed when it repeats the key of `kept`, which takes
+        // its value.
+        pairs.dedup_by(|later, kept| {
+            let same = later.0 == kept.0;
+            if same {
+                std::mem::swap(&mut later.1, &mut kept.1);
+            }
+            same
+        });
+        Self(pairs.into_boxed_slice())
+    }
+}
+
+impl From<BTreeMap<String, String>> for Details {
+    fn from(map: BTreeMap<String, String>) -> Self {
+        Self(map.into_iter().collect())
+    }
+}
+
+impl std::fmt::Debug for Details {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map().entries(self.iter()).finish()
+    }
+}
+
+impl serde::Serialize for Details {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(self.iter())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Details {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(BTreeMap::<String, String>::deserialize(d)?.into())
+    }
 }
 
 /// A task's most recent events, oldest first, at most `MAX_EVENTS`.
@@ -265,7 +336,7 @@ impl TaskStatus {
                 kind: e.kind.clone(),
                 time: e.time.unwrap_or(now),
                 message: e.message.clone(),
-                details: e.details.clone(),
+                details: e.details.clone().into(),
             });
         }
     }
@@ -395,7 +466,7 @@ mod tests {
             kind: k.into(),
             time: T0,
             message: String::new(),
-            details: BTreeMap::new(),
+            details: Details::default(),
         };
         let a: Events = [e("a"), e("b")].into_iter().collect();
         let b: Events = [e("a"), e("b")].into_iter().collect();
@@ -414,6 +485,38 @@ mod tests {
         let json = serde_json::to_string(&a).unwrap();
         assert_eq!(serde_json::from_str::<Events>(&json).unwrap(), a);
         assert_eq!(serde_json::from_str::<Events>("[]").unwrap(), none);
+    }
+
+    #[test]
+    fn details_are_kept_in_key_order_and_a_repeated_key_keeps_its_last_value() {
+        let pair = |k: &str, v: &str| (k.to_owned(), v.to_owned());
+        let d: Details = [
+            pair("signal", "9"),
+            pair("exit_code", "1"),
+            pair("signal", "15"),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(
+            d.iter().collect::<Vec<_>>(),
+            [("exit_code", "1"), ("signal", "15")]
+        );
+        assert_eq!(
+            (d.get("signal"), d.get("exit_code"), d.get("x")),
+            (Some("15"), Some("1"), None)
+        );
+        let map: BTreeMap<String, String> = [pair("b", "2"), pair("a", "1")].into();
+        let from_map = Details::from(map.clone());
+        assert_eq!(from_map.len(), 2);
+        // Written and read as a JSON object, like the map it replaces.
+        assert_eq!(
+            serde_json::to_value(&from_map).unwrap(),
+            serde_json::to_value(&map).unwrap()
+        );
+        let back: Details = serde_json::from_str(r#"{"b": "2", "a": "1"}"#).unwrap();
+        assert_eq!(back, from_map);
+        assert!(Details::default().is_empty());
+        assert_eq!(format!("{from_map:?}"), r#"{"a": "1", "b": "2"}"#);
     }
 
     #[test]

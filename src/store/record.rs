@@ -34,7 +34,7 @@
 //! Details keys are strictly increasing. Anything else — an unknown code
 //! or flag, a length past the end, bytes left over — is damage.
 
-use std::{collections::BTreeMap, sync::Arc};
+use std::sync::Arc;
 
 use serde::Deserialize;
 
@@ -145,7 +145,7 @@ pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
             put_time(buf, event.time);
             put_str(buf, &event.message);
             put_varint(buf, event.details.len() as u64);
-            for (key, value) in &event.details {
+            for (key, value) in event.details.iter() {
                 put_str(buf, key);
                 put_str(buf, value);
             }
@@ -351,23 +351,20 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
             let time = r.time("an event time")?;
             let message = r.string("an event message")?;
             let n_details = r.count("the details count", 2)?;
-            let mut details = BTreeMap::new();
+            let mut details: Vec<(String, String)> = Vec::with_capacity(n_details);
             for _ in 0..n_details {
                 let key = r.string("a details key")?;
                 let value = r.string("a details value")?;
-                if details
-                    .last_key_value()
-                    .is_some_and(|(last, _)| *last >= key)
-                {
+                if details.last().is_some_and(|(last, _)| *last >= key) {
                     return Err(format!("details key {key:?} out of order"));
                 }
-                details.insert(key, value);
+                details.push((key, value));
             }
             events.push(Event {
                 kind,
                 time,
                 message,
-                details,
+                details: details.into_iter().collect(),
             });
         }
         specs.push(TaskSpec {
