@@ -485,42 +485,48 @@ fn event_json(kind: &str, n: u64) -> String {
     )
 }
 
+/// Allocations the events scenario gives full histories, to measure the
+/// memory they take (the reports go to the first `--clients` of them).
+const EVENT_MEMORY_ALLOCATIONS: usize = 4000;
+
 /// As `reports`, but each report carries an event and every task of every
 /// allocation first gets a full history (`MAX_EVENTS` events each, in
 /// batch reports): what a report costs once an allocation has run for a
 /// while, since the response and the record include every task's history.
-async fn reports_with_events(server: &Proc, config: &BenchConfig) -> std::io::Result<Outcome> {
+/// Also measures the server's memory per allocation's full histories.
+async fn reports_with_events(
+    server: &Proc,
+    config: &BenchConfig,
+) -> std::io::Result<(Outcome, String)> {
     use crate::lifecycle::MAX_EVENTS;
-    register(
-        server.addr,
-        "events",
-        0..config.clients,
-        config.clients,
-        FIVE_TASKS,
-    )
-    .await?;
+    let count = EVENT_MEMORY_ALLOCATIONS.max(config.clients);
+    register(server.addr, "events", 0..count, config.clients, FIVE_TASKS).await?;
+    let before = server.rss_kib().unwrap_or(0);
     let mut fill = Vec::new();
     for c in 0..config.clients {
         let addr = server.addr;
+        let clients = config.clients;
         fill.push(tokio::spawn(async move {
             let mut conn = Conn::open(addr).await?;
-            for n in 0..MAX_EVENTS as u64 {
-                let tasks: Vec<String> = ["init", "proxy", "web", "announce", "cleanup"]
-                    .iter()
-                    .map(|t| {
-                        format!(
-                            r#""{t}": {{"state": "running", "event": {}}}"#,
-                            event_json("Started", n)
-                        )
-                    })
-                    .collect();
-                let body = format!(r#"{{"tasks": {{{}}}}}"#, tasks.join(", "));
-                let path = format!("/v1/allocations/events-{c}/task-states");
-                let status = conn.call("POST", &path, body.as_bytes()).await?;
-                if status != 200 {
-                    return Err(std::io::Error::other(format!(
-                        "filling the event history answered {status}"
-                    )));
+            for i in (c..count).step_by(clients) {
+                for n in 0..MAX_EVENTS as u64 {
+                    let tasks: Vec<String> = ["init", "proxy", "web", "announce", "cleanup"]
+                        .iter()
+                        .map(|t| {
+                            format!(
+                                r#""{t}": {{"state": "running", "event": {}}}"#,
+                                event_json("Started", n)
+                            )
+                        })
+                        .collect();
+                    let body = format!(r#"{{"tasks": {{{}}}}}"#, tasks.join(", "));
+                    let path = format!("/v1/allocations/events-{i}/task-states");
+                    let status = conn.call("POST", &path, body.as_bytes()).await?;
+                    if status != 200 {
+                        return Err(std::io::Error::other(format!(
+                            "filling the event history answered {status}"
+                        )));
+                    }
                 }
             }
             Ok::<_, std::io::Error>(())
@@ -529,7 +535,18 @@ async fn reports_with_events(server: &Proc, config: &BenchConfig) -> std::io::Re
     for t in fill {
         t.await.map_err(std::io::Error::other)??;
     }
-    drive(
+    let after = server.rss_kib().unwrap_or(0);
+    let per = after.saturating_sub(before) as f64 * 1024.0 / count as f64;
+    let events = (5 * MAX_EVENTS) as f64;
+    let note = format!(
+        "events: {count} allocations of five tasks, every task given {MAX_EVENTS} events: \
+         resident memory {b:.0} → {a:.0} MiB, {per:.0} bytes per allocation's histories \
+         ({each:.0} per event)",
+        b = before as f64 / 1024.0,
+        a = after as f64 / 1024.0,
+        each = per / events,
+    );
+    let outcome = drive(
         "reports with events, durable, full histories",
         server.addr,
         config.clients,
@@ -551,7 +568,8 @@ async fn reports_with_events(server: &Proc, config: &BenchConfig) -> std::io::Re
             )
         },
     )
-    .await
+    .await?;
+    Ok((outcome, note))
 }
 
 fn data_dir(
@@ -644,7 +662,9 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
                 let (dir, _guard) = data_dir(&config, scenario)?;
                 let dir = dir.to_string_lossy().into_owned();
                 let server = Proc::start(&serve_args(&["--data-dir", dir.as_str()]))?;
-                outcomes.push(reports_with_events(&server, &config).await?);
+                let (outcome, note) = reports_with_events(&server, &config).await?;
+                outcomes.push(outcome);
+                notes.push(note);
             }
             "memory" => {
                 let server = Proc::start(&serve_args(&["--in-memory"]))?;
