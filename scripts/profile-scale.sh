@@ -15,41 +15,13 @@
 # TASKGATE_STORE_LOG_LIMIT=8GiB to keep checkpoints out of the window.
 #
 # usage: scripts/profile-scale.sh SIZE [SECS=20] [OUT=/tmp/profile-SIZE]
-# needs: perf (Debian: linux-perf), curl, ss (iproute2), a release build
+# needs: perf (Debian: linux-perf), curl, ss (iproute2), python3, a release build
 set -euo pipefail
 size=${1:?usage: $0 SIZE [SECS] [OUT]}
 secs=${2:-20}
 out=${3:-/tmp/profile-$size}
-cd "$(dirname "$0")/.."
-bin=./target/release/taskgate
-[ -x "$bin" ] || { echo "build first: cargo build --release --locked" >&2; exit 2; }
-
-"$bin" bench --scenarios scale --scale-sizes "$size" --duration 60s >"$out.bench" 2>&1 &
-bench=$!
-trap 'kill ${pid:-} $bench 2>/dev/null || true' EXIT
-
-# The server is the bench's child; its address is the port it listens on.
-pid= addr=
-for _ in $(seq 1 100); do
-    pid=$(pgrep -P "$bench" -f "taskgate serve" | head -1 || true)
-    if [ -n "$pid" ]; then
-        addr=$(ss -ltnpH | grep "pid=$pid," | awk '{print $4}' | head -1 || true)
-        [ -n "$addr" ] && break
-    fi
-    sleep 0.1
-done
-[ -n "$addr" ] || { echo "the server did not start; see $out.bench" >&2; exit 1; }
-
-last_index() {
-    curl -sf "http://$addr/metrics" | awk '$1 == "taskgate_last_index" {print $2}'
-}
-# Registration and warm-up: up to 10 minutes, then the window starts.
-for _ in $(seq 1 6000); do
-    n=$(last_index || echo 0)
-    python3 -c "import sys; sys.exit(0 if float('$n' or 0) >= 3 * $size else 1)" && break
-    sleep 0.1
-done
-sleep 2
+. "$(dirname "$0")/scale-window.sh"
+start_scale_window "$size" "$out"
 
 switches() {
     for t in /proc/"$pid"/task/*; do
