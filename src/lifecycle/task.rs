@@ -336,7 +336,11 @@ impl TaskStatus {
                 kind: e.kind.clone(),
                 time: e.time.unwrap_or(now),
                 message: e.message.clone(),
-                details: e.details.clone().into(),
+                details: e
+                    .details
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
             });
         }
     }
