@@ -9,7 +9,8 @@
 # and the end of SECS seconds and prints, for the window: the share of
 # `PUT .../tasks/{task}/state` requests at or under each bucket of
 # taskgate_http_request_duration_seconds, and the store's commits (mean
-# duration, changes per commit, share at or under each bucket).
+# duration, changes per commit, share at or under each bucket) and the
+# checkpoints that finished in it.
 #
 # Compare two sizes: scripts/server-latency.sh 1000; scripts/server-latency.sh 1000000
 # usage: scripts/server-latency.sh SIZE [SECS=20] [OUT=/tmp/latency-SIZE]
@@ -71,4 +72,8 @@ n = sum(v for k, v in batches.items() if k.startswith("taskgate_store_commit_bat
 s = sum(v for k, v in batches.items() if k.startswith("taskgate_store_commit_batch_size_sum"))
 if n:
     print(f"  {s / n:.1f} changes per commit")
+ck = window("taskgate_store_checkpoint_duration_seconds", "")
+done = sum(v for k, v in ck.items() if k.startswith("taskgate_store_checkpoint_duration_seconds_count"))
+took = sum(v for k, v in ck.items() if k.startswith("taskgate_store_checkpoint_duration_seconds_sum"))
+print(f"checkpoints finished in the window: {done:.0f}, {took:.2f} s in all")
 PY
