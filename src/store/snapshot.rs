@@ -55,8 +55,11 @@ const IO_BUFFER: usize = 1 << 20;
 /// flushed in one go it held the disk (and every log append's fsync
 /// behind it) for over a second. At a million allocations, 16 MiB chunks
 /// still left reports' p99 at 11 ms against 4 ms at a thousand; 4 MiB,
-/// 5.3–5.8 ms.
-const SYNC_EVERY: u64 = 4 << 20;
+/// 5.3–5.8 ms. With compact records (a snapshot of ~130 MB), 4 MiB chunks
+/// still put 3.0–6.7% of the log's commits over 0.5 ms in windows with
+/// two checkpoints (2.5% with none); 1 MiB, 1.4–2.2%; 256 KiB, 3.2%, and
+/// the checkpoints took longer (BENCHMARKS.md).
+const SYNC_EVERY: u64 = 1 << 20;
 
 /// A snapshot being read, one record at a time.
 pub struct Snapshot {
