@@ -4,6 +4,9 @@
 # each ratio. On the 2-vCPU VM of BENCHMARKS.md one run's numbers move by
 # ±10% in throughput and ±30% in p99 from run to run (the same build, the
 # same hour), more than the 20% the target allows: judge by the medians.
+# The load generator's CPU per report does not depend on the size, so a
+# run where it differs between the sizes (last column) was taken while
+# the VM itself slowed down.
 #
 # Each run is `taskgate bench --scenarios ceiling,scale --scale-sizes
 # SMALL,LARGE --duration 10s` (about 4.5 minutes at a million); the
@@ -38,10 +41,17 @@ def row(lines, name):
             return float(cells[3]), float(cells[5])
     raise SystemExit(f"no row {name!r} in a report")
 
+def loadgen(lines, size):
+    # "  - CPU per report at SIZE: server ... µs (...), load generator X µs"
+    for line in lines:
+        if f"CPU per report at {size}:" in line:
+            return float(line.rsplit("load generator", 1)[1].split()[0])
+    raise SystemExit(f"no CPU line for {size} in a report")
+
 cols = ("reports/s", "p99 ms", "p99 at 10000/s ms")
 ratios = {c: [] for c in cols}
-print(f"| run | reports/s {small} → {large} | p99 ms | p99 at 10000/s ms |")
-print("|---|---|---|---|")
+print(f"| run | reports/s {small} → {large} | p99 ms | p99 at 10000/s ms | load generator µs/report |")
+print("|---|---|---|---|---|")
 for i in range(1, runs + 1):
     lines = open(f"{out}.{i}").read().splitlines()
     rs, ps = row(lines, f"reports, durable, {small} allocations")
@@ -54,7 +64,8 @@ for i in range(1, runs + 1):
         a, b = pairs[c]
         ratios[c].append(b / a - 1)
         cells.append(f"{a:g} → {b:g} ({100 * (b / a - 1):+.1f}%)")
+    cells.append(f"{loadgen(lines, small):g} → {loadgen(lines, large):g}")
     print(f"| {i} | " + " | ".join(cells) + " |")
 med = [f"{100 * statistics.median(ratios[c]):+.1f}%" for c in cols]
-print("| median | " + " | ".join(med) + " |")
+print("| median | " + " | ".join(med) + " | |")
 PY
