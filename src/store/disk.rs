@@ -779,10 +779,37 @@ fn checkpoint(dir: &Path, folded: u64, sealed: u64) -> std::io::Result<(snapshot
             )));
         }
     }
-    let mut changes: Vec<(&str, Option<&[u8]>)> = newest.into_iter().collect();
-    changes.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    let changes = sort_changes(newest);
     let written = snapshot::fold_sorted(dir, &changes, last_index, sealed)?;
     Ok((written, changes.len()))
+}
+
+/// The changes in ID order. Their IDs lie scattered over the segments
+/// read back (tens of megabytes), so sorting by the strings themselves
+/// missed the cache on most of its ~n log n compares (`memcmp` was the
+/// checkpoint thread's largest symbol at a million allocations, 0.5 µs per
+/// change). Each entry carries its ID's first 16 bytes as a number, which
+/// orders like the bytes (zero-padded: a shorter ID that is a prefix of
+/// another sorts first either way); only IDs that share those bytes are
+/// compared in full.
+fn sort_changes<'a>(
+    newest: HashMap<&'a str, Option<&'a [u8]>>,
+) -> Vec<(&'a str, Option<&'a [u8]>)> {
+    fn prefix(id: &str) -> u128 {
+        let mut bytes = [0; 16];
+        let n = id.len().min(16);
+        bytes[..n].copy_from_slice(&id.as_bytes()[..n]);
+        u128::from_be_bytes(bytes)
+    }
+    let mut keyed: Vec<(u128, &str, Option<&[u8]>)> = newest
+        .into_iter()
+        .map(|(id, record)| (prefix(id), id, record))
+        .collect();
+    keyed.sort_unstable_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(b.1)));
+    keyed
+        .into_iter()
+        .map(|(_, id, record)| (id, record))
+        .collect()
 }
 
 /// A snapshot folded into by the checkpoints' own code, for `taskgate
@@ -1508,6 +1535,28 @@ mod properties {
             }
             settle(&rt, store, &mut queued);
             drop(reopen(dir.path(), DEFAULT_LOG_LIMIT, &model, last));
+        }
+    }
+
+    proptest! {
+        /// The checkpoint's sort by a 16-byte prefix key puts changes in
+        /// exactly the order of their IDs' bytes: IDs shorter than the key,
+        /// IDs that are prefixes of others, and IDs that share the whole
+        /// key and differ only after it.
+        #[test]
+        fn changes_sort_in_id_order(
+            ids in proptest::collection::hash_set("(scale-0000000000|[ab]{0,3})[ab0-9]{0,22}", 0..64),
+        ) {
+            let newest: HashMap<&str, Option<&[u8]>> =
+                ids.iter().map(|id| (id.as_str(), Some(id.as_bytes()))).collect();
+            let sorted = sort_changes(newest);
+            let mut expected: Vec<&str> = ids.iter().map(String::as_str).collect();
+            expected.sort_unstable();
+            let got: Vec<&str> = sorted.iter().map(|(id, _)| *id).collect();
+            prop_assert_eq!(got, expected);
+            for (id, record) in sorted {
+                prop_assert_eq!(record, Some(id.as_bytes()), "each ID keeps its own record");
+            }
         }
     }
 }
