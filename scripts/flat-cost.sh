@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The flat-cost comparison (state reports with SMALL and LARGE allocations
 # registered) over several runs of the same benchmark, with the median of
-# each ratio. On the 2-vCPU VM of BENCHMARKS.md one run's numbers move by
-# ±10% in throughput and ±30% in p99 from run to run (the same build, the
-# same hour), more than the 20% the target allows: judge by the medians.
+# each ratio. On the 2-vCPU VM of BENCHMARKS.md the same build at the same
+# size moves by up to a quarter in throughput and a third in p99 from run
+# to run within an hour, more than the 20% the target allows: judge by
+# the medians.
 # The load generator's CPU per report does not depend on the size, so a
 # run where it differs between the sizes (last column) was taken while
 # the VM itself slowed down.
 #
 # Each run is `taskgate bench --scenarios ceiling,scale --scale-sizes
-# SMALL,LARGE --duration 10s` (about 4.5 minutes at a million); the
+# SMALL,LARGE --duration 10s` (about 2.5 minutes at a million); the
 # reports are kept as OUT.1, OUT.2, ...
 #
 # usage: scripts/flat-cost.sh [RUNS=3] [LARGE=1000000] [SMALL=1000] [OUT=/tmp/flat-cost]
