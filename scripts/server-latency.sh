@@ -44,6 +44,11 @@ def window(family, match):
         if k.startswith(family) and match in k:
             rows[k] = v - a.get(k, 0.0)
     return rows
+def count_sum(rows, family):
+    # A histogram's observations and their total over the window.
+    count = sum(v for k, v in rows.items() if k.startswith(family + "_count"))
+    total = sum(v for k, v in rows.items() if k.startswith(family + "_sum"))
+    return count, total
 def le(k):
     m = re.search(r'le="([^"]+)"', k).group(1)
     return float("inf") if m == "+Inf" else float(m)
@@ -53,8 +58,7 @@ def report(title, family, match):
     for k, v in rows.items():
         if "_bucket" in k:
             buckets[le(k)] = buckets.get(le(k), 0.0) + v
-    count = sum(v for k, v in rows.items() if k.startswith(family + "_count"))
-    total = sum(v for k, v in rows.items() if k.startswith(family + "_sum"))
+    count, total = count_sum(rows, family)
     if not count:
         print(f"{title}: none in the window")
         return
@@ -67,13 +71,11 @@ print(f"{size} allocations")
 report("state reports (server side)", "taskgate_http_request_duration_seconds",
        'route="/v1/allocations/{alloc_id}/tasks/{task}/state"')
 report("store commits", "taskgate_store_commit_duration_seconds", "")
-batches = window("taskgate_store_commit_batch_size", "")
-n = sum(v for k, v in batches.items() if k.startswith("taskgate_store_commit_batch_size_count"))
-s = sum(v for k, v in batches.items() if k.startswith("taskgate_store_commit_batch_size_sum"))
+family = "taskgate_store_commit_batch_size"
+n, s = count_sum(window(family, ""), family)
 if n:
     print(f"  {s / n:.1f} changes per commit")
-ck = window("taskgate_store_checkpoint_duration_seconds", "")
-done = sum(v for k, v in ck.items() if k.startswith("taskgate_store_checkpoint_duration_seconds_count"))
-took = sum(v for k, v in ck.items() if k.startswith("taskgate_store_checkpoint_duration_seconds_sum"))
+family = "taskgate_store_checkpoint_duration_seconds"
+done, took = count_sum(window(family, ""), family)
 print(f"checkpoints finished in the window: {done:.0f}, {took:.2f} s in all")
 PY
