@@ -788,10 +788,10 @@ fn checkpoint(dir: &Path, folded: u64, sealed: u64) -> std::io::Result<(snapshot
 /// read back (tens of megabytes), so sorting by the strings themselves
 /// missed the cache on most of its ~n log n compares (`memcmp` was the
 /// checkpoint thread's largest symbol at a million allocations, 0.5 µs per
-/// change). Each entry carries its ID's first 16 bytes as a number, which
-/// orders like the bytes (zero-padded: a shorter ID that is a prefix of
-/// another sorts first either way); only IDs that share those bytes are
-/// compared in full.
+/// change). Each ID is sorted by its first 16 bytes as a number, computed
+/// once, which orders like the bytes (zero-padded: a shorter ID that is a
+/// prefix of another sorts first either way); only IDs that share those
+/// bytes are compared in full.
 fn sort_changes<'a>(
     newest: HashMap<&'a str, Option<&'a [u8]>>,
 ) -> Vec<(&'a str, Option<&'a [u8]>)> {
@@ -801,15 +801,9 @@ fn sort_changes<'a>(
         bytes[..n].copy_from_slice(&id.as_bytes()[..n]);
         u128::from_be_bytes(bytes)
     }
-    let mut keyed: Vec<(u128, &str, Option<&[u8]>)> = newest
-        .into_iter()
-        .map(|(id, record)| (prefix(id), id, record))
-        .collect();
-    keyed.sort_unstable_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(b.1)));
-    keyed
-        .into_iter()
-        .map(|(_, id, record)| (id, record))
-        .collect()
+    let mut changes: Vec<_> = newest.into_iter().collect();
+    changes.sort_by_cached_key(|&(id, _)| (prefix(id), id));
+    changes
 }
 
 /// A snapshot folded into by the checkpoints' own code, for `taskgate
