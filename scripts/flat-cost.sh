@@ -10,22 +10,27 @@
 # the VM itself slowed down.
 #
 # Each run is `taskgate bench --scenarios ceiling,scale --scale-sizes
-# SMALL,LARGE --duration 10s` (about 2.5 minutes at a million); the
-# reports are kept as OUT.1, OUT.2, ...
+# SMALL,LARGE --duration 10s --scale-rounds ROUNDS` (about 2.5 minutes at
+# a million with one round, a minute more per further round); the
+# reports are kept as OUT.1, OUT.2, ... With ROUNDS above 1 each size has
+# a server of its own and the sizes' 10-second windows take turns, so a
+# drift of the VM's speed over minutes reaches both sizes alike.
 #
-# usage: scripts/flat-cost.sh [RUNS=3] [LARGE=1000000] [SMALL=1000] [OUT=/tmp/flat-cost]
+# usage: scripts/flat-cost.sh [RUNS=3] [LARGE=1000000] [SMALL=1000] [OUT=/tmp/flat-cost] [ROUNDS=1]
 # needs: python3, a release build
 set -euo pipefail
 runs=${1:-3}
 large=${2:-1000000}
 small=${3:-1000}
 out=${4:-/tmp/flat-cost}
+rounds=${5:-1}
 cd "$(dirname "$0")/.."
 bin=./target/release/taskgate
 [ -x "$bin" ] || { echo "build first: cargo build --release --locked" >&2; exit 2; }
 
 for i in $(seq 1 "$runs"); do
-    "$bin" bench --scenarios ceiling,scale --scale-sizes "$small,$large" --duration 10s >"$out.$i" 2>&1 ||
+    "$bin" bench --scenarios ceiling,scale --scale-sizes "$small,$large" --duration 10s \
+        --scale-rounds "$rounds" >"$out.$i" 2>&1 ||
         { echo "run $i failed; see $out.$i" >&2; exit 1; }
     echo "run $i done: $out.$i" >&2
 done

@@ -69,6 +69,15 @@ pub struct BenchConfig {
     /// the server's own, not the queue of a saturated run (0: skip).
     #[arg(long, default_value_t = 10_000.0)]
     pub scale_paced_rate: f64,
+    /// Measures the scale scenario in this many rounds: each size on a
+    /// server of its own, filled first, then the sizes' windows in turn
+    /// (1,000, 1,000,000, 1,000, 1,000,000, ...), each `--duration` long
+    /// and each started once every server's checkpoint thread is idle.
+    /// A VM whose speed drifts over minutes then slows every size alike;
+    /// with 1 (the default) one server is filled size by size and each
+    /// size is measured once, as it is reached, minutes apart.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub scale_rounds: u32,
     /// The servers' `--log` filter. It must let the `taskgate listening`
     /// line through (the bench reads the address from it);
     /// `info,taskgate::http::edge=warn` turns the per-request span off.
@@ -116,11 +125,17 @@ impl Proc {
         });
         let addr = rx
             .recv_timeout(Duration::from_secs(120))
-            .map_err(|_| std::io::Error::other("the server did not log its address"))?;
-        let addr = addr
-            .parse()
-            .map_err(|_| std::io::Error::other(format!("bad address {addr:?}")))?;
-        Ok(Self { child, addr })
+            .map_err(|_| "the server did not log its address".to_owned())
+            .and_then(|addr| addr.parse().map_err(|_| format!("bad address {addr:?}")));
+        match addr {
+            Ok(addr) => Ok(Self { child, addr }),
+            Err(why) => {
+                // Not left running (it would hold this process's stderr).
+                let _ = child.kill();
+                let _ = child.wait();
+                Err(std::io::Error::other(why))
+            }
+        }
     }
 
     fn rss_kib(&self) -> Option<u64> {
@@ -923,6 +938,15 @@ impl Cpu {
         Ok(cpu)
     }
 
+    fn plus(self, other: Self) -> Self {
+        Self {
+            client: self.client + other.client,
+            requests: self.requests + other.requests,
+            writer: self.writer + other.writer,
+            checkpoint: self.checkpoint + other.checkpoint,
+        }
+    }
+
     fn since(self, before: Self) -> Self {
         Self {
             client: self.client - before.client,
@@ -1132,146 +1156,67 @@ async fn fanout(config: &BenchConfig) -> std::io::Result<String> {
 /// listings, restarts the server and times recovery.
 async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> {
     let (dir, _guard) = data_dir(config, "scale")?;
-    let dir = dir.to_string_lossy().into_owned();
-    let args = if config.scale_in_memory {
-        serve_args(&["--in-memory"])
-    } else {
-        serve_args(&["--data-dir", dir.as_str()])
-    };
     let store = if config.scale_in_memory {
         "in memory"
     } else {
         "durable"
     };
-    let mut server = Proc::start(&args)?;
-    let mut rows = Vec::new();
+    let args = |name: &str| {
+        if config.scale_in_memory {
+            serve_args(&["--in-memory"])
+        } else {
+            let dir = dir.join(name).to_string_lossy().into_owned();
+            serve_args(&["--data-dir", dir.as_str()])
+        }
+    };
     let mut lines = Vec::new();
-    let mut registered = 0usize;
-    for &size in &config.scale_sizes {
-        let started = Instant::now();
-        let before = registered;
-        register(
-            server.addr,
-            "scale",
-            before..size,
-            config.clients,
-            FIVE_TASKS,
-        )
-        .await?;
-        let took = started.elapsed();
-        registered = registered.max(size);
-        let rss = server.rss_kib().unwrap_or(0);
-        lines.push(format!(
-            "- {size} allocations: registered {n} more in {took:.1?}; resident memory {mib:.0} MiB \
-             ({per:.0} bytes per allocation)",
-            n = registered - before,
-            mib = rss as f64 / 1024.0,
-            per = rss as f64 * 1024.0 / size as f64,
-        ));
-        let clients = config.clients;
-        // Client c owns the allocations i ≡ c (mod clients) and walks them
-        // in a scattered order; each visit flips `web` between running and
-        // pending, so every report is a real change. The paced run goes on
-        // where the saturated one stopped (each client's count is kept
-        // here, not restarted by the driver), so it changes states too.
-        let owned = size / clients;
-        if owned == 0 {
-            return Err(std::io::Error::other("fewer allocations than clients"));
+    let mut sizes: Vec<Measured> = config
+        .scale_sizes
+        .iter()
+        .map(|&size| Measured::new(size, config.clients))
+        .collect();
+    let largest = config.scale_sizes.iter().copied().max().unwrap_or(0);
+    // The server that holds the largest size, and how to start it again.
+    let (mut server, args) = if config.scale_rounds == 1 {
+        // One server, filled size by size; each size measured as reached.
+        let args = args("all");
+        let server = Proc::start(&args)?;
+        let mut registered = 0;
+        for m in &mut sizes {
+            lines.extend(fill(&server, registered, m.size, config).await?);
+            registered = registered.max(m.size);
+            window(&server, m, config, store).await?;
+            lines.extend(m.lines(1));
         }
-        let step = coprime_step(owned);
-        if !config.scale_no_warm_up {
-            let started = Instant::now();
-            warm_up(server.addr, size, clients).await?;
-            lines.push(format!(
-                "  - warm-up at {size}: web reported running, then pending, on every allocation \
-                 in {:.1?}",
-                started.elapsed()
-            ));
+        (server, args)
+    } else {
+        // A server per size, all filled before the first window.
+        let mut servers = Vec::with_capacity(sizes.len());
+        for m in &sizes {
+            let args = args(&m.size.to_string());
+            let server = Proc::start(&args)?;
+            lines.extend(fill(&server, 0, m.size, config).await?);
+            servers.push((server, args));
         }
-        let sent: Arc<Vec<AtomicU64>> = Arc::new((0..clients).map(|_| AtomicU64::new(0)).collect());
-        let report = move |c: usize, _| {
-            let n = sent[c].fetch_add(1, Ordering::Relaxed) as usize;
-            let slot = (n % owned) * step % owned;
-            let state = if (n / owned).is_multiple_of(2) {
-                "running"
-            } else {
-                "pending"
-            };
-            (
-                "PUT",
-                format!(
-                    "/v1/allocations/scale-{}/tasks/web/state",
-                    c + slot * clients
-                ),
-                format!(r#"{{"state": "{state}"}}"#).into_bytes(),
-            )
-        };
-        let before = store_work(server.addr).await?;
-        // CPU over exactly the measured window (drive's one-second warm-up
-        // excluded), read by a task of its own while the clients run.
-        let cpu = {
-            let (pid, from) = (server.child.id(), tokio::time::Instant::now());
-            let warmup = Duration::from_secs(1);
-            let duration = config.duration;
-            tokio::spawn(async move {
-                tokio::time::sleep_until(from + warmup).await;
-                let start = Cpu::sample(pid)?;
-                tokio::time::sleep_until(from + warmup + duration).await;
-                Ok::<_, std::io::Error>(Cpu::sample(pid)?.since(start))
-            })
-        };
-        rows.push(
-            drive(
-                &format!("reports, {store}, {size} allocations"),
-                server.addr,
-                clients,
-                config.duration,
-                report.clone(),
-            )
-            .await?,
-        );
-        let after = store_work(server.addr).await?;
-        let cpu = cpu.await.map_err(std::io::Error::other)??;
-        let reports = rows.last().map_or(0, |r| r.requests).max(1) as f64;
-        let per = |seconds: f64| seconds * 1e6 / reports;
-        lines.push(format!(
-            "  - CPU per report at {size}: server {server:.1} µs (request threads {req:.1}, \
-             store writer {w:.1}, checkpoints {cp:.1}), load generator {client:.1} µs",
-            server = per(cpu.requests + cpu.writer + cpu.checkpoint),
-            req = per(cpu.requests),
-            w = per(cpu.writer),
-            cp = per(cpu.checkpoint),
-            client = per(cpu.client),
-        ));
-        let d: Vec<f64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
-        if d[0] > 0.0 {
-            lines.push(format!(
-                "  - while reporting at {size}: {n:.0} store commits, mean {ms:.2} ms, \
-                 mean {batch:.1} changes per commit; {cp:.0} checkpoints, {cps:.2} s \
-                 in all, {records:.0} records folded",
-                n = d[0],
-                ms = 1e3 * d[1] / d[0],
-                batch = d[2] / d[0],
-                cp = d[3],
-                cps = d[4],
-                records = d[5],
-            ));
+        for _ in 0..config.scale_rounds {
+            for (m, (server, _)) in sizes.iter_mut().zip(&servers) {
+                for (other, _) in &servers {
+                    checkpoints_idle(other).await?;
+                }
+                window(server, m, config, store).await?;
+            }
         }
-        if config.scale_paced_rate > 0.0 {
-            let rate = config.scale_paced_rate;
-            let (lat, errors) = paced(server.addr, clients, rate, config.duration, report).await?;
-            rows.push(Outcome {
-                name: format!("reports at {rate:.0}/s, {store}, {size} allocations"),
-                requests: lat.len() as u64 - errors,
-                errors,
-                elapsed: config.duration,
-                latencies_us: lat
-                    .iter()
-                    .map(|d| d.as_micros().min(u128::from(u32::MAX)) as u32)
-                    .collect(),
-            });
+        for m in &sizes {
+            lines.extend(m.lines(config.scale_rounds));
         }
+        servers.pop().expect("at least one size")
+    };
+    let mut rows = Vec::new();
+    for m in sizes {
+        rows.extend(m.saturated);
+        rows.extend(m.paced);
     }
+    let registered = largest;
     let rss_live = server.rss_kib().unwrap_or(0);
 
     // Listing: the first page of a prefix that matches everything, one that
@@ -1325,6 +1270,272 @@ async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> 
         rec = rss_recovered as f64 / 1024.0,
     ));
     Ok((rows, format!("scale:\n{}", lines.join("\n"))))
+}
+
+/// Registers `scale-{before}` to `scale-{size-1}` on `server` and, unless
+/// `--scale-no-warm-up`, warms all of `0..size` up; says what it took.
+async fn fill(
+    server: &Proc,
+    before: usize,
+    size: usize,
+    config: &BenchConfig,
+) -> std::io::Result<Vec<String>> {
+    let started = Instant::now();
+    register(
+        server.addr,
+        "scale",
+        before..size,
+        config.clients,
+        FIVE_TASKS,
+    )
+    .await?;
+    let took = started.elapsed();
+    let rss = server.rss_kib().unwrap_or(0);
+    let mut lines = vec![format!(
+        "- {size} allocations: registered {n} more in {took:.1?}; resident memory {mib:.0} MiB \
+         ({per:.0} bytes per allocation)",
+        n = size.saturating_sub(before),
+        mib = rss as f64 / 1024.0,
+        per = rss as f64 * 1024.0 / size as f64,
+    )];
+    if !config.scale_no_warm_up {
+        let started = Instant::now();
+        warm_up(server.addr, size, config.clients).await?;
+        lines.push(format!(
+            "  - warm-up at {size}: web reported running, then pending, on every allocation \
+             in {:.1?}",
+            started.elapsed()
+        ));
+    }
+    Ok(lines)
+}
+
+/// What the scale scenario measured at one size, over all its windows.
+struct Measured {
+    size: usize,
+    /// Reports sent by each client so far: every window goes on where the
+    /// last one stopped, so every report is a real change.
+    sent: Arc<Vec<AtomicU64>>,
+    saturated: Option<Outcome>,
+    paced: Option<Outcome>,
+    cpu: Cpu,
+    /// `store_work`'s counters, summed over the windows.
+    work: [f64; 6],
+    /// Each window's reports per second and p99 (ms), as fast as they go.
+    windows: Vec<(f64, f64)>,
+}
+
+impl Measured {
+    fn new(size: usize, clients: usize) -> Self {
+        Self {
+            size,
+            sent: Arc::new((0..clients).map(|_| AtomicU64::new(0)).collect()),
+            saturated: None,
+            paced: None,
+            cpu: Cpu::default(),
+            work: [0.0; 6],
+            windows: Vec::new(),
+        }
+    }
+
+    /// Client `c`'s next report: client c owns the allocations i ≡ c (mod
+    /// clients) and walks them in a scattered order; each visit flips
+    /// `web` between running and pending.
+    fn reports(
+        &self,
+        clients: usize,
+    ) -> std::io::Result<
+        impl Fn(usize, u64) -> (&'static str, String, Vec<u8>) + Send + Sync + Clone + 'static,
+    > {
+        let owned = self.size / clients;
+        if owned == 0 {
+            return Err(std::io::Error::other("fewer allocations than clients"));
+        }
+        let step = coprime_step(owned);
+        let sent = self.sent.clone();
+        Ok(move |c: usize, _| {
+            let n = sent[c].fetch_add(1, Ordering::Relaxed) as usize;
+            let slot = (n % owned) * step % owned;
+            let state = if (n / owned).is_multiple_of(2) {
+                "running"
+            } else {
+                "pending"
+            };
+            (
+                "PUT",
+                format!(
+                    "/v1/allocations/scale-{}/tasks/web/state",
+                    c + slot * clients
+                ),
+                format!(r#"{{"state": "{state}"}}"#).into_bytes(),
+            )
+        })
+    }
+
+    /// The notes on this size's windows.
+    fn lines(&self, rounds: u32) -> Vec<String> {
+        let size = self.size;
+        let mut lines = Vec::new();
+        if rounds > 1 {
+            let each: Vec<String> = self
+                .windows
+                .iter()
+                .map(|(rate, p99)| format!("{rate:.0}/s p99 {p99:.2} ms"))
+                .collect();
+            lines.push(format!(
+                "  - {rounds} windows at {size}, interleaved with the other sizes: {}",
+                each.join("; ")
+            ));
+        }
+        let reports = self.saturated.as_ref().map_or(0, |r| r.requests).max(1) as f64;
+        let per = |seconds: f64| seconds * 1e6 / reports;
+        let cpu = self.cpu;
+        lines.push(format!(
+            "  - CPU per report at {size}: server {server:.1} µs (request threads {req:.1}, \
+             store writer {w:.1}, checkpoints {cp:.1}), load generator {client:.1} µs",
+            server = per(cpu.requests + cpu.writer + cpu.checkpoint),
+            req = per(cpu.requests),
+            w = per(cpu.writer),
+            cp = per(cpu.checkpoint),
+            client = per(cpu.client),
+        ));
+        let d = self.work;
+        if d[0] > 0.0 {
+            lines.push(format!(
+                "  - while reporting at {size}: {n:.0} store commits, mean {ms:.2} ms, \
+                 mean {batch:.1} changes per commit; {cp:.0} checkpoints, {cps:.2} s \
+                 in all, {records:.0} records folded",
+                n = d[0],
+                ms = 1e3 * d[1] / d[0],
+                batch = d[2] / d[0],
+                cp = d[3],
+                cps = d[4],
+                records = d[5],
+            ));
+        }
+        lines
+    }
+}
+
+/// One window of the scale scenario at `m`'s size: reports as fast as they
+/// go for `--duration`, then (unless 0) at the paced rate for as long
+/// again, added to what `m` measured before.
+async fn window(
+    server: &Proc,
+    m: &mut Measured,
+    config: &BenchConfig,
+    store: &str,
+) -> std::io::Result<()> {
+    let report = m.reports(config.clients)?;
+    let size = m.size;
+    let before = store_work(server.addr).await?;
+    // CPU over exactly the measured window (drive's one-second warm-up
+    // excluded), read by a task of its own while the clients run.
+    let cpu = {
+        let (pid, from) = (server.child.id(), tokio::time::Instant::now());
+        let warmup = Duration::from_secs(1);
+        let duration = config.duration;
+        tokio::spawn(async move {
+            tokio::time::sleep_until(from + warmup).await;
+            let start = Cpu::sample(pid)?;
+            tokio::time::sleep_until(from + warmup + duration).await;
+            Ok::<_, std::io::Error>(Cpu::sample(pid)?.since(start))
+        })
+    };
+    let saturated = drive(
+        &format!("reports, {store}, {size} allocations"),
+        server.addr,
+        config.clients,
+        config.duration,
+        report.clone(),
+    )
+    .await?;
+    let after = store_work(server.addr).await?;
+    let cpu = cpu.await.map_err(std::io::Error::other)??;
+    m.windows.push((saturated.rate(), saturated.pct(0.99)));
+    absorb(&mut m.saturated, saturated);
+    m.cpu = m.cpu.plus(cpu);
+    for (sum, (a, b)) in m.work.iter_mut().zip(after.iter().zip(before)) {
+        *sum += a - b;
+    }
+    if config.scale_paced_rate > 0.0 {
+        let rate = config.scale_paced_rate;
+        let (lat, errors) =
+            paced(server.addr, config.clients, rate, config.duration, report).await?;
+        let paced = Outcome {
+            name: format!("reports at {rate:.0}/s, {store}, {size} allocations"),
+            requests: lat.len() as u64 - errors,
+            errors,
+            elapsed: config.duration,
+            latencies_us: lat
+                .iter()
+                .map(|d| d.as_micros().min(u128::from(u32::MAX)) as u32)
+                .collect(),
+        };
+        absorb(&mut m.paced, paced);
+    }
+    Ok(())
+}
+
+/// Adds one window's outcome to the windows' total so far (the rate and
+/// the percentiles of the total are over every window's requests).
+fn absorb(total: &mut Option<Outcome>, window: Outcome) {
+    match total {
+        None => *total = Some(window),
+        Some(t) => {
+            t.requests += window.requests;
+            t.errors += window.errors;
+            t.elapsed += window.elapsed;
+            t.latencies_us.extend(window.latencies_us);
+            t.latencies_us.sort_unstable();
+        }
+    }
+}
+
+/// Waits (bounded) until `server`'s checkpoint thread is idle: asleep
+/// (not running, not waiting on the disk) and using no CPU for 200 ms. A
+/// checkpoint a window started would otherwise go on in the next window,
+/// another size's.
+async fn checkpoints_idle(server: &Proc) -> std::io::Result<()> {
+    let pid = server.child.id();
+    let started = Instant::now();
+    let mut last = None;
+    let mut quiet = 0;
+    while quiet < 10 {
+        if started.elapsed() > Duration::from_secs(300) {
+            return Err(std::io::Error::other(
+                "a server's checkpoint did not finish within 300 s",
+            ));
+        }
+        let now = checkpoint_thread(pid)?;
+        quiet = match (last, now) {
+            (Some((_, before)), (asleep, cpu)) if asleep && cpu == before => quiet + 1,
+            _ => 0,
+        };
+        last = Some(now);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+/// Whether the server's checkpoint thread is asleep (state `S`), and its
+/// CPU seconds so far.
+fn checkpoint_thread(pid: u32) -> std::io::Result<(bool, f64)> {
+    for entry in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let Ok(stat) = std::fs::read_to_string(entry?.path().join("stat")) else {
+            continue;
+        };
+        let (name, seconds) = proc_stat_seconds(&stat)?;
+        if name == "taskgate-checkp" {
+            let state = stat
+                .rsplit(')')
+                .next()
+                .and_then(|rest| rest.split_whitespace().next());
+            return Ok((state == Some("S"), seconds));
+        }
+    }
+    // The in-memory store has no checkpoint thread.
+    Ok((true, 0.0))
 }
 
 /// A step that visits every slot of `0..n` once per round (coprime to n).
