@@ -1192,8 +1192,9 @@ async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> 
     } else {
         // A server per size, all filled before the first window.
         let mut servers = Vec::with_capacity(sizes.len());
-        for m in &sizes {
-            let args = args(&m.size.to_string());
+        for (i, m) in sizes.iter().enumerate() {
+            // A size given twice gets two servers, not one directory twice.
+            let args = args(&format!("{i}-{}", m.size));
             let server = Proc::start(&args)?;
             lines.extend(fill(&server, 0, m.size, config).await?);
             servers.push((server, args));
