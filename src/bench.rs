@@ -17,6 +17,7 @@ use std::{
 };
 
 use clap::Args;
+use rustix::process::{Pid, Signal, kill_process};
 use tokio::{
     io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
     net::TcpStream,
@@ -71,9 +72,10 @@ pub struct BenchConfig {
     pub scale_paced_rate: f64,
     /// Measures the scale scenario in this many rounds: each size on a
     /// server of its own, filled first, then the sizes' windows in turn
-    /// (1,000, 1,000,000, 1,000, 1,000,000, ...), each `--duration` long
-    /// and each started once every server's checkpoint thread is idle.
-    /// A VM whose speed drifts over minutes then slows every size alike;
+    /// (1,000, 1,000,000, 1,000, 1,000,000, ...), each `--duration` long;
+    /// a server is stopped (SIGSTOP) outside its own windows, so its
+    /// checkpoints run in its windows only. A VM whose speed drifts over
+    /// minutes then slows every size alike;
     /// with 1 (the default) one server is filled size by size and each
     /// size is measured once, as it is reached, minutes apart.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
@@ -144,6 +146,11 @@ impl Proc {
             .lines()
             .find_map(|l| l.strip_prefix("VmRSS:"))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    }
+
+    /// Stops (`Signal::STOP`) or continues (`Signal::CONT`) the server.
+    fn signal(&self, signal: Signal) -> std::io::Result<()> {
+        kill_process(Pid::from_child(&self.child), signal).map_err(std::io::Error::from)
     }
 
     fn terminate(mut self) -> std::io::Result<()> {
@@ -1190,22 +1197,29 @@ async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> 
         }
         (server, args)
     } else {
-        // A server per size, all filled before the first window.
+        // A server per size, all filled before the first window. Each runs
+        // only in its own windows and is stopped (SIGSTOP) in the others',
+        // so a checkpoint that one window leaves unfinished goes on in that
+        // size's next window, as it would under steady load, and never in
+        // another size's.
         let mut servers = Vec::with_capacity(sizes.len());
         for (i, m) in sizes.iter().enumerate() {
             // A size given twice gets two servers, not one directory twice.
             let args = args(&format!("{i}-{}", m.size));
             let server = Proc::start(&args)?;
             lines.extend(fill(&server, 0, m.size, config).await?);
+            server.signal(Signal::STOP)?;
             servers.push((server, args));
         }
         for _ in 0..config.scale_rounds {
             for (m, (server, _)) in sizes.iter_mut().zip(&servers) {
-                for (other, _) in &servers {
-                    checkpoints_idle(other).await?;
-                }
+                server.signal(Signal::CONT)?;
                 window(server, m, config, store).await?;
+                server.signal(Signal::STOP)?;
             }
+        }
+        for (server, _) in &servers {
+            server.signal(Signal::CONT)?;
         }
         for m in &sizes {
             lines.extend(m.lines(config.scale_rounds));
@@ -1384,7 +1398,8 @@ impl Measured {
                 .map(|(rate, p99)| format!("{rate:.0}/s p99 {p99:.2} ms"))
                 .collect();
             lines.push(format!(
-                "  - {rounds} windows at {size}, interleaved with the other sizes: {}",
+                "  - {rounds} windows at {size}, taking turns with the other sizes (each size's \
+                 server stopped outside its own): {}",
                 each.join("; ")
             ));
         }
@@ -1491,52 +1506,6 @@ fn absorb(total: &mut Option<Outcome>, window: Outcome) {
             t.latencies_us.sort_unstable();
         }
     }
-}
-
-/// Waits (bounded) until `server`'s checkpoint thread is idle: asleep
-/// (not running, not waiting on the disk) and using no CPU for 200 ms. A
-/// checkpoint a window started would otherwise go on in the next window,
-/// another size's.
-async fn checkpoints_idle(server: &Proc) -> std::io::Result<()> {
-    let pid = server.child.id();
-    let started = Instant::now();
-    let mut last = None;
-    let mut quiet = 0;
-    while quiet < 10 {
-        if started.elapsed() > Duration::from_secs(300) {
-            return Err(std::io::Error::other(
-                "a server's checkpoint did not finish within 300 s",
-            ));
-        }
-        let now = checkpoint_thread(pid)?;
-        quiet = match (last, now) {
-            (Some((_, before)), (asleep, cpu)) if asleep && cpu == before => quiet + 1,
-            _ => 0,
-        };
-        last = Some(now);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Ok(())
-}
-
-/// Whether the server's checkpoint thread is asleep (state `S`), and its
-/// CPU seconds so far.
-fn checkpoint_thread(pid: u32) -> std::io::Result<(bool, f64)> {
-    for entry in std::fs::read_dir(format!("/proc/{pid}/task"))? {
-        let Ok(stat) = std::fs::read_to_string(entry?.path().join("stat")) else {
-            continue;
-        };
-        let (name, seconds) = proc_stat_seconds(&stat)?;
-        if name == "taskgate-checkp" {
-            let state = stat
-                .rsplit(')')
-                .next()
-                .and_then(|rest| rest.split_whitespace().next());
-            return Ok((state == Some("S"), seconds));
-        }
-    }
-    // The in-memory store has no checkpoint thread.
-    Ok((true, 0.0))
 }
 
 /// A step that visits every slot of `0..n` once per round (coprime to n).
