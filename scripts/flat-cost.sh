@@ -7,14 +7,15 @@
 # the medians.
 # The load generator's CPU per report does not depend on the size, so a
 # run where it differs between the sizes (last column) was taken while
-# the VM itself slowed down.
+# the machine was slower during one size than during the other.
 #
 # Each run is `taskgate bench --scenarios ceiling,scale --scale-sizes
-# SMALL,LARGE --duration 10s --scale-rounds ROUNDS` (about 2.5 minutes at
-# a million with one round, a minute more per further round); the
-# reports are kept as OUT.1, OUT.2, ... With ROUNDS above 1 each size has
-# a server of its own and the sizes' 10-second windows take turns, so a
-# drift of the VM's speed over minutes reaches both sizes alike.
+# SMALL,LARGE --duration 10s --scale-rounds ROUNDS` (about 3 minutes at a
+# million with one round, 4.5 with three); the reports are kept as OUT.1,
+# OUT.2, ... With ROUNDS 1 the sizes are measured minutes apart, SMALL
+# first; with ROUNDS above 1 each size has a server of its own and the
+# sizes' 10-second windows take turns, so a drift of the machine's speed
+# reaches both sizes alike (BENCHMARKS.md, "Sizes measured in turns").
 #
 # usage: scripts/flat-cost.sh [RUNS=3] [LARGE=1000000] [SMALL=1000] [OUT=/tmp/flat-cost] [ROUNDS=1]
 # needs: python3, a release build
