@@ -75,9 +75,9 @@ pub struct BenchConfig {
     /// (1,000, 1,000,000, 1,000, 1,000,000, ...), each `--duration` long;
     /// a server is stopped (SIGSTOP) outside its own windows, so its
     /// checkpoints run in its windows only. A VM whose speed drifts over
-    /// minutes then slows every size alike;
-    /// with 1 (the default) one server is filled size by size and each
-    /// size is measured once, as it is reached, minutes apart.
+    /// minutes then slows every size alike. With 1 (the default) one
+    /// server is filled size by size and each size is measured once, as it
+    /// is reached, minutes apart.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub scale_rounds: u32,
     /// The servers' `--log` filter. It must let the `taskgate listening`
@@ -1224,7 +1224,9 @@ async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> 
         for m in &sizes {
             lines.extend(m.lines(config.scale_rounds));
         }
-        servers.pop().expect("at least one size")
+        let largest_at = sizes.iter().position(|m| m.size == largest);
+        let largest_at = largest_at.ok_or_else(|| std::io::Error::other("no --scale-sizes"))?;
+        servers.swap_remove(largest_at)
     };
     let mut rows = Vec::new();
     for m in sizes {
