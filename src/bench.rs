@@ -1582,4 +1582,60 @@ mod tests {
         );
         assert_eq!((later.writer, later.checkpoint), (0.0, 0.0), "{later:?}");
     }
+
+    fn outcome(requests: u64, errors: u64, secs: u64, latencies_us: Vec<u32>) -> Outcome {
+        Outcome {
+            name: "w".into(),
+            requests,
+            errors,
+            elapsed: Duration::from_secs(secs),
+            latencies_us,
+        }
+    }
+
+    #[test]
+    fn windows_add_up_to_one_outcome_over_all_their_requests() {
+        let mut total = None;
+        absorb(&mut total, outcome(30, 1, 10, vec![1, 5, 9]));
+        absorb(&mut total, outcome(10, 0, 10, vec![2, 3, 100]));
+        let t = total.expect("two windows absorbed");
+        assert_eq!((t.requests, t.errors), (40, 1));
+        assert_eq!(t.elapsed, Duration::from_secs(20));
+        // The rate is over both windows' time, the percentiles over both
+        // windows' requests, in order.
+        assert_eq!(t.rate(), 2.0);
+        assert_eq!(t.latencies_us, vec![1, 2, 3, 5, 9, 100]);
+        assert_eq!(t.pct(1.0), 0.1);
+    }
+
+    #[test]
+    fn a_size_in_turns_goes_on_where_its_last_window_stopped() {
+        // 8 allocations, 2 clients: client 0 owns 0, 2, 4, 6; client 1
+        // owns 1, 3, 5, 7.
+        let m = Measured::new(8, 2);
+        let first = m.reports(2).unwrap();
+        let seen: Vec<_> = (0..4).map(|_| first(1, 0)).collect();
+        // A later window (a new closure) takes up client 1's sequence.
+        let later = m.reports(2).unwrap();
+        let more: Vec<_> = (0..4).map(|_| later(1, 0)).collect();
+        let ids = |rs: &[(&str, String, Vec<u8>)]| {
+            let mut ids: Vec<String> = rs.iter().map(|(_, path, _)| path.clone()).collect();
+            ids.sort();
+            ids
+        };
+        let own: Vec<String> = [1, 3, 5, 7]
+            .iter()
+            .map(|i| format!("/v1/allocations/scale-{i}/tasks/web/state"))
+            .collect();
+        // Each round visits every owned allocation once: first all running,
+        // then all pending, so every report changes a state.
+        assert_eq!(ids(&seen), own);
+        assert_eq!(ids(&more), own);
+        assert!(seen.iter().all(|(_, _, b)| b == br#"{"state": "running"}"#));
+        assert!(more.iter().all(|(_, _, b)| b == br#"{"state": "pending"}"#));
+        assert!(
+            Measured::new(1, 2).reports(2).is_err(),
+            "fewer than clients"
+        );
+    }
 }
