@@ -107,8 +107,8 @@ pub struct DiskStore {
     queue: Mutex<Option<Sender<Msg>>>,
     /// The writer, then the checkpoint thread, joined in that order.
     threads: Mutex<Vec<JoinHandle<()>>>,
-    /// What the log held at open, until `load` takes it.
-    recovered: Mutex<Option<Overlay>>,
+    /// What the store held at open, until `load` takes it.
+    recovered: Mutex<Option<Loaded>>,
     /// Set by the writer when the log takes no more changes.
     failure: Arc<Mutex<Option<String>>>,
 }
@@ -133,7 +133,11 @@ fn unusable_log(path: &Path, what: impl std::fmt::Display) -> StoreError {
 
 impl DiskStore {
     /// Opens (or creates) the store in its directory (migrating a redb
-    /// file), replays its log, and starts the writer and checkpoint threads.
+    /// file), reads and checks everything it holds, and starts the writer
+    /// and checkpoint threads. Nothing in the directory changes until the
+    /// snapshot and the log have been read through and every record
+    /// decoded: a refused start leaves the directory as it found it (but
+    /// for the lock file).
     pub fn open(config: DiskStoreConfig) -> Result<Self, StoreError> {
         std::fs::create_dir_all(&config.dir).map_err(|e| {
             StoreError::Unusable(format!(
@@ -144,27 +148,14 @@ impl DiskStore {
         let lock = lock(&config.dir)?;
         migrate::redb_to_snapshot(&config.dir)?;
         let path = config.dir.join(SNAPSHOT_FILE);
-        // A checkpoint that stopped before its rename: its snapshot is
-        // incomplete and its segments are all still there. One that
-        // stopped after it may have left the snapshot it replaced (or,
-        // stopped between link and rename, a second name of the current
-        // one): a name to drop either way.
-        for (file, what) in [(NEXT_FILE, "unfinished"), (OLD_FILE, "replaced")] {
-            match std::fs::remove_file(config.dir.join(file)) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    return Err(StoreError::Unusable(format!(
-                        "cannot remove the {what} snapshot {}: {e}",
-                        config.dir.join(file).display()
-                    )));
-                }
-                _ => {}
-            }
-        }
-        let folded = Snapshot::open(&config.dir)
-            .map_err(|e| unusable(&path, format!("cannot be read: {e}")))?
-            .map_or(0, |s| s.folded);
+        let folded = snapshot_folded(&config.dir)?;
         let snapshot_bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
-        let (overlay, log_bytes, next_seq) = recover_log(&config.dir, folded, true)?;
+        let recovery = scan_log(&config.dir, folded)?;
+        let loaded = load_with(&config.dir, &recovery.overlay)?;
+        // Everything read back: only now is anything changed.
+        recovery.apply(&config.dir)?;
+        let (log_bytes, next_seq) = (recovery.log_bytes, recovery.next_seq);
+        drop(recovery);
         let segment = wal::Segment::create(&config.dir, next_seq).map_err(|e| {
             StoreError::Unusable(format!(
                 "cannot create the store log segment {}: {e}",
@@ -213,7 +204,7 @@ impl DiskStore {
             dir: config.dir,
             queue: Mutex::new(Some(tx)),
             threads: Mutex::new(vec![writer, checkpointer]),
-            recovered: Mutex::new(Some(overlay)),
+            recovered: Mutex::new(Some(loaded)),
             failure,
         })
     }
@@ -271,88 +262,157 @@ fn lock(dir: &Path) -> Result<std::fs::File, StoreError> {
     }
 }
 
-/// Replays the log segments `folded` does not cover into an overlay.
-/// Returns it, the log's bytes, and the sequence number of the segment to
-/// write next. With `repair`, removes segments already folded and cuts off
-/// an unfinished append at the end of the newest segment; without, changes
-/// nothing and reads up to the unfinished append.
-fn recover_log(dir: &Path, folded: u64, repair: bool) -> Result<(Overlay, u64, u64), StoreError> {
+/// The last log segment the snapshot in `dir` folded (0 without a
+/// snapshot). A snapshot that is missing while the one it replaced is
+/// still there, or while the log starts past segment 1, is a lost
+/// snapshot, not an empty store (see `scan_log`).
+fn snapshot_folded(dir: &Path) -> Result<u64, StoreError> {
+    let path = dir.join(SNAPSHOT_FILE);
+    match Snapshot::open(dir) {
+        Ok(Some(s)) => Ok(s.folded),
+        Ok(None) if dir.join(OLD_FILE).exists() => Err(unusable(
+            &path,
+            format!(
+                "it is missing, but the snapshot it replaced ({OLD_FILE}) is there: a snapshot \
+                 is only ever replaced by a rename, so it was removed by something else"
+            ),
+        )),
+        Ok(None) => Ok(0),
+        Err(e) => Err(unusable(&path, format!("cannot be read: {e}"))),
+    }
+}
+
+/// What the log holds, read without changing anything, and what a start
+/// must then tidy (`apply`).
+struct Recovery {
+    overlay: Overlay,
+    /// Bytes of the live segments, up to their last good frame.
+    log_bytes: u64,
+    /// The sequence number of the segment to write next.
+    next_seq: u64,
+    /// Segments the snapshot already folded (a checkpoint stopped before
+    /// removing them).
+    folded: Vec<PathBuf>,
+    /// The newest segment's torn tail: the segment and where to cut it.
+    torn: Option<(PathBuf, wal::Bad, u64)>,
+}
+
+/// Replays the log segments `folded` does not cover into an overlay. They
+/// must run on from `folded + 1` with no gap, each read back whole; only
+/// the newest may end in a torn append (`wal.rs` says what counts as
+/// torn), which `Recovery::apply` then cuts off. Anything else stops the
+/// start, naming the file and the offset.
+fn scan_log(dir: &Path, folded: u64) -> Result<Recovery, StoreError> {
     let dir_error = |e: std::io::Error| {
         StoreError::Unusable(format!(
             "cannot read the store log in {}: {e}",
             dir.display()
         ))
     };
-    let mut overlay = Overlay::default();
-    let mut bytes = 0;
-    let mut next = folded + 1;
-    let mut live = Vec::new();
-    let mut removed = false;
-    for (seq, path) in wal::list_segments(dir).map_err(dir_error)? {
-        if seq <= folded {
-            if !repair {
-                continue;
-            }
-            // Folded by a checkpoint that stopped before removing it.
-            std::fs::remove_file(&path)
-                .map_err(|e| unusable_log(&path, format!("cannot remove it: {e}")))?;
-            removed = true;
-        } else {
-            live.push((seq, path));
-        }
-    }
+    let mut recovery = Recovery {
+        overlay: Overlay::default(),
+        log_bytes: 0,
+        next_seq: folded + 1,
+        folded: Vec::new(),
+        torn: None,
+    };
+    let (done, live): (Vec<_>, Vec<_>) = wal::list_segments(dir)
+        .map_err(dir_error)?
+        .into_iter()
+        .partition(|(seq, _)| *seq <= folded);
+    recovery.folded = done.into_iter().map(|(_, path)| path).collect();
     let count = live.len();
     for (i, (seq, path)) in live.into_iter().enumerate() {
-        if seq != next {
-            return Err(unusable_log(
-                &path,
+        if seq != recovery.next_seq {
+            let why = if folded == 0 && i == 0 {
+                format!(
+                    "the log starts at segment {seq}: segment 1 is missing, or the snapshot \
+                     that folded the segments before {seq} ({}) is",
+                    dir.join(SNAPSHOT_FILE).display()
+                )
+            } else {
                 format!(
                     "segment {} is missing (the snapshot has folded up to segment {folded})",
-                    next
-                ),
-            ));
+                    recovery.next_seq
+                )
+            };
+            return Err(unusable_log(&path, why));
         }
         let content = std::fs::read(&path)
             .map_err(|e| unusable_log(&path, format!("cannot be read: {e}")))?;
-        let r = wal::replay(&content, seq, &mut overlay).map_err(|e| unusable_log(&path, e))?;
-        next = seq + 1;
-        if r.torn > 0 {
-            if i + 1 < count {
-                return Err(unusable_log(
-                    &path,
-                    format!(
-                        "it is damaged at byte {} and newer segments follow it",
-                        r.valid_len
-                    ),
-                ));
+        let r = wal::replay(&content, seq, &mut recovery.overlay)
+            .map_err(|e| unusable_log(&path, e))?;
+        recovery.next_seq = seq + 1;
+        recovery.log_bytes += r.valid_len;
+        let Some(bad) = r.bad else { continue };
+        let newest = i + 1 == count;
+        if !(newest && bad.torn) {
+            let mut why = format!(
+                "it is damaged at byte {}: the frame there {}; the {} bytes from there on \
+                 cannot be read",
+                bad.at, bad.what, bad.bytes
+            );
+            if !newest {
+                why.push_str(", and newer segments follow it");
             }
-            if !repair {
-                bytes += r.valid_len;
-                break;
-            }
+            why.push_str(". `taskgate dump --salvage` copies what can be read to a new directory");
+            return Err(unusable_log(&path, why));
+        }
+        recovery.torn = Some((path, bad, r.valid_len));
+    }
+    Ok(recovery)
+}
+
+impl Recovery {
+    /// Tidies the data directory once everything in it has been read: cuts
+    /// the torn tail off the newest segment (kept beside it as
+    /// `<segment>.broken`), and removes the segments already folded, an
+    /// unfinished snapshot and an unfinished segment.
+    fn apply(&self, dir: &Path) -> Result<(), StoreError> {
+        if let Some((path, bad, len)) = &self.torn {
+            let aside = wal::cut(path, *len)
+                .map_err(|e| unusable_log(path, format!("cannot be cut back: {e}")))?;
             tracing::warn!(
                 segment = %path.display(),
-                bytes = r.torn,
-                "cut off an unfinished append at the end of the store log (it was never acknowledged)"
+                at = bad.at,
+                bytes = bad.bytes,
+                kept_in = %aside.display(),
+                "cut off an unfinished append at the end of the store log (the frame there {}; \
+                 it was never acknowledged)",
+                bad.what
             );
-            if r.valid_len == 0 {
-                // Not even its header was written: the next segment takes
-                // its place.
-                std::fs::remove_file(&path)
-                    .map_err(|e| unusable_log(&path, format!("cannot remove it: {e}")))?;
-                removed = true;
-                next = seq;
-                continue;
-            }
-            wal::truncate(&path, r.valid_len)
-                .map_err(|e| unusable_log(&path, format!("cannot be cut back: {e}")))?;
         }
-        bytes += r.valid_len;
+        let mut removed = false;
+        for path in &self.folded {
+            std::fs::remove_file(path)
+                .map_err(|e| unusable_log(path, format!("cannot remove it: {e}")))?;
+            removed = true;
+        }
+        // A checkpoint that stopped before its rename, a segment creation
+        // that stopped before its rename: incomplete, never used.
+        for name in [NEXT_FILE, wal::SEGMENT_TEMP] {
+            let path = dir.join(name);
+            match std::fs::remove_file(&path) {
+                Ok(()) => removed = true,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(StoreError::Unusable(format!(
+                        "cannot remove the unfinished {}: {e}",
+                        path.display()
+                    )));
+                }
+            }
+        }
+        if removed {
+            wal::sync_dir(dir).map_err(|e| {
+                StoreError::Unusable(format!(
+                    "cannot sync the data directory {}: {e}",
+                    dir.display()
+                ))
+            })?;
+        }
+        Ok(())
     }
-    if removed {
-        wal::sync_dir(dir).map_err(dir_error)?;
-    }
-    Ok((overlay, bytes, next))
 }
 
 /// Every record of the snapshot in `dir` with the log's changes
@@ -430,22 +490,17 @@ pub fn read_only(dir: &Path) -> Result<Loaded, StoreError> {
             migrate::REDB_FILE
         )));
     }
-    let folded = Snapshot::open(dir)
-        .map_err(|e| unusable(&path, format!("cannot be read: {e}")))?
-        .map_or(0, |s| s.folded);
-    let (overlay, _, _) = recover_log(dir, folded, false)?;
-    load_with(dir, &overlay)
+    let recovery = scan_log(dir, snapshot_folded(dir)?)?;
+    load_with(dir, &recovery.overlay)
 }
 
 impl Store for DiskStore {
     fn load(&self) -> Result<Loaded, StoreError> {
-        let overlay = self
-            .recovered
+        self.recovered
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take()
-            .ok_or_else(|| StoreError::Io("the store is loaded once, at start".into()))?;
-        load_with(&self.dir, &overlay)
+            .ok_or_else(|| StoreError::Io("the store is loaded once, at start".into()))
     }
 
     fn commit(&self, op: Op) -> Commit {
@@ -614,7 +669,7 @@ impl Writer {
             }
             if !acks.is_empty() {
                 let started = Instant::now();
-                let result = self.append(&buf);
+                let result = self.append(&mut buf);
                 if result.is_ok() {
                     if let Some(m) = &self.metrics {
                         m.commit(started.elapsed(), acks.len());
@@ -637,7 +692,7 @@ impl Writer {
         }
     }
 
-    fn append(&mut self, buf: &[u8]) -> Result<(), StoreError> {
+    fn append(&mut self, buf: &mut [u8]) -> Result<(), StoreError> {
         if let Some(why) = &*self.failure.lock().unwrap_or_else(PoisonError::into_inner) {
             return Err(StoreError::Io(why.clone()));
         }
@@ -772,10 +827,10 @@ fn checkpoint(dir: &Path, folded: u64, sealed: u64) -> std::io::Result<(snapshot
             last_index = last_index.max(index);
         })
         .map_err(damaged)?;
-        if replayed.torn > 0 {
+        if let Some(bad) = replayed.bad {
             return Err(damaged(format!(
-                "sealed, but damaged at byte {}",
-                replayed.valid_len
+                "sealed, but damaged at byte {}: the frame there {}",
+                bad.at, bad.what
             )));
         }
     }
@@ -1026,7 +1081,7 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn names_a_stopped_checkpoint_left_are_dropped_on_open_without_touching_the_snapshot() {
+    async fn a_second_name_a_stopped_checkpoint_left_stays_until_the_next_checkpoint() {
         let dir = tempfile::tempdir().unwrap();
         let (views, _, _) = register(dir.path(), 1, &ids("a", 20)).await;
         let current = dir.path().join(SNAPSHOT_FILE);
@@ -1035,7 +1090,8 @@ mod tests {
         // rename: the current snapshot has a second name.
         std::fs::hard_link(&current, dir.path().join(OLD_FILE)).unwrap();
         let store = Arc::new(open_with(dir.path(), 64, 1));
-        assert!(!dir.path().join(OLD_FILE).exists());
+        // The previous generation is kept until a checkpoint is durable.
+        assert!(dir.path().join(OLD_FILE).exists());
         assert_eq!(std::fs::read(&current).unwrap(), bytes, "not cut back");
         let r = Registry::open(store.clone(), RegistryConfig::default()).unwrap();
         assert_eq!(r.len(), 20);
@@ -1070,11 +1126,134 @@ mod tests {
         std::fs::write(&path, &torn).unwrap();
         let (more, _, _) = register(dir.path(), DEFAULT_LOG_LIMIT, &ids("b", 5)).await;
         assert_eq!(std::fs::metadata(&path).unwrap().len(), len, "cut back");
+        let mut aside = path.clone().into_os_string();
+        aside.push(".broken");
+        assert_eq!(
+            std::fs::read(aside).unwrap(),
+            &torn[len as usize..],
+            "kept aside"
+        );
         let store = Arc::new(open(dir.path(), 64));
         let r = Registry::open(store, RegistryConfig::default()).unwrap();
         assert_eq!(r.len(), 10);
         for v in views.iter().chain(&more) {
             assert_eq!(*r.get(v.id.as_str()).unwrap(), **v);
+        }
+    }
+
+    /// Acknowledged changes are never dropped in silence: whatever damage
+    /// the log or the snapshot takes (a flipped byte anywhere in the newest
+    /// segment, its last frame included, a damaged length, a zeroed block,
+    /// an emptied or missing segment, a lost snapshot), the open is refused
+    /// with the file (and the offset) named, and nothing in the directory
+    /// changes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn damage_anywhere_stops_the_open_naming_it_and_changes_nothing() {
+        let good = tempfile::tempdir().unwrap();
+        register(good.path(), DEFAULT_LOG_LIMIT, &ids("a", 100)).await;
+        register(good.path(), DEFAULT_LOG_LIMIT, &ids("b", 200)).await;
+        let all = segments(good.path());
+        assert_eq!(all.len(), 2, "{all:?}");
+        let older = wal::segment_path(good.path(), all[0].0);
+        let newest = wal::segment_path(good.path(), all[1].0);
+        let newest_len = all[1].1 as usize;
+        type Damage = Box<dyn Fn(&Path)>;
+        let edit = |path: PathBuf, f: Box<dyn Fn(&mut Vec<u8>)>| -> Damage {
+            let name = path.file_name().unwrap().to_owned();
+            Box::new(move |dir: &Path| {
+                let path = dir.join(&name);
+                let mut bytes = std::fs::read(&path).unwrap();
+                f(&mut bytes);
+                std::fs::write(&path, bytes).unwrap();
+            })
+        };
+        let cases: Vec<(&str, Damage, String)> = vec![
+            (
+                "a flipped byte in the newest segment",
+                edit(
+                    newest.clone(),
+                    Box::new(|b| {
+                        let at = b.len() / 2;
+                        b[at] ^= 0x04
+                    }),
+                ),
+                "damaged at byte".into(),
+            ),
+            (
+                "a flipped byte in the newest segment's last frame",
+                edit(
+                    newest.clone(),
+                    Box::new(|b| {
+                        let at = b.len() - 3;
+                        b[at] ^= 0x01
+                    }),
+                ),
+                "damaged at byte".into(),
+            ),
+            (
+                "a damaged length field",
+                edit(
+                    newest.clone(),
+                    Box::new(|b| b[wal::Segment::HEADER_LEN as usize + 1] ^= 0x40),
+                ),
+                format!("damaged at byte {}", wal::Segment::HEADER_LEN),
+            ),
+            (
+                "a zeroed 4 KiB block",
+                edit(newest.clone(), Box::new(|b| b[4096..8192].fill(0))),
+                "damaged at byte".into(),
+            ),
+            (
+                "an emptied older segment",
+                edit(older.clone(), Box::new(Vec::clear)),
+                "shorter than a segment header".into(),
+            ),
+            (
+                "an emptied newest segment",
+                edit(newest.clone(), Box::new(Vec::clear)),
+                "shorter than a segment header".into(),
+            ),
+            (
+                "a missing older segment",
+                Box::new({
+                    let name = older.file_name().unwrap().to_owned();
+                    move |dir: &Path| std::fs::remove_file(dir.join(&name)).unwrap()
+                }),
+                format!("segment {} is missing", all[0].0),
+            ),
+            (
+                "a lost snapshot",
+                Box::new(|dir: &Path| {
+                    std::fs::rename(dir.join(SNAPSHOT_FILE), dir.join(OLD_FILE)).unwrap()
+                }),
+                "snapshot it replaced".into(),
+            ),
+        ];
+        assert!(newest_len > 8192, "{newest_len}");
+        // The snapshot case needs one: fold the older segment.
+        let with_snapshot = tempfile::tempdir().unwrap();
+        register(with_snapshot.path(), 1, &ids("s", 20)).await;
+        register(with_snapshot.path(), DEFAULT_LOG_LIMIT, &ids("t", 20)).await;
+        for (what, damage, expect) in cases {
+            let dir = tempfile::tempdir().unwrap();
+            let from = if what == "a lost snapshot" {
+                with_snapshot.path()
+            } else {
+                good.path()
+            };
+            copy_dir(from, dir.path());
+            damage(dir.path());
+            let before = files(dir.path());
+            let err = DiskStore::open(config(dir.path(), 1, DEFAULT_LOG_LIMIT))
+                .err()
+                .unwrap_or_else(|| panic!("{what}: the store opened"))
+                .to_string();
+            assert!(err.contains(expect.as_str()), "{what}: {err}");
+            assert!(
+                err.contains(&dir.path().display().to_string()),
+                "{what}: {err}"
+            );
+            assert_eq!(files(dir.path()), before, "{what}: the directory changed");
         }
     }
 
@@ -1143,7 +1322,7 @@ mod tests {
             let mut s = wal::Segment::create(dir.path(), 5).unwrap();
             let mut frame = Vec::new();
             wal::frame(&mut frame, "gone", 12, None);
-            s.append(&frame).unwrap();
+            s.append(&mut frame).unwrap();
             drop(s);
             let store = open(dir.path(), 1);
             let loaded = store.load().unwrap();
@@ -1208,7 +1387,7 @@ mod tests {
         };
         let mut frame = Vec::new();
         wal::frame(&mut frame, "a1", 1, Some(b"{}"));
-        let err = writer.append(&frame).unwrap_err().to_string();
+        let err = writer.append(&mut frame).unwrap_err().to_string();
         assert!(err.contains("until taskgate is restarted"), "{err}");
         let why = failure
             .lock()
@@ -1217,7 +1396,7 @@ mod tests {
             .expect("the failure is shared");
         assert_eq!(err, format!("store I/O failed: {why}"));
         // Later appends are refused without touching the file.
-        let again = writer.append(&frame).unwrap_err().to_string();
+        let again = writer.append(&mut frame).unwrap_err().to_string();
         assert_eq!(again, err);
         let len = std::fs::metadata(wal::segment_path(dir.path(), 1))
             .unwrap()
@@ -1270,7 +1449,7 @@ mod tests {
         let mut s = wal::Segment::create(dir.path(), 1).unwrap();
         let mut frame = Vec::new();
         wal::frame(&mut frame, "b", 2, Some(&record::encode_json(&b)));
-        s.append(&frame).unwrap();
+        s.append(&mut frame).unwrap();
         drop(s);
 
         let store = open(dir.path(), 1);
@@ -1372,17 +1551,32 @@ mod tests {
     }
 
     #[test]
-    fn a_corrupt_record_stops_the_load_naming_the_allocation() {
+    fn a_corrupt_record_stops_the_open_naming_the_allocation_and_changes_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let mut w = snapshot::SnapshotWriter::create(dir.path(), 0, 1).unwrap();
         w.put("broken", b"{not json").unwrap();
         w.finish().unwrap();
-        let store = open(dir.path(), 1);
-        let err = store.load().err().unwrap().to_string();
-        assert!(err.contains("\"broken\""), "{err}");
-        drop(store);
-        // Still there: nothing was discarded.
-        assert!(open(dir.path(), 1).load().is_err());
+        // A torn append the open would cut, and names it would drop.
+        let mut s = wal::Segment::create(dir.path(), 1).unwrap();
+        let mut frame = Vec::new();
+        wal::frame(&mut frame, "fine", 1, Some(b"{}"));
+        s.append(&mut frame).unwrap();
+        drop(s);
+        let mut torn = Vec::new();
+        wal::frame(&mut torn, "torn", 2, Some(&[1; 100]));
+        wal::append_unfinished(&wal::segment_path(dir.path(), 1), &mut torn, 50, 0);
+        std::fs::write(dir.path().join(NEXT_FILE), b"unfinished").unwrap();
+        std::fs::write(dir.path().join(LOCK_FILE), b"").unwrap();
+        let before = files(dir.path());
+        for _ in 0..2 {
+            let err = DiskStore::open(config(dir.path(), 1, DEFAULT_LOG_LIMIT))
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(err.contains("\"broken\""), "{err}");
+            // Nothing was cut, created or removed.
+            assert_eq!(files(dir.path()), before);
+        }
     }
 
     #[test]
@@ -1435,8 +1629,10 @@ mod properties {
         Put(u8),
         Delete(u8),
         Reopen(u64),
-        /// Close, append these bytes to the newest segment, reopen.
-        Tear(Vec<u8>),
+        /// Close, leave an unfinished append at the end of the newest
+        /// segment (the first this many bytes of a frame, then this many
+        /// zeros), reopen.
+        Tear(usize, usize),
     }
 
     fn step() -> impl Strategy<Value = Step> {
@@ -1444,7 +1640,8 @@ mod properties {
             6 => (0..8u8).prop_map(Step::Put),
             2 => (0..8u8).prop_map(Step::Delete),
             1 => prop::sample::select(vec![1, 300, 4096, DEFAULT_LOG_LIMIT]).prop_map(Step::Reopen),
-            1 => prop::collection::vec(any::<u8>(), 1..40).prop_map(Step::Tear),
+            1 => (0..3000usize, prop_oneof![Just(0usize), 1..3000usize])
+                .prop_map(|(keep, zeros)| Step::Tear(keep, zeros)),
         ]
     }
 
@@ -1516,13 +1713,13 @@ mod properties {
                         limit = new_limit;
                         store = reopen(dir.path(), limit, &model, last);
                     }
-                    Step::Tear(garbage) => {
+                    Step::Tear(keep, zeros) => {
                         settle(&rt, store, &mut queued);
                         let (seq, _) = wal::list_segments(dir.path()).unwrap().pop().unwrap();
                         let path = wal::segment_path(dir.path(), seq);
-                        let mut bytes = std::fs::read(&path).unwrap();
-                        bytes.extend_from_slice(&garbage);
-                        std::fs::write(&path, bytes).unwrap();
+                        let mut frame = Vec::new();
+                        wal::frame(&mut frame, "never-acked", last + 1, Some(&[7; 2000]));
+                        wal::append_unfinished(&path, &mut frame, keep, zeros);
                         store = reopen(dir.path(), limit, &model, last);
                     }
                 }
