@@ -20,6 +20,46 @@ pub struct DumpConfig {
     /// Only allocations whose ID starts with this.
     #[arg(long, default_value = "")]
     pub prefix: String,
+
+    /// Instead of printing, copy everything that can still be read from a
+    /// damaged data directory into this new one (absent or empty), and
+    /// say exactly what could not be read. The damaged directory is never
+    /// changed. Exits 0 if everything was read, 3 if something was lost.
+    #[arg(long, value_name = "NEW_DIR")]
+    pub salvage: Option<PathBuf>,
+}
+
+/// `taskgate dump --salvage`: copies what can be read into `to`, and
+/// writes the report to `out`. Returns whether everything was read.
+pub fn salvage(
+    config: &DumpConfig,
+    to: &std::path::Path,
+    out: &mut impl Write,
+) -> Result<bool, String> {
+    let report = store::salvage(&config.data_dir, to).map_err(|e| e.to_string())?;
+    let write = |out: &mut dyn Write| -> std::io::Result<()> {
+        for line in &report.lost {
+            writeln!(out, "lost: {line}")?;
+        }
+        writeln!(
+            out,
+            "salvaged {} allocations (last index {}) from {} into {}; {}",
+            report.allocations,
+            report.last_index,
+            config.data_dir.display(),
+            to.display(),
+            if report.lost.is_empty() {
+                "everything was read".to_owned()
+            } else {
+                format!(
+                    "{} things could not be read (listed above)",
+                    report.lost.len()
+                )
+            }
+        )
+    };
+    write(out).map_err(|e| format!("cannot write: {e}"))?;
+    Ok(report.lost.is_empty())
 }
 
 /// Writes the allocations to `out`; returns how many. A reader that goes
@@ -86,6 +126,7 @@ mod tests {
         let config = |prefix: &str| DumpConfig {
             data_dir: dir.path().to_owned(),
             prefix: prefix.to_owned(),
+            salvage: None,
         };
         let mut out = Vec::new();
         assert_eq!(run(&config("web-"), &mut out), Ok(2));
@@ -102,6 +143,22 @@ mod tests {
                 .unwrap()
                 .starts_with("{\"id\":\"db-1\"")
         );
+
+        // An intact directory salvages whole, and says so.
+        let to = tempfile::tempdir().unwrap();
+        let to = to.path().join("copy");
+        let mut report = Vec::new();
+        assert_eq!(salvage(&config(""), &to, &mut report), Ok(true));
+        let report = String::from_utf8(report).unwrap();
+        assert!(report.starts_with("salvaged 3 allocations"), "{report}");
+        assert!(report.contains("everything was read"), "{report}");
+        let copy = DumpConfig {
+            data_dir: to,
+            ..config("")
+        };
+        let mut again = Vec::new();
+        assert_eq!(run(&copy, &mut again), Ok(3));
+        assert_eq!(again, all);
     }
 
     #[test]
@@ -109,6 +166,7 @@ mod tests {
         let config = DumpConfig {
             data_dir: "/nonexistent/taskgate-data".into(),
             prefix: String::new(),
+            salvage: None,
         };
         let err = run(&config, &mut Vec::new()).unwrap_err();
         assert!(err.contains("/nonexistent/taskgate-data"), "{err}");

@@ -41,6 +41,17 @@ fn main() -> ExitCode {
                 .unwrap_or(2);
             ExitCode::from(u8::try_from(code).unwrap_or(1))
         }
+        Command::Dump(config) if config.salvage.is_some() => {
+            let to = config.salvage.clone().unwrap_or_default();
+            match taskgate::dump::salvage(&config, &to, &mut std::io::stdout().lock()) {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::from(3),
+                Err(e) => {
+                    eprintln!("taskgate dump --salvage: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Dump(config) => {
             match taskgate::dump::run(&config, &mut std::io::stdout().lock()) {
                 Ok(_) => ExitCode::SUCCESS,

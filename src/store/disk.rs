@@ -442,46 +442,45 @@ fn load_with(dir: &Path, overlay: &Overlay) -> Result<Loaded, StoreError> {
     })
 }
 
-/// Everything the data directory `dir` holds, read without changing a
-/// byte of it (`taskgate dump`): what a start would load, except that an
-/// unfinished append at the end of the log is left where it is, and
-/// nothing is migrated. Refused while a taskgate has the directory open.
-pub fn read_only(dir: &Path) -> Result<Loaded, StoreError> {
+/// A shared lock on `dir`, held while reading it from outside a store: a
+/// checkpoint must not replace the files midway. Refused while a taskgate
+/// has the directory open. A directory no store has opened has no lock
+/// file (`None`); nothing is created in it.
+pub(super) fn lock_shared(dir: &Path) -> Result<Option<std::fs::File>, StoreError> {
     if !dir.is_dir() {
         return Err(StoreError::Unusable(format!(
             "{} is not a data directory",
             dir.display()
         )));
     }
-    // Held while reading: a checkpoint must not replace the files midway.
-    // A directory no store has opened has no lock file; nothing is created
-    // in it.
     let lock_path = dir.join(LOCK_FILE);
-    let _lock = match std::fs::File::open(&lock_path) {
+    match std::fs::File::open(&lock_path) {
         Ok(file) => match file.try_lock_shared() {
-            Ok(()) => Some(file),
-            Err(std::fs::TryLockError::WouldBlock) => {
-                return Err(StoreError::Unusable(format!(
-                    "the data directory {} is in use by a running taskgate: stop it first, \
-                     or dump a copy of the directory",
-                    dir.display()
-                )));
-            }
-            Err(std::fs::TryLockError::Error(e)) => {
-                return Err(StoreError::Unusable(format!(
-                    "cannot lock {}: {e}",
-                    lock_path.display()
-                )));
-            }
-        },
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => {
-            return Err(StoreError::Unusable(format!(
-                "cannot open the lock file {}: {e}",
+            Ok(()) => Ok(Some(file)),
+            Err(std::fs::TryLockError::WouldBlock) => Err(StoreError::Unusable(format!(
+                "the data directory {} is in use by a running taskgate: stop it first, \
+                 or work on a copy of the directory",
+                dir.display()
+            ))),
+            Err(std::fs::TryLockError::Error(e)) => Err(StoreError::Unusable(format!(
+                "cannot lock {}: {e}",
                 lock_path.display()
-            )));
-        }
-    };
+            ))),
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(StoreError::Unusable(format!(
+            "cannot open the lock file {}: {e}",
+            lock_path.display()
+        ))),
+    }
+}
+
+/// Everything the data directory `dir` holds, read without changing a
+/// byte of it (`taskgate dump`): what a start would load, except that an
+/// unfinished append at the end of the log is left where it is, and
+/// nothing is migrated. Refused while a taskgate has the directory open.
+pub fn read_only(dir: &Path) -> Result<Loaded, StoreError> {
+    let _lock = lock_shared(dir)?;
     let path = dir.join(SNAPSHOT_FILE);
     if !path.exists() && dir.join(migrate::REDB_FILE).exists() {
         return Err(StoreError::Unusable(format!(
@@ -1158,7 +1157,8 @@ mod tests {
         let newest = wal::segment_path(good.path(), all[1].0);
         let newest_len = all[1].1 as usize;
         type Damage = Box<dyn Fn(&Path)>;
-        let edit = |path: PathBuf, f: Box<dyn Fn(&mut Vec<u8>)>| -> Damage {
+        type Edit = Box<dyn Fn(&mut Vec<u8>)>;
+        let edit = |path: PathBuf, f: Edit| -> Damage {
             let name = path.file_name().unwrap().to_owned();
             Box::new(move |dir: &Path| {
                 let path = dir.join(&name);
@@ -1255,6 +1255,76 @@ mod tests {
             );
             assert_eq!(files(dir.path()), before, "{what}: the directory changed");
         }
+    }
+
+    /// `dump --salvage`: what a damaged snapshot and log still hold goes to
+    /// a new directory, which opens; what is lost is named; the damaged
+    /// directory is left as it was.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn salvage_copies_what_can_be_read_and_names_what_cannot() {
+        let dir = tempfile::tempdir().unwrap();
+        // Folded into the snapshot, then in the log.
+        let (mut views, _, _) = register(dir.path(), 1, &ids("s", 60)).await;
+        let (logged, last, _) = register(dir.path(), DEFAULT_LOG_LIMIT, &ids("l", 60)).await;
+        views.extend(logged);
+        let snapshot = dir.path().join(SNAPSHOT_FILE);
+        let (seq, len) = *segments(dir.path()).last().unwrap();
+        let newest = wal::segment_path(dir.path(), seq);
+        for (path, at) in [
+            (&snapshot, std::fs::metadata(&snapshot).unwrap().len() / 2),
+            (&newest, len / 2),
+        ] {
+            let mut bytes = std::fs::read(path).unwrap();
+            bytes[at as usize] ^= 0x10;
+            std::fs::write(path, bytes).unwrap();
+        }
+        assert!(DiskStore::open(config(dir.path(), 1, DEFAULT_LOG_LIMIT)).is_err());
+        let before = files(dir.path());
+        let out = tempfile::tempdir().unwrap();
+        let to = out.path().join("salvaged");
+        let report = super::super::salvage(dir.path(), &to).unwrap();
+        assert_eq!(
+            files(dir.path()),
+            before,
+            "the damaged directory is only read"
+        );
+        let lost = &report.lost;
+        assert_eq!(lost.len(), 3, "{lost:?}");
+        let snapshot = snapshot.display().to_string();
+        assert!(
+            lost[0].starts_with(&format!("{snapshot}: bytes ")),
+            "{lost:?}"
+        );
+        assert!(lost[0].ends_with("could not be read"), "{lost:?}");
+        assert!(lost[1].starts_with(&format!("{snapshot}: its trailer counts 60 records, 59")));
+        assert!(
+            lost[2].starts_with(&format!("{}: bytes ", newest.display())),
+            "{lost:?}"
+        );
+        // One record of the snapshot and one change of the log are lost.
+        assert_eq!(report.allocations, 118);
+        assert_eq!(report.last_index, last);
+        let store = Arc::new(open(&to, 1));
+        let r = Registry::open(store, RegistryConfig::default()).unwrap();
+        assert_eq!(r.len(), 118);
+        assert_eq!(r.last_index(), last, "indexes go on from where they were");
+        let mut missing = 0;
+        for v in &views {
+            match r.get(v.id.as_str()) {
+                Ok(got) => assert_eq!(*got, **v),
+                Err(_) => missing += 1,
+            }
+        }
+        assert_eq!(missing, 2);
+        // Never in place, never over something.
+        let err = super::super::salvage(dir.path(), dir.path())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("never works in place"), "{err}");
+        let err = super::super::salvage(dir.path(), &to)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("is not empty"), "{err}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

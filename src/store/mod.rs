@@ -8,6 +8,7 @@ mod disk;
 mod memory;
 mod migrate;
 mod record;
+mod salvage;
 mod snapshot;
 mod wal;
 
@@ -19,6 +20,7 @@ pub use disk::{
 };
 pub use memory::MemoryStore;
 pub use migrate::{MIGRATED_FILE, REDB_FILE};
+pub use salvage::{SalvageReport, salvage};
 pub use snapshot::SNAPSHOT_FILE;
 pub use wal::list_segments as log_segments;
 

@@ -321,6 +321,102 @@ impl SnapshotWriter {
     }
 }
 
+/// What can still be read of a snapshot, however damaged it is
+/// (`taskgate dump --salvage`).
+pub struct Salvaged<'a> {
+    /// The header's facts, if the header reads back.
+    pub folded: Option<u64>,
+    pub last_index: u64,
+    /// Every record that passes its checksum: (ID, record).
+    pub records: Vec<(&'a str, &'a [u8])>,
+    /// The stretches that could not be read.
+    pub unread: Vec<wal::Unread>,
+    /// What the trailer says is wrong with the whole: missing (the file
+    /// was cut short, or its end is damaged), or a count that differs
+    /// from the records read.
+    pub trailer: Option<String>,
+}
+
+/// Reads a snapshot's bytes as `Snapshot` does, but past a bad record
+/// takes up again at the next offset where a whole record passes its
+/// checksum.
+pub fn salvage(bytes: &[u8]) -> Salvaged<'_> {
+    let mut out = Salvaged {
+        folded: None,
+        last_index: 0,
+        records: Vec::new(),
+        unread: Vec::new(),
+        trailer: None,
+    };
+    let header_ok = bytes.len() >= HEADER
+        && bytes[..8] == MAGIC
+        && crc32fast::hash(&bytes[..24]).to_le_bytes() == bytes[24..28];
+    if header_ok {
+        let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
+        out.folded = Some(u64_at(8));
+        out.last_index = u64_at(16);
+    } else {
+        out.unread.push(wal::Unread {
+            from: 0,
+            to: HEADER.min(bytes.len()) as u64,
+        });
+    }
+    let trailer = bytes.len() >= HEADER + TRAILER && bytes[bytes.len() - TRAILER..][..8] == END;
+    let end = if trailer {
+        bytes.len() - TRAILER
+    } else {
+        bytes.len()
+    };
+    let mut pos = HEADER;
+    let mut skipping = None;
+    while pos < end {
+        let record = bytes.get(pos..pos + FRAME_HEAD).and_then(|h| {
+            let len = u32::from_le_bytes(h[..4].try_into().unwrap()) as usize;
+            let crc = u32::from_le_bytes(h[4..].try_into().unwrap());
+            let payload =
+                bytes[..end].get(pos + FRAME_HEAD..(pos + FRAME_HEAD).checked_add(len)?)?;
+            (crc32fast::hash(payload) == crc).then_some(())?;
+            let id_len = *payload.first()? as usize;
+            let id = std::str::from_utf8(payload.get(1..1 + id_len)?).ok()?;
+            Some((id, &payload[1 + id_len..], FRAME_HEAD + len))
+        });
+        match record {
+            Some((id, record, len)) => {
+                if let Some(from) = skipping.take() {
+                    out.unread.push(wal::Unread {
+                        from,
+                        to: pos as u64,
+                    });
+                }
+                out.records.push((id, record));
+                pos += len;
+            }
+            None => {
+                skipping.get_or_insert(pos as u64);
+                pos += 1;
+            }
+        }
+    }
+    if let Some(from) = skipping {
+        out.unread.push(wal::Unread {
+            from,
+            to: end as u64,
+        });
+    }
+    if !trailer {
+        out.trailer = Some("it has no trailer: it was cut short, or its end is damaged".into());
+    } else {
+        let stated = u64::from_le_bytes(bytes[bytes.len() - 8..].try_into().unwrap());
+        if stated != out.records.len() as u64 {
+            out.trailer = Some(format!(
+                "its trailer counts {stated} records, {} were read",
+                out.records.len()
+            ));
+        }
+    }
+    out
+}
+
 /// The newest change of every allocation in `changes`, sorted by ID.
 pub fn sorted(overlay: &Overlay) -> Vec<(&str, Option<&[u8]>)> {
     let mut changes: Vec<_> = overlay

@@ -339,6 +339,79 @@ pub fn replay_with<'a>(
     })
 }
 
+/// A stretch of a file that could not be read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unread {
+    pub from: u64,
+    pub to: u64,
+}
+
+/// Every change of a segment that can still be read, however damaged it
+/// is (`taskgate dump --salvage`): frames are read as `replay_with` reads
+/// them, and past a bad one the next offset at which a whole frame passes
+/// its checksum and parses is taken up again (its chain is not checked:
+/// the frames before it are lost). Returns the stretches skipped; the
+/// header may be damaged too (its bytes are then skipped like the rest).
+pub fn salvage_with<'a>(
+    bytes: &'a [u8],
+    mut each: impl FnMut(&'a str, u64, Option<&'a [u8]>),
+) -> Vec<Unread> {
+    let v1 = bytes.starts_with(&MAGIC_V1);
+    let (mut pos, head) = if v1 {
+        (HEADER_V1, HEAD_V1)
+    } else {
+        (HEADER, HEAD)
+    };
+    let mut unread: Vec<Unread> = Vec::new();
+    if !v1 && !bytes.starts_with(&MAGIC) {
+        unread.push(Unread {
+            from: 0,
+            to: (pos.min(bytes.len())) as u64,
+        });
+    }
+    let mut skipping: Option<usize> = None;
+    while pos < bytes.len() {
+        let frame = bytes.get(pos..pos + head).and_then(|h| {
+            let len = u32::from_le_bytes(h[..4].try_into().expect("4 bytes")) as usize;
+            let crc = u32::from_le_bytes(h[4..8].try_into().expect("4 bytes"));
+            let payload = bytes.get(pos + head..(pos + head).checked_add(len)?)?;
+            let sum = if v1 {
+                crc32fast::hash(payload)
+            } else {
+                let mut h = crc32fast::Hasher::new();
+                h.update(&bytes[pos..pos + 4]);
+                h.update(payload);
+                h.finalize()
+            };
+            (sum == crc).then_some(())?;
+            parse(payload).ok().map(|change| (change, head + len))
+        });
+        match frame {
+            Some(((id, index, record), len)) => {
+                if let Some(from) = skipping.take() {
+                    unread.push(Unread {
+                        from: from as u64,
+                        to: pos as u64,
+                    });
+                }
+                each(id, index, record);
+                pos += len;
+            }
+            None => {
+                skipping.get_or_insert(pos);
+                pos += 1;
+            }
+        }
+    }
+    if let Some(from) = skipping {
+        unread.push(Unread {
+            from: from as u64,
+            to: bytes.len() as u64,
+        });
+    }
+    unread
+}
+
 /// Appends to segment `path` what a crash in the middle of appending
 /// `frame` (built by `frame_with`) may leave: its first `keep` bytes
 /// (less than all of it), then `zeros` zero bytes (sectors the append was
