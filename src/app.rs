@@ -285,10 +285,11 @@ fn open_configured_store(
         );
     }
     let store = DiskStore::open(DiskStoreConfig {
-        dir: config.data_dir.clone(),
         max_batch: usize::try_from(config.commit_batch).unwrap_or(usize::MAX),
         log_limit: config.store_log_limit,
+        log_ceiling: config.store_log_ceiling,
         metrics: Some(metrics),
+        ..DiskStoreConfig::new(config.data_dir.clone())
     })?;
     tracing::info!(dir = %store.dir().display(), "store opened");
     Ok(Arc::new(store))

@@ -144,6 +144,14 @@ pub struct ServeConfig {
     #[arg(long, env = "TASKGATE_STORE_LOG_LIMIT", default_value = "64MiB", value_parser = byte_size)]
     pub store_log_limit: u64,
 
+    /// The most log the store keeps unfolded while checkpoints fail (a
+    /// damaged snapshot, a full disk): past it, writes are refused with
+    /// 503 `store_unavailable` until a checkpoint succeeds, instead of the
+    /// log growing until the disk or the memory of the next start runs
+    /// out. At least four times `--store-log-limit`.
+    #[arg(long, env = "TASKGATE_STORE_LOG_CEILING", default_value = "1GiB", value_parser = byte_size)]
+    pub store_log_ceiling: u64,
+
     /// JSON file of tokens (only SHA-256 hashes of the secrets):
     /// `{"tokens": [{"name": "ci", "role": "agent", "sha256": "<hex>",
     /// "alloc_prefixes": ["web-"]}]}`; roles: operator, agent, reader.
@@ -219,6 +227,7 @@ impl ServeConfig {
             store_cache_mib: None,
             transparent_huge_pages: false,
             store_log_limit: crate::store::DEFAULT_LOG_LIMIT,
+            store_log_ceiling: crate::store::DEFAULT_LOG_CEILING,
             token_file: None,
             operator_token: None,
             insecure_no_auth: false,

@@ -101,10 +101,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(
             DiskStore::open(DiskStoreConfig {
-                dir: dir.path().to_owned(),
                 max_batch: 1,
                 log_limit: 1 << 20,
-                metrics: None,
+                ..DiskStoreConfig::new(dir.path().to_owned())
             })
             .unwrap(),
         );

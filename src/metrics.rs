@@ -15,6 +15,9 @@ use std::{
 
 use crate::lifecycle::{CoordState, StopKind};
 
+/// The store's background operations that can fail, as label values.
+const STORE_OPERATIONS: [&str; 2] = ["checkpoint", "rollover"];
+
 /// Upper bounds (seconds) of the latency buckets.
 const LATENCY_BUCKETS: [f64; 16] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0,
@@ -111,6 +114,9 @@ pub struct Metrics {
     /// they wrote.
     checkpoint_latency: Histogram,
     checkpoint_records: AtomicU64,
+    /// Failed background operations of the store, by `STORE_OPERATIONS`.
+    store_failures: [AtomicU64; 2],
+    unfolded_log_bytes: AtomicU64,
     /// Client connections open now.
     connections: AtomicU64,
 }
@@ -133,6 +139,8 @@ impl Default for Metrics {
             commit_batch: Histogram::new(&BATCH_BUCKETS),
             checkpoint_latency: Histogram::new(&LATENCY_BUCKETS),
             checkpoint_records: AtomicU64::new(0),
+            store_failures: Default::default(),
+            unfolded_log_bytes: AtomicU64::new(0),
             connections: AtomicU64::new(0),
         }
     }
@@ -217,6 +225,19 @@ impl Metrics {
         self.checkpoint_latency.observe(latency.as_secs_f64());
         self.checkpoint_records
             .fetch_add(records as u64, Ordering::Relaxed);
+    }
+
+    /// Counts a failed background operation of the store (one of
+    /// `STORE_OPERATIONS`).
+    pub fn store_failure(&self, operation: &str) {
+        if let Some(i) = STORE_OPERATIONS.iter().position(|o| *o == operation) {
+            self.store_failures[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The store log's bytes not folded into the snapshot yet.
+    pub fn unfolded_log(&self, bytes: u64) {
+        self.unfolded_log_bytes.store(bytes, Ordering::Relaxed);
     }
 
     /// The Prometheus text exposition, with `gauges` (name, help, value).
@@ -307,6 +328,22 @@ impl Metrics {
              # TYPE taskgate_store_checkpoint_records_total counter\n\
              taskgate_store_checkpoint_records_total {}",
             self.checkpoint_records.load(Ordering::Relaxed)
+        );
+        out.push_str("# HELP taskgate_store_background_failures_total Failed checkpoints and failed tries to start a log segment.\n");
+        out.push_str("# TYPE taskgate_store_background_failures_total counter\n");
+        for (operation, n) in STORE_OPERATIONS.iter().zip(&self.store_failures) {
+            let _ = writeln!(
+                out,
+                "taskgate_store_background_failures_total{{operation=\"{operation}\"}} {}",
+                n.load(Ordering::Relaxed)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP taskgate_store_unfolded_log_bytes Store log not yet folded into the snapshot.\n\
+             # TYPE taskgate_store_unfolded_log_bytes gauge\n\
+             taskgate_store_unfolded_log_bytes {}",
+            self.unfolded_log_bytes.load(Ordering::Relaxed)
         );
         out
     }

@@ -1021,11 +1021,14 @@ async fn health_turns_503_on_shutdown() {
     assert_eq!(stopping.header("retry-after"), Some("1"));
 }
 
-/// A store that has stopped taking changes (as the disk store does after a
-/// log append it cannot vouch for).
-struct FailedStore(taskgate::store::MemoryStore);
+/// A store whose health a test sets (as the disk store's changes when a
+/// write, a checkpoint or a rollover fails).
+struct TroubledStore(
+    taskgate::store::MemoryStore,
+    std::sync::Mutex<taskgate::store::StoreHealth>,
+);
 
-impl taskgate::store::Store for FailedStore {
+impl taskgate::store::Store for TroubledStore {
     fn load(&self) -> Result<taskgate::store::Loaded, taskgate::store::StoreError> {
         self.0.load()
     }
@@ -1034,34 +1037,93 @@ impl taskgate::store::Store for FailedStore {
         self.0.commit(op)
     }
 
-    fn failure(&self) -> Option<String> {
-        Some("writing the store log failed (No space left on device)".into())
+    fn health(&self) -> taskgate::store::StoreHealth {
+        self.1.lock().unwrap().clone()
     }
 }
 
+/// Health and metrics follow the store: degraded (200, the problems
+/// named), refusing writes (503 `store_failed`), and back; an answer never
+/// carries the store's own error text.
 #[tokio::test]
-async fn health_turns_503_when_the_store_takes_no_more_changes() {
+async fn health_and_metrics_show_the_store_s_trouble_without_its_error_text() {
     use http_body_util::BodyExt;
+    use taskgate::store::StoreHealth;
     use tower::ServiceExt;
-    let store = std::sync::Arc::new(FailedStore(taskgate::store::MemoryStore::new()));
-    let registry = taskgate::registry::Registry::open(store, RegistryConfig::default()).unwrap();
+    let store = std::sync::Arc::new(TroubledStore(
+        taskgate::store::MemoryStore::new(),
+        std::sync::Mutex::new(StoreHealth::Ok),
+    ));
+    let registry =
+        taskgate::registry::Registry::open(store.clone(), RegistryConfig::default()).unwrap();
     let router = taskgate::http::app(
         registry,
         HttpConfig::default(),
         std::sync::Arc::new(taskgate::http::auth::Auth::default()),
     );
-    let req = axum::http::Request::get("/v1/health")
-        .body(axum::body::Body::empty())
-        .unwrap();
-    let res = router.oneshot(req).await.unwrap();
-    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
-    let body = res.into_body().collect().await.unwrap().to_bytes();
-    let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
-    assert_eq!(body["code"], "store_failed");
-    assert!(
-        body["detail"].as_str().unwrap().contains("No space left"),
-        "{body}"
-    );
+    let get = |path: &'static str| {
+        let router = router.clone();
+        async move {
+            let req = axum::http::Request::get(path)
+                .body(axum::body::Body::empty())
+                .unwrap();
+            let res = router.oneshot(req).await.unwrap();
+            let status = res.status();
+            let body = res.into_body().collect().await.unwrap().to_bytes();
+            (status, String::from_utf8(body.to_vec()).unwrap())
+        }
+    };
+    let secret = "writing the store log failed (No space left on device)";
+    let cases = [
+        (StoreHealth::Ok, 200, "", 0, 0),
+        (
+            StoreHealth::Degraded(vec!["checkpoints_failing", "log_rollover_failing"]),
+            200,
+            r#"{"status":"degraded","problems":["checkpoints_failing","log_rollover_failing"]}"#,
+            1,
+            0,
+        ),
+        (
+            StoreHealth::Refusing {
+                code: "write_failed",
+                cause: secret.into(),
+            },
+            503,
+            "restart the server",
+            0,
+            1,
+        ),
+        (
+            StoreHealth::Refusing {
+                code: "log_full",
+                cause: secret.into(),
+            },
+            503,
+            "its log reached its ceiling",
+            0,
+            1,
+        ),
+        (StoreHealth::Ok, 200, r#"{"status":"ok"}"#, 0, 0),
+    ];
+    for (health, status, expect, degraded, refusing) in cases {
+        *store.1.lock().unwrap() = health.clone();
+        let (got, body) = get("/v1/health").await;
+        assert_eq!(got.as_u16(), status, "{health:?}: {body}");
+        assert!(body.contains(expect), "{health:?}: {body}");
+        assert!(!body.contains("No space left"), "{health:?}: {body}");
+        if status == 503 {
+            assert!(body.contains(r#""code":"store_failed""#), "{body}");
+        }
+        let (_, metrics) = get("/metrics").await;
+        assert!(
+            metrics.contains(&format!("\ntaskgate_store_degraded {degraded}\n")),
+            "{metrics}"
+        );
+        assert!(
+            metrics.contains(&format!("\ntaskgate_store_refusing_writes {refusing}\n")),
+            "{metrics}"
+        );
+    }
 }
 
 #[tokio::test]

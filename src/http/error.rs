@@ -159,8 +159,28 @@ impl From<RegistryError> for ApiError {
 
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
-        tracing::error!(error = %e, "store commit failed");
-        Self::internal()
+        match e {
+            // The server is stopping: the commit was refused, not failed.
+            StoreError::Closed => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shutting_down",
+                "the server is shutting down",
+            )
+            .retry_later(),
+            StoreError::Unavailable(_) => {
+                tracing::warn!(error = %e, "write refused by the store");
+                Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "store_unavailable",
+                    "the store takes no writes for now; see /v1/health",
+                )
+                .retry_later()
+            }
+            StoreError::Io(_) | StoreError::Unusable(_) => {
+                tracing::error!(error = %e, "store commit failed");
+                Self::internal()
+            }
+        }
     }
 }
 
@@ -191,5 +211,34 @@ impl IntoResponse for ApiError {
             );
         }
         res
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A commit the store refused because it is closing is the server
+    /// stopping (503 `shutting_down`), not an internal error; one refused
+    /// at the log's ceiling is 503 `store_unavailable`; both say when to
+    /// come back, and neither carries the store's own text.
+    #[test]
+    fn refused_commits_are_503_with_retry_after_and_no_internals() {
+        let closed = ApiError::from(StoreError::Closed);
+        assert_eq!(
+            (closed.status.as_u16(), closed.code),
+            (503, "shutting_down")
+        );
+        assert!(closed.retry_after);
+        let full = ApiError::from(StoreError::Unavailable("ENOSPC at /data".into()));
+        assert_eq!(
+            (full.status.as_u16(), full.code),
+            (503, "store_unavailable")
+        );
+        assert!(full.retry_after);
+        assert!(!full.detail.contains("ENOSPC"), "{}", full.detail);
+        let io = ApiError::from(StoreError::Io("EIO at /data".into()));
+        assert_eq!((io.status.as_u16(), io.code), (500, "internal"));
+        assert!(!io.detail.contains("EIO"), "{}", io.detail);
     }
 }

@@ -6,6 +6,8 @@ use axum::{
     response::{IntoResponse, Response},
 };
 
+use crate::store::StoreHealth;
+
 use super::{
     AppState, error::ApiError, error::Problem, extract::ApiQuery, extract::NoParams,
     views::HealthView,
@@ -13,13 +15,18 @@ use super::{
 
 /// Health.
 ///
-/// 200 once the store is loaded and the server accepts work; 503 while it
-/// starts or stops. Never needs a token.
+/// 200 once the store is loaded and the server accepts work: `{"status":
+/// "ok"}`, or `{"status": "degraded", "problems": [...]}` while the store
+/// takes writes but its background work fails (`checkpoints_failing`,
+/// `log_rollover_failing`: the log grows toward its ceiling; the cause is
+/// in the server's log). 503 while it starts or stops, or while the store
+/// refuses writes. Never needs a token, and never carries an internal
+/// error's text.
 #[utoipa::path(
     get, path = "/v1/health", tag = "service",
     responses(
-        (status = 200, description = "Serving", body = HealthView),
-        (status = 503, description = "`starting` (the store is still loading), `shutting_down`, or `store_failed` (the store takes no more changes after a write it cannot vouch for; restart the server)", body = Problem, content_type = "application/problem+json"),
+        (status = 200, description = "Serving: `ok`, or `degraded` with the problems of the store's background work", body = HealthView),
+        (status = 503, description = "`starting` (the store is still loading), `shutting_down`, or `store_failed`: the store refuses writes, after a write it cannot vouch for (restart the server) or because its log reached its ceiling while checkpoints fail (writes resume once one succeeds); the cause is in the server's log", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn health(
@@ -29,14 +36,31 @@ pub async fn health(
     if s.registry.is_shutting_down() {
         return Err(crate::registry::RegistryError::ShuttingDown.into());
     }
-    if let Some(why) = s.registry.store_failure() {
-        return Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "store_failed",
-            why,
-        ));
-    }
-    Ok(super::json(StatusCode::OK, &HealthView { status: "ok" }))
+    let view = match s.registry.store_health() {
+        StoreHealth::Ok => HealthView {
+            status: "ok",
+            problems: Vec::new(),
+        },
+        StoreHealth::Degraded(problems) => HealthView {
+            status: "degraded",
+            problems,
+        },
+        StoreHealth::Refusing { code, .. } => {
+            let detail = if code == "log_full" {
+                "the store refuses writes: its log reached its ceiling because checkpoints fail; \
+                 writes resume once one succeeds (the cause is in the server's log)"
+            } else {
+                "the store refuses writes after a write it cannot vouch for; restart the server \
+                 (the cause is in the server's log)"
+            };
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store_failed",
+                detail,
+            ));
+        }
+    };
+    Ok(super::json(StatusCode::OK, &view))
 }
 
 /// Metrics in the Prometheus text format.
@@ -45,6 +69,7 @@ pub async fn health(
     responses((status = 200, description = "Prometheus text exposition", body = String, content_type = "text/plain"))
 )]
 pub async fn metrics(State(s): State<AppState>, _: ApiQuery<NoParams>) -> Response {
+    let health = s.registry.store_health();
     let gauges = [
         (
             "taskgate_waiters",
@@ -65,6 +90,16 @@ pub async fn metrics(State(s): State<AppState>, _: ApiQuery<NoParams>) -> Respon
             "taskgate_connections",
             "Client connections open now.",
             s.registry.metrics().connections(),
+        ),
+        (
+            "taskgate_store_degraded",
+            "1 while the store takes writes but its background work (checkpoints, log rollover) fails.",
+            u64::from(matches!(health, StoreHealth::Degraded(_))),
+        ),
+        (
+            "taskgate_store_refusing_writes",
+            "1 while the store refuses writes (a failed write, or its log at its ceiling).",
+            u64::from(matches!(health, StoreHealth::Refusing { .. })),
         ),
     ];
     let mut res = s.registry.metrics().render(&gauges).into_response();

@@ -146,8 +146,13 @@ pub struct ListItem {
 /// `GET /v1/health`.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct HealthView {
+    /// `ok`, or `degraded` while the store takes writes but its
+    /// background work fails.
     #[schema(example = "ok")]
     pub status: &'static str,
+    /// While `degraded`: `checkpoints_failing`, `log_rollover_failing`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub problems: Vec<&'static str>,
 }
 
 impl TaskView {

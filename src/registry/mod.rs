@@ -178,9 +178,9 @@ impl Registry {
         self.shared.shutdown.send_replace(true);
     }
 
-    /// Why the store takes no more changes, if it has stopped taking them.
-    pub fn store_failure(&self) -> Option<String> {
-        self.shared.store.failure()
+    /// How the store is doing.
+    pub fn store_health(&self) -> crate::store::StoreHealth {
+        self.shared.store.health()
     }
 
     pub fn is_shutting_down(&self) -> bool {

@@ -14,6 +14,7 @@ mod wal;
 
 use std::{future::Future, pin::Pin, sync::Arc};
 
+pub use disk::DEFAULT_LOG_CEILING;
 pub use disk::{
     DEFAULT_LOG_LIMIT, DiskStore, DiskStoreConfig, FoldBench, FoldChanges, LOCK_FILE, StoreStats,
     read_only,
@@ -52,10 +53,31 @@ pub enum StoreError {
     /// The store was closed (the server is stopping).
     #[error("the store is closed")]
     Closed,
+    /// The store refuses writes for now (its log reached its ceiling while
+    /// checkpoints fail); nothing of the change is applied, and a later try
+    /// may succeed.
+    #[error("the store takes no writes for now: {0}")]
+    Unavailable(String),
     /// The data directory cannot be used: damaged, locked, or of an unknown
     /// format. Nothing was changed in it.
     #[error("{0}")]
     Unusable(String),
+}
+
+/// How a store is doing.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum StoreHealth {
+    #[default]
+    Ok,
+    /// Taking writes, but background work keeps failing (each a fixed
+    /// code: `checkpoints_failing`, `log_rollover_failing`); the cause is
+    /// in the server's log.
+    Degraded(Vec<&'static str>),
+    /// Refusing writes: `write_failed` (a write it cannot vouch for; a
+    /// restart recovers from the log) or `log_full` (the unfolded log
+    /// reached its ceiling; writes are taken again once a checkpoint
+    /// succeeds). `cause` is for the log, never for an answer.
+    Refusing { code: &'static str, cause: String },
 }
 
 /// A commit in flight: resolves once the change is durable, or failed.
@@ -75,11 +97,9 @@ pub trait Store: Send + Sync + 'static {
     /// Queues a change. The returned future resolves when it is durable.
     fn commit(&self, op: Op) -> Commit;
 
-    /// Why the store takes no more changes, if it has stopped taking them
-    /// (after a write it cannot vouch for; a restart recovers). Health
-    /// turns 503 then, so an orchestrator restarts the server.
-    fn failure(&self) -> Option<String> {
-        None
+    /// How the store is doing (`/v1/health`, the metrics).
+    fn health(&self) -> StoreHealth {
+        StoreHealth::Ok
     }
 
     /// Commits what is queued and releases the store. Later commits fail

@@ -71,6 +71,7 @@ pub fn salvage(from: &Path, to: &Path) -> Result<SalvageReport, StoreError> {
         Err(e) => return Err(io(&snapshot_path, "read", e)),
     }
     let segments = wal::list_segments(from).map_err(|e| io(from, "list", e))?;
+    let mut lost_log_bytes = 0;
     let mut expected = folded.map(|f| f + 1);
     for (seq, path) in segments {
         if folded.is_some_and(|f| seq <= f) {
@@ -88,14 +89,16 @@ pub fn salvage(from: &Path, to: &Path) -> Result<SalvageReport, StoreError> {
             records.insert(id.to_owned(), record.map(<[u8]>::to_vec));
             report.last_index = report.last_index.max(index);
         });
+        lost_log_bytes += unread.iter().map(|u| u.to - u.from).sum::<u64>();
         describe(&mut report.lost, &path, &unread);
     }
-    let mut out = SnapshotWriter::create(to, 0, report.last_index)
-        .map_err(|e| io(to, "write a snapshot in", e))?;
+    let mut kept = Vec::new();
     for (id, record) in &records {
         let Some(record) = record else { continue };
         match record::decode(record) {
-            Ok(a) if a.id.as_str() == id => {}
+            Ok(a) if a.id.as_str() == id => {
+                report.last_index = report.last_index.max(a.modify_index);
+            }
             Ok(a) => {
                 report.lost.push(format!(
                     "allocation {id:?}: its record is for allocation {:?}",
@@ -110,6 +113,24 @@ pub fn salvage(from: &Path, to: &Path) -> Result<SalvageReport, StoreError> {
                 continue;
             }
         }
+        kept.push((id, record));
+    }
+    // A lost change may have used indexes above the highest one read; the
+    // new directory goes on past every index they could have used (one per
+    // frame, and no frame is shorter than `wal::MIN_FRAME`), so no index a
+    // client saw is handed out twice.
+    let skipped = lost_log_bytes / wal::MIN_FRAME;
+    if skipped > 0 {
+        report.lost.push(format!(
+            "indexes go on from {} ({skipped} above the highest one read, which the lost \
+             changes of the log may have used)",
+            report.last_index + skipped
+        ));
+    }
+    report.last_index += skipped;
+    let mut out = SnapshotWriter::create(to, 0, report.last_index)
+        .map_err(|e| io(to, "write a snapshot in", e))?;
+    for (id, record) in kept {
         out.put(id, record)
             .map_err(|e| io(to, "write a snapshot in", e))?;
         report.allocations += 1;

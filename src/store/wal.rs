@@ -61,6 +61,8 @@ const HEADER_V1: usize = 16;
 const HEADER: usize = 24;
 const HEAD_V1: usize = 8;
 const HEAD: usize = 12;
+/// The shortest frame there is (a deletion of a one-byte ID, format 1).
+pub const MIN_FRAME: u64 = (HEAD_V1 + 1 + 8 + 1 + 1) as u64;
 /// No record comes near this; a larger length is damage, not a record.
 const MAX_PAYLOAD: usize = 1 << 30;
 /// The unit a disk writes whole or not at all: an append that reached the
