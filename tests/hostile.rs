@@ -328,6 +328,99 @@ fn rule_breaking_specs_and_reports_are_invalid_requests() {
     b.finish();
 }
 
+/// An event's `details`: decoding stops at the 33rd key (a body of 40,000
+/// keys is refused where that key starts, not after a pairwise check of all
+/// of them), duplicates are found, and the bytes of a key, a value and a
+/// whole event are limited, each error naming its field and the limit.
+#[test]
+fn event_details_are_limited_while_decoding_and_by_their_bytes() {
+    let b = Battery::start();
+    let keys: Vec<String> = (0..40_000).map(|i| format!("\"k{i:05}\": \"v\"")).collect();
+    let body = format!(
+        r#"{{"state": "running", "event": {{"type": "x", "details": {{{}}}}}}}"#,
+        keys.join(", ")
+    );
+    let answer = b.expect(
+        "40,000 details",
+        &json_request("PUT", REPORT, body.as_bytes()),
+        400,
+        "invalid_json",
+    );
+    let detail = answer.json()["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("more than 32 entries"), "{detail}");
+    // Where decoding stopped: at the end of the 33rd key.
+    let stop = body.find("\"k00032\"").unwrap() + "\"k00032\"".len();
+    assert!(
+        detail.contains(&format!("column {stop}")),
+        "{stop}: {detail}"
+    );
+
+    let mut keys: Vec<String> = (0..31).map(|i| format!("\"k{i}\": \"v\"")).collect();
+    keys.push("\"k0\": \"again\"".into());
+    let body = format!(
+        r#"{{"state": "running", "event": {{"type": "x", "details": {{{}}}}}}}"#,
+        keys.join(", ")
+    );
+    let answer = b.expect(
+        "a duplicate detail key",
+        &json_request("PUT", REPORT, body.as_bytes()),
+        400,
+        "invalid_json",
+    );
+    assert!(
+        answer.json()["detail"]
+            .as_str()
+            .unwrap()
+            .contains("duplicate key `k0`")
+    );
+
+    let event = |details: String, message: usize| {
+        format!(
+            r#"{{"state": "running", "event": {{"type": "x", "message": "{}", "details": {{{details}}}}}}}"#,
+            "m".repeat(message)
+        )
+    };
+    let cases = [
+        (
+            "a 129-byte key",
+            event(format!(r#""{}": "v""#, "k".repeat(129)), 0),
+            "event.details",
+            "keys must be at most 128 bytes",
+        ),
+        (
+            "a 1025-byte value",
+            event(format!(r#""k": "{}""#, "v".repeat(1025)), 0),
+            "event.details.k",
+            "must be at most 1024 bytes",
+        ),
+        (
+            "an event of over 8 KiB",
+            event(
+                (0..7)
+                    .map(|i| format!(r#""k{i}": "{}""#, "v".repeat(1000)))
+                    .collect::<Vec<_>>()
+                    .join(","),
+                4000,
+            ),
+            "event",
+            "must be at most 8192 bytes",
+        ),
+    ];
+    for (what, body, field, message) in cases {
+        let answer = b.expect(
+            what,
+            &json_request("PUT", REPORT, body.as_bytes()),
+            400,
+            "invalid_request",
+        );
+        let errors = &answer.json()["errors"];
+        assert_eq!(errors[0]["field"], field, "{what}: {errors}");
+        let got = errors[0]["message"].as_str().unwrap();
+        assert!(got.contains(message), "{what}: {got}");
+    }
+    b.finish();
+}
+
 #[test]
 fn hostile_identifiers_in_paths_are_rejected() {
     let b = Battery::start();

@@ -14,32 +14,42 @@ use time::OffsetDateTime;
 use utoipa::ToSchema;
 
 use crate::lifecycle::{
-    AllocSpec, EventInput, FieldError, Hook, Lifecycle, Limits, RunState, TaskName, TaskReport,
-    TaskSpec,
+    AllocSpec, EventInput, FieldError, Hook, Lifecycle, Limits, MAX_EVENT_DETAILS, RunState,
+    TaskName, TaskReport, TaskSpec,
 };
 
-/// A JSON object whose keys must be unique, kept in the order sent.
+/// A JSON object whose keys must be unique, kept in the order sent, of at
+/// most `MAX` entries. Decoding stops at the first entry past `MAX`, and
+/// each key is checked against a hash set of those before it, so a body
+/// with tens of thousands of keys costs no more than reading it (a
+/// pairwise check took seconds and stalled the server).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UniqueMap<V>(pub Vec<(String, V)>);
+pub struct UniqueMap<V, const MAX: usize>(pub Vec<(String, V)>);
 
-impl<V> Default for UniqueMap<V> {
+impl<V, const MAX: usize> Default for UniqueMap<V, MAX> {
     fn default() -> Self {
         Self(Vec::new())
     }
 }
 
-impl<'de, V: Deserialize<'de>> Deserialize<'de> for UniqueMap<V> {
+impl<'de, V: Deserialize<'de>, const MAX: usize> Deserialize<'de> for UniqueMap<V, MAX> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V_<V>(PhantomData<V>);
-        impl<'de, V: Deserialize<'de>> Visitor<'de> for V_<V> {
-            type Value = UniqueMap<V>;
+        struct V_<V, const MAX: usize>(PhantomData<V>);
+        impl<'de, V: Deserialize<'de>, const MAX: usize> Visitor<'de> for V_<V, MAX> {
+            type Value = UniqueMap<V, MAX>;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("an object")
+                write!(f, "an object of at most {MAX} entries")
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
                 let mut out: Vec<(String, V)> = Vec::new();
+                let mut seen = std::collections::HashSet::new();
                 while let Some(key) = map.next_key::<String>()? {
-                    if out.iter().any(|(k, _)| *k == key) {
+                    if out.len() == MAX {
+                        return Err(serde::de::Error::custom(format!(
+                            "more than {MAX} entries (the limit)"
+                        )));
+                    }
+                    if !seen.insert(key.clone()) {
                         return Err(serde::de::Error::custom(format!("duplicate key `{key}`")));
                     }
                     let value = map.next_value()?;
@@ -48,9 +58,13 @@ impl<'de, V: Deserialize<'de>> Deserialize<'de> for UniqueMap<V> {
                 Ok(UniqueMap(out))
             }
         }
-        d.deserialize_map(V_(PhantomData))
+        d.deserialize_map(V_::<V, MAX>(PhantomData))
     }
 }
+
+/// Most tasks a batch report may name: an allocation has at most this many
+/// (`Limits::max_tasks` by default).
+const MAX_TASKS: usize = 256;
 
 /// Implements `Deserialize` for request bodies so that they accept only a
 /// JSON object. serde's derive also takes an array of the fields in order
@@ -178,10 +192,12 @@ pub struct EventBody {
     #[serde(default)]
     #[schema(example = "Exit Code: 1", max_length = 4096)]
     pub message: String,
-    /// String to string, at most 32 entries.
+    /// String to string: at most 32 entries, keys of at most 128 bytes,
+    /// values of at most 1 KiB; the whole event (type, message, keys and
+    /// values) at most 8 KiB.
     #[serde(default)]
     #[schema(value_type = BTreeMap<String, String>)]
-    pub details: UniqueMap<String>,
+    pub details: UniqueMap<String, MAX_EVENT_DETAILS>,
     /// RFC 3339; defaults to the server's time.
     #[serde(default, with = "time::serde::rfc3339::option")]
     pub time: Option<OffsetDateTime>,
@@ -216,7 +232,7 @@ impl ReportBody {
 pub struct BatchBody {
     /// Task name to report; each task at most once.
     #[schema(value_type = BTreeMap<String, ReportBody>)]
-    pub tasks: UniqueMap<ReportBody>,
+    pub tasks: UniqueMap<ReportBody, MAX_TASKS>,
 }
 
 impl BatchBody {

@@ -68,6 +68,13 @@ pub struct Limits {
     pub max_event_message: usize,
     /// Entries in one event's `details`.
     pub max_event_details: usize,
+    /// Bytes in one `details` key, and in one value.
+    pub max_detail_key: usize,
+    pub max_detail_value: usize,
+    /// Bytes in one whole event: its type, message, and every `details`
+    /// key and value. With `MAX_EVENTS` kept per task, this bounds what one
+    /// task's history can hold (an agent grew a view to 30 MB without it).
+    pub max_event_bytes: usize,
 }
 
 impl Default for Limits {
@@ -75,10 +82,17 @@ impl Default for Limits {
         Self {
             max_tasks: 256,
             max_event_message: 4096,
-            max_event_details: 32,
+            max_event_details: MAX_EVENT_DETAILS,
+            max_detail_key: 128,
+            max_detail_value: 1024,
+            max_event_bytes: 8192,
         }
     }
 }
+
+/// Entries in one event's `details` by default; request decoding stops at
+/// the first entry past it.
+pub const MAX_EVENT_DETAILS: usize = 32;
 
 /// Events kept per task; the oldest is dropped first.
 pub const MAX_EVENTS: usize = 10;

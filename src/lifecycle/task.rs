@@ -229,7 +229,13 @@ impl TaskReport {
         let Some(event) = &self.event else {
             return errors;
         };
-        let field = |name: &str| format!("{prefix}event.{name}");
+        let field = |name: &str| {
+            if name.is_empty() {
+                format!("{prefix}event")
+            } else {
+                format!("{prefix}event.{name}")
+            }
+        };
         let type_len = event.kind.chars().count();
         if type_len == 0 || type_len > MAX_EVENT_TYPE {
             errors.push(FieldError::new(
@@ -254,6 +260,48 @@ impl TaskReport {
                     "must have at most {} entries, got {}",
                     limits.max_event_details,
                     event.details.len()
+                ),
+            ));
+        }
+        for (key, value) in &event.details {
+            if key.len() > limits.max_detail_key {
+                errors.push(FieldError::new(
+                    field("details"),
+                    format!(
+                        "keys must be at most {} bytes, got {} in a key starting {:?}",
+                        limits.max_detail_key,
+                        key.len(),
+                        key.chars().take(16).collect::<String>()
+                    ),
+                ));
+            }
+            if value.len() > limits.max_detail_value {
+                errors.push(FieldError::new(
+                    field(&format!(
+                        "details.{}",
+                        key.chars().take(64).collect::<String>()
+                    )),
+                    format!(
+                        "must be at most {} bytes, got {}",
+                        limits.max_detail_value,
+                        value.len()
+                    ),
+                ));
+            }
+        }
+        let bytes = event.kind.len()
+            + event.message.len()
+            + event
+                .details
+                .iter()
+                .map(|(k, v)| k.len() + v.len())
+                .sum::<usize>();
+        if bytes > limits.max_event_bytes {
+            errors.push(FieldError::new(
+                field(""),
+                format!(
+                    "an event (type, message, details keys and values) must be at most {} bytes, got {bytes}",
+                    limits.max_event_bytes
                 ),
             ));
         }
@@ -577,6 +625,44 @@ mod tests {
         let mut ok = r.clone();
         ok.event = Some(event("Started"));
         assert!(ok.validate("", &limits).is_empty());
+        // Bytes: a key, a value, the whole event.
+        let limits = Limits {
+            max_detail_key: 4,
+            max_detail_value: 5,
+            max_event_bytes: 20,
+            ..Limits::default()
+        };
+        let mut sized = event("Killed");
+        sized.details = [
+            ("long-key".into(), "v".into()),
+            ("k".into(), "too long".into()),
+        ]
+        .into();
+        let errors = TaskReport {
+            state: RunState::Dead,
+            failed: false,
+            event: Some(sized.clone()),
+        }
+        .validate("", &limits);
+        let fields: Vec<_> = errors.iter().map(|e| e.field.as_str()).collect();
+        // Details in key order: "k" before "long-key".
+        assert_eq!(
+            fields,
+            ["event.details.k", "event.details", "event"],
+            "{errors:?}"
+        );
+        assert!(errors[1].message.contains("at most 4 bytes"), "{errors:?}");
+        assert!(
+            errors[2].message.contains("at most 20 bytes, got 24"),
+            "{errors:?}"
+        );
+        sized.details = [("k".into(), "v".into())].into();
+        let fits = TaskReport {
+            state: RunState::Dead,
+            failed: false,
+            event: Some(sized),
+        };
+        assert!(fits.validate("", &limits).is_empty());
         let mut empty = r;
         empty.event = Some(event(""));
         assert_eq!(empty.validate("", &limits)[0].field, "event.type");
