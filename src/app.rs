@@ -78,10 +78,25 @@ fn serve_options(config: &ServeConfig, metrics: Arc<Metrics>) -> Result<ServeOpt
     })
 }
 
+/// The shortest operator secret accepted on a non-loopback address: it can
+/// do everything, and is guessed offline from nothing but answers.
+const MIN_OPERATOR_SECRET: usize = 32;
+
 /// Tokens from the configuration; refuses an open server on a
 /// non-loopback address unless told it is meant.
 fn auth_for(config: &ServeConfig) -> Result<Arc<Auth>, StartError> {
     let operator = config.operator_token.as_ref().map(|s| s.0.as_str());
+    if let Some(secret) = operator.filter(|s| !s.is_empty())
+        && secret.len() < MIN_OPERATOR_SECRET
+        && !config.listen.ip().is_loopback()
+    {
+        return Err(StartError::Config(format!(
+            "refusing to listen on {} with an operator secret of {} bytes: it must be at least \
+             {MIN_OPERATOR_SECRET} bytes off loopback (for example `openssl rand -hex 32`)",
+            config.listen,
+            secret.len()
+        )));
+    }
     let mut auth =
         Auth::load(config.token_file.as_deref(), operator).map_err(StartError::Config)?;
     auth.public_metrics = config.public_metrics;
@@ -309,4 +324,27 @@ fn load(
         "store loaded"
     );
     Ok((store, registry))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Secret;
+
+    #[test]
+    fn a_short_operator_secret_is_refused_off_loopback_only() {
+        let mut config = ServeConfig::for_tests();
+        config.operator_token = Some(Secret("short-but-not-32-bytes".into()));
+        assert!(auth_for(&config).is_ok(), "loopback");
+        config.listen = "0.0.0.0:8080".parse().unwrap();
+        let Err(StartError::Config(err)) = auth_for(&config) else {
+            panic!("a 22-byte operator secret was taken on 0.0.0.0");
+        };
+        assert!(
+            err.contains("22 bytes") && err.contains("at least 32"),
+            "{err}"
+        );
+        config.operator_token = Some(Secret("x".repeat(32)));
+        assert!(auth_for(&config).is_ok());
+    }
 }

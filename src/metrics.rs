@@ -158,8 +158,30 @@ impl Drop for OpenConnection {
 /// Names of the restart modes, in `Metrics::restarts` order.
 pub const RESTART_MODES: [&str; 3] = ["task", "running", "all_tasks"];
 
-fn position<T: PartialEq>(all: &[T], x: &T) -> usize {
-    all.iter().position(|v| v == x).unwrap_or(0)
+/// Where `x` is in `all`; a value outside the fixed set is not counted
+/// (never as another value), and said once in the log.
+fn position<T: PartialEq + std::fmt::Debug>(all: &[T], x: &T) -> Option<usize> {
+    let found = all.iter().position(|v| v == x);
+    if found.is_none() {
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(
+            || tracing::warn!(value = ?x, "a metric label value outside its set was not counted"),
+        );
+    }
+    found
+}
+
+/// HTTP methods as a label: the standard ones, every other as `other` (a
+/// client can send any token as a method; 3,000 invented ones grew
+/// `/metrics` by 6 MB).
+fn method_label(method: &str) -> &'static str {
+    const METHODS: [&str; 9] = [
+        "GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "CONNECT", "TRACE",
+    ];
+    METHODS
+        .into_iter()
+        .find(|m| *m == method)
+        .unwrap_or("other")
 }
 
 impl Metrics {
@@ -167,7 +189,10 @@ impl Metrics {
         Self::default()
     }
 
+    /// Counts a request; `route` is the matched route's template, or
+    /// `unmatched` (never the path a client sent).
     pub fn http_request(&self, method: &str, route: &str, status: u16, latency: Duration) {
+        let method = method_label(method);
         let seconds = latency.as_secs_f64();
         let find =
             |set: &Vec<RouteSeries>| set.iter().position(|(m, s, _)| m == method && *s == status);
@@ -190,8 +215,12 @@ impl Metrics {
     }
 
     pub fn transition(&self, from: CoordState, to: CoordState) {
-        self.transitions[position(CoordState::ALL, &from)][position(CoordState::ALL, &to)]
-            .fetch_add(1, Ordering::Relaxed);
+        if let (Some(f), Some(t)) = (
+            position(CoordState::ALL, &from),
+            position(CoordState::ALL, &to),
+        ) {
+            self.transitions[f][t].fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     pub fn reports(&self, n: usize) {
@@ -199,11 +228,15 @@ impl Metrics {
     }
 
     pub fn restart(&self, mode: &str) {
-        self.restarts[position(&RESTART_MODES, &mode)].fetch_add(1, Ordering::Relaxed);
+        if let Some(i) = position(&RESTART_MODES, &mode) {
+            self.restarts[i].fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     pub fn stop_order(&self, reason: StopKind) {
-        self.stop_orders[position(StopKind::ALL, &reason)].fetch_add(1, Ordering::Relaxed);
+        if let Some(i) = position(StopKind::ALL, &reason) {
+            self.stop_orders[i].fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     pub fn commit(&self, latency: Duration, changes: usize) {
@@ -386,5 +419,29 @@ mod tests {
             text.contains("taskgate_store_commit_batch_size_bucket{le=\"4\"} 1\n"),
             "{text}"
         );
+    }
+
+    /// Label values come from fixed sets whatever a client sends: invented
+    /// methods are `other`, and a value outside a set is not counted as
+    /// another one.
+    #[test]
+    fn label_values_stay_in_their_fixed_sets() {
+        let m = Metrics::new();
+        for i in 0..3000 {
+            m.http_request(&format!("X{i}"), "unmatched", 405, Duration::from_micros(1));
+        }
+        m.http_request("DELETE", "unmatched", 404, Duration::from_micros(1));
+        m.restart("no-such-mode");
+        let text = m.render(&[]);
+        assert!(text.contains(
+            "taskgate_http_request_duration_seconds_count{method=\"other\",route=\"unmatched\",status=\"405\"} 3000\n"
+        ), "{text}");
+        assert!(text.contains("method=\"DELETE\""), "{text}");
+        assert!(!text.contains("X1"), "{text}");
+        assert!(
+            text.contains("taskgate_restarts_total{mode=\"task\"} 0\n"),
+            "{text}"
+        );
+        assert!(text.len() < 20_000, "{} bytes", text.len());
     }
 }

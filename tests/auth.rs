@@ -213,6 +213,14 @@ async fn a_scoped_agent_token_only_touches_its_prefixes() {
             .status
             .is_success()
     );
+    // The scope is checked on the ID the handler uses, percent-decoded:
+    // `%77eb-1` is `web-1`, `%64b-1` is `db-1`.
+    let a = call(&app, t, "GET", "/v1/allocations/%77eb-1", None).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(a.body["id"], "web-1");
+    call(&app, t, "GET", "/v1/allocations/%64b-1", None)
+        .await
+        .assert_problem(403, "forbidden");
 }
 
 #[tokio::test]
@@ -242,6 +250,18 @@ async fn missing_and_wrong_tokens_are_401_in_both_headers() {
         )
         .await;
     basic.assert_problem(401, "unauthorized");
+    // Another scheme in Authorization (a proxy's) does not hide the token
+    // in X-Taskgate-Token.
+    let both = app
+        .send(
+            Request::get("/v1/allocations")
+                .header(header::AUTHORIZATION, "Basic cHJveHk6cGFzcw==")
+                .header("x-taskgate-token", "reader-secret")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(both.status, 200, "{}", both.body);
     // Unknown routes are 404 for everyone: nothing is behind them.
     call(&app, None, "GET", "/nowhere", None)
         .await

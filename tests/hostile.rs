@@ -537,6 +537,26 @@ fn bad_blocking_parameters_and_unknown_query_parameters_are_rejected() {
             "invalid_request",
         );
     }
+    // 30,000 unknown parameters, no token: the answer lists the first 20
+    // and counts the rest, instead of growing to 54 times the request.
+    let many = vec!["a"; 30_000].join("&");
+    let target = format!("/v1/health?{many}");
+    let answer = b.expect(
+        "30,000 unknown parameters",
+        &request("GET", &target, None, b""),
+        400,
+        "invalid_request",
+    );
+    let problem = answer.json();
+    assert_eq!(problem["errors"].as_array().unwrap().len(), 20);
+    assert_eq!(problem["errors_omitted"], 29_980);
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .ends_with("and 29980 more")
+    );
+    assert!(answer.body.len() < 4096, "{} bytes", answer.body.len());
     for q in [
         "per_page=0",
         "per_page=-1",

@@ -105,6 +105,18 @@ impl Auth {
                         "{at}: an operator token cannot be limited to prefixes"
                     ));
                 }
+                for p in &t.alloc_prefixes {
+                    // A prefix is the start of an ID, so it must read as
+                    // one: an empty prefix would mean every ID (leave the
+                    // list out for that), and one with a character no ID
+                    // holds would never match.
+                    if let Err(e) = crate::lifecycle::AllocId::parse(p) {
+                        return Err(format!(
+                            "{at}: alloc_prefixes entry {p:?} {e}; a prefix is the start of \
+                             an allocation ID (leave alloc_prefixes out for every ID)"
+                        ));
+                    }
+                }
                 tokens.push(Token {
                     name: t.name,
                     role: t.role,
@@ -171,13 +183,18 @@ fn need(method: &Method, route: &str, public_metrics: bool) -> Need {
     }
 }
 
+/// The secret a request presents: `Authorization: Bearer …`, else
+/// `X-Taskgate-Token` (an `Authorization` header of another scheme, meant
+/// for a proxy in front, does not hide it).
 fn presented(req: &Request) -> Option<&str> {
     let h = req.headers();
-    if let Some(v) = h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
-        let (scheme, token) = v.split_once(' ')?;
-        return scheme.eq_ignore_ascii_case("bearer").then(|| token.trim());
-    }
-    h.get("x-taskgate-token").and_then(|v| v.to_str().ok())
+    let bearer = h
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim());
+    bearer.or_else(|| h.get("x-taskgate-token").and_then(|v| v.to_str().ok()))
 }
 
 /// The allocation ID (or, for the list, the `prefix`) a request concerns.
@@ -192,7 +209,13 @@ fn scope_target(req: &Request, route: &str) -> Option<String> {
                 .unwrap_or_default(),
         );
     }
-    req.uri().path().split('/').nth(3).map(str::to_owned)
+    // Decoded as the handler's path extractor decodes it: the scope is
+    // checked on the ID the handler will use (`%74eam-a-1` is `team-a-1`).
+    let raw = req.uri().path().split('/').nth(3)?;
+    percent_encoding::percent_decode_str(raw)
+        .decode_utf8()
+        .ok()
+        .map(|id| id.into_owned())
 }
 
 fn unauthorized(detail: &str) -> Response {
@@ -222,11 +245,13 @@ impl Auth {
             return None;
         }
         let Some(secret) = presented(req) else {
+            tracing::info!(%route, method = %req.method(), "refused (401): no token");
             return Some(unauthorized(
                 "a token is required (Authorization: Bearer <token>, or X-Taskgate-Token)",
             ));
         };
         let Some(token) = self.identify(secret) else {
+            tracing::info!(%route, method = %req.method(), "refused (401): unknown token");
             return Some(unauthorized("the token is not known"));
         };
         let allowed = match (need, token.role) {
@@ -239,6 +264,7 @@ impl Auth {
             }
         };
         if !allowed {
+            tracing::info!(token = %token.name, role = ?token.role, %route, method = %req.method(), "refused (403): the role does not allow it");
             return Some(forbidden(format!(
                 "token {:?} ({:?}) may not {} {route}",
                 token.name,
@@ -258,11 +284,15 @@ impl Auth {
                 } else {
                     format!("use allocation {target:?}, outside")
                 };
+                tracing::info!(token = %token.name, %route, method = %req.method(), target = %target, "refused (403): outside the token's prefixes");
                 return Some(forbidden(format!(
                     "token {:?} may only {what} its prefixes {:?}",
                     token.name, token.alloc_prefixes
                 )));
             }
+        }
+        if need != Need::Read && need != Need::AnyToken {
+            tracing::info!(token = %token.name, %route, method = %req.method(), "write by token");
         }
         None
     }
@@ -304,6 +334,24 @@ mod tests {
         .unwrap();
         let auth = Auth::load(Some(&file), Some("op")).unwrap();
         assert_eq!(auth.identify("s3cret").unwrap().name, "ci");
+        // A prefix is the start of an ID: an empty one, or one with a
+        // character no ID holds, is refused (it would mean every ID, or
+        // none).
+        for (prefix, why) in [("", "must not be empty"), ("team-a/", "found '/'")] {
+            std::fs::write(
+                &file,
+                format!(
+                    r#"{{"tokens": [{{"name": "ci", "role": "agent", "sha256": "{hash}", "alloc_prefixes": ["web-", "{prefix}"]}}]}}"#
+                ),
+            )
+            .unwrap();
+            let err = Auth::load(Some(&file), None).unwrap_err();
+            assert!(
+                err.contains("tokens[0] (\"ci\")") && err.contains(why),
+                "{err}"
+            );
+            assert!(err.contains(&format!("{prefix:?}")), "{err}");
+        }
         assert_eq!(auth.identify("op").unwrap().role, Role::Operator);
         assert!(auth.identify("nope").is_none());
         std::fs::remove_dir_all(dir).unwrap();
@@ -335,5 +383,97 @@ mod tests {
             need(&M::POST, "/v1/allocations/{alloc_id}/restore", false),
             Need::AgentWrite
         );
+    }
+
+    /// What `check` logs, and its answer's status.
+    fn logged(auth: &Auth, method: &str, uri: &str, secret: Option<&str>) -> (String, u16) {
+        #[derive(Clone, Default)]
+        struct Buf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Buf {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buf = Buf::default();
+        let writer = buf.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let mut req = Request::builder().method(method).uri(uri);
+        if let Some(s) = secret {
+            req = req.header(header::AUTHORIZATION, format!("Bearer {s}"));
+        }
+        let req = req.body(axum::body::Body::empty()).unwrap();
+        let answer = tracing::subscriber::with_default(subscriber, || {
+            auth.check(&req, Some("/v1/allocations/{alloc_id}"))
+        });
+        let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+        (text, answer.map_or(200, |r| r.status().as_u16()))
+    }
+
+    /// Writes are logged with the token's name at info; refusals with
+    /// their reason; the secret never.
+    #[test]
+    fn writes_and_refusals_leave_an_audit_trail_without_the_secret() {
+        let mut auth = Auth::load(None, Some("operator-secret-of-enough-bytes")).unwrap();
+        auth.tokens.push(Token {
+            name: "web-agents".into(),
+            role: Role::Agent,
+            hash: sha256(b"agent-secret"),
+            alloc_prefixes: vec!["web-".into()],
+        });
+        let cases = [
+            (
+                "PUT",
+                "/v1/allocations/web-1",
+                Some("agent-secret"),
+                200,
+                "write by token",
+            ),
+            (
+                "DELETE",
+                "/v1/allocations/web-1",
+                Some("agent-secret"),
+                403,
+                "the role does not allow it",
+            ),
+            (
+                "PUT",
+                "/v1/allocations/db-1",
+                Some("agent-secret"),
+                403,
+                "outside the token's prefixes",
+            ),
+            (
+                "PUT",
+                "/v1/allocations/web-1",
+                Some("guess"),
+                401,
+                "unknown token",
+            ),
+            ("PUT", "/v1/allocations/web-1", None, 401, "no token"),
+        ];
+        for (method, uri, secret, status, says) in cases {
+            let (text, got) = logged(&auth, method, uri, secret);
+            assert_eq!(got, status, "{method} {uri}");
+            assert!(
+                text.contains(" INFO ") && text.contains(says),
+                "{method} {uri}: {text}"
+            );
+            if secret == Some("agent-secret") {
+                assert!(text.contains("web-agents"), "{text}");
+            }
+            assert!(
+                !text.contains("agent-secret") && !text.contains("guess"),
+                "{text}"
+            );
+        }
+        let (text, _) = logged(&auth, "GET", "/v1/allocations/web-1", Some("agent-secret"));
+        assert!(text.is_empty(), "reads are not logged at info: {text}");
     }
 }

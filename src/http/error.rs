@@ -35,10 +35,22 @@ pub struct Problem {
     /// Stable, machine-readable error code.
     #[schema(example = "task_not_running")]
     pub code: &'static str,
-    /// On validation failures: each broken rule with the field it concerns.
+    /// On validation failures: each broken rule with the field it concerns
+    /// (the first `MAX_ERRORS` of them).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub errors: Vec<ProblemField>,
+    /// How many more broken rules there were than `errors` lists.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub errors_omitted: usize,
 }
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+/// The most broken rules an answer lists: a request with 30,000 bad query
+/// parameters got a 3.2 MB answer, 54 times its own size.
+pub const MAX_ERRORS: usize = 20;
 
 /// One validation failure.
 #[derive(Debug, Serialize, ToSchema)]
@@ -63,6 +75,8 @@ pub struct ApiError {
     pub code: &'static str,
     pub detail: String,
     pub errors: Vec<ProblemField>,
+    /// Broken rules left out of `errors` (see `MAX_ERRORS`).
+    pub errors_omitted: usize,
     /// The allocation's `modify_index`, when the error concerns one that
     /// exists (sent as `X-Taskgate-Index`).
     pub index: Option<u64>,
@@ -76,15 +90,23 @@ impl ApiError {
             code,
             detail: detail.into(),
             errors: Vec::new(),
+            errors_omitted: 0,
             index: None,
             retry_after: false,
         }
     }
 
     /// 400 `invalid_request` with the broken rules listed.
+    /// 400 `invalid_request` with the broken rules (the first
+    /// `MAX_ERRORS`, and how many more there were).
     pub fn invalid(detail: impl Into<String>, errors: Vec<FieldError>) -> Self {
         let mut e = Self::new(StatusCode::BAD_REQUEST, "invalid_request", detail);
-        e.errors = errors.into_iter().map(Into::into).collect();
+        e.errors_omitted = errors.len().saturating_sub(MAX_ERRORS);
+        e.errors = errors
+            .into_iter()
+            .take(MAX_ERRORS)
+            .map(Into::into)
+            .collect();
         e
     }
 
@@ -193,6 +215,7 @@ impl IntoResponse for ApiError {
             detail: self.detail,
             code: self.code,
             errors: self.errors,
+            errors_omitted: self.errors_omitted,
         };
         let body = serde_json::to_vec(&problem).unwrap_or_default();
         let mut res = (self.status, body).into_response();

@@ -206,9 +206,20 @@ impl<S: Send + Sync, T: QueryParams> FromRequestParts<S> for ApiQuery<T> {
                 Err(e) => errors = e,
             }
         }
-        let names: Vec<_> = errors.iter().map(|e| e.field.clone()).collect();
+        let mut names = errors
+            .iter()
+            .take(super::error::MAX_ERRORS)
+            .map(|e| e.field.as_str())
+            .collect::<Vec<_>>()
+            .join(", ");
+        if errors.len() > super::error::MAX_ERRORS {
+            names.push_str(&format!(
+                " and {} more",
+                errors.len() - super::error::MAX_ERRORS
+            ));
+        }
         Err(ApiError::invalid(
-            format!("bad query parameter: {}", names.join(", ")),
+            format!("bad query parameter: {names}"),
             errors,
         ))
     }
