@@ -403,3 +403,51 @@ async fn a_client_that_goes_away_mid_commit_does_not_cancel_the_publication() {
     }
     assert!(published, "the committed change was published");
 }
+
+/// A long-poll resolves its task by name in the very record it reads: with
+/// the allocation deleted and registered again with other tasks in
+/// between, it answers about the task it was asked about (or 404), never
+/// another task's gate, and never indexes past the tasks (the old code
+/// took the position from one copy and read it in another: a panic after
+/// ~1,400 tries).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_polls_answer_about_their_own_task_while_the_allocation_is_replaced() {
+    let (r, _) = registry();
+    let short = spec(&[("web", None)]);
+    let long = spec(&[("a", None), ("b", None), ("c", None), ("web", None)]);
+    r.register(id("x"), long.clone()).await.unwrap();
+    let churn = {
+        let r = r.clone();
+        tokio::spawn(async move {
+            for round in 0..20_000 {
+                r.delete("x").await.unwrap();
+                let s = if round % 2 == 0 {
+                    short.clone()
+                } else {
+                    long.clone()
+                };
+                r.register(id("x"), s).await.unwrap();
+            }
+        })
+    };
+    let mut answered = 0;
+    while !churn.is_finished() {
+        for poll in [0, 1] {
+            let got = if poll == 0 {
+                r.wait_task("x", "web", u64::MAX, Duration::ZERO).await
+            } else {
+                r.wait_start("x", "web", Duration::ZERO).await
+            };
+            match got {
+                Ok((a, i)) => {
+                    assert_eq!(a.spec.tasks()[i].name.as_str(), "web");
+                    answered += 1;
+                }
+                Err(RegistryError::AllocationNotFound(_) | RegistryError::Deleted(_)) => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+    churn.await.unwrap();
+    assert!(answered > 0);
+}

@@ -92,6 +92,10 @@ impl Registry {
     }
 
     /// Blocking query on one task: until the task's `modify_index` > `index`.
+    ///
+    /// The task is looked up by name in every record checked, never by a
+    /// position taken from an earlier copy: between two copies the
+    /// allocation can be deleted and registered again with other tasks.
     pub async fn wait_task(
         &self,
         id: &str,
@@ -99,25 +103,32 @@ impl Registry {
         index: u64,
         timeout: Duration,
     ) -> Result<(Arc<Allocation>, usize), RegistryError> {
-        let i = self.task_position(&*self.get(id)?, task)?;
         let a = self
-            .wait_until(id, timeout, |a| a.tasks[i].modify_index > index)
+            .wait_until(id, timeout, |a| {
+                a.position(task)
+                    .is_none_or(|i| a.tasks[i].modify_index > index)
+            })
             .await?;
+        let i = self.task_position(&a, task)?;
         Ok((a, i))
     }
 
     /// The start-condition long-poll: until the task is allowed to start or
-    /// told to stop.
+    /// told to stop (the task looked up by name in each record, as in
+    /// `wait_task`).
     pub async fn wait_start(
         &self,
         id: &str,
         task: &str,
         timeout: Duration,
     ) -> Result<(Arc<Allocation>, usize), RegistryError> {
-        let i = self.task_position(&*self.get(id)?, task)?;
         let a = self
-            .wait_until(id, timeout, |a| a.allowed(i) || a.desired(i).is_stop())
+            .wait_until(id, timeout, |a| {
+                a.position(task)
+                    .is_none_or(|i| a.allowed(i) || a.desired(i).is_stop())
+            })
             .await?;
+        let i = self.task_position(&a, task)?;
         Ok((a, i))
     }
 }
