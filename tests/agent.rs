@@ -569,3 +569,78 @@ fn deleting_the_allocation_ends_the_agent_and_its_task() {
         .unwrap();
     assert!(!alive.success(), "the task's process {pid} was stopped");
 }
+
+/// The command never sees a taskgate secret: not the agent's token, nor one
+/// meant for a server, nor where a token file is; `--token-file` keeps the
+/// secret out of every environment.
+#[test]
+fn the_workload_never_sees_the_agents_secret() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = "agent-secret-of-enough-length-0123456789";
+    let hash: String = {
+        use sha2::Digest;
+        sha2::Sha256::digest(secret.as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    };
+    let tokens = dir.path().join("tokens.json");
+    std::fs::write(
+        &tokens,
+        json!({"tokens": [{"name": "agents", "role": "agent", "sha256": hash}]}).to_string(),
+    )
+    .unwrap();
+    let server = Server::start(&["--in-memory", "--token-file", tokens.to_str().unwrap()]);
+    let spec = web_only(dir.path());
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, format!("{secret}\n")).unwrap();
+    let d = dir.path().display();
+    for (alloc, how) in [("env-1", "env"), ("env-2", "file")] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_taskgate"));
+        cmd.args([
+            "agent",
+            "--server",
+            &server.base,
+            "--alloc",
+            alloc,
+            "--task",
+            "web",
+        ])
+        .arg("--register")
+        .arg(&spec)
+        .env("TASKGATE_OPERATOR_TOKEN", "an-operator-secret")
+        .args(["--", "sh", "-c", &format!("env > {d}/{alloc}.env")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+        if how == "env" {
+            cmd.env("TASKGATE_TOKEN", secret);
+        } else {
+            cmd.env("TASKGATE_TOKEN_FILE", &token_file);
+        }
+        let mut a = Agent {
+            child: cmd.spawn().unwrap(),
+            task: "web",
+        };
+        assert_eq!(exits(std::slice::from_mut(&mut a)), [("web", 0)], "{how}");
+        let seen = std::fs::read_to_string(dir.path().join(format!("{alloc}.env"))).unwrap();
+        assert!(seen.contains("PATH="), "{seen}");
+        for leak in [
+            secret,
+            "an-operator-secret",
+            "TASKGATE_TOKEN",
+            "TASKGATE_OPERATOR_TOKEN",
+        ] {
+            assert!(!seen.contains(leak), "{how}: the workload saw {leak}");
+        }
+        let out = Command::new("curl")
+            .args(["-s", "-H", &format!("Authorization: Bearer {secret}")])
+            .arg(format!("{}/v1/allocations/{alloc}/tasks/web", server.base))
+            .output()
+            .unwrap();
+        let state: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(
+            state["state"], "dead",
+            "{how}: the agent's reports were taken"
+        );
+    }
+}

@@ -56,23 +56,88 @@ fn text(v: &Value, key: &str) -> String {
     v[key].as_str().unwrap_or_default().to_owned()
 }
 
-fn parse_task(v: &Value) -> TaskInfo {
-    TaskInfo {
-        stage: text(v, "stage"),
-        state: text(v, "state"),
-        desired: text(v, "desired"),
-        stop_reason: v["stop_reason"]["type"].as_str().map(str::to_owned),
-        restart_generation: v["restart_generation"].as_u64().unwrap_or(0),
-        modify_index: v["modify_index"].as_u64().unwrap_or(0),
-        coordinator_state: text(v, "coordinator_state"),
+/// A task as the server shows it, as far as the agent reads it. Every
+/// field is required: an answer without one (a server of another version,
+/// a renamed field) is an error, never read as "run" or "no stop order".
+#[derive(Debug, serde::Deserialize)]
+struct TaskWire {
+    name: String,
+    stage: String,
+    state: String,
+    desired: String,
+    stop_reason: Option<StopReasonWire>,
+    restart_generation: u64,
+    modify_index: u64,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct StopReasonWire {
+    #[serde(rename = "type")]
+    kind: String,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct TaskDetailWire {
+    #[serde(flatten)]
+    task: TaskWire,
+    coordinator_state: String,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct AllocationWire {
+    modify_index: u64,
+    coordinator_state: String,
+    tasks: Vec<TaskWire>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct StartWire {
+    allowed: bool,
+    desired: String,
+    coordinator_state: String,
+}
+
+impl TaskWire {
+    fn info(self, coordinator_state: String) -> TaskInfo {
+        TaskInfo {
+            stage: self.stage,
+            state: self.state,
+            desired: self.desired,
+            stop_reason: self.stop_reason.map(|r| r.kind),
+            restart_generation: self.restart_generation,
+            modify_index: self.modify_index,
+            coordinator_state,
+        }
     }
+}
+
+/// Reads an answer as `T`, or says what it lacked.
+fn decode<T: serde::de::DeserializeOwned>(what: &str, v: Value) -> Result<T, ApiError> {
+    serde_json::from_value(v).map_err(|e| {
+        ApiError::Fatal(format!(
+            "the server's answer to {what} is not what this agent understands ({e}); is it \
+             another version of taskgate?"
+        ))
+    })
 }
 
 impl Api {
     pub fn new(config: &AgentConfig) -> Result<Self, String> {
+        let token = match &config.token_file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| format!("cannot read the token file {}: {e}", path.display()))?;
+                let secret = text.lines().next().unwrap_or_default().trim().to_owned();
+                if secret.is_empty() {
+                    return Err(format!("the token file {} is empty", path.display()));
+                }
+                Some(secret)
+            }
+            None => config.token.as_ref().map(|t| t.0.clone()),
+        };
         Ok(Self {
             endpoint: Endpoint::new(&config.server, config.ca_cert.as_deref())?,
-            token: config.token.as_ref().map(|t| t.0.clone()),
+            token,
             alloc: config.alloc.clone(),
             task: config.task.clone(),
         })
@@ -155,7 +220,8 @@ impl Api {
             format!("{}?index={index}&wait={POLL_WAIT}", self.task_path())
         };
         let v = self.call("GET", &path, None).await?;
-        Ok(parse_task(&v))
+        let t: TaskDetailWire = decode(&path, v)?;
+        Ok(t.task.info(t.coordinator_state))
     }
 
     /// This task as seen in its allocation's view; with `index` > 0 a
@@ -169,25 +235,63 @@ impl Api {
             format!("{}?index={index}&wait={POLL_WAIT}", self.alloc_path())
         };
         let v = self.call("GET", &path, None).await?;
-        let alloc_index = v["modify_index"].as_u64().unwrap_or(0);
-        let task = v["tasks"]
-            .as_array()
-            .and_then(|ts| ts.iter().find(|t| t["name"] == self.task.as_str()))
+        let a: AllocationWire = decode(&path, v)?;
+        let task = a
+            .tasks
+            .into_iter()
+            .find(|t| t.name == self.task)
             .ok_or_else(|| {
                 ApiError::Fatal(format!("task {:?} is not in the allocation", self.task))
             })?;
-        let mut info = parse_task(task);
-        info.coordinator_state = text(&v, "coordinator_state");
-        Ok((info, alloc_index))
+        Ok((task.info(a.coordinator_state), a.modify_index))
     }
 
     pub async fn start_condition(&self) -> Result<StartCondition, ApiError> {
         let path = format!("{}/start-condition?wait={POLL_WAIT}", self.task_path());
         let v = self.call("GET", &path, None).await?;
+        let s: StartWire = decode(&path, v)?;
         Ok(StartCondition {
-            allowed: v["allowed"].as_bool().unwrap_or(false),
-            desired: text(&v, "desired"),
-            coordinator_state: text(&v, "coordinator_state"),
+            allowed: s.allowed,
+            desired: s.desired,
+            coordinator_state: s.coordinator_state,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// An answer that lacks a field the agent acts on (here `desired`,
+    /// renamed) is an error, not "run"; a whole one reads as it is.
+    #[test]
+    fn answers_are_read_whole_or_refused() {
+        let task = json!({"name": "web", "stage": "main", "state": "running",
+            "desired": "stop", "stop_reason": {"type": "Leader Task Dead", "task": null},
+            "restart_generation": 2, "modify_index": 9, "allowed": true});
+        let detail = {
+            let mut d = task.clone();
+            d["coordinator_state"] = json!("main");
+            d["alloc_modify_index"] = json!(9);
+            d
+        };
+        let t: TaskDetailWire = decode("GET task", detail.clone()).unwrap();
+        let info = t.task.info(t.coordinator_state);
+        assert_eq!(info.desired, "stop");
+        assert_eq!(info.stop_reason.as_deref(), Some("Leader Task Dead"));
+        assert_eq!((info.restart_generation, info.modify_index), (2, 9));
+        let mut renamed = detail;
+        renamed["desired_state"] = renamed["desired"].take();
+        renamed.as_object_mut().unwrap().remove("desired");
+        let Err(ApiError::Fatal(e)) = decode::<TaskDetailWire>("GET task", renamed) else {
+            panic!("an answer without `desired` was taken");
+        };
+        assert!(e.contains("desired"), "{e}");
+        let start = json!({"allowed": "yes", "desired": "run", "coordinator_state": "main"});
+        assert!(decode::<StartWire>("GET start-condition", start).is_err());
+        let alloc = json!({"modify_index": 4, "coordinator_state": "main", "tasks": [task]});
+        let a: AllocationWire = decode("GET allocation", alloc).unwrap();
+        assert_eq!(a.tasks[0].name, "web");
     }
 }

@@ -34,9 +34,19 @@ pub struct AgentConfig {
     /// The task this agent runs.
     #[arg(long, env = "TASKGATE_TASK")]
     pub task: String,
-    /// A token of role agent (or operator).
-    #[arg(long, env = "TASKGATE_TOKEN", hide_env_values = true)]
+    /// A token of role agent (or operator). Never passed on to the command
+    /// (nor is any other taskgate secret in the agent's environment).
+    #[arg(
+        long,
+        env = "TASKGATE_TOKEN",
+        hide_env_values = true,
+        conflicts_with = "token_file"
+    )]
     pub token: Option<Secret>,
+    /// Read the token from this file (its first line), so the secret need
+    /// not sit in any process's environment.
+    #[arg(long, env = "TASKGATE_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
     /// Register the allocation from this spec file first (idempotent: every
     /// agent of a group may pass the same file).
     #[arg(long, env = "TASKGATE_REGISTER")]

@@ -54,17 +54,38 @@ impl Exit {
     }
 }
 
+/// Variables that carry (or point at) a taskgate secret: the command the
+/// agent runs never sees them, so the workload cannot act in the agent's
+/// name.
+pub const SECRET_ENV: [&str; 3] = [
+    "TASKGATE_TOKEN",
+    "TASKGATE_TOKEN_FILE",
+    "TASKGATE_OPERATOR_TOKEN",
+];
+
 pub fn spawn(command: &[String]) -> std::io::Result<Child> {
     let (program, args) = command
         .split_first()
         .ok_or_else(|| std::io::Error::other("no command given"))?;
-    let child = tokio::process::Command::new(program)
-        .args(args)
-        .process_group(0)
-        .kill_on_drop(true)
-        .spawn()?;
+    let mut cmd = tokio::process::Command::new(program);
+    cmd.args(args).process_group(0).kill_on_drop(true);
+    for name in SECRET_ENV {
+        cmd.env_remove(name);
+    }
+    let child = cmd.spawn()?;
     let pid = child.id().unwrap_or(0);
     Ok(Child { child, pid })
+}
+
+/// A task the agent lets go of without stopping it (an error path, a
+/// panic) takes its whole process group with it, not only its first
+/// process: nothing of the workload outlives the agent that ran it.
+impl Drop for Child {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            self.signal_group(Signal::SIGKILL);
+        }
+    }
 }
 
 impl Child {
@@ -92,6 +113,53 @@ impl Child {
                 self.signal_group(Signal::SIGKILL);
                 Exit(self.child.wait().await.ok())
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether `pid` is still a process that runs (not gone, not a zombie).
+    fn runs(pid: i32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| {
+                s.rsplit(')')
+                    .next()
+                    .map(|rest| rest.trim_start().to_owned())
+            })
+            .is_some_and(|rest| !rest.starts_with('Z') && !rest.starts_with('X'))
+    }
+
+    /// A task dropped while it runs (the agent's error paths) takes its
+    /// whole process group along, not only its first process.
+    #[tokio::test]
+    async fn a_dropped_task_takes_its_process_group_along() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("grandchild");
+        let script = format!(
+            "sleep 300 & echo $! > {}.tmp; mv {0}.tmp {0}; wait",
+            file.display()
+        );
+        let child = spawn(&["sh".into(), "-c".into(), script]).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let grandchild: i32 = loop {
+            if let Ok(text) = std::fs::read_to_string(&file) {
+                break text.trim().parse().unwrap();
+            }
+            assert!(std::time::Instant::now() < deadline, "the script never ran");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        assert!(runs(grandchild));
+        drop(child);
+        while runs(grandchild) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the task's second process outlived it"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
 }
