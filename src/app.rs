@@ -74,6 +74,8 @@ fn serve_options(config: &ServeConfig, metrics: Arc<Metrics>) -> Result<ServeOpt
     Ok(ServeOptions {
         tls,
         header_timeout: config.header_timeout,
+        write_timeout: config.write_timeout,
+        max_connections: crate::server::connection_limit(config.max_connections),
         metrics,
     })
 }
@@ -100,6 +102,7 @@ fn auth_for(config: &ServeConfig) -> Result<Arc<Auth>, StartError> {
     let mut auth =
         Auth::load(config.token_file.as_deref(), operator).map_err(StartError::Config)?;
     auth.public_metrics = config.public_metrics;
+    auth.max_waiters_per_token = config.max_waiters_per_token;
     if !auth.enabled() && !config.listen.ip().is_loopback() && !config.insecure_no_auth {
         return Err(StartError::Config(format!(
             "refusing to listen on {} without authentication: give tokens with --token-file or \
@@ -281,6 +284,7 @@ fn registry_config(config: &ServeConfig, metrics: Arc<Metrics>) -> RegistryConfi
     RegistryConfig {
         limits: Limits::default(),
         max_waiters: config.max_waiters,
+        max_allocations: config.max_allocations,
         metrics,
     }
 }

@@ -193,6 +193,23 @@ pub struct ServeConfig {
     #[arg(long, env = "TASKGATE_MAX_WAITERS", default_value_t = 100_000)]
     pub max_waiters: usize,
 
+    /// Waits one token may hold at once (a token file entry's
+    /// `max_waiters` overrides it); more get 429 `quota_exceeded`, so one
+    /// tenant cannot take every waiter slot.
+    #[arg(long, env = "TASKGATE_MAX_WAITERS_PER_TOKEN", default_value_t = 10_000)]
+    pub max_waiters_per_token: usize,
+
+    /// Allocations the server holds at most; registering one more is 429
+    /// `quota_exceeded` (a token file entry's `max_allocations` limits one
+    /// token within its prefixes).
+    #[arg(long, env = "TASKGATE_MAX_ALLOCATIONS", default_value_t = crate::registry::DEFAULT_MAX_ALLOCATIONS)]
+    pub max_allocations: usize,
+
+    /// Client connections open at once; one more is answered 503
+    /// `too_many_connections` and closed, not left unanswered.
+    #[arg(long, env = "TASKGATE_MAX_CONNECTIONS", default_value_t = 20_000)]
+    pub max_connections: usize,
+
     /// PEM certificate chain: serve HTTPS (with --tls-key).
     #[arg(long, env = "TASKGATE_TLS_CERT", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
@@ -205,6 +222,11 @@ pub struct ServeConfig {
     /// finish a TLS handshake).
     #[arg(long, env = "TASKGATE_HEADER_TIMEOUT", default_value = "10s", value_parser = duration)]
     pub header_timeout: Duration,
+
+    /// Longest time a write of an answer may wait for the client to read;
+    /// a client that stops reading is dropped then, with what it held.
+    #[arg(long, env = "TASKGATE_WRITE_TIMEOUT", default_value = "30s", value_parser = duration)]
+    pub write_timeout: Duration,
 
     /// Longest time a request that does not wait (everything but blocking
     /// queries and start-condition) may take; then 503 `timeout`.
@@ -237,10 +259,14 @@ impl ServeConfig {
             body_limit: 1024 * 1024,
             max_wait: Duration::from_secs(300),
             max_waiters: 100_000,
+            max_waiters_per_token: 10_000,
+            max_allocations: crate::registry::DEFAULT_MAX_ALLOCATIONS,
+            max_connections: 20_000,
             shutdown_grace: Duration::from_secs(10),
             tls_cert: None,
             tls_key: None,
             header_timeout: Duration::from_secs(10),
+            write_timeout: Duration::from_secs(30),
             request_timeout: Duration::from_secs(30),
         }
     }

@@ -55,8 +55,75 @@ pub struct ServeOptions {
     /// Longest time a client may take to send a request's headers (and,
     /// with TLS, to finish the handshake).
     pub header_timeout: Duration,
+    /// Longest time a write may wait for the client to read.
+    pub write_timeout: Duration,
+    /// Connections served at once; one more is answered 503 and closed.
+    pub max_connections: usize,
     /// Counts open connections (`taskgate_connections`).
     pub metrics: Arc<Metrics>,
+}
+
+/// File descriptors kept for everything but client connections (the
+/// store's files, the listener, logs).
+const RESERVED_FDS: u64 = 128;
+
+/// The connection limit in force: `configured`, or fewer if the process may
+/// not open that many files (accept would then fail in a loop instead of
+/// answering).
+pub fn connection_limit(configured: usize) -> usize {
+    let files = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .current
+        .unwrap_or(u64::MAX);
+    let fits = usize::try_from(files.saturating_sub(RESERVED_FDS)).unwrap_or(usize::MAX);
+    if fits < configured {
+        tracing::warn!(
+            configured,
+            open_files_limit = files,
+            using = fits.max(1),
+            "--max-connections is more than the process may open files for; using fewer"
+        );
+    }
+    configured.min(fits).max(1)
+}
+
+/// The answer to a connection over the limit (problem+json, as every
+/// answer of the service).
+fn too_many_connections() -> Vec<u8> {
+    let body = serde_json::json!({
+        "type": "about:blank",
+        "title": "Service Unavailable",
+        "status": 503,
+        "detail": "the server has as many connections open as it may; retry later",
+        "code": "too_many_connections",
+    })
+    .to_string();
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/problem+json\r\n\
+         Retry-After: 1\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// Answers a connection over the limit with 503 and closes it.
+async fn turn_away(stream: tokio::net::TcpStream, tls: Option<TlsAcceptor>, within: Duration) {
+    use tokio::io::AsyncWriteExt;
+    let _ = tokio::time::timeout(within, async {
+        match tls {
+            None => {
+                let mut stream = stream;
+                let _ = stream.write_all(&too_many_connections()).await;
+                let _ = stream.shutdown().await;
+            }
+            Some(acceptor) => {
+                if let Ok(mut tls) = acceptor.accept(stream).await {
+                    let _ = tls.write_all(&too_many_connections()).await;
+                    let _ = tls.shutdown().await;
+                }
+            }
+        }
+    })
+    .await;
 }
 
 /// Serves `router` on `listener` until `shutdown` completes, then drains.
@@ -69,6 +136,7 @@ pub async fn serve(
 ) {
     let graceful = GracefulShutdown::new();
     let mut shutdown = pin!(shutdown);
+    let mut accept_failing = false;
     loop {
         let (stream, _peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -76,15 +144,34 @@ pub async fn serve(
                 Err(e) => {
                     // Out of file descriptors and the like: wait a little
                     // rather than spin; established connections go on.
-                    tracing::warn!(error = %e, "accept failed");
+                    // Said once until accepting works again.
+                    if !std::mem::replace(&mut accept_failing, true) {
+                        tracing::warn!(error = %e, "accept failed; retrying every 50 ms");
+                    }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
             },
             () = &mut shutdown => break,
         };
+        if std::mem::take(&mut accept_failing) {
+            tracing::info!("accepting connections again");
+        }
         let _ = stream.set_nodelay(true);
+        if options.metrics.connections() >= options.max_connections as u64 {
+            tokio::spawn(turn_away(
+                stream,
+                options.tls.clone(),
+                options.header_timeout,
+            ));
+            continue;
+        }
         let open = options.metrics.open_connection();
+        // A client that stops reading its answer is dropped after the
+        // write timeout, not held (with its buffers) for ever.
+        let mut stream = tokio_io_timeout::TimeoutStream::new(stream);
+        stream.set_write_timeout(Some(options.write_timeout));
+        let stream = Box::pin(stream);
         let service = TowerToHyperService::new(router.clone());
         let watcher = graceful.watcher();
         // Plain and TLS connections are separate tasks: a task is as large

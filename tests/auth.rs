@@ -276,3 +276,101 @@ async fn metrics_can_be_public() {
         .await
         .assert_problem(401, "unauthorized");
 }
+
+/// Quotas: one token's waits and registrations are bounded by its own
+/// limits (429 `quota_exceeded`), so another tenant is still served; the
+/// server's allocation limit holds for everyone; an idempotent
+/// re-registration counts against nothing.
+#[tokio::test]
+async fn one_token_cannot_take_every_wait_or_register_without_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tokens.json");
+    let tokens = json!({"tokens": [
+        {"name": "team-a", "role": "agent", "sha256": hex_sha256("a-secret"),
+         "alloc_prefixes": ["a-"], "max_waiters": 2, "max_allocations": 2},
+        {"name": "team-b", "role": "agent", "sha256": hex_sha256("b-secret"),
+         "alloc_prefixes": ["b-"]},
+    ]});
+    std::fs::write(&file, tokens.to_string()).unwrap();
+    let auth = Auth::load(Some(&file), Some("operator-secret")).unwrap();
+    let app = std::sync::Arc::new(test_app_auth(
+        RegistryConfig {
+            max_allocations: 4,
+            ..RegistryConfig::default()
+        },
+        HttpConfig::default(),
+        auth,
+    ));
+    let put = |t: &'static str, id: &'static str| {
+        let app = app.clone();
+        async move {
+            call(
+                &app,
+                Some(t),
+                "PUT",
+                &format!("/v1/allocations/{id}"),
+                Some(five_tasks()),
+            )
+            .await
+        }
+    };
+    assert_eq!(put("a-secret", "a-1").await.status, 201);
+    assert_eq!(put("a-secret", "a-2").await.status, 201);
+    let over = put("a-secret", "a-3").await;
+    over.assert_problem(429, "quota_exceeded");
+    assert!(
+        over.body["detail"].as_str().unwrap().contains("team-a"),
+        "{}",
+        over.body
+    );
+    assert_eq!(put("a-secret", "a-1").await.status, 200, "idempotent");
+    assert_eq!(put("b-secret", "b-1").await.status, 201);
+    assert_eq!(put("b-secret", "b-2").await.status, 201);
+    let full = put("b-secret", "b-3").await;
+    full.assert_problem(429, "quota_exceeded");
+    assert!(
+        full.body["detail"]
+            .as_str()
+            .unwrap()
+            .contains("--max-allocations")
+    );
+
+    // Two long-polls of team-a park; its third is refused at once, with
+    // Retry-After; team-b's is still taken.
+    let poll = |t: &'static str, id: &'static str| {
+        let app = app.clone();
+        tokio::spawn(async move {
+            call(
+                &app,
+                Some(t),
+                "GET",
+                &format!("/v1/allocations/{id}/tasks/web/start-condition?wait=60s"),
+                None,
+            )
+            .await
+        })
+    };
+    let parked = [poll("a-secret", "a-1"), poll("a-secret", "a-2")];
+    for _ in 0..10_000 {
+        if app.registry.waiters() >= 2 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(app.registry.waiters(), 2);
+    let third = poll("a-secret", "a-1").await.unwrap();
+    third.assert_problem(429, "quota_exceeded");
+    assert!(third.headers.contains_key("retry-after"));
+    let other = poll("b-secret", "b-1");
+    for _ in 0..10_000 {
+        if app.registry.waiters() >= 3 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(app.registry.waiters(), 3, "team-b's wait was taken");
+    app.registry.shutdown();
+    for p in parked.into_iter().chain([other]) {
+        p.await.unwrap().assert_problem(503, "shutting_down");
+    }
+}

@@ -263,3 +263,54 @@ fn abandoned_long_polls_are_released() {
     );
     assert!(health(&server.base));
 }
+
+/// A client that stops reading its answers is dropped after the write
+/// timeout, with what the server held for it, even while it keeps its end
+/// of the connection open.
+#[test]
+fn a_client_that_stops_reading_is_dropped_after_the_write_timeout() {
+    let (server, addr) = start(&["--write-timeout", "500ms"]);
+    let baseline = open_fds(server.child.id());
+    let mut rude = connect(addr);
+    rude.set_write_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    let one = request("GET", "/v1/allocations/a1?pretty", None, b"");
+    let one = String::from_utf8(one)
+        .unwrap()
+        .replace("Connection: close\r\n", "");
+    let mut stuck = false;
+    for _ in 0..1_000_000 {
+        if rude.write_all(one.as_bytes()).is_err() {
+            stuck = true;
+            break;
+        }
+    }
+    assert!(stuck, "the server never blocked on this client");
+    assert!(
+        eventually(Duration::from_secs(20), || open_fds(server.child.id())
+            <= baseline),
+        "the server kept a connection whose client stopped reading"
+    );
+    others_are_served(addr, Duration::from_secs(2));
+    drop(rude);
+}
+
+/// One connection over `--max-connections` is answered 503
+/// `too_many_connections` (problem+json) and closed, not left hanging.
+#[test]
+fn connections_over_the_limit_are_answered_and_closed() {
+    let (server, addr) = start(&["--max-connections", "2"]);
+    let held: Vec<_> = (0..2).map(|_| connect(addr)).collect();
+    let answer = exchange(addr, &request("GET", "/v1/allocations/a1", None, b""));
+    assert_eq!(answer.status, 503);
+    assert_eq!(answer.json()["code"], "too_many_connections");
+    assert_eq!(answer.header("retry-after"), Some("1"));
+    drop(held);
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            exchange(addr, &request("GET", "/v1/allocations/a1", None, b"")).status == 200
+        }),
+        "served again once connections closed"
+    );
+    assert!(health(&server.base));
+}

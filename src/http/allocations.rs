@@ -41,10 +41,13 @@ pub const DEFAULT_RESTART_REASON: &str = "Restart requested through the API";
          headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
         (status = 409, description = "`allocation_exists`: registered with a different spec",
          body = Problem, content_type = "application/problem+json"),
+        (status = 429, description = "`quota_exceeded`: the server's allocation limit (`--max-allocations`) or the token's (`max_allocations` in the token file) is reached",
+         body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn register(
     State(s): State<AppState>,
+    caller: Option<axum::Extension<super::auth::Caller>>,
     AllocPath(id): AllocPath,
     _: ApiQuery<NoParams>,
     ApiJson(body): ApiJson<RegisterBody>,
@@ -52,7 +55,8 @@ pub async fn register(
     let spec = body
         .into_spec(&s.registry.config().limits)
         .map_err(|e| ApiError::invalid("the allocation spec is not valid", e))?;
-    let (a, created) = s.registry.register(id, spec).await?;
+    let quota = caller.as_ref().and_then(|c| c.0.0.quota());
+    let (a, created) = s.registry.register_within(id, spec, quota).await?;
     let status = if created {
         StatusCode::CREATED
     } else {

@@ -10,7 +10,13 @@
 //! `/v1/health`, `/openapi.json` and `/docs` never need a token; `/metrics`
 //! needs one unless `--public-metrics`.
 
-use std::path::Path;
+use std::{
+    path::Path,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+};
 
 use axum::{
     extract::Request,
@@ -45,6 +51,12 @@ struct TokenEntry {
     sha256: String,
     #[serde(default)]
     alloc_prefixes: Vec<String>,
+    /// Allocations within its prefixes it may register up to.
+    #[serde(default)]
+    max_allocations: Option<usize>,
+    /// Waits it may hold at once (else `--max-waiters-per-token`).
+    #[serde(default)]
+    max_waiters: Option<usize>,
 }
 
 /// One known token.
@@ -55,14 +67,68 @@ pub struct Token {
     hash: [u8; 32],
     /// Empty: every allocation.
     pub alloc_prefixes: Vec<String>,
+    /// Its own limit on registered allocations within its prefixes.
+    pub max_allocations: Option<usize>,
+    max_waiters: Option<usize>,
+    /// Its waits in progress.
+    waiting: AtomicUsize,
+}
+
+impl Token {
+    fn new(name: String, role: Role, hash: [u8; 32], alloc_prefixes: Vec<String>) -> Self {
+        Self {
+            name,
+            role,
+            hash,
+            alloc_prefixes,
+            max_allocations: None,
+            max_waiters: None,
+            waiting: AtomicUsize::new(0),
+        }
+    }
+
+    /// The registry's quota for this token's registrations, if it has one.
+    pub fn quota(&self) -> Option<crate::registry::Quota<'_>> {
+        self.max_allocations.map(|max| crate::registry::Quota {
+            name: &self.name,
+            prefixes: &self.alloc_prefixes,
+            max,
+        })
+    }
+}
+
+/// The token a request was made with (a request extension, for handlers
+/// that apply its quotas).
+#[derive(Clone, Debug)]
+pub struct Caller(pub Arc<Token>);
+
+/// One of a token's waits in progress; the slot is given back on drop.
+pub struct WaitSlot(Arc<Token>);
+
+impl Drop for WaitSlot {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// The configured tokens. No tokens at all means authentication is off.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Auth {
-    tokens: Vec<Token>,
+    tokens: Vec<Arc<Token>>,
     /// `/metrics` without a token.
     pub public_metrics: bool,
+    /// Waits a token may hold at once, unless its entry says otherwise.
+    pub max_waiters_per_token: usize,
+}
+
+impl Default for Auth {
+    fn default() -> Self {
+        Self {
+            tokens: Vec::new(),
+            public_metrics: false,
+            max_waiters_per_token: 10_000,
+        }
+    }
 }
 
 fn sha256(secret: &[u8]) -> [u8; 32] {
@@ -117,26 +183,32 @@ impl Auth {
                         ));
                     }
                 }
-                tokens.push(Token {
-                    name: t.name,
-                    role: t.role,
-                    hash,
-                    alloc_prefixes: t.alloc_prefixes,
-                });
+                let mut token = Token::new(t.name, t.role, hash, t.alloc_prefixes);
+                token.max_allocations = t.max_allocations;
+                token.max_waiters = t.max_waiters;
+                tokens.push(Arc::new(token));
             }
         }
         if let Some(secret) = operator_secret.filter(|s| !s.is_empty()) {
-            tokens.push(Token {
-                name: "operator (TASKGATE_OPERATOR_TOKEN)".into(),
-                role: Role::Operator,
-                hash: sha256(secret.as_bytes()),
-                alloc_prefixes: Vec::new(),
-            });
+            tokens.push(Arc::new(Token::new(
+                "operator (TASKGATE_OPERATOR_TOKEN)".into(),
+                Role::Operator,
+                sha256(secret.as_bytes()),
+                Vec::new(),
+            )));
         }
         Ok(Self {
             tokens,
-            public_metrics: false,
+            ..Self::default()
         })
+    }
+
+    /// A wait slot of `token`, or `None` if it holds all it may.
+    pub fn wait_slot(&self, token: &Arc<Token>) -> Option<WaitSlot> {
+        let max = token.max_waiters.unwrap_or(self.max_waiters_per_token);
+        let before = token.waiting.fetch_add(1, Ordering::Relaxed);
+        let slot = WaitSlot(token.clone());
+        (before < max).then_some(slot)
     }
 
     /// Whether any token is configured (else authentication is off).
@@ -146,7 +218,7 @@ impl Auth {
 
     /// The token a secret belongs to. Every token is compared, match or
     /// not, so the time taken does not tell which one matched.
-    fn identify(&self, secret: &str) -> Option<&Token> {
+    fn identify(&self, secret: &str) -> Option<&Arc<Token>> {
         let hash = sha256(secret.as_bytes());
         let mut found = None;
         for t in &self.tokens {
@@ -232,27 +304,33 @@ fn forbidden(detail: String) -> Response {
 }
 
 impl Auth {
-    /// Decides a request: `None` lets it through, `Some` is the 401 or 403
-    /// to answer. `route` is the matched route; unknown routes pass (they
-    /// answer 404 whoever asks: nothing is behind them).
-    pub fn check(&self, req: &Request, route: Option<&str>) -> Option<Response> {
+    /// Decides a request: `Ok` lets it through, with the token it was made
+    /// with (none when authentication is off or the route needs none);
+    /// `Err` is the 401 or 403 to answer. `route` is the matched route;
+    /// unknown routes pass (they answer 404 whoever asks: nothing is
+    /// behind them).
+    pub fn check(
+        &self,
+        req: &Request,
+        route: Option<&str>,
+    ) -> Result<Option<Arc<Token>>, Box<Response>> {
         if !self.enabled() {
-            return None;
+            return Ok(None);
         }
-        let route = route?;
+        let Some(route) = route else { return Ok(None) };
         let need = need(req.method(), route, self.public_metrics);
         if need == Need::Nothing {
-            return None;
+            return Ok(None);
         }
         let Some(secret) = presented(req) else {
             tracing::info!(%route, method = %req.method(), "refused (401): no token");
-            return Some(unauthorized(
+            return Err(Box::new(unauthorized(
                 "a token is required (Authorization: Bearer <token>, or X-Taskgate-Token)",
-            ));
+            )));
         };
         let Some(token) = self.identify(secret) else {
             tracing::info!(%route, method = %req.method(), "refused (401): unknown token");
-            return Some(unauthorized("the token is not known"));
+            return Err(Box::new(unauthorized("the token is not known")));
         };
         let allowed = match (need, token.role) {
             (Need::Nothing | Need::AnyToken, _) => true,
@@ -265,12 +343,12 @@ impl Auth {
         };
         if !allowed {
             tracing::info!(token = %token.name, role = ?token.role, %route, method = %req.method(), "refused (403): the role does not allow it");
-            return Some(forbidden(format!(
+            return Err(Box::new(forbidden(format!(
                 "token {:?} ({:?}) may not {} {route}",
                 token.name,
                 token.role,
                 req.method()
-            )));
+            ))));
         }
         if !token.alloc_prefixes.is_empty() && need != Need::AnyToken {
             let target = scope_target(req, route).unwrap_or_default();
@@ -285,16 +363,16 @@ impl Auth {
                     format!("use allocation {target:?}, outside")
                 };
                 tracing::info!(token = %token.name, %route, method = %req.method(), target = %target, "refused (403): outside the token's prefixes");
-                return Some(forbidden(format!(
+                return Err(Box::new(forbidden(format!(
                     "token {:?} may only {what} its prefixes {:?}",
                     token.name, token.alloc_prefixes
-                )));
+                ))));
             }
         }
         if need != Need::Read && need != Need::AnyToken {
             tracing::info!(token = %token.name, %route, method = %req.method(), "write by token");
         }
-        None
+        Ok(Some(token.clone()))
     }
 }
 
@@ -413,7 +491,7 @@ mod tests {
             auth.check(&req, Some("/v1/allocations/{alloc_id}"))
         });
         let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
-        (text, answer.map_or(200, |r| r.status().as_u16()))
+        (text, answer.map_or_else(|r| r.status().as_u16(), |_| 200))
     }
 
     /// Writes are logged with the token's name at info; refusals with
@@ -421,12 +499,12 @@ mod tests {
     #[test]
     fn writes_and_refusals_leave_an_audit_trail_without_the_secret() {
         let mut auth = Auth::load(None, Some("operator-secret-of-enough-bytes")).unwrap();
-        auth.tokens.push(Token {
-            name: "web-agents".into(),
-            role: Role::Agent,
-            hash: sha256(b"agent-secret"),
-            alloc_prefixes: vec!["web-".into()],
-        });
+        auth.tokens.push(Arc::new(Token::new(
+            "web-agents".into(),
+            Role::Agent,
+            sha256(b"agent-secret"),
+            vec!["web-".into()],
+        )));
         let cases = [
             (
                 "PUT",

@@ -73,8 +73,29 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
     });
 
     let mut res = async {
-        if let Some(denied) = edge.auth.check(&req, route) {
-            return denied;
+        let mut req = req;
+        let caller = match edge.auth.check(&req, route) {
+            Ok(caller) => caller,
+            Err(denied) => return *denied,
+        };
+        // A token's waits count against its own limit while they last.
+        let mut _slot = None;
+        if let Some(token) = caller {
+            if method == Method::GET && route.is_some_and(|r| WAITING_ROUTES.contains(&r)) {
+                match edge.auth.wait_slot(&token) {
+                    Some(slot) => _slot = Some(slot),
+                    None => {
+                        return ApiError::new(
+                            StatusCode::TOO_MANY_REQUESTS,
+                            "quota_exceeded",
+                            format!("token {:?} holds as many waits as it may", token.name),
+                        )
+                        .retry_later()
+                        .into_response();
+                    }
+                }
+            }
+            req.extensions_mut().insert(super::auth::Caller(token));
         }
         if announced_length(&req).is_some_and(|n| n > edge.body_limit as u64) {
             return payload_too_large().into_response();

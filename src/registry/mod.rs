@@ -40,6 +40,9 @@ pub struct RegistryConfig {
     pub limits: Limits,
     /// Requests parked in long-polls and blocking queries at once.
     pub max_waiters: usize,
+    /// Allocations registered at once; registering one more is
+    /// `QuotaExceeded`.
+    pub max_allocations: usize,
     /// Where transitions, reports, restarts and stop orders are counted.
     pub metrics: Arc<Metrics>,
 }
@@ -49,9 +52,23 @@ impl Default for RegistryConfig {
         Self {
             limits: Limits::default(),
             max_waiters: 100_000,
+            max_allocations: DEFAULT_MAX_ALLOCATIONS,
             metrics: Arc::new(Metrics::new()),
         }
     }
+}
+
+/// Allocations a server holds at most, by default: at ~1 KiB each settled
+/// and up to ~16 KiB with full event histories, what these machines hold.
+pub const DEFAULT_MAX_ALLOCATIONS: usize = 4_000_000;
+
+/// A caller's own limit on registered allocations: at most `max` whose IDs
+/// start with one of `prefixes` (any ID, if there are none).
+#[derive(Clone, Copy, Debug)]
+pub struct Quota<'a> {
+    pub name: &'a str,
+    pub prefixes: &'a [String],
+    pub max: usize,
 }
 
 /// `Allocation::report` or `Allocation::restore`.
@@ -82,6 +99,8 @@ pub enum RegistryError {
     TooManyWaiters,
     #[error("the server is shutting down")]
     ShuttingDown,
+    #[error("{0}")]
+    QuotaExceeded(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -249,11 +268,23 @@ impl Registry {
         id: AllocId,
         spec: AllocSpec,
     ) -> Result<(Arc<Allocation>, bool), RegistryError> {
+        self.register_within(id, spec, None).await
+    }
+
+    /// `register`, counting a new allocation against the server's limit and
+    /// the caller's `quota` (an idempotent re-registration counts against
+    /// neither).
+    pub async fn register_within(
+        &self,
+        id: AllocId,
+        spec: AllocSpec,
+        quota: Option<Quota<'_>>,
+    ) -> Result<(Arc<Allocation>, bool), RegistryError> {
         // A handle found here may be deleted before its lock is ours; then
         // the map no longer holds it and the next round finds the new state.
         // Each round needs a delete to race it, so a few rounds suffice.
         for _ in 0..8 {
-            let (handle, fresh) = self.get_or_insert(&id);
+            let (handle, fresh) = self.get_or_insert(&id, quota)?;
             let write = match fresh {
                 Some(guard) => guard,
                 None => handle.lock_write().await,
@@ -311,10 +342,16 @@ impl Registry {
     }
 
     /// Finds the handle for `id`, or inserts a new one in `Creating` state
-    /// together with its write lock, so nobody can write it before it exists.
-    fn get_or_insert(&self, id: &AllocId) -> (Arc<Handle>, Option<WriteGuard>) {
+    /// together with its write lock, so nobody can write it before it
+    /// exists. A new one counts against the limits, checked under the
+    /// map's lock so concurrent registrations cannot overshoot them.
+    fn get_or_insert(
+        &self,
+        id: &AllocId,
+        quota: Option<Quota<'_>>,
+    ) -> Result<(Arc<Handle>, Option<WriteGuard>), RegistryError> {
         if let Some(h) = self.read_map().get(id.as_str()) {
-            return (h.clone(), None);
+            return Ok((h.clone(), None));
         }
         let mut map = self
             .shared
@@ -322,14 +359,39 @@ impl Registry {
             .write()
             .unwrap_or_else(PoisonError::into_inner);
         if let Some(h) = map.get(id.as_str()) {
-            return (h.clone(), None);
+            return Ok((h.clone(), None));
+        }
+        let max = self.shared.config.max_allocations;
+        if map.len() >= max {
+            return Err(RegistryError::QuotaExceeded(format!(
+                "the server holds {max} allocations, its limit (--max-allocations)"
+            )));
+        }
+        if let Some(q) = quota {
+            let held = if q.prefixes.is_empty() {
+                map.len()
+            } else {
+                q.prefixes.iter().map(|p| map.count_prefix(p, q.max)).sum()
+            };
+            if held >= q.max {
+                return Err(RegistryError::QuotaExceeded(format!(
+                    "token {:?} may hold {} allocations{}, and holds {held}",
+                    q.name,
+                    q.max,
+                    if q.prefixes.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" within its prefixes {:?}", q.prefixes)
+                    }
+                )));
+            }
         }
         let handle = Arc::new(Handle::creating(id));
         let guard = handle
             .try_lock_write()
             .expect("a new handle's lock is free");
         map.insert(id.clone(), handle.clone());
-        (handle, Some(guard))
+        Ok((handle, Some(guard)))
     }
 
     /// Removes `handle` from the map (if it is still the one there) and
@@ -624,6 +686,15 @@ impl AllocMap {
 
     fn len(&self) -> usize {
         self.by_id.len()
+    }
+
+    /// How many IDs start with `prefix`, counted up to `limit`.
+    fn count_prefix(&self, prefix: &str, limit: usize) -> usize {
+        self.ids
+            .range::<str, _>((Bound::Included(prefix), Bound::Unbounded))
+            .take_while(|id| id.as_str().starts_with(prefix))
+            .take(limit)
+            .count()
     }
 
     /// Entries in ID order from `from` (inclusive).
