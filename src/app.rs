@@ -173,7 +173,7 @@ impl Application {
         let (stop_interim, stopped) = tokio::sync::oneshot::channel::<()>();
         let metrics = Arc::new(Metrics::new());
         let options = serve_options(&config, metrics.clone())?;
-        let interim = tokio::spawn(crate::server::serve(
+        let mut interim = tokio::spawn(crate::server::serve(
             interim,
             axum::Router::new().fallback(starting),
             options.clone(),
@@ -189,11 +189,13 @@ impl Application {
                 .map_err(|e| StoreError::Unusable(format!("loading the store failed: {e}")))
         };
         let _ = stop_interim.send(());
-        if tokio::time::timeout(Duration::from_secs(5), interim)
+        if tokio::time::timeout(Duration::from_secs(5), &mut interim)
             .await
             .is_err()
         {
-            tracing::warn!("a client kept a connection of the start-up window open");
+            // Not left running detached: its connections are closed.
+            interim.abort();
+            tracing::warn!("a client kept a connection of the start-up window open; closed it");
         }
         let (store, registry) = loaded??;
         Ok(Self::assemble(

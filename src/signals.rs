@@ -3,7 +3,12 @@
 /// Completes on the first SIGINT or SIGTERM.
 pub async fn terminated() {
     let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            // Without a handler there is no Ctrl-C to wait for; SIGTERM
+            // still stops the process. Ending here would stop it at once.
+            tracing::warn!(error = %e, "cannot listen for Ctrl-C; SIGTERM still stops taskgate");
+            std::future::pending::<()>().await;
+        }
     };
     #[cfg(unix)]
     let term = async {

@@ -1288,3 +1288,35 @@ async fn requests_that_do_not_wait_are_bounded_in_time() {
     assert_eq!(w.status, StatusCode::OK);
     assert!(started.elapsed() >= Duration::from_secs(10));
 }
+
+/// A request whose client goes away before its answer (here a parked
+/// long-poll, dropped) is still counted, as status 499.
+#[tokio::test]
+async fn a_request_abandoned_by_its_client_is_counted_as_499() {
+    let app = test_app();
+    app.register_five("a1").await;
+    let req = axum::http::Request::get("/v1/allocations/a1/tasks/web/start-condition?wait=60s")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let mut poll = Box::pin(app.send(req));
+    for _ in 0..10_000 {
+        tokio::select! {
+            biased;
+            _ = &mut poll => panic!("the long-poll answered"),
+            () = tokio::task::yield_now() => {}
+        }
+        if app.registry.waiters() == 1 {
+            break;
+        }
+    }
+    assert_eq!(app.registry.waiters(), 1);
+    drop(poll);
+    assert_eq!(app.registry.waiters(), 0);
+    let text = String::from_utf8(app.get("/metrics").await.raw).unwrap();
+    assert!(
+        text.contains(
+            "taskgate_http_request_duration_seconds_count{method=\"GET\",route=\"/v1/allocations/{alloc_id}/tasks/{task}/start-condition\",status=\"499\"} 1\n"
+        ),
+        "{text}"
+    );
+}

@@ -174,6 +174,9 @@ impl From<RegistryError> for ApiError {
             RegistryError::ShuttingDown => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", detail).retry_later()
             }
+            RegistryError::Contended(_) => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "timeout", detail).retry_later()
+            }
             RegistryError::QuotaExceeded(_) => {
                 Self::new(StatusCode::TOO_MANY_REQUESTS, "quota_exceeded", detail)
             }

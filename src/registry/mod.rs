@@ -58,6 +58,9 @@ impl Default for RegistryConfig {
     }
 }
 
+/// The largest global index: indexes are 0 to 2^63 - 1 in the API.
+pub const MAX_INDEX: u64 = i64::MAX as u64;
+
 /// Allocations a server holds at most, by default: at ~1 KiB each settled
 /// and up to ~16 KiB with full event histories, what these machines hold.
 pub const DEFAULT_MAX_ALLOCATIONS: usize = 4_000_000;
@@ -101,6 +104,10 @@ pub enum RegistryError {
     ShuttingDown,
     #[error("{0}")]
     QuotaExceeded(String),
+    /// The allocation kept changing under the request (deleted and
+    /// registered again by others); a later try will go through.
+    #[error("{0}")]
+    Contended(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -144,6 +151,15 @@ impl Registry {
             .iter()
             .map(|a| a.modify_index)
             .fold(loaded.last_index, u64::max);
+        if last > MAX_INDEX {
+            // Indexes count up by one per change; one this high is damage
+            // (or someone's edit), and counting on from it would leave the
+            // API's range and then wrap.
+            return Err(StoreError::Unusable(format!(
+                "the store's last index is {last}, past the largest index there is \
+                 ({MAX_INDEX}); the data directory is damaged"
+            )));
+        }
         // Stores load in key order, for which collecting builds the map in
         // one pass.
         let mut specs = SpecInterner::default();
@@ -207,10 +223,32 @@ impl Registry {
     }
 
     fn read_map(&self) -> std::sync::RwLockReadGuard<'_, AllocMap> {
+        if let Ok(map) = self.shared.allocs.read() {
+            return map;
+        }
+        // Poisoned: mended under the write lock (the read guard that came
+        // with the error is gone by now).
+        drop(self.write_map());
         self.shared
             .allocs
             .read()
             .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The map for writing. A writer that panicked may have left its two
+    /// structures disagreeing: the ID index is rebuilt from the handles
+    /// then, before anyone reads it.
+    fn write_map(&self) -> std::sync::RwLockWriteGuard<'_, AllocMap> {
+        match self.shared.allocs.write() {
+            Ok(map) => map,
+            Err(poisoned) => {
+                let mut map = poisoned.into_inner();
+                map.repair();
+                self.shared.allocs.clear_poison();
+                tracing::warn!("the allocation map was rebuilt after a panic while it was written");
+                map
+            }
+        }
     }
 
     fn handle(&self, id: &str) -> Result<Arc<Handle>, RegistryError> {
@@ -221,7 +259,11 @@ impl Registry {
     }
 
     fn next_index(&self) -> u64 {
-        self.shared.index.fetch_add(1, Ordering::SeqCst) + 1
+        let index = self.shared.index.fetch_add(1, Ordering::SeqCst) + 1;
+        // 2^63 changes at a billion a second take 292 years; only a loaded
+        // index can come near, and `open` refuses those.
+        assert!(index <= MAX_INDEX, "the global index is exhausted");
+        index
     }
 
     /// The committed record of an allocation.
@@ -311,10 +353,21 @@ impl Registry {
                     ));
                     let registry = self.clone();
                     let published = a.clone();
-                    let created = self
+                    // Logged and counted with the publication, so a client
+                    // that goes away mid-commit loses neither.
+                    return self
                         .commit_then(write, Op::Put(a), move |committed| match committed {
                             Ok(()) => {
                                 handle.publish(Slot::Live(published.clone()));
+                                let a = &published;
+                                tracing::info!(alloc = %a.id, state = %a.state, tasks = a.tasks.len(), "allocation registered");
+                                if a.state != CoordState::Init {
+                                    registry
+                                        .shared
+                                        .config
+                                        .metrics
+                                        .transition(CoordState::Init, a.state);
+                                }
                                 Ok((published, true))
                             }
                             Err(e) => {
@@ -323,22 +376,12 @@ impl Registry {
                             }
                         })
                         .await;
-                    if let Ok((a, _)) = &created {
-                        tracing::info!(alloc = %a.id, state = %a.state, tasks = a.tasks.len(), "allocation registered");
-                        if a.state != CoordState::Init {
-                            self.shared
-                                .config
-                                .metrics
-                                .transition(CoordState::Init, a.state);
-                        }
-                    }
-                    return created;
                 }
             }
         }
-        Err(RegistryError::Store(StoreError::Io(format!(
-            "allocation \"{id}\" kept being deleted while it was registered"
-        ))))
+        Err(RegistryError::Contended(format!(
+            "allocation \"{id}\" kept being deleted while it was registered; try again"
+        )))
     }
 
     /// Finds the handle for `id`, or inserts a new one in `Creating` state
@@ -353,11 +396,7 @@ impl Registry {
         if let Some(h) = self.read_map().get(id.as_str()) {
             return Ok((h.clone(), None));
         }
-        let mut map = self
-            .shared
-            .allocs
-            .write()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut map = self.write_map();
         if let Some(h) = map.get(id.as_str()) {
             return Ok((h.clone(), None));
         }
@@ -398,11 +437,7 @@ impl Registry {
     /// tells everyone watching it that it is gone.
     fn remove(&self, id: &AllocId, handle: &Arc<Handle>) {
         handle.publish(Slot::Deleted);
-        let mut map = self
-            .shared
-            .allocs
-            .write()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut map = self.write_map();
         if map.get(id.as_str()).is_some_and(|h| Arc::ptr_eq(h, handle)) {
             map.remove(id.as_str());
         }
@@ -438,6 +473,11 @@ impl Registry {
     /// The write lock (an async one) is held across the commit on purpose:
     /// one allocation's writes are serialized, so a failed commit leaves
     /// nothing to undo and the next writer starts from the committed record.
+    ///
+    /// `counted` counts the request in the metrics once it is decided (and
+    /// committed, if it changed anything); it runs with the publication,
+    /// so a client that goes away mid-commit loses neither the metrics nor
+    /// the log lines of a change that happened.
     async fn update<R>(
         &self,
         id: &str,
@@ -445,6 +485,7 @@ impl Registry {
             &Allocation,
             &dyn Fn() -> u64,
         ) -> Result<(Option<Allocation>, R), RegistryError>,
+        counted: impl FnOnce(&Metrics) + Send + 'static,
     ) -> Result<(Arc<Allocation>, R), RegistryError> {
         let handle = self.handle(id)?;
         let write = handle.lock_write().await;
@@ -453,17 +494,20 @@ impl Registry {
         };
         let (next, out) = decide(&current, &|| self.next_index())?;
         let Some(next) = next else {
+            counted(&self.shared.config.metrics);
             return Ok((current, out));
         };
         let next = Arc::new(next);
         let published = next.clone();
+        let registry = self.clone();
         self.commit_then(write, Op::Put(next.clone()), move |committed| {
             committed?;
-            handle.publish(Slot::Live(published));
+            handle.publish(Slot::Live(published.clone()));
+            registry.observe(&current, &published);
+            counted(&registry.shared.config.metrics);
             Ok(())
         })
         .await?;
-        self.observe(&current, &next);
         Ok((next, out))
     }
 
@@ -564,12 +608,15 @@ impl Registry {
     ) -> Result<Arc<Allocation>, RegistryError> {
         let count = reports.len();
         let (a, ()) = self
-            .update(id, |a, next_index| {
-                let reports = Self::positions(a, reports)?;
-                Ok((apply(a, &reports, now(), next_index), ()))
-            })
+            .update(
+                id,
+                |a, next_index| {
+                    let reports = Self::positions(a, reports)?;
+                    Ok((apply(a, &reports, now(), next_index), ()))
+                },
+                move |metrics| metrics.reports(count),
+            )
             .await?;
-        self.shared.config.metrics.reports(count);
         Ok(a)
     }
 
@@ -580,37 +627,38 @@ impl Registry {
         target: RestartTarget,
         reason: &str,
     ) -> Result<(Arc<Allocation>, Vec<TaskName>), RegistryError> {
-        self.update(id, |a, next_index| {
-            let mode = match &target {
-                RestartTarget::Task(name) => {
-                    RestartMode::Task(a.position(name.as_str()).ok_or_else(|| {
-                        RegistryError::TaskNotFound {
-                            alloc: a.id.to_string(),
-                            task: name.to_string(),
-                        }
-                    })?)
-                }
-                RestartTarget::Running => RestartMode::Running,
-                RestartTarget::AllTasks => RestartMode::AllTasks,
-            };
-            let (next, chosen) = a
-                .restart(mode, reason, now(), next_index)
-                .map_err(|error| RegistryError::RestartRefused {
-                    error,
-                    index: a.modify_index,
-                })?;
-            let names = chosen.iter().map(|&i| a.task_name(i).clone()).collect();
-            Ok((next, names))
-        })
+        let counted_as = match target {
+            RestartTarget::Task(_) => "task",
+            RestartTarget::Running => "running",
+            RestartTarget::AllTasks => "all_tasks",
+        };
+        self.update(
+            id,
+            |a, next_index| {
+                let mode = match &target {
+                    RestartTarget::Task(name) => {
+                        RestartMode::Task(a.position(name.as_str()).ok_or_else(|| {
+                            RegistryError::TaskNotFound {
+                                alloc: a.id.to_string(),
+                                task: name.to_string(),
+                            }
+                        })?)
+                    }
+                    RestartTarget::Running => RestartMode::Running,
+                    RestartTarget::AllTasks => RestartMode::AllTasks,
+                };
+                let (next, chosen) =
+                    a.restart(mode, reason, now(), next_index)
+                        .map_err(|error| RegistryError::RestartRefused {
+                            error,
+                            index: a.modify_index,
+                        })?;
+                let names = chosen.iter().map(|&i| a.task_name(i).clone()).collect();
+                Ok((next, names))
+            },
+            move |metrics| metrics.restart(counted_as),
+        )
         .await
-        .inspect(|_| {
-            let mode = match target {
-                RestartTarget::Task(_) => "task",
-                RestartTarget::Running => "running",
-                RestartTarget::AllTasks => "all_tasks",
-            };
-            self.shared.config.metrics.restart(mode);
-        })
     }
 }
 
@@ -686,6 +734,16 @@ impl AllocMap {
 
     fn len(&self) -> usize {
         self.by_id.len()
+    }
+
+    /// Makes the ID index agree with the handles again (after a panic
+    /// between updating one and the other).
+    fn repair(&mut self) {
+        self.ids = self
+            .by_id
+            .iter()
+            .filter_map(|h| AllocId::parse(h.0.id()).ok())
+            .collect();
     }
 
     /// How many IDs start with `prefix`, counted up to `limit`.

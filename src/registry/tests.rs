@@ -402,6 +402,19 @@ async fn a_client_that_goes_away_mid_commit_does_not_cancel_the_publication() {
         tokio::task::yield_now().await;
     }
     assert!(published, "the committed change was published");
+    // ... and counted: the report, and the transition it made.
+    let mut counted = false;
+    for _ in 0..10_000 {
+        let text = r.metrics().render(&[]);
+        if text.contains("taskgate_state_reports_total 1\n")
+            && text.contains("{from=\"prestart\",to=\"main\"} 1\n")
+        {
+            counted = true;
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert!(counted, "{}", r.metrics().render(&[]));
 }
 
 /// A long-poll resolves its task by name in the very record it reads: with
@@ -450,4 +463,73 @@ async fn long_polls_answer_about_their_own_task_while_the_allocation_is_replaced
     }
     churn.await.unwrap();
     assert!(answered > 0);
+}
+
+/// A store that loads whatever a test gives it.
+struct Preloaded(std::sync::Mutex<Option<crate::store::Loaded>>);
+
+impl Store for Preloaded {
+    fn load(&self) -> Result<crate::store::Loaded, StoreError> {
+        Ok(self.0.lock().unwrap().take().unwrap_or_default())
+    }
+
+    fn commit(&self, _: Op) -> crate::store::Commit {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+/// A loaded index past the API's range (damage, or an edit) refuses the
+/// start instead of counting on and wrapping to 0.
+#[test]
+fn an_index_past_the_range_refuses_the_start() {
+    for (last, ok) in [
+        (MAX_INDEX - 5, true),
+        (MAX_INDEX + 1, false),
+        (u64::MAX - 1, false),
+    ] {
+        let store = Arc::new(Preloaded(std::sync::Mutex::new(Some(
+            crate::store::Loaded {
+                allocations: Vec::new(),
+                last_index: last,
+            },
+        ))));
+        match Registry::open(store, RegistryConfig::default()) {
+            Ok(r) => {
+                assert!(ok, "{last} was taken");
+                assert_eq!(r.last_index(), last);
+            }
+            Err(e) => {
+                assert!(!ok, "{last}: {e}");
+                assert!(e.to_string().contains("past the largest index"), "{e}");
+            }
+        }
+    }
+}
+
+/// A writer that panics between the map's two structures leaves them
+/// disagreeing; the next user of the map rebuilds the ID index from the
+/// handles, so listing and lookups agree again.
+#[tokio::test]
+async fn a_panic_while_the_map_is_written_leaves_it_whole_for_the_next_user() {
+    let (r, _) = registry();
+    r.register(id("a1"), two_stage()).await.unwrap();
+    let half = {
+        let r = r.clone();
+        std::thread::spawn(move || {
+            let mut map = r.write_map();
+            let handle = Arc::new(handle::Handle::creating(&id("a0")));
+            // Into one structure only, then a panic.
+            map.by_id.insert(ByHandleId(handle));
+            panic!("a writer dies half-way");
+        })
+    };
+    assert!(half.join().is_err());
+    assert!(r.shared.allocs.is_poisoned());
+    let (page, _) = r.list("", None, 10);
+    let ids: Vec<_> = page.iter().map(|a| a.id.to_string()).collect();
+    assert_eq!(ids, ["a1"], "the creating handle is listed by nobody");
+    assert!(!r.shared.allocs.is_poisoned());
+    assert_eq!(r.read_map().ids.len(), r.read_map().by_id.len());
+    r.register(id("a2"), two_stage()).await.unwrap();
+    assert_eq!(r.len(), 3);
 }

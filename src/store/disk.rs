@@ -33,7 +33,7 @@ use std::{
     path::{Path, PathBuf},
     sync::{
         Arc, Mutex, PoisonError,
-        mpsc::{self, Receiver, Sender},
+        mpsc::{self, Receiver, Sender, SyncSender},
     },
     thread::JoinHandle,
     time::{Duration, Instant},
@@ -83,6 +83,11 @@ impl DiskStoreConfig {
     }
 }
 
+/// Changes queued for the writer at most; one more is refused (503
+/// `store_unavailable`) instead of memory growing without bound. Far more
+/// than the connections a server takes can have in flight.
+const COMMIT_QUEUE: usize = 65_536;
+
 /// Default size of the log between checkpoints.
 pub const DEFAULT_LOG_LIMIT: u64 = 64 * 1024 * 1024;
 /// Default ceiling of the log not yet folded, while checkpoints fail: a
@@ -130,7 +135,7 @@ pub struct DiskStore {
     stats: Arc<Mutex<StoreStats>>,
     dir: PathBuf,
     /// Queue to the writer thread; `None` once closed.
-    queue: Mutex<Option<Sender<Msg>>>,
+    queue: Mutex<Option<SyncSender<Msg>>>,
     /// The writer, then the checkpoint thread, joined in that order.
     threads: Mutex<Vec<JoinHandle<()>>>,
     /// What the store held at open, until `load` takes it.
@@ -189,7 +194,9 @@ impl DiskStore {
             ))
         })?;
         let stats = Arc::new(Mutex::new(StoreStats::default()));
-        let (jobs, jobs_rx) = mpsc::channel();
+        // One checkpoint at a time: the writer sends the next job only
+        // once it has the last one's answer.
+        let (jobs, jobs_rx) = mpsc::sync_channel(1);
         let (done, done_rx) = mpsc::channel();
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
@@ -207,7 +214,7 @@ impl DiskStore {
                 }),
             )?
         };
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = mpsc::sync_channel(COMMIT_QUEUE);
         let trouble = Arc::new(Mutex::new(Trouble::default()));
         let log_limit = config.log_limit.max(1);
         let writer = Writer {
@@ -252,9 +259,19 @@ impl DiskStore {
         *self.stats.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn send(&self, msg: Msg) -> bool {
+    /// Queues a change for the writer without blocking: a full queue is
+    /// refused, not waited on (the caller is an async task).
+    fn send(&self, msg: Msg) -> Result<(), StoreError> {
         let queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
-        queue.as_ref().is_some_and(|q| q.send(msg).is_ok())
+        let Some(q) = queue.as_ref() else {
+            return Err(StoreError::Closed);
+        };
+        q.try_send(msg).map_err(|e| match e {
+            mpsc::TrySendError::Full(_) => StoreError::Unavailable(format!(
+                "{COMMIT_QUEUE} changes are waiting for the disk; try again"
+            )),
+            mpsc::TrySendError::Disconnected(_) => StoreError::Closed,
+        })
     }
 
     /// Waits for the writer (after what is queued) and then the checkpoint
@@ -547,8 +564,8 @@ impl Store for DiskStore {
             Op::Delete { id, index } => wal::frame(&mut frame, id.as_str(), index, None),
         }
         let msg = Msg::Change { frame, ack };
-        if !self.send(msg) {
-            return Box::pin(async { Err(StoreError::Closed) });
+        if let Err(e) = self.send(msg) {
+            return Box::pin(async { Err(e) });
         }
         Box::pin(async move { done.await.unwrap_or(Err(StoreError::Closed)) })
     }
@@ -716,7 +733,7 @@ struct Writer {
     log_limit: u64,
     /// Unfolded log past which writes are refused.
     log_ceiling: u64,
-    jobs: Sender<Job>,
+    jobs: SyncSender<Job>,
     /// One answer per job: the new snapshot's size, or why the checkpoint
     /// failed.
     done: Receiver<Result<u64, String>>,
@@ -1792,7 +1809,7 @@ mod tests {
     fn a_failed_append_stops_the_log_until_a_restart_and_says_why() {
         let dir = tempfile::tempdir().unwrap();
         drop(wal::Segment::create(dir.path(), 1).unwrap());
-        let (jobs, _jobs) = mpsc::channel();
+        let (jobs, _jobs) = mpsc::sync_channel(1);
         let (_done, done) = mpsc::channel();
         let trouble = Arc::new(Mutex::new(Trouble::default()));
         let mut writer = Writer {
