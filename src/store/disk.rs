@@ -42,7 +42,9 @@ use std::{
 use tokio::sync::oneshot;
 
 use super::{
-    Commit, Loaded, Op, Store, StoreError, migrate, record,
+    Commit, Loaded, Op, Store, StoreError,
+    fs::{DirLock, Fs, LockError, Open, RealFs},
+    migrate, record,
     snapshot::{self, NEXT_FILE, OLD_FILE, SNAPSHOT_FILE, Snapshot},
     wal::{self, Overlay},
 };
@@ -51,7 +53,7 @@ use crate::{lifecycle::Allocation, metrics::Metrics};
 /// The lock file's name inside the data directory.
 pub const LOCK_FILE: &str = "taskgate.lock";
 
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct DiskStoreConfig {
     pub dir: PathBuf,
     /// Most changes in one commit; 1 turns group commit off.
@@ -67,6 +69,20 @@ pub struct DiskStoreConfig {
     pub retry: Duration,
     /// Where commit latency and batch sizes are recorded.
     pub metrics: Option<Arc<Metrics>>,
+    /// Where the files are: the real file system, or a simulated one in
+    /// tests.
+    pub fs: Arc<dyn Fs>,
+}
+
+impl std::fmt::Debug for DiskStoreConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskStoreConfig")
+            .field("dir", &self.dir)
+            .field("max_batch", &self.max_batch)
+            .field("log_limit", &self.log_limit)
+            .field("log_ceiling", &self.log_ceiling)
+            .finish_non_exhaustive()
+    }
 }
 
 impl DiskStoreConfig {
@@ -79,6 +95,7 @@ impl DiskStoreConfig {
             log_ceiling: DEFAULT_LOG_CEILING,
             retry: RETRY_FIRST,
             metrics: None,
+            fs: Arc::new(RealFs),
         }
     }
 }
@@ -130,7 +147,7 @@ pub struct StoreStats {
 
 pub struct DiskStore {
     /// Held (locked) while the store is open.
-    _lock: std::fs::File,
+    _lock: Box<dyn DirLock>,
     /// Written by the writer and the checkpoints; read by `stats`.
     stats: Arc<Mutex<StoreStats>>,
     dir: PathBuf,
@@ -170,24 +187,28 @@ impl DiskStore {
     /// decoded: a refused start leaves the directory as it found it (but
     /// for the lock file).
     pub fn open(config: DiskStoreConfig) -> Result<Self, StoreError> {
-        std::fs::create_dir_all(&config.dir).map_err(|e| {
+        let fs = &*config.fs;
+        fs.create_dir_all(&config.dir).map_err(|e| {
             StoreError::Unusable(format!(
                 "cannot create the data directory {}: {e}",
                 config.dir.display()
             ))
         })?;
-        let lock = lock(&config.dir)?;
+        let lock = lock(fs, &config.dir)?;
         migrate::redb_to_snapshot(&config.dir)?;
         let path = config.dir.join(SNAPSHOT_FILE);
-        let folded = snapshot_folded(&config.dir)?;
-        let snapshot_bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
-        let recovery = scan_log(&config.dir, folded)?;
-        let loaded = load_with(&config.dir, &recovery.overlay)?;
+        let folded = snapshot_folded(fs, &config.dir)?;
+        let snapshot_bytes = fs
+            .open(&path, Open::Read)
+            .and_then(|f| f.len())
+            .unwrap_or(0);
+        let recovery = scan_log(fs, &config.dir, folded)?;
+        let loaded = load_with(fs, &config.dir, &recovery.overlay)?;
         // Everything read back: only now is anything changed.
-        recovery.apply(&config.dir)?;
+        recovery.apply(fs, &config.dir)?;
         let (log_bytes, next_seq) = (recovery.log_bytes, recovery.next_seq);
         drop(recovery);
-        let segment = wal::Segment::create(&config.dir, next_seq).map_err(|e| {
+        let segment = wal::Segment::create(fs, &config.dir, next_seq).map_err(|e| {
             StoreError::Unusable(format!(
                 "cannot create the store log segment {}: {e}",
                 wal::segment_path(&config.dir, next_seq).display()
@@ -207,10 +228,19 @@ impl DiskStore {
         let checkpointer = {
             let (dir, stats) = (config.dir.clone(), stats.clone());
             let metrics = config.metrics.clone();
+            let fs = config.fs.clone();
             spawn(
                 "taskgate-checkpoint",
                 Box::new(move || {
-                    checkpointer(&dir, folded, &jobs_rx, &done, &stats, metrics.as_deref())
+                    checkpointer(
+                        &*fs,
+                        &dir,
+                        folded,
+                        &jobs_rx,
+                        &done,
+                        &stats,
+                        metrics.as_deref(),
+                    )
                 }),
             )?
         };
@@ -218,6 +248,7 @@ impl DiskStore {
         let trouble = Arc::new(Mutex::new(Trouble::default()));
         let log_limit = config.log_limit.max(1);
         let writer = Writer {
+            fs: config.fs.clone(),
             dir: config.dir.clone(),
             // The live segments recovered are folded by the first
             // checkpoint, with the new one.
@@ -290,38 +321,28 @@ impl DiskStore {
 }
 
 /// Takes the data directory's lock, or says who holds it.
-fn lock(dir: &Path) -> Result<std::fs::File, StoreError> {
+fn lock(fs: &dyn Fs, dir: &Path) -> Result<Box<dyn DirLock>, StoreError> {
     let path = dir.join(LOCK_FILE);
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(|e| {
-            StoreError::Unusable(format!("cannot open the lock file {}: {e}", path.display()))
-        })?;
-    match file.try_lock() {
-        Ok(()) => Ok(file),
-        Err(std::fs::TryLockError::WouldBlock) => Err(StoreError::Unusable(format!(
+    fs.lock(&path).map_err(|e| match e {
+        LockError::Held => StoreError::Unusable(format!(
             "the data directory {} is in use by another process (is another taskgate running on it?)",
             dir.display()
-        ))),
-        Err(std::fs::TryLockError::Error(e)) => Err(StoreError::Unusable(format!(
-            "cannot lock {}: {e}",
-            path.display()
-        ))),
-    }
+        )),
+        LockError::Io(e) => {
+            StoreError::Unusable(format!("cannot lock {}: {e}", path.display()))
+        }
+    })
 }
 
 /// The last log segment the snapshot in `dir` folded (0 without a
 /// snapshot). A snapshot that is missing while the one it replaced is
 /// still there, or while the log starts past segment 1, is a lost
 /// snapshot, not an empty store (see `scan_log`).
-fn snapshot_folded(dir: &Path) -> Result<u64, StoreError> {
+fn snapshot_folded(fs: &dyn Fs, dir: &Path) -> Result<u64, StoreError> {
     let path = dir.join(SNAPSHOT_FILE);
-    match Snapshot::open(dir) {
+    match Snapshot::open(fs, dir) {
         Ok(Some(s)) => Ok(s.folded),
-        Ok(None) if dir.join(OLD_FILE).exists() => Err(unusable(
+        Ok(None) if fs.exists(&dir.join(OLD_FILE)) => Err(unusable(
             &path,
             format!(
                 "it is missing, but the snapshot it replaced ({OLD_FILE}) is there: a snapshot \
@@ -353,7 +374,7 @@ struct Recovery {
 /// the newest may end in a torn append (`wal.rs` says what counts as
 /// torn), which `Recovery::apply` then cuts off. Anything else stops the
 /// start, naming the file and the offset.
-fn scan_log(dir: &Path, folded: u64) -> Result<Recovery, StoreError> {
+fn scan_log(fs: &dyn Fs, dir: &Path, folded: u64) -> Result<Recovery, StoreError> {
     let dir_error = |e: std::io::Error| {
         StoreError::Unusable(format!(
             "cannot read the store log in {}: {e}",
@@ -367,7 +388,7 @@ fn scan_log(dir: &Path, folded: u64) -> Result<Recovery, StoreError> {
         folded: Vec::new(),
         torn: None,
     };
-    let (done, live): (Vec<_>, Vec<_>) = wal::list_segments(dir)
+    let (done, live): (Vec<_>, Vec<_>) = wal::list_segments(fs, dir)
         .map_err(dir_error)?
         .into_iter()
         .partition(|(seq, _)| *seq <= folded);
@@ -389,7 +410,8 @@ fn scan_log(dir: &Path, folded: u64) -> Result<Recovery, StoreError> {
             };
             return Err(unusable_log(&path, why));
         }
-        let content = std::fs::read(&path)
+        let content = fs
+            .read(&path)
             .map_err(|e| unusable_log(&path, format!("cannot be read: {e}")))?;
         let r = wal::replay(&content, seq, &mut recovery.overlay)
             .map_err(|e| unusable_log(&path, e))?;
@@ -419,9 +441,9 @@ impl Recovery {
     /// the torn tail off the newest segment (kept beside it as
     /// `<segment>.broken`), and removes the segments already folded, an
     /// unfinished snapshot and an unfinished segment.
-    fn apply(&self, dir: &Path) -> Result<(), StoreError> {
+    fn apply(&self, fs: &dyn Fs, dir: &Path) -> Result<(), StoreError> {
         if let Some((path, bad, len)) = &self.torn {
-            let aside = wal::cut(path, *len)
+            let aside = wal::cut(fs, path, *len)
                 .map_err(|e| unusable_log(path, format!("cannot be cut back: {e}")))?;
             tracing::warn!(
                 segment = %path.display(),
@@ -435,7 +457,7 @@ impl Recovery {
         }
         let mut removed = false;
         for path in &self.folded {
-            std::fs::remove_file(path)
+            fs.remove_file(path)
                 .map_err(|e| unusable_log(path, format!("cannot remove it: {e}")))?;
             removed = true;
         }
@@ -443,7 +465,7 @@ impl Recovery {
         // that stopped before its rename: incomplete, never used.
         for name in [NEXT_FILE, wal::SEGMENT_TEMP] {
             let path = dir.join(name);
-            match std::fs::remove_file(&path) {
+            match fs.remove_file(&path) {
                 Ok(()) => removed = true,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => {
@@ -455,7 +477,7 @@ impl Recovery {
             }
         }
         if removed {
-            wal::sync_dir(dir).map_err(|e| {
+            fs.sync_dir(dir).map_err(|e| {
                 StoreError::Unusable(format!(
                     "cannot sync the data directory {}: {e}",
                     dir.display()
@@ -468,10 +490,10 @@ impl Recovery {
 
 /// Every record of the snapshot in `dir` with the log's changes
 /// (`overlay`) over it, decoded.
-fn load_with(dir: &Path, overlay: &Overlay) -> Result<Loaded, StoreError> {
+fn load_with(fs: &dyn Fs, dir: &Path, overlay: &Overlay) -> Result<Loaded, StoreError> {
     let path = dir.join(SNAPSHOT_FILE);
     let io = |e: std::io::Error| unusable(&path, format!("cannot be read: {e}"));
-    let mut base = Snapshot::open(dir).map_err(io)?;
+    let mut base = Snapshot::open(fs, dir).map_err(io)?;
     let stored_index = base.as_ref().map_or(0, |b| b.last_index);
     // The log's changes are newer than the snapshot's records: merged in ID
     // order, a logged record replaces the snapshot's, a logged deletion
@@ -540,8 +562,8 @@ pub fn read_only(dir: &Path) -> Result<Loaded, StoreError> {
             migrate::REDB_FILE
         )));
     }
-    let recovery = scan_log(dir, snapshot_folded(dir)?)?;
-    load_with(dir, &recovery.overlay)
+    let recovery = scan_log(&RealFs, dir, snapshot_folded(&RealFs, dir)?)?;
+    load_with(&RealFs, dir, &recovery.overlay)
 }
 
 impl Store for DiskStore {
@@ -724,6 +746,7 @@ const RETRY_POLL: Duration = Duration::from_millis(10);
 
 /// The single writer: one log append and one `fdatasync` per batch.
 struct Writer {
+    fs: Arc<dyn Fs>,
     dir: PathBuf,
     segment: wal::Segment,
     /// Bytes of the current segment.
@@ -914,7 +937,7 @@ impl Writer {
         // Seal the current segment (unless it is empty: a retry of a
         // failed checkpoint alone), then fold everything sealed.
         if self.log_bytes > wal::Segment::HEADER_LEN {
-            let next = match wal::Segment::create(&self.dir, self.segment.seq + 1) {
+            let next = match wal::Segment::create(&*self.fs, &self.dir, self.segment.seq + 1) {
                 Ok(next) => next,
                 Err(e) => {
                     let e = e.to_string();
@@ -995,6 +1018,7 @@ impl Writer {
 /// writer keeps none of it in memory. A failed checkpoint leaves `folded`
 /// where it was, so the next job reads its segments again.
 fn checkpointer(
+    fs: &dyn Fs,
     dir: &Path,
     mut folded: u64,
     jobs: &Receiver<Job>,
@@ -1010,7 +1034,7 @@ fn checkpointer(
     }
     while let Ok(job) = jobs.recv() {
         let started = Instant::now();
-        match checkpoint(dir, folded, job.sealed) {
+        match checkpoint(fs, dir, folded, job.sealed) {
             Ok((written, changes)) => {
                 if let Some(m) = metrics {
                     m.checkpoint(started.elapsed(), changes);
@@ -1020,7 +1044,7 @@ fn checkpointer(
                 s.folded += changes as u64;
                 drop(s);
                 folded = job.sealed;
-                remove_folded(dir, job.sealed);
+                remove_folded(fs, dir, job.sealed);
                 let _ = done.send(Ok(written.bytes));
             }
             // Logged by the writer, once for a run of failures.
@@ -1037,9 +1061,17 @@ fn checkpointer(
 /// into the next snapshot. Sealed segments were written whole, so anything
 /// that does not read back is damage. Returns the snapshot written and the
 /// number of allocations changed.
-fn checkpoint(dir: &Path, folded: u64, sealed: u64) -> std::io::Result<(snapshot::Written, usize)> {
+fn checkpoint(
+    fs: &dyn Fs,
+    dir: &Path,
+    folded: u64,
+    sealed: u64,
+) -> std::io::Result<(snapshot::Written, usize)> {
     let segments = (folded + 1..=sealed)
-        .map(|seq| std::fs::read(wal::segment_path(dir, seq)).map(|bytes| (seq, bytes)))
+        .map(|seq| {
+            fs.read(&wal::segment_path(dir, seq))
+                .map(|bytes| (seq, bytes))
+        })
         .collect::<std::io::Result<Vec<_>>>()?;
     let mut newest: HashMap<&str, Option<&[u8]>> = HashMap::new();
     let mut last_index = 0;
@@ -1063,7 +1095,7 @@ fn checkpoint(dir: &Path, folded: u64, sealed: u64) -> std::io::Result<(snapshot
         }
     }
     let changes = sort_changes(newest);
-    let written = snapshot::fold_sorted(dir, &changes, last_index, sealed)?;
+    let written = snapshot::fold_sorted(fs, dir, &changes, last_index, sealed)?;
     Ok((written, changes.len()))
 }
 
@@ -1111,9 +1143,9 @@ impl FoldBench {
     /// snapshot it replaced, dropping the changes after). Returns the records the snapshot holds.
     pub fn fold(&mut self, changes: FoldChanges) -> Result<u64, StoreError> {
         self.sealed += 1;
-        let written = snapshot::fold(&self.dir, &changes.0, self.sealed)
+        let written = snapshot::fold(&RealFs, &self.dir, &changes.0, self.sealed)
             .map_err(|e| StoreError::Io(format!("checkpoint failed: {e}")))?;
-        remove_folded(&self.dir, self.sealed);
+        remove_folded(&RealFs, &self.dir, self.sealed);
         Ok(written.records)
     }
 }
@@ -1137,13 +1169,13 @@ impl FoldChanges {
 /// a million allocations' ~1 GB held the log's fsyncs for ~100 ms). A
 /// failure is only logged: the next checkpoint or the next open removes
 /// them.
-fn remove_folded(dir: &Path, sealed: u64) {
-    if let Err(e) = wal::remove_gently(&dir.join(OLD_FILE)) {
+fn remove_folded(fs: &dyn Fs, dir: &Path, sealed: u64) {
+    if let Err(e) = wal::remove_gently(fs, &dir.join(OLD_FILE)) {
         tracing::warn!(error = %e, "cannot remove the replaced snapshot; the next checkpoint removes it");
     }
-    let result = wal::list_segments(dir).and_then(|segments| {
+    let result = wal::list_segments(fs, dir).and_then(|segments| {
         for (_, path) in segments.iter().filter(|(seq, _)| *seq <= sealed) {
-            wal::remove_gently(path)?;
+            wal::remove_gently(fs, path)?;
         }
         Ok(())
     });
@@ -1177,6 +1209,7 @@ fn decode_parallel(raw: &[(String, Vec<u8>)]) -> Vec<Result<Allocation, String>>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::fs::RealFs;
     use crate::{
         lifecycle::{AllocId, AllocSpec, Limits, TaskName, TaskSpec},
         registry::{Registry, RegistryConfig},
@@ -1238,7 +1271,7 @@ mod tests {
     }
 
     fn segments(dir: &Path) -> Vec<(u64, u64)> {
-        wal::list_segments(dir)
+        wal::list_segments(&RealFs, dir)
             .unwrap()
             .into_iter()
             .map(|(seq, path)| (seq, std::fs::metadata(path).unwrap().len()))
@@ -1247,7 +1280,7 @@ mod tests {
 
     /// Records, last index and last folded segment of the snapshot.
     fn snapshot_facts(dir: &Path) -> (u64, u64, u64) {
-        let s = Snapshot::open(dir).unwrap().expect("a snapshot");
+        let s = Snapshot::open(&RealFs, dir).unwrap().expect("a snapshot");
         (s.records(), s.last_index, s.folded)
     }
 
@@ -1760,7 +1793,7 @@ mod tests {
                 &[]
             };
             migrate::tests::write_redb(dir.path(), format, 4, records);
-            let mut s = wal::Segment::create(dir.path(), 5).unwrap();
+            let mut s = wal::Segment::create(&RealFs, dir.path(), 5).unwrap();
             let mut frame = Vec::new();
             wal::frame(&mut frame, "gone", 12, None);
             s.append(&mut frame).unwrap();
@@ -1808,11 +1841,12 @@ mod tests {
     #[test]
     fn a_failed_append_stops_the_log_until_a_restart_and_says_why() {
         let dir = tempfile::tempdir().unwrap();
-        drop(wal::Segment::create(dir.path(), 1).unwrap());
+        drop(wal::Segment::create(&RealFs, dir.path(), 1).unwrap());
         let (jobs, _jobs) = mpsc::sync_channel(1);
         let (_done, done) = mpsc::channel();
         let trouble = Arc::new(Mutex::new(Trouble::default()));
         let mut writer = Writer {
+            fs: Arc::new(RealFs),
             dir: dir.path().to_owned(),
             segment: wal::Segment::read_only(dir.path(), 1).unwrap(),
             log_bytes: 0,
@@ -1890,10 +1924,10 @@ mod tests {
             Allocation::register(AllocId::parse(id).unwrap(), Arc::new(spec()), index, at)
         };
         let (a, b) = (alloc("a", 1), alloc("b", 2));
-        let mut w = snapshot::SnapshotWriter::create(dir.path(), 0, 1).unwrap();
+        let mut w = snapshot::SnapshotWriter::create(&RealFs, dir.path(), 0, 1).unwrap();
         w.put("a", &record::encode_json(&a)).unwrap();
         w.finish().unwrap();
-        let mut s = wal::Segment::create(dir.path(), 1).unwrap();
+        let mut s = wal::Segment::create(&RealFs, dir.path(), 1).unwrap();
         let mut frame = Vec::new();
         wal::frame(&mut frame, "b", 2, Some(&record::encode_json(&b)));
         s.append(&mut frame).unwrap();
@@ -1951,7 +1985,11 @@ mod tests {
         }
         // A crash mid-append, and a folded segment a checkpoint did not
         // get to remove: what a start repairs.
-        let newest = wal::list_segments(dir.path()).unwrap().pop().unwrap().1;
+        let newest = wal::list_segments(&RealFs, dir.path())
+            .unwrap()
+            .pop()
+            .unwrap()
+            .1;
         let mut torn = std::fs::OpenOptions::new()
             .append(true)
             .open(&newest)
@@ -2000,11 +2038,11 @@ mod tests {
     #[test]
     fn a_corrupt_record_stops_the_open_naming_the_allocation_and_changes_nothing() {
         let dir = tempfile::tempdir().unwrap();
-        let mut w = snapshot::SnapshotWriter::create(dir.path(), 0, 1).unwrap();
+        let mut w = snapshot::SnapshotWriter::create(&RealFs, dir.path(), 0, 1).unwrap();
         w.put("broken", b"{not json").unwrap();
         w.finish().unwrap();
         // A torn append the open would cut, and names it would drop.
-        let mut s = wal::Segment::create(dir.path(), 1).unwrap();
+        let mut s = wal::Segment::create(&RealFs, dir.path(), 1).unwrap();
         let mut frame = Vec::new();
         wal::frame(&mut frame, "fine", 1, Some(b"{}"));
         s.append(&mut frame).unwrap();
@@ -2161,7 +2199,7 @@ mod properties {
                     }
                     Step::Tear(keep, zeros) => {
                         settle(&rt, store, &mut queued);
-                        let (seq, _) = wal::list_segments(dir.path()).unwrap().pop().unwrap();
+                        let (seq, _) = wal::list_segments(&RealFs, dir.path()).unwrap().pop().unwrap();
                         let path = wal::segment_path(dir.path(), seq);
                         let mut frame = Vec::new();
                         wal::frame(&mut frame, "never-acked", last + 1, Some(&[7; 2000]));

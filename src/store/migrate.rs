@@ -19,8 +19,8 @@ use redb::{
 
 use super::{
     StoreError,
+    fs::{Fs, RealFs},
     snapshot::{SNAPSHOT_FILE, SnapshotWriter},
-    wal,
 };
 
 /// The redb file's name inside the data directory.
@@ -57,7 +57,7 @@ pub fn redb_to_snapshot(dir: &Path) -> Result<bool, StoreError> {
         write_snapshot(dir, &path)?;
     }
     std::fs::rename(&path, dir.join(MIGRATED_FILE))
-        .and_then(|()| wal::sync_dir(dir))
+        .and_then(|()| RealFs.sync_dir(dir))
         .map_err(|e| unusable(&path, format!("cannot be renamed after its migration: {e}")))?;
     tracing::info!(
         from = %path.display(),
@@ -139,7 +139,7 @@ fn migrate_from(db: &impl ReadableDatabase, dir: &Path, path: &Path) -> Result<(
         }
         None => {}
     }
-    let mut out = SnapshotWriter::create(dir, folded, last_index)
+    let mut out = SnapshotWriter::create(&RealFs, dir, folded, last_index)
         .map_err(|e| unusable(path, format!("cannot be migrated to a snapshot: {e}")))?;
     if let Some(table) = table {
         for entry in table.iter().map_err(|e| io(&e))? {
@@ -202,7 +202,7 @@ pub(super) mod tests {
             "the copy needs recovery, so the migration takes its second way"
         );
         assert!(redb_to_snapshot(dir.path()).unwrap());
-        let mut s = super::super::snapshot::Snapshot::open(dir.path())
+        let mut s = super::super::snapshot::Snapshot::open(&RealFs, dir.path())
             .unwrap()
             .unwrap();
         assert_eq!((s.records(), s.last_index), (1, 7));

@@ -5,6 +5,7 @@
 //! This layer knows records, not rules: it never evaluates a coordinator.
 
 mod disk;
+pub mod fs;
 mod memory;
 mod migrate;
 mod record;
@@ -23,7 +24,10 @@ pub use memory::MemoryStore;
 pub use migrate::{MIGRATED_FILE, REDB_FILE};
 pub use salvage::{SalvageReport, salvage};
 pub use snapshot::SNAPSHOT_FILE;
-pub use wal::list_segments as log_segments;
+/// The log segments in a data directory, oldest first.
+pub fn log_segments(dir: &std::path::Path) -> std::io::Result<Vec<(u64, std::path::PathBuf)>> {
+    wal::list_segments(&fs::RealFs, dir)
+}
 
 use crate::lifecycle::{AllocId, Allocation};
 

@@ -15,7 +15,9 @@
 use std::{collections::BTreeMap, path::Path};
 
 use super::{
-    StoreError, disk, record,
+    StoreError, disk,
+    fs::RealFs,
+    record,
     snapshot::{self, SNAPSHOT_FILE, SnapshotWriter},
     wal,
 };
@@ -70,7 +72,7 @@ pub fn salvage(from: &Path, to: &Path) -> Result<SalvageReport, StoreError> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(io(&snapshot_path, "read", e)),
     }
-    let segments = wal::list_segments(from).map_err(|e| io(from, "list", e))?;
+    let segments = wal::list_segments(&RealFs, from).map_err(|e| io(from, "list", e))?;
     let mut lost_log_bytes = 0;
     let mut expected = folded.map(|f| f + 1);
     for (seq, path) in segments {
@@ -128,7 +130,7 @@ pub fn salvage(from: &Path, to: &Path) -> Result<SalvageReport, StoreError> {
         ));
     }
     report.last_index += skipped;
-    let mut out = SnapshotWriter::create(to, 0, report.last_index)
+    let mut out = SnapshotWriter::create(&RealFs, to, 0, report.last_index)
         .map_err(|e| io(to, "write a snapshot in", e))?;
     for (id, record) in kept {
         out.put(id, record)

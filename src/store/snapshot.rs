@@ -25,12 +25,14 @@
 //! or whose trailer is missing or counts differently, is damaged.
 
 use std::{
-    fs::{File, OpenOptions},
     io::{self, BufReader, BufWriter, Read, Seek, SeekFrom, Write},
     path::{Path, PathBuf},
 };
 
-use super::wal::{self, Overlay};
+use super::{
+    fs::{Fs, FsFile, Open},
+    wal::{self, Overlay},
+};
 
 /// The snapshot's name inside the data directory.
 pub const SNAPSHOT_FILE: &str = "taskgate.snapshot";
@@ -65,7 +67,7 @@ const SYNC_EVERY: u64 = 1 << 20;
 pub struct Snapshot {
     pub folded: u64,
     pub last_index: u64,
-    reader: BufReader<File>,
+    reader: BufReader<Box<dyn FsFile>>,
     /// Offset of the next record; the records end at `end`.
     pos: u64,
     end: u64,
@@ -85,14 +87,14 @@ fn damaged(what: impl std::fmt::Display) -> io::Error {
 impl Snapshot {
     /// The snapshot in `dir`, header and trailer checked; `None` if there
     /// is none.
-    pub fn open(dir: &Path) -> io::Result<Option<Self>> {
+    pub fn open(fs: &dyn Fs, dir: &Path) -> io::Result<Option<Self>> {
         let path = dir.join(SNAPSHOT_FILE);
-        let mut file = match File::open(&path) {
+        let mut file = match fs.open(&path, Open::Read) {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(e),
         };
-        let len = file.metadata()?.len();
+        let len = file.len()?;
         if len < (HEADER + TRAILER) as u64 {
             return Err(damaged(format!(
                 "it is {len} bytes long, shorter than a header and a trailer"
@@ -212,9 +214,10 @@ impl Snapshot {
 
 /// The next snapshot, written to `NEXT_FILE` and renamed into place by
 /// `finish`.
-pub struct SnapshotWriter {
+pub struct SnapshotWriter<'f> {
+    fs: &'f dyn Fs,
     dir: PathBuf,
-    out: BufWriter<File>,
+    out: BufWriter<Box<dyn FsFile>>,
     records: u64,
     scratch: Vec<u8>,
     /// Bytes written since the last `sync_data`, and in all.
@@ -229,14 +232,10 @@ pub struct Written {
     pub bytes: u64,
 }
 
-impl SnapshotWriter {
+impl<'f> SnapshotWriter<'f> {
     /// Starts the next snapshot, replacing an unfinished one.
-    pub fn create(dir: &Path, folded: u64, last_index: u64) -> io::Result<Self> {
-        let file = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(dir.join(NEXT_FILE))?;
+    pub fn create(fs: &'f dyn Fs, dir: &Path, folded: u64, last_index: u64) -> io::Result<Self> {
+        let file = fs.open(&dir.join(NEXT_FILE), Open::Truncate)?;
         let mut out = BufWriter::with_capacity(IO_BUFFER, file);
         let mut header = [0u8; HEADER];
         header[..8].copy_from_slice(&MAGIC);
@@ -246,6 +245,7 @@ impl SnapshotWriter {
         header[24..28].copy_from_slice(&crc.to_le_bytes());
         out.write_all(&header)?;
         Ok(Self {
+            fs,
             dir: dir.to_owned(),
             out,
             records: 0,
@@ -262,7 +262,7 @@ impl SnapshotWriter {
         self.bytes += n as u64;
         if self.unsynced >= SYNC_EVERY {
             self.out.flush()?;
-            self.out.get_ref().sync_data()?;
+            self.out.get_mut().sync_data()?;
             self.unsynced = 0;
         }
         Ok(())
@@ -298,22 +298,23 @@ impl SnapshotWriter {
     pub fn finish(mut self) -> io::Result<Written> {
         self.out.write_all(&END)?;
         self.out.write_all(&self.records.to_le_bytes())?;
-        let file = self.out.into_inner().map_err(|e| e.into_error())?;
+        let mut file = self.out.into_inner().map_err(|e| e.into_error())?;
         file.sync_all()?;
         drop(file);
+        let fs = self.fs;
         let (current, old) = (self.dir.join(SNAPSHOT_FILE), self.dir.join(OLD_FILE));
         // One left by a checkpoint whose removal failed: only a name to
         // drop (unlinking never touches another name's blocks).
-        match std::fs::remove_file(&old) {
+        match fs.remove_file(&old) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
             _ => {}
         }
-        match std::fs::hard_link(&current, &old) {
+        match fs.hard_link(&current, &old) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
             _ => {}
         }
-        std::fs::rename(self.dir.join(NEXT_FILE), current)?;
-        wal::sync_dir(&self.dir)?;
+        fs.rename(&self.dir.join(NEXT_FILE), &current)?;
+        fs.sync_dir(&self.dir)?;
         Ok(Written {
             records: self.records,
             bytes: self.bytes + TRAILER as u64,
@@ -468,21 +469,22 @@ fn merge(
 /// A checkpoint: the snapshot in `dir` with `overlay`'s changes merged in,
 /// written as the next snapshot, which records that the log is folded up
 /// to segment `sealed`.
-pub fn fold(dir: &Path, overlay: &Overlay, sealed: u64) -> io::Result<Written> {
-    fold_sorted(dir, &sorted(overlay), overlay.last_index, sealed)
+pub fn fold(fs: &dyn Fs, dir: &Path, overlay: &Overlay, sealed: u64) -> io::Result<Written> {
+    fold_sorted(fs, dir, &sorted(overlay), overlay.last_index, sealed)
 }
 
 /// `fold` of changes already sorted by ID (newer than the snapshot), the
 /// highest index among them being `last_index`.
 pub fn fold_sorted(
+    fs: &dyn Fs,
     dir: &Path,
     changes: &[(&str, Option<&[u8]>)],
     last_index: u64,
     sealed: u64,
 ) -> io::Result<Written> {
-    let mut base = Snapshot::open(dir)?;
+    let mut base = Snapshot::open(fs, dir)?;
     let last_index = base.as_ref().map_or(0, |b| b.last_index).max(last_index);
-    let written = SnapshotWriter::create(dir, sealed, last_index).and_then(|mut out| {
+    let written = SnapshotWriter::create(fs, dir, sealed, last_index).and_then(|mut out| {
         merge(base.as_mut(), changes, |merged| match merged {
             Merged::Kept(kept) => out.put_raw(kept.raw()),
             Merged::Put(id, record) => out.put(id, record),
@@ -492,7 +494,7 @@ pub fn fold_sorted(
     if written.is_err() {
         // Whatever stopped it (a full disk, say), the unfinished snapshot
         // is of no use: give its space back now, not at the next start.
-        let _ = std::fs::remove_file(dir.join(NEXT_FILE));
+        let _ = fs.remove_file(&dir.join(NEXT_FILE));
     }
     written
 }
@@ -513,6 +515,7 @@ pub fn load(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::fs::RealFs;
 
     fn overlay(changes: &[(&str, Option<&str>)], last_index: u64) -> Overlay {
         let mut o = Overlay::default();
@@ -524,7 +527,7 @@ mod tests {
     }
 
     fn contents(dir: &Path) -> Vec<(String, String)> {
-        let mut base = Snapshot::open(dir).unwrap();
+        let mut base = Snapshot::open(&RealFs, dir).unwrap();
         let mut out = Vec::new();
         load(base.as_mut(), &[], |id, r| {
             out.push((id.to_owned(), String::from_utf8(r.to_vec()).unwrap()));
@@ -542,7 +545,7 @@ mod tests {
             .iter()
             .map(|id| (id.as_str(), Some("{\"v\":1}")))
             .collect();
-        fold(dir, &overlay(&changes, n as u64), 1).unwrap();
+        fold(&RealFs, dir, &overlay(&changes, n as u64), 1).unwrap();
         dir.join(SNAPSHOT_FILE)
     }
 
@@ -556,14 +559,14 @@ mod tests {
     #[test]
     fn checkpoints_merge_changes_in_id_order_and_keep_the_rest() {
         let dir = tempfile::tempdir().unwrap();
-        assert!(Snapshot::open(dir.path()).unwrap().is_none());
+        assert!(Snapshot::open(&RealFs, dir.path()).unwrap().is_none());
         let first = overlay(
             &[("b", Some("b1")), ("a", Some("a1")), ("d", Some("d1"))],
             3,
         );
-        assert_eq!(fold(dir.path(), &first, 1).unwrap().records, 3);
+        assert_eq!(fold(&RealFs, dir.path(), &first, 1).unwrap().records, 3);
         let second = overlay(&[("c", Some("c2")), ("a", None), ("d", Some("d2"))], 7);
-        let written = fold(dir.path(), &second, 2).unwrap();
+        let written = fold(&RealFs, dir.path(), &second, 2).unwrap();
         assert_eq!(written.records, 3);
         let len = std::fs::metadata(dir.path().join(SNAPSHOT_FILE))
             .unwrap()
@@ -573,12 +576,12 @@ mod tests {
             contents(dir.path()),
             pairs(&[("b", "b1"), ("c", "c2"), ("d", "d2")])
         );
-        let s = Snapshot::open(dir.path()).unwrap().unwrap();
+        let s = Snapshot::open(&RealFs, dir.path()).unwrap().unwrap();
         assert_eq!((s.folded, s.last_index), (2, 7));
         // The index never goes back, even if a checkpoint's changes are
         // older than what a deletion already used.
-        fold(dir.path(), &overlay(&[("e", Some("e3"))], 5), 3).unwrap();
-        let s = Snapshot::open(dir.path()).unwrap().unwrap();
+        fold(&RealFs, dir.path(), &overlay(&[("e", Some("e3"))], 5), 3).unwrap();
+        let s = Snapshot::open(&RealFs, dir.path()).unwrap().unwrap();
         assert_eq!((s.folded, s.last_index), (3, 7));
         assert!(!dir.path().join(NEXT_FILE).exists());
     }
@@ -587,19 +590,19 @@ mod tests {
     fn the_replaced_snapshot_keeps_a_name_of_its_own_until_removed() {
         let dir = tempfile::tempdir().unwrap();
         let old = dir.path().join(OLD_FILE);
-        fold(dir.path(), &overlay(&[("a", Some("a1"))], 1), 1).unwrap();
+        fold(&RealFs, dir.path(), &overlay(&[("a", Some("a1"))], 1), 1).unwrap();
         assert!(!old.exists(), "nothing was replaced");
         let first = std::fs::read(dir.path().join(SNAPSHOT_FILE)).unwrap();
-        fold(dir.path(), &overlay(&[("b", Some("b2"))], 2), 2).unwrap();
+        fold(&RealFs, dir.path(), &overlay(&[("b", Some("b2"))], 2), 2).unwrap();
         assert_eq!(std::fs::read(&old).unwrap(), first);
         assert_eq!(contents(dir.path()), pairs(&[("a", "a1"), ("b", "b2")]));
         // Not removed in between (a failed removal): the next checkpoint
         // drops that name and keeps the one it replaces.
         let second = std::fs::read(dir.path().join(SNAPSHOT_FILE)).unwrap();
-        fold(dir.path(), &overlay(&[("a", None)], 3), 3).unwrap();
+        fold(&RealFs, dir.path(), &overlay(&[("a", None)], 3), 3).unwrap();
         assert_eq!(std::fs::read(&old).unwrap(), second);
         assert_eq!(contents(dir.path()), pairs(&[("b", "b2")]));
-        wal::remove_gently(&old).unwrap();
+        wal::remove_gently(&RealFs, &old).unwrap();
         assert!(!old.exists());
         assert_eq!(contents(dir.path()), pairs(&[("b", "b2")]));
     }
@@ -607,13 +610,13 @@ mod tests {
     #[test]
     fn an_unfinished_next_snapshot_changes_nothing_and_is_replaced() {
         let dir = tempfile::tempdir().unwrap();
-        fold(dir.path(), &overlay(&[("a", Some("a1"))], 1), 1).unwrap();
+        fold(&RealFs, dir.path(), &overlay(&[("a", Some("a1"))], 1), 1).unwrap();
         // A checkpoint that crashed before its rename.
-        let mut w = SnapshotWriter::create(dir.path(), 2, 2).unwrap();
+        let mut w = SnapshotWriter::create(&RealFs, dir.path(), 2, 2).unwrap();
         w.put("a", b"never renamed").unwrap();
         drop(w);
         assert_eq!(contents(dir.path()), pairs(&[("a", "a1")]));
-        fold(dir.path(), &overlay(&[("b", Some("b2"))], 2), 2).unwrap();
+        fold(&RealFs, dir.path(), &overlay(&[("b", Some("b2"))], 2), 2).unwrap();
         assert_eq!(contents(dir.path()), pairs(&[("a", "a1"), ("b", "b2")]));
     }
 
@@ -625,7 +628,7 @@ mod tests {
         let middle = bytes.len() / 2;
         bytes[middle] ^= 0x01;
         std::fs::write(&path, &bytes).unwrap();
-        let err = fold(dir.path(), &overlay(&[("new", Some("x"))], 51), 2).unwrap_err();
+        let err = fold(&RealFs, dir.path(), &overlay(&[("new", Some("x"))], 51), 2).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
         assert!(!dir.path().join(NEXT_FILE).exists(), "its space given back");
         assert_eq!(std::fs::read(&path).unwrap(), bytes, "left as it was");
@@ -639,7 +642,7 @@ mod tests {
         let path = snapshot_of(dir.path(), 20);
         let good = std::fs::read(&path).unwrap();
         let read_all = || -> io::Result<usize> {
-            let mut base = Snapshot::open(dir.path())?.expect("a snapshot");
+            let mut base = Snapshot::open(&RealFs, dir.path())?.expect("a snapshot");
             let mut n = 0;
             load(Some(&mut base), &[], |_, _| {
                 n += 1;
@@ -663,7 +666,7 @@ mod tests {
         let at = good.len() - 1;
         bad[at] ^= 0x80;
         std::fs::write(&path, &bad).unwrap();
-        let s = Snapshot::open(dir.path()).unwrap().unwrap();
+        let s = Snapshot::open(&RealFs, dir.path()).unwrap().unwrap();
         assert!(s.records() <= good.len() as u64, "{}", s.records());
         assert!(read_all().is_err());
         for cut in [good.len() - 1, good.len() - TRAILER, HEADER + 3, 10] {

@@ -41,12 +41,12 @@
 
 use std::{
     collections::HashMap,
-    fs::{File, OpenOptions},
     io::{self, Write},
-    os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
     time::Duration,
 };
+
+use super::fs::{Fs, FsFile, Open};
 
 /// Segment files are named this plus their sequence number.
 pub const SEGMENT_PREFIX: &str = "taskgate.wal.";
@@ -92,11 +92,9 @@ pub fn segment_path(dir: &Path, seq: u64) -> PathBuf {
 }
 
 /// The segments in `dir`, oldest first.
-pub fn list_segments(dir: &Path) -> io::Result<Vec<(u64, PathBuf)>> {
+pub fn list_segments(fs: &dyn Fs, dir: &Path) -> io::Result<Vec<(u64, PathBuf)>> {
     let mut found = Vec::new();
-    for entry in std::fs::read_dir(dir)? {
-        let entry = entry?;
-        let name = entry.file_name();
+    for name in fs.list(dir)? {
         let Some(seq) = name
             .to_str()
             .and_then(|n| n.strip_prefix(SEGMENT_PREFIX))
@@ -105,7 +103,7 @@ pub fn list_segments(dir: &Path) -> io::Result<Vec<(u64, PathBuf)>> {
         else {
             continue;
         };
-        found.push((seq, entry.path()));
+        found.push((seq, dir.join(name)));
     }
     found.sort_unstable_by_key(|(seq, _)| *seq);
     Ok(found)
@@ -454,7 +452,7 @@ fn parse(payload: &[u8]) -> Result<(&str, u64, Option<&[u8]>), &'static str> {
 
 /// The segment being appended to.
 pub struct Segment {
-    file: File,
+    file: Box<dyn FsFile>,
     pub seq: u64,
     /// Bytes written, header included.
     pub len: u64,
@@ -470,22 +468,18 @@ impl Segment {
     /// Creates segment `seq` in `dir`: written under `SEGMENT_TEMP` with its
     /// header, made durable, renamed to its name, the directory made
     /// durable. A crash at any point leaves no segment or a whole header.
-    pub fn create(dir: &Path, seq: u64) -> io::Result<Self> {
+    pub fn create(fs: &dyn Fs, dir: &Path, seq: u64) -> io::Result<Self> {
         let temp = dir.join(SEGMENT_TEMP);
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&temp)?;
+        let mut file = fs.open(&temp, Open::Truncate)?;
         let header = header(seq);
         let written = file
             .write_all(&header)
             .and_then(|()| file.sync_all())
-            .and_then(|()| std::fs::rename(&temp, segment_path(dir, seq)))
-            .and_then(|()| sync_dir(dir));
+            .and_then(|()| fs.rename(&temp, &segment_path(dir, seq)))
+            .and_then(|()| fs.sync_dir(dir));
         if let Err(e) = written {
             // Nothing was ever appended to it: a later try creates it anew.
-            let _ = std::fs::remove_file(&temp);
+            let _ = fs.remove_file(&temp);
             return Err(e);
         }
         Ok(Self {
@@ -499,8 +493,8 @@ impl Segment {
     /// Segment `seq` in `dir` opened for reading only, so appends fail.
     #[cfg(test)]
     pub fn read_only(dir: &Path, seq: u64) -> io::Result<Self> {
-        let file = File::open(segment_path(dir, seq))?;
-        let len = file.metadata()?.len();
+        let file = Box::new(std::fs::File::open(segment_path(dir, seq))?);
+        let len = FsFile::len(&*file)?;
         Ok(Self {
             file,
             seq,
@@ -521,16 +515,11 @@ impl Segment {
     }
 }
 
-/// Makes creations and removals in `dir` durable.
-pub fn sync_dir(dir: &Path) -> io::Result<()> {
-    File::open(dir)?.sync_all()
-}
-
 /// Cuts segment `path` back to its first `len` bytes, durably, after
 /// copying what is cut to a file of its own beside it (`BROKEN_SUFFIX`),
 /// durably too. Returns that file's path.
-pub fn cut(path: &Path, len: u64) -> io::Result<PathBuf> {
-    let bytes = std::fs::read(path)?;
+pub fn cut(fs: &dyn Fs, path: &Path, len: u64) -> io::Result<PathBuf> {
+    let bytes = fs.read(path)?;
     let tail = bytes.get(len as usize..).unwrap_or_default();
     let mut n = 0;
     let (aside, mut out) = loop {
@@ -540,7 +529,7 @@ pub fn cut(path: &Path, len: u64) -> io::Result<PathBuf> {
             name.push(format!(".{n}"));
         }
         let aside = PathBuf::from(name);
-        match OpenOptions::new().write(true).create_new(true).open(&aside) {
+        match fs.open(&aside, Open::CreateNew) {
             Ok(file) => break (aside, file),
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists && n < 1000 => n += 1,
             Err(e) => return Err(e),
@@ -549,9 +538,9 @@ pub fn cut(path: &Path, len: u64) -> io::Result<PathBuf> {
     out.write_all(tail)?;
     out.sync_all()?;
     if let Some(dir) = path.parent() {
-        sync_dir(dir)?;
+        fs.sync_dir(dir)?;
     }
-    let file = OpenOptions::new().write(true).open(path)?;
+    let mut file = fs.open(path, Open::Append)?;
     file.set_len(len)?;
     file.sync_all()?;
     Ok(aside)
@@ -576,12 +565,11 @@ const SHRINK_PAUSE: Duration = Duration::from_millis(5);
 /// stopped between linking the old snapshot and renaming the new one
 /// leaves the current snapshot under both names). Sleeps: call it from a
 /// background thread.
-pub fn remove_gently(path: &Path) -> io::Result<()> {
-    match OpenOptions::new().write(true).open(path) {
-        Ok(file) => {
-            let meta = file.metadata()?;
-            if meta.nlink() == 1 {
-                let mut len = meta.len();
+pub fn remove_gently(fs: &dyn Fs, path: &Path) -> io::Result<()> {
+    match fs.open(path, Open::Append) {
+        Ok(mut file) => {
+            if file.links()? == 1 {
+                let mut len = file.len()?;
                 while len > SHRINK_STEP {
                     len -= SHRINK_STEP;
                     file.set_len(len)?;
@@ -592,7 +580,7 @@ pub fn remove_gently(path: &Path) -> io::Result<()> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(e),
     }
-    match std::fs::remove_file(path) {
+    match fs.remove_file(path) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
         _ => Ok(()),
     }
@@ -601,6 +589,7 @@ pub fn remove_gently(path: &Path) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::fs::RealFs;
 
     #[test]
     fn remove_gently_removes_a_file_but_never_frees_another_names_blocks() {
@@ -611,7 +600,7 @@ mod tests {
             .unwrap()
             .set_len(3 * SHRINK_STEP + 5)
             .unwrap();
-        remove_gently(&big).unwrap();
+        remove_gently(&RealFs, &big).unwrap();
         assert!(!big.exists());
         // A file with a second name (the current snapshot, linked by a
         // checkpoint that stopped before its rename): only this name goes.
@@ -621,11 +610,11 @@ mod tests {
         std::fs::write(&kept, &content).unwrap();
         let other = dir.path().join("other");
         std::fs::hard_link(&kept, &other).unwrap();
-        remove_gently(&other).unwrap();
+        remove_gently(&RealFs, &other).unwrap();
         assert!(!other.exists());
         assert!(std::fs::read(&kept).unwrap() == content, "untouched");
         // Already gone: nothing to do.
-        remove_gently(&other).unwrap();
+        remove_gently(&RealFs, &other).unwrap();
     }
 
     /// Segment `seq` in `dir` holding `changes`, appended in batches of
@@ -636,7 +625,7 @@ mod tests {
         changes: &[(&str, u64, Option<&[u8]>)],
         per_append: usize,
     ) -> Vec<u8> {
-        let mut s = Segment::create(dir, seq).unwrap();
+        let mut s = Segment::create(&RealFs, dir, seq).unwrap();
         for batch in changes.chunks(per_append.max(1)) {
             let mut buf = Vec::new();
             for (id, index, record) in batch {
@@ -692,7 +681,7 @@ mod tests {
         assert_eq!(o.changes["b"], None);
         assert_eq!(o.last_index, 4);
         assert_eq!(
-            list_segments(dir.path()).unwrap(),
+            list_segments(&RealFs, dir.path()).unwrap(),
             vec![(7, segment_path(dir.path(), 7))]
         );
         assert!(!dir.path().join(SEGMENT_TEMP).exists());
@@ -905,7 +894,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let bytes = segment(dir.path(), 1, &[("a", 1, Some(b"x")), ("b", 2, Some(b"y"))]);
         let path = segment_path(dir.path(), 1);
-        let aside = cut(&path, 30).unwrap();
+        let aside = cut(&RealFs, &path, 30).unwrap();
         assert_eq!(
             aside,
             dir.path().join(format!("{SEGMENT_PREFIX}{:020}.broken", 1))
@@ -913,10 +902,14 @@ mod tests {
         assert_eq!(std::fs::read(&aside).unwrap(), &bytes[30..]);
         assert_eq!(std::fs::read(&path).unwrap(), &bytes[..30]);
         // Cut again (a start that failed after cutting): the first copy stays.
-        let again = cut(&path, 28).unwrap();
+        let again = cut(&RealFs, &path, 28).unwrap();
         assert_ne!(again, aside);
         assert_eq!(std::fs::read(&again).unwrap(), &bytes[28..30]);
         assert_eq!(std::fs::read(&aside).unwrap(), &bytes[30..]);
-        assert_eq!(list_segments(dir.path()).unwrap().len(), 1, "not a segment");
+        assert_eq!(
+            list_segments(&RealFs, dir.path()).unwrap().len(),
+            1,
+            "not a segment"
+        );
     }
 }
