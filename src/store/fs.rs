@@ -31,6 +31,7 @@ pub enum Open {
 }
 
 /// An open file.
+#[allow(clippy::len_without_is_empty)] // a file's length is an I/O result
 pub trait FsFile: Read + Write + Seek + Send {
     /// Makes the file's data durable (`fdatasync`).
     fn sync_data(&mut self) -> io::Result<()>;
