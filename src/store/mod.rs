@@ -8,6 +8,8 @@ mod disk;
 pub mod fs;
 mod memory;
 mod migrate;
+#[cfg(test)]
+mod powerloss;
 mod record;
 mod salvage;
 mod snapshot;

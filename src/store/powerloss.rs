@@ -1,0 +1,365 @@
+//! Power loss, simulated: the disk store runs on `fs::sim::SimFs`, which
+//! crashes at a random operation — dropping every write, create, rename
+//! and unlink that no fsync made durable, and tearing unsynced appends at a
+//! random byte (their end perhaps zeros) — and recovery must then start,
+//! and hold every acknowledged change. A second crash may strike during
+//! that recovery (its repairs must be crash-safe too).
+//!
+//! Also here: the store's answers to a disk that fails — ENOSPC and EIO on
+//! fsync, a read-only directory — through the same seam, where neither a
+//! root user nor tmpfs would let a test make them happen.
+
+use std::{
+    collections::BTreeMap,
+    io,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
+
+use proptest::prelude::*;
+
+use super::{
+    Commit, DiskStore, DiskStoreConfig, Op, Store, StoreError, StoreHealth,
+    fs::{
+        Fs,
+        sim::{self, SimFs},
+    },
+};
+use crate::lifecycle::{AllocId, AllocSpec, Allocation, Limits, TaskName, TaskSpec};
+
+fn dir() -> PathBuf {
+    PathBuf::from("/sim/data")
+}
+
+fn spec() -> Arc<AllocSpec> {
+    let task = TaskSpec {
+        name: TaskName::parse("web").unwrap(),
+        lifecycle: None,
+        leader: false,
+    };
+    Arc::new(AllocSpec::new(vec![task], &Limits::default()).unwrap())
+}
+
+fn open(fs: &SimFs, log_limit: u64) -> Result<DiskStore, StoreError> {
+    DiskStore::open(DiskStoreConfig {
+        max_batch: 16,
+        log_limit,
+        retry: Duration::from_millis(1),
+        fs: Arc::new(fs.clone()),
+        ..DiskStoreConfig::new(dir())
+    })
+}
+
+/// What one key may hold after a crash: the last acknowledged value (its
+/// index; `None` for deleted or never written), or one written after it
+/// whose commit had not answered.
+#[derive(Clone, Debug, Default)]
+struct Key {
+    acked: Option<u64>,
+    maybe: Vec<Option<u64>>,
+}
+
+/// One step: a put (of `size` detail bytes) or a deletion of key `key`.
+#[derive(Clone, Debug)]
+struct Step {
+    key: u8,
+    put: bool,
+    size: usize,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    (0..6u8, prop::bool::weighted(0.8), 0..600usize).prop_map(|(key, put, size)| Step {
+        key,
+        put,
+        size,
+    })
+}
+
+fn alloc(key: u8, index: u64, size: usize) -> Allocation {
+    let id = AllocId::parse(&format!("key-{key}")).unwrap();
+    let mut a = Allocation::register(id, spec(), index, time::OffsetDateTime::UNIX_EPOCH);
+    // Records of different sizes, so appends cross sector boundaries.
+    let report = crate::lifecycle::TaskReport {
+        state: crate::lifecycle::RunState::Running,
+        failed: false,
+        event: Some(crate::lifecycle::EventInput {
+            kind: "Started".into(),
+            time: None,
+            message: "x".repeat(size),
+            details: Default::default(),
+        }),
+    };
+    if let Some(next) = a.report(&[(0, report)], time::OffsetDateTime::UNIX_EPOCH, || index) {
+        a = next;
+    }
+    a.modify_index = index;
+    a
+}
+
+/// Runs `steps` against a store on `fs` (at most three commits in flight,
+/// on distinct keys) until the first failed commit; returns what each key
+/// may hold.
+fn drive(fs: &SimFs, log_limit: u64, steps: &[Step]) -> (BTreeMap<u8, Key>, u64) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let mut keys: BTreeMap<u8, Key> = BTreeMap::new();
+    // The crash may come while it opens: then nothing was acknowledged.
+    let Ok(store) = open(fs, log_limit) else {
+        return (keys, 0);
+    };
+    let mut index = 0;
+    let mut acked_index = 0;
+    'run: for chunk in steps.chunks(3) {
+        let mut flight: Vec<(u8, Option<u64>, u64, Commit)> = Vec::new();
+        for s in chunk {
+            if flight.iter().any(|(k, _, _, _)| *k == s.key) {
+                continue;
+            }
+            index += 1;
+            let (value, op) = if s.put {
+                (Some(index), Op::Put(Arc::new(alloc(s.key, index, s.size))))
+            } else {
+                let id = AllocId::parse(&format!("key-{}", s.key)).unwrap();
+                (None, Op::Delete { id, index })
+            };
+            keys.entry(s.key).or_default().maybe.push(value);
+            flight.push((s.key, value, index, store.commit(op)));
+        }
+        let mut failed = false;
+        for (key, value, its_index, commit) in flight {
+            if rt.block_on(commit).is_ok() {
+                let k = keys.get_mut(&key).unwrap();
+                k.acked = value;
+                k.maybe.clear();
+                acked_index = acked_index.max(its_index);
+            } else {
+                failed = true;
+            }
+        }
+        if failed {
+            break 'run;
+        }
+    }
+    drop(store);
+    (keys, acked_index)
+}
+
+/// Checks a recovered store against what each key may hold.
+fn check(store: &DiskStore, keys: &BTreeMap<u8, Key>, acked_index: u64) -> Result<(), String> {
+    let loaded = store.load().map_err(|e| e.to_string())?;
+    let got: BTreeMap<String, u64> = loaded
+        .allocations
+        .iter()
+        .map(|a| (a.id.to_string(), a.modify_index))
+        .collect();
+    for (key, k) in keys {
+        let name = format!("key-{key}");
+        let found = got.get(&name).copied();
+        if found != k.acked && !k.maybe.contains(&found) {
+            return Err(format!(
+                "{name}: recovered {found:?}; acknowledged {:?}, in flight {:?}",
+                k.acked, k.maybe
+            ));
+        }
+    }
+    if let Some(stray) = got
+        .keys()
+        .find(|n| !keys.keys().any(|k| format!("key-{k}") == **n))
+    {
+        return Err(format!("{stray} was never written"));
+    }
+    if loaded.last_index < acked_index {
+        return Err(format!(
+            "the index went back: {} < {acked_index}",
+            loaded.last_index
+        ));
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(
+        std::env::var("TASKGATE_POWERLOSS_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(64)
+    ))]
+
+    /// A crash at any operation, a torn last write, maybe a second crash
+    /// during the recovery: the store starts, and holds every acknowledged
+    /// change (or a newer one whose commit had not answered), nothing that
+    /// was never written, and an index that never goes back.
+    #[test]
+    fn a_power_loss_at_any_moment_keeps_every_acknowledged_change(
+        steps in prop::collection::vec(step(), 1..60),
+        crash_at in 1..3000u64,
+        second in prop::option::weighted(0.3, 1..200u64),
+        log_limit in prop::sample::select(vec![200u64, 2048, 1 << 26]),
+        seed in any::<u64>(),
+    ) {
+        let fs = SimFs::new();
+        fs.create_dir_all(&dir()).unwrap();
+        // The first crash comes during the workload, or right after it.
+        fs.crash_after(crash_at, seed);
+        let (keys, acked_index) = drive(&fs, log_limit, &steps);
+        fs.crash_now(seed);
+        let mut image = fs.image().unwrap();
+        if let Some(n) = second {
+            let during = SimFs::from_image(&image);
+            during.crash_after(n, seed ^ 1);
+            if let Ok(store) = open(&during, log_limit) {
+                drop(store);
+            }
+            during.crash_now(seed ^ 1);
+            image = during.image().unwrap();
+        }
+        let after = SimFs::from_image(&image);
+        let store = open(&after, log_limit)
+            .map_err(|e| TestCaseError::fail(format!("recovery refused to start: {e}")))?;
+        check(&store, &keys, acked_index).map_err(TestCaseError::fail)?;
+    }
+}
+
+/// Commits `n` puts, one at a time, on keys `first..`; returns the results.
+fn commit_puts(store: &DiskStore, first: u8, n: u8) -> Vec<Result<(), StoreError>> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    (first..first + n)
+        .map(|k| rt.block_on(store.commit(Op::Put(Arc::new(alloc(k, u64::from(k) + 1, 10))))))
+        .collect()
+}
+
+fn enospc() -> io::Error {
+    io::Error::from_raw_os_error(28)
+}
+
+/// ENOSPC or EIO on the log's fsync: the change is refused, the store takes
+/// no more (what reached the disk is unknown), health says so; the
+/// changes acknowledged before survive, and a restart recovers.
+#[test]
+fn a_failed_fsync_of_the_log_stops_writes_until_a_restart() {
+    for error in [enospc as fn() -> io::Error, || {
+        io::Error::from_raw_os_error(5)
+    }] {
+        let fs = SimFs::new();
+        fs.create_dir_all(&dir()).unwrap();
+        let store = open(&fs, 1 << 26).unwrap();
+        assert!(commit_puts(&store, 0, 3).iter().all(Result::is_ok));
+        let fail = error;
+        fs.fail_with(move |op, path: &Path| {
+            let log = path.to_string_lossy().contains("taskgate.wal.");
+            (op == sim::Op::SyncData && log).then(fail)
+        });
+        let refused = commit_puts(&store, 3, 2);
+        assert!(refused.iter().all(Result::is_err), "{refused:?}");
+        assert!(
+            matches!(
+                store.health(),
+                StoreHealth::Refusing {
+                    code: "write_failed",
+                    ..
+                }
+            ),
+            "{:?}",
+            store.health()
+        );
+        fs.heal();
+        assert!(commit_puts(&store, 5, 1)[0].is_err(), "not until a restart");
+        drop(store);
+        fs.crash_now(3);
+        let after = SimFs::from_image(&fs.image().unwrap());
+        let store = open(&after, 1 << 26).unwrap();
+        let ids: Vec<_> = store
+            .load()
+            .unwrap()
+            .allocations
+            .iter()
+            .map(|a| a.id.to_string())
+            .collect();
+        assert!(
+            ids.starts_with(&["key-0".into(), "key-1".into(), "key-2".into()]),
+            "{ids:?}"
+        );
+    }
+}
+
+/// A directory that becomes read-only (EROFS on every create and rename),
+/// or a disk that fills up under the checkpoint: writes go on in the
+/// current segment while the store reports itself degraded, and once the
+/// directory takes writes again, the rollover and the checkpoint happen.
+#[test]
+fn a_read_only_directory_or_a_full_disk_degrades_the_store_until_it_mends() {
+    for (what, fault) in [
+        (
+            "read-only",
+            Box::new(|op: sim::Op, _: &Path| {
+                matches!(
+                    op,
+                    sim::Op::Open(super::fs::Open::Truncate | super::fs::Open::CreateNew)
+                        | sim::Op::Rename
+                )
+                .then(|| io::Error::from_raw_os_error(30))
+            }) as Box<dyn FnMut(sim::Op, &Path) -> Option<io::Error> + Send>,
+        ),
+        (
+            "full",
+            Box::new(|op: sim::Op, path: &Path| {
+                let snapshot = path.to_string_lossy().contains("snapshot");
+                (op == sim::Op::Write && snapshot).then(enospc)
+            }),
+        ),
+    ] {
+        let fs = SimFs::new();
+        fs.create_dir_all(&dir()).unwrap();
+        let store = open(&fs, 200).unwrap();
+        let mut fault = Some(fault);
+        fs.fail_with(move |op, path| fault.as_mut().and_then(|f| f(op, path)));
+        let results = commit_puts(&store, 0, 40);
+        assert!(
+            results.iter().all(Result::is_ok),
+            "{what}: writes go on: {results:?}"
+        );
+        let degraded = (0..10_000).any(|_| {
+            std::thread::sleep(Duration::from_millis(1));
+            matches!(store.health(), StoreHealth::Degraded(_))
+        });
+        assert!(degraded, "{what}: {:?}", store.health());
+        fs.heal();
+        let mended = (0..10_000).any(|_| {
+            std::thread::sleep(Duration::from_millis(1));
+            store.health() == StoreHealth::Ok && store.stats().checkpoints > 0
+        });
+        assert!(mended, "{what}: {:?} {:?}", store.health(), store.stats());
+        assert!(commit_puts(&store, 40, 5).iter().all(Result::is_ok));
+        drop(store);
+        fs.crash_now(1);
+        let after = SimFs::from_image(&fs.image().unwrap());
+        let loaded = open(&after, 200).unwrap().load().unwrap();
+        assert_eq!(loaded.allocations.len(), 45, "{what}");
+    }
+}
+
+/// Stray files a crash can leave — a segment being created, a snapshot
+/// being written, a cut tail kept aside — never stop a start or count as
+/// data; the unfinished ones are removed.
+#[test]
+fn stray_temporary_files_are_removed_or_left_alone() {
+    let fs = SimFs::new();
+    fs.create_dir_all(&dir()).unwrap();
+    let store = open(&fs, 1 << 26).unwrap();
+    assert!(commit_puts(&store, 0, 3).iter().all(Result::is_ok));
+    drop(store);
+    let stray = [
+        (super::wal::SEGMENT_TEMP, true),
+        (super::snapshot::NEXT_FILE, true),
+        ("taskgate.wal.00000000000000000001.broken", false),
+    ];
+    for (name, _) in stray {
+        fs.put(&dir().join(name), b"half-written".to_vec());
+    }
+    let store = open(&fs, 1 << 26).unwrap();
+    assert_eq!(store.load().unwrap().allocations.len(), 3);
+    for (name, removed) in stray {
+        assert_eq!(!fs.exists(&dir().join(name)), removed, "{name}");
+    }
+}
