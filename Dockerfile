@@ -2,7 +2,7 @@
 #
 #   podman build --format docker -t taskgate .
 #   podman run -d -p 8080:8080 -v taskgate-data:/data \
-#     -e TASKGATE_OPERATOR_TOKEN=change-me taskgate
+#     -e TASKGATE_OPERATOR_TOKEN="$(openssl rand -hex 32)" taskgate
 #
 # The base images are build arguments, so the image also builds where only
 # local base images exist (see scripts/container-smoke): the build stage
