@@ -915,16 +915,24 @@ impl Writer {
     fn maintain(&mut self) {
         if self.in_flight {
             let answer = match self.done.try_recv() {
-                Ok(answer) => Some(answer),
+                Ok(answer) => Ok(answer),
                 Err(mpsc::TryRecvError::Empty)
                     if self.log_bytes < self.limit().saturating_mul(LOG_SLACK) =>
                 {
-                    None
+                    Err(false)
                 }
-                Err(mpsc::TryRecvError::Empty) => self.done.recv().ok(),
-                Err(mpsc::TryRecvError::Disconnected) => None,
+                Err(mpsc::TryRecvError::Empty) => self.done.recv().map_err(|_| true),
+                Err(mpsc::TryRecvError::Disconnected) => Err(true),
             };
-            let Some(answer) = answer else { return };
+            let answer = match answer {
+                Ok(answer) => answer,
+                Err(gone) => {
+                    if gone {
+                        self.checkpointer_gone();
+                    }
+                    return;
+                }
+            };
             self.in_flight = false;
             self.finished(answer);
         }
@@ -963,6 +971,17 @@ impl Writer {
             self.in_flight = true;
             // Tried: the next try comes with the answer.
             self.retry_at = None;
+        }
+    }
+
+    /// The checkpoint thread is gone (it panicked): said once, as a
+    /// failing checkpoint, so health shows it and the log's ceiling stops
+    /// the growth that follows.
+    fn checkpointer_gone(&mut self) {
+        let mut t = self.trouble();
+        if t.checkpoint.is_none() {
+            tracing::error!("the checkpoint thread is gone; the store log grows until its ceiling");
+            t.checkpoint = Some("the checkpoint thread is gone".into());
         }
     }
 
