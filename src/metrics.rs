@@ -171,6 +171,24 @@ fn position<T: PartialEq + std::fmt::Debug>(all: &[T], x: &T) -> Option<usize> {
     found
 }
 
+/// A counter with one label, one series per value of its fixed set.
+fn labeled_counter<'a, V: std::fmt::Display>(
+    out: &mut String,
+    name: &str,
+    help: &str,
+    label: &str,
+    series: impl Iterator<Item = (V, &'a AtomicU64)>,
+) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+    for (value, n) in series {
+        let _ = writeln!(
+            out,
+            "{name}{{{label}=\"{value}\"}} {}",
+            n.load(Ordering::Relaxed)
+        );
+    }
+}
+
 /// HTTP methods as a label: the standard ones, every other as `other` (a
 /// client can send any token as a method; 3,000 invented ones grew
 /// `/metrics` by 6 MB).
@@ -317,27 +335,21 @@ impl Metrics {
             self.reports.load(Ordering::Relaxed)
         );
 
-        out.push_str(
-            "# HELP taskgate_restarts_total Restart requests that changed something, by mode.\n",
+        labeled_counter(
+            &mut out,
+            "taskgate_restarts_total",
+            "Restart requests that changed something, by mode.",
+            "mode",
+            RESTART_MODES.iter().copied().zip(&self.restarts),
         );
-        out.push_str("# TYPE taskgate_restarts_total counter\n");
-        for (mode, n) in RESTART_MODES.iter().zip(&self.restarts) {
-            let _ = writeln!(
-                out,
-                "taskgate_restarts_total{{mode=\"{mode}\"}} {}",
-                n.load(Ordering::Relaxed)
-            );
-        }
 
-        out.push_str("# HELP taskgate_stop_orders_total Tasks newly told to stop, by reason.\n");
-        out.push_str("# TYPE taskgate_stop_orders_total counter\n");
-        for (reason, n) in StopKind::ALL.iter().zip(&self.stop_orders) {
-            let _ = writeln!(
-                out,
-                "taskgate_stop_orders_total{{reason=\"{reason}\"}} {}",
-                n.load(Ordering::Relaxed)
-            );
-        }
+        labeled_counter(
+            &mut out,
+            "taskgate_stop_orders_total",
+            "Tasks newly told to stop, by reason.",
+            "reason",
+            StopKind::ALL.iter().zip(&self.stop_orders),
+        );
 
         out.push_str(
             "# HELP taskgate_store_commit_duration_seconds Durable commits of the store.\n",
@@ -362,15 +374,13 @@ impl Metrics {
              taskgate_store_checkpoint_records_total {}",
             self.checkpoint_records.load(Ordering::Relaxed)
         );
-        out.push_str("# HELP taskgate_store_background_failures_total Failed checkpoints and failed tries to start a log segment.\n");
-        out.push_str("# TYPE taskgate_store_background_failures_total counter\n");
-        for (operation, n) in STORE_OPERATIONS.iter().zip(&self.store_failures) {
-            let _ = writeln!(
-                out,
-                "taskgate_store_background_failures_total{{operation=\"{operation}\"}} {}",
-                n.load(Ordering::Relaxed)
-            );
-        }
+        labeled_counter(
+            &mut out,
+            "taskgate_store_background_failures_total",
+            "Failed checkpoints and failed tries to start a log segment.",
+            "operation",
+            STORE_OPERATIONS.iter().copied().zip(&self.store_failures),
+        );
         let _ = writeln!(
             out,
             "# HELP taskgate_store_unfolded_log_bytes Store log not yet folded into the snapshot.\n\

@@ -335,11 +335,14 @@ fn rule_breaking_specs_and_reports_are_invalid_requests() {
 #[test]
 fn event_details_are_limited_while_decoding_and_by_their_bytes() {
     let b = Battery::start();
+    let with_details = |keys: &[String]| {
+        format!(
+            r#"{{"state": "running", "event": {{"type": "x", "details": {{{}}}}}}}"#,
+            keys.join(", ")
+        )
+    };
     let keys: Vec<String> = (0..40_000).map(|i| format!("\"k{i:05}\": \"v\"")).collect();
-    let body = format!(
-        r#"{{"state": "running", "event": {{"type": "x", "details": {{{}}}}}}}"#,
-        keys.join(", ")
-    );
+    let body = with_details(&keys);
     let answer = b.expect(
         "40,000 details",
         &json_request("PUT", REPORT, body.as_bytes()),
@@ -357,10 +360,7 @@ fn event_details_are_limited_while_decoding_and_by_their_bytes() {
 
     let mut keys: Vec<String> = (0..31).map(|i| format!("\"k{i}\": \"v\"")).collect();
     keys.push("\"k0\": \"again\"".into());
-    let body = format!(
-        r#"{{"state": "running", "event": {{"type": "x", "details": {{{}}}}}}}"#,
-        keys.join(", ")
-    );
+    let body = with_details(&keys);
     let answer = b.expect(
         "a duplicate detail key",
         &json_request("PUT", REPORT, body.as_bytes()),
