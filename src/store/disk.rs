@@ -72,6 +72,8 @@ pub struct DiskStoreConfig {
     /// Where the files are: the real file system, or a simulated one in
     /// tests.
     pub fs: Arc<dyn Fs>,
+    /// Changes queued for the writer at most (`COMMIT_QUEUE`).
+    pub commit_queue: usize,
 }
 
 impl std::fmt::Debug for DiskStoreConfig {
@@ -96,6 +98,7 @@ impl DiskStoreConfig {
             retry: RETRY_FIRST,
             metrics: None,
             fs: Arc::new(RealFs),
+            commit_queue: COMMIT_QUEUE,
         }
     }
 }
@@ -244,7 +247,7 @@ impl DiskStore {
                 }),
             )?
         };
-        let (tx, rx) = mpsc::sync_channel(COMMIT_QUEUE);
+        let (tx, rx) = mpsc::sync_channel(config.commit_queue.max(1));
         let trouble = Arc::new(Mutex::new(Trouble::default()));
         let log_limit = config.log_limit.max(1);
         let writer = Writer {
@@ -298,9 +301,9 @@ impl DiskStore {
             return Err(StoreError::Closed);
         };
         q.try_send(msg).map_err(|e| match e {
-            mpsc::TrySendError::Full(_) => StoreError::Unavailable(format!(
-                "{COMMIT_QUEUE} changes are waiting for the disk; try again"
-            )),
+            mpsc::TrySendError::Full(_) => StoreError::Unavailable(
+                "the commit queue is full: changes are waiting for the disk; try again".into(),
+            ),
             mpsc::TrySendError::Disconnected(_) => StoreError::Closed,
         })
     }
@@ -1652,8 +1655,9 @@ mod tests {
             n += 1;
             store.commit(put(n)).await.unwrap();
         }
+        // Counted by name only: the cleanup may remove one while it is read.
         wait_until("the first checkpoint's cleanup", || {
-            segments(dir.path()).len() == 1
+            wal::list_segments(&RealFs, dir.path()).unwrap().len() == 1
         });
         let path = dir.path().join(SNAPSHOT_FILE);
         let good = std::fs::read(&path).unwrap();

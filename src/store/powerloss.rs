@@ -363,3 +363,55 @@ fn stray_temporary_files_are_removed_or_left_alone() {
         assert_eq!(!fs.exists(&dir().join(name)), removed, "{name}");
     }
 }
+
+/// The writer's queue is bounded: with the disk stalled in an fsync, the
+/// change one past the queue's size is refused at once (503
+/// `store_unavailable` at the HTTP edge) instead of memory growing; the
+/// queued ones commit once the disk goes on.
+#[test]
+fn a_full_commit_queue_refuses_the_next_change_instead_of_growing() {
+    let fs = SimFs::new();
+    fs.create_dir_all(&dir()).unwrap();
+    let store = DiskStore::open(DiskStoreConfig {
+        max_batch: 1,
+        commit_queue: 4,
+        fs: Arc::new(fs.clone()),
+        ..DiskStoreConfig::new(dir())
+    })
+    .unwrap();
+    let (stalled_tx, stalled) = std::sync::mpsc::channel();
+    let (go, gate) = std::sync::mpsc::channel::<()>();
+    let gate = std::sync::Mutex::new(gate);
+    fs.fail_with(move |op, _| {
+        if op == sim::Op::SyncData {
+            let _ = stalled_tx.send(());
+            let _ = gate.lock().unwrap().recv();
+        }
+        None
+    });
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let put = |k: u8| store.commit(Op::Put(Arc::new(alloc(k, u64::from(k) + 1, 10))));
+    // The first change is taken by the writer, which stalls in its fsync.
+    let first = put(0);
+    stalled.recv().unwrap();
+    let queued: Vec<_> = (1..=4).map(put).collect();
+    // Refused at once: ready on its first poll, not queued behind the
+    // stalled disk.
+    let mut fifth = put(5);
+    let refused = fifth
+        .as_mut()
+        .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
+    assert!(
+        matches!(&refused, std::task::Poll::Ready(Err(StoreError::Unavailable(why))) if why.contains("queue is full")),
+        "{refused:?}"
+    );
+    // The disk goes on (the hook runs under the file system's lock, so it
+    // is released first, not replaced).
+    drop(go);
+    rt.block_on(first).unwrap();
+    for q in queued {
+        rt.block_on(q).unwrap();
+    }
+}
