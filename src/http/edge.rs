@@ -25,6 +25,9 @@ use crate::metrics::Metrics;
 /// The request-ID header, accepted from the client or generated.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 
+/// The registration route, whose handler applies the caller's quota.
+const REGISTER_ROUTE: &str = "/v1/allocations/{alloc_id}";
+
 /// Routes whose GET may wait (bounded by the wait cap instead).
 const WAITING_ROUTES: [&str; 3] = [
     "/v1/allocations/{alloc_id}",
@@ -130,7 +133,10 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
                     }
                 }
             }
-            req.extensions_mut().insert(super::auth::Caller(token));
+            // Only registration applies the caller's own quota.
+            if method == Method::PUT && route == Some(REGISTER_ROUTE) {
+                req.extensions_mut().insert(super::auth::Caller(token));
+            }
         }
         if announced_length(&req).is_some_and(|n| n > edge.body_limit as u64) {
             return payload_too_large().into_response();
