@@ -140,19 +140,32 @@ pub fn frame_with(
     }
     let len = u32::try_from(buf.len() - start - HEAD).expect("a record is far below 4 GiB");
     let len = len.to_le_bytes();
-    let mut crc = crc32fast::Hasher::new();
-    crc.update(&len);
-    crc.update(&buf[start + HEAD..]);
+    let crc = frame_sum(true, &len, &buf[start + HEAD..]);
     buf[start..start + 4].copy_from_slice(&len);
-    buf[start + 4..start + 8].copy_from_slice(&crc.finalize().to_le_bytes());
+    buf[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// crc32 of `a` followed by `b`.
+fn crc_of(a: &[u8], b: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(a);
+    h.update(b);
+    h.finalize()
+}
+
+/// A frame's checksum: of its length and payload (format 2), of its
+/// payload alone (format 1).
+fn frame_sum(v2: bool, len: &[u8], payload: &[u8]) -> u32 {
+    if v2 {
+        crc_of(len, payload)
+    } else {
+        crc32fast::hash(payload)
+    }
 }
 
 /// The chain value of a frame head (`len | crc`) following `previous`.
 fn chain(previous: u32, len_crc: &[u8]) -> u32 {
-    let mut h = crc32fast::Hasher::new();
-    h.update(&previous.to_le_bytes());
-    h.update(len_crc);
-    h.finalize()
+    crc_of(&previous.to_le_bytes(), len_crc)
 }
 
 /// Writes the chain of every frame in `frames` (whole frames, as
@@ -314,15 +327,7 @@ pub fn replay_with<'a>(
             // stopped midway.
             break Some(bad("is cut short", usize::MAX));
         };
-        let sum = if v2 {
-            let mut h = crc32fast::Hasher::new();
-            h.update(&rest[..4]);
-            h.update(payload);
-            h.finalize()
-        } else {
-            crc32fast::hash(payload)
-        };
-        if sum != crc {
+        if frame_sum(v2, &rest[..4], payload) != crc {
             break Some(bad("fails its checksum", pos + head + len));
         }
         let (id, index, record) =
@@ -375,15 +380,7 @@ pub fn salvage_with<'a>(
             let len = u32::from_le_bytes(h[..4].try_into().expect("4 bytes")) as usize;
             let crc = u32::from_le_bytes(h[4..8].try_into().expect("4 bytes"));
             let payload = bytes.get(pos + head..(pos + head).checked_add(len)?)?;
-            let sum = if v1 {
-                crc32fast::hash(payload)
-            } else {
-                let mut h = crc32fast::Hasher::new();
-                h.update(&bytes[pos..pos + 4]);
-                h.update(payload);
-                h.finalize()
-            };
-            (sum == crc).then_some(())?;
+            (frame_sum(!v1, &bytes[pos..pos + 4], payload) == crc).then_some(())?;
             parse(payload).ok().map(|change| (change, head + len))
         });
         match frame {
@@ -879,10 +876,8 @@ mod tests {
         let mut buf = Vec::new();
         frame(&mut buf, "a", 1, None);
         buf[HEAD] = 9; // unknown kind
-        let mut h = crc32fast::Hasher::new();
-        h.update(&buf[..4]);
-        h.update(&buf[HEAD..]);
-        buf[4..8].copy_from_slice(&h.finalize().to_le_bytes());
+        let sum = frame_sum(true, &buf[..4], &buf[HEAD..]);
+        buf[4..8].copy_from_slice(&sum.to_le_bytes());
         link(&mut buf, crc32fast::hash(&bytes[..16]));
         bytes.extend_from_slice(&buf);
         let err = replay(&bytes, 1, &mut Overlay::default()).unwrap_err();

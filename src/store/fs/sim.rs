@@ -253,6 +253,14 @@ impl SimFile {
         s.step(op, &self.path)?;
         Ok(s)
     }
+
+    /// Makes the file's bytes durable (its name is the directory's).
+    fn sync(&self, op: Op) -> io::Result<()> {
+        let mut s = self.step(op)?;
+        let inode = &mut s.inodes[self.ino];
+        inode.durable = inode.data.clone();
+        Ok(())
+    }
 }
 
 impl Read for SimFile {
@@ -310,16 +318,10 @@ impl Seek for SimFile {
 
 impl FsFile for SimFile {
     fn sync_data(&mut self) -> io::Result<()> {
-        let mut s = self.step(Op::SyncData)?;
-        let inode = &mut s.inodes[self.ino];
-        inode.durable = inode.data.clone();
-        Ok(())
+        self.sync(Op::SyncData)
     }
     fn sync_all(&mut self) -> io::Result<()> {
-        let mut s = self.step(Op::SyncAll)?;
-        let inode = &mut s.inodes[self.ino];
-        inode.durable = inode.data.clone();
-        Ok(())
+        self.sync(Op::SyncAll)
     }
     fn set_len(&mut self, len: u64) -> io::Result<()> {
         let mut s = self.step(Op::SetLen)?;
