@@ -171,6 +171,14 @@ fn position<T: PartialEq + std::fmt::Debug>(all: &[T], x: &T) -> Option<usize> {
     found
 }
 
+/// A metric of one series, without labels (`kind`: `counter`, `gauge`).
+fn unlabeled(out: &mut String, name: &str, kind: &str, help: &str, value: u64) {
+    let _ = writeln!(
+        out,
+        "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+    );
+}
+
 /// A counter with one label, one series per value of its fixed set.
 fn labeled_counter<'a, V: std::fmt::Display>(
     out: &mut String,
@@ -281,7 +289,7 @@ impl Metrics {
     /// Counts a failed background operation of the store (one of
     /// `STORE_OPERATIONS`).
     pub fn store_failure(&self, operation: &str) {
-        if let Some(i) = STORE_OPERATIONS.iter().position(|o| *o == operation) {
+        if let Some(i) = position(&STORE_OPERATIONS, &operation) {
             self.store_failures[i].fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -295,10 +303,7 @@ impl Metrics {
     pub fn render(&self, gauges: &[(&str, &str, u64)]) -> String {
         let mut out = String::with_capacity(8192);
         for (name, help, value) in gauges {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
-            );
+            unlabeled(&mut out, name, "gauge", help, *value);
         }
 
         out.push_str("# HELP taskgate_http_request_duration_seconds HTTP requests by method, matched route and status.\n");
@@ -329,10 +334,12 @@ impl Metrics {
             }
         }
 
-        let _ = writeln!(
-            out,
-            "# HELP taskgate_state_reports_total Task-state reports applied.\n# TYPE taskgate_state_reports_total counter\ntaskgate_state_reports_total {}",
-            self.reports.load(Ordering::Relaxed)
+        unlabeled(
+            &mut out,
+            "taskgate_state_reports_total",
+            "counter",
+            "Task-state reports applied.",
+            self.reports.load(Ordering::Relaxed),
         );
 
         labeled_counter(
@@ -367,12 +374,12 @@ impl Metrics {
         out.push_str("# TYPE taskgate_store_checkpoint_duration_seconds histogram\n");
         self.checkpoint_latency
             .render(&mut out, "taskgate_store_checkpoint_duration_seconds", "");
-        let _ = writeln!(
-            out,
-            "# HELP taskgate_store_checkpoint_records_total Changed records folded into the snapshot by checkpoints.\n\
-             # TYPE taskgate_store_checkpoint_records_total counter\n\
-             taskgate_store_checkpoint_records_total {}",
-            self.checkpoint_records.load(Ordering::Relaxed)
+        unlabeled(
+            &mut out,
+            "taskgate_store_checkpoint_records_total",
+            "counter",
+            "Changed records folded into the snapshot by checkpoints.",
+            self.checkpoint_records.load(Ordering::Relaxed),
         );
         labeled_counter(
             &mut out,
@@ -381,12 +388,12 @@ impl Metrics {
             "operation",
             STORE_OPERATIONS.iter().copied().zip(&self.store_failures),
         );
-        let _ = writeln!(
-            out,
-            "# HELP taskgate_store_unfolded_log_bytes Store log not yet folded into the snapshot.\n\
-             # TYPE taskgate_store_unfolded_log_bytes gauge\n\
-             taskgate_store_unfolded_log_bytes {}",
-            self.unfolded_log_bytes.load(Ordering::Relaxed)
+        unlabeled(
+            &mut out,
+            "taskgate_store_unfolded_log_bytes",
+            "gauge",
+            "Store log not yet folded into the snapshot.",
+            self.unfolded_log_bytes.load(Ordering::Relaxed),
         );
         out
     }
