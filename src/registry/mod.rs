@@ -410,7 +410,19 @@ impl Registry {
             let held = if q.prefixes.is_empty() {
                 map.len()
             } else {
-                q.prefixes.iter().map(|p| map.count_prefix(p, q.max)).sum()
+                // Each ID once: a prefix inside another of the list (or
+                // given twice) is the other's count already.
+                let covered = |i: usize, p: &String| {
+                    q.prefixes.iter().enumerate().any(|(j, o)| {
+                        j != i && p.starts_with(o.as_str()) && (o.len() < p.len() || j < i)
+                    })
+                };
+                q.prefixes
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, p)| !covered(i, p))
+                    .map(|(_, p)| map.count_prefix(p, q.max))
+                    .sum()
             };
             if held >= q.max {
                 return Err(RegistryError::QuotaExceeded(format!(

@@ -533,3 +533,28 @@ async fn a_panic_while_the_map_is_written_leaves_it_whole_for_the_next_user() {
     r.register(id("a2"), two_stage()).await.unwrap();
     assert_eq!(r.len(), 3);
 }
+
+/// A token's allocation quota counts each of its allocations once, also
+/// when one of its prefixes lies inside another (or is given twice).
+#[tokio::test]
+async fn a_quota_counts_each_allocation_once_across_overlapping_prefixes() {
+    let (r, _) = registry();
+    let prefixes = ["web-".to_owned(), "web-eu-".to_owned(), "web-".to_owned()];
+    let quota = || {
+        Some(Quota {
+            name: "team",
+            prefixes: &prefixes,
+            max: 3,
+        })
+    };
+    for id_ in ["web-eu-1", "web-eu-2", "web-us-1"] {
+        r.register_within(id(id_), two_stage(), quota())
+            .await
+            .unwrap();
+    }
+    let err = r
+        .register_within(id("web-us-2"), two_stage(), quota())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("holds 3"), "{err}");
+}
