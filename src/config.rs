@@ -196,7 +196,7 @@ pub struct ServeConfig {
     /// Waits one token may hold at once (a token file entry's
     /// `max_waiters` overrides it); more get 429 `quota_exceeded`, so one
     /// tenant cannot take every waiter slot.
-    #[arg(long, env = "TASKGATE_MAX_WAITERS_PER_TOKEN", default_value_t = 10_000)]
+    #[arg(long, env = "TASKGATE_MAX_WAITERS_PER_TOKEN", default_value_t = crate::http::auth::DEFAULT_MAX_WAITERS_PER_TOKEN)]
     pub max_waiters_per_token: usize,
 
     /// Allocations the server holds at most; registering one more is 429
@@ -259,7 +259,7 @@ impl ServeConfig {
             body_limit: 1024 * 1024,
             max_wait: Duration::from_secs(300),
             max_waiters: 100_000,
-            max_waiters_per_token: 10_000,
+            max_waiters_per_token: crate::http::auth::DEFAULT_MAX_WAITERS_PER_TOKEN,
             max_allocations: crate::registry::DEFAULT_MAX_ALLOCATIONS,
             max_connections: 20_000,
             shutdown_grace: Duration::from_secs(10),

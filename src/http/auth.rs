@@ -111,6 +111,9 @@ impl Drop for WaitSlot {
     }
 }
 
+/// Waits one token may hold at once, unless configured otherwise.
+pub const DEFAULT_MAX_WAITERS_PER_TOKEN: usize = 10_000;
+
 /// The configured tokens. No tokens at all means authentication is off.
 #[derive(Debug)]
 pub struct Auth {
@@ -126,7 +129,7 @@ impl Default for Auth {
         Self {
             tokens: Vec::new(),
             public_metrics: false,
-            max_waiters_per_token: 10_000,
+            max_waiters_per_token: DEFAULT_MAX_WAITERS_PER_TOKEN,
         }
     }
 }
