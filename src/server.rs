@@ -86,23 +86,24 @@ pub fn connection_limit(configured: usize) -> usize {
     configured.min(fits).max(1)
 }
 
-/// The answer to a connection over the limit (problem+json, as every
-/// answer of the service).
+/// The answer to a connection over the limit: problem+json, as every
+/// answer of the service, written by hand (no request was read).
 fn too_many_connections() -> Vec<u8> {
-    let body = serde_json::json!({
-        "type": "about:blank",
-        "title": "Service Unavailable",
-        "status": 503,
-        "detail": "the server has as many connections open as it may; retry later",
-        "code": "too_many_connections",
-    })
-    .to_string();
-    format!(
+    let body = crate::http::error::ApiError::new(
+        axum::http::StatusCode::SERVICE_UNAVAILABLE,
+        "too_many_connections",
+        "the server has as many connections open as it may; retry later",
+    )
+    .into_body();
+    let mut answer = format!(
         "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/problem+json\r\n\
-         Retry-After: 1\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+         Retry-After: {}\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+        crate::http::error::RETRY_AFTER_SECS,
         body.len()
     )
-    .into_bytes()
+    .into_bytes();
+    answer.extend_from_slice(&body);
+    answer
 }
 
 /// Answers a connection over the limit with 503 and closes it.

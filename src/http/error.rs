@@ -18,7 +18,7 @@ use crate::{
 use super::INDEX_HEADER;
 
 /// Seconds a client is asked to wait before retrying a 503.
-const RETRY_AFTER_SECS: &str = "1";
+pub const RETRY_AFTER_SECS: &str = "1";
 
 /// An RFC 9457 problem document.
 #[derive(Debug, Serialize, ToSchema)]
@@ -212,8 +212,9 @@ impl From<StoreError> for ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
+impl ApiError {
+    /// The problem+json body of this error.
+    pub fn into_body(self) -> Vec<u8> {
         let problem = Problem {
             r#type: "about:blank",
             title: self.status.canonical_reason().unwrap_or("Error").to_owned(),
@@ -223,17 +224,23 @@ impl IntoResponse for ApiError {
             errors: self.errors,
             errors_omitted: self.errors_omitted,
         };
-        let body = serde_json::to_vec(&problem).unwrap_or_default();
-        let mut res = (self.status, body).into_response();
+        serde_json::to_vec(&problem).unwrap_or_default()
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, index, retry_after) = (self.status, self.index, self.retry_after);
+        let mut res = (status, self.into_body()).into_response();
         let headers = res.headers_mut();
         headers.insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/problem+json"),
         );
-        if let Some(index) = self.index {
+        if let Some(index) = index {
             headers.insert(INDEX_HEADER, HeaderValue::from(index));
         }
-        if self.retry_after {
+        if retry_after {
             headers.insert(
                 header::RETRY_AFTER,
                 HeaderValue::from_static(RETRY_AFTER_SECS),
