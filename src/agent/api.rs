@@ -37,8 +37,8 @@ pub struct TaskInfo {
     pub coordinator_state: String,
 }
 
-/// The answer to "may I start?".
-#[derive(Debug, Clone)]
+/// The answer to "may I start?" (decoded whole: every field is required).
+#[derive(Debug, Clone, serde::Deserialize)]
 pub struct StartCondition {
     pub allowed: bool,
     pub desired: String,
@@ -88,13 +88,6 @@ struct AllocationWire {
     modify_index: u64,
     coordinator_state: String,
     tasks: Vec<TaskWire>,
-}
-
-#[derive(Debug, serde::Deserialize)]
-struct StartWire {
-    allowed: bool,
-    desired: String,
-    coordinator_state: String,
 }
 
 impl TaskWire {
@@ -249,12 +242,7 @@ impl Api {
     pub async fn start_condition(&self) -> Result<StartCondition, ApiError> {
         let path = format!("{}/start-condition?wait={POLL_WAIT}", self.task_path());
         let v = self.call("GET", &path, None).await?;
-        let s: StartWire = decode(&path, v)?;
-        Ok(StartCondition {
-            allowed: s.allowed,
-            desired: s.desired,
-            coordinator_state: s.coordinator_state,
-        })
+        decode(&path, v)
     }
 }
 
@@ -289,7 +277,7 @@ mod tests {
         };
         assert!(e.contains("desired"), "{e}");
         let start = json!({"allowed": "yes", "desired": "run", "coordinator_state": "main"});
-        assert!(decode::<StartWire>("GET start-condition", start).is_err());
+        assert!(decode::<StartCondition>("GET start-condition", start).is_err());
         let alloc = json!({"modify_index": 4, "coordinator_state": "main", "tasks": [task]});
         let a: AllocationWire = decode("GET allocation", alloc).unwrap();
         assert_eq!(a.tasks[0].name, "web");
