@@ -299,6 +299,14 @@ fn open_configured_store(
     if config.in_memory {
         return Ok(Arc::new(MemoryStore::volatile()));
     }
+    if config.store == crate::config::StoreKind::Etcd {
+        let etcd = config.etcd.config().map_err(StoreError::Unusable)?;
+        // Blocking is fine here: the store opens on a blocking thread.
+        let store = tokio::runtime::Handle::current()
+            .block_on(crate::store::etcd::EtcdStore::connect(&etcd))?;
+        tracing::info!(endpoints = ?etcd.endpoints, prefix = %etcd.prefix, "etcd store connected");
+        return Ok(Arc::new(store));
+    }
     if config.store_cache_mib.is_some() {
         tracing::warn!(
             "--store-cache-mib (TASKGATE_STORE_CACHE_MIB) has no effect since the store keeps \

@@ -99,6 +99,95 @@ pub enum LogFormat {
     Json,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StoreKind {
+    Disk,
+    Etcd,
+}
+
+/// The etcd cluster of `--store etcd`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct EtcdArgs {
+    /// Client URLs of the etcd members, comma-separated
+    /// (`http://10.0.0.1:2379,http://10.0.0.2:2379`).
+    #[arg(long, env = "TASKGATE_ETCD_ENDPOINTS", value_delimiter = ',')]
+    pub etcd_endpoints: Vec<String>,
+
+    /// Every key of this deployment starts with it; replicas on the same
+    /// prefix share their allocations.
+    #[arg(long, env = "TASKGATE_ETCD_PREFIX", default_value = "/taskgate/")]
+    pub etcd_prefix: String,
+
+    /// CA bundle (PEM) that signed the members' certificates.
+    #[arg(long, env = "TASKGATE_ETCD_CA")]
+    pub etcd_ca: Option<PathBuf>,
+
+    /// Client certificate (PEM) for members that require one; with
+    /// `--etcd-key`.
+    #[arg(long, env = "TASKGATE_ETCD_CERT", requires = "etcd_key")]
+    pub etcd_cert: Option<PathBuf>,
+
+    /// The client certificate's private key (PEM).
+    #[arg(long, env = "TASKGATE_ETCD_KEY", requires = "etcd_cert")]
+    pub etcd_key: Option<PathBuf>,
+
+    /// etcd user, on a cluster with auth enabled; the password comes from
+    /// `--etcd-password-file` or `TASKGATE_ETCD_PASSWORD`.
+    #[arg(long, env = "TASKGATE_ETCD_USER")]
+    pub etcd_user: Option<String>,
+
+    /// File holding the etcd user's password (one line).
+    #[arg(
+        long,
+        env = "TASKGATE_ETCD_PASSWORD_FILE",
+        conflicts_with = "etcd_password"
+    )]
+    pub etcd_password_file: Option<PathBuf>,
+
+    /// The etcd user's password (from the environment; a flag would show
+    /// in the process list).
+    #[arg(
+        long,
+        env = "TASKGATE_ETCD_PASSWORD",
+        hide = true,
+        hide_env_values = true
+    )]
+    pub etcd_password: Option<Secret>,
+
+    /// How long one request to an etcd member may take before the next
+    /// member is tried.
+    #[arg(long, env = "TASKGATE_ETCD_TIMEOUT", default_value = "5s", value_parser = duration)]
+    pub etcd_timeout: Duration,
+}
+
+impl EtcdArgs {
+    /// The client's configuration, the password read from its file.
+    pub fn config(&self) -> Result<crate::store::etcd::EtcdConfig, String> {
+        let password = match (&self.etcd_password_file, &self.etcd_password) {
+            (Some(path), _) => Some(
+                std::fs::read_to_string(path)
+                    .map_err(|e| {
+                        format!("cannot read the etcd password file {}: {e}", path.display())
+                    })?
+                    .trim_end_matches(['\n', '\r'])
+                    .to_owned(),
+            ),
+            (None, Some(secret)) => Some(secret.0.clone()),
+            (None, None) => None,
+        };
+        Ok(crate::store::etcd::EtcdConfig {
+            prefix: self.etcd_prefix.clone(),
+            ca: self.etcd_ca.clone(),
+            cert: self.etcd_cert.clone(),
+            key: self.etcd_key.clone(),
+            user: self.etcd_user.clone(),
+            password,
+            request_timeout: self.etcd_timeout,
+            ..crate::store::etcd::EtcdConfig::new(self.etcd_endpoints.clone())
+        })
+    }
+}
+
 #[derive(Debug, Clone, Args)]
 pub struct ServeConfig {
     /// Address to listen on (host:port; port 0 picks a free one).
@@ -114,6 +203,14 @@ pub struct ServeConfig {
     /// tests and experiments.
     #[arg(long, env = "TASKGATE_IN_MEMORY")]
     pub in_memory: bool,
+
+    /// Where records live: `disk` (the data directory) or `etcd` (an etcd
+    /// cluster that any number of replicas share; see `--etcd-endpoints`).
+    #[arg(long, env = "TASKGATE_STORE", value_enum, default_value_t = StoreKind::Disk)]
+    pub store: StoreKind,
+
+    #[command(flatten)]
+    pub etcd: Box<EtcdArgs>,
 
     /// Most changes the store groups into one durable commit. 1 turns
     /// group commit off (one fsync per change).
@@ -245,6 +342,12 @@ impl ServeConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             data_dir: PathBuf::from("./taskgate-data"),
             in_memory: true,
+            store: StoreKind::Disk,
+            etcd: Box::new(EtcdArgs {
+                etcd_prefix: "/taskgate/".into(),
+                etcd_timeout: Duration::from_secs(5),
+                ..EtcdArgs::default()
+            }),
             commit_batch: 4096,
             store_cache_mib: None,
             transparent_huge_pages: false,

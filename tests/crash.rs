@@ -98,7 +98,7 @@ fn spec() -> Value {
 /// One client: random operations on its own allocations until the server
 /// stops answering. Returns the highest index it saw acknowledged.
 async fn client(base: String, me: usize, seed: u64, model: Model) -> u64 {
-    let http = reqwest::Client::builder()
+    let http = common::http_builder()
         .timeout(Duration::from_secs(10))
         .build()
         .unwrap();
@@ -196,7 +196,7 @@ async fn client(base: String, me: usize, seed: u64, model: Model) -> u64 {
 /// Checks every allocation against what was acknowledged, then adopts what
 /// the server holds (an unacknowledged change may or may not have landed).
 async fn verify(base: &str, model: &Model) {
-    let http = reqwest::Client::new();
+    let http = common::http();
     let entries: Vec<(String, Known)> = model.lock().unwrap().clone().into_iter().collect();
     for (id, known) in entries {
         let res = http
@@ -242,7 +242,7 @@ async fn verify(base: &str, model: &Model) {
 }
 
 async fn healthy(base: &str) {
-    let http = reqwest::Client::new();
+    let http = common::http();
     for _ in 0..600 {
         if let Ok(res) = http.get(format!("{base}/v1/health")).send().await
             && res.status() == 200
@@ -277,7 +277,7 @@ async fn acknowledged_changes_survive_sigkill() {
 
         // Indexes never go back: a new change gets a newer index than any
         // acknowledged before the crash.
-        let probe = reqwest::Client::new()
+        let probe = common::http()
             .put(format!("{}/v1/allocations/probe-{round}", server.base))
             .json(&spec())
             .send()

@@ -19,7 +19,7 @@ async fn json_of(res: reqwest::Response) -> (u16, Value) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiters_parked_before_a_change_are_answered_right_after_it() {
     let server = spawn_server().await;
-    let http = reqwest::Client::new();
+    let http = common::http();
     let base = server.base.clone();
     let reg = http
         .put(format!("{base}/v1/allocations/a1"))
@@ -92,7 +92,7 @@ async fn waiters_parked_before_a_change_are_answered_right_after_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_allocation_ends_waits_with_410() {
     let server = spawn_server().await;
-    let http = reqwest::Client::new();
+    let http = common::http();
     let base = server.base.clone();
     http.put(format!("{base}/v1/allocations/gone"))
         .json(&five_tasks())
@@ -130,7 +130,7 @@ async fn a_deleted_allocation_ends_waits_with_410() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timed_out_wait_is_a_200_with_allowed_false() {
     let server = spawn_server().await;
-    let http = reqwest::Client::new();
+    let http = common::http();
     let base = server.base.clone();
     http.put(format!("{base}/v1/allocations/a1"))
         .json(&five_tasks())
@@ -156,7 +156,7 @@ async fn a_timed_out_wait_is_a_200_with_allowed_false() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_answers_parked_waits_with_503_and_stops_the_server() {
     let mut server = spawn_server().await;
-    let http = reqwest::Client::new();
+    let http = common::http();
     let base = server.base.clone();
     http.put(format!("{base}/v1/allocations/a1"))
         .json(&five_tasks())
@@ -221,7 +221,7 @@ async fn health_is_503_starting_until_the_store_is_loaded() {
         std::sync::Arc::new(taskgate::http::auth::Auth::default()),
         move |_| Ok(store as std::sync::Arc<dyn taskgate::store::Store>),
     ));
-    let http = reqwest::Client::new();
+    let http = common::http();
     let res = tokio::time::timeout(BOUND, http.get(format!("{base}/v1/health")).send())
         .await
         .expect("answered while loading")

@@ -27,7 +27,7 @@ async fn sigterm_answers_parked_waits_with_503_and_exits_0() {
         "taskgate health exits 0 on a healthy server"
     );
 
-    let http = reqwest::Client::new();
+    let http = common::http();
     let reg = http
         .put(format!("{base}/v1/allocations/a1"))
         .json(&five_tasks())
@@ -123,7 +123,7 @@ async fn dump_reads_a_stopped_servers_directory_and_refuses_a_running_one() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().to_str().unwrap().to_owned();
     let mut server = Server::start(&["--data-dir", &data]);
-    let http = reqwest::Client::new();
+    let http = common::http();
     for id in ["b1", "a1"] {
         let reg = http
             .put(format!("{}/v1/allocations/{id}", server.base))

@@ -26,7 +26,7 @@ use super::{
     get, path = "/v1/health", tag = "service",
     responses(
         (status = 200, description = "Serving: `ok`, or `degraded` with the problems of the store's background work", body = HealthView),
-        (status = 503, description = "`starting` (the store is still loading), `shutting_down`, or `store_failed`: the store refuses writes, after a write it cannot vouch for (restart the server) or because its log reached its ceiling while checkpoints fail (writes resume once one succeeds); the cause is in the server's log", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "`starting` (the store is still loading), `shutting_down`, or `store_failed`: the store refuses writes, after a write it cannot vouch for (restart the server) or because its log reached its ceiling while checkpoints fail (writes resume once one succeeds); or `store_unavailable`: a replica on etcd cannot reach a quorum or has not caught up (it recovers by itself); the cause is in the server's log", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn health(
@@ -45,6 +45,19 @@ pub async fn health(
             status: "degraded",
             problems,
         },
+        StoreHealth::Refusing {
+            code: "store_unavailable",
+            ..
+        } => {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store_unavailable",
+                "this replica cannot reach a quorum of its etcd cluster, or has not caught up with \
+                 it; reads answer from its last view, writes are refused (the cause is in the \
+                 server's log)",
+            )
+            .retry_later());
+        }
         StoreHealth::Refusing { code, .. } => {
             let detail = if code == "log_full" {
                 "the store refuses writes: its log reached its ceiling because checkpoints fail; \

@@ -100,6 +100,20 @@ impl Allocation {
         }
     }
 
+    /// Replaces the index `from` with `to` wherever a change stamped it
+    /// (the allocation, its creation, the tasks it touched): a change
+    /// decided with a placeholder index takes the one its commit got.
+    pub fn restamp(&mut self, from: u64, to: u64) {
+        for index in [&mut self.create_index, &mut self.modify_index]
+            .into_iter()
+            .chain(self.tasks.iter_mut().map(|t| &mut t.modify_index))
+        {
+            if *index == from {
+                *index = to;
+            }
+        }
+    }
+
     /// Position of a task by name.
     pub fn position(&self, name: &str) -> Option<usize> {
         self.spec.position(name)

@@ -10,6 +10,7 @@
 //! durations.
 
 mod handle;
+mod shared;
 mod wait;
 
 use std::{
@@ -135,6 +136,37 @@ struct Shared {
     specs: Mutex<SpecInterner>,
     /// Turns `true` once, at shutdown; every parked waiter watches it.
     shutdown: watch::Sender<bool>,
+    /// With a shared store: the index up to which this replica's view has
+    /// applied every change (`shared.rs`). Writers wait on it.
+    view: watch::Sender<u64>,
+}
+
+impl Shared {
+    fn read_map(&self) -> std::sync::RwLockReadGuard<'_, AllocMap> {
+        if let Ok(map) = self.allocs.read() {
+            return map;
+        }
+        // Poisoned: mended under the write lock (the read guard that came
+        // with the error is gone by now).
+        drop(self.write_map());
+        self.allocs.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The map for writing. A writer that panicked may have left its two
+    /// structures disagreeing: the ID index is rebuilt from the handles
+    /// then, before anyone reads it.
+    fn write_map(&self) -> std::sync::RwLockWriteGuard<'_, AllocMap> {
+        match self.allocs.write() {
+            Ok(map) => map,
+            Err(poisoned) => {
+                let mut map = poisoned.into_inner();
+                map.repair();
+                self.allocs.clear_poison();
+                tracing::warn!("the allocation map was rebuilt after a panic while it was written");
+                map
+            }
+        }
+    }
 }
 
 fn now() -> OffsetDateTime {
@@ -167,7 +199,7 @@ impl Registry {
             a.spec = specs.share(a.spec);
             (a.id.clone(), Arc::new(Handle::live(Arc::new(a))))
         }));
-        Ok(Self {
+        let registry = Self {
             shared: Arc::new(Shared {
                 allocs: RwLock::new(allocs),
                 index: AtomicU64::new(last),
@@ -176,8 +208,16 @@ impl Registry {
                 waiters: AtomicUsize::new(0),
                 specs: Mutex::new(specs),
                 shutdown: watch::Sender::new(false),
+                view: watch::Sender::new(last),
             }),
-        })
+        };
+        if let Some(shared) = registry.shared.store.shared() {
+            // Weak: the store's follower must not keep the registry (and
+            // with it the store) alive.
+            let weak = Arc::downgrade(&registry.shared);
+            shared.follow(last, weak);
+        }
+        Ok(registry)
     }
 
     pub fn config(&self) -> &RegistryConfig {
@@ -223,32 +263,11 @@ impl Registry {
     }
 
     fn read_map(&self) -> std::sync::RwLockReadGuard<'_, AllocMap> {
-        if let Ok(map) = self.shared.allocs.read() {
-            return map;
-        }
-        // Poisoned: mended under the write lock (the read guard that came
-        // with the error is gone by now).
-        drop(self.write_map());
-        self.shared
-            .allocs
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
+        self.shared.read_map()
     }
 
-    /// The map for writing. A writer that panicked may have left its two
-    /// structures disagreeing: the ID index is rebuilt from the handles
-    /// then, before anyone reads it.
     fn write_map(&self) -> std::sync::RwLockWriteGuard<'_, AllocMap> {
-        match self.shared.allocs.write() {
-            Ok(map) => map,
-            Err(poisoned) => {
-                let mut map = poisoned.into_inner();
-                map.repair();
-                self.shared.allocs.clear_poison();
-                tracing::warn!("the allocation map was rebuilt after a panic while it was written");
-                map
-            }
-        }
+        self.shared.write_map()
     }
 
     fn handle(&self, id: &str) -> Result<Arc<Handle>, RegistryError> {
@@ -322,6 +341,9 @@ impl Registry {
         spec: AllocSpec,
         quota: Option<Quota<'_>>,
     ) -> Result<(Arc<Allocation>, bool), RegistryError> {
+        if let Some(store) = self.shared.store.shared() {
+            return self.register_shared(store, id, spec, quota).await;
+        }
         // A handle found here may be deleted before its lock is ours; then
         // the map no longer holds it and the next round finds the new state.
         // Each round needs a delete to race it, so a few rounds suffice.
@@ -458,6 +480,9 @@ impl Registry {
     /// Deletes an allocation; its waiters end with `Deleted`. Returns the
     /// index the deletion took.
     pub async fn delete(&self, id: &str) -> Result<u64, RegistryError> {
+        if let Some(store) = self.shared.store.shared() {
+            return self.delete_shared(store, id).await;
+        }
         let handle = self.handle(id)?;
         let write = handle.lock_write().await;
         let Slot::Live(a) = handle.slot_now() else {
@@ -493,12 +518,12 @@ impl Registry {
     async fn update<R>(
         &self,
         id: &str,
-        decide: impl FnOnce(
-            &Allocation,
-            &dyn Fn() -> u64,
-        ) -> Result<(Option<Allocation>, R), RegistryError>,
+        decide: impl Fn(&Allocation, &dyn Fn() -> u64) -> Result<(Option<Allocation>, R), RegistryError>,
         counted: impl FnOnce(&Metrics) + Send + 'static,
     ) -> Result<(Arc<Allocation>, R), RegistryError> {
+        if let Some(store) = self.shared.store.shared() {
+            return self.update_shared(store, id, decide, counted).await;
+        }
         let handle = self.handle(id)?;
         let write = handle.lock_write().await;
         let Slot::Live(current) = handle.slot_now() else {
@@ -623,7 +648,8 @@ impl Registry {
             .update(
                 id,
                 |a, next_index| {
-                    let reports = Self::positions(a, reports)?;
+                    // A copy: a shared store may decide more than once.
+                    let reports = Self::positions(a, reports.clone())?;
                     Ok((apply(a, &reports, now(), next_index), ()))
                 },
                 move |metrics| metrics.reports(count),

@@ -5,6 +5,7 @@
 //! This layer knows records, not rules: it never evaluates a coordinator.
 
 mod disk;
+pub mod etcd;
 pub mod fs;
 mod memory;
 mod migrate;
@@ -113,4 +114,74 @@ pub trait Store: Send + Sync + 'static {
     fn close(&self) -> Result<(), StoreError> {
         Ok(())
     }
+
+    /// A store other replicas write too (etcd), or `None` for one this
+    /// process alone writes (disk, memory), whose `commit` is all there is.
+    fn shared(&self) -> Option<&dyn SharedStore> {
+        None
+    }
+}
+
+/// A store that several replicas write at once. A change is decided on the
+/// replica's copy of a record and committed only if the record is still
+/// that copy (compare-and-swap on its `modify_index`); the store assigns the
+/// change its index at commit. Nothing is published by the writer: every
+/// replica (the writer's included) learns each change from `follow`, in
+/// index order, so all of them publish the same changes in the same order.
+pub trait SharedStore: Send + Sync {
+    /// Commits `op` if the allocation's record is still the one at
+    /// `expect` (its `modify_index`; 0: no record). The record in a `Put`
+    /// carries a placeholder index above every other index in it; readers
+    /// see it stamped with the index the commit got (`Allocation::restamp`).
+    /// Resolves to that index.
+    fn swap(&self, op: Op, expect: u64) -> Swap;
+
+    /// The index of the allocation's record in the store now (`None`:
+    /// there is none), read through the store's quorum: a write for an
+    /// allocation this replica has not seen yet learns whether it is only
+    /// behind.
+    fn index_of(
+        &self,
+        id: &AllocId,
+    ) -> Pin<Box<dyn Future<Output = Result<Option<u64>, StoreError>> + Send>>;
+
+    /// Hands every change after index `from` to `follower`, in index
+    /// order, until the store is closed; after a gap it cannot replay
+    /// (a compaction), it lists everything again (`Follower::resync`).
+    fn follow(&self, from: u64, follower: std::sync::Weak<dyn Follower>);
+}
+
+/// A compare-and-swap in flight.
+pub type Swap = Pin<Box<dyn Future<Output = Result<u64, SwapError>> + Send>>;
+
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum SwapError {
+    /// The record changed since it was read; `seen` is an index at which
+    /// the change is visible. Follow up to it, then decide again.
+    #[error("the record changed under the write (visible at index {seen})")]
+    Conflict { seen: u64 },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// One change a shared store saw committed, by any replica.
+#[derive(Debug)]
+pub enum Change {
+    /// The record as committed, stamped with its index.
+    Put(Allocation),
+    Delete {
+        id: AllocId,
+        index: u64,
+    },
+}
+
+/// Where a shared store delivers the changes it follows (the registry).
+pub trait Follower: Send + Sync + 'static {
+    /// Changes committed up to `index`, in index order (possibly none: the
+    /// store has seen everything up to `index`).
+    fn changed(&self, changes: Vec<Change>, index: u64);
+
+    /// Everything the store holds, listed at `loaded.last_index`, after it
+    /// could not replay the changes since the last `changed`.
+    fn resync(&self, loaded: Loaded);
 }

@@ -153,7 +153,6 @@ pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
     }
 }
 
-#[cfg(test)]
 pub fn encode(a: &Allocation) -> Vec<u8> {
     let mut buf = Vec::new();
     encode_into(a, &mut buf);

@@ -2,6 +2,7 @@
 //! real server on an OS-chosen loopback port for end-to-end tests.
 #![allow(dead_code)]
 
+pub mod etcd;
 pub mod process;
 pub mod raw;
 
@@ -22,6 +23,17 @@ use taskgate::{
     store::MemoryStore,
 };
 use tower::ServiceExt;
+
+/// An HTTP client for tests. reqwest's rustls is built without a crypto
+/// provider of its own: ring, as the server's, is installed first.
+pub fn http() -> reqwest::Client {
+    http_builder().build().expect("a client")
+}
+
+pub fn http_builder() -> reqwest::ClientBuilder {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder()
+}
 
 pub struct TestApp {
     pub router: Router,

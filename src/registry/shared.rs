@@ -1,0 +1,350 @@
+//! Writes and the view over a store that several replicas write (etcd).
+//!
+//! Decide → compare-and-swap → follow: a change is decided on this
+//! replica's copy of the record and committed only if the store still holds
+//! that copy (`SharedStore::swap`); on a conflict the replica follows the
+//! store up to the newer record and decides again. Nothing is published by
+//! the writer: the store's follower (`impl Follower for Shared`) publishes
+//! every change, this replica's and the others', in index order, and a
+//! writer answers only once the view has reached its change's index, so its
+//! caller (and anyone the caller tells) reads it back from this replica.
+
+use std::{
+    collections::HashSet,
+    sync::{Arc, PoisonError},
+    time::Duration,
+};
+
+use super::{
+    Quota, Registry, RegistryError, Shared, Slot,
+    handle::{Handle, WriteGuard},
+    now,
+};
+use crate::{
+    lifecycle::{AllocId, AllocSpec, Allocation, CoordState},
+    metrics::Metrics,
+    store::{Change, Follower, Loaded, Op, SharedStore, SwapError},
+};
+
+/// Decisions tried on newer copies before a write gives up (503 with
+/// `Retry-After`): each retry needs another replica's change to the same
+/// allocation in the moment between reading and swapping.
+const MAX_SWAPS: usize = 16;
+
+/// The longest a write waits for this replica's view to reach its own
+/// change. The change is committed either way; past this the answer goes
+/// out without it (a view that far behind is reconnecting, and health says
+/// so).
+const REACH_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The index given to a change while it is decided: above every index in
+/// the record it was decided on, so that it alone is replaced by the
+/// commit's own index (`Allocation::restamp`).
+fn placeholder(current: &Allocation) -> u64 {
+    current.modify_index + 1
+}
+
+impl Registry {
+    /// Waits until this replica's view holds every change up to `index`
+    /// (with a shared store; with any other, the view is always current).
+    /// False if `timeout` passed first.
+    pub async fn wait_view(&self, index: u64, timeout: Duration) -> bool {
+        let mut view = self.shared.view.subscribe();
+        if self.shared.store.shared().is_none() {
+            return true;
+        }
+        tokio::time::timeout(timeout, view.wait_for(|&v| v >= index))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+
+    /// Waits until this replica's view holds a committed change at `index`
+    /// before its writer answers.
+    async fn reach(&self, index: u64) {
+        if !self.wait_view(index, REACH_TIMEOUT).await {
+            tracing::warn!(
+                index,
+                view = *self.shared.view.borrow(),
+                "the view did not reach a committed change in time; answering without it"
+            );
+        }
+    }
+
+    /// Takes an allocation's write lock, retrying while the handle found
+    /// was replaced (deleted and registered again) before the lock was
+    /// ours. Serializes this replica's own writers, so they rarely
+    /// conflict with one another.
+    async fn lock_live(
+        &self,
+        store: &dyn SharedStore,
+        id: &str,
+    ) -> Result<(WriteGuard, Arc<Handle>, Arc<Allocation>), RegistryError> {
+        let mut asked = false;
+        for _ in 0..MAX_SWAPS {
+            let handle = match self.handle(id) {
+                Ok(handle) => handle,
+                // Registered through another replica a moment ago? Asked
+                // once, through the store's quorum.
+                Err(e) if !asked => {
+                    asked = true;
+                    let Ok(alloc) = AllocId::parse(id) else {
+                        return Err(e);
+                    };
+                    match store.index_of(&alloc).await? {
+                        Some(index) => {
+                            self.reach(index).await;
+                            continue;
+                        }
+                        None => return Err(e),
+                    }
+                }
+                Err(e) => return Err(e),
+            };
+            let write = handle.lock_write().await;
+            match handle.slot_now() {
+                Slot::Live(a) => return Ok((write, handle, a)),
+                Slot::Deleted => continue,
+                Slot::Creating => break,
+            }
+        }
+        Err(RegistryError::AllocationNotFound(id.to_owned()))
+    }
+
+    /// After a conflict: waits until the view holds the record that won
+    /// (at index `seen`), or for a record deleted meanwhile (`seen` 0),
+    /// until the handle no longer holds the one the change was decided on.
+    async fn catch_up(&self, handle: &Handle, expect: u64, seen: u64) {
+        if seen > 0 {
+            return self.reach(seen).await;
+        }
+        let moved = handle.wait_for(|s| !matches!(s, Slot::Live(a) if a.modify_index == expect));
+        if tokio::time::timeout(REACH_TIMEOUT, moved).await.is_err() {
+            tracing::warn!(alloc = %handle.id(), "the view did not see a deletion in time");
+        }
+    }
+
+    fn contended(id: &str) -> RegistryError {
+        RegistryError::Contended(format!(
+            "allocation \"{id}\" kept changing through other replicas while this change was \
+             decided; try again"
+        ))
+    }
+
+    pub(super) async fn update_shared<R>(
+        &self,
+        store: &dyn SharedStore,
+        id: &str,
+        decide: impl Fn(&Allocation, &dyn Fn() -> u64) -> Result<(Option<Allocation>, R), RegistryError>,
+        counted: impl FnOnce(&Metrics) + Send + 'static,
+    ) -> Result<(Arc<Allocation>, R), RegistryError> {
+        for _ in 0..MAX_SWAPS {
+            let (write, handle, current) = self.lock_live(store, id).await?;
+            let stamp = placeholder(&current);
+            let (next, out) = decide(&current, &|| stamp)?;
+            let Some(mut next) = next else {
+                counted(&self.shared.config.metrics);
+                return Ok((current, out));
+            };
+            let expect = current.modify_index;
+            match store.swap(Op::Put(Arc::new(next.clone())), expect).await {
+                Ok(index) => {
+                    self.reach(index).await;
+                    drop(write);
+                    next.restamp(stamp, index);
+                    self.observe(&current, &next);
+                    counted(&self.shared.config.metrics);
+                    return Ok((Arc::new(next), out));
+                }
+                Err(SwapError::Conflict { seen }) => {
+                    drop(write);
+                    self.catch_up(&handle, current.modify_index, seen).await;
+                }
+                Err(SwapError::Store(e)) => return Err(e.into()),
+            }
+        }
+        Err(Self::contended(id))
+    }
+
+    pub(super) async fn register_shared(
+        &self,
+        store: &dyn SharedStore,
+        id: AllocId,
+        spec: AllocSpec,
+        quota: Option<Quota<'_>>,
+    ) -> Result<(Arc<Allocation>, bool), RegistryError> {
+        let spec = self
+            .shared
+            .specs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .share(Arc::new(spec));
+        for _ in 0..MAX_SWAPS {
+            let (handle, fresh) = self.get_or_insert(&id, quota)?;
+            let write = match fresh {
+                Some(guard) => guard,
+                None => handle.lock_write().await,
+            };
+            match handle.slot_now() {
+                Slot::Live(a) if a.spec == spec => return Ok((a, false)),
+                Slot::Live(a) => {
+                    return Err(RegistryError::AllocationExists {
+                        id,
+                        index: a.modify_index,
+                    });
+                }
+                Slot::Deleted => continue,
+                Slot::Creating => {}
+            }
+            const STAMP: u64 = 1;
+            let mut a = Allocation::register(id.clone(), spec.clone(), STAMP, now());
+            match store.swap(Op::Put(Arc::new(a.clone())), 0).await {
+                Ok(index) => {
+                    self.reach(index).await;
+                    drop(write);
+                    a.restamp(STAMP, index);
+                    tracing::info!(alloc = %a.id, state = %a.state, tasks = a.tasks.len(), index, "allocation registered");
+                    if a.state != CoordState::Init {
+                        self.shared
+                            .config
+                            .metrics
+                            .transition(CoordState::Init, a.state);
+                    }
+                    return Ok((Arc::new(a), true));
+                }
+                // Registered through another replica: once the view has
+                // it, the next round compares the specs.
+                Err(SwapError::Conflict { seen }) => {
+                    drop(write);
+                    self.reach(seen).await;
+                    self.shared.forget_creating(&id, &handle);
+                }
+                Err(SwapError::Store(e)) => {
+                    drop(write);
+                    self.shared.forget_creating(&id, &handle);
+                    return Err(e.into());
+                }
+            }
+        }
+        Err(Self::contended(id.as_str()))
+    }
+
+    pub(super) async fn delete_shared(
+        &self,
+        store: &dyn SharedStore,
+        id: &str,
+    ) -> Result<u64, RegistryError> {
+        for _ in 0..MAX_SWAPS {
+            let (write, handle, current) = self.lock_live(store, id).await?;
+            let op = Op::Delete {
+                id: current.id.clone(),
+                index: 0,
+            };
+            match store.swap(op, current.modify_index).await {
+                Ok(index) => {
+                    self.reach(index).await;
+                    drop(write);
+                    tracing::info!(alloc = %id, index, "allocation deleted");
+                    return Ok(index);
+                }
+                Err(SwapError::Conflict { seen }) => {
+                    drop(write);
+                    self.catch_up(&handle, current.modify_index, seen).await;
+                }
+                Err(SwapError::Store(e)) => return Err(e.into()),
+            }
+        }
+        Err(Self::contended(id))
+    }
+}
+
+impl Shared {
+    /// Removes a handle a registration inserted, unless the view made it
+    /// live meanwhile (registered through another replica).
+    fn forget_creating(&self, id: &AllocId, handle: &Arc<Handle>) {
+        let mut map = self.write_map();
+        if matches!(handle.slot_now(), Slot::Creating)
+            && map.get(id.as_str()).is_some_and(|h| Arc::ptr_eq(h, handle))
+        {
+            handle.publish(Slot::Deleted);
+            map.remove(id.as_str());
+        }
+    }
+
+    /// Publishes a record the store committed (under the map's lock, so a
+    /// registration's cleanup never removes a handle made live here).
+    fn put(&self, map: &mut super::AllocMap, mut a: Allocation) {
+        a.spec = self
+            .specs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .share(a.spec);
+        let a = Arc::new(a);
+        match map.get(a.id.as_str()) {
+            Some(handle) => {
+                let same = matches!(handle.slot_now(), Slot::Live(ref now) if now.modify_index == a.modify_index);
+                if !same {
+                    handle.publish(Slot::Live(a));
+                }
+            }
+            None => map.insert(a.id.clone(), Arc::new(Handle::live(a))),
+        }
+    }
+
+    fn gone(map: &mut super::AllocMap, id: &str) {
+        if let Some(handle) = map.get(id) {
+            handle.publish(Slot::Deleted);
+            map.remove(id);
+        }
+    }
+
+    /// The view reached `index`: the global index and every writer
+    /// waiting for it follow.
+    fn reached(&self, index: u64) {
+        self.index
+            .fetch_max(index, std::sync::atomic::Ordering::SeqCst);
+        self.view.send_if_modified(|v| {
+            let moved = index > *v;
+            *v = (*v).max(index);
+            moved
+        });
+    }
+}
+
+impl Follower for Shared {
+    fn changed(&self, changes: Vec<Change>, index: u64) {
+        if !changes.is_empty() {
+            let mut map = self.write_map();
+            for change in changes {
+                match change {
+                    Change::Put(a) => self.put(&mut map, a),
+                    Change::Delete { id, .. } => Self::gone(&mut map, id.as_str()),
+                }
+            }
+        }
+        self.reached(index);
+    }
+
+    fn resync(&self, loaded: Loaded) {
+        let mut map = self.write_map();
+        let listed: HashSet<AllocId> = loaded.allocations.iter().map(|a| a.id.clone()).collect();
+        let stale: Vec<AllocId> = map
+            .range_from("")
+            .filter(|(id, h)| !listed.contains(*id) && matches!(h.slot_now(), Slot::Live(_)))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in stale {
+            Self::gone(&mut map, id.as_str());
+        }
+        let changed = loaded.allocations.len();
+        for a in loaded.allocations {
+            self.put(&mut map, a);
+        }
+        drop(map);
+        tracing::info!(
+            allocations = changed,
+            index = loaded.last_index,
+            "the view was listed again"
+        );
+        self.reached(loaded.last_index);
+    }
+}

@@ -1,0 +1,422 @@
+//! The etcd store: any number of replicas over one etcd key prefix.
+//!
+//! One key per allocation (`<prefix>a/<id>`), its value the record in the
+//! same binary encoding the disk store writes. Indexes are etcd revisions:
+//! a record is written with a placeholder index (above every index in it)
+//! and read back with the placeholder replaced by the key's `mod_revision`,
+//! so an allocation's `modify_index` is its key's `mod_revision`, and a
+//! task's is the revision of the write that last changed it. Deletions are
+//! etcd deletes; their revisions keep the index going up.
+//!
+//! Writes are compare-and-swap transactions on `mod_revision`
+//! (`SharedStore::swap`). Reads come from the replica's view: the prefix
+//! listed once, then one prefix watch from the revision after the listing
+//! (`follow`), which publishes every change in revision order. A watch
+//! canceled by a compaction lists the prefix again (`Follower::resync`).
+//! A member that loses its quorum cancels the watch (`require_leader`),
+//! and a member that stops answering is found by a linearizable read
+//! every `CHECK_EVERY`: either way the watch moves to the next member.
+
+pub mod client;
+
+use std::{
+    sync::{Arc, Mutex, PoisonError, Weak},
+    time::{Duration, Instant},
+};
+
+use client::{CallError, Client, Swapped};
+pub use client::{EtcdConfig, prefix_end};
+use tokio::sync::watch;
+
+use super::{
+    Change, Commit, Follower, Loaded, Op, SharedStore, Store, StoreError, StoreHealth, Swap,
+    SwapError, record,
+};
+use crate::lifecycle::{AllocId, Allocation};
+
+/// Keys listed per request at start and on a resync.
+const PAGE: u64 = 500;
+/// How often the member the watch is on is asked to read through its
+/// leader, and how long it may take.
+const CHECK_EVERY: Duration = Duration::from_secs(2);
+/// The first wait before a lost watch is opened again (doubling to
+/// `RETRY_MAX`).
+const RETRY_FIRST: Duration = Duration::from_millis(100);
+const RETRY_MAX: Duration = Duration::from_secs(5);
+
+pub struct EtcdStore {
+    client: Arc<Client>,
+    /// `<prefix>a/`: the allocations' keys.
+    keys: Vec<u8>,
+    /// The listing made at connect, until `load` takes it.
+    loaded: Mutex<Option<Loaded>>,
+    link: Arc<Mutex<Link>>,
+    /// Turns `true` at close: the follower stops.
+    closed: watch::Sender<bool>,
+}
+
+/// How the replica's link to etcd is doing (health).
+#[derive(Debug, Default)]
+struct Link {
+    /// The watch is open and has been created by a member.
+    watching: bool,
+    /// The last failure since the watch last worked, for the log.
+    trouble: Option<String>,
+}
+
+impl EtcdStore {
+    /// Connects and lists every allocation under the prefix.
+    pub async fn connect(config: &EtcdConfig) -> Result<Self, StoreError> {
+        if config.prefix.is_empty() {
+            return Err(StoreError::Unusable(
+                "the etcd prefix is empty; give one (--etcd-prefix), such as /taskgate/".into(),
+            ));
+        }
+        let client = Client::new(config).map_err(StoreError::Unusable)?;
+        let mut keys = config.prefix.as_bytes().to_vec();
+        keys.extend_from_slice(b"a/");
+        let store = Self {
+            client: Arc::new(client),
+            keys,
+            loaded: Mutex::new(None),
+            link: Arc::default(),
+            closed: watch::Sender::new(false),
+        };
+        let loaded = list(&store.client, &store.keys).await.map_err(|e| {
+            StoreError::Unusable(format!(
+                "cannot list {} in etcd: {e}",
+                String::from_utf8_lossy(&store.keys)
+            ))
+        })?;
+        *store.loaded.lock().unwrap_or_else(PoisonError::into_inner) = Some(loaded);
+        Ok(store)
+    }
+
+    fn key(&self, id: &AllocId) -> Vec<u8> {
+        let mut key = self.keys.clone();
+        key.extend_from_slice(id.as_str().as_bytes());
+        key
+    }
+}
+
+/// The whole prefix at one revision, page by page.
+async fn list(client: &Client, keys: &[u8]) -> Result<Loaded, CallError> {
+    let end = prefix_end(keys);
+    let mut from = keys.to_vec();
+    let mut at = 0;
+    let mut allocations = Vec::new();
+    loop {
+        let page = client.range(&from, &end, at, PAGE).await?;
+        if at == 0 {
+            at = page.header.revision;
+        }
+        let more = page.more;
+        let mut last = None;
+        for kv in page.kvs {
+            allocations.push(decode(keys, &kv.key, &kv.value, kv.mod_revision)?);
+            last = Some(kv.key);
+        }
+        match (more, last) {
+            (true, Some(mut key)) => {
+                // The next page starts just after the last key.
+                key.push(0);
+                from = key;
+            }
+            _ => break,
+        }
+    }
+    Ok(Loaded {
+        allocations,
+        last_index: at,
+    })
+}
+
+/// A record as stored, stamped with the revision that wrote it.
+fn decode(keys: &[u8], key: &[u8], value: &[u8], revision: u64) -> Result<Allocation, CallError> {
+    let name = String::from_utf8_lossy(key);
+    let mut a = record::decode(value)
+        .map_err(|e| CallError::Refused(format!("the record at {name} is damaged: {e}")))?;
+    if key.get(keys.len()..) != Some(a.id.as_str().as_bytes()) {
+        return Err(CallError::Refused(format!(
+            "the record at {name} belongs to allocation {:?}",
+            a.id.as_str()
+        )));
+    }
+    let placeholder = a.modify_index;
+    a.restamp(placeholder, revision);
+    Ok(a)
+}
+
+fn unavailable(e: CallError) -> StoreError {
+    match e {
+        CallError::Unreachable(m) => StoreError::Unavailable(m),
+        CallError::Refused(m) => StoreError::Io(m),
+        CallError::Compacted(r) => StoreError::Io(format!("etcd compacted revision {r} away")),
+    }
+}
+
+impl Store for EtcdStore {
+    fn load(&self) -> Result<Loaded, StoreError> {
+        self.loaded
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .ok_or_else(|| StoreError::Io("the store is loaded once, at start".into()))
+    }
+
+    fn commit(&self, _: Op) -> Commit {
+        Box::pin(async {
+            Err(StoreError::Io(
+                "the etcd store commits through compare-and-swap only".into(),
+            ))
+        })
+    }
+
+    fn health(&self) -> StoreHealth {
+        let link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
+        if link.watching && link.trouble.is_none() {
+            return StoreHealth::Ok;
+        }
+        StoreHealth::Refusing {
+            code: "store_unavailable",
+            cause: link
+                .trouble
+                .clone()
+                .unwrap_or_else(|| "the watch on etcd is not open yet".into()),
+        }
+    }
+
+    fn close(&self) -> Result<(), StoreError> {
+        self.closed.send_replace(true);
+        Ok(())
+    }
+
+    fn shared(&self) -> Option<&dyn SharedStore> {
+        Some(self)
+    }
+}
+
+impl SharedStore for EtcdStore {
+    fn swap(&self, op: Op, expect: u64) -> Swap {
+        let (key, value) = match &op {
+            Op::Put(a) => (self.key(&a.id), Some(record::encode(a))),
+            Op::Delete { id, .. } => (self.key(id), None),
+        };
+        let client = self.client.clone();
+        Box::pin(async move {
+            match client.swap(&key, value.as_deref(), expect).await {
+                Ok(Swapped::Done(index)) => Ok(index),
+                Ok(Swapped::Conflict { now, .. }) => Err(SwapError::Conflict { seen: now }),
+                Err(e) => Err(SwapError::Store(unavailable(e))),
+            }
+        })
+    }
+
+    fn index_of(
+        &self,
+        id: &AllocId,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Option<u64>, StoreError>> + Send>>
+    {
+        let key = self.key(id);
+        let client = self.client.clone();
+        Box::pin(async move {
+            let end = {
+                let mut end = key.clone();
+                end.push(0);
+                end
+            };
+            let found = client.range(&key, &end, 0, 1).await.map_err(unavailable)?;
+            Ok(found.kvs.first().map(|kv| kv.mod_revision))
+        })
+    }
+
+    fn follow(&self, from: u64, follower: Weak<dyn Follower>) {
+        let run = Follow {
+            client: self.client.clone(),
+            keys: self.keys.clone(),
+            link: self.link.clone(),
+            follower,
+            applied: from,
+        };
+        let closed = self.closed.subscribe();
+        tokio::spawn(run.run(closed));
+    }
+}
+
+/// The replica's watch on the prefix, kept open across member failures
+/// and compactions.
+struct Follow {
+    client: Arc<Client>,
+    keys: Vec<u8>,
+    link: Arc<Mutex<Link>>,
+    follower: Weak<dyn Follower>,
+    /// Every change up to this revision is handed to the follower.
+    applied: u64,
+}
+
+/// Why a watch ended.
+enum Ended {
+    /// The store closed or the registry is gone.
+    Stop,
+    /// Changes since `applied` are compacted away: list again.
+    Compacted,
+    Lost(String),
+}
+
+impl Follow {
+    async fn run(mut self, mut closed: watch::Receiver<bool>) {
+        let mut backoff = RETRY_FIRST;
+        loop {
+            let ended = tokio::select! {
+                ended = self.watch() => ended,
+                _ = closed.wait_for(|c| *c) => Ended::Stop,
+            };
+            match ended {
+                Ended::Stop => return,
+                Ended::Compacted => {
+                    let relisted = tokio::select! {
+                        r = list(&self.client, &self.keys) => r,
+                        _ = closed.wait_for(|c| *c) => return,
+                    };
+                    match relisted {
+                        Ok(loaded) => {
+                            let Some(follower) = self.follower.upgrade() else {
+                                return;
+                            };
+                            self.applied = loaded.last_index;
+                            follower.resync(loaded);
+                            backoff = RETRY_FIRST;
+                            continue;
+                        }
+                        Err(e) => self.lost(format!("listing the prefix again failed: {e}")),
+                    }
+                }
+                Ended::Lost(why) => self.lost(why),
+            }
+            tokio::select! {
+                () = tokio::time::sleep(backoff) => {}
+                _ = closed.wait_for(|c| *c) => return,
+            }
+            backoff = (backoff * 2).min(RETRY_MAX);
+        }
+    }
+
+    fn lost(&self, why: String) {
+        let mut link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
+        if link.watching || link.trouble.is_none() {
+            tracing::warn!(error = %why, "the watch on etcd is lost; reads answer from the last view until it is back");
+        }
+        link.watching = false;
+        link.trouble = Some(why);
+    }
+
+    /// One watch, from the revision after `applied`, until it ends.
+    async fn watch(&mut self) -> Ended {
+        let end = prefix_end(&self.keys);
+        let mut watch = match self.client.watch(&self.keys, &end, self.applied + 1).await {
+            Ok(w) => w,
+            Err(e) => return Ended::Lost(e.to_string()),
+        };
+        let endpoint = watch.endpoint.clone();
+        let mut checks = tokio::time::interval(CHECK_EVERY);
+        checks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut answered = Instant::now();
+        loop {
+            let next = tokio::select! {
+                next = watch.next() => next,
+                _ = checks.tick() => {
+                    match tokio::time::timeout(CHECK_EVERY, self.client.check(&endpoint, &self.keys)).await {
+                        Ok(Ok(_)) => answered = Instant::now(),
+                        Ok(Err(e)) => {
+                            self.client.skip(&endpoint);
+                            return Ended::Lost(format!("the member the watch is on cannot read through a leader: {e}"));
+                        }
+                        Err(_) if answered.elapsed() > 2 * CHECK_EVERY => {
+                            self.client.skip(&endpoint);
+                            return Ended::Lost(format!("{endpoint}: the member the watch is on stopped answering"));
+                        }
+                        Err(_) => {}
+                    }
+                    continue;
+                }
+            };
+            let response = match next {
+                Ok(Some(r)) => r,
+                Ok(None) => return Ended::Lost(format!("{endpoint} closed the watch")),
+                Err(e) => {
+                    self.client.skip(&endpoint);
+                    return Ended::Lost(e.to_string());
+                }
+            };
+            if response.canceled {
+                if response.compact_revision > 0 {
+                    tracing::info!(
+                        compacted = response.compact_revision,
+                        applied = self.applied,
+                        "the watch fell behind a compaction; listing again"
+                    );
+                    return Ended::Compacted;
+                }
+                self.client.skip(&endpoint);
+                return Ended::Lost(format!(
+                    "{endpoint} canceled the watch: {}",
+                    if response.cancel_reason.is_empty() {
+                        "no reason given"
+                    } else {
+                        &response.cancel_reason
+                    }
+                ));
+            }
+            if response.created {
+                let mut link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
+                if link.trouble.take().is_some() {
+                    tracing::info!(%endpoint, "the watch on etcd is back");
+                }
+                link.watching = true;
+                continue;
+            }
+            let Some(follower) = self.follower.upgrade() else {
+                return Ended::Stop;
+            };
+            // Without events this is a progress notification: everything up
+            // to its revision has been sent.
+            let mut reached = if response.events.is_empty() {
+                response.header.revision
+            } else {
+                self.applied
+            };
+            let mut changes = Vec::with_capacity(response.events.len());
+            for e in response.events {
+                reached = reached.max(e.kv.mod_revision);
+                if e.kind.as_deref() == Some("DELETE") {
+                    let id =
+                        e.kv.key
+                            .get(self.keys.len()..)
+                            .and_then(|id| std::str::from_utf8(id).ok())
+                            .and_then(|id| AllocId::parse(id).ok());
+                    match id {
+                        Some(id) => changes.push(Change::Delete {
+                            id,
+                            index: e.kv.mod_revision,
+                        }),
+                        None => tracing::warn!(
+                            key = %String::from_utf8_lossy(&e.kv.key),
+                            "a key under the prefix that names no allocation was deleted; ignored"
+                        ),
+                    }
+                    continue;
+                }
+                match decode(&self.keys, &e.kv.key, &e.kv.value, e.kv.mod_revision) {
+                    Ok(a) => changes.push(Change::Put(a)),
+                    Err(err) => {
+                        tracing::error!(error = %err, "a change in etcd cannot be read; this replica keeps the record it had")
+                    }
+                }
+            }
+            if reached > self.applied {
+                self.applied = reached;
+            }
+            follower.changed(changes, self.applied);
+        }
+    }
+}

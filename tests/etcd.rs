@@ -1,0 +1,327 @@
+//! Replicas over a real etcd cluster (`tests/common/etcd.rs`): writes
+//! through one replica seen and waited on through another, concurrent
+//! writers against one allocation through three replicas, compaction, and
+//! etcd failures.
+
+mod common;
+
+use std::{collections::BTreeMap, sync::Arc, time::Duration};
+
+use common::etcd::{Cluster, available};
+use taskgate::{
+    lifecycle::{
+        AllocId, AllocSpec, EventInput, Hook, Lifecycle, Limits, RunState, TaskName, TaskReport,
+        TaskSpec,
+    },
+    registry::{Registry, RegistryConfig, RegistryError},
+    store::{
+        StoreError, StoreHealth,
+        etcd::{EtcdConfig, EtcdStore},
+    },
+};
+
+const SETTLE: Duration = Duration::from_secs(10);
+
+async fn replica(endpoints: Vec<String>, prefix: &str) -> Registry {
+    let config = EtcdConfig {
+        prefix: prefix.into(),
+        request_timeout: Duration::from_secs(1),
+        ..EtcdConfig::new(endpoints)
+    };
+    let store = EtcdStore::connect(&config).await.expect("connects");
+    Registry::open(Arc::new(store), RegistryConfig::default()).expect("opens")
+}
+
+fn task(name: &str, hook: Option<Hook>) -> TaskSpec {
+    TaskSpec {
+        name: TaskName::parse(name).unwrap(),
+        lifecycle: hook.map(|hook| Lifecycle {
+            hook,
+            sidecar: false,
+        }),
+        leader: false,
+    }
+}
+
+fn spec(tasks: Vec<TaskSpec>) -> AllocSpec {
+    AllocSpec::new(tasks, &Limits::default()).unwrap()
+}
+
+fn report(state: RunState, message: &str) -> TaskReport {
+    TaskReport {
+        state,
+        failed: false,
+        event: Some(EventInput {
+            kind: "Note".into(),
+            time: None,
+            message: message.into(),
+            details: BTreeMap::new(),
+        }),
+    }
+}
+
+fn id(s: &str) -> AllocId {
+    AllocId::parse(s).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_through_one_replica_wakes_a_waiter_parked_on_another() {
+    if !available("a_report_through_one_replica_wakes_a_waiter_parked_on_another") {
+        return;
+    }
+    let cluster = Cluster::start(3);
+    let a = replica(cluster.endpoints(), "/t1/").await;
+    let b = replica(cluster.endpoints(), "/t1/").await;
+    let s = spec(vec![task("init", Some(Hook::Prestart)), task("web", None)]);
+    let (registered, new) = a.register(id("web-1"), s.clone()).await.unwrap();
+    assert!(new);
+    assert_eq!(registered.create_index, registered.modify_index);
+    assert!(registered.modify_index > 0, "an etcd revision");
+
+    // B follows: once its view reached the registration, it holds the same
+    // record, and registering the same spec there is idempotent.
+    assert!(b.wait_view(registered.modify_index, SETTLE).await);
+    assert_eq!(*b.get("web-1").unwrap(), *registered);
+    let (again, new) = b.register(id("web-1"), s).await.unwrap();
+    assert!(!new);
+    assert_eq!(again.modify_index, registered.modify_index);
+    let other = spec(vec![task("web", None)]);
+    assert!(matches!(
+        b.register(id("web-1"), other).await,
+        Err(RegistryError::AllocationExists { .. })
+    ));
+
+    // `web` may not start before `init` finished: parked on B.
+    let parked = {
+        let b = b.clone();
+        tokio::spawn(async move { b.wait_start("web-1", "web", Duration::from_secs(60)).await })
+    };
+    common::parked(&b, 1).await;
+    let init = TaskName::parse("init").unwrap();
+    let done = a
+        .report("web-1", vec![(init, report(RunState::Dead, "done"))])
+        .await
+        .unwrap();
+    let (seen, web) = tokio::time::timeout(SETTLE, parked)
+        .await
+        .expect("the waiter on B is woken by A's report")
+        .unwrap()
+        .unwrap();
+    assert!(seen.allowed(web));
+    assert_eq!(seen.modify_index, done.modify_index);
+    assert_eq!(*seen, *done, "B holds exactly what A committed");
+
+    // A deletion through B ends it on A too.
+    let deleted = b.delete("web-1").await.unwrap();
+    assert!(deleted > done.modify_index);
+    assert!(a.wait_view(deleted, SETTLE).await);
+    assert!(a.get("web-1").is_err());
+    assert!(a.last_index() >= deleted && b.last_index() >= deleted);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_writers_on_three_replicas_lose_nothing_and_apply_nothing_twice() {
+    if !available("concurrent_writers_on_three_replicas_lose_nothing_and_apply_nothing_twice") {
+        return;
+    }
+    let cluster = Cluster::start(3);
+    // Each replica on its own member first, so their writes race in etcd.
+    let mut replicas = Vec::new();
+    for i in 0..3 {
+        let mut endpoints = cluster.endpoints();
+        endpoints.rotate_left(i);
+        replicas.push(replica(endpoints, "/t2/").await);
+    }
+    const TASKS: usize = 8;
+    const PER_TASK: usize = 10; // MAX_EVENTS: every event stays in view
+    let names: Vec<String> = (0..TASKS).map(|t| format!("t{t}")).collect();
+    let s = spec(names.iter().map(|n| task(n, None)).collect());
+    let (first, _) = replicas[0].register(id("race"), s).await.unwrap();
+
+    // Two senders per task, on different replicas, five reports each.
+    let mut senders = Vec::new();
+    for (t, name) in names.iter().enumerate() {
+        for half in 0..2 {
+            let r = replicas[(t + half) % 3].clone();
+            let name = TaskName::parse(name).unwrap();
+            senders.push(tokio::spawn(async move {
+                let mut indexes = Vec::new();
+                for k in 0..PER_TASK / 2 {
+                    let message = format!("{name}/{half}/{k}");
+                    loop {
+                        match r
+                            .report(
+                                "race",
+                                vec![(name.clone(), report(RunState::Running, &message))],
+                            )
+                            .await
+                        {
+                            Ok(a) => {
+                                indexes.push(a.modify_index);
+                                break;
+                            }
+                            // Nothing was written: trying again is what a
+                            // client does after the 503.
+                            Err(RegistryError::Contended(_)) => continue,
+                            Err(e) => panic!("{message}: {e}"),
+                        }
+                    }
+                }
+                indexes
+            }));
+        }
+    }
+    let mut indexes = Vec::new();
+    for s in senders {
+        let mine = s.await.unwrap();
+        assert!(
+            mine.windows(2).all(|w| w[0] < w[1]),
+            "one sender's indexes go up"
+        );
+        indexes.extend(mine);
+    }
+    indexes.sort_unstable();
+    let n = indexes.len();
+    indexes.dedup();
+    assert_eq!(
+        indexes.len(),
+        n,
+        "every acknowledged report is a commit of its own"
+    );
+    assert!(indexes[0] > first.modify_index);
+
+    let last = *indexes.last().unwrap();
+    let mut views = Vec::new();
+    for r in &replicas {
+        assert!(r.wait_view(last, SETTLE).await);
+        views.push(r.get("race").unwrap());
+    }
+    assert_eq!(*views[0], *views[1]);
+    assert_eq!(*views[0], *views[2]);
+    let a = &views[0];
+    assert_eq!(a.modify_index, last);
+    for (t, name) in names.iter().enumerate() {
+        let got: Vec<String> = a.tasks[t]
+            .events
+            .iter()
+            .map(|e| e.message.clone())
+            .collect();
+        assert_eq!(got.len(), PER_TASK, "{name}: {got:?}");
+        for half in 0..2 {
+            // Each sender's reports, once each, in the order it sent them.
+            let mine: Vec<&String> = got
+                .iter()
+                .filter(|m| m.starts_with(&format!("{name}/{half}/")))
+                .collect();
+            let sent: Vec<String> = (0..PER_TASK / 2)
+                .map(|k| format!("{name}/{half}/{k}"))
+                .collect();
+            assert_eq!(mine, sent.iter().collect::<Vec<_>>(), "{name}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_behind_a_compaction_lists_again_and_holds_what_etcd_holds() {
+    if !available("a_replica_behind_a_compaction_lists_again_and_holds_what_etcd_holds") {
+        return;
+    }
+    let cluster = Cluster::start(1);
+    let a = replica(cluster.endpoints(), "/t3/").await;
+    let s = spec(vec![task("web", None)]);
+    for i in 0..5 {
+        a.register(id(&format!("x{i}")), s.clone()).await.unwrap();
+    }
+    // B lists now, and follows only once the changes after its listing
+    // are compacted away.
+    let config = EtcdConfig {
+        prefix: "/t3/".into(),
+        ..EtcdConfig::new(cluster.endpoints())
+    };
+    let b_store = EtcdStore::connect(&config).await.unwrap();
+    a.delete("x0").await.unwrap();
+    a.register(id("x9"), s.clone()).await.unwrap();
+    let web = TaskName::parse("web").unwrap();
+    let changed = a
+        .report("x1", vec![(web, report(RunState::Running, "up"))])
+        .await
+        .unwrap();
+    let compacted = cluster.compact();
+    let b = Registry::open(Arc::new(b_store), RegistryConfig::default()).unwrap();
+    assert!(b.wait_view(compacted, SETTLE).await, "listed again");
+    let ids = |r: &Registry| {
+        r.list("", None, 100)
+            .0
+            .iter()
+            .map(|a| a.id.to_string())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(ids(&b), ids(&a));
+    assert_eq!(ids(&b), ["x1", "x2", "x3", "x4", "x9"]);
+    assert_eq!(*b.get("x1").unwrap(), *changed);
+    // And it follows on from there.
+    let deleted = a.delete("x2").await.unwrap();
+    assert!(b.wait_view(deleted, SETTLE).await);
+    assert!(b.get("x2").is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_quorum_writes_are_refused_reads_answer_and_health_recovers() {
+    if !available("without_a_quorum_writes_are_refused_reads_answer_and_health_recovers") {
+        return;
+    }
+    let mut cluster = Cluster::start(3);
+    let a = replica(cluster.endpoints(), "/t4/").await;
+    let s = spec(vec![task("web", None)]);
+    let (kept, _) = a.register(id("kept"), s.clone()).await.unwrap();
+    assert!(wait_health(&a, |h| *h == StoreHealth::Ok).await);
+
+    // Two of three members gone: no quorum.
+    let leader = cluster.leader();
+    let others: Vec<usize> = (0..3).filter(|&i| i != leader).collect();
+    cluster.kill(leader);
+    cluster.kill(others[0]);
+    let refused = a.register(id("lost"), s.clone()).await;
+    assert!(
+        matches!(
+            refused,
+            Err(RegistryError::Store(StoreError::Unavailable(_)))
+        ),
+        "{refused:?}"
+    );
+    assert_eq!(*a.get("kept").unwrap(), *kept, "reads answer from the view");
+    assert!(
+        wait_health(&a, |h| matches!(
+            h,
+            StoreHealth::Refusing {
+                code: "store_unavailable",
+                ..
+            }
+        ))
+        .await
+    );
+
+    // Back: health and writes recover by themselves.
+    cluster.restart(leader);
+    cluster.restart(others[0]);
+    cluster.wait_healthy(Duration::from_secs(30));
+    assert!(wait_health(&a, |h| *h == StoreHealth::Ok).await);
+    let (after, new) = a.register(id("after"), s).await.unwrap();
+    assert!(new);
+    assert!(after.modify_index > kept.modify_index);
+    assert!(a.get("lost").is_err(), "a refused write left nothing");
+}
+
+/// Waits (bounded) until the replica's store health satisfies `ok`,
+/// checking after each change the store could make: its link checks run
+/// every two seconds.
+async fn wait_health(r: &Registry, ok: impl Fn(&StoreHealth) -> bool) -> bool {
+    let until = tokio::time::Instant::now() + Duration::from_secs(30);
+    while tokio::time::Instant::now() < until {
+        if ok(&r.store_health()) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
