@@ -325,3 +325,52 @@ async fn wait_health(r: &Registry, ok: impl Fn(&StoreHealth) -> bool) -> bool {
     }
     false
 }
+
+/// Two `taskgate serve --store etcd` replicas; the five-task example's
+/// agents each list both (half of them the doomed one first). One replica
+/// is SIGKILLed while `web` runs: every agent fails over and the group
+/// still finishes in lifecycle order.
+#[test]
+fn five_agents_finish_in_lifecycle_order_through_two_replicas_while_one_dies() {
+    use common::{agents::*, process::Server};
+    if !available("five_agents_finish_in_lifecycle_order_through_two_replicas_while_one_dies") {
+        return;
+    }
+    let cluster = Cluster::start(3);
+    let endpoints = cluster.endpoints().join(",");
+    let args = [
+        "--store",
+        "etcd",
+        "--etcd-endpoints",
+        &endpoints,
+        "--etcd-prefix",
+        "/p5/",
+    ];
+    let stays = Server::start(&args);
+    let dies = Server::start(&args);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = five_spec(dir.path());
+    let lists = [
+        format!("{},{}", dies.base, stays.base),
+        format!("{},{}", stays.base, dies.base),
+    ];
+    let mut agents: Vec<Agent> = commands(dir.path())
+        .into_iter()
+        .enumerate()
+        .map(|(i, (task, cmd))| agent(&lists[i % 2], "ha1", task, &spec, &[], &cmd))
+        .collect();
+    wait_log(dir.path(), "web-start", 1);
+    drop(dies);
+    std::fs::write(dir.path().join("finish"), "").unwrap();
+    let codes = exits(&mut agents);
+    assert!(codes.iter().all(|(_, c)| *c == 0), "{codes:?}");
+
+    let log = log_lines(dir.path());
+    assert!(pos(&log, "init-done") < pos(&log, "web-start"), "{log:?}");
+    assert!(pos(&log, "web-start") < pos(&log, "web-done"), "{log:?}");
+    assert_eq!(log.last().map(String::as_str), Some("cleanup"), "{log:?}");
+    let base = &stays.base;
+    assert!(started_at(base, "ha1", "proxy") < started_at(base, "ha1", "web"));
+    assert!(started_at(base, "ha1", "web") < started_at(base, "ha1", "announce"));
+    assert_eq!(get(base, "/v1/allocations/ha1")["coordinator_state"], "poststop");
+}

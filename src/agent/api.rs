@@ -46,7 +46,9 @@ pub struct StartCondition {
 }
 
 pub struct Api {
-    endpoint: Endpoint,
+    /// The servers, tried in turn from `current`.
+    endpoints: Vec<Endpoint>,
+    current: std::sync::atomic::AtomicUsize,
     token: Option<String>,
     alloc: String,
     task: String,
@@ -129,7 +131,12 @@ impl Api {
             None => config.token.as_ref().map(|t| t.0.clone()),
         };
         Ok(Self {
-            endpoint: Endpoint::new(&config.server, config.ca_cert.as_deref())?,
+            endpoints: config
+                .server
+                .iter()
+                .map(|url| Endpoint::new(url, config.ca_cert.as_deref()))
+                .collect::<Result<_, _>>()?,
+            current: Default::default(),
             token,
             alloc: config.alloc.clone(),
             task: config.task.clone(),
@@ -138,20 +145,27 @@ impl Api {
 
     /// Sends until the server answers something final. Network errors, 5xx
     /// (503 included), 409 and 429 are retried with exponential backoff and
-    /// jitter (20 ms doubling to 10 s); other 4xx are fatal, except a
-    /// missing or deleted allocation, which ends the agent quietly.
+    /// jitter (20 ms doubling to 10 s), after a network error or a 5xx at
+    /// the next server of the list; other 4xx are fatal, except a missing
+    /// or deleted allocation, which ends the agent quietly.
     async fn call(
         &self,
         method: &str,
         path: &str,
         body: Option<&Value>,
     ) -> Result<Value, ApiError> {
+        use std::sync::atomic::Ordering;
         let mut backoff = BACKOFF_START;
         loop {
-            let answer = self
-                .endpoint
+            let at = self.current.load(Ordering::Relaxed) % self.endpoints.len();
+            let answer = self.endpoints[at]
                 .request(method, path, self.token.as_deref(), body, REQUEST_TIMEOUT)
                 .await;
+            // Unreachable or unavailable (5xx): the next try goes to the
+            // next server, if there are several.
+            if answer.as_ref().map_or(true, |(status, _)| *status >= 500) {
+                self.current.store((at + 1) % self.endpoints.len(), Ordering::Relaxed);
+            }
             let problem = match answer {
                 Ok((status, body)) if status < 300 => {
                     return Ok(serde_json::from_slice(&body).unwrap_or(Value::Null));

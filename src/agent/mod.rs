@@ -22,9 +22,16 @@ use process::Exit;
 
 #[derive(Debug, Clone, Args)]
 pub struct AgentConfig {
-    /// The server's base URL.
-    #[arg(long, env = "TASKGATE_SERVER", default_value = "http://127.0.0.1:8080")]
-    pub server: String,
+    /// The server's base URL; several, comma-separated, for replicas of one
+    /// deployment (`--store etcd`): a request that finds one unreachable
+    /// or unavailable goes to the next.
+    #[arg(
+        long,
+        env = "TASKGATE_SERVER",
+        default_value = "http://127.0.0.1:8080",
+        value_delimiter = ','
+    )]
+    pub server: Vec<String>,
     /// PEM CA certificate(s) to trust for an `https` server.
     #[arg(long, env = "TASKGATE_CA_CERT")]
     pub ca_cert: Option<PathBuf>,

@@ -2,6 +2,7 @@
 //! real server on an OS-chosen loopback port for end-to-end tests.
 #![allow(dead_code)]
 
+pub mod agents;
 pub mod etcd;
 pub mod process;
 pub mod raw;
