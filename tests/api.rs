@@ -14,7 +14,7 @@ use taskgate::{http::HttpConfig, registry::RegistryConfig};
 
 #[tokio::test]
 async fn register_answers_201_with_location_index_and_the_full_view() {
-    let app = test_app();
+    let app = test_app().await;
     let a = app.register_five("a1").await;
     assert_eq!(a.header("location"), Some("/v1/allocations/a1"));
     assert_eq!(a.index(), a.body["modify_index"].as_u64().unwrap());
@@ -74,7 +74,7 @@ async fn register_answers_201_with_location_index_and_the_full_view() {
 
 #[tokio::test]
 async fn register_is_idempotent_and_refuses_a_different_spec() {
-    let app = test_app();
+    let app = test_app().await;
     let first = app.register_five("a1").await;
     let again = app
         .call("PUT", "/v1/allocations/a1", Some(five_tasks()))
@@ -109,7 +109,7 @@ async fn register_is_idempotent_and_refuses_a_different_spec() {
 
 #[tokio::test]
 async fn register_rule_breaks_are_invalid_request_with_fields() {
-    let app = test_app();
+    let app = test_app().await;
     let a = app
         .call(
             "PUT",
@@ -163,7 +163,7 @@ async fn register_rule_breaks_are_invalid_request_with_fields() {
 
 #[tokio::test]
 async fn bodies_that_do_not_match_the_schema_are_invalid_json_naming_the_field() {
-    let app = test_app();
+    let app = test_app().await;
     let cases = [
         (
             r#"{"tasks": [{"name": "web", "colour": 1}]}"#,
@@ -210,7 +210,7 @@ async fn bodies_that_do_not_match_the_schema_are_invalid_json_naming_the_field()
 
 #[tokio::test]
 async fn bodies_need_a_json_content_type() {
-    let app = test_app();
+    let app = test_app().await;
     let body = five_tasks().to_string();
     app.raw("PUT", "/v1/allocations/a1", None, body.clone())
         .await
@@ -242,12 +242,13 @@ async fn bodies_over_the_limit_are_413() {
             body_limit: 1024,
             ..HttpConfig::default()
         },
-    );
+    )
+    .await;
     let big = format!(r#"{{"tasks": [{{"name": "{}"}}]}}"#, "x".repeat(2000));
     app.raw("PUT", "/v1/allocations/a1", Some("application/json"), big)
         .await
         .assert_problem(413, "payload_too_large");
-    let default = test_app();
+    let default = test_app().await;
     let huge = format!(
         r#"{{"tasks": [{{"name": "{}"}}]}}"#,
         "x".repeat(1024 * 1024)
@@ -262,7 +263,7 @@ async fn bodies_over_the_limit_are_413() {
 
 #[tokio::test]
 async fn bad_identifiers_in_paths_are_invalid_request() {
-    let app = test_app();
+    let app = test_app().await;
     for uri in [
         "/v1/allocations/..",
         "/v1/allocations/a%2Fb",
@@ -285,7 +286,7 @@ async fn bad_identifiers_in_paths_are_invalid_request() {
 
 #[tokio::test]
 async fn unknown_routes_are_404_and_wrong_methods_405_with_allow() {
-    let app = test_app();
+    let app = test_app().await;
     app.get("/v2/nothing")
         .await
         .assert_problem(404, "not_found");
@@ -304,7 +305,7 @@ async fn unknown_routes_are_404_and_wrong_methods_405_with_allow() {
 
 #[tokio::test]
 async fn get_answers_with_the_index_header_and_rejects_unknown_parameters() {
-    let app = test_app();
+    let app = test_app().await;
     let reg = app.register_five("a1").await;
     let a = app.get("/v1/allocations/a1").await;
     assert_eq!(a.status, StatusCode::OK);
@@ -337,7 +338,7 @@ async fn get_answers_with_the_index_header_and_rejects_unknown_parameters() {
 
 #[tokio::test]
 async fn pretty_indents_any_json_answer() {
-    let app = test_app();
+    let app = test_app().await;
     app.register_five("a1").await;
     let plain = app.get("/v1/allocations/a1").await;
     assert!(!String::from_utf8_lossy(&plain.raw).contains('\n'));
@@ -365,7 +366,7 @@ async fn pretty_indents_any_json_answer() {
 
 #[tokio::test]
 async fn list_filters_by_prefix_and_pages_with_a_token() {
-    let app = test_app();
+    let app = test_app().await;
     for id in ["web-3", "db-1", "web-1", "web-2"] {
         app.register_five(id).await;
     }
@@ -422,7 +423,7 @@ async fn list_filters_by_prefix_and_pages_with_a_token() {
 
 #[tokio::test]
 async fn delete_answers_204_then_404() {
-    let app = test_app();
+    let app = test_app().await;
     let reg = app.register_five("a1").await;
     let d = app.call("DELETE", "/v1/allocations/a1", None).await;
     assert_eq!(d.status, StatusCode::NO_CONTENT);
@@ -443,7 +444,7 @@ async fn delete_answers_204_then_404() {
 
 #[tokio::test]
 async fn a_report_records_state_event_and_timestamps() {
-    let app = test_app();
+    let app = test_app().await;
     let reg = app.register_five("a1").await;
     let a = app
         .report(
@@ -487,7 +488,7 @@ async fn a_report_records_state_event_and_timestamps() {
 
 #[tokio::test]
 async fn a_noop_report_changes_no_index() {
-    let app = test_app();
+    let app = test_app().await;
     app.register_five("a1").await;
     let first = app.report("a1", "init", json!({"state": "running"})).await;
     let same = app
@@ -499,7 +500,7 @@ async fn a_noop_report_changes_no_index() {
 
 #[tokio::test]
 async fn report_errors() {
-    let app = test_app();
+    let app = test_app().await;
     app.register_five("a1").await;
     app.report("zz", "init", json!({"state": "running"}))
         .await
@@ -564,7 +565,7 @@ async fn report_errors() {
 
 #[tokio::test]
 async fn a_batch_applies_together_then_evaluates_once() {
-    let app = test_app();
+    let app = test_app().await;
     app.register_five("a1").await;
     let a = app
         .call(
@@ -584,7 +585,7 @@ async fn a_batch_applies_together_then_evaluates_once() {
 
 #[tokio::test]
 async fn a_batch_with_one_bad_entry_applies_nothing() {
-    let app = test_app();
+    let app = test_app().await;
     let reg = app.register_five("a1").await;
     let unknown = app
         .call(
@@ -630,7 +631,7 @@ async fn a_batch_with_one_bad_entry_applies_nothing() {
 
 #[tokio::test]
 async fn start_condition_answers_at_once_when_allowed() {
-    let app = test_app();
+    let app = test_app().await;
     app.register_five("a1").await;
     let a = app
         .get("/v1/allocations/a1/tasks/init/start-condition")
@@ -646,7 +647,13 @@ async fn start_condition_answers_at_once_when_allowed() {
 
 #[tokio::test(start_paused = true)]
 async fn start_condition_times_out_with_a_200_not_allowed() {
-    let app = test_app();
+    if common::on_etcd(
+        "start_condition_times_out_with_a_200_not_allowed",
+        "runs on paused time",
+    ) {
+        return;
+    }
+    let app = test_app().await;
     app.register_five("a1").await;
     let started = tokio::time::Instant::now();
     let a = app
@@ -665,7 +672,10 @@ async fn start_condition_times_out_with_a_200_not_allowed() {
 
 #[tokio::test(start_paused = true)]
 async fn waits_are_capped_at_the_maximum() {
-    let app = test_app();
+    if common::on_etcd("waits_are_capped_at_the_maximum", "runs on paused time") {
+        return;
+    }
+    let app = test_app().await;
     app.register_five("a1").await;
     let started = tokio::time::Instant::now();
     app.get("/v1/allocations/a1/tasks/web/start-condition?wait=1h")
@@ -689,7 +699,7 @@ async fn waits_are_capped_at_the_maximum() {
 
 #[tokio::test]
 async fn start_condition_answers_at_once_when_told_to_stop() {
-    let app = test_app();
+    let app = test_app().await;
     app.register_five("a1").await;
     app.report("a1", "init", json!({"state": "dead", "failed": true}))
         .await;
@@ -702,7 +712,7 @@ async fn start_condition_answers_at_once_when_told_to_stop() {
 
 #[tokio::test]
 async fn start_condition_errors() {
-    let app = test_app();
+    let app = test_app().await;
     app.register_five("a1").await;
     app.get("/v1/allocations/zz/tasks/web/start-condition")
         .await
@@ -719,7 +729,7 @@ async fn start_condition_errors() {
 
 #[tokio::test]
 async fn a_deletion_ends_a_parked_long_poll_with_410() {
-    let app = test_app();
+    let app = test_app().await;
     app.register_five("a1").await;
     let waiting = {
         let router = app.router.clone();
@@ -753,7 +763,8 @@ async fn the_waiter_limit_answers_503_with_retry_after() {
             ..RegistryConfig::default()
         },
         HttpConfig::default(),
-    );
+    )
+    .await;
     app.register_five("a1").await;
     let a = app
         .get("/v1/allocations/a1/tasks/web/start-condition?wait=5s")
@@ -771,7 +782,7 @@ async fn the_waiter_limit_answers_503_with_retry_after() {
 
 #[tokio::test]
 async fn task_view_carries_its_allocation_state() {
-    let app = test_app();
+    let app = test_app().await;
     let reg = app.register_five("a1").await;
     let t = app.get("/v1/allocations/a1/tasks/proxy").await;
     assert_eq!(t.status, StatusCode::OK);
@@ -787,7 +798,13 @@ async fn task_view_carries_its_allocation_state() {
 
 #[tokio::test(start_paused = true)]
 async fn blocking_queries_answer_at_once_for_an_old_index_and_wait_otherwise() {
-    let app = test_app();
+    if common::on_etcd(
+        "blocking_queries_answer_at_once_for_an_old_index_and_wait_otherwise",
+        "runs on paused time",
+    ) {
+        return;
+    }
+    let app = test_app().await;
     let reg = app.register_five("a1").await;
     let index = reg.index();
     let now = app
@@ -824,7 +841,7 @@ async fn running_five(app: &common::TestApp) {
 
 #[tokio::test]
 async fn restart_running_tasks_by_default_even_with_an_empty_body() {
-    let app = test_app();
+    let app = test_app().await;
     running_five(&app).await;
     let before = app.get("/v1/allocations/a1").await;
     let r = app
@@ -853,7 +870,7 @@ async fn restart_running_tasks_by_default_even_with_an_empty_body() {
 
 #[tokio::test]
 async fn restart_one_task_with_a_reason() {
-    let app = test_app();
+    let app = test_app().await;
     running_five(&app).await;
     let r = app
         .call(
@@ -876,7 +893,7 @@ async fn restart_one_task_with_a_reason() {
 
 #[tokio::test]
 async fn restart_all_tasks_resets_the_coordinator() {
-    let app = test_app();
+    let app = test_app().await;
     running_five(&app).await;
     let r = app
         .call(
@@ -897,7 +914,7 @@ async fn restart_all_tasks_resets_the_coordinator() {
 
 #[tokio::test]
 async fn restart_errors() {
-    let app = test_app();
+    let app = test_app().await;
     running_five(&app).await;
     let both = app
         .call(
@@ -979,7 +996,7 @@ async fn restart_errors() {
 
 #[tokio::test]
 async fn restore_jumps_to_prestart_and_evaluates() {
-    let app = test_app();
+    let app = test_app().await;
     app.register_five("a1").await;
     let r = app
         .call(
@@ -1011,7 +1028,7 @@ async fn restore_jumps_to_prestart_and_evaluates() {
 
 #[tokio::test]
 async fn health_turns_503_on_shutdown() {
-    let app = test_app();
+    let app = test_app().await;
     let ok = app.get("/v1/health").await;
     assert_eq!(ok.status, StatusCode::OK);
     assert_eq!(ok.body, json!({"status": "ok"}));
@@ -1128,7 +1145,7 @@ async fn health_and_metrics_show_the_store_s_trouble_without_its_error_text() {
 
 #[tokio::test]
 async fn metrics_count_waiters() {
-    let app = test_app();
+    let app = test_app().await;
     app.register_five("a1").await;
     let m = app.get("/metrics").await;
     assert_eq!(m.status, StatusCode::OK);
@@ -1145,7 +1162,7 @@ async fn metrics_count_waiters() {
 
 #[tokio::test]
 async fn metrics_move_with_reports_transitions_restarts_and_requests() {
-    let app = test_app();
+    let app = test_app().await;
     app.register_five("a1").await;
     app.call(
         "POST",
@@ -1171,7 +1188,7 @@ async fn metrics_move_with_reports_transitions_restarts_and_requests() {
 
 #[tokio::test]
 async fn request_ids_are_echoed_or_generated() {
-    let app = test_app();
+    let app = test_app().await;
     let mine = app
         .send(
             axum::http::Request::get("/v1/health")
@@ -1194,7 +1211,13 @@ async fn request_ids_are_echoed_or_generated() {
 
 #[tokio::test]
 async fn a_failed_commit_is_a_500_that_says_nothing_internal() {
-    let app = test_app();
+    if common::on_etcd(
+        "a_failed_commit_is_a_500_that_says_nothing_internal",
+        "injects faults into the memory store",
+    ) {
+        return;
+    }
+    let app = test_app().await;
     app.register_five("a1").await;
     app.store.fail_commits(true);
     let a = app.report("a1", "init", json!({"state": "running"})).await;
@@ -1207,7 +1230,7 @@ async fn a_failed_commit_is_a_500_that_says_nothing_internal() {
 
 #[tokio::test]
 async fn the_served_openapi_document_is_the_committed_one() {
-    let app = test_app();
+    let app = test_app().await;
     let served = app.get("/openapi.json").await;
     assert_eq!(served.status, StatusCode::OK);
     let committed =
@@ -1251,7 +1274,7 @@ async fn the_openapi_document_names_every_error_code_of_the_contract() {
 
 #[tokio::test]
 async fn docs_are_served_from_the_binary() {
-    let app = test_app();
+    let app = test_app().await;
     let redirect = app.get("/docs").await;
     assert!(redirect.status.is_redirection());
     let page = app.get("/docs/").await;
@@ -1266,13 +1289,20 @@ async fn docs_are_served_from_the_binary() {
 
 #[tokio::test(start_paused = true)]
 async fn requests_that_do_not_wait_are_bounded_in_time() {
+    if common::on_etcd(
+        "requests_that_do_not_wait_are_bounded_in_time",
+        "runs on paused time and injects faults into the memory store",
+    ) {
+        return;
+    }
     let app = test_app_with(
         RegistryConfig::default(),
         HttpConfig {
             request_timeout: Duration::from_secs(2),
             ..HttpConfig::default()
         },
-    );
+    )
+    .await;
     app.register_five("a1").await;
     app.store.stall_commits(true);
     let started = tokio::time::Instant::now();
@@ -1293,7 +1323,7 @@ async fn requests_that_do_not_wait_are_bounded_in_time() {
 /// long-poll, dropped) is still counted, as status 499.
 #[tokio::test]
 async fn a_request_abandoned_by_its_client_is_counted_as_499() {
-    let app = test_app();
+    let app = test_app().await;
     app.register_five("a1").await;
     let req = axum::http::Request::get("/v1/allocations/a1/tasks/web/start-condition?wait=60s")
         .body(axum::body::Body::empty())

@@ -19,7 +19,7 @@ fn hex_sha256(secret: &str) -> String {
         .collect()
 }
 
-fn secured(public_metrics: bool) -> TestApp {
+async fn secured(public_metrics: bool) -> TestApp {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("tokens.json");
     let tokens = json!({"tokens": [
@@ -30,7 +30,7 @@ fn secured(public_metrics: bool) -> TestApp {
     std::fs::write(&file, tokens.to_string()).unwrap();
     let mut auth = Auth::load(Some(&file), Some("operator-secret")).unwrap();
     auth.public_metrics = public_metrics;
-    test_app_auth(RegistryConfig::default(), HttpConfig::default(), auth)
+    test_app_auth(RegistryConfig::default(), HttpConfig::default(), auth).await
 }
 
 async fn call(
@@ -128,7 +128,7 @@ fn rank(role: &str) -> u8 {
 
 #[tokio::test]
 async fn every_route_against_every_role() {
-    let app = secured(false);
+    let app = secured(false).await;
     let roles = [
         (None, 0u8),
         (Some("reader-secret"), 2),
@@ -170,7 +170,7 @@ async fn every_route_against_every_role() {
 
 #[tokio::test]
 async fn a_scoped_agent_token_only_touches_its_prefixes() {
-    let app = secured(false);
+    let app = secured(false).await;
     for id in ["web-1", "db-1"] {
         call(
             &app,
@@ -225,7 +225,7 @@ async fn a_scoped_agent_token_only_touches_its_prefixes() {
 
 #[tokio::test]
 async fn missing_and_wrong_tokens_are_401_in_both_headers() {
-    let app = secured(false);
+    let app = secured(false).await;
     call(&app, None, "GET", "/v1/allocations", None)
         .await
         .assert_problem(401, "unauthorized");
@@ -270,7 +270,7 @@ async fn missing_and_wrong_tokens_are_401_in_both_headers() {
 
 #[tokio::test]
 async fn metrics_can_be_public() {
-    let app = secured(true);
+    let app = secured(true).await;
     assert_eq!(call(&app, None, "GET", "/metrics", None).await.status, 200);
     call(&app, None, "GET", "/v1/allocations", None)
         .await
@@ -293,14 +293,17 @@ async fn one_token_cannot_take_every_wait_or_register_without_limit() {
     ]});
     std::fs::write(&file, tokens.to_string()).unwrap();
     let auth = Auth::load(Some(&file), Some("operator-secret")).unwrap();
-    let app = std::sync::Arc::new(test_app_auth(
-        RegistryConfig {
-            max_allocations: 4,
-            ..RegistryConfig::default()
-        },
-        HttpConfig::default(),
-        auth,
-    ));
+    let app = std::sync::Arc::new(
+        test_app_auth(
+            RegistryConfig {
+                max_allocations: 4,
+                ..RegistryConfig::default()
+            },
+            HttpConfig::default(),
+            auth,
+        )
+        .await,
+    );
     let put = |t: &'static str, id: &'static str| {
         let app = app.clone();
         async move {

@@ -372,5 +372,8 @@ fn five_agents_finish_in_lifecycle_order_through_two_replicas_while_one_dies() {
     let base = &stays.base;
     assert!(started_at(base, "ha1", "proxy") < started_at(base, "ha1", "web"));
     assert!(started_at(base, "ha1", "web") < started_at(base, "ha1", "announce"));
-    assert_eq!(get(base, "/v1/allocations/ha1")["coordinator_state"], "poststop");
+    assert_eq!(
+        get(base, "/v1/allocations/ha1")["coordinator_state"],
+        "poststop"
+    );
 }

@@ -190,7 +190,7 @@ proptest! {
 /// `[]` restarted running tasks and `["running"]` was a report.
 #[tokio::test]
 async fn regression_arrays_are_not_objects() {
-    let app = test_app();
+    let app = test_app().await;
     app.register_five("a1").await;
     for (method, uri) in WRITES {
         for body in ["[]", r#"["running"]"#, r#"[[{"name": "web"}]]"#] {

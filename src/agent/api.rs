@@ -164,7 +164,8 @@ impl Api {
             // Unreachable or unavailable (5xx): the next try goes to the
             // next server, if there are several.
             if answer.as_ref().map_or(true, |(status, _)| *status >= 500) {
-                self.current.store((at + 1) % self.endpoints.len(), Ordering::Relaxed);
+                self.current
+                    .store((at + 1) % self.endpoints.len(), Ordering::Relaxed);
             }
             let problem = match answer {
                 Ok((status, body)) if status < 300 => {

@@ -171,4 +171,3 @@ pub fn start_five(base: &str, dir: &Path, alloc: &str) -> Vec<Agent> {
         .map(|(task, cmd)| agent(base, alloc, task, &spec, &[], &cmd))
         .collect()
 }
-

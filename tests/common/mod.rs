@@ -102,17 +102,61 @@ impl Answer {
     }
 }
 
-pub fn test_app() -> TestApp {
-    test_app_with(RegistryConfig::default(), HttpConfig::default())
+pub async fn test_app() -> TestApp {
+    test_app_with(RegistryConfig::default(), HttpConfig::default()).await
 }
 
-pub fn test_app_with(registry: RegistryConfig, http: HttpConfig) -> TestApp {
-    test_app_auth(registry, http, Auth::default())
+pub async fn test_app_with(registry: RegistryConfig, http: HttpConfig) -> TestApp {
+    test_app_auth(registry, http, Auth::default()).await
 }
 
-pub fn test_app_auth(registry: RegistryConfig, http: HttpConfig, auth: Auth) -> TestApp {
+/// The etcd endpoints the suites run against instead of the memory store
+/// (`TASKGATE_TEST_ETCD=http://127.0.0.1:2379,...`; `.ci/run` sets it for a
+/// second run of the API suites).
+pub fn etcd_endpoints() -> Option<Vec<String>> {
+    let list = std::env::var("TASKGATE_TEST_ETCD").ok()?;
+    Some(list.split(',').map(str::to_owned).collect())
+}
+
+/// True when the suite runs on etcd: a test that cannot (it injects faults
+/// into the memory store, or runs on tokio's paused clock, which would fire
+/// the etcd client's timeouts at once) says so and does nothing.
+pub fn on_etcd(test: &str, why: &str) -> bool {
+    let on = etcd_endpoints().is_some();
+    if on {
+        eprintln!("{test}: {why}; not run on etcd");
+    }
+    on
+}
+
+/// A router over a registry on the memory store, or with
+/// `TASKGATE_TEST_ETCD` a replica on etcd under a prefix of its own (the
+/// memory store is then unused).
+pub async fn test_app_auth(registry: RegistryConfig, http: HttpConfig, auth: Auth) -> TestApp {
+    static APPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let store = Arc::new(MemoryStore::new());
-    let registry = Registry::open(store.clone(), registry).unwrap();
+    let registry = match etcd_endpoints() {
+        None => Registry::open(store.clone(), registry).unwrap(),
+        Some(endpoints) => {
+            let n = APPS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let prefix = format!(
+                "/api-{}-{}-{n}/",
+                std::process::id(),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos()
+            );
+            let config = taskgate::store::etcd::EtcdConfig {
+                prefix,
+                ..taskgate::store::etcd::EtcdConfig::new(endpoints)
+            };
+            let etcd = taskgate::store::etcd::EtcdStore::connect(&config)
+                .await
+                .expect("the etcd of TASKGATE_TEST_ETCD answers");
+            Registry::open(Arc::new(etcd), registry).unwrap()
+        }
+    };
     TestApp {
         router: app(registry.clone(), http, Arc::new(auth)),
         registry,

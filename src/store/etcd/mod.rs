@@ -60,7 +60,8 @@ pub struct EtcdStore {
 struct Link {
     /// The watch is open and has been created by a member.
     watching: bool,
-    /// The last failure since the watch last worked, for the log.
+    /// Why the watch is down (since it last failed, until a member takes
+    /// it again): health is 503 `store_unavailable` meanwhile.
     trouble: Option<String>,
 }
 
@@ -173,16 +174,15 @@ impl Store for EtcdStore {
     }
 
     fn health(&self) -> StoreHealth {
+        // Caught up at start by the listing; behind from the first failure
+        // of the watch that follows it until a member takes it again.
         let link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
-        if link.watching && link.trouble.is_none() {
-            return StoreHealth::Ok;
-        }
-        StoreHealth::Refusing {
-            code: "store_unavailable",
-            cause: link
-                .trouble
-                .clone()
-                .unwrap_or_else(|| "the watch on etcd is not open yet".into()),
+        match &link.trouble {
+            None => StoreHealth::Ok,
+            Some(cause) => StoreHealth::Refusing {
+                code: "store_unavailable",
+                cause: cause.clone(),
+            },
         }
     }
 
