@@ -377,3 +377,187 @@ fn five_agents_finish_in_lifecycle_order_through_two_replicas_while_one_dies() {
         "poststop"
     );
 }
+
+/// The member a replica's watch is on stops (SIGSTOP, longer than an
+/// election) while another replica writes and etcd compacts: the stalled
+/// replica notices, moves its watch to another member, finds its revision
+/// compacted, lists again, and wakes exactly the waiter whose allocation
+/// changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_member_and_a_compaction_during_parked_waits_wake_exactly_the_changed() {
+    if !available("a_stalled_member_and_a_compaction_during_parked_waits_wake_exactly_the_changed")
+    {
+        return;
+    }
+    let cluster = Cluster::start(3);
+    let endpoints = cluster.endpoints();
+    let mut others = endpoints.clone();
+    others.rotate_left(1);
+    let a = replica(others, "/t6/").await;
+    let b = replica(endpoints, "/t6/").await;
+    let s = spec(vec![task("init", Some(Hook::Prestart)), task("web", None)]);
+    let mut last = 0;
+    for alloc in ["w1", "w2"] {
+        last = a
+            .register(id(alloc), s.clone())
+            .await
+            .unwrap()
+            .0
+            .modify_index;
+    }
+    assert!(b.wait_view(last, SETTLE).await);
+    let park = |alloc: &'static str| {
+        let b = b.clone();
+        tokio::spawn(async move { b.wait_start(alloc, "web", Duration::from_secs(120)).await })
+    };
+    let (w1, w2) = (park("w1"), park("w2"));
+    common::parked(&b, 2).await;
+
+    cluster.pause(0);
+    let init = TaskName::parse("init").unwrap();
+    let done = a
+        .report("w1", vec![(init, report(RunState::Dead, "done"))])
+        .await
+        .unwrap();
+    // One more change, so the compaction passes the report's revision and
+    // B cannot watch on from before it: it must list again.
+    let (w3, _) = a.register(id("w3"), s.clone()).await.unwrap();
+    let compacted = cluster.compact();
+    assert!(compacted >= w3.modify_index && w3.modify_index > done.modify_index);
+
+    let (seen, web) = tokio::time::timeout(Duration::from_secs(60), w1)
+        .await
+        .expect("the waiter on w1 is woken once B follows again")
+        .unwrap()
+        .unwrap();
+    assert!(seen.allowed(web));
+    assert_eq!(*seen, *done);
+    assert!(
+        !w2.is_finished(),
+        "w2 did not change: its waiter stays parked"
+    );
+    assert!(b.last_index() >= compacted);
+    assert!(b.wait_view(w3.modify_index, SETTLE).await);
+    assert_eq!(*b.get("w3").unwrap(), *w3);
+    assert!(wait_health(&b, |h| *h == StoreHealth::Ok).await);
+    cluster.resume(0);
+    w2.abort();
+}
+
+/// The etcd leader is SIGKILLed while three replicas take reports: writes
+/// in flight then may fail (503, never a 2xx etcd did not commit), every
+/// acknowledged one is in every replica's view afterwards, and no index
+/// ever goes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_etcd_leader_killed_under_load_loses_no_acknowledged_change() {
+    if !available("the_etcd_leader_killed_under_load_loses_no_acknowledged_change") {
+        return;
+    }
+    let mut cluster = Cluster::start(3);
+    let mut replicas = Vec::new();
+    for i in 0..3 {
+        let mut endpoints = cluster.endpoints();
+        endpoints.rotate_left(i);
+        replicas.push(replica(endpoints, "/t7/").await);
+    }
+    let s = spec(vec![task("web", None)]);
+    const ALLOCS: usize = 12;
+    for n in 0..ALLOCS {
+        replicas[n % 3]
+            .register(id(&format!("k{n}")), s.clone())
+            .await
+            .unwrap();
+    }
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut writers = Vec::new();
+    for n in 0..ALLOCS {
+        let (r, stop) = (replicas[n % 3].clone(), stop.clone());
+        writers.push(tokio::spawn(async move {
+            // (message, index) of every acknowledged report, in order, and
+            // the reports tried after the last acknowledged one.
+            let mut acked: Vec<(String, u64)> = Vec::new();
+            let mut tried_after = 0;
+            let web = TaskName::parse("web").unwrap();
+            let mut k = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let message = format!("k{n}/{k}");
+                match r
+                    .report(
+                        &format!("k{n}"),
+                        vec![(web.clone(), report(RunState::Running, &message))],
+                    )
+                    .await
+                {
+                    Ok(a) => {
+                        if let Some(&(_, before)) = acked.last() {
+                            assert!(a.modify_index > before, "indexes only go up");
+                        }
+                        acked.push((message, a.modify_index));
+                        tried_after = 0;
+                    }
+                    Err(RegistryError::Store(StoreError::Unavailable(_)))
+                    | Err(RegistryError::Contended(_)) => tried_after += 1,
+                    Err(e) => panic!("{message}: {e}"),
+                }
+                k += 1;
+            }
+            (acked, tried_after)
+        }));
+    }
+    // Load before, during and after the election.
+    let first = replicas[0].last_index();
+    assert!(replicas[0].wait_view(first + 20, SETTLE).await);
+    let leader = cluster.leader();
+    cluster.kill(leader);
+    let after = cluster.leader();
+    assert_ne!(after, leader);
+    let now = replicas[after].last_index();
+    assert!(
+        replicas[after]
+            .wait_view(now + 20, Duration::from_secs(30))
+            .await,
+        "writes go on"
+    );
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut last = 0;
+    let mut acked = Vec::new();
+    for w in writers {
+        let mine = w.await.unwrap();
+        last = last.max(mine.0.last().map_or(0, |&(_, i)| i));
+        acked.push(mine);
+    }
+    assert!(acked.iter().all(|(mine, _)| !mine.is_empty()));
+    for (n, (mine, tried_after)) in acked.iter().enumerate() {
+        for r in &replicas {
+            assert!(r.wait_view(last, SETTLE).await);
+            let a = r.get(&format!("k{n}")).unwrap();
+            let history: Vec<String> = a.tasks[0]
+                .events
+                .iter()
+                .map(|e| e.message.clone())
+                .collect();
+            let (newest, index) = mine.last().unwrap();
+            assert!(
+                a.modify_index >= *index,
+                "k{n}: an acknowledged change went back"
+            );
+            // Only the reports tried after it (each a 503 that may have
+            // landed) can have pushed it out of the last MAX_EVENTS.
+            if *tried_after < taskgate::lifecycle::MAX_EVENTS {
+                assert!(history.contains(newest), "k{n}: {newest} lost: {history:?}");
+            }
+            let mut once = history.clone();
+            once.sort();
+            once.dedup();
+            assert_eq!(once.len(), history.len(), "k{n}: a report applied twice");
+            // The acknowledged reports still in the history are in order.
+            let kept: Vec<&String> = mine
+                .iter()
+                .map(|(m, _)| m)
+                .filter(|m| history.contains(m))
+                .collect();
+            let order: Vec<&String> = history.iter().filter(|m| kept.contains(m)).collect();
+            assert_eq!(kept, order, "k{n}");
+        }
+    }
+}
