@@ -11,7 +11,7 @@ mod memory;
 mod migrate;
 #[cfg(test)]
 mod powerloss;
-mod record;
+pub(crate) mod record;
 mod salvage;
 mod snapshot;
 mod wal;

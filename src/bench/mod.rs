@@ -17,6 +17,9 @@ use std::{
 };
 
 use clap::Args;
+
+pub mod cluster;
+mod etcd;
 use rustix::process::{Pid, Signal, kill_process};
 use tokio::{
     io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
@@ -33,9 +36,11 @@ pub struct BenchConfig {
     pub duration: Duration,
     /// Scenarios to run, comma-separated: ceiling, durable, events, memory,
     /// no-group-commit, recovery; and by name only: fanout (holds 10,000
-    /// connections), scale (registers 1,000,000 allocations) and
+    /// connections), scale (registers 1,000,000 allocations),
     /// checkpoint (the store's checkpoint code alone, on a file as large
-    /// as the largest scale size).
+    /// as the largest scale size) and etcd (three replicas on a
+    /// three-member etcd it starts, against etcd's own transactions; needs
+    /// etcd and etcdctl on the PATH).
     #[arg(
         long,
         value_delimiter = ',',
@@ -80,6 +85,10 @@ pub struct BenchConfig {
     /// is reached, minutes apart.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub scale_rounds: u32,
+    /// Allocations the etcd scenario fills its prefix with before a new
+    /// replica joins it (initial sync time and memory).
+    #[arg(long, default_value_t = 100_000)]
+    pub etcd_sync_allocations: usize,
     /// The servers' `--log` filter. It must let the `taskgate listening`
     /// line through (the bench reads the address from it);
     /// `info,taskgate::http::edge=warn` turns the per-request span off.
@@ -92,7 +101,7 @@ pub struct BenchConfig {
 }
 
 /// A server process of this binary, killed on drop.
-struct Proc {
+pub(super) struct Proc {
     child: Child,
     addr: SocketAddr,
 }
@@ -240,7 +249,7 @@ impl Conn {
 }
 
 /// What one scenario measured.
-struct Outcome {
+pub(super) struct Outcome {
     name: String,
     requests: u64,
     errors: u64,
@@ -274,6 +283,20 @@ async fn drive<F>(
 where
     F: Fn(usize, u64) -> (&'static str, String, Vec<u8>) + Send + Sync + Clone + 'static,
 {
+    drive_on(name, &[addr], clients, duration, request).await
+}
+
+/// `drive` over several servers: client `c` talks to `addrs[c % n]`.
+pub(super) async fn drive_on<F>(
+    name: &str,
+    addrs: &[SocketAddr],
+    clients: usize,
+    duration: Duration,
+    request: F,
+) -> std::io::Result<Outcome>
+where
+    F: Fn(usize, u64) -> (&'static str, String, Vec<u8>) + Send + Sync + Clone + 'static,
+{
     let warmup = Duration::from_secs(1);
     let start = Instant::now();
     let measure_from = start + warmup;
@@ -281,6 +304,7 @@ where
     let mut tasks = Vec::with_capacity(clients);
     for c in 0..clients {
         let request = request.clone();
+        let addr = addrs[c % addrs.len()];
         tasks.push(tokio::spawn(async move {
             let mut conn = Conn::open(addr).await?;
             let mut lat = Vec::new();
@@ -396,7 +420,7 @@ pub(crate) const FIVE_TASKS: &str = r#"{"tasks": [
 /// The servers' `--log` filter (`--server-log`), set once per run.
 static SERVER_LOG: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
-fn serve_args(extra: &[&str]) -> Vec<String> {
+pub(super) fn serve_args(extra: &[&str]) -> Vec<String> {
     let log = SERVER_LOG.get().map_or("info", String::as_str);
     let mut args: Vec<String> = ["serve", "--listen", "127.0.0.1:0", "--log", log]
         .map(String::from)
@@ -438,7 +462,7 @@ async fn put_each(
 }
 
 /// Registers `{prefix}-{i}` for every `i` in `ids` with `spec`.
-async fn register(
+pub(super) async fn register(
     addr: SocketAddr,
     prefix: &str,
     ids: std::ops::Range<usize>,
@@ -612,7 +636,7 @@ fn data_dir(
 }
 
 /// A temporary directory removed on drop (the bench needs nothing more).
-mod tempfile_dir {
+pub(crate) mod tempfile_dir {
     use std::path::{Path, PathBuf};
 
     pub struct TempDir(PathBuf);
@@ -695,6 +719,11 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
             "recovery" => notes.push(recovery(&config).await?),
             "fanout" => notes.push(fanout(&config).await?),
             "checkpoint" => notes.push(checkpoint(&config).await?),
+            "etcd" => {
+                let (rows, note) = etcd::scenario(&config).await?;
+                outcomes.extend(rows);
+                notes.push(note);
+            }
             "scale" => {
                 let (rows, note) = scale(&config).await?;
                 outcomes.extend(rows);
@@ -983,7 +1012,7 @@ fn proc_stat_seconds(stat: &str) -> std::io::Result<(&str, f64)> {
     ))
 }
 
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
+pub(super) fn percentile(sorted: &[Duration], p: f64) -> Duration {
     if sorted.is_empty() {
         return Duration::ZERO;
     }
@@ -1524,7 +1553,7 @@ fn coprime_step(n: usize) -> usize {
 
 /// Waits (bounded) until a freshly started server answers `/v1/health` 200;
 /// returns the time since `started`.
-async fn healthy(server: &Proc, started: Instant) -> std::io::Result<Duration> {
+pub(super) async fn healthy(server: &Proc, started: Instant) -> std::io::Result<Duration> {
     loop {
         if started.elapsed() > Duration::from_secs(300) {
             return Err(std::io::Error::other("the server did not become healthy"));
