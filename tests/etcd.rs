@@ -157,7 +157,7 @@ async fn concurrent_writers_on_three_replicas_lose_nothing_and_apply_nothing_twi
                             .await
                         {
                             Ok(a) => {
-                                indexes.push(a.modify_index);
+                                indexes.push((a.modify_index, message));
                                 break;
                             }
                             // Nothing was written: trying again is what a
@@ -171,16 +171,17 @@ async fn concurrent_writers_on_three_replicas_lose_nothing_and_apply_nothing_twi
             }));
         }
     }
-    let mut indexes = Vec::new();
+    let mut acked = Vec::new();
     for s in senders {
         let mine = s.await.unwrap();
         assert!(
-            mine.windows(2).all(|w| w[0] < w[1]),
+            mine.windows(2).all(|w| w[0].0 < w[1].0),
             "one sender's indexes go up"
         );
-        indexes.extend(mine);
+        acked.extend(mine);
     }
-    indexes.sort_unstable();
+    acked.sort_unstable();
+    let mut indexes: Vec<u64> = acked.iter().map(|(i, _)| *i).collect();
     let n = indexes.len();
     indexes.dedup();
     assert_eq!(
@@ -207,6 +208,21 @@ async fn concurrent_writers_on_three_replicas_lose_nothing_and_apply_nothing_twi
             .map(|e| e.message.clone())
             .collect();
         assert_eq!(got.len(), PER_TASK, "{name}: {got:?}");
+        // A serial replay: the acknowledged reports to this task, applied
+        // one by one in the order of their indexes, leave this history.
+        let replayed: Vec<String> = acked
+            .iter()
+            .filter(|(_, m)| m.starts_with(&format!("{name}/")))
+            .map(|(_, m)| m.clone())
+            .collect();
+        assert_eq!(got, replayed, "{name}");
+        // A task's index is the revision of the write that last changed it.
+        let last_write = acked
+            .iter()
+            .filter(|(_, m)| m.starts_with(&format!("{name}/")))
+            .map(|(i, _)| *i)
+            .max();
+        assert_eq!(Some(a.tasks[t].modify_index), last_write, "{name}");
         for half in 0..2 {
             // Each sender's reports, once each, in the order it sent them.
             let mine: Vec<&String> = got

@@ -65,8 +65,20 @@ pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<(Vec<Outco
         FIVE_TASKS,
     )
     .await?;
-    let client =
-        Arc::new(Client::new(&EtcdConfig::new(endpoints.clone())).map_err(std::io::Error::other)?);
+    // One client per replica's member order, as the replicas have: etcd's
+    // own run spreads over the members exactly as the replicas do (a
+    // follower forwards to the leader what it is sent).
+    let clients: Vec<Arc<Client>> = (0..replicas.len())
+        .map(|i| {
+            let mut eps = endpoints.clone();
+            let n = eps.len();
+            eps.rotate_left(i % n);
+            Client::new(&EtcdConfig::new(eps))
+                .map(Arc::new)
+                .map_err(std::io::Error::other)
+        })
+        .collect::<Result<_, _>>()?;
+    let client = &clients[0];
     // One report first, so etcd's own run writes a record of the size the
     // measured reports write.
     let mut conn = Conn::open(addrs[0]).await?;
@@ -91,7 +103,7 @@ pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<(Vec<Outco
     let mut rows = Vec::new();
     let (mut own, mut ours) = (Vec::new(), Vec::new());
     for round in 0..ROUNDS {
-        let o = transactions(&client, &record, config, round).await?;
+        let o = transactions(&clients, &record, config, round).await?;
         own.push(o.rate());
         rows.push(o);
         let o = super::drive_on(
@@ -122,7 +134,8 @@ pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<(Vec<Outco
     let note = format!(
         "etcd: three members on this machine, record of {} bytes; reports through three \
          replicas against etcd's own compare-and-swap transactions, round by round: {} \
-         (target ≥ 70%).\n\n{wake}\n\n{sync}",
+         (target ≥ 70%; etcd's own run spreads its clients over the members as the \
+         replicas do).\n\n{wake}\n\n{sync}",
         record.len(),
         ratios.join(", ")
     );
@@ -130,10 +143,11 @@ pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<(Vec<Outco
     Ok((rows, note))
 }
 
-/// etcd's own transactions: `clients` loops, each a compare-and-swap of
-/// `record` on a key of its own, as a replica commits a report.
+/// etcd's own transactions: `--clients` loops, each a compare-and-swap of
+/// `record` on a key of its own, as a replica commits a report; loop `c`
+/// uses `clients[c % n]` (the replicas' member orders).
 async fn transactions(
-    client: &Arc<Client>,
+    clients: &[Arc<Client>],
     record: &[u8],
     config: &BenchConfig,
     round: usize,
@@ -143,7 +157,7 @@ async fn transactions(
     let end = measure_from + config.duration;
     let mut tasks = Vec::new();
     for c in 0..config.clients {
-        let (client, record) = (client.clone(), record.to_vec());
+        let (client, record) = (clients[c % clients.len()].clone(), record.to_vec());
         tasks.push(tokio::spawn(async move {
             let key = format!("/bench-raw/{round}/{c}").into_bytes();
             let mut expect = 0;

@@ -644,12 +644,19 @@ impl Registry {
         apply: ApplyReports,
     ) -> Result<Arc<Allocation>, RegistryError> {
         let count = reports.len();
+        // A shared store may decide more than once (after a conflict): a
+        // copy is kept for the later rounds. The first takes the reports.
+        let spare = self.shared.store.shared().map(|_| reports.clone());
+        let first = std::sync::Mutex::new(Some(reports));
         let (a, ()) = self
             .update(
                 id,
                 |a, next_index| {
-                    // A copy: a shared store may decide more than once.
-                    let reports = Self::positions(a, reports.clone())?;
+                    let taken = first.lock().unwrap_or_else(PoisonError::into_inner).take();
+                    let reports = taken
+                        .or_else(|| spare.clone())
+                        .expect("only a shared store decides twice, and it keeps a copy");
+                    let reports = Self::positions(a, reports)?;
                     Ok((apply(a, &reports, now(), next_index), ()))
                 },
                 move |metrics| metrics.reports(count),
