@@ -43,6 +43,9 @@ const CHECK_EVERY: Duration = Duration::from_secs(2);
 /// `RETRY_MAX`).
 const RETRY_FIRST: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(5);
+/// How long a starting replica waits for etcd to answer before it gives
+/// up.
+const CONNECT_PATIENCE: Duration = Duration::from_secs(60);
 
 pub struct EtcdStore {
     client: Arc<Client>,
@@ -83,12 +86,27 @@ impl EtcdStore {
             link: Arc::default(),
             closed: watch::Sender::new(false),
         };
-        let loaded = list(&store.client, &store.keys).await.map_err(|e| {
-            StoreError::Unusable(format!(
-                "cannot list {} in etcd: {e}",
-                String::from_utf8_lossy(&store.keys)
-            ))
-        })?;
+        // etcd may come up after the replica (a whole deployment started
+        // at once): unreachable members are waited for a while, the server
+        // answering 503 `starting` meanwhile.
+        let started = Instant::now();
+        let mut backoff = RETRY_FIRST;
+        let loaded = loop {
+            match list(&store.client, &store.keys).await {
+                Ok(loaded) => break loaded,
+                Err(CallError::Unreachable(e)) if started.elapsed() < CONNECT_PATIENCE => {
+                    tracing::warn!(error = %e, retry_in = ?backoff, "etcd is not reachable yet");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(RETRY_MAX);
+                }
+                Err(e) => {
+                    return Err(StoreError::Unusable(format!(
+                        "cannot list {} in etcd: {e}",
+                        String::from_utf8_lossy(&store.keys)
+                    )));
+                }
+            }
+        };
         *store.loaded.lock().unwrap_or_else(PoisonError::into_inner) = Some(loaded);
         Ok(store)
     }
