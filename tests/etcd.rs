@@ -577,3 +577,50 @@ async fn the_etcd_leader_killed_under_load_loses_no_acknowledged_change() {
         }
     }
 }
+
+/// Found by the container smoke run: in an image without certificate roots
+/// the etcd client could not even be built ("builder error"), though plain
+/// HTTP needs none. A replica there waits for its etcd (answering 503
+/// `starting`) instead of exiting. Needs no etcd: the endpoint is a closed
+/// port.
+#[test]
+fn a_replica_without_certificate_roots_waits_for_a_plain_http_etcd() {
+    use std::{
+        net::TcpListener,
+        process::{Command, Stdio},
+        time::Instant,
+    };
+    let port = |_| {
+        TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+    };
+    let (listen, closed) = (port(0), port(1));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        .args(["serve", "--store", "etcd", "--listen", &listen.to_string()])
+        .args(["--etcd-endpoints", &format!("http://{closed}")])
+        .env("SSL_CERT_FILE", "/nonexistent")
+        .env("SSL_CERT_DIR", "/nonexistent")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let until = Instant::now() + Duration::from_secs(30);
+    let answer = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+            panic!("the replica exited ({status}): {err}");
+        }
+        if std::net::TcpStream::connect(listen).is_ok() {
+            let request = common::raw::request("GET", "/v1/health", None, b"");
+            break common::raw::exchange(listen, &request);
+        }
+        assert!(Instant::now() < until, "the replica never listened");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    answer.assert_problem(503, "starting");
+}

@@ -308,3 +308,41 @@ impl Allocation {
         Some(self)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use time::macros::datetime;
+
+    use super::*;
+    use crate::lifecycle::{Limits, RunState, TaskName, TaskSpec};
+
+    /// A change decided with a placeholder index takes its commit's index
+    /// wherever it stamped one, and nowhere else.
+    #[test]
+    fn restamping_replaces_the_placeholder_and_only_it() {
+        let now = datetime!(2026-11-24 10:00 UTC);
+        let tasks = ["a", "b"].map(|n| TaskSpec {
+            name: TaskName::parse(n).unwrap(),
+            lifecycle: None,
+            leader: false,
+        });
+        let spec = Arc::new(AllocSpec::new(tasks.to_vec(), &Limits::default()).unwrap());
+        let mut a = Allocation::register(AllocId::parse("x").unwrap(), spec, 1, now);
+        a.restamp(1, 40);
+        assert_eq!((a.create_index, a.modify_index), (40, 40));
+        assert!(a.tasks.iter().all(|t| t.modify_index == 40));
+        let running = TaskReport {
+            state: RunState::Running,
+            failed: false,
+            event: None,
+        };
+        let mut next = a.report(&[(1, running)], now, || 41).expect("a change");
+        next.restamp(41, 97);
+        assert_eq!((next.create_index, next.modify_index), (40, 97));
+        assert_eq!(next.tasks[0].modify_index, 40, "untouched");
+        assert_eq!(
+            next.tasks[1].modify_index, 97,
+            "the task the change touched"
+        );
+    }
+}

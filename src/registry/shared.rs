@@ -34,8 +34,9 @@ const MAX_SWAPS: usize = 16;
 /// The longest a write waits for this replica's view to reach its own
 /// change. The change is committed either way; past this the answer goes
 /// out without it (a view that far behind is reconnecting, and health says
-/// so).
-const REACH_TIMEOUT: Duration = Duration::from_secs(30);
+/// so), well before the request's own timeout would turn a committed change
+/// into a 503.
+const REACH_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The index given to a change while it is decided: above every index in
 /// the record it was decided on, so that it alone is replaced by the

@@ -225,10 +225,15 @@ impl Client {
             .connect_timeout(config.request_timeout)
             .pool_idle_timeout(Duration::from_secs(60))
             .no_proxy();
+        let tls = config.endpoints.iter().any(|e| e.starts_with("https://"));
         if let Some(ca) = &config.ca {
             let certs = reqwest::Certificate::from_pem_bundle(&read(ca, "CA bundle")?)
                 .map_err(|e| format!("the etcd CA bundle {} is not PEM: {e}", ca.display()))?;
             builder = builder.tls_certs_only(certs);
+        } else if !tls {
+            // Plain HTTP: no certificate roots needed (a minimal image has
+            // none, and loading the platform's would fail there).
+            builder = builder.tls_certs_only([]);
         }
         match (&config.cert, &config.key) {
             (Some(cert), Some(key)) => {
@@ -255,9 +260,19 @@ impl Client {
             (None, Some(_)) => return Err("an etcd password needs --etcd-user".into()),
         };
         Ok(Self {
-            http: builder
-                .build()
-                .map_err(|e| format!("cannot build the etcd client: {e}"))?,
+            http: builder.build().map_err(|e| {
+                let mut why = e.to_string();
+                let mut source = std::error::Error::source(&e);
+                while let Some(s) = source {
+                    why.push_str(": ");
+                    why.push_str(&s.to_string());
+                    source = s.source();
+                }
+                if tls && config.ca.is_none() {
+                    why.push_str(" (without --etcd-ca the system's certificate roots are used)");
+                }
+                format!("cannot build the etcd client: {why}")
+            })?,
             endpoints: config
                 .endpoints
                 .iter()

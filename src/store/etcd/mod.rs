@@ -306,10 +306,18 @@ impl Follow {
                             backoff = RETRY_FIRST;
                             continue;
                         }
-                        Err(e) => self.lost(format!("listing the prefix again failed: {e}")),
+                        Err(e) => {
+                            self.lost(format!("listing the prefix again failed: {e}"));
+                        }
                     }
                 }
-                Ended::Lost(why) => self.lost(why),
+                // A watch that worked until now is tried again at once
+                // (on the next member); one that keeps failing, less often.
+                Ended::Lost(why) => {
+                    if self.lost(why) {
+                        backoff = RETRY_FIRST;
+                    }
+                }
             }
             tokio::select! {
                 () = tokio::time::sleep(backoff) => {}
@@ -319,13 +327,16 @@ impl Follow {
         }
     }
 
-    fn lost(&self, why: String) {
+    /// Records why the watch is down; true if it was working until now.
+    fn lost(&self, why: String) -> bool {
         let mut link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
-        if link.watching || link.trouble.is_none() {
+        let was = link.watching;
+        if was || link.trouble.is_none() {
             tracing::warn!(error = %why, "the watch on etcd is lost; reads answer from the last view until it is back");
         }
         link.watching = false;
         link.trouble = Some(why);
+        was
     }
 
     /// One watch, from the revision after `applied`, until it ends.
