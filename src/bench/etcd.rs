@@ -101,10 +101,13 @@ pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<(Vec<Outco
         .ok_or_else(|| std::io::Error::other("the registered record is not in etcd"))?;
 
     let mut rows = Vec::new();
-    let (mut own, mut ours) = (Vec::new(), Vec::new());
+    let (mut own, mut watched, mut ours) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..ROUNDS {
-        let o = transactions(&clients, &record, config, round).await?;
+        let o = transactions(&clients, &record, config, round, false).await?;
         own.push(o.rate());
+        rows.push(o);
+        let o = transactions(&clients, &record, config, round, true).await?;
+        watched.push(o.rate());
         rows.push(o);
         let o = super::drive_on(
             &format!("reports through 3 replicas on etcd, round {}", round + 1),
@@ -124,20 +127,25 @@ pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<(Vec<Outco
         ours.push(o.rate());
         rows.push(o);
     }
-    let ratios: Vec<String> = own
-        .iter()
-        .zip(&ours)
-        .map(|(e, t)| format!("{:.0}%", 100.0 * t / e))
-        .collect();
+    let ratio = |of: &[f64]| -> Vec<String> {
+        own.iter()
+            .zip(of)
+            .map(|(e, t)| format!("{:.0}%", 100.0 * t / e))
+            .collect()
+    };
+    let (ratios, watched) = (ratio(&ours), ratio(&watched));
     let wake = wake(addrs[0], addrs[1], config.duration).await?;
     let sync = sync(&replicas, &endpoints, config).await?;
     let note = format!(
         "etcd: three members on this machine, record of {} bytes; reports through three \
          replicas against etcd's own compare-and-swap transactions, round by round: {} \
          (target ≥ 70%; etcd's own run spreads its clients over the members as the \
-         replicas do).\n\n{wake}\n\n{sync}",
+         replicas do). etcd's own transactions while three watches (one per replica) \
+         follow their prefix: {} of its rate without them — the share of the gap that is \
+         etcd sending every change to every replica.\n\n{wake}\n\n{sync}",
         record.len(),
-        ratios.join(", ")
+        ratios.join(", "),
+        watched.join(", ")
     );
     drop(cluster);
     Ok((rows, note))
@@ -146,20 +154,43 @@ pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<(Vec<Outco
 /// etcd's own transactions: `--clients` loops, each a compare-and-swap of
 /// `record` on a key of its own, as a replica commits a report; loop `c`
 /// uses `clients[c % n]` (the replicas' member orders).
+///
+/// With `watched`, three watches on the keys' prefix (one per member order,
+/// as the replicas' are) read every change meanwhile.
 async fn transactions(
     clients: &[Arc<Client>],
     record: &[u8],
     config: &BenchConfig,
     round: usize,
+    watched: bool,
 ) -> std::io::Result<Outcome> {
+    let prefix = format!("/bench-raw/{round}/{watched}/").into_bytes();
+    let mut watches = Vec::new();
+    if watched {
+        let end = crate::store::etcd::prefix_end(&prefix);
+        for client in clients {
+            let mut w = client
+                .watch(&prefix, &end, 0)
+                .await
+                .map_err(std::io::Error::other)?;
+            watches.push(tokio::spawn(async move {
+                while let Ok(Some(_)) = w.next().await {}
+            }));
+        }
+    }
     let warmup = Duration::from_secs(1);
     let measure_from = Instant::now() + warmup;
     let end = measure_from + config.duration;
     let mut tasks = Vec::new();
     for c in 0..config.clients {
-        let (client, record) = (clients[c % clients.len()].clone(), record.to_vec());
+        let (client, record, prefix) = (
+            clients[c % clients.len()].clone(),
+            record.to_vec(),
+            prefix.clone(),
+        );
         tasks.push(tokio::spawn(async move {
-            let key = format!("/bench-raw/{round}/{c}").into_bytes();
+            let mut key = prefix.clone();
+            key.extend_from_slice(c.to_string().as_bytes());
             let mut expect = 0;
             let (mut ok, mut errors, mut lat) = (0u64, 0u64, Vec::new());
             loop {
@@ -190,9 +221,17 @@ async fn transactions(
             (ok, errors, lat)
         }));
     }
+    for w in watches {
+        w.abort();
+    }
     let mut out = Outcome {
         name: format!(
-            "etcd's own compare-and-swap transactions, round {}",
+            "etcd's own compare-and-swap transactions{}, round {}",
+            if watched {
+                ", three prefix watches"
+            } else {
+                ""
+            },
             round + 1
         ),
         requests: 0,

@@ -20,7 +20,7 @@ use std::{
 
 use base64::{Engine, engine::general_purpose::STANDARD as B64};
 use serde::{Deserialize, Deserializer, de::DeserializeOwned};
-use serde_json::{Value, json};
+use serde_json::json;
 
 /// How to reach and authenticate to an etcd cluster.
 #[derive(Clone, Debug)]
@@ -224,6 +224,7 @@ impl Client {
             .tcp_keepalive(Duration::from_secs(10))
             .connect_timeout(config.request_timeout)
             .pool_idle_timeout(Duration::from_secs(60))
+            .redirect(reqwest::redirect::Policy::none())
             .no_proxy();
         let tls = config.endpoints.iter().any(|e| e.starts_with("https://"));
         if let Some(ca) = &config.ca {
@@ -300,7 +301,9 @@ impl Client {
         struct Token {
             token: String,
         }
-        let body = json!({"name": name, "password": password});
+        let body = json!({"name": name, "password": password})
+            .to_string()
+            .into();
         let t: Token = self
             .post_once(endpoint, "/v3/auth/authenticate", &body, None)
             .await?;
@@ -313,7 +316,7 @@ impl Client {
         &self,
         endpoint: &str,
         path: &str,
-        body: &Value,
+        body: &bytes::Bytes,
         token: Option<&str>,
     ) -> Result<T, CallError> {
         let mut req = self
@@ -321,7 +324,7 @@ impl Client {
             .post(format!("{endpoint}{path}"))
             .timeout(self.timeout)
             .header("content-type", "application/json")
-            .body(body.to_string());
+            .body(body.clone());
         if let Some(t) = token {
             req = req.header("authorization", t);
         }
@@ -346,7 +349,11 @@ impl Client {
     }
 
     /// A request, to the member that answered last and then to the others.
-    async fn post<T: DeserializeOwned>(&self, path: &str, body: &Value) -> Result<T, CallError> {
+    async fn post<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &bytes::Bytes,
+    ) -> Result<T, CallError> {
         let n = self.endpoints.len();
         let first = self.current.load(Ordering::Relaxed);
         let mut last = String::new();
@@ -396,7 +403,9 @@ impl Client {
             "range_end": B64.encode(end),
             "revision": revision.to_string(),
             "limit": limit.to_string(),
-        });
+        })
+        .to_string()
+        .into();
         self.post("/v3/kv/range", &body).await
     }
 
@@ -413,16 +422,20 @@ impl Client {
         value: Option<&[u8]>,
         expect: u64,
     ) -> Result<Swapped, CallError> {
+        // Written out directly (base64 and decimal digits need no JSON
+        // escaping): every report commits one of these.
         let key64 = B64.encode(key);
         let then = match value {
-            Some(v) => json!({"request_put": {"key": key64, "value": B64.encode(v)}}),
-            None => json!({"request_delete_range": {"key": key64}}),
+            Some(v) => format!(
+                r#"{{"request_put":{{"key":"{key64}","value":"{}"}}}}"#,
+                B64.encode(v)
+            ),
+            None => format!(r#"{{"request_delete_range":{{"key":"{key64}"}}}}"#),
         };
-        let body = json!({
-            "compare": [{"key": key64, "target": "MOD", "result": "EQUAL", "mod_revision": expect.to_string()}],
-            "success": [then],
-            "failure": [{"request_range": {"key": key64}}],
-        });
+        let body = format!(
+            r#"{{"compare":[{{"key":"{key64}","target":"MOD","result":"EQUAL","mod_revision":"{expect}"}}],"success":[{then}],"failure":[{{"request_range":{{"key":"{key64}"}}}}]}}"#
+        )
+        .into();
         let answer: TxnResponse = self.post("/v3/kv/txn", &body).await?;
         if answer.succeeded {
             return Ok(Swapped::Done(answer.header.revision));
@@ -485,6 +498,7 @@ impl Client {
                         endpoint: endpoint.clone(),
                         response: r,
                         buf: Vec::new(),
+                        start: 0,
                     });
                 }
                 Ok(r) => last = format!("{endpoint}: the watch answered {}", r.status()),
@@ -499,7 +513,9 @@ impl Client {
     /// Whether the member at `endpoint` reaches its cluster's quorum now:
     /// a linearizable read of one key goes through the leader.
     pub async fn check(&self, endpoint: &str, key: &[u8]) -> Result<u64, CallError> {
-        let body = json!({"key": B64.encode(key), "count_only": true});
+        let body = json!({"key": B64.encode(key), "count_only": true})
+            .to_string()
+            .into();
         let r: RangeResponse = self
             .post_once(endpoint, "/v3/kv/range", &body, self.token().as_deref())
             .await?;
@@ -540,19 +556,26 @@ pub struct Watch {
     pub endpoint: String,
     response: reqwest::Response,
     buf: Vec<u8>,
+    /// Where the lines not parsed yet start in `buf`.
+    start: usize,
 }
 
 impl Watch {
     /// The next response; `None` when the member closed the stream.
     pub async fn next(&mut self) -> Result<Option<WatchResponse>, CallError> {
         loop {
-            if let Some(end) = self.buf.iter().position(|&b| b == b'\n') {
-                let line: Vec<u8> = self.buf.drain(..=end).collect();
+            if let Some(end) = self.buf[self.start..].iter().position(|&b| b == b'\n') {
+                let line = self.start..self.start + end + 1;
+                self.start = line.end;
+                let line = &self.buf[line];
                 if line.iter().all(u8::is_ascii_whitespace) {
                     continue;
                 }
-                return parse_line(&self.endpoint, &line).map(Some);
+                return parse_line(&self.endpoint, line).map(Some);
             }
+            // Every whole line is parsed: the rest moves to the front.
+            self.buf.drain(..self.start);
+            self.start = 0;
             match self.response.chunk().await {
                 Ok(Some(chunk)) => self.buf.extend_from_slice(&chunk),
                 Ok(None) if self.buf.iter().all(u8::is_ascii_whitespace) => return Ok(None),
