@@ -624,3 +624,140 @@ fn a_replica_without_certificate_roots_waits_for_a_plain_http_etcd() {
     let _ = child.wait();
     answer.assert_problem(503, "starting");
 }
+
+/// Two `taskgate serve --store etcd` replicas take reports from eight
+/// writers, each writer moving to the other replica when one fails it (as
+/// `taskgate agent` does). One replica is SIGKILLed under that load: every
+/// report a writer had acknowledged is in the survivor's view, and no
+/// index went back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_under_load_loses_no_acknowledged_report() {
+    use common::process::Server;
+    if !available("a_replica_killed_under_load_loses_no_acknowledged_report") {
+        return;
+    }
+    let cluster = Cluster::start(3);
+    let endpoints = cluster.endpoints().join(",");
+    let args = [
+        "--store",
+        "etcd",
+        "--etcd-endpoints",
+        &endpoints,
+        "--etcd-prefix",
+        "/p8/",
+    ];
+    let (mut dies, stays) = (Some(Server::start(&args)), Server::start(&args));
+    let bases = [dies.as_ref().unwrap().base.clone(), stays.base.clone()];
+    let http = common::http();
+    const WRITERS: usize = 8;
+    for w in 0..WRITERS {
+        let spec = serde_json::json!({"tasks": [{"name": "web"}]});
+        let put = http
+            .put(format!("{}/v1/allocations/w{w}", bases[0]))
+            .json(&spec)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(put.status(), 201);
+    }
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Reports acknowledged so far, by all writers.
+    let acked_total = Arc::new(tokio::sync::watch::Sender::new(0usize));
+    let mut writers = Vec::new();
+    for w in 0..WRITERS {
+        let (http, bases, stop, total) = (
+            http.clone(),
+            bases.clone(),
+            stop.clone(),
+            acked_total.clone(),
+        );
+        writers.push(tokio::spawn(async move {
+            let (mut at, mut k) = (w % 2, 0);
+            let (mut acked, mut tried_after): (Vec<(String, u64)>, usize) = (Vec::new(), 0);
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let message = format!("w{w}/{k}");
+                k += 1;
+                let body = serde_json::json!({"state": "running", "event": {"type": "Note", "message": message}});
+                let sent = http
+                    .put(format!("{}/v1/allocations/w{w}/tasks/web/state", bases[at]))
+                    .json(&body)
+                    .timeout(Duration::from_secs(10))
+                    .send()
+                    .await;
+                match sent {
+                    Ok(r) if r.status() == 200 => {
+                        let v: serde_json::Value = r.json().await.unwrap();
+                        let index = v["modify_index"].as_u64().unwrap();
+                        if let Some(&(_, before)) = acked.last() {
+                            assert!(index > before, "w{w}: an index went back");
+                        }
+                        acked.push((message, index));
+                        tried_after = 0;
+                        total.send_modify(|n| *n += 1);
+                    }
+                    Ok(r) if r.status().is_server_error() => {
+                        tried_after += 1;
+                        at = 1 - at;
+                    }
+                    Ok(r) => panic!("w{w}: {}", r.status()),
+                    Err(_) => {
+                        tried_after += 1;
+                        at = 1 - at;
+                    }
+                }
+            }
+            (acked, tried_after)
+        }));
+    }
+    let wait_for = |n: usize| {
+        let mut total = acked_total.subscribe();
+        async move {
+            let reached = total.wait_for(|&t| t >= n);
+            tokio::time::timeout(Duration::from_secs(60), reached)
+                .await
+                .expect("the load stalled")
+                .unwrap();
+        }
+    };
+    wait_for(200).await;
+    drop(dies.take()); // SIGKILL, mid-load
+    let after = *acked_total.borrow();
+    wait_for(after + 200).await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    for (w, writer) in writers.into_iter().enumerate() {
+        let (acked, tried_after) = writer.await.unwrap();
+        let (newest, index) = acked.last().expect("acknowledged reports").clone();
+        let v: serde_json::Value = http
+            .get(format!(
+                "{}/v1/allocations/w{w}/tasks/web?index={}&wait=10s",
+                stays.base,
+                index - 1
+            ))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert!(v["modify_index"].as_u64().unwrap() >= index, "w{w}: {v}");
+        let history: Vec<String> = v["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["message"].as_str().unwrap().to_owned())
+            .collect();
+        if tried_after < taskgate::lifecycle::MAX_EVENTS {
+            assert!(
+                history.contains(&newest),
+                "w{w}: {newest} lost: {history:?}"
+            );
+        }
+        let kept: Vec<&String> = acked
+            .iter()
+            .map(|(m, _)| m)
+            .filter(|m| history.contains(m))
+            .collect();
+        let order: Vec<&String> = history.iter().filter(|m| kept.contains(m)).collect();
+        assert_eq!(kept, order, "w{w}");
+    }
+}
