@@ -307,12 +307,6 @@ fn open_configured_store(
         tracing::info!(endpoints = ?etcd.endpoints, prefix = %etcd.prefix, "etcd store connected");
         return Ok(Arc::new(store));
     }
-    if config.store_cache_mib.is_some() {
-        tracing::warn!(
-            "--store-cache-mib (TASKGATE_STORE_CACHE_MIB) has no effect since the store keeps \
-             a snapshot file instead of a redb file; remove it"
-        );
-    }
     let store = DiskStore::open(DiskStoreConfig {
         max_batch: usize::try_from(config.commit_batch).unwrap_or(usize::MAX),
         log_limit: config.store_log_limit,

@@ -226,12 +226,6 @@ pub struct ServeConfig {
     #[arg(long, env = "TASKGATE_TRANSPARENT_HUGE_PAGES")]
     pub transparent_huge_pages: bool,
 
-    /// No effect: it sized the page cache of the redb file that held the
-    /// records up to taskgate 0.1 (the store is a snapshot file now).
-    /// Accepted, with a warning, so existing command lines still start.
-    #[arg(long, env = "TASKGATE_STORE_CACHE_MIB", hide = true)]
-    pub store_cache_mib: Option<usize>,
-
     /// Size of the store's log at which a checkpoint folds it into the
     /// snapshot (`64MiB`, `512KiB`, or bytes), or a quarter of the
     /// snapshot's size if that is larger (a checkpoint rewrites the whole
@@ -349,7 +343,6 @@ impl ServeConfig {
                 ..EtcdArgs::default()
             }),
             commit_batch: 4096,
-            store_cache_mib: None,
             transparent_huge_pages: false,
             store_log_limit: crate::store::DEFAULT_LOG_LIMIT,
             store_log_ceiling: crate::store::DEFAULT_LOG_CEILING,

@@ -22,8 +22,8 @@
 //! replays at most.
 //!
 //! Recovery reads the snapshot, then replays the segments it has not
-//! folded, in order. A data directory from before the snapshot (a redb
-//! file) is migrated on open (`migrate.rs`).
+//! folded, in order. A data directory of the pre-release format (a redb
+//! file, `taskgate.redb`) is refused, never read as empty.
 //!
 //! One process at a time: the store holds an exclusive lock on
 //! `taskgate.lock` in the data directory while it is open.
@@ -44,7 +44,7 @@ use tokio::sync::oneshot;
 use super::{
     Commit, Loaded, Op, Store, StoreError,
     fs::{DirLock, Fs, LockError, Open, RealFs},
-    migrate, record,
+    record,
     snapshot::{self, NEXT_FILE, OLD_FILE, SNAPSHOT_FILE, Snapshot},
     wal::{self, Overlay},
 };
@@ -183,8 +183,8 @@ fn unusable_log(path: &Path, what: impl std::fmt::Display) -> StoreError {
 }
 
 impl DiskStore {
-    /// Opens (or creates) the store in its directory (migrating a redb
-    /// file), reads and checks everything it holds, and starts the writer
+    /// Opens (or creates) the store in its directory, reads and checks
+    /// everything it holds, and starts the writer
     /// and checkpoint threads. Nothing in the directory changes until the
     /// snapshot and the log have been read through and every record
     /// decoded: a refused start leaves the directory as it found it (but
@@ -198,7 +198,7 @@ impl DiskStore {
             ))
         })?;
         let lock = lock(fs, &config.dir)?;
-        migrate::redb_to_snapshot(&config.dir)?;
+        refuse_pre_release(&config.dir)?;
         let path = config.dir.join(SNAPSHOT_FILE);
         let folded = snapshot_folded(fs, &config.dir)?;
         let snapshot_bytes = fs
@@ -321,6 +321,23 @@ impl DiskStore {
         }
         result
     }
+}
+
+/// The file of the pre-release store (redb), which no release reads.
+pub const REDB_FILE: &str = "taskgate.redb";
+
+/// A directory holding only a pre-release store is refused and named: read
+/// as an empty store, its allocations would be lost without a word. The
+/// first release's format (the snapshot and its log) is the baseline.
+fn refuse_pre_release(dir: &Path) -> Result<(), StoreError> {
+    if dir.join(REDB_FILE).exists() && !dir.join(SNAPSHOT_FILE).exists() {
+        return Err(StoreError::Unusable(format!(
+            "{} holds a store of taskgate's pre-release format ({REDB_FILE}), which this \
+             taskgate does not read; move the directory away to start with an empty store",
+            dir.display()
+        )));
+    }
+    Ok(())
 }
 
 /// Takes the data directory's lock, or says who holds it.
@@ -553,18 +570,11 @@ pub(super) fn lock_shared(dir: &Path) -> Result<Option<std::fs::File>, StoreErro
 
 /// Everything the data directory `dir` holds, read without changing a
 /// byte of it (`taskgate dump`): what a start would load, except that an
-/// unfinished append at the end of the log is left where it is, and
-/// nothing is migrated. Refused while a taskgate has the directory open.
+/// unfinished append at the end of the log is left where it is. Refused
+/// while a taskgate has the directory open.
 pub fn read_only(dir: &Path) -> Result<Loaded, StoreError> {
     let _lock = lock_shared(dir)?;
-    let path = dir.join(SNAPSHOT_FILE);
-    if !path.exists() && dir.join(migrate::REDB_FILE).exists() {
-        return Err(StoreError::Unusable(format!(
-            "{} holds a taskgate 0.1 store ({}): start taskgate on it once to migrate it",
-            dir.display(),
-            migrate::REDB_FILE
-        )));
-    }
+    refuse_pre_release(dir)?;
     let recovery = scan_log(&RealFs, dir, snapshot_folded(&RealFs, dir)?)?;
     load_with(&RealFs, dir, &recovery.overlay)
 }
@@ -1805,58 +1815,24 @@ mod tests {
         );
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_redb_data_directory_is_migrated_with_its_log_and_the_old_file_kept() {
+    #[test]
+    fn a_pre_release_data_directory_is_refused_and_left_alone() {
         let dir = tempfile::tempdir().unwrap();
-        let a = Allocation::register(
-            AllocId::parse("old").unwrap(),
-            Arc::new(spec()),
-            3,
-            time::OffsetDateTime::UNIX_EPOCH,
+        std::fs::write(dir.path().join(REDB_FILE), b"redb").unwrap();
+        let err = DiskStore::open(config(dir.path(), 1, DEFAULT_LOG_LIMIT))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("pre-release format (taskgate.redb)"), "{err}");
+        let left: Vec<String> = files(dir.path())
+            .into_iter()
+            .map(|(n, _)| n.to_string_lossy().into_owned())
+            .collect();
+        assert!(
+            left.iter().all(|n| n == REDB_FILE || n == LOCK_FILE),
+            "nothing created but the lock: {left:?}"
         );
-        // Earlier builds wrote records as JSON (format 1).
-        let encoded = record::encode_json(&a);
-        for format in [None, Some(1), Some(2)] {
-            // A redb file that folded the log up to segment 4, and segment
-            // 5 holding a change it has not folded.
-            let _ = std::fs::remove_dir_all(dir.path());
-            std::fs::create_dir_all(dir.path()).unwrap();
-            let records: &[(&str, &[u8])] = if format.is_some() {
-                &[("old", &encoded)]
-            } else {
-                &[]
-            };
-            migrate::tests::write_redb(dir.path(), format, 4, records);
-            let mut s = wal::Segment::create(&RealFs, dir.path(), 5).unwrap();
-            let mut frame = Vec::new();
-            wal::frame(&mut frame, "gone", 12, None);
-            s.append(&mut frame).unwrap();
-            drop(s);
-            let store = open(dir.path(), 1);
-            let loaded = store.load().unwrap();
-            let expected = if format.is_some() {
-                vec![a.clone()]
-            } else {
-                vec![]
-            };
-            assert_eq!(loaded.allocations, expected, "{format:?}");
-            assert_eq!(
-                loaded.last_index, 12,
-                "{format:?}: the log's deletion counts"
-            );
-            drop(store);
-            assert!(!dir.path().join(migrate::REDB_FILE).exists());
-            assert!(
-                dir.path().join(migrate::MIGRATED_FILE).exists(),
-                "kept as a backup"
-            );
-            assert_eq!(
-                snapshot_facts(dir.path()).2,
-                4,
-                "the snapshot took over the fold mark"
-            );
-            assert_eq!(open(dir.path(), 1).load().unwrap().allocations, expected);
-        }
+        assert_eq!(std::fs::read(dir.path().join(REDB_FILE)).unwrap(), b"redb");
     }
 
     #[test]
@@ -2054,12 +2030,9 @@ mod tests {
         assert!(read_only(dir.path()).unwrap().allocations.is_empty());
 
         let old = tempfile::tempdir().unwrap();
-        std::fs::write(old.path().join(migrate::REDB_FILE), b"").unwrap();
+        std::fs::write(old.path().join(REDB_FILE), b"").unwrap();
         let err = read_only(old.path()).err().unwrap().to_string();
-        assert!(
-            err.contains("start taskgate on it once to migrate it"),
-            "{err}"
-        );
+        assert!(err.contains("pre-release format"), "{err}");
         assert_eq!(files(old.path()).len(), 1, "no lock file created");
 
         let err = read_only(&old.path().join("missing"))

@@ -8,7 +8,6 @@ mod disk;
 pub mod etcd;
 pub mod fs;
 mod memory;
-mod migrate;
 #[cfg(test)]
 mod powerloss;
 pub(crate) mod record;
@@ -20,11 +19,10 @@ use std::{future::Future, pin::Pin, sync::Arc};
 
 pub use disk::DEFAULT_LOG_CEILING;
 pub use disk::{
-    DEFAULT_LOG_LIMIT, DiskStore, DiskStoreConfig, FoldBench, FoldChanges, LOCK_FILE, StoreStats,
-    read_only,
+    DEFAULT_LOG_LIMIT, DiskStore, DiskStoreConfig, FoldBench, FoldChanges, LOCK_FILE, REDB_FILE,
+    StoreStats, read_only,
 };
 pub use memory::MemoryStore;
-pub use migrate::{MIGRATED_FILE, REDB_FILE};
 pub use salvage::{SalvageReport, salvage};
 pub use snapshot::SNAPSHOT_FILE;
 /// The log segments in a data directory, oldest first.
