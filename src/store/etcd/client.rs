@@ -262,13 +262,7 @@ impl Client {
         };
         Ok(Self {
             http: builder.build().map_err(|e| {
-                let mut why = e.to_string();
-                let mut source = std::error::Error::source(&e);
-                while let Some(s) = source {
-                    why.push_str(": ");
-                    why.push_str(&s.to_string());
-                    source = s.source();
-                }
+                let mut why = crate::net::error_chain(&e);
                 if tls && config.ca.is_none() {
                     why.push_str(" (without --etcd-ca the system's certificate roots are used)");
                 }
@@ -328,10 +322,9 @@ impl Client {
         if let Some(t) = token {
             req = req.header("authorization", t);
         }
-        let answer = req
-            .send()
-            .await
-            .map_err(|e| CallError::Unreachable(format!("{endpoint}: {e}")))?;
+        let answer = req.send().await.map_err(|e| {
+            CallError::Unreachable(format!("{endpoint}: {}", crate::net::error_chain(&e)))
+        })?;
         let status = answer.status();
         let bytes = answer
             .bytes()
