@@ -1,96 +1,15 @@
-//! Command line and environment: one clap struct per subcommand, every flag
-//! also a `TASKGATE_*` variable. `taskgate serve --help` is the reference.
+//! `taskgate serve`'s arguments: every flag also a `TASKGATE_*` variable.
+//! `taskgate serve --help` is the reference.
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use clap::{Args, Parser, Subcommand};
+use clap::Args;
 
-use crate::http::params::parse_duration;
-
-#[derive(Debug, Parser)]
-#[command(
-    name = "taskgate",
-    version,
-    about = "Nomad's task lifecycle coordinator as a service"
-)]
-pub struct Cli {
-    #[command(subcommand)]
-    pub command: Command,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum Command {
-    /// Run the server.
-    Serve(ServeConfig),
-    /// Print the OpenAPI document (the committed copy is openapi/openapi.json).
-    Openapi,
-    /// Run one task of an allocation under its gate: `taskgate agent
-    /// --alloc ID --task NAME -- CMD ARGS...`.
-    Agent(crate::agent::AgentConfig),
-    /// Probe a running server's /v1/health: exit 0 when healthy, 1 otherwise.
-    Health(crate::probe::HealthConfig),
-    /// Print every allocation a stopped server's data directory holds, one
-    /// JSON object per line (as `GET /v1/allocations/{id}` shows it),
-    /// without changing the directory.
-    Dump(crate::dump::DumpConfig),
-    /// Benchmark: start servers of this binary and measure them (BENCHMARKS.md).
-    Bench(crate::bench::BenchConfig),
-    /// One client process of the soak test (tests/soak.rs).
-    #[command(hide = true)]
-    SoakClient(crate::soak::SoakConfig),
-    /// A bare axum 200 handler: the ceiling the benchmark compares against.
-    #[command(hide = true)]
-    BenchCeiling {
-        #[arg(long, default_value = "127.0.0.1:0")]
-        listen: SocketAddr,
-    },
-}
+pub use crate::secret::Secret;
+use crate::units::{byte_size, parse_duration};
 
 fn duration(s: &str) -> Result<Duration, String> {
     parse_duration(s)
-}
-
-/// A size in bytes: a number, optionally with `KiB`, `MiB` or `GiB`.
-fn byte_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (number, unit) = s.split_at(split);
-    let scale: u64 = match unit.trim() {
-        "" | "B" => 1,
-        "KiB" => 1 << 10,
-        "MiB" => 1 << 20,
-        "GiB" => 1 << 30,
-        other => {
-            return Err(format!(
-                "unknown unit {other:?}: use a number of bytes, or KiB, MiB or GiB"
-            ));
-        }
-    };
-    let n: u64 = number
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size (e.g. 64MiB)"))?;
-    match n.checked_mul(scale) {
-        Some(0) => Err("the size must be at least 1 byte".into()),
-        Some(bytes) => Ok(bytes),
-        None => Err(format!("{s:?} is too large")),
-    }
-}
-
-/// A secret that never shows in `Debug` output or logs.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(pub String);
-
-impl std::fmt::Debug for Secret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Secret(..)")
-    }
-}
-
-impl std::str::FromStr for Secret {
-    type Err = std::convert::Infallible;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Ok(Self(s.to_owned()))
-    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

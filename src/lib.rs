@@ -6,6 +6,7 @@
 pub mod agent;
 pub mod app;
 pub mod bench;
+pub mod cli;
 pub mod config;
 pub mod dump;
 #[doc(hidden)]
@@ -16,7 +17,9 @@ pub mod metrics;
 pub mod net;
 pub mod probe;
 pub mod registry;
+pub mod secret;
 pub mod server;
 pub mod signals;
 pub mod soak;
 pub mod store;
+pub mod units;

@@ -6,7 +6,8 @@ use std::{io::IsTerminal, process::ExitCode};
 use clap::Parser;
 use taskgate::{
     app::Application,
-    config::{Cli, Command, LogFormat},
+    cli::{Cli, Command},
+    config::LogFormat,
 };
 use tracing_subscriber::EnvFilter;
 

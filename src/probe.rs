@@ -16,7 +16,7 @@ pub struct HealthConfig {
     #[arg(long, env = "TASKGATE_CA_CERT")]
     pub ca_cert: Option<PathBuf>,
     /// Give up after this long.
-    #[arg(long, default_value = "5s", value_parser = crate::http::params::parse_duration)]
+    #[arg(long, default_value = "5s", value_parser = crate::units::parse_duration)]
     pub timeout: Duration,
 }
 

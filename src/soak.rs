@@ -50,7 +50,7 @@ pub struct SoakConfig {
     #[arg(long, default_value_t = 16)]
     pub waiters: usize,
     /// How long to drive traffic.
-    #[arg(long, default_value = "60s", value_parser = crate::http::params::parse_duration)]
+    #[arg(long, default_value = "60s", value_parser = crate::units::parse_duration)]
     pub duration: Duration,
     /// Seed of the random choices.
     #[arg(long, default_value_t = 1)]

@@ -15,7 +15,7 @@ use clap::Args;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
-use crate::{config::Secret, http::params::parse_duration};
+use crate::{secret::Secret, units::parse_duration};
 use api::{Api, ApiError, TaskInfo};
 pub use policy::{RestartMode, RestartPolicy};
 use process::Exit;

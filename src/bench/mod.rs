@@ -32,7 +32,7 @@ pub struct BenchConfig {
     #[arg(long, default_value_t = 64)]
     pub clients: usize,
     /// Measured time per scenario (after a one-second warm-up).
-    #[arg(long, default_value = "10s", value_parser = crate::http::params::parse_duration)]
+    #[arg(long, default_value = "10s", value_parser = crate::units::parse_duration)]
     pub duration: Duration,
     /// Scenarios to run, comma-separated: ceiling, durable, events, memory,
     /// no-group-commit, recovery; and by name only: fanout (holds 10,000

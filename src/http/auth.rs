@@ -26,7 +26,7 @@ use axum::{
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use super::{error::ApiError, extract::query_pairs};
+use super::{error::ApiError, query::query_pairs};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]

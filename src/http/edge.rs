@@ -17,8 +17,8 @@ use tracing::Instrument;
 
 use super::{
     auth::Auth,
-    error::ApiError,
-    extract::{PRETTY, query_pairs},
+    error::{ApiError, payload_too_large},
+    query::{PRETTY, pretty_on, query_pairs},
 };
 use crate::metrics::Metrics;
 
@@ -187,25 +187,6 @@ fn announced_length(req: &Request) -> Option<u64> {
         .ok()?
         .parse()
         .ok()
-}
-
-/// The answer to a body over the limit, from here or from an extractor.
-pub fn payload_too_large() -> ApiError {
-    ApiError::new(
-        StatusCode::PAYLOAD_TOO_LARGE,
-        "payload_too_large",
-        "the request body is larger than the configured limit",
-    )
-}
-
-/// `?pretty`, `?pretty=true` and `?pretty=1` turn pretty-printing on,
-/// `false` and `0` off; anything else is not a value of it (`None`).
-pub fn pretty_on(value: &str) -> Option<bool> {
-    match value {
-        "" | "true" | "1" => Some(true),
-        "false" | "0" => Some(false),
-        _ => None,
-    }
 }
 
 /// A request that does not wait ran out of time. A write may still be

@@ -250,6 +250,15 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// The answer to a body over the limit, from here or from an extractor.
+pub fn payload_too_large() -> ApiError {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "payload_too_large",
+        "the request body is larger than the configured limit",
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,7 +10,10 @@ use axum::{
 };
 use serde::de::DeserializeOwned;
 
-use super::error::ApiError;
+use super::{
+    error::ApiError,
+    query::{PRETTY, query_pairs},
+};
 use crate::lifecycle::{AllocId, FieldError, TaskName};
 
 /// A JSON request body. Requires `Content-Type: application/json`.
@@ -33,7 +36,7 @@ fn is_json(content_type: &str) -> bool {
 async fn body_bytes<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, ApiError> {
     Bytes::from_request(req, state).await.map_err(|rejection| {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            super::edge::payload_too_large()
+            super::error::payload_too_large()
         } else {
             ApiError::invalid_json(None, rejection.body_text())
         }
@@ -117,51 +120,6 @@ impl Pairs {
 /// Parsed, strictly checked query parameters.
 pub struct ApiQuery<T>(pub T);
 
-/// The query parameter that turns on pretty-printing.
-pub const PRETTY: &str = "pretty";
-
-/// Parses a raw query string; `None` if it is not valid form encoding,
-/// including percent escapes that do not decode to UTF-8 (the decoder
-/// would otherwise replace them with U+FFFD and go on).
-pub fn query_pairs(query: Option<&str>) -> Option<Vec<(String, String)>> {
-    let query = query.unwrap_or_default();
-    if !escapes_are_utf8(query) {
-        return None;
-    }
-    serde_urlencoded::from_str(query).ok()
-}
-
-/// Whether every `&`/`=`-separated part of `query` percent-decodes to
-/// valid UTF-8.
-fn escapes_are_utf8(query: &str) -> bool {
-    if !query.contains('%') {
-        return true;
-    }
-    query.split(['&', '=']).all(|part| {
-        let bytes = part.as_bytes();
-        let mut out = Vec::with_capacity(bytes.len());
-        let mut i = 0;
-        while i < bytes.len() {
-            let hex = |b: u8| (b as char).to_digit(16);
-            match (
-                bytes[i],
-                bytes.get(i + 1).copied().and_then(hex),
-                bytes.get(i + 2).copied().and_then(hex),
-            ) {
-                (b'%', Some(h), Some(l)) => {
-                    out.push((h * 16 + l) as u8);
-                    i += 3;
-                }
-                (b, _, _) => {
-                    out.push(b);
-                    i += 1;
-                }
-            }
-        }
-        std::str::from_utf8(&out).is_ok()
-    })
-}
-
 impl<S: Send + Sync, T: QueryParams> FromRequestParts<S> for ApiQuery<T> {
     type Rejection = ApiError;
 
@@ -176,7 +134,7 @@ impl<S: Send + Sync, T: QueryParams> FromRequestParts<S> for ApiQuery<T> {
         let mut pairs = Vec::new();
         for (k, v) in raw {
             if k == PRETTY {
-                if super::edge::pretty_on(&v).is_none() {
+                if super::query::pretty_on(&v).is_none() {
                     errors.push(FieldError::new(
                         k,
                         format!("{v:?} is not a value of pretty; give none, true or false"),

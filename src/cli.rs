@@ -1,0 +1,45 @@
+//! The command line: one subcommand per tool, each owning its arguments
+//! (`ServeConfig` in `config.rs`, `AgentConfig` in `agent/`, ...).
+
+use std::net::SocketAddr;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "taskgate",
+    version,
+    about = "Nomad's task lifecycle coordinator as a service"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the server.
+    Serve(crate::config::ServeConfig),
+    /// Print the OpenAPI document (the committed copy is openapi/openapi.json).
+    Openapi,
+    /// Run one task of an allocation under its gate: `taskgate agent
+    /// --alloc ID --task NAME -- CMD ARGS...`.
+    Agent(crate::agent::AgentConfig),
+    /// Probe a running server's /v1/health: exit 0 when healthy, 1 otherwise.
+    Health(crate::probe::HealthConfig),
+    /// Print every allocation a stopped server's data directory holds, one
+    /// JSON object per line (as `GET /v1/allocations/{id}` shows it),
+    /// without changing the directory.
+    Dump(crate::dump::DumpConfig),
+    /// Benchmark: start servers of this binary and measure them (BENCHMARKS.md).
+    Bench(crate::bench::BenchConfig),
+    /// One client process of the soak test (tests/soak.rs).
+    #[command(hide = true)]
+    SoakClient(crate::soak::SoakConfig),
+    /// A bare axum 200 handler: the ceiling the benchmark compares against.
+    #[command(hide = true)]
+    BenchCeiling {
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: SocketAddr,
+    },
+}
