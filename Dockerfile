@@ -22,16 +22,20 @@ RUN command -v cc >/dev/null 2>&1 || (apt-get update \
     && rm -rf /var/lib/apt/lists/*)
 WORKDIR /build
 # Dependencies first, in their own layer: rebuilt only when Cargo.* change.
+# The workspace's bench member is not built (only `-p taskgate`), but its
+# manifest must be there.
 COPY Cargo.toml Cargo.lock ./
-RUN mkdir -p src \
+COPY bench/Cargo.toml bench/
+RUN mkdir -p src bench/src \
     && echo 'fn main() {}' > src/main.rs \
     && touch src/lib.rs \
-    && cargo build --release --locked \
+    && echo 'fn main() {}' > bench/src/main.rs \
+    && cargo build --release --locked -p taskgate \
     && rm -rf src
 COPY src ./src
 # Touch so cargo rebuilds the crate itself, not the cached stub.
 RUN touch src/main.rs src/lib.rs \
-    && cargo build --release --locked \
+    && cargo build --release --locked -p taskgate \
     && cp /build/target/release/taskgate /taskgate
 
 FROM ${RUNTIME_IMAGE}

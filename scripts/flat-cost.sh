@@ -9,7 +9,7 @@
 # run where it differs between the sizes (last column) was taken while
 # the machine was slower during one size than during the other.
 #
-# Each run is `taskgate bench --scenarios ceiling,scale --scale-sizes
+# Each run is `taskgate-bench --scenarios ceiling,scale --scale-sizes
 # SMALL,LARGE --duration 10s --scale-rounds ROUNDS` (about 3 minutes at a
 # million with one round, 4.5 with three); the reports are kept as OUT.1,
 # OUT.2, ... With ROUNDS 1 the sizes are measured minutes apart, SMALL
@@ -26,11 +26,11 @@ small=${3:-1000}
 out=${4:-/tmp/flat-cost}
 rounds=${5:-1}
 cd "$(dirname "$0")/.."
-bin=./target/release/taskgate
+bin=./target/release/taskgate-bench
 [ -x "$bin" ] || { echo "build first: cargo build --release --locked" >&2; exit 2; }
 
 for i in $(seq 1 "$runs"); do
-    "$bin" bench --scenarios ceiling,scale --scale-sizes "$small,$large" --duration 10s \
+    "$bin" --scenarios ceiling,scale --scale-sizes "$small,$large" --duration 10s \
         --scale-rounds "$rounds" >"$out.$i" 2>&1 ||
         { echo "run $i failed; see $out.$i" >&2; exit 1; }
     echo "run $i done: $out.$i" >&2

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where the server's time goes at one scale size, per state report.
 #
-# Runs `taskgate bench --scenarios scale` at SIZE allocations with a
+# Runs `taskgate-bench --scenarios scale` at SIZE allocations with a
 # 60-second window, waits until registration and warm-up are over (the
 # store's last index reaches 3 × SIZE: one change to register each
 # allocation, two to warm it up), then for SECS seconds records the server

@@ -1,5 +1,5 @@
 # Sourced by profile-scale.sh and server-latency.sh: starts
-# `taskgate bench --scenarios scale` at one size with a 60-second window
+# `taskgate-bench --scenarios scale` at one size with a 60-second window
 # and returns once registration and warm-up are over (the store's last
 # index reaches 3 × SIZE: one change to register each allocation, two to
 # warm it up), with the server's `pid` and `addr` set.
@@ -8,7 +8,7 @@
 # needs: curl, ss (iproute2), python3, a release build
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bin=./target/release/taskgate
+bin=./target/release/taskgate-bench
 [ -x "$bin" ] || { echo "build first: cargo build --release --locked" >&2; exit 2; }
 
 last_index() {
@@ -17,7 +17,7 @@ last_index() {
 
 start_scale_window() {
     local size=$1 out=$2
-    "$bin" bench --scenarios scale --scale-sizes "$size" --duration 60s >"$out.bench" 2>&1 &
+    "$bin" --scenarios scale --scale-sizes "$size" --duration 60s >"$out.bench" 2>&1 &
     bench=$!
     # The bench stops its server when it ends on its own, not when killed:
     # stop both when the caller exits early.

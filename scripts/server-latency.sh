@@ -3,7 +3,7 @@
 # the server's own histograms, to tell server time from the load
 # generator's and the network's.
 #
-# Runs `taskgate bench --scenarios scale` at SIZE allocations with a
+# Runs `taskgate-bench --scenarios scale` at SIZE allocations with a
 # 60-second window, waits until registration and warm-up are over (the
 # store's last index reaches 3 × SIZE), then reads /metrics at the start
 # and the end of SECS seconds and prints, for the window: the share of

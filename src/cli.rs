@@ -1,8 +1,6 @@
 //! The command line: one subcommand per tool, each owning its arguments
 //! (`ServeConfig` in `config.rs`, `AgentConfig` in `agent/`, ...).
 
-use std::net::SocketAddr;
-
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
@@ -31,15 +29,4 @@ pub enum Command {
     /// JSON object per line (as `GET /v1/allocations/{id}` shows it),
     /// without changing the directory.
     Dump(crate::dump::DumpConfig),
-    /// Benchmark: start servers of this binary and measure them (BENCHMARKS.md).
-    Bench(crate::bench::BenchConfig),
-    /// One client process of the soak test (tests/soak.rs).
-    #[command(hide = true)]
-    SoakClient(crate::soak::SoakConfig),
-    /// A bare axum 200 handler: the ceiling the benchmark compares against.
-    #[command(hide = true)]
-    BenchCeiling {
-        #[arg(long, default_value = "127.0.0.1:0")]
-        listen: SocketAddr,
-    },
 }

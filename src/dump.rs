@@ -110,7 +110,7 @@ mod tests {
         let r = Registry::open(store.clone(), RegistryConfig::default()).unwrap();
         for id in ["web-2", "web-1", "db-1"] {
             let body: crate::http::dto::RegisterBody =
-                serde_json::from_str(crate::bench::FIVE_TASKS).unwrap();
+                serde_json::from_str(crate::testing::FIVE_TASKS).unwrap();
             let spec = body.into_spec(&r.config().limits).unwrap();
             r.register(AllocId::parse(id).unwrap(), spec).await.unwrap();
         }

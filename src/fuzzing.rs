@@ -13,7 +13,6 @@ use serde_json::Value;
 use tower::Service;
 
 use crate::{
-    bench::FIVE_TASKS,
     http::{HttpConfig, app, auth::Auth},
     lifecycle::{
         AllocId, AllocSpec, Allocation, CoordState, Hook, Lifecycle, Limits, RestartMode, RunState,
@@ -21,6 +20,7 @@ use crate::{
     },
     registry::{Registry, RegistryConfig},
     store::MemoryStore,
+    testing::FIVE_TASKS,
 };
 
 /// The write routes a fuzzed body is sent to.

@@ -5,7 +5,6 @@
 
 pub mod agent;
 pub mod app;
-pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod dump;
@@ -20,6 +19,7 @@ pub mod registry;
 pub mod secret;
 pub mod server;
 pub mod signals;
-pub mod soak;
 pub mod store;
+#[doc(hidden)]
+pub mod testing;
 pub mod units;

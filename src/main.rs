@@ -62,12 +62,6 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Bench(config) => block_on("bench", taskgate::bench::run(config)),
-        Command::SoakClient(config) => block_on("soak-client", taskgate::soak::run(config)),
-        Command::BenchCeiling { listen } => {
-            tracing_subscriber::fmt().with_ansi(false).init();
-            block_on("bench-ceiling", taskgate::bench::ceiling(listen))
-        }
         Command::Serve(config) => {
             // Before the heap grows: the setting holds for pages touched
             // from now on.
@@ -105,16 +99,6 @@ fn main() -> ExitCode {
 
 /// Runs a subcommand's future on a new runtime; an error is printed and
 /// makes the exit code 1.
-fn block_on(name: &str, fut: impl std::future::Future<Output = std::io::Result<()>>) -> ExitCode {
-    match tokio::runtime::Runtime::new().and_then(|rt| rt.block_on(fut)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("taskgate {name}: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
 async fn serve(config: taskgate::config::ServeConfig) -> ExitCode {
     let app = match Application::build(config).await {
         Ok(app) => app,

@@ -1,12 +1,12 @@
 //! The etcd store's tests run against a real cluster
-//! (`taskgate::bench::cluster`). Without `etcd` on the PATH they say so and
+//! (`taskgate::testing::cluster`). Without `etcd` on the PATH they say so and
 //! pass, unless `TASKGATE_REQUIRE_ETCD` is set (as `.ci/run` does), which
 //! makes a missing etcd a failure.
 
 use std::process::{Command, Stdio};
 
 #[allow(unused_imports)] // not every test binary starts a cluster
-pub use taskgate::bench::cluster::Cluster;
+pub use taskgate::testing::cluster::Cluster;
 
 /// Whether etcd is installed; when it is not and the run does not
 /// require it, prints why the test does nothing.

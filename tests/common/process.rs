@@ -6,6 +6,27 @@ use std::{
     time::Duration,
 };
 
+/// The service's binary: cargo names it to the service's own tests; the
+/// bench crate's tests (which include this file) find it where cargo built
+/// it, next to their own `deps` directory.
+pub fn taskgate_bin() -> std::path::PathBuf {
+    if let Some(bin) = option_env!("CARGO_BIN_EXE_taskgate") {
+        return bin.into();
+    }
+    let me = std::env::current_exe().expect("the test knows its path");
+    let bin = me
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("a test runs from target/<profile>/deps")
+        .join("taskgate");
+    assert!(
+        bin.exists(),
+        "no taskgate binary at {}: run the workspace's tests (cargo test), which build it",
+        bin.display()
+    );
+    bin
+}
+
 /// A running `taskgate serve`, killed on drop so a failing test leaves
 /// nothing behind.
 pub struct Server {
@@ -26,7 +47,7 @@ impl Server {
     /// address from its log. Its output is drained for the life of the
     /// process.
     pub fn start(args: &[&str]) -> Server {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_taskgate"));
+        let mut command = Command::new(taskgate_bin());
         command.args(["serve", "--log", "info"]);
         if !args.contains(&"--listen") {
             command.args(["--listen", "127.0.0.1:0"]);
@@ -78,7 +99,7 @@ impl Server {
 
 /// Runs `taskgate health --server BASE`; true on exit 0.
 pub fn health(base: &str) -> bool {
-    Command::new(env!("CARGO_BIN_EXE_taskgate"))
+    Command::new(taskgate_bin())
         .args(["health", "--server", base, "--timeout", "5s"])
         .stderr(Stdio::null())
         .status()

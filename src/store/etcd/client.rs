@@ -5,7 +5,7 @@
 //!
 //! Why the gateway and not gRPC: it needs no generated protobuf code and no
 //! `protoc` (reqwest and serde do all of it), and every request of ours is
-//! one small transaction or a watch. `taskgate bench --scenarios etcd`
+//! one small transaction or a watch. `taskgate-bench --scenarios etcd`
 //! measures our replicas against etcd's own transactions through this same
 //! client.
 

@@ -1,5 +1,5 @@
-//! `taskgate bench`: a load benchmark anyone can rerun. It starts its own
-//! server processes (this same binary), drives them over loopback with a
+//! `taskgate-bench`: a load benchmark anyone can rerun. It starts its own
+//! server processes (the `taskgate` binary), drives them over loopback with a
 //! fixed number of HTTP/1.1 keep-alive clients, and prints a table. The
 //! ceiling (a bare axum 200 handler, also this binary) is measured in the
 //! same run, so the ratios hold whatever the machine.
@@ -18,8 +18,8 @@ use std::{
 
 use clap::Args;
 
-pub mod cluster;
 mod etcd;
+
 use rustix::process::{Pid, Signal, kill_process};
 use tokio::{
     io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
@@ -32,7 +32,7 @@ pub struct BenchConfig {
     #[arg(long, default_value_t = 64)]
     pub clients: usize,
     /// Measured time per scenario (after a one-second warm-up).
-    #[arg(long, default_value = "10s", value_parser = crate::units::parse_duration)]
+    #[arg(long, default_value = "10s", value_parser = taskgate::units::parse_duration)]
     pub duration: Duration,
     /// Scenarios to run, comma-separated: ceiling, durable, events, memory,
     /// no-group-commit, recovery; and by name only: fanout (holds 10,000
@@ -94,6 +94,10 @@ pub struct BenchConfig {
     /// `info,taskgate::http::edge=warn` turns the per-request span off.
     #[arg(long, default_value = "info")]
     pub server_log: String,
+    /// The service binary the servers run (default: `taskgate` next to
+    /// this binary).
+    #[arg(long, env = "TASKGATE_BIN")]
+    pub server_bin: Option<PathBuf>,
     /// Where the durable scenarios keep their data (a fresh temporary
     /// directory per scenario by default).
     #[arg(long)]
@@ -116,7 +120,12 @@ impl Drop for Proc {
 impl Proc {
     /// Starts `taskgate ARGS` and reads `addr=...` from its log.
     fn start(args: &[String]) -> std::io::Result<Self> {
-        let exe = std::env::current_exe()?;
+        // Servers are the service's binary; the ceiling is this one.
+        let exe = if args.first().is_some_and(|a| a == "serve") {
+            server_bin()?
+        } else {
+            std::env::current_exe()?
+        };
         let mut child = Command::new(exe)
             .args(args)
             .stdout(Stdio::piped())
@@ -408,14 +417,27 @@ where
     Ok((all, errors))
 }
 
-/// The five-task example of API.md, as a registration body (also used by
-/// the soak client and the fuzz targets).
-pub(crate) const FIVE_TASKS: &str = r#"{"tasks": [
-  {"name": "init", "lifecycle": {"hook": "prestart"}},
-  {"name": "proxy", "lifecycle": {"hook": "prestart", "sidecar": true}},
-  {"name": "web", "leader": true},
-  {"name": "announce", "lifecycle": {"hook": "poststart"}},
-  {"name": "cleanup", "lifecycle": {"hook": "poststop"}}]}"#;
+pub(crate) use taskgate::testing::FIVE_TASKS;
+
+/// The service's binary (`--server-bin`), set once per run.
+static SERVER_BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// The `taskgate` binary the servers run: `--server-bin`, or the one next
+/// to this binary (cargo builds both into the same directory).
+fn server_bin() -> std::io::Result<PathBuf> {
+    if let Some(bin) = SERVER_BIN.get() {
+        return Ok(bin.clone());
+    }
+    let me = std::env::current_exe()?;
+    let bin = me.with_file_name("taskgate");
+    if !bin.exists() {
+        return Err(std::io::Error::other(format!(
+            "no taskgate binary next to {} (build it: cargo build --release, or give --server-bin)",
+            me.display()
+        )));
+    }
+    Ok(bin)
+}
 
 /// The servers' `--log` filter (`--server-log`), set once per run.
 static SERVER_LOG: std::sync::OnceLock<String> = std::sync::OnceLock::new();
@@ -544,7 +566,7 @@ async fn reports_with_events(
     server: &Proc,
     config: &BenchConfig,
 ) -> std::io::Result<(Outcome, String)> {
-    use crate::lifecycle::MAX_EVENTS;
+    use taskgate::lifecycle::MAX_EVENTS;
     let count = EVENT_MEMORY_ALLOCATIONS.max(config.clients);
     register(server.addr, "events", 0..count, config.clients, FIVE_TASKS).await?;
     let before = server.rss_kib().unwrap_or(0);
@@ -621,7 +643,7 @@ async fn reports_with_events(
 fn data_dir(
     config: &BenchConfig,
     name: &str,
-) -> std::io::Result<(PathBuf, Option<tempfile_dir::TempDir>)> {
+) -> std::io::Result<(PathBuf, Option<taskgate::testing::TempDir>)> {
     match &config.work_dir {
         Some(dir) => {
             let d = dir.join(name);
@@ -629,37 +651,8 @@ fn data_dir(
             Ok((d, None))
         }
         None => {
-            let t = tempfile_dir::TempDir::new(name)?;
+            let t = taskgate::testing::TempDir::new(name)?;
             Ok((t.path().to_owned(), Some(t)))
-        }
-    }
-}
-
-/// A temporary directory removed on drop (the bench needs nothing more).
-pub(crate) mod tempfile_dir {
-    use std::path::{Path, PathBuf};
-
-    pub struct TempDir(PathBuf);
-
-    impl TempDir {
-        pub fn new(name: &str) -> std::io::Result<Self> {
-            let dir = std::env::temp_dir().join(format!(
-                "taskgate-bench-{name}-{}-{}",
-                std::process::id(),
-                fastrand::u64(..)
-            ));
-            std::fs::create_dir_all(&dir)?;
-            Ok(Self(dir))
-        }
-
-        pub fn path(&self) -> &Path {
-            &self.0
-        }
-    }
-
-    impl Drop for TempDir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
         }
     }
 }
@@ -667,17 +660,17 @@ pub(crate) mod tempfile_dir {
 /// Runs the chosen scenarios and prints the table.
 pub async fn run(config: BenchConfig) -> std::io::Result<()> {
     let _ = SERVER_LOG.set(config.server_log.clone());
+    if let Some(bin) = &config.server_bin {
+        let _ = SERVER_BIN.set(bin.clone());
+    }
     let mut outcomes: Vec<Outcome> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
     for scenario in &config.scenarios {
         eprintln!("bench: {scenario} ...");
         match scenario.as_str() {
             "ceiling" => {
-                let server = Proc::start(&[
-                    "bench-ceiling".into(),
-                    "--listen".into(),
-                    "127.0.0.1:0".into(),
-                ])?;
+                let server =
+                    Proc::start(&["ceiling".into(), "--listen".into(), "127.0.0.1:0".into()])?;
                 outcomes.push(
                     drive(
                         "ceiling: bare axum 200",
@@ -799,7 +792,7 @@ async fn recovery(config: &BenchConfig) -> std::io::Result<String> {
     ))
 }
 
-/// `taskgate bench-ceiling`: the bare axum handler the benchmark compares
+/// `taskgate-bench ceiling`: the bare axum handler the benchmark compares
 /// against.
 pub async fn ceiling(listen: SocketAddr) -> std::io::Result<()> {
     let app = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
@@ -862,7 +855,7 @@ async fn checkpoint(config: &BenchConfig) -> std::io::Result<String> {
         .max()
         .unwrap_or(1_000_000);
     tokio::task::spawn_blocking(move || {
-        let mut store = crate::store::FoldBench::create(&dir);
+        let mut store = taskgate::store::FoldBench::create(&dir);
         let record = vec![b'x'; CHECKPOINT_RECORD_BYTES];
         let mut ids: Vec<String> = (0..size).map(|i| format!("scale-{i}")).collect();
         ids.sort_unstable();
@@ -895,7 +888,7 @@ async fn checkpoint(config: &BenchConfig) -> std::io::Result<String> {
         // A checkpoint's changes are gathered before the clock starts, as
         // the store's writer gathers them while it appends.
         let mut fold = |changes: Vec<(String, Vec<u8>)>| {
-            let mut changes = Some(crate::store::FoldChanges::new(changes));
+            let mut changes = Some(taskgate::store::FoldChanges::new(changes));
             timed(&mut || {
                 let changes = changes.take().expect("folded once");
                 store.fold(changes).map(drop).map_err(std::io::Error::other)

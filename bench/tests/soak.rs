@@ -1,11 +1,17 @@
-//! Soak: mixed traffic from several client processes (`taskgate
+//! Soak: mixed traffic from several client processes (`taskgate-bench
 //! soak-client`) against the real binary on a disk store, for a bounded
 //! time (`TASKGATE_SOAK_SECS`, default 120). Asserts no 5xx, every answer
 //! as the lifecycle model predicts, no leaked waiters, memory stable after
 //! warm-up, and the final state of every allocation equal to its last
 //! acknowledged change, before and after a restart.
 
-mod common;
+// The service's test helpers: the server process and raw HTTP.
+#[path = "../../tests/common/process.rs"]
+#[allow(dead_code)]
+mod process;
+#[path = "../../tests/common/raw.rs"]
+#[allow(dead_code)]
+mod raw;
 
 use std::{
     net::SocketAddr,
@@ -13,10 +19,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::{
-    process::Server,
-    raw::{exchange, gauge, request},
-};
+use process::Server;
+use raw::{exchange, gauge, request};
 use serde_json::Value;
 
 const CLIENTS: u32 = 3;
@@ -94,7 +98,7 @@ fn soak_mixed_traffic_from_several_processes() {
     let started = Instant::now();
     let mut clients: Vec<_> = (0..CLIENTS)
         .map(|c| {
-            Command::new(env!("CARGO_BIN_EXE_taskgate"))
+            Command::new(env!("CARGO_BIN_EXE_taskgate-bench"))
                 .args([
                     "soak-client",
                     "--server",

@@ -22,7 +22,7 @@ pub struct Member {
 /// drop, with data in a temporary directory.
 pub struct Cluster {
     pub members: Vec<Member>,
-    dir: super::tempfile_dir::TempDir,
+    dir: super::TempDir,
 }
 
 impl Drop for Cluster {
@@ -48,7 +48,7 @@ fn free_port() -> u16 {
 impl Cluster {
     /// Starts `n` members and waits until the cluster has a leader.
     pub fn start(n: usize) -> Cluster {
-        let dir = super::tempfile_dir::TempDir::new("etcd").unwrap();
+        let dir = super::TempDir::new("etcd").unwrap();
         let members: Vec<Member> = (0..n)
             .map(|i| Member {
                 name: format!("m{i}"),

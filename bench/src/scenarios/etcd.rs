@@ -1,4 +1,4 @@
-//! `taskgate bench --scenarios etcd`: replicas on a three-member etcd
+//! `taskgate-bench --scenarios etcd`: replicas on a three-member etcd
 //! cluster on this machine, measured against etcd itself in the same run.
 //!
 //! - Reports through three replicas (each on its own member first), the
@@ -19,11 +19,12 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::{BenchConfig, Conn, FIVE_TASKS, Outcome, Proc, cluster::Cluster, serve_args};
-use crate::store::etcd::{
+use super::{BenchConfig, Conn, FIVE_TASKS, Outcome, Proc, serve_args};
+use taskgate::store::etcd::{
     EtcdConfig,
     client::{Client, Swapped},
 };
+use taskgate::testing::cluster::Cluster;
 
 /// Rounds of (etcd's own transactions, reports through the replicas).
 const ROUNDS: usize = 2;
@@ -167,7 +168,7 @@ async fn transactions(
     let prefix = format!("/bench-raw/{round}/{watched}/").into_bytes();
     let mut watches = Vec::new();
     if watched {
-        let end = crate::store::etcd::prefix_end(&prefix);
+        let end = taskgate::store::etcd::prefix_end(&prefix);
         for client in clients {
             let mut w = client
                 .watch(&prefix, &end, 0)

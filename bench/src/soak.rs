@@ -1,4 +1,4 @@
-//! `taskgate soak-client`: one client process of the soak test
+//! `taskgate-bench soak-client`: one client process of the soak test
 //! (`tests/soak.rs`). It owns a set of allocations and drives mixed traffic
 //! at a server for a bounded time: single and batch reports, restarts of
 //! every mode, restores, deletions and re-registrations, parked waiters
@@ -24,8 +24,8 @@ use clap::Args;
 use serde_json::{Value, json};
 use tokio::{io::AsyncWriteExt, net::TcpStream, sync::Mutex};
 
-use crate::{
-    bench::{Conn, FIVE_TASKS},
+use crate::scenarios::{Conn, FIVE_TASKS};
+use taskgate::{
     http::dto::RegisterBody,
     lifecycle::{
         AllocId, AllocSpec, Allocation, Limits, RestartError, RestartMode, RunState, TaskReport,
@@ -50,7 +50,7 @@ pub struct SoakConfig {
     #[arg(long, default_value_t = 16)]
     pub waiters: usize,
     /// How long to drive traffic.
-    #[arg(long, default_value = "60s", value_parser = crate::units::parse_duration)]
+    #[arg(long, default_value = "60s", value_parser = taskgate::units::parse_duration)]
     pub duration: Duration,
     /// Seed of the random choices.
     #[arg(long, default_value_t = 1)]
