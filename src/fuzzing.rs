@@ -33,7 +33,7 @@ pub const WRITES: [(&str, &str); 6] = [
     ("POST", "/v1/allocations/a1/restart"),
 ];
 
-/// The codes API.md allows for each status.
+/// the codes the API documents for each status.
 fn documented(status: u16, code: &str) -> bool {
     matches!(
         (status, code),
@@ -121,7 +121,7 @@ pub fn request(data: &[u8]) {
 /// Sends one request (JSON content type) through the whole router of an
 /// in-memory app in which `a1` (the five-task example) was just registered
 /// afresh, and panics unless the answer keeps the contract: no 5xx; a 4xx
-/// is problem+json with a code API.md lists for its status and changed
+/// is problem+json with a code the API documents for its status and changed
 /// nothing; a 2xx other than 204 has a JSON body, and a write is accepted
 /// only with an object body (or, for a restart, none); the app still
 /// answers its health check.
@@ -212,7 +212,7 @@ async fn check_on(router: axum::Router, method: &str, uri: &str, body: Vec<u8>) 
 
 /// A random allocation (from the first byte and one byte per task) driven
 /// by operations (three bytes each), checked after every step against the
-/// invariants of SEMANTICS.md.
+/// invariants of docs/lifecycle.md.
 pub fn lifecycle(data: &[u8]) {
     let Some((&n, rest)) = data.split_first() else {
         return;

@@ -202,7 +202,7 @@ fn a_failing_prestart_stops_its_siblings_and_runs_poststop() {
         .unwrap_or_else(|| panic!("the sidecar was not killed: {proxy}"));
     // The order names the failed sibling; but web, the leader, is stopped
     // by the same order and reports `dead` without having run, and from then
-    // on SEMANTICS' first rule (a leader dead without failing) names the
+    // on the first stop-order rule of docs/lifecycle.md (a leader dead without failing) names the
     // leader instead. Which of the two the sidecar's agent saw depends on
     // which agent acted first.
     let reason = killing["message"].as_str().unwrap_or_default();

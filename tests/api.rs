@@ -1,5 +1,5 @@
 //! Handler tests through the whole router with `oneshot`: every endpoint of
-//! API.md and every error code it lists.
+//! the API (openapi/openapi.json) and every error code it lists.
 
 mod common;
 

@@ -11,7 +11,7 @@ use super::{
     orders::{RUN, stop_order},
 };
 
-/// Which tasks an operator restart targets (SEMANTICS.md, Restart).
+/// Which tasks an operator restart targets (docs/lifecycle.md, Restart).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RestartMode {
     /// One task, by position; it must be running and not a poststop task.
@@ -137,7 +137,7 @@ impl Allocation {
         }
     }
 
-    /// The invariants of SEMANTICS.md every settled allocation keeps; the
+    /// The invariants of docs/lifecycle.md every settled allocation keeps; the
     /// first one broken, described. Checked by the property tests and the
     /// lifecycle fuzz target after every step.
     pub fn check_invariants(&self) -> Result<(), String> {

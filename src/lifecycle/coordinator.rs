@@ -53,7 +53,7 @@ fn of_stage<'a>(
     all.filter(move |(s, _)| stages.contains(s)).map(|(_, t)| t)
 }
 
-/// One step of the transition rules of SEMANTICS.md.
+/// One step of the transition rules of docs/lifecycle.md.
 pub fn next_state(state: CoordState, spec: &AllocSpec, status: &[TaskStatus]) -> CoordState {
     let all = tasks(spec, status);
     let non_poststop_dead = all
@@ -109,7 +109,7 @@ pub fn evaluate(mut state: CoordState, spec: &AllocSpec, status: &[TaskStatus]) 
 }
 
 /// The tasks, in registration order, whose state holds the coordinator in
-/// `state` (API.md, `waiting_on`).
+/// `state` (the API's `waiting_on`).
 pub fn waiting_on(state: CoordState, spec: &AllocSpec, status: &[TaskStatus]) -> Vec<TaskName> {
     let holds = |stage: Stage, t: &TaskStatus| -> bool {
         match state {
@@ -141,7 +141,7 @@ mod tests {
 
     #[test]
     fn gate_table_matches_semantics() {
-        // Rows as written in SEMANTICS.md, columns in `Stage` order.
+        // Rows as written in docs/lifecycle.md, columns in `Stage` order.
         let open = |state| -> Vec<&str> {
             Stage::ALL
                 .iter()

@@ -1,6 +1,6 @@
 //! The lifecycle coordinator, pure and synchronous.
 //!
-//! This folder owns every rule of `SEMANTICS.md`: stages, the coordinator
+//! This folder owns every rule of `docs/lifecycle.md`: stages, the coordinator
 //! state machine, the gate table, task-report rules, stop orders, restart
 //! planning, restore and `waiting_on`. It must not touch tokio, axum, the
 //! store or any I/O: time and indexes come in as arguments, so every

@@ -1,6 +1,6 @@
 //! Property tests: random allocations driven by random sequences of
 //! reports, restarts and restores, checked against the invariants of
-//! SEMANTICS.md after every step.
+//! docs/lifecycle.md after every step.
 
 use std::sync::Arc;
 

@@ -1,4 +1,4 @@
-//! The upstream scenarios of SEMANTICS.md (Nomad's coordinator tests), plus
+//! The upstream scenarios of docs/lifecycle.md (Nomad's coordinator tests), plus
 //! the restart and restore rules, each as a named test.
 
 use std::sync::Arc;
@@ -9,7 +9,7 @@ use super::*;
 
 const NOW: Timestamp = datetime!(2026-11-21 10:00 UTC);
 
-/// Notation of SEMANTICS.md: `(name, hook, sidecar)`; hook "" is main.
+/// Notation of docs/lifecycle.md: `(name, hook, sidecar)`; hook "" is main.
 pub(super) fn alloc(tasks: &[(&str, &str, bool)]) -> Allocation {
     let specs = tasks
         .iter()

@@ -358,7 +358,7 @@ impl TaskStatus {
         self.state == RunState::Dead && !self.failed
     }
 
-    /// Applies a report with the rules of SEMANTICS.md. A report with the
+    /// Applies a report with the rules of docs/lifecycle.md. A report with the
     /// same state, the same flag and no event leaves the status untouched.
     pub fn apply(&mut self, report: &TaskReport, now: Timestamp) {
         let from = self.state;

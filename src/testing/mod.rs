@@ -6,7 +6,7 @@ pub mod cluster;
 
 pub use tempfile_dir::TempDir;
 
-/// The five-task example of API.md, as a registration body (also used by
+/// The five-task example of the API documentation, as a registration body (also used by
 /// the soak client and the fuzz targets).
 pub const FIVE_TASKS: &str = r#"{"tasks": [
   {"name": "init", "lifecycle": {"hook": "prestart"}},

@@ -215,7 +215,7 @@ impl TestApp {
         self.call("GET", uri, None).await
     }
 
-    /// Registers the five-task allocation of API.md as `id`.
+    /// Registers the five-task allocation of the API documentation as `id`.
     pub async fn register_five(&self, id: &str) -> Answer {
         let a = self
             .call("PUT", &format!("/v1/allocations/{id}"), Some(five_tasks()))
@@ -251,7 +251,7 @@ pub async fn parked(registry: &Registry, n: usize) {
     panic!("{n} waiters never parked (have {})", registry.waiters());
 }
 
-/// The example allocation of API.md.
+/// The example allocation of the API documentation.
 pub fn five_tasks() -> Value {
     serde_json::json!({"tasks": [
         {"name": "init", "lifecycle": {"hook": "prestart"}},
