@@ -761,3 +761,60 @@ async fn a_replica_killed_under_load_loses_no_acknowledged_report() {
         assert_eq!(kept, order, "w{w}");
     }
 }
+
+/// A report that changes nothing on a replica's copy may change the newer
+/// record etcd holds: replica A's member stops, B records `web` pending,
+/// and A is told `web` is running — a no-op on A's stale copy. A asks
+/// etcd, follows up to B's change, and applies the report: it is not lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_that_is_a_no_op_only_on_a_stale_copy_still_lands() {
+    if !available("a_report_that_is_a_no_op_only_on_a_stale_copy_still_lands") {
+        return;
+    }
+    let cluster = Cluster::start(3);
+    let endpoints = cluster.endpoints();
+    let mut others = endpoints.clone();
+    others.rotate_left(1);
+    let a = replica(endpoints, "/t9/").await;
+    let b = replica(others, "/t9/").await;
+    let s = spec(vec![task("web", None)]);
+    a.register(id("s1"), s).await.unwrap();
+    let web = TaskName::parse("web").unwrap();
+    let bare = |state| TaskReport {
+        state,
+        failed: false,
+        event: None,
+    };
+    let running = a
+        .report("s1", vec![(web.clone(), bare(RunState::Running))])
+        .await
+        .unwrap();
+    assert!(b.wait_view(running.modify_index, SETTLE).await);
+
+    cluster.pause(0); // A's member: A's view stops there
+    let pending = b
+        .report("s1", vec![(web.clone(), bare(RunState::Pending))])
+        .await
+        .unwrap();
+    assert_eq!(
+        a.get("s1").unwrap().tasks[0].state,
+        RunState::Running,
+        "A is behind"
+    );
+    let again = a
+        .report("s1", vec![(web.clone(), bare(RunState::Running))])
+        .await
+        .unwrap();
+    assert!(
+        again.modify_index > pending.modify_index,
+        "applied on B's record"
+    );
+    assert!(b.wait_view(again.modify_index, SETTLE).await);
+    let seen = b.get("s1").unwrap();
+    assert_eq!(seen.tasks[0].state, RunState::Running);
+    assert_eq!(
+        seen.tasks[0].restarts, 1,
+        "B's pending counted, A's running applied"
+    );
+    cluster.resume(0);
+}

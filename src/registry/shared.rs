@@ -141,7 +141,24 @@ impl Registry {
         for _ in 0..MAX_SWAPS {
             let (write, handle, current) = self.lock_live(store, id).await?;
             let stamp = placeholder(&current);
-            let (next, out) = decide(&current, &|| stamp)?;
+            let decided = decide(&current, &|| stamp);
+            // A decision that writes nothing (a report that changes nothing,
+            // a refused restart) holds only if this copy is the newest:
+            // another replica's change may not have reached this view yet.
+            // Asked through the store's quorum; if the copy is behind, the
+            // view catches up and the request is decided again.
+            let writes = matches!(decided, Ok((Some(_), _)));
+            let refused = matches!(decided, Err(RegistryError::RestartRefused { .. }));
+            if !writes && (refused || decided.is_ok()) {
+                let now = store.index_of(&current.id).await?;
+                if now != Some(current.modify_index) {
+                    drop(write);
+                    self.catch_up(&handle, current.modify_index, now.unwrap_or(0))
+                        .await;
+                    continue;
+                }
+            }
+            let (next, out) = decided?;
             let Some(mut next) = next else {
                 counted(&self.shared.config.metrics);
                 return Ok((current, out));
