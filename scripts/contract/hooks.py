@@ -1,12 +1,70 @@
 """Schemathesis hooks for taskgate's contract run.
 
-JSON Schema cannot say that the task names of a registration are unique,
-so positive test cases that repeat a name would be rejected (400, as
-API.md requires) and counted as "schema-valid request rejected". This hook
-keeps such bodies out of generation; tests/hostile.rs covers duplicate names.
+Two things JSON Schema cannot say, so positive test cases that break them
+would be rightly rejected (400) and counted as "schema-valid request
+rejected"; this hook keeps such bodies out of generation:
+
+- the task names of a registration are unique (tests/hostile.rs covers
+  duplicate names);
+- an event's size limits count UTF-8 bytes (the fields' descriptions say
+  so: message 4 KiB, detail keys 128 bytes, values 1 KiB, the whole event
+  8 KiB), while `maxLength` counts characters, so a string of multibyte
+  characters within `maxLength` can be over them (tests/api.rs covers the
+  limits).
 """
 
 import schemathesis
+
+MAX_MESSAGE = 4096
+MAX_KEY = 128
+MAX_VALUE = 1024
+MAX_EVENT = 8192
+
+
+def utf8(s):
+    # Generated strings may hold lone surrogates: counted as the 3 bytes
+    # each takes in JSON's escape, which the server never accepts anyway.
+    return len(s.encode("utf-8", "surrogatepass"))
+
+
+def event_fits(event):
+    if not isinstance(event, dict):
+        return True
+    total = 0
+    for field in ("type", "message"):
+        value = event.get(field)
+        if isinstance(value, str):
+            total += utf8(value)
+    message = event.get("message")
+    if isinstance(message, str) and utf8(message) > MAX_MESSAGE:
+        return False
+    details = event.get("details")
+    if isinstance(details, dict):
+        for key, value in details.items():
+            if utf8(key) > MAX_KEY:
+                return False
+            if isinstance(value, str):
+                if utf8(value) > MAX_VALUE:
+                    return False
+                total += utf8(value)
+            total += utf8(key)
+    return total <= MAX_EVENT
+
+
+def events_fit(body):
+    """Every event of a report, a batch report or a restore."""
+    if not isinstance(body, dict):
+        return True
+    if not event_fits(body.get("event")):
+        return False
+    tasks = body.get("tasks")
+    if isinstance(tasks, dict):
+        return all(
+            event_fits(report.get("event"))
+            for report in tasks.values()
+            if isinstance(report, dict)
+        )
+    return True
 
 
 @schemathesis.hook
@@ -14,5 +72,6 @@ def filter_body(ctx, body):
     if isinstance(body, dict) and isinstance(body.get("tasks"), list):
         names = [t.get("name") for t in body["tasks"] if isinstance(t, dict)]
         names = [n for n in names if isinstance(n, str)]
-        return len(names) == len(set(names))
-    return True
+        if len(names) != len(set(names)):
+            return False
+    return events_fit(body)
