@@ -328,6 +328,50 @@ async fn without_a_quorum_writes_are_refused_reads_answer_and_health_recovers() 
     assert!(a.get("lost").is_err(), "a refused write left nothing");
 }
 
+/// A `taskgate serve --store etcd` process on `cluster` under `prefix`.
+fn etcd_server(cluster: &Cluster, prefix: &str) -> common::process::Server {
+    let endpoints = cluster.endpoints().join(",");
+    common::process::Server::start(&[
+        "--store",
+        "etcd",
+        "--etcd-endpoints",
+        &endpoints,
+        "--etcd-prefix",
+        prefix,
+    ])
+}
+
+/// One writer's reports after a failure under load: `acked` (message,
+/// index) in the order the writer had them acknowledged, `tried_after` the
+/// reports it tried after the last one (each a failure that may have
+/// landed), against the allocation's index `now` and its task's event
+/// `history`. No acknowledged change went back; the newest is still in the
+/// history unless the reports tried after it can have pushed it out of the
+/// last `MAX_EVENTS`; the acknowledged ones still there are in order.
+fn acknowledged_are_kept(
+    name: &str,
+    acked: &[(String, u64)],
+    tried_after: usize,
+    now: u64,
+    history: &[String],
+) {
+    let (newest, index) = acked.last().expect("acknowledged reports");
+    assert!(now >= *index, "{name}: an acknowledged change went back");
+    if tried_after < taskgate::lifecycle::MAX_EVENTS {
+        assert!(
+            history.contains(newest),
+            "{name}: {newest} lost: {history:?}"
+        );
+    }
+    let kept: Vec<&String> = acked
+        .iter()
+        .map(|(m, _)| m)
+        .filter(|m| history.contains(m))
+        .collect();
+    let order: Vec<&String> = history.iter().filter(|m| kept.contains(m)).collect();
+    assert_eq!(kept, order, "{name}");
+}
+
 /// Waits (bounded) until the replica's store health satisfies `ok`,
 /// checking after each change the store could make: its link checks run
 /// every two seconds.
@@ -348,22 +392,13 @@ async fn wait_health(r: &Registry, ok: impl Fn(&StoreHealth) -> bool) -> bool {
 /// still finishes in lifecycle order.
 #[test]
 fn five_agents_finish_in_lifecycle_order_through_two_replicas_while_one_dies() {
-    use common::{agents::*, process::Server};
+    use common::agents::*;
     if !available("five_agents_finish_in_lifecycle_order_through_two_replicas_while_one_dies") {
         return;
     }
     let cluster = Cluster::start(3);
-    let endpoints = cluster.endpoints().join(",");
-    let args = [
-        "--store",
-        "etcd",
-        "--etcd-endpoints",
-        &endpoints,
-        "--etcd-prefix",
-        "/p5/",
-    ];
-    let stays = Server::start(&args);
-    let dies = Server::start(&args);
+    let stays = etcd_server(&cluster, "/p5/");
+    let dies = etcd_server(&cluster, "/p5/");
     let dir = tempfile::tempdir().unwrap();
     let spec = five_spec(dir.path());
     let lists = [
@@ -552,28 +587,17 @@ async fn the_etcd_leader_killed_under_load_loses_no_acknowledged_change() {
                 .iter()
                 .map(|e| e.message.clone())
                 .collect();
-            let (newest, index) = mine.last().unwrap();
-            assert!(
-                a.modify_index >= *index,
-                "k{n}: an acknowledged change went back"
-            );
-            // Only the reports tried after it (each a 503 that may have
-            // landed) can have pushed it out of the last MAX_EVENTS.
-            if *tried_after < taskgate::lifecycle::MAX_EVENTS {
-                assert!(history.contains(newest), "k{n}: {newest} lost: {history:?}");
-            }
             let mut once = history.clone();
             once.sort();
             once.dedup();
             assert_eq!(once.len(), history.len(), "k{n}: a report applied twice");
-            // The acknowledged reports still in the history are in order.
-            let kept: Vec<&String> = mine
-                .iter()
-                .map(|(m, _)| m)
-                .filter(|m| history.contains(m))
-                .collect();
-            let order: Vec<&String> = history.iter().filter(|m| kept.contains(m)).collect();
-            assert_eq!(kept, order, "k{n}");
+            acknowledged_are_kept(
+                &format!("k{n}"),
+                mine,
+                *tried_after,
+                a.modify_index,
+                &history,
+            );
         }
     }
 }
@@ -632,21 +656,14 @@ fn a_replica_without_certificate_roots_waits_for_a_plain_http_etcd() {
 /// index went back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_killed_under_load_loses_no_acknowledged_report() {
-    use common::process::Server;
     if !available("a_replica_killed_under_load_loses_no_acknowledged_report") {
         return;
     }
     let cluster = Cluster::start(3);
-    let endpoints = cluster.endpoints().join(",");
-    let args = [
-        "--store",
-        "etcd",
-        "--etcd-endpoints",
-        &endpoints,
-        "--etcd-prefix",
-        "/p8/",
-    ];
-    let (mut dies, stays) = (Some(Server::start(&args)), Server::start(&args));
+    let (mut dies, stays) = (
+        Some(etcd_server(&cluster, "/p8/")),
+        etcd_server(&cluster, "/p8/"),
+    );
     let bases = [dies.as_ref().unwrap().base.clone(), stays.base.clone()];
     let http = common::http();
     const WRITERS: usize = 8;
@@ -726,7 +743,7 @@ async fn a_replica_killed_under_load_loses_no_acknowledged_report() {
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     for (w, writer) in writers.into_iter().enumerate() {
         let (acked, tried_after) = writer.await.unwrap();
-        let (newest, index) = acked.last().expect("acknowledged reports").clone();
+        let index = acked.last().expect("acknowledged reports").1;
         let v: serde_json::Value = http
             .get(format!(
                 "{}/v1/allocations/w{w}/tasks/web?index={}&wait=10s",
@@ -739,26 +756,14 @@ async fn a_replica_killed_under_load_loses_no_acknowledged_report() {
             .json()
             .await
             .unwrap();
-        assert!(v["modify_index"].as_u64().unwrap() >= index, "w{w}: {v}");
         let history: Vec<String> = v["events"]
             .as_array()
             .unwrap()
             .iter()
             .map(|e| e["message"].as_str().unwrap().to_owned())
             .collect();
-        if tried_after < taskgate::lifecycle::MAX_EVENTS {
-            assert!(
-                history.contains(&newest),
-                "w{w}: {newest} lost: {history:?}"
-            );
-        }
-        let kept: Vec<&String> = acked
-            .iter()
-            .map(|(m, _)| m)
-            .filter(|m| history.contains(m))
-            .collect();
-        let order: Vec<&String> = history.iter().filter(|m| kept.contains(m)).collect();
-        assert_eq!(kept, order, "w{w}");
+        let now = v["modify_index"].as_u64().unwrap();
+        acknowledged_are_kept(&format!("w{w}"), &acked, tried_after, now, &history);
     }
 }
 

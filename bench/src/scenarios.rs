@@ -528,21 +528,23 @@ async fn reports(name: &str, server: &Proc, config: &BenchConfig) -> std::io::Re
         FIVE_TASKS,
     )
     .await?;
-    drive(
-        name,
-        server.addr,
-        config.clients,
-        config.duration,
-        |c, n| {
-            let state = if n % 2 == 0 { "running" } else { "pending" };
-            (
-                "PUT",
-                format!("/v1/allocations/bench-{c}/tasks/web/state"),
-                format!(r#"{{"state": "{state}"}}"#).into_bytes(),
-            )
-        },
+    drive(name, server.addr, config.clients, config.duration, flip_web).await
+}
+
+/// Client `c`'s next report (its `n`th) on the `web` task of its own
+/// allocation `bench-{c}`: running, then pending, and so on, so that every
+/// report is a real change.
+pub(super) fn flip_web(c: usize, n: u64) -> (&'static str, String, Vec<u8>) {
+    let state = if n.is_multiple_of(2) {
+        "running"
+    } else {
+        "pending"
+    };
+    (
+        "PUT",
+        format!("/v1/allocations/bench-{c}/tasks/web/state"),
+        format!(r#"{{"state": "{state}"}}"#).into_bytes(),
     )
-    .await
 }
 
 /// An event as agents send them with their reports (Nomad's task events

@@ -42,7 +42,7 @@ use std::{
 use tokio::sync::oneshot;
 
 use super::{
-    Commit, Loaded, Op, Store, StoreError,
+    Commit, LoadOnce, Loaded, Op, Store, StoreError,
     fs::{DirLock, Fs, LockError, Open, RealFs},
     record,
     snapshot::{self, NEXT_FILE, OLD_FILE, SNAPSHOT_FILE, Snapshot},
@@ -159,7 +159,7 @@ pub struct DiskStore {
     /// The writer, then the checkpoint thread, joined in that order.
     threads: Mutex<Vec<JoinHandle<()>>>,
     /// What the store held at open, until `load` takes it.
-    recovered: Mutex<Option<Loaded>>,
+    recovered: LoadOnce,
     /// What is wrong with the writer's work, shared with it.
     trouble: Arc<Mutex<Trouble>>,
 }
@@ -279,7 +279,7 @@ impl DiskStore {
             dir: config.dir,
             queue: Mutex::new(Some(tx)),
             threads: Mutex::new(vec![writer, checkpointer]),
-            recovered: Mutex::new(Some(loaded)),
+            recovered: LoadOnce::new(loaded),
             trouble,
         })
     }
@@ -581,11 +581,7 @@ pub fn read_only(dir: &Path) -> Result<Loaded, StoreError> {
 
 impl Store for DiskStore {
     fn load(&self) -> Result<Loaded, StoreError> {
-        self.recovered
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-            .ok_or_else(|| StoreError::Io("the store is loaded once, at start".into()))
+        self.recovered.take()
     }
 
     fn commit(&self, op: Op) -> Commit {

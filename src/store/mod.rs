@@ -42,6 +42,24 @@ pub enum Op {
     Delete { id: AllocId, index: u64 },
 }
 
+/// What a store read at open, kept until `Store::load` takes it (once).
+#[derive(Debug)]
+pub(crate) struct LoadOnce(std::sync::Mutex<Option<Loaded>>);
+
+impl LoadOnce {
+    pub(crate) fn new(loaded: Loaded) -> Self {
+        Self(std::sync::Mutex::new(Some(loaded)))
+    }
+
+    pub(crate) fn take(&self) -> Result<Loaded, StoreError> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+            .ok_or_else(|| StoreError::Io("the store is loaded once, at start".into()))
+    }
+}
+
 /// Everything a store holds, as loaded at start.
 #[derive(Debug, Default)]
 pub struct Loaded {

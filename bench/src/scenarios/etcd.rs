@@ -115,14 +115,7 @@ pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<(Vec<Outco
             &addrs,
             config.clients,
             config.duration,
-            |c, n| {
-                let state = if n % 2 == 0 { "pending" } else { "running" };
-                (
-                    "PUT",
-                    format!("/v1/allocations/bench-{c}/tasks/web/state"),
-                    format!(r#"{{"state": "{state}"}}"#).into_bytes(),
-                )
-            },
+            super::flip_web,
         )
         .await?;
         ours.push(o.rate());

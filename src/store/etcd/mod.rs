@@ -29,8 +29,8 @@ pub use client::{EtcdConfig, prefix_end};
 use tokio::sync::watch;
 
 use super::{
-    Change, Commit, Follower, Loaded, Op, SharedStore, Store, StoreError, StoreHealth, Swap,
-    SwapError, record,
+    Change, Commit, Follower, LoadOnce, Loaded, Op, SharedStore, Store, StoreError, StoreHealth,
+    Swap, SwapError, record,
 };
 use crate::lifecycle::{AllocId, Allocation};
 
@@ -52,7 +52,7 @@ pub struct EtcdStore {
     /// `<prefix>a/`: the allocations' keys.
     keys: Vec<u8>,
     /// The listing made at connect, until `load` takes it.
-    loaded: Mutex<Option<Loaded>>,
+    loaded: LoadOnce,
     link: Arc<Mutex<Link>>,
     /// Turns `true` at close: the follower stops.
     closed: watch::Sender<bool>,
@@ -79,20 +79,13 @@ impl EtcdStore {
         let client = Client::new(config).map_err(StoreError::Unusable)?;
         let mut keys = config.prefix.as_bytes().to_vec();
         keys.extend_from_slice(b"a/");
-        let store = Self {
-            client: Arc::new(client),
-            keys,
-            loaded: Mutex::new(None),
-            link: Arc::default(),
-            closed: watch::Sender::new(false),
-        };
         // etcd may come up after the replica (a whole deployment started
         // at once): unreachable members are waited for a while, the server
         // answering 503 `starting` meanwhile.
         let started = Instant::now();
         let mut backoff = RETRY_FIRST;
         let loaded = loop {
-            match list(&store.client, &store.keys).await {
+            match list(&client, &keys).await {
                 Ok(loaded) => break loaded,
                 Err(CallError::Unreachable(e)) if started.elapsed() < CONNECT_PATIENCE => {
                     tracing::warn!(error = %e, retry_in = ?backoff, "etcd is not reachable yet");
@@ -102,13 +95,18 @@ impl EtcdStore {
                 Err(e) => {
                     return Err(StoreError::Unusable(format!(
                         "cannot list {} in etcd: {e}",
-                        String::from_utf8_lossy(&store.keys)
+                        String::from_utf8_lossy(&keys)
                     )));
                 }
             }
         };
-        *store.loaded.lock().unwrap_or_else(PoisonError::into_inner) = Some(loaded);
-        Ok(store)
+        Ok(Self {
+            client: Arc::new(client),
+            keys,
+            loaded: LoadOnce::new(loaded),
+            link: Arc::default(),
+            closed: watch::Sender::new(false),
+        })
     }
 
     fn key(&self, id: &AllocId) -> Vec<u8> {
@@ -176,11 +174,7 @@ fn unavailable(e: CallError) -> StoreError {
 
 impl Store for EtcdStore {
     fn load(&self) -> Result<Loaded, StoreError> {
-        self.loaded
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-            .ok_or_else(|| StoreError::Io("the store is loaded once, at start".into()))
+        self.loaded.take()
     }
 
     fn commit(&self, _: Op) -> Commit {
