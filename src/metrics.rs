@@ -1,22 +1,23 @@
-//! Prometheus metrics, kept by hand: a few atomics and fixed-bucket
-//! histograms, one set per application instance (no global recorder, so
-//! tests in one process do not share counts). Label values come from small
-//! fixed sets (routes, states, reasons): never allocation IDs.
+//! Prometheus metrics through prometheus-client: one registry per
+//! application instance (no global recorder, so tests in one process do not
+//! share counts). Label values come from small fixed sets (methods, routes,
+//! states, reasons): never allocation IDs.
 
-use std::{
-    collections::HashMap,
-    fmt::Write,
-    sync::{
-        Arc, PoisonError, RwLock,
-        atomic::{AtomicU64, Ordering},
-    },
-    time::Duration,
+use std::time::Duration;
+
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    registry::Registry,
 };
 
 use crate::lifecycle::{CoordState, StopKind};
 
 /// The store's background operations that can fail, as label values.
 const STORE_OPERATIONS: [&str; 2] = ["checkpoint", "rollover"];
+
+/// Names of the restart modes, the `mode` label's values.
+pub const RESTART_MODES: [&str; 3] = ["task", "running", "all_tasks"];
 
 /// Upper bounds (seconds) of the latency buckets.
 const LATENCY_BUCKETS: [f64; 16] = [
@@ -26,99 +27,69 @@ const LATENCY_BUCKETS: [f64; 16] = [
 /// Upper bounds of the commit batch-size buckets.
 const BATCH_BUCKETS: [f64; 10] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 512.0, 4096.0];
 
-/// A histogram with fixed buckets.
-struct Histogram {
-    bounds: &'static [f64],
-    /// Cumulative counts are computed when rendering; these are per bucket,
-    /// plus one for +Inf.
-    counts: Vec<AtomicU64>,
-    /// Sum in micro-units (µs for seconds, units for sizes).
-    sum_micros: AtomicU64,
-    count: AtomicU64,
+fn latency_histogram() -> Histogram {
+    Histogram::new(LATENCY_BUCKETS)
 }
 
-impl Histogram {
-    fn new(bounds: &'static [f64]) -> Self {
-        Self {
-            bounds,
-            counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
-            sum_micros: AtomicU64::new(0),
-            count: AtomicU64::new(0),
-        }
-    }
-
-    fn observe(&self, value: f64) {
-        let i = self
-            .bounds
-            .iter()
-            .position(|b| value <= *b)
-            .unwrap_or(self.bounds.len());
-        self.counts[i].fetch_add(1, Ordering::Relaxed);
-        self.sum_micros
-            .fetch_add((value * 1e6) as u64, Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn render(&self, out: &mut String, name: &str, labels: &str) {
-        let sep = if labels.is_empty() { "" } else { "," };
-        let mut cumulative = 0;
-        for (i, bound) in self.bounds.iter().enumerate() {
-            cumulative += self.counts[i].load(Ordering::Relaxed);
-            let _ = writeln!(
-                out,
-                "{name}_bucket{{{labels}{sep}le=\"{bound}\"}} {cumulative}"
-            );
-        }
-        cumulative += self.counts[self.bounds.len()].load(Ordering::Relaxed);
-        let _ = writeln!(
-            out,
-            "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {cumulative}"
-        );
-        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
-        let braces = if labels.is_empty() {
-            String::new()
-        } else {
-            format!("{{{labels}}}")
-        };
-        let _ = writeln!(out, "{name}_sum{braces} {sum}");
-        let _ = writeln!(
-            out,
-            "{name}_count{braces} {}",
-            self.count.load(Ordering::Relaxed)
-        );
-    }
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HttpLabels {
+    method: &'static str,
+    /// The matched route's template, or `unmatched`.
+    route: String,
+    status: u16,
 }
 
-/// One (method, status) series of a route's request latency.
-type RouteSeries = (String, u16, Histogram);
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TransitionLabels {
+    from: &'static str,
+    to: &'static str,
+}
 
-/// Every metric of one application.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ModeLabel {
+    mode: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OperationLabel {
+    operation: &'static str,
+}
+
+/// What `/metrics` reads from the rest of the service when it is scraped.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Scrape {
+    pub waiters: u64,
+    pub allocations: u64,
+    pub last_index: u64,
+    pub store_degraded: bool,
+    pub store_refusing_writes: bool,
+}
+
+/// Every metric of one application, and the registry that encodes them.
 pub struct Metrics {
-    /// route → (method, status, request latency). Read-locked per request
-    /// and looked up without allocating (the histograms are atomics);
-    /// write-locked only for a new label set.
-    http: RwLock<HashMap<String, Vec<RouteSeries>>>,
-    /// Coordinator transitions, `[from][to]` in `CoordState::ALL` order.
-    transitions: [[AtomicU64; 6]; 6],
-    /// Task-state reports applied (a batch counts each task).
-    reports: AtomicU64,
-    /// Restart requests that restarted something or reset the coordinator,
-    /// by mode: task, running, all_tasks.
-    restarts: [AtomicU64; 3],
-    /// New stop orders, by reason in `StopKind::ALL` order.
-    stop_orders: [AtomicU64; 3],
-    /// Store commit latency and batch size.
+    registry: Registry,
+    http: Family<HttpLabels, Histogram, fn() -> Histogram>,
+    transitions: Family<TransitionLabels, Counter>,
+    reports: Counter,
+    restarts: Family<ModeLabel, Counter>,
+    stop_orders: Family<ReasonLabel, Counter>,
     commit_latency: Histogram,
     commit_batch: Histogram,
-    /// Checkpoints of the store's log into its snapshot, and the records
-    /// they wrote.
     checkpoint_latency: Histogram,
-    checkpoint_records: AtomicU64,
-    /// Failed background operations of the store, by `STORE_OPERATIONS`.
-    store_failures: [AtomicU64; 2],
-    unfolded_log_bytes: AtomicU64,
-    /// Client connections open now.
-    connections: AtomicU64,
+    checkpoint_records: Counter,
+    store_failures: Family<OperationLabel, Counter>,
+    unfolded_log_bytes: Gauge,
+    connections: Gauge,
+    waiters: Gauge,
+    allocations: Gauge,
+    last_index: Gauge,
+    store_degraded: Gauge,
+    store_refusing_writes: Gauge,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -129,72 +100,33 @@ impl std::fmt::Debug for Metrics {
 
 impl Default for Metrics {
     fn default() -> Self {
-        Self {
-            http: RwLock::new(HashMap::new()),
-            transitions: Default::default(),
-            reports: AtomicU64::new(0),
-            restarts: Default::default(),
-            stop_orders: Default::default(),
-            commit_latency: Histogram::new(&LATENCY_BUCKETS),
-            commit_batch: Histogram::new(&BATCH_BUCKETS),
-            checkpoint_latency: Histogram::new(&LATENCY_BUCKETS),
-            checkpoint_records: AtomicU64::new(0),
-            store_failures: Default::default(),
-            unfolded_log_bytes: AtomicU64::new(0),
-            connections: AtomicU64::new(0),
-        }
+        Self::new()
     }
 }
 
 /// An open connection, counted in `taskgate_connections` while it lives.
-pub struct OpenConnection(Arc<Metrics>);
+pub struct OpenConnection(Gauge);
 
 impl Drop for OpenConnection {
     fn drop(&mut self) {
-        self.0.connections.fetch_sub(1, Ordering::Relaxed);
+        self.0.dec();
     }
 }
 
-/// Names of the restart modes, in `Metrics::restarts` order.
-pub const RESTART_MODES: [&str; 3] = ["task", "running", "all_tasks"];
-
-/// Where `x` is in `all`; a value outside the fixed set is not counted
-/// (never as another value), and said once in the log.
-fn position<T: PartialEq + std::fmt::Debug>(all: &[T], x: &T) -> Option<usize> {
-    let found = all.iter().position(|v| v == x);
+/// `x` as the `&'static str` of its fixed set; a value outside the set is
+/// not counted (never as another value), and said once in the log.
+fn in_set(all: &[&'static str], x: &str) -> Option<&'static str> {
+    let found = all.iter().copied().find(|v| *v == x);
     if found.is_none() {
         static SAID: std::sync::Once = std::sync::Once::new();
-        SAID.call_once(
-            || tracing::warn!(value = ?x, "a metric label value outside its set was not counted"),
-        );
+        SAID.call_once(|| {
+            tracing::warn!(
+                value = x,
+                "a metric label value outside its set was not counted"
+            )
+        });
     }
     found
-}
-
-/// A metric of one series, without labels (`kind`: `counter`, `gauge`).
-fn unlabeled(out: &mut String, name: &str, kind: &str, help: &str, value: u64) {
-    let _ = writeln!(
-        out,
-        "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
-    );
-}
-
-/// A counter with one label, one series per value of its fixed set.
-fn labeled_counter<'a, V: std::fmt::Display>(
-    out: &mut String,
-    name: &str,
-    help: &str,
-    label: &str,
-    series: impl Iterator<Item = (V, &'a AtomicU64)>,
-) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-    for (value, n) in series {
-        let _ = writeln!(
-            out,
-            "{name}{{{label}=\"{value}\"}} {}",
-            n.load(Ordering::Relaxed)
-        );
-    }
 }
 
 /// HTTP methods as a label: the standard ones, every other as `other` (a
@@ -210,59 +142,191 @@ fn method_label(method: &str) -> &'static str {
         .unwrap_or("other")
 }
 
+/// Gauges hold `i64`; counts beyond it (never in practice) show as its
+/// maximum rather than wrapping negative.
+fn gauge_value(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
 impl Metrics {
     pub fn new() -> Self {
-        Self::default()
+        let mut registry = Registry::default();
+        let http = Family::<HttpLabels, Histogram, fn() -> Histogram>::new_with_constructor(
+            latency_histogram,
+        );
+        let transitions = Family::<TransitionLabels, Counter>::default();
+        let reports = Counter::default();
+        let restarts = Family::<ModeLabel, Counter>::default();
+        let stop_orders = Family::<ReasonLabel, Counter>::default();
+        let commit_latency = latency_histogram();
+        let commit_batch = Histogram::new(BATCH_BUCKETS);
+        let checkpoint_latency = latency_histogram();
+        let checkpoint_records = Counter::default();
+        let store_failures = Family::<OperationLabel, Counter>::default();
+        // Every value of a fixed set shows, counted or not.
+        for mode in RESTART_MODES {
+            drop(restarts.get_or_create(&ModeLabel { mode }));
+        }
+        for kind in StopKind::ALL {
+            drop(stop_orders.get_or_create(&ReasonLabel {
+                reason: kind.as_str(),
+            }));
+        }
+        for operation in STORE_OPERATIONS {
+            drop(store_failures.get_or_create(&OperationLabel { operation }));
+        }
+
+        // Help texts without their final period: the registry adds it.
+        let gauge = |registry: &mut Registry, name: &str, help: &str| {
+            let g = Gauge::default();
+            registry.register(name, help, g.clone());
+            g
+        };
+        let waiters = gauge(
+            &mut registry,
+            "taskgate_waiters",
+            "Requests parked in a long-poll or blocking query",
+        );
+        let allocations = gauge(
+            &mut registry,
+            "taskgate_allocations",
+            "Registered allocations",
+        );
+        let last_index = gauge(
+            &mut registry,
+            "taskgate_last_index",
+            "The last global index handed out",
+        );
+        let connections = gauge(
+            &mut registry,
+            "taskgate_connections",
+            "Client connections open now",
+        );
+        let store_degraded = gauge(
+            &mut registry,
+            "taskgate_store_degraded",
+            "1 while the store takes writes but its background work (checkpoints, log rollover) fails",
+        );
+        let store_refusing_writes = gauge(
+            &mut registry,
+            "taskgate_store_refusing_writes",
+            "1 while the store refuses writes (a failed write, or its log at its ceiling)",
+        );
+        registry.register(
+            "taskgate_http_request_duration_seconds",
+            "HTTP requests by method, matched route and status",
+            http.clone(),
+        );
+        registry.register(
+            "taskgate_coordinator_transitions",
+            "Coordinator state changes, from the state before a change to the state after it (skipped empty stages are not counted)",
+            transitions.clone(),
+        );
+        registry.register(
+            "taskgate_state_reports",
+            "Task-state reports applied",
+            reports.clone(),
+        );
+        registry.register(
+            "taskgate_restarts",
+            "Restart requests that changed something, by mode",
+            restarts.clone(),
+        );
+        registry.register(
+            "taskgate_stop_orders",
+            "Tasks newly told to stop, by reason",
+            stop_orders.clone(),
+        );
+        registry.register(
+            "taskgate_store_commit_duration_seconds",
+            "Durable commits of the store",
+            commit_latency.clone(),
+        );
+        registry.register(
+            "taskgate_store_commit_batch_size",
+            "Changes per durable commit",
+            commit_batch.clone(),
+        );
+        registry.register(
+            "taskgate_store_checkpoint_duration_seconds",
+            "Checkpoints of the store log into the snapshot",
+            checkpoint_latency.clone(),
+        );
+        registry.register(
+            "taskgate_store_checkpoint_records",
+            "Changed records folded into the snapshot by checkpoints",
+            checkpoint_records.clone(),
+        );
+        registry.register(
+            "taskgate_store_background_failures",
+            "Failed checkpoints and failed tries to start a log segment",
+            store_failures.clone(),
+        );
+        let unfolded_log_bytes = gauge(
+            &mut registry,
+            "taskgate_store_unfolded_log_bytes",
+            "Store log not yet folded into the snapshot",
+        );
+        Self {
+            registry,
+            http,
+            transitions,
+            reports,
+            restarts,
+            stop_orders,
+            commit_latency,
+            commit_batch,
+            checkpoint_latency,
+            checkpoint_records,
+            store_failures,
+            unfolded_log_bytes,
+            connections,
+            waiters,
+            allocations,
+            last_index,
+            store_degraded,
+            store_refusing_writes,
+        }
     }
 
     /// Counts a request; `route` is the matched route's template, or
     /// `unmatched` (never the path a client sent).
     pub fn http_request(&self, method: &str, route: &str, status: u16, latency: Duration) {
-        let method = method_label(method);
-        let seconds = latency.as_secs_f64();
-        let find =
-            |set: &Vec<RouteSeries>| set.iter().position(|(m, s, _)| m == method && *s == status);
-        {
-            let http = self.http.read().unwrap_or_else(PoisonError::into_inner);
-            if let Some(set) = http.get(route)
-                && let Some(i) = find(set)
-            {
-                set[i].2.observe(seconds);
-                return;
-            }
-        }
-        let mut http = self.http.write().unwrap_or_else(PoisonError::into_inner);
-        let set = http.entry(route.to_owned()).or_default();
-        let i = find(set).unwrap_or_else(|| {
-            set.push((method.to_owned(), status, Histogram::new(&LATENCY_BUCKETS)));
-            set.len() - 1
-        });
-        set[i].2.observe(seconds);
+        let labels = HttpLabels {
+            method: method_label(method),
+            route: route.to_owned(),
+            status,
+        };
+        self.http
+            .get_or_create(&labels)
+            .observe(latency.as_secs_f64());
     }
 
     pub fn transition(&self, from: CoordState, to: CoordState) {
-        if let (Some(f), Some(t)) = (
-            position(CoordState::ALL, &from),
-            position(CoordState::ALL, &to),
-        ) {
-            self.transitions[f][t].fetch_add(1, Ordering::Relaxed);
-        }
+        self.transitions
+            .get_or_create(&TransitionLabels {
+                from: from.as_str(),
+                to: to.as_str(),
+            })
+            .inc();
     }
 
     pub fn reports(&self, n: usize) {
-        self.reports.fetch_add(n as u64, Ordering::Relaxed);
+        self.reports.inc_by(n as u64);
     }
 
     pub fn restart(&self, mode: &str) {
-        if let Some(i) = position(&RESTART_MODES, &mode) {
-            self.restarts[i].fetch_add(1, Ordering::Relaxed);
+        if let Some(mode) = in_set(&RESTART_MODES, mode) {
+            self.restarts.get_or_create(&ModeLabel { mode }).inc();
         }
     }
 
     pub fn stop_order(&self, reason: StopKind) {
-        if let Some(i) = position(StopKind::ALL, &reason) {
-            self.stop_orders[i].fetch_add(1, Ordering::Relaxed);
-        }
+        self.stop_orders
+            .get_or_create(&ReasonLabel {
+                reason: reason.as_str(),
+            })
+            .inc();
     }
 
     pub fn commit(&self, latency: Duration, changes: usize) {
@@ -271,133 +335,53 @@ impl Metrics {
     }
 
     /// Counts a connection as open until the returned guard is dropped.
-    pub fn open_connection(self: &Arc<Self>) -> OpenConnection {
-        self.connections.fetch_add(1, Ordering::Relaxed);
-        OpenConnection(self.clone())
+    pub fn open_connection(&self) -> OpenConnection {
+        self.connections.inc();
+        OpenConnection(self.connections.clone())
     }
 
     pub fn connections(&self) -> u64 {
-        self.connections.load(Ordering::Relaxed)
+        u64::try_from(self.connections.get()).unwrap_or(0)
     }
 
     pub fn checkpoint(&self, latency: Duration, records: usize) {
         self.checkpoint_latency.observe(latency.as_secs_f64());
-        self.checkpoint_records
-            .fetch_add(records as u64, Ordering::Relaxed);
+        self.checkpoint_records.inc_by(records as u64);
     }
 
     /// Counts a failed background operation of the store (one of
     /// `STORE_OPERATIONS`).
     pub fn store_failure(&self, operation: &str) {
-        if let Some(i) = position(&STORE_OPERATIONS, &operation) {
-            self.store_failures[i].fetch_add(1, Ordering::Relaxed);
+        if let Some(operation) = in_set(&STORE_OPERATIONS, operation) {
+            self.store_failures
+                .get_or_create(&OperationLabel { operation })
+                .inc();
         }
     }
 
     /// The store log's bytes not folded into the snapshot yet.
     pub fn unfolded_log(&self, bytes: u64) {
-        self.unfolded_log_bytes.store(bytes, Ordering::Relaxed);
+        self.unfolded_log_bytes.set(gauge_value(bytes));
     }
 
-    /// The Prometheus text exposition, with `gauges` (name, help, value).
-    pub fn render(&self, gauges: &[(&str, &str, u64)]) -> String {
+    /// The Prometheus text exposition (format 0.0.4), with what the rest
+    /// of the service shows at this scrape.
+    pub fn render(&self, now: Scrape) -> String {
+        self.waiters.set(gauge_value(now.waiters));
+        self.allocations.set(gauge_value(now.allocations));
+        self.last_index.set(gauge_value(now.last_index));
+        self.store_degraded.set(i64::from(now.store_degraded));
+        self.store_refusing_writes
+            .set(i64::from(now.store_refusing_writes));
         let mut out = String::with_capacity(8192);
-        for (name, help, value) in gauges {
-            unlabeled(&mut out, name, "gauge", help, *value);
-        }
-
-        out.push_str("# HELP taskgate_http_request_duration_seconds HTTP requests by method, matched route and status.\n");
-        out.push_str("# TYPE taskgate_http_request_duration_seconds histogram\n");
-        let http = self.http.read().unwrap_or_else(PoisonError::into_inner);
-        let mut series: Vec<_> = http
-            .iter()
-            .flat_map(|(route, set)| set.iter().map(move |(m, s, h)| (m, route, s, h)))
-            .collect();
-        series.sort_by(|a, b| (a.0, a.1, a.2).cmp(&(b.0, b.1, b.2)));
-        for (method, route, status, h) in series {
-            let labels = format!("method=\"{method}\",route=\"{route}\",status=\"{status}\"");
-            h.render(&mut out, "taskgate_http_request_duration_seconds", &labels);
-        }
-        drop(http);
-
-        out.push_str("# HELP taskgate_coordinator_transitions_total Coordinator state changes, from the state before a change to the state after it (skipped empty stages are not counted).\n");
-        out.push_str("# TYPE taskgate_coordinator_transitions_total counter\n");
-        for (i, from) in CoordState::ALL.iter().enumerate() {
-            for (j, to) in CoordState::ALL.iter().enumerate() {
-                let n = self.transitions[i][j].load(Ordering::Relaxed);
-                if n > 0 {
-                    let _ = writeln!(
-                        out,
-                        "taskgate_coordinator_transitions_total{{from=\"{from}\",to=\"{to}\"}} {n}"
-                    );
-                }
-            }
-        }
-
-        unlabeled(
-            &mut out,
-            "taskgate_state_reports_total",
-            "counter",
-            "Task-state reports applied.",
-            self.reports.load(Ordering::Relaxed),
-        );
-
-        labeled_counter(
-            &mut out,
-            "taskgate_restarts_total",
-            "Restart requests that changed something, by mode.",
-            "mode",
-            RESTART_MODES.iter().copied().zip(&self.restarts),
-        );
-
-        labeled_counter(
-            &mut out,
-            "taskgate_stop_orders_total",
-            "Tasks newly told to stop, by reason.",
-            "reason",
-            StopKind::ALL.iter().zip(&self.stop_orders),
-        );
-
-        out.push_str(
-            "# HELP taskgate_store_commit_duration_seconds Durable commits of the store.\n",
-        );
-        out.push_str("# TYPE taskgate_store_commit_duration_seconds histogram\n");
-        self.commit_latency
-            .render(&mut out, "taskgate_store_commit_duration_seconds", "");
-        out.push_str("# HELP taskgate_store_commit_batch_size Changes per durable commit.\n");
-        out.push_str("# TYPE taskgate_store_commit_batch_size histogram\n");
-        self.commit_batch
-            .render(&mut out, "taskgate_store_commit_batch_size", "");
-        out.push_str(
-            "# HELP taskgate_store_checkpoint_duration_seconds Checkpoints of the store log into the snapshot.\n",
-        );
-        out.push_str("# TYPE taskgate_store_checkpoint_duration_seconds histogram\n");
-        self.checkpoint_latency
-            .render(&mut out, "taskgate_store_checkpoint_duration_seconds", "");
-        unlabeled(
-            &mut out,
-            "taskgate_store_checkpoint_records_total",
-            "counter",
-            "Changed records folded into the snapshot by checkpoints.",
-            self.checkpoint_records.load(Ordering::Relaxed),
-        );
-        labeled_counter(
-            &mut out,
-            "taskgate_store_background_failures_total",
-            "Failed checkpoints and failed tries to start a log segment.",
-            "operation",
-            STORE_OPERATIONS.iter().copied().zip(&self.store_failures),
-        );
-        unlabeled(
-            &mut out,
-            "taskgate_store_unfolded_log_bytes",
-            "gauge",
-            "Store log not yet folded into the snapshot.",
-            self.unfolded_log_bytes.load(Ordering::Relaxed),
-        );
+        prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry)
+            .expect("writing to a String does not fail");
         out
     }
 }
+
+/// The `Content-Type` of what `render` writes.
+pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
 
 #[cfg(test)]
 mod tests {
@@ -408,7 +392,7 @@ mod tests {
         let m = Metrics::new();
         m.http_request("GET", "/v1/health", 200, Duration::from_micros(300));
         m.http_request("GET", "/v1/health", 200, Duration::from_millis(7));
-        let text = m.render(&[]);
+        let text = m.render(Scrape::default());
         assert!(text.contains(
             "taskgate_http_request_duration_seconds_bucket{method=\"GET\",route=\"/v1/health\",status=\"200\",le=\"0.0005\"} 1\n"
         ), "{text}");
@@ -425,7 +409,10 @@ mod tests {
         m.stop_order(StopKind::MainTasksDead);
         m.restart("all_tasks");
         m.commit(Duration::from_micros(200), 3);
-        let text = m.render(&[("taskgate_waiters", "Parked.", 4)]);
+        let text = m.render(Scrape {
+            waiters: 4,
+            ..Scrape::default()
+        });
         assert!(text.contains("taskgate_waiters 4\n"));
         assert!(text.contains(
             "taskgate_coordinator_transitions_total{from=\"poststart\",to=\"poststop\"} 1\n"
@@ -449,7 +436,7 @@ mod tests {
         }
         m.http_request("DELETE", "unmatched", 404, Duration::from_micros(1));
         m.restart("no-such-mode");
-        let text = m.render(&[]);
+        let text = m.render(Scrape::default());
         assert!(text.contains(
             "taskgate_http_request_duration_seconds_count{method=\"other\",route=\"unmatched\",status=\"405\"} 3000\n"
         ), "{text}");

@@ -1186,6 +1186,151 @@ async fn metrics_move_with_reports_transitions_restarts_and_requests() {
     assert!(!text.contains("a1"), "no allocation IDs in labels");
 }
 
+/// `/metrics` is the Prometheus text format (0.0.4) with the names, types,
+/// label keys and buckets dashboards rely on: every line parsed, every
+/// family announced by HELP and TYPE before its samples.
+#[tokio::test]
+async fn metrics_parse_with_their_names_labels_and_buckets() {
+    let app = test_app().await;
+    app.register_five("a1").await;
+    let res = app.get("/metrics").await;
+    assert_eq!(
+        res.header("content-type"),
+        Some("text/plain; version=0.0.4; charset=utf-8")
+    );
+    let text = String::from_utf8(res.raw).unwrap();
+    let latency = [
+        "0.0005", "0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1",
+        "2.5", "5", "10", "60", "300", "+Inf",
+    ];
+    let batch = [
+        "1", "2", "4", "8", "16", "32", "64", "128", "512", "4096", "+Inf",
+    ];
+    // family → (type, label keys of its samples, bucket bounds)
+    type Family<'a> = (&'a str, Vec<&'a str>, Option<&'a [&'a str]>);
+    let expected: std::collections::BTreeMap<&str, Family> = [
+        ("taskgate_waiters", ("gauge", vec![], None)),
+        ("taskgate_allocations", ("gauge", vec![], None)),
+        ("taskgate_last_index", ("gauge", vec![], None)),
+        ("taskgate_connections", ("gauge", vec![], None)),
+        ("taskgate_store_degraded", ("gauge", vec![], None)),
+        ("taskgate_store_refusing_writes", ("gauge", vec![], None)),
+        ("taskgate_store_unfolded_log_bytes", ("gauge", vec![], None)),
+        (
+            "taskgate_http_request_duration_seconds",
+            (
+                "histogram",
+                vec!["method", "route", "status"],
+                Some(&latency[..]),
+            ),
+        ),
+        (
+            "taskgate_coordinator_transitions_total",
+            ("counter", vec!["from", "to"], None),
+        ),
+        ("taskgate_state_reports_total", ("counter", vec![], None)),
+        ("taskgate_restarts_total", ("counter", vec!["mode"], None)),
+        (
+            "taskgate_stop_orders_total",
+            ("counter", vec!["reason"], None),
+        ),
+        (
+            "taskgate_store_commit_duration_seconds",
+            ("histogram", vec![], Some(&latency[..])),
+        ),
+        (
+            "taskgate_store_commit_batch_size",
+            ("histogram", vec![], Some(&batch[..])),
+        ),
+        (
+            "taskgate_store_checkpoint_duration_seconds",
+            ("histogram", vec![], Some(&latency[..])),
+        ),
+        (
+            "taskgate_store_checkpoint_records_total",
+            ("counter", vec![], None),
+        ),
+        (
+            "taskgate_store_background_failures_total",
+            ("counter", vec!["operation"], None),
+        ),
+    ]
+    .into_iter()
+    .collect();
+
+    let mut typed = std::collections::BTreeMap::new();
+    let mut helped = std::collections::BTreeSet::new();
+    let mut buckets: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, help) = rest.split_once(' ').expect("HELP has a text");
+            assert!(!help.is_empty() && !help.ends_with(".."), "{line}");
+            helped.insert(name.to_owned());
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap();
+            assert!(helped.contains(name), "TYPE before HELP: {line}");
+            typed.insert(name.to_owned(), kind.to_owned());
+            continue;
+        }
+        assert!(!line.starts_with('#'), "{line}");
+        // name{k="v",...} value
+        let (series, value) = line.rsplit_once(' ').unwrap();
+        value
+            .parse::<f64>()
+            .unwrap_or_else(|_| panic!("value of {line}"));
+        let (name, labels) = match series.split_once('{') {
+            Some((n, l)) => (n, l.strip_suffix('}').expect("labels close")),
+            None => (series, ""),
+        };
+        let mut keys: Vec<&str> = Vec::new();
+        let mut others = Vec::new();
+        let mut le = None;
+        for pair in labels.split("\",").filter(|p| !p.is_empty()) {
+            let (k, v) = pair.split_once("=\"").expect("label key=\"value\"");
+            let v = v.trim_end_matches('"');
+            if k == "le" {
+                le = Some(v.to_owned());
+            } else {
+                keys.push(k);
+                others.push(pair);
+            }
+        }
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s).filter(|f| expected.contains_key(f)))
+            .unwrap_or(name);
+        let (kind, want_keys, bounds) = expected
+            .get(family)
+            .unwrap_or_else(|| panic!("unexpected metric {name} in {line}"));
+        assert_eq!(typed.get(family).map(String::as_str), Some(*kind), "{line}");
+        assert_eq!(&keys, want_keys, "{line}");
+        assert!(
+            !labels.contains("a1"),
+            "no allocation IDs in labels: {line}"
+        );
+        if name.ends_with("_bucket") {
+            assert!(bounds.is_some(), "{line}");
+            buckets
+                .entry(format!("{family}[{}]", others.join(",")))
+                .or_default()
+                .push(le.expect("a bucket has le"));
+        }
+    }
+    assert_eq!(
+        typed.keys().map(String::as_str).collect::<Vec<_>>(),
+        expected.keys().copied().collect::<Vec<_>>(),
+        "every family, and no other"
+    );
+    assert!(!buckets.is_empty());
+    for (series, les) in buckets {
+        let family = series.split('[').next().unwrap();
+        let les: Vec<&str> = les.iter().map(String::as_str).collect();
+        assert_eq!(Some(&les[..]), expected[family].2, "{series}");
+    }
+}
+
 #[tokio::test]
 async fn request_ids_are_echoed_or_generated() {
     let app = test_app().await;

@@ -6,7 +6,10 @@ use axum::{
     response::{IntoResponse, Response},
 };
 
-use crate::store::StoreHealth;
+use crate::{
+    metrics::{self, Scrape},
+    store::StoreHealth,
+};
 
 use super::{
     AppState, error::ApiError, error::Problem, extract::ApiQuery, extract::NoParams,
@@ -83,42 +86,17 @@ pub async fn health(
 )]
 pub async fn metrics(State(s): State<AppState>, _: ApiQuery<NoParams>) -> Response {
     let health = s.registry.store_health();
-    let gauges = [
-        (
-            "taskgate_waiters",
-            "Requests parked in a long-poll or blocking query.",
-            s.registry.waiters() as u64,
-        ),
-        (
-            "taskgate_allocations",
-            "Registered allocations.",
-            s.registry.len() as u64,
-        ),
-        (
-            "taskgate_last_index",
-            "The last global index handed out.",
-            s.registry.last_index(),
-        ),
-        (
-            "taskgate_connections",
-            "Client connections open now.",
-            s.registry.metrics().connections(),
-        ),
-        (
-            "taskgate_store_degraded",
-            "1 while the store takes writes but its background work (checkpoints, log rollover) fails.",
-            u64::from(matches!(health, StoreHealth::Degraded(_))),
-        ),
-        (
-            "taskgate_store_refusing_writes",
-            "1 while the store refuses writes (a failed write, or its log at its ceiling).",
-            u64::from(matches!(health, StoreHealth::Refusing { .. })),
-        ),
-    ];
-    let mut res = s.registry.metrics().render(&gauges).into_response();
+    let text = s.registry.metrics().render(Scrape {
+        waiters: s.registry.waiters() as u64,
+        allocations: s.registry.len() as u64,
+        last_index: s.registry.last_index(),
+        store_degraded: matches!(health, StoreHealth::Degraded(_)),
+        store_refusing_writes: matches!(health, StoreHealth::Refusing { .. }),
+    });
+    let mut res = text.into_response();
     res.headers_mut().insert(
         header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        HeaderValue::from_static(metrics::CONTENT_TYPE),
     );
     res
 }

@@ -405,7 +405,7 @@ async fn a_client_that_goes_away_mid_commit_does_not_cancel_the_publication() {
     // ... and counted: the report, and the transition it made.
     let mut counted = false;
     for _ in 0..10_000 {
-        let text = r.metrics().render(&[]);
+        let text = r.metrics().render(Default::default());
         if text.contains("taskgate_state_reports_total 1\n")
             && text.contains("{from=\"prestart\",to=\"main\"} 1\n")
         {
@@ -414,7 +414,7 @@ async fn a_client_that_goes_away_mid_commit_does_not_cancel_the_publication() {
         }
         tokio::task::yield_now().await;
     }
-    assert!(counted, "{}", r.metrics().render(&[]));
+    assert!(counted, "{}", r.metrics().render(Default::default()));
 }
 
 /// A long-poll resolves its task by name in the very record it reads: with

@@ -1712,7 +1712,7 @@ mod tests {
             stats.failed_checkpoints >= 1 && stats.failed_checkpoints * 4 < stats.commits,
             "tried again after a wait, not after every commit: {stats:?}"
         );
-        let text = metrics.render(&[]);
+        let text = metrics.render(Default::default());
         assert!(
             text.contains(&format!(
                 "taskgate_store_background_failures_total{{operation=\"checkpoint\"}} {}",
