@@ -19,6 +19,7 @@ use std::{
 use clap::Args;
 
 mod etcd;
+mod versus_etcd;
 
 use rustix::process::{Pid, Signal, kill_process};
 use tokio::{
@@ -38,9 +39,12 @@ pub struct BenchConfig {
     /// no-group-commit, recovery; and by name only: fanout (holds 10,000
     /// connections), scale (registers 1,000,000 allocations),
     /// checkpoint (the store's checkpoint code alone, on a file as large
-    /// as the largest scale size) and etcd (three replicas on a
-    /// three-member etcd it starts, against etcd's own transactions; needs
-    /// etcd and etcdctl on the PATH).
+    /// as the largest scale size), etcd (three replicas on a
+    /// three-member etcd it starts, against etcd's own transactions) and
+    /// versus-etcd (durable reports on one-task allocations against a
+    /// single etcd member's puts through its JSON gateway and its gRPC
+    /// API, alternated three times); the last two need etcd and etcdctl on
+    /// the PATH.
     #[arg(
         long,
         value_delimiter = ',',
@@ -282,7 +286,7 @@ impl Outcome {
 
 /// Runs `clients` loops of `request` for warm-up plus `duration`; only the
 /// requests that start after the warm-up are counted.
-async fn drive<F>(
+pub(super) async fn drive<F>(
     name: &str,
     addr: SocketAddr,
     clients: usize,
@@ -549,7 +553,7 @@ pub(super) fn flip_web(c: usize, n: u64) -> (&'static str, String, Vec<u8>) {
 
 /// An event as agents send them with their reports (Nomad's task events
 /// carry a type, a message and a few details).
-fn event_json(kind: &str, n: u64) -> String {
+pub(super) fn event_json(kind: &str, n: u64) -> String {
     format!(
         r#"{{"type": "{kind}", "message": "report {n} of this task, sent by the benchmark", "details": {{"exit_code": "0", "signal": "0"}}}}"#
     )
@@ -642,7 +646,7 @@ async fn reports_with_events(
     Ok((outcome, note))
 }
 
-fn data_dir(
+pub(super) fn data_dir(
     config: &BenchConfig,
     name: &str,
 ) -> std::io::Result<(PathBuf, Option<taskgate::testing::TempDir>)> {
@@ -714,6 +718,11 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
             "recovery" => notes.push(recovery(&config).await?),
             "fanout" => notes.push(fanout(&config).await?),
             "checkpoint" => notes.push(checkpoint(&config).await?),
+            "versus-etcd" => {
+                let (rows, note) = versus_etcd::scenario(&config).await?;
+                outcomes.extend(rows);
+                notes.push(note);
+            }
             "etcd" => {
                 let (rows, note) = etcd::scenario(&config).await?;
                 outcomes.extend(rows);

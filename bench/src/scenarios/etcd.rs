@@ -160,15 +160,23 @@ async fn transactions(
 ) -> std::io::Result<Outcome> {
     let prefix = format!("/bench-raw/{round}/{watched}/").into_bytes();
     let mut watches = Vec::new();
+    let seen: Arc<Vec<std::sync::atomic::AtomicU64>> = Arc::new(
+        (0..clients.len())
+            .map(|_| std::sync::atomic::AtomicU64::new(0))
+            .collect(),
+    );
     if watched {
         let end = taskgate::store::etcd::prefix_end(&prefix);
-        for client in clients {
+        for (i, client) in clients.iter().enumerate() {
             let mut w = client
                 .watch(&prefix, &end, 0)
                 .await
                 .map_err(std::io::Error::other)?;
+            let seen = seen.clone();
             watches.push(tokio::spawn(async move {
-                while let Ok(Some(_)) = w.next().await {}
+                while let Ok(Some(r)) = w.next().await {
+                    seen[i].fetch_add(r.events.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                }
             }));
         }
     }
@@ -215,9 +223,6 @@ async fn transactions(
             (ok, errors, lat)
         }));
     }
-    for w in watches {
-        w.abort();
-    }
     let mut out = Outcome {
         name: format!(
             "etcd's own compare-and-swap transactions{}, round {}",
@@ -238,6 +243,23 @@ async fn transactions(
         out.requests += ok;
         out.errors += errors;
         out.latencies_us.extend(lat);
+    }
+    // The watches read every change until the last transaction is done
+    // (stopped earlier, etcd would have had no watcher to send to).
+    for w in watches {
+        w.abort();
+    }
+    if watched {
+        let seen: Vec<u64> = seen
+            .iter()
+            .map(|n| n.load(std::sync::atomic::Ordering::Relaxed))
+            .collect();
+        if seen.iter().any(|&n| n < out.requests) {
+            return Err(std::io::Error::other(format!(
+                "a watch missed changes: {seen:?} of at least {} transactions",
+                out.requests
+            )));
+        }
     }
     out.latencies_us.sort_unstable();
     Ok(out)
