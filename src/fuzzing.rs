@@ -16,7 +16,7 @@ use crate::{
     http::{HttpConfig, app, auth::Auth},
     lifecycle::{
         AllocId, AllocSpec, Allocation, CoordState, Hook, Lifecycle, Limits, RestartMode, RunState,
-        TaskName, TaskReport, TaskSpec,
+        Step, TaskName, TaskReport, TaskSpec,
     },
     registry::{Registry, RegistryConfig},
     store::MemoryStore,
@@ -236,10 +236,12 @@ pub fn lifecycle(data: &[u8]) {
             };
             let is_leader = b & 0x80 != 0 && !leader;
             leader |= is_leader;
+            let stage_takes_readiness = matches!(lifecycle, None | Some((Hook::Prestart, true)));
             TaskSpec {
                 name: TaskName::parse(&format!("t{i}")).expect("a valid name"),
                 lifecycle: lifecycle.map(|(hook, sidecar)| Lifecycle { hook, sidecar }),
                 leader: is_leader,
+                readiness: stage_takes_readiness && b & 0x20 != 0,
             }
         })
         .collect();
@@ -263,6 +265,12 @@ pub fn lifecycle(data: &[u8]) {
         let report = TaskReport {
             state,
             failed: state == RunState::Dead && what & 0x80 != 0,
+            // `ready: true` only with running, as validation requires.
+            ready: match (what >> 2) % 3 {
+                0 => None,
+                1 => Some(state == RunState::Running),
+                _ => Some(false),
+            },
             event: None,
         };
         let before = a.state;
@@ -270,17 +278,23 @@ pub fn lifecycle(data: &[u8]) {
             index += 1;
             index
         };
-        let (next, back_to) = match kind % 8 {
-            0..=4 => (a.report(&[(task, report)], now, next_index), None),
+        let (next, back_to, step) = match kind % 8 {
+            0..=4 => (
+                a.report(&[(task, report)], now, next_index),
+                None,
+                Step::Report,
+            ),
             5 => (
                 a.restore(&[(task, report)], now, next_index),
                 Some(CoordState::Prestart),
+                Step::Restore,
             ),
             6 => (
                 a.restart(RestartMode::Task(task), "fuzz", now, next_index)
                     .ok()
                     .and_then(|(next, _)| next),
                 None,
+                Step::Restart(RestartMode::Task(task)),
             ),
             _ => {
                 let mode = if what & 1 == 0 {
@@ -294,6 +308,7 @@ pub fn lifecycle(data: &[u8]) {
                         .ok()
                         .and_then(|(next, _)| next),
                     back,
+                    Step::Restart(mode),
                 )
             }
         };
@@ -307,6 +322,9 @@ pub fn lifecycle(data: &[u8]) {
                 "{before:?} went back to {:?}",
                 next.state
             );
+            if let Err(broken) = a.check_step(&next, step) {
+                panic!("{broken}: {a:?} → {next:?}");
+            }
             a = next;
         }
         check(&a);

@@ -40,6 +40,7 @@ fn task(name: &str, hook: Option<Hook>) -> TaskSpec {
             sidecar: false,
         }),
         leader: false,
+        readiness: false,
     }
 }
 
@@ -51,6 +52,7 @@ fn report(state: RunState, message: &str) -> TaskReport {
     TaskReport {
         state,
         failed: false,
+        ready: None,
         event: Some(EventInput {
             kind: "Note".into(),
             time: None,
@@ -788,6 +790,7 @@ async fn a_report_that_is_a_no_op_only_on_a_stale_copy_still_lands() {
     let bare = |state| TaskReport {
         state,
         failed: false,
+        ready: None,
         event: None,
     };
     let running = a

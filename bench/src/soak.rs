@@ -170,6 +170,7 @@ fn random_report(rng: &mut fastrand::Rng) -> TaskReport {
     TaskReport {
         state,
         failed: state == RunState::Dead && rng.u8(0..4) == 0,
+        ready: None,
         event: None,
     }
 }

@@ -129,6 +129,12 @@ pub struct TaskSpecBody {
     /// At most one task is the leader.
     #[serde(default)]
     pub leader: bool,
+    /// The task reports when it is ready (`"ready": true`), and the next
+    /// stage waits for that: `main` for ready prestart sidecars,
+    /// `poststart` for ready (or dead) main tasks. Prestart sidecars and
+    /// main tasks only.
+    #[serde(default)]
+    pub readiness: bool,
 }
 
 /// A task's lifecycle hook.
@@ -154,6 +160,7 @@ impl RegisterBody {
                         sidecar: l.sidecar,
                     }),
                     leader: t.leader,
+                    readiness: t.readiness,
                 }),
                 Err(e) => errors.push(FieldError::new(
                     format!("tasks[{i}].name"),
@@ -176,6 +183,11 @@ pub struct ReportBody {
     /// Only meaningful with `dead`: the task failed.
     #[serde(default)]
     pub failed: bool,
+    /// The task is ready (`true` only with `running`) or no longer ready.
+    /// Absent: a running task stays as ready as it was; leaving `running`
+    /// clears readiness.
+    #[serde(default)]
+    pub ready: Option<bool>,
     #[serde(default)]
     pub event: Option<EventBody>,
 }
@@ -210,6 +222,7 @@ impl ReportBody {
         let report = TaskReport {
             state: self.state,
             failed: self.failed,
+            ready: self.ready,
             event: self.event.map(|e| EventInput {
                 kind: e.kind,
                 time: e.time.map(|t| t.to_offset(time::UtcOffset::UTC)),

@@ -5,10 +5,10 @@
 use std::sync::Arc;
 
 use super::{
-    AllocId, AllocSpec, CoordState, Desired, Event, RunState, TaskName, TaskReport, TaskStatus,
-    Timestamp,
-    coordinator::{evaluate, gates, is_open, waiting_on},
-    orders::{RUN, stop_order},
+    AllocId, AllocSpec, CoordState, Desired, Event, RunState, Stage, TaskName, TaskReport,
+    TaskStatus, Timestamp,
+    coordinator::{WaitFor, evaluate, gates, is_open, waiting, waiting_on},
+    orders::{Outcome, RUN, StopKind, stop_order},
 };
 
 /// Which tasks an operator restart targets (docs/lifecycle.md, Restart).
@@ -30,6 +30,14 @@ impl RestartMode {
             RestartMode::AllTasks => "all_tasks",
         }
     }
+}
+
+/// One operation on an allocation, for `Allocation::check_step`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    Report,
+    Restart(RestartMode),
+    Restore,
 }
 
 /// Why a restart was refused. A refused restart changes nothing.
@@ -58,9 +66,10 @@ pub struct Allocation {
     pub created_at: Timestamp,
     pub modified_at: Timestamp,
     /// The stop order of every non-poststop task (poststop tasks always
-    /// run), derived from `tasks` whenever they change. One value, not one
-    /// per task: a record is one heap block less to copy and to free on
-    /// every change.
+    /// run). Sticky: the first stop order the states call for is kept,
+    /// reason and all, until an all-tasks restart or a restore clears it.
+    /// One value, not one per task: a record is one heap block less to
+    /// copy and to free on every change.
     order: Desired,
 }
 
@@ -69,24 +78,26 @@ impl Allocation {
     pub fn register(id: AllocId, spec: Arc<AllocSpec>, index: u64, now: Timestamp) -> Self {
         let tasks = vec![TaskStatus::new(index); spec.tasks().len()];
         let state = evaluate(CoordState::Init, &spec, &tasks);
-        Self::from_parts(id, spec, state, tasks, index, index, now, now)
+        Self::from_parts(id, spec, state, tasks, None, index, index, now, now)
     }
 
     /// Rebuilds a record exactly as it was stored: the coordinator state is
     /// taken as given, never re-evaluated, so recovery opens or closes no
-    /// gate.
+    /// gate. `order` is the stored stop order; `None` (a record of a build
+    /// that did not store it) computes it from the states.
     #[allow(clippy::too_many_arguments)]
     pub fn from_parts(
         id: AllocId,
         spec: Arc<AllocSpec>,
         state: CoordState,
         tasks: Vec<TaskStatus>,
+        order: Option<Desired>,
         create_index: u64,
         modify_index: u64,
         created_at: Timestamp,
         modified_at: Timestamp,
     ) -> Self {
-        let order = stop_order(&spec, &tasks);
+        let order = order.unwrap_or_else(|| stop_order(&spec, &tasks));
         Self {
             id,
             spec,
@@ -126,6 +137,34 @@ impl Allocation {
     /// Whether task `i`'s gate is open.
     pub fn allowed(&self, i: usize) -> bool {
         is_open(self.state, self.spec.tasks()[i].stage())
+    }
+
+    /// The allocation's stop order, as stored (poststop tasks ignore it).
+    pub fn order(&self) -> &Desired {
+        &self.order
+    }
+
+    /// How the allocation ended, once the coordinator is in `poststop`:
+    /// `failed` with the failed non-poststop tasks (registration order) if
+    /// any, else `succeeded`; `None` before.
+    pub fn outcome(&self) -> Option<(Outcome, Vec<TaskName>)> {
+        if self.state != CoordState::Poststop {
+            return None;
+        }
+        let failed: Vec<TaskName> = self
+            .spec
+            .tasks()
+            .iter()
+            .zip(&self.tasks)
+            .filter(|(s, t)| !s.is_poststop() && t.failed)
+            .map(|(s, _)| s.name.clone())
+            .collect();
+        let outcome = if failed.is_empty() {
+            Outcome::Succeeded
+        } else {
+            Outcome::Failed
+        };
+        Some((outcome, failed))
     }
 
     /// Task `i`'s stop order.
@@ -187,8 +226,74 @@ impl Allocation {
         Ok(())
     }
 
+    /// The rules of docs/lifecycle.md that hold between two versions:
+    /// `next` came from `self` by `step`. The first one broken, described.
+    pub fn check_step(&self, next: &Self, step: Step) -> Result<(), String> {
+        // Where the step evaluated from, and whether it cleared the order.
+        let (from, cleared) = match step {
+            Step::Restart(RestartMode::AllTasks) => (CoordState::Init, true),
+            Step::Restore => (CoordState::Prestart, true),
+            Step::Report | Step::Restart(_) => (self.state, false),
+        };
+        // A stop order keeps its reason until cleared.
+        if self.order.is_stop() && !cleared && next.order != self.order {
+            return Err(format!(
+                "the stop order changed from {:?} to {:?}",
+                self.order, next.order
+            ));
+        }
+        // Right after an all-tasks restart no restarted task's old state
+        // counts: a stop order then has a cause no restart touched — a
+        // poststop leader that ended, or only sidecars left to run (rule
+        // 3 holds at once for them). Never a failed sibling: every dead
+        // non-poststop task was restarted.
+        if step == Step::Restart(RestartMode::AllTasks)
+            && let Some(reason) = next.order.reason()
+        {
+            let tasks = || self.spec.tasks().iter();
+            let explained = match reason.kind {
+                StopKind::LeaderTaskDead => tasks().any(|s| s.leader && s.is_poststop()),
+                StopKind::SiblingTaskFailed => false,
+                StopKind::MainTasksDead => tasks().all(|s| s.is_poststop() || s.is_sidecar()),
+            };
+            if !explained {
+                return Err(format!(
+                    "told to stop right after an all-tasks restart: {:?}",
+                    next.order
+                ));
+            }
+        }
+        // A readiness task never lets the next stage open while it is not
+        // ready.
+        let passed = |state: CoordState| {
+            from <= state && next.state > state && next.state != CoordState::Poststop
+        };
+        for (spec, t) in next.spec.tasks().iter().zip(&next.tasks) {
+            if !spec.readiness {
+                continue;
+            }
+            let held = match spec.stage() {
+                Stage::PrestartSidecar => passed(CoordState::Prestart) && !t.up(true),
+                Stage::Main => passed(CoordState::Main) && !t.up(true) && t.state != RunState::Dead,
+                _ => false,
+            };
+            if held {
+                return Err(format!(
+                    "{:?} went on to {:?} while {} was not ready",
+                    from, next.state, spec.name
+                ));
+            }
+        }
+        Ok(())
+    }
+
     pub fn waiting_on(&self) -> Vec<TaskName> {
         waiting_on(self.state, &self.spec, &self.tasks)
+    }
+
+    /// `waiting_on` with what each task is waited on for.
+    pub fn waiting(&self) -> Vec<(TaskName, WaitFor)> {
+        waiting(self.state, &self.spec, &self.tasks)
     }
 
     /// Applies reports (task position, report) together, then evaluates once.
@@ -201,7 +306,8 @@ impl Allocation {
         self.apply_reports(reports, None, now, next_index)
     }
 
-    /// Restore: jump to `prestart`, apply the reports, evaluate.
+    /// Restore: jump to `prestart`, apply the reports, evaluate; the stop
+    /// order is computed afresh from the restored states.
     pub fn restore(
         &self,
         reports: &[(usize, TaskReport)],
@@ -223,6 +329,9 @@ impl Allocation {
         let mut next = self.clone();
         for (i, r) in reports {
             next.tasks[*i].apply(r, now);
+        }
+        if from.is_some() {
+            next.order = Desired::Run;
         }
         next.state = evaluate(from.unwrap_or(next.state), &next.spec, &next.tasks);
         next.settle(self, now, next_index)
@@ -261,6 +370,8 @@ impl Allocation {
         for &i in &chosen {
             let t = &mut next.tasks[i];
             t.restart_generation += 1;
+            // Until it reports again, its state is from before the order.
+            t.stale = true;
             t.push_event(Event {
                 kind: RESTART_EVENT.to_owned(),
                 time: now,
@@ -275,6 +386,7 @@ impl Allocation {
             // already pending the coordinator moves on without waiting for a
             // report that might never come.
             next.state = evaluate(CoordState::Init, &next.spec, &next.tasks);
+            next.order = Desired::Run;
         }
         Ok((next.settle(self, now, next_index), chosen))
     }
@@ -288,7 +400,9 @@ impl Allocation {
         now: Timestamp,
         next_index: impl FnOnce() -> u64,
     ) -> Option<Self> {
-        self.order = stop_order(&self.spec, &self.tasks);
+        if !self.order.is_stop() {
+            self.order = stop_order(&self.spec, &self.tasks);
+        }
         let touched: Vec<usize> = (0..self.tasks.len())
             .filter(|&i| {
                 self.tasks[i] != prev.tasks[i]
@@ -325,6 +439,7 @@ mod tests {
             name: TaskName::parse(n).unwrap(),
             lifecycle: None,
             leader: false,
+            readiness: false,
         });
         let spec = Arc::new(AllocSpec::new(tasks.to_vec(), &Limits::default()).unwrap());
         let mut a = Allocation::register(AllocId::parse("x").unwrap(), spec, 1, now);
@@ -335,6 +450,7 @@ mod tests {
             state: RunState::Running,
             failed: false,
             event: None,
+            ready: None,
         };
         let mut next = a.report(&[(1, running)], now, || 41).expect("a change");
         next.restamp(41, 97);

@@ -1,7 +1,7 @@
 //! The coordinator state machine: the gate table, the next-state rule
 //! applied until stable, and which tasks hold the coordinator where it is.
 
-use super::{AllocSpec, RunState, Stage, TaskName, TaskStatus};
+use super::{AllocSpec, RunState, Stage, TaskName, TaskSpec, TaskStatus};
 
 named_enum! {
     /// The coordinator's state. Declaration order is the forward order:
@@ -39,57 +39,75 @@ pub const fn is_open(state: CoordState, stage: Stage) -> bool {
     gates(state)[stage.column()]
 }
 
-fn tasks<'a>(
-    spec: &'a AllocSpec,
-    status: &'a [TaskStatus],
-) -> impl Iterator<Item = (Stage, &'a TaskStatus)> + Clone + 'a {
-    spec.tasks().iter().map(|t| t.stage()).zip(status)
+named_enum! {
+    /// What a task in `waiting_on` is waited on for.
+    pub enum WaitFor ("wait reason") {
+        /// To report `pending` (after an all-tasks restart).
+        Pending = "pending",
+        /// To end successfully (a prestart ephemeral task).
+        Success = "success",
+        /// To be running (a prestart sidecar), or to have started (a main
+        /// task).
+        Running = "running",
+        /// To be running and ready (a task that declares readiness).
+        Ready = "ready",
+        /// To be dead.
+        Dead = "dead",
+    }
 }
 
-fn of_stage<'a>(
-    all: impl Iterator<Item = (Stage, &'a TaskStatus)> + Clone + 'a,
-    stages: &'a [Stage],
-) -> impl Iterator<Item = &'a TaskStatus> + 'a {
-    all.filter(move |(s, _)| stages.contains(s)).map(|(_, t)| t)
+/// What holds the coordinator in `state` on task `t`, if anything: the one
+/// rule behind both the transitions and `waiting_on`.
+pub fn wait_for(state: CoordState, spec: &TaskSpec, t: &TaskStatus) -> Option<WaitFor> {
+    let stage = spec.stage();
+    let wait = match state {
+        CoordState::Init => (t.state != RunState::Pending).then_some(WaitFor::Pending),
+        CoordState::Prestart => match stage {
+            Stage::PrestartEphemeral => (!t.successful()).then_some(WaitFor::Success),
+            Stage::PrestartSidecar if !t.up(spec.readiness) => Some(if spec.readiness {
+                WaitFor::Ready
+            } else {
+                WaitFor::Running
+            }),
+            _ => None,
+        },
+        // A main task that dies before it was ever ready holds nothing.
+        CoordState::Main if stage == Stage::Main => match t.state {
+            RunState::Pending if spec.readiness => Some(WaitFor::Ready),
+            RunState::Pending => Some(WaitFor::Running),
+            RunState::Running if !t.up(spec.readiness) => Some(WaitFor::Ready),
+            _ => None,
+        },
+        CoordState::Main => None,
+        CoordState::Poststart => (stage == Stage::PoststartEphemeral && t.state != RunState::Dead)
+            .then_some(WaitFor::Dead),
+        CoordState::WaitAlloc => {
+            (stage != Stage::Poststop && t.state != RunState::Dead).then_some(WaitFor::Dead)
+        }
+        CoordState::Poststop => None,
+    };
+    wait
 }
 
 /// One step of the transition rules of docs/lifecycle.md.
 pub fn next_state(state: CoordState, spec: &AllocSpec, status: &[TaskStatus]) -> CoordState {
-    let all = tasks(spec, status);
-    let non_poststop_dead = all
-        .clone()
-        .filter(|(s, _)| *s != Stage::Poststop)
+    let tasks = || spec.tasks().iter().zip(status);
+    let non_poststop_dead = tasks()
+        .filter(|(s, _)| !s.is_poststop())
         .all(|(_, t)| t.state == RunState::Dead);
     if non_poststop_dead {
         return CoordState::Poststop;
     }
-    // Every rule below reads "when there is no such task, or every such task
-    // ...": `all` over an empty set is true, which is exactly that.
-    let advance = match state {
-        CoordState::Init => all.clone().all(|(_, t)| t.state == RunState::Pending),
-        CoordState::Prestart => {
-            of_stage(all.clone(), &[Stage::PrestartEphemeral]).all(TaskStatus::successful)
-                && of_stage(all.clone(), &[Stage::PrestartSidecar])
-                    .all(|t| t.state == RunState::Running)
-        }
-        CoordState::Main => {
-            of_stage(all.clone(), &[Stage::Main]).all(|t| t.state != RunState::Pending)
-        }
-        CoordState::Poststart => {
-            of_stage(all.clone(), &[Stage::PoststartEphemeral]).all(|t| t.state == RunState::Dead)
-        }
-        CoordState::WaitAlloc | CoordState::Poststop => false,
-    };
-    if !advance {
-        return state;
-    }
+    // Each state moves on when no task holds it ("when there is no such
+    // task, or every such task ..." is `all` over a set, empty or not).
+    let held = || tasks().any(|(s, t)| wait_for(state, s, t).is_some());
     match state {
-        CoordState::Init => CoordState::Prestart,
-        CoordState::Prestart => CoordState::Main,
-        CoordState::Main => CoordState::Poststart,
-        CoordState::Poststart => CoordState::WaitAlloc,
-        CoordState::WaitAlloc => CoordState::WaitAlloc,
-        CoordState::Poststop => CoordState::Poststop,
+        CoordState::Init if !held() => CoordState::Prestart,
+        CoordState::Prestart if !held() => CoordState::Main,
+        CoordState::Main if !held() => CoordState::Poststart,
+        CoordState::Poststart if !held() => CoordState::WaitAlloc,
+        // `wait_alloc` and `poststop` stay.
+        _ => state,
     }
 }
 
@@ -109,28 +127,26 @@ pub fn evaluate(mut state: CoordState, spec: &AllocSpec, status: &[TaskStatus]) 
 }
 
 /// The tasks, in registration order, whose state holds the coordinator in
-/// `state` (the API's `waiting_on`).
-pub fn waiting_on(state: CoordState, spec: &AllocSpec, status: &[TaskStatus]) -> Vec<TaskName> {
-    let holds = |stage: Stage, t: &TaskStatus| -> bool {
-        match state {
-            CoordState::Init => t.state != RunState::Pending,
-            CoordState::Prestart => match stage {
-                Stage::PrestartEphemeral => !t.successful(),
-                Stage::PrestartSidecar => t.state != RunState::Running,
-                _ => false,
-            },
-            CoordState::Main => stage == Stage::Main && t.state == RunState::Pending,
-            CoordState::Poststart => {
-                stage == Stage::PoststartEphemeral && t.state != RunState::Dead
-            }
-            CoordState::WaitAlloc => stage != Stage::Poststop && t.state != RunState::Dead,
-            CoordState::Poststop => false,
-        }
-    };
+/// `state`, each with what it is waited on for (the API's `waiting_on` and
+/// `waiting`).
+pub fn waiting(
+    state: CoordState,
+    spec: &AllocSpec,
+    status: &[TaskStatus],
+) -> Vec<(TaskName, WaitFor)> {
     spec.tasks()
         .iter()
         .zip(status)
-        .filter(|(s, t)| holds(s.stage(), t))
+        .filter_map(|(s, t)| wait_for(state, s, t).map(|w| (s.name.clone(), w)))
+        .collect()
+}
+
+/// The names of `waiting`.
+pub fn waiting_on(state: CoordState, spec: &AllocSpec, status: &[TaskStatus]) -> Vec<TaskName> {
+    spec.tasks()
+        .iter()
+        .zip(status)
+        .filter(|(s, t)| wait_for(state, s, t).is_some())
         .map(|(s, _)| s.name.clone())
         .collect()
 }

@@ -34,11 +34,13 @@ mod orders;
 mod spec;
 mod task;
 
-pub use alloc::{Allocation, RestartError, RestartMode};
-pub use coordinator::{CoordState, evaluate, gates, next_state, waiting_on};
+pub use alloc::{Allocation, RestartError, RestartMode, Step};
+pub use coordinator::{
+    CoordState, WaitFor, evaluate, gates, next_state, wait_for, waiting, waiting_on,
+};
 pub use ids::{AllocId, IdError, TaskName};
 pub use names::UnknownName;
-pub use orders::{Desired, DesiredKind, StopKind, StopReason, desired_states};
+pub use orders::{Desired, DesiredKind, Outcome, StopKind, StopReason, desired_states};
 pub use spec::{AllocSpec, Hook, Lifecycle, SpecInterner, Stage, TaskSpec};
 pub use task::{Details, Event, EventInput, Events, RunState, TaskReport, TaskStatus};
 

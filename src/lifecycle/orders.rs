@@ -13,6 +13,14 @@ named_enum! {
 }
 
 named_enum! {
+    /// How the allocation ended, for its poststop tasks.
+    pub enum Outcome ("outcome") {
+        Succeeded = "succeeded",
+        Failed = "failed",
+    }
+}
+
+named_enum! {
     /// What a task should be doing, by name.
     pub enum DesiredKind ("desired status") {
         Run = "run",
@@ -73,21 +81,24 @@ pub fn desired_states(spec: &AllocSpec, status: &[TaskStatus]) -> Vec<Desired> {
         .collect()
 }
 
-/// The one order every non-poststop task gets: the first rule that holds
+/// The order the current states call for: the first rule that holds
 /// decides — a successful dead leader, then a failed sibling, then "only
-/// sidecars left alive" — else run.
+/// sidecars left alive" — else run. Only states reported since a task's
+/// latest restart order count (a stale state is as if not known). The
+/// allocation keeps the first stop order this gives (`Allocation`).
 pub fn stop_order(spec: &AllocSpec, status: &[TaskStatus]) -> Desired {
     let tasks = || spec.tasks().iter().zip(status);
     let non_poststop = || tasks().filter(|(s, _)| !s.is_poststop());
+    let dead = |t: &TaskStatus| t.state == RunState::Dead && !t.stale;
 
-    let leader_done = tasks().any(|(s, t)| s.leader && t.successful());
+    let leader_done = tasks().any(|(s, t)| s.leader && dead(t) && !t.failed);
     let failed = non_poststop()
-        .find(|(_, t)| t.state == RunState::Dead && t.failed)
+        .find(|(_, t)| dead(t) && t.failed)
         .map(|(s, _)| s.name.clone());
     let main_tasks_dead = tasks().any(|(s, _)| s.is_sidecar())
         && non_poststop()
             .filter(|(s, _)| !s.is_sidecar())
-            .all(|(_, t)| t.state == RunState::Dead);
+            .all(|(_, t)| dead(t));
 
     if leader_done {
         Desired::Stop(StopReason {
@@ -223,6 +234,40 @@ mod tests {
         let s = spec(vec![task("a", None), task("b", None)]);
         let d = desired_states(&s, &[st(Dead, false), st(Running, false)]);
         assert_eq!(d, [Desired::Run, Desired::Run]);
+    }
+
+    #[test]
+    fn stale_states_do_not_count() {
+        let mut web = task("web", None);
+        web.leader = true;
+        let s = spec(vec![
+            task("init", Some((Hook::Prestart, false))),
+            task("proxy", Some((Hook::Prestart, true))),
+            web,
+        ]);
+        let stale = |state, failed| {
+            let mut t = st(state, failed);
+            t.stale = true;
+            t
+        };
+        // Each rule's trigger, stale: nothing stops.
+        for states in [
+            [st(Dead, false), st(Running, false), stale(Dead, false)],
+            [stale(Dead, true), st(Running, false), st(Running, false)],
+            [stale(Dead, false), st(Running, false), st(Dead, true)],
+        ] {
+            let d = stop_order(&s, &states);
+            let fresh_failed = states.iter().any(|t| !t.stale && t.failed);
+            if fresh_failed {
+                assert_eq!(d.reason().unwrap().kind, StopKind::SiblingTaskFailed);
+                assert_eq!(d.reason().unwrap().task.as_ref().unwrap().as_str(), "web");
+            } else {
+                assert_eq!(d, Desired::Run, "{states:?}");
+            }
+        }
+        // Reported again, the same states count.
+        let d = stop_order(&s, &[st(Dead, false), st(Running, false), st(Dead, false)]);
+        assert_eq!(d.reason().unwrap().kind, StopKind::LeaderTaskDead);
     }
 
     #[test]

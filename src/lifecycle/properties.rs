@@ -28,17 +28,23 @@ fn arb_lifecycle() -> impl Strategy<Value = Option<Lifecycle>> {
 
 fn arb_alloc() -> impl Strategy<Value = Allocation> {
     (
-        prop::collection::vec(arb_lifecycle(), 1..7),
+        prop::collection::vec((arb_lifecycle(), any::<bool>()), 1..7),
         prop::option::of(0usize..7),
     )
         .prop_map(|(lcs, leader)| {
             let specs = lcs
                 .into_iter()
                 .enumerate()
-                .map(|(i, lifecycle)| TaskSpec {
-                    name: TaskName::parse(&format!("t{i}")).unwrap(),
-                    lifecycle,
-                    leader: leader == Some(i),
+                .map(|(i, (lifecycle, readiness))| {
+                    let mut t = TaskSpec {
+                        name: TaskName::parse(&format!("t{i}")).unwrap(),
+                        lifecycle,
+                        leader: leader == Some(i),
+                        readiness: false,
+                    };
+                    t.readiness =
+                        readiness && matches!(t.stage(), Stage::PrestartSidecar | Stage::Main);
+                    t
                 })
                 .collect();
             let spec = AllocSpec::new(specs, &Limits::default()).unwrap();
@@ -46,14 +52,18 @@ fn arb_alloc() -> impl Strategy<Value = Allocation> {
         })
 }
 
+/// A generated report: task, state, failed, with an event, readiness
+/// (0 absent, 1 ready if running, 2 not ready).
+type RawReport = (usize, RunState, bool, bool, u8);
+
 #[derive(Clone, Debug)]
 enum Op {
-    Report(Vec<(usize, RunState, bool, bool)>),
+    Report(Vec<RawReport>),
     Restart(u8, usize),
-    Restore(Vec<(usize, RunState, bool, bool)>),
+    Restore(Vec<RawReport>),
 }
 
-fn arb_reports() -> impl Strategy<Value = Vec<(usize, RunState, bool, bool)>> {
+fn arb_reports() -> impl Strategy<Value = Vec<RawReport>> {
     prop::collection::vec(
         (
             0usize..7,
@@ -64,6 +74,7 @@ fn arb_reports() -> impl Strategy<Value = Vec<(usize, RunState, bool, bool)>> {
             ],
             any::<bool>(),
             any::<bool>(),
+            0u8..3,
         ),
         1..4,
     )
@@ -79,9 +90,9 @@ fn arb_op() -> impl Strategy<Value = Op> {
 
 /// Turns generated tuples into reports for the tasks that exist, one report
 /// per task (the API rejects duplicates, so the model does too).
-fn to_reports(a: &Allocation, raw: &[(usize, RunState, bool, bool)]) -> Vec<(usize, TaskReport)> {
+fn to_reports(a: &Allocation, raw: &[RawReport]) -> Vec<(usize, TaskReport)> {
     let mut out: Vec<(usize, TaskReport)> = Vec::new();
-    for &(i, state, failed, with_event) in raw {
+    for &(i, state, failed, with_event, ready) in raw {
         let i = i % a.tasks.len();
         if out.iter().any(|(j, _)| *j == i) {
             continue;
@@ -97,6 +108,11 @@ fn to_reports(a: &Allocation, raw: &[(usize, RunState, bool, bool)]) -> Vec<(usi
             TaskReport {
                 state,
                 failed: failed && state == RunState::Dead,
+                ready: match ready {
+                    0 => None,
+                    1 => Some(state == RunState::Running),
+                    _ => Some(false),
+                },
                 event,
             },
         ));
@@ -125,6 +141,7 @@ proptest! {
         for op in ops {
             let before = a.clone();
             let mut next_index = || { index += 1; index };
+            let mut step = Step::Report;
             let (next, may_go_back_to) = match &op {
                 Op::Report(raw) => {
                     let r = to_reports(&a, raw);
@@ -132,7 +149,17 @@ proptest! {
                 }
                 Op::Restore(raw) => {
                     let r = to_reports(&a, raw);
-                    (a.restore(&r, NOW, &mut next_index), Some(CoordState::Prestart))
+                    step = Step::Restore;
+                    let next = a.restore(&r, NOW, &mut next_index);
+                    // Computed afresh from the restored states, stale
+                    // ones aside.
+                    if let Some(next) = &next {
+                        prop_assert_eq!(
+                            next.order(),
+                            &orders::stop_order(&next.spec, &next.tasks)
+                        );
+                    }
+                    (next, Some(CoordState::Prestart))
                 }
                 Op::Restart(m, t) => {
                     let mode = match m {
@@ -140,6 +167,7 @@ proptest! {
                         1 => RestartMode::Running,
                         _ => RestartMode::AllTasks,
                     };
+                    step = Step::Restart(mode);
                     match a.restart(mode, "prop", NOW, &mut next_index) {
                         Ok((next, chosen)) => {
                             for &i in &chosen {
@@ -161,6 +189,7 @@ proptest! {
             };
             if let Some(next) = next {
                 prop_assert!(next.modify_index > before.modify_index, "indexes only go up");
+                before.check_step(&next, step).map_err(TestCaseError::fail)?;
                 a = next;
             }
             // The state moves only forward, except through the two resets.
@@ -171,9 +200,11 @@ proptest! {
                 );
             }
             check_invariants(&a)?;
-            // Repeating every task's current state without an event is a no-op.
-            let same: Vec<_> = a.tasks.iter().enumerate().map(|(i, t)| {
-                (i, TaskReport { state: t.state, failed: t.failed, event: None })
+            // Repeating a task's current state without an event is a no-op
+            // (unless the task has a restart order it has not answered:
+            // its first report after it makes its state count again).
+            let same: Vec<_> = a.tasks.iter().enumerate().filter(|(_, t)| !t.stale).map(|(i, t)| {
+                (i, TaskReport { state: t.state, failed: t.failed, ready: None, event: None })
             }).collect();
             prop_assert!(a.report(&same, NOW, || 0).is_none(), "a no-op report changed something");
         }

@@ -20,6 +20,7 @@ pub(super) fn alloc(tasks: &[(&str, &str, bool)]) -> Allocation {
                 sidecar: *sidecar,
             }),
             leader: false,
+            readiness: false,
         })
         .collect();
     let spec = AllocSpec::new(specs, &Limits::default()).unwrap();
@@ -38,6 +39,7 @@ fn reports(a: &Allocation, states: &[(&str, &str)]) -> Vec<(usize, TaskReport)> 
                 state,
                 failed,
                 event: None,
+                ready: None,
             };
             (a.position(name).unwrap(), report)
         })

@@ -58,6 +58,10 @@ pub struct TaskSpec {
     pub lifecycle: Option<Lifecycle>,
     #[serde(default, skip_serializing_if = "super::is_false")]
     pub leader: bool,
+    /// The task says when it is ready (prestart sidecars and main tasks
+    /// only): the next stage waits for it.
+    #[serde(default, skip_serializing_if = "super::is_false")]
+    pub readiness: bool,
 }
 
 impl TaskSpec {
@@ -127,6 +131,16 @@ impl AllocSpec {
                     )),
                     None => leader = Some(&task.name),
                 }
+            }
+            if task.readiness && !matches!(task.stage(), Stage::PrestartSidecar | Stage::Main) {
+                errors.push(FieldError::new(
+                    format!("tasks[{i}].readiness"),
+                    format!(
+                        "only a prestart sidecar or a main task can declare readiness; \"{}\" is {}",
+                        task.name,
+                        task.stage()
+                    ),
+                ));
             }
             if let Some(Lifecycle {
                 hook: Hook::Poststop,
@@ -201,6 +215,31 @@ pub(crate) mod tests {
             name: TaskName::parse(name).unwrap(),
             lifecycle: lc.map(|(hook, sidecar)| Lifecycle { hook, sidecar }),
             leader: false,
+            readiness: false,
+        }
+    }
+
+    #[test]
+    fn only_prestart_sidecars_and_main_tasks_declare_readiness() {
+        use Hook::*;
+        let limits = Limits::default();
+        for (lc, ok) in [
+            (None, true),
+            (Some((Prestart, true)), true),
+            (Some((Prestart, false)), false),
+            (Some((Poststart, false)), false),
+            (Some((Poststart, true)), false),
+            (Some((Poststop, false)), false),
+        ] {
+            let mut t = task("t", lc);
+            t.readiness = true;
+            match AllocSpec::new(vec![t], &limits) {
+                Ok(_) => assert!(ok, "{lc:?} was taken"),
+                Err(e) => {
+                    assert!(!ok, "{lc:?} was refused: {e:?}");
+                    assert_eq!(e[0].field, "tasks[0].readiness");
+                }
+            }
         }
     }
 

@@ -213,11 +213,15 @@ pub struct EventInput {
     pub details: BTreeMap<String, String>,
 }
 
-/// One task-state report: the new state, the failed flag, maybe an event.
+/// One task-state report: the new state, the failed flag, maybe the
+/// task's readiness, maybe an event.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TaskReport {
     pub state: RunState,
     pub failed: bool,
+    /// `Some(true)` only with `running` (checked by `validate`); `None`
+    /// leaves a running task's readiness as it was.
+    pub ready: Option<bool>,
     pub event: Option<EventInput>,
 }
 
@@ -226,6 +230,15 @@ impl TaskReport {
     /// report in the request (empty for a single report).
     pub fn validate(&self, prefix: &str, limits: &Limits) -> Vec<FieldError> {
         let mut errors = Vec::new();
+        if self.ready == Some(true) && self.state != RunState::Running {
+            errors.push(FieldError::new(
+                format!("{prefix}ready"),
+                format!(
+                    "ready: true is only valid with state \"running\", not \"{}\"",
+                    self.state
+                ),
+            ));
+        }
         let Some(event) = &self.event else {
             return errors;
         };
@@ -333,6 +346,16 @@ pub struct TaskStatus {
     /// Restart orders given to this task; only goes up.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub restart_generation: u64,
+    /// Whether the task says it is ready (only ever while `running`).
+    #[serde(default, skip_serializing_if = "super::is_false")]
+    pub ready: bool,
+    /// The last time the task became ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_at: Option<Timestamp>,
+    /// From a restart order until the task's next report: its state is
+    /// from before the order and does not count toward stop orders.
+    #[serde(default, skip_serializing_if = "super::is_false")]
+    pub stale: bool,
     /// Global index of the last change that touched this task.
     pub modify_index: u64,
 }
@@ -349,6 +372,9 @@ impl TaskStatus {
             last_restart: None,
             events: Events::default(),
             restart_generation: 0,
+            ready: false,
+            ready_at: None,
+            stale: false,
             modify_index: index,
         }
     }
@@ -358,8 +384,16 @@ impl TaskStatus {
         self.state == RunState::Dead && !self.failed
     }
 
-    /// Applies a report with the rules of docs/lifecycle.md. A report with the
-    /// same state, the same flag and no event leaves the status untouched.
+    /// `running`, and ready when `readiness` is declared: what a prestart
+    /// sidecar is waited on for before `main` opens.
+    pub fn up(&self, readiness: bool) -> bool {
+        self.state == RunState::Running && (self.ready || !readiness)
+    }
+
+    /// Applies a report with the rules of docs/lifecycle.md. A report with
+    /// the same state, the same flag, the same readiness and no event
+    /// leaves the status untouched (unless it is the task's first report
+    /// after a restart order, which makes its state count again).
     pub fn apply(&mut self, report: &TaskReport, now: Timestamp) {
         let from = self.state;
         let to = report.state;
@@ -379,6 +413,18 @@ impl TaskStatus {
         }
         self.state = to;
         self.failed = report.failed;
+        self.stale = false;
+        match (to, report.ready) {
+            (RunState::Running, Some(true)) => {
+                if !self.ready {
+                    self.ready = true;
+                    self.ready_at = Some(now);
+                }
+            }
+            (RunState::Running, None) => {}
+            // `ready: false`, or out of `running`.
+            _ => self.ready = false,
+        }
         if let Some(e) = &report.event {
             self.push_event(Event {
                 kind: e.kind.clone(),
@@ -412,8 +458,70 @@ mod tests {
         TaskReport {
             state,
             failed: false,
+            ready: None,
             event: None,
         }
+    }
+
+    fn ready(ready: bool) -> TaskReport {
+        TaskReport {
+            ready: Some(ready),
+            ..report(RunState::Running)
+        }
+    }
+
+    #[test]
+    fn readiness_holds_while_running_until_said_otherwise() {
+        let mut t = TaskStatus::new(1);
+        t.apply(&report(RunState::Running), T0);
+        assert!(!t.ready && t.ready_at.is_none(), "running is not ready");
+        t.apply(&ready(true), T1);
+        assert_eq!((t.ready, t.ready_at), (true, Some(T1)));
+        let before = t.clone();
+        t.apply(&ready(true), T2);
+        assert_eq!(t, before, "ready again changes nothing, not ready_at");
+        t.apply(&report(RunState::Running), T2);
+        assert!(t.ready, "a report without `ready` keeps it");
+        t.apply(&ready(false), T2);
+        assert!(!t.ready);
+        assert_eq!(
+            t.ready_at,
+            Some(T1),
+            "ready_at is the last time it became ready"
+        );
+        t.apply(&ready(true), T2);
+        t.apply(&report(RunState::Pending), T2);
+        assert!(!t.ready, "leaving running clears readiness");
+        t.apply(&report(RunState::Running), T2);
+        assert!(!t.ready, "a new run starts not ready");
+    }
+
+    #[test]
+    fn ready_true_is_only_valid_with_running() {
+        let limits = Limits::default();
+        let mut r = ready(true);
+        assert!(r.validate("", &limits).is_empty());
+        for state in [RunState::Pending, RunState::Dead] {
+            r.state = state;
+            let errors = r.validate("tasks.web.", &limits);
+            assert_eq!(errors.len(), 1, "{errors:?}");
+            assert_eq!(errors[0].field, "tasks.web.ready");
+        }
+        r.ready = Some(false);
+        assert!(
+            r.validate("", &limits).is_empty(),
+            "ready: false goes with any state"
+        );
+    }
+
+    #[test]
+    fn any_report_makes_a_stale_state_count_again() {
+        let mut t = TaskStatus::new(1);
+        t.apply(&report(RunState::Dead), T0);
+        t.stale = true;
+        t.apply(&report(RunState::Dead), T1);
+        assert!(!t.stale);
+        assert_eq!(t.finished_at, Some(T0));
     }
 
     fn event(kind: &str) -> EventInput {
@@ -608,6 +716,7 @@ mod tests {
             state: RunState::Dead,
             failed: false,
             event: Some(e),
+            ready: None,
         };
         let fields: Vec<_> = r
             .validate("tasks.web.", &limits)
@@ -642,6 +751,7 @@ mod tests {
             state: RunState::Dead,
             failed: false,
             event: Some(sized.clone()),
+            ready: None,
         }
         .validate("", &limits);
         let fields: Vec<_> = errors.iter().map(|e| e.field.as_str()).collect();
@@ -661,6 +771,7 @@ mod tests {
             state: RunState::Dead,
             failed: false,
             event: Some(sized),
+            ready: None,
         };
         assert!(fits.validate("", &limits).is_empty());
         let mut empty = r;

@@ -18,6 +18,7 @@ fn spec(tasks: &[(&str, Option<Hook>)]) -> AllocSpec {
                 sidecar: false,
             }),
             leader: false,
+            readiness: false,
         })
         .collect();
     AllocSpec::new(tasks, &Limits::default()).unwrap()
@@ -38,6 +39,7 @@ fn report(task: &str, state: RunState) -> Vec<(TaskName, TaskReport)> {
             state,
             failed: false,
             event: None,
+            ready: None,
         },
     )]
 }

@@ -1264,6 +1264,7 @@ mod tests {
             name: TaskName::parse("web").unwrap(),
             lifecycle: None,
             leader: false,
+            readiness: false,
         };
         AllocSpec::new(vec![task], &Limits::default()).unwrap()
     }

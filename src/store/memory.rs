@@ -108,6 +108,7 @@ mod tests {
             name: TaskName::parse("web").unwrap(),
             lifecycle: None,
             leader: false,
+            readiness: false,
         };
         let spec = AllocSpec::new(vec![task], &Limits::default()).unwrap();
         Arc::new(Allocation::register(

@@ -37,6 +37,7 @@ fn spec() -> Arc<AllocSpec> {
         name: TaskName::parse("web").unwrap(),
         lifecycle: None,
         leader: false,
+        readiness: false,
     };
     Arc::new(AllocSpec::new(vec![task], &Limits::default()).unwrap())
 }
@@ -89,6 +90,7 @@ fn alloc(key: u8, index: u64, size: usize) -> Allocation {
             message: "x".repeat(size),
             details: Default::default(),
         }),
+        ready: None,
     };
     if let Some(next) = a.report(&[(0, report)], time::OffsetDateTime::UNIX_EPOCH, || index) {
         a = next;

@@ -2,32 +2,41 @@
 //! files outlive changes to the in-memory types. The snapshot
 //! (`snapshot.rs`) and the log (`wal.rs`) carry these bytes as they are.
 //!
-//! This build writes version 2, a compact binary encoding, and reads
-//! versions 1 and 2. Version 1 is JSON (`{"v":1,...}`): readable, but a
+//! This build writes version 3, a compact binary encoding, and reads
+//! versions 1 to 3. Version 1 is JSON (`{"v":1,...}`): readable, but a
 //! settled five-task record takes ~720 bytes, over half of them task specs
 //! and timestamps spelled out, and every change writes its whole record to
 //! the log and, at the next checkpoint, rewrites the snapshot: what a
 //! change costs the store grows with the record. Version 2 holds the same
-//! fields in about a fifth of the bytes. A version-1 record left by an
-//! earlier build stays as it is until its allocation next changes.
+//! fields in about a fifth of the bytes. Version 3 adds what the
+//! lifecycle's second edition keeps: the sticky stop order, readiness, and
+//! which task states are from before a restart order. A record of an
+//! earlier version stays as it is until its allocation next changes; its
+//! stop order is computed from its states, as those builds did.
 //!
-//! Version 2 (integers are unsigned LEB128 varints, each in its shortest
+//! Version 3 (integers are unsigned LEB128 varints, each in its shortest
 //! form, unless marked `zigzag`, signed; `str` is a varint length and UTF-8
 //! bytes):
 //!
 //! ```text
-//! record = 0x02 | id: str | state: u8 | create_index | modify_index
-//!        | created_at: time | modified_at: time | tasks: varint | task*
+//! record = 0x03 | id: str | state: u8 | create_index | modify_index
+//!        | created_at: time | modified_at: time | order | tasks: varint | task*
+//! order  = 0 (run) | reason: u8 (1 Leader Task Dead, 2 Sibling Task Failed,
+//!          3 Main Tasks Dead) | named task: varint (0 none, else position + 1)
 //! task   = name: str | kind: u8 | state: u8 | flags: u8 | restarts
 //!        | restart_generation | modify_index
 //!        | [started_at: time] | [finished_at: time] | [last_restart: time]
-//!        | events: varint | event*
+//!        | [ready_at: time] | events: varint | event*
 //! kind   = hook (0 none: a main task, 1 prestart, 2 poststart, 3 poststop)
-//!        | 0x10 sidecar | 0x20 leader
+//!        | 0x10 sidecar | 0x20 leader | 0x40 readiness
 //! flags  = 0x01 failed | 0x02 started_at | 0x04 finished_at | 0x08 last_restart
+//!        | 0x10 ready | 0x20 ready_at | 0x40 stale
 //! event  = type: str | time | message: str | details: varint | (key: str | value: str)*
 //! time   = unix seconds: zigzag | nanoseconds | UTC offset seconds: zigzag
 //! ```
+//!
+//! Version 2 is version 3 without `order`, without the `readiness` kind
+//! bit and without the flags from 0x10 on.
 //!
 //! States are stored as their position in the tables below (`COORD`,
 //! `RUN`, `HOOK`), which are part of the format: never reorder them.
@@ -39,12 +48,14 @@ use std::sync::Arc;
 use serde::Deserialize;
 
 use crate::lifecycle::{
-    AllocId, AllocSpec, Allocation, CoordState, Event, Hook, Lifecycle, Limits, RunState, TaskName,
-    TaskSpec, TaskStatus, Timestamp,
+    AllocId, AllocSpec, Allocation, CoordState, Desired, Event, Hook, Lifecycle, Limits, RunState,
+    StopKind, StopReason, TaskName, TaskSpec, TaskStatus, Timestamp,
 };
 
 /// The record format this build writes.
-pub const RECORD_VERSION: u8 = 2;
+pub const RECORD_VERSION: u8 = 3;
+/// The binary format of earlier builds, still read.
+const BINARY_V2: u8 = 2;
 /// The JSON format of earlier builds, still read.
 const JSON_VERSION: u32 = 1;
 
@@ -60,12 +71,23 @@ const RUN: [RunState; 3] = [RunState::Pending, RunState::Running, RunState::Dead
 /// Codes 1, 2, 3 (0 is a main task, with no lifecycle).
 const HOOK: [Hook; 3] = [Hook::Prestart, Hook::Poststart, Hook::Poststop];
 
+/// Codes 1, 2, 3 of a stop order (0 is run).
+const STOP: [StopKind; 3] = [
+    StopKind::LeaderTaskDead,
+    StopKind::SiblingTaskFailed,
+    StopKind::MainTasksDead,
+];
+
 const SIDECAR: u8 = 0x10;
 const LEADER: u8 = 0x20;
+const READINESS: u8 = 0x40;
 const FAILED: u8 = 0x01;
 const STARTED: u8 = 0x02;
 const FINISHED: u8 = 0x04;
 const LAST_RESTART: u8 = 0x08;
+const READY: u8 = 0x10;
+const READY_AT: u8 = 0x20;
+const STALE: u8 = 0x40;
 
 fn code<T: PartialEq + Copy>(table: &[T], value: T) -> u8 {
     table
@@ -107,6 +129,14 @@ pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
     put_time(buf, a.created_at);
     put_time(buf, a.modified_at);
     let specs = a.spec.tasks();
+    match a.order() {
+        Desired::Run => buf.push(0),
+        Desired::Stop(reason) => {
+            buf.push(1 + code(&STOP, reason.kind));
+            let named = reason.task.as_ref().and_then(|t| a.position(t.as_str()));
+            put_varint(buf, named.map_or(0, |i| i as u64 + 1));
+        }
+    }
     put_varint(buf, specs.len() as u64);
     for (spec, status) in specs.iter().zip(&a.tasks) {
         put_str(buf, spec.name.as_str());
@@ -119,19 +149,28 @@ pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
         if spec.leader {
             kind |= LEADER;
         }
+        if spec.readiness {
+            kind |= READINESS;
+        }
         buf.push(kind);
         buf.push(code(&RUN, status.state));
         let times = [
             (STARTED, status.started_at),
             (FINISHED, status.finished_at),
             (LAST_RESTART, status.last_restart),
+            (READY_AT, status.ready_at),
+        ];
+        let set = [
+            (FAILED, status.failed),
+            (READY, status.ready),
+            (STALE, status.stale),
         ];
         let flags = times
             .iter()
             .filter(|(_, t)| t.is_some())
-            .fold(if status.failed { FAILED } else { 0 }, |f, (bit, _)| {
-                f | bit
-            });
+            .map(|(bit, _)| *bit)
+            .chain(set.iter().filter(|(_, on)| *on).map(|(bit, _)| *bit))
+            .fold(0, |f, bit| f | bit);
         buf.push(flags);
         put_varint(buf, status.restarts);
         put_varint(buf, status.restart_generation);
@@ -163,11 +202,11 @@ pub fn encode(a: &Allocation) -> Vec<u8> {
 /// either version.
 pub fn decode(bytes: &[u8]) -> Result<Allocation, String> {
     match bytes.first() {
-        Some(&RECORD_VERSION) => decode_binary(&bytes[1..]),
+        Some(&v @ (BINARY_V2 | RECORD_VERSION)) => decode_binary(v, &bytes[1..]),
         Some(b'{') => decode_json(bytes),
         Some(&v) if v > RECORD_VERSION && v < b' ' => Err(format!(
             "record format version {v}, but this taskgate reads versions {JSON_VERSION} \
-             and {RECORD_VERSION}"
+             to {RECORD_VERSION}"
         )),
         _ => Err("not a taskgate record".to_owned()),
     }
@@ -181,6 +220,7 @@ fn assemble(
     tasks: Vec<TaskSpec>,
     state: CoordState,
     status: Vec<TaskStatus>,
+    order: Option<Desired>,
     create_index: u64,
     modify_index: u64,
     created_at: Timestamp,
@@ -206,6 +246,7 @@ fn assemble(
         Arc::new(spec),
         state,
         status,
+        order,
         create_index,
         modify_index,
         created_at,
@@ -298,7 +339,20 @@ impl<'a> Reader<'a> {
     }
 }
 
-fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
+/// Reads version 2 or 3 (`version`), after its first byte.
+fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
+    let v3 = version >= 3;
+    let (kind_bits, flag_bits) = if v3 {
+        (
+            0x0f | SIDECAR | LEADER | READINESS,
+            FAILED | STARTED | FINISHED | LAST_RESTART | READY | READY_AT | STALE,
+        )
+    } else {
+        (
+            0x0f | SIDECAR | LEADER,
+            FAILED | STARTED | FINISHED | LAST_RESTART,
+        )
+    };
     let mut r = Reader { bytes };
     let id = AllocId::parse(r.str("the allocation ID")?)
         .map_err(|e| format!("bad allocation ID: {e}"))?;
@@ -307,6 +361,20 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
     let modify_index = r.varint("modify_index")?;
     let created_at = r.time("created_at")?;
     let modified_at = r.time("modified_at")?;
+    // The stop order, its named task as a position checked below.
+    let order = if v3 {
+        match r.byte("the stop order")? {
+            0 => Some(None),
+            c => {
+                let kind = *STOP
+                    .get(usize::from(c) - 1)
+                    .ok_or_else(|| format!("unknown stop order {c}"))?;
+                Some(Some((kind, r.varint("the stop order's task")?)))
+            }
+        }
+    } else {
+        None
+    };
     // A task takes at least 9 bytes (an empty name is refused below).
     let n = r.count("the task count", 9)?;
     let (mut specs, mut statuses) = (Vec::with_capacity(n), Vec::with_capacity(n));
@@ -314,7 +382,7 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
         let name = r.str("a task name")?;
         let name = TaskName::parse(name).map_err(|e| format!("bad task name {name:?}: {e}"))?;
         let kind = r.byte("a task kind")?;
-        if kind & !(0x0f | SIDECAR | LEADER) != 0 {
+        if kind & !kind_bits != 0 {
             return Err(format!("task {name}: unknown kind {kind:#x}"));
         }
         let sidecar = kind & SIDECAR != 0;
@@ -330,7 +398,7 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
         };
         let run = r.code(&RUN, "task state")?;
         let flags = r.byte("task flags")?;
-        if flags & !(FAILED | STARTED | FINISHED | LAST_RESTART) != 0 {
+        if flags & !flag_bits != 0 {
             return Err(format!("task {name}: unknown flags {flags:#x}"));
         }
         let restarts = r.varint("restarts")?;
@@ -342,6 +410,7 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
         let started_at = time_if(STARTED, "started_at")?;
         let finished_at = time_if(FINISHED, "finished_at")?;
         let last_restart = time_if(LAST_RESTART, "last_restart")?;
+        let ready_at = time_if(READY_AT, "ready_at")?;
         // An event takes at least 6 bytes.
         let n_events = r.count("the event count", 6)?;
         let mut events = Vec::with_capacity(n_events);
@@ -370,6 +439,7 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
             name,
             lifecycle,
             leader: kind & LEADER != 0,
+            readiness: kind & READINESS != 0,
         });
         statuses.push(TaskStatus {
             state: run,
@@ -380,17 +450,38 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
             last_restart,
             events: events.into_iter().collect(),
             restart_generation,
+            ready: flags & READY != 0,
+            ready_at,
+            stale: flags & STALE != 0,
             modify_index: task_index,
         });
     }
     if !r.bytes.is_empty() {
         return Err(format!("{} bytes after the record's end", r.bytes.len()));
     }
+    let order = match order {
+        None => None,
+        Some(None) => Some(Desired::Run),
+        Some(Some((kind, named))) => {
+            let task = match named {
+                0 => None,
+                i => Some(
+                    specs
+                        .get(usize::try_from(i - 1).unwrap_or(usize::MAX))
+                        .ok_or_else(|| format!("the stop order names task {i} of {n}"))?
+                        .name
+                        .clone(),
+                ),
+            };
+            Some(Desired::Stop(StopReason { kind, task }))
+        }
+    };
     assemble(
         id,
         specs,
         state,
         statuses,
+        order,
         create_index,
         modify_index,
         created_at,
@@ -423,7 +514,7 @@ fn decode_json(bytes: &[u8]) -> Result<Allocation, String> {
     let version_error = |version: u32| {
         format!(
             "record format version {version} (JSON), but this taskgate reads versions \
-             {JSON_VERSION} and {RECORD_VERSION}"
+             {JSON_VERSION} to {RECORD_VERSION}"
         )
     };
     let r: JsonRecord = match serde_json::from_slice::<JsonRecord>(bytes) {
@@ -442,6 +533,7 @@ fn decode_json(bytes: &[u8]) -> Result<Allocation, String> {
         r.tasks,
         r.state,
         r.status,
+        None,
         r.create_index,
         r.modify_index,
         r.created_at,
@@ -489,6 +581,7 @@ mod tests {
             name: TaskName::parse(name).unwrap(),
             lifecycle: hook.map(|hook| Lifecycle { hook, sidecar }),
             leader,
+            readiness: false,
         }
     }
 
@@ -508,6 +601,7 @@ mod tests {
             state: RunState::Dead,
             failed: false,
             event: None,
+            ready: None,
         };
         a.report(&[(0, report)], now, || 4).unwrap()
     }
@@ -517,7 +611,10 @@ mod tests {
         let spec = AllocSpec::new(
             vec![
                 task("init", Some(Hook::Prestart), false, false),
-                task("proxy", Some(Hook::Prestart), true, false),
+                TaskSpec {
+                    readiness: true,
+                    ..task("proxy", Some(Hook::Prestart), true, false)
+                },
                 task("web", None, false, true),
                 task("announce", Some(Hook::Poststart), false, false),
                 task("log-ship", Some(Hook::Poststart), true, false),
@@ -552,15 +649,27 @@ mod tests {
             .into_iter()
             .collect(),
             restart_generation: 1 << 35,
+            ready: false,
+            ready_at: None,
+            stale: true,
             modify_index: 300,
         };
+        tasks[1].state = RunState::Running;
+        tasks[1].ready = true;
+        tasks[1].ready_at = Some(east);
         tasks[2].state = RunState::Running;
         tasks[2].started_at = Some(datetime!(-9999-01-01 00:00:00 UTC));
+        tasks[2].ready_at = Some(old);
+        let order = Desired::Stop(StopReason {
+            kind: StopKind::SiblingTaskFailed,
+            task: Some(TaskName::parse("init").unwrap()),
+        });
         Allocation::from_parts(
             AllocId::parse("job.group_7-x").unwrap(),
             Arc::new(spec),
             CoordState::WaitAlloc,
             tasks,
+            Some(order),
             1,
             u64::MAX - 1,
             old,
@@ -589,15 +698,46 @@ mod tests {
         for a in [sample(), full()] {
             let json = encode_json(&a);
             assert_eq!(json[0], b'{');
-            assert_eq!(decode(&json).unwrap(), a);
+            // Version 1 kept no stop order: it is what the states call for.
+            let computed = Allocation::from_parts(
+                a.id.clone(),
+                a.spec.clone(),
+                a.state,
+                a.tasks.clone(),
+                None,
+                a.create_index,
+                a.modify_index,
+                a.created_at,
+                a.modified_at,
+            );
+            assert_eq!(decode(&json).unwrap(), computed);
         }
     }
+
+    /// `sample()` as version 2 wrote it: the first release's baseline.
+    const SAMPLE_V2: &[u8] = &[
+        2, // version
+        2, b'a', b'1', // id
+        2,    // state: main
+        3, 4, // create_index, modify_index
+        // created_at and modified_at: 2026-11-21 10:00:00.123456789 UTC
+        // (1795255200 zigzagged, 123456789 ns, offset 0)
+        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+        2, // tasks
+        // init: prestart; dead; finished_at; restarts 0, generation 0,
+        // index 4; finished_at; no events
+        4, b'i', b'n', b'i', b't', 1, 2, 4, 0, 0, 4, //
+        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, 0, //
+        // web: main, leader; pending; no flags; 0, 0, index 4; no events
+        3, b'w', b'e', b'b', 0x20, 0, 0, 0, 0, 4, 0,
+    ];
 
     #[test]
     fn the_format_is_pinned_byte_for_byte() {
         // A change here breaks every data directory written before it.
         let expected: &[u8] = &[
-            2, // version
+            3, // version
             2, b'a', b'1', // id
             2,    // state: main
             3, 4, // create_index, modify_index
@@ -605,6 +745,7 @@ mod tests {
             // (1795255200 zigzagged, 123456789 ns, offset 0)
             192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
             192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+            0, // stop order: run
             2, // tasks
             // init: prestart; dead; finished_at; restarts 0, generation 0,
             // index 4; finished_at; no events
@@ -614,6 +755,49 @@ mod tests {
             3, b'w', b'e', b'b', 0x20, 0, 0, 0, 0, 4, 0,
         ];
         assert_eq!(encode(&sample()), expected);
+    }
+
+    #[test]
+    fn version_2_records_are_still_read_with_their_order_computed() {
+        assert_eq!(decode(SAMPLE_V2).unwrap(), sample());
+        // A version-2 record with a dead leader: the order it never stored
+        // is what its states call for, as that build computed it.
+        let mut dead_leader = SAMPLE_V2.to_vec();
+        let web_state = dead_leader.len() - 6;
+        dead_leader[web_state] = 2;
+        let a = decode(&dead_leader).unwrap();
+        assert_eq!(
+            a.order().reason().map(|r| r.kind),
+            Some(StopKind::LeaderTaskDead)
+        );
+        // Version 2 has none of version 3's bits.
+        let mut ready = SAMPLE_V2.to_vec();
+        ready[web_state + 1] = READY;
+        assert!(decode(&ready).unwrap_err().contains("unknown flags"));
+        let mut readiness = SAMPLE_V2.to_vec();
+        readiness[web_state - 1] |= READINESS;
+        assert!(decode(&readiness).unwrap_err().contains("unknown kind"));
+    }
+
+    #[test]
+    fn the_stop_order_is_kept_as_stored_not_recomputed() {
+        let a = full();
+        let back = decode(&encode(&a)).unwrap();
+        assert_eq!(back.order(), a.order());
+        // Its states alone call for another reason (init, the failed task,
+        // is stale: it does not count).
+        assert_ne!(
+            back.order(),
+            &crate::lifecycle::desired_states(&back.spec, &back.tasks)[0]
+        );
+        // A named task past the record's tasks is damage.
+        let mut bytes = encode(&a);
+        let at = bytes
+            .windows(2)
+            .position(|w| w == [2, 1])
+            .expect("the order: Sibling Task Failed, task 1");
+        bytes[at + 1] = 9;
+        assert!(decode(&bytes).unwrap_err().contains("names task 9"));
     }
 
     #[test]
@@ -656,6 +840,7 @@ mod tests {
                 state,
                 failed: false,
                 event: None,
+                ready: None,
             };
             a = a.report(&[(2, report)], now, || 1_000_000 + i).unwrap();
         }
@@ -671,9 +856,9 @@ mod tests {
         let err = decode(&serde_json::to_vec(&v).unwrap()).unwrap_err();
         assert!(err.contains("version 3 (JSON)"), "{err}");
         let mut binary = encode(&sample());
-        binary[0] = 3;
+        binary[0] = 4;
         let err = decode(&binary).unwrap_err();
-        assert!(err.contains("version 3,"), "{err}");
+        assert!(err.contains("version 4,"), "{err}");
         assert!(
             decode(b"garbage")
                 .unwrap_err()
