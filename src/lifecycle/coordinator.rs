@@ -60,7 +60,7 @@ named_enum! {
 /// rule behind both the transitions and `waiting_on`.
 pub fn wait_for(state: CoordState, spec: &TaskSpec, t: &TaskStatus) -> Option<WaitFor> {
     let stage = spec.stage();
-    let wait = match state {
+    match state {
         CoordState::Init => (t.state != RunState::Pending).then_some(WaitFor::Pending),
         CoordState::Prestart => match stage {
             Stage::PrestartEphemeral => (!t.successful()).then_some(WaitFor::Success),
@@ -85,8 +85,7 @@ pub fn wait_for(state: CoordState, spec: &TaskSpec, t: &TaskStatus) -> Option<Wa
             (stage != Stage::Poststop && t.state != RunState::Dead).then_some(WaitFor::Dead)
         }
         CoordState::Poststop => None,
-    };
-    wait
+    }
 }
 
 /// One step of the transition rules of docs/lifecycle.md.
