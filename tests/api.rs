@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use axum::http::StatusCode;
 use common::{five_tasks, test_app, test_app_with};
-use serde_json::json;
+use serde_json::{Value, json};
 use taskgate::{http::HttpConfig, registry::RegistryConfig};
 
 // ---- register ----
@@ -21,6 +21,9 @@ async fn register_answers_201_with_location_index_and_the_full_view() {
     assert_eq!(a.body["id"], "a1");
     assert_eq!(a.body["coordinator_state"], "prestart");
     assert_eq!(a.body["waiting_on"], json!(["init", "proxy"]));
+    assert_eq!(a.body["waiting"], json!(["success", "running"]));
+    assert_eq!(a.body["outcome"], json!(null));
+    assert_eq!(a.body["failed_tasks"], json!([]));
     assert_eq!(a.body["create_index"], a.body["modify_index"]);
     assert!(a.body["created_at"].as_str().unwrap().ends_with('Z'));
     let names: Vec<_> = a.body["tasks"]
@@ -36,10 +39,13 @@ async fn register_answers_201_with_location_index_and_the_full_view() {
         "name",
         "lifecycle",
         "leader",
+        "readiness",
         "stage",
         "allowed",
         "state",
         "failed",
+        "ready",
+        "ready_at",
         "restarts",
         "started_at",
         "finished_at",
@@ -641,7 +647,7 @@ async fn start_condition_answers_at_once_when_allowed() {
         a.body,
         json!({"alloc_id": "a1", "task": "init", "allowed": true, "desired": "run",
                "coordinator_state": "prestart", "waiting_on": ["init", "proxy"],
-               "index": a.index()})
+               "outcome": null, "failed_tasks": [], "index": a.index()})
     );
 }
 
@@ -1494,4 +1500,210 @@ async fn a_request_abandoned_by_its_client_is_counted_as_499() {
         ),
         "{text}"
     );
+}
+
+// ---- the lifecycle's second edition ----
+
+/// Registers `id` with a prestart sidecar and a main task that both
+/// declare readiness, a poststart task and a poststop task.
+async fn register_ready(app: &common::TestApp, id: &str) -> common::Answer {
+    let a = app
+        .call(
+            "PUT",
+            &format!("/v1/allocations/{id}"),
+            Some(json!({"tasks": [
+                {"name": "db", "lifecycle": {"hook": "prestart", "sidecar": true}, "readiness": true},
+                {"name": "web", "readiness": true},
+                {"name": "announce", "lifecycle": {"hook": "poststart"}},
+                {"name": "cleanup", "lifecycle": {"hook": "poststop"}}
+            ]})),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    a
+}
+
+async fn report(app: &common::TestApp, id: &str, task: &str, body: Value) -> common::Answer {
+    app.call(
+        "PUT",
+        &format!("/v1/allocations/{id}/tasks/{task}/state"),
+        Some(body),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn readiness_holds_the_next_stage_until_the_task_is_ready() {
+    let app = test_app().await;
+    let a = register_ready(&app, "r1").await;
+    assert_eq!(a.task("db")["readiness"], true);
+    assert_eq!(a.body["waiting"], json!(["ready"]));
+    // Running is not enough for a sidecar that declares readiness.
+    let a = report(&app, "r1", "db", json!({"state": "running"})).await;
+    assert_eq!(a.body["coordinator_state"], "prestart");
+    assert_eq!(a.body["waiting_on"], json!(["db"]));
+    assert_eq!(a.body["waiting"], json!(["ready"]));
+    assert_eq!(a.task("web")["allowed"], false);
+    let a = report(&app, "r1", "db", json!({"state": "running", "ready": true})).await;
+    assert_eq!(a.body["coordinator_state"], "main");
+    assert_eq!(a.task("db")["ready"], true);
+    assert!(a.task("db")["ready_at"].is_string());
+    assert_eq!(a.task("web")["allowed"], true);
+    assert_eq!(a.body["waiting"], json!(["ready"]), "web, to be ready");
+    // The main task runs but is not ready: poststart stays closed.
+    let a = report(&app, "r1", "web", json!({"state": "running"})).await;
+    assert_eq!(a.body["coordinator_state"], "main");
+    assert_eq!(a.task("announce")["allowed"], false);
+    // Losing readiness closes no gate.
+    let a = report(
+        &app,
+        "r1",
+        "db",
+        json!({"state": "running", "ready": false}),
+    )
+    .await;
+    assert_eq!(a.body["coordinator_state"], "main");
+    assert_eq!(a.task("db")["ready"], false);
+    let a = report(
+        &app,
+        "r1",
+        "web",
+        json!({"state": "running", "ready": true}),
+    )
+    .await;
+    assert_eq!(a.body["coordinator_state"], "poststart");
+    assert_eq!(a.body["waiting"], json!(["dead"]));
+    // A report that changes nothing is still a no-op.
+    let again = report(&app, "r1", "web", json!({"state": "running"})).await;
+    assert_eq!(again.index(), a.index());
+}
+
+#[tokio::test]
+async fn readiness_is_refused_where_it_has_no_meaning() {
+    let app = test_app().await;
+    let a = app
+        .call(
+            "PUT",
+            "/v1/allocations/r2",
+            Some(json!({"tasks": [
+                {"name": "init", "lifecycle": {"hook": "prestart"}, "readiness": true},
+                {"name": "web"}
+            ]})),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert_eq!(a.body["code"], "invalid_request");
+    assert_eq!(
+        a.body["errors"][0]["field"], "tasks[0].readiness",
+        "{}",
+        a.body
+    );
+    register_ready(&app, "r3").await;
+    let a = report(&app, "r3", "db", json!({"state": "pending", "ready": true})).await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert_eq!(a.body["errors"][0]["field"], "ready", "{}", a.body);
+    let a = app
+        .call(
+            "POST",
+            "/v1/allocations/r3/task-states",
+            Some(json!({"tasks": {"db": {"state": "dead", "ready": true}}})),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert_eq!(a.body["errors"][0]["field"], "tasks.db.ready", "{}", a.body);
+}
+
+#[tokio::test]
+async fn the_stop_order_keeps_its_first_cause() {
+    let app = test_app().await;
+    app.register_five("s1").await;
+    app.call(
+        "POST",
+        "/v1/allocations/s1/task-states",
+        Some(
+            json!({"tasks": {"init": {"state": "dead"}, "proxy": {"state": "running"},
+                              "web": {"state": "running"}, "announce": {"state": "running"}}}),
+        ),
+    )
+    .await;
+    // The poststart task fails: every task is told why.
+    let a = report(
+        &app,
+        "s1",
+        "announce",
+        json!({"state": "dead", "failed": true}),
+    )
+    .await;
+    let failed = json!({"type": "Sibling Task Failed", "task": "announce"});
+    assert_eq!(a.task("web")["stop_reason"], failed);
+    // The leader, killed for it, reports dead (not failed): the reason stays.
+    let a = report(&app, "s1", "web", json!({"state": "dead"})).await;
+    assert_eq!(a.task("web")["stop_reason"], failed);
+    assert_eq!(a.task("proxy")["stop_reason"], failed);
+    let a = report(&app, "s1", "proxy", json!({"state": "dead"})).await;
+    assert_eq!(a.body["coordinator_state"], "poststop");
+    assert_eq!(a.body["outcome"], "failed");
+    assert_eq!(a.body["failed_tasks"], json!(["announce"]));
+    let sc = app
+        .get("/v1/allocations/s1/tasks/cleanup/start-condition")
+        .await;
+    assert_eq!(sc.body["allowed"], true);
+    assert_eq!(sc.body["outcome"], "failed");
+    assert_eq!(sc.body["failed_tasks"], json!(["announce"]));
+}
+
+#[tokio::test]
+async fn an_all_tasks_restart_clears_the_order_and_old_states_do_not_count() {
+    let app = test_app().await;
+    app.register_five("s2").await;
+    app.call(
+        "POST",
+        "/v1/allocations/s2/task-states",
+        Some(
+            json!({"tasks": {"init": {"state": "dead"}, "proxy": {"state": "running"},
+                              "web": {"state": "dead", "failed": true}}}),
+        ),
+    )
+    .await;
+    let a = app.get("/v1/allocations/s2").await;
+    assert_eq!(a.task("proxy")["desired"], "stop");
+    let r = app
+        .call(
+            "POST",
+            "/v1/allocations/s2/restart",
+            Some(json!({"all_tasks": true})),
+        )
+        .await;
+    assert_eq!(r.body["coordinator_state"], "init");
+    // In init, before any task reports, nobody is told to stop because of
+    // the failure from before the restart.
+    let a = app.get("/v1/allocations/s2").await;
+    for t in ["init", "proxy", "web"] {
+        assert_eq!(a.task(t)["desired"], "run", "{t}: {}", a.body);
+    }
+    // A task that fails again after the restart counts at once.
+    let a = report(&app, "s2", "web", json!({"state": "dead", "failed": true})).await;
+    assert_eq!(
+        a.task("proxy")["stop_reason"],
+        json!({"type": "Sibling Task Failed", "task": "web"})
+    );
+}
+
+#[tokio::test]
+async fn a_clean_end_is_succeeded_with_no_failed_tasks() {
+    let app = test_app().await;
+    app.register_five("o1").await;
+    let a = app
+        .call(
+            "POST",
+            "/v1/allocations/o1/task-states",
+            Some(
+                json!({"tasks": {"init": {"state": "dead"}, "proxy": {"state": "dead"},
+                                  "web": {"state": "dead"}, "announce": {"state": "dead"}}}),
+            ),
+        )
+        .await;
+    assert_eq!(a.body["coordinator_state"], "poststop");
+    assert_eq!(a.body["outcome"], "succeeded");
+    assert_eq!(a.body["failed_tasks"], json!([]));
 }

@@ -12,7 +12,9 @@ use utoipa::{
 };
 
 use super::{allocations, error, service, tasks, views};
-use crate::lifecycle::{CoordState, DesiredKind, Hook, RunState, Stage, StopKind};
+use crate::lifecycle::{
+    CoordState, DesiredKind, Hook, Outcome, RunState, Stage, StopKind, WaitFor,
+};
 
 /// String-enum schemas for the lifecycle enums, with their values taken
 /// from the enums' own name tables.
@@ -38,6 +40,8 @@ name_schema! {
     RunState => "A task's reported state.",
     StopKind => "Why a task is told to stop.",
     DesiredKind => "What a task should be doing.",
+    WaitFor => "What a task in `waiting_on` is waited on for: `pending` (after an all-tasks restart), `success` (a prestart task), `running` (a prestart sidecar; a main task to start), `ready` (a task that declares readiness), `dead`.",
+    Outcome => "How the allocation ended: `failed` when a non-poststop task failed, else `succeeded`.",
 }
 
 #[derive(OpenApi)]

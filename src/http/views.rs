@@ -5,7 +5,8 @@ use time::OffsetDateTime;
 use utoipa::ToSchema;
 
 use crate::lifecycle::{
-    Allocation, CoordState, DesiredKind, Details, Event, Events, Hook, RunState, Stage, StopKind,
+    Allocation, CoordState, DesiredKind, Details, Event, Events, Hook, Outcome, RunState, Stage,
+    StopKind, WaitFor,
 };
 
 /// An allocation with every task.
@@ -16,6 +17,14 @@ pub struct AllocationView {
     pub coordinator_state: CoordState,
     /// Tasks (registration order) whose state holds the coordinator where it is.
     pub waiting_on: Vec<String>,
+    /// What each task of `waiting_on` is waited on for (same order).
+    pub waiting: Vec<WaitFor>,
+    /// Once the coordinator is in `poststop`: `failed` if a non-poststop
+    /// task failed, else `succeeded`; `null` before.
+    pub outcome: Option<Outcome>,
+    /// The failed non-poststop tasks (registration order); empty until
+    /// `poststop`.
+    pub failed_tasks: Vec<String>,
     pub create_index: u64,
     pub modify_index: u64,
     #[serde(with = "time::serde::rfc3339")]
@@ -40,11 +49,18 @@ pub struct TaskView {
     /// `null` for a main task.
     pub lifecycle: Option<LifecycleView>,
     pub leader: bool,
+    /// The task reports readiness; the next stage waits for it.
+    pub readiness: bool,
     pub stage: Stage,
     /// Whether the task's gate is open: it may start.
     pub allowed: bool,
     pub state: RunState,
     pub failed: bool,
+    /// The task said it is ready (only ever while `running`).
+    pub ready: bool,
+    /// The last time the task became ready.
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub ready_at: Option<OffsetDateTime>,
     pub restarts: u64,
     #[serde(with = "time::serde::rfc3339::option")]
     pub started_at: Option<OffsetDateTime>,
@@ -121,6 +137,10 @@ pub struct StartConditionView {
     pub desired: DesiredKind,
     pub coordinator_state: CoordState,
     pub waiting_on: Vec<String>,
+    /// As in the allocation view: how the allocation ended, for poststop
+    /// tasks.
+    pub outcome: Option<Outcome>,
+    pub failed_tasks: Vec<String>,
     /// The allocation's `modify_index`.
     pub index: u64,
 }
@@ -167,10 +187,13 @@ impl TaskView {
                 sidecar: l.sidecar,
             }),
             leader: spec.leader,
+            readiness: spec.readiness,
             stage: spec.stage(),
             allowed: a.allowed(i),
             state: t.state,
             failed: t.failed,
+            ready: t.ready,
+            ready_at: t.ready_at,
             restarts: t.restarts,
             started_at: t.started_at,
             finished_at: t.finished_at,
@@ -191,12 +214,32 @@ fn names(a: &Allocation) -> Vec<String> {
     a.waiting_on().iter().map(ToString::to_string).collect()
 }
 
+/// `outcome` and `failed_tasks`.
+fn outcome(a: &Allocation) -> (Option<Outcome>, Vec<String>) {
+    match a.outcome() {
+        Some((outcome, failed)) => (
+            Some(outcome),
+            failed.iter().map(ToString::to_string).collect(),
+        ),
+        None => (None, Vec::new()),
+    }
+}
+
 impl AllocationView {
     pub fn new(a: &Allocation) -> Self {
+        let (waiting_on, waiting) = a
+            .waiting()
+            .into_iter()
+            .map(|(name, why)| (name.to_string(), why))
+            .unzip();
+        let (outcome, failed_tasks) = outcome(a);
         Self {
             id: a.id.to_string(),
             coordinator_state: a.state,
-            waiting_on: names(a),
+            waiting_on,
+            waiting,
+            outcome,
+            failed_tasks,
             create_index: a.create_index,
             modify_index: a.modify_index,
             created_at: a.created_at,
@@ -218,6 +261,7 @@ impl TaskDetailView {
 
 impl StartConditionView {
     pub fn new(a: &Allocation, i: usize) -> Self {
+        let (outcome, failed_tasks) = outcome(a);
         Self {
             alloc_id: a.id.to_string(),
             task: a.task_name(i).to_string(),
@@ -225,6 +269,8 @@ impl StartConditionView {
             desired: a.desired(i).kind(),
             coordinator_state: a.state,
             waiting_on: names(a),
+            outcome,
+            failed_tasks,
             index: a.modify_index,
         }
     }
