@@ -165,7 +165,7 @@ fn a_failing_prestart_stops_its_siblings_and_runs_poststop() {
             "cleanup",
             &spec,
             &[],
-            &format!("echo cleanup >> {d}/log"),
+            &format!("echo cleanup $TASKGATE_ALLOC_OUTCOME $TASKGATE_FAILED_TASKS >> {d}/log"),
         ),
     ];
     let codes = exits(&mut agents);
@@ -181,7 +181,11 @@ fn a_failing_prestart_stops_its_siblings_and_runs_poststop() {
         "main never started: {log:?}"
     );
     assert!(!log.contains(&"announce".to_owned()), "{log:?}");
-    assert_eq!(log.last().map(String::as_str), Some("cleanup"), "{log:?}");
+    assert_eq!(
+        log.last().map(String::as_str),
+        Some("cleanup failed init"),
+        "the poststop task learns the outcome: {log:?}"
+    );
     // web was told to stop before it started and reported dead without
     // running; the sidecar was killed for the failed sibling.
     let web = get(&server.base, "/v1/allocations/a3/tasks/web");
@@ -205,11 +209,10 @@ fn a_failing_prestart_stops_its_siblings_and_runs_poststop() {
     // on the first stop-order rule of docs/lifecycle.md (a leader dead without failing) names the
     // leader instead. Which of the two the sidecar's agent saw depends on
     // which agent acted first.
-    let reason = killing["message"].as_str().unwrap_or_default();
-    assert!(
-        reason == "Sibling Task Failed" || reason == "Leader Task Dead",
-        "the sidecar was killed for {reason:?}"
-    );
+    // The stop order keeps its first cause: web, stopped by it, reporting
+    // `dead` does not turn it into "Leader Task Dead".
+    assert_eq!(killing["message"], "Sibling Task Failed", "{proxy}");
+    assert_eq!(web["stop_reason"]["type"], "Sibling Task Failed", "{web}");
     let init = task_events(&server.base, "a3", "init");
     assert!(
         init.ends_with(&["Terminated".to_owned(), "Not Restarting".to_owned()]),
@@ -479,4 +482,115 @@ fn the_workload_never_sees_the_agents_secret() {
             "{how}: the agent's reports were taken"
         );
     }
+}
+
+/// A main task waits for its sidecar's readiness probe, not only for the
+/// sidecar to run.
+#[test]
+fn main_starts_only_once_the_sidecar_s_probe_says_ready() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let spec = dir.path().join("spec.json");
+    std::fs::write(
+        &spec,
+        json!({"tasks": [
+            {"name": "db", "lifecycle": {"hook": "prestart", "sidecar": true}, "readiness": true},
+            {"name": "web", "leader": true}
+        ]})
+        .to_string(),
+    )
+    .unwrap();
+    // The sidecar becomes ready a while after it starts (the workload's own
+    // start-up time, not the test's synchronization).
+    let probe = format!("test -f {d}/db-ready");
+    let mut agents = vec![
+        agent(
+            &server.base,
+            "r1",
+            "db",
+            &spec,
+            &["--ready-cmd", &probe, "--ready-interval", "50ms"],
+            &format!("echo db-start >> {d}/log; sleep 0.5; touch {d}/db-ready; exec sleep 300"),
+        ),
+        agent(
+            &server.base,
+            "r1",
+            "web",
+            &spec,
+            &[],
+            &format!(
+                "if [ -f {d}/db-ready ]; then echo web-after-ready >> {d}/log; \
+                 else echo web-too-early >> {d}/log; fi"
+            ),
+        ),
+    ];
+    let codes = exits(&mut agents);
+    assert!(codes.iter().all(|(_, c)| *c == 0), "{codes:?}");
+    assert_eq!(log_lines(dir.path()), ["db-start", "web-after-ready"]);
+    let db = task_events(&server.base, "r1", "db");
+    assert!(db.contains(&"Ready".to_owned()), "{db:?}");
+    let t = get(&server.base, "/v1/allocations/r1/tasks/db");
+    assert!(t["ready_at"].is_string(), "{t}");
+}
+
+/// An agent whose task declares readiness but that was given no probe
+/// refuses to start, and says which flag to give.
+#[test]
+fn a_readiness_task_without_a_probe_is_refused() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = dir.path().join("spec.json");
+    std::fs::write(
+        &spec,
+        json!({"tasks": [{"name": "web", "readiness": true}]}).to_string(),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        .args([
+            "agent",
+            "--server",
+            &server.base,
+            "--alloc",
+            "r2",
+            "--task",
+            "web",
+        ])
+        .arg("--register")
+        .arg(&spec)
+        .args(["--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--ready-cmd"), "{stderr}");
+    let t = get(&server.base, "/v1/allocations/r2/tasks/web");
+    assert_eq!(t["state"], "pending", "the task never ran: {t}");
+}
+
+/// When the restart policy gives up on a task it would restart — here
+/// after successful exits under --restart-on-success — the task is dead
+/// and failed, as Nomad marks it.
+#[test]
+fn a_task_the_policy_gives_up_on_is_failed() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = web_only(dir.path());
+    let d = dir.path().display();
+    let mut web = agent(
+        &server.base,
+        "g1",
+        "web",
+        &spec,
+        &["--restart-attempts", "1", "--restart-on-success"],
+        &format!("echo run >> {d}/log"),
+    );
+    let codes = exits(std::slice::from_mut(&mut web));
+    assert_eq!(codes, [("web", 0)]);
+    assert_eq!(log_lines(dir.path()), ["run", "run"]);
+    let t = get(&server.base, "/v1/allocations/g1/tasks/web");
+    assert_eq!(t["state"], "dead");
+    assert_eq!(t["failed"], true, "{t}");
+    let a = get(&server.base, "/v1/allocations/g1");
+    assert_eq!(a["outcome"], "failed");
 }

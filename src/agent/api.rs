@@ -29,6 +29,7 @@ pub enum ApiError {
 #[derive(Debug, Clone)]
 pub struct TaskInfo {
     pub stage: String,
+    pub readiness: bool,
     pub state: String,
     pub desired: String,
     pub stop_reason: Option<String>,
@@ -43,6 +44,9 @@ pub struct StartCondition {
     pub allowed: bool,
     pub desired: String,
     pub coordinator_state: String,
+    /// `succeeded` or `failed` once the allocation is in `poststop`.
+    pub outcome: Option<String>,
+    pub failed_tasks: Vec<String>,
 }
 
 pub struct Api {
@@ -65,6 +69,7 @@ fn text(v: &Value, key: &str) -> String {
 struct TaskWire {
     name: String,
     stage: String,
+    readiness: bool,
     state: String,
     desired: String,
     stop_reason: Option<StopReasonWire>,
@@ -96,6 +101,7 @@ impl TaskWire {
     fn info(self, coordinator_state: String) -> TaskInfo {
         TaskInfo {
             stage: self.stage,
+            readiness: self.readiness,
             state: self.state,
             desired: self.desired,
             stop_reason: self.stop_reason.map(|r| r.kind),

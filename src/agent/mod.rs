@@ -8,6 +8,7 @@
 mod api;
 mod policy;
 mod process;
+mod readiness;
 
 use std::{path::PathBuf, time::Duration};
 
@@ -19,6 +20,7 @@ use crate::{secret::Secret, units::parse_duration};
 use api::{Api, ApiError, TaskInfo};
 pub use policy::{RestartMode, RestartPolicy};
 use process::Exit;
+use readiness::Probe;
 
 #[derive(Debug, Clone, Args)]
 pub struct AgentConfig {
@@ -75,6 +77,26 @@ pub struct AgentConfig {
     /// (ephemeral prestart/poststart and poststop tasks never are).
     #[arg(long, env = "TASKGATE_RESTART_ON_SUCCESS")]
     pub restart_on_success: bool,
+    /// Readiness probe: this shell command (`sh -c`) exits 0 once the task
+    /// is ready. Needed, or one of the other two, when the task declares
+    /// `readiness`.
+    #[arg(long, env = "TASKGATE_READY_CMD", conflicts_with_all = ["ready_http", "ready_tcp"])]
+    pub ready_cmd: Option<String>,
+    /// Readiness probe: a GET of this URL answers 2xx once the task is
+    /// ready.
+    #[arg(long, env = "TASKGATE_READY_HTTP", conflicts_with = "ready_tcp")]
+    pub ready_http: Option<String>,
+    /// Readiness probe: HOST:PORT accepts a connection once the task is
+    /// ready.
+    #[arg(long, env = "TASKGATE_READY_TCP")]
+    pub ready_tcp: Option<String>,
+    /// Time between readiness checks (each check is bounded by it).
+    #[arg(long, env = "TASKGATE_READY_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    pub ready_interval: Duration,
+    /// A task not ready this long after it started is killed and handled
+    /// as a failure by its restart policy (default: no limit).
+    #[arg(long, env = "TASKGATE_READY_TIMEOUT", value_parser = parse_duration)]
+    pub ready_timeout: Option<Duration>,
     /// After SIGTERM to the task's process group, wait this long before SIGKILL.
     #[arg(long, env = "TASKGATE_KILL_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub kill_timeout: Duration,
@@ -90,6 +112,8 @@ fn event(kind: &str, message: impl Into<String>, details: Value) -> Value {
 /// What ended a run of the command.
 enum Ended {
     Exited(Exit),
+    /// Not ready within `--ready-timeout`.
+    NotReadyInTime,
     StopOrder(String),
     RestartOrder,
     AgentStopping,
@@ -115,6 +139,11 @@ struct Agent {
     policy: RestartPolicy,
     /// The exit code the agent ends with: the task's last one.
     exit_code: i32,
+    /// The readiness probe, if one was given.
+    probe: Option<Probe>,
+    /// What the last start condition said of how the allocation ended, for
+    /// a poststop task's environment.
+    outcome: Option<(String, Vec<String>)>,
 }
 
 impl Agent {
@@ -154,6 +183,20 @@ impl Agent {
             self.api.register(&file).await?;
         }
         let info = self.api.task(0).await?;
+        if info.readiness && self.probe.is_none() {
+            return Err(ApiError::Fatal(format!(
+                "task {} declares readiness: give a probe, --ready-cmd CMD, --ready-http URL \
+                 or --ready-tcp HOST:PORT",
+                self.config.task
+            )));
+        }
+        if !info.readiness && self.probe.is_some() {
+            tracing::warn!(
+                task = %self.config.task,
+                "a readiness probe was given but the task does not declare readiness: \
+                 its answers are reported, and no stage waits for them"
+            );
+        }
         self.stage = info.stage.clone();
         self.generation = info.restart_generation;
         self.learn(&info);
@@ -193,28 +236,32 @@ impl Agent {
                 sc = self.api.start_condition() => sc?,
                 () = self.stopped() => return Ok(false),
             };
-            if sc.allowed && sc.desired != "stop" {
+            if sc.desired == "stop" {
+                return Ok(false);
+            }
+            if sc.allowed {
+                self.outcome = sc.outcome.map(|o| (o, sc.failed_tasks));
                 return Ok(true);
             }
-            if sc.desired == "stop" {
-                // In `init` an all-tasks restart is under way and the stop
-                // orders still reflect the states before it: wait for them
-                // to clear instead of dying again.
-                if sc.coordinator_state != "init" {
-                    return Ok(false);
-                }
-                let t = tokio::select! {
-                    t = self.api.task(self.index) => t?,
-                    () = self.stopped() => return Ok(false),
-                };
-                self.learn(&t);
-            }
+            tracing::info!(
+                task = %self.config.task,
+                coordinator_state = %sc.coordinator_state,
+                "waiting for the task's gate to open"
+            );
         }
     }
 
     /// Runs the command once and handles how it ends.
     async fn run_once(&mut self) -> Result<AfterDeath, ApiError> {
-        let mut child = match process::spawn(&self.config.command) {
+        // A poststop task learns how the allocation ended.
+        let env: Vec<(&str, String)> = match &self.outcome {
+            Some((outcome, failed)) if self.stage == "poststop" => vec![
+                ("TASKGATE_ALLOC_OUTCOME", outcome.clone()),
+                ("TASKGATE_FAILED_TASKS", failed.join(",")),
+            ],
+            _ => Vec::new(),
+        };
+        let mut child = match process::spawn(&self.config.command, &env) {
             Ok(c) => c,
             Err(e) => {
                 self.exit_code = 127;
@@ -234,9 +281,46 @@ impl Agent {
             Some(event("Started", "", json!({"pid": pid.to_string()}))),
         )
         .await?;
+        let mut probe = self
+            .probe
+            .clone()
+            .map(|p| p.spawn(self.config.ready_interval));
+        let mut ready = false;
+        let ready_by = self
+            .config
+            .ready_timeout
+            .filter(|_| probe.is_some())
+            .map(|t| tokio::time::Instant::now() + t);
         let ended = loop {
+            let probed = async {
+                match probe.as_mut() {
+                    Some(p) => p.rx.recv().await,
+                    None => std::future::pending().await,
+                }
+            };
+            let late = async {
+                match ready_by {
+                    Some(at) if !ready => tokio::time::sleep_until(at).await,
+                    _ => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 exit = child.wait() => break Ended::Exited(exit),
+                Some(now_ready) = probed => {
+                    if now_ready != ready {
+                        ready = now_ready;
+                        let (kind, message) = if ready {
+                            ("Ready", "the readiness probe succeeded")
+                        } else {
+                            ("Not Ready", "the readiness probe failed")
+                        };
+                        tracing::info!(task = %self.config.task, ready, "readiness changed");
+                        let body = json!({"state": "running", "ready": ready,
+                                          "event": event(kind, message, json!({}))});
+                        self.api.report(&body).await?;
+                    }
+                }
+                () = late => break Ended::NotReadyInTime,
                 t = self.api.task(self.index) => {
                     let t = match t {
                         Ok(t) => t,
@@ -259,8 +343,25 @@ impl Agent {
                 () = self.stopped() => break Ended::AgentStopping,
             }
         };
+        drop(probe);
         match ended {
             Ended::Exited(exit) => self.exited(exit).await,
+            Ended::NotReadyInTime => {
+                let timeout = self.config.ready_timeout.unwrap_or_default();
+                let shown = format!("{}ms", timeout.as_millis());
+                let message = format!("not ready {shown} after it started");
+                self.report(
+                    "running",
+                    false,
+                    Some(event("Killing", message.clone(), json!({}))),
+                )
+                .await?;
+                let exit = child.kill(self.config.kill_timeout).await;
+                let mut details = exit.details();
+                details["readiness_timeout"] = json!(shown);
+                self.failed_run(exit.code(), event("Readiness Timeout", message, details))
+                    .await
+            }
             Ended::StopOrder(reason) => {
                 self.report(
                     "running",
@@ -303,8 +404,32 @@ impl Agent {
 
     /// The command ended on its own: restart it or report it dead.
     async fn exited(&mut self, exit: Exit) -> Result<AfterDeath, ApiError> {
-        self.exit_code = exit.code();
-        let failed = !exit.success();
+        let terminated = event("Terminated", exit.describe(), exit.details());
+        if exit.success() {
+            self.ended(exit.code(), false, terminated).await
+        } else {
+            self.failed_run(exit.code(), terminated).await
+        }
+    }
+
+    /// A run that failed (an exit that was not a success, a readiness
+    /// timeout): the restart policy decides.
+    async fn failed_run(&mut self, code: i32, terminated: Value) -> Result<AfterDeath, ApiError> {
+        self.ended(code, true, terminated).await
+    }
+
+    /// A run ended (`failed` or not): restart it under the policy, or
+    /// report the task dead. When the policy gives up on a task it would
+    /// restart — a failure, or any exit under `--restart-on-success` — the
+    /// task is dead and failed, as Nomad marks it: its siblings are told
+    /// "Sibling Task Failed" and the allocation ends `failed`.
+    async fn ended(
+        &mut self,
+        code: i32,
+        failed: bool,
+        terminated: Value,
+    ) -> Result<AfterDeath, ApiError> {
+        self.exit_code = code;
         let ephemeral = matches!(
             self.stage.as_str(),
             "prestart_ephemeral" | "poststart_ephemeral" | "poststop"
@@ -315,7 +440,7 @@ impl Agent {
         } else {
             policy::Decision::No("the task completed".into())
         };
-        let terminated = event("Terminated", exit.describe(), exit.details());
+        let failed = wants_restart;
         match decision {
             policy::Decision::After(delay) => {
                 self.report("pending", false, Some(terminated)).await?;
@@ -389,6 +514,17 @@ pub async fn run(config: AgentConfig) -> i32 {
             return 2;
         }
     };
+    let probe = match Probe::from_flags(
+        config.ready_cmd.as_deref(),
+        config.ready_http.as_deref(),
+        config.ready_tcp.as_deref(),
+    ) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("taskgate agent: {e}");
+            return 2;
+        }
+    };
     let (stop_tx, stopping) = watch::channel(false);
     tokio::spawn(async move {
         crate::signals::terminated().await;
@@ -411,6 +547,8 @@ pub async fn run(config: AgentConfig) -> i32 {
         stopping,
         policy,
         exit_code: 0,
+        probe,
+        outcome: None,
     };
     match agent.run().await {
         Ok(code) => code,

@@ -63,7 +63,9 @@ pub const SECRET_ENV: [&str; 3] = [
     "TASKGATE_OPERATOR_TOKEN",
 ];
 
-pub fn spawn(command: &[String]) -> std::io::Result<Child> {
+/// Starts `command` in a process group of its own, with `env` added to
+/// the agent's environment (less its secrets).
+pub fn spawn(command: &[String], env: &[(&str, String)]) -> std::io::Result<Child> {
     let (program, args) = command
         .split_first()
         .ok_or_else(|| std::io::Error::other("no command given"))?;
@@ -72,6 +74,7 @@ pub fn spawn(command: &[String]) -> std::io::Result<Child> {
     for name in SECRET_ENV {
         cmd.env_remove(name);
     }
+    cmd.envs(env.iter().map(|(k, v)| (k, v)));
     let child = cmd.spawn()?;
     let pid = child.id().unwrap_or(0);
     Ok(Child { child, pid })
