@@ -485,9 +485,11 @@ fn the_workload_never_sees_the_agents_secret() {
 }
 
 /// A main task waits for its sidecar's readiness probe, not only for the
-/// sidecar to run.
+/// sidecar to run: the sidecar (a real server) opens its port a while
+/// after it starts, and main must not start before the port takes
+/// connections.
 #[test]
-fn main_starts_only_once_the_sidecar_s_probe_says_ready() {
+fn main_starts_only_once_the_sidecar_s_port_accepts_connections() {
     let server = Server::start(&["--in-memory"]);
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().display();
@@ -501,18 +503,28 @@ fn main_starts_only_once_the_sidecar_s_probe_says_ready() {
         .to_string(),
     )
     .unwrap();
-    // The sidecar becomes ready a while after it starts (the workload's own
-    // start-up time, not the test's synchronization).
-    let probe = format!("test -f {d}/db-ready");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let bin = env!("CARGO_BIN_EXE_taskgate");
+    let addr = format!("127.0.0.1:{port}");
     let mut agents = vec![
+        // The sidecar: a taskgate server that starts listening half a
+        // second after it starts (its own start-up time, not the test's
+        // synchronization).
         agent(
             &server.base,
             "r1",
             "db",
             &spec,
-            &["--ready-cmd", &probe, "--ready-interval", "50ms"],
-            &format!("echo db-start >> {d}/log; sleep 0.5; touch {d}/db-ready; exec sleep 300"),
+            &["--ready-tcp", &addr, "--ready-interval", "50ms"],
+            &format!(
+                "echo db-start >> {d}/log; sleep 0.5; exec {bin} serve --in-memory --listen {addr}"
+            ),
         ),
+        // Main asks the sidecar's port at once when it starts.
         agent(
             &server.base,
             "r1",
@@ -520,14 +532,14 @@ fn main_starts_only_once_the_sidecar_s_probe_says_ready() {
             &spec,
             &[],
             &format!(
-                "if [ -f {d}/db-ready ]; then echo web-after-ready >> {d}/log; \
-                 else echo web-too-early >> {d}/log; fi"
+                "if {bin} health --server http://{addr} --timeout 1s >/dev/null 2>&1; \
+                 then echo web-port-open >> {d}/log; else echo web-too-early >> {d}/log; fi"
             ),
         ),
     ];
     let codes = exits(&mut agents);
     assert!(codes.iter().all(|(_, c)| *c == 0), "{codes:?}");
-    assert_eq!(log_lines(dir.path()), ["db-start", "web-after-ready"]);
+    assert_eq!(log_lines(dir.path()), ["db-start", "web-port-open"]);
     let db = task_events(&server.base, "r1", "db");
     assert!(db.contains(&"Ready".to_owned()), "{db:?}");
     let t = get(&server.base, "/v1/allocations/r1/tasks/db");
