@@ -146,7 +146,7 @@ mod tests {
             "sleep 300 & echo $! > {}.tmp; mv {0}.tmp {0}; wait",
             file.display()
         );
-        let child = spawn(&["sh".into(), "-c".into(), script]).unwrap();
+        let child = spawn(&["sh".into(), "-c".into(), script], &[]).unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         let grandchild: i32 = loop {
             if let Ok(text) = std::fs::read_to_string(&file) {
