@@ -276,7 +276,7 @@ mod tests {
     /// renamed) is an error, not "run"; a whole one reads as it is.
     #[test]
     fn answers_are_read_whole_or_refused() {
-        let task = json!({"name": "web", "stage": "main", "state": "running",
+        let task = json!({"name": "web", "stage": "main", "readiness": false, "state": "running",
             "desired": "stop", "stop_reason": {"type": "Leader Task Dead", "task": null},
             "restart_generation": 2, "modify_index": 9, "allowed": true});
         let detail = {
@@ -297,8 +297,18 @@ mod tests {
             panic!("an answer without `desired` was taken");
         };
         assert!(e.contains("desired"), "{e}");
-        let start = json!({"allowed": "yes", "desired": "run", "coordinator_state": "main"});
-        assert!(decode::<StartCondition>("GET start-condition", start).is_err());
+        let start = json!({"allowed": "yes", "desired": "run", "coordinator_state": "main",
+            "outcome": null, "failed_tasks": []});
+        assert!(decode::<StartCondition>("GET start-condition", start.clone()).is_err());
+        let mut whole = start;
+        whole["allowed"] = json!(true);
+        let sc: StartCondition = decode("GET start-condition", whole.clone()).unwrap();
+        assert!(sc.allowed && sc.outcome.is_none());
+        // A task's readiness is read, never assumed absent.
+        let mut without = task.clone();
+        without.as_object_mut().unwrap().remove("readiness");
+        let alloc = json!({"modify_index": 4, "coordinator_state": "main", "tasks": [without]});
+        assert!(decode::<AllocationWire>("GET allocation", alloc).is_err());
         let alloc = json!({"modify_index": 4, "coordinator_state": "main", "tasks": [task]});
         let a: AllocationWire = decode("GET allocation", alloc).unwrap();
         assert_eq!(a.tasks[0].name, "web");
