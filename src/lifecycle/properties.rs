@@ -221,3 +221,73 @@ proptest! {
         prop_assert_eq!(next_state(once, &a.spec, &tasks), once);
     }
 }
+
+/// The transition rules of docs/lifecycle.md written out once more, rule by
+/// rule and independently of `wait_for`: the differential reference for
+/// `next_state`.
+fn reference_next(state: CoordState, spec: &AllocSpec, status: &[TaskStatus]) -> CoordState {
+    let tasks: Vec<(&TaskSpec, &TaskStatus)> = spec.tasks().iter().zip(status).collect();
+    let of = |stage: Stage| tasks.iter().filter(move |(s, _)| s.stage() == stage);
+    let dead = |t: &TaskStatus| t.state == RunState::Dead;
+    let running = |t: &TaskStatus| t.state == RunState::Running;
+    if tasks
+        .iter()
+        .filter(|(s, _)| !s.is_poststop())
+        .all(|(_, t)| dead(t))
+    {
+        return CoordState::Poststop;
+    }
+    match state {
+        CoordState::Init if tasks.iter().all(|(_, t)| t.state == RunState::Pending) => {
+            CoordState::Prestart
+        }
+        CoordState::Prestart
+            if of(Stage::PrestartEphemeral).all(|(_, t)| dead(t) && !t.failed)
+                && of(Stage::PrestartSidecar)
+                    .all(|(s, t)| running(t) && (!s.readiness || t.ready)) =>
+        {
+            CoordState::Main
+        }
+        CoordState::Main
+            if of(Stage::Main).all(|(s, t)| {
+                t.state != RunState::Pending && (!s.readiness || t.ready || dead(t))
+            }) =>
+        {
+            CoordState::Poststart
+        }
+        CoordState::Poststart if of(Stage::PoststartEphemeral).all(|(_, t)| dead(t)) => {
+            CoordState::WaitAlloc
+        }
+        other => other,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2048))]
+
+    /// `next_state` agrees with the reference in every state, for any
+    /// task states (readiness included), reachable or not.
+    #[test]
+    fn next_state_agrees_with_the_written_rules(
+        a in arb_alloc(),
+        states in prop::collection::vec((0u8..3, any::<bool>(), any::<bool>()), 7),
+        from in 0usize..6,
+    ) {
+        let tasks: Vec<TaskStatus> = a.tasks.iter().zip(&states).map(|(t, &(s, failed, ready))| {
+            let mut t = t.clone();
+            t.state = [RunState::Pending, RunState::Running, RunState::Dead][usize::from(s)];
+            t.failed = failed && t.state == RunState::Dead;
+            t.ready = ready && t.state == RunState::Running;
+            t
+        }).collect();
+        let state = CoordState::ALL[from];
+        prop_assert_eq!(next_state(state, &a.spec, &tasks), reference_next(state, &a.spec, &tasks));
+        // And `waiting_on` is empty exactly where the state moves on (or is
+        // poststop).
+        let moves = next_state(state, &a.spec, &tasks) != state;
+        let waits = !waiting_on(state, &a.spec, &tasks).is_empty();
+        if state != CoordState::WaitAlloc && state != CoordState::Poststop && !moves {
+            prop_assert!(waits, "held in {:?} by nothing", state);
+        }
+    }
+}
