@@ -22,13 +22,14 @@ RUN command -v cc >/dev/null 2>&1 || (apt-get update \
     && rm -rf /var/lib/apt/lists/*)
 WORKDIR /build
 # Dependencies first, in their own layer: rebuilt only when Cargo.* change.
-# The workspace's bench member is not built (only `-p taskgate`), but its
-# manifest must be there.
+# The workspace's bench and fuzzing members are not built (only
+# `-p taskgate`), but their manifests must be there.
 COPY Cargo.toml Cargo.lock ./
 COPY bench/Cargo.toml bench/
-RUN mkdir -p src bench/src \
+COPY fuzzing/Cargo.toml fuzzing/
+RUN mkdir -p src bench/src fuzzing/src \
     && echo 'fn main() {}' > src/main.rs \
-    && touch src/lib.rs \
+    && touch src/lib.rs fuzzing/src/lib.rs \
     && echo 'fn main() {}' > bench/src/main.rs \
     && cargo build --release --locked -p taskgate \
     && rm -rf src

@@ -9,7 +9,6 @@ pub mod cli;
 pub mod config;
 pub mod dump;
 #[doc(hidden)]
-pub mod fuzzing;
 pub mod http;
 pub mod lifecycle;
 pub mod metrics;

@@ -2,7 +2,7 @@
 //! of `fuzz/`. Generated requests (random bytes, JSON built from the API's
 //! own vocabulary, mutated valid bodies, hostile paths and query strings) go
 //! through the whole router and are checked by the same function as the
-//! `decode` target (`taskgate::fuzzing::check_request`): every answer a
+//! `decode` target (`taskgate_fuzzing::check_request`): every answer a
 //! documented status with a well-formed body, a refused write changes
 //! nothing, the app keeps serving.
 //!
@@ -15,7 +15,7 @@ mod common;
 use common::test_app;
 use proptest::{prelude::*, test_runner::FileFailurePersistence};
 use serde_json::{Value, json};
-use taskgate::fuzzing::{WRITES, check_request, encode};
+use taskgate_fuzzing::{WRITES, check_request, encode};
 
 fn cases() -> u32 {
     std::env::var("TASKGATE_FUZZ_CASES")
@@ -214,10 +214,10 @@ fn cargo_fuzz_inputs_replay_clean() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
     let mut replayed = 0;
     for (dir, target) in [
-        ("seeds/decode", taskgate::fuzzing::request as fn(&[u8])),
-        ("regressions/decode", taskgate::fuzzing::request),
-        ("seeds/lifecycle", taskgate::fuzzing::lifecycle),
-        ("regressions/lifecycle", taskgate::fuzzing::lifecycle),
+        ("seeds/decode", taskgate_fuzzing::request as fn(&[u8])),
+        ("regressions/decode", taskgate_fuzzing::request),
+        ("seeds/lifecycle", taskgate_fuzzing::lifecycle),
+        ("regressions/lifecycle", taskgate_fuzzing::lifecycle),
     ] {
         let Ok(entries) = std::fs::read_dir(root.join(dir)) else {
             continue;

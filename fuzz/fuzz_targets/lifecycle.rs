@@ -1,6 +1,6 @@
-//! The lifecycle evaluator: see `taskgate::fuzzing::lifecycle`.
+//! The lifecycle evaluator: see `taskgate_fuzzing::lifecycle`.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| taskgate::fuzzing::lifecycle(data));
+fuzz_target!(|data: &[u8]| taskgate_fuzzing::lifecycle(data));

@@ -1,6 +1,7 @@
 //! Fuzz targets, shared by the cargo-fuzz harness (`fuzz/`) and the
 //! regression tests that replay every input it ever found (`tests/fuzz.rs`
-//! over `fuzz/regressions/`). Each function takes arbitrary bytes and
+//! over `fuzz/regressions/`). A crate of its own, beside `fuzz/`, so the
+//! service's library carries none of it. Each function takes arbitrary bytes and
 //! panics when an invariant breaks; it must never panic otherwise.
 
 use std::sync::Arc;
@@ -12,7 +13,7 @@ use axum::{
 use serde_json::Value;
 use tower::Service;
 
-use crate::{
+use taskgate::{
     http::{HttpConfig, app, auth::Auth},
     lifecycle::{
         AllocId, AllocSpec, Allocation, CoordState, Hook, Lifecycle, Limits, RestartMode, RunState,
