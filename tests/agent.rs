@@ -606,3 +606,51 @@ fn a_task_the_policy_gives_up_on_is_failed() {
     let a = get(&server.base, "/v1/allocations/g1");
     assert_eq!(a["outcome"], "failed");
 }
+
+/// A task not ready within --ready-timeout is killed and handled as a
+/// failure by its restart policy: with no attempts left it is dead and
+/// failed.
+#[test]
+fn a_task_not_ready_in_time_is_killed_as_a_failure() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let spec = dir.path().join("spec.json");
+    std::fs::write(
+        &spec,
+        json!({"tasks": [{"name": "web", "readiness": true}]}).to_string(),
+    )
+    .unwrap();
+    let mut web = agent(
+        &server.base,
+        "t1",
+        "web",
+        &spec,
+        &[
+            "--ready-cmd",
+            "exit 1",
+            "--ready-interval",
+            "50ms",
+            "--ready-timeout",
+            "300ms",
+            "--restart-attempts",
+            "0",
+        ],
+        &format!("echo run >> {d}/log; exec sleep 300"),
+    );
+    let codes = exits(std::slice::from_mut(&mut web));
+    assert_eq!(codes.len(), 1);
+    assert_eq!(log_lines(dir.path()), ["run"]);
+    let t = get(&server.base, "/v1/allocations/t1/tasks/web");
+    assert_eq!(t["state"], "dead");
+    assert_eq!(t["failed"], true, "{t}");
+    let events = task_events(&server.base, "t1", "web");
+    assert!(
+        events.ends_with(&[
+            "Killing".to_owned(),
+            "Readiness Timeout".to_owned(),
+            "Not Restarting".to_owned()
+        ]),
+        "{events:?}"
+    );
+}
