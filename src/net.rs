@@ -65,6 +65,7 @@ impl Endpoint {
         path: &str,
         token: Option<&str>,
         body: Option<&serde_json::Value>,
+        headers: &[(&'static str, &'static str)],
         timeout: Duration,
     ) -> Result<(u16, Vec<u8>), String> {
         let method = reqwest::Method::from_bytes(method.as_bytes()).map_err(|e| e.to_string())?;
@@ -74,6 +75,9 @@ impl Endpoint {
             .timeout(timeout);
         if let Some(t) = token {
             req = req.bearer_auth(t);
+        }
+        for (name, value) in headers {
+            req = req.header(*name, *value);
         }
         if let Some(b) = body {
             req = req

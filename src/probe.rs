@@ -24,7 +24,7 @@ pub struct HealthConfig {
 pub async fn run(config: HealthConfig) -> bool {
     let answer = match Endpoint::new(&config.server, config.ca_cert.as_deref()) {
         Ok(e) => {
-            e.request("GET", "/v1/health", None, None, config.timeout)
+            e.request("GET", "/v1/health", None, None, &[], config.timeout)
                 .await
         }
         Err(e) => Err(e),

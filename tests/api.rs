@@ -1707,3 +1707,108 @@ async fn a_clean_end_is_succeeded_with_no_failed_tasks() {
     assert_eq!(a.body["outcome"], "succeeded");
     assert_eq!(a.body["failed_tasks"], json!([]));
 }
+
+// ---- minimal answers ----
+
+async fn minimal(app: &common::TestApp, method: &str, uri: &str, body: Value) -> common::Answer {
+    app.send(
+        axum::http::Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("content-type", "application/json")
+            .header("prefer", "respond-async, return=minimal")
+            .body(axum::body::Body::from(body.to_string()))
+            .unwrap(),
+    )
+    .await
+}
+
+/// `Prefer: return=minimal` on a one-task report answers what the agent
+/// acts on, and says the preference was applied; without it nothing
+/// changes.
+#[tokio::test]
+async fn a_report_that_prefers_minimal_gets_the_small_answer() {
+    let app = test_app().await;
+    app.register_five("m1").await;
+    let a = minimal(
+        &app,
+        "PUT",
+        "/v1/allocations/m1/tasks/init/state",
+        json!({"state": "running"}),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(a.header("preference-applied"), Some("return=minimal"));
+    assert_eq!(
+        a.body,
+        json!({"index": a.index(), "coordinator_state": "prestart", "task": "init",
+               "allowed": true, "desired": "run", "stop_reason": null,
+               "restart_generation": 0})
+    );
+    // A stop order shows in it.
+    let a = minimal(
+        &app,
+        "PUT",
+        "/v1/allocations/m1/tasks/init/state",
+        json!({"state": "dead", "failed": true}),
+    )
+    .await;
+    assert_eq!(
+        a.body["stop_reason"],
+        json!({"type": "Sibling Task Failed", "task": "init"})
+    );
+    assert_eq!(a.body["desired"], "stop");
+    // Without the preference: the whole view, no Preference-Applied.
+    let full = report(&app, "m1", "web", json!({"state": "dead"})).await;
+    assert!(full.body["tasks"].is_array());
+    assert_eq!(full.header("preference-applied"), None);
+}
+
+#[tokio::test]
+async fn every_write_honours_return_minimal() {
+    let app = test_app().await;
+    let reg = minimal(&app, "PUT", "/v1/allocations/m2", five_tasks()).await;
+    assert_eq!(reg.status, StatusCode::CREATED);
+    assert_eq!(reg.header("location"), Some("/v1/allocations/m2"));
+    assert_eq!(
+        reg.body,
+        json!({"index": reg.index(), "coordinator_state": "prestart"})
+    );
+    let batch = minimal(
+        &app,
+        "POST",
+        "/v1/allocations/m2/task-states",
+        json!({"tasks": {"init": {"state": "dead"}, "proxy": {"state": "running"}}}),
+    )
+    .await;
+    assert_eq!(
+        batch.body,
+        json!({"index": batch.index(), "coordinator_state": "main"})
+    );
+    let restart = minimal(&app, "POST", "/v1/allocations/m2/restart", json!({})).await;
+    assert_eq!(
+        restart.body,
+        json!({"index": restart.index(), "coordinator_state": "main"})
+    );
+    assert_eq!(restart.header("preference-applied"), Some("return=minimal"));
+    let restore = minimal(
+        &app,
+        "POST",
+        "/v1/allocations/m2/restore",
+        json!({"tasks": {"web": {"state": "running"}}}),
+    )
+    .await;
+    assert_eq!(restore.body["coordinator_state"], "poststart");
+    assert!(restore.body.get("tasks").is_none());
+    // Errors are unchanged.
+    let err = minimal(
+        &app,
+        "PUT",
+        "/v1/allocations/m2/tasks/nope/state",
+        json!({"state": "running"}),
+    )
+    .await;
+    assert_eq!(err.status, StatusCode::NOT_FOUND);
+    assert_eq!(err.body["code"], "task_not_found");
+    assert_eq!(err.header("preference-applied"), None);
+}

@@ -49,6 +49,9 @@ pub struct StartCondition {
     pub failed_tasks: Vec<String>,
 }
 
+/// `Prefer: return=minimal` (RFC 7240) on writes.
+const MINIMAL: &[(&str, &str)] = &[("prefer", "return=minimal")];
+
 pub struct Api {
     /// The servers, tried in turn from `current`.
     endpoints: Vec<Endpoint>,
@@ -165,7 +168,16 @@ impl Api {
         loop {
             let at = self.current.load(Ordering::Relaxed) % self.endpoints.len();
             let answer = self.endpoints[at]
-                .request(method, path, self.token.as_deref(), body, REQUEST_TIMEOUT)
+                .request(
+                    method,
+                    path,
+                    self.token.as_deref(),
+                    body,
+                    // The agent reads nothing of a write's answer but its
+                    // status: the small one will do.
+                    if body.is_some() { MINIMAL } else { &[] },
+                    REQUEST_TIMEOUT,
+                )
                 .await;
             // Unreachable or unavailable (5xx): the next try goes to the
             // next server, if there are several.

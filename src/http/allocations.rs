@@ -15,6 +15,7 @@ use super::{
     extract::{AllocPath, ApiJson, ApiJsonOrEmpty, ApiQuery, NoParams},
     indexed,
     params::{BlockingParams, ListParams},
+    prefer::{MinimalView, Prefer, WriteView, minimal, written},
     views::{AllocationView, ListItem, RestartView},
 };
 use crate::{
@@ -31,13 +32,14 @@ pub const DEFAULT_RESTART_REASON: &str = "Restart requested through the API";
 /// Registering the same spec again is an idempotent success (200).
 #[utoipa::path(
     put, path = "/v1/allocations/{alloc_id}", tag = "allocations",
-    params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$")),
+    params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
+           ("Prefer" = Option<String>, Header, description = "`return=minimal` (RFC 7240): answer only the index and the coordinator state (and for a one-task report what the task is told), with `Preference-Applied: return=minimal`")),
     request_body = RegisterBody,
     responses(
-        (status = 201, description = "Registered", body = AllocationView,
+        (status = 201, description = "Registered", body = WriteView,
          headers(("Location" = String, description = "Path of the new allocation"),
                  ("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
-        (status = 200, description = "Already registered with the same spec", body = AllocationView,
+        (status = 200, description = "Already registered with the same spec", body = WriteView,
          headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
         (status = 409, description = "`allocation_exists`: registered with a different spec",
          body = Problem, content_type = "application/problem+json"),
@@ -50,6 +52,7 @@ pub async fn register(
     caller: Option<axum::Extension<super::auth::Caller>>,
     AllocPath(id): AllocPath,
     _: ApiQuery<NoParams>,
+    prefer: Prefer,
     ApiJson(body): ApiJson<RegisterBody>,
 ) -> Result<Response, ApiError> {
     let spec = body
@@ -62,7 +65,7 @@ pub async fn register(
     } else {
         StatusCode::OK
     };
-    let mut res = indexed(status, a.modify_index, &AllocationView::new(&a));
+    let mut res = written(status, &a, prefer, None);
     if created {
         let location = format!("/v1/allocations/{}", a.id);
         if let Ok(v) = HeaderValue::from_str(&location) {
@@ -173,10 +176,11 @@ pub async fn delete(
 /// An unknown task or an invalid value rejects the whole request.
 #[utoipa::path(
     post, path = "/v1/allocations/{alloc_id}/task-states", tag = "tasks",
-    params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$")),
+    params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
+           ("Prefer" = Option<String>, Header, description = "`return=minimal` (RFC 7240): answer only the index and the coordinator state (and for a one-task report what the task is told), with `Preference-Applied: return=minimal`")),
     request_body = BatchBody,
     responses(
-        (status = 200, description = "The allocation after the reports", body = AllocationView,
+        (status = 200, description = "The allocation after the reports", body = WriteView,
          headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
         (status = 404, description = "`allocation_not_found` or `task_not_found`", body = Problem, content_type = "application/problem+json"),
     )
@@ -185,15 +189,12 @@ pub async fn report_batch(
     State(s): State<AppState>,
     AllocPath(id): AllocPath,
     _: ApiQuery<NoParams>,
+    prefer: Prefer,
     ApiJson(body): ApiJson<BatchBody>,
 ) -> Result<Response, ApiError> {
     let reports = batch(&s, body)?;
     let a = s.registry.report(id.as_str(), reports).await?;
-    Ok(indexed(
-        StatusCode::OK,
-        a.modify_index,
-        &AllocationView::new(&a),
-    ))
+    Ok(written(StatusCode::OK, &a, prefer, None))
 }
 
 /// The reports of a batch body, checked against the limits.
@@ -211,10 +212,11 @@ fn batch(
 /// evaluates until stable. For an owner that lost its coordinator.
 #[utoipa::path(
     post, path = "/v1/allocations/{alloc_id}/restore", tag = "allocations",
-    params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$")),
+    params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
+           ("Prefer" = Option<String>, Header, description = "`return=minimal` (RFC 7240): answer only the index and the coordinator state (and for a one-task report what the task is told), with `Preference-Applied: return=minimal`")),
     request_body = BatchBody,
     responses(
-        (status = 200, description = "The restored allocation", body = AllocationView,
+        (status = 200, description = "The restored allocation", body = WriteView,
          headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
         (status = 404, description = "`allocation_not_found` or `task_not_found`", body = Problem, content_type = "application/problem+json"),
     )
@@ -223,15 +225,12 @@ pub async fn restore(
     State(s): State<AppState>,
     AllocPath(id): AllocPath,
     _: ApiQuery<NoParams>,
+    prefer: Prefer,
     ApiJson(body): ApiJson<BatchBody>,
 ) -> Result<Response, ApiError> {
     let reports = batch(&s, body)?;
     let a = s.registry.restore(id.as_str(), reports).await?;
-    Ok(indexed(
-        StatusCode::OK,
-        a.modify_index,
-        &AllocationView::new(&a),
-    ))
+    Ok(written(StatusCode::OK, &a, prefer, None))
 }
 
 /// Restart tasks.
@@ -243,10 +242,11 @@ pub async fn restore(
 /// does not change reported states.
 #[utoipa::path(
     post, path = "/v1/allocations/{alloc_id}/restart", tag = "allocations",
-    params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$")),
+    params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
+           ("Prefer" = Option<String>, Header, description = "`return=minimal` (RFC 7240): answer only the index and the coordinator state (and for a one-task report what the task is told), with `Preference-Applied: return=minimal`")),
     request_body(content = RestartBody, description = "May be empty, meaning `{}`"),
     responses(
-        (status = 200, description = "The tasks told to restart", body = RestartView,
+        (status = 200, description = "The tasks told to restart; with `Prefer: return=minimal` only the index and the coordinator state", body = RestartView,
          headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
         (status = 404, description = "`allocation_not_found` or `task_not_found`", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "`task_not_running` or `allocation_finished`", body = Problem, content_type = "application/problem+json"),
@@ -256,6 +256,7 @@ pub async fn restart(
     State(s): State<AppState>,
     AllocPath(id): AllocPath,
     _: ApiQuery<NoParams>,
+    prefer: Prefer,
     ApiJsonOrEmpty(body): ApiJsonOrEmpty<RestartBody>,
 ) -> Result<Response, ApiError> {
     let limits = s.registry.config().limits;
@@ -294,6 +295,13 @@ pub async fn restart(
         ));
     };
     let (a, restarted) = s.registry.restart(id.as_str(), target, &reason).await?;
+    if prefer.minimal {
+        return Ok(minimal(
+            StatusCode::OK,
+            a.modify_index,
+            &MinimalView::new(&a, None),
+        ));
+    }
     let view = RestartView {
         restarted: restarted.iter().map(ToString::to_string).collect(),
         coordinator_state: a.state,

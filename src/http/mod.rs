@@ -11,6 +11,7 @@ pub mod error;
 pub mod extract;
 pub mod openapi;
 pub mod params;
+pub mod prefer;
 pub mod query;
 mod service;
 mod tasks;

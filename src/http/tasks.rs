@@ -10,7 +10,8 @@ use super::{
     extract::{ApiJson, ApiQuery, NoParams, TaskPath},
     indexed,
     params::{BlockingParams, WaitParams},
-    views::{AllocationView, StartConditionView, TaskDetailView},
+    prefer::{Prefer, WriteView, written},
+    views::{StartConditionView, TaskDetailView},
 };
 
 /// Read one task (blocking query).
@@ -66,10 +67,11 @@ pub async fn get(
     params(
         ("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
         ("task" = String, Path, description = "Task name", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
+        ("Prefer" = Option<String>, Header, description = "`return=minimal` (RFC 7240): answer only the index, the coordinator state and what this task is told (`task`, `allowed`, `desired`, `stop_reason`, `restart_generation`), with `Preference-Applied: return=minimal`"),
     ),
     request_body = ReportBody,
     responses(
-        (status = 200, description = "The allocation after the report", body = AllocationView,
+        (status = 200, description = "The allocation after the report", body = WriteView,
          headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
         (status = 404, description = "`allocation_not_found` or `task_not_found`", body = Problem, content_type = "application/problem+json"),
     )
@@ -78,17 +80,18 @@ pub async fn report(
     State(s): State<AppState>,
     TaskPath(id, task): TaskPath,
     _: ApiQuery<NoParams>,
+    prefer: Prefer,
     ApiJson(body): ApiJson<ReportBody>,
 ) -> Result<Response, ApiError> {
     let report = body
         .into_report("", &s.registry.config().limits)
         .map_err(|e| ApiError::invalid("the report is not valid", e))?;
-    let a = s.registry.report(id.as_str(), vec![(task, report)]).await?;
-    Ok(indexed(
-        StatusCode::OK,
-        a.modify_index,
-        &AllocationView::new(&a),
-    ))
+    let a = s
+        .registry
+        .report(id.as_str(), vec![(task.clone(), report)])
+        .await?;
+    let i = a.position(task.as_str());
+    Ok(written(StatusCode::OK, &a, prefer, i))
 }
 
 /// May this task start? (long-poll)

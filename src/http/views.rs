@@ -175,6 +175,15 @@ pub struct HealthView {
     pub problems: Vec<&'static str>,
 }
 
+impl From<&crate::lifecycle::StopReason> for StopReasonView {
+    fn from(r: &crate::lifecycle::StopReason) -> Self {
+        Self {
+            kind: r.kind,
+            task: r.task.as_ref().map(ToString::to_string),
+        }
+    }
+}
+
 impl TaskView {
     pub fn new(a: &Allocation, i: usize) -> Self {
         let spec = &a.spec.tasks()[i];
@@ -200,10 +209,7 @@ impl TaskView {
             last_restart: t.last_restart,
             events: t.events.clone(),
             desired: desired.kind(),
-            stop_reason: desired.reason().map(|r| StopReasonView {
-                kind: r.kind,
-                task: r.task.as_ref().map(ToString::to_string),
-            }),
+            stop_reason: desired.reason().map(StopReasonView::from),
             restart_generation: t.restart_generation,
             modify_index: t.modify_index,
         }
