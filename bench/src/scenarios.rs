@@ -190,6 +190,8 @@ impl Proc {
 pub(crate) struct Conn {
     stream: BufReader<TcpStream>,
     line: String,
+    /// Header lines (each ending in CRLF) sent with every request.
+    pub(crate) extra_headers: &'static str,
     /// The body of the last answer.
     pub(crate) body: Vec<u8>,
 }
@@ -201,6 +203,7 @@ impl Conn {
         Ok(Self {
             stream: BufReader::new(stream),
             line: String::new(),
+            extra_headers: "",
             body: Vec::new(),
         })
     }
@@ -217,7 +220,10 @@ impl Conn {
         path: &str,
         body: &[u8],
     ) -> std::io::Result<u16> {
-        let mut req = format!("{method} {path} HTTP/1.1\r\nHost: bench\r\n");
+        let mut req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: bench\r\n{}",
+            self.extra_headers
+        );
         if !body.is_empty() {
             req.push_str("Content-Type: application/json\r\n");
         }
@@ -310,6 +316,22 @@ pub(super) async fn drive_on<F>(
 where
     F: Fn(usize, u64) -> (&'static str, String, Vec<u8>) + Send + Sync + Clone + 'static,
 {
+    drive_with(name, addrs, clients, duration, "", request).await
+}
+
+/// `drive_on`, each request with the header lines `headers` (each ending
+/// in CRLF).
+pub(super) async fn drive_with<F>(
+    name: &str,
+    addrs: &[SocketAddr],
+    clients: usize,
+    duration: Duration,
+    headers: &'static str,
+    request: F,
+) -> std::io::Result<Outcome>
+where
+    F: Fn(usize, u64) -> (&'static str, String, Vec<u8>) + Send + Sync + Clone + 'static,
+{
     let warmup = Duration::from_secs(1);
     let start = Instant::now();
     let measure_from = start + warmup;
@@ -320,6 +342,7 @@ where
         let addr = addrs[c % addrs.len()];
         tasks.push(tokio::spawn(async move {
             let mut conn = Conn::open(addr).await?;
+            conn.extra_headers = headers;
             let mut lat = Vec::new();
             let (mut ok, mut errors) = (0u64, 0u64);
             let mut n = 0u64;

@@ -3,7 +3,8 @@
 //!
 //! The agents' real traffic: `--clients` keep-alive connections, one
 //! one-task allocation each, every report a real change (running ↔
-//! pending), with and without an event. etcd (a single member started
+//! pending), with and without an event, with full and with minimal
+//! (`Prefer: return=minimal`) answers. etcd (a single member started
 //! here, its data directory in the system's temporary directory like the
 //! durable server's) takes `--clients` loops of puts of a value the size of
 //! our stored record, one key per loop, through its JSON gateway (HTTP/1.1
@@ -80,7 +81,7 @@ pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<(Vec<Outco
     let value = conn.json()?.to_string().into_bytes();
 
     let mut rows = Vec::new();
-    let mut rates: [Vec<f64>; 4] = Default::default();
+    let mut rates: [Vec<f64>; 6] = Default::default();
     for round in 0..ROUNDS {
         let round_name = |what: &str| format!("{what}, round {}", round + 1);
         let o = gateway_puts(
@@ -95,17 +96,31 @@ pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<(Vec<Outco
         let o = grpc_puts(&endpoint, &value, config, &round_name("etcd puts, gRPC")).await?;
         rates[1].push(o.rate());
         rows.push(o);
-        for (i, events) in [(2, false), (3, true)] {
-            let name = if events {
-                "reports with an event, durable, one-task allocations"
-            } else {
-                "reports, durable, one-task allocations"
+        for (i, events, minimal) in [
+            (2, false, false),
+            (3, true, false),
+            (4, false, true),
+            (5, true, true),
+        ] {
+            let name = match (events, minimal) {
+                (false, false) => "reports, durable, one-task allocations",
+                (true, false) => "reports with an event, durable, one-task allocations",
+                (false, true) => "reports, durable, one-task allocations, return=minimal",
+                (true, true) => {
+                    "reports with an event, durable, one-task allocations, return=minimal"
+                }
             };
-            let o = super::drive(
+            let headers = if minimal {
+                "Prefer: return=minimal\r\n"
+            } else {
+                ""
+            };
+            let o = super::drive_with(
                 &round_name(name),
-                server.addr,
+                &[server.addr],
                 config.clients,
                 config.duration,
+                headers,
                 report(events),
             )
             .await?;
@@ -113,17 +128,24 @@ pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<(Vec<Outco
             rows.push(o);
         }
     }
-    let [gateway, grpc, plain, events] = rates.map(|r| median(&r));
+    let [gateway, grpc, plain, events, plain_min, events_min] = rates.map(|r| median(&r));
     let note = format!(
         "versus etcd: a single etcd member on this machine, {clients} loops of puts of {len} \
          bytes (our stored record's size), {ROUNDS} alternations, medians: JSON gateway \
          {gateway:.0}/s, gRPC {grpc:.0}/s; durable reports on one-task allocations {plain:.0}/s \
-         without events, {events:.0}/s with an event each. Reports with an event per etcd put: \
-         {:.2}× through the gateway, {:.2}× through gRPC; without events {:.2}× and {:.2}×.",
+         without events, {events:.0}/s with an event each; with `Prefer: return=minimal` \
+         {plain_min:.0}/s and {events_min:.0}/s. Reports with an event per etcd put: \
+         {:.2}× through the gateway, {:.2}× through gRPC (full answers); {:.2}× and {:.2}× \
+         (minimal answers). Without events: {:.2}× and {:.2}× (full), {:.2}× and {:.2}× \
+         (minimal).",
         events / gateway,
         events / grpc,
+        events_min / gateway,
+        events_min / grpc,
         plain / gateway,
         plain / grpc,
+        plain_min / gateway,
+        plain_min / grpc,
         clients = config.clients,
         len = value.len(),
     );
