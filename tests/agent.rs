@@ -654,3 +654,159 @@ fn a_task_not_ready_in_time_is_killed_as_a_failure() {
         "{events:?}"
     );
 }
+
+/// Runs `taskgate agent ARGS -- sh -c CMD` with its stderr kept.
+fn agent_with_stderr(args: &[&str], cmd: &str) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        .arg("agent")
+        .args(args)
+        .args(["--", "sh", "-c", cmd])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits (bounded) for `child` to exit: its code and its stderr.
+fn ended(mut child: std::process::Child) -> (Option<i32>, String) {
+    let deadline = Instant::now() + BOUND;
+    while child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the agent did not exit");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Whether a process of this pid still exists.
+fn alive(pid: &str) -> bool {
+    Command::new("kill")
+        .args(["-0", pid])
+        .stderr(Stdio::null())
+        .status()
+        .unwrap()
+        .success()
+}
+
+/// Starts web under an agent, waits until it reports running, then kills
+/// the server: what the agent does next happens with nobody to report to.
+fn running_then_server_gone(extra: &[&str]) -> (std::process::Child, String, tempfile::TempDir) {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = web_only(dir.path());
+    let d = dir.path().display();
+    let mut args = vec!["--server", &server.base, "--alloc", "s1", "--task", "web"];
+    let spec_arg = spec.to_str().unwrap().to_owned();
+    args.extend(["--register", &spec_arg]);
+    args.extend(extra);
+    let child = agent_with_stderr(&args, &format!("echo $$ > {d}/pid; exec sleep 300"));
+    let deadline = Instant::now() + BOUND;
+    while get(&server.base, "/v1/allocations/s1/tasks/web")["state"] != "running" {
+        assert!(Instant::now() < deadline, "web never reported running");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(server);
+    let pid = std::fs::read_to_string(dir.path().join("pid"))
+        .unwrap()
+        .trim()
+        .to_owned();
+    (child, pid, dir)
+}
+
+fn signal(child: &std::process::Child, sig: &str) {
+    let status = Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// SIGTERM while the server is unreachable: the task is stopped at once,
+/// the agent tries to report for --shutdown-timeout and exits, saying so.
+#[test]
+fn sigterm_with_the_server_gone_stops_the_task_and_exits_after_the_shutdown_timeout() {
+    let (agent, pid, _dir) = running_then_server_gone(&["--shutdown-timeout", "1s"]);
+    assert!(alive(&pid));
+    signal(&agent, "-TERM");
+    let (code, stderr) = ended(agent);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("--shutdown-timeout"), "{stderr}");
+    assert!(!alive(&pid), "the task was stopped");
+}
+
+/// A second signal exits at once, whatever the shutdown timeout.
+#[test]
+fn a_second_signal_exits_at_once() {
+    let (agent, pid, _dir) = running_then_server_gone(&["--shutdown-timeout", "300s"]);
+    signal(&agent, "-TERM");
+    // The agent is now trying to report; a second signal ends it.
+    let deadline = Instant::now() + BOUND;
+    while alive(&pid) {
+        assert!(Instant::now() < deadline, "the task was never stopped");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    signal(&agent, "-INT");
+    let (code, stderr) = ended(agent);
+    assert_eq!(code, Some(130), "{stderr}");
+    assert!(stderr.contains("second signal"), "{stderr}");
+}
+
+/// An --alloc the server does not know is an error, not "deleted": a
+/// supervisor must not read a typo as success.
+#[test]
+fn an_unknown_allocation_is_an_error_that_names_the_fix() {
+    let server = Server::start(&["--in-memory"]);
+    let agent = agent_with_stderr(
+        &[
+            "--server",
+            &server.base,
+            "--alloc",
+            "no-such",
+            "--task",
+            "web",
+        ],
+        "true",
+    );
+    let (code, stderr) = ended(agent);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("--register"), "{stderr}");
+    assert!(stderr.contains("no-such"), "{stderr}");
+}
+
+/// A token the server refuses names the flags that give one.
+#[test]
+fn a_refused_token_names_the_flag_to_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens.json");
+    std::fs::write(
+        &tokens,
+        json!({"tokens": [{"name": "agents", "role": "agent",
+                           "sha256": "00".repeat(32)}]})
+        .to_string(),
+    )
+    .unwrap();
+    let server = Server::start(&["--in-memory", "--token-file", tokens.to_str().unwrap()]);
+    let spec = web_only(dir.path());
+    let agent = agent_with_stderr(
+        &[
+            "--server",
+            &server.base,
+            "--alloc",
+            "t1",
+            "--task",
+            "web",
+            "--register",
+            spec.to_str().unwrap(),
+            "--token",
+            "a-wrong-token-of-enough-length-0123456789",
+        ],
+        "true",
+    );
+    let (code, stderr) = ended(agent);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("401"), "{stderr}");
+    assert!(stderr.contains("--token"), "{stderr}");
+}

@@ -53,6 +53,9 @@ pub struct StartCondition {
 const MINIMAL: &[(&str, &str)] = &[("prefer", "return=minimal")];
 
 pub struct Api {
+    /// Set when the agent is told to stop: calls give up at this instant
+    /// (`--shutdown-timeout` after the signal) instead of retrying on.
+    pub give_up_at: std::sync::Arc<std::sync::OnceLock<tokio::time::Instant>>,
     /// The servers, tried in turn from `current`.
     endpoints: Vec<Endpoint>,
     current: std::sync::atomic::AtomicUsize,
@@ -140,6 +143,7 @@ impl Api {
             None => config.token.as_ref().map(|t| t.0.clone()),
         };
         Ok(Self {
+            give_up_at: Default::default(),
             endpoints: config
                 .server
                 .iter()
@@ -166,6 +170,18 @@ impl Api {
         use std::sync::atomic::Ordering;
         let mut backoff = BACKOFF_START;
         loop {
+            // Stopping: what is left of --shutdown-timeout bounds each try.
+            let left = self
+                .give_up_at
+                .get()
+                .map(|at| at.saturating_duration_since(tokio::time::Instant::now()));
+            if left == Some(Duration::ZERO) {
+                return Err(ApiError::Fatal(format!(
+                    "{method} {path}: the server did not take it within --shutdown-timeout; \
+                     the task is stopped, but the server may still show it running"
+                )));
+            }
+            let timeout = left.map_or(REQUEST_TIMEOUT, |l| l.min(REQUEST_TIMEOUT));
             let at = self.current.load(Ordering::Relaxed) % self.endpoints.len();
             let answer = self.endpoints[at]
                 .request(
@@ -176,7 +192,7 @@ impl Api {
                     // The agent reads nothing of a write's answer but its
                     // status: the small one will do.
                     if body.is_some() { MINIMAL } else { &[] },
-                    REQUEST_TIMEOUT,
+                    timeout,
                 )
                 .await;
             // Unreachable or unavailable (5xx): the next try goes to the
@@ -195,6 +211,21 @@ impl Api {
                     if status == 410 || code == "allocation_not_found" {
                         return Err(ApiError::Gone);
                     }
+                    if status == 401 {
+                        return Err(ApiError::Fatal(format!(
+                            "{method} {path}: 401 {code}: the server did not accept the \
+                             token; give an agent token with --token or TASKGATE_TOKEN, or \
+                             a file holding it with --token-file or TASKGATE_TOKEN_FILE"
+                        )));
+                    }
+                    if status == 403 {
+                        return Err(ApiError::Fatal(format!(
+                            "{method} {path}: 403 {code}: the token may not do this; the \
+                             agent needs a token of role agent or operator whose prefixes \
+                             cover allocation {:?} (the server's --token-file)",
+                            self.alloc
+                        )));
+                    }
                     if (400..500).contains(&status) && status != 409 && status != 429 {
                         return Err(ApiError::Fatal(format!(
                             "{method} {path}: {status} {code}: {}",
@@ -205,7 +236,10 @@ impl Api {
                 }
                 Err(e) => e,
             };
-            let sleep = backoff.mul_f64(0.5 + fastrand::f64());
+            let mut sleep = backoff.mul_f64(0.5 + fastrand::f64());
+            if let Some(at) = self.give_up_at.get() {
+                sleep = sleep.min(at.saturating_duration_since(tokio::time::Instant::now()));
+            }
             tracing::warn!(%problem, retry_in = ?sleep, "{method} {path} did not go through; retrying");
             tokio::time::sleep(sleep).await;
             backoff = (backoff * 2).min(BACKOFF_CAP);

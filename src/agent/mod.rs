@@ -97,6 +97,11 @@ pub struct AgentConfig {
     /// as a failure by its restart policy (default: no limit).
     #[arg(long, env = "TASKGATE_READY_TIMEOUT", value_parser = parse_duration)]
     pub ready_timeout: Option<Duration>,
+    /// On SIGTERM or SIGINT the agent stops its task at once and tries this
+    /// long to report it dead, then exits; a second signal exits at once
+    /// (killing the task's process group).
+    #[arg(long, env = "TASKGATE_SHUTDOWN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub shutdown_timeout: Duration,
     /// After SIGTERM to the task's process group, wait this long before SIGKILL.
     #[arg(long, env = "TASKGATE_KILL_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub kill_timeout: Duration,
@@ -144,6 +149,8 @@ struct Agent {
     /// What the last start condition said of how the allocation ended, for
     /// a poststop task's environment.
     outcome: Option<(String, Vec<String>)>,
+    /// The running command's process group (0: none), for a second signal.
+    running: std::sync::Arc<std::sync::atomic::AtomicU32>,
 }
 
 impl Agent {
@@ -182,7 +189,16 @@ impl Agent {
         if let Some(file) = self.config.register.clone() {
             self.api.register(&file).await?;
         }
-        let info = self.api.task(0).await?;
+        let info = match self.api.task(0).await {
+            Err(ApiError::Gone) => {
+                return Err(ApiError::Fatal(format!(
+                    "allocation {:?} does not exist on the server: check --alloc, or give \
+                     --register SPEC to create it",
+                    self.config.alloc
+                )));
+            }
+            other => other?,
+        };
         if info.readiness && self.probe.is_none() {
             return Err(ApiError::Fatal(format!(
                 "task {} declares readiness: give a probe, --ready-cmd CMD, --ready-http URL \
@@ -240,6 +256,7 @@ impl Agent {
                 return Ok(false);
             }
             if sc.allowed {
+                tracing::info!(task = %self.config.task, coordinator_state = %sc.coordinator_state, "the gate is open");
                 self.outcome = sc.outcome.map(|o| (o, sc.failed_tasks));
                 return Ok(true);
             }
@@ -275,6 +292,9 @@ impl Agent {
             }
         };
         let pid = child.pid();
+        self.running
+            .store(pid, std::sync::atomic::Ordering::Relaxed);
+        tracing::info!(task = %self.config.task, pid, "started");
         self.report(
             "running",
             false,
@@ -344,6 +364,24 @@ impl Agent {
             }
         };
         drop(probe);
+        self.running.store(0, std::sync::atomic::Ordering::Relaxed);
+        match &ended {
+            Ended::Exited(exit) => {
+                tracing::info!(task = %self.config.task, pid, how = %exit.describe(), "exited");
+            }
+            Ended::NotReadyInTime => {
+                tracing::info!(task = %self.config.task, pid, "not ready within --ready-timeout: stopping it");
+            }
+            Ended::StopOrder(reason) => {
+                tracing::info!(task = %self.config.task, pid, %reason, "told to stop: stopping it");
+            }
+            Ended::RestartOrder => {
+                tracing::info!(task = %self.config.task, pid, "told to restart: stopping it");
+            }
+            Ended::AgentStopping => {
+                tracing::info!(task = %self.config.task, pid, "the agent is stopping: stopping the task");
+            }
+        }
         match ended {
             Ended::Exited(exit) => self.exited(exit).await,
             Ended::NotReadyInTime => {
@@ -445,6 +483,7 @@ impl Agent {
             policy::Decision::After(delay) => {
                 self.report("pending", false, Some(terminated)).await?;
                 let shown = format!("{}ms", delay.as_millis());
+                tracing::info!(task = %self.config.task, delay = %shown, "restarting under the restart policy");
                 self.report(
                     "pending",
                     false,
@@ -464,6 +503,7 @@ impl Agent {
                 }
             }
             policy::Decision::No(reason) => {
+                tracing::info!(task = %self.config.task, failed, %reason, "not restarting");
                 self.report("dead", failed, Some(terminated)).await?;
                 self.report(
                     "dead",
@@ -494,6 +534,7 @@ impl Agent {
             self.learn(&t);
             if t.restart_generation > self.generation {
                 self.generation = t.restart_generation;
+                tracing::info!(task = %self.config.task, "told to restart: running it again");
                 return Ok(AfterDeath::Restart);
             }
             let own_poststop_done = self.stage == "poststop" && t.state == "dead";
@@ -526,10 +567,25 @@ pub async fn run(config: AgentConfig) -> i32 {
         }
     };
     let (stop_tx, stopping) = watch::channel(false);
+    let running = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let give_up_at = api.give_up_at.clone();
+    let shutdown_timeout = config.shutdown_timeout;
+    let group = running.clone();
     tokio::spawn(async move {
         crate::signals::terminated().await;
-        tracing::info!("stopping: the task will be stopped and reported dead");
+        tracing::info!(
+            "stopping: the task is stopped now and reported dead (for at most {shutdown_timeout:?}); \
+             a second signal exits at once"
+        );
+        let _ = give_up_at.set(tokio::time::Instant::now() + shutdown_timeout);
         let _ = stop_tx.send(true);
+        crate::signals::terminated().await;
+        let pid = group.load(std::sync::atomic::Ordering::Relaxed);
+        if pid != 0 {
+            process::kill_group(pid);
+        }
+        eprintln!("taskgate agent: a second signal: exiting now");
+        std::process::exit(130);
     });
     let policy = RestartPolicy {
         attempts: config.restart_attempts,
@@ -549,6 +605,7 @@ pub async fn run(config: AgentConfig) -> i32 {
         exit_code: 0,
         probe,
         outcome: None,
+        running,
     };
     match agent.run().await {
         Ok(code) => code,

@@ -80,6 +80,14 @@ pub fn spawn(command: &[String], env: &[(&str, String)]) -> std::io::Result<Chil
     Ok(Child { child, pid })
 }
 
+/// SIGKILL to the process group `pid` leads (the agent's way out on a
+/// second signal).
+pub fn kill_group(pid: u32) {
+    if let Ok(pid) = i32::try_from(pid) {
+        let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
+    }
+}
+
 /// A task the agent lets go of without stopping it (an error path, a
 /// panic) takes its whole process group with it, not only its first
 /// process: nothing of the workload outlives the agent that ran it.
