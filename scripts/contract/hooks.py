@@ -6,6 +6,9 @@ rejected"; this hook keeps such bodies out of generation:
 
 - the task names of a registration are unique (tests/hostile.rs covers
   duplicate names);
+- `readiness` only on a prestart sidecar or a main task, and `ready: true`
+  only with `state: running` (docs/lifecycle.md, Readiness; tests/api.rs
+  covers both 400s);
 - an event's size limits count UTF-8 bytes (the fields' descriptions say
   so: message 4 KiB, detail keys 128 bytes, values 1 KiB, the whole event
   8 KiB), while `maxLength` counts characters, so a string of multibyte
@@ -67,11 +70,53 @@ def events_fit(body):
     return True
 
 
-@schemathesis.hook
-def filter_body(ctx, body):
+def readiness_fits(task):
+    """A registered task declares readiness only where it means something."""
+    if not isinstance(task, dict) or task.get("readiness") is not True:
+        return True
+    lifecycle = task.get("lifecycle")
+    if lifecycle is None:
+        return True
+    return (
+        isinstance(lifecycle, dict)
+        and lifecycle.get("hook") == "prestart"
+        and lifecycle.get("sidecar") is True
+    )
+
+
+def ready_fits(report):
+    """`ready: true` goes with `running` only."""
+    if not isinstance(report, dict) or report.get("ready") is not True:
+        return True
+    return report.get("state") == "running"
+
+
+def readiness_rules_hold(body):
+    if not isinstance(body, dict):
+        return True
+    tasks = body.get("tasks")
+    if isinstance(tasks, list) and not all(readiness_fits(t) for t in tasks):
+        return False
+    if isinstance(tasks, dict) and not all(ready_fits(r) for r in tasks.values()):
+        return False
+    return ready_fits(body)
+
+
+def body_fits(body):
     if isinstance(body, dict) and isinstance(body.get("tasks"), list):
         names = [t.get("name") for t in body["tasks"] if isinstance(t, dict)]
         names = [n for n in names if isinstance(n, str)]
         if len(names) != len(set(names)):
             return False
-    return events_fit(body)
+    return readiness_rules_hold(body) and events_fit(body)
+
+
+@schemathesis.hook
+def filter_body(ctx, body):
+    return body_fits(body)
+
+
+# The coverage phase applies case hooks, not body hooks.
+@schemathesis.hook
+def filter_case(ctx, case):
+    return body_fits(case.body)
