@@ -1394,6 +1394,45 @@ async fn the_served_openapi_document_is_the_committed_one() {
     assert_eq!(served.body["openapi"], "3.1.0");
 }
 
+/// Tooling needs every operation named once, and the documented request
+/// examples must be requests the server takes: each one is sent, in the
+/// walkthrough's order, and answered with a 2xx.
+#[tokio::test]
+async fn operation_ids_are_unique_and_the_examples_are_accepted() {
+    let app = test_app().await;
+    let doc: Value = app.get("/openapi.json").await.body;
+    let mut ids = Vec::new();
+    for item in doc["paths"].as_object().unwrap().values() {
+        for op in item.as_object().unwrap().values() {
+            if let Some(id) = op.get("operationId") {
+                ids.push(id.as_str().unwrap().to_owned());
+            }
+        }
+    }
+    let mut unique = ids.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(ids.len(), unique.len(), "{ids:?}");
+    let example = |schema: &str| doc["components"]["schemas"][schema]["example"].clone();
+    for (method, uri, schema) in [
+        ("PUT", "/v1/allocations/ex1", "RegisterBody"),
+        ("POST", "/v1/allocations/ex1/task-states", "BatchBody"),
+        ("PUT", "/v1/allocations/ex1/tasks/web/state", "ReportBody"),
+        ("POST", "/v1/allocations/ex1/restore", "BatchBody"),
+        ("POST", "/v1/allocations/ex1/restart", "RestartBody"),
+    ] {
+        let body = example(schema);
+        assert!(body.is_object(), "{schema} has an example");
+        let a = app.call(method, uri, Some(body)).await;
+        assert!(
+            a.status.is_success(),
+            "{method} {uri}: {} {}",
+            a.status,
+            a.body
+        );
+    }
+}
+
 #[tokio::test]
 async fn the_openapi_document_names_every_error_code_of_the_contract() {
     let doc = taskgate::http::openapi::document();

@@ -31,7 +31,7 @@ pub const DEFAULT_RESTART_REASON: &str = "Restart requested through the API";
 /// A new allocation is evaluated at once with every task `pending`.
 /// Registering the same spec again is an idempotent success (200).
 #[utoipa::path(
-    put, path = "/v1/allocations/{alloc_id}", tag = "allocations",
+    put, path = "/v1/allocations/{alloc_id}", operation_id = "registerAllocation", tag = "allocations",
     params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
            ("Prefer" = Option<String>, Header, description = "`return=minimal` (RFC 7240): answer only the index and the coordinator state (and for a one-task report what the task is told), with `Preference-Applied: return=minimal`")),
     request_body = RegisterBody,
@@ -81,7 +81,7 @@ pub async fn register(
 /// is greater than N or `wait` elapses; either way it is a 200 with the
 /// current value.
 #[utoipa::path(
-    get, path = "/v1/allocations/{alloc_id}", tag = "allocations",
+    get, path = "/v1/allocations/{alloc_id}", operation_id = "getAllocation", tag = "allocations",
     params(
         ("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
         ("index" = Option<u64>, Query, minimum = 0, description = "Wait for a modify_index greater than this (0: answer at once)"),
@@ -120,7 +120,7 @@ pub async fn get(
 /// IDs in sorted order, filtered by prefix, paged with `per_page` and the
 /// token from `X-Taskgate-NextToken`.
 #[utoipa::path(
-    get, path = "/v1/allocations", tag = "allocations",
+    get, path = "/v1/allocations", operation_id = "listAllocations", tag = "allocations",
     params(
         ("prefix" = Option<String>, Query, description = "Only IDs starting with this"),
         ("per_page" = Option<usize>, Query, minimum = 1, maximum = 1000, description = "1 to 1000, default 100"),
@@ -150,7 +150,7 @@ pub async fn list(
 
 /// Deregister an allocation. Requests waiting on it end with 410.
 #[utoipa::path(
-    delete, path = "/v1/allocations/{alloc_id}", tag = "allocations",
+    delete, path = "/v1/allocations/{alloc_id}", operation_id = "deleteAllocation", tag = "allocations",
     params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$")),
     responses(
         (status = 204, description = "Deleted",
@@ -175,7 +175,7 @@ pub async fn delete(
 /// All reports are applied together, then the coordinator evaluates once.
 /// An unknown task or an invalid value rejects the whole request.
 #[utoipa::path(
-    post, path = "/v1/allocations/{alloc_id}/task-states", tag = "tasks",
+    post, path = "/v1/allocations/{alloc_id}/task-states", operation_id = "reportTaskStates", tag = "tasks",
     params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
            ("Prefer" = Option<String>, Header, description = "`return=minimal` (RFC 7240): answer only the index and the coordinator state (and for a one-task report what the task is told), with `Preference-Applied: return=minimal`")),
     request_body = BatchBody,
@@ -211,7 +211,7 @@ fn batch(
 /// Puts the coordinator in `prestart`, applies the states as reports, and
 /// evaluates until stable. For an owner that lost its coordinator.
 #[utoipa::path(
-    post, path = "/v1/allocations/{alloc_id}/restore", tag = "allocations",
+    post, path = "/v1/allocations/{alloc_id}/restore", operation_id = "restoreAllocation", tag = "allocations",
     params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
            ("Prefer" = Option<String>, Header, description = "`return=minimal` (RFC 7240): answer only the index and the coordinator state (and for a one-task report what the task is told), with `Preference-Applied: return=minimal`")),
     request_body = BatchBody,
@@ -241,7 +241,7 @@ pub async fn restore(
 /// an order (`restart_generation` + 1 and a "Restart Signaled" event); it
 /// does not change reported states.
 #[utoipa::path(
-    post, path = "/v1/allocations/{alloc_id}/restart", tag = "allocations",
+    post, path = "/v1/allocations/{alloc_id}/restart", operation_id = "restartAllocation", tag = "allocations",
     params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
            ("Prefer" = Option<String>, Header, description = "`return=minimal` (RFC 7240): answer only the index and the coordinator state (and for a one-task report what the task is told), with `Preference-Applied: return=minimal`")),
     request_body(content = RestartBody, description = "May be empty, meaning `{}`"),

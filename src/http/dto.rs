@@ -105,6 +105,13 @@ objects_only!(
 /// `PUT /v1/allocations/{alloc_id}`.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(remote = "Self", deny_unknown_fields)]
+#[schema(example = json!({"tasks": [
+    {"name": "init", "lifecycle": {"hook": "prestart"}},
+    {"name": "proxy", "lifecycle": {"hook": "prestart", "sidecar": true}, "readiness": true},
+    {"name": "web", "leader": true},
+    {"name": "announce", "lifecycle": {"hook": "poststart"}},
+    {"name": "cleanup", "lifecycle": {"hook": "poststop"}}
+]}))]
 pub struct RegisterBody {
     /// 1 to 256 tasks with unique names.
     #[schema(min_items = 1, max_items = 256)]
@@ -178,6 +185,8 @@ impl RegisterBody {
 /// `PUT .../tasks/{task}/state`, and each value of a batch.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(remote = "Self", deny_unknown_fields)]
+#[schema(example = json!({"state": "dead", "failed": true,
+    "event": {"type": "Terminated", "message": "Exit Code: 1", "details": {"exit_code": "1"}}}))]
 pub struct ReportBody {
     pub state: RunState,
     /// Only meaningful with `dead`: the task failed.
@@ -242,6 +251,7 @@ impl ReportBody {
 /// `POST .../task-states` and `POST .../restore`.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(remote = "Self", deny_unknown_fields)]
+#[schema(example = json!({"tasks": {"init": {"state": "dead"}, "proxy": {"state": "running", "ready": true}}}))]
 pub struct BatchBody {
     /// Task name to report; each task at most once.
     #[schema(value_type = BTreeMap<String, ReportBody>)]
@@ -279,6 +289,7 @@ impl BatchBody {
 /// task, `{"all_tasks": true}` every task and the coordinator.
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(remote = "Self", deny_unknown_fields)]
+#[schema(example = json!({"all_tasks": true, "reason": "new configuration"}))]
 pub struct RestartBody {
     /// Restart only this task; it must be running.
     #[serde(default)]

@@ -26,7 +26,7 @@ use super::{
 /// refuses writes. Never needs a token, and never carries an internal
 /// error's text.
 #[utoipa::path(
-    get, path = "/v1/health", tag = "service",
+    get, path = "/v1/health", operation_id = "getHealth", tag = "service",
     responses(
         (status = 200, description = "Serving: `ok`, or `degraded` with the problems of the store's background work", body = HealthView),
         (status = 503, description = "`starting` (the store is still loading), `shutting_down`, or `store_failed`: the store refuses writes, after a write it cannot vouch for (restart the server) or because its log reached its ceiling while checkpoints fail (writes resume once one succeeds); or `store_unavailable`: a replica on etcd cannot reach a quorum or has not caught up (it recovers by itself); the cause is in the server's log", body = Problem, content_type = "application/problem+json"),
@@ -81,7 +81,7 @@ pub async fn health(
 
 /// Metrics in the Prometheus text format.
 #[utoipa::path(
-    get, path = "/metrics", tag = "service",
+    get, path = "/metrics", operation_id = "getMetrics", tag = "service",
     responses((status = 200, description = "Prometheus text exposition", body = String, content_type = "text/plain"))
 )]
 pub async fn metrics(State(s): State<AppState>, _: ApiQuery<NoParams>) -> Response {
@@ -103,7 +103,7 @@ pub async fn metrics(State(s): State<AppState>, _: ApiQuery<NoParams>) -> Respon
 
 /// This OpenAPI document.
 #[utoipa::path(
-    get, path = "/openapi.json", tag = "service",
+    get, path = "/openapi.json", operation_id = "getOpenApiDocument", tag = "service",
     responses((status = 200, description = "The OpenAPI 3.1 document", body = Object))
 )]
 pub async fn openapi_json(State(s): State<AppState>, _: ApiQuery<NoParams>) -> Response {

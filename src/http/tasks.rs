@@ -20,7 +20,7 @@ use super::{
 /// watching for restart and stop orders is woken only by changes to its
 /// task (its state, its gate, its orders).
 #[utoipa::path(
-    get, path = "/v1/allocations/{alloc_id}/tasks/{task}", tag = "tasks",
+    get, path = "/v1/allocations/{alloc_id}/tasks/{task}", operation_id = "getTask", tag = "tasks",
     params(
         ("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
         ("task" = String, Path, description = "Task name", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
@@ -63,7 +63,7 @@ pub async fn get(
 /// first dies; going back to `pending` counts a restart. A report that
 /// changes nothing changes no index.
 #[utoipa::path(
-    put, path = "/v1/allocations/{alloc_id}/tasks/{task}/state", tag = "tasks",
+    put, path = "/v1/allocations/{alloc_id}/tasks/{task}/state", operation_id = "reportTaskState", tag = "tasks",
     params(
         ("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
         ("task" = String, Path, description = "Task name", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
@@ -100,7 +100,7 @@ pub async fn report(
 /// until one of those holds or `wait` elapses. A timeout is a 200 with
 /// `allowed: false`.
 #[utoipa::path(
-    get, path = "/v1/allocations/{alloc_id}/tasks/{task}/start-condition", tag = "tasks",
+    get, path = "/v1/allocations/{alloc_id}/tasks/{task}/start-condition", operation_id = "getStartCondition", tag = "tasks",
     params(
         ("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
         ("task" = String, Path, description = "Task name", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
