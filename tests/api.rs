@@ -946,7 +946,14 @@ async fn restart_errors() {
         )
         .await;
     not_running.assert_problem(409, "task_not_running");
-    assert_eq!(not_running.body["detail"], "task \"init\" is not running");
+    assert!(
+        not_running.body["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("task \"init\" is not running"),
+        "{}",
+        not_running.body
+    );
     assert!(not_running.header("x-taskgate-index").is_some());
     app.call(
         "POST",
@@ -1431,6 +1438,59 @@ async fn operation_ids_are_unique_and_the_examples_are_accepted() {
             a.body
         );
     }
+}
+
+/// Every problem's `type` leads to its code's entry on `GET /errors`, a
+/// page anyone may read; the errors an operator meets first say what to do.
+#[tokio::test]
+async fn errors_link_to_their_code_s_page_and_say_what_to_do_next() {
+    let app = test_app().await;
+    let page = app.get("/errors").await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert_eq!(
+        page.header("content-type"),
+        Some("text/html; charset=utf-8")
+    );
+    let html = String::from_utf8(page.raw).unwrap();
+    for (code, status, _) in taskgate::http::error::CODES {
+        assert!(
+            html.contains(&format!("id=\"{code}\"><h2><code>{code}</code> ({status})")),
+            "{code} has no section"
+        );
+    }
+    app.register_five("e1").await;
+    let a = report(&app, "e1", "nope", json!({"state": "running"})).await;
+    a.assert_problem(404, "task_not_found");
+    let detail = a.body["detail"].as_str().unwrap();
+    assert!(
+        detail.contains(r#""init", "proxy", "web", "announce", "cleanup""#),
+        "{detail}"
+    );
+    let a = app
+        .call(
+            "PUT",
+            "/v1/allocations/e1",
+            Some(json!({"tasks": [{"name": "other"}]})),
+        )
+        .await;
+    a.assert_problem(409, "allocation_exists");
+    assert!(
+        a.body["detail"]
+            .as_str()
+            .unwrap()
+            .contains("DELETE /v1/allocations/e1"),
+        "{}",
+        a.body
+    );
+    let a = app
+        .call(
+            "POST",
+            "/v1/allocations/e1/restart",
+            Some(json!({"task": "web"})),
+        )
+        .await;
+    a.assert_problem(409, "task_not_running");
+    assert!(a.body["detail"].as_str().unwrap().contains("all_tasks"));
 }
 
 #[tokio::test]

@@ -245,7 +245,7 @@ enum Need {
 
 fn need(method: &Method, route: &str, public_metrics: bool) -> Need {
     match route {
-        "/v1/health" | "/openapi.json" => Need::Nothing,
+        "/v1/health" | "/openapi.json" | "/errors" => Need::Nothing,
         r if r == "/docs" || r.starts_with("/docs/") => Need::Nothing,
         "/metrics" if public_metrics => Need::Nothing,
         "/metrics" => Need::AnyToken,

@@ -20,12 +20,139 @@ use super::INDEX_HEADER;
 /// Seconds a client is asked to wait before retrying a 503.
 pub const RETRY_AFTER_SECS: &str = "1";
 
+/// Every code a problem can carry: its status, what it means and what to
+/// do about it. `GET /errors` serves this table; each problem's `type` is
+/// `/errors#<code>`.
+pub const CODES: &[(&str, u16, &str)] = &[
+    (
+        "invalid_json",
+        400,
+        "The body is not the JSON the route takes: a syntax error, a wrong type, an unknown or missing field (named in `errors`). Fix the body; `GET /openapi.json` has every schema.",
+    ),
+    (
+        "invalid_request",
+        400,
+        "The request breaks a rule of the API: an invalid ID or task name, a cross-task rule of a spec (one leader, unique names, readiness only on prestart sidecars and main tasks), `ready: true` without `running`, a size limit, an unknown query parameter. `errors` names each broken rule and its field.",
+    ),
+    (
+        "unauthorized",
+        401,
+        "No token, or one the server does not know. Send `Authorization: Bearer <token>` with a token from the server's `--token-file`.",
+    ),
+    (
+        "forbidden",
+        403,
+        "The token's role or prefixes do not allow this: readers read, agents report within their prefixes, operators do everything. Use a token whose role and prefixes cover the allocation.",
+    ),
+    (
+        "not_found",
+        404,
+        "No such route. `GET /openapi.json` lists the routes.",
+    ),
+    (
+        "allocation_not_found",
+        404,
+        "No allocation has this ID. Check the ID (`GET /v1/allocations?prefix=` lists them) or register it (`PUT /v1/allocations/{id}`).",
+    ),
+    (
+        "task_not_found",
+        404,
+        "The allocation has no task of this name; `detail` lists the tasks it has.",
+    ),
+    (
+        "method_not_allowed",
+        405,
+        "The route exists but not with this method; the `Allow` header lists the methods it takes.",
+    ),
+    (
+        "allocation_exists",
+        409,
+        "The ID is registered with a different task spec (the same spec again is a 200). Delete the allocation first (`DELETE /v1/allocations/{id}`) or register the new spec under another ID.",
+    ),
+    (
+        "task_not_running",
+        409,
+        "Only a running task can be restarted alone. Restart it once it runs, or restart every task with `{\"all_tasks\": true}`.",
+    ),
+    (
+        "allocation_finished",
+        409,
+        "The coordinator is in `poststop`: nothing is left to restart. Register a new allocation to run the group again.",
+    ),
+    (
+        "allocation_deleted",
+        410,
+        "The allocation was deleted while the request waited on it. Stop acting on it.",
+    ),
+    (
+        "payload_too_large",
+        413,
+        "The body is larger than the server's limit (`--body-limit`). Send less: fewer tasks or smaller events.",
+    ),
+    (
+        "unsupported_media_type",
+        415,
+        "A body was sent without `Content-Type: application/json`.",
+    ),
+    (
+        "quota_exceeded",
+        429,
+        "A limit on the caller is reached: the server's `--max-allocations`, or the token's `max_allocations` or `max_waiters`. Delete allocations, or wait for waits to end (`Retry-After`).",
+    ),
+    (
+        "internal",
+        500,
+        "An error inside the server; the cause is in its log. Retry; report it if it persists.",
+    ),
+    (
+        "starting",
+        503,
+        "The server is still loading its store. Retry after `Retry-After`.",
+    ),
+    (
+        "shutting_down",
+        503,
+        "The server is stopping. Retry against another replica, or after it is back.",
+    ),
+    (
+        "too_many_waiters",
+        503,
+        "The server holds as many long-polls and blocking queries as it may (`--max-waiters`). Retry after `Retry-After`.",
+    ),
+    (
+        "too_many_connections",
+        503,
+        "The server has as many connections open as it may (`--max-connections`). Retry after `Retry-After`.",
+    ),
+    (
+        "timeout",
+        503,
+        "The change kept losing to concurrent changes of the same allocation and was not made. Retry after `Retry-After`.",
+    ),
+    (
+        "store_unavailable",
+        503,
+        "The store takes no writes for now: an etcd replica without a quorum, or a disk store whose log is at its ceiling or whose commit queue is full. It recovers by itself; `GET /v1/health` says why. Reads still work.",
+    ),
+    (
+        "store_failed",
+        503,
+        "The disk store refuses writes after a failure it cannot vouch for, or its log is at its ceiling while checkpoints fail. `GET /v1/health` says which; the server's log has the cause; a restart recovers from a failed write.",
+    ),
+];
+
+/// The `type` of a problem with this code: its entry on `GET /errors`.
+pub fn type_uri(code: &str) -> String {
+    format!("/errors#{code}")
+}
+
 /// An RFC 9457 problem document.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Problem {
-    /// Always `about:blank`: `code` carries the meaning.
-    #[schema(example = "about:blank")]
-    pub r#type: &'static str,
+    /// `/errors#<code>`: where this code is explained (a page the server
+    /// serves), relative to the server.
+    #[schema(example = "/errors#task_not_running")]
+    pub r#type: String,
     /// The HTTP status text.
     #[schema(example = "Conflict")]
     pub title: String,
@@ -216,7 +343,7 @@ impl ApiError {
     /// The problem+json body of this error.
     pub fn into_body(self) -> Vec<u8> {
         let problem = Problem {
-            r#type: "about:blank",
+            r#type: type_uri(self.code),
             title: self.status.canonical_reason().unwrap_or("Error").to_owned(),
             status: self.status.as_u16(),
             detail: self.detail,

@@ -154,6 +154,7 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
         .route("/v1/health", get(service::health))
         .route("/metrics", get(service::metrics))
         .route("/openapi.json", get(service::openapi_json))
+        .route("/errors", get(service::errors))
         .with_state(state);
     let docs: Router = SwaggerUi::new("/docs")
         .config(SwaggerConfig::new(["/openapi.json"]))

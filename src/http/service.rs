@@ -114,3 +114,52 @@ pub async fn openapi_json(State(s): State<AppState>, _: ApiQuery<NoParams>) -> R
     );
     res
 }
+
+/// The error codes, one section each: what `type` (`/errors#<code>`) of a
+/// problem points to. Plain HTML, no script, no outside resource.
+#[utoipa::path(
+    get, path = "/errors", operation_id = "getErrorCodes", tag = "service",
+    responses((status = 200, description = "Every problem code: its status, what it means, what to do", body = String, content_type = "text/html"))
+)]
+pub async fn errors(_: ApiQuery<NoParams>) -> Response {
+    let mut html = String::from(
+        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">\
+         <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
+         <title>taskgate: error codes</title></head><body>\
+         <h1>taskgate error codes</h1><p>Every error is <code>application/problem+json</code> \
+         with a stable <code>code</code>; its <code>type</code> links here.</p>",
+    );
+    for (code, status, text) in super::error::CODES {
+        html.push_str(&format!(
+            "<section id=\"{code}\"><h2><code>{code}</code> ({status})</h2><p>{}</p></section>",
+            escape(text)
+        ));
+    }
+    html.push_str("</body></html>");
+    let mut res = html.into_response();
+    res.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/html; charset=utf-8"),
+    );
+    res
+}
+
+/// Text as HTML, with `code spans` kept as code.
+fn escape(text: &str) -> String {
+    let plain = text
+        .replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;");
+    // Backticks open and close code spans, in turn.
+    let mut out = String::with_capacity(plain.len());
+    for (i, part) in plain.split('`').enumerate() {
+        if i % 2 == 1 {
+            out.push_str("<code>");
+            out.push_str(part);
+            out.push_str("</code>");
+        } else {
+            out.push_str(part);
+        }
+    }
+    out
+}

@@ -43,9 +43,15 @@ pub enum Step {
 /// Why a restart was refused. A refused restart changes nothing.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RestartError {
-    #[error("allocation has finished (coordinator is in poststop)")]
+    #[error(
+        "allocation has finished (coordinator is in poststop): nothing is left to restart; \
+         register a new allocation to run the group again"
+    )]
     AllocationFinished,
-    #[error("task \"{0}\" is not running")]
+    #[error(
+        "task \"{0}\" is not running, so it cannot be restarted alone; restart it once it \
+         runs, or restart every task with {{\"all_tasks\": true}}"
+    )]
     TaskNotRunning(TaskName),
 }
 

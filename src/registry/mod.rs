@@ -91,9 +91,17 @@ pub enum RestartTarget {
 pub enum RegistryError {
     #[error("allocation \"{0}\" not found")]
     AllocationNotFound(String),
-    #[error("task \"{task}\" not found in allocation \"{alloc}\"")]
-    TaskNotFound { alloc: String, task: String },
-    #[error("allocation \"{id}\" is already registered with a different task spec")]
+    #[error("task \"{task}\" not found in allocation \"{alloc}\"; its tasks are {tasks}")]
+    TaskNotFound {
+        alloc: String,
+        task: String,
+        /// The allocation's task names, quoted, comma-separated.
+        tasks: String,
+    },
+    #[error(
+        "allocation \"{id}\" is already registered with a different task spec; delete it \
+         first (DELETE /v1/allocations/{id}) or register the new spec under another ID"
+    )]
     AllocationExists { id: AllocId, index: u64 },
     #[error("{error}")]
     RestartRefused { error: RestartError, index: u64 },
@@ -111,6 +119,23 @@ pub enum RegistryError {
     Contended(String),
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+impl RegistryError {
+    /// `TaskNotFound` for `task` in `a`, listing the tasks it has.
+    pub fn task_not_found(a: &Allocation, task: &str) -> Self {
+        let tasks: Vec<String> = a
+            .spec
+            .tasks()
+            .iter()
+            .map(|t| format!("\"{}\"", t.name))
+            .collect();
+        Self::TaskNotFound {
+            alloc: a.id.to_string(),
+            task: task.to_owned(),
+            tasks: tasks.join(", "),
+        }
+    }
 }
 
 /// A cheap-to-clone handle on all allocations.
@@ -605,12 +630,9 @@ impl Registry {
         reports
             .into_iter()
             .map(|(name, r)| {
-                a.position(name.as_str()).map(|i| (i, r)).ok_or_else(|| {
-                    RegistryError::TaskNotFound {
-                        alloc: a.id.to_string(),
-                        task: name.to_string(),
-                    }
-                })
+                a.position(name.as_str())
+                    .map(|i| (i, r))
+                    .ok_or_else(|| RegistryError::task_not_found(a, name.as_str()))
             })
             .collect()
     }
@@ -681,14 +703,10 @@ impl Registry {
             id,
             |a, next_index| {
                 let mode = match &target {
-                    RestartTarget::Task(name) => {
-                        RestartMode::Task(a.position(name.as_str()).ok_or_else(|| {
-                            RegistryError::TaskNotFound {
-                                alloc: a.id.to_string(),
-                                task: name.to_string(),
-                            }
-                        })?)
-                    }
+                    RestartTarget::Task(name) => RestartMode::Task(
+                        a.position(name.as_str())
+                            .ok_or_else(|| RegistryError::task_not_found(a, name.as_str()))?,
+                    ),
                     RestartTarget::Running => RestartMode::Running,
                     RestartTarget::AllTasks => RestartMode::AllTasks,
                 };

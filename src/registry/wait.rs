@@ -85,10 +85,8 @@ impl Registry {
 
     /// Position of a task in a committed record, or `TaskNotFound`.
     pub fn task_position(&self, a: &Allocation, task: &str) -> Result<usize, RegistryError> {
-        a.position(task).ok_or_else(|| RegistryError::TaskNotFound {
-            alloc: a.id.to_string(),
-            task: task.to_owned(),
-        })
+        a.position(task)
+            .ok_or_else(|| RegistryError::task_not_found(a, task))
     }
 
     /// Blocking query on one task: until the task's `modify_index` > `index`.

@@ -74,7 +74,7 @@ impl Answer {
         );
         assert_eq!(self.body["code"], code, "body: {}", self.body);
         assert_eq!(self.body["status"], status);
-        assert_eq!(self.body["type"], "about:blank");
+        assert_eq!(self.body["type"], format!("/errors#{code}"));
         assert!(self.body["title"].is_string());
         assert!(self.body["detail"].is_string());
     }
