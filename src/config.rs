@@ -109,8 +109,9 @@ impl EtcdArgs {
 
 #[derive(Debug, Clone, Args)]
 pub struct ServeConfig {
-    /// Address to listen on (host:port; port 0 picks a free one).
-    #[arg(long, env = "TASKGATE_LISTEN", default_value = "127.0.0.1:8080")]
+    /// Address to listen on: HOST:PORT (a host name such as `localhost`
+    /// too), or `:PORT` for every interface; port 0 picks a free one.
+    #[arg(long, env = "TASKGATE_LISTEN", default_value = "127.0.0.1:8080", value_parser = crate::units::parse_listen)]
     pub listen: SocketAddr,
 
     /// Directory of the embedded store (a snapshot and its log). Created

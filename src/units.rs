@@ -1,5 +1,5 @@
 //! Units on the command line and in query parameters: durations
-//! (`500ms`, `30s`, `1m30s`) and sizes (`64MiB`). Used by every
+//! (`500ms`, `30s`, `1m30s`), sizes (`64MiB`) and listen addresses. Used by every
 //! subcommand's arguments and by the HTTP layer; depends on nothing.
 
 use std::time::Duration;
@@ -81,6 +81,38 @@ pub fn byte_size(s: &str) -> Result<u64, String> {
     }
 }
 
+/// A listen address as operators write it: `127.0.0.1:8080`,
+/// `[::1]:8080`, a host name (`localhost:8080`, its first address), or
+/// `:8080` for every interface.
+pub fn parse_listen(s: &str) -> Result<std::net::SocketAddr, String> {
+    use std::net::{SocketAddr, ToSocketAddrs};
+    if let Ok(addr) = s.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    if let Some(port) = s.strip_prefix(':') {
+        let port: u16 = port
+            .parse()
+            .map_err(|_| format!("{s:?}: expected HOST:PORT or :PORT"))?;
+        return Ok(SocketAddr::from(([0, 0, 0, 0], port)));
+    }
+    if !s.contains(':') {
+        return Err(format!(
+            "{s:?}: expected HOST:PORT or :PORT (the port is required)"
+        ));
+    }
+    let mut addrs: Vec<SocketAddr> = s
+        .to_socket_addrs()
+        .map_err(|e| format!("{s:?}: {e}"))?
+        .collect();
+    // `localhost` is both 127.0.0.1 and ::1: take IPv4 first, as clients
+    // that try `localhost:PORT` usually do.
+    addrs.sort_by_key(|a| !a.is_ipv4());
+    addrs
+        .into_iter()
+        .next()
+        .ok_or_else(|| format!("{s:?}: the name has no address"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -106,5 +138,21 @@ mod tests {
             parse_duration("30").unwrap_err(),
             "\"30\" needs a unit (ms, s, m or h)"
         );
+    }
+
+    #[test]
+    fn listen_addresses_as_operators_write_them() {
+        use std::net::SocketAddr;
+        let a = |s: &str| parse_listen(s).unwrap();
+        assert_eq!(
+            a("127.0.0.1:8080"),
+            SocketAddr::from(([127, 0, 0, 1], 8080))
+        );
+        assert_eq!(a(":8080"), SocketAddr::from(([0, 0, 0, 0], 8080)));
+        assert_eq!(a("[::1]:9"), "[::1]:9".parse::<SocketAddr>().unwrap());
+        let local = a("localhost:8080");
+        assert!(local.ip().is_loopback() && local.port() == 8080, "{local}");
+        assert!(parse_listen("localhost").unwrap_err().contains("port"));
+        assert!(parse_listen(":http").is_err());
     }
 }
