@@ -288,6 +288,7 @@ fn registry_config(config: &ServeConfig, metrics: Arc<Metrics>) -> RegistryConfi
         max_waiters: config.max_waiters,
         max_allocations: config.max_allocations,
         metrics,
+        timeline_events: config.timeline_events,
     }
 }
 

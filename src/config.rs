@@ -216,6 +216,11 @@ pub struct ServeConfig {
     #[arg(long, env = "TASKGATE_MAX_ALLOCATIONS", default_value_t = crate::registry::DEFAULT_MAX_ALLOCATIONS)]
     pub max_allocations: usize,
 
+    /// Entries each allocation's timeline keeps in memory (its server's
+    /// decisions and its agents' events; `GET .../events`); 0 keeps none.
+    #[arg(long, env = "TASKGATE_TIMELINE_EVENTS", default_value_t = crate::registry::DEFAULT_TIMELINE_EVENTS)]
+    pub timeline_events: usize,
+
     /// Client connections open at once; one more is answered 503
     /// `too_many_connections` and closed, not left unanswered.
     #[arg(long, env = "TASKGATE_MAX_CONNECTIONS", default_value_t = 20_000)]
@@ -277,6 +282,7 @@ impl ServeConfig {
             max_waiters: 100_000,
             max_waiters_per_token: crate::http::auth::DEFAULT_MAX_WAITERS_PER_TOKEN,
             max_allocations: crate::registry::DEFAULT_MAX_ALLOCATIONS,
+            timeline_events: crate::registry::DEFAULT_TIMELINE_EVENTS,
             max_connections: 20_000,
             shutdown_grace: Duration::from_secs(10),
             tls_cert: None,

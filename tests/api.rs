@@ -1911,3 +1911,129 @@ async fn every_write_honours_return_minimal() {
     assert_eq!(err.body["code"], "task_not_found");
     assert_eq!(err.header("preference-applied"), None);
 }
+
+// ---- the timeline ----
+
+fn timeline_types(a: &common::Answer) -> Vec<String> {
+    a.body["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let task = e["task"]
+                .as_str()
+                .map(|t| format!(" {t}"))
+                .unwrap_or_default();
+            format!("{}{task}", e["type"].as_str().unwrap())
+        })
+        .collect()
+}
+
+/// The server records its own decisions next to the agents' events, in
+/// index order.
+#[tokio::test]
+async fn the_timeline_shows_the_server_s_decisions_and_the_agents_events() {
+    let app = test_app().await;
+    app.register_five("t1").await;
+    app.call(
+        "POST",
+        "/v1/allocations/t1/task-states",
+        Some(json!({"tasks": {"init": {"state": "dead", "event": {"type": "Terminated", "message": "Exit Code: 0"}},
+                              "proxy": {"state": "running"}}})),
+    )
+    .await;
+    let failed = report(
+        &app,
+        "t1",
+        "web",
+        json!({"state": "dead", "failed": true, "event": {"type": "Terminated", "message": "Exit Code: 3", "details": {"exit_code": "3"}}}),
+    )
+    .await;
+    app.call(
+        "POST",
+        "/v1/allocations/t1/restart",
+        Some(json!({"all_tasks": true, "reason": "new config"})),
+    )
+    .await;
+    let t = app.get("/v1/allocations/t1/events").await;
+    assert_eq!(t.status, StatusCode::OK);
+    assert_eq!(t.body["alloc_id"], "t1");
+    assert_eq!(
+        timeline_types(&t),
+        [
+            "Registered",
+            "Coordinator",
+            "Terminated init",
+            "Task State init",
+            "Task State proxy",
+            "Coordinator",
+            "Terminated web",
+            "Task State web",
+            "Stop Order",
+            "Coordinator",
+            "Restart Order",
+            "Coordinator"
+        ],
+        "{}",
+        t.body
+    );
+    let events = t.body["events"].as_array().unwrap();
+    let indexes: Vec<u64> = events
+        .iter()
+        .map(|e| e["index"].as_u64().unwrap())
+        .collect();
+    assert!(indexes.windows(2).all(|w| w[0] <= w[1]), "{indexes:?}");
+    assert_eq!(
+        events[1]["details"],
+        json!({"from": "init", "to": "prestart"})
+    );
+    assert_eq!(events[6]["details"]["source"], "agent");
+    assert_eq!(events[6]["details"]["exit_code"], "3");
+    assert_eq!(events[7]["index"], failed.index());
+    assert_eq!(
+        events[8]["details"],
+        json!({"reason": "Sibling Task Failed", "task": "web"})
+    );
+    assert_eq!(
+        events[9]["details"],
+        json!({"from": "main", "to": "poststart"})
+    );
+    assert_eq!(events[10]["details"]["mode"], "all_tasks");
+    assert_eq!(events[10]["details"]["reason"], "new config");
+    assert_eq!(events[10]["details"]["tasks"], "init,proxy,web");
+    assert_eq!(events[11]["details"]["to"], "init");
+}
+
+#[tokio::test]
+async fn the_timeline_is_a_bounded_blocking_query() {
+    let app = test_app_with(
+        RegistryConfig {
+            timeline_events: 3,
+            ..RegistryConfig::default()
+        },
+        HttpConfig::default(),
+    )
+    .await;
+    let reg = app.register_five("t2").await;
+    for state in ["running", "dead"] {
+        report(&app, "t2", "init", json!({"state": state})).await;
+    }
+    let t = app.get("/v1/allocations/t2/events").await;
+    assert_eq!(t.body["events"].as_array().unwrap().len(), 3, "{}", t.body);
+    assert_eq!(
+        timeline_types(&t),
+        ["Coordinator", "Task State init", "Task State init"],
+        "the newest kept"
+    );
+    // A blocking query from an older index answers at once with the
+    // current timeline (and from the current one it parks, as the other
+    // blocking queries do).
+    let uri = format!("/v1/allocations/t2/events?index={}&wait=5m", reg.index());
+    let waited = app.get(&uri).await;
+    assert_eq!(waited.index(), t.index());
+    assert_eq!(waited.body, t.body);
+    app.call("DELETE", "/v1/allocations/t2", None).await;
+    app.get("/v1/allocations/t2/events")
+        .await
+        .assert_problem(404, "allocation_not_found");
+}

@@ -16,7 +16,7 @@ use super::{
     indexed,
     params::{BlockingParams, ListParams},
     prefer::{MinimalView, Prefer, WriteView, minimal, written},
-    views::{AllocationView, ListItem, RestartView},
+    views::{AllocationView, ListItem, RestartView, TimelineView},
 };
 use crate::{
     lifecycle::{FieldError, TaskName},
@@ -112,6 +112,48 @@ pub async fn get(
         StatusCode::OK,
         a.modify_index,
         &AllocationView::new(&a),
+    ))
+}
+
+/// The allocation's timeline (blocking query).
+///
+/// The server's decisions — registration, coordinator transitions, task
+/// state changes, stop and restart orders, restores — next to the agents'
+/// events, oldest first, the last `--timeline-events` (default 64). Kept
+/// in memory: a restarted server starts each timeline afresh.
+#[utoipa::path(
+    get, path = "/v1/allocations/{alloc_id}/events", operation_id = "getAllocationTimeline", tag = "allocations",
+    params(
+        ("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
+        ("index" = Option<u64>, Query, minimum = 0, description = "Wait for a modify_index greater than this (0: answer at once)"),
+        ("wait" = Option<String>, Query, pattern = "^([0-9]+(\\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$", description = "Longest wait, with a unit (`500ms`, `30s`, `5m`); default 30s, capped at 300s, plus up to wait/16 jitter"),
+    ),
+    responses(
+        (status = 200, description = "The timeline", body = TimelineView,
+         headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
+        (status = 404, description = "`allocation_not_found`", body = Problem, content_type = "application/problem+json"),
+        (status = 410, description = "`allocation_deleted`: deleted while the request waited", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "`too_many_waiters`, `shutting_down`, or `starting` (the store is still loading)", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
+    )
+)]
+pub async fn timeline(
+    State(s): State<AppState>,
+    AllocPath(id): AllocPath,
+    ApiQuery(q): ApiQuery<BlockingParams>,
+) -> Result<Response, ApiError> {
+    let a = if q.index == 0 {
+        s.registry.get(id.as_str())?
+    } else {
+        s.registry
+            .wait_alloc(id.as_str(), q.index, s.wait_time(q.wait))
+            .await?
+    };
+    let entries = s.registry.timeline(&a);
+    Ok(indexed(
+        StatusCode::OK,
+        a.modify_index,
+        &TimelineView::new(&a, &entries),
     ))
 }
 

@@ -155,6 +155,10 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
         .route("/metrics", get(service::metrics))
         .route("/openapi.json", get(service::openapi_json))
         .route("/errors", get(service::errors))
+        .route(
+            "/v1/allocations/{alloc_id}/events",
+            get(allocations::timeline),
+        )
         .with_state(state);
     let docs: Router = SwaggerUi::new("/docs")
         .config(SwaggerConfig::new(["/openapi.json"]))

@@ -292,3 +292,127 @@ impl ListItem {
         }
     }
 }
+
+/// `GET /v1/allocations/{alloc_id}/events`: the allocation's timeline.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TimelineView {
+    pub alloc_id: String,
+    /// Oldest first: the last `--timeline-events` (default 64).
+    pub events: Vec<TimelineEventView>,
+}
+
+/// One entry of a timeline: a decision of the server (`Registered`,
+/// `Coordinator`, `Task State`, `Stop Order`, `Restart Order`, `Restored`)
+/// or an agent's event (its own type, `"source": "agent"` in `details`).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TimelineEventView {
+    /// The index of the change that made it.
+    pub index: u64,
+    #[serde(with = "time::serde::rfc3339")]
+    pub time: OffsetDateTime,
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The task it concerns, if one.
+    pub task: Option<String>,
+    pub message: String,
+    #[schema(value_type = std::collections::BTreeMap<String, String>)]
+    pub details: std::collections::BTreeMap<String, String>,
+}
+
+impl TimelineView {
+    pub fn new(a: &Allocation, entries: &[crate::registry::timeline::Entry]) -> Self {
+        use crate::registry::timeline::What;
+        let name = |i: u16| {
+            a.spec
+                .tasks()
+                .get(usize::from(i))
+                .map(|t| t.name.to_string())
+        };
+        let events = entries
+            .iter()
+            .map(|e| {
+                let mut details = std::collections::BTreeMap::new();
+                let (kind, task, message) = match &e.what {
+                    What::Registered => (
+                        "Registered".to_owned(),
+                        None,
+                        format!("registered with {} tasks", a.tasks.len()),
+                    ),
+                    What::Coordinator { from, to } => {
+                        details.insert("from".to_owned(), from.to_string());
+                        details.insert("to".to_owned(), to.to_string());
+                        ("Coordinator".to_owned(), None, format!("{from} → {to}"))
+                    }
+                    What::TaskState {
+                        task,
+                        state,
+                        failed,
+                        ready,
+                    } => {
+                        details.insert("state".to_owned(), state.to_string());
+                        details.insert("failed".to_owned(), failed.to_string());
+                        details.insert("ready".to_owned(), ready.to_string());
+                        let how = match (state, failed, ready) {
+                            (RunState::Dead, true, _) => "dead (failed)".to_owned(),
+                            (RunState::Running, _, true) => "running (ready)".to_owned(),
+                            _ => state.to_string(),
+                        };
+                        ("Task State".to_owned(), name(*task), how)
+                    }
+                    What::StopOrder { reason, named } => {
+                        details.insert("reason".to_owned(), reason.to_string());
+                        let named = named.and_then(name);
+                        if let Some(t) = &named {
+                            details.insert("task".to_owned(), t.clone());
+                        }
+                        let message = match &named {
+                            Some(t) => format!("every task is told to stop: {reason} ({t})"),
+                            None => format!("every task is told to stop: {reason}"),
+                        };
+                        ("Stop Order".to_owned(), None, message)
+                    }
+                    What::RestartOrder { tasks, event } => {
+                        let names: Vec<String> = (0..64u16)
+                            .filter(|i| tasks & (1 << i) != 0)
+                            .filter_map(name)
+                            .collect();
+                        details.insert("tasks".to_owned(), names.join(","));
+                        if let Some(mode) = event.details.get("mode") {
+                            details.insert("mode".to_owned(), mode.to_owned());
+                        }
+                        details.insert("reason".to_owned(), event.message.clone());
+                        (
+                            "Restart Order".to_owned(),
+                            None,
+                            format!("told to restart: {}", names.join(", ")),
+                        )
+                    }
+                    What::Restored => (
+                        "Restored".to_owned(),
+                        None,
+                        "the coordinator was restored from known task states".to_owned(),
+                    ),
+                    What::Agent { task, event } => {
+                        for (k, v) in event.details.iter() {
+                            details.insert(k.to_owned(), v.to_owned());
+                        }
+                        details.insert("source".to_owned(), "agent".to_owned());
+                        (event.kind.clone(), name(*task), event.message.clone())
+                    }
+                };
+                TimelineEventView {
+                    index: e.index,
+                    time: e.time,
+                    kind,
+                    task,
+                    message,
+                    details,
+                }
+            })
+            .collect();
+        Self {
+            alloc_id: a.id.to_string(),
+            events,
+        }
+    }
+}

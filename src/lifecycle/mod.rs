@@ -34,7 +34,7 @@ mod orders;
 mod spec;
 mod task;
 
-pub use alloc::{Allocation, RestartError, RestartMode, Step};
+pub use alloc::{Allocation, RESTART_EVENT, RestartError, RestartMode, Step};
 pub use coordinator::{
     CoordState, WaitFor, evaluate, gates, next_state, wait_for, waiting, waiting_on,
 };

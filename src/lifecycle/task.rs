@@ -136,6 +136,29 @@ impl Events {
         self.iter().next_back()
     }
 
+    /// The events of this history that `prev`, an earlier version of it,
+    /// did not have (versions share their events, so this compares
+    /// pointers), oldest first.
+    pub fn added_since(&self, prev: &Events) -> Vec<Arc<Event>> {
+        let now = self.0.as_deref().unwrap_or_default();
+        let before = prev.0.as_deref().unwrap_or_default();
+        now.iter()
+            .filter(|e| !before.iter().any(|b| Arc::ptr_eq(b, e)))
+            .cloned()
+            .collect()
+    }
+
+    /// The newest event of this type, shared.
+    pub fn shared_last_of(&self, kind: &str) -> Option<Arc<Event>> {
+        self.0
+            .as_deref()
+            .unwrap_or_default()
+            .iter()
+            .rev()
+            .find(|e| e.kind == kind)
+            .cloned()
+    }
+
     /// Appends an event, dropping the oldest beyond `MAX_EVENTS`.
     pub fn push(&mut self, event: Event) {
         let old = self.0.as_deref().unwrap_or_default();

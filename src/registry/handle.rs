@@ -1,9 +1,10 @@
 //! One allocation's runtime handle.
 
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use tokio::sync::{Notify, Semaphore};
 
+use super::timeline::{self, Timeline};
 use crate::lifecycle::{AllocId, Allocation};
 
 /// What a handle publishes.
@@ -35,6 +36,9 @@ pub(crate) struct Handle {
     slot: RwLock<Slot>,
     /// Woken after every change of `slot` (see `wait_for`).
     changed: Notify,
+    /// The allocation's recent history (`timeline.rs`); written with each
+    /// publication, before the waiters are woken.
+    timeline: Mutex<Timeline>,
 }
 
 /// IDs up to this many bytes (a UUID's 36 fit) are kept in the handle's
@@ -90,6 +94,7 @@ impl Handle {
             write: Semaphore::new(1),
             slot: RwLock::new(slot),
             changed: Notify::new(),
+            timeline: Mutex::new(Timeline::default()),
         }
     }
 
@@ -129,6 +134,35 @@ impl Handle {
             Slot::Live(a) => Some(a),
             Slot::Creating | Slot::Deleted => None,
         }
+    }
+
+    /// Publishes a committed version of the record, its timeline entries
+    /// (from `prev`, the version before, or none for a new allocation)
+    /// first, then wakes every waiter.
+    pub(crate) fn publish_live(
+        &self,
+        prev: Option<&Allocation>,
+        next: Arc<Allocation>,
+        limit: usize,
+    ) {
+        if limit > 0 {
+            let entries = timeline::entries(prev, &next);
+            self.timeline
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .extend(entries, limit);
+        }
+        self.publish(Slot::Live(next));
+    }
+
+    /// The timeline's entries, oldest first.
+    pub(crate) fn timeline(&self) -> Vec<timeline::Entry> {
+        self.timeline
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entries()
+            .cloned()
+            .collect()
     }
 
     /// Publishes a committed change and wakes every waiter on this handle.

@@ -11,6 +11,7 @@
 
 mod handle;
 mod shared;
+pub mod timeline;
 mod wait;
 
 use std::{
@@ -46,7 +47,12 @@ pub struct RegistryConfig {
     pub max_allocations: usize,
     /// Where transitions, reports, restarts and stop orders are counted.
     pub metrics: Arc<Metrics>,
+    /// Entries each allocation's timeline keeps (0: none).
+    pub timeline_events: usize,
 }
+
+/// Entries an allocation's timeline keeps by default.
+pub const DEFAULT_TIMELINE_EVENTS: usize = 64;
 
 impl Default for RegistryConfig {
     fn default() -> Self {
@@ -55,6 +61,7 @@ impl Default for RegistryConfig {
             max_waiters: 100_000,
             max_allocations: DEFAULT_MAX_ALLOCATIONS,
             metrics: Arc::new(Metrics::new()),
+            timeline_events: DEFAULT_TIMELINE_EVENTS,
         }
     }
 }
@@ -317,6 +324,17 @@ impl Registry {
             .ok_or_else(|| RegistryError::AllocationNotFound(id.to_owned()))
     }
 
+    /// The allocation's timeline as of `a` (a version of it the caller
+    /// holds): entries up to its index, oldest first.
+    pub fn timeline(&self, a: &Allocation) -> Vec<timeline::Entry> {
+        let Ok(handle) = self.handle(a.id.as_str()) else {
+            return Vec::new();
+        };
+        let mut entries = handle.timeline();
+        entries.retain(|e| e.index <= a.modify_index);
+        entries
+    }
+
     /// One page of allocations whose ID starts with `prefix`, in ID order,
     /// from `start` (inclusive) on. Returns the ID that starts the next page.
     pub fn list(
@@ -405,7 +423,11 @@ impl Registry {
                     return self
                         .commit_then(write, Op::Put(a), move |committed| match committed {
                             Ok(()) => {
-                                handle.publish(Slot::Live(published.clone()));
+                                handle.publish_live(
+                                    None,
+                                    published.clone(),
+                                    registry.shared.config.timeline_events,
+                                );
                                 let a = &published;
                                 tracing::info!(alloc = %a.id, state = %a.state, tasks = a.tasks.len(), "allocation registered");
                                 if a.state != CoordState::Init {
@@ -564,7 +586,11 @@ impl Registry {
         let registry = self.clone();
         self.commit_then(write, Op::Put(next.clone()), move |committed| {
             committed?;
-            handle.publish(Slot::Live(published.clone()));
+            handle.publish_live(
+                Some(&current),
+                published.clone(),
+                registry.shared.config.timeline_events,
+            );
             registry.observe(&current, &published);
             counted(&registry.shared.config.metrics);
             Ok(())

@@ -290,21 +290,35 @@ impl Shared {
 
     /// Publishes a record the store committed (under the map's lock, so a
     /// registration's cleanup never removes a handle made live here).
-    fn put(&self, map: &mut super::AllocMap, mut a: Allocation) {
+    /// `recorded`: a change followed one by one (its timeline entries are
+    /// kept), not a listing.
+    fn put(&self, map: &mut super::AllocMap, mut a: Allocation, recorded: bool) {
         a.spec = self
             .specs
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .share(a.spec);
         let a = Arc::new(a);
+        let limit = if recorded {
+            self.config.timeline_events
+        } else {
+            0
+        };
         match map.get(a.id.as_str()) {
             Some(handle) => {
-                let same = matches!(handle.slot_now(), Slot::Live(ref now) if now.modify_index == a.modify_index);
+                let now = handle.current();
+                let same = now
+                    .as_ref()
+                    .is_some_and(|now| now.modify_index == a.modify_index);
                 if !same {
-                    handle.publish(Slot::Live(a));
+                    handle.publish_live(now.as_deref(), a, limit);
                 }
             }
-            None => map.insert(a.id.clone(), Arc::new(Handle::live(a))),
+            None => {
+                let handle = Arc::new(Handle::creating(&a.id));
+                handle.publish_live(None, a.clone(), limit);
+                map.insert(a.id.clone(), handle);
+            }
         }
     }
 
@@ -334,7 +348,7 @@ impl Follower for Shared {
             let mut map = self.write_map();
             for change in changes {
                 match change {
-                    Change::Put(a) => self.put(&mut map, a),
+                    Change::Put(a) => self.put(&mut map, a, true),
                     Change::Delete { id, .. } => Self::gone(&mut map, id.as_str()),
                 }
             }
@@ -355,7 +369,7 @@ impl Follower for Shared {
         }
         let changed = loaded.allocations.len();
         for a in loaded.allocations {
-            self.put(&mut map, a);
+            self.put(&mut map, a, false);
         }
         drop(map);
         tracing::info!(

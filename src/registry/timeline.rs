@@ -1,0 +1,316 @@
+//! Each allocation's timeline: the server's own decisions (registration,
+//! coordinator transitions, task state changes, stop and restart orders,
+//! restores) next to the agents' events, in index order, the last
+//! `--timeline-events` of them.
+//!
+//! Entries are derived from two successive versions of the record, so
+//! every store and every replica keeps the same timeline from the changes
+//! it publishes, with no extra write. They are kept compactly (states as
+//! bytes, task positions, an agent's event shared with the record, not
+//! copied) and written out as JSON only when asked for. The timeline lives
+//! in memory: a restarted server starts each allocation's timeline afresh.
+
+use std::{collections::VecDeque, sync::Arc};
+
+use crate::lifecycle::{
+    Allocation, CoordState, Desired, Event, RESTART_EVENT, RunState, StopKind, Timestamp,
+};
+
+/// What happened, compactly; tasks are positions in the allocation's spec.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum What {
+    Registered,
+    Coordinator {
+        from: CoordState,
+        to: CoordState,
+    },
+    TaskState {
+        task: u16,
+        state: RunState,
+        failed: bool,
+        ready: bool,
+    },
+    StopOrder {
+        reason: StopKind,
+        named: Option<u16>,
+    },
+    /// `tasks`: bit i for task i (tasks past 64 are not listed); the
+    /// "Restart Signaled" event carries the mode and the reason.
+    RestartOrder {
+        tasks: u64,
+        event: Arc<Event>,
+    },
+    Restored,
+    /// An event the task's agent sent.
+    Agent {
+        task: u16,
+        event: Arc<Event>,
+    },
+}
+
+/// One entry: the index of the change that made it, and when.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub index: u64,
+    pub time: Timestamp,
+    pub what: What,
+}
+
+/// The bounded timeline of one allocation.
+#[derive(Debug, Default)]
+pub struct Timeline {
+    entries: VecDeque<Entry>,
+}
+
+impl Timeline {
+    /// Appends, dropping the oldest beyond `limit`.
+    pub fn extend(&mut self, new: Vec<Entry>, limit: usize) {
+        if limit == 0 {
+            return;
+        }
+        for e in new {
+            if self.entries.len() == limit {
+                self.entries.pop_front();
+            }
+            self.entries.push_back(e);
+        }
+    }
+
+    pub fn entries(&self) -> impl Iterator<Item = &Entry> {
+        self.entries.iter()
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+fn pos(i: usize) -> u16 {
+    u16::try_from(i).unwrap_or(u16::MAX)
+}
+
+/// The entries one published change makes: `prev` is the version before
+/// (`None` for a registration), `next` the one published.
+pub fn entries(prev: Option<&Allocation>, next: &Allocation) -> Vec<Entry> {
+    let mut out = Vec::new();
+    let at = |what| Entry {
+        index: next.modify_index,
+        time: next.modified_at,
+        what,
+    };
+    let Some(prev) = prev else {
+        out.push(Entry {
+            index: next.create_index,
+            time: next.created_at,
+            what: What::Registered,
+        });
+        if next.state != CoordState::Init {
+            out.push(at(What::Coordinator {
+                from: CoordState::Init,
+                to: next.state,
+            }));
+        }
+        return out;
+    };
+    // Restart orders: the tasks whose generation went up.
+    let mut restarted = 0u64;
+    let mut signal: Option<Arc<Event>> = None;
+    for (i, (p, n)) in prev.tasks.iter().zip(&next.tasks).enumerate() {
+        if n.restart_generation > p.restart_generation {
+            if i < 64 {
+                restarted |= 1 << i;
+            }
+            if signal.is_none() {
+                signal = n.events.shared_last_of(RESTART_EVENT);
+            }
+        }
+    }
+    // Only a restore moves the coordinator back without a restart order
+    // (a restore that leaves it where it was reads as the reports it is).
+    let restored = next.state < prev.state && restarted == 0;
+    if restored {
+        out.push(at(What::Restored));
+    }
+    if let Some(event) = signal {
+        out.push(at(What::RestartOrder {
+            tasks: restarted,
+            event,
+        }));
+    }
+    for (i, (p, n)) in prev.tasks.iter().zip(&next.tasks).enumerate() {
+        // The agent's events first: they say why the state changed.
+        for event in n.events.added_since(&p.events) {
+            if event.kind != RESTART_EVENT {
+                out.push(Entry {
+                    index: next.modify_index,
+                    time: event.time,
+                    what: What::Agent {
+                        task: pos(i),
+                        event,
+                    },
+                });
+            }
+        }
+        if (p.state, p.failed, p.ready) != (n.state, n.failed, n.ready) {
+            out.push(at(What::TaskState {
+                task: pos(i),
+                state: n.state,
+                failed: n.failed,
+                ready: n.ready,
+            }));
+        }
+    }
+    if prev.order() != next.order()
+        && let Desired::Stop(reason) = next.order()
+    {
+        out.push(at(What::StopOrder {
+            reason: reason.kind,
+            named: reason
+                .task
+                .as_ref()
+                .and_then(|t| next.position(t.as_str()))
+                .map(pos),
+        }));
+    }
+    if prev.state != next.state {
+        out.push(at(What::Coordinator {
+            from: prev.state,
+            to: next.state,
+        }));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lifecycle::{
+        AllocId, AllocSpec, Hook, Lifecycle, Limits, RestartMode, TaskName, TaskReport, TaskSpec,
+    };
+    use time::macros::datetime;
+
+    const T: Timestamp = datetime!(2026-11-24 10:00 UTC);
+
+    fn report(state: RunState, failed: bool) -> TaskReport {
+        TaskReport {
+            state,
+            failed,
+            ready: None,
+            event: None,
+        }
+    }
+
+    fn five() -> Allocation {
+        let task = |name: &str, hook: Option<(Hook, bool)>, leader| TaskSpec {
+            name: TaskName::parse(name).unwrap(),
+            lifecycle: hook.map(|(hook, sidecar)| Lifecycle { hook, sidecar }),
+            leader,
+            readiness: false,
+        };
+        let tasks = vec![
+            task("init", Some((Hook::Prestart, false)), false),
+            task("proxy", Some((Hook::Prestart, true)), false),
+            task("web", None, true),
+            task("announce", Some((Hook::Poststart, false)), false),
+            task("cleanup", Some((Hook::Poststop, false)), false),
+        ];
+        let spec = AllocSpec::new(tasks, &Limits::default()).unwrap();
+        Allocation::register(AllocId::parse("a1").unwrap(), Arc::new(spec), 1, T)
+    }
+
+    fn kinds(entries: &[Entry]) -> Vec<String> {
+        entries
+            .iter()
+            .map(|e| match &e.what {
+                What::Registered => "Registered".to_owned(),
+                What::Coordinator { from, to } => format!("Coordinator {from}->{to}"),
+                What::TaskState { task, state, .. } => format!("Task State {task} {state}"),
+                What::StopOrder { reason, named } => format!("Stop Order {reason} {named:?}"),
+                What::RestartOrder { tasks, .. } => format!("Restart Order {tasks:b}"),
+                What::Restored => "Restored".to_owned(),
+                What::Agent { task, event } => format!("Agent {task} {}", event.kind),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn each_change_says_what_the_server_decided() {
+        let a = five();
+        assert_eq!(
+            kinds(&entries(None, &a)),
+            ["Registered", "Coordinator init->prestart"]
+        );
+        let mut r = report(RunState::Dead, true);
+        r.event = Some(crate::lifecycle::EventInput {
+            kind: "Terminated".into(),
+            time: None,
+            message: "Exit Code: 1".into(),
+            details: Default::default(),
+        });
+        let b = a.report(&[(0, r)], T, || 2).unwrap();
+        assert_eq!(
+            kinds(&entries(Some(&a), &b)),
+            [
+                "Agent 0 Terminated",
+                "Task State 0 dead",
+                "Stop Order Sibling Task Failed Some(0)"
+            ]
+        );
+        let (c, _) = b.restart(RestartMode::AllTasks, "again", T, || 3).unwrap();
+        let c = c.unwrap();
+        assert_eq!(
+            kinds(&entries(Some(&b), &c)),
+            ["Restart Order 1", "Coordinator prestart->init"]
+        );
+        let d = c
+            .report(&[(0, report(RunState::Pending, false))], T, || 4)
+            .unwrap();
+        assert_eq!(
+            kinds(&entries(Some(&c), &d)),
+            ["Task State 0 pending", "Coordinator init->prestart"]
+        );
+        let e = d
+            .report(
+                &[
+                    (0, report(RunState::Dead, false)),
+                    (1, report(RunState::Running, false)),
+                    (2, report(RunState::Running, false)),
+                ],
+                T,
+                || 5,
+            )
+            .unwrap();
+        assert_eq!(e.state, CoordState::Poststart);
+        // A restore that moves the coordinator back says so.
+        let f = e
+            .restore(&[(2, report(RunState::Pending, false))], T, || 6)
+            .unwrap();
+        assert_eq!(
+            kinds(&entries(Some(&e), &f)),
+            [
+                "Restored",
+                "Task State 2 pending",
+                "Coordinator poststart->main"
+            ]
+        );
+    }
+
+    #[test]
+    fn the_timeline_keeps_the_last_entries() {
+        let mut t = Timeline::default();
+        let e = |index| Entry {
+            index,
+            time: T,
+            what: What::Registered,
+        };
+        t.extend((1..=5).map(e).collect(), 3);
+        let kept: Vec<u64> = t.entries().map(|e| e.index).collect();
+        assert_eq!(kept, [3, 4, 5]);
+        t.extend(vec![e(6)], 0);
+        assert_eq!(t.len(), 3, "a limit of 0 keeps nothing new");
+    }
+}
