@@ -137,15 +137,24 @@ impl Events {
     }
 
     /// The events of this history that `prev`, an earlier version of it,
-    /// did not have (versions share their events, so this compares
-    /// pointers), oldest first.
+    /// did not have, oldest first: what follows the longest end of `prev`
+    /// this history starts with. Versions a process made share their
+    /// events (a pointer compare); versions decoded from a store compare
+    /// by value.
     pub fn added_since(&self, prev: &Events) -> Vec<Arc<Event>> {
         let now = self.0.as_deref().unwrap_or_default();
         let before = prev.0.as_deref().unwrap_or_default();
-        now.iter()
-            .filter(|e| !before.iter().any(|b| Arc::ptr_eq(b, e)))
-            .cloned()
-            .collect()
+        let same = |a: &Arc<Event>, b: &Arc<Event>| Arc::ptr_eq(a, b) || a == b;
+        let kept = (0..=before.len().min(now.len()))
+            .rev()
+            .find(|&k| {
+                before[before.len() - k..]
+                    .iter()
+                    .zip(&now[..k])
+                    .all(|(a, b)| same(a, b))
+            })
+            .unwrap_or(0);
+        now[kept..].to_vec()
     }
 
     /// The newest event of this type, shared.
@@ -491,6 +500,27 @@ mod tests {
             ready: Some(ready),
             ..report(RunState::Running)
         }
+    }
+
+    #[test]
+    fn added_events_are_found_by_pointer_or_by_value() {
+        let mut t = TaskStatus::new(1);
+        for i in 0..MAX_EVENTS {
+            let mut r = report(RunState::Running);
+            r.event = Some(event(&format!("e{i}")));
+            t.apply(&r, T0);
+        }
+        let prev = t.events.clone();
+        let mut r = report(RunState::Running);
+        r.event = Some(event("new"));
+        t.apply(&r, T1);
+        let kinds = |v: Vec<Arc<Event>>| v.iter().map(|e| e.kind.clone()).collect::<Vec<_>>();
+        assert_eq!(kinds(t.events.added_since(&prev)), ["new"]);
+        // A decoded copy shares no pointer: compared by value.
+        let copy: Events = prev.iter().cloned().collect();
+        assert_eq!(kinds(t.events.added_since(&copy)), ["new"]);
+        assert!(t.events.added_since(&t.events.clone()).is_empty());
+        assert_eq!(t.events.added_since(&Events::default()).len(), MAX_EVENTS);
     }
 
     #[test]
