@@ -23,6 +23,10 @@ pub enum Command {
     /// Run one task of an allocation under its gate: `taskgate agent
     /// --alloc ID --task NAME -- CMD ARGS...`.
     Agent(crate::agent::AgentConfig),
+    /// The operator's view and actions: `taskgate alloc status ID`, `list`,
+    /// `events [--follow]`, `restart`, `restore`, `delete` (`--json` for
+    /// scripts).
+    Alloc(crate::operator::AllocArgs),
     /// Probe a running server's /v1/health: exit 0 when healthy, 1 otherwise.
     Health(crate::probe::HealthConfig),
     /// Print every allocation a stopped server's data directory holds, one

@@ -13,6 +13,7 @@ pub mod http;
 pub mod lifecycle;
 pub mod metrics;
 pub mod net;
+pub mod operator;
 pub mod probe;
 pub mod registry;
 pub mod secret;

@@ -18,6 +18,14 @@ fn main() -> ExitCode {
             print!("{}", taskgate::http::openapi::document());
             ExitCode::SUCCESS
         }
+        Command::Alloc(args) => {
+            let code = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map(|rt| rt.block_on(taskgate::operator::run(args)))
+                .unwrap_or(3);
+            ExitCode::from(u8::try_from(code).unwrap_or(1))
+        }
         Command::Health(config) => {
             let healthy = tokio::runtime::Builder::new_current_thread()
                 .enable_all()

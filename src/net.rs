@@ -68,6 +68,24 @@ impl Endpoint {
         headers: &[(&'static str, &'static str)],
         timeout: Duration,
     ) -> Result<(u16, Vec<u8>), String> {
+        self.request_reading(method, path, token, body, headers, timeout, None)
+            .await
+            .map(|(status, _, body)| (status, body))
+    }
+
+    /// `request`, also returning the answer's header `read` (if asked for
+    /// and present).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn request_reading(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: Option<&serde_json::Value>,
+        headers: &[(&'static str, &'static str)],
+        timeout: Duration,
+        read: Option<&str>,
+    ) -> Result<(u16, Option<String>, Vec<u8>), String> {
         let method = reqwest::Method::from_bytes(method.as_bytes()).map_err(|e| e.to_string())?;
         let mut req = self
             .client
@@ -93,8 +111,12 @@ impl Endpoint {
         };
         let answer = req.send().await.map_err(why)?;
         let status = answer.status().as_u16();
+        let header = read
+            .and_then(|name| answer.headers().get(name))
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
         let body = answer.bytes().await.map_err(why)?;
-        Ok((status, body.to_vec()))
+        Ok((status, header, body.to_vec()))
     }
 }
 

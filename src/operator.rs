@@ -1,0 +1,677 @@
+//! `taskgate alloc`: the operator's command line. `list`, `status`,
+//! `events [--follow]`, `restart`, `restore`, `delete`; human output for a
+//! person at a terminal (80 columns, color only on a terminal and never
+//! with `NO_COLOR`), `--json` for scripts.
+//!
+//! Exit codes: 0 done; 1 the server refused (its code, detail and where
+//! the code is explained are printed); 2 usage; 3 the server could not be
+//! reached.
+
+use std::{fmt::Write as _, io::IsTerminal, path::PathBuf, time::Duration};
+
+use clap::{Args, Subcommand};
+use serde_json::{Value, json};
+
+use crate::{net::Endpoint, secret::Secret};
+
+#[derive(Debug, Clone, Args)]
+pub struct AllocArgs {
+    /// The server's base URL.
+    #[arg(
+        long,
+        env = "TASKGATE_SERVER",
+        default_value = "http://127.0.0.1:8080",
+        global = true
+    )]
+    pub server: String,
+    /// A token (reader for list, status and events; operator for the rest).
+    #[arg(long, env = "TASKGATE_TOKEN", hide_env_values = true, global = true)]
+    pub token: Option<Secret>,
+    /// PEM CA certificate(s) to trust for an `https` server.
+    #[arg(long, env = "TASKGATE_CA_CERT", global = true)]
+    pub ca_cert: Option<PathBuf>,
+    /// Print the server's JSON answer instead of the human summary.
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: AllocCommand,
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum AllocCommand {
+    /// One line per allocation: ID, state, tasks by state, waiting on.
+    List {
+        /// Only IDs that start with this.
+        #[arg(long, default_value = "")]
+        prefix: String,
+    },
+    /// What the allocation is doing and why, its tasks and its recent
+    /// timeline.
+    Status { id: String },
+    /// The allocation's timeline; `--follow` keeps printing as it grows.
+    Events {
+        id: String,
+        #[arg(long)]
+        follow: bool,
+    },
+    /// Restart the running tasks, one task, or every task.
+    Restart {
+        id: String,
+        #[arg(long, conflicts_with = "all_tasks")]
+        task: Option<String>,
+        #[arg(long)]
+        all_tasks: bool,
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Restore the coordinator from known task states (a batch-report JSON
+    /// file: `{"tasks": {"web": {"state": "running"}}}`).
+    Restore {
+        id: String,
+        #[arg(long)]
+        file: PathBuf,
+    },
+    /// Delete the allocation.
+    Delete { id: String },
+}
+
+/// How a command ended.
+#[derive(Debug)]
+enum Failure {
+    /// The server answered with a problem.
+    Refused(String),
+    /// The server could not be reached.
+    Unreachable(String),
+    /// Something the user gave is wrong (a file, a URL).
+    Usage(String),
+}
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+/// A blocking query's wait while following (and the request's timeout
+/// above it).
+const FOLLOW_WAIT: &str = "60s";
+
+struct Client {
+    endpoint: Endpoint,
+    token: Option<String>,
+}
+
+impl Client {
+    async fn call(&self, method: &str, path: &str, body: Option<&Value>) -> Result<Value, Failure> {
+        self.call_reading(method, path, body, None)
+            .await
+            .map(|(v, _)| v)
+    }
+
+    /// `call`, also returning the answer's header `read`.
+    async fn call_reading(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+        read: Option<&str>,
+    ) -> Result<(Value, Option<String>), Failure> {
+        let timeout = if path.contains("wait=") {
+            TIMEOUT * 3
+        } else {
+            TIMEOUT
+        };
+        let (status, header, bytes) = self
+            .endpoint
+            .request_reading(
+                method,
+                path,
+                self.token.as_deref(),
+                body,
+                &[],
+                timeout,
+                read,
+            )
+            .await
+            .map_err(|e| Failure::Unreachable(format!("{}: {e}", self.endpoint.url)))?;
+        let value: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        if status < 300 {
+            return Ok((value, header));
+        }
+        let text = |k: &str| value[k].as_str().unwrap_or_default().to_owned();
+        let mut msg = format!("{status} {}: {}", text("code"), text("detail"));
+        for e in value["errors"].as_array().into_iter().flatten() {
+            let _ = write!(
+                msg,
+                "\n  {}: {}",
+                e["field"].as_str().unwrap_or_default(),
+                e["message"].as_str().unwrap_or_default()
+            );
+        }
+        let kind = text("type");
+        if kind.starts_with('/') {
+            let _ = write!(
+                msg,
+                "\n  (see {}{kind})",
+                self.endpoint.url.trim_end_matches('/')
+            );
+        }
+        if status == 401 {
+            msg.push_str("\n  give a token with --token or TASKGATE_TOKEN");
+        }
+        Err(Failure::Refused(msg))
+    }
+}
+
+/// Colors, only when writing to a terminal and `NO_COLOR` is unset.
+struct Paint(bool);
+
+impl Paint {
+    fn detect() -> Self {
+        Self(std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none())
+    }
+
+    fn wrap(&self, code: &str, s: &str) -> String {
+        if self.0 {
+            format!("\x1b[{code}m{s}\x1b[0m")
+        } else {
+            s.to_owned()
+        }
+    }
+
+    fn bold(&self, s: &str) -> String {
+        self.wrap("1", s)
+    }
+
+    /// A task state with its outcome: green when running or ended well,
+    /// red when failed.
+    fn state(&self, s: &str, failed: bool) -> String {
+        match (s, failed) {
+            (_, true) => self.wrap("31", s),
+            ("running", _) | ("dead ok", _) => self.wrap("32", s),
+            _ => s.to_owned(),
+        }
+    }
+}
+
+/// Runs `taskgate alloc`; returns the exit code.
+pub async fn run(args: AllocArgs) -> i32 {
+    let endpoint = match Endpoint::new(&args.server, args.ca_cert.as_deref()) {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("taskgate alloc: {e}");
+            return 2;
+        }
+    };
+    let client = Client {
+        endpoint,
+        token: args.token.as_ref().map(|t| t.0.clone()),
+    };
+    let paint = Paint::detect();
+    let mut out = String::new();
+    let done = command(&client, &args, &paint, &mut out).await;
+    print!("{out}");
+    match done {
+        Ok(()) => 0,
+        Err(Failure::Refused(m)) => {
+            eprintln!("taskgate alloc: the server refused: {m}");
+            1
+        }
+        Err(Failure::Usage(m)) => {
+            eprintln!("taskgate alloc: {m}");
+            2
+        }
+        Err(Failure::Unreachable(m)) => {
+            eprintln!("taskgate alloc: cannot reach the server: {m}");
+            3
+        }
+    }
+}
+
+fn enc(s: &str) -> String {
+    percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
+}
+
+async fn command(
+    client: &Client,
+    args: &AllocArgs,
+    paint: &Paint,
+    out: &mut String,
+) -> Result<(), Failure> {
+    match &args.command {
+        AllocCommand::List { prefix } => list(client, prefix, args.json, out).await,
+        AllocCommand::Status { id } => {
+            let a = client
+                .call("GET", &format!("/v1/allocations/{}", enc(id)), None)
+                .await?;
+            let t = client
+                .call("GET", &format!("/v1/allocations/{}/events", enc(id)), None)
+                .await?;
+            if args.json {
+                let _ = writeln!(out, "{}", json!({"allocation": a, "timeline": t}));
+            } else {
+                status(&a, &t, paint, time::OffsetDateTime::now_utc(), out);
+            }
+            Ok(())
+        }
+        AllocCommand::Events { id, follow } => events(client, id, *follow, args.json, out).await,
+        AllocCommand::Restart {
+            id,
+            task,
+            all_tasks,
+            reason,
+        } => {
+            let mut body = json!({});
+            if let Some(t) = task {
+                body["task"] = json!(t);
+            }
+            if *all_tasks {
+                body["all_tasks"] = json!(true);
+            }
+            if let Some(r) = reason {
+                body["reason"] = json!(r);
+            }
+            let r = client
+                .call(
+                    "POST",
+                    &format!("/v1/allocations/{}/restart", enc(id)),
+                    Some(&body),
+                )
+                .await?;
+            if args.json {
+                let _ = writeln!(out, "{r}");
+            } else {
+                let names: Vec<&str> = r["restarted"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(Value::as_str)
+                    .collect();
+                let what = if names.is_empty() {
+                    "no task was running: nothing restarted".to_owned()
+                } else {
+                    format!("restarted {}", names.join(", "))
+                };
+                let _ = writeln!(
+                    out,
+                    "{id}: {what}; coordinator {} (index {})",
+                    r["coordinator_state"].as_str().unwrap_or("?"),
+                    r["index"]
+                );
+            }
+            Ok(())
+        }
+        AllocCommand::Restore { id, file } => {
+            let text = std::fs::read_to_string(file)
+                .map_err(|e| Failure::Usage(format!("{}: {e}", file.display())))?;
+            let body: Value = serde_json::from_str(&text)
+                .map_err(|e| Failure::Usage(format!("{} is not JSON: {e}", file.display())))?;
+            let a = client
+                .call(
+                    "POST",
+                    &format!("/v1/allocations/{}/restore", enc(id)),
+                    Some(&body),
+                )
+                .await?;
+            if args.json {
+                let _ = writeln!(out, "{a}");
+            } else {
+                let _ = writeln!(
+                    out,
+                    "{id}: restored; coordinator {} (index {})",
+                    a["coordinator_state"].as_str().unwrap_or("?"),
+                    a["modify_index"]
+                );
+            }
+            Ok(())
+        }
+        AllocCommand::Delete { id } => {
+            client
+                .call("DELETE", &format!("/v1/allocations/{}", enc(id)), None)
+                .await?;
+            if args.json {
+                let _ = writeln!(out, "{}", json!({"deleted": id}));
+            } else {
+                let _ = writeln!(out, "{id}: deleted");
+            }
+            Ok(())
+        }
+    }
+}
+
+async fn list(
+    client: &Client,
+    prefix: &str,
+    as_json: bool,
+    out: &mut String,
+) -> Result<(), Failure> {
+    let mut ids = Vec::new();
+    let mut next = String::new();
+    loop {
+        let mut path = format!("/v1/allocations?per_page=1000&prefix={}", enc(prefix));
+        if !next.is_empty() {
+            let _ = write!(path, "&next_token={}", enc(&next));
+        }
+        let (page, token) = client
+            .call_reading("GET", &path, None, Some("x-taskgate-nexttoken"))
+            .await?;
+        for item in page.as_array().into_iter().flatten() {
+            if let Some(id) = item["id"].as_str() {
+                ids.push(id.to_owned());
+            }
+        }
+        match token {
+            Some(t) => next = t,
+            None => break,
+        }
+    }
+    let mut views = Vec::new();
+    for id in &ids {
+        match client
+            .call("GET", &format!("/v1/allocations/{}", enc(id)), None)
+            .await
+        {
+            Ok(v) => views.push(v),
+            // Deleted meanwhile: not listed.
+            Err(Failure::Refused(m)) if m.starts_with("404") => {}
+            Err(e) => return Err(e),
+        }
+    }
+    if as_json {
+        let _ = writeln!(out, "{}", Value::Array(views));
+        return Ok(());
+    }
+    if views.is_empty() {
+        let _ = writeln!(out, "no allocations");
+        return Ok(());
+    }
+    let _ = writeln!(
+        out,
+        "{:<20}  {:<10}  {:<28}  Waiting on",
+        "ID", "State", "Tasks"
+    );
+    for v in &views {
+        let tasks = v["tasks"].as_array().cloned().unwrap_or_default();
+        let count = |s: &str| tasks.iter().filter(|t| t["state"] == s).count();
+        let by_state: Vec<String> = [
+            ("running", count("running")),
+            ("pending", count("pending")),
+            ("dead", count("dead")),
+        ]
+        .iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(s, n)| format!("{n} {s}"))
+        .collect();
+        let waiting: Vec<&str> = v["waiting_on"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .collect();
+        let line = format!(
+            "{:<20}  {:<10}  {:<28}  {}",
+            fit(v["id"].as_str().unwrap_or(""), 20),
+            v["coordinator_state"].as_str().unwrap_or(""),
+            by_state.join(", "),
+            waiting.join(", ")
+        );
+        let _ = writeln!(out, "{}", fit(&line, 80));
+    }
+    Ok(())
+}
+
+/// `s` cut to `width` characters, with `…` when cut.
+fn fit(s: &str, width: usize) -> String {
+    if s.chars().count() <= width {
+        return s.to_owned();
+    }
+    let mut cut: String = s.chars().take(width.saturating_sub(1)).collect();
+    cut.push('…');
+    cut
+}
+
+/// "12s ago", "5m ago", "3h ago", "2d ago".
+fn ago(then: &str, now: time::OffsetDateTime) -> String {
+    let Ok(t) = time::OffsetDateTime::parse(then, &time::format_description::well_known::Rfc3339)
+    else {
+        return then.to_owned();
+    };
+    let secs = (now - t).whole_seconds().max(0);
+    match secs {
+        0..60 => format!("{secs}s ago"),
+        60..3600 => format!("{}m ago", secs / 60),
+        3600..86400 => format!("{}h ago", secs / 3600),
+        _ => format!("{}d ago", secs / 86400),
+    }
+}
+
+/// The status summary of CLI.md: what it does and why in three lines, the
+/// task table, the recent timeline.
+fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime, out: &mut String) {
+    let s = |v: &Value| v.as_str().unwrap_or("").to_owned();
+    let waiting: Vec<String> = a["waiting_on"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .zip(a["waiting"].as_array().into_iter().flatten())
+        .map(|(t, why)| format!("{} ({})", s(t), s(why)))
+        .collect();
+    let state = s(&a["coordinator_state"]);
+    let headline = if state == "poststop" {
+        match a["outcome"].as_str() {
+            Some("failed") => {
+                let failed: Vec<String> = a["failed_tasks"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(s)
+                    .collect();
+                format!("poststop — ended failed ({})", failed.join(", "))
+            }
+            _ => "poststop — ended successfully".to_owned(),
+        }
+    } else if waiting.is_empty() {
+        state.clone()
+    } else {
+        format!("{state} — waiting on {}", waiting.join(", "))
+    };
+    let _ = writeln!(out, "{}  {}", paint.bold("ID      "), s(&a["id"]));
+    let _ = writeln!(out, "{}  {}", paint.bold("State   "), fit(&headline, 70));
+    let _ = writeln!(
+        out,
+        "{}  {} (index {})",
+        paint.bold("Modified"),
+        ago(&s(&a["modified_at"]), now),
+        a["modify_index"]
+    );
+    let _ = writeln!(out);
+    let _ = writeln!(
+        out,
+        "{}",
+        paint.bold(&format!(
+            "{:<10}{:<20}{:<8}{:<10}{:<7}{:<9}{}",
+            "Task", "Stage", "Gate", "State", "Ready", "Desired", "Restarts"
+        ))
+    );
+    for t in a["tasks"].as_array().into_iter().flatten() {
+        let mut stage = s(&t["stage"]).replace("ephemeral", "ephem.");
+        if t["leader"] == true {
+            stage.push_str(" (leader)");
+        }
+        let failed = t["failed"] == true;
+        let st = match (s(&t["state"]).as_str(), failed) {
+            ("dead", true) => "dead fail".to_owned(),
+            ("dead", false) => "dead ok".to_owned(),
+            (other, _) => other.to_owned(),
+        };
+        let ready = if t["readiness"] == true {
+            if t["ready"] == true { "yes" } else { "no" }
+        } else {
+            "-"
+        };
+        let desired = match t["stop_reason"]["type"].as_str() {
+            Some(_) => "stop".to_owned(),
+            None => s(&t["desired"]),
+        };
+        let _ = writeln!(
+            out,
+            "{:<10}{:<20}{:<8}{}{:<7}{:<9}{}",
+            fit(&s(&t["name"]), 9),
+            fit(&stage, 19),
+            if t["allowed"] == true {
+                "open"
+            } else {
+                "closed"
+            },
+            // Padded before painting, so colors do not break the columns.
+            paint.state(&format!("{st:<10}"), failed),
+            ready,
+            desired,
+            t["restarts"]
+        );
+    }
+    if let Some(reason) = a["tasks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find_map(|t| t["stop_reason"].as_object())
+    {
+        let named = reason
+            .get("task")
+            .and_then(Value::as_str)
+            .map(|t| format!(" ({t})"))
+            .unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "\nStop order: {}{named}",
+            reason.get("type").and_then(Value::as_str).unwrap_or("")
+        );
+    }
+    let entries = timeline["events"].as_array().cloned().unwrap_or_default();
+    if !entries.is_empty() {
+        let _ = writeln!(out, "\n{}", paint.bold("Recent events"));
+        for e in entries.iter().skip(entries.len().saturating_sub(10)) {
+            let _ = writeln!(out, "{}", fit(&event_line(e), 80));
+        }
+    }
+}
+
+/// One timeline entry on one line: time, who, what.
+fn event_line(e: &Value) -> String {
+    let s = |v: &Value| v.as_str().unwrap_or("").to_owned();
+    let time = s(&e["time"]);
+    let clock = time.get(11..19).unwrap_or(&time).to_owned();
+    let kind = s(&e["type"]);
+    let who = match e["task"].as_str() {
+        Some(task) => task.to_owned(),
+        None => kind.clone(),
+    };
+    let what = match (e["task"].as_str(), kind.as_str()) {
+        (None, "Registered" | "Restored") => String::new(),
+        (None, _) => s(&e["message"]),
+        (Some(_), "Task State") => format!("Task State {}", s(&e["message"])),
+        (Some(_), _) => {
+            let m = s(&e["message"]);
+            if m.is_empty() {
+                kind.clone()
+            } else {
+                format!("{kind}: {m}")
+            }
+        }
+    };
+    format!("{clock}  {:<15}  {what}", fit(&who, 15))
+        .trim_end()
+        .to_owned()
+}
+
+async fn events(
+    client: &Client,
+    id: &str,
+    follow: bool,
+    as_json: bool,
+    out: &mut String,
+) -> Result<(), Failure> {
+    let path = format!("/v1/allocations/{}/events", enc(id));
+    let mut t = client.call("GET", &path, None).await?;
+    // Entries already printed: (index, position within that index).
+    let mut printed: Option<(u64, usize)> = None;
+    loop {
+        let entries = t["events"].as_array().cloned().unwrap_or_default();
+        let mut last = printed;
+        let mut pos_in_index = 0usize;
+        let mut prev_index = None;
+        for e in &entries {
+            let index = e["index"].as_u64().unwrap_or(0);
+            pos_in_index = if prev_index == Some(index) {
+                pos_in_index + 1
+            } else {
+                0
+            };
+            prev_index = Some(index);
+            if printed.is_some_and(|p| (index, pos_in_index) <= p) {
+                continue;
+            }
+            if as_json {
+                let _ = writeln!(out, "{e}");
+            } else {
+                let _ = writeln!(out, "{}", fit(&event_line(e), 80));
+            }
+            last = Some((index, pos_in_index));
+        }
+        printed = last;
+        if !follow {
+            return Ok(());
+        }
+        // Following: print what came so far, then a blocking query for
+        // the next change.
+        print!("{out}");
+        out.clear();
+        let index = printed.map_or(0, |p| p.0);
+        t = client
+            .call(
+                "GET",
+                &format!("{path}?index={index}&wait={FOLLOW_WAIT}"),
+                None,
+            )
+            .await?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_says_what_and_why_in_three_lines_within_80_columns() {
+        let a = json!({
+            "id": "web-42", "coordinator_state": "main",
+            "waiting_on": ["web"], "waiting": ["running"],
+            "outcome": null, "failed_tasks": [],
+            "modify_index": 9, "modified_at": "2026-11-24T12:00:00Z",
+            "tasks": [
+                {"name": "init", "stage": "prestart_ephemeral", "leader": false, "allowed": false,
+                 "state": "dead", "failed": false, "readiness": false, "ready": false,
+                 "desired": "run", "stop_reason": null, "restarts": 0},
+                {"name": "web", "stage": "main", "leader": true, "allowed": true,
+                 "state": "pending", "failed": false, "readiness": false, "ready": false,
+                 "desired": "run", "stop_reason": null, "restarts": 1}
+            ]
+        });
+        let t = json!({"events": [
+            {"index": 1, "time": "2026-11-24T12:00:01Z", "type": "Registered", "task": null, "message": "", "details": {}},
+            {"index": 2, "time": "2026-11-24T12:00:03Z", "type": "Coordinator", "task": null, "message": "prestart → main", "details": {}}
+        ]});
+        let mut out = String::new();
+        let now = time::macros::datetime!(2026-11-24 12:00:12 UTC);
+        status(&a, &t, &Paint(false), now, &mut out);
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines[0], "ID        web-42");
+        assert_eq!(lines[1], "State     main — waiting on web (running)");
+        assert_eq!(lines[2], "Modified  12s ago (index 9)");
+        assert!(
+            out.contains("web       main (leader)       open    pending   -      run      1"),
+            "{out}"
+        );
+        assert!(
+            out.contains("12:00:03  Coordinator      prestart → main"),
+            "{out}"
+        );
+        assert!(lines.iter().all(|l| l.chars().count() <= 80), "{out}");
+        assert!(!out.contains('\x1b'), "no color off a terminal");
+    }
+}
