@@ -1,7 +1,8 @@
 //! Runs the README's walkthrough against a real server, so it cannot rot:
 //! each `curl` command of the marked block runs in `sh` with the server's
-//! address in place of `localhost:8080`, and each `# expect:` line must be
-//! in the output of the command before it.
+//! address in place of `localhost:8080`, each `taskgate` command runs the
+//! binary with `TASKGATE_SERVER` set to it, and each `# expect:` line must
+//! be in the output of the command before it.
 
 mod common;
 
@@ -34,7 +35,7 @@ fn walkthrough() -> Vec<Step> {
                 .expect
                 .push(expect.to_owned());
             continue;
-        } else if line.starts_with("curl ") {
+        } else if line.starts_with("curl ") || line.starts_with("taskgate ") {
             open = Some(line.to_owned());
         } else {
             continue;
@@ -67,12 +68,22 @@ async fn the_readme_walkthrough_runs_as_written() {
     );
     let server = common::spawn_server().await;
     let addr = server.base.trim_start_matches("http://").to_owned();
+    let base = server.base.clone();
     for step in steps {
         let command = step.command.replace("localhost:8080", &addr);
+        // `taskgate ...` is the binary under test, told where the server
+        // is as an operator's environment would.
+        let command = match command.strip_prefix("taskgate ") {
+            Some(rest) => format!("{} {rest}", env!("CARGO_BIN_EXE_taskgate")),
+            None => format!("{command} --max-time 30"),
+        };
+        let base = base.clone();
         let out = tokio::task::spawn_blocking(move || {
             Command::new("sh")
                 .arg("-c")
-                .arg(format!("{command} --max-time 30"))
+                .arg(command)
+                .env("TASKGATE_SERVER", base)
+                .env("NO_COLOR", "1")
                 .output()
                 .expect("sh runs (and curl is installed)")
         })
