@@ -810,3 +810,49 @@ fn a_refused_token_names_the_flag_to_fix() {
     assert!(stderr.contains("401"), "{stderr}");
     assert!(stderr.contains("--token"), "{stderr}");
 }
+
+/// --ready-timeout bounds the first readiness only: a task that was ready
+/// and loses it is reported not ready, never killed for it.
+#[test]
+fn losing_readiness_after_the_timeout_is_reported_not_killed() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let spec = dir.path().join("spec.json");
+    std::fs::write(
+        &spec,
+        json!({"tasks": [{"name": "web", "readiness": true}]}).to_string(),
+    )
+    .unwrap();
+    let probe = format!("test -f {d}/ready");
+    // Ready for a second, then not, past the timeout; then it ends well.
+    let mut web = agent(
+        &server.base,
+        "l1",
+        "web",
+        &spec,
+        &[
+            "--ready-cmd",
+            &probe,
+            "--ready-interval",
+            "50ms",
+            "--ready-timeout",
+            "1500ms",
+            "--restart-attempts",
+            "0",
+        ],
+        &format!("touch {d}/ready; sleep 1; rm {d}/ready; sleep 1; echo done >> {d}/log"),
+    );
+    let codes = exits(std::slice::from_mut(&mut web));
+    assert_eq!(codes, [("web", 0)]);
+    assert_eq!(log_lines(dir.path()), ["done"], "it ran to its end");
+    let events = task_events(&server.base, "l1", "web");
+    assert!(events.contains(&"Ready".to_owned()), "{events:?}");
+    assert!(events.contains(&"Not Ready".to_owned()), "{events:?}");
+    assert!(
+        !events.contains(&"Readiness Timeout".to_owned()),
+        "{events:?}"
+    );
+    let t = get(&server.base, "/v1/allocations/l1/tasks/web");
+    assert_eq!(t["failed"], false, "{t}");
+}

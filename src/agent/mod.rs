@@ -306,6 +306,9 @@ impl Agent {
             .clone()
             .map(|p| p.spawn(self.config.ready_interval));
         let mut ready = false;
+        // --ready-timeout bounds the first readiness only: a task that was
+        // ready once and loses it is reported, not killed.
+        let mut ever_ready = false;
         let ready_by = self
             .config
             .ready_timeout
@@ -320,7 +323,7 @@ impl Agent {
             };
             let late = async {
                 match ready_by {
-                    Some(at) if !ready => tokio::time::sleep_until(at).await,
+                    Some(at) if !ever_ready => tokio::time::sleep_until(at).await,
                     _ => std::future::pending().await,
                 }
             };
@@ -329,6 +332,7 @@ impl Agent {
                 Some(now_ready) = probed => {
                     if now_ready != ready {
                         ready = now_ready;
+                        ever_ready |= ready;
                         let (kind, message) = if ready {
                             ("Ready", "the readiness probe succeeded")
                         } else {
@@ -364,7 +368,6 @@ impl Agent {
             }
         };
         drop(probe);
-        self.running.store(0, std::sync::atomic::Ordering::Relaxed);
         match &ended {
             Ended::Exited(exit) => {
                 tracing::info!(task = %self.config.task, pid, how = %exit.describe(), "exited");
@@ -383,7 +386,10 @@ impl Agent {
             }
         }
         match ended {
-            Ended::Exited(exit) => self.exited(exit).await,
+            Ended::Exited(exit) => {
+                self.running.store(0, std::sync::atomic::Ordering::Relaxed);
+                self.exited(exit).await
+            }
             Ended::NotReadyInTime => {
                 let timeout = self.config.ready_timeout.unwrap_or_default();
                 let shown = format!("{}ms", timeout.as_millis());
@@ -395,6 +401,7 @@ impl Agent {
                 )
                 .await?;
                 let exit = child.kill(self.config.kill_timeout).await;
+                self.running.store(0, std::sync::atomic::Ordering::Relaxed);
                 let mut details = exit.details();
                 details["readiness_timeout"] = json!(shown);
                 self.failed_run(exit.code(), event("Readiness Timeout", message, details))
@@ -408,6 +415,7 @@ impl Agent {
                 )
                 .await?;
                 let exit = child.kill(self.config.kill_timeout).await;
+                self.running.store(0, std::sync::atomic::Ordering::Relaxed);
                 self.exit_code = 0;
                 self.report("dead", false, Some(event("Killed", reason, exit.details())))
                     .await?;
@@ -415,6 +423,7 @@ impl Agent {
             }
             Ended::RestartOrder => {
                 child.kill(self.config.kill_timeout).await;
+                self.running.store(0, std::sync::atomic::Ordering::Relaxed);
                 self.report(
                     "pending",
                     false,
@@ -429,6 +438,7 @@ impl Agent {
             }
             Ended::AgentStopping => {
                 let exit = child.kill(self.config.kill_timeout).await;
+                self.running.store(0, std::sync::atomic::Ordering::Relaxed);
                 self.report(
                     "dead",
                     false,
