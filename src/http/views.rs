@@ -371,11 +371,9 @@ impl TimelineView {
                         };
                         ("Stop Order".to_owned(), None, message)
                     }
-                    What::RestartOrder { tasks, event } => {
-                        let names: Vec<String> = (0..64u16)
-                            .filter(|i| tasks & (1 << i) != 0)
-                            .filter_map(name)
-                            .collect();
+                    What::RestartOrder(r) => {
+                        let event = &r.event;
+                        let names: Vec<String> = r.tasks.iter().filter_map(|&i| name(i)).collect();
                         details.insert("tasks".to_owned(), names.join(","));
                         if let Some(mode) = event.details.get("mode") {
                             details.insert("mode".to_owned(), mode.to_owned());
@@ -402,7 +400,7 @@ impl TimelineView {
                 };
                 TimelineEventView {
                     index: e.index,
-                    time: e.time,
+                    time: e.time(),
                     kind,
                     task,
                     message,

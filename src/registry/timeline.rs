@@ -34,12 +34,9 @@ pub enum What {
         reason: StopKind,
         named: Option<u16>,
     },
-    /// `tasks`: bit i for task i (tasks past 64 are not listed); the
-    /// "Restart Signaled" event carries the mode and the reason.
-    RestartOrder {
-        tasks: u64,
-        event: Arc<Event>,
-    },
+    /// Boxed: rare, and the largest; the entry of every other kind stays
+    /// 32 bytes.
+    RestartOrder(Box<RestartOrder>),
     Restored,
     /// An event the task's agent sent.
     Agent {
@@ -48,12 +45,36 @@ pub enum What {
     },
 }
 
-/// One entry: the index of the change that made it, and when.
+/// Tasks told to restart, by position; the "Restart Signaled" event
+/// carries the mode and the reason.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RestartOrder {
+    pub tasks: Box<[u16]>,
+    pub event: Arc<Event>,
+}
+
+/// One entry: the index of the change that made it, and when (UTC
+/// nanoseconds since 1970, clamped to what 64 bits hold: the years 1678
+/// to 2262).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Entry {
     pub index: u64,
-    pub time: Timestamp,
+    nanos: i64,
     pub what: What,
+}
+
+impl Entry {
+    pub fn new(index: u64, time: Timestamp, what: What) -> Self {
+        let nanos = time
+            .unix_timestamp_nanos()
+            .clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64;
+        Self { index, nanos, what }
+    }
+
+    pub fn time(&self) -> Timestamp {
+        Timestamp::from_unix_timestamp_nanos(i128::from(self.nanos))
+            .expect("64-bit nanoseconds are always a valid time")
+    }
 }
 
 /// The bounded timeline of one allocation.
@@ -63,10 +84,16 @@ pub struct Timeline {
 }
 
 impl Timeline {
-    /// Appends, dropping the oldest beyond `limit`.
+    /// Appends, dropping the oldest beyond `limit`. Grows its block to
+    /// the size it needs, not by doubling: a settled allocation's 28 or so
+    /// entries take 28 slots, not 32 or 64.
     pub fn extend(&mut self, new: Vec<Entry>, limit: usize) {
         if limit == 0 {
             return;
+        }
+        let room = limit.min(self.entries.len() + new.len());
+        if room > self.entries.capacity() {
+            self.entries.reserve_exact(room - self.entries.len());
         }
         for e in new {
             if self.entries.len() == limit {
@@ -97,17 +124,13 @@ fn pos(i: usize) -> u16 {
 /// (`None` for a registration), `next` the one published.
 pub fn entries(prev: Option<&Allocation>, next: &Allocation) -> Vec<Entry> {
     let mut out = Vec::new();
-    let at = |what| Entry {
-        index: next.modify_index,
-        time: next.modified_at,
-        what,
-    };
+    let at = |what| Entry::new(next.modify_index, next.modified_at, what);
     let Some(prev) = prev else {
-        out.push(Entry {
-            index: next.create_index,
-            time: next.created_at,
-            what: What::Registered,
-        });
+        out.push(Entry::new(
+            next.create_index,
+            next.created_at,
+            What::Registered,
+        ));
         if next.state != CoordState::Init {
             out.push(at(What::Coordinator {
                 from: CoordState::Init,
@@ -117,13 +140,11 @@ pub fn entries(prev: Option<&Allocation>, next: &Allocation) -> Vec<Entry> {
         return out;
     };
     // Restart orders: the tasks whose generation went up.
-    let mut restarted = 0u64;
+    let mut restarted: Vec<u16> = Vec::new();
     let mut signal: Option<Arc<Event>> = None;
     for (i, (p, n)) in prev.tasks.iter().zip(&next.tasks).enumerate() {
         if n.restart_generation > p.restart_generation {
-            if i < 64 {
-                restarted |= 1 << i;
-            }
+            restarted.push(pos(i));
             if signal.is_none() {
                 signal = n.events.shared_last_of(RESTART_EVENT);
             }
@@ -131,28 +152,28 @@ pub fn entries(prev: Option<&Allocation>, next: &Allocation) -> Vec<Entry> {
     }
     // Only a restore moves the coordinator back without a restart order
     // (a restore that leaves it where it was reads as the reports it is).
-    let restored = next.state < prev.state && restarted == 0;
+    let restored = next.state < prev.state && restarted.is_empty();
     if restored {
         out.push(at(What::Restored));
     }
     if let Some(event) = signal {
-        out.push(at(What::RestartOrder {
-            tasks: restarted,
+        out.push(at(What::RestartOrder(Box::new(RestartOrder {
+            tasks: restarted.into_boxed_slice(),
             event,
-        }));
+        }))));
     }
     for (i, (p, n)) in prev.tasks.iter().zip(&next.tasks).enumerate() {
         // The agent's events first: they say why the state changed.
         for event in n.events.added_since(&p.events) {
             if event.kind != RESTART_EVENT {
-                out.push(Entry {
-                    index: next.modify_index,
-                    time: event.time,
-                    what: What::Agent {
+                out.push(Entry::new(
+                    next.modify_index,
+                    event.time,
+                    What::Agent {
                         task: pos(i),
                         event,
                     },
-                });
+                ));
             }
         }
         if (p.state, p.failed, p.ready) != (n.state, n.failed, n.ready) {
@@ -230,7 +251,7 @@ mod tests {
                 What::Coordinator { from, to } => format!("Coordinator {from}->{to}"),
                 What::TaskState { task, state, .. } => format!("Task State {task} {state}"),
                 What::StopOrder { reason, named } => format!("Stop Order {reason} {named:?}"),
-                What::RestartOrder { tasks, .. } => format!("Restart Order {tasks:b}"),
+                What::RestartOrder(r) => format!("Restart Order {:?}", r.tasks),
                 What::Restored => "Restored".to_owned(),
                 What::Agent { task, event } => format!("Agent {task} {}", event.kind),
             })
@@ -264,7 +285,7 @@ mod tests {
         let c = c.unwrap();
         assert_eq!(
             kinds(&entries(Some(&b), &c)),
-            ["Restart Order 1", "Coordinator prestart->init"]
+            ["Restart Order [0]", "Coordinator prestart->init"]
         );
         let d = c
             .report(&[(0, report(RunState::Pending, false))], T, || 4)
@@ -300,13 +321,64 @@ mod tests {
     }
 
     #[test]
+    fn an_entry_is_32_bytes_and_keeps_its_time() {
+        assert_eq!(std::mem::size_of::<Entry>(), 32);
+        let t = datetime!(2026-11-24 10:00:00.123456789 +05:30);
+        assert_eq!(Entry::new(1, t, What::Registered).time(), t);
+        let far = datetime!(9999-12-31 23:59:59 UTC);
+        assert!(
+            Entry::new(1, far, What::Registered).time().year() == 2262,
+            "clamped"
+        );
+    }
+
+    /// A five-task allocation run from registration to its end as the
+    /// agents report it (each start and end with its event): its timeline
+    /// fits in 1 KiB.
+    #[test]
+    fn a_settled_five_task_allocation_s_timeline_takes_at_most_1_kib() {
+        let mut a = five();
+        let mut timeline = Timeline::default();
+        timeline.extend(entries(None, &a), 64);
+        let mut index = 1;
+        let with = |state, kind: &str| {
+            let mut r = report(state, false);
+            r.event = Some(crate::lifecycle::EventInput {
+                kind: kind.into(),
+                time: None,
+                message: String::new(),
+                details: Default::default(),
+            });
+            r
+        };
+        // (task, state, event) in the order agents report them.
+        let steps = [
+            (0, RunState::Running, "Started"),
+            (1, RunState::Running, "Started"),
+            (0, RunState::Dead, "Terminated"),
+            (2, RunState::Running, "Started"),
+            (3, RunState::Running, "Started"),
+            (3, RunState::Dead, "Terminated"),
+            (2, RunState::Dead, "Terminated"),
+            (1, RunState::Dead, "Killed"),
+            (4, RunState::Running, "Started"),
+            (4, RunState::Dead, "Terminated"),
+        ];
+        for (task, state, kind) in steps {
+            index += 1;
+            let next = a.report(&[(task, with(state, kind))], T, || index).unwrap();
+            timeline.extend(entries(Some(&a), &next), 64);
+            a = next;
+        }
+        assert_eq!(a.state, CoordState::Poststop);
+        let bytes = timeline.entries.capacity() * std::mem::size_of::<Entry>();
+        assert!(bytes <= 1024, "{} entries in {bytes} bytes", timeline.len());
+    }
+
+    #[test]
     fn the_timeline_keeps_the_last_entries() {
         let mut t = Timeline::default();
-        let e = |index| Entry {
-            index,
-            time: T,
-            what: What::Registered,
-        };
+        let e = |index| Entry::new(index, T, What::Registered);
         t.extend((1..=5).map(e).collect(), 3);
         let kept: Vec<u64> = t.entries().map(|e| e.index).collect();
         assert_eq!(kept, [3, 4, 5]);
