@@ -340,7 +340,6 @@ mod tests {
         let mut a = five();
         let mut timeline = Timeline::default();
         timeline.extend(entries(None, &a), 64);
-        let mut index = 1;
         let with = |state, kind: &str| {
             let mut r = report(state, false);
             r.event = Some(crate::lifecycle::EventInput {
@@ -364,8 +363,7 @@ mod tests {
             (4, RunState::Running, "Started"),
             (4, RunState::Dead, "Terminated"),
         ];
-        for (task, state, kind) in steps {
-            index += 1;
+        for (index, (task, state, kind)) in (2..).zip(steps) {
             let next = a.report(&[(task, with(state, kind))], T, || index).unwrap();
             timeline.extend(entries(Some(&a), &next), 64);
             a = next;
