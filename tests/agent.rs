@@ -228,13 +228,10 @@ fn a_server_killed_and_restarted_mid_run_loses_no_report() {
     let base = server.base.clone();
     let port = base.rsplit(':').next().unwrap().to_owned();
     let dir = tempfile::tempdir().unwrap();
-    let spec = dir.path().join("spec.json");
-    std::fs::write(
-        &spec,
-        json!({"tasks": [{"name": "init", "lifecycle": {"hook": "prestart"}}, {"name": "web"}]})
-            .to_string(),
-    )
-    .unwrap();
+    let spec = spec_file(
+        dir.path(),
+        &json!({"tasks": [{"name": "init", "lifecycle": {"hook": "prestart"}}, {"name": "web"}]}),
+    );
     let d = dir.path().display();
     let mut agents = vec![
         agent(
@@ -493,16 +490,13 @@ fn main_starts_only_once_the_sidecar_s_port_accepts_connections() {
     let server = Server::start(&["--in-memory"]);
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().display();
-    let spec = dir.path().join("spec.json");
-    std::fs::write(
-        &spec,
-        json!({"tasks": [
+    let spec = spec_file(
+        dir.path(),
+        &json!({"tasks": [
             {"name": "db", "lifecycle": {"hook": "prestart", "sidecar": true}, "readiness": true},
             {"name": "web", "leader": true}
-        ]})
-        .to_string(),
-    )
-    .unwrap();
+        ]}),
+    );
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -552,12 +546,10 @@ fn main_starts_only_once_the_sidecar_s_port_accepts_connections() {
 fn a_readiness_task_without_a_probe_is_refused() {
     let server = Server::start(&["--in-memory"]);
     let dir = tempfile::tempdir().unwrap();
-    let spec = dir.path().join("spec.json");
-    std::fs::write(
-        &spec,
-        json!({"tasks": [{"name": "web", "readiness": true}]}).to_string(),
-    )
-    .unwrap();
+    let spec = spec_file(
+        dir.path(),
+        &json!({"tasks": [{"name": "web", "readiness": true}]}),
+    );
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_taskgate"))
         .args([
             "agent",
@@ -615,12 +607,10 @@ fn a_task_not_ready_in_time_is_killed_as_a_failure() {
     let server = Server::start(&["--in-memory"]);
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().display();
-    let spec = dir.path().join("spec.json");
-    std::fs::write(
-        &spec,
-        json!({"tasks": [{"name": "web", "readiness": true}]}).to_string(),
-    )
-    .unwrap();
+    let spec = spec_file(
+        dir.path(),
+        &json!({"tasks": [{"name": "web", "readiness": true}]}),
+    );
     let mut web = agent(
         &server.base,
         "t1",
@@ -818,12 +808,10 @@ fn losing_readiness_after_the_timeout_is_reported_not_killed() {
     let server = Server::start(&["--in-memory"]);
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().display();
-    let spec = dir.path().join("spec.json");
-    std::fs::write(
-        &spec,
-        json!({"tasks": [{"name": "web", "readiness": true}]}).to_string(),
-    )
-    .unwrap();
+    let spec = spec_file(
+        dir.path(),
+        &json!({"tasks": [{"name": "web", "readiness": true}]}),
+    );
     let probe = format!("test -f {d}/ready");
     // Ready for a second, then not, past the timeout; then it ends well.
     let mut web = agent(

@@ -2,6 +2,8 @@
 //! list, deregister, batch reports, restart and restore. Each handler
 //! parses, makes one registry call, and renders.
 
+use std::sync::Arc;
+
 use axum::{
     extract::State,
     http::{HeaderValue, StatusCode, header},
@@ -19,7 +21,7 @@ use super::{
     views::{AllocationView, ListItem, RestartView, TimelineView},
 };
 use crate::{
-    lifecycle::{FieldError, TaskName},
+    lifecycle::{AllocId, Allocation, FieldError, TaskName},
     registry::RestartTarget,
 };
 
@@ -101,18 +103,29 @@ pub async fn get(
     AllocPath(id): AllocPath,
     ApiQuery(q): ApiQuery<BlockingParams>,
 ) -> Result<Response, ApiError> {
-    let a = if q.index == 0 {
-        s.registry.get(id.as_str())?
-    } else {
-        s.registry
-            .wait_alloc(id.as_str(), q.index, s.wait_time(q.wait))
-            .await?
-    };
+    let a = current_or_newer(&s, &id, q).await?;
     Ok(indexed(
         StatusCode::OK,
         a.modify_index,
         &AllocationView::new(&a),
     ))
+}
+
+/// The allocation now, or with `index` > 0 once its `modify_index` passes
+/// it (or `wait` elapses): what every blocking query on an allocation
+/// reads.
+async fn current_or_newer(
+    s: &AppState,
+    id: &AllocId,
+    q: BlockingParams,
+) -> Result<Arc<Allocation>, ApiError> {
+    Ok(if q.index == 0 {
+        s.registry.get(id.as_str())?
+    } else {
+        s.registry
+            .wait_alloc(id.as_str(), q.index, s.wait_time(q.wait))
+            .await?
+    })
 }
 
 /// The allocation's timeline (blocking query).
@@ -142,13 +155,7 @@ pub async fn timeline(
     AllocPath(id): AllocPath,
     ApiQuery(q): ApiQuery<BlockingParams>,
 ) -> Result<Response, ApiError> {
-    let a = if q.index == 0 {
-        s.registry.get(id.as_str())?
-    } else {
-        s.registry
-            .wait_alloc(id.as_str(), q.index, s.wait_time(q.wait))
-            .await?
-    };
+    let a = current_or_newer(&s, &id, q).await?;
     let entries = s.registry.timeline(&a);
     Ok(indexed(
         StatusCode::OK,

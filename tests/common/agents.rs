@@ -11,17 +11,20 @@ use serde_json::{Value, json};
 
 pub const BOUND: Duration = Duration::from_secs(60);
 
+/// `spec` written to `dir/spec.json`, for the agents' `--register`.
+pub fn spec_file(dir: &Path, spec: &Value) -> PathBuf {
+    let path = dir.join("spec.json");
+    std::fs::write(&path, spec.to_string()).unwrap();
+    path
+}
+
 /// A spec of one main task, `web`.
 pub fn web_only(dir: &Path) -> PathBuf {
-    let spec = dir.join("spec.json");
-    std::fs::write(&spec, json!({"tasks": [{"name": "web"}]}).to_string()).unwrap();
-    spec
+    spec_file(dir, &json!({"tasks": [{"name": "web"}]}))
 }
 
 pub fn five_spec(dir: &Path) -> PathBuf {
-    let spec = dir.join("spec.json");
-    std::fs::write(&spec, super::five_tasks().to_string()).unwrap();
-    spec
+    spec_file(dir, &super::five_tasks())
 }
 
 /// Starts `taskgate agent` for one task, killed on drop.
