@@ -289,6 +289,7 @@ fn registry_config(config: &ServeConfig, metrics: Arc<Metrics>) -> RegistryConfi
         max_allocations: config.max_allocations,
         metrics,
         timeline_events: config.timeline_events,
+        event_buffer: config.event_buffer,
     }
 }
 

@@ -221,6 +221,12 @@ pub struct ServeConfig {
     #[arg(long, env = "TASKGATE_TIMELINE_EVENTS", default_value_t = crate::registry::DEFAULT_TIMELINE_EVENTS)]
     pub timeline_events: usize,
 
+    /// Changes the event stream (`GET /v1/events`) keeps in memory for
+    /// readers that resume; one further behind is told to list again
+    /// (a `Resync` line).
+    #[arg(long, env = "TASKGATE_EVENT_BUFFER", default_value_t = crate::registry::DEFAULT_EVENT_BUFFER, value_parser = at_least_one)]
+    pub event_buffer: usize,
+
     /// Client connections open at once; one more is answered 503
     /// `too_many_connections` and closed, not left unanswered.
     #[arg(long, env = "TASKGATE_MAX_CONNECTIONS", default_value_t = 20_000)]
@@ -283,6 +289,7 @@ impl ServeConfig {
             max_waiters_per_token: crate::http::auth::DEFAULT_MAX_WAITERS_PER_TOKEN,
             max_allocations: crate::registry::DEFAULT_MAX_ALLOCATIONS,
             timeline_events: crate::registry::DEFAULT_TIMELINE_EVENTS,
+            event_buffer: crate::registry::DEFAULT_EVENT_BUFFER,
             max_connections: 20_000,
             shutdown_grace: Duration::from_secs(10),
             tls_cert: None,
@@ -291,5 +298,14 @@ impl ServeConfig {
             write_timeout: Duration::from_secs(30),
             request_timeout: Duration::from_secs(30),
         }
+    }
+}
+
+/// A count of which zero would mean nothing works.
+fn at_least_one(raw: &str) -> Result<usize, String> {
+    match raw.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
     }
 }

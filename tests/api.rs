@@ -1567,6 +1567,11 @@ async fn requests_that_do_not_wait_are_bounded_in_time() {
         .await;
     assert_eq!(w.status, StatusCode::OK);
     assert!(started.elapsed() >= Duration::from_secs(10));
+    // So is the timeline's blocking query.
+    let started = tokio::time::Instant::now();
+    let t = app.get("/v1/allocations/a1/events?index=1&wait=10s").await;
+    assert_eq!(t.status, StatusCode::OK, "{}", t.body);
+    assert!(started.elapsed() >= Duration::from_secs(10));
 }
 
 /// A request whose client goes away before its answer (here a parked
@@ -2036,4 +2041,166 @@ async fn the_timeline_is_a_bounded_blocking_query() {
     app.get("/v1/allocations/t2/events")
         .await
         .assert_problem(404, "allocation_not_found");
+}
+
+/// The event stream: each change once, in index order, as the writes
+/// answered it; a prefix sees only its allocations.
+#[tokio::test]
+async fn the_event_stream_tells_each_change_once_in_index_order() {
+    let app = test_app().await;
+    let start = app.registry.last_index();
+    let mut all = app.stream(&format!("/v1/events?index={start}")).await;
+    assert_eq!(all.status, StatusCode::OK);
+    assert_eq!(all.headers["content-type"], "application/x-ndjson");
+    let mut only_a = app
+        .stream(&format!("/v1/events?index={start}&prefix=a"))
+        .await;
+    assert_eq!(app.registry.waiters(), 2, "each stream counts as a waiter");
+
+    let a1 = app.register_five("a1").await.index();
+    let b1 = app.register_five("b1").await.index();
+    let init = app.report("a1", "init", json!({"state": "running"})).await;
+    assert_eq!(init.status, StatusCode::OK);
+    let gone = app.call("DELETE", "/v1/allocations/b1", None).await;
+    assert_eq!(gone.status, StatusCode::NO_CONTENT);
+    let done = app
+        .report("a1", "init", json!({"state": "dead", "failed": false}))
+        .await;
+
+    let expected = [
+        (a1, "Allocation", "a1"),
+        (b1, "Allocation", "b1"),
+        (init.index(), "Allocation", "a1"),
+        (gone.index(), "AllocationDeleted", "b1"),
+        (done.index(), "Allocation", "a1"),
+    ];
+    for (index, kind, id) in expected {
+        let l = all.line().await;
+        assert_eq!(
+            (l["index"].as_u64(), l["type"].as_str()),
+            (Some(index), Some(kind)),
+            "{l}"
+        );
+        assert_eq!(l["alloc_id"], id);
+        if kind == "Allocation" {
+            assert_eq!(l["allocation"]["id"], id);
+            assert_eq!(l["allocation"]["modify_index"], index);
+        } else {
+            assert!(l.get("allocation").is_none(), "{l}");
+        }
+        if index == init.index() {
+            // The view as committed at its index, not as it is now.
+            assert_eq!(l["allocation"]["tasks"][0]["state"], "running", "{l}");
+        }
+    }
+    for index in [a1, init.index(), done.index()] {
+        let l = only_a.line().await;
+        assert_eq!(
+            (l["index"].as_u64(), &l["alloc_id"]),
+            (Some(index), &json!("a1")),
+            "{l}"
+        );
+    }
+    drop((all, only_a));
+    // A closed stream waits no more.
+    common::unparked(&app.registry).await;
+}
+
+/// A reader further behind than the kept changes (`--event-buffer`) is told
+/// to list again, with the index the stream goes on from.
+#[tokio::test]
+async fn a_stream_behind_the_kept_changes_starts_with_a_resync() {
+    let app = test_app_with(
+        RegistryConfig {
+            event_buffer: 2,
+            ..RegistryConfig::default()
+        },
+        HttpConfig::default(),
+    )
+    .await;
+    let start = app.registry.last_index();
+    app.register_five("a1").await;
+    let mut last = 0;
+    for state in ["running", "dead"] {
+        last = app
+            .report("a1", "init", json!({"state": state}))
+            .await
+            .index();
+    }
+    let mut behind = app.stream(&format!("/v1/events?index={start}")).await;
+    let l = behind.line().await;
+    assert_eq!(l, json!({"type": "Resync", "index": last}));
+    // Within what is kept: no resync, just the changes.
+    let mut near = app.stream(&format!("/v1/events?index={}", last - 1)).await;
+    assert_eq!(near.line().await["index"], last);
+    // Both go on from there.
+    let next = app
+        .report("a1", "proxy", json!({"state": "running"}))
+        .await
+        .index();
+    assert_eq!(behind.line().await["index"], next);
+    assert_eq!(near.line().await["index"], next);
+}
+
+/// An idle stream says it is alive every 10 s, and ends when the server
+/// shuts down (the client reconnects with the last index it saw).
+#[tokio::test(start_paused = true)]
+async fn an_idle_stream_sends_heartbeats_and_ends_at_shutdown() {
+    if common::on_etcd(
+        "an_idle_stream_sends_heartbeats_and_ends_at_shutdown",
+        "runs on paused time",
+    ) {
+        return;
+    }
+    let app = test_app().await;
+    let started = tokio::time::Instant::now();
+    let mut s = app.stream("/v1/events").await;
+    assert_eq!(s.line().await, json!({"type": "Heartbeat"}));
+    assert_eq!(started.elapsed(), Duration::from_secs(10));
+    app.registry.shutdown();
+    assert_eq!(s.next().await, None, "the stream ends");
+    assert_eq!(app.registry.waiters(), 0);
+    let refused = app.get("/v1/events").await;
+    refused.assert_problem(503, "shutting_down");
+}
+
+/// Writes to many allocations commit side by side and finish in any
+/// order; the stream still tells them in index order, each once, none
+/// missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_writes_reach_the_stream_in_index_order() {
+    let app = std::sync::Arc::new(test_app().await);
+    let start = app.registry.last_index();
+    let mut s = app.stream(&format!("/v1/events?index={start}")).await;
+    let writers: Vec<_> = (0..8)
+        .map(|w| {
+            let app = app.clone();
+            tokio::spawn(async move {
+                let id = format!("w{w}");
+                let mut indexes = vec![app.register_five(&id).await.index()];
+                for i in 0..25 {
+                    let r = app
+                        .report(
+                            &id,
+                            "init",
+                            json!({"state": "running", "event": {"type": "Heartbeat", "message": format!("{i}")}}),
+                        )
+                        .await;
+                    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+                    indexes.push(r.index());
+                }
+                indexes
+            })
+        })
+        .collect();
+    let mut written = Vec::new();
+    for w in writers {
+        written.extend(w.await.unwrap());
+    }
+    written.sort_unstable();
+    let mut streamed = Vec::new();
+    while streamed.len() < written.len() {
+        streamed.push(s.line().await["index"].as_u64().unwrap());
+    }
+    assert_eq!(streamed, written);
 }

@@ -377,3 +377,52 @@ async fn one_token_cannot_take_every_wait_or_register_without_limit() {
         p.await.unwrap().assert_problem(503, "shutting_down");
     }
 }
+
+/// The event stream follows the list's rules (a scoped token names a
+/// prefix within its scopes) and holds one of its token's waits while it
+/// is open.
+#[tokio::test]
+async fn the_event_stream_follows_the_token_rules() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tokens.json");
+    let tokens = json!({"tokens": [
+        {"name": "reader", "role": "reader", "sha256": hex_sha256("reader-secret")},
+        {"name": "team-a", "role": "agent", "sha256": hex_sha256("a-secret"),
+         "alloc_prefixes": ["a-"], "max_waiters": 1},
+    ]});
+    std::fs::write(&file, tokens.to_string()).unwrap();
+    let auth = Auth::load(Some(&file), None).unwrap();
+    let app = test_app_auth(RegistryConfig::default(), HttpConfig::default(), auth).await;
+    let open = |token: Option<&'static str>, uri: &'static str| {
+        let mut req = Request::get(uri);
+        if let Some(t) = token {
+            req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
+        }
+        app.stream_req(req.body(Body::empty()).unwrap())
+    };
+    assert_eq!(open(None, "/v1/events").await.status, 401);
+    let reader = open(Some("reader-secret"), "/v1/events").await;
+    assert_eq!(reader.status, 200);
+    for uri in ["/v1/events", "/v1/events?prefix=b-", "/v1/events?prefix=a"] {
+        let refused = call(&app, Some("a-secret"), "GET", uri, None).await;
+        refused.assert_problem(403, "forbidden");
+        assert!(
+            refused.body["detail"]
+                .as_str()
+                .unwrap()
+                .contains("follow events with a `prefix` within"),
+            "{}",
+            refused.body
+        );
+    }
+    let first = open(Some("a-secret"), "/v1/events?prefix=a-1").await;
+    assert_eq!(first.status, 200);
+    let second = call(&app, Some("a-secret"), "GET", "/v1/events?prefix=a-", None).await;
+    second.assert_problem(429, "quota_exceeded");
+    assert!(second.header("retry-after").is_some());
+    // Closing the first gives its wait back at once.
+    drop(first);
+    let again = open(Some("a-secret"), "/v1/events?prefix=a-").await;
+    assert_eq!(again.status, 200);
+    drop((reader, again));
+}

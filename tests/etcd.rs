@@ -13,7 +13,7 @@ use taskgate::{
         AllocId, AllocSpec, EventInput, Hook, Lifecycle, Limits, RunState, TaskName, TaskReport,
         TaskSpec,
     },
-    registry::{Registry, RegistryConfig, RegistryError},
+    registry::{Registry, RegistryConfig, RegistryError, feed::Next},
     store::{
         StoreError, StoreHealth,
         etcd::{EtcdConfig, EtcdStore},
@@ -277,10 +277,35 @@ async fn a_replica_behind_a_compaction_lists_again_and_holds_what_etcd_holds() {
     assert_eq!(ids(&b), ids(&a));
     assert_eq!(ids(&b), ["x1", "x2", "x3", "x4", "x9"]);
     assert_eq!(*b.get("x1").unwrap(), *changed);
-    // And it follows on from there.
+    // Its event stream cannot tell the changes it listed over one by one:
+    // a reader from before is told to resync.
+    let mut stream = b.subscribe(1, String::new()).unwrap();
+    let resync = tokio::time::timeout(SETTLE, stream.next(10))
+        .await
+        .expect("in time")
+        .unwrap();
+    assert!(
+        matches!(resync, Next::Resync(i) if i >= compacted),
+        "{resync:?}"
+    );
+    // And it follows on from there, the stream with it: A's changes in
+    // B's stream at the indexes A answered.
     let deleted = a.delete("x2").await.unwrap();
     assert!(b.wait_view(deleted, SETTLE).await);
     assert!(b.get("x2").is_err());
+    let changes = tokio::time::timeout(SETTLE, stream.next(10))
+        .await
+        .expect("in time")
+        .unwrap();
+    let Next::Changes(changes) = changes else {
+        panic!("{changes:?}")
+    };
+    assert_eq!(changes.len(), 1);
+    assert_eq!(
+        (changes[0].index, changes[0].alloc_id.as_str()),
+        (deleted, "x2")
+    );
+    assert!(changes[0].allocation.is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

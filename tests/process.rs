@@ -159,3 +159,96 @@ async fn dump_reads_a_stopped_servers_directory_and_refuses_a_running_one() {
         .collect();
     assert_eq!(ids, ["a1", "b1"]);
 }
+
+/// A stream of the real server, read line by line.
+struct NdJson {
+    res: reqwest::Response,
+    buf: Vec<u8>,
+}
+
+impl NdJson {
+    async fn open(base: &str, query: &str) -> Self {
+        let res = common::http()
+            .get(format!("{base}/v1/events?{query}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200);
+        Self {
+            res,
+            buf: Vec::new(),
+        }
+    }
+
+    /// The next line, or `None` once the stream ended.
+    async fn next(&mut self) -> Option<Value> {
+        loop {
+            if let Some(end) = self.buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = self.buf.drain(..=end).collect();
+                return Some(serde_json::from_slice(&line).unwrap());
+            }
+            let chunk = tokio::time::timeout(BOUND, self.res.chunk())
+                .await
+                .expect("a line in time");
+            // A connection cut by the server's exit ends the stream too.
+            match chunk {
+                Ok(Some(c)) => self.buf.extend_from_slice(&c),
+                Ok(None) | Err(_) => return None,
+            }
+        }
+    }
+}
+
+async fn put(base: &str, path: &str, body: Value) -> u64 {
+    let res = common::http()
+        .put(format!("{base}{path}"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert!(res.status().is_success(), "{}", res.status());
+    res.headers()["x-taskgate-index"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// The event stream across a restart of the server on its data directory:
+/// a reader that saw everything resumes with its last index and misses
+/// nothing; one from before what the new process holds is told to resync
+/// (the changes in between are not kept across a restart).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_event_stream_resumes_or_resyncs_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap();
+    let server = Server::start(&["--data-dir", data]);
+    let base = server.base.clone();
+    let mut s = NdJson::open(&base, "index=0").await;
+    let i1 = put(&base, "/v1/allocations/a1", five_tasks()).await;
+    let state = serde_json::json!({"state": "running"});
+    let i2 = put(&base, "/v1/allocations/a1/tasks/init/state", state.clone()).await;
+    for i in [i1, i2] {
+        assert_eq!(s.next().await.unwrap()["index"], i);
+    }
+    server.terminate();
+    assert_eq!(s.next().await, None, "the stream ends with the server");
+    drop(server);
+
+    let server = Server::start(&["--data-dir", data]);
+    let base = server.base.clone();
+    let mut resumed = NdJson::open(&base, &format!("index={i2}")).await;
+    let mut older = NdJson::open(&base, &format!("index={i1}")).await;
+    let i3 = put(&base, "/v1/allocations/a1/tasks/proxy/state", state).await;
+    let l = resumed.next().await.unwrap();
+    assert_eq!(
+        (l["type"].as_str(), l["index"].as_u64()),
+        (Some("Allocation"), Some(i3))
+    );
+    assert_eq!(l["allocation"]["tasks"][1]["state"], "running");
+    assert_eq!(
+        older.next().await.unwrap(),
+        serde_json::json!({"type": "Resync", "index": i2})
+    );
+    assert_eq!(older.next().await.unwrap()["index"], i3);
+}

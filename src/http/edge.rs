@@ -28,11 +28,17 @@ pub const REQUEST_ID_HEADER: &str = "x-request-id";
 /// The registration route, whose handler applies the caller's quota.
 const REGISTER_ROUTE: &str = "/v1/allocations/{alloc_id}";
 
-/// Routes whose GET may wait (bounded by the wait cap instead).
-const WAITING_ROUTES: [&str; 3] = [
+/// The event stream, whose answer lasts as long as its client reads.
+pub(crate) const STREAM_ROUTE: &str = "/v1/events";
+
+/// Routes whose GET may wait (bounded by the wait cap instead, or for the
+/// stream, by its client).
+const WAITING_ROUTES: [&str; 5] = [
     "/v1/allocations/{alloc_id}",
+    "/v1/allocations/{alloc_id}/events",
     "/v1/allocations/{alloc_id}/tasks/{task}",
     "/v1/allocations/{alloc_id}/tasks/{task}/start-condition",
+    STREAM_ROUTE,
 ];
 
 pub struct Edge {
@@ -150,7 +156,12 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
                 Err(_) => timed_out(),
             }
         };
-        let res = problem_for_bare_405(res);
+        let mut res = problem_for_bare_405(res);
+        if let Some(slot) = _slot.take().filter(|_| route == Some(STREAM_ROUTE)) {
+            // A stream waits in its body, after this returns: the token's
+            // slot goes with it.
+            res = res.map(|body| axum::body::Body::new(Holding { body, _slot: slot }));
+        }
         if pretty { prettify(res).await } else { res }
     }
     .instrument(span.clone())
@@ -240,4 +251,30 @@ async fn prettify(res: Response) -> Response {
     out.push(b'\n');
     parts.headers.remove(header::CONTENT_LENGTH);
     Response::from_parts(parts, Body::from(out))
+}
+
+/// A response body that holds a token's wait slot until it is dropped.
+struct Holding {
+    body: axum::body::Body,
+    _slot: super::auth::WaitSlot,
+}
+
+impl http_body::Body for Holding {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
 }

@@ -8,6 +8,7 @@ pub mod auth;
 pub mod dto;
 mod edge;
 pub mod error;
+mod events;
 pub mod extract;
 pub mod openapi;
 pub mod params;
@@ -159,6 +160,7 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
             "/v1/allocations/{alloc_id}/events",
             get(allocations::timeline),
         )
+        .route(edge::STREAM_ROUTE, get(events::stream))
         .with_state(state);
     let docs: Router = SwaggerUi::new("/docs")
         .config(SwaggerConfig::new(["/openapi.json"]))

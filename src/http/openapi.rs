@@ -11,7 +11,7 @@ use utoipa::{
     },
 };
 
-use super::{allocations, error, service, tasks, views};
+use super::{allocations, error, events, service, tasks, views};
 use crate::lifecycle::{
     CoordState, DesiredKind, Hook, Outcome, RunState, Stage, StopKind, WaitFor,
 };
@@ -57,6 +57,7 @@ Errors are RFC 9457 problem documents with a stable `code`.",
         allocations::register,
         allocations::get,
         allocations::timeline,
+        events::stream,
         allocations::delete,
         allocations::report_batch,
         allocations::restart,

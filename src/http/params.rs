@@ -14,6 +14,38 @@ fn parse_wait(pairs: &Pairs, errors: &mut Vec<FieldError>) -> Option<Duration> {
         .ok()
 }
 
+fn parse_index(pairs: &Pairs, errors: &mut Vec<FieldError>) -> u64 {
+    match pairs.get("index") {
+        None => 0,
+        Some(raw) => match raw.parse::<u64>() {
+            Ok(n) if n <= MAX_INDEX => n,
+            _ => {
+                errors.push(FieldError::new(
+                    "index",
+                    format!("{raw:?} is not an integer index from 0 to {MAX_INDEX}"),
+                ));
+                0
+            }
+        },
+    }
+}
+
+/// `prefix`: empty, or the start of an allocation ID.
+fn parse_prefix(pairs: &Pairs, errors: &mut Vec<FieldError>) -> String {
+    let prefix = pairs.get("prefix").unwrap_or_default().to_owned();
+    // Every non-empty prefix of an allocation ID is itself a valid ID,
+    // so a prefix that is not could never match: a typo, not a query.
+    if !prefix.is_empty()
+        && let Err(e) = AllocId::parse(&prefix)
+    {
+        errors.push(FieldError::new(
+            "prefix",
+            format!("{prefix:?} {e}, so no allocation ID starts with it"),
+        ));
+    }
+    prefix
+}
+
 /// The largest `index` a blocking query takes: the int64 range the OpenAPI
 /// document states (the server's own indexes never come near it).
 pub const MAX_INDEX: u64 = i64::MAX as u64;
@@ -31,19 +63,7 @@ impl QueryParams for BlockingParams {
 
     fn from_pairs(pairs: &Pairs) -> Result<Self, Vec<FieldError>> {
         let mut errors = Vec::new();
-        let index = match pairs.get("index") {
-            None => 0,
-            Some(raw) => match raw.parse::<u64>() {
-                Ok(n) if n <= MAX_INDEX => n,
-                _ => {
-                    errors.push(FieldError::new(
-                        "index",
-                        format!("{raw:?} is not an integer index from 0 to {MAX_INDEX}"),
-                    ));
-                    0
-                }
-            },
-        };
+        let index = parse_index(pairs, &mut errors);
         let wait = parse_wait(pairs, &mut errors);
         if errors.is_empty() {
             Ok(Self { index, wait })
@@ -73,6 +93,29 @@ impl QueryParams for WaitParams {
     }
 }
 
+/// `?index=N&prefix=P` of the event stream.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct StreamParams {
+    /// Changes after this index.
+    pub index: u64,
+    pub prefix: String,
+}
+
+impl QueryParams for StreamParams {
+    const NAMES: &'static [&'static str] = &["index", "prefix"];
+
+    fn from_pairs(pairs: &Pairs) -> Result<Self, Vec<FieldError>> {
+        let mut errors = Vec::new();
+        let index = parse_index(pairs, &mut errors);
+        let prefix = parse_prefix(pairs, &mut errors);
+        if errors.is_empty() {
+            Ok(Self { index, prefix })
+        } else {
+            Err(errors)
+        }
+    }
+}
+
 /// Page size bounds of the allocation list.
 pub const MAX_PER_PAGE: usize = 1000;
 pub const DEFAULT_PER_PAGE: usize = 100;
@@ -90,17 +133,7 @@ impl QueryParams for ListParams {
 
     fn from_pairs(pairs: &Pairs) -> Result<Self, Vec<FieldError>> {
         let mut errors = Vec::new();
-        let prefix = pairs.get("prefix").unwrap_or_default().to_owned();
-        // Every non-empty prefix of an allocation ID is itself a valid ID,
-        // so a prefix that is not could never match: a typo, not a query.
-        if !prefix.is_empty()
-            && let Err(e) = AllocId::parse(&prefix)
-        {
-            errors.push(FieldError::new(
-                "prefix",
-                format!("{prefix:?} {e}, so no allocation ID starts with it"),
-            ));
-        }
+        let prefix = parse_prefix(pairs, &mut errors);
         let per_page = match pairs.get("per_page") {
             None => DEFAULT_PER_PAGE,
             Some(raw) => match raw.parse::<usize>() {

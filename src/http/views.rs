@@ -414,3 +414,40 @@ impl TimelineView {
         }
     }
 }
+
+/// One line of `GET /v1/events` (newline-delimited JSON).
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(tag = "type")]
+pub enum StreamLine {
+    /// The allocation as committed at `index` (registered or changed).
+    Allocation {
+        index: u64,
+        alloc_id: String,
+        allocation: Box<AllocationView>,
+    },
+    /// The allocation was deleted at `index`.
+    AllocationDeleted { index: u64, alloc_id: String },
+    /// The asked index is older than the changes the server keeps (or the
+    /// server has restarted since): list again, then go on from this line's
+    /// `index` (the stream itself goes on from there).
+    Resync { index: u64 },
+    /// Sent after 10 s without another line.
+    Heartbeat,
+}
+
+impl StreamLine {
+    pub fn change(e: &crate::registry::feed::Event) -> Self {
+        let alloc_id = e.alloc_id.to_string();
+        match &e.allocation {
+            Some(a) => Self::Allocation {
+                index: e.index,
+                alloc_id,
+                allocation: Box::new(AllocationView::new(a)),
+            },
+            None => Self::AllocationDeleted {
+                index: e.index,
+                alloc_id,
+            },
+        }
+    }
+}

@@ -9,10 +9,13 @@
 //! This module must not know HTTP: it speaks allocations, task names and
 //! durations.
 
+pub mod feed;
 mod handle;
 mod shared;
 pub mod timeline;
 mod wait;
+
+pub use wait::Subscription;
 
 use std::{
     collections::{BTreeSet, HashSet},
@@ -49,6 +52,8 @@ pub struct RegistryConfig {
     pub metrics: Arc<Metrics>,
     /// Entries each allocation's timeline keeps (0: none).
     pub timeline_events: usize,
+    /// Changes kept for the event stream's readers to resume from.
+    pub event_buffer: usize,
 }
 
 /// Entries an allocation's timeline keeps by default.
@@ -62,9 +67,14 @@ impl Default for RegistryConfig {
             max_allocations: DEFAULT_MAX_ALLOCATIONS,
             metrics: Arc::new(Metrics::new()),
             timeline_events: DEFAULT_TIMELINE_EVENTS,
+            event_buffer: DEFAULT_EVENT_BUFFER,
         }
     }
 }
+
+/// Changes the event stream keeps by default: a reader that falls this
+/// far behind lists again.
+pub const DEFAULT_EVENT_BUFFER: usize = 16_384;
 
 /// The largest global index: indexes are 0 to 2^63 - 1 in the API.
 pub const MAX_INDEX: u64 = i64::MAX as u64;
@@ -157,7 +167,9 @@ struct Shared {
     /// to look up or insert, never across an `.await`.
     allocs: RwLock<AllocMap>,
     /// The last global index handed out. Every change takes the next one.
-    index: AtomicU64,
+    index: Arc<AtomicU64>,
+    /// Every change in index order, for the event stream (`feed.rs`).
+    feed: Arc<feed::Feed>,
     /// Where every change is committed before it is published.
     store: Arc<dyn Store>,
     config: RegistryConfig,
@@ -231,10 +243,12 @@ impl Registry {
             a.spec = specs.share(a.spec);
             (a.id.clone(), Arc::new(Handle::live(Arc::new(a))))
         }));
+        let index = Arc::new(AtomicU64::new(last));
         let registry = Self {
             shared: Arc::new(Shared {
                 allocs: RwLock::new(allocs),
-                index: AtomicU64::new(last),
+                feed: Arc::new(feed::Feed::new(index.clone(), config.event_buffer)),
+                index,
                 store,
                 config,
                 waiters: AtomicUsize::new(0),
@@ -406,6 +420,7 @@ impl Registry {
                 }
                 Slot::Deleted => continue,
                 Slot::Creating => {
+                    let ticket = self.shared.feed.begin();
                     let a = Arc::new(Allocation::register(
                         id.clone(),
                         self.shared
@@ -428,6 +443,7 @@ impl Registry {
                                     published.clone(),
                                     registry.shared.config.timeline_events,
                                 );
+                                ticket.publish(feed::Event::put(published.clone()));
                                 let a = &published;
                                 tracing::info!(alloc = %a.id, state = %a.state, tasks = a.tasks.len(), "allocation registered");
                                 if a.state != CoordState::Init {
@@ -535,6 +551,7 @@ impl Registry {
         let Slot::Live(a) = handle.slot_now() else {
             return Err(RegistryError::AllocationNotFound(id.to_owned()));
         };
+        let ticket = self.shared.feed.begin();
         let index = self.next_index();
         let op = Op::Delete {
             id: a.id.clone(),
@@ -544,6 +561,7 @@ impl Registry {
         self.commit_then(write, op, move |committed| {
             committed?;
             registry.remove(&a.id, &handle);
+            ticket.publish(feed::Event::deleted(a.id.clone(), index));
             tracing::info!(alloc = %a.id, index, "allocation deleted");
             Ok(index)
         })
@@ -576,6 +594,7 @@ impl Registry {
         let Slot::Live(current) = handle.slot_now() else {
             return Err(RegistryError::AllocationNotFound(id.to_owned()));
         };
+        let ticket = self.shared.feed.begin();
         let (next, out) = decide(&current, &|| self.next_index())?;
         let Some(next) = next else {
             counted(&self.shared.config.metrics);
@@ -591,6 +610,7 @@ impl Registry {
                 published.clone(),
                 registry.shared.config.timeline_events,
             );
+            ticket.publish(feed::Event::put(published.clone()));
             registry.observe(&current, &published);
             counted(&registry.shared.config.metrics);
             Ok(())

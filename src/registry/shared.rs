@@ -15,6 +15,7 @@ use std::{
     time::Duration,
 };
 
+use super::feed::Event;
 use super::{
     Quota, Registry, RegistryError, Shared, Slot,
     handle::{Handle, WriteGuard},
@@ -292,7 +293,13 @@ impl Shared {
     /// registration's cleanup never removes a handle made live here).
     /// `recorded`: a change followed one by one (its timeline entries are
     /// kept), not a listing.
-    fn put(&self, map: &mut super::AllocMap, mut a: Allocation, recorded: bool) {
+    /// Returns the record as published, if it was new to this view.
+    fn put(
+        &self,
+        map: &mut super::AllocMap,
+        mut a: Allocation,
+        recorded: bool,
+    ) -> Option<Arc<Allocation>> {
         a.spec = self
             .specs
             .lock()
@@ -310,9 +317,10 @@ impl Shared {
                 let same = now
                     .as_ref()
                     .is_some_and(|now| now.modify_index == a.modify_index);
-                if !same {
-                    handle.publish_live(now.as_deref(), a, limit);
+                if same {
+                    return None;
                 }
+                handle.publish_live(now.as_deref(), a.clone(), limit);
             }
             None => {
                 let handle = Arc::new(Handle::creating(&a.id));
@@ -320,13 +328,17 @@ impl Shared {
                 map.insert(a.id.clone(), handle);
             }
         }
+        Some(a)
     }
 
-    fn gone(map: &mut super::AllocMap, id: &str) {
-        if let Some(handle) = map.get(id) {
-            handle.publish(Slot::Deleted);
-            map.remove(id);
-        }
+    /// Whether the view held `id`.
+    fn gone(map: &mut super::AllocMap, id: &str) -> bool {
+        let Some(handle) = map.get(id) else {
+            return false;
+        };
+        handle.publish(Slot::Deleted);
+        map.remove(id);
+        true
     }
 
     /// The view reached `index`: the global index and every writer
@@ -344,15 +356,27 @@ impl Shared {
 
 impl Follower for Shared {
     fn changed(&self, changes: Vec<Change>, index: u64) {
+        let mut events = Vec::new();
         if !changes.is_empty() {
             let mut map = self.write_map();
             for change in changes {
                 match change {
-                    Change::Put(a) => self.put(&mut map, a, true),
-                    Change::Delete { id, .. } => Self::gone(&mut map, id.as_str()),
+                    Change::Put(a) => {
+                        if let Some(a) = self.put(&mut map, a, true) {
+                            events.push(Event::put(a));
+                        }
+                    }
+                    Change::Delete { id, index } => {
+                        if Self::gone(&mut map, id.as_str()) {
+                            events.push(Event::deleted(id, index));
+                        }
+                    }
                 }
             }
         }
+        // Before the writers waiting for `index` answer: whoever they tell
+        // finds the change in the stream too.
+        self.feed.append(events, index);
         self.reached(index);
     }
 
@@ -372,6 +396,9 @@ impl Follower for Shared {
             self.put(&mut map, a, false);
         }
         drop(map);
+        // What changed meanwhile is known only as a whole: the stream's
+        // readers list again too.
+        self.feed.reset(loaded.last_index);
         tracing::info!(
             allocations = changed,
             index = loaded.last_index,

@@ -130,3 +130,56 @@ impl Registry {
         Ok((a, i))
     }
 }
+
+/// A reader of the event stream (`Registry::subscribe`). Counts as a
+/// parked request while it lives.
+pub struct Subscription {
+    registry: Registry,
+    /// The last index this reader has been given (or skipped).
+    after: u64,
+    prefix: String,
+    _parked: Parked,
+}
+
+impl Registry {
+    /// Follows every change after `index` to allocations whose ID starts
+    /// with `prefix`.
+    pub fn subscribe(&self, index: u64, prefix: String) -> Result<Subscription, RegistryError> {
+        Ok(Subscription {
+            _parked: self.park()?,
+            registry: self.clone(),
+            after: index,
+            prefix,
+        })
+    }
+}
+
+impl Subscription {
+    /// The next changes (at most `max`), or a resync; waits for them.
+    /// Ends with `ShuttingDown` at shutdown. Cancel-safe: a call dropped
+    /// while it waits has taken nothing.
+    pub async fn next(&mut self, max: usize) -> Result<super::feed::Next, RegistryError> {
+        let shared = self.registry.shared.clone();
+        let mut shutdown = shared.shutdown.subscribe();
+        loop {
+            if *shutdown.borrow_and_update() {
+                return Err(RegistryError::ShuttingDown);
+            }
+            let moved = shared.feed.moved();
+            let mut moved = std::pin::pin!(moved);
+            moved.as_mut().enable();
+            if let Some(next) = shared.feed.read(&mut self.after, &self.prefix, max) {
+                return Ok(next);
+            }
+            tokio::select! {
+                () = moved => {}
+                _ = shutdown.changed() => {}
+            }
+        }
+    }
+
+    /// The last index this reader was given or went past.
+    pub fn index(&self) -> u64 {
+        self.after
+    }
+}

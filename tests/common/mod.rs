@@ -233,9 +233,69 @@ impl TestApp {
         .await
     }
 
+    /// Opens `GET uri` as a stream (the event stream): its status and
+    /// headers now, its lines as they come.
+    pub async fn stream(&self, uri: &str) -> Lines {
+        self.stream_req(Request::get(uri).body(Body::empty()).unwrap())
+            .await
+    }
+
+    /// `stream` for a request of the caller's making.
+    pub async fn stream_req(&self, req: Request<Body>) -> Lines {
+        let res = self.router.clone().oneshot(req).await.unwrap();
+        let status = res.status();
+        let headers = res.headers().clone();
+        Lines {
+            status,
+            headers,
+            body: res.into_body(),
+            buf: Vec::new(),
+        }
+    }
+
     /// Waits (bounded) until `n` requests are parked.
     pub async fn parked(&self, n: usize) {
         parked(&self.registry, n).await
+    }
+}
+
+/// A streamed answer, read line by line.
+pub struct Lines {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    body: Body,
+    buf: Vec<u8>,
+}
+
+impl Lines {
+    /// The next line as JSON, or `None` once the stream has ended. A line
+    /// that does not come within a minute fails the test.
+    pub async fn next(&mut self) -> Option<Value> {
+        loop {
+            if let Some(end) = self.buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = self.buf.drain(..=end).collect();
+                return Some(serde_json::from_slice(&line).expect("each line is JSON"));
+            }
+            let frame = tokio::time::timeout(Duration::from_secs(60), self.body.frame())
+                .await
+                .expect("a line within a minute");
+            match frame {
+                None => {
+                    assert!(self.buf.is_empty(), "the stream ended mid-line");
+                    return None;
+                }
+                Some(frame) => {
+                    if let Ok(data) = frame.expect("the body reads").into_data() {
+                        self.buf.extend_from_slice(&data);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The next line, which must come.
+    pub async fn line(&mut self) -> Value {
+        self.next().await.expect("the stream is open")
     }
 }
 
@@ -249,6 +309,18 @@ pub async fn parked(registry: &Registry, n: usize) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     panic!("{n} waiters never parked (have {})", registry.waiters());
+}
+
+/// Waits until no request is parked (a stream's end is noticed by its
+/// writer task, a moment after its client goes away). Bounded.
+pub async fn unparked(registry: &Registry) {
+    for _ in 0..2_000 {
+        if registry.waiters() == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("still {} waiters", registry.waiters());
 }
 
 /// The example allocation of the API documentation.

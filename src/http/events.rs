@@ -1,0 +1,138 @@
+//! `GET /v1/events`: every allocation change after an index, as
+//! newline-delimited JSON, for as long as the client reads.
+
+use std::{
+    pin::Pin,
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use axum::{
+    extract::State,
+    http::{HeaderValue, StatusCode, header},
+    response::{IntoResponse, Response},
+};
+use bytes::Bytes;
+use http_body::Frame;
+use tokio::sync::mpsc;
+
+use super::{
+    AppState, INDEX_HEADER,
+    error::{ApiError, Problem},
+    extract::ApiQuery,
+    params::StreamParams,
+    views::StreamLine,
+};
+use crate::registry::{Subscription, feed::Next};
+
+/// A line sent after this long without another.
+pub const HEARTBEAT: Duration = Duration::from_secs(10);
+
+/// Changes taken from the feed at once (one write to the connection).
+const BATCH: usize = 256;
+
+/// Chunks rendered ahead of a slow client before the stream waits for it
+/// (past that, a client that falls behind the kept changes gets a
+/// `Resync`).
+const AHEAD: usize = 4;
+
+/// Follow allocation changes (a stream).
+///
+/// Newline-delimited JSON, one object per line, for as long as the client
+/// reads: each change after `index` in index order, each once
+/// (`Allocation` with the allocation's view, `AllocationDeleted`); a
+/// `Resync` line first when `index` is older than the changes the server
+/// keeps (`--event-buffer`; a restarted server keeps none from before):
+/// list the allocations again, then go on from the `Resync`'s index, as
+/// the stream does; a `Heartbeat` line after 10 s without another. The
+/// stream ends when the server shuts down: reconnect with the last index
+/// seen. A scoped token must give a `prefix` within its prefixes. Counts as
+/// a waiting request.
+#[utoipa::path(
+    get, path = "/v1/events", operation_id = "streamEvents", tag = "allocations",
+    params(
+        ("index" = Option<u64>, Query, minimum = 0, description = "Changes after this index (default 0)"),
+        ("prefix" = Option<String>, Query, description = "Only allocations whose ID starts with this"),
+    ),
+    responses(
+        (status = 200, description = "The stream: one JSON object per line", body = StreamLine, content_type = "application/x-ndjson",
+         headers(("X-Taskgate-Index" = u64, description = "The index the stream starts after"))),
+        (status = 403, description = "`forbidden`: the token's role, or a `prefix` outside its prefixes", body = Problem, content_type = "application/problem+json"),
+        (status = 429, description = "`quota_exceeded`: the token holds as many waits as it may", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
+        (status = 503, description = "`too_many_waiters`, `shutting_down`, or `starting` (the store is still loading)", body = Problem, content_type = "application/problem+json",
+         headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
+    )
+)]
+pub async fn stream(
+    State(s): State<AppState>,
+    ApiQuery(q): ApiQuery<StreamParams>,
+) -> Result<Response, ApiError> {
+    let index = q.index;
+    let sub = s.registry.subscribe(q.index, q.prefix)?;
+    let (tx, rx) = mpsc::channel(AHEAD);
+    tokio::spawn(follow(sub, tx));
+    let mut res = (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/x-ndjson"),
+        )],
+        axum::body::Body::new(Lines(rx)),
+    )
+        .into_response();
+    res.headers_mut()
+        .insert(INDEX_HEADER, HeaderValue::from(index));
+    Ok(res)
+}
+
+/// Writes the stream's lines until the client goes away or the server
+/// shuts down.
+async fn follow(mut sub: Subscription, tx: mpsc::Sender<Bytes>) {
+    loop {
+        let chunk = tokio::select! {
+            next = sub.next(BATCH) => match next {
+                Ok(Next::Changes(events)) => {
+                    let mut chunk = Vec::new();
+                    for e in &events {
+                        chunk.extend_from_slice(&e.rendered(|e| line(&StreamLine::change(e))));
+                    }
+                    Bytes::from(chunk)
+                }
+                Ok(Next::Resync(index)) => line(&StreamLine::Resync { index }),
+                // Shutting down: the client reconnects (elsewhere, or once
+                // the server is back) with the last index it saw.
+                Err(_) => return,
+            },
+            () = tokio::time::sleep(HEARTBEAT) => line(&StreamLine::Heartbeat),
+            () = tx.closed() => return,
+        };
+        if tx.send(chunk).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// One JSON object and its newline.
+fn line(l: &StreamLine) -> Bytes {
+    let mut buf = Vec::with_capacity(2048);
+    // A view always serializes (string keys, no floats that are not finite).
+    serde_json::to_writer(&mut buf, l).expect("a stream line serializes");
+    buf.push(b'\n');
+    Bytes::from(buf)
+}
+
+/// The response body: the chunks `follow` sends, as they come.
+struct Lines(mpsc::Receiver<Bytes>);
+
+impl http_body::Body for Lines {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        self.0.poll_recv(cx).map(|c| c.map(|c| Ok(Frame::data(c))))
+    }
+}

@@ -1,0 +1,377 @@
+//! The feed: every allocation change in index order, for the event stream.
+//!
+//! Changes are published per allocation as their commits finish, which is
+//! not index order: two allocations' writes commit side by side and the one
+//! with the higher index can finish first. The feed keeps a *frontier*, the
+//! index up to which every change is known, and lets readers see only
+//! changes at or below it:
+//!
+//! - with a store this process writes alone (disk, memory), every write
+//!   takes a `Ticket` before it takes an index. The frontier is the lowest
+//!   index a write in progress may still publish, less one (or the last
+//!   index handed out, with none in progress). A change published above the
+//!   frontier waits in `pending` until the writes below it end, published or
+//!   not (a failed commit's index is simply never seen);
+//! - with a shared store the store's follower delivers changes already in
+//!   index order (`append`), and a relisting (`reset`) starts afresh.
+//!
+//! The last `capacity` changes are kept; a reader further behind is told to
+//! list again (`Next::Resync`) instead of missing changes silently.
+
+use std::{
+    collections::{BTreeMap, VecDeque},
+    sync::{
+        Arc, Mutex, OnceLock, PoisonError,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use tokio::sync::Notify;
+
+use crate::lifecycle::{AllocId, Allocation};
+
+/// One change as the stream tells it.
+#[derive(Debug)]
+pub struct Event {
+    pub index: u64,
+    pub alloc_id: AllocId,
+    /// The allocation as committed at `index`, or `None`: deleted.
+    pub allocation: Option<Arc<Allocation>>,
+    /// The change rendered once for every reader (see `rendered`).
+    rendered: OnceLock<bytes::Bytes>,
+}
+
+impl Event {
+    pub fn put(a: Arc<Allocation>) -> Self {
+        Self::new(a.modify_index, a.id.clone(), Some(a))
+    }
+
+    pub fn deleted(alloc_id: AllocId, index: u64) -> Self {
+        Self::new(index, alloc_id, None)
+    }
+
+    fn new(index: u64, alloc_id: AllocId, allocation: Option<Arc<Allocation>>) -> Self {
+        Self {
+            index,
+            alloc_id,
+            allocation,
+            rendered: OnceLock::new(),
+        }
+    }
+
+    /// The change as `render` writes it, rendered by the first reader to
+    /// ask and shared with the others.
+    pub fn rendered(&self, render: impl FnOnce(&Self) -> bytes::Bytes) -> bytes::Bytes {
+        self.rendered.get_or_init(|| render(self)).clone()
+    }
+}
+
+/// What a reader gets next.
+#[derive(Debug)]
+pub enum Next {
+    /// The reader's index is older than the oldest change kept: it must
+    /// list again; the feed goes on from this index.
+    Resync(u64),
+    /// Changes after the reader's index, in index order (at least one).
+    Changes(Vec<Arc<Event>>),
+}
+
+pub(crate) struct Feed {
+    inner: Mutex<Inner>,
+    /// The registry's last index handed out (with a store this process
+    /// writes alone; see `begin`).
+    index: Arc<AtomicU64>,
+    /// Woken when the frontier moves or the feed starts afresh.
+    moved: Notify,
+    capacity: usize,
+}
+
+struct Inner {
+    /// Every change with an index in `(floor, frontier]` is in `kept`.
+    floor: u64,
+    frontier: u64,
+    kept: VecDeque<Arc<Event>>,
+    /// Changes published above the frontier, by index.
+    pending: BTreeMap<u64, Event>,
+    /// For each write in progress, the last index handed out when it
+    /// began (the indexes it takes are above it): how many began there.
+    writing: BTreeMap<u64, usize>,
+}
+
+impl Feed {
+    /// A feed that holds nothing before `index` (the store's last index
+    /// when it was opened) and keeps up to `capacity` changes.
+    pub(crate) fn new(index: Arc<AtomicU64>, capacity: usize) -> Self {
+        let last = index.load(Ordering::SeqCst);
+        Self {
+            index,
+            inner: Mutex::new(Inner {
+                floor: last,
+                frontier: last,
+                kept: VecDeque::new(),
+                pending: BTreeMap::new(),
+                writing: BTreeMap::new(),
+            }),
+            moved: Notify::new(),
+            capacity: capacity.max(1),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Starts a write that takes its indexes after this returns: the
+    /// frontier stays below them until the ticket ends.
+    pub(crate) fn begin(self: &Arc<Self>) -> Ticket {
+        let mut inner = self.lock();
+        let since = self.index.load(Ordering::SeqCst);
+        *inner.writing.entry(since).or_default() += 1;
+        Ticket {
+            feed: self.clone(),
+            since,
+            event: None,
+        }
+    }
+
+    /// Ends a write begun at `since`, with the change it published.
+    fn end(&self, since: u64, event: Option<Event>) {
+        let mut inner = self.lock();
+        // Read under the lock: a write that has not begun (and so is not
+        // in `writing`) has taken no index yet.
+        let last_index = self.index.load(Ordering::SeqCst);
+        if let Some(count) = inner.writing.get_mut(&since) {
+            *count -= 1;
+            if *count == 0 {
+                inner.writing.remove(&since);
+            }
+        }
+        if let Some(event) = event {
+            inner.pending.insert(event.index, event);
+        }
+        let frontier = match inner.writing.first_key_value() {
+            Some((&since, _)) => since,
+            None => last_index,
+        };
+        if frontier <= inner.frontier {
+            return;
+        }
+        inner.frontier = frontier;
+        while let Some(entry) = inner.pending.first_entry() {
+            if *entry.key() > frontier {
+                break;
+            }
+            let event = entry.remove();
+            inner.keep(event, self.capacity);
+        }
+        drop(inner);
+        self.moved.notify_waiters();
+    }
+
+    /// Changes a shared store's follower delivers in index order, then
+    /// everything up to `index` known.
+    pub(crate) fn append(&self, events: Vec<Event>, index: u64) {
+        let mut inner = self.lock();
+        if index <= inner.frontier && events.is_empty() {
+            return;
+        }
+        for event in events {
+            if event.index > inner.frontier {
+                inner.frontier = event.index;
+                inner.keep(event, self.capacity);
+            }
+        }
+        inner.frontier = inner.frontier.max(index);
+        drop(inner);
+        self.moved.notify_waiters();
+    }
+
+    /// Starts afresh at `index` (a shared store's follower listed
+    /// everything again: what happened before is not known one by one).
+    pub(crate) fn reset(&self, index: u64) {
+        let mut inner = self.lock();
+        inner.kept.clear();
+        inner.pending.clear();
+        inner.floor = index.max(inner.frontier);
+        inner.frontier = inner.floor;
+        drop(inner);
+        self.moved.notify_waiters();
+    }
+
+    /// What follows `after` now, up to `max` changes, whose IDs start with
+    /// `prefix`; `None` if nothing does yet. `after` moves past what was
+    /// looked at.
+    pub(crate) fn read(&self, after: &mut u64, prefix: &str, max: usize) -> Option<Next> {
+        let inner = self.lock();
+        if *after < inner.floor {
+            *after = inner.frontier;
+            return Some(Next::Resync(inner.frontier));
+        }
+        // `kept` is in index order: skip what the reader has seen.
+        let start = inner.kept.partition_point(|e| e.index <= *after);
+        let mut out = Vec::new();
+        for e in inner.kept.range(start..) {
+            *after = e.index;
+            if e.alloc_id.as_str().starts_with(prefix) {
+                out.push(e.clone());
+                if out.len() == max {
+                    break;
+                }
+            }
+        }
+        if out.len() < max {
+            // Everything kept was looked at: the reader is at the frontier
+            // (indexes without a change, such as a failed commit's, too).
+            *after = (*after).max(inner.frontier);
+        }
+        (!out.is_empty()).then_some(Next::Changes(out))
+    }
+
+    /// Resolves once the feed has moved since it was enabled: enable it,
+    /// then `read`, then await it, and no move is slept through.
+    pub(crate) fn moved(&self) -> tokio::sync::futures::Notified<'_> {
+        self.moved.notified()
+    }
+
+    /// The index up to which every change is known.
+    #[cfg(test)]
+    pub(crate) fn frontier(&self) -> u64 {
+        self.lock().frontier
+    }
+}
+
+impl Inner {
+    fn keep(&mut self, event: Event, capacity: usize) {
+        self.kept.push_back(Arc::new(event));
+        if self.kept.len() > capacity
+            && let Some(old) = self.kept.pop_front()
+        {
+            self.floor = old.index;
+        }
+    }
+}
+
+/// A write in progress (see the module's comment). Ends when dropped,
+/// with the change given to `publish` if there was one.
+pub(crate) struct Ticket {
+    feed: Arc<Feed>,
+    since: u64,
+    event: Option<Event>,
+}
+
+impl Ticket {
+    /// The change this write committed and published.
+    pub(crate) fn publish(mut self, event: Event) {
+        self.event = Some(event);
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.feed.end(self.since, self.event.take());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lifecycle::AllocId;
+
+    fn feed(capacity: usize) -> (Arc<Feed>, Arc<AtomicU64>) {
+        let index = Arc::new(AtomicU64::new(10));
+        (Arc::new(Feed::new(index.clone(), capacity)), index)
+    }
+
+    fn take(index: &AtomicU64) -> u64 {
+        index.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    fn deleted(i: u64) -> Event {
+        Event::deleted(AllocId::parse(&format!("a{i}")).unwrap(), i)
+    }
+
+    fn indexes(next: Option<Next>) -> Vec<u64> {
+        match next {
+            Some(Next::Changes(v)) => v.iter().map(|e| e.index).collect(),
+            Some(Next::Resync(i)) => panic!("resync at {i}"),
+            None => Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_change_published_early_waits_for_the_writes_below_it() {
+        let (feed, index) = feed(100);
+        let first = feed.begin();
+        let i1 = take(&index);
+        let second = feed.begin();
+        let i2 = take(&index);
+        let third = feed.begin();
+        let _burnt = take(&index);
+        // The later writes finish first: nothing is visible yet.
+        second.publish(deleted(i2));
+        drop(third); // its commit failed: its index is never seen
+        let mut after = 10;
+        assert!(feed.read(&mut after, "", 10).is_none());
+        assert_eq!(after, 10);
+        assert_eq!(feed.frontier(), 10);
+        first.publish(deleted(i1));
+        assert_eq!(indexes(feed.read(&mut after, "", 10)), [i1, i2]);
+        // Past the failed write's index too.
+        assert_eq!(after, 13);
+        assert_eq!(feed.frontier(), 13);
+    }
+
+    #[test]
+    fn a_reader_gets_each_change_once_filtered_and_in_batches() {
+        let (feed, index) = feed(100);
+        for i in 0..5 {
+            let t = feed.begin();
+            let n = take(&index);
+            let id = if i % 2 == 0 { "a" } else { "b" };
+            t.publish(Event::deleted(
+                AllocId::parse(&format!("{id}{n}")).unwrap(),
+                n,
+            ));
+        }
+        let mut after = 10;
+        assert_eq!(indexes(feed.read(&mut after, "", 2)), [11, 12]);
+        assert_eq!(indexes(feed.read(&mut after, "", 2)), [13, 14]);
+        assert_eq!(indexes(feed.read(&mut after, "", 2)), [15]);
+        assert!(feed.read(&mut after, "", 2).is_none());
+        let mut after = 10;
+        assert_eq!(indexes(feed.read(&mut after, "a", 10)), [11, 13, 15]);
+        let mut after = 10;
+        assert_eq!(indexes(feed.read(&mut after, "b", 10)), [12, 14]);
+        // Nothing more for "b", but the reader is past all of it.
+        assert_eq!(after, 15);
+    }
+
+    #[test]
+    fn a_reader_behind_what_is_kept_is_told_to_resync() {
+        let (feed, index) = feed(2);
+        for _ in 0..4 {
+            let t = feed.begin();
+            let n = take(&index);
+            t.publish(deleted(n));
+        }
+        // 13 and 14 are kept: a reader at 12 misses nothing.
+        let mut after = 12;
+        assert_eq!(indexes(feed.read(&mut after, "", 10)), [13, 14]);
+        let mut after = 11;
+        assert!(matches!(
+            feed.read(&mut after, "", 10),
+            Some(Next::Resync(14))
+        ));
+        assert_eq!(after, 14);
+        // A shared store's relisting: everyone behind it resyncs.
+        feed.reset(20);
+        let mut after = 14;
+        assert!(matches!(
+            feed.read(&mut after, "", 10),
+            Some(Next::Resync(20))
+        ));
+        feed.append(vec![deleted(21)], 22);
+        assert_eq!(indexes(feed.read(&mut after, "", 10)), [21]);
+        assert_eq!(after, 22);
+    }
+}
