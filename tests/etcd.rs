@@ -207,7 +207,7 @@ async fn concurrent_writers_on_three_replicas_lose_nothing_and_apply_nothing_twi
         let got: Vec<String> = a.tasks[t]
             .events
             .iter()
-            .map(|e| e.message.clone())
+            .map(|e| e.message.to_string())
             .collect();
         assert_eq!(got.len(), PER_TASK, "{name}: {got:?}");
         // A serial replay: the acknowledged reports to this task, applied
@@ -612,7 +612,7 @@ async fn the_etcd_leader_killed_under_load_loses_no_acknowledged_change() {
             let history: Vec<String> = a.tasks[0]
                 .events
                 .iter()
-                .map(|e| e.message.clone())
+                .map(|e| e.message.to_string())
                 .collect();
             let mut once = history.clone();
             once.sort();

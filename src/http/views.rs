@@ -378,7 +378,7 @@ impl TimelineView {
                         if let Some(mode) = event.details.get("mode") {
                             details.insert("mode".to_owned(), mode.to_owned());
                         }
-                        details.insert("reason".to_owned(), event.message.clone());
+                        details.insert("reason".to_owned(), event.message.to_string());
                         (
                             "Restart Order".to_owned(),
                             None,
@@ -395,7 +395,11 @@ impl TimelineView {
                             details.insert(k.to_owned(), v.to_owned());
                         }
                         details.insert("source".to_owned(), "agent".to_owned());
-                        (event.kind.clone(), name(*task), event.message.clone())
+                        (
+                            event.kind.to_string(),
+                            name(*task),
+                            event.message.to_string(),
+                        )
                     }
                 };
                 TimelineEventView {

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::{
-    AllocId, AllocSpec, CoordState, Desired, Event, RunState, Stage, TaskName, TaskReport,
+    AllocId, AllocSpec, CoordState, Desired, Details, Event, RunState, Stage, TaskName, TaskReport,
     TaskStatus, Timestamp,
     coordinator::{WaitFor, evaluate, gates, is_open, waiting, waiting_on},
     orders::{Outcome, RUN, StopKind, stop_order},
@@ -378,14 +378,12 @@ impl Allocation {
             t.restart_generation += 1;
             // Until it reports again, its state is from before the order.
             t.stale = true;
-            t.push_event(Event {
-                kind: RESTART_EVENT.to_owned(),
-                time: now,
-                message: reason.to_owned(),
-                details: [("mode".to_owned(), mode.as_str().to_owned())]
-                    .into_iter()
-                    .collect(),
-            });
+            t.push_event(Event::new(
+                RESTART_EVENT,
+                now,
+                reason,
+                Details::from_pairs([("mode", mode.as_str())]),
+            ));
         }
         if mode == RestartMode::AllTasks {
             // Evaluated at once like after any change: if every task is

@@ -30,6 +30,7 @@ mod names;
 mod alloc;
 mod coordinator;
 mod ids;
+mod intern;
 mod orders;
 mod spec;
 mod task;
@@ -39,6 +40,7 @@ pub use coordinator::{
     CoordState, WaitFor, evaluate, gates, next_state, wait_for, waiting, waiting_on,
 };
 pub use ids::{AllocId, IdError, TaskName};
+pub use intern::{EventBody, Sym};
 pub use names::UnknownName;
 pub use orders::{Desired, DesiredKind, Outcome, StopKind, StopReason, desired_states};
 pub use spec::{AllocSpec, Hook, Lifecycle, SpecInterner, Stage, TaskSpec};

@@ -3,7 +3,10 @@
 
 use std::{collections::BTreeMap, sync::Arc};
 
-use super::{FieldError, Limits, MAX_EVENT_TYPE, MAX_EVENTS, Timestamp};
+use super::{
+    FieldError, Limits, MAX_EVENT_TYPE, MAX_EVENTS, Timestamp,
+    intern::{EventBody, Sym},
+};
 
 named_enum! {
     /// The reported run state of a task. A task that never reported is
@@ -19,26 +22,96 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
-/// One entry of a task's event history.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// One entry of a task's event history: what it says, stored once per
+/// process however many events say it (`intern.rs`), and when. 24 bytes.
+#[derive(Clone, PartialEq, Eq)]
 pub struct Event {
-    /// The event type (`Started`, `Terminated`, `Restart Signaled`, ...).
-    pub kind: String,
+    body: Arc<EventBody>,
     pub time: Timestamp,
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub message: String,
-    #[serde(default, skip_serializing_if = "Details::is_empty")]
-    pub details: Details,
 }
 
-/// An event's details: string pairs in key order, each key once.
+impl Event {
+    pub fn new(kind: &str, time: Timestamp, message: &str, details: Details) -> Self {
+        Self {
+            body: EventBody::new(kind, message, details),
+            time,
+        }
+    }
+
+    /// With a body already shared.
+    pub fn with_body(body: Arc<EventBody>, time: Timestamp) -> Self {
+        Self { body, time }
+    }
+
+    /// What it says, shared.
+    pub fn body(&self) -> &Arc<EventBody> {
+        &self.body
+    }
+}
+
+/// `event.kind`, `event.message`, `event.details`.
+impl std::ops::Deref for Event {
+    type Target = EventBody;
+
+    fn deref(&self) -> &EventBody {
+        &self.body
+    }
+}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Event")
+            .field("kind", &self.kind)
+            .field("time", &self.time)
+            .field("message", &self.message)
+            .field("details", &self.details)
+            .finish()
+    }
+}
+
+/// The wire form of an event (`dump` and tests; the API writes its own
+/// view, the store its own record).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct EventForm<'a> {
+    #[serde(borrow)]
+    kind: std::borrow::Cow<'a, str>,
+    time: Timestamp,
+    #[serde(default, borrow, skip_serializing_if = "str::is_empty")]
+    message: std::borrow::Cow<'a, str>,
+    #[serde(default)]
+    details: BTreeMap<String, String>,
+}
+
+impl serde::Serialize for Event {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        EventForm {
+            kind: self.kind.as_str().into(),
+            time: self.time,
+            message: self.message.as_str().into(),
+            details: self
+                .details
+                .iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect(),
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Event {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let f = EventForm::deserialize(d)?;
+        Ok(Self::new(&f.kind, f.time, &f.message, f.details.into()))
+    }
+}
+
+/// An event's details: string pairs in key order, each key once, each
+/// string shared (`Sym`).
 ///
 /// One block of pairs, not a `BTreeMap`: a map allocates a node with room
-/// for eleven pairs (~540 bytes) for the one or two an event carries, and
-/// a task keeps ten events — with full histories the maps were most of an
-/// allocation's memory.
-#[derive(Clone, Default, PartialEq, Eq)]
-pub struct Details(Box<[(String, String)]>);
+/// for eleven pairs (~540 bytes) for the one or two an event carries.
+#[derive(Clone, Default, PartialEq, Eq, Hash)]
+pub struct Details(Box<[(Sym, Sym)]>);
 
 impl Details {
     pub fn len(&self) -> usize {
@@ -58,29 +131,37 @@ impl Details {
         let i = self.0.binary_search_by(|(k, _)| k.as_str().cmp(key)).ok()?;
         Some(&self.0[i].1)
     }
+
+    /// Pairs in any order; of equal keys the last one counts, as with a
+    /// map.
+    pub fn from_pairs<K: AsRef<str>, V: AsRef<str>>(
+        pairs: impl IntoIterator<Item = (K, V)>,
+    ) -> Self {
+        let mut pairs: Vec<(K, V)> = pairs.into_iter().collect();
+        // Stable: of equal keys the later stays later.
+        pairs.sort_by(|a, b| a.0.as_ref().cmp(b.0.as_ref()));
+        let mut out: Vec<(Sym, Sym)> = Vec::with_capacity(pairs.len());
+        for (k, v) in &pairs {
+            let (k, v) = (k.as_ref(), v.as_ref());
+            match out.last_mut() {
+                Some(last) if last.0 == k => last.1 = Sym::new(v),
+                _ => out.push((Sym::new(k), Sym::new(v))),
+            }
+        }
+        Self(out.into_boxed_slice())
+    }
 }
 
 /// Pairs in any order; of equal keys the last one counts, as with a map.
 impl FromIterator<(String, String)> for Details {
     fn from_iter<I: IntoIterator<Item = (String, String)>>(iter: I) -> Self {
-        let mut pairs: Vec<(String, String)> = iter.into_iter().collect();
-        pairs.sort_by(|a, b| a.0.cmp(&b.0));
-        // `later` is removed when it repeats the key of `kept`, which takes
-        // its value.
-        pairs.dedup_by(|later, kept| {
-            let same = later.0 == kept.0;
-            if same {
-                std::mem::swap(&mut later.1, &mut kept.1);
-            }
-            same
-        });
-        Self(pairs.into_boxed_slice())
+        Self::from_pairs(iter)
     }
 }
 
 impl From<BTreeMap<String, String>> for Details {
     fn from(map: BTreeMap<String, String>) -> Self {
-        Self(map.into_iter().collect())
+        Self::from_pairs(map)
     }
 }
 
@@ -109,10 +190,10 @@ impl<'de> serde::Deserialize<'de> for Details {
 /// ten events with their own strings and details maps, for every task —
 /// was most of what a report cost once histories were full (and freeing
 /// the old copy the rest). Here a version copies one pointer per task,
-/// and adding an event copies the history's event pointers, never an
-/// event. Empty histories hold no heap block at all.
+/// and adding an event copies the history's events (a body pointer and a
+/// time each), never a string. Empty histories hold no heap block at all.
 #[derive(Clone, Default)]
-pub struct Events(Option<Arc<[Arc<Event>]>>);
+pub struct Events(Option<Arc<[Event]>>);
 
 impl Events {
     pub fn len(&self) -> usize {
@@ -125,11 +206,11 @@ impl Events {
 
     /// Oldest first.
     pub fn iter(&self) -> impl DoubleEndedIterator<Item = &Event> + ExactSizeIterator {
-        self.0.as_deref().unwrap_or_default().iter().map(|e| &**e)
+        self.0.as_deref().unwrap_or_default().iter()
     }
 
     pub fn get(&self, i: usize) -> Option<&Event> {
-        self.0.as_ref()?.get(i).map(|e| &**e)
+        self.0.as_ref()?.get(i)
     }
 
     pub fn last(&self) -> Option<&Event> {
@@ -141,10 +222,10 @@ impl Events {
     /// this history starts with. Versions a process made share their
     /// events (a pointer compare); versions decoded from a store compare
     /// by value.
-    pub fn added_since(&self, prev: &Events) -> Vec<Arc<Event>> {
+    pub fn added_since(&self, prev: &Events) -> Vec<Event> {
         let now = self.0.as_deref().unwrap_or_default();
         let before = prev.0.as_deref().unwrap_or_default();
-        let same = |a: &Arc<Event>, b: &Arc<Event>| Arc::ptr_eq(a, b) || a == b;
+        let same = |a: &Event, b: &Event| a == b;
         let kept = (0..=before.len().min(now.len()))
             .rev()
             .find(|&k| {
@@ -157,25 +238,19 @@ impl Events {
         now[kept..].to_vec()
     }
 
-    /// The newest event of this type, shared.
-    pub fn shared_last_of(&self, kind: &str) -> Option<Arc<Event>> {
-        self.0
-            .as_deref()
-            .unwrap_or_default()
-            .iter()
-            .rev()
-            .find(|e| e.kind == kind)
-            .cloned()
+    /// The newest event of this type.
+    pub fn last_of(&self, kind: &str) -> Option<&Event> {
+        self.iter().rev().find(|e| e.kind == kind)
     }
 
     /// Appends an event, dropping the oldest beyond `MAX_EVENTS`.
     pub fn push(&mut self, event: Event) {
         let old = self.0.as_deref().unwrap_or_default();
         let keep = old.len().min(MAX_EVENTS - 1);
-        let next: Arc<[Arc<Event>]> = old[old.len() - keep..]
+        let next: Arc<[Event]> = old[old.len() - keep..]
             .iter()
             .cloned()
-            .chain([Arc::new(event)])
+            .chain([event])
             .collect();
         self.0 = Some(next);
     }
@@ -184,7 +259,7 @@ impl Events {
 /// A history exactly as given (a stored record's), even past `MAX_EVENTS`.
 impl FromIterator<Event> for Events {
     fn from_iter<I: IntoIterator<Item = Event>>(iter: I) -> Self {
-        let events: Arc<[Arc<Event>]> = iter.into_iter().map(Arc::new).collect();
+        let events: Arc<[Event]> = iter.into_iter().collect();
         Self((!events.is_empty()).then_some(events))
     }
 }
@@ -202,7 +277,7 @@ impl PartialEq for Events {
                         .iter()
                         .flat_map(|a| a.iter())
                         .zip(other.0.iter().flat_map(|b| b.iter()))
-                        .all(|(a, b)| Arc::ptr_eq(a, b) || a == b)
+                        .all(|(a, b)| a == b)
             }
         }
     }
@@ -458,16 +533,12 @@ impl TaskStatus {
             _ => self.ready = false,
         }
         if let Some(e) = &report.event {
-            self.push_event(Event {
-                kind: e.kind.clone(),
-                time: e.time.unwrap_or(now),
-                message: e.message.clone(),
-                details: e
-                    .details
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect(),
-            });
+            self.push_event(Event::new(
+                &e.kind,
+                e.time.unwrap_or(now),
+                &e.message,
+                Details::from_pairs(&e.details),
+            ));
         }
     }
 
@@ -503,7 +574,7 @@ mod tests {
     }
 
     #[test]
-    fn added_events_are_found_by_pointer_or_by_value() {
+    fn added_events_are_found_in_any_copy_of_the_history() {
         let mut t = TaskStatus::new(1);
         for i in 0..MAX_EVENTS {
             let mut r = report(RunState::Running);
@@ -514,9 +585,9 @@ mod tests {
         let mut r = report(RunState::Running);
         r.event = Some(event("new"));
         t.apply(&r, T1);
-        let kinds = |v: Vec<Arc<Event>>| v.iter().map(|e| e.kind.clone()).collect::<Vec<_>>();
+        let kinds = |v: Vec<Event>| v.iter().map(|e| e.kind.to_string()).collect::<Vec<_>>();
         assert_eq!(kinds(t.events.added_since(&prev)), ["new"]);
-        // A decoded copy shares no pointer: compared by value.
+        // A decoded copy is another block: compared by value.
         let copy: Events = prev.iter().cloned().collect();
         assert_eq!(kinds(t.events.added_since(&copy)), ["new"]);
         assert!(t.events.added_since(&t.events.clone()).is_empty());
@@ -666,7 +737,10 @@ mod tests {
         let new = next.events.0.as_ref().unwrap();
         assert_eq!(new.len(), MAX_EVENTS);
         for (o, n) in old[1..].iter().zip(new.iter()) {
-            assert!(Arc::ptr_eq(o, n), "the kept events are the same blocks");
+            assert!(
+                Arc::ptr_eq(o.body(), n.body()),
+                "the kept events share their bodies"
+            );
         }
         assert_eq!(next.events.last().unwrap().kind, "e10");
         assert_eq!(t.events.len(), MAX_EVENTS, "the old version is untouched");
@@ -675,12 +749,7 @@ mod tests {
 
     #[test]
     fn histories_compare_by_content_whoever_holds_them() {
-        let e = |k: &str| Event {
-            kind: k.into(),
-            time: T0,
-            message: String::new(),
-            details: Details::default(),
-        };
+        let e = |k: &str| Event::new(k, T0, "", Details::default());
         let a: Events = [e("a"), e("b")].into_iter().collect();
         let b: Events = [e("a"), e("b")].into_iter().collect();
         assert_eq!(a, b, "equal contents in separate blocks");
@@ -836,5 +905,85 @@ mod tests {
     fn run_state_names_are_exact() {
         let names: Vec<_> = RunState::ALL.iter().map(|s| s.as_str()).collect();
         assert_eq!(names, ["pending", "running", "dead"]);
+    }
+
+    #[test]
+    fn an_event_is_a_body_pointer_and_a_time() {
+        assert!(
+            std::mem::size_of::<Event>() <= 24,
+            "{}",
+            std::mem::size_of::<Event>()
+        );
+    }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// Strings from a few (so events share them) or any.
+        fn text() -> impl Strategy<Value = String> {
+            prop_oneof![
+                prop::sample::select(vec!["", "Started", "Exit Code: 0", "exit_code", "0"])
+                    .prop_map(str::to_owned),
+                "\\PC{0,12}",
+            ]
+        }
+
+        fn input() -> impl Strategy<Value = EventInput> {
+            (
+                text(),
+                text(),
+                prop::collection::btree_map(text(), text(), 0..4),
+                prop::option::of(0i64..4_000_000_000),
+            )
+                .prop_map(|(kind, message, details, secs)| EventInput {
+                    kind,
+                    time: secs.map(|s| Timestamp::from_unix_timestamp(s).unwrap()),
+                    message,
+                    details,
+                })
+        }
+
+        proptest! {
+            /// What is read back of a history (kept in shared bodies and
+            /// strings) is what was reported, also after the record is
+            /// stored and read again.
+            #[test]
+            fn reported_events_read_back_as_reported(
+                inputs in prop::collection::vec(input(), 1..(2 * MAX_EVENTS))
+            ) {
+                let mut t = TaskStatus::new(1);
+                for e in &inputs {
+                    let mut r = report(RunState::Running);
+                    r.event = Some(e.clone());
+                    t.apply(&r, T0);
+                }
+                let kept = &inputs[inputs.len().saturating_sub(MAX_EVENTS)..];
+                let read = |events: &Events| -> Vec<EventInput> {
+                    events
+                        .iter()
+                        .map(|e| EventInput {
+                            kind: e.kind.to_string(),
+                            time: Some(e.time),
+                            message: e.message.to_string(),
+                            details: e
+                                .details
+                                .iter()
+                                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                                .collect(),
+                        })
+                        .collect()
+                };
+                let expected: Vec<EventInput> = kept
+                    .iter()
+                    .map(|e| EventInput { time: Some(e.time.unwrap_or(T0)), ..e.clone() })
+                    .collect();
+                prop_assert_eq!(read(&t.events), expected.clone());
+                let json = serde_json::to_string(&t.events).unwrap();
+                let back: Events = serde_json::from_str(&json).unwrap();
+                prop_assert_eq!(read(&back), expected);
+                prop_assert!(back == t.events);
+            }
+        }
     }
 }

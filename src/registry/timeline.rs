@@ -13,7 +13,7 @@
 use std::{collections::VecDeque, sync::Arc};
 
 use crate::lifecycle::{
-    Allocation, CoordState, Desired, Event, RESTART_EVENT, RunState, StopKind, Timestamp,
+    Allocation, CoordState, Desired, EventBody, RESTART_EVENT, RunState, StopKind, Timestamp,
 };
 
 /// What happened, compactly; tasks are positions in the allocation's spec.
@@ -41,7 +41,7 @@ pub enum What {
     /// An event the task's agent sent.
     Agent {
         task: u16,
-        event: Arc<Event>,
+        event: Arc<EventBody>,
     },
 }
 
@@ -50,7 +50,7 @@ pub enum What {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RestartOrder {
     pub tasks: Box<[u16]>,
-    pub event: Arc<Event>,
+    pub event: Arc<EventBody>,
 }
 
 /// One entry: the index of the change that made it, and when (UTC
@@ -141,12 +141,12 @@ pub fn entries(prev: Option<&Allocation>, next: &Allocation) -> Vec<Entry> {
     };
     // Restart orders: the tasks whose generation went up.
     let mut restarted: Vec<u16> = Vec::new();
-    let mut signal: Option<Arc<Event>> = None;
+    let mut signal: Option<Arc<EventBody>> = None;
     for (i, (p, n)) in prev.tasks.iter().zip(&next.tasks).enumerate() {
         if n.restart_generation > p.restart_generation {
             restarted.push(pos(i));
             if signal.is_none() {
-                signal = n.events.shared_last_of(RESTART_EVENT);
+                signal = n.events.last_of(RESTART_EVENT).map(|e| e.body().clone());
             }
         }
     }
@@ -171,7 +171,7 @@ pub fn entries(prev: Option<&Allocation>, next: &Allocation) -> Vec<Entry> {
                     event.time,
                     What::Agent {
                         task: pos(i),
-                        event,
+                        event: event.body().clone(),
                     },
                 ));
             }

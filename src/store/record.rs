@@ -48,8 +48,8 @@ use std::sync::Arc;
 use serde::Deserialize;
 
 use crate::lifecycle::{
-    AllocId, AllocSpec, Allocation, CoordState, Desired, Event, Hook, Lifecycle, Limits, RunState,
-    StopKind, StopReason, TaskName, TaskSpec, TaskStatus, Timestamp,
+    AllocId, AllocSpec, Allocation, CoordState, Desired, Details, Event, Hook, Lifecycle, Limits,
+    RunState, StopKind, StopReason, TaskName, TaskSpec, TaskStatus, Timestamp,
 };
 
 /// The record format this build writes.
@@ -313,10 +313,6 @@ impl<'a> Reader<'a> {
         std::str::from_utf8(s).map_err(|_| format!("{what} is not UTF-8"))
     }
 
-    fn string(&mut self, what: &str) -> Result<String, String> {
-        self.str(what).map(str::to_owned)
-    }
-
     fn time(&mut self, what: &str) -> Result<Timestamp, String> {
         let secs = self.zigzag(what)?;
         let nanos = u32::try_from(self.varint(what)?).map_err(|_| format!("bad {what}"))?;
@@ -415,25 +411,25 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
         let n_events = r.count("the event count", 6)?;
         let mut events = Vec::with_capacity(n_events);
         for _ in 0..n_events {
-            let kind = r.string("an event type")?;
+            let kind = r.str("an event type")?;
             let time = r.time("an event time")?;
-            let message = r.string("an event message")?;
+            let message = r.str("an event message")?;
             let n_details = r.count("the details count", 2)?;
-            let mut details: Vec<(String, String)> = Vec::with_capacity(n_details);
+            let mut details: Vec<(&str, &str)> = Vec::with_capacity(n_details);
             for _ in 0..n_details {
-                let key = r.string("a details key")?;
-                let value = r.string("a details value")?;
+                let key = r.str("a details key")?;
+                let value = r.str("a details value")?;
                 if details.last().is_some_and(|(last, _)| *last >= key) {
                     return Err(format!("details key {key:?} out of order"));
                 }
                 details.push((key, value));
             }
-            events.push(Event {
+            events.push(Event::new(
                 kind,
                 time,
                 message,
-                details: details.into_iter().collect(),
-            });
+                Details::from_pairs(details),
+            ));
         }
         specs.push(TaskSpec {
             name,
@@ -625,14 +621,13 @@ mod tests {
         .unwrap();
         let east = datetime!(2026-11-21 10:00:00.000000001 +05:30);
         let old = datetime!(1969-12-31 23:59:59.999999999 -11:00);
-        let event = |kind: &str, details: &[(&str, &str)]| Event {
-            kind: kind.to_owned(),
-            time: east,
-            message: "Exit Code: 1 — ünïcode".to_owned(),
-            details: details
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
+        let event = |kind: &str, details: &[(&str, &str)]| {
+            Event::new(
+                kind,
+                east,
+                "Exit Code: 1 — ünïcode",
+                Details::from_pairs(details.iter().copied()),
+            )
         };
         let mut tasks: Vec<TaskStatus> = (0..6).map(TaskStatus::new).collect();
         tasks[0] = TaskStatus {
