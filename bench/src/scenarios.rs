@@ -62,6 +62,10 @@ pub struct BenchConfig {
     /// increasing order (the largest is also restarted and listed).
     #[arg(long, value_delimiter = ',', default_value = "1000,100000,1000000")]
     pub scale_sizes: Vec<usize>,
+    /// Allocations (of five tasks) the histories scenario gives full
+    /// histories.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub histories_allocations: usize,
     /// Runs the scale scenario on `--in-memory` (no store) instead of disk,
     /// to tell the store's share of the cost from the rest.
     #[arg(long)]
@@ -751,6 +755,7 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
                 outcomes.extend(rows);
                 notes.push(note);
             }
+            "histories" => notes.push(histories(&config).await?),
             "scale" => {
                 let (rows, note) = scale(&config).await?;
                 outcomes.extend(rows);
@@ -823,6 +828,94 @@ async fn recovery(config: &BenchConfig) -> std::io::Result<String> {
          in {ready:.2?}; resident memory after load {mib:.0} MiB; first read answered {status}",
         n = config.recovery_allocations,
         mib = rss as f64 / 1024.0,
+    ))
+}
+
+/// The events one task's agent sends in a restart loop, as
+/// `taskgate agent` words them: started (with its pid), terminated with its
+/// exit code, restarting after the policy's delay. `n` counts the task's
+/// events; `pid` is unique per start.
+fn agent_event(n: usize, pid: usize) -> String {
+    match n % 3 {
+        0 => format!(r#"{{"type": "Started", "details": {{"pid": "{pid}"}}}}"#),
+        1 => r#"{"type": "Terminated", "message": "Exit Code: 1", "details": {"exit_code": "1"}}"#
+            .to_owned(),
+        _ => r#"{"type": "Restarting", "message": "restarting in 15000ms", "details": {"delay": "15000ms"}}"#
+            .to_owned(),
+    }
+}
+
+/// Full histories at `--histories-allocations` five-task allocations: each
+/// task given `MAX_EVENTS` events as an agent sends them in a restart loop
+/// (`agent_event`; pids wrap as Linux's do, at 2^22), through batch
+/// reports; the resident memory before and after, per event; then a
+/// restart, timed to healthy, and its memory.
+async fn histories(config: &BenchConfig) -> std::io::Result<String> {
+    use taskgate::lifecycle::MAX_EVENTS;
+    let (dir, _guard) = data_dir(config, "histories")?;
+    let dir = dir.to_string_lossy().into_owned();
+    let args = serve_args(&["--data-dir", dir.as_str()]);
+    let server = Proc::start(&args)?;
+    let count = config.histories_allocations;
+    let started = Instant::now();
+    register(server.addr, "hist", 0..count, config.clients, FIVE_TASKS).await?;
+    let registered = started.elapsed();
+    let before = server.rss_kib().unwrap_or(0);
+    let started = Instant::now();
+    let mut fill = Vec::new();
+    for c in 0..config.clients.min(count) {
+        let (addr, clients) = (server.addr, config.clients);
+        fill.push(tokio::spawn(async move {
+            let mut conn = Conn::open(addr).await?;
+            for i in (c..count).step_by(clients) {
+                for n in 0..MAX_EVENTS {
+                    let state = if n % 3 == 0 { "running" } else { "pending" };
+                    let tasks: Vec<String> = ["init", "proxy", "web", "announce", "cleanup"]
+                        .iter()
+                        .enumerate()
+                        .map(|(t, name)| {
+                            let pid = ((i * 5 + t) * MAX_EVENTS + n) % 4_194_304;
+                            format!(
+                                r#""{name}": {{"state": "{state}", "event": {}}}"#,
+                                agent_event(n, pid)
+                            )
+                        })
+                        .collect();
+                    let body = format!(r#"{{"tasks": {{{}}}}}"#, tasks.join(", "));
+                    let path = format!("/v1/allocations/hist-{i}/task-states");
+                    let status = conn.call("POST", &path, body.as_bytes()).await?;
+                    if status != 200 {
+                        return Err(std::io::Error::other(format!(
+                            "filling the histories answered {status}"
+                        )));
+                    }
+                }
+            }
+            Ok::<_, std::io::Error>(())
+        }));
+    }
+    for t in fill {
+        t.await.map_err(std::io::Error::other)??;
+    }
+    let filled = started.elapsed();
+    let after = server.rss_kib().unwrap_or(0);
+    server.terminate()?;
+    let started = Instant::now();
+    let server = Proc::start(&args)?;
+    let ready = healthy(&server, started).await?;
+    let reloaded = server.rss_kib().unwrap_or(0);
+    let events = (count * 5 * MAX_EVENTS) as f64;
+    let mib = |kib: u64| kib as f64 / 1024.0;
+    Ok(format!(
+        "histories: {count} allocations of five tasks registered in {registered:.1?} \
+         ({b:.0} MiB resident), every task given {MAX_EVENTS} agent events in {filled:.1?}: \
+         {a:.0} MiB resident, {per:.1} bytes per event; restarted to healthy in {ready:.2?}, \
+         {r:.0} MiB resident after loading ({rper:.1} bytes per event over the registered size)",
+        b = mib(before),
+        a = mib(after),
+        per = after.saturating_sub(before) as f64 * 1024.0 / events,
+        r = mib(reloaded),
+        rper = reloaded.saturating_sub(before) as f64 * 1024.0 / events,
     ))
 }
 

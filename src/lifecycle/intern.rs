@@ -14,64 +14,106 @@
 
 use std::{
     borrow::Borrow,
-    collections::HashSet,
-    hash::{Hash, Hasher},
+    hash::{BuildHasher, Hash, Hasher},
     sync::{Arc, LazyLock, Mutex, PoisonError},
 };
 
-/// A table of shared values.
+/// A table of shared values, in shards that lock apart: a store's records
+/// are decoded on every core, and each interns every string it holds.
 struct Table<T: ?Sized> {
-    set: Mutex<Entries<T>>,
+    /// foldhash, seeded per process: several times SipHash's speed on
+    /// these short keys, and clients still cannot aim collisions at it.
+    hasher: foldhash::fast::RandomState,
+    shards: Box<[Mutex<Shard<T>>]>,
 }
 
-struct Entries<T: ?Sized> {
-    set: HashSet<Arc<T>>,
-    /// The table's size after the last sweep.
-    swept: usize,
+struct Shard<T: ?Sized> {
+    /// Each entry with its hash, so growing the table reads no entry.
+    set: hashbrown::HashTable<(u64, Arc<T>)>,
+    /// The size at which the shard is swept next.
+    sweep_at: usize,
 }
 
-/// Sizes below which a table is never swept.
-const SWEEP_FROM: usize = 4096;
+/// Shards per table (a power of two).
+const SHARDS: usize = 64;
+
+/// Shard sizes below which a shard is never swept.
+const SWEEP_FROM: usize = 256;
 
 impl<T: ?Sized + Hash + Eq> Table<T> {
     fn new() -> Self {
         Self {
-            set: Mutex::new(Entries {
-                set: HashSet::new(),
-                swept: 0,
-            }),
+            hasher: foldhash::fast::RandomState::default(),
+            shards: (0..SHARDS)
+                .map(|_| {
+                    Mutex::new(Shard {
+                        set: hashbrown::HashTable::new(),
+                        sweep_at: SWEEP_FROM,
+                    })
+                })
+                .collect(),
         }
     }
 
     /// The shared value equal to `key`, made by `make` if there is none.
+    #[cfg(test)]
     fn get<Q>(&self, key: &Q, make: impl FnOnce() -> Arc<T>) -> Arc<T>
     where
         Arc<T>: Borrow<Q>,
         Q: ?Sized + Hash + Eq,
     {
-        let mut e = self.set.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(found) = e.set.get(key) {
+        self.get_hashed(self.hasher.hash_one(key), key, make)
+    }
+
+    /// `get` with the key's hash (by `self.hasher`).
+    fn get_hashed<Q>(&self, hash: u64, key: &Q, make: impl FnOnce() -> Arc<T>) -> Arc<T>
+    where
+        Arc<T>: Borrow<Q>,
+        Q: ?Sized + Hash + Eq,
+    {
+        // The top bits pick the shard; the table uses the low ones.
+        let shard = &self.shards[(hash >> (64 - SHARDS.trailing_zeros())) as usize];
+        let mut shard = shard.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, found)) = shard
+            .set
+            .find(hash, |(h, v)| *h == hash && as_key::<T, Q>(v) == key)
+        {
             return found.clone();
         }
         let made = make();
-        e.set.insert(made.clone());
-        if e.set.len() >= SWEEP_FROM.max(2 * e.swept) {
+        shard
+            .set
+            .insert_unique(hash, (hash, made.clone()), |(h, _)| *h);
+        if shard.set.len() >= shard.sweep_at {
             // Only the table can hand out a new reference, and only under
             // this lock: an entry held by the table alone stays unused.
-            e.set.retain(|v| Arc::strong_count(v) > 1);
-            e.swept = e.set.len();
+            let before = shard.set.len();
+            shard.set.retain(|(_, v)| Arc::strong_count(v) > 1);
+            let after = shard.set.len();
+            // Next when it has doubled, or, if this sweep freed little (what
+            // is held stays held), when it has grown four times: a sweep
+            // reads every entry.
+            let factor = if after > before / 4 * 3 { 4 } else { 2 };
+            shard.sweep_at = SWEEP_FROM.max(factor * after);
         }
         made
     }
 
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.set
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .set
-            .len()
+        self.shards
+            .iter()
+            .map(|s| s.lock().unwrap_or_else(PoisonError::into_inner).set.len())
+            .sum()
     }
+}
+
+/// A table entry as the key it is looked up by.
+fn as_key<T: ?Sized, Q: ?Sized>(v: &Arc<T>) -> &Q
+where
+    Arc<T>: Borrow<Q>,
+{
+    v.borrow()
 }
 
 static STRINGS: LazyLock<Table<str>> = LazyLock::new(Table::new);
@@ -81,9 +123,52 @@ static BODIES: LazyLock<Table<EventBody>> = LazyLock::new(Table::new);
 #[derive(Clone)]
 pub struct Sym(Arc<str>);
 
+/// Slots of each thread's cache of recently interned values.
+const CACHED: usize = 512;
+
+thread_local! {
+    /// The strings and bodies this thread interned last, by hash: the same
+    /// few (`Started`, `exit_code`, ...) come again and again, and finding
+    /// them here takes neither a shard's lock (whose cache line both cores
+    /// would pass back and forth while a store loads) nor a probe into a
+    /// table of millions.
+    static RECENT_STRINGS: std::cell::RefCell<Vec<Option<Arc<str>>>> =
+        std::cell::RefCell::new(vec![None; CACHED]);
+    static RECENT_BODIES: std::cell::RefCell<Vec<Option<Arc<EventBody>>>> =
+        std::cell::RefCell::new(vec![None; CACHED]);
+}
+
+/// `table.get`, through this thread's cache `recent`.
+fn cached<T, Q>(
+    recent: &'static std::thread::LocalKey<std::cell::RefCell<Vec<Option<Arc<T>>>>>,
+    table: &Table<T>,
+    key: &Q,
+    make: impl FnOnce() -> Arc<T>,
+) -> Arc<T>
+where
+    T: ?Sized + Hash + Eq,
+    Arc<T>: Borrow<Q>,
+    Q: ?Sized + Hash + Eq,
+{
+    let hash = table.hasher.hash_one(key);
+    let slot = hash as usize % CACHED;
+    let found = recent.with_borrow(|r| {
+        r[slot]
+            .as_ref()
+            .filter(|v| as_key::<T, Q>(v) == key)
+            .cloned()
+    });
+    if let Some(found) = found {
+        return found;
+    }
+    let got = table.get_hashed(hash, key, make);
+    recent.with_borrow_mut(|r| r[slot] = Some(got.clone()));
+    got
+}
+
 impl Sym {
     pub fn new(s: &str) -> Self {
-        Self(STRINGS.get(s, || Arc::from(s)))
+        Self(cached(&RECENT_STRINGS, &STRINGS, s, || Arc::from(s)))
     }
 
     pub fn as_str(&self) -> &str {
@@ -99,11 +184,14 @@ impl std::ops::Deref for Sym {
     }
 }
 
+/// By identity: equal strings are one allocation. The table drops a
+/// string only when nobody else holds it, so no two live `Sym`s ever hold
+/// equal text in two places.
 impl PartialEq for Sym {
     fn eq(&self, other: &Self) -> bool {
-        // Equal strings are one allocation, but a string the table swept
-        // and made again can meet an old copy: compare the text then.
-        Arc::ptr_eq(&self.0, &other.0) || self.0 == other.0
+        let same = Arc::ptr_eq(&self.0, &other.0);
+        debug_assert_eq!(same, self.0 == other.0, "one allocation per string");
+        same
     }
 }
 
@@ -121,9 +209,10 @@ impl PartialEq<&str> for Sym {
     }
 }
 
+/// By identity, as `eq`: a body's hash reads no string.
 impl Hash for Sym {
     fn hash<H: Hasher>(&self, state: &mut H) {
-        self.0.hash(state);
+        std::ptr::hash(Arc::as_ptr(&self.0), state);
     }
 }
 
@@ -165,7 +254,9 @@ impl EventBody {
         };
         // Looked up by value: the parts are shared already, so a body that
         // exists costs its lookup and nothing else.
-        BODIES.get(&body, || Arc::new(body_clone(&body)))
+        cached(&RECENT_BODIES, &BODIES, &body, || {
+            Arc::new(body_clone(&body))
+        })
     }
 }
 
@@ -206,13 +297,13 @@ mod tests {
                 table.get(s.as_str(), || Arc::from(s.as_str()))
             })
             .collect();
-        for i in 0..3 * SWEEP_FROM {
+        for i in 0..8 * SHARDS * SWEEP_FROM {
             let s = format!("dropped {i}");
             drop(table.get(s.as_str(), || Arc::from(s.as_str())));
         }
         // Swept whenever it doubled: never more than twice what is held
         // plus what came since the last sweep.
-        assert!(table.len() <= 2 * SWEEP_FROM, "{}", table.len());
+        assert!(table.len() <= 3 * SHARDS * SWEEP_FROM, "{}", table.len());
         for (i, k) in kept.iter().enumerate() {
             let again = table.get(format!("kept {i}").as_str(), || unreachable!());
             assert!(Arc::ptr_eq(k, &again), "held entries stay");

@@ -91,8 +91,11 @@ struct Inner {
     floor: u64,
     frontier: u64,
     kept: VecDeque<Arc<Event>>,
-    /// Changes published above the frontier, by index.
-    pending: BTreeMap<u64, Event>,
+    /// Changes published above the frontier: slot `k` is index
+    /// `frontier + 1 + k` (empty until published, and forever for an index
+    /// whose commit failed). Indexes above the frontier are those of writes
+    /// in progress, a few.
+    pending: VecDeque<Option<Event>>,
     /// For each write in progress, the last index handed out when it
     /// began (the indexes it takes are above it): how many began there.
     writing: BTreeMap<u64, usize>,
@@ -109,7 +112,7 @@ impl Feed {
                 floor: last,
                 frontier: last,
                 kept: VecDeque::new(),
-                pending: BTreeMap::new(),
+                pending: VecDeque::new(),
                 writing: BTreeMap::new(),
             }),
             moved: Notify::new(),
@@ -147,7 +150,12 @@ impl Feed {
             }
         }
         if let Some(event) = event {
-            inner.pending.insert(event.index, event);
+            // Above the frontier: its own write held the frontier below it.
+            let slot = (event.index - inner.frontier - 1) as usize;
+            if inner.pending.len() <= slot {
+                inner.pending.resize_with(slot + 1, || None);
+            }
+            inner.pending[slot] = Some(event);
         }
         let frontier = match inner.writing.first_key_value() {
             Some((&since, _)) => since,
@@ -156,14 +164,14 @@ impl Feed {
         if frontier <= inner.frontier {
             return;
         }
-        inner.frontier = frontier;
-        while let Some(entry) = inner.pending.first_entry() {
-            if *entry.key() > frontier {
-                break;
+        for _ in inner.frontier..frontier {
+            match inner.pending.pop_front() {
+                Some(Some(event)) => inner.keep(event, self.capacity),
+                Some(None) => {}
+                None => break,
             }
-            let event = entry.remove();
-            inner.keep(event, self.capacity);
         }
+        inner.frontier = frontier;
         drop(inner);
         self.moved.notify_waiters();
     }

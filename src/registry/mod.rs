@@ -73,8 +73,9 @@ impl Default for RegistryConfig {
 }
 
 /// Changes the event stream keeps by default: a reader that falls this
-/// far behind lists again.
-pub const DEFAULT_EVENT_BUFFER: usize = 16_384;
+/// far behind lists again. Each holds the allocation's version it tells
+/// (a few KiB with full histories, which would otherwise be freed).
+pub const DEFAULT_EVENT_BUFFER: usize = 4_096;
 
 /// The largest global index: indexes are 0 to 2^63 - 1 in the API.
 pub const MAX_INDEX: u64 = i64::MAX as u64;
