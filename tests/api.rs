@@ -2204,3 +2204,55 @@ async fn concurrent_writes_reach_the_stream_in_index_order() {
     }
     assert_eq!(streamed, written);
 }
+
+/// A listing says from which index to follow the event stream so that no
+/// change is missed or taken for newer than it is; the web view's list
+/// does exactly this.
+#[tokio::test]
+async fn a_listing_gives_the_index_to_follow_the_stream_from() {
+    let app = test_app().await;
+    app.register_five("a1").await;
+    let listed = app.get("/v1/allocations?prefix=a").await;
+    assert_eq!(listed.status, StatusCode::OK);
+    let from = listed.index();
+    assert_eq!(from, app.registry.last_index(), "nothing in flight");
+    let mut s = app
+        .stream(&format!("/v1/events?index={from}&prefix=a"))
+        .await;
+    let next = app
+        .report("a1", "init", json!({"state": "running"}))
+        .await
+        .index();
+    assert_eq!(
+        s.line().await["index"],
+        next,
+        "the first change after the listing"
+    );
+}
+
+/// The web view is served by the binary itself, with a policy that lets
+/// the page run only its own files.
+#[tokio::test]
+async fn the_web_view_is_served_from_the_binary() {
+    let app = test_app().await;
+    for (path, kind) in [
+        ("/ui", "text/html"),
+        ("/ui/", "text/html"),
+        ("/ui/allocations/a1", "text/html"),
+        ("/ui/app.js", "text/javascript"),
+        ("/ui/app.css", "text/css"),
+    ] {
+        let a = app.get(path).await;
+        assert_eq!(a.status, StatusCode::OK, "{path}");
+        assert!(
+            a.header("content-type").unwrap().starts_with(kind),
+            "{path}"
+        );
+        let policy = a.header("content-security-policy").unwrap();
+        assert!(policy.contains("script-src 'self'"), "{policy}");
+        assert!(!a.raw.is_empty());
+    }
+    let page = String::from_utf8(app.get("/ui").await.raw).unwrap();
+    assert!(page.contains("/ui/app.js") && page.contains("/ui/app.css"));
+    assert_eq!(app.get("/ui/nothing").await.status, StatusCode::NOT_FOUND);
+}

@@ -61,6 +61,9 @@ fn routes(id: &str) -> Vec<(&'static str, String, Option<Value>, &'static str)> 
         ("GET", "/v1/health".into(), None, "public"),
         ("GET", "/openapi.json".into(), None, "public"),
         ("GET", "/docs/".into(), None, "public"),
+        ("GET", "/ui".into(), None, "public"),
+        ("GET", format!("/ui/allocations/{id}"), None, "public"),
+        ("GET", "/ui/app.js".into(), None, "public"),
         ("GET", "/metrics".into(), None, "token"),
         (
             "GET",

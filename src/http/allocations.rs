@@ -177,20 +177,23 @@ pub async fn timeline(
     ),
     responses(
         (status = 200, description = "One page of allocations", body = Vec<ListItem>,
-         headers(("X-Taskgate-NextToken" = String, description = "Present when there are more: pass it as next_token"))),
+         headers(("X-Taskgate-NextToken" = String, description = "Present when there are more: pass it as next_token"),
+                 ("X-Taskgate-Index" = u64, description = "Every change up to this index is in the listing: follow the event stream (`GET /v1/events?index=`) from it"))),
     )
 )]
 pub async fn list(
     State(s): State<AppState>,
     ApiQuery(q): ApiQuery<ListParams>,
 ) -> Result<Response, ApiError> {
+    // Read before the listing: every change up to it is in what follows.
+    let index = s.registry.stream_index();
     let (page, next) = s.registry.list(
         &q.prefix,
         q.next_token.as_ref().map(|t| t.as_str()),
         q.per_page,
     );
     let items: Vec<ListItem> = page.iter().map(|a| ListItem::new(a)).collect();
-    let mut res = super::json(StatusCode::OK, &items);
+    let mut res = super::indexed(StatusCode::OK, index, &items);
     if let Some(next) = next.and_then(|n| HeaderValue::from_str(n.as_str()).ok()) {
         res.headers_mut().insert(NEXT_TOKEN_HEADER, next);
     }

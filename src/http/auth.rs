@@ -247,6 +247,8 @@ fn need(method: &Method, route: &str, public_metrics: bool) -> Need {
     match route {
         "/v1/health" | "/openapi.json" | "/errors" => Need::Nothing,
         r if r == "/docs" || r.starts_with("/docs/") => Need::Nothing,
+        // The web view's files; its data comes from the API, with a token.
+        r if r == "/ui" || r.starts_with("/ui/") => Need::Nothing,
         "/metrics" if public_metrics => Need::Nothing,
         "/metrics" => Need::AnyToken,
         _ if *method == Method::GET || *method == Method::HEAD => Need::Read,

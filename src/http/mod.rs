@@ -16,6 +16,7 @@ pub mod prefer;
 pub mod query;
 mod service;
 mod tasks;
+mod ui;
 pub mod views;
 
 use std::{sync::Arc, time::Duration};
@@ -161,6 +162,11 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
             get(allocations::timeline),
         )
         .route(edge::STREAM_ROUTE, get(events::stream))
+        .route("/ui", get(ui::page))
+        .route("/ui/", get(ui::page))
+        .route("/ui/allocations/{alloc_id}", get(ui::page))
+        .route("/ui/app.js", get(ui::script))
+        .route("/ui/app.css", get(ui::style))
         .with_state(state);
     let docs: Router = SwaggerUi::new("/docs")
         .config(SwaggerConfig::new(["/openapi.json"]))

@@ -242,7 +242,6 @@ impl Feed {
     }
 
     /// The index up to which every change is known.
-    #[cfg(test)]
     pub(crate) fn frontier(&self) -> u64 {
         self.lock().frontier
     }

@@ -280,6 +280,13 @@ impl Registry {
         self.shared.index.load(Ordering::SeqCst)
     }
 
+    /// The index up to which every change is in the event stream's order
+    /// (and published: a listing read after it holds every change up to
+    /// it).
+    pub fn stream_index(&self) -> u64 {
+        self.shared.feed.frontier()
+    }
+
     /// Registered allocations.
     pub fn len(&self) -> usize {
         self.read_map().len()

@@ -1,0 +1,489 @@
+// taskgate web view: the allocation list (/ui) and one allocation
+// (/ui/allocations/{id}), over the same HTTP API as curl and the CLI.
+// Pages update live: the list follows the event stream (GET /v1/events),
+// an allocation's page its blocking query; nothing polls on a timer.
+// The token lives in this tab's session storage only.
+
+const TOKEN_KEY = "taskgate-token";
+const PER_PAGE = 50;
+const WAIT = "300s";
+/** The six stages, in lifecycle order, with the names operators use. */
+const STAGES = [
+  ["prestart_ephemeral", "Prestart"],
+  ["prestart_sidecar", "Prestart sidecars"],
+  ["main", "Main"],
+  ["poststart_ephemeral", "Poststart"],
+  ["poststart_sidecar", "Poststart sidecars"],
+  ["poststop", "Poststop"],
+];
+
+const $ = (id) => document.getElementById(id);
+
+/** An element with attributes (on* are listeners) and children. */
+function h(tag, attrs = {}, ...children) {
+  const el = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (v === undefined || v === null || v === false) continue;
+    if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
+    else el.setAttribute(k, v === true ? "" : String(v));
+  }
+  for (const c of children.flat()) {
+    if (c === undefined || c === null || c === false) continue;
+    el.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return el;
+}
+
+function token() {
+  return sessionStorage.getItem(TOKEN_KEY) || "";
+}
+
+function headers(extra = {}) {
+  const t = token();
+  return t ? { ...extra, Authorization: `Bearer ${t}` } : extra;
+}
+
+class ApiError extends Error {
+  constructor(status, problem) {
+    super(problem.detail || problem.title || `HTTP ${status}`);
+    this.status = status;
+    this.code = problem.code || "";
+  }
+}
+
+/** One API call: `{data, index, next}`, or an ApiError with the problem. */
+async function api(path, { method = "GET", body, signal } = {}) {
+  const res = await fetch(path, {
+    method,
+    signal,
+    headers: headers(body ? { "Content-Type": "application/json" } : {}),
+    body: body ? JSON.stringify(body) : undefined,
+  });
+  if (!res.ok) {
+    let problem = {};
+    try {
+      problem = await res.json();
+    } catch {
+      // not a problem document
+    }
+    throw new ApiError(res.status, problem);
+  }
+  const index = res.headers.get("X-Taskgate-Index");
+  return {
+    data: res.status === 204 ? null : await res.json(),
+    index: index === null ? null : Number(index),
+    next: res.headers.get("X-Taskgate-NextToken"),
+  };
+}
+
+/** Reads the event stream from `index`, calling `onLine` per line, until
+ *  it ends (the server stopped) or `signal` aborts. */
+async function follow(index, prefix, signal, onLine) {
+  const q = new URLSearchParams({ index: String(index) });
+  if (prefix) q.set("prefix", prefix);
+  const res = await fetch(`/v1/events?${q}`, { headers: headers(), signal });
+  if (!res.ok) throw new ApiError(res.status, await res.json().catch(() => ({})));
+  const reader = res.body.getReader();
+  const decoder = new TextDecoder();
+  let buf = "";
+  try {
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      buf += decoder.decode(value, { stream: true });
+      let nl;
+      while ((nl = buf.indexOf("\n")) >= 0) {
+        const line = buf.slice(0, nl).trim();
+        buf = buf.slice(nl + 1);
+        if (line) onLine(JSON.parse(line));
+      }
+    }
+  } finally {
+    // `onLine` may stop the reading (a resync): close the connection.
+    reader.cancel().catch(() => {});
+  }
+}
+
+function say(text) {
+  $("status").textContent = text;
+}
+
+function fail(e) {
+  if (e.name === "AbortError") return;
+  let text = e.message;
+  if (e.status === 401) text = `${text}. Enter a token above (a reader token to look, an operator token to act).`;
+  if (e.status === 403) text = `${text}. This needs another token (restarting and deleting need an operator token).`;
+  $("error").textContent = text;
+}
+
+function clearError() {
+  $("error").textContent = "";
+}
+
+/** Resolves true if the operator confirms `text` in the dialog. */
+function confirmed(title, text) {
+  const dialog = $("confirm");
+  $("confirm-title").textContent = title;
+  $("confirm-text").textContent = text;
+  return new Promise((resolve) => {
+    dialog.addEventListener("close", () => resolve(dialog.returnValue === "ok"), { once: true });
+    dialog.returnValue = "";
+    dialog.showModal();
+  });
+}
+
+const when = (t) => (t ? new Date(t).toLocaleString() : "—");
+
+function byState(tasks) {
+  const counts = {};
+  for (const t of tasks) counts[t.state] = (counts[t.state] || 0) + 1;
+  return ["running", "pending", "dead"]
+    .filter((s) => counts[s])
+    .map((s) => `${counts[s]} ${s}`)
+    .join(" · ");
+}
+
+function waitingText(a) {
+  if (!a.waiting_on.length) return "nothing";
+  return a.waiting_on.map((name, i) => `${name} (${a.waiting[i]})`).join(", ");
+}
+
+// ---------------------------------------------------------------- the list
+
+function listRow(a) {
+  return h(
+    "tr",
+    { "data-id": a.id },
+    h("td", {}, h("a", { href: `/ui/allocations/${encodeURIComponent(a.id)}` }, a.id)),
+    h("td", { class: "state" }, a.coordinator_state),
+    h("td", { class: "tasks" }, byState(a.tasks)),
+    h("td", { class: "waiting" }, waitingText(a)),
+    h("td", { class: "num" }, `${when(a.modified_at)} (index ${a.modify_index})`),
+  );
+}
+
+async function listPage(page, signal) {
+  const params = new URLSearchParams(location.search);
+  const prefix = params.get("prefix") || "";
+  const from = params.get("next_token") || "";
+  const q = new URLSearchParams({ per_page: String(PER_PAGE) });
+  if (prefix) q.set("prefix", prefix);
+  if (from) q.set("next_token", from);
+
+  const filter = h(
+    "form",
+    { role: "search", onsubmit: (e) => {
+      e.preventDefault();
+      const p = new FormData(e.target).get("prefix");
+      navigate(`/ui${p ? `?prefix=${encodeURIComponent(p)}` : ""}`);
+    } },
+    h("label", { for: "prefix" }, "ID prefix"),
+    h("input", { id: "prefix", name: "prefix", value: prefix, spellcheck: "false" }),
+    h("button", { type: "submit" }, "Filter"),
+  );
+  const body = h("tbody");
+  const table = h(
+    "div",
+    { class: "table-wrap" },
+    h(
+      "table",
+      { "aria-label": "Allocations" },
+      h("thead", {}, h("tr", {}, ["ID", "Coordinator", "Tasks", "Waiting on", "Last change"].map((c) => h("th", { scope: "col" }, c)))),
+      body,
+    ),
+  );
+  page.replaceChildren(h("h1", {}, "Allocations"), filter, table);
+
+  const listed = await api(`/v1/allocations?${q}`, { signal });
+  const views = new Map();
+  await Promise.all(
+    listed.data.map(async (item) => {
+      try {
+        views.set(item.id, (await api(`/v1/allocations/${encodeURIComponent(item.id)}`, { signal })).data);
+      } catch (e) {
+        if (e.status !== 404) throw e; // deleted since it was listed
+      }
+    }),
+  );
+  const next = listed.next;
+  // The page shows the IDs from its first (or `from`) up to the next
+  // page's first: a new allocation in that range joins it live.
+  const first = from || (listed.data[0] ? listed.data[0].id : prefix);
+  const inPage = (id) => id >= first && (!next || id < next) && id.startsWith(prefix);
+  const render = () => {
+    const ids = [...views.keys()].sort();
+    body.replaceChildren(...ids.map((id) => listRow(views.get(id))));
+    if (!ids.length) body.append(h("tr", {}, h("td", { colspan: 5 }, "No allocations.")));
+  };
+  render();
+  const pager = h("nav", { class: "pager", "aria-label": "Pages" });
+  if (from) pager.append(h("a", { href: `/ui${prefix ? `?prefix=${encodeURIComponent(prefix)}` : ""}` }, "First page"));
+  if (next) {
+    const n = new URLSearchParams({ next_token: next });
+    if (prefix) n.set("prefix", prefix);
+    pager.append(h("a", { href: `/ui?${n}` }, "Next page"));
+  }
+  page.append(pager);
+  say(`${views.size} shown; following changes live.`);
+
+  let index = listed.index ?? 0;
+  for (;;) {
+    try {
+      await follow(index, prefix, signal, (line) => {
+        if (line.type === "Resync") {
+          // Too far behind (or the server restarted): list again.
+          throw new Resync();
+        }
+        if (line.index) index = line.index;
+        if (line.type === "Allocation" && (views.has(line.alloc_id) || inPage(line.alloc_id))) {
+          views.set(line.alloc_id, line.allocation);
+          render();
+          say(`Updated ${line.alloc_id} (index ${line.index}).`);
+        } else if (line.type === "AllocationDeleted" && views.delete(line.alloc_id)) {
+          render();
+          say(`${line.alloc_id} was deleted (index ${line.index}).`);
+        }
+      });
+    } catch (e) {
+      if (e instanceof Resync) return listPage(page, signal);
+      throw e;
+    }
+    // The stream ended: the server is stopping or restarting.
+    say("The server closed the stream; reconnecting…");
+    await reconnectDelay(signal);
+  }
+}
+
+class Resync extends Error {}
+
+/** A second before reconnecting a stream the server ended. */
+function reconnectDelay(signal) {
+  return new Promise((resolve, reject) => {
+    const t = setTimeout(resolve, 1000);
+    signal.addEventListener("abort", () => {
+      clearTimeout(t);
+      reject(new DOMException("aborted", "AbortError"));
+    });
+  });
+}
+
+// ---------------------------------------------------------- one allocation
+
+function taskCard(a, t, act) {
+  const desired =
+    t.desired === "stop"
+      ? h("span", { class: "stop" }, `stop: ${t.stop_reason ? t.stop_reason.type : ""}${t.stop_reason && t.stop_reason.task ? ` (${t.stop_reason.task})` : ""}`)
+      : "run";
+  return h(
+    "article",
+    { class: "task", "data-task": t.name, "aria-label": `Task ${t.name}` },
+    h("h4", {}, t.name, t.leader ? h("span", { class: "badge" }, "leader") : null),
+    h(
+      "dl",
+      {},
+      h("dt", {}, "State"),
+      h("dd", { class: `state${t.failed ? " failed" : ""}` }, t.state + (t.failed ? " (failed)" : "")),
+      t.readiness ? [h("dt", {}, "Ready"), h("dd", { class: "ready" }, t.ready ? "ready" : "not ready")] : null,
+      h("dt", {}, "Desired"),
+      h("dd", { class: "desired" }, desired),
+      h("dt", {}, "Restarts"),
+      h("dd", { class: "restarts" }, String(t.restarts)),
+    ),
+    h(
+      "button",
+      { type: "button", class: "restart-task", onclick: () => act("task", t.name) },
+      `Restart ${t.name}`,
+    ),
+  );
+}
+
+function lanes(a, act) {
+  return h(
+    "section",
+    { class: "lanes", "aria-label": "Stages" },
+    STAGES.map(([stage, title]) => {
+      const tasks = a.tasks.filter((t) => t.stage === stage);
+      // A stage's tasks share its gate.
+      const open = tasks.some((t) => t.allowed);
+      const gate = !tasks.length
+        ? h("span", { class: "gate none" }, "no tasks")
+        : open
+          ? h("span", { class: "gate open" }, "● gate open")
+          : h("span", { class: "gate closed" }, "○ gate closed");
+      return h(
+        "section",
+        { class: "lane", "data-stage": stage, "aria-label": `${title} stage` },
+        h("h3", {}, title),
+        gate,
+        tasks.map((t) => taskCard(a, t, act)),
+      );
+    }),
+  );
+}
+
+function timeline(tl) {
+  const rows = [...tl.events].reverse().map((e) =>
+    h(
+      "tr",
+      {},
+      h("td", { class: "num" }, when(e.time)),
+      h("td", { class: "num" }, String(e.index)),
+      h("td", {}, e.type),
+      h("td", {}, e.task || "—"),
+      h("td", {}, e.message, Object.keys(e.details).length
+        ? h("div", { class: "details" }, Object.entries(e.details).map(([k, v]) => `${k}=${v}`).join(" "))
+        : null),
+    ),
+  );
+  return h(
+    "div",
+    { class: "table-wrap" },
+    h(
+      "table",
+      { "aria-label": "Timeline, newest first" },
+      h("thead", {}, h("tr", {}, ["Time", "Index", "Type", "Task", "Message"].map((c) => h("th", { scope: "col" }, c)))),
+      h("tbody", {}, rows),
+    ),
+  );
+}
+
+async function allocationPage(page, id, signal) {
+  const path = `/v1/allocations/${encodeURIComponent(id)}`;
+  let a = (await api(path, { signal })).data;
+  let tl = (await api(`${path}/events`, { signal })).data;
+  const reason = h("input", { id: "reason", name: "reason", placeholder: "why (recorded with the order)" });
+
+  const act = async (what, task) => {
+    clearError();
+    const why = reason.value.trim();
+    const body = what === "task" ? { task } : what === "all" ? { all_tasks: true } : {};
+    if (why) body.reason = why;
+    const label =
+      what === "task" ? `Restart task ${task}?` : what === "all" ? "Restart all tasks?" : what === "running" ? "Restart the running tasks?" : `Delete allocation ${id}?`;
+    const text =
+      what === "delete"
+        ? "Its agents are told it is gone and every wait on it ends."
+        : "The tasks are told to stop and start again; the coordinator follows.";
+    if (!(await confirmed(label, text))) return;
+    try {
+      if (what === "delete") {
+        await api(path, { method: "DELETE", signal });
+        say(`${id} was deleted.`);
+      } else {
+        const r = await api(`${path}/restart`, { method: "POST", body, signal });
+        say(`Told to restart: ${r.data.restarted.join(", ") || "no task"}.`);
+      }
+    } catch (e) {
+      fail(e);
+    }
+  };
+
+  const render = () => {
+    const summary = h(
+      "dl",
+      { class: "summary" },
+      h("dt", {}, "Coordinator"),
+      h("dd", { id: "coordinator" }, a.coordinator_state),
+      h("dt", {}, "Waiting on"),
+      h("dd", { id: "waiting" }, waitingText(a)),
+      h("dt", {}, "Outcome"),
+      h("dd", {}, a.outcome ? `${a.outcome}${a.failed_tasks.length ? ` (${a.failed_tasks.join(", ")})` : ""}` : "—"),
+      h("dt", {}, "Index"),
+      h("dd", { id: "index" }, String(a.modify_index)),
+      h("dt", {}, "Last change"),
+      h("dd", {}, when(a.modified_at)),
+    );
+    const actions = h(
+      "fieldset",
+      { class: "actions" },
+      h("legend", {}, "Operator actions"),
+      h(
+        "form",
+        { onsubmit: (e) => e.preventDefault() },
+        h("label", { for: "reason" }, "Reason"),
+        reason,
+        h("button", { type: "button", id: "restart-running", onclick: () => act("running") }, "Restart running tasks"),
+        h("button", { type: "button", id: "restart-all", onclick: () => act("all") }, "Restart all tasks"),
+        h("button", { type: "button", id: "delete", class: "danger", onclick: () => act("delete") }, "Delete allocation"),
+      ),
+    );
+    page.replaceChildren(
+      h("h1", {}, `Allocation ${a.id}`),
+      summary,
+      h("h2", {}, "Stages"),
+      lanes(a, act),
+      actions,
+      h("h2", {}, "Timeline"),
+      timeline(tl),
+    );
+  };
+  render();
+  say("Following changes live.");
+  for (;;) {
+    let next;
+    try {
+      next = (await api(`${path}?index=${a.modify_index}&wait=${WAIT}`, { signal })).data;
+    } catch (e) {
+      if (e.status === 410 || e.status === 404) {
+        say(`${id} was deleted.`);
+        page.querySelectorAll("button").forEach((b) => (b.disabled = true));
+        return;
+      }
+      if (e instanceof ApiError && e.status < 500) throw e;
+      // Unreachable or stopping: try again shortly.
+      say("The server is not answering; reconnecting…");
+      await reconnectDelay(signal);
+      continue;
+    }
+    if (next.modify_index === a.modify_index) continue;
+    a = next;
+    tl = (await api(`${path}/events`, { signal })).data;
+    const focused = document.activeElement && document.activeElement.id;
+    render();
+    if (focused) document.getElementById(focused)?.focus();
+    say(`Updated (index ${a.modify_index}).`);
+  }
+}
+
+// ------------------------------------------------------------------ routing
+
+let running = null;
+
+function navigate(url) {
+  history.pushState(null, "", url);
+  route();
+}
+
+function route() {
+  if (running) running.abort();
+  running = new AbortController();
+  const signal = running.signal;
+  clearError();
+  say("");
+  const page = $("page");
+  const m = location.pathname.match(/^\/ui\/allocations\/([^/]+)$/);
+  const work = m ? allocationPage(page, decodeURIComponent(m[1]), signal) : listPage(page, signal);
+  document.title = m ? `${decodeURIComponent(m[1])} · taskgate` : "Allocations · taskgate";
+  work.catch(fail);
+}
+
+document.addEventListener("click", (e) => {
+  const a = e.target.closest && e.target.closest("a[href^='/ui']");
+  if (!a || e.ctrlKey || e.metaKey || e.shiftKey || e.button !== 0) return;
+  e.preventDefault();
+  navigate(a.getAttribute("href"));
+});
+window.addEventListener("popstate", route);
+
+$("token").value = token();
+$("token-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  sessionStorage.setItem(TOKEN_KEY, $("token").value.trim());
+  route();
+});
+$("token-clear").addEventListener("click", () => {
+  sessionStorage.removeItem(TOKEN_KEY);
+  $("token").value = "";
+  route();
+});
+route();

@@ -1,0 +1,286 @@
+// The web view in a real browser: Debian's chromium, driven by
+// playwright-core, against a real `taskgate serve` with tokens.
+//
+//   cd ui/tests && npm ci && npm test
+//
+// TASKGATE_BIN: the server binary (default ../../target/debug/taskgate).
+// CHROMIUM: the browser (default /usr/bin/chromium).
+// TASKGATE_SCREENSHOTS: where the screenshots go (default
+// ../../target/ui-screenshots).
+
+import { after, before, test } from "node:test";
+import assert from "node:assert/strict";
+import { spawn, execFile } from "node:child_process";
+import { createHash } from "node:crypto";
+import { mkdirSync, mkdtempSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { dirname, join, resolve } from "node:path";
+import { fileURLToPath } from "node:url";
+import { promisify } from "node:util";
+import { chromium } from "playwright-core";
+
+const here = dirname(fileURLToPath(import.meta.url));
+const BIN = process.env.TASKGATE_BIN || resolve(here, "../../target/debug/taskgate");
+const SHOTS = process.env.TASKGATE_SCREENSHOTS || resolve(here, "../../target/ui-screenshots");
+const TOKENS = { reader: "reader-secret", agent: "agent-secret", operator: "operator-secret" };
+const FIVE = {
+  tasks: [
+    { name: "init", lifecycle: { hook: "prestart" } },
+    { name: "proxy", lifecycle: { hook: "prestart", sidecar: true } },
+    { name: "web", leader: true },
+    { name: "announce", lifecycle: { hook: "poststart" } },
+    { name: "cleanup", lifecycle: { hook: "poststop" } },
+  ],
+};
+
+let server;
+let base;
+let browser;
+
+const sha256 = (s) => createHash("sha256").update(s).digest("hex");
+
+before(async () => {
+  mkdirSync(SHOTS, { recursive: true });
+  const dir = mkdtempSync(join(tmpdir(), "taskgate-ui-"));
+  const file = join(dir, "tokens.json");
+  writeFileSync(
+    file,
+    JSON.stringify({
+      tokens: [
+        { name: "reader", role: "reader", sha256: sha256(TOKENS.reader) },
+        { name: "agent", role: "agent", sha256: sha256(TOKENS.agent) },
+      ],
+    }),
+  );
+  server = spawn(BIN, ["serve", "--in-memory", "--listen", "127.0.0.1:0", "--log", "info", "--token-file", file], {
+    env: { ...process.env, TASKGATE_OPERATOR_TOKEN: TOKENS.operator },
+    stdio: ["ignore", "pipe", "inherit"],
+  });
+  base = await new Promise((ok, fail) => {
+    let out = "";
+    const timer = setTimeout(() => fail(new Error(`no address logged: ${out}`)), 30_000);
+    server.stdout.on("data", (chunk) => {
+      out += chunk;
+      const m = out.match(/addr=(\S+)/);
+      if (m) {
+        clearTimeout(timer);
+        ok(`http://${m[1]}`);
+      }
+    });
+    server.on("exit", (code) => fail(new Error(`the server exited with ${code}: ${out}`)));
+  });
+  server.stdout.resume();
+  browser = await chromium.launch({
+    executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
+    args: [
+      "--no-sandbox",
+      "--disable-gpu",
+      "--disable-quic",
+      "--no-first-run",
+      "--disable-background-networking",
+      "--disable-component-update",
+      "--disable-sync",
+    ],
+  });
+});
+
+after(async () => {
+  await browser?.close();
+  server?.kill();
+});
+
+/** An API call with a token; the parsed body. */
+async function call(method, path, body, token = TOKENS.operator) {
+  const res = await fetch(base + path, {
+    method,
+    headers: { Authorization: `Bearer ${token}`, "Content-Type": "application/json" },
+    body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  const text = await res.text();
+  return { status: res.status, body: text ? JSON.parse(text) : null };
+}
+
+const report = (id, tasks) => call("POST", `/v1/allocations/${id}/task-states`, { tasks }, TOKENS.agent);
+
+/** A page with `token` entered in its token form, at `path`. */
+async function open(path, token, viewport = { width: 1366, height: 900 }) {
+  const page = await browser.newPage({ viewport });
+  page.on("pageerror", (e) => assert.fail(`a script error in the page: ${e.message}`));
+  await page.goto(base + path);
+  await useToken(page, token);
+  return page;
+}
+
+/** Enters `token` and waits until the page has loaded again with it (its
+ *  status line is cleared, then says it follows changes). */
+async function useToken(page, token) {
+  await page.getByLabel("Token", { exact: true }).fill(token);
+  await page.getByRole("button", { name: "Use" }).click();
+  await page.getByRole("status").getByText(/following changes live/i).waitFor();
+}
+
+async function shot(page, name) {
+  await page.screenshot({ path: join(SHOTS, `${name}.png`), fullPage: true });
+}
+
+/** The gate and tasks of each stage lane, as the page shows them. */
+async function lanes(page) {
+  return page.$$eval(".lane", (lanes) =>
+    Object.fromEntries(
+      lanes.map((l) => [
+        l.dataset.stage,
+        {
+          gate: l.querySelector(".gate").textContent,
+          tasks: [...l.querySelectorAll(".task")].map((t) => ({
+            name: t.dataset.task,
+            state: t.querySelector(".state").textContent,
+            desired: t.querySelector(".desired").textContent,
+          })),
+        },
+      ]),
+    ),
+  );
+}
+
+/** Waits until the page's coordinator line reads `state`. */
+async function coordinator(page, state) {
+  await page.locator("#coordinator", { hasText: new RegExp(`^${state}$`) }).waitFor({ timeout: 5000 });
+}
+
+/** Waits until the page shows the allocation at `index`. */
+async function shows(page, index) {
+  await page.locator("#index", { hasText: new RegExp(`^${index}$`) }).waitFor({ timeout: 5000 });
+}
+
+test("the list shows registered allocations and follows new ones live", async () => {
+  for (const id of ["list-1", "list-2"]) {
+    assert.equal((await call("PUT", `/v1/allocations/${id}`, FIVE, TOKENS.agent)).status, 201);
+  }
+  const page = await open("/ui?prefix=list-", TOKENS.reader);
+  await page.locator('tr[data-id="list-2"]').waitFor();
+  const ids = await page.$$eval("tbody tr", (rows) => rows.map((r) => r.dataset.id));
+  assert.deepEqual(ids, ["list-1", "list-2"]);
+  assert.equal(await page.locator('tr[data-id="list-1"] .state').textContent(), "prestart");
+  assert.equal(await page.locator('tr[data-id="list-1"] .waiting').textContent(), "init (success), proxy (running)");
+  // A new one and a change, made elsewhere, appear without a reload.
+  await call("PUT", "/v1/allocations/list-3", FIVE, TOKENS.agent);
+  await report("list-1", { init: { state: "dead" }, proxy: { state: "running" } });
+  await page.locator('tr[data-id="list-3"]').waitFor({ timeout: 1000 });
+  await page.locator('tr[data-id="list-1"] .state', { hasText: "main" }).waitFor({ timeout: 1000 });
+  await shot(page, "list");
+  await page.setViewportSize({ width: 390, height: 844 });
+  await shot(page, "list-phone");
+  await page.close();
+});
+
+test("the detail page shows the gates and lanes at each stage of the walkthrough", async () => {
+  let index = (await call("PUT", "/v1/allocations/a1", FIVE, TOKENS.agent)).body.modify_index;
+  const page = await open("/ui/allocations/a1", TOKENS.reader);
+  const steps = [
+    ["registered", null, "prestart", { prestart_ephemeral: "● gate open", prestart_sidecar: "● gate open", main: "○ gate closed", poststop: "○ gate closed" }],
+    ["prestart-running", { init: { state: "running" }, proxy: { state: "running" } }, "prestart", { main: "○ gate closed" }],
+    ["main", { init: { state: "dead" } }, "main", { main: "● gate open", poststart_ephemeral: "○ gate closed" }],
+    ["poststart", { web: { state: "running" } }, "poststart", { poststart_ephemeral: "● gate open" }],
+    ["wait-alloc", { announce: { state: "dead" } }, "wait_alloc", { poststop: "○ gate closed" }],
+    ["leader-dead", { web: { state: "dead" } }, "wait_alloc", {}],
+    ["poststop", { proxy: { state: "dead" } }, "poststop", { poststop: "● gate open" }],
+  ];
+  for (const [name, tasks, state, gates] of steps) {
+    if (tasks) {
+      const r = await report("a1", tasks);
+      assert.equal(r.status, 200);
+      index = r.body.modify_index;
+    }
+    await shows(page, index);
+    await coordinator(page, state);
+    const seen = await lanes(page);
+    for (const [stage, gate] of Object.entries(gates)) assert.equal(seen[stage].gate, gate, `${name}: ${stage}`);
+    // Every task is in its stage's lane, with its state.
+    const view = (await call("GET", "/v1/allocations/a1")).body;
+    for (const t of view.tasks) {
+      const shown = seen[t.stage].tasks.find((s) => s.name === t.name);
+      assert.ok(shown, `${name}: ${t.name} in the ${t.stage} lane`);
+      assert.equal(shown.state, t.state + (t.failed ? " (failed)" : ""), `${name}: ${t.name}`);
+    }
+    assert.equal(seen.poststart_sidecar.gate, "no tasks");
+    await shot(page, `detail-${steps.indexOf(steps.find((s) => s[0] === name)) + 1}-${name}`);
+  }
+  // The leader's death told the others to stop, with its reason.
+  const proxy = (await lanes(page)).prestart_sidecar.tasks[0];
+  assert.equal(proxy.desired, "stop: Leader Task Dead");
+  // The timeline holds the server's decisions.
+  const types = await page.$$eval("table[aria-label^='Timeline'] tbody td:nth-child(3)", (c) => c.map((x) => x.textContent));
+  for (const t of ["Registered", "Coordinator", "Task State", "Stop Order"]) assert.ok(types.includes(t), `${t} in ${types}`);
+  await page.setViewportSize({ width: 390, height: 844 });
+  await shot(page, "detail-phone");
+  await page.close();
+});
+
+test("a report made with curl appears in an open page within a second", async () => {
+  await call("PUT", "/v1/allocations/live-1", FIVE, TOKENS.agent);
+  const page = await open("/ui/allocations/live-1", TOKENS.reader);
+  await coordinator(page, "prestart");
+  const state = page.locator('.task[data-task="init"] .state');
+  assert.equal(await state.textContent(), "pending");
+  const sent = Date.now();
+  await promisify(execFile)("curl", [
+    "-sf", "-X", "PUT", `${base}/v1/allocations/live-1/tasks/init/state`,
+    "-H", `Authorization: Bearer ${TOKENS.agent}`, "-H", "Content-Type: application/json",
+    "-d", '{"state": "running"}',
+  ]);
+  await page.locator('.task[data-task="init"] .state', { hasText: "running" }).waitFor({ timeout: 1000 });
+  const took = Date.now() - sent;
+  assert.ok(took < 1000, `shown after ${took} ms`);
+  await page.close();
+});
+
+test("restarting needs an operator token: refused with a reader's, done with an operator's", async () => {
+  await call("PUT", "/v1/allocations/op-1", FIVE, TOKENS.agent);
+  await report("op-1", { init: { state: "dead" }, proxy: { state: "running" }, web: { state: "running" } });
+  const generation = async () =>
+    (await call("GET", "/v1/allocations/op-1/tasks/web")).body.restart_generation;
+  assert.equal(await generation(), 0);
+
+  const page = await open("/ui/allocations/op-1", TOKENS.reader);
+  await coordinator(page, "poststart");
+  await page.getByLabel("Reason").fill("new config");
+  await page.getByRole("button", { name: "Restart web" }).click();
+  // Behind a confirmation; cancelling does nothing.
+  await page.getByRole("dialog").getByRole("button", { name: "Cancel" }).click();
+  await page.getByRole("button", { name: "Restart web" }).click();
+  await page.getByRole("dialog").getByRole("button", { name: "Confirm" }).click();
+  await page.getByRole("alert").getByText("may not POST").waitFor();
+  assert.match(await page.getByRole("alert").textContent(), /operator token/);
+  assert.equal(await generation(), 0, "refused: nothing restarted");
+
+  // The agent token cannot act as an operator either.
+  await useToken(page, TOKENS.agent);
+  await page.getByRole("button", { name: "Restart web" }).click();
+  await page.getByRole("dialog").getByRole("button", { name: "Confirm" }).click();
+  await page.getByRole("alert").getByText("may not POST").waitFor();
+  assert.equal(await generation(), 0);
+
+  await useToken(page, TOKENS.operator);
+  await page.getByLabel("Reason").fill("new config");
+  await page.getByRole("button", { name: "Restart web" }).click();
+  await page.getByRole("dialog").getByRole("button", { name: "Confirm" }).click();
+  // The page follows: the timeline shows the order and its reason.
+  await page.locator("table[aria-label^='Timeline'] tbody tr", { hasText: "Restart Order" }).first().waitFor();
+  assert.equal(await page.locator("#error").textContent(), "");
+  assert.equal(await generation(), 1);
+  const order = await page.locator("table[aria-label^='Timeline'] tbody tr", { hasText: "Restart Order" }).first().textContent();
+  assert.match(order, /reason=new config/);
+  await shot(page, "detail-restarted");
+
+  // Keyboard only: the actions are reachable and the dialog answers Escape.
+  await page.getByRole("button", { name: "Delete allocation" }).focus();
+  await page.keyboard.press("Enter");
+  await page.getByRole("dialog").waitFor();
+  await page.keyboard.press("Escape");
+  assert.equal((await call("GET", "/v1/allocations/op-1")).status, 200, "escape deleted nothing");
+  await page.getByRole("button", { name: "Delete allocation" }).click();
+  await page.getByRole("dialog").getByRole("button", { name: "Confirm" }).click();
+  await page.getByRole("status").getByText("op-1 was deleted").waitFor();
+  assert.equal((await call("GET", "/v1/allocations/op-1")).status, 404);
+  await page.close();
+});
