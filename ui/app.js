@@ -184,7 +184,8 @@ async function listPage(page, signal) {
   const body = h("tbody");
   const table = h(
     "div",
-    { class: "table-wrap" },
+    // Scrolls sideways on a phone: focusable, so keys scroll it too.
+    { class: "table-wrap", tabindex: 0, role: "region", "aria-label": "Allocations, scrollable" },
     h(
       "table",
       { "aria-label": "Allocations" },
@@ -337,7 +338,7 @@ function timeline(tl) {
   );
   return h(
     "div",
-    { class: "table-wrap" },
+    { class: "table-wrap", tabindex: 0, role: "region", "aria-label": "Timeline, scrollable" },
     h(
       "table",
       { "aria-label": "Timeline, newest first" },

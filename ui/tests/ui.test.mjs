@@ -12,7 +12,8 @@ import { after, before, test } from "node:test";
 import assert from "node:assert/strict";
 import { spawn, execFile } from "node:child_process";
 import { createHash } from "node:crypto";
-import { mkdirSync, mkdtempSync, writeFileSync } from "node:fs";
+import { mkdirSync, mkdtempSync, readFileSync, writeFileSync } from "node:fs";
+import { createRequire } from "node:module";
 import { tmpdir } from "node:os";
 import { dirname, join, resolve } from "node:path";
 import { fileURLToPath } from "node:url";
@@ -23,6 +24,7 @@ const here = dirname(fileURLToPath(import.meta.url));
 const BIN = process.env.TASKGATE_BIN || resolve(here, "../../target/debug/taskgate");
 const SHOTS = process.env.TASKGATE_SCREENSHOTS || resolve(here, "../../target/ui-screenshots");
 const TOKENS = { reader: "reader-secret", agent: "agent-secret", operator: "operator-secret" };
+const AXE = readFileSync(createRequire(import.meta.url).resolve("axe-core/axe.min.js"), "utf8");
 const FIVE = {
   tasks: [
     { name: "init", lifecycle: { hook: "prestart" } },
@@ -283,4 +285,23 @@ test("restarting needs an operator token: refused with a reader's, done with an 
   await page.getByRole("status").getByText("op-1 was deleted").waitFor();
   assert.equal((await call("GET", "/v1/allocations/op-1")).status, 404);
   await page.close();
+});
+
+test("both pages pass axe's accessibility rules (WCAG 2.1 A and AA)", async () => {
+  await call("PUT", "/v1/allocations/ax-1", FIVE, TOKENS.agent);
+  await report("ax-1", { init: { state: "dead" }, proxy: { state: "running" }, web: { state: "running" } });
+  for (const path of ["/ui?prefix=ax-", "/ui/allocations/ax-1"]) {
+    for (const viewport of [{ width: 1366, height: 900 }, { width: 390, height: 844 }]) {
+      const page = await open(path, TOKENS.reader, viewport);
+      // Run through the browser's debugging protocol: the page's own
+      // policy admits its own scripts only.
+      await page.evaluate(AXE);
+      const result = await page.evaluate(() =>
+        globalThis.axe.run(document, { runOnly: ["wcag2a", "wcag2aa", "wcag21a", "wcag21aa"] }),
+      );
+      const found = result.violations.map((v) => `${v.id}: ${v.help} (${v.nodes.map((n) => n.target).join(", ")})`);
+      assert.deepEqual(found, [], `${path} at ${viewport.width}px`);
+      await page.close();
+    }
+  }
 });
