@@ -867,6 +867,7 @@ async fn histories(config: &BenchConfig) -> std::io::Result<String> {
         let (addr, clients) = (server.addr, config.clients);
         fill.push(tokio::spawn(async move {
             let mut conn = Conn::open(addr).await?;
+            let mut retried = 0u64;
             for i in (c..count).step_by(clients) {
                 for n in 0..MAX_EVENTS {
                     let state = if n % 3 == 0 { "running" } else { "pending" };
@@ -883,19 +884,33 @@ async fn histories(config: &BenchConfig) -> std::io::Result<String> {
                         .collect();
                     let body = format!(r#"{{"tasks": {{{}}}}}"#, tasks.join(", "));
                     let path = format!("/v1/allocations/hist-{i}/task-states");
-                    let status = conn.call("POST", &path, body.as_bytes()).await?;
-                    if status != 200 {
-                        return Err(std::io::Error::other(format!(
-                            "filling the histories answered {status}"
-                        )));
+                    // As an agent does: a 503 is tried again a moment later.
+                    let mut tries = 0;
+                    loop {
+                        let status = conn.call("POST", &path, body.as_bytes()).await?;
+                        match status {
+                            200 => break,
+                            503 if tries < 100 => {
+                                tries += 1;
+                                retried += 1;
+                                tokio::time::sleep(Duration::from_millis(200)).await;
+                            }
+                            _ => {
+                                return Err(std::io::Error::other(format!(
+                                    "filling the histories answered {status}: {}",
+                                    String::from_utf8_lossy(&conn.body)
+                                )));
+                            }
+                        }
                     }
                 }
             }
-            Ok::<_, std::io::Error>(())
+            Ok::<_, std::io::Error>(retried)
         }));
     }
+    let mut retried = 0;
     for t in fill {
-        t.await.map_err(std::io::Error::other)??;
+        retried += t.await.map_err(std::io::Error::other)??;
     }
     let filled = started.elapsed();
     let after = server.rss_kib().unwrap_or(0);
@@ -908,7 +923,8 @@ async fn histories(config: &BenchConfig) -> std::io::Result<String> {
     let mib = |kib: u64| kib as f64 / 1024.0;
     Ok(format!(
         "histories: {count} allocations of five tasks registered in {registered:.1?} \
-         ({b:.0} MiB resident), every task given {MAX_EVENTS} agent events in {filled:.1?}: \
+         ({b:.0} MiB resident), every task given {MAX_EVENTS} agent events in {filled:.1?} \
+         ({retried} reports answered 503 and tried again): \
          {a:.0} MiB resident, {per:.1} bytes per event; restarted to healthy in {ready:.2?}, \
          {r:.0} MiB resident after loading ({rper:.1} bytes per event over the registered size)",
         b = mib(before),
