@@ -178,6 +178,8 @@ test("the list shows registered allocations and follows new ones live", async ()
 test("the detail page shows the gates and lanes at each stage of the walkthrough", async () => {
   let index = (await call("PUT", "/v1/allocations/a1", FIVE, TOKENS.agent)).body.modify_index;
   const page = await open("/ui/allocations/a1", TOKENS.reader);
+  // The list beside it, filtered to this allocation, follows the same steps.
+  const list = await open("/ui?prefix=a1", TOKENS.reader);
   const steps = [
     ["registered", null, "prestart", { prestart_ephemeral: "● gate open", prestart_sidecar: "● gate open", main: "○ gate closed", poststop: "○ gate closed" }],
     ["prestart-running", { init: { state: "running" }, proxy: { state: "running" } }, "prestart", { main: "○ gate closed" }],
@@ -205,8 +207,14 @@ test("the detail page shows the gates and lanes at each stage of the walkthrough
       assert.equal(shown.state, t.state + (t.failed ? " (failed)" : ""), `${name}: ${t.name}`);
     }
     assert.equal(seen.poststart_sidecar.gate, "no tasks");
-    await shot(page, `detail-${steps.indexOf(steps.find((s) => s[0] === name)) + 1}-${name}`);
+    const step = steps.findIndex((s) => s[0] === name) + 1;
+    await shot(page, `detail-${step}-${name}`);
+    const row = list.locator('tr[data-id="a1"]');
+    await row.locator(".num", { hasText: `(index ${index})` }).waitFor({ timeout: 5000 });
+    assert.equal(await row.locator(".state").textContent(), state, `${name}: the list's row`);
+    await shot(list, `list-${step}-${name}`);
   }
+  await list.close();
   // The leader's death told the others to stop, with its reason.
   const proxy = (await lanes(page)).prestart_sidecar.tasks[0];
   assert.equal(proxy.desired, "stop: Leader Task Dead");
