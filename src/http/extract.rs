@@ -53,6 +53,12 @@ fn unsupported_media_type() -> ApiError {
 
 /// Decodes JSON, naming the path of the first field that does not fit.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    // Most bodies are valid: decoded without tracking the path (which
+    // costs every field of every body), and only a body that fails is
+    // decoded again to name the field that broke.
+    if let Ok(value) = serde_json::from_slice(bytes) {
+        return Ok(value);
+    }
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
