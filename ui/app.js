@@ -341,7 +341,7 @@ function timeline(tl) {
     { class: "table-wrap", tabindex: 0, role: "region", "aria-label": "Timeline, scrollable" },
     h(
       "table",
-      { "aria-label": "Timeline, newest first" },
+      { "aria-label": "Timeline, newest first", class: "stack" },
       h("thead", {}, h("tr", {}, ["Time", "Index", "Type", "Task", "Message"].map((c) => h("th", { scope: "col" }, c)))),
       h("tbody", {}, rows),
     ),
