@@ -183,9 +183,8 @@ impl NdJson {
     /// The next line, or `None` once the stream ended.
     async fn next(&mut self) -> Option<Value> {
         loop {
-            if let Some(end) = self.buf.iter().position(|&b| b == b'\n') {
-                let line: Vec<u8> = self.buf.drain(..=end).collect();
-                return Some(serde_json::from_slice(&line).unwrap());
+            if let Some(line) = common::take_line(&mut self.buf) {
+                return Some(line);
             }
             let chunk = tokio::time::timeout(BOUND, self.res.chunk())
                 .await

@@ -276,7 +276,7 @@ fn presented(req: &Request) -> Option<&str> {
 
 /// The allocation ID (or, for the list, the `prefix`) a request concerns.
 fn scope_target(req: &Request, route: &str) -> Option<String> {
-    if route == "/v1/allocations" || route == "/v1/events" {
+    if route == "/v1/allocations" || route == super::edge::STREAM_ROUTE {
         let pairs = query_pairs(req.uri().query())?;
         return Some(
             pairs
@@ -364,7 +364,7 @@ impl Auth {
             {
                 let what = if route == "/v1/allocations" {
                     "list with a `prefix` within".to_owned()
-                } else if route == "/v1/events" {
+                } else if route == super::edge::STREAM_ROUTE {
                     "follow events with a `prefix` within".to_owned()
                 } else {
                     format!("use allocation {target:?}, outside")

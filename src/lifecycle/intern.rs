@@ -236,7 +236,7 @@ impl serde::Serialize for Sym {
 
 /// What an event says, without its time: stored once however many events
 /// say it (`EventBody::new`).
-#[derive(Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct EventBody {
     /// The event type (`Started`, `Terminated`, `Restart Signaled`, ...).
     pub kind: Sym,
@@ -253,20 +253,9 @@ impl EventBody {
             details,
         };
         // Looked up by value: the parts are shared already, so a body that
-        // exists costs its lookup and nothing else.
-        cached(&RECENT_BODIES, &BODIES, &body, || {
-            Arc::new(body_clone(&body))
-        })
-    }
-}
-
-/// The table keeps its own copy of a new body (its parts are shared, so
-/// this copies pointers).
-fn body_clone(b: &EventBody) -> EventBody {
-    EventBody {
-        kind: b.kind.clone(),
-        message: b.message.clone(),
-        details: b.details.clone(),
+        // exists costs its lookup and nothing else. The table keeps its
+        // own copy of a new one (its parts are shared: pointers copied).
+        cached(&RECENT_BODIES, &BODIES, &body, || Arc::new(body.clone()))
     }
 }
 

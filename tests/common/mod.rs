@@ -272,9 +272,8 @@ impl Lines {
     /// that does not come within a minute fails the test.
     pub async fn next(&mut self) -> Option<Value> {
         loop {
-            if let Some(end) = self.buf.iter().position(|&b| b == b'\n') {
-                let line: Vec<u8> = self.buf.drain(..=end).collect();
-                return Some(serde_json::from_slice(&line).expect("each line is JSON"));
+            if let Some(line) = take_line(&mut self.buf) {
+                return Some(line);
             }
             let frame = tokio::time::timeout(Duration::from_secs(60), self.body.frame())
                 .await
@@ -297,6 +296,14 @@ impl Lines {
     pub async fn line(&mut self) -> Value {
         self.next().await.expect("the stream is open")
     }
+}
+
+/// The first whole line of a newline-delimited JSON stream read so far,
+/// taken out of `buf`; `None` until a newline has come.
+pub fn take_line(buf: &mut Vec<u8>) -> Option<Value> {
+    let end = buf.iter().position(|&b| b == b'\n')?;
+    let line: Vec<u8> = buf.drain(..=end).collect();
+    Some(serde_json::from_slice(&line).expect("each line is JSON"))
 }
 
 /// Waits until `n` requests are parked in waits. Polls a readiness
