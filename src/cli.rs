@@ -28,7 +28,7 @@ pub enum Command {
     /// scripts).
     Alloc(crate::operator::AllocArgs),
     /// Probe a running server's /v1/health: exit 0 when healthy, 1 otherwise.
-    Health(crate::probe::HealthConfig),
+    Health(crate::health::HealthConfig),
     /// Print every allocation a stopped server's data directory holds, one
     /// JSON object per line (as `GET /v1/allocations/{id}` shows it),
     /// without changing the directory.

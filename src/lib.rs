@@ -6,15 +6,15 @@
 pub mod agent;
 pub mod app;
 pub mod cli;
+pub mod client;
 pub mod config;
 pub mod dump;
+pub mod health;
 #[doc(hidden)]
 pub mod http;
 pub mod lifecycle;
 pub mod metrics;
-pub mod net;
 pub mod operator;
-pub mod probe;
 pub mod registry;
 pub mod secret;
 pub mod server;

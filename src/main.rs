@@ -30,7 +30,7 @@ fn main() -> ExitCode {
             let healthy = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
-                .is_ok_and(|rt| rt.block_on(taskgate::probe::run(config)));
+                .is_ok_and(|rt| rt.block_on(taskgate::health::run(config)));
             if healthy {
                 ExitCode::SUCCESS
             } else {

@@ -12,7 +12,7 @@ use std::{fmt::Write as _, io::IsTerminal, path::PathBuf, time::Duration};
 use clap::{Args, Subcommand};
 use serde_json::{Value, json};
 
-use crate::{net::Endpoint, secret::Secret};
+use crate::{client::Endpoint, secret::Secret};
 
 #[derive(Debug, Clone, Args)]
 pub struct AllocArgs {

@@ -6,7 +6,7 @@ use std::{path::Path, time::Duration};
 use serde_json::Value;
 
 use super::AgentConfig;
-use crate::net::Endpoint;
+use crate::client::Endpoint;
 
 /// How long a long-poll asks the server to wait.
 const POLL_WAIT: &str = "60s";

@@ -11,7 +11,7 @@
 
 pub mod feed;
 mod handle;
-mod shared;
+mod replicated;
 pub mod timeline;
 mod wait;
 
@@ -159,10 +159,10 @@ impl RegistryError {
 /// A cheap-to-clone handle on all allocations.
 #[derive(Clone)]
 pub struct Registry {
-    shared: Arc<Shared>,
+    inner: Arc<Inner>,
 }
 
-struct Shared {
+struct Inner {
     /// Allocation ID → handle, sorted for listing. Inserted by `register`,
     /// removed by `delete`, read by everything. A std lock: it is only held
     /// to look up or insert, never across an `.await`.
@@ -182,11 +182,11 @@ struct Shared {
     /// Turns `true` once, at shutdown; every parked waiter watches it.
     shutdown: watch::Sender<bool>,
     /// With a shared store: the index up to which this replica's view has
-    /// applied every change (`shared.rs`). Writers wait on it.
+    /// applied every change (`replicated.rs`). Writers wait on it.
     view: watch::Sender<u64>,
 }
 
-impl Shared {
+impl Inner {
     fn read_map(&self) -> std::sync::RwLockReadGuard<'_, AllocMap> {
         if let Ok(map) = self.allocs.read() {
             return map;
@@ -246,7 +246,7 @@ impl Registry {
         }));
         let index = Arc::new(AtomicU64::new(last));
         let registry = Self {
-            shared: Arc::new(Shared {
+            inner: Arc::new(Inner {
                 allocs: RwLock::new(allocs),
                 feed: Arc::new(feed::Feed::new(index.clone(), config.event_buffer)),
                 index,
@@ -258,33 +258,33 @@ impl Registry {
                 view: watch::Sender::new(last),
             }),
         };
-        if let Some(shared) = registry.shared.store.shared() {
+        if let Some(shared) = registry.inner.store.replicated() {
             // Weak: the store's follower must not keep the registry (and
             // with it the store) alive.
-            let weak = Arc::downgrade(&registry.shared);
+            let weak = Arc::downgrade(&registry.inner);
             shared.follow(last, weak);
         }
         Ok(registry)
     }
 
     pub fn config(&self) -> &RegistryConfig {
-        &self.shared.config
+        &self.inner.config
     }
 
     pub fn metrics(&self) -> &Arc<Metrics> {
-        &self.shared.config.metrics
+        &self.inner.config.metrics
     }
 
     /// The last global index handed out.
     pub fn last_index(&self) -> u64 {
-        self.shared.index.load(Ordering::SeqCst)
+        self.inner.index.load(Ordering::SeqCst)
     }
 
     /// The index up to which every change is in the event stream's order
     /// (and published: a listing read after it holds every change up to
     /// it).
     pub fn stream_index(&self) -> u64 {
-        self.shared.feed.frontier()
+        self.inner.feed.frontier()
     }
 
     /// Registered allocations.
@@ -298,30 +298,30 @@ impl Registry {
 
     /// Requests parked in waits now.
     pub fn waiters(&self) -> usize {
-        self.shared.waiters.load(Ordering::SeqCst)
+        self.inner.waiters.load(Ordering::SeqCst)
     }
 
     /// Ends every parked wait with `ShuttingDown` and refuses new ones.
     /// Writes keep working, so requests in flight can finish.
     pub fn shutdown(&self) {
-        self.shared.shutdown.send_replace(true);
+        self.inner.shutdown.send_replace(true);
     }
 
     /// How the store is doing.
     pub fn store_health(&self) -> crate::store::StoreHealth {
-        self.shared.store.health()
+        self.inner.store.health()
     }
 
     pub fn is_shutting_down(&self) -> bool {
-        *self.shared.shutdown.borrow()
+        *self.inner.shutdown.borrow()
     }
 
     fn read_map(&self) -> std::sync::RwLockReadGuard<'_, AllocMap> {
-        self.shared.read_map()
+        self.inner.read_map()
     }
 
     fn write_map(&self) -> std::sync::RwLockWriteGuard<'_, AllocMap> {
-        self.shared.write_map()
+        self.inner.write_map()
     }
 
     fn handle(&self, id: &str) -> Result<Arc<Handle>, RegistryError> {
@@ -332,7 +332,7 @@ impl Registry {
     }
 
     fn next_index(&self) -> u64 {
-        let index = self.shared.index.fetch_add(1, Ordering::SeqCst) + 1;
+        let index = self.inner.index.fetch_add(1, Ordering::SeqCst) + 1;
         // 2^63 changes at a billion a second take 292 years; only a loaded
         // index can come near, and `open` refuses those.
         assert!(index <= MAX_INDEX, "the global index is exhausted");
@@ -406,7 +406,7 @@ impl Registry {
         spec: AllocSpec,
         quota: Option<Quota<'_>>,
     ) -> Result<(Arc<Allocation>, bool), RegistryError> {
-        if let Some(store) = self.shared.store.shared() {
+        if let Some(store) = self.inner.store.replicated() {
             return self.register_shared(store, id, spec, quota).await;
         }
         // A handle found here may be deleted before its lock is ours; then
@@ -428,10 +428,10 @@ impl Registry {
                 }
                 Slot::Deleted => continue,
                 Slot::Creating => {
-                    let ticket = self.shared.feed.begin();
+                    let ticket = self.inner.feed.begin();
                     let a = Arc::new(Allocation::register(
                         id.clone(),
-                        self.shared
+                        self.inner
                             .specs
                             .lock()
                             .unwrap_or_else(PoisonError::into_inner)
@@ -449,14 +449,14 @@ impl Registry {
                                 handle.publish_live(
                                     None,
                                     published.clone(),
-                                    registry.shared.config.timeline_events,
+                                    registry.inner.config.timeline_events,
                                 );
                                 ticket.publish(feed::Event::put(published.clone()));
                                 let a = &published;
                                 tracing::info!(alloc = %a.id, state = %a.state, tasks = a.tasks.len(), "allocation registered");
                                 if a.state != CoordState::Init {
                                     registry
-                                        .shared
+                                        .inner
                                         .config
                                         .metrics
                                         .transition(CoordState::Init, a.state);
@@ -493,7 +493,7 @@ impl Registry {
         if let Some(h) = map.get(id.as_str()) {
             return Ok((h.clone(), None));
         }
-        let max = self.shared.config.max_allocations;
+        let max = self.inner.config.max_allocations;
         if map.len() >= max {
             return Err(RegistryError::QuotaExceeded(format!(
                 "the server holds {max} allocations, its limit (--max-allocations)"
@@ -551,7 +551,7 @@ impl Registry {
     /// Deletes an allocation; its waiters end with `Deleted`. Returns the
     /// index the deletion took.
     pub async fn delete(&self, id: &str) -> Result<u64, RegistryError> {
-        if let Some(store) = self.shared.store.shared() {
+        if let Some(store) = self.inner.store.replicated() {
             return self.delete_shared(store, id).await;
         }
         let handle = self.handle(id)?;
@@ -559,7 +559,7 @@ impl Registry {
         let Slot::Live(a) = handle.slot_now() else {
             return Err(RegistryError::AllocationNotFound(id.to_owned()));
         };
-        let ticket = self.shared.feed.begin();
+        let ticket = self.inner.feed.begin();
         let index = self.next_index();
         let op = Op::Delete {
             id: a.id.clone(),
@@ -594,7 +594,7 @@ impl Registry {
         decide: impl Fn(&Allocation, &dyn Fn() -> u64) -> Result<(Option<Allocation>, R), RegistryError>,
         counted: impl FnOnce(&Metrics) + Send + 'static,
     ) -> Result<(Arc<Allocation>, R), RegistryError> {
-        if let Some(store) = self.shared.store.shared() {
+        if let Some(store) = self.inner.store.replicated() {
             return self.update_shared(store, id, decide, counted).await;
         }
         let handle = self.handle(id)?;
@@ -602,10 +602,10 @@ impl Registry {
         let Slot::Live(current) = handle.slot_now() else {
             return Err(RegistryError::AllocationNotFound(id.to_owned()));
         };
-        let ticket = self.shared.feed.begin();
+        let ticket = self.inner.feed.begin();
         let (next, out) = decide(&current, &|| self.next_index())?;
         let Some(next) = next else {
-            counted(&self.shared.config.metrics);
+            counted(&self.inner.config.metrics);
             return Ok((current, out));
         };
         let next = Arc::new(next);
@@ -616,11 +616,11 @@ impl Registry {
             handle.publish_live(
                 Some(&current),
                 published.clone(),
-                registry.shared.config.timeline_events,
+                registry.inner.config.timeline_events,
             );
             ticket.publish(feed::Event::put(published.clone()));
             registry.observe(&current, &published);
-            counted(&registry.shared.config.metrics);
+            counted(&registry.inner.config.metrics);
             Ok(())
         })
         .await?;
@@ -630,7 +630,7 @@ impl Registry {
     /// Logs and counts what a committed change did to the coordinator and
     /// the stop orders.
     fn observe(&self, prev: &Allocation, next: &Allocation) {
-        let metrics = &self.shared.config.metrics;
+        let metrics = &self.inner.config.metrics;
         if prev.state != next.state {
             metrics.transition(prev.state, next.state);
             tracing::info!(
@@ -664,7 +664,7 @@ impl Registry {
         op: Op,
         finish: impl FnOnce(Result<(), StoreError>) -> Result<T, RegistryError> + Send + 'static,
     ) -> Result<T, RegistryError> {
-        let commit = self.shared.store.commit(op);
+        let commit = self.inner.store.commit(op);
         let task = tokio::spawn(async move {
             let out = finish(commit.await);
             drop(write);
@@ -722,7 +722,7 @@ impl Registry {
         let count = reports.len();
         // A shared store may decide more than once (after a conflict): a
         // copy is kept for the later rounds. The first takes the reports.
-        let spare = self.shared.store.shared().map(|_| reports.clone());
+        let spare = self.inner.store.replicated().map(|_| reports.clone());
         let first = std::sync::Mutex::new(Some(reports));
         let (a, ()) = self
             .update(

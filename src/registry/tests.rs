@@ -526,11 +526,11 @@ async fn a_panic_while_the_map_is_written_leaves_it_whole_for_the_next_user() {
         })
     };
     assert!(half.join().is_err());
-    assert!(r.shared.allocs.is_poisoned());
+    assert!(r.inner.allocs.is_poisoned());
     let (page, _) = r.list("", None, 10);
     let ids: Vec<_> = page.iter().map(|a| a.id.to_string()).collect();
     assert_eq!(ids, ["a1"], "the creating handle is listed by nobody");
-    assert!(!r.shared.allocs.is_poisoned());
+    assert!(!r.inner.allocs.is_poisoned());
     assert_eq!(r.read_map().ids.len(), r.read_map().by_id.len());
     r.register(id("a2"), two_stage()).await.unwrap();
     assert_eq!(r.len(), 3);

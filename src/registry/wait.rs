@@ -11,11 +11,11 @@ use std::{
     time::Duration,
 };
 
-use super::{Registry, RegistryError, Shared, handle::Slot};
+use super::{Inner, Registry, RegistryError, handle::Slot};
 use crate::lifecycle::Allocation;
 
 /// Counts one parked request while it lives.
-struct Parked(Arc<Shared>);
+struct Parked(Arc<Inner>);
 
 impl Drop for Parked {
     fn drop(&mut self) {
@@ -28,9 +28,9 @@ impl Registry {
         if self.is_shutting_down() {
             return Err(RegistryError::ShuttingDown);
         }
-        let before = self.shared.waiters.fetch_add(1, Ordering::SeqCst);
-        let parked = Parked(self.shared.clone());
-        if before >= self.shared.config.max_waiters {
+        let before = self.inner.waiters.fetch_add(1, Ordering::SeqCst);
+        let parked = Parked(self.inner.clone());
+        if before >= self.inner.config.max_waiters {
             return Err(RegistryError::TooManyWaiters);
         }
         Ok(parked)
@@ -57,7 +57,7 @@ impl Registry {
             return Ok(current);
         }
         let _parked = self.park()?;
-        let mut shutdown = self.shared.shutdown.subscribe();
+        let mut shutdown = self.inner.shutdown.subscribe();
         let gone = || RegistryError::Deleted(id.to_owned());
         tokio::select! {
             changed = handle.wait_for(|s| match s {
@@ -159,7 +159,7 @@ impl Subscription {
     /// Ends with `ShuttingDown` at shutdown. Cancel-safe: a call dropped
     /// while it waits has taken nothing.
     pub async fn next(&mut self, max: usize) -> Result<super::feed::Next, RegistryError> {
-        let shared = self.registry.shared.clone();
+        let shared = self.registry.inner.clone();
         let mut shutdown = shared.shutdown.subscribe();
         loop {
             if *shutdown.borrow_and_update() {

@@ -133,7 +133,7 @@ pub trait Store: Send + Sync + 'static {
 
     /// A store other replicas write too (etcd), or `None` for one this
     /// process alone writes (disk, memory), whose `commit` is all there is.
-    fn shared(&self) -> Option<&dyn SharedStore> {
+    fn replicated(&self) -> Option<&dyn ReplicatedStore> {
         None
     }
 }
@@ -144,7 +144,7 @@ pub trait Store: Send + Sync + 'static {
 /// change its index at commit. Nothing is published by the writer: every
 /// replica (the writer's included) learns each change from `follow`, in
 /// index order, so all of them publish the same changes in the same order.
-pub trait SharedStore: Send + Sync {
+pub trait ReplicatedStore: Send + Sync {
     /// Commits `op` if the allocation's record is still the one at
     /// `expect` (its `modify_index`; 0: no record). The record in a `Put`
     /// carries a placeholder index above every other index in it; readers

@@ -262,7 +262,7 @@ impl Client {
         };
         Ok(Self {
             http: builder.build().map_err(|e| {
-                let mut why = crate::net::error_chain(&e);
+                let mut why = crate::client::error_chain(&e);
                 if tls && config.ca.is_none() {
                     why.push_str(" (without --etcd-ca the system's certificate roots are used)");
                 }
@@ -323,7 +323,7 @@ impl Client {
             req = req.header("authorization", t);
         }
         let answer = req.send().await.map_err(|e| {
-            CallError::Unreachable(format!("{endpoint}: {}", crate::net::error_chain(&e)))
+            CallError::Unreachable(format!("{endpoint}: {}", crate::client::error_chain(&e)))
         })?;
         let status = answer.status();
         let bytes = answer

@@ -9,7 +9,7 @@
 //! etcd deletes; their revisions keep the index going up.
 //!
 //! Writes are compare-and-swap transactions on `mod_revision`
-//! (`SharedStore::swap`). Reads come from the replica's view: the prefix
+//! (`ReplicatedStore::swap`). Reads come from the replica's view: the prefix
 //! listed once, then one prefix watch from the revision after the listing
 //! (`follow`), which publishes every change in revision order. A watch
 //! canceled by a compaction lists the prefix again (`Follower::resync`).
@@ -29,8 +29,8 @@ pub use client::{EtcdConfig, prefix_end};
 use tokio::sync::watch;
 
 use super::{
-    Change, Commit, Follower, LoadOnce, Loaded, Op, SharedStore, Store, StoreError, StoreHealth,
-    Swap, SwapError, record,
+    Change, Commit, Follower, LoadOnce, Loaded, Op, ReplicatedStore, Store, StoreError,
+    StoreHealth, Swap, SwapError, record,
 };
 use crate::lifecycle::{AllocId, Allocation};
 
@@ -203,12 +203,12 @@ impl Store for EtcdStore {
         Ok(())
     }
 
-    fn shared(&self) -> Option<&dyn SharedStore> {
+    fn replicated(&self) -> Option<&dyn ReplicatedStore> {
         Some(self)
     }
 }
 
-impl SharedStore for EtcdStore {
+impl ReplicatedStore for EtcdStore {
     fn swap(&self, op: Op, expect: u64) -> Swap {
         let (key, value) = match &op {
             Op::Put(a) => (self.key(&a.id), Some(record::encode(a))),

@@ -5,7 +5,7 @@ use std::{path::PathBuf, time::Duration};
 
 use clap::Args;
 
-use crate::net::Endpoint;
+use crate::client::Endpoint;
 
 #[derive(Debug, Clone, Args)]
 pub struct HealthConfig {

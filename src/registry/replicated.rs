@@ -2,9 +2,9 @@
 //!
 //! Decide → compare-and-swap → follow: a change is decided on this
 //! replica's copy of the record and committed only if the store still holds
-//! that copy (`SharedStore::swap`); on a conflict the replica follows the
+//! that copy (`ReplicatedStore::swap`); on a conflict the replica follows the
 //! store up to the newer record and decides again. Nothing is published by
-//! the writer: the store's follower (`impl Follower for Shared`) publishes
+//! the writer: the store's follower (`impl Follower for Inner`) publishes
 //! every change, this replica's and the others', in index order, and a
 //! writer answers only once the view has reached its change's index, so its
 //! caller (and anyone the caller tells) reads it back from this replica.
@@ -17,14 +17,14 @@ use std::{
 
 use super::feed::Event;
 use super::{
-    Quota, Registry, RegistryError, Shared, Slot,
+    Inner, Quota, Registry, RegistryError, Slot,
     handle::{Handle, WriteGuard},
     now,
 };
 use crate::{
     lifecycle::{AllocId, AllocSpec, Allocation, CoordState},
     metrics::Metrics,
-    store::{Change, Follower, Loaded, Op, SharedStore, SwapError},
+    store::{Change, Follower, Loaded, Op, ReplicatedStore, SwapError},
 };
 
 /// Decisions tried on newer copies before a write gives up (503 with
@@ -51,8 +51,8 @@ impl Registry {
     /// (with a shared store; with any other, the view is always current).
     /// False if `timeout` passed first.
     pub async fn wait_view(&self, index: u64, timeout: Duration) -> bool {
-        let mut view = self.shared.view.subscribe();
-        if self.shared.store.shared().is_none() {
+        let mut view = self.inner.view.subscribe();
+        if self.inner.store.replicated().is_none() {
             return true;
         }
         tokio::time::timeout(timeout, view.wait_for(|&v| v >= index))
@@ -66,7 +66,7 @@ impl Registry {
         if !self.wait_view(index, REACH_TIMEOUT).await {
             tracing::warn!(
                 index,
-                view = *self.shared.view.borrow(),
+                view = *self.inner.view.borrow(),
                 "the view did not reach a committed change in time; answering without it"
             );
         }
@@ -78,7 +78,7 @@ impl Registry {
     /// conflict with one another.
     async fn lock_live(
         &self,
-        store: &dyn SharedStore,
+        store: &dyn ReplicatedStore,
         id: &str,
     ) -> Result<(WriteGuard, Arc<Handle>, Arc<Allocation>), RegistryError> {
         let mut asked = false;
@@ -134,7 +134,7 @@ impl Registry {
 
     pub(super) async fn update_shared<R>(
         &self,
-        store: &dyn SharedStore,
+        store: &dyn ReplicatedStore,
         id: &str,
         decide: impl Fn(&Allocation, &dyn Fn() -> u64) -> Result<(Option<Allocation>, R), RegistryError>,
         counted: impl FnOnce(&Metrics) + Send + 'static,
@@ -161,7 +161,7 @@ impl Registry {
             }
             let (next, out) = decided?;
             let Some(mut next) = next else {
-                counted(&self.shared.config.metrics);
+                counted(&self.inner.config.metrics);
                 return Ok((current, out));
             };
             let expect = current.modify_index;
@@ -171,7 +171,7 @@ impl Registry {
                     drop(write);
                     next.restamp(stamp, index);
                     self.observe(&current, &next);
-                    counted(&self.shared.config.metrics);
+                    counted(&self.inner.config.metrics);
                     return Ok((Arc::new(next), out));
                 }
                 Err(SwapError::Conflict { seen }) => {
@@ -186,13 +186,13 @@ impl Registry {
 
     pub(super) async fn register_shared(
         &self,
-        store: &dyn SharedStore,
+        store: &dyn ReplicatedStore,
         id: AllocId,
         spec: AllocSpec,
         quota: Option<Quota<'_>>,
     ) -> Result<(Arc<Allocation>, bool), RegistryError> {
         let spec = self
-            .shared
+            .inner
             .specs
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -223,7 +223,7 @@ impl Registry {
                     a.restamp(STAMP, index);
                     tracing::info!(alloc = %a.id, state = %a.state, tasks = a.tasks.len(), index, "allocation registered");
                     if a.state != CoordState::Init {
-                        self.shared
+                        self.inner
                             .config
                             .metrics
                             .transition(CoordState::Init, a.state);
@@ -235,11 +235,11 @@ impl Registry {
                 Err(SwapError::Conflict { seen }) => {
                     drop(write);
                     self.reach(seen).await;
-                    self.shared.forget_creating(&id, &handle);
+                    self.inner.forget_creating(&id, &handle);
                 }
                 Err(SwapError::Store(e)) => {
                     drop(write);
-                    self.shared.forget_creating(&id, &handle);
+                    self.inner.forget_creating(&id, &handle);
                     return Err(e.into());
                 }
             }
@@ -249,7 +249,7 @@ impl Registry {
 
     pub(super) async fn delete_shared(
         &self,
-        store: &dyn SharedStore,
+        store: &dyn ReplicatedStore,
         id: &str,
     ) -> Result<u64, RegistryError> {
         for _ in 0..MAX_SWAPS {
@@ -276,7 +276,7 @@ impl Registry {
     }
 }
 
-impl Shared {
+impl Inner {
     /// Removes a handle a registration inserted, unless the view made it
     /// live meanwhile (registered through another replica).
     fn forget_creating(&self, id: &AllocId, handle: &Arc<Handle>) {
@@ -354,7 +354,7 @@ impl Shared {
     }
 }
 
-impl Follower for Shared {
+impl Follower for Inner {
     fn changed(&self, changes: Vec<Change>, index: u64) {
         let mut events = Vec::new();
         if !changes.is_empty() {
