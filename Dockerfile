@@ -21,9 +21,9 @@ RUN command -v cc >/dev/null 2>&1 || (apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev ca-certificates \
     && rm -rf /var/lib/apt/lists/*)
 WORKDIR /build
-# Dependencies first, in their own layer: rebuilt only when Cargo.* change.
-# The workspace's bench and fuzzing members are not built (only
-# `-p taskgate`), but their manifests must be there.
+# Dependencies first, in their own layer: rebuilt only when a manifest or
+# the lock file changes. Stub sources stand in for the workspace's crates
+# (only `-p taskgate` is built, but every member's manifest must parse).
 COPY Cargo.toml Cargo.lock ./
 COPY bench/Cargo.toml bench/
 COPY fuzzing/Cargo.toml fuzzing/
@@ -32,8 +32,11 @@ RUN mkdir -p src bench/src fuzzing/src \
     && touch src/lib.rs fuzzing/src/lib.rs \
     && echo 'fn main() {}' > bench/src/main.rs \
     && cargo build --release --locked -p taskgate \
-    && rm -rf src
-COPY src ./src
+    && rm -rf src bench/src fuzzing/src
+# Then the whole build context: whatever the crate reads at build time
+# (src/, ui/, openapi/, ...) is there. `.dockerignore` keeps out only what
+# is generated or local (target/, .git, node_modules, data directories).
+COPY . .
 # Touch so cargo rebuilds the crate itself, not the cached stub.
 RUN touch src/main.rs src/lib.rs \
     && cargo build --release --locked -p taskgate \
