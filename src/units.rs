@@ -55,6 +55,37 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::try_from_secs_f64(total).unwrap_or(Duration::MAX))
 }
 
+/// Writes a duration as `parse_duration` reads it, to the millisecond:
+/// `500ms`, `30s`, `1.5s`, `5m`, `1h30m`, `7d` is `168h`.
+pub fn format_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms == 0 {
+        return "0s".to_owned();
+    }
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let (h, rest) = (ms / 3_600_000, ms % 3_600_000);
+    let (m, rest) = (rest / 60_000, rest % 60_000);
+    let (s, frac) = (rest / 1000, rest % 1000);
+    let mut out = String::new();
+    if h > 0 {
+        out.push_str(&format!("{h}h"));
+    }
+    if m > 0 {
+        out.push_str(&format!("{m}m"));
+    }
+    if s > 0 || frac > 0 {
+        if frac == 0 {
+            out.push_str(&format!("{s}s"));
+        } else {
+            let frac = format!("{frac:03}");
+            out.push_str(&format!("{s}.{}s", frac.trim_end_matches('0')));
+        }
+    }
+    out
+}
+
 /// A size in bytes: a number, optionally with `KiB`, `MiB` or `GiB`.
 pub fn byte_size(s: &str) -> Result<u64, String> {
     let s = s.trim();
@@ -116,6 +147,26 @@ pub fn parse_listen(s: &str) -> Result<std::net::SocketAddr, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_are_written_as_they_are_read() {
+        for (d, text) in [
+            (Duration::from_millis(500), "500ms"),
+            (Duration::from_secs(30), "30s"),
+            (Duration::from_millis(1500), "1.5s"),
+            (Duration::from_millis(1250), "1.25s"),
+            (Duration::from_secs(300), "5m"),
+            (Duration::from_secs(90), "1m30s"),
+            (Duration::from_secs(5400), "1h30m"),
+            (Duration::from_secs(7 * 24 * 3600), "168h"),
+            (Duration::ZERO, "0s"),
+        ] {
+            assert_eq!(format_duration(d), text);
+            assert_eq!(parse_duration(text), Ok(d), "{text} reads back");
+        }
+        // Below a millisecond is cut, never rounded up.
+        assert_eq!(format_duration(Duration::from_micros(1_999_999)), "1.999s");
+    }
 
     #[test]
     fn durations_need_a_unit_and_accept_go_forms() {

@@ -41,6 +41,7 @@ fn task(name: &str, hook: Option<Hook>) -> TaskSpec {
         }),
         leader: false,
         readiness: false,
+        liveness: None,
     }
 }
 

@@ -243,6 +243,7 @@ pub fn lifecycle(data: &[u8]) {
                 lifecycle: lifecycle.map(|(hook, sidecar)| Lifecycle { hook, sidecar }),
                 leader: is_leader,
                 readiness: stage_takes_readiness && b & 0x20 != 0,
+                liveness: None,
             }
         })
         .collect();

@@ -14,8 +14,8 @@ use time::OffsetDateTime;
 use utoipa::ToSchema;
 
 use crate::lifecycle::{
-    AllocSpec, EventInput, FieldError, Hook, Lifecycle, Limits, MAX_EVENT_DETAILS, RunState,
-    TaskName, TaskReport, TaskSpec,
+    AllocSpec, Deadlines, EventInput, FieldError, Hook, Lifecycle, Limits, MAX_EVENT_DETAILS,
+    RunState, TaskName, TaskReport, TaskSpec,
 };
 
 /// A JSON object whose keys must be unique, kept in the order sent, of at
@@ -96,6 +96,8 @@ objects_only!(
     RegisterBody,
     TaskSpecBody,
     LifecycleBody,
+    LivenessBody,
+    DeadlinesBody,
     ReportBody,
     EventBody,
     BatchBody,
@@ -116,6 +118,11 @@ pub struct RegisterBody {
     /// 1 to 256 tasks with unique names.
     #[schema(min_items = 1, max_items = 256)]
     pub tasks: Vec<TaskSpecBody>,
+    /// How long the coordinator may stay in `prestart`, `main` and
+    /// `poststart`, and poststop tasks may run: past one, the allocation
+    /// is told to stop ("Deadline Exceeded") and fails.
+    #[serde(default)]
+    pub deadlines: Option<DeadlinesBody>,
 }
 
 /// One task of a registration.
@@ -142,6 +149,56 @@ pub struct TaskSpecBody {
     /// main tasks only.
     #[serde(default)]
     pub readiness: bool,
+    /// While the task runs, its agent gives a sign of life (a report, a
+    /// parked start-condition or task query, or a heartbeat) at least once
+    /// per `ttl`, or the task is declared lost: dead, failed, `lost`.
+    /// Absent: the server's `--default-liveness-ttl`, if any.
+    #[serde(default)]
+    pub liveness: Option<LivenessBody>,
+}
+
+/// A task's liveness.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(remote = "Self", deny_unknown_fields)]
+pub struct LivenessBody {
+    /// A duration with a unit (`500ms`, `30s`, `5m`), 1 s to 24 h.
+    #[schema(example = "30s")]
+    pub ttl: String,
+}
+
+/// How long the allocation may stay in a stage; each optional, 1 s to 7
+/// days, as a duration with a unit (`10m`).
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(remote = "Self", deny_unknown_fields)]
+#[schema(example = json!({"prestart": "10m", "main": "5m"}))]
+pub struct DeadlinesBody {
+    /// From when the coordinator enters `prestart` until it leaves it.
+    #[serde(default)]
+    pub prestart: Option<String>,
+    /// From when the coordinator enters `main` until it leaves it.
+    #[serde(default)]
+    pub main: Option<String>,
+    /// From when the coordinator enters `poststart` until it leaves it.
+    #[serde(default)]
+    pub poststart: Option<String>,
+    /// How long poststop tasks may run once their gate opened.
+    #[serde(default)]
+    pub poststop: Option<String>,
+}
+
+/// A duration field of a request: parsed, or its error at `field`.
+fn duration_field(
+    errors: &mut Vec<FieldError>,
+    field: impl FnOnce() -> String,
+    text: Option<&str>,
+) -> Option<std::time::Duration> {
+    match crate::units::parse_duration(text?) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            errors.push(FieldError::new(field(), e));
+            None
+        }
+    }
 }
 
 /// A task's lifecycle hook.
@@ -159,6 +216,11 @@ impl RegisterBody {
         let mut errors = Vec::new();
         let mut tasks = Vec::with_capacity(self.tasks.len());
         for (i, t) in self.tasks.into_iter().enumerate() {
+            let liveness = duration_field(
+                &mut errors,
+                || format!("tasks[{i}].liveness.ttl"),
+                t.liveness.as_ref().map(|l| l.ttl.as_str()),
+            );
             match TaskName::parse(&t.name) {
                 Ok(name) => tasks.push(TaskSpec {
                     name,
@@ -168,6 +230,7 @@ impl RegisterBody {
                     }),
                     leader: t.leader,
                     readiness: t.readiness,
+                    liveness,
                 }),
                 Err(e) => errors.push(FieldError::new(
                     format!("tasks[{i}].name"),
@@ -175,10 +238,25 @@ impl RegisterBody {
                 )),
             }
         }
+        let mut deadlines = Deadlines::default();
+        if let Some(d) = &self.deadlines {
+            for (state, text) in
+                Deadlines::STATES
+                    .into_iter()
+                    .zip([&d.prestart, &d.main, &d.poststart, &d.poststop])
+            {
+                let parsed = duration_field(
+                    &mut errors,
+                    || format!("deadlines.{state}"),
+                    text.as_deref(),
+                );
+                deadlines.set(state, parsed);
+            }
+        }
         if !errors.is_empty() {
             return Err(errors);
         }
-        AllocSpec::new(tasks, limits)
+        AllocSpec::with_deadlines(tasks, deadlines, limits)
     }
 }
 

@@ -2,11 +2,11 @@
 //! restart, restore. Each operation returns the next version of the record
 //! (or `None` when nothing changed); the caller persists and publishes it.
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
 use super::{
-    AllocId, AllocSpec, CoordState, Desired, Details, Event, RunState, Stage, TaskName, TaskReport,
-    TaskStatus, Timestamp,
+    AllocId, AllocSpec, CoordState, Desired, Details, Event, IdemKey, KeySeen, RunState, Stage,
+    StopReason, TaskName, TaskReport, TaskStatus, Timestamp,
     coordinator::{WaitFor, evaluate, gates, is_open, waiting, waiting_on},
     orders::{Outcome, RUN, StopKind, stop_order},
 };
@@ -58,6 +58,27 @@ pub enum RestartError {
 /// The event recorded on each task told to restart.
 pub const RESTART_EVENT: &str = "Restart Signaled";
 
+/// The deadlines of an allocation that passed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Overdue {
+    /// A stage's deadline (`prestart`, `main` or `poststart`) passed,
+    /// with the tasks the stage waited on then (positions, registration
+    /// order): the allocation failed on them.
+    pub stage: Option<(CoordState, Vec<usize>)>,
+    /// The poststop deadline passed: these poststop tasks (pending or
+    /// running then) are told to stop.
+    pub poststop: Option<Vec<usize>>,
+}
+
+/// What a lost task is told.
+static AGENT_LOST: Desired = Desired::Stop(StopReason::bare(StopKind::AgentLost));
+/// What a poststop task still going at the poststop deadline is told.
+static POSTSTOP_OVERDUE: Desired = Desired::Stop(StopReason::deadline(CoordState::Poststop));
+
+/// The latest sign of life the caller knows of for task `i` (`None`:
+/// none since the task started), for `Allocation::tick`.
+pub type SeenAt<'a> = &'a dyn Fn(usize) -> Option<Timestamp>;
+
 /// Everything known about one allocation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Allocation {
@@ -77,6 +98,11 @@ pub struct Allocation {
     /// One value, not one per task: a record is one heap block less to
     /// copy and to free on every change.
     order: Desired,
+    /// When the current state's deadline passes (`None`: none runs). An
+    /// absolute time, stored: a restart neither resets nor skips it.
+    pub deadline_at: Option<Timestamp>,
+    /// Deadlines that passed (out of line: most allocations have none).
+    overdue: Option<Arc<Overdue>>,
 }
 
 impl Allocation {
@@ -84,7 +110,21 @@ impl Allocation {
     pub fn register(id: AllocId, spec: Arc<AllocSpec>, index: u64, now: Timestamp) -> Self {
         let tasks = vec![TaskStatus::new(index); spec.tasks().len()];
         let state = evaluate(CoordState::Init, &spec, &tasks);
-        Self::from_parts(id, spec, state, tasks, None, index, index, now, now)
+        let mut a = Self::from_parts(id, spec, state, tasks, None, index, index, now, now);
+        a.deadline_at = a.deadline_from(now);
+        a
+    }
+
+    /// Sets what a stored record holds of its deadlines.
+    pub fn with_deadlines(mut self, at: Option<Timestamp>, overdue: Option<Overdue>) -> Self {
+        self.deadline_at = at;
+        self.overdue = overdue.filter(|o| *o != Overdue::default()).map(Arc::new);
+        self
+    }
+
+    /// The deadlines that passed, if any did.
+    pub fn overdue(&self) -> Option<&Overdue> {
+        self.overdue.as_deref()
     }
 
     /// Rebuilds a record exactly as it was stored: the coordinator state is
@@ -114,6 +154,8 @@ impl Allocation {
             created_at,
             modified_at,
             order,
+            deadline_at: None,
+            overdue: None,
         }
     }
 
@@ -140,9 +182,9 @@ impl Allocation {
         &self.spec.tasks()[i].name
     }
 
-    /// Whether task `i`'s gate is open.
+    /// Whether task `i` may start: its gate is open, and it is not lost.
     pub fn allowed(&self, i: usize) -> bool {
-        is_open(self.state, self.spec.tasks()[i].stage())
+        is_open(self.state, self.spec.tasks()[i].stage()) && !self.tasks[i].lost()
     }
 
     /// The allocation's stop order, as stored (poststop tasks ignore it).
@@ -157,13 +199,20 @@ impl Allocation {
         if self.state != CoordState::Poststop {
             return None;
         }
+        // A stage that missed its deadline failed on the tasks it waited
+        // on then.
+        let overdue: &[usize] = self
+            .overdue()
+            .and_then(|o| o.stage.as_ref())
+            .map_or(&[], |(_, tasks)| tasks);
         let failed: Vec<TaskName> = self
             .spec
             .tasks()
             .iter()
             .zip(&self.tasks)
-            .filter(|(s, t)| !s.is_poststop() && t.failed)
-            .map(|(s, _)| s.name.clone())
+            .enumerate()
+            .filter(|(i, (s, t))| !s.is_poststop() && (t.failed || overdue.contains(i)))
+            .map(|(_, (s, _))| s.name.clone())
             .collect();
         let outcome = if failed.is_empty() {
             Outcome::Succeeded
@@ -173,13 +222,165 @@ impl Allocation {
         Some((outcome, failed))
     }
 
-    /// Task `i`'s stop order.
+    /// Task `i`'s stop order: "Agent Lost" once it is lost; for a
+    /// poststop task, run unless the poststop deadline told it to stop;
+    /// for the others, the allocation's order.
     pub fn desired(&self, i: usize) -> &Desired {
-        if self.spec.tasks()[i].is_poststop() {
-            &RUN
+        if self.tasks[i].lost() {
+            &AGENT_LOST
+        } else if self.spec.tasks()[i].is_poststop() {
+            let told = self
+                .overdue()
+                .and_then(|o| o.poststop.as_ref())
+                .is_some_and(|told| told.contains(&i));
+            if told { &POSTSTOP_OVERDUE } else { &RUN }
         } else {
             &self.order
         }
+    }
+
+    /// The first of `positions` whose task is lost, with when it was
+    /// declared lost: a report for it is refused.
+    pub fn lost_among(
+        &self,
+        positions: impl IntoIterator<Item = usize>,
+    ) -> Option<(usize, Timestamp)> {
+        positions
+            .into_iter()
+            .find_map(|i| self.tasks[i].lost_at().map(|at| (i, at)))
+    }
+
+    /// What the keys kept on `positions` say of `key`: a retry if any of
+    /// them holds it with the same request.
+    pub fn key_seen(&self, positions: impl IntoIterator<Item = usize>, key: IdemKey) -> KeySeen {
+        let mut seen = KeySeen::New;
+        for i in positions {
+            match self.tasks[i].seen(key) {
+                KeySeen::Reused => return KeySeen::Reused,
+                KeySeen::Retry => seen = KeySeen::Retry,
+                KeySeen::New => {}
+            }
+        }
+        seen
+    }
+
+    /// When the deadline of the state this allocation is in now, entered
+    /// `now`, passes. Poststop's bounds poststop tasks that have yet to
+    /// end: with none left, nothing runs.
+    fn deadline_from(&self, now: Timestamp) -> Option<Timestamp> {
+        let d = self.spec.deadlines().of(self.state)?;
+        if self.state == CoordState::Poststop && !self.poststop_going() {
+            return None;
+        }
+        Some(now + d)
+    }
+
+    /// Whether a poststop task is still pending or running.
+    fn poststop_going(&self) -> bool {
+        self.spec
+            .tasks()
+            .iter()
+            .zip(&self.tasks)
+            .any(|(s, t)| s.is_poststop() && t.state != RunState::Dead)
+    }
+
+    /// The earliest time at which this allocation changes by time alone:
+    /// its deadline, or a running task's TTL passing without a sign of
+    /// life after `seen`. `None`: nothing is due, ever, without another
+    /// change.
+    pub fn wake_at(&self, seen: SeenAt<'_>, default_ttl: Option<Duration>) -> Option<Timestamp> {
+        let ttls = (0..self.tasks.len()).filter_map(|i| self.ttl_ends(i, seen, default_ttl));
+        self.deadline_at.into_iter().chain(ttls).min()
+    }
+
+    /// When task `i`'s TTL passes if no sign of life comes: it must be
+    /// running under a TTL. Counted from its latest sign of life, or from
+    /// when it started running if that is later.
+    fn ttl_ends(
+        &self,
+        i: usize,
+        seen: SeenAt<'_>,
+        default_ttl: Option<Duration>,
+    ) -> Option<Timestamp> {
+        let t = &self.tasks[i];
+        if t.state != RunState::Running {
+            return None;
+        }
+        let ttl = self.spec.ttl(i, default_ttl)?;
+        let from = match (seen(i), t.started_at) {
+            (Some(a), Some(b)) => a.max(b),
+            (a, b) => a.or(b)?,
+        };
+        Some(from + ttl)
+    }
+
+    /// What time alone does by `now`: a running task whose TTL passed
+    /// without a sign of life is lost; a deadline that passed fires. The
+    /// next version, or `None` when nothing is due.
+    pub fn tick(
+        &self,
+        now: Timestamp,
+        seen: SeenAt<'_>,
+        default_ttl: Option<Duration>,
+        next_index: impl FnOnce() -> u64,
+    ) -> Option<Self> {
+        let mut next = self.clone();
+        let mut changed = false;
+        for i in 0..self.tasks.len() {
+            if let Some(end) = self.ttl_ends(i, seen, default_ttl)
+                && end <= now
+            {
+                let ttl = self.spec.ttl(i, default_ttl).expect("a TTL ended");
+                next.tasks[i].lose(now, ttl, end - ttl);
+                changed = true;
+            }
+        }
+        if self.deadline_at.is_some_and(|at| at <= now) {
+            next.deadline_at = None;
+            next.pass_deadline();
+            changed = true;
+        }
+        if !changed {
+            return None;
+        }
+        next.state = evaluate(next.state, &next.spec, &next.tasks);
+        next.settle(self, now, false, next_index)
+    }
+
+    /// The current state's deadline passed.
+    fn pass_deadline(&mut self) {
+        let mut overdue = self.overdue.as_deref().cloned().unwrap_or_default();
+        match self.state {
+            CoordState::Prestart | CoordState::Main | CoordState::Poststart => {
+                let waited: Vec<usize> = (0..self.tasks.len())
+                    .filter(|&i| {
+                        super::coordinator::wait_for(
+                            self.state,
+                            &self.spec.tasks()[i],
+                            &self.tasks[i],
+                        )
+                        .is_some()
+                    })
+                    .collect();
+                overdue.stage = Some((self.state, waited));
+                // Sticky: an earlier order keeps its reason.
+                if !self.order.is_stop() {
+                    self.order = Desired::Stop(StopReason::deadline(self.state));
+                }
+            }
+            CoordState::Poststop => {
+                overdue.poststop = Some(
+                    (0..self.tasks.len())
+                        .filter(|&i| {
+                            self.spec.tasks()[i].is_poststop()
+                                && self.tasks[i].state != RunState::Dead
+                        })
+                        .collect(),
+                );
+            }
+            CoordState::Init | CoordState::WaitAlloc => {}
+        }
+        self.overdue = Some(Arc::new(overdue));
     }
 
     /// The invariants of docs/lifecycle.md every settled allocation keeps; the
@@ -190,10 +391,18 @@ impl Allocation {
         // poststop tasks are never told to stop.
         let row = gates(self.state);
         for (i, spec) in self.spec.tasks().iter().enumerate() {
-            if self.allowed(i) != row[spec.stage().column()] {
+            let lost = self.tasks[i].lost();
+            if self.allowed(i) != (row[spec.stage().column()] && !lost) {
                 return Err(format!("task {i}'s gate is not the gate table's"));
             }
-            if spec.is_poststop() && self.desired(i).is_stop() {
+            if lost && (self.tasks[i].state != RunState::Dead || !self.tasks[i].failed) {
+                return Err(format!("lost task {i} is not dead and failed"));
+            }
+            let overdue_poststop = self
+                .overdue()
+                .and_then(|o| o.poststop.as_ref())
+                .is_some_and(|told| told.contains(&i));
+            if spec.is_poststop() && self.desired(i).is_stop() && !lost && !overdue_poststop {
                 return Err(format!("poststop task {i} was told to stop"));
             }
         }
@@ -259,7 +468,11 @@ impl Allocation {
             let tasks = || self.spec.tasks().iter();
             let explained = match reason.kind {
                 StopKind::LeaderTaskDead => tasks().any(|s| s.leader && s.is_poststop()),
-                StopKind::SiblingTaskFailed => false,
+                // A restart clears deadlines that passed; a loss is never
+                // the allocation's order.
+                StopKind::SiblingTaskFailed | StopKind::DeadlineExceeded | StopKind::AgentLost => {
+                    false
+                }
                 StopKind::MainTasksDead => tasks().all(|s| s.is_poststop() || s.is_sidecar()),
             };
             if !explained {
@@ -333,14 +546,48 @@ impl Allocation {
         next_index: impl FnOnce() -> u64,
     ) -> Option<Self> {
         let mut next = self.clone();
+        let restore = from.is_some();
+        if restore {
+            // A restore clears every loss: a task it names takes the
+            // given state, one it does not waits for a new agent.
+            for (i, t) in next.tasks.iter_mut().enumerate() {
+                if t.lost() {
+                    if reports.iter().any(|(r, _)| *r == i) {
+                        t.forget_loss();
+                    } else {
+                        t.revive(now);
+                    }
+                }
+            }
+        }
         for (i, r) in reports {
             next.tasks[*i].apply(r, now);
         }
-        if from.is_some() {
+        if restore {
             next.order = Desired::Run;
+            next.overdue = None;
         }
         next.state = evaluate(from.unwrap_or(next.state), &next.spec, &next.tasks);
-        next.settle(self, now, next_index)
+        next.settle(self, now, restore, next_index)
+    }
+
+    /// `report`, for a write that carries an idempotency key: the key is
+    /// kept on every reported task if the reports change anything (a
+    /// retry of a no-op is a no-op again).
+    pub fn report_keyed(
+        &self,
+        reports: &[(usize, TaskReport)],
+        key: Option<IdemKey>,
+        now: Timestamp,
+        next_index: impl FnOnce() -> u64,
+    ) -> Option<Self> {
+        let mut next = self.report(reports, now, next_index)?;
+        if let Some(key) = key {
+            for (i, _) in reports {
+                next.tasks[*i].remember(key);
+            }
+        }
+        Some(next)
     }
 
     /// An operator restart. Returns the next version (if anything changed)
@@ -375,6 +622,10 @@ impl Allocation {
         let mut next = self.clone();
         for &i in &chosen {
             let t = &mut next.tasks[i];
+            if t.lost() {
+                // Its agent is gone: it waits, pending, for a new one.
+                t.revive(now);
+            }
             t.restart_generation += 1;
             // Until it reports again, its state is from before the order.
             t.stale = true;
@@ -391,21 +642,32 @@ impl Allocation {
             // report that might never come.
             next.state = evaluate(CoordState::Init, &next.spec, &next.tasks);
             next.order = Desired::Run;
+            next.overdue = None;
         }
-        Ok((next.settle(self, now, next_index), chosen))
+        let reset = mode == RestartMode::AllTasks;
+        Ok((next.settle(self, now, reset, next_index), chosen))
     }
 
     /// Refreshes derived data, then stamps a new index on the allocation and
     /// on every task whose view changed (its status, its gate or its stop
-    /// order). Returns `None` when nothing changed at all.
+    /// order). Returns `None` when nothing changed at all. `reset`: the
+    /// coordinator was put back (an all-tasks restart, a restore), so the
+    /// state it settles in is entered afresh, deadline and all.
     fn settle(
         mut self,
         prev: &Self,
         now: Timestamp,
+        reset: bool,
         next_index: impl FnOnce() -> u64,
     ) -> Option<Self> {
         if !self.order.is_stop() {
             self.order = stop_order(&self.spec, &self.tasks);
+        }
+        if reset || self.state != prev.state {
+            self.deadline_at = self.deadline_from(now);
+        } else if self.state == CoordState::Poststop && !self.poststop_going() {
+            // Every poststop task ended: nothing is left to bound.
+            self.deadline_at = None;
         }
         let touched: Vec<usize> = (0..self.tasks.len())
             .filter(|&i| {
@@ -414,7 +676,11 @@ impl Allocation {
                     || self.desired(i) != prev.desired(i)
             })
             .collect();
-        if touched.is_empty() && self.state == prev.state {
+        if touched.is_empty()
+            && self.state == prev.state
+            && self.deadline_at == prev.deadline_at
+            && self.overdue == prev.overdue
+        {
             return None;
         }
         let index = next_index();
@@ -444,6 +710,7 @@ mod tests {
             lifecycle: None,
             leader: false,
             readiness: false,
+            liveness: None,
         });
         let spec = Arc::new(AllocSpec::new(tasks.to_vec(), &Limits::default()).unwrap());
         let mut a = Allocation::register(AllocId::parse("x").unwrap(), spec, 1, now);
@@ -464,5 +731,339 @@ mod tests {
             next.tasks[1].modify_index, 97,
             "the task the change touched"
         );
+    }
+
+    mod third_edition {
+        use std::time::Duration;
+
+        use time::macros::datetime;
+
+        use super::super::*;
+        use crate::lifecycle::{
+            Deadlines, Hook, LOST_EVENT, Lifecycle, Limits, Outcome, RunState, StopKind, TaskName,
+            TaskSpec,
+        };
+
+        const T0: Timestamp = datetime!(2026-11-25 10:00 UTC);
+        const TTL: Duration = Duration::from_secs(30);
+
+        fn at(secs: u64) -> Timestamp {
+            T0 + Duration::from_secs(secs)
+        }
+
+        fn task(name: &str, hook: Option<(Hook, bool)>, ttl: Option<Duration>) -> TaskSpec {
+            TaskSpec {
+                lifecycle: hook.map(|(hook, sidecar)| Lifecycle { hook, sidecar }),
+                liveness: ttl,
+                ..TaskSpec::named(TaskName::parse(name).unwrap())
+            }
+        }
+
+        fn alloc(tasks: Vec<TaskSpec>, deadlines: Deadlines) -> Allocation {
+            let spec = AllocSpec::with_deadlines(tasks, deadlines, &Limits::default()).unwrap();
+            Allocation::register(AllocId::parse("a").unwrap(), Arc::new(spec), 1, T0)
+        }
+
+        fn report(state: RunState, failed: bool) -> TaskReport {
+            TaskReport {
+                state,
+                failed,
+                ready: None,
+                event: None,
+            }
+        }
+
+        /// Applies reports at `now`, with the next index.
+        fn step(a: &Allocation, reports: &[(usize, RunState)], now: Timestamp) -> Allocation {
+            let reports: Vec<_> = reports
+                .iter()
+                .map(|&(i, s)| (i, report(s, false)))
+                .collect();
+            let index = a.modify_index + 1;
+            a.report(&reports, now, || index).expect("a change")
+        }
+
+        fn no_sign(_: usize) -> Option<Timestamp> {
+            None
+        }
+
+        /// web (TTL) and a prestart sidecar proxy, web running since T0.
+        fn running() -> Allocation {
+            let a = alloc(
+                vec![
+                    task("proxy", Some((Hook::Prestart, true)), None),
+                    task("web", None, Some(TTL)),
+                ],
+                Deadlines::default(),
+            );
+            let a = step(&a, &[(0, RunState::Running)], T0);
+            step(&a, &[(1, RunState::Running)], T0)
+        }
+
+        #[test]
+        fn a_running_task_without_a_sign_of_life_for_its_ttl_is_lost_as_one_change() {
+            let a = running();
+            assert_eq!(a.wake_at(&no_sign, None), Some(at(30)));
+            assert!(a.tick(at(29), &no_sign, None, || 99).is_none(), "not yet");
+            let lost = a.tick(at(30), &no_sign, None, || 99).expect("lost");
+            let web = &lost.tasks[1];
+            assert_eq!(
+                (web.state, web.failed, web.lost_at()),
+                (RunState::Dead, true, Some(at(30)))
+            );
+            assert_eq!(web.finished_at, Some(at(30)));
+            let event = web.events.last().unwrap();
+            assert_eq!(event.kind, LOST_EVENT);
+            assert_eq!(event.message, "no sign of life for 30s");
+            assert_eq!(event.details.get("ttl"), Some("30s"));
+            assert_eq!(event.details.get("last_seen"), Some("2026-11-25T10:00:00Z"));
+            // From there the rules apply unchanged: a failed task.
+            assert_eq!(lost.modify_index, 99);
+            assert_eq!(web.modify_index, 99);
+            let sibling = lost.desired(0).reason().unwrap();
+            assert_eq!(sibling.kind, StopKind::SiblingTaskFailed);
+            assert_eq!(sibling.task.as_ref().unwrap().as_str(), "web");
+            // Its own order says why, and it may not start.
+            assert_eq!(lost.desired(1).reason().unwrap().kind, StopKind::AgentLost);
+            assert!(!lost.allowed(1));
+            lost.check_invariants().unwrap();
+            // Once the sidecar is dead, poststop: failed, naming web.
+            let done = step(&lost, &[(0, RunState::Dead)], at(31));
+            assert_eq!(done.state, CoordState::Poststop);
+            let (outcome, failed) = done.outcome().unwrap();
+            assert_eq!(outcome, Outcome::Failed);
+            assert_eq!(failed, [TaskName::parse("web").unwrap()]);
+            // Nothing is due any more.
+            assert_eq!(done.wake_at(&no_sign, None), None);
+        }
+
+        #[test]
+        fn a_sign_of_life_moves_the_end_and_only_running_tasks_are_watched() {
+            let a = running();
+            let seen = |i: usize| (i == 1).then_some(at(20));
+            assert_eq!(a.wake_at(&seen, None), Some(at(50)));
+            assert!(a.tick(at(49), &seen, None, || 9).is_none());
+            assert!(a.tick(at(50), &seen, None, || 9).is_some());
+            // A sign of life from before the task started counts from its
+            // start: the clock starts when it becomes running.
+            let early = |_: usize| Some(T0 - Duration::from_secs(100));
+            assert_eq!(a.wake_at(&early, None), Some(at(30)));
+            // Pending and dead tasks are never lost.
+            let fresh = alloc(vec![task("web", None, Some(TTL))], Deadlines::default());
+            assert_eq!(fresh.wake_at(&no_sign, None), None);
+            assert!(fresh.tick(at(3600), &no_sign, None, || 9).is_none());
+            let dead = step(
+                &step(&fresh, &[(0, RunState::Running)], T0),
+                &[(0, RunState::Dead)],
+                T0,
+            );
+            assert!(dead.tick(at(3600), &no_sign, None, || 9).is_none());
+        }
+
+        #[test]
+        fn the_server_default_ttl_applies_to_tasks_without_their_own() {
+            let a = running();
+            // proxy has no TTL of its own: the default watches it; web
+            // keeps its own.
+            let default = Some(Duration::from_secs(10));
+            assert_eq!(a.wake_at(&no_sign, default), Some(at(10)));
+            let lost = a.tick(at(10), &no_sign, default, || 9).unwrap();
+            assert!(lost.tasks[0].lost() && !lost.tasks[1].lost());
+        }
+
+        #[test]
+        fn a_lost_task_takes_no_report_until_a_restart_or_a_restore_revives_it() {
+            let lost = running().tick(at(30), &no_sign, None, || 9).unwrap();
+            assert_eq!(lost.lost_among([0, 1]), Some((1, at(30))));
+            assert_eq!(lost.lost_among([0]), None);
+            let mut t = lost.tasks[1].clone();
+            t.apply(&report(RunState::Running, false), at(40));
+            assert_eq!(t, lost.tasks[1], "a lost task's status takes no report");
+
+            // An all-tasks restart: pending again, waiting for a new agent.
+            let (restarted, chosen) = lost
+                .restart(RestartMode::AllTasks, "", at(40), || 10)
+                .unwrap();
+            let restarted = restarted.unwrap();
+            assert_eq!(chosen, [0, 1]);
+            let web = &restarted.tasks[1];
+            assert!(!web.lost());
+            assert_eq!(
+                (web.state, web.failed, web.restarts),
+                (RunState::Pending, false, 1)
+            );
+            assert!(restarted.extra_is_trimmed(1));
+            assert_eq!(restarted.order(), &Desired::Run);
+            restarted.check_invariants().unwrap();
+
+            // A restore: a task it names takes the state given; one it does
+            // not name waits for a new agent.
+            let restored = lost
+                .restore(&[(1, report(RunState::Running, false))], at(40), || 10)
+                .unwrap();
+            assert!(!restored.tasks[1].lost());
+            assert_eq!(restored.tasks[1].state, RunState::Running);
+            let two_lost = running().tick(at(30), &no_sign, Some(TTL), || 9).unwrap();
+            assert!(two_lost.tasks[0].lost() && two_lost.tasks[1].lost());
+            let restored = two_lost
+                .restore(&[(1, report(RunState::Running, false))], at(40), || 10)
+                .unwrap();
+            assert_eq!(restored.tasks[0].state, RunState::Pending);
+            assert!(!restored.tasks[0].lost());
+            restored.check_invariants().unwrap();
+        }
+
+        fn deadlines(pairs: &[(CoordState, u64)]) -> Deadlines {
+            let mut d = Deadlines::default();
+            for &(s, secs) in pairs {
+                d.set(s, Some(Duration::from_secs(secs)));
+            }
+            d
+        }
+
+        #[test]
+        fn a_stage_deadline_runs_from_entering_its_state_and_fails_the_allocation() {
+            let a = alloc(
+                vec![
+                    task("init", Some((Hook::Prestart, false)), None),
+                    task("proxy", Some((Hook::Prestart, true)), None),
+                    task("web", None, None),
+                ],
+                deadlines(&[(CoordState::Prestart, 60), (CoordState::Main, 120)]),
+            );
+            assert_eq!(a.state, CoordState::Prestart);
+            assert_eq!(a.deadline_at, Some(at(60)));
+            // Entering main starts main's deadline from then.
+            let a = step(&a, &[(0, RunState::Dead), (1, RunState::Running)], at(10));
+            assert_eq!(a.state, CoordState::Main);
+            assert_eq!(a.deadline_at, Some(at(130)));
+            assert_eq!(a.wake_at(&no_sign, None), Some(at(130)));
+            // A change within the state keeps it.
+            let with_event = TaskReport {
+                event: Some(crate::lifecycle::EventInput {
+                    kind: "Note".into(),
+                    time: None,
+                    message: String::new(),
+                    details: Default::default(),
+                }),
+                ..report(RunState::Running, false)
+            };
+            let same = a.report(&[(1, with_event)], at(20), || 40).unwrap();
+            assert_eq!(same.deadline_at, Some(at(130)));
+            assert!(a.tick(at(129), &no_sign, None, || 50).is_none());
+            let over = a.tick(at(130), &no_sign, None, || 50).unwrap();
+            assert_eq!(over.deadline_at, None);
+            let reason = over.order().reason().unwrap();
+            assert_eq!(
+                (reason.kind, reason.stage),
+                (StopKind::DeadlineExceeded, Some(CoordState::Main))
+            );
+            assert_eq!(
+                over.overdue().unwrap().stage,
+                Some((CoordState::Main, vec![2]))
+            );
+            over.check_invariants().unwrap();
+            // Told to stop, the sidecar and web die; the outcome names
+            // what main waited on.
+            let done = step(&over, &[(1, RunState::Dead), (2, RunState::Dead)], at(131));
+            assert_eq!(done.state, CoordState::Poststop);
+            let (outcome, failed) = done.outcome().unwrap();
+            assert_eq!(outcome, Outcome::Failed);
+            assert_eq!(failed, [TaskName::parse("web").unwrap()]);
+            assert_eq!(done.order(), over.order(), "sticky");
+        }
+
+        #[test]
+        fn a_deadline_never_replaces_an_earlier_order() {
+            let a = alloc(
+                vec![
+                    task("init", Some((Hook::Prestart, false)), None),
+                    task("proxy", Some((Hook::Prestart, true)), None),
+                    task("web", None, None),
+                ],
+                deadlines(&[(CoordState::Prestart, 60)]),
+            );
+            let failed = a
+                .report(&[(0, report(RunState::Dead, true))], at(1), || 2)
+                .unwrap();
+            let reason = failed.order().clone();
+            assert_eq!(reason.reason().unwrap().kind, StopKind::SiblingTaskFailed);
+            // The sidecar never dies: prestart's deadline passes anyway.
+            let over = failed.tick(at(60), &no_sign, None, || 3).unwrap();
+            assert_eq!(over.order(), &reason);
+            assert_eq!(
+                over.overdue().unwrap().stage,
+                Some((CoordState::Prestart, vec![0, 1]))
+            );
+        }
+
+        #[test]
+        fn the_poststop_deadline_tells_unfinished_poststop_tasks_to_stop() {
+            let a = alloc(
+                vec![
+                    task("web", None, None),
+                    task("upload", Some((Hook::Poststop, false)), None),
+                    task("clean", Some((Hook::Poststop, false)), None),
+                ],
+                deadlines(&[(CoordState::Poststop, 60)]),
+            );
+            assert_eq!(a.deadline_at, None, "main has none");
+            let a = step(&a, &[(0, RunState::Dead)], at(10));
+            assert_eq!(a.state, CoordState::Poststop);
+            assert_eq!(a.deadline_at, Some(at(70)));
+            let a = step(&a, &[(1, RunState::Running), (2, RunState::Dead)], at(20));
+            let over = a.tick(at(70), &no_sign, None, || 40).unwrap();
+            assert_eq!(over.overdue().unwrap().poststop, Some(vec![1]));
+            let told = over.desired(1).reason().unwrap();
+            assert_eq!(
+                (told.kind, told.stage),
+                (StopKind::DeadlineExceeded, Some(CoordState::Poststop))
+            );
+            assert_eq!(over.desired(2), &Desired::Run, "clean had ended");
+            assert_eq!(over.tasks[1].modify_index, 40);
+            assert_eq!(over.tasks[2].modify_index, a.tasks[2].modify_index);
+            assert_eq!(
+                over.outcome().unwrap().0,
+                Outcome::Succeeded,
+                "nothing else changes"
+            );
+            over.check_invariants().unwrap();
+            // Once every poststop task ended, nothing is bounded any more.
+            let b = step(&a, &[(1, RunState::Dead)], at(30));
+            assert_eq!(b.deadline_at, None);
+        }
+
+        #[test]
+        fn an_all_tasks_restart_clears_passed_deadlines_and_starts_them_again() {
+            let a = alloc(
+                vec![task("web", None, None)],
+                deadlines(&[(CoordState::Main, 60)]),
+            );
+            let a = step(&a, &[(0, RunState::Running)], T0);
+            // web is running: main moved on, so no deadline runs.
+            assert_eq!(a.state, CoordState::WaitAlloc);
+            assert_eq!(a.deadline_at, None);
+            let b = alloc(
+                vec![task("web", None, None)],
+                deadlines(&[(CoordState::Main, 60)]),
+            );
+            let over = b.tick(at(60), &no_sign, None, || 5).unwrap();
+            let (restarted, _) = over
+                .restart(RestartMode::AllTasks, "again", at(100), || 6)
+                .unwrap();
+            let restarted = restarted.unwrap();
+            assert_eq!(restarted.order(), &Desired::Run);
+            assert!(restarted.overdue().is_none());
+            assert_eq!(restarted.state, CoordState::Main);
+            assert_eq!(restarted.deadline_at, Some(at(160)), "from the restart");
+            restarted.check_invariants().unwrap();
+        }
+
+        impl Allocation {
+            /// Whether task `i` holds no out-of-line part.
+            fn extra_is_trimmed(&self, i: usize) -> bool {
+                self.tasks[i].extra.is_none()
+            }
+        }
     }
 }

@@ -35,7 +35,7 @@ mod orders;
 mod spec;
 mod task;
 
-pub use alloc::{Allocation, RESTART_EVENT, RestartError, RestartMode, Step};
+pub use alloc::{Allocation, Overdue, RESTART_EVENT, RestartError, RestartMode, SeenAt, Step};
 pub use coordinator::{
     CoordState, WaitFor, evaluate, gates, next_state, wait_for, waiting, waiting_on,
 };
@@ -43,8 +43,13 @@ pub use ids::{AllocId, IdError, TaskName};
 pub use intern::{EventBody, Sym};
 pub use names::UnknownName;
 pub use orders::{Desired, DesiredKind, Outcome, StopKind, StopReason, desired_states};
-pub use spec::{AllocSpec, Hook, Lifecycle, SpecInterner, Stage, TaskSpec};
-pub use task::{Details, Event, EventInput, Events, RunState, TaskReport, TaskStatus};
+pub use spec::{
+    AllocSpec, DEADLINE_RANGE, Deadlines, Hook, Lifecycle, SpecInterner, Stage, TTL_RANGE, TaskSpec,
+};
+pub use task::{
+    Details, Event, EventInput, Events, IdemKey, KeySeen, LOST_EVENT, MAX_KEYS, RunState,
+    TaskExtra, TaskReport, TaskStatus,
+};
 
 /// Where in a request a rule was broken, and how. The `field` is a path into
 /// the request body (`tasks[1].name`, `tasks.web.event.message`).

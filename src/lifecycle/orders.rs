@@ -1,7 +1,7 @@
 //! Stop orders: what the allocation runner would kill, as a pure function
 //! of the reported task states.
 
-use super::{AllocSpec, RunState, TaskName, TaskStatus};
+use super::{AllocSpec, CoordState, RunState, TaskName, TaskStatus};
 
 named_enum! {
     /// Why a task is told to stop.
@@ -9,6 +9,12 @@ named_enum! {
         LeaderTaskDead = "Leader Task Dead",
         SiblingTaskFailed = "Sibling Task Failed",
         MainTasksDead = "Main Tasks Dead",
+        /// A stage's deadline passed (the allocation's order, or a
+        /// poststop task's own).
+        DeadlineExceeded = "Deadline Exceeded",
+        /// The task's own order once it was declared lost: its agent
+        /// gave no sign of life within its TTL.
+        AgentLost = "Agent Lost",
     }
 }
 
@@ -28,11 +34,33 @@ named_enum! {
     }
 }
 
-/// A stop order's reason; `task` names the failed sibling, if any.
+/// A stop order's reason; `task` names the failed sibling, if any;
+/// `stage` the state whose deadline passed ("Deadline Exceeded").
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StopReason {
     pub kind: StopKind,
     pub task: Option<TaskName>,
+    pub stage: Option<CoordState>,
+}
+
+impl StopReason {
+    /// A reason that names nothing.
+    pub const fn bare(kind: StopKind) -> Self {
+        Self {
+            kind,
+            task: None,
+            stage: None,
+        }
+    }
+
+    /// "Deadline Exceeded" in `stage`.
+    pub const fn deadline(stage: CoordState) -> Self {
+        Self {
+            kind: StopKind::DeadlineExceeded,
+            task: None,
+            stage: Some(stage),
+        }
+    }
 }
 
 /// What a task should be doing.
@@ -101,20 +129,14 @@ pub fn stop_order(spec: &AllocSpec, status: &[TaskStatus]) -> Desired {
             .all(|(_, t)| dead(t));
 
     if leader_done {
-        Desired::Stop(StopReason {
-            kind: StopKind::LeaderTaskDead,
-            task: None,
-        })
+        Desired::Stop(StopReason::bare(StopKind::LeaderTaskDead))
     } else if let Some(task) = failed {
         Desired::Stop(StopReason {
-            kind: StopKind::SiblingTaskFailed,
             task: Some(task),
+            ..StopReason::bare(StopKind::SiblingTaskFailed)
         })
     } else if main_tasks_dead {
-        Desired::Stop(StopReason {
-            kind: StopKind::MainTasksDead,
-            task: None,
-        })
+        Desired::Stop(StopReason::bare(StopKind::MainTasksDead))
     } else {
         Desired::Run
     }
@@ -151,10 +173,7 @@ mod tests {
             &s,
             &[st(Dead, false), st(Running, false), st(Pending, false)],
         );
-        let leader = Desired::Stop(StopReason {
-            kind: StopKind::LeaderTaskDead,
-            task: None,
-        });
+        let leader = Desired::Stop(StopReason::bare(StopKind::LeaderTaskDead));
         assert_eq!(d, [leader.clone(), leader, Desired::Run]);
     }
 
@@ -167,8 +186,8 @@ mod tests {
         assert_eq!(
             d[1],
             Desired::Stop(StopReason {
-                kind: StopKind::SiblingTaskFailed,
                 task: Some(TaskName::parse("web").unwrap()),
+                ..StopReason::bare(StopKind::SiblingTaskFailed)
             })
         );
     }
@@ -275,7 +294,13 @@ mod tests {
         let names: Vec<_> = StopKind::ALL.iter().map(|k| k.as_str()).collect();
         assert_eq!(
             names,
-            ["Leader Task Dead", "Sibling Task Failed", "Main Tasks Dead"]
+            [
+                "Leader Task Dead",
+                "Sibling Task Failed",
+                "Main Tasks Dead",
+                "Deadline Exceeded",
+                "Agent Lost"
+            ]
         );
     }
 }

@@ -41,6 +41,7 @@ fn arb_alloc() -> impl Strategy<Value = Allocation> {
                         lifecycle,
                         leader: leader == Some(i),
                         readiness: false,
+                        liveness: None,
                     };
                     t.readiness =
                         readiness && matches!(t.stage(), Stage::PrestartSidecar | Stage::Main);

@@ -21,6 +21,7 @@ pub(super) fn alloc(tasks: &[(&str, &str, bool)]) -> Allocation {
             }),
             leader: false,
             readiness: false,
+            liveness: None,
         })
         .collect();
     let spec = AllocSpec::new(specs, &Limits::default()).unwrap();

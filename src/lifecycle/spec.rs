@@ -1,9 +1,10 @@
 //! What an allocation is made of: tasks, their lifecycle hooks and the
 //! stage each one listens on.
 
-use std::{collections::HashSet, sync::Arc};
+use std::{collections::HashSet, sync::Arc, time::Duration};
 
-use super::{FieldError, Limits, TaskName};
+use super::{CoordState, FieldError, Limits, TaskName};
+use crate::units::format_duration;
 
 named_enum! {
     /// When a task runs relative to the main tasks.
@@ -62,6 +63,11 @@ pub struct TaskSpec {
     /// only): the next stage waits for it.
     #[serde(default, skip_serializing_if = "super::is_false")]
     pub readiness: bool,
+    /// While it runs, its agent gives a sign of life at least once per
+    /// this long, or the task is declared lost. `None`: the server's
+    /// default (`--default-liveness-ttl`), if any.
+    #[serde(skip)]
+    pub liveness: Option<Duration>,
 }
 
 impl TaskSpec {
@@ -85,21 +91,121 @@ impl TaskSpec {
     pub fn is_sidecar(&self) -> bool {
         matches!(self.lifecycle, Some(Lifecycle { sidecar: true, .. }))
     }
+
+    /// The task with only a name: a main task, no leader, no readiness,
+    /// no TTL of its own.
+    pub fn named(name: TaskName) -> Self {
+        Self {
+            name,
+            lifecycle: None,
+            leader: false,
+            readiness: false,
+            liveness: None,
+        }
+    }
+}
+
+/// Shortest and longest liveness TTL a task may declare.
+pub const TTL_RANGE: (Duration, Duration) =
+    (Duration::from_secs(1), Duration::from_secs(24 * 3600));
+
+/// Shortest and longest stage deadline.
+pub const DEADLINE_RANGE: (Duration, Duration) =
+    (Duration::from_secs(1), Duration::from_secs(7 * 24 * 3600));
+
+/// How long the coordinator may stay in a state (`prestart`, `main`,
+/// `poststart`), and how long poststop tasks may run once their gate
+/// opened (`poststop`). Each optional.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Deadlines {
+    pub prestart: Option<Duration>,
+    pub main: Option<Duration>,
+    pub poststart: Option<Duration>,
+    pub poststop: Option<Duration>,
+}
+
+impl Deadlines {
+    /// The states that take a deadline, with their wire names, in order.
+    pub const STATES: [CoordState; 4] = [
+        CoordState::Prestart,
+        CoordState::Main,
+        CoordState::Poststart,
+        CoordState::Poststop,
+    ];
+
+    /// The deadline of `state`, if it has one.
+    pub fn of(&self, state: CoordState) -> Option<Duration> {
+        match state {
+            CoordState::Prestart => self.prestart,
+            CoordState::Main => self.main,
+            CoordState::Poststart => self.poststart,
+            CoordState::Poststop => self.poststop,
+            CoordState::Init | CoordState::WaitAlloc => None,
+        }
+    }
+
+    /// Sets the deadline of `state` (one of `STATES`).
+    pub fn set(&mut self, state: CoordState, d: Option<Duration>) {
+        match state {
+            CoordState::Prestart => self.prestart = d,
+            CoordState::Main => self.main = d,
+            CoordState::Poststart => self.poststart = d,
+            CoordState::Poststop => self.poststop = d,
+            CoordState::Init | CoordState::WaitAlloc => {
+                debug_assert!(false, "{state} takes no deadline")
+            }
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        Self::STATES.iter().all(|&s| self.of(s).is_none())
+    }
 }
 
 /// A validated task list: 1 to `max_tasks` tasks, unique names, at most one
 /// leader, no sidecar poststop task. Two specs are equal when they would
 /// behave the same (an omitted `sidecar` equals `false`).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(transparent)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct AllocSpec {
     tasks: Vec<TaskSpec>,
+    deadlines: Deadlines,
+}
+
+/// `field` must lie in `range` (a TTL, a deadline).
+fn check_range(
+    errors: &mut Vec<FieldError>,
+    field: String,
+    d: Option<Duration>,
+    (min, max): (Duration, Duration),
+) {
+    if let Some(d) = d
+        && (d < min || d > max)
+    {
+        errors.push(FieldError::new(
+            field,
+            format!(
+                "must be {} to {}, got {}",
+                format_duration(min),
+                format_duration(max),
+                format_duration(d)
+            ),
+        ));
+    }
 }
 
 impl AllocSpec {
     /// Checks the cross-task rules. Every broken rule is reported, each
     /// with the path `tasks[i]...` of the offending field.
     pub fn new(tasks: Vec<TaskSpec>, limits: &Limits) -> Result<Self, Vec<FieldError>> {
+        Self::with_deadlines(tasks, Deadlines::default(), limits)
+    }
+
+    /// `new`, with stage deadlines.
+    pub fn with_deadlines(
+        tasks: Vec<TaskSpec>,
+        deadlines: Deadlines,
+        limits: &Limits,
+    ) -> Result<Self, Vec<FieldError>> {
         let mut errors = Vec::new();
         if tasks.is_empty() {
             errors.push(FieldError::new("tasks", "at least one task is required"));
@@ -152,9 +258,23 @@ impl AllocSpec {
                     "a poststop task cannot be a sidecar",
                 ));
             }
+            check_range(
+                &mut errors,
+                format!("tasks[{i}].liveness.ttl"),
+                task.liveness,
+                TTL_RANGE,
+            );
+        }
+        for state in Deadlines::STATES {
+            check_range(
+                &mut errors,
+                format!("deadlines.{state}"),
+                deadlines.of(state),
+                DEADLINE_RANGE,
+            );
         }
         if errors.is_empty() {
-            Ok(Self { tasks })
+            Ok(Self { tasks, deadlines })
         } else {
             Err(errors)
         }
@@ -162,6 +282,23 @@ impl AllocSpec {
 
     pub fn tasks(&self) -> &[TaskSpec] {
         &self.tasks
+    }
+
+    pub fn deadlines(&self) -> &Deadlines {
+        &self.deadlines
+    }
+
+    /// The TTL task `i` runs under: its own, else `default`.
+    pub fn ttl(&self, i: usize, default: Option<Duration>) -> Option<Duration> {
+        self.tasks[i].liveness.or(default)
+    }
+
+    /// Whether anything of this allocation happens by time alone: a
+    /// deadline, or a task under a TTL (with `default`, every task).
+    pub fn timed(&self, default: Option<Duration>) -> bool {
+        default.is_some()
+            || !self.deadlines.is_empty()
+            || self.tasks.iter().any(|t| t.liveness.is_some())
     }
 
     /// Position of a task by name.
@@ -212,10 +349,8 @@ pub(crate) mod tests {
     /// `("side", Some((Hook::Prestart, true)))`.
     pub(crate) fn task(name: &str, lc: Option<(Hook, bool)>) -> TaskSpec {
         TaskSpec {
-            name: TaskName::parse(name).unwrap(),
             lifecycle: lc.map(|(hook, sidecar)| Lifecycle { hook, sidecar }),
-            leader: false,
-            readiness: false,
+            ..TaskSpec::named(TaskName::parse(name).unwrap())
         }
     }
 
@@ -241,6 +376,69 @@ pub(crate) mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn ttls_and_deadlines_must_lie_in_their_ranges() {
+        let limits = Limits::default();
+        let mut t = task("web", None);
+        for (ttl, ok) in [
+            (Duration::from_millis(999), false),
+            (Duration::from_secs(1), true),
+            (Duration::from_secs(24 * 3600), true),
+            (Duration::from_secs(24 * 3600 + 1), false),
+        ] {
+            t.liveness = Some(ttl);
+            match AllocSpec::new(vec![t.clone()], &limits) {
+                Ok(_) => assert!(ok, "{ttl:?} was taken"),
+                Err(e) => {
+                    assert!(!ok, "{ttl:?} was refused: {e:?}");
+                    assert_eq!(e[0].field, "tasks[0].liveness.ttl");
+                    assert!(e[0].message.starts_with("must be 1s to 24h, got "), "{e:?}");
+                }
+            }
+        }
+        let mut d = Deadlines::default();
+        d.set(
+            CoordState::Poststop,
+            Some(Duration::from_secs(7 * 24 * 3600 + 1)),
+        );
+        d.set(CoordState::Main, Some(Duration::from_millis(10)));
+        let e = AllocSpec::with_deadlines(vec![task("web", None)], d, &limits).unwrap_err();
+        let fields: Vec<_> = e.iter().map(|e| e.field.as_str()).collect();
+        assert_eq!(fields, ["deadlines.main", "deadlines.poststop"]);
+        d.set(
+            CoordState::Poststop,
+            Some(Duration::from_secs(7 * 24 * 3600)),
+        );
+        d.set(CoordState::Main, Some(Duration::from_secs(1)));
+        let spec = AllocSpec::with_deadlines(vec![task("web", None)], d, &limits).unwrap();
+        assert_eq!(
+            spec.deadlines().of(CoordState::Main),
+            Some(Duration::from_secs(1))
+        );
+        assert_eq!(spec.deadlines().of(CoordState::WaitAlloc), None);
+        assert!(spec.timed(None));
+    }
+
+    #[test]
+    fn a_spec_is_timed_by_a_deadline_a_ttl_or_a_default_ttl() {
+        let limits = Limits::default();
+        let plain = AllocSpec::new(vec![task("web", None)], &limits).unwrap();
+        assert!(!plain.timed(None));
+        assert!(plain.timed(Some(Duration::from_secs(5))));
+        assert_eq!(
+            plain.ttl(0, Some(Duration::from_secs(5))),
+            Some(Duration::from_secs(5))
+        );
+        let mut t = task("web", None);
+        t.liveness = Some(Duration::from_secs(30));
+        let own = AllocSpec::new(vec![t], &limits).unwrap();
+        assert!(own.timed(None));
+        assert_eq!(
+            own.ttl(0, Some(Duration::from_secs(5))),
+            Some(Duration::from_secs(30))
+        );
     }
 
     #[test]

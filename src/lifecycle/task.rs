@@ -465,6 +465,48 @@ pub struct TaskStatus {
     pub stale: bool,
     /// Global index of the last change that touched this task.
     pub modify_index: u64,
+    /// What few tasks carry (a loss, idempotency keys), out of line: the
+    /// others pay one pointer for it, and a new version of the record
+    /// copies one pointer.
+    #[serde(skip)]
+    pub extra: Option<Arc<TaskExtra>>,
+}
+
+/// The event a lost task gets.
+pub const LOST_EVENT: &str = "Agent Lost";
+
+/// Idempotency keys a task keeps: a retry comes right after its first
+/// try, so the last few writes are all it can be a retry of.
+pub const MAX_KEYS: usize = 4;
+
+/// The rarer part of a task's record.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TaskExtra {
+    /// When the task was declared lost: its agent gave no sign of life
+    /// within its TTL while it ran.
+    pub lost_at: Option<Timestamp>,
+    /// The keyed writes that changed this task most recently, oldest
+    /// first, at most `MAX_KEYS`.
+    pub keys: Vec<IdemKey>,
+}
+
+/// A write's `Idempotency-Key` and the request it came with, each as a
+/// stable 64-bit hash (the same on every replica and across restarts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct IdemKey {
+    pub key: u64,
+    pub request: u64,
+}
+
+/// What a task's kept keys say of a write carrying `IdemKey`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeySeen {
+    /// Not seen: apply the write.
+    New,
+    /// Seen with the same request: a retry, already applied.
+    Retry,
+    /// Seen with another request: the client reused a key.
+    Reused,
 }
 
 impl TaskStatus {
@@ -483,6 +525,94 @@ impl TaskStatus {
             ready_at: None,
             stale: false,
             modify_index: index,
+            extra: None,
+        }
+    }
+
+    /// When the task was declared lost, if it was (and not revived since).
+    pub fn lost_at(&self) -> Option<Timestamp> {
+        self.extra.as_ref().and_then(|e| e.lost_at)
+    }
+
+    pub fn lost(&self) -> bool {
+        self.lost_at().is_some()
+    }
+
+    /// The idempotency keys kept, oldest first.
+    pub fn keys(&self) -> &[IdemKey] {
+        self.extra.as_deref().map_or(&[], |e| &e.keys)
+    }
+
+    /// What this task's keys say of `key`.
+    pub fn seen(&self, key: IdemKey) -> KeySeen {
+        match self.keys().iter().find(|k| k.key == key.key) {
+            None => KeySeen::New,
+            Some(k) if k.request == key.request => KeySeen::Retry,
+            Some(_) => KeySeen::Reused,
+        }
+    }
+
+    fn extra_mut(&mut self) -> &mut TaskExtra {
+        Arc::make_mut(self.extra.get_or_insert_with(Default::default))
+    }
+
+    /// Drops the out-of-line part once it holds nothing.
+    fn trim_extra(&mut self) {
+        if self.extra.as_deref() == Some(&TaskExtra::default()) {
+            self.extra = None;
+        }
+    }
+
+    /// Keeps `key` as the newest, dropping the oldest beyond `MAX_KEYS`.
+    pub fn remember(&mut self, key: IdemKey) {
+        let keys = &mut self.extra_mut().keys;
+        keys.retain(|k| k.key != key.key);
+        if keys.len() == MAX_KEYS {
+            keys.remove(0);
+        }
+        keys.push(key);
+    }
+
+    /// The task's agent gave no sign of life within `ttl` (the last one
+    /// at `last_seen`): it is dead, failed and lost, as one change.
+    pub fn lose(&mut self, now: Timestamp, ttl: std::time::Duration, last_seen: Timestamp) {
+        let shown = crate::units::format_duration(ttl);
+        self.state = RunState::Dead;
+        self.failed = true;
+        self.ready = false;
+        self.stale = false;
+        if self.finished_at.is_none() {
+            self.finished_at = Some(now);
+        }
+        self.extra_mut().lost_at = Some(now);
+        let last_seen = last_seen
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_default();
+        self.push_event(Event::new(
+            LOST_EVENT,
+            now,
+            &format!("no sign of life for {shown}"),
+            Details::from_pairs([("last_seen", last_seen.as_str()), ("ttl", shown.as_str())]),
+        ));
+    }
+
+    /// A lost task made `pending` again (an all-tasks restart, a restore
+    /// that does not name it): it waits for a new agent. Counts as a
+    /// restart, as any return to `pending` does.
+    pub fn revive(&mut self, now: Timestamp) {
+        self.extra_mut().lost_at = None;
+        self.trim_extra();
+        self.state = RunState::Pending;
+        self.failed = false;
+        self.restarts += 1;
+        self.last_restart = Some(now);
+    }
+
+    /// Clears `lost` only (a restore that gives the task a state).
+    pub(super) fn forget_loss(&mut self) {
+        if self.lost() {
+            self.extra_mut().lost_at = None;
+            self.trim_extra();
         }
     }
 
@@ -500,8 +630,13 @@ impl TaskStatus {
     /// Applies a report with the rules of docs/lifecycle.md. A report with
     /// the same state, the same flag, the same readiness and no event
     /// leaves the status untouched (unless it is the task's first report
-    /// after a restart order, which makes its state count again).
+    /// after a restart order, which makes its state count again). A lost
+    /// task takes no report (the registry refuses it first); a restore
+    /// clears the loss before it applies.
     pub fn apply(&mut self, report: &TaskReport, now: Timestamp) {
+        if self.lost() {
+            return;
+        }
         let from = self.state;
         let to = report.state;
         if from != to {

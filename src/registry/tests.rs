@@ -19,6 +19,7 @@ fn spec(tasks: &[(&str, Option<Hook>)]) -> AllocSpec {
             }),
             leader: false,
             readiness: false,
+            liveness: None,
         })
         .collect();
     AllocSpec::new(tasks, &Limits::default()).unwrap()

@@ -231,6 +231,7 @@ mod tests {
             lifecycle: hook.map(|(hook, sidecar)| Lifecycle { hook, sidecar }),
             leader,
             readiness: false,
+            liveness: None,
         };
         let tasks = vec![
             task("init", Some((Hook::Prestart, false)), false),

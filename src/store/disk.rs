@@ -1265,6 +1265,7 @@ mod tests {
             lifecycle: None,
             leader: false,
             readiness: false,
+            liveness: None,
         };
         AllocSpec::new(vec![task], &Limits::default()).unwrap()
     }

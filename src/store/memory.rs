@@ -109,6 +109,7 @@ mod tests {
             lifecycle: None,
             leader: false,
             readiness: false,
+            liveness: None,
         };
         let spec = AllocSpec::new(vec![task], &Limits::default()).unwrap();
         Arc::new(Allocation::register(

@@ -38,6 +38,7 @@ fn spec() -> Arc<AllocSpec> {
         lifecycle: None,
         leader: false,
         readiness: false,
+        liveness: None,
     };
     Arc::new(AllocSpec::new(vec![task], &Limits::default()).unwrap())
 }

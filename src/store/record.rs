@@ -2,8 +2,8 @@
 //! files outlive changes to the in-memory types. The snapshot
 //! (`snapshot.rs`) and the log (`wal.rs`) carry these bytes as they are.
 //!
-//! This build writes version 3, a compact binary encoding, and reads
-//! versions 1 to 3. Version 1 is JSON (`{"v":1,...}`): readable, but a
+//! This build writes version 4, a compact binary encoding, and reads
+//! versions 1 to 4. Version 1 is JSON (`{"v":1,...}`): readable, but a
 //! settled five-task record takes ~720 bytes, over half of them task specs
 //! and timestamps spelled out, and every change writes its whole record to
 //! the log and, at the next checkpoint, rewrites the snapshot: what a
@@ -35,6 +35,28 @@
 //! time   = unix seconds: zigzag | nanoseconds | UTC offset seconds: zigzag
 //! ```
 //!
+//! Version 4 (the third edition: liveness, deadlines, idempotency keys)
+//! is version 3 with a fourth stop reason and two extension blocks, one
+//! after `order` and one at the end of each task:
+//!
+//! ```text
+//! order  = ... | 4 (Deadline Exceeded) | stage: u8 (a coordinator state)
+//! ext    = count: varint | (tag: u8 | len: varint | payload: len bytes)*
+//!          tags strictly increasing; each payload is read whole
+//! allocation tags: 1 deadlines     = set: u8 (0x1 prestart, 0x2 main,
+//!                                    0x4 poststart, 0x8 poststop)
+//!                                    | milliseconds: varint per set bit
+//!                  2 deadline_at   = time
+//!                  3 stage overdue = state: u8 | count | position*
+//!                  4 poststop told = count | position*
+//! task tags:       1 liveness ttl  = milliseconds: varint
+//!                  2 lost_at       = time
+//!                  3 keys          = count | (key: u64 LE | request: u64 LE)*
+//! ```
+//!
+//! A record that uses none of them (most) is version 3's bytes plus one
+//! zero per block. An unknown tag is damage, as an unknown flag is.
+//!
 //! Version 2 is version 3 without `order`, without the `readiness` kind
 //! bit and without the flags from 0x10 on.
 //!
@@ -43,17 +65,20 @@
 //! Details keys are strictly increasing. Anything else — an unknown code
 //! or flag, a length past the end, bytes left over — is damage.
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
 use serde::Deserialize;
 
 use crate::lifecycle::{
-    AllocId, AllocSpec, Allocation, CoordState, Desired, Details, Event, Hook, Lifecycle, Limits,
-    RunState, StopKind, StopReason, TaskName, TaskSpec, TaskStatus, Timestamp,
+    AllocId, AllocSpec, Allocation, CoordState, Deadlines, Desired, Details, Event, Hook, IdemKey,
+    Lifecycle, Limits, Overdue, RunState, StopKind, StopReason, TaskExtra, TaskName, TaskSpec,
+    TaskStatus, Timestamp,
 };
 
 /// The record format this build writes.
-pub const RECORD_VERSION: u8 = 3;
+pub const RECORD_VERSION: u8 = 4;
+/// The binary format of the second edition, still read.
+const BINARY_V3: u8 = 3;
 /// The binary format of earlier builds, still read.
 const BINARY_V2: u8 = 2;
 /// The JSON format of earlier builds, still read.
@@ -71,12 +96,21 @@ const RUN: [RunState; 3] = [RunState::Pending, RunState::Running, RunState::Dead
 /// Codes 1, 2, 3 (0 is a main task, with no lifecycle).
 const HOOK: [Hook; 3] = [Hook::Prestart, Hook::Poststart, Hook::Poststop];
 
-/// Codes 1, 2, 3 of a stop order (0 is run).
+/// Codes 1, 2, 3 of a stop order (0 is run); 4 is a deadline (version 4).
 const STOP: [StopKind; 3] = [
     StopKind::LeaderTaskDead,
     StopKind::SiblingTaskFailed,
     StopKind::MainTasksDead,
 ];
+const STOP_DEADLINE: u8 = 4;
+
+const EXT_DEADLINES: u8 = 1;
+const EXT_DEADLINE_AT: u8 = 2;
+const EXT_STAGE_OVERDUE: u8 = 3;
+const EXT_POSTSTOP_TOLD: u8 = 4;
+const EXT_TTL: u8 = 1;
+const EXT_LOST_AT: u8 = 2;
+const EXT_KEYS: u8 = 3;
 
 const SIDECAR: u8 = 0x10;
 const LEADER: u8 = 0x20;
@@ -119,6 +153,98 @@ fn put_time(buf: &mut Vec<u8>, t: Timestamp) {
     put_zigzag(buf, i64::from(t.offset().whole_seconds()));
 }
 
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// One entry of an extension block: its tag and what writes its payload.
+type ExtEntry<'a> = (u8, &'a dyn Fn(&mut Vec<u8>));
+
+/// Writes an extension block: `(tag, payload)` pairs, tags increasing.
+/// The payloads are written to a scratch buffer first, for their length.
+fn put_ext(buf: &mut Vec<u8>, entries: &[ExtEntry<'_>]) {
+    put_varint(buf, entries.len() as u64);
+    let mut payload = Vec::new();
+    for (tag, write) in entries {
+        payload.clear();
+        write(&mut payload);
+        buf.push(*tag);
+        put_varint(buf, payload.len() as u64);
+        buf.extend_from_slice(&payload);
+    }
+}
+
+fn put_positions(buf: &mut Vec<u8>, positions: &[usize]) {
+    put_varint(buf, positions.len() as u64);
+    for &i in positions {
+        put_varint(buf, i as u64);
+    }
+}
+
+/// The allocation's extension block.
+fn put_alloc_ext(buf: &mut Vec<u8>, a: &Allocation) {
+    let deadlines = *a.spec.deadlines();
+    let overdue = a.overdue();
+    let mut entries: Vec<ExtEntry<'_>> = Vec::new();
+    let write_deadlines = |b: &mut Vec<u8>| {
+        let set: Vec<(usize, Duration)> = Deadlines::STATES
+            .iter()
+            .enumerate()
+            .filter_map(|(bit, &s)| deadlines.of(s).map(|d| (bit, d)))
+            .collect();
+        b.push(set.iter().fold(0, |m, (bit, _)| m | 1 << bit));
+        for (_, d) in set {
+            put_varint(b, millis(d));
+        }
+    };
+    if !deadlines.is_empty() {
+        entries.push((EXT_DEADLINES, &write_deadlines));
+    }
+    let write_at = |b: &mut Vec<u8>| put_time(b, a.deadline_at.expect("checked"));
+    if a.deadline_at.is_some() {
+        entries.push((EXT_DEADLINE_AT, &write_at));
+    }
+    let stage = overdue.and_then(|o| o.stage.as_ref());
+    let write_stage = |b: &mut Vec<u8>| {
+        let (state, tasks) = stage.expect("checked");
+        b.push(code(&COORD, *state));
+        put_positions(b, tasks);
+    };
+    if stage.is_some() {
+        entries.push((EXT_STAGE_OVERDUE, &write_stage));
+    }
+    let told = overdue.and_then(|o| o.poststop.as_ref());
+    let write_told = |b: &mut Vec<u8>| put_positions(b, told.expect("checked"));
+    if told.is_some() {
+        entries.push((EXT_POSTSTOP_TOLD, &write_told));
+    }
+    put_ext(buf, &entries);
+}
+
+/// A task's extension block.
+fn put_task_ext(buf: &mut Vec<u8>, spec: &TaskSpec, status: &TaskStatus) {
+    let mut entries: Vec<ExtEntry<'_>> = Vec::new();
+    let write_ttl = |b: &mut Vec<u8>| put_varint(b, millis(spec.liveness.expect("checked")));
+    if spec.liveness.is_some() {
+        entries.push((EXT_TTL, &write_ttl));
+    }
+    let write_lost = |b: &mut Vec<u8>| put_time(b, status.lost_at().expect("checked"));
+    if status.lost() {
+        entries.push((EXT_LOST_AT, &write_lost));
+    }
+    let write_keys = |b: &mut Vec<u8>| {
+        put_varint(b, status.keys().len() as u64);
+        for k in status.keys() {
+            b.extend_from_slice(&k.key.to_le_bytes());
+            b.extend_from_slice(&k.request.to_le_bytes());
+        }
+    };
+    if !status.keys().is_empty() {
+        entries.push((EXT_KEYS, &write_keys));
+    }
+    put_ext(buf, &entries);
+}
+
 /// Appends the record of `a` to `buf`.
 pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
     buf.push(RECORD_VERSION);
@@ -131,12 +257,21 @@ pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
     let specs = a.spec.tasks();
     match a.order() {
         Desired::Run => buf.push(0),
+        Desired::Stop(StopReason {
+            kind: StopKind::DeadlineExceeded,
+            stage,
+            ..
+        }) => {
+            buf.push(STOP_DEADLINE);
+            buf.push(code(&COORD, stage.unwrap_or(CoordState::Init)));
+        }
         Desired::Stop(reason) => {
             buf.push(1 + code(&STOP, reason.kind));
             let named = reason.task.as_ref().and_then(|t| a.position(t.as_str()));
             put_varint(buf, named.map_or(0, |i| i as u64 + 1));
         }
     }
+    put_alloc_ext(buf, a);
     put_varint(buf, specs.len() as u64);
     for (spec, status) in specs.iter().zip(&a.tasks) {
         put_str(buf, spec.name.as_str());
@@ -189,6 +324,7 @@ pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
                 put_str(buf, value);
             }
         }
+        put_task_ext(buf, spec, status);
     }
 }
 
@@ -202,7 +338,7 @@ pub fn encode(a: &Allocation) -> Vec<u8> {
 /// either version.
 pub fn decode(bytes: &[u8]) -> Result<Allocation, String> {
     match bytes.first() {
-        Some(&v @ (BINARY_V2 | RECORD_VERSION)) => decode_binary(v, &bytes[1..]),
+        Some(&v @ (BINARY_V2 | BINARY_V3 | RECORD_VERSION)) => decode_binary(v, &bytes[1..]),
         Some(b'{') => decode_json(bytes),
         Some(&v) if v > RECORD_VERSION && v < b' ' => Err(format!(
             "record format version {v}, but this taskgate reads versions {JSON_VERSION} \
@@ -218,6 +354,7 @@ pub fn decode(bytes: &[u8]) -> Result<Allocation, String> {
 fn assemble(
     id: AllocId,
     tasks: Vec<TaskSpec>,
+    deadlines: Deadlines,
     state: CoordState,
     status: Vec<TaskStatus>,
     order: Option<Desired>,
@@ -239,8 +376,8 @@ fn assemble(
         max_tasks: usize::MAX,
         ..Limits::default()
     };
-    let spec = AllocSpec::new(tasks, &limits)
-        .map_err(|e| format!("invalid task spec: {}", e[0].message))?;
+    let spec = AllocSpec::with_deadlines(tasks, deadlines, &limits)
+        .map_err(|e| format!("invalid task spec: {}: {}", e[0].field, e[0].message))?;
     Ok(Allocation::from_parts(
         id,
         Arc::new(spec),
@@ -326,6 +463,60 @@ impl<'a> Reader<'a> {
             .ok_or_else(|| format!("bad {what}: out of range"))
     }
 
+    /// An extension block: its entries' tags and payloads.
+    fn ext(&mut self, what: &str) -> Result<Vec<(u8, Reader<'a>)>, String> {
+        // An entry takes at least 2 bytes (a tag and an empty length).
+        let n = self.count(what, 2)?;
+        let mut out: Vec<(u8, Reader<'a>)> = Vec::with_capacity(n);
+        for _ in 0..n {
+            let tag = self.byte(what)?;
+            if out.last().is_some_and(|(last, _)| *last >= tag) {
+                return Err(format!("{what}: tag {tag} out of order"));
+            }
+            let len = self.count(what, 1)?;
+            let (payload, rest) = self.bytes.split_at(len);
+            self.bytes = rest;
+            out.push((tag, Reader { bytes: payload }));
+        }
+        Ok(out)
+    }
+
+    /// The end of an extension's payload: nothing may be left.
+    fn done(&self, what: &str) -> Result<(), String> {
+        if self.bytes.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{} bytes after {what}", self.bytes.len()))
+        }
+    }
+
+    fn millis(&mut self, what: &str) -> Result<Duration, String> {
+        Ok(Duration::from_millis(self.varint(what)?))
+    }
+
+    fn u64_le(&mut self, what: &str) -> Result<u64, String> {
+        if self.bytes.len() < 8 {
+            return Err(format!("cut short in {what}"));
+        }
+        let (n, rest) = self.bytes.split_at(8);
+        self.bytes = rest;
+        Ok(u64::from_le_bytes(n.try_into().expect("8 bytes")))
+    }
+
+    /// Task positions, each below `tasks`.
+    fn positions(&mut self, what: &str, tasks: usize) -> Result<Vec<usize>, String> {
+        let n = self.count(what, 1)?;
+        (0..n)
+            .map(|_| {
+                let i = self.varint(what)?;
+                usize::try_from(i)
+                    .ok()
+                    .filter(|&i| i < tasks)
+                    .ok_or_else(|| format!("{what} names task {i} of {tasks}"))
+            })
+            .collect()
+    }
+
     fn code<T: Copy>(&mut self, table: &[T], what: &str) -> Result<T, String> {
         let b = self.byte(what)?;
         table
@@ -335,9 +526,95 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// Reads version 2 or 3 (`version`), after its first byte.
+/// What a version 4 allocation's extension block holds.
+#[derive(Default)]
+struct AllocExt<'a> {
+    deadlines: Deadlines,
+    deadline_at: Option<Timestamp>,
+    /// Read once the task count is known.
+    stage_overdue: Option<Reader<'a>>,
+    poststop_told: Option<Reader<'a>>,
+}
+
+fn alloc_ext<'a>(r: &mut Reader<'a>) -> Result<AllocExt<'a>, String> {
+    let mut ext = AllocExt::default();
+    for (tag, mut p) in r.ext("the allocation's extensions")? {
+        match tag {
+            EXT_DEADLINES => {
+                let set = p.byte("the deadlines")?;
+                if set & !0x0f != 0 || set == 0 {
+                    return Err(format!("unknown deadlines {set:#x}"));
+                }
+                for (bit, &state) in Deadlines::STATES.iter().enumerate() {
+                    if set & (1 << bit) != 0 {
+                        ext.deadlines.set(state, Some(p.millis("a deadline")?));
+                    }
+                }
+                p.done("the deadlines")?;
+            }
+            EXT_DEADLINE_AT => {
+                ext.deadline_at = Some(p.time("deadline_at")?);
+                p.done("deadline_at")?;
+            }
+            EXT_STAGE_OVERDUE => ext.stage_overdue = Some(p),
+            EXT_POSTSTOP_TOLD => ext.poststop_told = Some(p),
+            other => return Err(format!("unknown allocation extension {other}")),
+        }
+    }
+    Ok(ext)
+}
+
+impl AllocExt<'_> {
+    /// The deadlines that passed, now that the task count is known.
+    fn overdue(&mut self, tasks: usize) -> Result<Option<Overdue>, String> {
+        let mut overdue = Overdue::default();
+        if let Some(p) = &mut self.stage_overdue {
+            let state = p.code(&COORD, "the overdue stage")?;
+            overdue.stage = Some((state, p.positions("the overdue stage's tasks", tasks)?));
+            p.done("the overdue stage")?;
+        }
+        if let Some(p) = &mut self.poststop_told {
+            overdue.poststop = Some(p.positions("the poststop tasks told to stop", tasks)?);
+            p.done("the poststop tasks told to stop")?;
+        }
+        Ok((overdue != Overdue::default()).then_some(overdue))
+    }
+}
+
+/// A version 4 task's extension block: its TTL, and what goes into its
+/// status's out-of-line part.
+fn task_ext(r: &mut Reader<'_>) -> Result<(Option<Duration>, Option<Arc<TaskExtra>>), String> {
+    let (mut ttl, mut extra) = (None, TaskExtra::default());
+    for (tag, mut p) in r.ext("a task's extensions")? {
+        match tag {
+            EXT_TTL => {
+                ttl = Some(p.millis("a liveness TTL")?);
+                p.done("a liveness TTL")?;
+            }
+            EXT_LOST_AT => {
+                extra.lost_at = Some(p.time("lost_at")?);
+                p.done("lost_at")?;
+            }
+            EXT_KEYS => {
+                let n = p.count("the idempotency keys", 16)?;
+                for _ in 0..n {
+                    let key = p.u64_le("an idempotency key")?;
+                    let request = p.u64_le("an idempotency key")?;
+                    extra.keys.push(IdemKey { key, request });
+                }
+                p.done("the idempotency keys")?;
+            }
+            other => return Err(format!("unknown task extension {other}")),
+        }
+    }
+    let extra = (extra != TaskExtra::default()).then(|| Arc::new(extra));
+    Ok((ttl, extra))
+}
+
+/// Reads version 2, 3 or 4 (`version`), after its first byte.
 fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
     let v3 = version >= 3;
+    let v4 = version >= 4;
     let (kind_bits, flag_bits) = if v3 {
         (
             0x0f | SIDECAR | LEADER | READINESS,
@@ -358,9 +635,14 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
     let created_at = r.time("created_at")?;
     let modified_at = r.time("modified_at")?;
     // The stop order, its named task as a position checked below.
+    let mut deadline_stage = None;
     let order = if v3 {
         match r.byte("the stop order")? {
             0 => Some(None),
+            STOP_DEADLINE if v4 => {
+                deadline_stage = Some(r.code(&COORD, "the stop order's stage")?);
+                Some(Some((StopKind::DeadlineExceeded, 0)))
+            }
             c => {
                 let kind = *STOP
                     .get(usize::from(c) - 1)
@@ -370,6 +652,11 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
         }
     } else {
         None
+    };
+    let mut ext = if v4 {
+        alloc_ext(&mut r)?
+    } else {
+        AllocExt::default()
     };
     // A task takes at least 9 bytes (an empty name is refused below).
     let n = r.count("the task count", 9)?;
@@ -431,11 +718,13 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
                 Details::from_pairs(details),
             ));
         }
+        let (liveness, extra) = if v4 { task_ext(&mut r)? } else { (None, None) };
         specs.push(TaskSpec {
             name,
             lifecycle,
             leader: kind & LEADER != 0,
             readiness: kind & READINESS != 0,
+            liveness,
         });
         statuses.push(TaskStatus {
             state: run,
@@ -450,6 +739,7 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
             ready_at,
             stale: flags & STALE != 0,
             modify_index: task_index,
+            extra,
         });
     }
     if !r.bytes.is_empty() {
@@ -469,12 +759,18 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
                         .clone(),
                 ),
             };
-            Some(Desired::Stop(StopReason { kind, task }))
+            Some(Desired::Stop(StopReason {
+                kind,
+                task,
+                stage: deadline_stage,
+            }))
         }
     };
-    assemble(
+    let overdue = ext.overdue(n)?;
+    let a = assemble(
         id,
         specs,
+        ext.deadlines,
         state,
         statuses,
         order,
@@ -482,7 +778,8 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
         modify_index,
         created_at,
         modified_at,
-    )
+    )?;
+    Ok(a.with_deadlines(ext.deadline_at, overdue))
 }
 
 #[derive(Deserialize)]
@@ -527,6 +824,7 @@ fn decode_json(bytes: &[u8]) -> Result<Allocation, String> {
     assemble(
         r.id,
         r.tasks,
+        Deadlines::default(),
         r.state,
         r.status,
         None,
@@ -578,6 +876,7 @@ mod tests {
             lifecycle: hook.map(|hook| Lifecycle { hook, sidecar }),
             leader,
             readiness: false,
+            liveness: None,
         }
     }
 
@@ -604,18 +903,40 @@ mod tests {
 
     /// Every field set, every kind of task, odd timestamps.
     fn full() -> Allocation {
-        let spec = AllocSpec::new(
+        full_of(true)
+    }
+
+    /// `full()`, with or without what only version 4 holds (TTLs,
+    /// deadlines, losses, keys).
+    fn full_of(third_edition: bool) -> Allocation {
+        let ttl = |d: Duration| third_edition.then_some(d);
+        let deadlines = Deadlines {
+            prestart: Some(Duration::from_millis(1001)),
+            main: None,
+            poststart: Some(Duration::from_secs(7 * 24 * 3600)),
+            poststop: Some(Duration::from_secs(1)),
+        };
+        let spec = AllocSpec::with_deadlines(
             vec![
                 task("init", Some(Hook::Prestart), false, false),
                 TaskSpec {
                     readiness: true,
+                    liveness: ttl(Duration::from_secs(24 * 3600)),
                     ..task("proxy", Some(Hook::Prestart), true, false)
                 },
-                task("web", None, false, true),
+                TaskSpec {
+                    liveness: ttl(Duration::from_millis(1500)),
+                    ..task("web", None, false, true)
+                },
                 task("announce", Some(Hook::Poststart), false, false),
                 task("log-ship", Some(Hook::Poststart), true, false),
                 task("cleanup", Some(Hook::Poststop), false, false),
             ],
+            if third_edition {
+                deadlines
+            } else {
+                Deadlines::default()
+            },
             &Limits::default(),
         )
         .unwrap();
@@ -648,6 +969,21 @@ mod tests {
             ready_at: None,
             stale: true,
             modify_index: 300,
+            extra: third_edition.then(|| {
+                Arc::new(TaskExtra {
+                    lost_at: Some(old),
+                    keys: vec![
+                        IdemKey {
+                            key: u64::MAX,
+                            request: 0,
+                        },
+                        IdemKey {
+                            key: 1,
+                            request: 1 << 63,
+                        },
+                    ],
+                })
+            }),
         };
         tasks[1].state = RunState::Running;
         tasks[1].ready = true;
@@ -656,9 +992,13 @@ mod tests {
         tasks[2].started_at = Some(datetime!(-9999-01-01 00:00:00 UTC));
         tasks[2].ready_at = Some(old);
         let order = Desired::Stop(StopReason {
-            kind: StopKind::SiblingTaskFailed,
             task: Some(TaskName::parse("init").unwrap()),
+            ..StopReason::bare(StopKind::SiblingTaskFailed)
         });
+        let overdue = Overdue {
+            stage: Some((CoordState::Poststart, vec![3, 0])),
+            poststop: Some(vec![5]),
+        };
         Allocation::from_parts(
             AllocId::parse("job.group_7-x").unwrap(),
             Arc::new(spec),
@@ -670,11 +1010,41 @@ mod tests {
             old,
             east,
         )
+        .with_deadlines(
+            third_edition.then_some(east),
+            third_edition.then_some(overdue),
+        )
+    }
+
+    /// A record whose order is a deadline's.
+    fn overdue_main() -> Allocation {
+        let deadlines = Deadlines {
+            main: Some(Duration::from_secs(60)),
+            ..Deadlines::default()
+        };
+        let spec = AllocSpec::with_deadlines(
+            vec![task("web", None, false, false)],
+            deadlines,
+            &Limits::default(),
+        )
+        .unwrap();
+        let now = datetime!(2026-11-21 10:00 UTC);
+        let a = Allocation::register(AllocId::parse("d1").unwrap(), Arc::new(spec), 3, now);
+        assert!(a.deadline_at.is_some());
+        let later = now + Duration::from_secs(61);
+        let next = a
+            .tick(later, &|_| None, None, || 4)
+            .expect("the deadline fires");
+        assert_eq!(
+            next.order().reason().unwrap().kind,
+            StopKind::DeadlineExceeded
+        );
+        next
     }
 
     #[test]
     fn a_record_round_trips_exactly() {
-        for a in [sample(), full()] {
+        for a in [sample(), full(), overdue_main()] {
             let back = decode(&encode(&a)).unwrap();
             assert_eq!(back, a);
             // Equal instants are equal timestamps; the offsets are kept too.
@@ -690,7 +1060,7 @@ mod tests {
 
     #[test]
     fn version_1_json_records_are_still_read() {
-        for a in [sample(), full()] {
+        for a in [sample(), full_of(false)] {
             let json = encode_json(&a);
             assert_eq!(json[0], b'{');
             // Version 1 kept no stop order: it is what the states call for.
@@ -707,6 +1077,80 @@ mod tests {
             );
             assert_eq!(decode(&json).unwrap(), computed);
         }
+    }
+
+    /// `sample()` as version 3 wrote it (the second edition).
+    const SAMPLE_V3: &[u8] = &[
+        3, // version
+        2, b'a', b'1', // id
+        2,    // state: main
+        3, 4, // create_index, modify_index
+        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+        0, // stop order: run
+        2, // tasks
+        4, b'i', b'n', b'i', b't', 1, 2, 4, 0, 0, 4, //
+        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, 0, //
+        3, b'w', b'e', b'b', 0x20, 0, 0, 0, 0, 4, 0,
+    ];
+
+    #[test]
+    fn version_3_records_are_still_read() {
+        assert_eq!(decode(SAMPLE_V3).unwrap(), sample());
+        let a = full_of(false);
+        let mut v3 = encode(&a);
+        // Version 4's bytes of a record without its fields are version
+        // 3's plus one empty block after the order and after each task.
+        v3[0] = 3;
+        assert!(decode(&v3).is_err(), "version 3 has no extension blocks");
+        // Version 3 has no deadline order.
+        let mut deadline = SAMPLE_V3.to_vec();
+        deadline[27] = STOP_DEADLINE;
+        assert!(
+            decode(&deadline)
+                .unwrap_err()
+                .contains("unknown stop order 4")
+        );
+    }
+
+    #[test]
+    fn unknown_or_unordered_extensions_are_damage() {
+        let bytes = encode(&sample());
+        // The allocation's block: right after the order (byte 27).
+        assert_eq!(&bytes[27..29], &[0, 0], "run, no extensions");
+        let mut unknown = bytes.clone();
+        unknown.splice(28..29, [1, 9, 0]);
+        assert!(
+            decode(&unknown)
+                .unwrap_err()
+                .contains("unknown allocation extension 9")
+        );
+        // Two deadline_at entries: tags must increase.
+        let mut at = Vec::new();
+        put_time(&mut at, datetime!(2026-11-21 10:00 UTC));
+        let mut twice = vec![2, EXT_DEADLINE_AT, at.len() as u8];
+        twice.extend_from_slice(&at);
+        twice.extend_from_slice(&[EXT_DEADLINE_AT, at.len() as u8]);
+        twice.extend_from_slice(&at);
+        let mut repeated = bytes.clone();
+        repeated.splice(28..29, twice);
+        assert!(decode(&repeated).unwrap_err().contains("out of order"));
+        // A payload with bytes left over.
+        let mut long = vec![1, EXT_DEADLINE_AT, at.len() as u8 + 1];
+        long.extend_from_slice(&at);
+        long.push(0);
+        let mut padded = bytes.clone();
+        padded.splice(28..29, long);
+        assert!(decode(&padded).unwrap_err().contains("after deadline_at"));
+        // A task's block: the record's last byte.
+        let mut task = bytes;
+        let end = task.len() - 1;
+        task.splice(end.., [1, 7, 0]);
+        assert!(
+            decode(&task)
+                .unwrap_err()
+                .contains("unknown task extension 7")
+        );
     }
 
     /// `sample()` as version 2 wrote it: the first release's baseline.
@@ -732,7 +1176,7 @@ mod tests {
     fn the_format_is_pinned_byte_for_byte() {
         // A change here breaks every data directory written before it.
         let expected: &[u8] = &[
-            3, // version
+            4, // version
             2, b'a', b'1', // id
             2,    // state: main
             3, 4, // create_index, modify_index
@@ -741,15 +1185,70 @@ mod tests {
             192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
             192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
             0, // stop order: run
+            0, // no allocation extensions
             2, // tasks
             // init: prestart; dead; finished_at; restarts 0, generation 0,
-            // index 4; finished_at; no events
+            // index 4; finished_at; no events; no extensions
             4, b'i', b'n', b'i', b't', 1, 2, 4, 0, 0, 4, //
-            192, 174, 139, 176, 13, 149, 154, 239, 58, 0, 0, //
-            // web: main, leader; pending; no flags; 0, 0, index 4; no events
-            3, b'w', b'e', b'b', 0x20, 0, 0, 0, 0, 4, 0,
+            192, 174, 139, 176, 13, 149, 154, 239, 58, 0, 0, 0, //
+            // web: main, leader; pending; no flags; 0, 0, index 4; no
+            // events; no extensions
+            3, b'w', b'e', b'b', 0x20, 0, 0, 0, 0, 4, 0, 0,
         ];
         assert_eq!(encode(&sample()), expected);
+        // With a TTL on web, a deadline for main passed (its order and
+        // its tasks) and a key kept on web.
+        let mut a = sample();
+        let mut web = a.spec.tasks()[1].clone();
+        web.liveness = Some(Duration::from_secs(30));
+        let deadlines = Deadlines {
+            main: Some(Duration::from_secs(300)),
+            ..Deadlines::default()
+        };
+        let spec = AllocSpec::with_deadlines(
+            vec![a.spec.tasks()[0].clone(), web],
+            deadlines,
+            &Limits::default(),
+        )
+        .unwrap();
+        a.spec = Arc::new(spec);
+        a.tasks[1].remember(IdemKey { key: 1, request: 2 });
+        let a = Allocation::from_parts(
+            a.id.clone(),
+            a.spec.clone(),
+            a.state,
+            a.tasks.clone(),
+            Some(Desired::Stop(StopReason::deadline(CoordState::Main))),
+            a.create_index,
+            a.modify_index,
+            a.created_at,
+            a.modified_at,
+        )
+        .with_deadlines(
+            None,
+            Some(Overdue {
+                stage: Some((CoordState::Main, vec![1])),
+                poststop: None,
+            }),
+        );
+        let expected: &[u8] = &[
+            4, 2, b'a', b'1', 2, 3, 4, //
+            192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+            192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+            4, 2, // stop order: Deadline Exceeded in main
+            2, // two allocation extensions
+            1, 4, 0x2, 0xe0, 0xa7, 0x12, // deadlines: main, 300,000 ms
+            3, 3, 2, 1, 1, // stage overdue: main, one task: web
+            2, // tasks
+            4, b'i', b'n', b'i', b't', 1, 2, 4, 0, 0, 4, //
+            192, 174, 139, 176, 13, 149, 154, 239, 58, 0, 0, 0, //
+            3, b'w', b'e', b'b', 0x20, 0, 0, 0, 0, 4, 0, //
+            2, // two task extensions
+            1, 3, 0xb0, 0xea, 0x01, // ttl: 30,000 ms
+            3, 17, 1, 1, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, // one key
+        ];
+        assert_eq!(encode(&a), expected);
+        assert_eq!(decode(expected).unwrap(), a);
     }
 
     #[test]
@@ -851,9 +1350,9 @@ mod tests {
         let err = decode(&serde_json::to_vec(&v).unwrap()).unwrap_err();
         assert!(err.contains("version 3 (JSON)"), "{err}");
         let mut binary = encode(&sample());
-        binary[0] = 4;
+        binary[0] = 5;
         let err = decode(&binary).unwrap_err();
-        assert!(err.contains("version 4,"), "{err}");
+        assert!(err.contains("version 5,"), "{err}");
         assert!(
             decode(b"garbage")
                 .unwrap_err()
