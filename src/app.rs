@@ -290,6 +290,8 @@ fn registry_config(config: &ServeConfig, metrics: Arc<Metrics>) -> RegistryConfi
         metrics,
         timeline_events: config.timeline_events,
         event_buffer: config.event_buffer,
+        default_liveness_ttl: config.default_liveness_ttl,
+        clock: crate::registry::Clock::system(),
     }
 }
 
@@ -302,6 +304,13 @@ fn open_configured_store(
         return Ok(Arc::new(MemoryStore::volatile()));
     }
     if config.store == crate::config::StoreKind::Etcd {
+        if config.default_liveness_ttl.is_some() {
+            return Err(StoreError::Unusable(
+                "--default-liveness-ttl needs the disk store (or --in-memory) in this build: \
+                 with --store etcd, liveness TTLs are not enforced yet"
+                    .into(),
+            ));
+        }
         let etcd = config.etcd.config().map_err(StoreError::Unusable)?;
         // Blocking is fine here: the store opens on a blocking thread.
         let store = tokio::runtime::Handle::current()

@@ -12,6 +12,20 @@ fn duration(s: &str) -> Result<Duration, String> {
     parse_duration(s)
 }
 
+/// A liveness TTL: a duration in the range a task may declare.
+fn liveness_ttl(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    let (min, max) = crate::lifecycle::TTL_RANGE;
+    if d < min || d > max {
+        return Err(format!(
+            "must be {} to {}",
+            crate::units::format_duration(min),
+            crate::units::format_duration(max)
+        ));
+    }
+    Ok(d)
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {
     Text,
@@ -221,6 +235,13 @@ pub struct ServeConfig {
     #[arg(long, env = "TASKGATE_TIMELINE_EVENTS", default_value_t = crate::registry::DEFAULT_TIMELINE_EVENTS)]
     pub timeline_events: usize,
 
+    /// The liveness TTL of every task that declares none: a running task
+    /// whose agent gives no sign of life for this long is declared lost
+    /// (dead, failed). Off by default: only tasks with their own
+    /// `liveness.ttl` are watched.
+    #[arg(long, env = "TASKGATE_DEFAULT_LIVENESS_TTL", value_parser = liveness_ttl)]
+    pub default_liveness_ttl: Option<Duration>,
+
     /// Changes the event stream (`GET /v1/events`) keeps in memory for
     /// readers that resume; one further behind is told to list again
     /// (a `Resync` line).
@@ -290,6 +311,7 @@ impl ServeConfig {
             max_allocations: crate::registry::DEFAULT_MAX_ALLOCATIONS,
             timeline_events: crate::registry::DEFAULT_TIMELINE_EVENTS,
             event_buffer: crate::registry::DEFAULT_EVENT_BUFFER,
+            default_liveness_ttl: None,
             max_connections: 20_000,
             shutdown_grace: Duration::from_secs(10),
             tls_cert: None,

@@ -73,7 +73,10 @@ pub fn run(config: &DumpConfig, out: &mut impl Write) -> Result<usize, String> {
         .iter()
         .filter(|a| a.id.as_str().starts_with(&config.prefix))
         .try_for_each(|a| {
-            serde_json::to_writer(&mut out, &AllocationView::new(a))?;
+            serde_json::to_writer(
+                &mut out,
+                &AllocationView::new(a, &crate::http::views::RecordOnly),
+            )?;
             out.write_all(b"\n")?;
             written += 1;
             Ok::<_, std::io::Error>(())
@@ -116,7 +119,13 @@ mod tests {
         }
         let expected: Vec<String> = ["web-1", "web-2"]
             .iter()
-            .map(|id| serde_json::to_string(&AllocationView::new(&r.get(id).unwrap())).unwrap())
+            .map(|id| {
+                serde_json::to_string(&AllocationView::new(
+                    &r.get(id).unwrap(),
+                    &crate::http::views::RecordOnly,
+                ))
+                .unwrap()
+            })
             .collect();
         drop(r);
         store.close().unwrap();

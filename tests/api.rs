@@ -55,6 +55,9 @@ async fn register_answers_201_with_location_index_and_the_full_view() {
         "stop_reason",
         "restart_generation",
         "modify_index",
+        "liveness",
+        "lost",
+        "last_seen",
     ]
     .map(String::from)
     .to_vec();
@@ -487,7 +490,7 @@ async fn a_report_records_state_event_and_timestamps() {
     assert_eq!(d.task("proxy")["desired"], "stop");
     assert_eq!(
         d.task("proxy")["stop_reason"],
-        json!({"type": "Sibling Task Failed", "task": "init"})
+        json!({"type": "Sibling Task Failed", "task": "init", "stage": null})
     );
     assert_eq!(d.task("cleanup")["desired"], "run");
 }
@@ -646,6 +649,7 @@ async fn start_condition_answers_at_once_when_allowed() {
     assert_eq!(
         a.body,
         json!({"alloc_id": "a1", "task": "init", "allowed": true, "desired": "run",
+               "stop_reason": null,
                "coordinator_state": "prestart", "waiting_on": ["init", "proxy"],
                "outcome": null, "failed_tasks": [], "index": a.index()})
     );
@@ -1065,6 +1069,10 @@ impl taskgate::store::Store for TroubledStore {
 
     fn commit(&self, op: taskgate::store::Op) -> taskgate::store::Commit {
         self.0.commit(op)
+    }
+
+    fn id(&self) -> &str {
+        self.0.id()
     }
 
     fn health(&self) -> taskgate::store::StoreHealth {
@@ -1738,7 +1746,7 @@ async fn the_stop_order_keeps_its_first_cause() {
         json!({"state": "dead", "failed": true}),
     )
     .await;
-    let failed = json!({"type": "Sibling Task Failed", "task": "announce"});
+    let failed = json!({"type": "Sibling Task Failed", "task": "announce", "stage": null});
     assert_eq!(a.task("web")["stop_reason"], failed);
     // The leader, killed for it, reports dead (not failed): the reason stays.
     let a = report(&app, "s1", "web", json!({"state": "dead"})).await;
@@ -1789,7 +1797,7 @@ async fn an_all_tasks_restart_clears_the_order_and_old_states_do_not_count() {
     let a = report(&app, "s2", "web", json!({"state": "dead", "failed": true})).await;
     assert_eq!(
         a.task("proxy")["stop_reason"],
-        json!({"type": "Sibling Task Failed", "task": "web"})
+        json!({"type": "Sibling Task Failed", "task": "web", "stage": null})
     );
 }
 
@@ -1859,7 +1867,7 @@ async fn a_report_that_prefers_minimal_gets_the_small_answer() {
     .await;
     assert_eq!(
         a.body["stop_reason"],
-        json!({"type": "Sibling Task Failed", "task": "init"})
+        json!({"type": "Sibling Task Failed", "task": "init", "stage": null})
     );
     assert_eq!(a.body["desired"], "stop");
     // Without the preference: the whole view, no Preference-Applied.

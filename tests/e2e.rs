@@ -203,6 +203,10 @@ impl taskgate::store::Store for GatedStore {
     fn commit(&self, op: taskgate::store::Op) -> taskgate::store::Commit {
         self.inner.commit(op)
     }
+
+    fn id(&self) -> &str {
+        self.inner.id()
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,7 +14,7 @@ use super::{
     AppState, NEXT_TOKEN_HEADER,
     dto::{BatchBody, RegisterBody, RestartBody},
     error::{ApiError, Problem},
-    extract::{AllocPath, ApiJson, ApiJsonOrEmpty, ApiQuery, NoParams},
+    extract::{AllocPath, ApiJson, ApiJsonOrEmpty, ApiQuery, IdempotencyKey, NoParams},
     indexed,
     params::{BlockingParams, ListParams},
     prefer::{MinimalView, Prefer, WriteView, minimal, written},
@@ -67,7 +67,7 @@ pub async fn register(
     } else {
         StatusCode::OK
     };
-    let mut res = written(status, &a, prefer, None);
+    let mut res = written(status, &a, prefer, None, &s.registry);
     if created {
         let location = format!("/v1/allocations/{}", a.id);
         if let Ok(v) = HeaderValue::from_str(&location) {
@@ -107,7 +107,7 @@ pub async fn get(
     Ok(indexed(
         StatusCode::OK,
         a.modify_index,
-        &AllocationView::new(&a),
+        &AllocationView::new(&a, &s.registry),
     ))
 }
 
@@ -229,12 +229,15 @@ pub async fn delete(
 #[utoipa::path(
     post, path = "/v1/allocations/{alloc_id}/task-states", operation_id = "reportTaskStates", tag = "tasks",
     params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
-           ("Prefer" = Option<String>, Header, description = "`return=minimal` (RFC 7240): answer only the index and the coordinator state (and for a one-task report what the task is told), with `Preference-Applied: return=minimal`")),
+           ("Prefer" = Option<String>, Header, description = "`return=minimal` (RFC 7240): answer only the index and the coordinator state (and for a one-task report what the task is told), with `Preference-Applied: return=minimal`"),
+           ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 printable ASCII characters (IETF httpapi draft). A retry with the same key and the same request, within the task's last few keyed writes, answers the record as it is and applies nothing again; the same key with another request is 422 `idempotency_key_reused`. Kept with the record: it holds across restarts and replicas.")),
     request_body = BatchBody,
     responses(
         (status = 200, description = "The allocation after the reports", body = WriteView,
          headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
         (status = 404, description = "`allocation_not_found` or `task_not_found`", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`task_lost`: a named task was declared lost (`lost_at` says when); its agent must stop its process", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "`idempotency_key_reused`: the key came before with another request", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn report_batch(
@@ -242,11 +245,19 @@ pub async fn report_batch(
     AllocPath(id): AllocPath,
     _: ApiQuery<NoParams>,
     prefer: Prefer,
+    key: IdempotencyKey,
     ApiJson(body): ApiJson<BatchBody>,
 ) -> Result<Response, ApiError> {
     let reports = batch(&s, body)?;
-    let a = s.registry.report(id.as_str(), reports).await?;
-    Ok(written(StatusCode::OK, &a, prefer, None))
+    let mut request = Vec::new();
+    for (name, r) in &reports {
+        request.extend_from_slice(&(name.as_str().len() as u64).to_le_bytes());
+        request.extend_from_slice(name.as_str().as_bytes());
+        r.fingerprint_into(&mut request);
+    }
+    let key = key.with_request(&request);
+    let a = s.registry.report_keyed(id.as_str(), reports, key).await?;
+    Ok(written(StatusCode::OK, &a, prefer, None, &s.registry))
 }
 
 /// The reports of a batch body, checked against the limits.
@@ -282,7 +293,7 @@ pub async fn restore(
 ) -> Result<Response, ApiError> {
     let reports = batch(&s, body)?;
     let a = s.registry.restore(id.as_str(), reports).await?;
-    Ok(written(StatusCode::OK, &a, prefer, None))
+    Ok(written(StatusCode::OK, &a, prefer, None, &s.registry))
 }
 
 /// Restart tasks.

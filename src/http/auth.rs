@@ -254,6 +254,7 @@ fn need(method: &Method, route: &str, public_metrics: bool) -> Need {
         _ if *method == Method::GET || *method == Method::HEAD => Need::Read,
         "/v1/allocations/{alloc_id}" if *method == Method::PUT => Need::AgentWrite,
         "/v1/allocations/{alloc_id}/tasks/{task}/state"
+        | "/v1/allocations/{alloc_id}/tasks/{task}/heartbeat"
         | "/v1/allocations/{alloc_id}/task-states"
         | "/v1/allocations/{alloc_id}/restore" => Need::AgentWrite,
         _ => Need::Operator,

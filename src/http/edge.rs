@@ -49,7 +49,13 @@ pub struct Edge {
     /// Largest request body; a larger announced `Content-Length` is
     /// refused before any of the body is read.
     pub body_limit: usize,
+    /// The store's ID, on every answer (`X-Taskgate-Store`).
+    pub store_id: HeaderValue,
 }
+
+/// The store's ID, on every answer: a client tells "deleted" from "not
+/// the store I was talking to" by it.
+pub const STORE_HEADER: &str = "x-taskgate-store";
 
 /// A client's request ID is kept if it is short printable ASCII.
 fn client_request_id(req: &Request) -> Option<HeaderValue> {
@@ -187,6 +193,8 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
         latency,
     );
     res.headers_mut().insert(REQUEST_ID_HEADER, request_id);
+    res.headers_mut()
+        .insert(STORE_HEADER, edge.store_id.clone());
     res
 }
 

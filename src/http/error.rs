@@ -80,6 +80,16 @@ pub const CODES: &[(&str, u16, &str)] = &[
         "The coordinator is in `poststop`: nothing is left to restart. Register a new allocation to run the group again.",
     ),
     (
+        "task_lost",
+        409,
+        "The task was declared lost: it ran under a liveness TTL and its agent gave no sign of life (a report, a parked start-condition or task query, a heartbeat) within it. It is dead and failed for good (`lost_at` says when); its agent must stop its process. An all-tasks restart or a restore runs it again, with a new agent.",
+    ),
+    (
+        "idempotency_key_reused",
+        422,
+        "The request's `Idempotency-Key` came before with a different request to this task. A retry must send the same request with the same key; a new request needs a new key.",
+    ),
+    (
         "allocation_deleted",
         410,
         "The allocation was deleted while the request waited on it. Stop acting on it.",
@@ -169,6 +179,10 @@ pub struct Problem {
     /// How many more broken rules there were than `errors` lists.
     #[serde(skip_serializing_if = "is_zero")]
     pub errors_omitted: usize,
+    /// `task_lost`: when the task was declared lost (RFC 3339).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(example = "2026-11-25T10:00:30Z")]
+    pub lost_at: Option<String>,
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -208,6 +222,8 @@ pub struct ApiError {
     /// exists (sent as `X-Taskgate-Index`).
     pub index: Option<u64>,
     pub retry_after: bool,
+    /// `task_lost`: when the task was declared lost.
+    pub lost_at: Option<String>,
 }
 
 impl ApiError {
@@ -220,6 +236,7 @@ impl ApiError {
             errors_omitted: 0,
             index: None,
             retry_after: false,
+            lost_at: None,
         }
     }
 
@@ -294,6 +311,17 @@ impl From<RegistryError> for ApiError {
                 };
                 Self::new(StatusCode::CONFLICT, code, detail).with_index(index)
             }
+            RegistryError::TaskLost { lost_at, index, .. } => {
+                let mut e = Self::new(StatusCode::CONFLICT, "task_lost", detail).with_index(index);
+                e.lost_at = Some(lost_at);
+                e
+            }
+            RegistryError::KeyReused { index } => Self::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "idempotency_key_reused",
+                detail,
+            )
+            .with_index(index),
             RegistryError::Deleted(_) => Self::new(StatusCode::GONE, "allocation_deleted", detail),
             RegistryError::TooManyWaiters => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "too_many_waiters", detail).retry_later()
@@ -303,6 +331,9 @@ impl From<RegistryError> for ApiError {
             }
             RegistryError::Contended(_) => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "timeout", detail).retry_later()
+            }
+            RegistryError::Unsupported(_) => {
+                Self::new(StatusCode::BAD_REQUEST, "invalid_request", detail)
             }
             RegistryError::QuotaExceeded(_) => {
                 Self::new(StatusCode::TOO_MANY_REQUESTS, "quota_exceeded", detail)
@@ -350,6 +381,7 @@ impl ApiError {
             code: self.code,
             errors: self.errors,
             errors_omitted: self.errors_omitted,
+            lost_at: self.lost_at,
         };
         serde_json::to_vec(&problem).unwrap_or_default()
     }

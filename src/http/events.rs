@@ -95,7 +95,7 @@ async fn follow(mut sub: Subscription, tx: mpsc::Sender<Bytes>) {
                 Ok(Next::Changes(events)) => {
                     let mut chunk = Vec::new();
                     for e in &events {
-                        chunk.extend_from_slice(&e.rendered(|e| line(&StreamLine::change(e))));
+                        chunk.extend_from_slice(&e.rendered(|e| line(&StreamLine::change(e, sub.registry()))));
                     }
                     Bytes::from(chunk)
                 }

@@ -230,6 +230,73 @@ impl<S: Send + Sync> FromRequestParts<S> for AllocPath {
     }
 }
 
+/// A write's `Idempotency-Key` (IETF httpapi draft): 1 to 255 printable
+/// ASCII characters, as a bare token or a quoted string.
+pub struct IdempotencyKey(pub Option<String>);
+
+/// The header's name.
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+
+/// Longest key taken.
+pub const MAX_IDEMPOTENCY_KEY: usize = 255;
+
+impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKey {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
+        let mut values = parts.headers.get_all(IDEMPOTENCY_KEY).iter();
+        let Some(value) = values.next() else {
+            return Ok(Self(None));
+        };
+        let bad = |message: &str| {
+            ApiError::invalid(
+                "the Idempotency-Key header is not valid",
+                vec![crate::lifecycle::FieldError::new(
+                    "Idempotency-Key",
+                    message,
+                )],
+            )
+        };
+        if values.next().is_some() {
+            return Err(bad("give one Idempotency-Key, not several"));
+        }
+        let text = value.to_str().map_err(|_| bad("must be printable ASCII"))?;
+        let key = text
+            .strip_prefix('"')
+            .and_then(|t| t.strip_suffix('"'))
+            .unwrap_or(text);
+        if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY {
+            return Err(bad(&format!(
+                "must be 1 to {MAX_IDEMPOTENCY_KEY} characters, got {}",
+                key.len()
+            )));
+        }
+        if !key.bytes().all(|b| b.is_ascii_graphic() || b == b' ') {
+            return Err(bad("must be printable ASCII"));
+        }
+        Ok(Self(Some(key.to_owned())))
+    }
+}
+
+impl IdempotencyKey {
+    /// The key and the request it came with (`request`: a canonical
+    /// encoding of what the request asks), as kept on tasks: the first 8
+    /// bytes of their SHA-256, the same on every replica and after every
+    /// restart.
+    pub fn with_request(&self, request: &[u8]) -> Option<crate::lifecycle::IdemKey> {
+        use sha2::{Digest, Sha256};
+        let h = |bytes: &[u8]| {
+            let d = Sha256::digest(bytes);
+            u64::from_le_bytes(d[..8].try_into().expect("a SHA-256 has 32 bytes"))
+        };
+        let key = self.0.as_deref()?;
+        Some(crate::lifecycle::IdemKey {
+            key: h(key.as_bytes()),
+            request: h(request),
+        })
+    }
+}
+
 /// `/v1/allocations/{alloc_id}/tasks/{task}`.
 pub struct TaskPath(pub AllocId, pub TaskName);
 

@@ -119,6 +119,7 @@ pub(crate) fn json<T: Serialize>(status: StatusCode, body: &T) -> Response {
 /// The whole HTTP application.
 pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Router {
     let metrics = registry.metrics().clone();
+    let store_id = registry.store_id().to_owned();
     let state = AppState {
         registry,
         config,
@@ -153,6 +154,10 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
             "/v1/allocations/{alloc_id}/tasks/{task}/start-condition",
             get(tasks::start_condition),
         )
+        .route(
+            "/v1/allocations/{alloc_id}/tasks/{task}/heartbeat",
+            put(tasks::heartbeat),
+        )
         .route("/v1/health", get(service::health))
         .route("/metrics", get(service::metrics))
         .route("/openapi.json", get(service::openapi_json))
@@ -176,6 +181,8 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
         auth,
         request_timeout: config.request_timeout,
         body_limit: config.body_limit,
+        store_id: HeaderValue::from_str(store_id.as_str())
+            .unwrap_or_else(|_| HeaderValue::from_static("unidentified")),
     });
     api.merge(docs)
         .fallback(|| async { ApiError::not_found() })

@@ -114,11 +114,12 @@ pub fn written(
     a: &Allocation,
     prefer: Prefer,
     task: Option<usize>,
+    live: &dyn super::views::Live,
 ) -> Response {
     if prefer.minimal {
         minimal(status, a.modify_index, &MinimalView::new(a, task))
     } else {
-        indexed(status, a.modify_index, &AllocationView::new(a))
+        indexed(status, a.modify_index, &AllocationView::new(a, live))
     }
 }
 

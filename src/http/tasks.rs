@@ -1,13 +1,17 @@
 //! `/v1/allocations/{alloc_id}/tasks/{task}`: one task's view (blocking
 //! query), its state report, and the start-condition long-poll.
 
-use axum::{extract::State, http::StatusCode, response::Response};
+use axum::{
+    extract::State,
+    http::StatusCode,
+    response::{IntoResponse, Response},
+};
 
 use super::{
     AppState,
     dto::ReportBody,
     error::{ApiError, Problem},
-    extract::{ApiJson, ApiQuery, NoParams, TaskPath},
+    extract::{ApiJson, ApiQuery, IdempotencyKey, NoParams, TaskPath},
     indexed,
     params::{BlockingParams, WaitParams},
     prefer::{Prefer, WriteView, written},
@@ -53,7 +57,7 @@ pub async fn get(
     Ok(indexed(
         StatusCode::OK,
         a.modify_index,
-        &TaskDetailView::new(&a, i),
+        &TaskDetailView::new(&a, i, &s.registry),
     ))
 }
 
@@ -68,12 +72,15 @@ pub async fn get(
         ("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
         ("task" = String, Path, description = "Task name", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
         ("Prefer" = Option<String>, Header, description = "`return=minimal` (RFC 7240): answer only the index, the coordinator state and what this task is told (`task`, `allowed`, `desired`, `stop_reason`, `restart_generation`), with `Preference-Applied: return=minimal`"),
+        ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 printable ASCII characters (IETF httpapi draft). A retry with the same key and the same request, within the task's last few keyed writes, answers the record as it is and applies nothing again; the same key with another request is 422 `idempotency_key_reused`. Kept with the record: it holds across restarts and replicas."),
     ),
     request_body = ReportBody,
     responses(
         (status = 200, description = "The allocation after the report", body = WriteView,
          headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
         (status = 404, description = "`allocation_not_found` or `task_not_found`", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`task_lost`: the task was declared lost (`lost_at` says when); its agent must stop its process", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "`idempotency_key_reused`: the key came before with another request", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn report(
@@ -81,17 +88,21 @@ pub async fn report(
     TaskPath(id, task): TaskPath,
     _: ApiQuery<NoParams>,
     prefer: Prefer,
+    key: IdempotencyKey,
     ApiJson(body): ApiJson<ReportBody>,
 ) -> Result<Response, ApiError> {
     let report = body
         .into_report("", &s.registry.config().limits)
         .map_err(|e| ApiError::invalid("the report is not valid", e))?;
+    let mut request = Vec::new();
+    report.fingerprint_into(&mut request);
+    let key = key.with_request(&request);
     let a = s
         .registry
-        .report(id.as_str(), vec![(task.clone(), report)])
+        .report_keyed(id.as_str(), vec![(task.clone(), report)], key)
         .await?;
     let i = a.position(task.as_str());
-    Ok(written(StatusCode::OK, &a, prefer, i))
+    Ok(written(StatusCode::OK, &a, prefer, i, &s.registry))
 }
 
 /// May this task start? (long-poll)
@@ -129,4 +140,36 @@ pub async fn start_condition(
         a.modify_index,
         &StartConditionView::new(&a, i),
     ))
+}
+
+/// A sign of life for a task (no body).
+///
+/// For a task under a liveness TTL: its agent is alive now. Writes
+/// nothing, moves no index and wakes nobody; accepted (and ignored) for a
+/// task that is not running or has no TTL.
+#[utoipa::path(
+    put, path = "/v1/allocations/{alloc_id}/tasks/{task}/heartbeat", operation_id = "heartbeatTask", tag = "tasks",
+    params(
+        ("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
+        ("task" = String, Path, description = "Task name", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
+    ),
+    responses(
+        (status = 204, description = "Taken",
+         headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
+        (status = 404, description = "`allocation_not_found` or `task_not_found`", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`task_lost`: the task was declared lost (`lost_at` says when); its agent must stop its process", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn heartbeat(
+    State(s): State<AppState>,
+    TaskPath(id, task): TaskPath,
+    _: ApiQuery<NoParams>,
+) -> Result<Response, ApiError> {
+    let a = s.registry.heartbeat(id.as_str(), task.as_str())?;
+    let mut res = StatusCode::NO_CONTENT.into_response();
+    res.headers_mut().insert(
+        super::INDEX_HEADER,
+        axum::http::HeaderValue::from(a.modify_index),
+    );
+    Ok(res)
 }

@@ -4,10 +4,46 @@ use serde::Serialize;
 use time::OffsetDateTime;
 use utoipa::ToSchema;
 
-use crate::lifecycle::{
-    Allocation, CoordState, DesiredKind, Details, Event, Events, Hook, Outcome, RunState, Stage,
-    StopKind, WaitFor,
+use crate::{
+    lifecycle::{
+        Allocation, CoordState, Deadlines, DesiredKind, Details, Event, Events, Hook, Outcome,
+        RunState, Stage, StopKind, Timestamp, WaitFor,
+    },
+    units::format_duration,
 };
+
+/// What a view shows beyond the record: the liveness the server runs a
+/// task under (its own TTL or the server's default) and the latest sign
+/// of life it knows of. The registry knows both; a record alone knows
+/// only the task's own TTL (`RecordOnly`).
+pub trait Live {
+    fn ttl(&self, a: &Allocation, i: usize) -> Option<std::time::Duration>;
+    fn last_seen(&self, a: &Allocation, i: usize) -> Option<Timestamp>;
+}
+
+impl Live for crate::registry::Registry {
+    fn ttl(&self, a: &Allocation, i: usize) -> Option<std::time::Duration> {
+        crate::registry::Registry::ttl(self, a, i)
+    }
+
+    fn last_seen(&self, a: &Allocation, i: usize) -> Option<Timestamp> {
+        crate::registry::Registry::last_seen(self, a, i)
+    }
+}
+
+/// A record read without a server (`taskgate dump`): the task's own TTL,
+/// no signs of life.
+pub struct RecordOnly;
+
+impl Live for RecordOnly {
+    fn ttl(&self, a: &Allocation, i: usize) -> Option<std::time::Duration> {
+        a.spec.ttl(i, None)
+    }
+
+    fn last_seen(&self, _: &Allocation, _: usize) -> Option<Timestamp> {
+        None
+    }
+}
 
 /// An allocation with every task.
 #[derive(Debug, Serialize, ToSchema)]
@@ -31,8 +67,44 @@ pub struct AllocationView {
     pub created_at: OffsetDateTime,
     #[serde(with = "time::serde::rfc3339")]
     pub modified_at: OffsetDateTime,
+    /// The stage deadlines as registered; `null` when none.
+    pub deadlines: Option<DeadlinesView>,
+    /// When the deadline of the current state passes (for `poststop`: of
+    /// the poststop tasks still going); `null` when none runs.
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub deadline_at: Option<OffsetDateTime>,
     /// In registration order.
     pub tasks: Vec<TaskView>,
+}
+
+/// Stage deadlines, as durations (`10m`); each `null` when not set.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(example = json!({"prestart": "10m", "main": "5m", "poststart": null, "poststop": "10m"}))]
+pub struct DeadlinesView {
+    pub prestart: Option<String>,
+    pub main: Option<String>,
+    pub poststart: Option<String>,
+    pub poststop: Option<String>,
+}
+
+impl DeadlinesView {
+    fn new(d: &Deadlines) -> Option<Self> {
+        let show = |s| d.of(s).map(format_duration);
+        (!d.is_empty()).then(|| Self {
+            prestart: show(CoordState::Prestart),
+            main: show(CoordState::Main),
+            poststart: show(CoordState::Poststart),
+            poststop: show(CoordState::Poststop),
+        })
+    }
+}
+
+/// A task's liveness: the TTL it runs under.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LivenessView {
+    /// Its own, or the server's `--default-liveness-ttl`.
+    #[schema(example = "30s")]
+    pub ttl: String,
 }
 
 /// A task's lifecycle block as registered.
@@ -78,6 +150,17 @@ pub struct TaskView {
     /// Restart orders given to this task; only goes up.
     pub restart_generation: u64,
     pub modify_index: u64,
+    /// The TTL the task runs under; `null` when none.
+    pub liveness: Option<LivenessView>,
+    /// Declared lost: its agent gave no sign of life within its TTL while
+    /// it ran. Dead and failed for good, until an all-tasks restart or a
+    /// restore.
+    pub lost: bool,
+    /// The latest sign of life the answering server knows of, for a task
+    /// under a TTL (with replicas it may lag; the decision never relies on
+    /// it).
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub last_seen: Option<OffsetDateTime>,
 }
 
 /// A recorded task event.
@@ -112,11 +195,15 @@ fn event_views<S: serde::Serializer>(events: &Events, s: S) -> Result<S::Ok, S::
 
 /// Why a task is told to stop.
 #[derive(Debug, Serialize, ToSchema)]
+#[schema(example = json!({"type": "Deadline Exceeded", "task": null, "stage": "prestart"}))]
 pub struct StopReasonView {
     #[serde(rename = "type")]
     pub kind: StopKind,
     /// The failed task, for "Sibling Task Failed"; else `null`.
     pub task: Option<String>,
+    /// The state whose deadline passed, for "Deadline Exceeded"; else
+    /// `null`.
+    pub stage: Option<CoordState>,
 }
 
 /// `GET .../tasks/{task}`: the task view with its allocation's state.
@@ -135,6 +222,8 @@ pub struct StartConditionView {
     pub task: String,
     pub allowed: bool,
     pub desired: DesiredKind,
+    /// Set when `desired` is `stop` ("Agent Lost" for a lost task).
+    pub stop_reason: Option<StopReasonView>,
     pub coordinator_state: CoordState,
     pub waiting_on: Vec<String>,
     /// As in the allocation view: how the allocation ended, for poststop
@@ -180,12 +269,13 @@ impl From<&crate::lifecycle::StopReason> for StopReasonView {
         Self {
             kind: r.kind,
             task: r.task.as_ref().map(ToString::to_string),
+            stage: r.stage,
         }
     }
 }
 
 impl TaskView {
-    pub fn new(a: &Allocation, i: usize) -> Self {
+    pub fn new(a: &Allocation, i: usize, live: &dyn Live) -> Self {
         let spec = &a.spec.tasks()[i];
         let t = &a.tasks[i];
         let desired = a.desired(i);
@@ -212,6 +302,11 @@ impl TaskView {
             stop_reason: desired.reason().map(StopReasonView::from),
             restart_generation: t.restart_generation,
             modify_index: t.modify_index,
+            liveness: live.ttl(a, i).map(|ttl| LivenessView {
+                ttl: format_duration(ttl),
+            }),
+            lost: t.lost(),
+            last_seen: live.last_seen(a, i),
         }
     }
 }
@@ -232,7 +327,7 @@ fn outcome(a: &Allocation) -> (Option<Outcome>, Vec<String>) {
 }
 
 impl AllocationView {
-    pub fn new(a: &Allocation) -> Self {
+    pub fn new(a: &Allocation, live: &dyn Live) -> Self {
         let (waiting_on, waiting) = a
             .waiting()
             .into_iter()
@@ -250,15 +345,19 @@ impl AllocationView {
             modify_index: a.modify_index,
             created_at: a.created_at,
             modified_at: a.modified_at,
-            tasks: (0..a.tasks.len()).map(|i| TaskView::new(a, i)).collect(),
+            deadlines: DeadlinesView::new(a.spec.deadlines()),
+            deadline_at: a.deadline_at,
+            tasks: (0..a.tasks.len())
+                .map(|i| TaskView::new(a, i, live))
+                .collect(),
         }
     }
 }
 
 impl TaskDetailView {
-    pub fn new(a: &Allocation, i: usize) -> Self {
+    pub fn new(a: &Allocation, i: usize, live: &dyn Live) -> Self {
         Self {
-            task: TaskView::new(a, i),
+            task: TaskView::new(a, i, live),
             coordinator_state: a.state,
             alloc_modify_index: a.modify_index,
         }
@@ -273,6 +372,7 @@ impl StartConditionView {
             task: a.task_name(i).to_string(),
             allowed: a.allowed(i),
             desired: a.desired(i).kind(),
+            stop_reason: a.desired(i).reason().map(StopReasonView::from),
             coordinator_state: a.state,
             waiting_on: names(a),
             outcome,
@@ -359,17 +459,53 @@ impl TimelineView {
                         };
                         ("Task State".to_owned(), name(*task), how)
                     }
-                    What::StopOrder { reason, named } => {
+                    What::StopOrder {
+                        reason,
+                        named,
+                        stage,
+                    } => {
                         details.insert("reason".to_owned(), reason.to_string());
                         let named = named.and_then(name);
                         if let Some(t) = &named {
                             details.insert("task".to_owned(), t.clone());
                         }
-                        let message = match &named {
-                            Some(t) => format!("every task is told to stop: {reason} ({t})"),
-                            None => format!("every task is told to stop: {reason}"),
+                        if let Some(stage) = stage {
+                            details.insert("stage".to_owned(), stage.to_string());
+                        }
+                        let message = match (&named, stage) {
+                            (Some(t), _) => format!("every task is told to stop: {reason} ({t})"),
+                            (None, Some(s)) => {
+                                format!("every task is told to stop: {reason} ({s})")
+                            }
+                            (None, None) => format!("every task is told to stop: {reason}"),
                         };
                         ("Stop Order".to_owned(), None, message)
+                    }
+                    What::Lost { task, event } => {
+                        for (k, v) in event.details.iter() {
+                            details.insert(k.to_owned(), v.to_owned());
+                        }
+                        (
+                            event.kind.to_string(),
+                            name(*task),
+                            event.message.to_string(),
+                        )
+                    }
+                    What::DeadlineExceeded { stage } => {
+                        details.insert("stage".to_owned(), stage.to_string());
+                        let deadline = a
+                            .spec
+                            .deadlines()
+                            .of(*stage)
+                            .map(format_duration)
+                            .unwrap_or_default();
+                        let message = if *stage == CoordState::Poststop {
+                            format!("poststop tasks still going after {deadline} are told to stop")
+                        } else {
+                            format!("{stage} did not finish within {deadline}")
+                        };
+                        details.insert("deadline".to_owned(), deadline);
+                        ("Deadline Exceeded".to_owned(), None, message)
                     }
                     What::RestartOrder(r) => {
                         let event = &r.event;
@@ -440,13 +576,13 @@ pub enum StreamLine {
 }
 
 impl StreamLine {
-    pub fn change(e: &crate::registry::feed::Event) -> Self {
+    pub fn change(e: &crate::registry::feed::Event, live: &dyn Live) -> Self {
         let alloc_id = e.alloc_id.to_string();
         match &e.allocation {
             Some(a) => Self::Allocation {
                 index: e.index,
                 alloc_id,
-                allocation: Box::new(AllocationView::new(a)),
+                allocation: Box::new(AllocationView::new(a, live)),
             },
             None => Self::AllocationDeleted {
                 index: e.index,

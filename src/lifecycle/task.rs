@@ -333,6 +333,44 @@ pub struct TaskReport {
 }
 
 impl TaskReport {
+    /// Appends a canonical encoding of the report to `out`: equal reports
+    /// encode equally in every build and on every replica (for an
+    /// idempotency key's request hash). Each field length-prefixed, in a
+    /// fixed order.
+    pub fn fingerprint_into(&self, out: &mut Vec<u8>) {
+        fn put(out: &mut Vec<u8>, bytes: &[u8]) {
+            out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+            out.extend_from_slice(bytes);
+        }
+        put(out, self.state.as_str().as_bytes());
+        out.push(u8::from(self.failed));
+        out.push(match self.ready {
+            None => 0,
+            Some(false) => 1,
+            Some(true) => 2,
+        });
+        match &self.event {
+            None => out.push(0),
+            Some(e) => {
+                out.push(1);
+                put(out, e.kind.as_bytes());
+                match e.time {
+                    None => out.push(0),
+                    Some(t) => {
+                        out.push(1);
+                        out.extend_from_slice(&t.unix_timestamp_nanos().to_le_bytes());
+                    }
+                }
+                put(out, e.message.as_bytes());
+                out.extend_from_slice(&(e.details.len() as u64).to_le_bytes());
+                for (k, v) in &e.details {
+                    put(out, k.as_bytes());
+                    put(out, v.as_bytes());
+                }
+            }
+        }
+    }
+
     /// Checks the size limits of the event. `prefix` is the path of this
     /// report in the request (empty for a single report).
     pub fn validate(&self, prefix: &str, limits: &Limits) -> Vec<FieldError> {

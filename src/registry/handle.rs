@@ -4,7 +4,10 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use tokio::sync::{Notify, Semaphore};
 
-use super::timeline::{self, Timeline};
+use super::{
+    timeline::{self, Timeline},
+    timers::{Lives, Scheduled},
+};
 use crate::lifecycle::{AllocId, Allocation};
 
 /// What a handle publishes.
@@ -39,6 +42,12 @@ pub(crate) struct Handle {
     /// The allocation's recent history (`timeline.rs`); written with each
     /// publication, before the waiters are woken.
     timeline: Mutex<Timeline>,
+    /// Its tasks' signs of life (`timers.rs`), for tasks under a TTL:
+    /// written by reports, heartbeats and parked queries, read when the
+    /// allocation is looked at. Not part of the record.
+    lives: Lives,
+    /// The moment the registry's timer heap will look at it next.
+    scheduled: Scheduled,
 }
 
 /// IDs up to this many bytes (a UUID's 36 fit) are kept in the handle's
@@ -95,7 +104,17 @@ impl Handle {
             slot: RwLock::new(slot),
             changed: Notify::new(),
             timeline: Mutex::new(Timeline::default()),
+            lives: Lives::default(),
+            scheduled: Scheduled::default(),
         }
+    }
+
+    pub(crate) fn lives(&self) -> &Lives {
+        &self.lives
+    }
+
+    pub(crate) fn scheduled(&self) -> &Scheduled {
+        &self.scheduled
     }
 
     /// The allocation's ID.

@@ -12,9 +12,12 @@
 pub mod feed;
 mod handle;
 mod replicated;
+mod timed;
 pub mod timeline;
+mod timers;
 mod wait;
 
+pub use timers::Clock;
 pub use wait::Subscription;
 
 use std::{
@@ -26,13 +29,12 @@ use std::{
     },
 };
 
-use time::OffsetDateTime;
 use tokio::sync::watch;
 
 use crate::{
     lifecycle::{
-        AllocId, AllocSpec, Allocation, CoordState, Limits, RestartError, RestartMode,
-        SpecInterner, TaskName, TaskReport, Timestamp,
+        AllocId, AllocSpec, Allocation, CoordState, IdemKey, KeySeen, Limits, RestartError,
+        RestartMode, SpecInterner, TaskName, TaskReport, Timestamp,
     },
     metrics::Metrics,
     store::{Op, Store, StoreError},
@@ -54,6 +56,11 @@ pub struct RegistryConfig {
     pub timeline_events: usize,
     /// Changes kept for the event stream's readers to resume from.
     pub event_buffer: usize,
+    /// The TTL of every task that declares none (`None`: such tasks are
+    /// never declared lost).
+    pub default_liveness_ttl: Option<std::time::Duration>,
+    /// Where the time comes from (the system's; tokio's in tests).
+    pub clock: Clock,
 }
 
 /// Entries an allocation's timeline keeps by default.
@@ -68,6 +75,8 @@ impl Default for RegistryConfig {
             metrics: Arc::new(Metrics::new()),
             timeline_events: DEFAULT_TIMELINE_EVENTS,
             event_buffer: DEFAULT_EVENT_BUFFER,
+            default_liveness_ttl: None,
+            clock: Clock::system(),
         }
     }
 }
@@ -93,9 +102,13 @@ pub struct Quota<'a> {
     pub max: usize,
 }
 
-/// `Allocation::report` or `Allocation::restore`.
-type ApplyReports =
-    fn(&Allocation, &[(usize, TaskReport)], Timestamp, &dyn Fn() -> u64) -> Option<Allocation>;
+/// What a batch of reports is applied as.
+#[derive(Clone, Copy)]
+enum Apply {
+    /// Reports, maybe keyed (`Idempotency-Key`).
+    Report(Option<IdemKey>),
+    Restore,
+}
 
 /// Which tasks a restart request names.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -123,6 +136,23 @@ pub enum RegistryError {
     AllocationExists { id: AllocId, index: u64 },
     #[error("{error}")]
     RestartRefused { error: RestartError, index: u64 },
+    #[error(
+        "task \"{task}\" of allocation \"{alloc}\" was declared lost at {lost_at}: its agent gave \
+         no sign of life within its TTL. Stop its process; an all-tasks restart or a restore \
+         runs it again"
+    )]
+    TaskLost {
+        alloc: String,
+        task: String,
+        /// RFC 3339.
+        lost_at: String,
+        index: u64,
+    },
+    #[error(
+        "this Idempotency-Key was used before with another request; a retry must send the \
+         same request, and a new request needs a new key"
+    )]
+    KeyReused { index: u64 },
     #[error("allocation \"{0}\" was deleted")]
     Deleted(String),
     #[error("too many requests are waiting; retry later")]
@@ -131,6 +161,9 @@ pub enum RegistryError {
     ShuttingDown,
     #[error("{0}")]
     QuotaExceeded(String),
+    /// A valid request for something this server does not do.
+    #[error("{0}")]
+    Unsupported(String),
     /// The allocation kept changing under the request (deleted and
     /// registered again by others); a later try will go through.
     #[error("{0}")]
@@ -140,6 +173,18 @@ pub enum RegistryError {
 }
 
 impl RegistryError {
+    /// `TaskLost` for task `i` of `a`, lost at `at`.
+    pub fn task_lost(a: &Allocation, i: usize, at: Timestamp) -> Self {
+        Self::TaskLost {
+            alloc: a.id.to_string(),
+            task: a.task_name(i).to_string(),
+            lost_at: at
+                .format(&time::format_description::well_known::Rfc3339)
+                .unwrap_or_default(),
+            index: a.modify_index,
+        }
+    }
+
     /// `TaskNotFound` for `task` in `a`, listing the tasks it has.
     pub fn task_not_found(a: &Allocation, task: &str) -> Self {
         let tasks: Vec<String> = a
@@ -184,6 +229,14 @@ struct Inner {
     /// With a shared store: the index up to which this replica's view has
     /// applied every change (`replicated.rs`). Writers wait on it.
     view: watch::Sender<u64>,
+    /// Every timed allocation's next moment to be looked at (`timers.rs`).
+    timers: Arc<timers::Timers>,
+    /// Whether the task that drives `timers` runs (started on first use,
+    /// inside a runtime).
+    driving: std::sync::atomic::AtomicBool,
+    /// This registry, for the tasks it starts (which must not keep it
+    /// alive).
+    me: std::sync::Weak<Inner>,
 }
 
 impl Inner {
@@ -214,10 +267,6 @@ impl Inner {
     }
 }
 
-fn now() -> OffsetDateTime {
-    OffsetDateTime::now_utc()
-}
-
 impl Registry {
     /// Loads every record from the store and rebuilds the handles exactly as
     /// they were, coordinator states included.
@@ -240,13 +289,24 @@ impl Registry {
         // Stores load in key order, for which collecting builds the map in
         // one pass.
         let mut specs = SpecInterner::default();
+        let default_ttl = config.default_liveness_ttl;
+        let loaded_at = config.clock.now();
+        let mut timed = Vec::new();
         let allocs = AllocMap::from_sorted(loaded.allocations.into_iter().map(|mut a| {
             a.spec = specs.share(a.spec);
-            (a.id.clone(), Arc::new(Handle::live(Arc::new(a))))
+            let (id, tasks) = (a.id.clone(), a.tasks.len());
+            let handle = Arc::new(Handle::live(Arc::new(a)));
+            if handle.current().is_some_and(|a| a.spec.timed(default_ttl)) {
+                // Their agents' long-polls were cut by the restart, not by
+                // their death: every running task gets a full TTL.
+                handle.lives().init_at(tasks, loaded_at);
+                timed.push(handle.clone());
+            }
+            (id, handle)
         }));
         let index = Arc::new(AtomicU64::new(last));
         let registry = Self {
-            inner: Arc::new(Inner {
+            inner: Arc::new_cyclic(|me| Inner {
                 allocs: RwLock::new(allocs),
                 feed: Arc::new(feed::Feed::new(index.clone(), config.event_buffer)),
                 index,
@@ -256,8 +316,18 @@ impl Registry {
                 specs: Mutex::new(specs),
                 shutdown: watch::Sender::new(false),
                 view: watch::Sender::new(last),
+                timers: Arc::new(timers::Timers::default()),
+                driving: std::sync::atomic::AtomicBool::new(false),
+                me: me.clone(),
             }),
         };
+        // A deadline that passed while the server was down fires as soon
+        // as the timers run.
+        for handle in timed {
+            if let Some(a) = handle.current() {
+                registry.inner.reschedule(&handle, &a);
+            }
+        }
         if let Some(shared) = registry.inner.store.replicated() {
             // Weak: the store's follower must not keep the registry (and
             // with it the store) alive.
@@ -305,6 +375,11 @@ impl Registry {
     /// Writes keep working, so requests in flight can finish.
     pub fn shutdown(&self) {
         self.inner.shutdown.send_replace(true);
+    }
+
+    /// The store's ID (`X-Taskgate-Store`).
+    pub fn store_id(&self) -> &str {
+        self.inner.store.id()
     }
 
     /// How the store is doing.
@@ -407,6 +482,16 @@ impl Registry {
         quota: Option<Quota<'_>>,
     ) -> Result<(Arc<Allocation>, bool), RegistryError> {
         if let Some(store) = self.inner.store.replicated() {
+            if let Some(task) = spec.tasks().iter().find(|t| t.liveness.is_some()) {
+                // Signs of life reach one replica; until they reach the
+                // decision of every one, a TTL would declare live tasks
+                // lost. Refused, not silently ignored.
+                return Err(RegistryError::Unsupported(format!(
+                    "task \"{}\" declares a liveness TTL, which this build enforces with the \
+                     disk or memory store only, not with --store etcd yet",
+                    task.name
+                )));
+            }
             return self.register_shared(store, id, spec, quota).await;
         }
         // A handle found here may be deleted before its lock is ours; then
@@ -437,7 +522,7 @@ impl Registry {
                             .unwrap_or_else(PoisonError::into_inner)
                             .share(Arc::new(spec)),
                         self.next_index(),
-                        now(),
+                        self.now(),
                     ));
                     let registry = self.clone();
                     let published = a.clone();
@@ -451,6 +536,7 @@ impl Registry {
                                     published.clone(),
                                     registry.inner.config.timeline_events,
                                 );
+                                registry.inner.reschedule(&handle, &published);
                                 ticket.publish(feed::Event::put(published.clone()));
                                 let a = &published;
                                 tracing::info!(alloc = %a.id, state = %a.state, tasks = a.tasks.len(), "allocation registered");
@@ -618,6 +704,7 @@ impl Registry {
                 published.clone(),
                 registry.inner.config.timeline_events,
             );
+            registry.inner.reschedule(&handle, &published);
             ticket.publish(feed::Event::put(published.clone()));
             registry.observe(&current, &published);
             counted(&registry.inner.config.metrics);
@@ -698,8 +785,19 @@ impl Registry {
         id: &str,
         reports: Vec<(TaskName, TaskReport)>,
     ) -> Result<Arc<Allocation>, RegistryError> {
-        self.apply_reports(id, reports, |a, r, now, next| a.report(r, now, next))
-            .await
+        self.report_keyed(id, reports, None).await
+    }
+
+    /// `report`, for a request that carries an `Idempotency-Key`: a retry
+    /// of a request whose change is already in (the key kept on one of its
+    /// tasks) answers the record as it is, applying nothing again.
+    pub async fn report_keyed(
+        &self,
+        id: &str,
+        reports: Vec<(TaskName, TaskReport)>,
+        key: Option<IdemKey>,
+    ) -> Result<Arc<Allocation>, RegistryError> {
+        self.apply_reports(id, reports, Apply::Report(key)).await
     }
 
     /// Restore: the coordinator goes to `prestart`, the states are applied,
@@ -709,17 +807,19 @@ impl Registry {
         id: &str,
         reports: Vec<(TaskName, TaskReport)>,
     ) -> Result<Arc<Allocation>, RegistryError> {
-        self.apply_reports(id, reports, |a, r, now, next| a.restore(r, now, next))
-            .await
+        self.apply_reports(id, reports, Apply::Restore).await
     }
 
     async fn apply_reports(
         &self,
         id: &str,
         reports: Vec<(TaskName, TaskReport)>,
-        apply: ApplyReports,
+        apply: Apply,
     ) -> Result<Arc<Allocation>, RegistryError> {
         let count = reports.len();
+        // A report is a sign of life, from the moment it arrives: a task
+        // whose TTL ends while its report waits for the lock is not lost.
+        self.signs_of_life(id, reports.iter().map(|(name, _)| name.as_str()));
         // A shared store may decide more than once (after a conflict): a
         // copy is kept for the later rounds. The first takes the reports.
         let spare = self.inner.store.replicated().map(|_| reports.clone());
@@ -733,7 +833,28 @@ impl Registry {
                         .or_else(|| spare.clone())
                         .expect("only a shared store decides twice, and it keeps a copy");
                     let reports = Self::positions(a, reports)?;
-                    Ok((apply(a, &reports, now(), next_index), ()))
+                    let now = self.now();
+                    let next = match apply {
+                        Apply::Restore => a.restore(&reports, now, next_index),
+                        Apply::Report(key) => {
+                            if let Some((i, at)) = a.lost_among(reports.iter().map(|(i, _)| *i)) {
+                                return Err(RegistryError::task_lost(a, i, at));
+                            }
+                            if let Some(key) = key {
+                                match a.key_seen(reports.iter().map(|(i, _)| *i), key) {
+                                    KeySeen::New => {}
+                                    KeySeen::Retry => return Ok((None, ())),
+                                    KeySeen::Reused => {
+                                        return Err(RegistryError::KeyReused {
+                                            index: a.modify_index,
+                                        });
+                                    }
+                                }
+                            }
+                            a.report_keyed(&reports, key, now, next_index)
+                        }
+                    };
+                    Ok((next, ()))
                 },
                 move |metrics| metrics.reports(count),
             )
@@ -765,7 +886,7 @@ impl Registry {
                     RestartTarget::AllTasks => RestartMode::AllTasks,
                 };
                 let (next, chosen) =
-                    a.restart(mode, reason, now(), next_index)
+                    a.restart(mode, reason, self.now(), next_index)
                         .map_err(|error| RegistryError::RestartRefused {
                             error,
                             index: a.modify_index,

@@ -19,7 +19,6 @@ use super::feed::Event;
 use super::{
     Inner, Quota, Registry, RegistryError, Slot,
     handle::{Handle, WriteGuard},
-    now,
 };
 use crate::{
     lifecycle::{AllocId, AllocSpec, Allocation, CoordState},
@@ -215,7 +214,7 @@ impl Registry {
                 Slot::Creating => {}
             }
             const STAMP: u64 = 1;
-            let mut a = Allocation::register(id.clone(), spec.clone(), STAMP, now());
+            let mut a = Allocation::register(id.clone(), spec.clone(), STAMP, self.now());
             match store.swap(Op::Put(Arc::new(a.clone())), 0).await {
                 Ok(index) => {
                     self.reach(index).await;
@@ -321,10 +320,12 @@ impl Inner {
                     return None;
                 }
                 handle.publish_live(now.as_deref(), a.clone(), limit);
+                self.reschedule(handle, &a);
             }
             None => {
                 let handle = Arc::new(Handle::creating(&a.id));
                 handle.publish_live(None, a.clone(), limit);
+                self.reschedule(&handle, &a);
                 map.insert(a.id.clone(), handle);
             }
         }

@@ -358,6 +358,10 @@ impl Store for SlowStore {
         self.inner.load()
     }
 
+    fn id(&self) -> &str {
+        self.inner.id()
+    }
+
     fn commit(&self, op: Op) -> crate::store::Commit {
         self.queued.fetch_add(1, Ordering::SeqCst);
         let permits = self.permits.clone();
@@ -476,6 +480,10 @@ impl Store for Preloaded {
         Ok(self.0.lock().unwrap().take().unwrap_or_default())
     }
 
+    fn id(&self) -> &str {
+        "0123456789abcdef0123456789abcdef"
+    }
+
     fn commit(&self, _: Op) -> crate::store::Commit {
         Box::pin(async { Ok(()) })
     }
@@ -560,4 +568,296 @@ async fn a_quota_counts_each_allocation_once_across_overlapping_prefixes() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("holds 3"), "{err}");
+}
+
+mod third_edition {
+    //! Liveness, deadlines and idempotency keys through the registry, on
+    //! tokio's paused clock: time moves only when the test says.
+
+    use super::*;
+    use crate::lifecycle::{Deadlines, IdemKey, StopKind};
+
+    const TTL: Duration = Duration::from_secs(30);
+
+    thread_local! {
+        /// One clock per test (each runs on its own thread): a registry
+        /// opened again reads the same time as the one before it.
+        static CLOCK: std::cell::OnceCell<Clock> = const { std::cell::OnceCell::new() };
+    }
+
+    fn config() -> RegistryConfig {
+        RegistryConfig {
+            clock: CLOCK.with(|c| c.get_or_init(Clock::tokio).clone()),
+            ..RegistryConfig::default()
+        }
+    }
+
+    fn timed_registry(store: Arc<MemoryStore>) -> Registry {
+        Registry::open(store, config()).unwrap()
+    }
+
+    /// `web` under a TTL, `side` a prestart sidecar without one.
+    fn watched() -> AllocSpec {
+        let tasks = vec![
+            TaskSpec {
+                lifecycle: Some(Lifecycle {
+                    hook: Hook::Prestart,
+                    sidecar: true,
+                }),
+                ..TaskSpec::named(TaskName::parse("side").unwrap())
+            },
+            TaskSpec {
+                liveness: Some(TTL),
+                ..TaskSpec::named(TaskName::parse("web").unwrap())
+            },
+        ];
+        AllocSpec::new(tasks, &Limits::default()).unwrap()
+    }
+
+    /// Lets every task the registry started run until it parks again.
+    async fn settle() {
+        for _ in 0..64 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    async fn running(r: &Registry) {
+        r.register(id("a"), watched()).await.unwrap();
+        r.report("a", report("side", RunState::Running))
+            .await
+            .unwrap();
+        r.report("a", report("web", RunState::Running))
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_task_without_a_sign_of_life_for_its_ttl_is_declared_lost_by_the_timer() {
+        let r = timed_registry(Arc::new(MemoryStore::new()));
+        running(&r).await;
+        tokio::time::advance(TTL - Duration::from_millis(1)).await;
+        settle().await;
+        assert!(!r.get("a").unwrap().tasks[1].lost(), "not yet");
+        tokio::time::advance(Duration::from_millis(2)).await;
+        settle().await;
+        let a = r.get("a").unwrap();
+        assert!(a.tasks[1].lost(), "lost once its TTL passed");
+        assert_eq!(a.tasks[1].state, RunState::Dead);
+        let reason = a.desired(0).reason().unwrap();
+        assert_eq!(
+            reason.kind,
+            StopKind::SiblingTaskFailed,
+            "its sidecar is told to stop"
+        );
+        // The timeline says so, as the server's entry.
+        let lost: Vec<_> = r
+            .timeline(&a)
+            .into_iter()
+            .filter(|e| matches!(e.what, timeline::What::Lost { task: 1, .. }))
+            .collect();
+        assert_eq!(lost.len(), 1);
+        // Its agent, back, is refused: report and heartbeat.
+        let err = r
+            .report("a", report("web", RunState::Running))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, RegistryError::TaskLost { .. }), "{err:?}");
+        let err = r.heartbeat("a", "web").unwrap_err();
+        assert!(matches!(err, RegistryError::TaskLost { .. }), "{err:?}");
+        // Nothing more to look at: the heap is drained of it.
+        settle().await;
+        tokio::time::advance(TTL * 10).await;
+        settle().await;
+        assert_eq!(r.get("a").unwrap().modify_index, a.modify_index);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn heartbeats_reports_and_parked_queries_are_signs_of_life() {
+        let r = timed_registry(Arc::new(MemoryStore::new()));
+        running(&r).await;
+        // Heartbeats, each within the TTL, for four TTLs.
+        for _ in 0..8 {
+            tokio::time::advance(TTL / 2).await;
+            settle().await;
+            r.heartbeat("a", "web").unwrap();
+        }
+        assert!(!r.get("a").unwrap().tasks[1].lost());
+        // A heartbeat writes nothing.
+        let index = r.get("a").unwrap().modify_index;
+        // A report that changes nothing is one too.
+        tokio::time::advance(TTL / 2).await;
+        r.report("a", report("web", RunState::Running))
+            .await
+            .unwrap();
+        assert_eq!(r.get("a").unwrap().modify_index, index);
+        // A parked task query counts for as long as it is parked: four
+        // TTLs here.
+        let waiter = {
+            let r = r.clone();
+            tokio::spawn(async move { r.wait_task("a", "web", index, TTL * 4).await })
+        };
+        parked(&r, 1).await;
+        for _ in 0..6 {
+            tokio::time::advance(TTL / 2).await;
+            settle().await;
+        }
+        assert!(!r.get("a").unwrap().tasks[1].lost(), "alive while parked");
+        // The wait times out at four TTLs.
+        tokio::time::advance(TTL).await;
+        waiter.await.unwrap().unwrap();
+        // From the end of the wait, a full TTL.
+        tokio::time::advance(TTL - Duration::from_millis(10)).await;
+        settle().await;
+        assert!(!r.get("a").unwrap().tasks[1].lost());
+        tokio::time::advance(Duration::from_millis(20)).await;
+        settle().await;
+        assert!(r.get("a").unwrap().tasks[1].lost());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_restarted_server_gives_every_running_task_a_full_ttl() {
+        let store = Arc::new(MemoryStore::new());
+        {
+            let r = timed_registry(store.clone());
+            running(&r).await;
+            // Silent for most of a TTL before the "restart".
+            tokio::time::advance(TTL - Duration::from_secs(1)).await;
+            settle().await;
+        }
+        let r = timed_registry(store);
+        tokio::time::advance(TTL - Duration::from_secs(1)).await;
+        settle().await;
+        assert!(
+            !r.get("a").unwrap().tasks[1].lost(),
+            "a full TTL from the load"
+        );
+        tokio::time::advance(Duration::from_secs(2)).await;
+        settle().await;
+        assert!(r.get("a").unwrap().tasks[1].lost());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_default_ttl_watches_every_task_without_its_own() {
+        let r = Registry::open(
+            Arc::new(MemoryStore::new()),
+            RegistryConfig {
+                default_liveness_ttl: Some(Duration::from_secs(5)),
+                ..config()
+            },
+        )
+        .unwrap();
+        r.register(id("a"), two_stage()).await.unwrap();
+        r.report("a", report("init", RunState::Running))
+            .await
+            .unwrap();
+        let a = r.get("a").unwrap();
+        assert_eq!(r.ttl(&a, 0), Some(Duration::from_secs(5)));
+        tokio::time::advance(Duration::from_secs(6)).await;
+        settle().await;
+        assert!(r.get("a").unwrap().tasks[0].lost());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_deadline_fires_on_time_and_one_that_passed_while_down_fires_at_load() {
+        let store = Arc::new(MemoryStore::new());
+        let mut deadlines = Deadlines::default();
+        deadlines.set(CoordState::Prestart, Some(Duration::from_secs(60)));
+        let with_deadline = |name: &str| {
+            let spec = two_stage();
+            AllocSpec::with_deadlines(spec.tasks().to_vec(), deadlines, &Limits::default())
+                .map(|s| (id(name), s))
+                .unwrap()
+        };
+        {
+            let r = timed_registry(store.clone());
+            let (i, s) = with_deadline("on-time");
+            r.register(i, s).await.unwrap();
+            tokio::time::advance(Duration::from_secs(59)).await;
+            settle().await;
+            assert!(!r.get("on-time").unwrap().order().is_stop());
+            tokio::time::advance(Duration::from_secs(2)).await;
+            settle().await;
+            let a = r.get("on-time").unwrap();
+            let reason = a.order().reason().unwrap();
+            assert_eq!(
+                (reason.kind, reason.stage),
+                (StopKind::DeadlineExceeded, Some(CoordState::Prestart))
+            );
+            assert_eq!(a.deadline_at, None);
+            let (i, s) = with_deadline("while-down");
+            r.register(i, s).await.unwrap();
+        }
+        // Down for two minutes (the clock moves; no registry runs).
+        tokio::time::advance(Duration::from_secs(120)).await;
+        let r = timed_registry(store);
+        settle().await;
+        let a = r.get("while-down").unwrap();
+        assert_eq!(
+            a.order().reason().map(|r| r.kind),
+            Some(StopKind::DeadlineExceeded),
+            "fired as soon as the store was loaded"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_retried_keyed_report_is_applied_once_even_after_a_restart() {
+        let store = Arc::new(MemoryStore::new());
+        let key = IdemKey { key: 7, request: 1 };
+        let with_event = || {
+            let mut r = report("web", RunState::Running);
+            r[0].1.event = Some(crate::lifecycle::EventInput {
+                kind: "Started".into(),
+                time: None,
+                message: String::new(),
+                details: Default::default(),
+            });
+            r
+        };
+        let first = {
+            let r = Registry::open(store.clone(), RegistryConfig::default()).unwrap();
+            r.register(id("a"), two_stage()).await.unwrap();
+            let first = r.report_keyed("a", with_event(), Some(key)).await.unwrap();
+            let again = r.report_keyed("a", with_event(), Some(key)).await.unwrap();
+            assert_eq!(again.modify_index, first.modify_index, "applied once");
+            assert_eq!(again.tasks[1].events.len(), 1, "one event");
+            first
+        };
+        let r = Registry::open(store, RegistryConfig::default()).unwrap();
+        let again = r.report_keyed("a", with_event(), Some(key)).await.unwrap();
+        assert_eq!(
+            again.modify_index, first.modify_index,
+            "the key outlived the restart"
+        );
+        // The same key with another request is refused; a new key applies.
+        let other = IdemKey { key: 7, request: 2 };
+        let err = r
+            .report_keyed("a", report("web", RunState::Dead), Some(other))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, RegistryError::KeyReused { .. }), "{err:?}");
+        let next = r
+            .report_keyed("a", with_event(), Some(IdemKey { key: 8, request: 1 }))
+            .await
+            .unwrap();
+        assert_eq!(next.tasks[1].events.len(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn allocations_without_ttls_or_deadlines_never_enter_the_timer_heap() {
+        let r = timed_registry(Arc::new(MemoryStore::new()));
+        for i in 0..50 {
+            let name = format!("plain-{i}");
+            r.register(id(&name), two_stage()).await.unwrap();
+            r.report(&name, report("init", RunState::Running))
+                .await
+                .unwrap();
+        }
+        assert_eq!(r.timer_entries(), 0);
+        running(&r).await;
+        assert_eq!(
+            r.timer_entries(),
+            1,
+            "one entry for the allocation, not one per task"
+        );
+    }
 }

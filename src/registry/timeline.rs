@@ -13,7 +13,8 @@
 use std::{collections::VecDeque, sync::Arc};
 
 use crate::lifecycle::{
-    Allocation, CoordState, Desired, EventBody, RESTART_EVENT, RunState, StopKind, Timestamp,
+    Allocation, CoordState, Desired, EventBody, LOST_EVENT, RESTART_EVENT, RunState, StopKind,
+    Timestamp,
 };
 
 /// What happened, compactly; tasks are positions in the allocation's spec.
@@ -33,6 +34,19 @@ pub enum What {
     StopOrder {
         reason: StopKind,
         named: Option<u16>,
+        /// For "Deadline Exceeded": the state whose deadline passed.
+        stage: Option<CoordState>,
+    },
+    /// A task was declared lost; its "Agent Lost" event (the server's)
+    /// carries the TTL and the last sign of life.
+    Lost {
+        task: u16,
+        event: Arc<EventBody>,
+    },
+    /// A deadline passed: a stage's (`prestart`, `main`, `poststart`) or
+    /// the poststop tasks'.
+    DeadlineExceeded {
+        stage: CoordState,
     },
     /// Boxed: rare, and the largest; the entry of every other kind stays
     /// 32 bytes.
@@ -162,10 +176,31 @@ pub fn entries(prev: Option<&Allocation>, next: &Allocation) -> Vec<Entry> {
             event,
         }))));
     }
+    // A deadline that passed comes before what it causes.
+    let (was, is) = (prev.overdue(), next.overdue());
+    let stage =
+        |o: Option<&crate::lifecycle::Overdue>| o.and_then(|o| o.stage.as_ref().map(|s| s.0));
+    let told = |o: Option<&crate::lifecycle::Overdue>| o.is_some_and(|o| o.poststop.is_some());
+    if stage(is).is_some() && stage(is) != stage(was) {
+        out.push(at(What::DeadlineExceeded {
+            stage: stage(is).expect("checked"),
+        }));
+    }
+    if told(is) && !told(was) {
+        out.push(at(What::DeadlineExceeded {
+            stage: CoordState::Poststop,
+        }));
+    }
     for (i, (p, n)) in prev.tasks.iter().zip(&next.tasks).enumerate() {
+        let lost_now = n.lost() && !p.lost();
         // The agent's events first: they say why the state changed.
         for event in n.events.added_since(&p.events) {
-            if event.kind != RESTART_EVENT {
+            if lost_now && event.kind == LOST_EVENT {
+                out.push(at(What::Lost {
+                    task: pos(i),
+                    event: event.body().clone(),
+                }));
+            } else if event.kind != RESTART_EVENT {
                 out.push(Entry::new(
                     next.modify_index,
                     event.time,
@@ -195,6 +230,7 @@ pub fn entries(prev: Option<&Allocation>, next: &Allocation) -> Vec<Entry> {
                 .as_ref()
                 .and_then(|t| next.position(t.as_str()))
                 .map(pos),
+            stage: reason.stage,
         }));
     }
     if prev.state != next.state {
@@ -251,10 +287,12 @@ mod tests {
                 What::Registered => "Registered".to_owned(),
                 What::Coordinator { from, to } => format!("Coordinator {from}->{to}"),
                 What::TaskState { task, state, .. } => format!("Task State {task} {state}"),
-                What::StopOrder { reason, named } => format!("Stop Order {reason} {named:?}"),
+                What::StopOrder { reason, named, .. } => format!("Stop Order {reason} {named:?}"),
                 What::RestartOrder(r) => format!("Restart Order {:?}", r.tasks),
                 What::Restored => "Restored".to_owned(),
                 What::Agent { task, event } => format!("Agent {task} {}", event.kind),
+                What::Lost { task, .. } => format!("Agent Lost {task}"),
+                What::DeadlineExceeded { stage } => format!("Deadline Exceeded {stage}"),
             })
             .collect()
     }

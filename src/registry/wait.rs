@@ -46,6 +46,18 @@ impl Registry {
         timeout: Duration,
         done: impl Fn(&Allocation) -> bool,
     ) -> Result<Arc<Allocation>, RegistryError> {
+        self.wait_for_task(id, None, timeout, done).await
+    }
+
+    /// `wait_until`, asked by (or for) `task`'s agent: a sign of life for
+    /// the task when it comes, and for as long as it is parked.
+    async fn wait_for_task(
+        &self,
+        id: &str,
+        task: Option<&str>,
+        timeout: Duration,
+        done: impl Fn(&Allocation) -> bool,
+    ) -> Result<Arc<Allocation>, RegistryError> {
         let handle = self.handle(id)?;
         let current = match handle.slot_now() {
             Slot::Live(a) => a,
@@ -53,10 +65,21 @@ impl Registry {
                 return Err(RegistryError::AllocationNotFound(id.to_owned()));
             }
         };
+        let life = task
+            .and_then(|t| current.position(t))
+            .filter(|&i| self.ttl(&current, i).is_some());
+        if let Some(i) = life {
+            handle.lives().touch(current.tasks.len(), i, self.now());
+        }
         if done(&current) || timeout.is_zero() {
             return Ok(current);
         }
         let _parked = self.park()?;
+        let _alive = life.map(|i| {
+            handle
+                .lives()
+                .park(current.tasks.len(), i, self.inner.config.clock.clone())
+        });
         let mut shutdown = self.inner.shutdown.subscribe();
         let gone = || RegistryError::Deleted(id.to_owned());
         tokio::select! {
@@ -102,7 +125,7 @@ impl Registry {
         timeout: Duration,
     ) -> Result<(Arc<Allocation>, usize), RegistryError> {
         let a = self
-            .wait_until(id, timeout, |a| {
+            .wait_for_task(id, Some(task), timeout, |a| {
                 a.position(task)
                     .is_none_or(|i| a.tasks[i].modify_index > index)
             })
@@ -121,7 +144,7 @@ impl Registry {
         timeout: Duration,
     ) -> Result<(Arc<Allocation>, usize), RegistryError> {
         let a = self
-            .wait_until(id, timeout, |a| {
+            .wait_for_task(id, Some(task), timeout, |a| {
                 a.position(task)
                     .is_none_or(|i| a.allowed(i) || a.desired(i).is_stop())
             })
@@ -176,6 +199,11 @@ impl Subscription {
                 _ = shutdown.changed() => {}
             }
         }
+    }
+
+    /// The registry it reads.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
     }
 
     /// The last index this reader was given or went past.

@@ -151,6 +151,8 @@ pub struct StoreStats {
 pub struct DiskStore {
     /// Held (locked) while the store is open.
     _lock: Box<dyn DirLock>,
+    /// The data directory's ID (`identity.rs`).
+    id: String,
     /// Written by the writer and the checkpoints; read by `stats`.
     stats: Arc<Mutex<StoreStats>>,
     dir: PathBuf,
@@ -209,6 +211,7 @@ impl DiskStore {
         let loaded = load_with(fs, &config.dir, &recovery.overlay)?;
         // Everything read back: only now is anything changed.
         recovery.apply(fs, &config.dir)?;
+        let id = super::identity::ensure(fs, &config.dir)?;
         let (log_bytes, next_seq) = (recovery.log_bytes, recovery.next_seq);
         drop(recovery);
         let segment = wal::Segment::create(fs, &config.dir, next_seq).map_err(|e| {
@@ -275,6 +278,7 @@ impl DiskStore {
         let writer = spawn("taskgate-store", Box::new(move || writer.run(&rx)))?;
         Ok(Self {
             _lock: lock,
+            id,
             stats,
             dir: config.dir,
             queue: Mutex::new(Some(tx)),
@@ -582,6 +586,10 @@ pub fn read_only(dir: &Path) -> Result<Loaded, StoreError> {
 impl Store for DiskStore {
     fn load(&self) -> Result<Loaded, StoreError> {
         self.recovered.take()
+    }
+
+    fn id(&self) -> &str {
+        &self.id
     }
 
     fn commit(&self, op: Op) -> Commit {

@@ -15,8 +15,9 @@ use std::{
 use super::{Commit, Loaded, Op, Store, StoreError};
 use crate::lifecycle::{AllocId, Allocation};
 
-#[derive(Default)]
 pub struct MemoryStore {
+    /// A new ID per store: nothing of it outlives the process.
+    id: String,
     /// Committed records; written by `commit`, read by `load`. `None` for a
     /// volatile store. A std mutex: it is never held across an `.await`.
     records: Option<Mutex<HashMap<AllocId, Arc<Allocation>>>>,
@@ -26,6 +27,18 @@ pub struct MemoryStore {
     fail: AtomicBool,
     /// When set, commits never finish (to test timeouts).
     stall: AtomicBool,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self {
+            id: super::identity::new_id(),
+            records: None,
+            last_index: AtomicU64::new(0),
+            fail: AtomicBool::new(false),
+            stall: AtomicBool::new(false),
+        }
+    }
 }
 
 impl MemoryStore {
@@ -59,6 +72,10 @@ impl MemoryStore {
 }
 
 impl Store for MemoryStore {
+    fn id(&self) -> &str {
+        &self.id
+    }
+
     fn load(&self) -> Result<Loaded, StoreError> {
         // In ID order, as the `Store` contract (and the disk store) loads them.
         let mut allocations: Vec<Allocation> = self

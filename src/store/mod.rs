@@ -7,6 +7,7 @@
 mod disk;
 pub mod etcd;
 pub mod fs;
+pub mod identity;
 mod memory;
 #[cfg(test)]
 mod powerloss;
@@ -119,6 +120,10 @@ pub trait Store: Send + Sync + 'static {
 
     /// Queues a change. The returned future resolves when it is durable.
     fn commit(&self, op: Op) -> Commit;
+
+    /// The store's ID (`identity.rs`): given to a data directory or an
+    /// etcd prefix when it is first used, the same for every replica.
+    fn id(&self) -> &str;
 
     /// How the store is doing (`/v1/health`, the metrics).
     fn health(&self) -> StoreHealth {

@@ -48,6 +48,8 @@ const RETRY_MAX: Duration = Duration::from_secs(5);
 const CONNECT_PATIENCE: Duration = Duration::from_secs(60);
 
 pub struct EtcdStore {
+    /// The prefix's store ID (`identify`).
+    id: String,
     client: Arc<Client>,
     /// `<prefix>a/`: the allocations' keys.
     keys: Vec<u8>,
@@ -100,7 +102,9 @@ impl EtcdStore {
                 }
             }
         };
+        let id = identify(&client, config.prefix.as_bytes()).await?;
         Ok(Self {
+            id,
             client: Arc::new(client),
             keys,
             loaded: LoadOnce::new(loaded),
@@ -113,6 +117,30 @@ impl EtcdStore {
         let mut key = self.keys.clone();
         key.extend_from_slice(id.as_str().as_bytes());
         key
+    }
+}
+
+/// The prefix's store ID (`<prefix>store-id`), written by the first
+/// replica that finds none: every replica of the prefix answers the same.
+async fn identify(client: &Client, prefix: &[u8]) -> Result<String, StoreError> {
+    let mut key = prefix.to_vec();
+    key.extend_from_slice(super::identity::STORE_ID_FILE.as_bytes());
+    let name = String::from_utf8_lossy(&key).into_owned();
+    let fresh = super::identity::new_id();
+    let value = match client.swap(&key, Some(fresh.as_bytes()), 0).await {
+        Ok(Swapped::Done(_)) => fresh.into_bytes(),
+        Ok(Swapped::Conflict { value, .. }) => value,
+        Err(e) => {
+            return Err(StoreError::Unusable(format!(
+                "cannot read or write the store ID at {name} in etcd: {e}"
+            )));
+        }
+    };
+    match String::from_utf8(value) {
+        Ok(id) if super::identity::is_id(&id) => Ok(id),
+        _ => Err(StoreError::Unusable(format!(
+            "the store ID at {name} in etcd is damaged (it should be 32 hex digits);              delete the key to give the prefix a new ID (clients then take it for another              store)"
+        ))),
     }
 }
 
@@ -175,6 +203,10 @@ fn unavailable(e: CallError) -> StoreError {
 impl Store for EtcdStore {
     fn load(&self) -> Result<Loaded, StoreError> {
         self.loaded.take()
+    }
+
+    fn id(&self) -> &str {
+        &self.id
     }
 
     fn commit(&self, _: Op) -> Commit {
