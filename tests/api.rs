@@ -6,7 +6,8 @@ mod common;
 use std::time::Duration;
 
 use axum::http::StatusCode;
-use common::{five_tasks, test_app, test_app_with};
+use axum::{body::Body, http::Request};
+use common::{five_tasks, on_etcd, test_app, test_app_with};
 use serde_json::{Value, json};
 use taskgate::{http::HttpConfig, registry::RegistryConfig};
 
@@ -2263,4 +2264,270 @@ async fn the_web_view_is_served_from_the_binary() {
     let page = String::from_utf8(app.get("/ui").await.raw).unwrap();
     assert!(page.contains("/ui/app.js") && page.contains("/ui/app.css"));
     assert_eq!(app.get("/ui/nothing").await.status, StatusCode::NOT_FOUND);
+}
+
+// ---- third edition: liveness, deadlines, idempotency keys, store identity ----
+
+/// A registration with a TTL on `web` and deadlines.
+fn timed_spec() -> Value {
+    json!({"tasks": [
+        {"name": "init", "lifecycle": {"hook": "prestart"}},
+        {"name": "web", "liveness": {"ttl": "30s"}},
+    ], "deadlines": {"prestart": "10m", "poststop": "1h30m"}})
+}
+
+#[tokio::test]
+async fn liveness_and_deadlines_are_registered_shown_and_validated() {
+    let app = test_app().await;
+    if common::etcd_endpoints().is_some() {
+        // Not enforced across replicas yet: refused, never silently
+        // ignored.
+        let a = app
+            .call("PUT", "/v1/allocations/t1", Some(timed_spec()))
+            .await;
+        a.assert_problem(400, "invalid_request");
+        assert!(
+            a.body["detail"].as_str().unwrap().contains("--store etcd"),
+            "{}",
+            a.body
+        );
+        return;
+    }
+    let a = app
+        .call("PUT", "/v1/allocations/t1", Some(timed_spec()))
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    assert_eq!(a.task("web")["liveness"], json!({"ttl": "30s"}));
+    assert_eq!(a.task("init")["liveness"], Value::Null);
+    assert_eq!(a.task("web")["lost"], false);
+    assert_eq!(a.task("web")["last_seen"], Value::Null);
+    assert_eq!(
+        a.body["deadlines"],
+        json!({"prestart": "10m", "main": null, "poststart": null, "poststop": "1h30m"})
+    );
+    let at = time::OffsetDateTime::parse(
+        a.body["deadline_at"]
+            .as_str()
+            .expect("prestart's deadline runs"),
+        &time::format_description::well_known::Rfc3339,
+    )
+    .unwrap();
+    let created = time::OffsetDateTime::parse(
+        a.body["created_at"].as_str().unwrap(),
+        &time::format_description::well_known::Rfc3339,
+    )
+    .unwrap();
+    assert_eq!(at - created, time::Duration::minutes(10));
+    // The same spec again is the same allocation; another TTL is another
+    // spec.
+    let again = app
+        .call("PUT", "/v1/allocations/t1", Some(timed_spec()))
+        .await;
+    assert_eq!(again.status, StatusCode::OK);
+    let mut other = timed_spec();
+    other["tasks"][1]["liveness"]["ttl"] = json!("31s");
+    app.call("PUT", "/v1/allocations/t1", Some(other))
+        .await
+        .assert_problem(409, "allocation_exists");
+    // Running, web has a last sign of life.
+    let a = app.report("t1", "web", json!({"state": "running"})).await;
+    assert!(a.task("web")["last_seen"].is_string(), "{}", a.body);
+
+    // Out of range, not a duration, unknown fields.
+    for (field, value, path) in [
+        ("ttl", json!("500ms"), "tasks[1].liveness.ttl"),
+        ("ttl", json!("25h"), "tasks[1].liveness.ttl"),
+        ("ttl", json!("30 seconds"), "tasks[1].liveness.ttl"),
+    ] {
+        let mut spec = timed_spec();
+        spec["tasks"][1]["liveness"][field] = value;
+        let a = app.call("PUT", "/v1/allocations/bad", Some(spec)).await;
+        a.assert_problem(400, "invalid_request");
+        assert_eq!(a.error_fields(), [path], "{}", a.body);
+    }
+    let mut spec = timed_spec();
+    spec["deadlines"] = json!({"main": "169h", "poststart": "0s"});
+    let a = app.call("PUT", "/v1/allocations/bad", Some(spec)).await;
+    a.assert_problem(400, "invalid_request");
+    assert_eq!(a.error_fields(), ["deadlines.main", "deadlines.poststart"]);
+    let mut spec = timed_spec();
+    spec["deadlines"] = json!({"wait_alloc": "1m"});
+    app.call("PUT", "/v1/allocations/bad", Some(spec))
+        .await
+        .assert_problem(400, "invalid_json");
+    assert_eq!(app.get("/v1/allocations/bad").await.status, 404);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_task_whose_agent_goes_silent_is_lost_and_its_agent_refused() {
+    if on_etcd(
+        "a_task_whose_agent_goes_silent_is_lost_and_its_agent_refused",
+        "paused time; TTLs not enforced with the etcd store yet",
+    ) {
+        return;
+    }
+    let app = test_app_with(
+        RegistryConfig {
+            clock: taskgate::registry::Clock::tokio(),
+            ..RegistryConfig::default()
+        },
+        HttpConfig::default(),
+    )
+    .await;
+    app.call("PUT", "/v1/allocations/t1", Some(timed_spec()))
+        .await;
+    app.report("t1", "init", json!({"state": "dead"})).await;
+    let running = app.report("t1", "web", json!({"state": "running"})).await;
+    // Heartbeats: 204 with the index, no change.
+    for _ in 0..3 {
+        tokio::time::advance(Duration::from_secs(20)).await;
+        let hb = app
+            .call("PUT", "/v1/allocations/t1/tasks/web/heartbeat", None)
+            .await;
+        assert_eq!(hb.status, StatusCode::NO_CONTENT, "{}", hb.body);
+        assert_eq!(hb.index(), running.index(), "a heartbeat writes nothing");
+        assert!(hb.raw.is_empty());
+    }
+    app.call("PUT", "/v1/allocations/t1/tasks/nope/heartbeat", None)
+        .await
+        .assert_problem(404, "task_not_found");
+    app.call("PUT", "/v1/allocations/zz/tasks/web/heartbeat", None)
+        .await
+        .assert_problem(404, "allocation_not_found");
+    // Silent for a TTL: lost.
+    tokio::time::advance(Duration::from_secs(31)).await;
+    for _ in 0..64 {
+        tokio::task::yield_now().await;
+    }
+    let a = app.get("/v1/allocations/t1").await;
+    let web = a.task("web");
+    assert_eq!(
+        (&web["state"], &web["failed"], &web["lost"]),
+        (&json!("dead"), &json!(true), &json!(true)),
+        "{}",
+        a.body
+    );
+    assert_eq!(web["stop_reason"]["type"], "Agent Lost");
+    assert_eq!(a.body["coordinator_state"], "poststop");
+    assert_eq!(a.body["outcome"], "failed");
+    assert_eq!(a.body["failed_tasks"], json!(["web"]));
+    let last = web["events"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(last["type"], "Agent Lost");
+    assert_eq!(last["message"], "no sign of life for 30s");
+    // Its agent, back: every write is 409 task_lost with `lost_at`; its
+    // start condition says stop.
+    let r = app.report("t1", "web", json!({"state": "running"})).await;
+    r.assert_problem(409, "task_lost");
+    assert!(r.body["lost_at"].is_string(), "{}", r.body);
+    assert_eq!(r.index(), a.index());
+    let batch = app
+        .call(
+            "POST",
+            "/v1/allocations/t1/task-states",
+            Some(json!({"tasks": {"web": {"state": "dead"}}})),
+        )
+        .await;
+    batch.assert_problem(409, "task_lost");
+    app.call("PUT", "/v1/allocations/t1/tasks/web/heartbeat", None)
+        .await
+        .assert_problem(409, "task_lost");
+    let sc = app
+        .get("/v1/allocations/t1/tasks/web/start-condition")
+        .await;
+    assert_eq!(sc.body["allowed"], false);
+    assert_eq!(sc.body["desired"], "stop");
+    assert_eq!(sc.body["stop_reason"]["type"], "Agent Lost");
+    // The timeline has the server's entry.
+    let tl = app.get("/v1/allocations/t1/events").await;
+    let lost: Vec<&Value> = tl.body["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["type"] == "Agent Lost")
+        .collect();
+    assert_eq!(lost.len(), 1, "{}", tl.body);
+    assert_eq!(lost[0]["task"], "web");
+    assert_eq!(lost[0]["details"]["ttl"], "30s");
+    assert!(
+        lost[0]["details"].get("source").is_none(),
+        "the server's entry"
+    );
+}
+
+#[tokio::test]
+async fn a_retried_report_with_its_idempotency_key_is_applied_once() {
+    let app = test_app().await;
+    app.register_five("k1").await;
+    let keyed = |key: &str, body: Value| {
+        Request::put("/v1/allocations/k1/tasks/init/state")
+            .header("content-type", "application/json")
+            .header("idempotency-key", key)
+            .body(Body::from(body.to_string()))
+            .unwrap()
+    };
+    let started = json!({"state": "running", "event": {"type": "Started"}});
+    let first = app.send(keyed("r-1", started.clone())).await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.body);
+    let retry = app.send(keyed("r-1", started.clone())).await;
+    assert_eq!(retry.status, StatusCode::OK);
+    assert_eq!(retry.index(), first.index(), "nothing applied again");
+    let events = retry.task("init")["events"].as_array().unwrap().len();
+    assert_eq!(events, 1, "one event, not two: {}", retry.body);
+    // A quoted key is the same key.
+    let quoted = app.send(keyed("\"r-1\"", started.clone())).await;
+    assert_eq!(quoted.index(), first.index());
+    // The same key with another request: 422.
+    let other = app
+        .send(keyed("r-1", json!({"state": "dead", "failed": true})))
+        .await;
+    other.assert_problem(422, "idempotency_key_reused");
+    // Without a key, the same report again appends its event (as before).
+    let plain = app.report("k1", "init", started.clone()).await;
+    assert_eq!(plain.task("init")["events"].as_array().unwrap().len(), 2);
+    // Batches take keys too.
+    let batch = |key: &str| {
+        Request::post("/v1/allocations/k1/task-states")
+            .header("content-type", "application/json")
+            .header("idempotency-key", key)
+            .body(Body::from(
+                json!({"tasks": {"proxy": {"state": "running", "event": {"type": "Up"}}}})
+                    .to_string(),
+            ))
+            .unwrap()
+    };
+    let b1 = app.send(batch("b-1")).await;
+    let b2 = app.send(batch("b-1")).await;
+    assert_eq!(b2.index(), b1.index());
+    assert_eq!(b2.task("proxy")["events"].as_array().unwrap().len(), 1);
+    // Keys that are not keys.
+    for bad in ["", "\"\"", &"k".repeat(256)] {
+        let a = app.send(keyed(bad, started.clone())).await;
+        a.assert_problem(400, "invalid_request");
+        assert_eq!(a.error_fields(), ["Idempotency-Key"], "{bad:?}");
+    }
+    let twice = Request::put("/v1/allocations/k1/tasks/init/state")
+        .header("content-type", "application/json")
+        .header("idempotency-key", "a")
+        .header("idempotency-key", "b")
+        .body(Body::from(started.to_string()))
+        .unwrap();
+    app.send(twice).await.assert_problem(400, "invalid_request");
+}
+
+#[tokio::test]
+async fn every_answer_carries_the_store_s_id() {
+    let app = test_app().await;
+    let id = app.registry.store_id().to_owned();
+    assert_eq!(id.len(), 32, "{id}");
+    for uri in [
+        "/v1/health",
+        "/v1/allocations",
+        "/v1/allocations/none",
+        "/no/such/route",
+    ] {
+        let a = app.get(uri).await;
+        assert_eq!(a.header("x-taskgate-store"), Some(id.as_str()), "{uri}");
+    }
+    let other = test_app().await;
+    assert_ne!(other.registry.store_id(), id, "another store, another ID");
 }
