@@ -442,15 +442,55 @@ fn ago(then: &str, now: time::OffsetDateTime) -> String {
 
 /// The status summary of CLI.md: what it does and why in three lines, the
 /// task table, the recent timeline.
+/// What `waiting_on` waits for, as words: "web to be running, init to
+/// succeed" (tasks waited on for the same thing together, in order).
+pub fn waiting_words(a: &Value) -> String {
+    let mut groups: Vec<(String, Vec<String>)> = Vec::new();
+    let names = a["waiting_on"].as_array().into_iter().flatten();
+    let whys = a["waiting"].as_array().into_iter().flatten();
+    for (name, why) in names.zip(whys) {
+        let what = match why.as_str().unwrap_or("") {
+            "pending" => "to report pending",
+            "success" => "to succeed",
+            "running" => "to be running",
+            "ready" => "to be ready",
+            "dead" => "to end",
+            "dependency" => "for its dependencies",
+            other => other,
+        }
+        .to_owned();
+        let name = name.as_str().unwrap_or("").to_owned();
+        match groups.iter_mut().find(|(w, _)| *w == what) {
+            Some((_, names)) => names.push(name),
+            None => groups.push((what, vec![name])),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(what, names)| format!("{} {what}", names.join(", ")))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// How far off `at` is from `now`: "in 4m", "in 12s", "passed".
+fn until(at: &str, now: time::OffsetDateTime) -> String {
+    let Ok(t) = time::OffsetDateTime::parse(at, &time::format_description::well_known::Rfc3339)
+    else {
+        return at.to_owned();
+    };
+    let secs = (t - now).whole_seconds();
+    match secs {
+        ..=0 => "passing now".to_owned(),
+        1..60 => format!("in {secs}s"),
+        60..3600 => format!("in {}m{}s", secs / 60, secs % 60),
+        3600..86400 => format!("in {}h{}m", secs / 3600, secs % 3600 / 60),
+        _ => format!("in {}d{}h", secs / 86400, secs % 86400 / 3600),
+    }
+}
+
 fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime, out: &mut String) {
     let s = |v: &Value| v.as_str().unwrap_or("").to_owned();
-    let waiting: Vec<String> = a["waiting_on"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .zip(a["waiting"].as_array().into_iter().flatten())
-        .map(|(t, why)| format!("{} ({})", s(t), s(why)))
-        .collect();
+    let waiting = waiting_words(a);
     let state = s(&a["coordinator_state"]);
     let headline = if state == "poststop" {
         match a["outcome"].as_str() {
@@ -468,7 +508,7 @@ fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime,
     } else if waiting.is_empty() {
         state.clone()
     } else {
-        format!("{state} — waiting on {}", waiting.join(", "))
+        format!("{state} — waiting for {waiting}")
     };
     let _ = writeln!(out, "{}  {}", paint.bold("ID      "), s(&a["id"]));
     let _ = writeln!(out, "{}  {}", paint.bold("State   "), fit(&headline, 70));
@@ -479,6 +519,15 @@ fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime,
         ago(&s(&a["modified_at"]), now),
         a["modify_index"]
     );
+    if let Some(at) = a["deadline_at"].as_str() {
+        let _ = writeln!(
+            out,
+            "{}  {state} must end {} ({})",
+            paint.bold("Deadline"),
+            until(at, now),
+            at.get(11..19).unwrap_or(at)
+        );
+    }
     let _ = writeln!(out);
     let _ = writeln!(
         out,
@@ -495,6 +544,7 @@ fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime,
         }
         let failed = t["failed"] == true;
         let st = match (s(&t["state"]).as_str(), failed) {
+            _ if t["lost"] == true => "lost".to_owned(),
             ("dead", true) => "dead fail".to_owned(),
             ("dead", false) => "dead ok".to_owned(),
             (other, _) => other.to_owned(),
@@ -525,15 +575,20 @@ fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime,
             t["restarts"]
         );
     }
-    if let Some(reason) = a["tasks"]
+    // The allocation's order (its non-poststop tasks share it); a lost
+    // task's own "Agent Lost" and a poststop deadline's are said apart.
+    let orders = a["tasks"]
         .as_array()
         .into_iter()
         .flatten()
-        .find_map(|t| t["stop_reason"].as_object())
-    {
+        .filter(|t| t["lost"] != true && t["stage"] != "poststop")
+        .find_map(|t| t["stop_reason"].as_object());
+    let mut said = false;
+    if let Some(reason) = orders {
         let named = reason
             .get("task")
             .and_then(Value::as_str)
+            .or_else(|| reason.get("stage").and_then(Value::as_str))
             .map(|t| format!(" ({t})"))
             .unwrap_or_default();
         let _ = writeln!(
@@ -541,6 +596,26 @@ fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime,
             "\nStop order: {}{named}",
             reason.get("type").and_then(Value::as_str).unwrap_or("")
         );
+        said = true;
+    }
+    for t in a["tasks"].as_array().into_iter().flatten() {
+        let why = if t["lost"] == true {
+            let seen = t["last_seen"].as_str().map_or(String::new(), |at| {
+                format!(", last sign of life {}", ago(at, now))
+            });
+            format!("lost: no sign of life within its TTL{seen}")
+        } else if t["stage"] == "poststop" && t["desired"] == "stop" {
+            "told to stop: the poststop deadline passed".to_owned()
+        } else {
+            continue;
+        };
+        let _ = writeln!(
+            out,
+            "{}{}: {why}",
+            if said { "" } else { "\n" },
+            s(&t["name"])
+        );
+        said = true;
     }
     let entries = timeline["events"].as_array().cloned().unwrap_or_default();
     if !entries.is_empty() {
@@ -661,7 +736,7 @@ mod tests {
         status(&a, &t, &Paint(false), now, &mut out);
         let lines: Vec<&str> = out.lines().collect();
         assert_eq!(lines[0], "ID        web-42");
-        assert_eq!(lines[1], "State     main — waiting on web (running)");
+        assert_eq!(lines[1], "State     main — waiting for web to be running");
         assert_eq!(lines[2], "Modified  12s ago (index 9)");
         assert!(
             out.contains("web       main (leader)       open    pending   -      run      1"),
@@ -673,5 +748,57 @@ mod tests {
         );
         assert!(lines.iter().all(|l| l.chars().count() <= 80), "{out}");
         assert!(!out.contains('\x1b'), "no color off a terminal");
+    }
+
+    #[test]
+    fn waiting_reads_as_what_is_awaited_not_as_a_state() {
+        let a =
+            json!({"waiting_on": ["files", "web", "init"], "waiting": ["dead", "dead", "success"]});
+        assert_eq!(waiting_words(&a), "files, web to end; init to succeed");
+        assert_eq!(waiting_words(&json!({"waiting_on": [], "waiting": []})), "");
+    }
+
+    #[test]
+    fn status_names_lost_tasks_and_the_running_deadline() {
+        let a = json!({
+            "id": "a1", "coordinator_state": "main",
+            "waiting_on": ["web"], "waiting": ["running"],
+            "outcome": null, "failed_tasks": [],
+            "modify_index": 9, "modified_at": "2026-11-24T12:00:00Z",
+            "deadline_at": "2026-11-24T12:04:12Z",
+            "tasks": [
+                {"name": "side", "stage": "prestart_sidecar", "leader": false, "allowed": true,
+                 "state": "dead", "failed": true, "lost": true, "readiness": false, "ready": false,
+                 "last_seen": "2026-11-24T11:59:30Z",
+                 "desired": "stop", "stop_reason": {"type": "Agent Lost", "task": null, "stage": null},
+                 "restarts": 0},
+                {"name": "web", "stage": "main", "leader": false, "allowed": true,
+                 "state": "pending", "failed": false, "lost": false, "readiness": false, "ready": false,
+                 "desired": "stop",
+                 "stop_reason": {"type": "Sibling Task Failed", "task": "side", "stage": null},
+                 "restarts": 0}
+            ]
+        });
+        let mut out = String::new();
+        let now = time::macros::datetime!(2026-11-24 12:00:12 UTC);
+        status(&a, &json!({"events": []}), &Paint(false), now, &mut out);
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(
+            lines[3], "Deadline  main must end in 4m0s (12:04:12)",
+            "{out}"
+        );
+        assert!(
+            out.contains("side      prestart_sidecar    open    lost "),
+            "{out}"
+        );
+        assert!(
+            out.contains("Stop order: Sibling Task Failed (side)"),
+            "{out}"
+        );
+        assert!(
+            out.contains("side: lost: no sign of life within its TTL, last sign of life 42s ago"),
+            "{out}"
+        );
+        assert!(lines.iter().all(|l| l.chars().count() <= 80), "{out}");
     }
 }

@@ -60,7 +60,7 @@ fn status_says_what_the_allocation_does_and_why() {
     let out = text(&o);
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines[0], "ID        web-42");
-    assert_eq!(lines[1], "State     main — waiting on web (running)");
+    assert_eq!(lines[1], "State     main — waiting for web to be running");
     assert!(lines[2].starts_with("Modified  "), "{out}");
     assert!(
         out.contains("init      prestart_ephem.     closed  dead ok   -      run      0"),

@@ -143,9 +143,26 @@ function byState(tasks) {
     .join(" · ");
 }
 
+/** What the coordinator waits for, as words ("web to be running"), not as
+ * states: tasks waited on for the same thing together, in order. */
+const AWAITED = {
+  pending: "to report pending",
+  success: "to succeed",
+  running: "to be running",
+  ready: "to be ready",
+  dead: "to end",
+  dependency: "for its dependencies",
+};
+
 function waitingText(a) {
   if (!a.waiting_on.length) return "nothing";
-  return a.waiting_on.map((name, i) => `${name} (${a.waiting[i]})`).join(", ");
+  const groups = new Map();
+  a.waiting_on.forEach((name, i) => {
+    const what = AWAITED[a.waiting[i]] || a.waiting[i];
+    if (!groups.has(what)) groups.set(what, []);
+    groups.get(what).push(name);
+  });
+  return [...groups].map(([what, names]) => `${names.join(", ")} ${what}`).join("; ");
 }
 
 // ---------------------------------------------------------------- the list
@@ -271,10 +288,13 @@ function reconnectDelay(signal) {
 // ---------------------------------------------------------- one allocation
 
 function taskCard(a, t, act) {
+  const r = t.stop_reason;
+  const named = r && (r.task || r.stage);
   const desired =
     t.desired === "stop"
-      ? h("span", { class: "stop" }, `stop: ${t.stop_reason ? t.stop_reason.type : ""}${t.stop_reason && t.stop_reason.task ? ` (${t.stop_reason.task})` : ""}`)
+      ? h("span", { class: "stop" }, `stop: ${r ? r.type : ""}${named ? ` (${named})` : ""}`)
       : "run";
+  const finished = a.coordinator_state === "poststop";
   return h(
     "article",
     { class: "task", "data-task": t.name, "aria-label": `Task ${t.name}` },
@@ -283,18 +303,32 @@ function taskCard(a, t, act) {
       "dl",
       {},
       h("dt", {}, "State"),
-      h("dd", { class: `state${t.failed ? " failed" : ""}` }, t.state + (t.failed ? " (failed)" : "")),
+      h(
+        "dd",
+        { class: `state${t.failed ? " failed" : ""}` },
+        t.lost ? "lost (no sign of life within its TTL)" : t.state + (t.failed ? " (failed)" : ""),
+      ),
       t.readiness ? [h("dt", {}, "Ready"), h("dd", { class: "ready" }, t.ready ? "ready" : "not ready")] : null,
+      t.liveness
+        ? [
+            h("dt", {}, "Liveness"),
+            h("dd", { class: "liveness" }, `TTL ${t.liveness.ttl}${t.last_seen ? `, last seen ${when(t.last_seen)}` : ""}`),
+          ]
+        : null,
       h("dt", {}, "Desired"),
       h("dd", { class: "desired" }, desired),
       h("dt", {}, "Restarts"),
       h("dd", { class: "restarts" }, String(t.restarts)),
     ),
-    h(
-      "button",
-      { type: "button", class: "restart-task", onclick: () => act("task", t.name) },
-      `Restart ${t.name}`,
-    ),
+    // Only a running task restarts alone, and nothing restarts once the
+    // allocation has finished: the server would refuse.
+    t.state === "running" && !finished
+      ? h(
+          "button",
+          { type: "button", class: "restart-task", onclick: () => act("task", t.name) },
+          `Restart ${t.name}`,
+        )
+      : null,
   );
 }
 
@@ -387,6 +421,7 @@ async function allocationPage(page, id, signal) {
       h("dd", { id: "coordinator" }, a.coordinator_state),
       h("dt", {}, "Waiting on"),
       h("dd", { id: "waiting" }, waitingText(a)),
+      a.deadline_at ? [h("dt", {}, "Deadline"), h("dd", { id: "deadline" }, `${a.coordinator_state} must end by ${when(a.deadline_at)}`)] : null,
       h("dt", {}, "Outcome"),
       h("dd", {}, a.outcome ? `${a.outcome}${a.failed_tasks.length ? ` (${a.failed_tasks.join(", ")})` : ""}` : "—"),
       h("dt", {}, "Index"),
@@ -403,8 +438,14 @@ async function allocationPage(page, id, signal) {
         { onsubmit: (e) => e.preventDefault() },
         h("label", { for: "reason" }, "Reason"),
         reason,
-        h("button", { type: "button", id: "restart-running", onclick: () => act("running") }, "Restart running tasks"),
-        h("button", { type: "button", id: "restart-all", onclick: () => act("all") }, "Restart all tasks"),
+        // A finished allocation (poststop) restarts no task: the server
+        // refuses, so the buttons are not offered.
+        a.coordinator_state === "poststop"
+          ? null
+          : [
+              h("button", { type: "button", id: "restart-running", onclick: () => act("running") }, "Restart running tasks"),
+              h("button", { type: "button", id: "restart-all", onclick: () => act("all") }, "Restart all tasks"),
+            ],
         h("button", { type: "button", id: "delete", class: "danger", onclick: () => act("delete") }, "Delete allocation"),
       ),
     );

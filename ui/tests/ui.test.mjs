@@ -163,7 +163,7 @@ test("the list shows registered allocations and follows new ones live", async ()
   const ids = await page.$$eval("tbody tr", (rows) => rows.map((r) => r.dataset.id));
   assert.deepEqual(ids, ["list-1", "list-2"]);
   assert.equal(await page.locator('tr[data-id="list-1"] .state').textContent(), "prestart");
-  assert.equal(await page.locator('tr[data-id="list-1"] .waiting').textContent(), "init (success), proxy (running)");
+  assert.equal(await page.locator('tr[data-id="list-1"] .waiting').textContent(), "init to succeed; proxy to be running");
   // A new one and a change, made elsewhere, appear without a reload.
   await call("PUT", "/v1/allocations/list-3", FIVE, TOKENS.agent);
   await report("list-1", { init: { state: "dead" }, proxy: { state: "running" } });
@@ -292,6 +292,21 @@ test("restarting needs an operator token: refused with a reader's, done with an 
   await page.getByRole("dialog").getByRole("button", { name: "Confirm" }).click();
   await page.getByRole("status").getByText("op-1 was deleted").waitFor();
   assert.equal((await call("GET", "/v1/allocations/op-1")).status, 404);
+  await page.close();
+});
+
+test("a finished allocation offers no restart, and a task that is not running none of its own", async () => {
+  await call("PUT", "/v1/allocations/fin-1", FIVE, TOKENS.agent);
+  await report("fin-1", { init: { state: "dead" }, proxy: { state: "running" } });
+  const page = await open("/ui/allocations/fin-1", TOKENS.operator);
+  await coordinator(page, "main");
+  // web is pending: it cannot be restarted alone; proxy runs: it can.
+  assert.equal(await page.getByRole("button", { name: "Restart web" }).count(), 0);
+  assert.equal(await page.getByRole("button", { name: "Restart proxy" }).count(), 1);
+  await report("fin-1", { proxy: { state: "dead" }, web: { state: "dead" }, announce: { state: "dead" } });
+  await coordinator(page, "poststop");
+  assert.equal(await page.getByRole("button", { name: /^Restart/ }).count(), 0, "the server would refuse");
+  assert.equal(await page.getByRole("button", { name: "Delete allocation" }).count(), 1);
   await page.close();
 });
 
