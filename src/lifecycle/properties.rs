@@ -26,29 +26,39 @@ fn arb_lifecycle() -> impl Strategy<Value = Option<Lifecycle>> {
     ]
 }
 
+/// Seconds: a TTL or a deadline of 1 to 100 s, or none.
+fn arb_secs() -> impl Strategy<Value = Option<std::time::Duration>> {
+    prop::option::of((1u64..100).prop_map(std::time::Duration::from_secs))
+}
+
 fn arb_alloc() -> impl Strategy<Value = Allocation> {
     (
-        prop::collection::vec((arb_lifecycle(), any::<bool>()), 1..7),
+        prop::collection::vec((arb_lifecycle(), any::<bool>(), arb_secs()), 1..7),
         prop::option::of(0usize..7),
+        [arb_secs(), arb_secs(), arb_secs(), arb_secs()],
     )
-        .prop_map(|(lcs, leader)| {
+        .prop_map(|(lcs, leader, deadlines)| {
             let specs = lcs
                 .into_iter()
                 .enumerate()
-                .map(|(i, (lifecycle, readiness))| {
+                .map(|(i, (lifecycle, readiness, ttl))| {
                     let mut t = TaskSpec {
                         name: TaskName::parse(&format!("t{i}")).unwrap(),
                         lifecycle,
                         leader: leader == Some(i),
                         readiness: false,
-                        liveness: None,
+                        liveness: ttl,
                     };
                     t.readiness =
                         readiness && matches!(t.stage(), Stage::PrestartSidecar | Stage::Main);
                     t
                 })
                 .collect();
-            let spec = AllocSpec::new(specs, &Limits::default()).unwrap();
+            let mut d = Deadlines::default();
+            for (state, secs) in Deadlines::STATES.into_iter().zip(deadlines) {
+                d.set(state, secs);
+            }
+            let spec = AllocSpec::with_deadlines(specs, d, &Limits::default()).unwrap();
             Allocation::register(AllocId::parse("a").unwrap(), Arc::new(spec), 1, NOW)
         })
 }
@@ -62,6 +72,8 @@ enum Op {
     Report(Vec<RawReport>),
     Restart(u8, usize),
     Restore(Vec<RawReport>),
+    /// Time passes (seconds), then the allocation is looked at.
+    Tick(u64),
 }
 
 fn arb_reports() -> impl Strategy<Value = Vec<RawReport>> {
@@ -86,6 +98,7 @@ fn arb_op() -> impl Strategy<Value = Op> {
         6 => arb_reports().prop_map(Op::Report),
         1 => (0u8..3, 0usize..7).prop_map(|(m, t)| Op::Restart(m, t)),
         1 => arb_reports().prop_map(Op::Restore),
+        2 => (0u64..120).prop_map(Op::Tick),
     ]
 }
 
@@ -138,6 +151,9 @@ proptest! {
     ) {
         let mut a = start;
         let mut index = a.modify_index;
+        let mut now = NOW;
+        // Each task's latest sign of life: its latest report.
+        let mut seen: Vec<Option<Timestamp>> = vec![None; a.tasks.len()];
         check_invariants(&a)?;
         for op in ops {
             let before = a.clone();
@@ -146,12 +162,42 @@ proptest! {
             let (next, may_go_back_to) = match &op {
                 Op::Report(raw) => {
                     let r = to_reports(&a, raw);
-                    (a.report(&r, NOW, &mut next_index), None)
+                    for (i, _) in &r {
+                        seen[*i] = Some(now);
+                    }
+                    // A lost task takes no report (the registry answers
+                    // 409 first): its status stays as it was.
+                    let next = a.report(&r, now, &mut next_index);
+                    if let Some(next) = &next {
+                        for (i, _) in &r {
+                            if a.tasks[*i].lost() {
+                                prop_assert_eq!(&next.tasks[*i].events, &a.tasks[*i].events);
+                                prop_assert!(next.tasks[*i].lost());
+                            }
+                        }
+                    }
+                    (next, None)
+                }
+                Op::Tick(secs) => {
+                    now += std::time::Duration::from_secs(*secs);
+                    let seen_at = |i: usize| seen[i];
+                    let due = a.wake_at(&seen_at, None).is_some_and(|at| at <= now);
+                    let next = a.tick(now, &seen_at, None, &mut next_index);
+                    prop_assert_eq!(next.is_some(), due, "a tick changes exactly what is due");
+                    // Nothing is left due once looked at.
+                    let after = next.as_ref().unwrap_or(&a);
+                    if let Some(at) = after.wake_at(&seen_at, None) {
+                        prop_assert!(at > now, "still due after a tick: {} <= {}", at, now);
+                    }
+                    (next, None)
                 }
                 Op::Restore(raw) => {
                     let r = to_reports(&a, raw);
+                    for (i, _) in &r {
+                        seen[*i] = Some(now);
+                    }
                     step = Step::Restore;
-                    let next = a.restore(&r, NOW, &mut next_index);
+                    let next = a.restore(&r, now, &mut next_index);
                     // Computed afresh from the restored states, stale
                     // ones aside.
                     if let Some(next) = &next {
@@ -169,7 +215,7 @@ proptest! {
                         _ => RestartMode::AllTasks,
                     };
                     step = Step::Restart(mode);
-                    match a.restart(mode, "prop", NOW, &mut next_index) {
+                    match a.restart(mode, "prop", now, &mut next_index) {
                         Ok((next, chosen)) => {
                             for &i in &chosen {
                                 prop_assert!(!a.spec.tasks()[i].is_poststop());
@@ -207,7 +253,11 @@ proptest! {
             let same: Vec<_> = a.tasks.iter().enumerate().filter(|(_, t)| !t.stale).map(|(i, t)| {
                 (i, TaskReport { state: t.state, failed: t.failed, ready: None, event: None })
             }).collect();
-            prop_assert!(a.report(&same, NOW, || 0).is_none(), "a no-op report changed something");
+            prop_assert!(a.report(&same, now, || 0).is_none(), "a no-op report changed something");
+            // A deadline runs only in a state that has one.
+            if a.deadline_at.is_some() {
+                prop_assert!(a.spec.deadlines().of(a.state).is_some(), "a deadline in {:?}", a.state);
+            }
         }
     }
 
