@@ -42,6 +42,7 @@ fn task(name: &str, hook: Option<Hook>) -> TaskSpec {
         leader: false,
         readiness: false,
         liveness: None,
+        depends_on: Vec::new(),
     }
 }
 

@@ -244,6 +244,7 @@ pub fn lifecycle(data: &[u8]) {
                 leader: is_leader,
                 readiness: stage_takes_readiness && b & 0x20 != 0,
                 liveness: None,
+                depends_on: Vec::new(),
             }
         })
         .collect();

@@ -231,6 +231,7 @@ impl RegisterBody {
                     leader: t.leader,
                     readiness: t.readiness,
                     liveness,
+                    depends_on: Vec::new(),
                 }),
                 Err(e) => errors.push(FieldError::new(
                     format!("tasks[{i}].name"),

@@ -5,9 +5,10 @@
 use std::{sync::Arc, time::Duration};
 
 use super::{
-    AllocId, AllocSpec, CoordState, Desired, Details, Event, IdemKey, KeySeen, RunState, Stage,
-    StopReason, TaskName, TaskReport, TaskStatus, Timestamp,
+    AllocId, AllocSpec, CoordState, DepState, Desired, Details, Event, IdemKey, KeySeen, RunState,
+    Stage, StopReason, TaskName, TaskReport, TaskStatus, Timestamp, Why,
     coordinator::{WaitFor, evaluate, gates, is_open, waiting, waiting_on},
+    deps::{Target, judge},
     orders::{Outcome, RUN, StopKind, stop_order},
 };
 
@@ -112,7 +113,85 @@ impl Allocation {
         let state = evaluate(CoordState::Init, &spec, &tasks);
         let mut a = Self::from_parts(id, spec, state, tasks, None, index, index, now, now);
         a.deadline_at = a.deadline_from(now);
+        // Dependencies on other allocations start as not registered; the
+        // registry judges them before the registration commits.
+        for i in 0..a.tasks.len() {
+            let deps = a.spec.tasks()[i]
+                .depends_on
+                .iter()
+                .map(|_| DepState::Blocked(Why::NotRegistered))
+                .collect();
+            a.tasks[i].set_deps(deps);
+        }
+        a.judge_own();
         a
+    }
+
+    /// Judges every dependency on a task of this allocation, from the
+    /// states as they are (the others keep their last verdict).
+    fn judge_own(&mut self) {
+        for i in 0..self.tasks.len() {
+            let spec = &self.spec.tasks()[i];
+            if spec.depends_on.is_empty() {
+                continue;
+            }
+            let mut deps = self.tasks[i].deps().to_vec();
+            deps.resize(spec.depends_on.len(), DepState::Blocked(Why::NotRegistered));
+            for (j, d) in spec.depends_on.iter().enumerate() {
+                if d.allocation.is_none() {
+                    let target = match self.spec.position(d.task.as_str()) {
+                        Some(t) => Target::Task(&self.tasks[t]),
+                        None => Target::Missing,
+                    };
+                    deps[j] = judge(d.condition, target);
+                }
+            }
+            self.tasks[i].set_deps(deps);
+        }
+    }
+
+    /// Takes the registry's verdicts on the dependencies on other
+    /// allocations (`verdict(task, dependency)`, asked only for those).
+    /// The next version when one changed, else `None`.
+    pub fn resolve(
+        &self,
+        verdict: &dyn Fn(usize, usize) -> DepState,
+        now: Timestamp,
+        next_index: impl FnOnce() -> u64,
+    ) -> Option<Self> {
+        let mut next = self.clone();
+        next.set_verdicts(verdict);
+        next.settle(self, now, false, next_index)
+    }
+
+    /// Takes the registry's verdicts without making a new version (a
+    /// registration, before its first commit).
+    pub fn set_verdicts(&mut self, verdict: &dyn Fn(usize, usize) -> DepState) {
+        for i in 0..self.tasks.len() {
+            let spec = &self.spec.tasks()[i];
+            if !spec.depends_on.iter().any(|d| d.allocation.is_some()) {
+                continue;
+            }
+            let mut deps = self.tasks[i].deps().to_vec();
+            deps.resize(spec.depends_on.len(), DepState::Blocked(Why::NotRegistered));
+            for (j, d) in spec.depends_on.iter().enumerate() {
+                if d.allocation.is_some() {
+                    deps[j] = verdict(i, j);
+                }
+            }
+            self.tasks[i].set_deps(deps);
+        }
+    }
+
+    /// The dependencies of task `i` that do not hold: (position in its
+    /// `depends_on`, verdict).
+    pub fn blocked_by(&self, i: usize) -> Vec<(usize, &DepState)> {
+        self.tasks[i]
+            .deps()
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| !d.holds())
+            .collect()
     }
 
     /// Sets what a stored record holds of its deadlines.
@@ -182,9 +261,11 @@ impl Allocation {
         &self.spec.tasks()[i].name
     }
 
-    /// Whether task `i` may start: its gate is open, and it is not lost.
+    /// Whether task `i` may start: its gate is open, every dependency
+    /// holds, and it is not lost.
     pub fn allowed(&self, i: usize) -> bool {
-        is_open(self.state, self.spec.tasks()[i].stage()) && !self.tasks[i].lost()
+        let t = &self.tasks[i];
+        is_open(self.state, self.spec.tasks()[i].stage()) && !t.lost() && t.unblocked()
     }
 
     /// The allocation's stop order, as stored (poststop tasks ignore it).
@@ -392,7 +473,8 @@ impl Allocation {
         let row = gates(self.state);
         for (i, spec) in self.spec.tasks().iter().enumerate() {
             let lost = self.tasks[i].lost();
-            if self.allowed(i) != (row[spec.stage().column()] && !lost) {
+            let held = !self.tasks[i].unblocked();
+            if self.allowed(i) != (row[spec.stage().column()] && !lost && !held) {
                 return Err(format!("task {i}'s gate is not the gate table's"));
             }
             if lost && (self.tasks[i].state != RunState::Dead || !self.tasks[i].failed) {
@@ -510,9 +592,21 @@ impl Allocation {
         waiting_on(self.state, &self.spec, &self.tasks)
     }
 
-    /// `waiting_on` with what each task is waited on for.
+    /// `waiting_on` with what each task is waited on for: `dependency` for
+    /// a pending task whose gate is open but whose dependencies hold it.
     pub fn waiting(&self) -> Vec<(TaskName, WaitFor)> {
-        waiting(self.state, &self.spec, &self.tasks)
+        let mut out = waiting(self.state, &self.spec, &self.tasks);
+        for (name, why) in &mut out {
+            let i = self.position(name.as_str()).expect("a task of this spec");
+            let t = &self.tasks[i];
+            if t.state == RunState::Pending
+                && !t.unblocked()
+                && is_open(self.state, self.spec.tasks()[i].stage())
+            {
+                *why = WaitFor::Dependency;
+            }
+        }
+        out
     }
 
     /// Applies reports (task position, report) together, then evaluates once.
@@ -660,6 +754,7 @@ impl Allocation {
         reset: bool,
         next_index: impl FnOnce() -> u64,
     ) -> Option<Self> {
+        self.judge_own();
         if !self.order.is_stop() {
             self.order = stop_order(&self.spec, &self.tasks);
         }
@@ -705,13 +800,7 @@ mod tests {
     #[test]
     fn restamping_replaces_the_placeholder_and_only_it() {
         let now = datetime!(2026-11-24 10:00 UTC);
-        let tasks = ["a", "b"].map(|n| TaskSpec {
-            name: TaskName::parse(n).unwrap(),
-            lifecycle: None,
-            leader: false,
-            readiness: false,
-            liveness: None,
-        });
+        let tasks = ["a", "b"].map(|n| TaskSpec::named(TaskName::parse(n).unwrap()));
         let spec = Arc::new(AllocSpec::new(tasks.to_vec(), &Limits::default()).unwrap());
         let mut a = Allocation::register(AllocId::parse("x").unwrap(), spec, 1, now);
         a.restamp(1, 40);
@@ -1064,6 +1153,145 @@ mod tests {
             fn extra_is_trimmed(&self, i: usize) -> bool {
                 self.tasks[i].extra.is_none()
             }
+        }
+    }
+
+    mod dependencies {
+        use time::macros::datetime;
+
+        use super::super::*;
+        use crate::lifecycle::{
+            Condition, Dependency, Hook, Lifecycle, Limits, RunState, TaskName, TaskSpec,
+        };
+
+        const T0: Timestamp = datetime!(2026-11-25 10:00 UTC);
+
+        fn dep(task: &str, alloc: Option<&str>, condition: Condition) -> Dependency {
+            Dependency {
+                task: TaskName::parse(task).unwrap(),
+                allocation: alloc.map(|a| AllocId::parse(a).unwrap()),
+                condition,
+            }
+        }
+
+        fn task(name: &str, hook: Option<(Hook, bool)>, deps: Vec<Dependency>) -> TaskSpec {
+            TaskSpec {
+                lifecycle: hook.map(|(hook, sidecar)| Lifecycle { hook, sidecar }),
+                depends_on: deps,
+                ..TaskSpec::named(TaskName::parse(name).unwrap())
+            }
+        }
+
+        fn alloc(tasks: Vec<TaskSpec>) -> Allocation {
+            let spec = AllocSpec::new(tasks, &Limits::default()).unwrap();
+            Allocation::register(AllocId::parse("app").unwrap(), Arc::new(spec), 1, T0)
+        }
+
+        fn step(a: &Allocation, i: usize, state: RunState) -> Allocation {
+            let r = TaskReport {
+                state,
+                failed: false,
+                ready: None,
+                event: None,
+            };
+            let index = a.modify_index + 1;
+            a.report(&[(i, r)], T0, || index).expect("a change")
+        }
+
+        #[test]
+        fn steps_inside_a_stage_run_one_after_the_other() {
+            let pre = Some((Hook::Prestart, false));
+            let a = alloc(vec![
+                task("migrate", pre, vec![]),
+                task(
+                    "seed",
+                    pre,
+                    vec![dep("migrate", None, Condition::Succeeded)],
+                ),
+                task("warm", pre, vec![dep("seed", None, Condition::Succeeded)]),
+                task("web", None, vec![]),
+            ]);
+            assert_eq!(a.state, CoordState::Prestart);
+            let allowed = |a: &Allocation| (0..4).map(|i| a.allowed(i)).collect::<Vec<_>>();
+            assert_eq!(allowed(&a), [true, false, false, false]);
+            let why: Vec<_> = a
+                .waiting()
+                .into_iter()
+                .map(|(n, w)| (n.to_string(), w))
+                .collect();
+            assert_eq!(
+                why,
+                [
+                    ("migrate".to_owned(), WaitFor::Success),
+                    ("seed".to_owned(), WaitFor::Dependency),
+                    ("warm".to_owned(), WaitFor::Dependency),
+                ]
+            );
+            let blocked = a.blocked_by(1);
+            assert_eq!(blocked.len(), 1);
+            assert_eq!(blocked[0].1.why(), Some(Why::Pending));
+            let a = step(&a, 0, RunState::Running);
+            assert_eq!(a.blocked_by(1)[0].1.why(), Some(Why::Running));
+            let a = step(&a, 0, RunState::Dead);
+            // Gates are level-triggered: migrate's stays open while
+            // prestart lasts.
+            assert_eq!(allowed(&a), [true, true, false, false]);
+            assert_eq!(
+                a.tasks[1].modify_index, a.modify_index,
+                "its gate opened: a change of its"
+            );
+            let a = step(&step(&a, 1, RunState::Running), 1, RunState::Dead);
+            assert_eq!(allowed(&a), [true, true, true, false]);
+            let a = step(&step(&a, 2, RunState::Running), 2, RunState::Dead);
+            assert_eq!(
+                a.state,
+                CoordState::Main,
+                "the stage is done only when all are"
+            );
+            a.check_invariants().unwrap();
+        }
+
+        #[test]
+        fn a_dependency_that_stops_holding_closes_future_starts_but_stops_nothing() {
+            let side = Some((Hook::Prestart, true));
+            let a = alloc(vec![
+                task("db", side, vec![]),
+                task("web", None, vec![dep("db", None, Condition::Running)]),
+            ]);
+            let a = step(&a, 0, RunState::Running);
+            assert_eq!(a.state, CoordState::Main);
+            assert!(a.allowed(1));
+            let a = step(&a, 1, RunState::Running);
+            // db goes back to pending (its agent restarts it): web may not
+            // start again, but keeps running, told nothing.
+            let a = step(&a, 0, RunState::Pending);
+            assert!(!a.allowed(1));
+            assert_eq!(a.tasks[1].state, RunState::Running);
+            assert_eq!(a.desired(1), &Desired::Run);
+            assert_eq!(
+                a.state,
+                CoordState::WaitAlloc,
+                "transitions do not look at dependencies"
+            );
+        }
+
+        #[test]
+        fn another_allocation_s_verdicts_come_from_outside_and_make_a_new_version() {
+            let a = alloc(vec![task(
+                "web",
+                None,
+                vec![dep("db", Some("db-7"), Condition::Ready)],
+            )]);
+            assert_eq!(a.blocked_by(0)[0].1.why(), Some(Why::NotRegistered));
+            assert!(!a.allowed(0));
+            assert_eq!(a.waiting()[0].1, WaitFor::Dependency);
+            let none = a.resolve(&|_, _| DepState::Blocked(Why::NotRegistered), T0, || 9);
+            assert!(none.is_none(), "the same verdict is no change");
+            let b = a.resolve(&|_, _| DepState::Holds, T0, || 9).unwrap();
+            assert!(b.allowed(0));
+            assert_eq!((b.modify_index, b.tasks[0].modify_index), (9, 9));
+            assert_eq!(b.waiting()[0].1, WaitFor::Running);
+            b.check_invariants().unwrap();
         }
     }
 }

@@ -53,6 +53,9 @@ named_enum! {
         Ready = "ready",
         /// To be dead.
         Dead = "dead",
+        /// Its gate is open, but a dependency does not hold: it may not
+        /// start yet.
+        Dependency = "dependency",
     }
 }
 

@@ -29,6 +29,7 @@
 mod names;
 mod alloc;
 mod coordinator;
+mod deps;
 mod ids;
 mod intern;
 mod orders;
@@ -38,6 +39,9 @@ mod task;
 pub use alloc::{Allocation, Overdue, RESTART_EVENT, RestartError, RestartMode, SeenAt, Step};
 pub use coordinator::{
     CoordState, WaitFor, evaluate, gates, next_state, wait_for, waiting, waiting_on,
+};
+pub use deps::{
+    Condition, DepState, Dependency, MAX_DEPENDENCIES, Target, Why, judge as judge_dependency,
 };
 pub use ids::{AllocId, IdError, TaskName};
 pub use intern::{EventBody, Sym};

@@ -48,6 +48,7 @@ fn arb_alloc() -> impl Strategy<Value = Allocation> {
                         leader: leader == Some(i),
                         readiness: false,
                         liveness: ttl,
+                        depends_on: Vec::new(),
                     };
                     t.readiness =
                         readiness && matches!(t.stage(), Stage::PrestartSidecar | Stage::Main);
@@ -339,6 +340,133 @@ proptest! {
         let waits = !waiting_on(state, &a.spec, &tasks).is_empty();
         if state != CoordState::WaitAlloc && state != CoordState::Poststop && !moves {
             prop_assert!(waits, "held in {:?} by nothing", state);
+        }
+    }
+}
+
+/// Whether a dependency holds, written out once more from the table of
+/// docs/lifecycle.md (Dependencies): the differential reference for
+/// `deps::judge`.
+fn reference_holds(condition: Condition, t: Option<&TaskStatus>) -> bool {
+    let Some(t) = t else { return false };
+    if t.stale {
+        return false;
+    }
+    match condition {
+        Condition::Running => t.state == RunState::Running,
+        Condition::Ready => t.state == RunState::Running && t.ready,
+        Condition::Succeeded => t.state == RunState::Dead && !t.failed,
+        Condition::Dead => t.state == RunState::Dead,
+    }
+}
+
+/// A spec whose tasks depend on earlier tasks of the list (same
+/// allocation) and on tasks of two other allocations; dependencies the
+/// registration would refuse are dropped.
+fn arb_dependent() -> impl Strategy<Value = Allocation> {
+    let condition = prop_oneof![
+        Just(Condition::Running),
+        Just(Condition::Ready),
+        Just(Condition::Succeeded),
+        Just(Condition::Dead),
+    ];
+    (prop::collection::vec(
+        (
+            arb_lifecycle(),
+            any::<bool>(),
+            prop::collection::vec((0usize..8, condition, 0u8..4), 0..3),
+        ),
+        1..7,
+    ),)
+        .prop_map(|(tasks,)| {
+            let mut specs: Vec<TaskSpec> = Vec::new();
+            for (i, (lifecycle, readiness, deps)) in tasks.into_iter().enumerate() {
+                let mut t = TaskSpec {
+                    lifecycle,
+                    ..TaskSpec::named(TaskName::parse(&format!("t{i}")).unwrap())
+                };
+                t.readiness =
+                    readiness && matches!(t.stage(), Stage::PrestartSidecar | Stage::Main);
+                for (target, condition, other) in deps {
+                    let d = match other {
+                        // Another allocation's task.
+                        0 | 1 => Dependency {
+                            task: TaskName::parse(&format!("x{target}")).unwrap(),
+                            allocation: Some(AllocId::parse(&format!("other-{other}")).unwrap()),
+                            condition,
+                        },
+                        // An earlier task of this one (no cycles).
+                        _ if i > 0 => Dependency {
+                            task: specs[target % i].name.clone(),
+                            allocation: None,
+                            condition,
+                        },
+                        _ => continue,
+                    };
+                    let mut with = specs.clone();
+                    let mut candidate = t.clone();
+                    candidate.depends_on.push(d.clone());
+                    with.push(candidate);
+                    if AllocSpec::new(with, &Limits::default()).is_ok() {
+                        t.depends_on.push(d);
+                    }
+                }
+                specs.push(t);
+            }
+            let spec = AllocSpec::new(specs, &Limits::default()).unwrap();
+            Allocation::register(AllocId::parse("a").unwrap(), Arc::new(spec), 1, NOW)
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(
+        std::env::var("TASKGATE_FUZZ_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(512)
+    ))]
+
+    /// `allowed`, `blocked_by` and `waiting` agree with the written rules
+    /// through random histories: the gate open, not lost, and every
+    /// dependency holding by the table, for targets of this allocation
+    /// (judged from its own states) and of others (whatever the registry
+    /// says of them).
+    #[test]
+    fn dependencies_agree_with_the_written_rules(
+        start in arb_dependent(),
+        ops in prop::collection::vec((arb_reports(), prop::collection::vec(any::<bool>(), 8)), 0..30),
+    ) {
+        let mut a = start;
+        let mut index = a.modify_index;
+        for (raw, others) in ops {
+            let r = to_reports(&a, &raw);
+            if let Some(next) = a.report(&r, NOW, || { index += 1; index }) {
+                a = next;
+            }
+            // The registry's verdicts on the other allocations' tasks.
+            let verdict = |i: usize, j: usize| {
+                if others[(i + j) % 8] { DepState::Holds } else { DepState::Blocked(Why::Pending) }
+            };
+            if let Some(next) = a.resolve(&verdict, NOW, || { index += 1; index }) {
+                a = next;
+            }
+            check_invariants(&a)?;
+            for (i, spec) in a.spec.tasks().iter().enumerate() {
+                let deps_hold = spec.depends_on.iter().enumerate().all(|(j, d)| match &d.allocation {
+                    Some(_) => others[(i + j) % 8],
+                    None => reference_holds(
+                        d.condition,
+                        a.spec.position(d.task.as_str()).map(|t| &a.tasks[t]),
+                    ),
+                });
+                let gate = coordinator::is_open(a.state, spec.stage());
+                prop_assert_eq!(a.allowed(i), gate && !a.tasks[i].lost() && deps_hold, "task {}", i);
+                prop_assert_eq!(a.blocked_by(i).is_empty(), deps_hold);
+            }
+            for (name, why) in a.waiting() {
+                let i = a.position(name.as_str()).unwrap();
+                if why == WaitFor::Dependency {
+                    prop_assert!(!a.blocked_by(i).is_empty());
+                    prop_assert_eq!(a.tasks[i].state, RunState::Pending);
+                }
+            }
         }
     }
 }

@@ -22,6 +22,7 @@ pub(super) fn alloc(tasks: &[(&str, &str, bool)]) -> Allocation {
             leader: false,
             readiness: false,
             liveness: None,
+            depends_on: Vec::new(),
         })
         .collect();
     let spec = AllocSpec::new(specs, &Limits::default()).unwrap();

@@ -3,7 +3,10 @@
 
 use std::{collections::HashSet, sync::Arc, time::Duration};
 
-use super::{CoordState, FieldError, Limits, TaskName};
+use super::{
+    CoordState, FieldError, Limits, TaskName,
+    deps::{Dependency, MAX_DEPENDENCIES, never_holds, own_cycle},
+};
 use crate::units::format_duration;
 
 named_enum! {
@@ -68,6 +71,10 @@ pub struct TaskSpec {
     /// default (`--default-liveness-ttl`), if any.
     #[serde(skip)]
     pub liveness: Option<Duration>,
+    /// Start conditions on other tasks (of this allocation or another
+    /// one), at most `MAX_DEPENDENCIES`.
+    #[serde(skip)]
+    pub depends_on: Vec<Dependency>,
 }
 
 impl TaskSpec {
@@ -101,6 +108,7 @@ impl TaskSpec {
             leader: false,
             readiness: false,
             liveness: None,
+            depends_on: Vec::new(),
         }
     }
 }
@@ -193,6 +201,56 @@ fn check_range(
     }
 }
 
+/// The rules of task `i`'s dependencies that its own allocation can
+/// check: how many, on which task, in which stage, on what condition.
+fn check_dependencies(errors: &mut Vec<FieldError>, tasks: &[TaskSpec], i: usize) {
+    let task = &tasks[i];
+    if task.depends_on.len() > MAX_DEPENDENCIES {
+        errors.push(FieldError::new(
+            format!("tasks[{i}].depends_on"),
+            format!(
+                "at most {MAX_DEPENDENCIES} dependencies are allowed, got {}",
+                task.depends_on.len()
+            ),
+        ));
+    }
+    for (j, d) in task.depends_on.iter().enumerate() {
+        if d.allocation.is_some() {
+            continue;
+        }
+        let field = || format!("tasks[{i}].depends_on[{j}]");
+        let Some(target) = tasks.iter().find(|t| t.name == d.task) else {
+            errors.push(FieldError::new(
+                field(),
+                format!(
+                    "\"{}\" depends on \"{}\", which is no task of this allocation (name its \
+                     `allocation` for a task of another one)",
+                    task.name, d.task
+                ),
+            ));
+            continue;
+        };
+        if target.name == task.name {
+            errors.push(FieldError::new(
+                field(),
+                format!("\"{}\" cannot depend on itself", task.name),
+            ));
+            continue;
+        }
+        if let Some(why) = never_holds(task.stage(), target.stage(), target.readiness, d.condition)
+        {
+            errors.push(FieldError::new(
+                field(),
+                format!(
+                    "\"{}\" depends on \"{}\" being {}, which never holds while it may start: \
+                     {why}",
+                    task.name, d.task, d.condition
+                ),
+            ));
+        }
+    }
+}
+
 impl AllocSpec {
     /// Checks the cross-task rules. Every broken rule is reported, each
     /// with the path `tasks[i]...` of the offending field.
@@ -264,6 +322,7 @@ impl AllocSpec {
                 task.liveness,
                 TTL_RANGE,
             );
+            check_dependencies(&mut errors, &tasks, i);
         }
         for state in Deadlines::STATES {
             check_range(
@@ -291,6 +350,30 @@ impl AllocSpec {
     /// The TTL task `i` runs under: its own, else `default`.
     pub fn ttl(&self, i: usize, default: Option<Duration>) -> Option<Duration> {
         self.tasks[i].liveness.or(default)
+    }
+
+    /// A cycle among the allocation's own dependencies, as the task names
+    /// along it (the first again at the end), if there is one.
+    pub fn own_cycle(&self) -> Option<Vec<TaskName>> {
+        let edges: Vec<Vec<usize>> = self
+            .tasks
+            .iter()
+            .map(|t| {
+                t.depends_on
+                    .iter()
+                    .filter(|d| d.allocation.is_none())
+                    .filter_map(|d| self.position(d.task.as_str()))
+                    .collect()
+            })
+            .collect();
+        own_cycle(&edges).map(|c| c.into_iter().map(|i| self.tasks[i].name.clone()).collect())
+    }
+
+    /// Whether a task depends on a task of another allocation.
+    pub fn reaches_out(&self) -> bool {
+        self.tasks
+            .iter()
+            .any(|t| t.depends_on.iter().any(|d| d.allocation.is_some()))
     }
 
     /// Whether anything of this allocation happens by time alone: a

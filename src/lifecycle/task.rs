@@ -526,6 +526,9 @@ pub struct TaskExtra {
     /// The keyed writes that changed this task most recently, oldest
     /// first, at most `MAX_KEYS`.
     pub keys: Vec<IdemKey>,
+    /// Whether each of the task's dependencies holds, parallel to its
+    /// spec's `depends_on` (empty when it has none).
+    pub deps: Vec<super::DepState>,
 }
 
 /// A write's `Idempotency-Key` and the request it came with, each as a
@@ -574,6 +577,25 @@ impl TaskStatus {
 
     pub fn lost(&self) -> bool {
         self.lost_at().is_some()
+    }
+
+    /// Whether each dependency holds (parallel to the spec's
+    /// `depends_on`; empty when the task has none).
+    pub fn deps(&self) -> &[super::DepState] {
+        self.extra.as_deref().map_or(&[], |e| &e.deps)
+    }
+
+    /// Whether every dependency holds.
+    pub fn unblocked(&self) -> bool {
+        self.deps().iter().all(super::DepState::holds)
+    }
+
+    /// Sets the dependencies' states.
+    pub fn set_deps(&mut self, deps: Vec<super::DepState>) {
+        if self.deps() != deps.as_slice() {
+            self.extra_mut().deps = deps;
+            self.trim_extra();
+        }
     }
 
     /// The idempotency keys kept, oldest first.

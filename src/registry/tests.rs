@@ -20,6 +20,7 @@ fn spec(tasks: &[(&str, Option<Hook>)]) -> AllocSpec {
             leader: false,
             readiness: false,
             liveness: None,
+            depends_on: Vec::new(),
         })
         .collect();
     AllocSpec::new(tasks, &Limits::default()).unwrap()

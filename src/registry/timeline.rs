@@ -268,6 +268,7 @@ mod tests {
             leader,
             readiness: false,
             liveness: None,
+            depends_on: Vec::new(),
         };
         let tasks = vec![
             task("init", Some((Hook::Prestart, false)), false),

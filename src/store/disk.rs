@@ -1274,6 +1274,7 @@ mod tests {
             leader: false,
             readiness: false,
             liveness: None,
+            depends_on: Vec::new(),
         };
         AllocSpec::new(vec![task], &Limits::default()).unwrap()
     }

@@ -127,6 +127,7 @@ mod tests {
             leader: false,
             readiness: false,
             liveness: None,
+            depends_on: Vec::new(),
         };
         let spec = AllocSpec::new(vec![task], &Limits::default()).unwrap();
         Arc::new(Allocation::register(

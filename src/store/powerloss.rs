@@ -39,6 +39,7 @@ fn spec() -> Arc<AllocSpec> {
         leader: false,
         readiness: false,
         liveness: None,
+        depends_on: Vec::new(),
     };
     Arc::new(AllocSpec::new(vec![task], &Limits::default()).unwrap())
 }

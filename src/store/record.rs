@@ -52,6 +52,12 @@
 //! task tags:       1 liveness ttl  = milliseconds: varint
 //!                  2 lost_at       = time
 //!                  3 keys          = count | (key: u64 LE | request: u64 LE)*
+//!                  4 depends_on    = count | (allocation: str (empty: this
+//!                                    one) | task: str | condition: u8)*
+//!                  5 verdicts      = count | verdict*, one per dependency
+//! verdict = 0 (holds) | why: u8 (1 not_registered, 2 pending, 3 running,
+//!           4 dead, 5 failed, 6 not_ready) | 7 (cycle) | count | str*
+//! condition = 0 running | 1 ready | 2 succeeded | 3 dead
 //! ```
 //!
 //! A record that uses none of them (most) is version 3's bytes plus one
@@ -70,9 +76,9 @@ use std::{sync::Arc, time::Duration};
 use serde::Deserialize;
 
 use crate::lifecycle::{
-    AllocId, AllocSpec, Allocation, CoordState, Deadlines, Desired, Details, Event, Hook, IdemKey,
-    Lifecycle, Limits, Overdue, RunState, StopKind, StopReason, TaskExtra, TaskName, TaskSpec,
-    TaskStatus, Timestamp,
+    AllocId, AllocSpec, Allocation, Condition, CoordState, Deadlines, DepState, Dependency,
+    Desired, Details, Event, Hook, IdemKey, Lifecycle, Limits, Overdue, RunState, StopKind,
+    StopReason, TaskExtra, TaskName, TaskSpec, TaskStatus, Timestamp, Why,
 };
 
 /// The record format this build writes.
@@ -111,6 +117,26 @@ const EXT_POSTSTOP_TOLD: u8 = 4;
 const EXT_TTL: u8 = 1;
 const EXT_LOST_AT: u8 = 2;
 const EXT_KEYS: u8 = 3;
+const EXT_DEPENDS_ON: u8 = 4;
+const EXT_VERDICTS: u8 = 5;
+
+/// Codes of a dependency's condition.
+const CONDITION: [Condition; 4] = [
+    Condition::Running,
+    Condition::Ready,
+    Condition::Succeeded,
+    Condition::Dead,
+];
+/// Codes 1 to 6 of a blocked verdict (0 holds, 7 a cycle with its path).
+const WHY: [Why; 6] = [
+    Why::NotRegistered,
+    Why::Pending,
+    Why::Running,
+    Why::Dead,
+    Why::Failed,
+    Why::NotReady,
+];
+const VERDICT_CYCLE: u8 = 7;
 
 const SIDECAR: u8 = 0x10;
 const LEADER: u8 = 0x20;
@@ -241,6 +267,42 @@ fn put_task_ext(buf: &mut Vec<u8>, spec: &TaskSpec, status: &TaskStatus) {
     };
     if !status.keys().is_empty() {
         entries.push((EXT_KEYS, &write_keys));
+    }
+    let write_deps = |b: &mut Vec<u8>| {
+        put_varint(b, spec.depends_on.len() as u64);
+        for d in &spec.depends_on {
+            put_str(b, d.allocation.as_ref().map_or("", |a| a.as_str()));
+            put_str(b, d.task.as_str());
+            b.push(code(&CONDITION, d.condition));
+        }
+    };
+    if !spec.depends_on.is_empty() {
+        entries.push((EXT_DEPENDS_ON, &write_deps));
+    }
+    let write_verdicts = |b: &mut Vec<u8>| {
+        put_varint(b, status.deps().len() as u64);
+        for v in status.deps() {
+            match v {
+                DepState::Holds => b.push(0),
+                // Never made (a cycle is judged with its path): kept as a
+                // cycle with none.
+                DepState::Blocked(Why::Cycle) => {
+                    b.push(VERDICT_CYCLE);
+                    put_varint(b, 0);
+                }
+                DepState::Blocked(why) => b.push(1 + code(&WHY, *why)),
+                DepState::Cycle(path) => {
+                    b.push(VERDICT_CYCLE);
+                    put_varint(b, path.len() as u64);
+                    for step in path.iter() {
+                        put_str(b, step);
+                    }
+                }
+            }
+        }
+    };
+    if !status.deps().is_empty() {
+        entries.push((EXT_VERDICTS, &write_verdicts));
     }
     put_ext(buf, &entries);
 }
@@ -581,10 +643,46 @@ impl AllocExt<'_> {
     }
 }
 
-/// A version 4 task's extension block: its TTL, and what goes into its
-/// status's out-of-line part.
-fn task_ext(r: &mut Reader<'_>) -> Result<(Option<Duration>, Option<Arc<TaskExtra>>), String> {
-    let (mut ttl, mut extra) = (None, TaskExtra::default());
+/// What a version 4 task's extension block holds: its TTL and
+/// dependencies (spec), and its status's out-of-line part.
+type TaskExt = (Option<Duration>, Vec<Dependency>, Option<Arc<TaskExtra>>);
+
+fn dependency(p: &mut Reader<'_>) -> Result<Dependency, String> {
+    let alloc = p.str("a dependency's allocation")?;
+    let allocation = if alloc.is_empty() {
+        None
+    } else {
+        Some(AllocId::parse(alloc).map_err(|e| format!("bad dependency allocation: {e}"))?)
+    };
+    let task = p.str("a dependency's task")?;
+    let task = TaskName::parse(task).map_err(|e| format!("bad dependency task: {e}"))?;
+    let condition = p.code(&CONDITION, "a dependency's condition")?;
+    Ok(Dependency {
+        task,
+        allocation,
+        condition,
+    })
+}
+
+fn verdict(p: &mut Reader<'_>) -> Result<DepState, String> {
+    Ok(match p.byte("a dependency's verdict")? {
+        0 => DepState::Holds,
+        VERDICT_CYCLE => {
+            let n = p.count("a cycle's path", 1)?;
+            let path: Vec<String> = (0..n)
+                .map(|_| p.str("a cycle's step").map(str::to_owned))
+                .collect::<Result<_, _>>()?;
+            DepState::Cycle(path.into())
+        }
+        c => DepState::Blocked(
+            *WHY.get(usize::from(c) - 1)
+                .ok_or_else(|| format!("unknown dependency verdict {c}"))?,
+        ),
+    })
+}
+
+fn task_ext(r: &mut Reader<'_>) -> Result<TaskExt, String> {
+    let (mut ttl, mut deps, mut extra) = (None, Vec::new(), TaskExtra::default());
     for (tag, mut p) in r.ext("a task's extensions")? {
         match tag {
             EXT_TTL => {
@@ -604,11 +702,31 @@ fn task_ext(r: &mut Reader<'_>) -> Result<(Option<Duration>, Option<Arc<TaskExtr
                 }
                 p.done("the idempotency keys")?;
             }
+            EXT_DEPENDS_ON => {
+                // A dependency takes at least 3 bytes.
+                let n = p.count("the dependencies", 3)?;
+                deps = (0..n)
+                    .map(|_| dependency(&mut p))
+                    .collect::<Result<_, _>>()?;
+                p.done("the dependencies")?;
+            }
+            EXT_VERDICTS => {
+                let n = p.count("the dependencies' verdicts", 1)?;
+                extra.deps = (0..n).map(|_| verdict(&mut p)).collect::<Result<_, _>>()?;
+                p.done("the dependencies' verdicts")?;
+            }
             other => return Err(format!("unknown task extension {other}")),
         }
     }
+    if extra.deps.len() != deps.len() && !extra.deps.is_empty() {
+        return Err(format!(
+            "{} dependencies but {} verdicts",
+            deps.len(),
+            extra.deps.len()
+        ));
+    }
     let extra = (extra != TaskExtra::default()).then(|| Arc::new(extra));
-    Ok((ttl, extra))
+    Ok((ttl, deps, extra))
 }
 
 /// Reads version 2, 3 or 4 (`version`), after its first byte.
@@ -718,13 +836,18 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
                 Details::from_pairs(details),
             ));
         }
-        let (liveness, extra) = if v4 { task_ext(&mut r)? } else { (None, None) };
+        let (liveness, depends_on, extra) = if v4 {
+            task_ext(&mut r)?
+        } else {
+            (None, Vec::new(), None)
+        };
         specs.push(TaskSpec {
             name,
             lifecycle,
             leader: kind & LEADER != 0,
             readiness: kind & READINESS != 0,
             liveness,
+            depends_on,
         });
         statuses.push(TaskStatus {
             state: run,
@@ -877,6 +1000,7 @@ mod tests {
             leader,
             readiness: false,
             liveness: None,
+            depends_on: Vec::new(),
         }
     }
 
@@ -926,6 +1050,27 @@ mod tests {
                 },
                 TaskSpec {
                     liveness: ttl(Duration::from_millis(1500)),
+                    depends_on: if third_edition {
+                        vec![
+                            Dependency {
+                                task: TaskName::parse("proxy").unwrap(),
+                                allocation: None,
+                                condition: Condition::Running,
+                            },
+                            Dependency {
+                                task: TaskName::parse("db").unwrap(),
+                                allocation: Some(AllocId::parse("db-7").unwrap()),
+                                condition: Condition::Ready,
+                            },
+                            Dependency {
+                                task: TaskName::parse("db").unwrap(),
+                                allocation: Some(AllocId::parse("b-2").unwrap()),
+                                condition: Condition::Dead,
+                            },
+                        ]
+                    } else {
+                        Vec::new()
+                    },
                     ..task("web", None, false, true)
                 },
                 task("announce", Some(Hook::Poststart), false, false),
@@ -982,6 +1127,7 @@ mod tests {
                             request: 1 << 63,
                         },
                     ],
+                    deps: Vec::new(),
                 })
             }),
         };
@@ -991,6 +1137,13 @@ mod tests {
         tasks[2].state = RunState::Running;
         tasks[2].started_at = Some(datetime!(-9999-01-01 00:00:00 UTC));
         tasks[2].ready_at = Some(old);
+        if third_edition {
+            tasks[2].set_deps(vec![
+                DepState::Holds,
+                DepState::Blocked(Why::NotReady),
+                DepState::Cycle(vec!["b-2/db".to_owned(), "job.group_7-x/web".to_owned()].into()),
+            ]);
+        }
         let order = Desired::Stop(StopReason {
             task: Some(TaskName::parse("init").unwrap()),
             ..StopReason::bare(StopKind::SiblingTaskFailed)

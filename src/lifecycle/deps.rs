@@ -1,0 +1,349 @@
+//! Dependencies: start conditions on other tasks, in this allocation or in
+//! another one (docs/lifecycle.md, Dependencies).
+//!
+//! A task may start only while its stage's gate is open **and** every
+//! dependency holds. Whether one holds is a fact about its target's
+//! state: for a target in the same allocation it is recomputed with every
+//! change of the record; for a target in another allocation the registry
+//! judges it (it holds the other record) and hands the verdicts in
+//! (`Allocation::resolve`). Either way it is kept with the record, so a
+//! view, a replica and a restarted server all show the same `blocked_by`.
+//!
+//! ```text
+//!   condition   holds when the target is       else blocked, why
+//!   running     running                        pending | dead | failed
+//!   ready       running and ready              not_ready | pending | dead | failed
+//!   succeeded   dead, not failed               pending | running | failed
+//!   dead        dead (failed or not)           pending | running
+//!   (any)       -                              not_registered (no such allocation or task)
+//!                                              cycle (the dependency leads back to the task)
+//! ```
+
+use std::sync::Arc;
+
+use super::{AllocId, RunState, Stage, TaskName, TaskStatus};
+
+named_enum! {
+    /// What a dependency waits for its target to be.
+    pub enum Condition ("dependency condition") {
+        Running = "running",
+        Ready = "ready",
+        Succeeded = "succeeded",
+        Dead = "dead",
+    }
+}
+
+named_enum! {
+    /// Why a dependency does not hold.
+    pub enum Why ("blocked reason") {
+        NotRegistered = "not_registered",
+        Pending = "pending",
+        Running = "running",
+        Dead = "dead",
+        Failed = "failed",
+        NotReady = "not_ready",
+        Cycle = "cycle",
+    }
+}
+
+/// Dependencies a task may declare.
+pub const MAX_DEPENDENCIES: usize = 16;
+
+/// One dependency of a task, as registered. `allocation` is `None` for a
+/// task of the same allocation.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Dependency {
+    pub task: TaskName,
+    pub allocation: Option<AllocId>,
+    pub condition: Condition,
+}
+
+/// Whether one dependency holds, as last judged.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DepState {
+    Holds,
+    Blocked(Why),
+    /// It leads back to its own task: `alloc/task` names along the way,
+    /// from the dependent to the task that closes the cycle.
+    Cycle(Arc<[String]>),
+}
+
+impl DepState {
+    pub fn holds(&self) -> bool {
+        matches!(self, DepState::Holds)
+    }
+
+    /// Why it does not hold (`None`: it holds).
+    pub fn why(&self) -> Option<Why> {
+        match self {
+            DepState::Holds => None,
+            DepState::Blocked(why) => Some(*why),
+            DepState::Cycle(_) => Some(Why::Cycle),
+        }
+    }
+}
+
+/// What a dependency finds of its target.
+#[derive(Clone, Copy, Debug)]
+pub enum Target<'a> {
+    /// No such allocation, or no such task in it.
+    Missing,
+    /// The target task's status.
+    Task(&'a TaskStatus),
+}
+
+/// Whether `condition` holds for `target`, and if not, why.
+pub fn judge(condition: Condition, target: Target<'_>) -> DepState {
+    let Target::Task(t) = target else {
+        return DepState::Blocked(Why::NotRegistered);
+    };
+    // Told to restart and not heard from since: it is going back to
+    // `pending` (an all-tasks restart makes its tasks pending), so what it
+    // last said no longer holds anything open.
+    if t.stale {
+        return DepState::Blocked(Why::Pending);
+    }
+    let dead = || {
+        if t.failed { Why::Failed } else { Why::Dead }
+    };
+    let why = match (condition, t.state) {
+        (Condition::Running, RunState::Running) => return DepState::Holds,
+        (Condition::Ready, RunState::Running) if t.ready => return DepState::Holds,
+        (Condition::Ready, RunState::Running) => Why::NotReady,
+        (Condition::Running | Condition::Ready, RunState::Pending) => Why::Pending,
+        (Condition::Running | Condition::Ready, RunState::Dead) => dead(),
+        (Condition::Succeeded, RunState::Dead) if !t.failed => return DepState::Holds,
+        (Condition::Succeeded, RunState::Dead) => Why::Failed,
+        (Condition::Dead, RunState::Dead) => return DepState::Holds,
+        (Condition::Succeeded | Condition::Dead, RunState::Pending) => Why::Pending,
+        (Condition::Succeeded | Condition::Dead, RunState::Running) => Why::Running,
+    };
+    DepState::Blocked(why)
+}
+
+/// A stage's place in the order dependencies inside an allocation must
+/// follow: prestart (ephemeral and sidecar) < main < poststart < poststop.
+pub fn rank(stage: Stage) -> u8 {
+    match stage {
+        Stage::PrestartEphemeral | Stage::PrestartSidecar => 0,
+        Stage::Main => 1,
+        Stage::PoststartEphemeral | Stage::PoststartSidecar => 2,
+        Stage::Poststop => 3,
+    }
+}
+
+/// Why a dependency inside one allocation (from a task of stage `from` on
+/// one of stage `to`, which declares readiness or not) can never hold while
+/// the dependent may start; `None` if it can.
+pub fn never_holds(from: Stage, to: Stage, to_readiness: bool, c: Condition) -> Option<String> {
+    if rank(to) > rank(from) {
+        return Some(format!(
+            "a {from} task cannot wait on a later stage ({to}): that gate opens only after \
+             this one"
+        ));
+    }
+    let live = matches!(c, Condition::Running | Condition::Ready);
+    if live && to == Stage::PrestartEphemeral && rank(from) > 0 {
+        return Some(format!(
+            "a prestart task that is not a sidecar has finished before {from} opens: it is \
+             never {c} then (use `succeeded`)"
+        ));
+    }
+    if live && from == Stage::Poststop && to != Stage::Poststop {
+        return Some(format!(
+            "every {to} task is dead before poststop opens: it is never {c} then (use `dead` \
+             or `succeeded`)"
+        ));
+    }
+    if c == Condition::Ready && !to_readiness {
+        return Some(
+            "the task declares no readiness, so it is never ready (declare `readiness`, or \
+             wait for `running`)"
+                .to_owned(),
+        );
+    }
+    None
+}
+
+/// The first cycle among one allocation's own dependencies, as the task
+/// positions along it (the first repeated at the end), if there is one.
+pub fn own_cycle(deps: &[Vec<usize>]) -> Option<Vec<usize>> {
+    // Depth-first, colouring: 0 unseen, 1 on the path, 2 done.
+    fn visit(
+        i: usize,
+        deps: &[Vec<usize>],
+        colour: &mut [u8],
+        path: &mut Vec<usize>,
+    ) -> Option<Vec<usize>> {
+        colour[i] = 1;
+        path.push(i);
+        for &j in &deps[i] {
+            if colour[j] == 1 {
+                let start = path.iter().position(|&p| p == j).expect("on the path");
+                let mut cycle = path[start..].to_vec();
+                cycle.push(j);
+                return Some(cycle);
+            }
+            if colour[j] == 0
+                && let Some(c) = visit(j, deps, colour, path)
+            {
+                return Some(c);
+            }
+        }
+        path.pop();
+        colour[i] = 2;
+        None
+    }
+    let mut colour = vec![0u8; deps.len()];
+    for i in 0..deps.len() {
+        if colour[i] == 0
+            && let Some(c) = visit(i, deps, &mut colour, &mut Vec::new())
+        {
+            return Some(c);
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(state: RunState, failed: bool, ready: bool) -> TaskStatus {
+        let mut t = TaskStatus::new(1);
+        t.state = state;
+        t.failed = failed;
+        t.ready = ready;
+        t
+    }
+
+    #[test]
+    fn each_condition_holds_exactly_as_the_table_says() {
+        use Condition as C;
+        use RunState as S;
+        let cases = [
+            (C::Running, status(S::Running, false, false), None),
+            (
+                C::Running,
+                status(S::Pending, false, false),
+                Some(Why::Pending),
+            ),
+            (C::Running, status(S::Dead, false, false), Some(Why::Dead)),
+            (C::Running, status(S::Dead, true, false), Some(Why::Failed)),
+            (C::Ready, status(S::Running, false, true), None),
+            (
+                C::Ready,
+                status(S::Running, false, false),
+                Some(Why::NotReady),
+            ),
+            (
+                C::Ready,
+                status(S::Pending, false, false),
+                Some(Why::Pending),
+            ),
+            (C::Ready, status(S::Dead, true, false), Some(Why::Failed)),
+            (C::Succeeded, status(S::Dead, false, false), None),
+            (
+                C::Succeeded,
+                status(S::Dead, true, false),
+                Some(Why::Failed),
+            ),
+            (
+                C::Succeeded,
+                status(S::Running, false, false),
+                Some(Why::Running),
+            ),
+            (
+                C::Succeeded,
+                status(S::Pending, false, false),
+                Some(Why::Pending),
+            ),
+            (C::Dead, status(S::Dead, true, false), None),
+            (C::Dead, status(S::Dead, false, false), None),
+            (
+                C::Dead,
+                status(S::Running, false, false),
+                Some(Why::Running),
+            ),
+            (
+                C::Dead,
+                status(S::Pending, false, false),
+                Some(Why::Pending),
+            ),
+        ];
+        for (c, t, why) in cases {
+            assert_eq!(judge(c, Target::Task(&t)).why(), why, "{c} on {t:?}");
+        }
+        for c in Condition::ALL {
+            assert_eq!(judge(*c, Target::Missing).why(), Some(Why::NotRegistered));
+            // A task told to restart is as good as pending.
+            let mut stale = status(RunState::Running, false, true);
+            stale.stale = true;
+            assert_eq!(judge(*c, Target::Task(&stale)).why(), Some(Why::Pending));
+        }
+    }
+
+    #[test]
+    fn stage_order_and_conditions_that_can_never_hold_are_named() {
+        use Stage::*;
+        assert!(never_holds(Main, PrestartSidecar, false, Condition::Running).is_none());
+        assert!(
+            never_holds(
+                PrestartEphemeral,
+                PrestartEphemeral,
+                false,
+                Condition::Succeeded
+            )
+            .is_none()
+        );
+        assert!(never_holds(Main, Main, true, Condition::Ready).is_none());
+        let later = never_holds(PrestartEphemeral, Main, false, Condition::Running).unwrap();
+        assert!(later.contains("later stage"), "{later}");
+        let gone = never_holds(Main, PrestartEphemeral, false, Condition::Running).unwrap();
+        assert!(gone.contains("use `succeeded`"), "{gone}");
+        assert!(
+            never_holds(
+                PrestartEphemeral,
+                PrestartEphemeral,
+                false,
+                Condition::Running
+            )
+            .is_none()
+        );
+        let post = never_holds(Poststop, Main, false, Condition::Ready).unwrap();
+        assert!(post.contains("before poststop opens"), "{post}");
+        assert!(never_holds(Poststop, Main, false, Condition::Dead).is_none());
+        let unready = never_holds(Main, Main, false, Condition::Ready).unwrap();
+        assert!(unready.contains("declares no readiness"), "{unready}");
+    }
+
+    #[test]
+    fn a_cycle_is_found_with_its_path() {
+        assert_eq!(own_cycle(&[vec![1], vec![2], vec![]]), None);
+        assert_eq!(
+            own_cycle(&[vec![1], vec![2], vec![0]]),
+            Some(vec![0, 1, 2, 0])
+        );
+        assert_eq!(own_cycle(&[vec![], vec![1]]), Some(vec![1, 1]));
+        assert_eq!(own_cycle(&[vec![1, 2], vec![2], vec![]]), None, "a diamond");
+    }
+
+    #[test]
+    fn wire_names_are_exact() {
+        let c: Vec<_> = Condition::ALL.iter().map(|c| c.as_str()).collect();
+        assert_eq!(c, ["running", "ready", "succeeded", "dead"]);
+        let w: Vec<_> = Why::ALL.iter().map(|w| w.as_str()).collect();
+        assert_eq!(
+            w,
+            [
+                "not_registered",
+                "pending",
+                "running",
+                "dead",
+                "failed",
+                "not_ready",
+                "cycle"
+            ]
+        );
+    }
+}
