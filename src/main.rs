@@ -37,6 +37,7 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         }
+        Command::AgentExec(args) => ExitCode::from(taskgate::agent::exec(&args)),
         Command::Agent(config) => {
             tracing_subscriber::fmt()
                 .with_env_filter(EnvFilter::new("info"))

@@ -4,8 +4,30 @@
 //! group, reports `running`, watches its task for stop and restart orders
 //! while the command runs, and reports what happened when it ends.
 //! Reports are retried with backoff until the server takes them.
+//!
+//! **Containment.** Nothing the task starts outlives the task. The agent is
+//! a child subreaper, so a process that leaves the task's group (`setsid`,
+//! a double fork) is re-parented to the agent, not to init. Whenever a run
+//! ends — the command exits on its own, a stop or restart order, a deleted
+//! allocation, the agent stopping on a signal or an error — the agent
+//! sends SIGTERM to the task's process group and to every such stray,
+//! SIGKILL after `--kill-timeout`, and reaps them, before it reports the
+//! task dead (`process.rs`). Readiness commands run in groups of their own
+//! and are killed with them when their check ends.
+//!
+//! **SIGKILL of the agent** leaves it no chance to do any of that. The
+//! command's first process gets SIGKILL from the kernel (its parent-death
+//! signal, set by `launch.rs`), and so does a running readiness command's;
+//! processes they started live on, re-parented to init (or to the
+//! agent's own supervisor if it is a subreaper): a supervisor that runs
+//! the agent in a cgroup (systemd's `KillMode=control-group`, a container)
+//! takes them along. The server still shows the task `running`: a task
+//! with a liveness TTL (`liveness.ttl`) whose agent gives no sign of life
+//! within it is declared lost by the server (dead, failed, `Agent Lost`),
+//! and its siblings are told to stop.
 
 mod api;
+mod launch;
 mod policy;
 mod process;
 mod readiness;
@@ -18,6 +40,8 @@ use tokio::sync::watch;
 
 use crate::{secret::Secret, units::parse_duration};
 use api::{Api, ApiError, TaskInfo};
+use launch::Launch;
+pub use launch::{ExecArgs, exec};
 pub use policy::{RestartMode, RestartPolicy};
 use process::Exit;
 use readiness::Probe;
@@ -99,7 +123,7 @@ pub struct AgentConfig {
     pub ready_timeout: Option<Duration>,
     /// On SIGTERM or SIGINT the agent stops its task at once and tries this
     /// long to report it dead, then exits; a second signal exits at once
-    /// (killing the task's process group).
+    /// (killing everything the task started).
     #[arg(long, env = "TASKGATE_SHUTDOWN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub shutdown_timeout: Duration,
     /// After SIGTERM to the task's process group, wait this long before SIGKILL.
@@ -151,6 +175,8 @@ struct Agent {
     outcome: Option<(String, Vec<String>)>,
     /// The running command's process group (0: none), for a second signal.
     running: std::sync::Arc<std::sync::atomic::AtomicU32>,
+    /// How commands are started.
+    launch: Launch,
 }
 
 impl Agent {
@@ -278,7 +304,11 @@ impl Agent {
             ],
             _ => Vec::new(),
         };
-        let mut child = match process::spawn(&self.config.command, &env) {
+        let spawned = self
+            .launch
+            .command(&self.config.command)
+            .and_then(|cmd| process::spawn(cmd, &env));
+        let mut child = match spawned {
             Ok(c) => c,
             Err(e) => {
                 self.exit_code = 127;
@@ -349,9 +379,9 @@ impl Agent {
                     let t = match t {
                         Ok(t) => t,
                         Err(e) => {
-                            // Deleted allocation or a fatal answer: the
-                            // task's whole process group goes too.
-                            child.kill(self.config.kill_timeout).await;
+                            // Deleted allocation or a fatal answer:
+                            // everything the task started goes too.
+                            child.stop(self.config.kill_timeout).await;
                             return Err(e);
                         }
                     };
@@ -387,6 +417,10 @@ impl Agent {
         }
         match ended {
             Ended::Exited(exit) => {
+                // The first process has ended; what it left running (in
+                // its group or out of it) goes now, before the task is
+                // reported dead.
+                child.stop(self.config.kill_timeout).await;
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
                 self.exited(exit).await
             }
@@ -400,7 +434,7 @@ impl Agent {
                     Some(event("Killing", message.clone(), json!({}))),
                 )
                 .await?;
-                let exit = child.kill(self.config.kill_timeout).await;
+                let exit = child.stop(self.config.kill_timeout).await;
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
                 let mut details = exit.details();
                 details["readiness_timeout"] = json!(shown);
@@ -414,7 +448,7 @@ impl Agent {
                     Some(event("Killing", reason.clone(), json!({}))),
                 )
                 .await?;
-                let exit = child.kill(self.config.kill_timeout).await;
+                let exit = child.stop(self.config.kill_timeout).await;
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
                 self.exit_code = 0;
                 self.report("dead", false, Some(event("Killed", reason, exit.details())))
@@ -422,7 +456,7 @@ impl Agent {
                 self.after_death().await
             }
             Ended::RestartOrder => {
-                child.kill(self.config.kill_timeout).await;
+                child.stop(self.config.kill_timeout).await;
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
                 self.report(
                     "pending",
@@ -437,7 +471,7 @@ impl Agent {
                 Ok(AfterDeath::Restart)
             }
             Ended::AgentStopping => {
-                let exit = child.kill(self.config.kill_timeout).await;
+                let exit = child.stop(self.config.kill_timeout).await;
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
                 self.report(
                     "dead",
@@ -556,8 +590,22 @@ impl Agent {
     }
 }
 
+/// How often at most the agent looks for ended strays to reap while a task
+/// runs (each look reads every process's `/proc/<pid>/stat`).
+const REAP_PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Runs the agent until it is done; returns the process exit code.
 pub async fn run(config: AgentConfig) -> i32 {
+    // Before anything is started, so that no orphan of the task escapes
+    // to init.
+    if let Err(e) = process::become_subreaper() {
+        tracing::warn!(
+            error = %e,
+            "cannot become a child subreaper: processes that leave the task's \
+             process group will not be stopped with it"
+        );
+    }
+    tokio::spawn(process::reap_forever(REAP_PAUSE));
     let api = match Api::new(&config) {
         Ok(api) => api,
         Err(e) => {
@@ -565,10 +613,12 @@ pub async fn run(config: AgentConfig) -> i32 {
             return 2;
         }
     };
+    let launch = Launch::for_agent();
     let probe = match Probe::from_flags(
         config.ready_cmd.as_deref(),
         config.ready_http.as_deref(),
         config.ready_tcp.as_deref(),
+        launch,
     ) {
         Ok(p) => p,
         Err(e) => {
@@ -590,10 +640,7 @@ pub async fn run(config: AgentConfig) -> i32 {
         let _ = give_up_at.set(tokio::time::Instant::now() + shutdown_timeout);
         let _ = stop_tx.send(true);
         crate::signals::terminated().await;
-        let pid = group.load(std::sync::atomic::Ordering::Relaxed);
-        if pid != 0 {
-            process::kill_group(pid);
-        }
+        process::kill_everything(group.load(std::sync::atomic::Ordering::Relaxed));
         eprintln!("taskgate agent: a second signal: exiting now");
         std::process::exit(130);
     });
@@ -616,8 +663,9 @@ pub async fn run(config: AgentConfig) -> i32 {
         probe,
         outcome: None,
         running,
+        launch,
     };
-    match agent.run().await {
+    let code = match agent.run().await {
         Ok(code) => code,
         Err(ApiError::Gone) => {
             tracing::info!("the allocation was deleted");
@@ -627,5 +675,10 @@ pub async fn run(config: AgentConfig) -> i32 {
             eprintln!("taskgate agent: {e}");
             2
         }
-    }
+    };
+    // Each run stopped its own; this is for what a readiness command may
+    // have left after the last run, and for the error paths.
+    drop(agent);
+    process::sweep().await;
+    code
 }

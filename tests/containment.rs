@@ -1,0 +1,205 @@
+//! `taskgate agent` contains its workload and keeps its secret, with real
+//! processes: nothing the task starts outlives the task, however it left
+//! the task's process group, and nothing it runs can read the agent's
+//! token.
+
+mod common;
+
+use std::process::{Command, Stdio};
+
+use common::{agents::*, process::Server};
+
+/// A task that exits on its own takes along what it left running in the
+/// background, in its process group or in a session of its own; the
+/// processes are gone before the agent reports the task dead.
+#[test]
+fn a_natural_exit_takes_the_tasks_background_processes_along() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let spec = web_only(d);
+    let cmd = format!(
+        "{} {} {} {} exit 0",
+        background(d, "bg"),
+        escaped(d, "esc"),
+        await_file(d, "bg"),
+        await_file(d, "esc")
+    );
+    let mut web = agent(&server.base, "n1", "web", &spec, &[], &cmd);
+    let bg = read_pids(&d.join("bg"), 1)[0];
+    let esc = read_pids(&d.join("esc"), 1)[0];
+    assert_eq!(exits(std::slice::from_mut(&mut web)), [("web", 0)]);
+    assert!(!runs(bg), "the background process {bg} outlived its task");
+    assert!(
+        !runs(esc),
+        "the process {esc} that left the group outlived its task"
+    );
+    let t = get(&server.base, "/v1/allocations/n1/tasks/web");
+    assert_eq!(
+        (t["state"].as_str(), t["failed"].as_bool()),
+        (Some("dead"), Some(false)),
+        "{t}"
+    );
+}
+
+/// A restart order stops the whole run, also what left its process group,
+/// before the next run starts.
+#[test]
+fn a_restart_order_takes_the_runs_escaped_processes_along() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let spec = web_only(d);
+    let cmd = format!(
+        "echo $$ >> {}/leaders; {} {} wait",
+        d.display(),
+        background(d, "bg"),
+        escaped(d, "esc")
+    );
+    let _web = agent(&server.base, "r1", "web", &spec, &[], &cmd);
+    let bg = read_pids(&d.join("bg"), 1)[0];
+    let esc = read_pids(&d.join("esc"), 1)[0];
+    wait_state(&server.base, "r1", "web", "running");
+    let restart = Command::new("curl")
+        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST"])
+        .args([
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            r#"{"task": "web"}"#,
+        ])
+        .arg(format!("{}/v1/allocations/r1/restart", server.base))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&restart.stdout), "200");
+    let leaders = read_pids(&d.join("leaders"), 2);
+    assert!(!runs(leaders[0]), "the first run still runs");
+    assert!(
+        !runs(bg),
+        "the first run's background process {bg} survived the restart"
+    );
+    assert!(
+        !runs(esc),
+        "the first run's escaped process {esc} survived the restart"
+    );
+}
+
+/// Deleting the allocation ends the agent and everything its task started.
+#[test]
+fn deleting_the_allocation_takes_escaped_processes_along() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let spec = web_only(d);
+    let cmd = format!("{} {} wait", background(d, "bg"), escaped(d, "esc"));
+    let mut web = agent(&server.base, "d1", "web", &spec, &[], &cmd);
+    let bg = read_pids(&d.join("bg"), 1)[0];
+    let esc = read_pids(&d.join("esc"), 1)[0];
+    wait_state(&server.base, "d1", "web", "running");
+    let deleted = Command::new("curl")
+        .args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "-X",
+            "DELETE",
+        ])
+        .arg(format!("{}/v1/allocations/d1", server.base))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&deleted.stdout), "204");
+    exits(std::slice::from_mut(&mut web));
+    assert!(
+        !runs(bg),
+        "the background process {bg} outlived the deletion"
+    );
+    assert!(
+        !runs(esc),
+        "the escaped process {esc} outlived the deletion"
+    );
+}
+
+/// A readiness command that hangs is killed with its whole process group
+/// when its check times out: checks do not pile up processes.
+#[test]
+fn a_hanging_readiness_command_is_killed_with_its_group() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let spec = web_only(d);
+    let probe = format!("sleep 1000 & echo $! >> {}/probes; wait", d.display());
+    let _web = agent(
+        &server.base,
+        "p1",
+        "web",
+        &spec,
+        &["--ready-cmd", &probe, "--ready-interval", "100ms"],
+        "exec sleep 300",
+    );
+    // Each check ends (times out) before the next starts: once six have
+    // started, the first four have ended.
+    let probes = read_pids(&d.join("probes"), 6);
+    for pid in &probes[..4] {
+        wait_gone(*pid, "a timed-out readiness check's process");
+    }
+}
+
+/// SIGKILL leaves the agent no chance to stop its task: the task's process
+/// is killed by the kernel (its parent-death signal).
+#[test]
+fn a_killed_agent_takes_its_tasks_process_along() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let spec = web_only(d);
+    let cmd = format!("echo $$ >> {}/leader; exec sleep 300", d.display());
+    let web = agent(&server.base, "k1", "web", &spec, &[], &cmd);
+    let leader = read_pids(&d.join("leader"), 1)[0];
+    wait_state(&server.base, "k1", "web", "running");
+    send_signal(web.child.id(), "KILL");
+    wait_gone(leader, "the task of a SIGKILLed agent");
+}
+
+/// A command that cannot be started is a driver failure (exit 127), not a
+/// run that failed and is restarted.
+#[test]
+fn a_command_that_cannot_start_is_a_driver_failure() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = web_only(dir.path());
+    let mut a = Agent {
+        child: Command::new(env!("CARGO_BIN_EXE_taskgate"))
+            .args([
+                "agent",
+                "--server",
+                &server.base,
+                "--alloc",
+                "f1",
+                "--task",
+                "web",
+            ])
+            .arg("--register")
+            .arg(&spec)
+            .args(["--", "/nonexistent/command", "arg"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+        task: "web",
+    };
+    assert_eq!(exits(std::slice::from_mut(&mut a)), [("web", 127)]);
+    let t = get(&server.base, "/v1/allocations/f1/tasks/web");
+    assert_eq!(
+        (t["state"].as_str(), t["failed"].as_bool()),
+        (Some("dead"), Some(true)),
+        "{t}"
+    );
+    assert_eq!(
+        task_events(&server.base, "f1", "web"),
+        ["Driver Failure"],
+        "{t}"
+    );
+    assert_eq!(t["restarts"], 0, "{t}");
+}
