@@ -121,6 +121,49 @@ fn deleting_the_allocation_takes_escaped_processes_along() {
     );
 }
 
+/// HUP, QUIT, USR1 and USR2 end the agent as TERM does: the task and all
+/// it started are stopped, the task is reported dead, the agent exits 0.
+#[test]
+fn every_terminating_signal_stops_the_task_and_reports_it_dead() {
+    let server = Server::start(&["--in-memory"]);
+    for sig in ["HUP", "QUIT", "USR1", "USR2"] {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let spec = web_only(d);
+        let alloc = format!("sig-{}", sig.to_lowercase());
+        let cmd = format!(
+            "echo $$ >> {}/leader; {} {} wait",
+            d.display(),
+            background(d, "bg"),
+            escaped(d, "esc")
+        );
+        let task: &'static str = "web";
+        let mut web = agent(&server.base, &alloc, task, &spec, &[], &cmd);
+        let leader = read_pids(&d.join("leader"), 1)[0];
+        let bg = read_pids(&d.join("bg"), 1)[0];
+        let esc = read_pids(&d.join("esc"), 1)[0];
+        wait_state(&server.base, &alloc, "web", "running");
+        send_signal(web.child.id(), sig);
+        assert_eq!(
+            exits(std::slice::from_mut(&mut web)),
+            [("web", 0)],
+            "SIG{sig} ends the agent cleanly"
+        );
+        for (pid, what) in [
+            (leader, "task"),
+            (bg, "background process"),
+            (esc, "escaped process"),
+        ] {
+            assert!(!runs(pid), "SIG{sig}: the {what} {pid} outlived the agent");
+        }
+        let t = get(&server.base, &format!("/v1/allocations/{alloc}/tasks/web"));
+        assert_eq!(t["state"], "dead", "SIG{sig}: {t}");
+        let last = t["events"].as_array().unwrap().last().unwrap().clone();
+        assert_eq!(last["type"], "Killed", "SIG{sig}: {t}");
+        assert_eq!(last["message"], "the agent is stopping", "SIG{sig}: {t}");
+    }
+}
+
 /// A readiness command that hangs is killed with its whole process group
 /// when its check times out: checks do not pile up processes.
 #[test]

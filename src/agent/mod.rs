@@ -13,7 +13,9 @@
 //! sends SIGTERM to the task's process group and to every such stray,
 //! SIGKILL after `--kill-timeout`, and reaps them, before it reports the
 //! task dead (`process.rs`). Readiness commands run in groups of their own
-//! and are killed with them when their check ends.
+//! and are killed with them when their check ends. Every terminating
+//! signal (HUP, INT, QUIT, TERM, USR1, USR2, ALRM, ...; `signals.rs`) stops
+//! the task and reports it dead; a second one kills everything and exits.
 //!
 //! **SIGKILL of the agent** leaves it no chance to do any of that. The
 //! command's first process gets SIGKILL from the kernel (its parent-death
@@ -121,9 +123,10 @@ pub struct AgentConfig {
     /// as a failure by its restart policy (default: no limit).
     #[arg(long, env = "TASKGATE_READY_TIMEOUT", value_parser = parse_duration)]
     pub ready_timeout: Option<Duration>,
-    /// On SIGTERM or SIGINT the agent stops its task at once and tries this
-    /// long to report it dead, then exits; a second signal exits at once
-    /// (killing everything the task started).
+    /// On SIGTERM, SIGINT, SIGHUP or any other terminating signal the agent
+    /// stops its task at once and tries this long to report it dead, then
+    /// exits; a second signal exits at once (killing everything the task
+    /// started).
     #[arg(long, env = "TASKGATE_SHUTDOWN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub shutdown_timeout: Duration,
     /// After SIGTERM to the task's process group, wait this long before SIGKILL.
@@ -596,8 +599,10 @@ const REAP_PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Runs the agent until it is done; returns the process exit code.
 pub async fn run(config: AgentConfig) -> i32 {
-    // Before anything is started, so that no orphan of the task escapes
-    // to init.
+    // Before anything is started: the handlers, so that no terminating
+    // signal ends the agent without a word; the subreaper flag, so that no
+    // orphan of the task escapes to init.
+    let mut signals = crate::signals::Terminating::listen();
     if let Err(e) = process::become_subreaper() {
         tracing::warn!(
             error = %e,
@@ -632,16 +637,17 @@ pub async fn run(config: AgentConfig) -> i32 {
     let shutdown_timeout = config.shutdown_timeout;
     let group = running.clone();
     tokio::spawn(async move {
-        crate::signals::terminated().await;
+        let signal = signals.recv().await;
         tracing::info!(
+            signal,
             "stopping: the task is stopped now and reported dead (for at most {shutdown_timeout:?}); \
              a second signal exits at once"
         );
         let _ = give_up_at.set(tokio::time::Instant::now() + shutdown_timeout);
         let _ = stop_tx.send(true);
-        crate::signals::terminated().await;
+        let signal = signals.recv().await;
         process::kill_everything(group.load(std::sync::atomic::Ordering::Relaxed));
-        eprintln!("taskgate agent: a second signal: exiting now");
+        eprintln!("taskgate agent: a second signal ({signal}): exiting now");
         std::process::exit(130);
     });
     let policy = RestartPolicy {
