@@ -5,9 +5,13 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::{
+    path::Path,
+    process::{Command, Stdio},
+};
 
 use common::{agents::*, process::Server};
+use serde_json::json;
 
 /// A task that exits on its own takes along what it left running in the
 /// background, in its process group or in a session of its own; the
@@ -189,6 +193,80 @@ fn a_hanging_readiness_command_is_killed_with_its_group() {
     }
 }
 
+/// The agent's token is out of reach of what it runs: not in the
+/// environment of the task or of a readiness command, and not in the
+/// agent's own `/proc/<pid>/environ`, which a process of the same user
+/// could read if the agent were dumpable. The agent and its task run as
+/// an unprivileged user here (root may read any process's memory).
+#[test]
+fn the_workload_and_its_probe_cannot_read_the_agents_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    make_world_writable(d);
+    let secret = "agent-secret-of-enough-length-0123456789";
+    let tokens = d.join("tokens.json");
+    std::fs::write(
+        &tokens,
+        json!({"tokens": [{"name": "agents", "role": "agent", "sha256": sha256_hex(secret)}]})
+            .to_string(),
+    )
+    .unwrap();
+    let server = Server::start(&["--in-memory", "--token-file", tokens.to_str().unwrap()]);
+    let spec = web_only(d);
+    let dd = d.display();
+    let probe = format!(
+        "env > {dd}/probe.env.tmp; mv {dd}/probe.env.tmp {dd}/probe.env; \
+         cat /proc/$PPID/environ > {dd}/probe-ppid.env 2>/dev/null; exit 0"
+    );
+    let workload = format!(
+        "id -u > {dd}/uid; echo $PPID > {dd}/ppid; env > {dd}/env; \
+         cat /proc/$PPID/environ > {dd}/ppid.env 2>/dev/null; echo $? > {dd}/ppid.code; \
+         {} exit 0",
+        await_file(d, "probe.env")
+    );
+    let mut cmd = unprivileged(env!("CARGO_BIN_EXE_taskgate"));
+    cmd.args([
+        "agent",
+        "--server",
+        &server.base,
+        "--alloc",
+        "s1",
+        "--task",
+        "web",
+    ])
+    .arg("--register")
+    .arg(&spec)
+    .args(["--ready-cmd", &probe, "--ready-interval", "50ms"])
+    .args(["--", "sh", "-c", &workload])
+    .env("TASKGATE_TOKEN", secret)
+    .stdout(Stdio::null())
+    .stderr(Stdio::null());
+    let mut a = Agent {
+        child: cmd.spawn().unwrap(),
+        task: "web",
+    };
+    let agent_pid = a.child.id();
+    assert_eq!(exits(std::slice::from_mut(&mut a)), [("web", 0)]);
+    let read = |name: &str| std::fs::read_to_string(d.join(name)).unwrap_or_default();
+    assert_ne!(read("uid").trim(), "0", "the workload runs unprivileged");
+    assert_eq!(
+        read("ppid").trim(),
+        agent_pid.to_string(),
+        "$PPID is the agent"
+    );
+    assert_ne!(
+        read("ppid.code").trim(),
+        "0",
+        "/proc/<agent>/environ was readable"
+    );
+    for file in ["env", "ppid.env", "probe.env", "probe-ppid.env"] {
+        let seen = read(file);
+        assert!(!seen.contains(secret), "{file} holds the token");
+        assert!(!seen.contains("TASKGATE_TOKEN"), "{file}: {seen}");
+    }
+    assert!(read("probe.env").contains("PATH="), "the probe ran");
+}
+
 /// SIGKILL leaves the agent no chance to stop its task: the task's process
 /// is killed by the kernel (its parent-death signal).
 #[test]
@@ -245,4 +323,29 @@ fn a_command_that_cannot_start_is_a_driver_failure() {
         "{t}"
     );
     assert_eq!(t["restarts"], 0, "{t}");
+}
+
+fn sha256_hex(secret: &str) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(secret.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn make_world_writable(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+}
+
+/// `program` run as the user nobody when the tests run as root (root may
+/// read any process's environment, so the check would prove nothing).
+fn unprivileged(program: &str) -> Command {
+    if !rustix::process::geteuid().is_root() {
+        return Command::new(program);
+    }
+    let mut cmd = Command::new("setpriv");
+    cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(program);
+    cmd
 }

@@ -27,6 +27,16 @@
 //! with a liveness TTL (`liveness.ttl`) whose agent gives no sign of life
 //! within it is declared lost by the server (dead, failed, `Agent Lost`),
 //! and its siblings are told to stop.
+//!
+//! **The token.** The agent marks itself non-dumpable first thing
+//! ([`forbid_inspection`]): its `/proc/<pid>/` files belong to root from
+//! then on, so a process of the same user (the task, a readiness command)
+//! can neither read its environment or memory nor ptrace it. Nothing the
+//! agent starts gets `TASKGATE_TOKEN`, `TASKGATE_TOKEN_FILE` or
+//! `TASKGATE_OPERATOR_TOKEN` in its environment. A workload of the same
+//! user can still read the token *file* if it finds it and may read it;
+//! only another user (file mode, or a workload run as its own user) keeps
+//! it from that, and root can read anything.
 
 mod api;
 mod launch;
@@ -70,7 +80,9 @@ pub struct AgentConfig {
     #[arg(long, env = "TASKGATE_TASK")]
     pub task: String,
     /// A token of role agent (or operator). Never passed on to the command
-    /// (nor is any other taskgate secret in the agent's environment).
+    /// (nor is any other taskgate secret in the agent's environment). On
+    /// the command line it shows in every user's process list: prefer
+    /// TASKGATE_TOKEN or --token-file.
     #[arg(
         long,
         env = "TASKGATE_TOKEN",
@@ -597,6 +609,24 @@ impl Agent {
 /// runs (each look reads every process's `/proc/<pid>/stat`).
 const REAP_PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// Marks this process non-dumpable (`PR_SET_DUMPABLE` 0): from then on its
+/// `/proc/<pid>/` files (`environ`, `mem`, ...) belong to root, a process
+/// of the same user may neither read them nor ptrace it, and it leaves no
+/// core dump. `taskgate agent` calls it before it does anything else.
+pub fn forbid_inspection() -> std::io::Result<()> {
+    rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable)
+        .map_err(Into::into)
+}
+
+/// Whether `--token` was given on the command line (before the command's
+/// own `--`), where every user of the host sees it.
+fn token_on_command_line() -> bool {
+    std::env::args()
+        .skip(1)
+        .take_while(|a| a != "--")
+        .any(|a| a == "--token" || a.starts_with("--token="))
+}
+
 /// Runs the agent until it is done; returns the process exit code.
 pub async fn run(config: AgentConfig) -> i32 {
     // Before anything is started: the handlers, so that no terminating
@@ -611,6 +641,12 @@ pub async fn run(config: AgentConfig) -> i32 {
         );
     }
     tokio::spawn(process::reap_forever(REAP_PAUSE));
+    if token_on_command_line() {
+        tracing::warn!(
+            "--token on the command line shows in every user's process list \
+             (/proc/<pid>/cmdline); give it in TASKGATE_TOKEN or a file named by --token-file"
+        );
+    }
     let api = match Api::new(&config) {
         Ok(api) => api,
         Err(e) => {
