@@ -359,57 +359,68 @@ impl Agent {
             .ready_timeout
             .filter(|_| probe.is_some())
             .map(|t| tokio::time::Instant::now() + t);
-        let ended = loop {
-            let probed = async {
-                match probe.as_mut() {
-                    Some(p) => p.rx.recv().await,
-                    None => std::future::pending().await,
-                }
-            };
-            let late = async {
-                match ready_by {
-                    Some(at) if !ever_ready => tokio::time::sleep_until(at).await,
-                    _ => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                exit = child.wait() => break Ended::Exited(exit),
-                Some(now_ready) = probed => {
-                    if now_ready != ready {
-                        ready = now_ready;
-                        ever_ready |= ready;
-                        let (kind, message) = if ready {
-                            ("Ready", "the readiness probe succeeded")
-                        } else {
-                            ("Not Ready", "the readiness probe failed")
-                        };
-                        tracing::info!(task = %self.config.task, ready, "readiness changed");
-                        let body = json!({"state": "running", "ready": ready,
-                                          "event": event(kind, message, json!({}))});
-                        self.api.report(&body).await?;
+        let ended = {
+            // One long-poll of the task at a time, kept across the loop's
+            // turns and made anew only once it has answered: a readiness
+            // answer must neither cut it (a dropped connection each time)
+            // nor restart the backoff of its retries while the server is
+            // down. It borrows only `self.api`, so the loop may change the
+            // other fields.
+            let api = &self.api;
+            let mut poll = std::pin::pin!(api.task(self.index));
+            loop {
+                let probed = async {
+                    match probe.as_mut() {
+                        Some(p) => p.rx.recv().await,
+                        None => std::future::pending().await,
                     }
-                }
-                () = late => break Ended::NotReadyInTime,
-                t = self.api.task(self.index) => {
-                    let t = match t {
-                        Ok(t) => t,
-                        Err(e) => {
-                            // Deleted allocation or a fatal answer:
-                            // everything the task started goes too.
-                            child.stop(self.config.kill_timeout).await;
-                            return Err(e);
+                };
+                let late = async {
+                    match ready_by {
+                        Some(at) if !ever_ready => tokio::time::sleep_until(at).await,
+                        _ => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    exit = child.wait() => break Ended::Exited(exit),
+                    Some(now_ready) = probed => {
+                        if now_ready != ready {
+                            ready = now_ready;
+                            ever_ready |= ready;
+                            let (kind, message) = if ready {
+                                ("Ready", "the readiness probe succeeded")
+                            } else {
+                                ("Not Ready", "the readiness probe failed")
+                            };
+                            tracing::info!(task = %self.config.task, ready, "readiness changed");
+                            let body = json!({"state": "running", "ready": ready,
+                                              "event": event(kind, message, json!({}))});
+                            api.report(&body).await?;
                         }
-                    };
-                    self.learn(&t);
-                    if t.desired == "stop" {
-                        break Ended::StopOrder(t.stop_reason.unwrap_or_default());
                     }
-                    if t.restart_generation > self.generation {
-                        self.generation = t.restart_generation;
-                        break Ended::RestartOrder;
+                    () = late => break Ended::NotReadyInTime,
+                    t = &mut poll => {
+                        let t = match t {
+                            Ok(t) => t,
+                            Err(e) => {
+                                // Deleted allocation or a fatal answer:
+                                // everything the task started goes too.
+                                child.stop(self.config.kill_timeout).await;
+                                return Err(e);
+                            }
+                        };
+                        self.index = self.index.max(t.modify_index);
+                        if t.desired == "stop" {
+                            break Ended::StopOrder(t.stop_reason.unwrap_or_default());
+                        }
+                        if t.restart_generation > self.generation {
+                            self.generation = t.restart_generation;
+                            break Ended::RestartOrder;
+                        }
+                        poll.set(api.task(self.index));
                     }
+                    () = self.stopped() => break Ended::AgentStopping,
                 }
-                () = self.stopped() => break Ended::AgentStopping,
             }
         };
         drop(probe);
