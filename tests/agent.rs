@@ -1011,3 +1011,46 @@ fn the_backoff_keeps_growing_while_the_probe_answers() {
             .any(|l| retry_in_ms(l).is_some_and(|ms| ms >= 500.0))
     });
 }
+
+/// After repeated failures to reach the server the agent says, once, what
+/// to check; here an https URL given for a plain-HTTP server.
+#[test]
+fn repeated_connection_failures_say_once_what_to_check() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = web_only(dir.path());
+    let url = server.base.replace("http://", "https://");
+    let mut child = agent_with_stderr(
+        &[
+            "--server",
+            &url,
+            "--alloc",
+            "h1",
+            "--task",
+            "web",
+            "--register",
+            spec.to_str().unwrap(),
+        ],
+        "true",
+    );
+    let lines = stderr_lines(&mut child);
+    let _agent = Agent { child, task: "web" };
+    let is_hint = |l: &String| l.contains("could not reach");
+    let seen = wait_lines(&lines, "said what to check", |lines| {
+        lines.iter().any(is_hint)
+    });
+    let hint = seen.iter().find(|l| is_hint(l)).unwrap().clone();
+    for what in [url.as_str(), "TLS", "http://", "--ca-cert", "running"] {
+        assert!(hint.contains(what), "the hint names {what}: {hint}");
+    }
+    let retries = |lines: &[String]| lines.iter().filter(|l| l.contains("retrying")).count();
+    let so_far = retries(&seen);
+    let seen = wait_lines(&lines, "retried thrice more", |lines| {
+        retries(lines) >= so_far + 3
+    });
+    assert_eq!(
+        seen.iter().filter(|l| is_hint(l)).count(),
+        1,
+        "once per episode: {seen:#?}"
+    );
+}
