@@ -1054,3 +1054,56 @@ fn repeated_connection_failures_say_once_what_to_check() {
         "once per episode: {seen:#?}"
     );
 }
+
+/// `--register` with a spec other than the one the allocation was
+/// registered with is an error (exit 2) that names what differs.
+#[test]
+fn registering_a_different_spec_exits_2_naming_the_difference() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let stored = json!({"tasks": [
+        {"name": "init", "lifecycle": {"hook": "prestart"}},
+        {"name": "web", "leader": true},
+        {"name": "gone"}
+    ]});
+    let put = Command::new("curl")
+        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "PUT"])
+        .args([
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            &stored.to_string(),
+        ])
+        .arg(format!("{}/v1/allocations/x1", server.base))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&put.stdout), "201");
+    let spec = spec_file(
+        dir.path(),
+        &json!({"tasks": [
+            {"name": "init", "lifecycle": {"hook": "prestart", "sidecar": true}},
+            {"name": "web", "leader": true},
+            {"name": "extra", "lifecycle": {"hook": "poststop"}}
+        ]}),
+    );
+    let child = agent_with_stderr(
+        &[
+            "--server",
+            &server.base,
+            "--alloc",
+            "x1",
+            "--task",
+            "web",
+            "--register",
+            spec.to_str().unwrap(),
+        ],
+        "true",
+    );
+    let (code, stderr) = ended(child);
+    assert_eq!(code, Some(2), "{stderr}");
+    for what in ["x1", "init", "sidecar", "extra", "gone", "spec.json"] {
+        assert!(stderr.contains(what), "names {what}: {stderr}");
+    }
+    let t = get(&server.base, "/v1/allocations/x1/tasks/web");
+    assert_eq!(t["state"], "pending", "nothing ran: {t}");
+}

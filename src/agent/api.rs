@@ -53,6 +53,14 @@ pub struct StartCondition {
     pub failed_tasks: Vec<String>,
 }
 
+/// What the server answered a call.
+enum Answer {
+    /// A 2xx, with its body.
+    Taken(Value),
+    /// A 4xx the caller asked to see rather than fail on.
+    Refused { code: String, detail: String },
+}
+
 /// Failures to reach any server, counted to say once per episode what to
 /// check (an episode ends when a server answers anything).
 #[derive(Debug, Default)]
@@ -203,6 +211,22 @@ impl Api {
         path: &str,
         body: Option<&Value>,
     ) -> Result<Value, ApiError> {
+        match self.call_unless(method, path, body, &[]).await? {
+            Answer::Taken(v) => Ok(v),
+            Answer::Refused { code, detail } => Err(ApiError::Fatal(format!(
+                "{method} {path}: {code}: {detail}"
+            ))),
+        }
+    }
+
+    /// `call`, but a 4xx whose code is in `refusals` is an answer.
+    async fn call_unless(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+        refusals: &[&str],
+    ) -> Result<Answer, ApiError> {
         use std::sync::atomic::Ordering;
         let mut backoff = BACKOFF_START;
         loop {
@@ -240,7 +264,9 @@ impl Api {
             let problem = match answer {
                 Ok((status, body)) if status < 300 => {
                     self.reached();
-                    return Ok(serde_json::from_slice(&body).unwrap_or(Value::Null));
+                    return Ok(Answer::Taken(
+                        serde_json::from_slice(&body).unwrap_or(Value::Null),
+                    ));
                 }
                 Ok((status, body)) => {
                     self.reached();
@@ -248,6 +274,10 @@ impl Api {
                     let code = text(&v, "code");
                     if status == 410 || code == "allocation_not_found" {
                         return Err(ApiError::Gone);
+                    }
+                    if (400..500).contains(&status) && refusals.contains(&code.as_str()) {
+                        let detail = text(&v, "detail");
+                        return Ok(Answer::Refused { code, detail });
                     }
                     if status == 401 {
                         return Err(ApiError::Fatal(format!(
@@ -330,10 +360,34 @@ impl Api {
             .map_err(|e| ApiError::Fatal(format!("cannot read {}: {e}", file.display())))?;
         let spec: Value = serde_json::from_str(&text)
             .map_err(|e| ApiError::Fatal(format!("{} is not JSON: {e}", file.display())))?;
-        match self.call("PUT", &self.alloc_path(), Some(&spec)).await {
-            // Registered by this agent or another one of the group.
-            Ok(_) => Ok(()),
-            Err(e) => Err(e),
+        loop {
+            let path = self.alloc_path();
+            let put = self.call_unless("PUT", &path, Some(&spec), &["allocation_exists"]);
+            if let Answer::Taken(_) = put.await? {
+                // Registered by this agent or another one of the group.
+                return Ok(());
+            }
+            let stored = match self.call("GET", &self.alloc_path(), None).await {
+                Ok(stored) => stored,
+                // Deleted since: registering again will do.
+                Err(ApiError::Gone) => continue,
+                Err(e) => return Err(e),
+            };
+            let mut differences = super::spec_diff::differences(&spec, &stored);
+            if differences.is_empty() {
+                differences.push(format!(
+                    "in a field this agent does not compare (see `taskgate alloc status {}`)",
+                    self.alloc
+                ));
+            }
+            return Err(ApiError::Fatal(format!(
+                "allocation {:?} is registered with another spec than {}: {}. Delete it first \
+                 (`taskgate alloc delete {}`) or give another --alloc",
+                self.alloc,
+                file.display(),
+                differences.join("; "),
+                self.alloc
+            )));
         }
     }
 

@@ -43,6 +43,7 @@ mod launch;
 mod policy;
 mod process;
 mod readiness;
+mod spec_diff;
 
 use std::{path::PathBuf, time::Duration};
 
