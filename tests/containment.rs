@@ -88,6 +88,43 @@ fn a_restart_order_takes_the_runs_escaped_processes_along() {
     );
 }
 
+/// A process that left the group is stopped as gently as the group:
+/// SIGTERM first, SIGKILL only after the kill timeout (here it takes half
+/// a second to finish); also while a readiness check is in flight when the
+/// run ends, whose own end must not kill it early.
+#[test]
+fn an_escaped_process_gets_sigterm_first() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let spec = web_only(d);
+    let dd = d.display();
+    let daemon = format!(
+        "trap 'sleep 0.5; echo term >> {dd}/term; exit 0' TERM; echo $$ >> {dd}/esc; \
+         while :; do sleep 0.05; done"
+    );
+    let cmd = format!(
+        "setsid sh -c \"{daemon}\" & {} exit 0",
+        await_file(d, "esc")
+    );
+    let mut web = agent(
+        &server.base,
+        "t2",
+        "web",
+        &spec,
+        &["--ready-cmd", "sleep 1000", "--ready-interval", "30s"],
+        &cmd,
+    );
+    let esc = read_pids(&d.join("esc"), 1)[0];
+    assert_eq!(exits(std::slice::from_mut(&mut web)), [("web", 0)]);
+    assert!(!runs(esc));
+    assert_eq!(
+        std::fs::read_to_string(d.join("term")).unwrap_or_default(),
+        "term\n",
+        "the escaped process was told to stop before it was killed"
+    );
+}
+
 /// Deleting the allocation ends the agent and everything its task started.
 #[test]
 fn deleting_the_allocation_takes_escaped_processes_along() {

@@ -118,9 +118,17 @@ impl Exit {
 
 /// A command started in a process group of its own: the task, or one
 /// readiness check.
+///
+/// Its group ID is its first process's pid, which the kernel does not give
+/// to another process while that process is unreaped or any process is in
+/// the group; after that, only once the pid numbers wrap around.
 pub struct Child {
     child: tokio::process::Child,
     pid: i32,
+    /// Whether dropping it kills the strays too: the task's, not a
+    /// readiness check's, which the runtime may drop while the task is
+    /// being stopped more gently.
+    owns_strays: bool,
     /// How the first process ended, once tokio reaped it.
     exit: Option<Exit>,
     /// Set once a stop has seen nothing of the command left: its group ID
@@ -128,9 +136,22 @@ pub struct Child {
     done: bool,
 }
 
-/// Starts `cmd` in a process group of its own, with `env` added to the
-/// agent's environment less its secrets.
-pub fn spawn(mut cmd: tokio::process::Command, env: &[(&str, String)]) -> std::io::Result<Child> {
+/// Starts the task's command `cmd` in a process group of its own, with
+/// `env` added to the agent's environment less its secrets.
+pub fn spawn(cmd: tokio::process::Command, env: &[(&str, String)]) -> std::io::Result<Child> {
+    start(cmd, env, true)
+}
+
+/// Starts a readiness command as `spawn` starts the task's.
+pub fn spawn_check(cmd: tokio::process::Command) -> std::io::Result<Child> {
+    start(cmd, &[], false)
+}
+
+fn start(
+    mut cmd: tokio::process::Command,
+    env: &[(&str, String)],
+    owns_strays: bool,
+) -> std::io::Result<Child> {
     cmd.process_group(0).kill_on_drop(true);
     for name in SECRET_ENV {
         cmd.env_remove(name);
@@ -146,6 +167,7 @@ pub fn spawn(mut cmd: tokio::process::Command, env: &[(&str, String)]) -> std::i
     Ok(Child {
         child,
         pid,
+        owns_strays,
         exit: None,
         done: false,
     })
@@ -159,8 +181,10 @@ impl Drop for Child {
     fn drop(&mut self) {
         if !self.done {
             signal_group(self.pid, Signal::KILL);
-            for stray in reap_strays() {
-                stray.signal(Signal::KILL);
+            if self.owns_strays {
+                for stray in reap_strays() {
+                    stray.signal(Signal::KILL);
+                }
             }
         }
         owned().remove(&self.pid);
@@ -201,15 +225,18 @@ impl Child {
             signal_group(self.pid, Signal::TERM);
         }
         let soft = Instant::now() + grace;
-        while self.left(&mut sent, Signal::TERM) && Instant::now() < soft {
+        let mut left = self.left(&mut sent, Signal::TERM);
+        while left && Instant::now() < soft {
             wake.until(soft).await;
+            left = self.left(&mut sent, Signal::TERM);
         }
         let hard = Instant::now() + KILLED_WITHIN;
         sent.clear();
-        loop {
+        while left {
             // Again each time: a process still in the group may fork.
             signal_group(self.pid, Signal::KILL);
-            if !self.left(&mut sent, Signal::KILL) {
+            left = self.left(&mut sent, Signal::KILL);
+            if !left {
                 break;
             }
             if Instant::now() >= hard {

@@ -111,7 +111,7 @@ async fn run_command(script: &str, launch: Launch, within: Duration, group: &Ato
     cmd.stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
-    let Ok(mut child) = process::spawn(cmd, &[]) else {
+    let Ok(mut child) = process::spawn_check(cmd) else {
         return false;
     };
     group.store(child.pid().cast_signed(), Ordering::Relaxed);
