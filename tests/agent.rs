@@ -799,6 +799,10 @@ fn a_refused_token_names_the_flag_to_fix() {
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("401"), "{stderr}");
     assert!(stderr.contains("--token"), "{stderr}");
+    assert!(
+        stderr.contains("process list"),
+        "a token on the command line is warned about: {stderr}"
+    );
 }
 
 /// --ready-timeout bounds the first readiness only: a task that was ready
