@@ -6,8 +6,9 @@
 //! Reports are retried with backoff until the server takes them.
 //!
 //! **Containment.** Nothing the task starts outlives the task. The agent is
-//! a child subreaper, so a process that leaves the task's group (`setsid`,
-//! a double fork) is re-parented to the agent, not to init. Whenever a run
+//! a child subreaper, so a process that leaves the task's group (`setsid`)
+//! or loses its parent (a double fork) is re-parented to the agent, not to
+//! init. Whenever a run
 //! ends — the command exits on its own, a stop or restart order, a deleted
 //! allocation, the agent stopping on a signal or an error — the agent
 //! sends SIGTERM to the task's process group and to every such stray,

@@ -1,7 +1,7 @@
 //! The task's processes, and everything they start. A command runs in a
 //! process group of its own; the agent is a child subreaper (set in
-//! `agent::run`), so a process that leaves the group (`setsid`, a double
-//! fork) is re-parented to the agent when its parent dies instead of to
+//! `agent::run`), so a process that leaves the group (`setsid`) or whose
+//! parent dies (a double fork) is re-parented to the agent instead of to
 //! init. Stopping a task, however its run ends, stops all of it: SIGTERM
 //! to the group and to every stray, SIGKILL after the kill timeout, and
 //! each stray reaped.
