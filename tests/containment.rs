@@ -232,9 +232,10 @@ fn a_hanging_readiness_command_is_killed_with_its_group() {
 
 /// The agent's token is out of reach of what it runs: not in the
 /// environment of the task or of a readiness command, and not in the
-/// agent's own `/proc/<pid>/environ`, which a process of the same user
-/// could read if the agent were dumpable. The agent and its task run as
-/// an unprivileged user here (root may read any process's memory).
+/// agent's own `/proc/<pid>/environ` or memory, which a process of the
+/// same user could read (or ptrace, here with strace) if the agent were
+/// dumpable. The agent and its task run as an unprivileged user here
+/// (root may read any process's memory).
 #[test]
 fn the_workload_and_its_probe_cannot_read_the_agents_token() {
     let dir = tempfile::tempdir().unwrap();
@@ -258,6 +259,7 @@ fn the_workload_and_its_probe_cannot_read_the_agents_token() {
     let workload = format!(
         "id -u > {dd}/uid; echo $PPID > {dd}/ppid; env > {dd}/env; \
          cat /proc/$PPID/environ > {dd}/ppid.env 2>/dev/null; echo $? > {dd}/ppid.code; \
+         timeout 5 strace -p $PPID -o /dev/null 2> {dd}/strace.err; echo $? > {dd}/strace.code; \
          {} exit 0",
         await_file(d, "probe.env")
     );
@@ -295,6 +297,12 @@ fn the_workload_and_its_probe_cannot_read_the_agents_token() {
         read("ppid.code").trim(),
         "0",
         "/proc/<agent>/environ was readable"
+    );
+    assert!(
+        read("strace.err").contains("Operation not permitted"),
+        "the workload may ptrace the agent (strace exited {}): {}",
+        read("strace.code").trim(),
+        read("strace.err")
     );
     for file in ["env", "ppid.env", "probe.env", "probe-ppid.env"] {
         let seen = read(file);
