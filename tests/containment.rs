@@ -205,6 +205,70 @@ fn every_terminating_signal_stops_the_task_and_reports_it_dead() {
     }
 }
 
+/// A second signal ends the agent at once, and everything its task
+/// started with it, also what ignores SIGTERM and what left the group.
+#[test]
+fn a_second_signal_kills_everything_the_task_started() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let spec = web_only(d);
+    let dd = d.display();
+    // The leader notes SIGTERM and goes on; the others ignore it (an
+    // ignored signal stays ignored across exec).
+    let cmd = format!(
+        "trap 'echo t >> {dd}/term' TERM; echo $$ >> {dd}/leader; \
+         (trap '' TERM; exec sleep 300) & echo $! >> {dd}/bg; \
+         setsid sh -c \"trap '' TERM; echo \\$\\$ >> {dd}/esc; exec sleep 300\" & {} \
+         while :; do sleep 1 & wait $!; done",
+        await_file(d, "esc")
+    );
+    let mut web = Agent {
+        child: Command::new(env!("CARGO_BIN_EXE_taskgate"))
+            .args([
+                "agent",
+                "--server",
+                &server.base,
+                "--alloc",
+                "s2",
+                "--task",
+                "web",
+            ])
+            .arg("--register")
+            .arg(&spec)
+            .args(["--kill-timeout", "300s", "--", "sh", "-c", &cmd])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+        task: "web",
+    };
+    let pids = [
+        read_pids(&d.join("leader"), 1)[0],
+        read_pids(&d.join("bg"), 1)[0],
+        read_pids(&d.join("esc"), 1)[0],
+    ];
+    wait_state(&server.base, "s2", "web", "running");
+    send_signal(web.child.id(), "TERM");
+    // The agent now gives the task its 300 s to stop.
+    let deadline = std::time::Instant::now() + BOUND;
+    while std::fs::read_to_string(d.join("term"))
+        .unwrap_or_default()
+        .is_empty()
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the task never got SIGTERM"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    send_signal(web.child.id(), "INT");
+    assert_eq!(exits(std::slice::from_mut(&mut web)), [("web", 130)]);
+    for pid in pids {
+        assert!(!runs(pid), "{pid} outlived the agent's second signal");
+    }
+}
+
 /// A readiness command that hangs is killed with its whole process group
 /// when its check times out: checks do not pile up processes.
 #[test]

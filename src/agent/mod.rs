@@ -695,7 +695,7 @@ pub async fn run(config: AgentConfig) -> i32 {
         let _ = give_up_at.set(tokio::time::Instant::now() + shutdown_timeout);
         let _ = stop_tx.send(true);
         let signal = signals.recv().await;
-        process::kill_everything(group.load(std::sync::atomic::Ordering::Relaxed));
+        process::kill_everything(group.load(std::sync::atomic::Ordering::Relaxed)).await;
         eprintln!("taskgate agent: a second signal ({signal}): exiting now");
         std::process::exit(130);
     });

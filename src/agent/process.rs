@@ -312,14 +312,29 @@ fn group_exists(pgid: i32) -> bool {
     }
 }
 
-/// SIGKILL to the process group `pgid` leads (the agent's way out on a
-/// second signal), and to every child of the agent, strays and its own.
-pub fn kill_everything(pgid: u32) {
-    if let Ok(pgid) = i32::try_from(pgid) {
+/// The agent's way out on a second signal: SIGKILL to the process group
+/// `pgid` (0: none) and to every child of the agent, strays and its own,
+/// again until none of them runs (bounded by `KILLED_WITHIN`). Again,
+/// because a process whose parent was killed with the group becomes the
+/// agent's child only once that parent has died.
+pub async fn kill_everything(pgid: u32) {
+    let pgid = i32::try_from(pgid).unwrap_or(0);
+    let me = rustix::process::getpid().as_raw_nonzero().get();
+    let mut wake = Wakeup::new();
+    let hard = Instant::now() + KILLED_WITHIN;
+    loop {
         signal_group(pgid, Signal::KILL);
-    }
-    for child in children() {
-        child.signal(Signal::KILL);
+        let running: Vec<Stat> = processes()
+            .filter(|p| !p.zombie && (p.ppid == me || (pgid > 1 && p.pgid == pgid)))
+            .collect();
+        if running.is_empty() || Instant::now() >= hard {
+            return;
+        }
+        for p in running.iter().filter(|p| p.ppid == me) {
+            p.proc().signal(Signal::KILL);
+        }
+        reap_strays();
+        wake.until(hard).await;
     }
 }
 
@@ -407,28 +422,58 @@ fn reap_strays() -> Vec<Proc> {
 /// Every child of the agent (zombies included).
 fn children() -> Vec<Proc> {
     let me = rustix::process::getpid().as_raw_nonzero().get();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
-        .filter_map(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            let (ppid, pgid) = parent_and_group(&stat)?;
-            (ppid == me).then_some(Proc { pid, pgid })
-        })
+    processes()
+        .filter(|p| p.ppid == me)
+        .map(|p| p.proc())
         .collect()
 }
 
-/// The parent's pid and the process group from a `/proc/<pid>/stat` line:
-/// `pid (comm) state ppid pgrp ...`, where `comm` may hold spaces and
-/// parentheses, so the fields are counted from its last `)`.
-fn parent_and_group(stat: &str) -> Option<(i32, i32)> {
-    let mut fields = stat.rsplit_once(')')?.1.split_whitespace();
-    let _state = fields.next()?;
+/// A process as its `/proc/<pid>/stat` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stat {
+    pid: i32,
+    ppid: i32,
+    pgid: i32,
+    zombie: bool,
+}
+
+impl Stat {
+    fn proc(self) -> Proc {
+        Proc {
+            pid: self.pid,
+            pgid: self.pgid,
+        }
+    }
+}
+
+/// Every process this one can see.
+fn processes() -> impl Iterator<Item = Stat> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter_map(|pid| {
+            stat(
+                pid,
+                &std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?,
+            )
+        })
+}
+
+/// Reads a `/proc/<pid>/stat` line: `pid (comm) state ppid pgrp ...`,
+/// where `comm` may hold spaces and parentheses, so the fields are counted
+/// from its last `)`.
+fn stat(pid: i32, line: &str) -> Option<Stat> {
+    let mut fields = line.rsplit_once(')')?.1.split_whitespace();
+    let state = fields.next()?;
     let ppid = fields.next()?.parse().ok()?;
     let pgid = fields.next()?.parse().ok()?;
-    Some((ppid, pgid))
+    Some(Stat {
+        pid,
+        ppid,
+        pgid,
+        zombie: state == "Z" || state == "X",
+    })
 }
 
 /// Wakes a stop loop on SIGCHLD, at the latest after `LOOK_AGAIN`.
@@ -533,13 +578,14 @@ mod tests {
 
     #[test]
     fn stat_lines_are_read_past_any_command_name() {
-        assert_eq!(parent_and_group("42 (sh) S 7 42 42 0 -1"), Some((7, 42)));
+        let read = |line| stat(42, line).map(|s| (s.ppid, s.pgid, s.zombie));
+        assert_eq!(read("42 (sh) S 7 42 42 0 -1"), Some((7, 42, false)));
         assert_eq!(
-            parent_and_group("43 (a) b) (c) R 8 9 9 0"),
-            Some((8, 9)),
+            read("42 (a) b) (c) Z 8 9 9 0"),
+            Some((8, 9, true)),
             "a name with spaces and parentheses"
         );
-        assert_eq!(parent_and_group("44 (x"), None);
+        assert_eq!(read("42 (x"), None);
     }
 
     /// The scan finds the agent's children, its own (registered) ones too.
