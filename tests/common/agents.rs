@@ -27,15 +27,32 @@ pub fn five_spec(dir: &Path) -> PathBuf {
     spec_file(dir, &super::five_tasks())
 }
 
-/// Starts `taskgate agent` for one task, killed on drop.
+/// Starts `taskgate agent` for one task, stopped on drop.
 pub struct Agent {
     pub child: Child,
     pub task: &'static str,
 }
 
+/// An agent still running at the end of a test is stopped as an operator
+/// would stop it, so that it stops what its task started (SIGKILL would
+/// leave that running): SIGTERM; a second SIGTERM if it is still trying
+/// to report (its server may be gone); SIGKILL last. Bounded.
 impl Drop for Agent {
     fn drop(&mut self) {
-        let _ = self.child.kill();
+        use rustix::process::{Pid, Signal, kill_process};
+        let pid = Pid::from_raw(self.child.id().cast_signed());
+        for sig in [Signal::TERM, Signal::TERM, Signal::KILL] {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                return;
+            }
+            if let Some(pid) = pid {
+                let _ = kill_process(pid, sig);
+            }
+            let deadline = Instant::now() + Duration::from_secs(2);
+            while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
         let _ = self.child.wait();
     }
 }
