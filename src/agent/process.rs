@@ -10,7 +10,7 @@
 //! the agent a subreaper, every orphan of the workload (and of a readiness
 //! command) ends up as one, whatever group, session or name it took, while
 //! the agent's own children (the task's first process, a running readiness
-//! command) are registered in [`OWNED`]. That is why strays are found by
+//! command) are registered in `OWNED`. That is why strays are found by
 //! parenthood rather than by group, session or command line, which a
 //! process can change. Parenthood is read from `/proc/<pid>/stat` of every
 //! process, not from `/proc/self/task/*/children`, which exists only on
