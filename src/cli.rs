@@ -23,6 +23,10 @@ pub enum Command {
     /// Run one task of an allocation under its gate: `taskgate agent
     /// --alloc ID --task NAME -- CMD ARGS...`.
     Agent(crate::agent::AgentConfig),
+    /// How `taskgate agent` starts a command: sets the parent-death signal
+    /// (SIGKILL), then execs the command in its place.
+    #[command(name = "agent-exec", hide = true)]
+    AgentExec(crate::agent::ExecArgs),
     /// The operator's view and actions: `taskgate alloc status ID`, `list`,
     /// `events [--follow]`, `restart`, `restore`, `delete` (`--json` for
     /// scripts).

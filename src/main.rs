@@ -37,12 +37,24 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         }
+        Command::AgentExec(args) => ExitCode::from(taskgate::agent::exec(&args)),
         Command::Agent(config) => {
+            // First: from here on a process of the same user (the task)
+            // can read neither the token in the agent's environment nor
+            // its memory.
+            let hidden = taskgate::agent::forbid_inspection();
             tracing_subscriber::fmt()
                 .with_env_filter(EnvFilter::new("info"))
                 .with_writer(std::io::stderr)
                 .with_ansi(std::io::stderr().is_terminal())
                 .init();
+            if let Err(e) = hidden {
+                tracing::warn!(
+                    error = %e,
+                    "cannot mark the agent non-dumpable: a process of the same user may read \
+                     its environment (the token) in /proc"
+                );
+            }
             let code = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()

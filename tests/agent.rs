@@ -799,6 +799,10 @@ fn a_refused_token_names_the_flag_to_fix() {
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("401"), "{stderr}");
     assert!(stderr.contains("--token"), "{stderr}");
+    assert!(
+        stderr.contains("process list"),
+        "a token on the command line is warned about: {stderr}"
+    );
 }
 
 /// --ready-timeout bounds the first readiness only: a task that was ready
@@ -843,4 +847,267 @@ fn losing_readiness_after_the_timeout_is_reported_not_killed() {
     );
     let t = get(&server.base, "/v1/allocations/l1/tasks/web");
     assert_eq!(t["failed"], false, "{t}");
+}
+
+/// A TCP proxy to `to` that counts the connections it accepts.
+struct CountingProxy {
+    base: String,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl CountingProxy {
+    fn start(to: std::net::SocketAddr) -> Self {
+        use std::{
+            net::{Shutdown, TcpListener, TcpStream},
+            sync::{Arc, atomic::AtomicUsize, atomic::Ordering},
+        };
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { continue };
+                count.fetch_add(1, Ordering::SeqCst);
+                let Ok(server) = TcpStream::connect(to) else {
+                    continue;
+                };
+                let pipe = |mut from: TcpStream, mut into: TcpStream| {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut into);
+                        let _ = into.shutdown(Shutdown::Write);
+                    });
+                };
+                pipe(client.try_clone().unwrap(), server.try_clone().unwrap());
+                pipe(server, client);
+            }
+        });
+        Self { base, accepted }
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// The readiness probe's answers do not cut the agent's long-poll on its
+/// task: while a task runs and its probe answers every 50 ms, the agent
+/// opens no new connection to the server.
+#[test]
+fn readiness_checks_do_not_cut_the_long_poll() {
+    let server = Server::start(&["--in-memory"]);
+    let proxy = CountingProxy::start(server.addr());
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let spec = web_only(dir.path());
+    let checks = dir.path().join("checks");
+    let probe = format!("echo $$ >> {d}/checks");
+    let _web = agent(
+        &proxy.base,
+        "lp1",
+        "web",
+        &spec,
+        &["--ready-cmd", &probe, "--ready-interval", "50ms"],
+        "exec sleep 300",
+    );
+    let deadline = Instant::now() + BOUND;
+    while !get(&server.base, "/v1/allocations/lp1/tasks/web")["ready_at"].is_string() {
+        assert!(Instant::now() < deadline, "web never reported ready");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let before = read_pids(&checks, 1).len();
+    let opened = proxy.accepted();
+    read_pids(&checks, before + 30);
+    let new = proxy.accepted() - opened;
+    assert!(
+        new <= 1,
+        "{new} connections opened during 30 readiness checks of a task that only runs"
+    );
+}
+
+/// Reads a child's stderr into lines as they come, in a thread.
+fn stderr_lines(child: &mut std::process::Child) -> std::sync::Arc<std::sync::Mutex<Vec<String>>> {
+    use std::io::BufRead;
+    let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let stderr = child.stderr.take().expect("stderr is piped");
+    let into = lines.clone();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            into.lock().unwrap().push(line);
+        }
+    });
+    lines
+}
+
+/// Waits (bounded) until `lines` satisfy `done`.
+#[track_caller]
+fn wait_lines(
+    lines: &std::sync::Mutex<Vec<String>>,
+    what: &str,
+    done: impl Fn(&[String]) -> bool,
+) -> Vec<String> {
+    let deadline = Instant::now() + BOUND;
+    loop {
+        let now = lines.lock().unwrap().clone();
+        if done(&now) {
+            return now;
+        }
+        assert!(Instant::now() < deadline, "never {what}: {now:#?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `retry_in=1.2s` (a Debug-printed duration) in a log line, in ms.
+fn retry_in_ms(line: &str) -> Option<f64> {
+    let value = line.split("retry_in=").nth(1)?.split_whitespace().next()?;
+    let (number, unit) = value.split_at(value.find(|c: char| c.is_alphabetic() || c == 'µ')?);
+    let n: f64 = number.parse().ok()?;
+    Some(match unit {
+        "s" => n * 1000.0,
+        "ms" => n,
+        "µs" => n / 1000.0,
+        "ns" => n / 1_000_000.0,
+        _ => return None,
+    })
+}
+
+/// With the server gone, the agent's retries of its long-poll back off
+/// (20 ms doubling) however often the readiness probe answers: the wait
+/// between two tries reaches half a second, which a backoff restarted at
+/// every 50 ms check never does.
+#[test]
+fn the_backoff_keeps_growing_while_the_probe_answers() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = web_only(dir.path());
+    let mut child = agent_with_stderr(
+        &[
+            "--server",
+            &server.base,
+            "--alloc",
+            "bo1",
+            "--task",
+            "web",
+            "--register",
+            spec.to_str().unwrap(),
+            "--ready-cmd",
+            "true",
+            "--ready-interval",
+            "50ms",
+        ],
+        "exec sleep 300",
+    );
+    let lines = stderr_lines(&mut child);
+    let _agent = Agent { child, task: "web" };
+    let deadline = Instant::now() + BOUND;
+    while !get(&server.base, "/v1/allocations/bo1/tasks/web")["ready_at"].is_string() {
+        assert!(Instant::now() < deadline, "web never reported ready");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(server);
+    wait_lines(&lines, "backed off to 500 ms", |lines| {
+        lines
+            .iter()
+            .filter(|l| l.contains("tasks/web?index=") && l.contains("retrying"))
+            .any(|l| retry_in_ms(l).is_some_and(|ms| ms >= 500.0))
+    });
+}
+
+/// After repeated failures to reach the server the agent says, once, what
+/// to check; here an https URL given for a plain-HTTP server.
+#[test]
+fn repeated_connection_failures_say_once_what_to_check() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = web_only(dir.path());
+    let url = server.base.replace("http://", "https://");
+    let mut child = agent_with_stderr(
+        &[
+            "--server",
+            &url,
+            "--alloc",
+            "h1",
+            "--task",
+            "web",
+            "--register",
+            spec.to_str().unwrap(),
+        ],
+        "true",
+    );
+    let lines = stderr_lines(&mut child);
+    let _agent = Agent { child, task: "web" };
+    let is_hint = |l: &String| l.contains("could not reach");
+    let seen = wait_lines(&lines, "said what to check", |lines| {
+        lines.iter().any(is_hint)
+    });
+    let hint = seen.iter().find(|l| is_hint(l)).unwrap().clone();
+    for what in [url.as_str(), "TLS", "http://", "--ca-cert", "running"] {
+        assert!(hint.contains(what), "the hint names {what}: {hint}");
+    }
+    let retries = |lines: &[String]| lines.iter().filter(|l| l.contains("retrying")).count();
+    let so_far = retries(&seen);
+    let seen = wait_lines(&lines, "retried thrice more", |lines| {
+        retries(lines) >= so_far + 3
+    });
+    assert_eq!(
+        seen.iter().filter(|l| is_hint(l)).count(),
+        1,
+        "once per episode: {seen:#?}"
+    );
+}
+
+/// `--register` with a spec other than the one the allocation was
+/// registered with is an error (exit 2) that names what differs.
+#[test]
+fn registering_a_different_spec_exits_2_naming_the_difference() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let stored = json!({"tasks": [
+        {"name": "init", "lifecycle": {"hook": "prestart"}},
+        {"name": "web", "leader": true},
+        {"name": "gone"}
+    ]});
+    let put = Command::new("curl")
+        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "PUT"])
+        .args([
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            &stored.to_string(),
+        ])
+        .arg(format!("{}/v1/allocations/x1", server.base))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&put.stdout), "201");
+    let spec = spec_file(
+        dir.path(),
+        &json!({"tasks": [
+            {"name": "init", "lifecycle": {"hook": "prestart", "sidecar": true}},
+            {"name": "web", "leader": true},
+            {"name": "extra", "lifecycle": {"hook": "poststop"}}
+        ]}),
+    );
+    let child = agent_with_stderr(
+        &[
+            "--server",
+            &server.base,
+            "--alloc",
+            "x1",
+            "--task",
+            "web",
+            "--register",
+            spec.to_str().unwrap(),
+        ],
+        "true",
+    );
+    let (code, stderr) = ended(child);
+    assert_eq!(code, Some(2), "{stderr}");
+    for what in ["x1", "init", "sidecar", "extra", "gone", "spec.json"] {
+        assert!(stderr.contains(what), "names {what}: {stderr}");
+    }
+    let t = get(&server.base, "/v1/allocations/x1/tasks/web");
+    assert_eq!(t["state"], "pending", "nothing ran: {t}");
 }

@@ -14,6 +14,10 @@ const POLL_WAIT: &str = "60s";
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(90);
 const BACKOFF_START: Duration = Duration::from_millis(20);
 const BACKOFF_CAP: Duration = Duration::from_secs(10);
+/// Failures to reach any server in a row, or for how long, before the log
+/// says what to check.
+const HINT_AFTER_FAILURES: u32 = 5;
+const HINT_AFTER: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -49,6 +53,42 @@ pub struct StartCondition {
     pub failed_tasks: Vec<String>,
 }
 
+/// What the server answered a call.
+enum Answer {
+    /// A 2xx, with its body.
+    Taken(Value),
+    /// A 4xx the caller asked to see rather than fail on.
+    Refused { code: String, detail: String },
+}
+
+/// Failures to reach any server, counted to say once per episode what to
+/// check (an episode ends when a server answers anything).
+#[derive(Debug, Default)]
+struct Unreachable {
+    failures: u32,
+    since: Option<std::time::Instant>,
+    said: bool,
+}
+
+impl Unreachable {
+    /// A request got no answer at `now`: the failures so far, when it is
+    /// time to say what to check (once an episode).
+    fn failed(&mut self, now: std::time::Instant) -> Option<u32> {
+        self.failures += 1;
+        let since = *self.since.get_or_insert(now);
+        let due = self.failures >= HINT_AFTER_FAILURES || now - since >= HINT_AFTER;
+        if due && !self.said {
+            self.said = true;
+            return Some(self.failures);
+        }
+        None
+    }
+
+    fn reached(&mut self) {
+        *self = Self::default();
+    }
+}
+
 /// `Prefer: return=minimal` (RFC 7240) on writes.
 const MINIMAL: &[(&str, &str)] = &[("prefer", "return=minimal")];
 
@@ -59,6 +99,9 @@ pub struct Api {
     /// The servers, tried in turn from `current`.
     endpoints: Vec<Endpoint>,
     current: std::sync::atomic::AtomicUsize,
+    /// The requests that got no answer in a row, from every call (the
+    /// long-poll and a report may fail side by side).
+    unreachable: std::sync::Mutex<Unreachable>,
     token: Option<String>,
     alloc: String,
     task: String,
@@ -150,6 +193,7 @@ impl Api {
                 .map(|url| Endpoint::new(url, config.ca_cert.as_deref()))
                 .collect::<Result<_, _>>()?,
             current: Default::default(),
+            unreachable: Default::default(),
             token,
             alloc: config.alloc.clone(),
             task: config.task.clone(),
@@ -167,6 +211,22 @@ impl Api {
         path: &str,
         body: Option<&Value>,
     ) -> Result<Value, ApiError> {
+        match self.call_unless(method, path, body, &[]).await? {
+            Answer::Taken(v) => Ok(v),
+            Answer::Refused { code, detail } => Err(ApiError::Fatal(format!(
+                "{method} {path}: {code}: {detail}"
+            ))),
+        }
+    }
+
+    /// `call`, but a 4xx whose code is in `refusals` is an answer.
+    async fn call_unless(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+        refusals: &[&str],
+    ) -> Result<Answer, ApiError> {
         use std::sync::atomic::Ordering;
         let mut backoff = BACKOFF_START;
         loop {
@@ -203,13 +263,21 @@ impl Api {
             }
             let problem = match answer {
                 Ok((status, body)) if status < 300 => {
-                    return Ok(serde_json::from_slice(&body).unwrap_or(Value::Null));
+                    self.reached();
+                    return Ok(Answer::Taken(
+                        serde_json::from_slice(&body).unwrap_or(Value::Null),
+                    ));
                 }
                 Ok((status, body)) => {
+                    self.reached();
                     let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
                     let code = text(&v, "code");
                     if status == 410 || code == "allocation_not_found" {
                         return Err(ApiError::Gone);
+                    }
+                    if (400..500).contains(&status) && refusals.contains(&code.as_str()) {
+                        let detail = text(&v, "detail");
+                        return Ok(Answer::Refused { code, detail });
                     }
                     if status == 401 {
                         return Err(ApiError::Fatal(format!(
@@ -234,7 +302,10 @@ impl Api {
                     }
                     format!("{status} {code}")
                 }
-                Err(e) => e,
+                Err(e) => {
+                    self.unreached(&e);
+                    e
+                }
             };
             let mut sleep = backoff.mul_f64(0.5 + fastrand::f64());
             if let Some(at) = self.give_up_at.get() {
@@ -244,6 +315,36 @@ impl Api {
             tokio::time::sleep(sleep).await;
             backoff = (backoff * 2).min(BACKOFF_CAP);
         }
+    }
+
+    /// A server answered: an episode of failures, if any, is over.
+    fn reached(&self) {
+        self.unreachable
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .reached();
+    }
+
+    /// A request got no answer; says once an episode what to check.
+    fn unreached(&self, problem: &str) {
+        let failures = self
+            .unreachable
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .failed(std::time::Instant::now());
+        let Some(failures) = failures else {
+            return;
+        };
+        let urls: Vec<&str> = self.endpoints.iter().map(|e| e.url.as_str()).collect();
+        tracing::warn!(
+            "could not reach the server at {}: {failures} tries in a row got no answer (the last: \
+             {problem}). Check that the server is running and listens there; that the URL is \
+             right, its scheme included: an https:// URL for a plain-HTTP server fails in the TLS \
+             handshake, an http:// URL for a TLS server gets no HTTP answer; and for https, that \
+             --ca-cert names the CA that signed the server's certificate. The agent keeps trying \
+             and says this again only after it has reached the server.",
+            urls.join(", ")
+        );
     }
 
     fn alloc_path(&self) -> String {
@@ -259,10 +360,34 @@ impl Api {
             .map_err(|e| ApiError::Fatal(format!("cannot read {}: {e}", file.display())))?;
         let spec: Value = serde_json::from_str(&text)
             .map_err(|e| ApiError::Fatal(format!("{} is not JSON: {e}", file.display())))?;
-        match self.call("PUT", &self.alloc_path(), Some(&spec)).await {
-            // Registered by this agent or another one of the group.
-            Ok(_) => Ok(()),
-            Err(e) => Err(e),
+        loop {
+            let path = self.alloc_path();
+            let put = self.call_unless("PUT", &path, Some(&spec), &["allocation_exists"]);
+            if let Answer::Taken(_) = put.await? {
+                // Registered by this agent or another one of the group.
+                return Ok(());
+            }
+            let stored = match self.call("GET", &self.alloc_path(), None).await {
+                Ok(stored) => stored,
+                // Deleted since: registering again will do.
+                Err(ApiError::Gone) => continue,
+                Err(e) => return Err(e),
+            };
+            let mut differences = super::spec_diff::differences(&spec, &stored);
+            if differences.is_empty() {
+                differences.push(format!(
+                    "in a field this agent does not compare (see `taskgate alloc status {}`)",
+                    self.alloc
+                ));
+            }
+            return Err(ApiError::Fatal(format!(
+                "allocation {:?} is registered with another spec than {}: {}. Delete it first \
+                 (`taskgate alloc delete {}`) or give another --alloc",
+                self.alloc,
+                file.display(),
+                differences.join("; "),
+                self.alloc
+            )));
         }
     }
 
@@ -317,6 +442,25 @@ impl Api {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// What to check is said after five failures in a row or thirty
+    /// seconds of them, once, and again only after a server answered.
+    #[test]
+    fn what_to_check_is_said_once_an_episode() {
+        let t0 = std::time::Instant::now();
+        let mut u = Unreachable::default();
+        let said: Vec<_> = (0..8).map(|_| u.failed(t0)).collect();
+        assert_eq!(said.iter().flatten().collect::<Vec<_>>(), [&5], "{said:?}");
+        assert_eq!(said.iter().position(Option::is_some), Some(4));
+        u.reached();
+        assert_eq!(u.failed(t0), None, "a new episode starts from none");
+        assert_eq!(
+            u.failed(t0 + HINT_AFTER),
+            Some(2),
+            "or after thirty seconds"
+        );
+        assert_eq!(u.failed(t0 + HINT_AFTER * 2), None);
+    }
 
     /// An answer that lacks a field the agent acts on (here `desired`,
     /// renamed) is an error, not "run"; a whole one reads as it is.

@@ -4,11 +4,47 @@
 //! group, reports `running`, watches its task for stop and restart orders
 //! while the command runs, and reports what happened when it ends.
 //! Reports are retried with backoff until the server takes them.
+//!
+//! **Containment.** Nothing the task starts outlives the task. The agent is
+//! a child subreaper, so a process that leaves the task's group (`setsid`)
+//! or loses its parent (a double fork) is re-parented to the agent, not to
+//! init. Whenever a run
+//! ends — the command exits on its own, a stop or restart order, a deleted
+//! allocation, the agent stopping on a signal or an error — the agent
+//! sends SIGTERM to the task's process group and to every such stray,
+//! SIGKILL after `--kill-timeout`, and reaps them, before it reports the
+//! task dead (`process.rs`). Readiness commands run in groups of their own
+//! and are killed with them when their check ends. Every terminating
+//! signal (HUP, INT, QUIT, TERM, USR1, USR2, ALRM, ...; `signals.rs`) stops
+//! the task and reports it dead; a second one kills everything and exits.
+//!
+//! **SIGKILL of the agent** leaves it no chance to do any of that. The
+//! command's first process gets SIGKILL from the kernel (its parent-death
+//! signal, set by `launch.rs`), and so does a running readiness command's;
+//! processes they started live on, re-parented to init (or to the
+//! agent's own supervisor if it is a subreaper): a supervisor that runs
+//! the agent in a cgroup (systemd's `KillMode=control-group`, a container)
+//! takes them along. The server still shows the task `running`: a task
+//! with a liveness TTL (`liveness.ttl`) whose agent gives no sign of life
+//! within it is declared lost by the server (dead, failed, `Agent Lost`),
+//! and its siblings are told to stop.
+//!
+//! **The token.** The agent marks itself non-dumpable first thing
+//! ([`forbid_inspection`]): its `/proc/<pid>/` files belong to root from
+//! then on, so a process of the same user (the task, a readiness command)
+//! can neither read its environment or memory nor ptrace it. Nothing the
+//! agent starts gets `TASKGATE_TOKEN`, `TASKGATE_TOKEN_FILE` or
+//! `TASKGATE_OPERATOR_TOKEN` in its environment. A workload of the same
+//! user can still read the token *file* if it finds it and may read it;
+//! only another user (file mode, or a workload run as its own user) keeps
+//! it from that, and root can read anything.
 
 mod api;
+mod launch;
 mod policy;
 mod process;
 mod readiness;
+mod spec_diff;
 
 use std::{path::PathBuf, time::Duration};
 
@@ -18,6 +54,8 @@ use tokio::sync::watch;
 
 use crate::{secret::Secret, units::parse_duration};
 use api::{Api, ApiError, TaskInfo};
+use launch::Launch;
+pub use launch::{ExecArgs, exec};
 pub use policy::{RestartMode, RestartPolicy};
 use process::Exit;
 use readiness::Probe;
@@ -44,7 +82,9 @@ pub struct AgentConfig {
     #[arg(long, env = "TASKGATE_TASK")]
     pub task: String,
     /// A token of role agent (or operator). Never passed on to the command
-    /// (nor is any other taskgate secret in the agent's environment).
+    /// (nor is any other taskgate secret in the agent's environment). On
+    /// the command line it shows in every user's process list: prefer
+    /// TASKGATE_TOKEN or --token-file.
     #[arg(
         long,
         env = "TASKGATE_TOKEN",
@@ -97,9 +137,10 @@ pub struct AgentConfig {
     /// as a failure by its restart policy (default: no limit).
     #[arg(long, env = "TASKGATE_READY_TIMEOUT", value_parser = parse_duration)]
     pub ready_timeout: Option<Duration>,
-    /// On SIGTERM or SIGINT the agent stops its task at once and tries this
-    /// long to report it dead, then exits; a second signal exits at once
-    /// (killing the task's process group).
+    /// On SIGTERM, SIGINT, SIGHUP or any other terminating signal the agent
+    /// stops its task at once and tries this long to report it dead, then
+    /// exits; a second signal exits at once (killing everything the task
+    /// started).
     #[arg(long, env = "TASKGATE_SHUTDOWN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub shutdown_timeout: Duration,
     /// After SIGTERM to the task's process group, wait this long before SIGKILL.
@@ -151,6 +192,8 @@ struct Agent {
     outcome: Option<(String, Vec<String>)>,
     /// The running command's process group (0: none), for a second signal.
     running: std::sync::Arc<std::sync::atomic::AtomicU32>,
+    /// How commands are started.
+    launch: Launch,
 }
 
 impl Agent {
@@ -278,7 +321,11 @@ impl Agent {
             ],
             _ => Vec::new(),
         };
-        let mut child = match process::spawn(&self.config.command, &env) {
+        let spawned = self
+            .launch
+            .command(&self.config.command)
+            .and_then(|cmd| process::spawn(cmd, &env));
+        let mut child = match spawned {
             Ok(c) => c,
             Err(e) => {
                 self.exit_code = 127;
@@ -314,57 +361,68 @@ impl Agent {
             .ready_timeout
             .filter(|_| probe.is_some())
             .map(|t| tokio::time::Instant::now() + t);
-        let ended = loop {
-            let probed = async {
-                match probe.as_mut() {
-                    Some(p) => p.rx.recv().await,
-                    None => std::future::pending().await,
-                }
-            };
-            let late = async {
-                match ready_by {
-                    Some(at) if !ever_ready => tokio::time::sleep_until(at).await,
-                    _ => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                exit = child.wait() => break Ended::Exited(exit),
-                Some(now_ready) = probed => {
-                    if now_ready != ready {
-                        ready = now_ready;
-                        ever_ready |= ready;
-                        let (kind, message) = if ready {
-                            ("Ready", "the readiness probe succeeded")
-                        } else {
-                            ("Not Ready", "the readiness probe failed")
-                        };
-                        tracing::info!(task = %self.config.task, ready, "readiness changed");
-                        let body = json!({"state": "running", "ready": ready,
-                                          "event": event(kind, message, json!({}))});
-                        self.api.report(&body).await?;
+        let ended = {
+            // One long-poll of the task at a time, kept across the loop's
+            // turns and made anew only once it has answered: a readiness
+            // answer must neither cut it (a dropped connection each time)
+            // nor restart the backoff of its retries while the server is
+            // down. It borrows only `self.api`, so the loop may change the
+            // other fields.
+            let api = &self.api;
+            let mut poll = std::pin::pin!(api.task(self.index));
+            loop {
+                let probed = async {
+                    match probe.as_mut() {
+                        Some(p) => p.rx.recv().await,
+                        None => std::future::pending().await,
                     }
-                }
-                () = late => break Ended::NotReadyInTime,
-                t = self.api.task(self.index) => {
-                    let t = match t {
-                        Ok(t) => t,
-                        Err(e) => {
-                            // Deleted allocation or a fatal answer: the
-                            // task's whole process group goes too.
-                            child.kill(self.config.kill_timeout).await;
-                            return Err(e);
+                };
+                let late = async {
+                    match ready_by {
+                        Some(at) if !ever_ready => tokio::time::sleep_until(at).await,
+                        _ => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    exit = child.wait() => break Ended::Exited(exit),
+                    Some(now_ready) = probed => {
+                        if now_ready != ready {
+                            ready = now_ready;
+                            ever_ready |= ready;
+                            let (kind, message) = if ready {
+                                ("Ready", "the readiness probe succeeded")
+                            } else {
+                                ("Not Ready", "the readiness probe failed")
+                            };
+                            tracing::info!(task = %self.config.task, ready, "readiness changed");
+                            let body = json!({"state": "running", "ready": ready,
+                                              "event": event(kind, message, json!({}))});
+                            api.report(&body).await?;
                         }
-                    };
-                    self.learn(&t);
-                    if t.desired == "stop" {
-                        break Ended::StopOrder(t.stop_reason.unwrap_or_default());
                     }
-                    if t.restart_generation > self.generation {
-                        self.generation = t.restart_generation;
-                        break Ended::RestartOrder;
+                    () = late => break Ended::NotReadyInTime,
+                    t = &mut poll => {
+                        let t = match t {
+                            Ok(t) => t,
+                            Err(e) => {
+                                // Deleted allocation or a fatal answer:
+                                // everything the task started goes too.
+                                child.stop(self.config.kill_timeout).await;
+                                return Err(e);
+                            }
+                        };
+                        self.index = self.index.max(t.modify_index);
+                        if t.desired == "stop" {
+                            break Ended::StopOrder(t.stop_reason.unwrap_or_default());
+                        }
+                        if t.restart_generation > self.generation {
+                            self.generation = t.restart_generation;
+                            break Ended::RestartOrder;
+                        }
+                        poll.set(api.task(self.index));
                     }
+                    () = self.stopped() => break Ended::AgentStopping,
                 }
-                () = self.stopped() => break Ended::AgentStopping,
             }
         };
         drop(probe);
@@ -387,6 +445,10 @@ impl Agent {
         }
         match ended {
             Ended::Exited(exit) => {
+                // The first process has ended; what it left running (in
+                // its group or out of it) goes now, before the task is
+                // reported dead.
+                child.stop(self.config.kill_timeout).await;
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
                 self.exited(exit).await
             }
@@ -400,7 +462,7 @@ impl Agent {
                     Some(event("Killing", message.clone(), json!({}))),
                 )
                 .await?;
-                let exit = child.kill(self.config.kill_timeout).await;
+                let exit = child.stop(self.config.kill_timeout).await;
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
                 let mut details = exit.details();
                 details["readiness_timeout"] = json!(shown);
@@ -414,7 +476,7 @@ impl Agent {
                     Some(event("Killing", reason.clone(), json!({}))),
                 )
                 .await?;
-                let exit = child.kill(self.config.kill_timeout).await;
+                let exit = child.stop(self.config.kill_timeout).await;
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
                 self.exit_code = 0;
                 self.report("dead", false, Some(event("Killed", reason, exit.details())))
@@ -422,7 +484,7 @@ impl Agent {
                 self.after_death().await
             }
             Ended::RestartOrder => {
-                child.kill(self.config.kill_timeout).await;
+                child.stop(self.config.kill_timeout).await;
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
                 self.report(
                     "pending",
@@ -437,7 +499,7 @@ impl Agent {
                 Ok(AfterDeath::Restart)
             }
             Ended::AgentStopping => {
-                let exit = child.kill(self.config.kill_timeout).await;
+                let exit = child.stop(self.config.kill_timeout).await;
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
                 self.report(
                     "dead",
@@ -556,8 +618,48 @@ impl Agent {
     }
 }
 
+/// How often at most the agent looks for ended strays to reap while a task
+/// runs (each look reads every process's `/proc/<pid>/stat`).
+const REAP_PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Marks this process non-dumpable (`PR_SET_DUMPABLE` 0): from then on its
+/// `/proc/<pid>/` files (`environ`, `mem`, ...) belong to root, a process
+/// of the same user may neither read them nor ptrace it, and it leaves no
+/// core dump. `taskgate agent` calls it before it does anything else.
+pub fn forbid_inspection() -> std::io::Result<()> {
+    rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable)
+        .map_err(Into::into)
+}
+
+/// Whether `--token` was given on the command line (before the command's
+/// own `--`), where every user of the host sees it.
+fn token_on_command_line() -> bool {
+    std::env::args()
+        .skip(1)
+        .take_while(|a| a != "--")
+        .any(|a| a == "--token" || a.starts_with("--token="))
+}
+
 /// Runs the agent until it is done; returns the process exit code.
 pub async fn run(config: AgentConfig) -> i32 {
+    // Before anything is started: the handlers, so that no terminating
+    // signal ends the agent without a word; the subreaper flag, so that no
+    // orphan of the task escapes to init.
+    let mut signals = crate::signals::Terminating::listen();
+    if let Err(e) = process::become_subreaper() {
+        tracing::warn!(
+            error = %e,
+            "cannot become a child subreaper: processes that leave the task's \
+             process group will not be stopped with it"
+        );
+    }
+    tokio::spawn(process::reap_forever(REAP_PAUSE));
+    if token_on_command_line() {
+        tracing::warn!(
+            "--token on the command line shows in every user's process list \
+             (/proc/<pid>/cmdline); give it in TASKGATE_TOKEN or a file named by --token-file"
+        );
+    }
     let api = match Api::new(&config) {
         Ok(api) => api,
         Err(e) => {
@@ -565,10 +667,12 @@ pub async fn run(config: AgentConfig) -> i32 {
             return 2;
         }
     };
+    let launch = Launch::for_agent();
     let probe = match Probe::from_flags(
         config.ready_cmd.as_deref(),
         config.ready_http.as_deref(),
         config.ready_tcp.as_deref(),
+        launch,
     ) {
         Ok(p) => p,
         Err(e) => {
@@ -582,19 +686,17 @@ pub async fn run(config: AgentConfig) -> i32 {
     let shutdown_timeout = config.shutdown_timeout;
     let group = running.clone();
     tokio::spawn(async move {
-        crate::signals::terminated().await;
+        let signal = signals.recv().await;
         tracing::info!(
+            signal,
             "stopping: the task is stopped now and reported dead (for at most {shutdown_timeout:?}); \
              a second signal exits at once"
         );
         let _ = give_up_at.set(tokio::time::Instant::now() + shutdown_timeout);
         let _ = stop_tx.send(true);
-        crate::signals::terminated().await;
-        let pid = group.load(std::sync::atomic::Ordering::Relaxed);
-        if pid != 0 {
-            process::kill_group(pid);
-        }
-        eprintln!("taskgate agent: a second signal: exiting now");
+        let signal = signals.recv().await;
+        process::kill_everything(group.load(std::sync::atomic::Ordering::Relaxed)).await;
+        eprintln!("taskgate agent: a second signal ({signal}): exiting now");
         std::process::exit(130);
     });
     let policy = RestartPolicy {
@@ -616,8 +718,9 @@ pub async fn run(config: AgentConfig) -> i32 {
         probe,
         outcome: None,
         running,
+        launch,
     };
-    match agent.run().await {
+    let code = match agent.run().await {
         Ok(code) => code,
         Err(ApiError::Gone) => {
             tracing::info!("the allocation was deleted");
@@ -627,5 +730,10 @@ pub async fn run(config: AgentConfig) -> i32 {
             eprintln!("taskgate agent: {e}");
             2
         }
-    }
+    };
+    // Each run stopped its own; this is for what a readiness command may
+    // have left after the last run, and for the error paths.
+    drop(agent);
+    process::sweep().await;
+    code
 }

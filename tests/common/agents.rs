@@ -27,15 +27,32 @@ pub fn five_spec(dir: &Path) -> PathBuf {
     spec_file(dir, &super::five_tasks())
 }
 
-/// Starts `taskgate agent` for one task, killed on drop.
+/// Starts `taskgate agent` for one task, stopped on drop.
 pub struct Agent {
     pub child: Child,
     pub task: &'static str,
 }
 
+/// An agent still running at the end of a test is stopped as an operator
+/// would stop it, so that it stops what its task started (SIGKILL would
+/// leave that running): SIGTERM; a second SIGTERM if it is still trying
+/// to report (its server may be gone); SIGKILL last. Bounded.
 impl Drop for Agent {
     fn drop(&mut self) {
-        let _ = self.child.kill();
+        use rustix::process::{Pid, Signal, kill_process};
+        let pid = Pid::from_raw(self.child.id().cast_signed());
+        for sig in [Signal::TERM, Signal::TERM, Signal::KILL] {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                return;
+            }
+            if let Some(pid) = pid {
+                let _ = kill_process(pid, sig);
+            }
+            let deadline = Instant::now() + Duration::from_secs(2);
+            while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
         let _ = self.child.wait();
     }
 }
@@ -173,4 +190,100 @@ pub fn start_five(base: &str, dir: &Path, alloc: &str) -> Vec<Agent> {
         .into_iter()
         .map(|(task, cmd)| agent(base, alloc, task, &spec, &[], &cmd))
         .collect()
+}
+
+/// Whether `pid` is a process that still runs (not gone, not a zombie).
+pub fn runs(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit(')').next().map(|r| r.trim_start().to_owned()))
+        .is_some_and(|rest| !rest.starts_with('Z') && !rest.starts_with('X'))
+}
+
+/// Waits (bounded) until `pid` no longer runs.
+#[track_caller]
+pub fn wait_gone(pid: i32, what: &str) {
+    let deadline = Instant::now() + BOUND;
+    while runs(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "{what} (pid {pid}) still runs after {BOUND:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The pids in `path`, one a line, once it has at least `n` of them
+/// (bounded wait). Writers append whole lines.
+#[track_caller]
+pub fn read_pids(path: &Path, n: usize) -> Vec<i32> {
+    let deadline = Instant::now() + BOUND;
+    loop {
+        let pids: Vec<i32> = std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect();
+        if pids.len() >= n {
+            return pids;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} never held {n} pids: {pids:?}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits (bounded) until the server shows `task` of `alloc` in `state`.
+#[track_caller]
+pub fn wait_state(base: &str, alloc: &str, task: &str, state: &str) -> Value {
+    let deadline = Instant::now() + BOUND;
+    loop {
+        let t = get(base, &format!("/v1/allocations/{alloc}/tasks/{task}"));
+        if t["state"] == state {
+            return t;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{alloc}/{task} never {state}: {t}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Sends `sig` (`HUP`, `KILL`, ...) to `pid`.
+#[track_caller]
+pub fn send_signal(pid: u32, sig: &str) {
+    let status = Command::new("kill")
+        .args([&format!("-{sig}"), &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -{sig} {pid}");
+}
+
+/// A shell fragment that starts `sleep 300` in the background, in the
+/// task's process group, and appends its pid to `dir/name`.
+pub fn background(dir: &Path, name: &str) -> String {
+    format!("sleep 300 & echo $! >> {}/{name};", dir.display())
+}
+
+/// A shell fragment that starts `sleep 300` in a session (and process
+/// group) of its own, the way a daemon leaves its parent's group, and
+/// appends its pid to `dir/name`.
+pub fn escaped(dir: &Path, name: &str) -> String {
+    format!(
+        "setsid sh -c 'echo $$ >> {}/{name}; exec sleep 300' &",
+        dir.display()
+    )
+}
+
+/// A shell fragment that waits (bounded: 30 s) until `dir/name` is not
+/// empty, so a script goes on only once what it started has written there.
+pub fn await_file(dir: &Path, name: &str) -> String {
+    format!(
+        "for i in $(seq 1 3000); do [ -s {}/{name} ] && break; sleep 0.01; done;",
+        dir.display()
+    )
 }

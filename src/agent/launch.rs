@@ -1,0 +1,165 @@
+//! How the agent starts a command (the task's, a readiness command's) so
+//! that the command dies with the agent, even with an agent killed by
+//! SIGKILL.
+//!
+//! Linux sends a process its parent-death signal (`PR_SET_PDEATHSIG`) when
+//! its parent ends, however it ends; the process must set it on itself,
+//! between fork and exec. Doing that from the agent takes a `pre_exec`
+//! hook, which is `unsafe` (forbidden in this workspace), and no kept
+//! library does it for us: process-wrap 10 offers process groups,
+//! sessions, a reset signal mask and kill-on-drop, not this (and would
+//! bring nix back). So the agent starts its own binary instead, as the
+//! hidden `taskgate agent-exec`, which sets the signal on itself and execs
+//! the command in its place: same pid, same process group; the signal
+//! survives the exec (Linux clears it only on exec of a set-user-ID,
+//! set-group-ID or capability-holding program). The cost is one exec of
+//! the taskgate binary per start.
+//!
+//! The signal follows the *thread* that forked, not the process: the agent
+//! runs on a single-threaded runtime (`main.rs`), so that thread lives as
+//! long as the agent.
+
+use std::{io, os::unix::process::CommandExt, path::Path};
+
+use rustix::process::Signal;
+
+/// The agent's own binary, even if its file was replaced or removed since
+/// it started.
+const SELF: &str = "/proc/self/exe";
+
+/// How a command is started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Launch {
+    /// The command itself, without a parent-death signal: where there is
+    /// no `/proc/self/exe` to start the agent's binary from, and in the
+    /// library's own tests, whose binary has no `agent-exec`.
+    Direct,
+    /// Through `taskgate agent-exec`, which sets SIGKILL as the command's
+    /// parent-death signal.
+    DiesWithAgent,
+}
+
+impl Launch {
+    /// How the agent starts commands here: so that they die with it, if
+    /// it can.
+    pub fn for_agent() -> Self {
+        if std::path::Path::new(SELF).exists() {
+            return Launch::DiesWithAgent;
+        }
+        tracing::warn!(
+            "no {SELF} (is /proc mounted?): the task's process will not be killed by the \
+             kernel if the agent is, and processes that leave its group will not be found"
+        );
+        Launch::Direct
+    }
+
+    /// A command that runs `argv`.
+    pub fn command(self, argv: &[String]) -> io::Result<tokio::process::Command> {
+        let program = argv
+            .first()
+            .ok_or_else(|| io::Error::other("no command given"))?;
+        match self {
+            Launch::Direct => {
+                let mut cmd = tokio::process::Command::new(program);
+                cmd.args(&argv[1..]);
+                Ok(cmd)
+            }
+            Launch::DiesWithAgent => {
+                // agent-exec could report a failed exec only by an exit
+                // code the command might exit with too: a program that
+                // cannot be found or run is caught here, as a direct spawn
+                // would catch it.
+                runnable(program)?;
+                let mut cmd = tokio::process::Command::new(SELF);
+                cmd.args(["agent-exec", "--parent"])
+                    .arg(rustix::process::getpid().as_raw_nonzero().to_string())
+                    .arg("--")
+                    .args(argv);
+                Ok(cmd)
+            }
+        }
+    }
+}
+
+/// Whether `program` names an executable file, looked up in `PATH` as
+/// exec looks it up when it has no `/`.
+fn runnable(program: &str) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let executable = |p: &Path| {
+        p.metadata()
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    let found = if program.contains('/') {
+        executable(Path::new(program))
+    } else {
+        // Unset, exec's search path is the C library's default.
+        let path = std::env::var_os("PATH").unwrap_or_else(|| "/bin:/usr/bin".into());
+        std::env::split_paths(&path).any(|dir| executable(&dir.join(program)))
+    };
+    if found {
+        Ok(())
+    } else {
+        Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!(
+                "{program:?}: no such executable file (PATH is searched for a name without '/')"
+            ),
+        ))
+    }
+}
+
+/// `taskgate agent-exec`: how `taskgate agent` starts a command.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ExecArgs {
+    /// The agent's pid: if the parent is another process by now, the agent
+    /// is gone and the command does not start.
+    #[arg(long)]
+    pub parent: i32,
+    /// The command and its arguments, after `--`.
+    #[arg(last = true, required = true, num_args = 1..)]
+    pub command: Vec<String>,
+}
+
+/// Sets SIGKILL as this process's parent-death signal and execs the
+/// command; returns only if that fails, with a shell's exit code.
+pub fn exec(args: &ExecArgs) -> u8 {
+    // Without it the command only loses the signal, not its containment
+    // by the agent: worth running still.
+    let _ = rustix::process::set_parent_process_death_signal(Some(Signal::KILL));
+    // The agent may have ended between its fork and the line above: no
+    // signal would come, and nobody would stop the command.
+    let parent = rustix::process::getppid().map(|p| p.as_raw_nonzero().get());
+    if parent != Some(args.parent) {
+        eprintln!(
+            "taskgate agent-exec: the agent (pid {}) is gone",
+            args.parent
+        );
+        return 1;
+    }
+    let Some((program, rest)) = args.command.split_first() else {
+        return 127;
+    };
+    let error = std::process::Command::new(program).args(rest).exec();
+    eprintln!("taskgate agent: cannot run {program:?}: {error}");
+    if error.kind() == io::ErrorKind::NotFound {
+        127
+    } else {
+        126
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_program_is_looked_up_as_exec_would() {
+        assert!(runnable("sh").is_ok(), "found in PATH");
+        assert!(runnable("/bin/sh").is_ok());
+        let err = runnable("no-such-program-of-taskgate").unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::NotFound);
+        assert!(err.to_string().contains("no-such-program-of-taskgate"));
+        assert!(runnable("/nonexistent/sh").is_err());
+        assert!(runnable("/tmp").is_err(), "a directory is not a program");
+    }
+}
