@@ -699,10 +699,17 @@ fn running_then_server_gone(extra: &[&str]) -> (std::process::Child, String, tem
         std::thread::sleep(Duration::from_millis(20));
     }
     drop(server);
-    let pid = std::fs::read_to_string(dir.path().join("pid"))
-        .unwrap()
-        .trim()
-        .to_owned();
+    // Reported running when started: the shell may write its pid a moment
+    // later.
+    let pid = loop {
+        match std::fs::read_to_string(dir.path().join("pid")) {
+            Ok(pid) if pid.ends_with('\n') => break pid.trim().to_owned(),
+            _ => {
+                assert!(Instant::now() < deadline, "the task never wrote its pid");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    };
     (child, pid, dir)
 }
 
