@@ -86,6 +86,24 @@ impl Endpoint {
         timeout: Duration,
         read: Option<&str>,
     ) -> Result<(u16, Option<String>, Vec<u8>), String> {
+        let headers: Vec<(&str, &str)> = headers.to_vec();
+        let reply = self
+            .send(method, path, token, body, &headers, timeout)
+            .await?;
+        let header = read.and_then(|name| reply.header(name)).map(str::to_owned);
+        Ok((reply.status, header, reply.body))
+    }
+
+    /// One request with any headers; the answer whole.
+    pub async fn send(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: Option<&serde_json::Value>,
+        headers: &[(&str, &str)],
+        timeout: Duration,
+    ) -> Result<Reply, String> {
         let method = reqwest::Method::from_bytes(method.as_bytes()).map_err(|e| e.to_string())?;
         let mut req = self
             .client
@@ -111,12 +129,27 @@ impl Endpoint {
         };
         let answer = req.send().await.map_err(why)?;
         let status = answer.status().as_u16();
-        let header = read
-            .and_then(|name| answer.headers().get(name))
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
+        let headers = answer.headers().clone();
         let body = answer.bytes().await.map_err(why)?;
-        Ok((status, header, body.to_vec()))
+        Ok(Reply {
+            status,
+            headers,
+            body: body.to_vec(),
+        })
+    }
+}
+
+/// A server's answer.
+pub struct Reply {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    /// A header's value, if present and text.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
     }
 }
 

@@ -1,5 +1,12 @@
 //! The agent's calls to the server, retried with backoff until they go
-//! through: a report is idempotent, so sending it twice is safe.
+//! through. A report carries an `Idempotency-Key`, the same on each of its
+//! tries: one that landed before its answer was lost is not applied again.
+//!
+//! A 404 is a deletion only from the store the agent saw its allocation in
+//! (`X-Taskgate-Store`), at an index at least the last it saw: a server
+//! with another store (a wrong `--data-dir`, an emptied one) or one that
+//! went back in time (an old backup) is not telling the agent to kill its
+//! workload.
 
 use std::{path::Path, time::Duration};
 
@@ -24,6 +31,10 @@ pub enum ApiError {
     /// The allocation does not exist (any more).
     #[error("the allocation is gone")]
     Gone,
+    /// The server declared the task lost (its TTL passed without a sign of
+    /// life): its process must stop, and no report of it is taken.
+    #[error("the server declared the task lost{}", .lost_at.as_deref().map(|t| format!(" at {t}")).unwrap_or_default())]
+    Lost { lost_at: Option<String> },
     /// A request the server will never accept (bad token, bad spec, ...).
     #[error("{0}")]
     Fatal(String),
@@ -40,9 +51,15 @@ pub struct TaskInfo {
     pub restart_generation: u64,
     pub modify_index: u64,
     pub coordinator_state: String,
+    /// The liveness TTL the task runs under, if any.
+    pub ttl: Option<Duration>,
 }
 
-/// The answer to "may I start?" (decoded whole: every field is required).
+/// The stop reason of a lost task.
+pub const AGENT_LOST: &str = "Agent Lost";
+
+/// The answer to "may I start?" (decoded whole: every field is required,
+/// but for those a server of the second edition did not send).
 #[derive(Debug, Clone, serde::Deserialize)]
 pub struct StartCondition {
     pub allowed: bool,
@@ -51,6 +68,17 @@ pub struct StartCondition {
     /// `succeeded` or `failed` once the allocation is in `poststop`.
     pub outcome: Option<String>,
     pub failed_tasks: Vec<String>,
+    #[serde(default)]
+    stop_reason: Option<StopReasonWire>,
+}
+
+impl StartCondition {
+    /// Whether the task is told to stop because it was declared lost.
+    pub fn lost(&self) -> bool {
+        self.stop_reason
+            .as_ref()
+            .is_some_and(|r| r.kind == AGENT_LOST)
+    }
 }
 
 /// What the server answered a call.
@@ -105,7 +133,24 @@ pub struct Api {
     token: Option<String>,
     alloc: String,
     task: String,
+    /// The store the allocation was seen in (`X-Taskgate-Store`), and the
+    /// highest index seen of it: a 404 is a deletion only from that store,
+    /// at that index or later.
+    seen: std::sync::Mutex<Seen>,
 }
+
+#[derive(Debug, Default)]
+struct Seen {
+    store: Option<String>,
+    index: u64,
+    /// A 404 from another store (or an earlier state of this one) was
+    /// logged in this episode (one ends when the allocation is seen again).
+    astray_said: bool,
+}
+
+/// The store's ID on every answer.
+const STORE_HEADER: &str = "x-taskgate-store";
+const INDEX_HEADER: &str = "x-taskgate-index";
 
 fn text(v: &Value, key: &str) -> String {
     v[key].as_str().unwrap_or_default().to_owned()
@@ -124,9 +169,17 @@ struct TaskWire {
     stop_reason: Option<StopReasonWire>,
     restart_generation: u64,
     modify_index: u64,
+    /// A server of the second edition sends none.
+    #[serde(default)]
+    liveness: Option<LivenessWire>,
 }
 
-#[derive(Debug, serde::Deserialize)]
+#[derive(Debug, Clone, serde::Deserialize)]
+struct LivenessWire {
+    ttl: String,
+}
+
+#[derive(Debug, Clone, serde::Deserialize)]
 struct StopReasonWire {
     #[serde(rename = "type")]
     kind: String,
@@ -157,6 +210,22 @@ impl TaskWire {
             restart_generation: self.restart_generation,
             modify_index: self.modify_index,
             coordinator_state,
+            ttl: self
+                .liveness
+                .and_then(|l| crate::units::parse_duration(&l.ttl).ok()),
+        }
+    }
+}
+
+/// Gives every task of a registration spec that declares no liveness the
+/// TTL `ttl`.
+fn with_ttl(spec: &mut Value, ttl: Duration) {
+    let shown = crate::units::format_duration(ttl);
+    for task in spec["tasks"].as_array_mut().into_iter().flatten() {
+        if let Some(t) = task.as_object_mut()
+            && t.get("liveness").is_none_or(Value::is_null)
+        {
+            t.insert("liveness".into(), serde_json::json!({"ttl": shown}));
         }
     }
 }
@@ -197,6 +266,7 @@ impl Api {
             token,
             alloc: config.alloc.clone(),
             task: config.task.clone(),
+            seen: Default::default(),
         })
     }
 
@@ -211,7 +281,18 @@ impl Api {
         path: &str,
         body: Option<&Value>,
     ) -> Result<Value, ApiError> {
-        match self.call_unless(method, path, body, &[]).await? {
+        self.call_keyed(method, path, body, None).await
+    }
+
+    /// `call` with an `Idempotency-Key`, the same on every try.
+    async fn call_keyed(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+        key: Option<&str>,
+    ) -> Result<Value, ApiError> {
+        match self.call_unless(method, path, body, &[], key).await? {
             Answer::Taken(v) => Ok(v),
             Answer::Refused { code, detail } => Err(ApiError::Fatal(format!(
                 "{method} {path}: {code}: {detail}"
@@ -226,6 +307,7 @@ impl Api {
         path: &str,
         body: Option<&Value>,
         refusals: &[&str],
+        key: Option<&str>,
     ) -> Result<Answer, ApiError> {
         use std::sync::atomic::Ordering;
         let mut backoff = BACKOFF_START;
@@ -243,64 +325,80 @@ impl Api {
             }
             let timeout = left.map_or(REQUEST_TIMEOUT, |l| l.min(REQUEST_TIMEOUT));
             let at = self.current.load(Ordering::Relaxed) % self.endpoints.len();
+            // The agent reads nothing of a write's answer but its status:
+            // the small one will do.
+            let mut headers: Vec<(&str, &str)> = Vec::new();
+            if body.is_some() {
+                headers.extend_from_slice(MINIMAL);
+            }
+            if let Some(key) = key {
+                headers.push(("idempotency-key", key));
+            }
             let answer = self.endpoints[at]
-                .request(
-                    method,
-                    path,
-                    self.token.as_deref(),
-                    body,
-                    // The agent reads nothing of a write's answer but its
-                    // status: the small one will do.
-                    if body.is_some() { MINIMAL } else { &[] },
-                    timeout,
-                )
+                .send(method, path, self.token.as_deref(), body, &headers, timeout)
                 .await;
             // Unreachable or unavailable (5xx): the next try goes to the
             // next server, if there are several.
-            if answer.as_ref().map_or(true, |(status, _)| *status >= 500) {
+            if answer.as_ref().map_or(true, |r| r.status >= 500) {
                 self.current
                     .store((at + 1) % self.endpoints.len(), Ordering::Relaxed);
             }
             let problem = match answer {
-                Ok((status, body)) if status < 300 => {
+                Ok(reply) if reply.status < 300 => {
                     self.reached();
+                    if path.starts_with(&self.alloc_path()) {
+                        self.saw(&reply);
+                    }
                     return Ok(Answer::Taken(
-                        serde_json::from_slice(&body).unwrap_or(Value::Null),
+                        serde_json::from_slice(&reply.body).unwrap_or(Value::Null),
                     ));
                 }
-                Ok((status, body)) => {
+                Ok(reply) => {
                     self.reached();
-                    let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                    let status = reply.status;
+                    let v: Value = serde_json::from_slice(&reply.body).unwrap_or(Value::Null);
                     let code = text(&v, "code");
-                    if status == 410 || code == "allocation_not_found" {
+                    if code == "task_lost" {
+                        return Err(ApiError::Lost {
+                            lost_at: v["lost_at"].as_str().map(str::to_owned),
+                        });
+                    }
+                    if status == 410 {
                         return Err(ApiError::Gone);
                     }
-                    if (400..500).contains(&status) && refusals.contains(&code.as_str()) {
-                        let detail = text(&v, "detail");
-                        return Ok(Answer::Refused { code, detail });
-                    }
-                    if status == 401 {
-                        return Err(ApiError::Fatal(format!(
-                            "{method} {path}: 401 {code}: the server did not accept the \
+                    if code == "allocation_not_found" {
+                        match self.not_found(at, &reply).await {
+                            Some(gone) => return Err(gone),
+                            None => "404 allocation_not_found from another store".to_owned(),
+                        }
+                    } else {
+                        if (400..500).contains(&status) && refusals.contains(&code.as_str()) {
+                            let detail = text(&v, "detail");
+                            return Ok(Answer::Refused { code, detail });
+                        }
+                        if status == 401 {
+                            return Err(ApiError::Fatal(format!(
+                                "{method} {path}: 401 {code}: the server did not accept the \
                              token; give an agent token with --token or TASKGATE_TOKEN, or \
                              a file holding it with --token-file or TASKGATE_TOKEN_FILE"
-                        )));
-                    }
-                    if status == 403 {
-                        return Err(ApiError::Fatal(format!(
-                            "{method} {path}: 403 {code}: the token may not do this; the \
+                            )));
+                        }
+                        if status == 403 {
+                            return Err(ApiError::Fatal(format!(
+                                "{method} {path}: 403 {code}: the token may not do this; the \
                              agent needs a token of role agent or operator whose prefixes \
                              cover allocation {:?} (the server's --token-file)",
-                            self.alloc
-                        )));
+                                self.alloc
+                            )));
+                        }
+                        if (400..500).contains(&status) && status != 409 && status != 429 {
+                            return Err(ApiError::Fatal(format!(
+                                "{method} {path}: {status} {code}: {}",
+                                text(&v, "detail")
+                            )));
+                        }
+                        format!("{status} {code}")
                     }
-                    if (400..500).contains(&status) && status != 409 && status != 429 {
-                        return Err(ApiError::Fatal(format!(
-                            "{method} {path}: {status} {code}: {}",
-                            text(&v, "detail")
-                        )));
-                    }
-                    format!("{status} {code}")
                 }
                 Err(e) => {
                     self.unreached(&e);
@@ -315,6 +413,101 @@ impl Api {
             tokio::time::sleep(sleep).await;
             backoff = (backoff * 2).min(BACKOFF_CAP);
         }
+    }
+
+    /// An answer about the allocation: the store it lives in, and how far
+    /// it has got.
+    fn saw(&self, reply: &crate::client::Reply) {
+        let mut seen = self
+            .seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(store) = reply.header(STORE_HEADER) {
+            if seen.store.as_deref() != Some(store) {
+                seen.store = Some(store.to_owned());
+                seen.index = 0;
+            }
+            seen.astray_said = false;
+        }
+        if let Some(index) = reply.header(INDEX_HEADER).and_then(|i| i.parse().ok()) {
+            seen.index = seen.index.max(index);
+        }
+    }
+
+    /// A 404 `allocation_not_found` from server `at`: `Some(Gone)` if it is
+    /// a deletion (the store the allocation was seen in, at an index at
+    /// least the last one seen, or an allocation never seen at all), `None`
+    /// if it comes from another store or an earlier state of this one (the
+    /// workload keeps running; said once an episode).
+    async fn not_found(&self, at: usize, reply: &crate::client::Reply) -> Option<ApiError> {
+        let (known, index) = {
+            let seen = self
+                .seen
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            (seen.store.clone(), seen.index)
+        };
+        let Some(known) = known else {
+            // Never seen: not there (the caller says what to check).
+            return Some(ApiError::Gone);
+        };
+        let url = &self.endpoints[at].url;
+        let why = match reply.header(STORE_HEADER) {
+            Some(store) if store == known => {
+                // The same store: deleted, unless it went back in time.
+                match self.store_index(at).await {
+                    Some(now) if now >= index => return Some(ApiError::Gone),
+                    Some(now) => format!(
+                        "answers for the store the allocation was seen in, {known}, but at \
+                         index {now}, before {index}, the last one seen: it went back in time \
+                         (restored from an older backup?)"
+                    ),
+                    None => return None,
+                }
+            }
+            Some(store) => format!(
+                "answers for store {store}, not {known}, where the allocation was seen: is \
+                 its --data-dir (or --etcd-prefix) the right one?"
+            ),
+            None => format!(
+                "names no store (X-Taskgate-Store), while the allocation was seen in {known}: \
+                 is it a taskgate server, or one behind a proxy that drops the header?"
+            ),
+        };
+        let mut seen = self
+            .seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !seen.astray_said {
+            seen.astray_said = true;
+            tracing::error!(
+                "the server at {url} does not know allocation {:?}, but it {why}. This is not \
+                 taken for a deletion: the task keeps running, and the agent keeps asking.",
+                self.alloc
+            );
+        }
+        None
+    }
+
+    /// The index a server's store has reached (a listing's
+    /// `X-Taskgate-Index`), asked of server `at`.
+    async fn store_index(&self, at: usize) -> Option<u64> {
+        let path = format!("/v1/allocations?prefix={}&per_page=1", self.alloc);
+        let reply = self.endpoints[at]
+            .send(
+                "GET",
+                &path,
+                self.token.as_deref(),
+                None,
+                &[],
+                REQUEST_TIMEOUT,
+            )
+            .await
+            .ok()?;
+        if reply.status != 200 {
+            return None;
+        }
+        reply.header(INDEX_HEADER)?.parse().ok()
     }
 
     /// A server answered: an episode of failures, if any, is over.
@@ -355,14 +548,20 @@ impl Api {
         format!("/v1/allocations/{}/tasks/{}", self.alloc, self.task)
     }
 
-    pub async fn register(&self, file: &Path) -> Result<(), ApiError> {
+    /// Registers the allocation from `file`; with `ttl`, every task of it
+    /// that declares no liveness runs under that TTL (each agent of the
+    /// group given the same flag registers the same spec).
+    pub async fn register(&self, file: &Path, ttl: Option<Duration>) -> Result<(), ApiError> {
         let text = std::fs::read_to_string(file)
             .map_err(|e| ApiError::Fatal(format!("cannot read {}: {e}", file.display())))?;
-        let spec: Value = serde_json::from_str(&text)
+        let mut spec: Value = serde_json::from_str(&text)
             .map_err(|e| ApiError::Fatal(format!("{} is not JSON: {e}", file.display())))?;
+        if let Some(ttl) = ttl {
+            with_ttl(&mut spec, ttl);
+        }
         loop {
             let path = self.alloc_path();
-            let put = self.call_unless("PUT", &path, Some(&spec), &["allocation_exists"]);
+            let put = self.call_unless("PUT", &path, Some(&spec), &["allocation_exists"], None);
             if let Answer::Taken(_) = put.await? {
                 // Registered by this agent or another one of the group.
                 return Ok(());
@@ -391,10 +590,53 @@ impl Api {
         }
     }
 
+    /// Reports the task's state, with a key of its own that every retry
+    /// of it repeats.
     pub async fn report(&self, body: &Value) -> Result<(), ApiError> {
-        self.call("PUT", &format!("{}/state", self.task_path()), Some(body))
+        let key = format!("{:032x}", fastrand::u128(..));
+        let path = format!("{}/state", self.task_path());
+        self.call_keyed("PUT", &path, Some(body), Some(&key))
             .await
             .map(|_| ())
+    }
+
+    /// A sign of life for the task, tried once: a heartbeat that does not
+    /// get through is replaced by the next (and the parked long-poll is
+    /// one meanwhile). Only a lost task is an error.
+    pub async fn heartbeat(&self) -> Result<(), ApiError> {
+        use std::sync::atomic::Ordering;
+        let at = self.current.load(Ordering::Relaxed) % self.endpoints.len();
+        let path = format!("{}/heartbeat", self.task_path());
+        let reply = self.endpoints[at]
+            .send(
+                "PUT",
+                &path,
+                self.token.as_deref(),
+                None,
+                &[],
+                REQUEST_TIMEOUT,
+            )
+            .await;
+        match reply {
+            Ok(r) if r.status == 409 => {
+                let v: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
+                if text(&v, "code") == "task_lost" {
+                    return Err(ApiError::Lost {
+                        lost_at: v["lost_at"].as_str().map(str::to_owned),
+                    });
+                }
+                Ok(())
+            }
+            Ok(r) if r.status >= 300 => {
+                tracing::debug!(status = r.status, "a heartbeat was not taken");
+                Ok(())
+            }
+            Ok(_) => Ok(()),
+            Err(e) => {
+                tracing::debug!(error = %e, "a heartbeat got no answer");
+                Ok(())
+            }
+        }
     }
 
     /// The task view; with `index` > 0 a blocking query for a newer one.

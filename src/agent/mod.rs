@@ -100,6 +100,12 @@ pub struct AgentConfig {
     /// agent of a group may pass the same file).
     #[arg(long, env = "TASKGATE_REGISTER")]
     pub register: Option<PathBuf>,
+    /// With --register: every task of the spec that declares no liveness
+    /// runs under this TTL (give every agent of the group the same value).
+    /// The server declares a task lost whose agent gives no sign of life
+    /// for this long; the agent sends heartbeats well within it.
+    #[arg(long, env = "TASKGATE_LIVENESS_TTL", value_parser = parse_duration, requires = "register")]
+    pub liveness_ttl: Option<Duration>,
     /// Restarts allowed within --restart-interval after the task fails.
     #[arg(long, env = "TASKGATE_RESTART_ATTEMPTS", default_value_t = 2)]
     pub restart_attempts: u32,
@@ -192,6 +198,9 @@ struct Agent {
     outcome: Option<(String, Vec<String>)>,
     /// The running command's process group (0: none), for a second signal.
     running: std::sync::Arc<std::sync::atomic::AtomicU32>,
+    /// The liveness TTL the task runs under (from the server), for the
+    /// heartbeats.
+    ttl: Option<Duration>,
     /// How commands are started.
     launch: Launch,
 }
@@ -230,7 +239,7 @@ impl Agent {
     /// The whole life of the agent; returns its exit code.
     async fn run(&mut self) -> Result<i32, ApiError> {
         if let Some(file) = self.config.register.clone() {
-            self.api.register(&file).await?;
+            self.api.register(&file, self.config.liveness_ttl).await?;
         }
         let info = match self.api.task(0).await {
             Err(ApiError::Gone) => {
@@ -258,6 +267,7 @@ impl Agent {
         }
         self.stage = info.stage.clone();
         self.generation = info.restart_generation;
+        self.ttl = info.ttl;
         self.learn(&info);
         loop {
             self.report("pending", false, None).await?;
@@ -295,6 +305,9 @@ impl Agent {
                 sc = self.api.start_condition() => sc?,
                 () = self.stopped() => return Ok(false),
             };
+            if sc.lost() {
+                return Err(ApiError::Lost { lost_at: None });
+            }
             if sc.desired == "stop" {
                 return Ok(false);
             }
@@ -370,6 +383,13 @@ impl Agent {
             // other fields.
             let api = &self.api;
             let mut poll = std::pin::pin!(api.task(self.index));
+            // Well within the TTL: three heartbeats a TTL, so one lost on
+            // the way is not a loss of the task.
+            let beat = self.ttl.map_or(Duration::from_secs(3600), |t| {
+                (t / 3).max(Duration::from_millis(100))
+            });
+            let mut heartbeats = tokio::time::interval_at(tokio::time::Instant::now() + beat, beat);
+            heartbeats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 let probed = async {
                     match probe.as_mut() {
@@ -397,7 +417,16 @@ impl Agent {
                             tracing::info!(task = %self.config.task, ready, "readiness changed");
                             let body = json!({"state": "running", "ready": ready,
                                               "event": event(kind, message, json!({}))});
-                            api.report(&body).await?;
+                            if let Err(e) = api.report(&body).await {
+                                child.stop(self.config.kill_timeout).await;
+                                return Err(e);
+                            }
+                        }
+                    }
+                    _ = heartbeats.tick(), if self.ttl.is_some() => {
+                        if let Err(e) = api.heartbeat().await {
+                            child.stop(self.config.kill_timeout).await;
+                            return Err(e);
                         }
                     }
                     () = late => break Ended::NotReadyInTime,
@@ -412,6 +441,10 @@ impl Agent {
                             }
                         };
                         self.index = self.index.max(t.modify_index);
+                        if t.desired == "stop" && t.stop_reason.as_deref() == Some(api::AGENT_LOST) {
+                            child.stop(self.config.kill_timeout).await;
+                            return Err(ApiError::Lost { lost_at: None });
+                        }
                         if t.desired == "stop" {
                             break Ended::StopOrder(t.stop_reason.unwrap_or_default());
                         }
@@ -640,6 +673,9 @@ fn token_on_command_line() -> bool {
         .any(|a| a == "--token" || a.starts_with("--token="))
 }
 
+/// The agent's exit code when the server declared its task lost.
+pub const LOST_EXIT: i32 = 3;
+
 /// Runs the agent until it is done; returns the process exit code.
 pub async fn run(config: AgentConfig) -> i32 {
     // Before anything is started: the handlers, so that no terminating
@@ -719,12 +755,21 @@ pub async fn run(config: AgentConfig) -> i32 {
         outcome: None,
         running,
         launch,
+        ttl: None,
     };
     let code = match agent.run().await {
         Ok(code) => code,
         Err(ApiError::Gone) => {
             tracing::info!("the allocation was deleted");
             agent.exit_code
+        }
+        Err(e @ ApiError::Lost { .. }) => {
+            eprintln!(
+                "taskgate agent: {e} (its agent gave no sign of life within its TTL): the \
+                 task's process is stopped, and the server takes no report of it; an all-tasks \
+                 restart or a restore runs it again, with a new agent"
+            );
+            LOST_EXIT
         }
         Err(ApiError::Fatal(e)) => {
             eprintln!("taskgate agent: {e}");

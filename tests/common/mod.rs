@@ -5,6 +5,7 @@
 pub mod agents;
 pub mod etcd;
 pub mod process;
+pub mod proxy;
 pub mod raw;
 
 use std::{sync::Arc, time::Duration};

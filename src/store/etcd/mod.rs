@@ -139,7 +139,9 @@ async fn identify(client: &Client, prefix: &[u8]) -> Result<String, StoreError> 
     match String::from_utf8(value) {
         Ok(id) if super::identity::is_id(&id) => Ok(id),
         _ => Err(StoreError::Unusable(format!(
-            "the store ID at {name} in etcd is damaged (it should be 32 hex digits);              delete the key to give the prefix a new ID (clients then take it for another              store)"
+            "the store ID at {name} in etcd is damaged (it should be 32 hex digits); \
+             delete the key to give the prefix a new ID (clients then take it for another \
+             store)"
         ))),
     }
 }
