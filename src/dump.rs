@@ -114,7 +114,9 @@ mod tests {
         for id in ["web-2", "web-1", "db-1"] {
             let body: crate::http::dto::RegisterBody =
                 serde_json::from_str(crate::testing::FIVE_TASKS).unwrap();
-            let spec = body.into_spec(&r.config().limits).unwrap();
+            let spec = body
+                .into_spec(&r.config().limits, &AllocId::parse(id).unwrap())
+                .unwrap();
             r.register(AllocId::parse(id).unwrap(), spec).await.unwrap();
         }
         let expected: Vec<String> = ["web-1", "web-2"]

@@ -63,7 +63,10 @@ const TASKS: [&str; 5] = ["init", "proxy", "web", "announce", "cleanup"];
 fn spec() -> AllocSpec {
     serde_json::from_str::<RegisterBody>(FIVE_TASKS)
         .expect("the example decodes")
-        .into_spec(&Limits::default())
+        .into_spec(
+            &Limits::default(),
+            &taskgate::lifecycle::AllocId::parse("soak").expect("an ID"),
+        )
         .expect("the example is a valid spec")
 }
 

@@ -58,8 +58,31 @@ pub async fn register(
     ApiJson(body): ApiJson<RegisterBody>,
 ) -> Result<Response, ApiError> {
     let spec = body
-        .into_spec(&s.registry.config().limits)
+        .into_spec(&s.registry.config().limits, &id)
         .map_err(|e| ApiError::invalid("the allocation spec is not valid", e))?;
+    // A dependency reads its target's state: a token may declare one only
+    // on allocations it may read.
+    if let Some(token) = caller.as_ref().map(|c| &c.0.0) {
+        let outside = spec
+            .tasks()
+            .iter()
+            .flat_map(|t| t.depends_on.iter())
+            .filter_map(|d| d.allocation.as_ref())
+            .find(|target| !token.may_read(target.as_str()));
+        if let Some(target) = outside {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                format!(
+                    "token {:?} may not read allocation {:?}, so it may not depend on it (its \
+                     prefixes are {:?})",
+                    token.name,
+                    target.as_str(),
+                    token.alloc_prefixes
+                ),
+            ));
+        }
+    }
     let quota = caller.as_ref().and_then(|c| c.0.0.quota());
     let (a, created) = s.registry.register_within(id, spec, quota).await?;
     let status = if created {

@@ -88,6 +88,15 @@ impl Token {
     }
 
     /// The registry's quota for this token's registrations, if it has one.
+    /// Whether the token may read allocation `id` (its prefixes cover it).
+    pub fn may_read(&self, id: &str) -> bool {
+        self.alloc_prefixes.is_empty()
+            || self
+                .alloc_prefixes
+                .iter()
+                .any(|p| id.starts_with(p.as_str()))
+    }
+
     pub fn quota(&self) -> Option<crate::registry::Quota<'_>> {
         self.max_allocations.map(|max| crate::registry::Quota {
             name: &self.name,

@@ -14,8 +14,8 @@ use time::OffsetDateTime;
 use utoipa::ToSchema;
 
 use crate::lifecycle::{
-    AllocSpec, Deadlines, EventInput, FieldError, Hook, Lifecycle, Limits, MAX_EVENT_DETAILS,
-    RunState, TaskName, TaskReport, TaskSpec,
+    AllocId, AllocSpec, Condition, Deadlines, Dependency, EventInput, FieldError, Hook, Lifecycle,
+    Limits, MAX_EVENT_DETAILS, RunState, TaskName, TaskReport, TaskSpec,
 };
 
 /// A JSON object whose keys must be unique, kept in the order sent, of at
@@ -98,6 +98,7 @@ objects_only!(
     LifecycleBody,
     LivenessBody,
     DeadlinesBody,
+    DependencyBody,
     ReportBody,
     EventBody,
     BatchBody,
@@ -155,6 +156,37 @@ pub struct TaskSpecBody {
     /// Absent: the server's `--default-liveness-ttl`, if any.
     #[serde(default)]
     pub liveness: Option<LivenessBody>,
+    /// Start conditions on other tasks, of this allocation or another one
+    /// (at most 16): the task may start only while its gate is open and
+    /// every one holds.
+    #[serde(default)]
+    #[schema(max_items = 16)]
+    pub depends_on: Vec<DependencyBody>,
+}
+
+/// A start condition on another task.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(remote = "Self", deny_unknown_fields)]
+#[schema(example = json!({"task": "db", "allocation": "db-7", "condition": "ready"}))]
+pub struct DependencyBody {
+    /// The task waited on.
+    #[schema(
+        min_length = 1,
+        max_length = 128,
+        pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"
+    )]
+    pub task: String,
+    /// Its allocation; absent (or this allocation's ID) for a task of this
+    /// one. Need not be registered yet: until it is, the dependency does
+    /// not hold.
+    #[serde(default)]
+    #[schema(
+        min_length = 1,
+        max_length = 128,
+        pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"
+    )]
+    pub allocation: Option<String>,
+    pub condition: Condition,
 }
 
 /// A task's liveness.
@@ -212,7 +244,9 @@ pub struct LifecycleBody {
 }
 
 impl RegisterBody {
-    pub fn into_spec(self, limits: &Limits) -> Result<AllocSpec, Vec<FieldError>> {
+    /// The spec of allocation `own` (a dependency naming `own` is one on a
+    /// task of this allocation).
+    pub fn into_spec(self, limits: &Limits, own: &AllocId) -> Result<AllocSpec, Vec<FieldError>> {
         let mut errors = Vec::new();
         let mut tasks = Vec::with_capacity(self.tasks.len());
         for (i, t) in self.tasks.into_iter().enumerate() {
@@ -221,6 +255,31 @@ impl RegisterBody {
                 || format!("tasks[{i}].liveness.ttl"),
                 t.liveness.as_ref().map(|l| l.ttl.as_str()),
             );
+            let mut depends_on = Vec::with_capacity(t.depends_on.len());
+            for (j, d) in t.depends_on.into_iter().enumerate() {
+                let field = |what: &str| format!("tasks[{i}].depends_on[{j}].{what}");
+                let task = TaskName::parse(&d.task).map_err(|e| {
+                    errors.push(FieldError::new(field("task"), format!("{:?} {e}", d.task)))
+                });
+                let allocation = match d.allocation {
+                    None => Ok(None),
+                    Some(a) => match AllocId::parse(&a) {
+                        Ok(a) if a == *own => Ok(None),
+                        Ok(a) => Ok(Some(a)),
+                        Err(e) => {
+                            errors.push(FieldError::new(field("allocation"), format!("{a:?} {e}")));
+                            Err(())
+                        }
+                    },
+                };
+                if let (Ok(task), Ok(allocation)) = (task, allocation) {
+                    depends_on.push(Dependency {
+                        task,
+                        allocation,
+                        condition: d.condition,
+                    });
+                }
+            }
             match TaskName::parse(&t.name) {
                 Ok(name) => tasks.push(TaskSpec {
                     name,
@@ -231,7 +290,7 @@ impl RegisterBody {
                     leader: t.leader,
                     readiness: t.readiness,
                     liveness,
-                    depends_on: Vec::new(),
+                    depends_on,
                 }),
                 Err(e) => errors.push(FieldError::new(
                     format!("tasks[{i}].name"),

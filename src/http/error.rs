@@ -90,6 +90,11 @@ pub const CODES: &[(&str, u16, &str)] = &[
         "The request's `Idempotency-Key` came before with a different request to this task. A retry must send the same request with the same key; a new request needs a new key.",
     ),
     (
+        "dependency_cycle",
+        409,
+        "The registration's dependencies close a cycle, so none of the tasks on it could ever start: 400 when the cycle is among its own tasks, 409 when it runs through allocations the server holds. `path` lists it (`alloc/task` steps). Break it: drop or change one of the dependencies named.",
+    ),
+    (
         "allocation_deleted",
         410,
         "The allocation was deleted while the request waited on it. Stop acting on it.",
@@ -183,6 +188,11 @@ pub struct Problem {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(example = "2026-11-25T10:00:30Z")]
     pub lost_at: Option<String>,
+    /// `dependency_cycle`: the cycle, as `alloc/task` steps from a task of
+    /// the registration back to it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(example = json!(["app/web", "db-7/db", "app/web"]))]
+    pub path: Option<Vec<String>>,
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -224,6 +234,8 @@ pub struct ApiError {
     pub retry_after: bool,
     /// `task_lost`: when the task was declared lost.
     pub lost_at: Option<String>,
+    /// `dependency_cycle`: the cycle's steps.
+    pub path: Option<Vec<String>>,
 }
 
 impl ApiError {
@@ -237,6 +249,7 @@ impl ApiError {
             index: None,
             retry_after: false,
             lost_at: None,
+            path: None,
         }
     }
 
@@ -332,6 +345,20 @@ impl From<RegistryError> for ApiError {
             RegistryError::Contended(_) => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "timeout", detail).retry_later()
             }
+            RegistryError::DependencyCycle { path, held } => {
+                let status = if held {
+                    StatusCode::CONFLICT
+                } else {
+                    StatusCode::BAD_REQUEST
+                };
+                let mut e = Self::new(status, "dependency_cycle", detail);
+                e.errors.push(ProblemField {
+                    field: "depends_on".into(),
+                    message: path.join(" → "),
+                });
+                e.path = Some(path);
+                e
+            }
             RegistryError::Unsupported(_) => {
                 Self::new(StatusCode::BAD_REQUEST, "invalid_request", detail)
             }
@@ -382,6 +409,7 @@ impl ApiError {
             errors: self.errors,
             errors_omitted: self.errors_omitted,
             lost_at: self.lost_at,
+            path: self.path,
         };
         serde_json::to_vec(&problem).unwrap_or_default()
     }

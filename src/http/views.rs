@@ -6,8 +6,8 @@ use utoipa::ToSchema;
 
 use crate::{
     lifecycle::{
-        Allocation, CoordState, Deadlines, DesiredKind, Details, Event, Events, Hook, Outcome,
-        RunState, Stage, StopKind, Timestamp, WaitFor,
+        Allocation, Condition, CoordState, Deadlines, DepState, DesiredKind, Details, Event,
+        Events, Hook, Outcome, RunState, Stage, StopKind, Timestamp, WaitFor, Why,
     },
     units::format_duration,
 };
@@ -161,6 +161,66 @@ pub struct TaskView {
     /// it).
     #[serde(with = "time::serde::rfc3339::option")]
     pub last_seen: Option<OffsetDateTime>,
+    /// Start conditions on other tasks, as registered.
+    pub depends_on: Vec<DependencyView>,
+    /// The dependencies that do not hold now (empty when every one holds).
+    pub blocked_by: Vec<BlockedView>,
+}
+
+/// A dependency as registered.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(example = json!({"task": "db", "allocation": "db-7", "condition": "ready"}))]
+pub struct DependencyView {
+    pub task: String,
+    /// `null` for a task of this allocation.
+    pub allocation: Option<String>,
+    pub condition: Condition,
+}
+
+/// A dependency that does not hold, and why.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(example = json!({"allocation": "db-7", "task": "db", "condition": "ready", "why": "not_ready"}))]
+pub struct BlockedView {
+    /// The target's allocation (this one's ID for a task of this one).
+    pub allocation: String,
+    pub task: String,
+    pub condition: Condition,
+    pub why: Why,
+    /// For `why: cycle`: the cycle, as `alloc/task` steps from this task
+    /// back to it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<Vec<String>>,
+}
+
+fn dependencies(a: &Allocation, i: usize) -> (Vec<DependencyView>, Vec<BlockedView>) {
+    let spec = &a.spec.tasks()[i];
+    let depends_on = spec
+        .depends_on
+        .iter()
+        .map(|d| DependencyView {
+            task: d.task.to_string(),
+            allocation: d.allocation.as_ref().map(ToString::to_string),
+            condition: d.condition,
+        })
+        .collect();
+    let blocked_by = a
+        .blocked_by(i)
+        .into_iter()
+        .filter_map(|(j, state)| {
+            let d = spec.depends_on.get(j)?;
+            Some(BlockedView {
+                allocation: d.allocation.as_ref().unwrap_or(&a.id).to_string(),
+                task: d.task.to_string(),
+                condition: d.condition,
+                why: state.why()?,
+                path: match state {
+                    DepState::Cycle(path) => Some(path.to_vec()),
+                    DepState::Holds | DepState::Blocked(_) => None,
+                },
+            })
+        })
+        .collect();
+    (depends_on, blocked_by)
 }
 
 /// A recorded task event.
@@ -230,6 +290,11 @@ pub struct StartConditionView {
     /// tasks.
     pub outcome: Option<Outcome>,
     pub failed_tasks: Vec<String>,
+    /// The task's dependencies, as registered.
+    pub depends_on: Vec<DependencyView>,
+    /// The dependencies that do not hold now: while any is listed the task
+    /// may not start.
+    pub blocked_by: Vec<BlockedView>,
     /// The allocation's `modify_index`.
     pub index: u64,
 }
@@ -279,6 +344,7 @@ impl TaskView {
         let spec = &a.spec.tasks()[i];
         let t = &a.tasks[i];
         let desired = a.desired(i);
+        let (depends_on, blocked_by) = dependencies(a, i);
         Self {
             name: spec.name.to_string(),
             lifecycle: spec.lifecycle.map(|l| LifecycleView {
@@ -307,6 +373,8 @@ impl TaskView {
             }),
             lost: t.lost(),
             last_seen: live.last_seen(a, i),
+            depends_on,
+            blocked_by,
         }
     }
 }
@@ -367,6 +435,7 @@ impl TaskDetailView {
 impl StartConditionView {
     pub fn new(a: &Allocation, i: usize) -> Self {
         let (outcome, failed_tasks) = outcome(a);
+        let (depends_on, blocked_by) = dependencies(a, i);
         Self {
             alloc_id: a.id.to_string(),
             task: a.task_name(i).to_string(),
@@ -377,6 +446,8 @@ impl StartConditionView {
             waiting_on: names(a),
             outcome,
             failed_tasks,
+            depends_on,
+            blocked_by,
             index: a.modify_index,
         }
     }
@@ -490,6 +561,25 @@ impl TimelineView {
                             name(*task),
                             event.message.to_string(),
                         )
+                    }
+                    What::Dependency { task, dep, holds } => {
+                        let spec = a.spec.tasks().get(usize::from(*task));
+                        let d = spec.and_then(|s| s.depends_on.get(usize::from(*dep)));
+                        let on = d.map_or(String::new(), |d| {
+                            format!("{}/{}", d.allocation.as_ref().unwrap_or(&a.id), d.task)
+                        });
+                        let condition = d.map_or(String::new(), |d| d.condition.to_string());
+                        let who = name(*task).unwrap_or_default();
+                        details.insert("task".to_owned(), who.clone());
+                        details.insert("on".to_owned(), on.clone());
+                        details.insert("condition".to_owned(), condition.clone());
+                        details.insert("holds".to_owned(), holds.to_string());
+                        let message = if *holds {
+                            format!("{who} may start: {on} is {condition}")
+                        } else {
+                            format!("{who} waits for {on} to be {condition}")
+                        };
+                        ("Dependency".to_owned(), name(*task), message)
                     }
                     What::DeadlineExceeded { stage } => {
                         details.insert("stage".to_owned(), stage.to_string());

@@ -9,6 +9,7 @@
 //! This module must not know HTTP: it speaks allocations, task names and
 //! durations.
 
+mod deps;
 pub mod feed;
 mod handle;
 mod replicated;
@@ -161,6 +162,13 @@ pub enum RegistryError {
     ShuttingDown,
     #[error("{0}")]
     QuotaExceeded(String),
+    /// The registration's dependencies close a cycle: among its own tasks
+    /// (`held` false), or through allocations the server holds.
+    #[error(
+        "these dependencies close a cycle, so none of its tasks could ever start: {}",
+        path.join(" → ")
+    )]
+    DependencyCycle { path: Vec<String>, held: bool },
     /// A valid request for something this server does not do.
     #[error("{0}")]
     Unsupported(String),
@@ -237,6 +245,10 @@ struct Inner {
     /// This registry, for the tasks it starts (which must not keep it
     /// alive).
     me: std::sync::Weak<Inner>,
+    /// Target allocation → the allocations that depend on its tasks
+    /// (`deps.rs`), kept with the view: written when an allocation with
+    /// dependencies on others appears or goes, read after every change.
+    dependents: deps::Dependents,
 }
 
 impl Inner {
@@ -319,8 +331,15 @@ impl Registry {
                 timers: Arc::new(timers::Timers::default()),
                 driving: std::sync::atomic::AtomicBool::new(false),
                 me: me.clone(),
+                dependents: deps::Dependents::default(),
             }),
         };
+        for (_, handle) in registry.read_map().range_from("") {
+            if let Some(a) = handle.current() {
+                registry.inner.index_dependencies(&a, true);
+            }
+        }
+        registry.resolve_all();
         // A deadline that passed while the server was down fires as soon
         // as the timers run.
         for handle in timed {
@@ -513,17 +532,33 @@ impl Registry {
                 }
                 Slot::Deleted => continue,
                 Slot::Creating => {
-                    let ticket = self.inner.feed.begin();
-                    let a = Arc::new(Allocation::register(
+                    let mut a = Allocation::register(
                         id.clone(),
                         self.inner
                             .specs
                             .lock()
                             .unwrap_or_else(PoisonError::into_inner)
                             .share(Arc::new(spec)),
-                        self.next_index(),
+                        0,
                         self.now(),
-                    ));
+                    );
+                    if let Err(e) = self.check_cycles(&a) {
+                        drop(write);
+                        self.remove(&id, &handle);
+                        return Err(e);
+                    }
+                    let verdicts: Vec<Vec<crate::lifecycle::DepState>> = (0..a.tasks.len())
+                        .map(|i| {
+                            (0..a.spec.tasks()[i].depends_on.len())
+                                .map(|j| self.verdict(&a, i, j))
+                                .collect()
+                        })
+                        .collect();
+                    a.set_verdicts(&|i, j| verdicts[i][j].clone());
+                    let ticket = self.inner.feed.begin();
+                    let index = self.next_index();
+                    a.restamp(0, index);
+                    let a = Arc::new(a);
                     let registry = self.clone();
                     let published = a.clone();
                     // Logged and counted with the publication, so a client
@@ -537,7 +572,9 @@ impl Registry {
                                     registry.inner.config.timeline_events,
                                 );
                                 registry.inner.reschedule(&handle, &published);
+                                registry.inner.index_dependencies(&published, true);
                                 ticket.publish(feed::Event::put(published.clone()));
+                                registry.dependents_of(published.id.as_str());
                                 let a = &published;
                                 tracing::info!(alloc = %a.id, state = %a.state, tasks = a.tasks.len(), "allocation registered");
                                 if a.state != CoordState::Init {
@@ -655,7 +692,9 @@ impl Registry {
         self.commit_then(write, op, move |committed| {
             committed?;
             registry.remove(&a.id, &handle);
+            registry.inner.index_dependencies(&a, false);
             ticket.publish(feed::Event::deleted(a.id.clone(), index));
+            registry.dependents_of(a.id.as_str());
             tracing::info!(alloc = %a.id, index, "allocation deleted");
             Ok(index)
         })
@@ -706,6 +745,7 @@ impl Registry {
             );
             registry.inner.reschedule(&handle, &published);
             ticket.publish(feed::Event::put(published.clone()));
+            registry.dependents_of(published.id.as_str());
             registry.observe(&current, &published);
             counted(&registry.inner.config.metrics);
             Ok(())

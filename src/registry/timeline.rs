@@ -48,6 +48,12 @@ pub enum What {
     DeadlineExceeded {
         stage: CoordState,
     },
+    /// Whether dependency `dep` of `task` holds flipped.
+    Dependency {
+        task: u16,
+        dep: u16,
+        holds: bool,
+    },
     /// Boxed: rare, and the largest; the entry of every other kind stays
     /// 32 bytes.
     RestartOrder(Box<RestartOrder>),
@@ -211,6 +217,16 @@ pub fn entries(prev: Option<&Allocation>, next: &Allocation) -> Vec<Entry> {
                 ));
             }
         }
+        for (j, now) in n.deps().iter().enumerate() {
+            let before = p.deps().get(j).is_some_and(|d| d.holds());
+            if now.holds() != before || (j >= p.deps().len() && now.holds()) {
+                out.push(at(What::Dependency {
+                    task: pos(i),
+                    dep: pos(j),
+                    holds: now.holds(),
+                }));
+            }
+        }
         if (p.state, p.failed, p.ready) != (n.state, n.failed, n.ready) {
             out.push(at(What::TaskState {
                 task: pos(i),
@@ -294,6 +310,7 @@ mod tests {
                 What::Agent { task, event } => format!("Agent {task} {}", event.kind),
                 What::Lost { task, .. } => format!("Agent Lost {task}"),
                 What::DeadlineExceeded { stage } => format!("Deadline Exceeded {stage}"),
+                What::Dependency { task, dep, holds } => format!("Dependency {task} {dep} {holds}"),
             })
             .collect()
     }

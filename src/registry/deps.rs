@@ -1,0 +1,296 @@
+//! Dependencies between allocations: the registry judges whether a task's
+//! dependency on another allocation's task holds (it holds every record),
+//! keeps a reverse index (target allocation → its dependents), and after
+//! every change of a target writes a new version of each dependent whose
+//! verdicts changed, through the ordinary write path. With replicas every
+//! replica sees the change on its watch and may try that write; the
+//! compare-and-swap keeps one.
+//!
+//! A dependency that leads back to its own task (a cycle through other
+//! allocations, which registration refuses but replicas racing two
+//! registrations can make) is judged `cycle`, with the path: shown, never a
+//! silent hang.
+
+use std::{
+    collections::{HashMap, HashSet},
+    sync::{Arc, PoisonError, RwLock},
+};
+
+use super::{Inner, Registry, RegistryError};
+use crate::lifecycle::{
+    AllocId, AllocSpec, Allocation, DepState, Target, TaskName, judge_dependency,
+};
+
+/// Nodes a cycle search visits at most: past it, no cycle is reported (a
+/// graph that large is a misuse the verdicts still show as blocked).
+const MAX_VISITED: usize = 10_000;
+
+/// Target allocation → the allocations with a task that depends on one of
+/// its tasks (each listed once).
+#[derive(Default)]
+pub(crate) struct Dependents(RwLock<HashMap<AllocId, HashSet<AllocId>>>);
+
+impl Dependents {
+    /// The other allocations `spec` depends on.
+    fn targets(spec: &AllocSpec) -> HashSet<&AllocId> {
+        spec.tasks()
+            .iter()
+            .flat_map(|t| t.depends_on.iter())
+            .filter_map(|d| d.allocation.as_ref())
+            .collect()
+    }
+
+    /// `dependent` (registered with `spec`) depends on its targets.
+    pub(crate) fn add(&self, dependent: &AllocId, spec: &AllocSpec) {
+        let targets = Self::targets(spec);
+        if targets.is_empty() {
+            return;
+        }
+        let mut map = self.0.write().unwrap_or_else(PoisonError::into_inner);
+        for t in targets {
+            map.entry(t.clone()).or_default().insert(dependent.clone());
+        }
+    }
+
+    /// `dependent` (registered with `spec`) is gone.
+    pub(crate) fn remove(&self, dependent: &AllocId, spec: &AllocSpec) {
+        let targets = Self::targets(spec);
+        if targets.is_empty() {
+            return;
+        }
+        let mut map = self.0.write().unwrap_or_else(PoisonError::into_inner);
+        for t in targets {
+            if let Some(set) = map.get_mut(t) {
+                set.remove(dependent);
+                if set.is_empty() {
+                    map.remove(t);
+                }
+            }
+        }
+    }
+
+    /// The allocations that depend on `target`.
+    pub(crate) fn of(&self, target: &str) -> Vec<AllocId> {
+        self.0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(target)
+            .map(|set| set.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+}
+
+/// A task of an allocation, a node of the dependency graph.
+type Node = (AllocId, TaskName);
+
+impl Registry {
+    /// The record of `id` this registry holds, if any.
+    fn record(&self, id: &str) -> Option<Arc<Allocation>> {
+        self.handle(id).ok()?.current()
+    }
+
+    /// Whether dependency `j` of task `i` of `a` (on another allocation)
+    /// holds now, and if not, why.
+    pub(super) fn verdict(&self, a: &Allocation, i: usize, j: usize) -> DepState {
+        let d = &a.spec.tasks()[i].depends_on[j];
+        let Some(target_alloc) = &d.allocation else {
+            return DepState::Holds;
+        };
+        let target = self.record(target_alloc.as_str());
+        let status = target
+            .as_ref()
+            .and_then(|t| t.position(d.task.as_str()).map(|p| &t.tasks[p]));
+        let verdict = judge_dependency(d.condition, status.map_or(Target::Missing, Target::Task));
+        if verdict.holds() {
+            return verdict;
+        }
+        // A dependency that does not hold may never hold: it may lead
+        // back to its own task.
+        let me = (a.id.clone(), a.spec.tasks()[i].name.clone());
+        match self.path_back(a, (target_alloc.clone(), d.task.clone()), &me) {
+            Some(path) => DepState::Cycle(path.into()),
+            None => verdict,
+        }
+    }
+
+    /// The path from `from` along dependencies back to `to` (`to` first,
+    /// then `from` and on, each as `alloc/task`), if there is one. `a` is
+    /// the record of `to`'s allocation as the caller holds it (a
+    /// registration not yet in the map).
+    fn path_back(&self, a: &Allocation, from: Node, to: &Node) -> Option<Vec<String>> {
+        let spec_of = |id: &AllocId| -> Option<Arc<AllocSpec>> {
+            if *id == a.id {
+                Some(a.spec.clone())
+            } else {
+                self.record(id.as_str()).map(|r| r.spec.clone())
+            }
+        };
+        let show = |(alloc, task): &Node| format!("{alloc}/{task}");
+        // Depth-first, with each node's parent kept to rebuild the path.
+        let mut parent: HashMap<Node, Option<Node>> = HashMap::new();
+        parent.insert(from.clone(), None);
+        let mut stack = vec![from];
+        while let Some(node) = stack.pop() {
+            if node == *to {
+                let mut path = vec![show(&node)];
+                let mut at = parent.get(&node).cloned().flatten();
+                while let Some(n) = at {
+                    path.push(show(&n));
+                    at = parent.get(&n).cloned().flatten();
+                }
+                path.push(show(to));
+                path.reverse();
+                path.dedup();
+                return Some(path);
+            }
+            if parent.len() > MAX_VISITED {
+                return None;
+            }
+            let Some(spec) = spec_of(&node.0) else {
+                continue;
+            };
+            let Some(t) = spec.position(node.1.as_str()) else {
+                continue;
+            };
+            for d in &spec.tasks()[t].depends_on {
+                let next = (
+                    d.allocation.clone().unwrap_or_else(|| node.0.clone()),
+                    d.task.clone(),
+                );
+                if !parent.contains_key(&next) {
+                    parent.insert(next.clone(), Some(node.clone()));
+                    stack.push(next);
+                }
+            }
+        }
+        None
+    }
+
+    /// A cycle a registration of `a` would close through the allocations
+    /// held: the path, from a task of `a` back to it.
+    pub(super) fn cycle_through_others(&self, a: &Allocation) -> Option<Vec<String>> {
+        for t in a.spec.tasks() {
+            let me = (a.id.clone(), t.name.clone());
+            for d in &t.depends_on {
+                let Some(alloc) = &d.allocation else { continue };
+                if let Some(path) = self.path_back(a, (alloc.clone(), d.task.clone()), &me) {
+                    return Some(path);
+                }
+            }
+        }
+        None
+    }
+
+    /// The checks of a registration's dependencies the registry can make:
+    /// no cycle among its own tasks (400), none through the allocations
+    /// held (409).
+    pub(super) fn check_cycles(&self, a: &Allocation) -> Result<(), RegistryError> {
+        if let Some(cycle) = a.spec.own_cycle() {
+            let path = cycle.iter().map(|t| format!("{}/{t}", a.id)).collect();
+            return Err(RegistryError::DependencyCycle { path, held: false });
+        }
+        if let Some(path) = self.cycle_through_others(a) {
+            return Err(RegistryError::DependencyCycle { path, held: true });
+        }
+        Ok(())
+    }
+
+    /// After a change of `target` (registered, changed or deleted): every
+    /// allocation that depends on it is judged again, in a task of its own
+    /// (the writer does not wait for its dependents).
+    pub(super) fn dependents_of(&self, target: &str) {
+        let dependents = self.inner.dependents.of(target);
+        if dependents.is_empty() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let registry = self.clone();
+        runtime.spawn(async move {
+            for d in dependents {
+                registry.resolve(d.as_str()).await;
+            }
+        });
+    }
+
+    /// Judges an allocation's dependencies on others again and writes a
+    /// new version if a verdict changed.
+    pub(super) async fn resolve(&self, id: &str) {
+        let Some(current) = self.record(id) else {
+            return;
+        };
+        // Most changes of a target change no verdict of a dependent: judged
+        // first without the lock, written only when one changed.
+        let changed = current.spec.tasks().iter().enumerate().any(|(i, t)| {
+            t.depends_on.iter().enumerate().any(|(j, d)| {
+                d.allocation.is_some()
+                    && current.tasks[i].deps().get(j) != Some(&self.verdict(&current, i, j))
+            })
+        });
+        if !changed {
+            return;
+        }
+        let written = self
+            .update(
+                id,
+                |a, next_index| {
+                    let verdict = |i, j| self.verdict(a, i, j);
+                    Ok((a.resolve(&verdict, self.now(), next_index), ()))
+                },
+                |_| {},
+            )
+            .await;
+        if let Err(e) = written
+            && !matches!(
+                e,
+                RegistryError::AllocationNotFound(_) | RegistryError::Deleted(_)
+            )
+        {
+            tracing::warn!(alloc = %id, error = %e, "a dependency's new verdict could not be written");
+        }
+    }
+
+    /// Judges every allocation with dependencies on others (at start: a
+    /// crash between a target's change and its dependents' may have left
+    /// a verdict behind).
+    pub(super) fn resolve_all(&self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let ids: Vec<AllocId> = {
+            let map = self
+                .inner
+                .dependents
+                .0
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
+            map.values()
+                .flatten()
+                .cloned()
+                .collect::<HashSet<_>>()
+                .into_iter()
+                .collect()
+        };
+        if ids.is_empty() {
+            return;
+        }
+        let registry = self.clone();
+        runtime.spawn(async move {
+            for id in ids {
+                registry.resolve(id.as_str()).await;
+            }
+        });
+    }
+}
+
+impl Inner {
+    /// Keeps the reverse index for a record that appeared or went.
+    pub(super) fn index_dependencies(&self, a: &Allocation, present: bool) {
+        if present {
+            self.dependents.add(&a.id, &a.spec);
+        } else {
+            self.dependents.remove(&a.id, &a.spec);
+        }
+    }
+}
