@@ -126,12 +126,16 @@ impl Modify for CommonResponses {
         for (path, item) in doc.paths.paths.iter_mut() {
             let public = PUBLIC.contains(&path.as_str());
             let ops = [
-                &mut item.get,
-                &mut item.put,
-                &mut item.post,
-                &mut item.delete,
+                (&mut item.get, false),
+                (&mut item.put, true),
+                (&mut item.post, true),
+                (&mut item.delete, true),
             ];
-            for op in ops.into_iter().flatten() {
+            // A heartbeat commits nothing: no store failure reaches it.
+            let commits = !path.ends_with("/heartbeat");
+            for (op, writes) in ops {
+                let Some(op) = op else { continue };
+                let writes = writes && commits;
                 let has_body = op.request_body.is_some();
                 if has_body {
                     add(
@@ -170,9 +174,18 @@ impl Modify for CommonResponses {
                 add(
                     op,
                     "503",
-                    "`starting`: the store is still loading; `timeout`: a request that does \
-                     not wait took longer than the request timeout (a write may still have been \
-                     applied); both with `Retry-After`",
+                    if writes {
+                        "`starting`: the store is still loading; `timeout`: a request that does \
+                         not wait took longer than the request timeout (a write may still have \
+                         been applied); `store_unavailable`: the store takes no writes for now; \
+                         `store_failed`: the store failed this write (it may or may not be kept) \
+                         or refuses writes after a failed one until a restart; all with \
+                         `Retry-After`"
+                    } else {
+                        "`starting`: the store is still loading; `timeout`: a request that does \
+                         not wait took longer than the request timeout (a write may still have \
+                         been applied); both with `Retry-After`"
+                    },
                 );
             }
         }
