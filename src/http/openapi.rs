@@ -170,6 +170,14 @@ impl Modify for CommonResponses {
                         "`forbidden`: the token's role or prefixes do not allow this",
                     );
                 }
+                if !public && !writes && super::edge::WAITING_ROUTES.contains(&path.as_str()) {
+                    add(
+                        op,
+                        "429",
+                        "`quota_exceeded`: the token holds as many waits as it may (a request \
+                         holds one only while it waits); with `Retry-After`",
+                    );
+                }
                 add(op, "500", "`internal`: the cause is in the server log");
                 add(
                     op,
