@@ -1582,6 +1582,17 @@ async fn requests_that_do_not_wait_are_bounded_in_time() {
         .await;
     assert_eq!(w.status, StatusCode::OK);
     assert!(started.elapsed() >= Duration::from_secs(10));
+    // A HEAD long-poll too: it waits as the GET does.
+    let started = tokio::time::Instant::now();
+    let h = app
+        .call(
+            "HEAD",
+            "/v1/allocations/a1/tasks/web/start-condition?wait=10s",
+            None,
+        )
+        .await;
+    assert_eq!(h.status, StatusCode::OK);
+    assert!(started.elapsed() >= Duration::from_secs(10));
     // So is the timeline's blocking query.
     let started = tokio::time::Instant::now();
     let t = app.get("/v1/allocations/a1/events?index=1&wait=10s").await;
