@@ -522,3 +522,36 @@ async fn only_parked_requests_hold_a_token_s_waits() {
     assert_eq!(head.await.unwrap().status, 503);
     drop(streams);
 }
+
+/// A token does not make a cross-site write acceptable (a page of another
+/// site may hold one the user pasted into it, and the server sends no
+/// CORS headers that would let it send one anyway): the refusal comes
+/// before the token is looked at, with or without one. The same write
+/// from the server's own page is judged by its token as usual.
+#[tokio::test]
+async fn cross_site_writes_are_refused_whatever_the_token() {
+    let app = secured(false).await;
+    let write = |token: Option<&'static str>, origin: &'static str| {
+        let mut req = Request::post("/v1/allocations/x1/restart")
+            .header(header::HOST, "localhost:8080")
+            .header(header::ORIGIN, origin);
+        if let Some(t) = token {
+            req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
+        }
+        app.send(req.body(Body::empty()).unwrap())
+    };
+    for token in [None, Some("operator-secret"), Some("reader-secret")] {
+        write(token, "http://evil.example")
+            .await
+            .assert_problem(403, "cross_site_request");
+    }
+    write(None, "http://localhost:8080")
+        .await
+        .assert_problem(401, "unauthorized");
+    write(Some("reader-secret"), "http://localhost:8080")
+        .await
+        .assert_problem(403, "forbidden");
+    write(Some("operator-secret"), "http://localhost:8080")
+        .await
+        .assert_problem(404, "allocation_not_found");
+}

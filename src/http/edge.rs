@@ -1,8 +1,9 @@
 //! What every request passes through, in one middleware (each axum
 //! `from_fn` layer costs a boxed future and a service clone per request,
-//! so the edge is one layer, not five): a span with the request ID,
-//! authorization, the time bound on requests that do not wait,
-//! problem+json for axum's bare 405, `?pretty`, and the request metrics.
+//! so the edge is one layer, not five): a span with the request ID, the
+//! host and cross-site checks (`site.rs`), authorization, the time bound
+//! on requests that do not wait, problem+json for axum's bare 405,
+//! `?pretty`, and the request metrics.
 
 use std::{sync::Arc, task::Poll, time::Duration};
 
@@ -44,6 +45,8 @@ pub(crate) const WAITING_ROUTES: [&str; 5] = [
 pub struct Edge {
     pub metrics: Arc<Metrics>,
     pub auth: Arc<Auth>,
+    /// The hosts served and the cross-site rule, checked before the token.
+    pub site: Arc<super::site::Site>,
     /// Longest time a request that does not wait may take.
     pub request_timeout: Duration,
     /// Largest request body; a larger announced `Content-Length` is
@@ -124,6 +127,18 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
     };
     let mut res = async {
         let mut req = req;
+        if let Err(refused) = edge.site.admit(&req) {
+            // Client-given values, Debug-quoted: a log line stays one line.
+            tracing::info!(
+                host = ?req.headers().get(header::HOST),
+                origin = ?req.headers().get(header::ORIGIN),
+                sec_fetch_site = ?req.headers().get("sec-fetch-site"),
+                "refused ({}): {}",
+                refused.answer.status.as_u16(),
+                refused.why
+            );
+            return refused.answer.into_response();
+        }
         let caller = match edge.auth.check(&req, route) {
             Ok(caller) => caller,
             Err(denied) => return *denied,

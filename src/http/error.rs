@@ -45,6 +45,11 @@ pub const CODES: &[(&str, u16, &str)] = &[
         "The token's role or prefixes do not allow this: readers read, agents report within their prefixes, operators do everything. Use a token whose role and prefixes cover the allocation.",
     ),
     (
+        "cross_site_request",
+        403,
+        "A browser sent a request that changes something from a page of another site (its `Origin` is not this server, or `Sec-Fetch-Site` says so): refused with or without a token, so that no web page can act on the server through its users' browsers. Use the web view the server serves at `/ui`, or a client that is not a web page (curl, an agent); reads are never refused for this.",
+    ),
+    (
         "not_found",
         404,
         "No such route. `GET /openapi.json` lists the routes.",
@@ -103,6 +108,11 @@ pub const CODES: &[(&str, u16, &str)] = &[
         "unsupported_media_type",
         415,
         "A body was sent without `Content-Type: application/json`.",
+    ),
+    (
+        "host_not_allowed",
+        421,
+        "The request names a host (`Host` header) the server does not serve: on a loopback address it serves only `localhost`, `127.x.y.z` and `[::1]`, so that a web page whose DNS name is pointed at it (DNS rebinding) cannot use it. Use one of those names, or start the server with `--allowed-hosts` naming the host (`*` for any).",
     ),
     (
         "quota_exceeded",

@@ -83,8 +83,9 @@ pub struct ApiDoc;
 
 /// Adds the errors every route can answer, so no handler repeats them:
 /// 400 `invalid_request` (path identifiers, query parameters), 404 for
-/// unknown routes, 500 `internal`, 503 `starting`; on routes with a body also 400
-/// `invalid_json`, 413 and 415.
+/// unknown routes, 421 `host_not_allowed`, 500 `internal`, 503 `starting`;
+/// on routes with a body also 400 `invalid_json`, 413 and 415; on writes
+/// 403 `cross_site_request`.
 struct CommonResponses;
 
 fn problem(description: &str) -> utoipa::openapi::Response {
@@ -104,6 +105,17 @@ fn add(op: &mut Operation, status: &str, description: &str) {
         .responses
         .entry(status.to_owned())
         .or_insert_with(|| problem(description).into());
+}
+
+/// `add`, or a route's own answer of that status told about one more case.
+fn add_case(op: &mut Operation, status: &str, description: &str) {
+    match op.responses.responses.get_mut(status) {
+        Some(RefOr::T(response)) => {
+            response.description = format!("{}; {description}", response.description);
+        }
+        Some(RefOr::Ref(_)) => {}
+        None => add(op, status, description),
+    }
 }
 
 /// Routes that never need a token.
@@ -133,9 +145,9 @@ impl Modify for CommonResponses {
             ];
             // A heartbeat commits nothing: no store failure reaches it.
             let commits = !path.ends_with("/heartbeat");
-            for (op, writes) in ops {
+            for (op, changes) in ops {
                 let Some(op) = op else { continue };
-                let writes = writes && commits;
+                let writes = changes && commits;
                 let has_body = op.request_body.is_some();
                 if has_body {
                     add(
@@ -170,7 +182,21 @@ impl Modify for CommonResponses {
                         "`forbidden`: the token's role or prefixes do not allow this",
                     );
                 }
-                if !public && !writes && super::edge::WAITING_ROUTES.contains(&path.as_str()) {
+                if changes {
+                    add_case(
+                        op,
+                        "403",
+                        "`cross_site_request`: a browser sent it from a page of another site \
+                         (its `Origin` or `Sec-Fetch-Site`), with or without a token",
+                    );
+                }
+                add(
+                    op,
+                    "421",
+                    "`host_not_allowed`: the `Host` names a host the server does not serve (on \
+                     a loopback address only loopback names, unless `--allowed-hosts`)",
+                );
+                if !public && !changes && super::edge::WAITING_ROUTES.contains(&path.as_str()) {
                     add(
                         op,
                         "429",
