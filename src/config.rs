@@ -193,6 +193,17 @@ pub struct ServeConfig {
     #[arg(long, env = "TASKGATE_INSECURE_NO_AUTH")]
     pub insecure_no_auth: bool,
 
+    /// Host names served besides localhost, 127.x.y.z and [::1]
+    /// (comma-separated NAME or NAME:PORT; `*`: any).
+    ///
+    /// A request naming another host (its Host header) is answered 421
+    /// `host_not_allowed`, so that a web page whose DNS name is pointed at
+    /// the server (DNS rebinding) cannot use it. Without this flag, a
+    /// server on a loopback address serves only the loopback names, and
+    /// one on any other address serves every name.
+    #[arg(long, env = "TASKGATE_ALLOWED_HOSTS", value_delimiter = ',', value_parser = crate::http::site::parse_allowed_host)]
+    pub allowed_hosts: Vec<crate::http::site::AllowedHost>,
+
     /// Serve /metrics without a token.
     #[arg(long, env = "TASKGATE_PUBLIC_METRICS")]
     pub public_metrics: bool,
@@ -301,6 +312,7 @@ impl ServeConfig {
             token_file: None,
             operator_token: None,
             insecure_no_auth: false,
+            allowed_hosts: Vec::new(),
             public_metrics: false,
             log: "warn".into(),
             log_format: LogFormat::Text,

@@ -429,3 +429,129 @@ async fn the_event_stream_follows_the_token_rules() {
     assert_eq!(again.status, 200);
     drop((reader, again));
 }
+
+/// Only a request that parks holds one of its token's waits (issue 32):
+/// with every wait of a token taken by open streams, its plain GETs of
+/// the waiting routes, a blocking query and a start-condition that answer
+/// at once are still served; and a HEAD long-poll that parks holds a wait
+/// as a GET does.
+#[tokio::test]
+async fn only_parked_requests_hold_a_token_s_waits() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tokens.json");
+    let tokens = json!({"tokens": [
+        {"name": "team-a", "role": "agent", "sha256": hex_sha256("a-secret"),
+         "alloc_prefixes": ["a-"], "max_waiters": 3},
+    ]});
+    std::fs::write(&file, tokens.to_string()).unwrap();
+    let auth = Auth::load(Some(&file), None).unwrap();
+    let app = std::sync::Arc::new(
+        test_app_auth(RegistryConfig::default(), HttpConfig::default(), auth).await,
+    );
+    let a = call(
+        &app,
+        Some("a-secret"),
+        "PUT",
+        "/v1/allocations/a-1",
+        Some(five_tasks()),
+    )
+    .await;
+    assert_eq!(a.status, 201, "{}", a.body);
+    let index = a.index();
+    let mut streams = Vec::new();
+    for _ in 0..3 {
+        let req = Request::get("/v1/events?prefix=a-")
+            .header(header::AUTHORIZATION, "Bearer a-secret")
+            .body(Body::empty())
+            .unwrap();
+        let s = app.stream_req(req).await;
+        assert_eq!(s.status, 200);
+        streams.push(s);
+    }
+    app.parked(3).await;
+    let at_once = [
+        "/v1/allocations/a-1".to_owned(),
+        "/v1/allocations/a-1/events".to_owned(),
+        "/v1/allocations/a-1/tasks/web".to_owned(),
+        format!("/v1/allocations/a-1?index={}", index - 1),
+        format!(
+            "/v1/allocations/a-1/tasks/init?index={}&wait=60s",
+            index - 1
+        ),
+        "/v1/allocations/a-1/tasks/init/start-condition?wait=60s".to_owned(),
+    ];
+    for uri in &at_once {
+        for method in ["GET", "HEAD"] {
+            let a = call(&app, Some("a-secret"), method, uri, None).await;
+            assert_eq!(a.status, 200, "{method} {uri}: {}", a.body);
+        }
+    }
+    let stream = app
+        .stream_req(
+            Request::get("/v1/events?prefix=a-")
+                .header(header::AUTHORIZATION, "Bearer a-secret")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(stream.status, 429, "a fourth stream is a fourth wait");
+
+    // One stream closes; a HEAD long-poll takes its wait, so a GET
+    // long-poll has none left.
+    streams.pop();
+    common::unparked_to(&app.registry, 2).await;
+    let poll = |method: &'static str| {
+        let app = app.clone();
+        tokio::spawn(async move {
+            call(
+                &app,
+                Some("a-secret"),
+                method,
+                "/v1/allocations/a-1/tasks/web/start-condition?wait=60s",
+                None,
+            )
+            .await
+        })
+    };
+    let head = poll("HEAD");
+    app.parked(3).await;
+    let get = poll("GET").await.unwrap();
+    get.assert_problem(429, "quota_exceeded");
+    assert!(get.header("retry-after").is_some());
+    app.registry.shutdown();
+    assert_eq!(head.await.unwrap().status, 503);
+    drop(streams);
+}
+
+/// A token does not make a cross-site write acceptable (a page of another
+/// site may hold one the user pasted into it, and the server sends no
+/// CORS headers that would let it send one anyway): the refusal comes
+/// before the token is looked at, with or without one. The same write
+/// from the server's own page is judged by its token as usual.
+#[tokio::test]
+async fn cross_site_writes_are_refused_whatever_the_token() {
+    let app = secured(false).await;
+    let write = |token: Option<&'static str>, origin: &'static str| {
+        let mut req = Request::post("/v1/allocations/x1/restart")
+            .header(header::HOST, "localhost:8080")
+            .header(header::ORIGIN, origin);
+        if let Some(t) = token {
+            req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
+        }
+        app.send(req.body(Body::empty()).unwrap())
+    };
+    for token in [None, Some("operator-secret"), Some("reader-secret")] {
+        write(token, "http://evil.example")
+            .await
+            .assert_problem(403, "cross_site_request");
+    }
+    write(None, "http://localhost:8080")
+        .await
+        .assert_problem(401, "unauthorized");
+    write(Some("reader-secret"), "http://localhost:8080")
+        .await
+        .assert_problem(403, "forbidden");
+    write(Some("operator-secret"), "http://localhost:8080")
+        .await
+        .assert_problem(404, "allocation_not_found");
+}

@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 
 use common::{
     process::{Server, health},
-    raw::{RawAnswer, exchange, gauge, json_request, request},
+    raw::{RawAnswer, exchange, gauge, json_request, request, request_with},
 };
 use serde_json::Value;
 
@@ -666,7 +666,7 @@ fn oversized_bodies_are_payload_too_large() {
     );
     // A Content-Length over the limit is refused before the body is read.
     let head = format!(
-        "PUT {REPORT} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{{",
+        "PUT {REPORT} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{{",
         64 * 1024 * 1024
     );
     b.expect(
@@ -677,7 +677,7 @@ fn oversized_bodies_are_payload_too_large() {
     );
     // Chunked bodies are counted too.
     let mut chunked = format!(
-        "PUT {REPORT} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        "PUT {REPORT} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
     )
     .into_bytes();
     for _ in 0..3 {
@@ -697,19 +697,19 @@ fn oversized_bodies_are_payload_too_large() {
 fn broken_http_framing_is_refused_at_the_parser() {
     let b = Battery::start();
     let cases: &[(&str, &[u8], u16)] = &[
-        ("raw invalid UTF-8 in the path", b"GET /v1/allocations/\xff\xfe HTTP/1.1\r\nHost: x\r\n\r\n", 400),
-        ("a space in the path", b"GET /v1/allocations/a b HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+        ("raw invalid UTF-8 in the path", b"GET /v1/allocations/\xff\xfe HTTP/1.1\r\nHost: localhost\r\n\r\n", 400),
+        ("a space in the path", b"GET /v1/allocations/a b HTTP/1.1\r\nHost: localhost\r\n\r\n", 400),
         ("not a request line", b"GARBAGE\r\n\r\n", 400),
-        ("Content-Length not a number", b"PUT /v1/allocations/a HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400),
-        ("two different Content-Lengths", b"PUT /v1/allocations/a HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello", 400),
-        ("a control character in a header", b"GET /v1/health HTTP/1.1\r\nHost: x\r\nX-Bad: a\x01b\r\n\r\n", 400),
+        ("Content-Length not a number", b"PUT /v1/allocations/a HTTP/1.1\r\nHost: localhost\r\nContent-Length: abc\r\n\r\n", 400),
+        ("two different Content-Lengths", b"PUT /v1/allocations/a HTTP/1.1\r\nHost: localhost\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello", 400),
+        ("a control character in a header", b"GET /v1/health HTTP/1.1\r\nHost: localhost\r\nX-Bad: a\x01b\r\n\r\n", 400),
     ];
     for (what, bytes, status) in cases {
         let answer = exchange(b.addr, bytes);
         assert_eq!(answer.status, *status, "{what}");
         assert_eq!(answer.header("connection"), Some("close"), "{what}");
     }
-    let mut huge = b"GET /v1/health HTTP/1.1\r\nHost: x\r\nX-Long: ".to_vec();
+    let mut huge = b"GET /v1/health HTTP/1.1\r\nHost: localhost\r\nX-Long: ".to_vec();
     huge.extend(std::iter::repeat_n(b'a', 100 * 1024));
     huge.extend_from_slice(b"\r\n\r\n");
     let answer = exchange(b.addr, &huge);
@@ -718,9 +718,206 @@ fn broken_http_framing_is_refused_at_the_parser() {
     // invalid identifier like any other.
     b.expect(
         "raw UTF-8 in an ID",
-        b"GET /v1/allocations/caf\xc3\xa9 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        b"GET /v1/allocations/caf\xc3\xa9 HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
         400,
         "invalid_request",
     );
     b.finish();
+}
+
+/// The open door of issue 32: on a server without tokens (the loopback
+/// default) a page of any other site restarted allocations with a no-cors
+/// `fetch` (a POST with no body and no Content-Type). Every write a
+/// browser sends from another site — by a foreign `Origin`, another port
+/// of the same host, `Origin: null`, or `Sec-Fetch-Site` alone — is
+/// refused 403 `cross_site_request` and changes nothing; reads with a
+/// foreign `Origin` are served (CORS keeps their answers from the page);
+/// the server's own page writes.
+#[test]
+fn cross_site_writes_are_refused_and_change_nothing() {
+    let b = Battery::start();
+    let port = b.addr.port();
+    let host = format!("127.0.0.1:{port}");
+    let other_port = format!("http://127.0.0.1:{}", port.wrapping_add(1));
+    let browsers: [Vec<(&str, &str)>; 6] = [
+        vec![("Origin", "http://evil.example")],
+        vec![
+            ("Origin", "http://evil.example"),
+            ("Sec-Fetch-Site", "cross-site"),
+        ],
+        vec![("Origin", &other_port)],
+        vec![("Origin", "null")],
+        vec![("Sec-Fetch-Site", "cross-site")],
+        vec![("Sec-Fetch-Site", "same-site")],
+    ];
+    let spec = common::five_tasks().to_string();
+    let report = br#"{"state": "dead", "failed": true}"#;
+    let writes: [(&str, &str, Option<&str>, &[u8]); 8] = [
+        ("POST", RESTART, None, b""),
+        (
+            "POST",
+            RESTART,
+            Some("text/plain"),
+            b"{\"all_tasks\": true}",
+        ),
+        ("POST", RESTART, Some("application/json"), b"{}"),
+        ("PUT", REPORT, Some("application/json"), report),
+        (
+            "POST",
+            BATCH,
+            Some("application/json"),
+            br#"{"tasks": {"web": {"state": "running"}}}"#,
+        ),
+        (
+            "POST",
+            RESTORE,
+            Some("application/json"),
+            br#"{"tasks": {}}"#,
+        ),
+        ("PUT", REGISTER, Some("application/json"), spec.as_bytes()),
+        ("DELETE", "/v1/allocations/a1", None, b""),
+    ];
+    for headers in &browsers {
+        let mut headers = headers.clone();
+        headers.push(("Host", &host));
+        for (method, path, ct, body) in writes {
+            let answer = b.expect(
+                &format!("{method} {path} {headers:?}"),
+                &request_with(method, path, &headers, ct, body),
+                403,
+                "cross_site_request",
+            );
+            let detail = answer.json()["detail"].as_str().unwrap().to_owned();
+            assert!(detail.contains("another site"), "{detail}");
+        }
+        for path in ["/v1/allocations/a1", "/v1/allocations"] {
+            let read = exchange(b.addr, &request_with("GET", path, &headers, None, b""));
+            assert_eq!(read.status, 200, "GET {path} {headers:?}");
+        }
+    }
+    assert_eq!(
+        snapshot(b.addr),
+        b.before,
+        "a cross-site write changed state"
+    );
+
+    // The server's own page: its Origin is the host it came to.
+    let own = format!("http://{host}");
+    let localhost = format!("localhost:{port}");
+    let own_localhost = format!("http://{localhost}");
+    for headers in [
+        vec![("Host", host.as_str()), ("Origin", own.as_str())],
+        vec![
+            ("Host", localhost.as_str()),
+            ("Origin", own_localhost.as_str()),
+            ("Sec-Fetch-Site", "same-origin"),
+        ],
+    ] {
+        let answer = exchange(b.addr, &request_with("POST", RESTART, &headers, None, b""));
+        assert_eq!(
+            answer.status,
+            200,
+            "{headers:?}: {}",
+            String::from_utf8_lossy(&answer.body)
+        );
+        assert!(answer.json()["restarted"].is_array());
+    }
+    assert!(health(&b.server.base));
+}
+
+/// DNS rebinding (issue 32): a page on evil.example whose name is then
+/// pointed at 127.0.0.1 talks to a loopback server as its own origin,
+/// sending `Host: evil.example:PORT`. A loopback server serves only
+/// loopback names: any other host is 421 `host_not_allowed` saying which
+/// flag to set, reads and writes alike; `localhost:PORT`,
+/// `127.0.0.1:PORT` and the others work (the health command too).
+#[test]
+fn a_loopback_server_serves_only_loopback_host_names() {
+    let b = Battery::start();
+    let port = b.addr.port();
+    let hosts = [
+        "evil.example".to_owned(),
+        format!("evil.example:{port}"),
+        format!("127.0.0.1.evil.example:{port}"),
+        format!("localhost.evil.example:{port}"),
+        format!("10.1.2.3:{port}"),
+    ];
+    for host in &hosts {
+        let page = format!("http://{host}");
+        let tries = [
+            request_with("GET", "/v1/allocations/a1", &[("Host", host)], None, b""),
+            request_with("GET", "/v1/health", &[("Host", host)], None, b""),
+            request_with(
+                "POST",
+                RESTART,
+                &[
+                    ("Host", host),
+                    ("Origin", &page),
+                    ("Sec-Fetch-Site", "same-origin"),
+                ],
+                None,
+                b"",
+            ),
+        ];
+        for bytes in tries {
+            let answer = b.expect(&format!("Host {host}"), &bytes, 421, "host_not_allowed");
+            let detail = answer.json()["detail"].as_str().unwrap().to_owned();
+            assert!(detail.contains("--allowed-hosts"), "{detail}");
+        }
+    }
+    for host in [
+        format!("localhost:{port}"),
+        format!("LOCALHOST:{port}"),
+        format!("127.0.0.1:{port}"),
+        "127.0.0.1".to_owned(),
+        "localhost".to_owned(),
+        format!("[::1]:{port}"),
+    ] {
+        let answer = exchange(
+            b.addr,
+            &request_with("GET", "/v1/allocations/a1", &[("Host", &host)], None, b""),
+        );
+        assert_eq!(answer.status, 200, "Host {host}");
+    }
+    b.finish();
+}
+
+/// `--allowed-hosts` lets the names it lists in (a name on any port, or
+/// on the port given), and `*` in `TASKGATE_ALLOWED_HOSTS` any name; the
+/// loopback names stay served.
+#[test]
+fn allowed_hosts_let_named_hosts_in() {
+    let server = Server::start(&[
+        "--in-memory",
+        "--allowed-hosts",
+        "taskgate.internal,tg.example:8443",
+    ]);
+    let addr = server.addr();
+    let port = addr.port();
+    for (host, status) in [
+        (format!("taskgate.internal:{port}"), 200),
+        ("TASKGATE.internal".to_owned(), 200),
+        ("tg.example:8443".to_owned(), 200),
+        (format!("tg.example:{port}"), 421),
+        ("evil.example".to_owned(), 421),
+        (format!("localhost:{port}"), 200),
+    ] {
+        let answer = exchange(
+            addr,
+            &request_with("GET", "/v1/allocations", &[("Host", &host)], None, b""),
+        );
+        assert_eq!(answer.status, status, "Host {host}");
+    }
+    let any = Server::start_env(&["--in-memory"], &[("TASKGATE_ALLOWED_HOSTS", "*")]);
+    let answer = exchange(
+        any.addr(),
+        &request_with(
+            "GET",
+            "/v1/allocations",
+            &[("Host", "evil.example")],
+            None,
+            b"",
+        ),
+    );
+    assert_eq!(answer.status, 200);
 }

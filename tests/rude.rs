@@ -84,7 +84,7 @@ fn eventually(limit: Duration, mut probe: impl FnMut() -> bool) -> bool {
 fn headers_sent_byte_by_byte_are_served_and_do_not_hold_up_others() {
     let (_server, addr) = start(&[]);
     let mut slow = connect(addr);
-    let req = b"GET /v1/allocations/a1 HTTP/1.1\r\nHost: slow\r\nConnection: close\r\n\r\n";
+    let req = b"GET /v1/allocations/a1 HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
     for (i, byte) in req.iter().enumerate() {
         slow.write_all(&[*byte]).unwrap();
         // This is the client being slow, not synchronization.
@@ -166,9 +166,9 @@ fn thousands_of_connections_dropped_mid_request_leave_nothing_behind() {
     let baseline = open_fds(pid);
     let partials: [&[u8]; 5] = [
         b"GET /v1/allocations/a1 HT",
-        b"PUT /v1/allocations/a1/tasks/web/state HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n",
-        b"PUT /v1/allocations/a1/tasks/web/state HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"state\": \"run",
-        b"POST /v1/allocations/a1/task-states HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"tas",
+        b"PUT /v1/allocations/a1/tasks/web/state HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n",
+        b"PUT /v1/allocations/a1/tasks/web/state HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"state\": \"run",
+        b"POST /v1/allocations/a1/task-states HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"tas",
         b"",
     ];
     for round in 0..6 {

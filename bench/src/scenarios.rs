@@ -225,7 +225,7 @@ impl Conn {
         body: &[u8],
     ) -> std::io::Result<u16> {
         let mut req = format!(
-            "{method} {path} HTTP/1.1\r\nHost: bench\r\n{}",
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\n{}",
             self.extra_headers
         );
         if !body.is_empty() {

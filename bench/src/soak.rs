@@ -487,7 +487,7 @@ async fn abandon(
         let task = TASKS[rng.usize(0..TASKS.len())];
         let mut stream = TcpStream::connect(addr).await?;
         let req = format!(
-            "GET /v1/allocations/{id}/tasks/{task}/start-condition?wait=30s HTTP/1.1\r\nHost: soak\r\n\r\n"
+            "GET /v1/allocations/{id}/tasks/{task}/start-condition?wait=30s HTTP/1.1\r\nHost: localhost\r\n\r\n"
         );
         stream.write_all(req.as_bytes()).await?;
         // Walking away is the behaviour under test, not synchronization.

@@ -1,10 +1,11 @@
 //! What every request passes through, in one middleware (each axum
 //! `from_fn` layer costs a boxed future and a service clone per request,
-//! so the edge is one layer, not five): a span with the request ID,
-//! authorization, the time bound on requests that do not wait,
-//! problem+json for axum's bare 405, `?pretty`, and the request metrics.
+//! so the edge is one layer, not five): a span with the request ID, the
+//! host and cross-site checks (`site.rs`), authorization, the time bound
+//! on requests that do not wait, problem+json for axum's bare 405,
+//! `?pretty`, and the request metrics.
 
-use std::{sync::Arc, time::Duration};
+use std::{sync::Arc, task::Poll, time::Duration};
 
 use axum::{
     body::Body,
@@ -16,7 +17,7 @@ use axum::{
 use tracing::Instrument;
 
 use super::{
-    auth::Auth,
+    auth::{Auth, Token},
     error::{ApiError, payload_too_large},
     query::{PRETTY, pretty_on, query_pairs},
 };
@@ -31,9 +32,9 @@ const REGISTER_ROUTE: &str = "/v1/allocations/{alloc_id}";
 /// The event stream, whose answer lasts as long as its client reads.
 pub(crate) const STREAM_ROUTE: &str = "/v1/events";
 
-/// Routes whose GET may wait (bounded by the wait cap instead, or for the
-/// stream, by its client).
-const WAITING_ROUTES: [&str; 5] = [
+/// Routes whose GET (and HEAD, which runs the GET handler) may wait
+/// (bounded by the wait cap instead, or for the stream, by its client).
+pub(crate) const WAITING_ROUTES: [&str; 5] = [
     "/v1/allocations/{alloc_id}",
     "/v1/allocations/{alloc_id}/events",
     "/v1/allocations/{alloc_id}/tasks/{task}",
@@ -44,6 +45,8 @@ const WAITING_ROUTES: [&str; 5] = [
 pub struct Edge {
     pub metrics: Arc<Metrics>,
     pub auth: Arc<Auth>,
+    /// The hosts served and the cross-site rule, checked before the token.
+    pub site: Arc<super::site::Site>,
     /// Longest time a request that does not wait may take.
     pub request_timeout: Duration,
     /// Largest request body; a larger announced `Content-Length` is
@@ -124,38 +127,50 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
     };
     let mut res = async {
         let mut req = req;
+        if let Err(refused) = edge.site.admit(&req) {
+            // Client-given values, Debug-quoted: a log line stays one line.
+            tracing::info!(
+                host = ?req.headers().get(header::HOST),
+                origin = ?req.headers().get(header::ORIGIN),
+                sec_fetch_site = ?req.headers().get("sec-fetch-site"),
+                "refused ({}): {}",
+                refused.answer.status.as_u16(),
+                refused.why
+            );
+            return refused.answer.into_response();
+        }
         let caller = match edge.auth.check(&req, route) {
             Ok(caller) => caller,
             Err(denied) => return *denied,
         };
-        // A token's waits count against its own limit while they last.
-        let mut _slot = None;
-        if let Some(token) = caller {
-            if method == Method::GET && route.is_some_and(|r| WAITING_ROUTES.contains(&r)) {
-                match edge.auth.wait_slot(&token) {
-                    Some(slot) => _slot = Some(slot),
-                    None => {
-                        return ApiError::new(
-                            StatusCode::TOO_MANY_REQUESTS,
-                            "quota_exceeded",
-                            format!("token {:?} holds as many waits as it may", token.name),
-                        )
-                        .retry_later()
-                        .into_response();
-                    }
+        let waits = (method == Method::GET || method == Method::HEAD)
+            && route.is_some_and(|r| WAITING_ROUTES.contains(&r));
+        let stream = waits && route == Some(STREAM_ROUTE);
+        // A token's waits count against its own limit while they last. A
+        // stream always waits, so it takes its wait here; the other
+        // waiting routes take one only if they park (`parked_with_slot`).
+        let mut stream_slot = None;
+        if let Some(token) = &caller {
+            if stream {
+                match edge.auth.wait_slot(token) {
+                    Some(slot) => stream_slot = Some(slot),
+                    None => return quota_exceeded(token),
                 }
             }
             // Only registration applies the caller's own quota.
             if method == Method::PUT && route == Some(REGISTER_ROUTE) {
-                req.extensions_mut().insert(super::auth::Caller(token));
+                req.extensions_mut()
+                    .insert(super::auth::Caller(token.clone()));
             }
         }
         if announced_length(&req).is_some_and(|n| n > edge.body_limit as u64) {
             return payload_too_large().into_response();
         }
-        let waits = method == Method::GET && route.is_some_and(|r| WAITING_ROUTES.contains(&r));
         let res = if waits {
-            next.run(req).await
+            match caller.as_ref().filter(|_| !stream) {
+                Some(token) => parked_with_slot(&edge.auth, token, next.run(req)).await,
+                None => next.run(req).await,
+            }
         } else {
             match tokio::time::timeout(edge.request_timeout, next.run(req)).await {
                 Ok(res) => res,
@@ -163,7 +178,7 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
             }
         };
         let mut res = problem_for_bare_405(res);
-        if let Some(slot) = _slot.take().filter(|_| route == Some(STREAM_ROUTE)) {
+        if let Some(slot) = stream_slot {
             // A stream waits in its body, after this returns: the token's
             // slot goes with it.
             res = res.map(|body| axum::body::Body::new(Holding { body, _slot: slot }));
@@ -196,6 +211,48 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
     res.headers_mut()
         .insert(STORE_HEADER, edge.store_id.clone());
     res
+}
+
+/// 429 for a token that holds as many waits as it may.
+fn quota_exceeded(token: &Token) -> Response {
+    ApiError::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        "quota_exceeded",
+        format!("token {:?} holds as many waits as it may", token.name),
+    )
+    .retry_later()
+    .into_response()
+}
+
+/// Runs a request of a waiting route (not the stream) for `token`, which
+/// takes one of the token's waits when, and only if, it parks, and holds
+/// it until it answers: a plain GET, or a blocking query or start-condition
+/// that answers at once, is no wait. It parks when its handler's future is
+/// first pending: these handlers await nothing but the registry's wait,
+/// which parks before it awaits, and answers without awaiting when it
+/// need not wait (the test `only_parked_requests_hold_a_token_s_waits`
+/// holds them to that). Taken here rather than in the registry, which
+/// knows nothing of tokens. With no wait left, the parked request is let
+/// go (dropping its future unparks it) and answered 429.
+async fn parked_with_slot(
+    auth: &Auth,
+    token: &Arc<Token>,
+    run: impl Future<Output = Response>,
+) -> Response {
+    let mut run = std::pin::pin!(run);
+    let mut slot = None;
+    std::future::poll_fn(|cx| match run.as_mut().poll(cx) {
+        Poll::Ready(res) => Poll::Ready(res),
+        Poll::Pending if slot.is_some() => Poll::Pending,
+        Poll::Pending => match auth.wait_slot(token) {
+            Some(taken) => {
+                slot = Some(taken);
+                Poll::Pending
+            }
+            None => Poll::Ready(quota_exceeded(token)),
+        },
+    })
+    .await
 }
 
 /// The body length a request announces in `Content-Length`.

@@ -45,6 +45,11 @@ pub const CODES: &[(&str, u16, &str)] = &[
         "The token's role or prefixes do not allow this: readers read, agents report within their prefixes, operators do everything. Use a token whose role and prefixes cover the allocation.",
     ),
     (
+        "cross_site_request",
+        403,
+        "A browser sent a request that changes something from a page of another site (its `Origin` is not this server, or `Sec-Fetch-Site` says so): refused with or without a token, so that no web page can act on the server through its users' browsers. Use the web view the server serves at `/ui`, or a client that is not a web page (curl, an agent); reads are never refused for this.",
+    ),
+    (
         "not_found",
         404,
         "No such route. `GET /openapi.json` lists the routes.",
@@ -110,6 +115,11 @@ pub const CODES: &[(&str, u16, &str)] = &[
         "A body was sent without `Content-Type: application/json`.",
     ),
     (
+        "host_not_allowed",
+        421,
+        "The request names a host (`Host` header) the server does not serve: on a loopback address it serves only `localhost`, `127.x.y.z` and `[::1]`, so that a web page whose DNS name is pointed at it (DNS rebinding) cannot use it. Use one of those names, or start the server with `--allowed-hosts` naming the host (`*` for any).",
+    ),
+    (
         "quota_exceeded",
         429,
         "A limit on the caller is reached: the server's `--max-allocations`, or the token's `max_allocations` or `max_waiters`. Delete allocations, or wait for waits to end (`Retry-After`).",
@@ -152,7 +162,7 @@ pub const CODES: &[(&str, u16, &str)] = &[
     (
         "store_failed",
         503,
-        "The disk store refuses writes after a failure it cannot vouch for, or its log is at its ceiling while checkpoints fail. `GET /v1/health` says which; the server's log has the cause; a restart recovers from a failed write.",
+        "The store failed a write, or refuses writes: the disk store takes no change after a write it cannot vouch for until taskgate is restarted (the change whose write failed may or may not be kept: read it back after the restart), or its log is at its ceiling while checkpoints fail. `GET /v1/health` says which; the server's log has the cause.",
     ),
 ];
 
@@ -389,7 +399,26 @@ impl From<StoreError> for ApiError {
                 )
                 .retry_later()
             }
-            StoreError::Io(_) | StoreError::Unusable(_) => {
+            // The store failed the commit (a write or fsync of the disk
+            // store, a refusal of etcd): the store's failure, not a fault
+            // of the server, and a disk store takes no change after one
+            // until a restart. The failed change may still be on disk (a
+            // failed fsync does not say what reached it), so the answer
+            // says "may", as `timeout` does.
+            StoreError::Io(_) => {
+                tracing::error!(error = %e, "store commit failed");
+                Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "store_failed",
+                    "the store failed to record this change; it may or may not be kept. After a \
+                     failed write the disk store takes no change until taskgate is restarted: \
+                     read the change back then. GET /v1/health says whether the store takes \
+                     writes; the server's log has the cause",
+                )
+                .retry_later()
+            }
+            // Opening a store answers this; a commit never should.
+            StoreError::Unusable(_) => {
                 tracing::error!(error = %e, "store commit failed");
                 Self::internal()
             }
@@ -470,7 +499,92 @@ mod tests {
         assert!(full.retry_after);
         assert!(!full.detail.contains("ENOSPC"), "{}", full.detail);
         let io = ApiError::from(StoreError::Io("EIO at /data".into()));
-        assert_eq!((io.status.as_u16(), io.code), (500, "internal"));
+        assert_eq!((io.status.as_u16(), io.code), (503, "store_failed"));
+        assert!(io.retry_after);
         assert!(!io.detail.contains("EIO"), "{}", io.detail);
+    }
+
+    /// The disk store after a failed write (here: EIO on the log's fsync)
+    /// takes no change until a restart. Through the API, the write that
+    /// failed and every write after it are 503 `store_failed` with
+    /// `Retry-After` (not 500 `internal`), health says the same, and no
+    /// answer carries the store's text.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn writes_after_a_failed_write_of_the_disk_store_are_503_store_failed() {
+        use std::{path::PathBuf, sync::Arc};
+
+        use axum::body::Body;
+        use http_body_util::BodyExt;
+        use tower::ServiceExt;
+
+        use crate::{
+            http::{HttpConfig, app, auth::Auth},
+            registry::{Registry, RegistryConfig},
+            store::{
+                DiskStore, DiskStoreConfig,
+                fs::{Fs, sim},
+            },
+        };
+
+        let fs = sim::SimFs::new();
+        let dir = PathBuf::from("/sim/data");
+        fs.create_dir_all(&dir).unwrap();
+        let store = DiskStore::open(DiskStoreConfig {
+            fs: Arc::new(fs.clone()),
+            ..DiskStoreConfig::new(dir)
+        })
+        .unwrap();
+        let registry = Registry::open(Arc::new(store), RegistryConfig::default()).unwrap();
+        let router = app(registry, HttpConfig::default(), Arc::new(Auth::default()));
+        let send = |method: &str, uri: &str, body: &str| {
+            let mut req = axum::http::Request::builder().method(method).uri(uri);
+            if !body.is_empty() {
+                req = req.header(header::CONTENT_TYPE, "application/json");
+            }
+            let req = req.body(Body::from(body.to_owned())).unwrap();
+            let router = router.clone();
+            async move {
+                let res = router.oneshot(req).await.unwrap();
+                let (parts, body) = res.into_parts();
+                let body = body.collect().await.unwrap().to_bytes();
+                (parts, String::from_utf8(body.to_vec()).unwrap())
+            }
+        };
+        let report = || {
+            send(
+                "PUT",
+                "/v1/allocations/a1/tasks/web/state",
+                r#"{"state": "running"}"#,
+            )
+        };
+        let (registered, _) = send(
+            "PUT",
+            "/v1/allocations/a1",
+            r#"{"tasks": [{"name": "web"}]}"#,
+        )
+        .await;
+        assert_eq!(registered.status, StatusCode::CREATED);
+        fs.fail_with(|op, path| {
+            let log = path.to_string_lossy().contains("taskgate.wal.");
+            (op == sim::Op::SyncData && log).then(|| std::io::Error::from_raw_os_error(5))
+        });
+        let first = report().await;
+        fs.heal();
+        let later = report().await;
+        for (what, (parts, body)) in [("the failed write", first), ("a later write", later)] {
+            assert_eq!(
+                parts.status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{what}: {body}"
+            );
+            assert!(body.contains(r#""code":"store_failed""#), "{what}: {body}");
+            assert!(parts.headers.contains_key(header::RETRY_AFTER), "{what}");
+            for internal in ["Input/output", "os error", "taskgate.wal"] {
+                assert!(!body.contains(internal), "{what}: {body}");
+            }
+        }
+        let (health, body) = send("GET", "/v1/health", "").await;
+        assert_eq!(health.status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert!(body.contains(r#""code":"store_failed""#), "{body}");
     }
 }

@@ -15,6 +15,7 @@ pub mod params;
 pub mod prefer;
 pub mod query;
 mod service;
+pub mod site;
 mod tasks;
 mod ui;
 pub mod views;
@@ -42,7 +43,7 @@ pub const INDEX_HEADER: &str = "x-taskgate-index";
 pub const NEXT_TOKEN_HEADER: &str = "x-taskgate-nexttoken";
 
 /// HTTP-level settings.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct HttpConfig {
     /// Largest request body accepted.
     pub body_limit: usize,
@@ -52,6 +53,8 @@ pub struct HttpConfig {
     pub max_wait: Duration,
     /// Longest time a request that does not wait may take.
     pub request_timeout: Duration,
+    /// The hosts served, and the rule for cross-site writes (`site.rs`).
+    pub site: Arc<site::Site>,
 }
 
 impl Default for HttpConfig {
@@ -61,6 +64,7 @@ impl Default for HttpConfig {
             default_wait: Duration::from_secs(30),
             max_wait: Duration::from_secs(300),
             request_timeout: Duration::from_secs(30),
+            site: Arc::default(),
         }
     }
 }
@@ -120,6 +124,16 @@ pub(crate) fn json<T: Serialize>(status: StatusCode, body: &T) -> Response {
 pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Router {
     let metrics = registry.metrics().clone();
     let store_id = registry.store_id().to_owned();
+    let edge = edge::Edge {
+        metrics,
+        auth,
+        site: config.site.clone(),
+        request_timeout: config.request_timeout,
+        body_limit: config.body_limit,
+        store_id: HeaderValue::from_str(store_id.as_str())
+            .unwrap_or_else(|_| HeaderValue::from_static("unidentified")),
+    };
+    let body_limit = config.body_limit;
     let state = AppState {
         registry,
         config,
@@ -176,18 +190,10 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
     let docs: Router = SwaggerUi::new("/docs")
         .config(SwaggerConfig::new(["/openapi.json"]))
         .into();
-    let edge = Arc::new(edge::Edge {
-        metrics,
-        auth,
-        request_timeout: config.request_timeout,
-        body_limit: config.body_limit,
-        store_id: HeaderValue::from_str(store_id.as_str())
-            .unwrap_or_else(|_| HeaderValue::from_static("unidentified")),
-    });
     api.merge(docs)
         .fallback(|| async { ApiError::not_found() })
-        .layer(DefaultBodyLimit::max(config.body_limit))
-        .layer(middleware::from_fn_with_state(edge, edge::edge))
+        .layer(DefaultBodyLimit::max(body_limit))
+        .layer(middleware::from_fn_with_state(Arc::new(edge), edge::edge))
         .layer(CatchPanicLayer::custom(
             |_: Box<dyn std::any::Any + Send>| {
                 tracing::error!("a request handler panicked");

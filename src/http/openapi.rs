@@ -85,8 +85,9 @@ pub struct ApiDoc;
 
 /// Adds the errors every route can answer, so no handler repeats them:
 /// 400 `invalid_request` (path identifiers, query parameters), 404 for
-/// unknown routes, 500 `internal`, 503 `starting`; on routes with a body also 400
-/// `invalid_json`, 413 and 415.
+/// unknown routes, 421 `host_not_allowed`, 500 `internal`, 503 `starting`;
+/// on routes with a body also 400 `invalid_json`, 413 and 415; on writes
+/// 403 `cross_site_request`.
 struct CommonResponses;
 
 fn problem(description: &str) -> utoipa::openapi::Response {
@@ -106,6 +107,17 @@ fn add(op: &mut Operation, status: &str, description: &str) {
         .responses
         .entry(status.to_owned())
         .or_insert_with(|| problem(description).into());
+}
+
+/// `add`, or a route's own answer of that status told about one more case.
+fn add_case(op: &mut Operation, status: &str, description: &str) {
+    match op.responses.responses.get_mut(status) {
+        Some(RefOr::T(response)) => {
+            response.description = format!("{}; {description}", response.description);
+        }
+        Some(RefOr::Ref(_)) => {}
+        None => add(op, status, description),
+    }
 }
 
 /// Routes that never need a token.
@@ -128,12 +140,16 @@ impl Modify for CommonResponses {
         for (path, item) in doc.paths.paths.iter_mut() {
             let public = PUBLIC.contains(&path.as_str());
             let ops = [
-                &mut item.get,
-                &mut item.put,
-                &mut item.post,
-                &mut item.delete,
+                (&mut item.get, false),
+                (&mut item.put, true),
+                (&mut item.post, true),
+                (&mut item.delete, true),
             ];
-            for op in ops.into_iter().flatten() {
+            // A heartbeat commits nothing: no store failure reaches it.
+            let commits = !path.ends_with("/heartbeat");
+            for (op, changes) in ops {
+                let Some(op) = op else { continue };
+                let writes = changes && commits;
                 let has_body = op.request_body.is_some();
                 if has_body {
                     add(
@@ -168,13 +184,44 @@ impl Modify for CommonResponses {
                         "`forbidden`: the token's role or prefixes do not allow this",
                     );
                 }
+                if changes {
+                    add_case(
+                        op,
+                        "403",
+                        "`cross_site_request`: a browser sent it from a page of another site \
+                         (its `Origin` or `Sec-Fetch-Site`), with or without a token",
+                    );
+                }
+                add(
+                    op,
+                    "421",
+                    "`host_not_allowed`: the `Host` names a host the server does not serve (on \
+                     a loopback address only loopback names, unless `--allowed-hosts`)",
+                );
+                if !public && !changes && super::edge::WAITING_ROUTES.contains(&path.as_str()) {
+                    add(
+                        op,
+                        "429",
+                        "`quota_exceeded`: the token holds as many waits as it may (a request \
+                         holds one only while it waits); with `Retry-After`",
+                    );
+                }
                 add(op, "500", "`internal`: the cause is in the server log");
                 add(
                     op,
                     "503",
-                    "`starting`: the store is still loading; `timeout`: a request that does \
-                     not wait took longer than the request timeout (a write may still have been \
-                     applied); both with `Retry-After`",
+                    if writes {
+                        "`starting`: the store is still loading; `timeout`: a request that does \
+                         not wait took longer than the request timeout (a write may still have \
+                         been applied); `store_unavailable`: the store takes no writes for now; \
+                         `store_failed`: the store failed this write (it may or may not be kept) \
+                         or refuses writes after a failed one until a restart; all with \
+                         `Retry-After`"
+                    } else {
+                        "`starting`: the store is still loading; `timeout`: a request that does \
+                         not wait took longer than the request timeout (a write may still have \
+                         been applied); both with `Retry-After`"
+                    },
                 );
             }
         }

@@ -216,8 +216,10 @@ impl DiskStore {
         drop(recovery);
         let segment = wal::Segment::create(fs, &config.dir, next_seq).map_err(|e| {
             StoreError::Unusable(format!(
-                "cannot create the store log segment {}: {e}",
-                wal::segment_path(&config.dir, next_seq).display()
+                "cannot create the store log segment {}: {e}. {}; the directory holds every \
+                 acknowledged change.",
+                wal::segment_path(&config.dir, next_seq).display(),
+                mend(&e)
             ))
         })?;
         let stats = Arc::new(Mutex::new(StoreStats::default()));
@@ -467,8 +469,9 @@ impl Recovery {
     /// unfinished snapshot and an unfinished segment.
     fn apply(&self, fs: &dyn Fs, dir: &Path) -> Result<(), StoreError> {
         if let Some((path, bad, len)) = &self.torn {
+            let names_before = fs.list(dir).unwrap_or_default();
             let aside = wal::cut(fs, path, *len)
-                .map_err(|e| unusable_log(path, format!("cannot be cut back: {e}")))?;
+                .map_err(|e| cut_failed(fs, dir, path, *len, &names_before, e))?;
             tracing::warn!(
                 segment = %path.display(),
                 at = bad.at,
@@ -509,6 +512,85 @@ impl Recovery {
             })?;
         }
         Ok(())
+    }
+}
+
+/// What an operator does about a file system error that stopped a start
+/// before or after it changed anything; the data is not damaged.
+fn mend(e: &std::io::Error) -> &'static str {
+    if e.kind() == std::io::ErrorKind::StorageFull {
+        "The file system is full: free space on it and start again"
+    } else {
+        "Mend that (the data directory must take writes) and start again"
+    }
+}
+
+/// Why a start could not cut the torn tail off segment `path` (back to
+/// `len` bytes). The log is not damaged: what stopped the start is the
+/// file system (full, read-only, failing), so the answer says to mend that
+/// and start again, not to restore a backup. While the segment is still
+/// whole, the start has changed nothing, and a `.broken` file the cut
+/// began (empty or partial) is removed so that this stays true.
+fn cut_failed(
+    fs: &dyn Fs,
+    dir: &Path,
+    path: &Path,
+    len: u64,
+    names_before: &[std::ffi::OsString],
+    e: std::io::Error,
+) -> StoreError {
+    let what = format!(
+        "store log segment {}: it ends in an unfinished append (never acknowledged), which a \
+         start keeps aside in a `{}` file and then cuts off; that failed ({e}). {}",
+        path.display(),
+        wal::BROKEN_SUFFIX,
+        mend(&e)
+    );
+    match fs.open(path, Open::Read).and_then(|f| f.len()) {
+        Ok(n) if n > len => {}
+        // The tail was made durable in its `.broken` file before the cut
+        // began, so whether or not the cut happened, nothing is lost.
+        Ok(_) => {
+            return StoreError::Unusable(format!(
+                "{what}; the segment was cut back and its tail kept beside it. Nothing \
+                 acknowledged is lost."
+            ));
+        }
+        Err(_) => {
+            return StoreError::Unusable(format!(
+                "{what}; whether the segment was cut back cannot be read. Nothing acknowledged \
+                 is lost (the tail is kept aside before any cut)."
+            ));
+        }
+    }
+    let mut prefix = path.file_name().unwrap_or_default().to_owned();
+    prefix.push(wal::BROKEN_SUFFIX);
+    let prefix = prefix.to_string_lossy().into_owned();
+    let begun = fs
+        .list(dir)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|n| n.to_string_lossy().starts_with(&prefix) && !names_before.contains(n));
+    let mut left = Vec::new();
+    for n in begun {
+        let p = dir.join(&n);
+        if fs.remove_file(&p).is_err() {
+            left.push(p.display().to_string());
+        }
+    }
+    if left.is_empty() {
+        // A crash before this sync can only bring back a stray `.broken`
+        // copy, which holds nothing acknowledged.
+        let _ = fs.sync_dir(dir);
+        StoreError::Unusable(format!(
+            "{what}. Nothing in the data directory was changed."
+        ))
+    } else {
+        StoreError::Unusable(format!(
+            "{what}, after removing the unfinished copy {} (it holds nothing acknowledged). \
+             Nothing else in the data directory was changed.",
+            left.join(", ")
+        ))
     }
 }
 
@@ -1780,6 +1862,85 @@ mod tests {
             open(dir.path(), 1).load().unwrap().allocations.len() as u64,
             n
         );
+    }
+
+    /// A start on a full disk, where setting aside the unfinished append
+    /// at the end of the log fails (ENOSPC writing or syncing the
+    /// `.broken` file), is refused saying what helps: free space and start
+    /// again; not that the directory must be restored from a backup. It
+    /// changed nothing, and leaves nothing behind (no empty `.broken`),
+    /// so it says so truly; with space, the same directory starts. The
+    /// same when the disk fills at the new log segment, after the cut.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_start_on_a_full_disk_says_to_free_space_and_changes_nothing() {
+        use crate::store::fs::sim::{self, SimFs};
+        for (failing, file) in [
+            (sim::Op::Write, wal::BROKEN_SUFFIX),
+            (sim::Op::SyncAll, wal::BROKEN_SUFFIX),
+            (sim::Op::Write, wal::SEGMENT_TEMP),
+        ] {
+            let cut_first = file == wal::SEGMENT_TEMP;
+            let fs = SimFs::new();
+            let dir = PathBuf::from("/sim/data");
+            fs.create_dir_all(&dir).unwrap();
+            let open = |fs: &SimFs| {
+                DiskStore::open(DiskStoreConfig {
+                    fs: Arc::new(fs.clone()),
+                    ..DiskStoreConfig::new(dir.clone())
+                })
+            };
+            let store = open(&fs).unwrap();
+            for n in 1..=3 {
+                store.commit(put(n)).await.unwrap();
+            }
+            store.close().unwrap();
+            drop(store);
+            let (_, path) = wal::list_segments(&fs, &dir).unwrap().pop().unwrap();
+            let mut torn = fs.contents(&path).unwrap();
+            let len = torn.len();
+            // A frame head promising more than follows: a crash mid-append.
+            torn.extend_from_slice(&[200, 0, 0, 0, 1, 2, 3, 4, b'{']);
+            fs.put(&path, torn.clone());
+            let everything = |fs: &SimFs| {
+                let mut names = fs.list(&dir).unwrap();
+                names.sort();
+                names
+                    .into_iter()
+                    .map(|n| (n.clone(), fs.contents(&dir.join(n))))
+                    .collect::<Vec<_>>()
+            };
+            let before = everything(&fs);
+            fs.fail_with(move |op, path| {
+                let hit = path.to_string_lossy().contains(file);
+                (op == failing && hit).then(|| std::io::Error::from_raw_os_error(28))
+            });
+            let err = open(&fs).err().expect("refused").to_string();
+            assert!(
+                err.contains("free space") && err.contains("start again"),
+                "{failing:?} {file}: {err}"
+            );
+            assert!(!err.contains("backup"), "{failing:?} {file}: {err}");
+            if cut_first {
+                assert!(err.contains("every acknowledged change"), "{err}");
+                assert!(
+                    !fs.exists(&dir.join(wal::SEGMENT_TEMP)),
+                    "nothing left behind"
+                );
+            } else {
+                assert!(err.contains(&path.display().to_string()), "{err}");
+                assert!(
+                    err.contains("Nothing in the data directory was changed"),
+                    "{err}"
+                );
+                assert_eq!(everything(&fs), before, "{failing:?}: nothing left behind");
+            }
+            fs.heal();
+            let store = open(&fs).unwrap();
+            assert_eq!(store.load().unwrap().allocations.len(), 3);
+            let mut aside = path.clone().into_os_string();
+            aside.push(wal::BROKEN_SUFFIX);
+            assert_eq!(fs.contents(Path::new(&aside)).unwrap(), &torn[len..]);
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -331,6 +331,17 @@ pub async fn unparked(registry: &Registry) {
     panic!("still {} waiters", registry.waiters());
 }
 
+/// Waits until at most `n` requests are parked. Bounded.
+pub async fn unparked_to(registry: &Registry, n: usize) {
+    for _ in 0..2_000 {
+        if registry.waiters() <= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("still {} waiters, not {n}", registry.waiters());
+}
+
 /// The example allocation of the API documentation.
 pub fn five_tasks() -> Value {
     serde_json::json!({"tasks": [

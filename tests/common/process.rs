@@ -47,8 +47,15 @@ impl Server {
     /// address from its log. Its output is drained for the life of the
     /// process.
     pub fn start(args: &[&str]) -> Server {
+        Self::start_env(args, &[])
+    }
+
+    /// `start` with variables added to the server's environment.
+    pub fn start_env(args: &[&str], env: &[(&str, &str)]) -> Server {
         let mut command = Command::new(taskgate_bin());
-        command.args(["serve", "--log", "info"]);
+        command
+            .args(["serve", "--log", "info"])
+            .envs(env.iter().copied());
         if !args.contains(&"--listen") {
             command.args(["--listen", "127.0.0.1:0"]);
         }

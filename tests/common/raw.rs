@@ -75,7 +75,26 @@ pub fn exchange(addr: SocketAddr, request: &[u8]) -> RawAnswer {
 /// Builds a request with `Connection: close`, a Host header and (for a
 /// non-empty body or an explicit type) Content-Length.
 pub fn request(method: &str, target: &str, content_type: Option<&str>, body: &[u8]) -> Vec<u8> {
-    let mut head = format!("{method} {target} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n");
+    request_with(method, target, &[], content_type, body)
+}
+
+/// `request` with more headers; a `Host` among them replaces the default
+/// (`localhost`).
+pub fn request_with(
+    method: &str,
+    target: &str,
+    headers: &[(&str, &str)],
+    content_type: Option<&str>,
+    body: &[u8],
+) -> Vec<u8> {
+    let mut head = format!("{method} {target} HTTP/1.1\r\n");
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
+        head.push_str("Host: localhost\r\n");
+    }
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str("Connection: close\r\n");
     if let Some(ct) = content_type {
         head.push_str(&format!("Content-Type: {ct}\r\n"));
     }
