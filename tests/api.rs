@@ -59,6 +59,8 @@ async fn register_answers_201_with_location_index_and_the_full_view() {
         "liveness",
         "lost",
         "last_seen",
+        "depends_on",
+        "blocked_by",
     ]
     .map(String::from)
     .to_vec();
@@ -652,7 +654,8 @@ async fn start_condition_answers_at_once_when_allowed() {
         json!({"alloc_id": "a1", "task": "init", "allowed": true, "desired": "run",
                "stop_reason": null,
                "coordinator_state": "prestart", "waiting_on": ["init", "proxy"],
-               "outcome": null, "failed_tasks": [], "index": a.index()})
+               "outcome": null, "failed_tasks": [], "depends_on": [], "blocked_by": [],
+               "index": a.index()})
     );
 }
 

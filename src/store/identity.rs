@@ -61,6 +61,9 @@ pub(crate) fn ensure(fs: &dyn Fs, dir: &Path) -> Result<String, StoreError> {
         fs.sync_dir(dir)
     };
     write().map_err(|e| {
+        // A half-written file would only be overwritten by the next start;
+        // nothing of it stays behind.
+        let _ = fs.remove_file(&tmp);
         StoreError::Unusable(format!(
             "cannot write the store ID to {}: {e}",
             path.display()
