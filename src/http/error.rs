@@ -242,6 +242,15 @@ pub struct ApiError {
     /// exists (sent as `X-Taskgate-Index`).
     pub index: Option<u64>,
     pub retry_after: bool,
+    /// What a few codes add (`task_lost`'s time, `dependency_cycle`'s
+    /// path), out of line: every `Result` carrying an `ApiError` stays
+    /// small.
+    pub extra: Option<Box<Extra>>,
+}
+
+/// The members only some problems carry.
+#[derive(Debug, Default)]
+pub struct Extra {
     /// `task_lost`: when the task was declared lost.
     pub lost_at: Option<String>,
     /// `dependency_cycle`: the cycle's steps.
@@ -258,8 +267,7 @@ impl ApiError {
             errors_omitted: 0,
             index: None,
             retry_after: false,
-            lost_at: None,
-            path: None,
+            extra: None,
         }
     }
 
@@ -336,7 +344,10 @@ impl From<RegistryError> for ApiError {
             }
             RegistryError::TaskLost { lost_at, index, .. } => {
                 let mut e = Self::new(StatusCode::CONFLICT, "task_lost", detail).with_index(index);
-                e.lost_at = Some(lost_at);
+                e.extra = Some(Box::new(Extra {
+                    lost_at: Some(lost_at),
+                    ..Extra::default()
+                }));
                 e
             }
             RegistryError::KeyReused { index } => Self::new(
@@ -366,7 +377,10 @@ impl From<RegistryError> for ApiError {
                     field: "depends_on".into(),
                     message: path.join(" → "),
                 });
-                e.path = Some(path);
+                e.extra = Some(Box::new(Extra {
+                    path: Some(path),
+                    ..Extra::default()
+                }));
                 e
             }
             RegistryError::Unsupported(_) => {
@@ -437,8 +451,8 @@ impl ApiError {
             code: self.code,
             errors: self.errors,
             errors_omitted: self.errors_omitted,
-            lost_at: self.lost_at,
-            path: self.path,
+            lost_at: self.extra.as_ref().and_then(|x| x.lost_at.clone()),
+            path: self.extra.and_then(|x| x.path),
         };
         serde_json::to_vec(&problem).unwrap_or_default()
     }
