@@ -2551,3 +2551,247 @@ async fn every_answer_carries_the_store_s_id() {
     let other = test_app().await;
     assert_ne!(other.registry.store_id(), id, "another store, another ID");
 }
+
+// ---- third edition: dependencies ----
+
+/// Registers `id` with `spec`, asserting 201.
+async fn registered(app: &common::TestApp, id: &str, spec: Value) -> common::Answer {
+    let a = app
+        .call("PUT", &format!("/v1/allocations/{id}"), Some(spec))
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    a
+}
+
+#[tokio::test]
+async fn dependencies_are_validated_at_registration() {
+    let app = test_app().await;
+    let pre = |name: &str, deps: Value| json!({"name": name, "lifecycle": {"hook": "prestart"}, "depends_on": deps});
+    for (tasks, field, says) in [
+        (
+            json!([{"name": "web", "depends_on": [{"task": "nope", "condition": "running"}]}]),
+            "tasks[0].depends_on[0]",
+            "no task of this allocation",
+        ),
+        (
+            json!([{"name": "web", "depends_on": [{"task": "web", "condition": "running"}]}]),
+            "tasks[0].depends_on[0]",
+            "itself",
+        ),
+        (
+            json!([pre("init", json!([{"task": "web", "condition": "running"}])), {"name": "web"}]),
+            "tasks[0].depends_on[0]",
+            "later stage",
+        ),
+        (
+            json!([pre("init", json!([])), {"name": "web", "depends_on": [{"task": "init", "condition": "running"}]}]),
+            "tasks[1].depends_on[0]",
+            "use `succeeded`",
+        ),
+        (
+            json!([{"name": "db"}, {"name": "web", "depends_on": [{"task": "db", "condition": "ready"}]}]),
+            "tasks[1].depends_on[0]",
+            "declares no readiness",
+        ),
+        (
+            json!([{"name": "web", "depends_on": [{"task": "x", "allocation": "bad id", "condition": "dead"}]}]),
+            "tasks[0].depends_on[0].allocation",
+            "",
+        ),
+    ] {
+        let a = app
+            .call("PUT", "/v1/allocations/v1", Some(json!({"tasks": tasks})))
+            .await;
+        a.assert_problem(400, "invalid_request");
+        assert_eq!(a.error_fields(), [field], "{}", a.body);
+        assert!(
+            a.body["errors"][0]["message"]
+                .as_str()
+                .unwrap()
+                .contains(says),
+            "{}",
+            a.body
+        );
+    }
+    let many: Vec<Value> = (0..17)
+        .map(|i| json!({"task": "t", "allocation": format!("o{i}"), "condition": "dead"}))
+        .collect();
+    let a = app
+        .call(
+            "PUT",
+            "/v1/allocations/v1",
+            Some(json!({"tasks": [{"name": "web", "depends_on": many}]})),
+        )
+        .await;
+    a.assert_problem(400, "invalid_request");
+    assert!(
+        a.body["errors"][0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("at most 16")
+    );
+    // An unknown condition is not JSON this route takes.
+    app.call(
+        "PUT",
+        "/v1/allocations/v1",
+        Some(json!({"tasks": [{"name": "web", "depends_on": [{"task": "x", "condition": "up"}]}]})),
+    )
+    .await
+    .assert_problem(400, "invalid_json");
+    // A cycle among its own tasks: 400 dependency_cycle, with the path.
+    let a = app
+        .call(
+            "PUT",
+            "/v1/allocations/v1",
+            Some(json!({"tasks": [
+                pre("a", json!([{"task": "b", "condition": "succeeded"}])),
+                pre("b", json!([{"task": "a", "condition": "succeeded"}])),
+                {"name": "web"},
+            ]})),
+        )
+        .await;
+    a.assert_problem(400, "dependency_cycle");
+    assert_eq!(
+        a.body["path"],
+        json!(["v1/a", "v1/b", "v1/a"]),
+        "{}",
+        a.body
+    );
+    assert_eq!(
+        app.get("/v1/allocations/v1").await.status,
+        404,
+        "nothing registered"
+    );
+}
+
+#[tokio::test]
+async fn a_cycle_through_held_allocations_is_409_with_its_path() {
+    let app = test_app().await;
+    registered(
+        &app,
+        "app",
+        json!({"tasks": [{"name": "web", "depends_on": [{"task": "db", "allocation": "data", "condition": "running"}]}]}),
+    )
+    .await;
+    let a = app
+        .call(
+            "PUT",
+            "/v1/allocations/data",
+            Some(json!({"tasks": [{"name": "db", "depends_on": [{"task": "web", "allocation": "app", "condition": "running"}]}]})),
+        )
+        .await;
+    a.assert_problem(409, "dependency_cycle");
+    assert_eq!(
+        a.body["path"],
+        json!(["data/db", "app/web", "data/db"]),
+        "{}",
+        a.body
+    );
+    assert_eq!(app.get("/v1/allocations/data").await.status, 404);
+    // Without the cycle it registers, and the first one's dependency
+    // holds once db runs.
+    registered(&app, "data", json!({"tasks": [{"name": "db"}]})).await;
+}
+
+#[tokio::test]
+async fn a_dependency_on_another_allocation_opens_a_parked_start_condition_when_it_holds() {
+    let app = test_app().await;
+    let a = registered(
+        &app,
+        "app",
+        json!({"tasks": [
+            {"name": "migrate", "lifecycle": {"hook": "prestart"},
+             "depends_on": [{"task": "db", "allocation": "data", "condition": "ready"}]},
+            {"name": "web", "depends_on": [{"task": "migrate", "condition": "succeeded"}]},
+        ]}),
+    )
+    .await;
+    let blocked = &a.task("migrate")["blocked_by"];
+    assert_eq!(
+        blocked,
+        &json!([{"allocation": "data", "task": "db", "condition": "ready", "why": "not_registered"}])
+    );
+    assert_eq!(a.task("migrate")["allowed"], false);
+    assert_eq!(a.body["waiting"], json!(["dependency"]), "{}", a.body);
+    assert_eq!(
+        a.task("web")["blocked_by"],
+        json!([{"allocation": "app", "task": "migrate", "condition": "succeeded", "why": "pending"}])
+    );
+    // migrate's agent parks on its start condition.
+    let poll = {
+        let router = app.router.clone();
+        tokio::spawn(async move {
+            use tower::ServiceExt;
+            let req = Request::get("/v1/allocations/app/tasks/migrate/start-condition?wait=60s")
+                .body(Body::empty())
+                .unwrap();
+            let res = router.oneshot(req).await.unwrap();
+            let bytes = http_body_util::BodyExt::collect(res.into_body())
+                .await
+                .unwrap()
+                .to_bytes();
+            serde_json::from_slice::<Value>(&bytes).unwrap()
+        })
+    };
+    app.parked(1).await;
+    // The database appears, runs, becomes ready: only then may migrate go.
+    registered(
+        &app,
+        "data",
+        json!({"tasks": [{"name": "db", "readiness": true}]}),
+    )
+    .await;
+    app.report("data", "db", json!({"state": "running"})).await;
+    wait_for(&app, "app", |a| {
+        a.task("migrate")["blocked_by"][0]["why"] == "not_ready"
+    })
+    .await;
+    assert!(!poll.is_finished(), "still waiting");
+    app.report("data", "db", json!({"state": "running", "ready": true}))
+        .await;
+    let sc = tokio::time::timeout(Duration::from_secs(30), poll)
+        .await
+        .expect("answered when the dependency held")
+        .unwrap();
+    assert_eq!(sc["allowed"], true, "{sc}");
+    assert_eq!(sc["blocked_by"], json!([]));
+    let tl = app.get("/v1/allocations/app/events").await;
+    let deps: Vec<&Value> = tl.body["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["type"] == "Dependency")
+        .collect();
+    let last = deps.last().expect("a Dependency entry");
+    assert_eq!(last["details"]["on"], "data/db");
+    assert_eq!(last["details"]["holds"], "true");
+    // Deleting the target: the dependency no longer holds.
+    app.call("DELETE", "/v1/allocations/data", None).await;
+    wait_for(&app, "app", |a| {
+        a.task("migrate")["blocked_by"][0]["why"] == "not_registered"
+    })
+    .await;
+}
+
+/// Follows `id` with blocking queries until `check` holds of its view
+/// (bounded): a dependent's new verdict is written after its target's
+/// change is answered.
+async fn wait_for(
+    app: &common::TestApp,
+    id: &str,
+    check: impl Fn(&common::Answer) -> bool,
+) -> common::Answer {
+    let mut a = app.get(&format!("/v1/allocations/{id}")).await;
+    for _ in 0..100 {
+        if check(&a) {
+            return a;
+        }
+        a = app
+            .get(&format!(
+                "/v1/allocations/{id}?index={}&wait=30s",
+                a.index()
+            ))
+            .await;
+    }
+    panic!("{id} never got there: {}", a.body);
+}

@@ -226,6 +226,56 @@ async fn a_scoped_agent_token_only_touches_its_prefixes() {
         .assert_problem(403, "forbidden");
 }
 
+/// A dependency reads its target: a token may declare one only on
+/// allocations it may read (403 otherwise, nothing registered).
+#[tokio::test]
+async fn a_dependency_needs_a_token_that_may_read_its_target() {
+    let app = secured(false).await;
+    let spec = |target: &str| {
+        json!({"tasks": [{"name": "web",
+            "depends_on": [{"task": "db", "allocation": target, "condition": "running"}]}]})
+    };
+    let t = Some("web-secret");
+    let a = call(&app, t, "PUT", "/v1/allocations/web-1", Some(spec("db-1"))).await;
+    a.assert_problem(403, "forbidden");
+    assert!(
+        a.body["detail"].as_str().unwrap().contains("\"db-1\""),
+        "{}",
+        a.body
+    );
+    assert_eq!(
+        call(
+            &app,
+            Some("operator-secret"),
+            "GET",
+            "/v1/allocations/web-1",
+            None
+        )
+        .await
+        .status,
+        404
+    );
+    let a = call(
+        &app,
+        t,
+        "PUT",
+        "/v1/allocations/web-1",
+        Some(spec("web-db")),
+    )
+    .await;
+    assert_eq!(a.status, 201, "{}", a.body);
+    // A token for every ID may depend on any.
+    let a = call(
+        &app,
+        Some("agent-secret"),
+        "PUT",
+        "/v1/allocations/x-1",
+        Some(spec("db-1")),
+    )
+    .await;
+    assert_eq!(a.status, 201, "{}", a.body);
+}
+
 #[tokio::test]
 async fn missing_and_wrong_tokens_are_401_in_both_headers() {
     let app = secured(false).await;

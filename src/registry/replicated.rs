@@ -215,6 +215,19 @@ impl Registry {
             }
             const STAMP: u64 = 1;
             let mut a = Allocation::register(id.clone(), spec.clone(), STAMP, self.now());
+            if let Err(e) = self.check_cycles(&a) {
+                drop(write);
+                self.inner.forget_creating(&id, &handle);
+                return Err(e);
+            }
+            let verdicts: Vec<Vec<crate::lifecycle::DepState>> = (0..a.tasks.len())
+                .map(|i| {
+                    (0..a.spec.tasks()[i].depends_on.len())
+                        .map(|j| self.verdict(&a, i, j))
+                        .collect()
+                })
+                .collect();
+            a.set_verdicts(&|i, j| verdicts[i][j].clone());
             match store.swap(Op::Put(Arc::new(a.clone())), 0).await {
                 Ok(index) => {
                     self.reach(index).await;
@@ -329,17 +342,26 @@ impl Inner {
                 map.insert(a.id.clone(), handle);
             }
         }
+        self.index_dependencies(&a, true);
         Some(a)
     }
 
     /// Whether the view held `id`.
-    fn gone(map: &mut super::AllocMap, id: &str) -> bool {
+    fn gone(&self, map: &mut super::AllocMap, id: &str) -> bool {
         let Some(handle) = map.get(id) else {
             return false;
         };
+        if let Some(a) = handle.current() {
+            self.index_dependencies(&a, false);
+        }
         handle.publish(Slot::Deleted);
         map.remove(id);
         true
+    }
+
+    /// The registry this is the inner state of, while it lives.
+    fn registry(&self) -> Option<Registry> {
+        self.me.upgrade().map(|inner| Registry { inner })
     }
 
     /// The view reached `index`: the global index and every writer
@@ -358,17 +380,20 @@ impl Inner {
 impl Follower for Inner {
     fn changed(&self, changes: Vec<Change>, index: u64) {
         let mut events = Vec::new();
+        let mut touched = Vec::new();
         if !changes.is_empty() {
             let mut map = self.write_map();
             for change in changes {
                 match change {
                     Change::Put(a) => {
                         if let Some(a) = self.put(&mut map, a, true) {
+                            touched.push(a.id.clone());
                             events.push(Event::put(a));
                         }
                     }
                     Change::Delete { id, index } => {
-                        if Self::gone(&mut map, id.as_str()) {
+                        if self.gone(&mut map, id.as_str()) {
+                            touched.push(id.clone());
                             events.push(Event::deleted(id, index));
                         }
                     }
@@ -379,6 +404,15 @@ impl Follower for Inner {
         // finds the change in the stream too.
         self.feed.append(events, index);
         self.reached(index);
+        // Every replica judges the dependents of what changed; the
+        // compare-and-swap keeps one write of each new verdict.
+        if !touched.is_empty()
+            && let Some(registry) = self.registry()
+        {
+            for id in touched {
+                registry.dependents_of(id.as_str());
+            }
+        }
     }
 
     fn resync(&self, loaded: Loaded) {
@@ -390,7 +424,7 @@ impl Follower for Inner {
             .map(|(id, _)| id.clone())
             .collect();
         for id in stale {
-            Self::gone(&mut map, id.as_str());
+            self.gone(&mut map, id.as_str());
         }
         let changed = loaded.allocations.len();
         for a in loaded.allocations {
@@ -406,5 +440,8 @@ impl Follower for Inner {
             "the view was listed again"
         );
         self.reached(loaded.last_index);
+        if let Some(registry) = self.registry() {
+            registry.resolve_all();
+        }
     }
 }

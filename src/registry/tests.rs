@@ -862,3 +862,93 @@ mod third_edition {
         );
     }
 }
+
+mod dependencies {
+    use super::*;
+    use crate::lifecycle::{Condition, DepState, Dependency, Why};
+
+    fn depends(task: &str, alloc: &str, on: &str) -> AllocSpec {
+        let t = TaskSpec {
+            depends_on: vec![Dependency {
+                task: TaskName::parse(on).unwrap(),
+                allocation: Some(AllocId::parse(alloc).unwrap()),
+                condition: Condition::Running,
+            }],
+            ..TaskSpec::named(TaskName::parse(task).unwrap())
+        };
+        AllocSpec::new(vec![t], &Limits::default()).unwrap()
+    }
+
+    /// Waits (bounded) until `check` holds of `id`'s record.
+    async fn until(r: &Registry, id: &str, check: impl Fn(&Allocation) -> bool) -> Arc<Allocation> {
+        for _ in 0..10_000 {
+            if let Ok(a) = r.get(id)
+                && check(&a)
+            {
+                return a;
+            }
+            tokio::task::yield_now().await;
+        }
+        panic!("{id} never got there: {:?}", r.get(id));
+    }
+
+    /// A cycle that formed anyway (here: written to the store around the
+    /// registration's check, as two replicas racing would) is shown on
+    /// each task on it, with its path.
+    #[tokio::test]
+    async fn a_cycle_that_formed_anyway_is_shown_on_each_task_with_its_path() {
+        let store = Arc::new(MemoryStore::new());
+        let now = time::OffsetDateTime::now_utc();
+        for (i, (id, spec)) in [
+            ("app", depends("web", "data", "db")),
+            ("data", depends("db", "app", "web")),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let a = Allocation::register(
+                AllocId::parse(id).unwrap(),
+                Arc::new(spec),
+                i as u64 + 1,
+                now,
+            );
+            store.commit(Op::Put(Arc::new(a))).await.unwrap();
+        }
+        let r = Registry::open(store, RegistryConfig::default()).unwrap();
+        let cycle = |a: &Allocation| matches!(a.tasks[0].deps().first(), Some(DepState::Cycle(_)));
+        let app = until(&r, "app", cycle).await;
+        let data = until(&r, "data", cycle).await;
+        let DepState::Cycle(path) = &app.tasks[0].deps()[0] else {
+            unreachable!()
+        };
+        assert_eq!(path.to_vec(), ["app/web", "data/db", "app/web"]);
+        assert_eq!(data.tasks[0].deps()[0].why(), Some(Why::Cycle));
+        assert!(!app.allowed(0) && !data.allowed(0));
+    }
+
+    /// A target's change reaches its dependents' verdicts: registered,
+    /// running, restarted, deleted.
+    #[tokio::test]
+    async fn a_target_s_changes_reach_its_dependents() {
+        let (r, _) = registry();
+        r.register(id("app"), depends("web", "data", "db"))
+            .await
+            .unwrap();
+        let why = |a: &Allocation| a.tasks[0].deps()[0].why();
+        assert_eq!(why(&r.get("app").unwrap()), Some(Why::NotRegistered));
+        r.register(id("data"), spec(&[("db", None)])).await.unwrap();
+        until(&r, "app", |a| why(a) == Some(Why::Pending)).await;
+        r.report("data", report("db", RunState::Running))
+            .await
+            .unwrap();
+        let a = until(&r, "app", |a| why(a).is_none()).await;
+        assert!(a.allowed(0));
+        // An all-tasks restart of the target: as good as pending.
+        r.restart("data", RestartTarget::AllTasks, "again")
+            .await
+            .unwrap();
+        until(&r, "app", |a| why(a) == Some(Why::Pending)).await;
+        r.delete("data").await.unwrap();
+        until(&r, "app", |a| why(a) == Some(Why::NotRegistered)).await;
+    }
+}
