@@ -853,3 +853,76 @@ async fn a_report_that_is_a_no_op_only_on_a_stale_copy_still_lands() {
     );
     cluster.resume(0);
 }
+
+/// A dependency across allocations on two replicas: the start condition
+/// of `app/web` parked on replica B opens when `data/db`, reported through
+/// replica A, becomes ready; the dependent's new version is written once
+/// (both replicas see the change; the compare-and-swap keeps one write).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dependency_on_another_allocation_holds_across_replicas() {
+    if !available("a_dependency_on_another_allocation_holds_across_replicas") {
+        return;
+    }
+    let cluster = Cluster::start(3);
+    let a = replica(cluster.endpoints(), "/dep/").await;
+    let b = replica(cluster.endpoints(), "/dep/").await;
+    let web = TaskSpec {
+        depends_on: vec![taskgate::lifecycle::Dependency {
+            task: TaskName::parse("db").unwrap(),
+            allocation: Some(id("data")),
+            condition: taskgate::lifecycle::Condition::Ready,
+        }],
+        ..task("web", None)
+    };
+    let (app, _) = b.register(id("app"), spec(vec![web])).await.unwrap();
+    assert!(!app.allowed(0));
+    let db = TaskSpec {
+        readiness: true,
+        ..task("db", None)
+    };
+    let (data, _) = a.register(id("data"), spec(vec![db])).await.unwrap();
+    assert!(b.wait_view(data.modify_index, SETTLE).await);
+    let parked = {
+        let b = b.clone();
+        tokio::spawn(async move { b.wait_start("app", "web", Duration::from_secs(60)).await })
+    };
+    common::parked(&b, 1).await;
+    let db_name = TaskName::parse("db").unwrap();
+    a.report(
+        "data",
+        vec![(db_name.clone(), report(RunState::Running, "up"))],
+    )
+    .await
+    .unwrap();
+    let ready = TaskReport {
+        ready: Some(true),
+        ..report(RunState::Running, "ready")
+    };
+    let done = a.report("data", vec![(db_name, ready)]).await.unwrap();
+    let (seen, i) = tokio::time::timeout(SETTLE, parked)
+        .await
+        .expect("the waiter on B is woken once data/db is ready")
+        .unwrap()
+        .unwrap();
+    assert!(seen.allowed(i));
+    assert!(
+        seen.modify_index > done.modify_index,
+        "a new version of app"
+    );
+    // One write of the verdict, whichever replica made it: the timeline
+    // of app has one entry saying it holds.
+    assert!(a.wait_view(seen.modify_index, SETTLE).await);
+    let on_a = a.get("app").unwrap();
+    assert_eq!(*on_a, *seen, "both replicas hold the same version");
+    let holds = a
+        .timeline(&on_a)
+        .into_iter()
+        .filter(|e| {
+            matches!(
+                e.what,
+                taskgate::registry::timeline::What::Dependency { holds: true, .. }
+            )
+        })
+        .count();
+    assert_eq!(holds, 1, "the verdict was written once");
+}
