@@ -455,7 +455,7 @@ pub fn waiting_words(a: &Value) -> String {
             "running" => "to be running",
             "ready" => "to be ready",
             "dead" => "to end",
-            "dependency" => "for its dependencies",
+            "dependency" => "dependency",
             other => other,
         }
         .to_owned();
@@ -467,7 +467,10 @@ pub fn waiting_words(a: &Value) -> String {
     }
     groups
         .into_iter()
-        .map(|(what, names)| format!("{} {what}", names.join(", ")))
+        .map(|(what, names)| match what.as_str() {
+            "dependency" => format!("the dependencies of {}", names.join(", ")),
+            _ => format!("{} {what}", names.join(", ")),
+        })
         .collect::<Vec<_>>()
         .join("; ")
 }
@@ -597,6 +600,33 @@ fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime,
             reason.get("type").and_then(Value::as_str).unwrap_or("")
         );
         said = true;
+    }
+    // What each task waits on besides its gate: its dependencies that do
+    // not hold.
+    let mut first = true;
+    for t in a["tasks"].as_array().into_iter().flatten() {
+        for b in t["blocked_by"].as_array().into_iter().flatten() {
+            if first {
+                let _ = writeln!(out, "\n{}", paint.bold("Blocked by"));
+                first = false;
+            }
+            let path = b["path"]
+                .as_array()
+                .map(|p| {
+                    let steps: Vec<String> = p.iter().map(s).collect();
+                    format!(": {}", steps.join(" → "))
+                })
+                .unwrap_or_default();
+            let line = format!(
+                "{:<10}{}/{} {} — {}{path}",
+                fit(&s(&t["name"]), 9),
+                s(&b["allocation"]),
+                s(&b["task"]),
+                s(&b["condition"]),
+                s(&b["why"]).replace('_', " "),
+            );
+            let _ = writeln!(out, "{}", fit(&line, 80));
+        }
     }
     for t in a["tasks"].as_array().into_iter().flatten() {
         let why = if t["lost"] == true {
@@ -800,5 +830,41 @@ mod tests {
             "{out}"
         );
         assert!(lines.iter().all(|l| l.chars().count() <= 80), "{out}");
+    }
+
+    #[test]
+    fn status_says_what_each_task_is_blocked_by() {
+        let a = json!({
+            "id": "app", "coordinator_state": "main",
+            "waiting_on": ["web"], "waiting": ["dependency"],
+            "outcome": null, "failed_tasks": [],
+            "modify_index": 9, "modified_at": "2026-11-24T12:00:00Z",
+            "tasks": [
+                {"name": "web", "stage": "main", "leader": false, "allowed": false,
+                 "state": "pending", "failed": false, "lost": false, "readiness": false,
+                 "ready": false, "desired": "run", "stop_reason": null, "restarts": 0,
+                 "blocked_by": [
+                     {"allocation": "db-7", "task": "db", "condition": "ready", "why": "not_ready"},
+                     {"allocation": "x", "task": "y", "condition": "running", "why": "cycle",
+                      "path": ["app/web", "x/y", "app/web"]}
+                 ]}
+            ]
+        });
+        let mut out = String::new();
+        let now = time::macros::datetime!(2026-11-24 12:00:12 UTC);
+        status(&a, &json!({"events": []}), &Paint(false), now, &mut out);
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(
+            lines[1],
+            "State     main — waiting for the dependencies of web"
+        );
+        assert!(
+            out.contains("Blocked by\nweb       db-7/db ready — not ready\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("web       x/y running — cycle: app/web → x/y → app/web"),
+            "{out}"
+        );
     }
 }

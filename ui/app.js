@@ -151,7 +151,6 @@ const AWAITED = {
   running: "to be running",
   ready: "to be ready",
   dead: "to end",
-  dependency: "for its dependencies",
 };
 
 function waitingText(a) {
@@ -162,7 +161,9 @@ function waitingText(a) {
     if (!groups.has(what)) groups.set(what, []);
     groups.get(what).push(name);
   });
-  return [...groups].map(([what, names]) => `${names.join(", ")} ${what}`).join("; ");
+  return [...groups]
+    .map(([what, names]) => (what === "dependency" ? `the dependencies of ${names.join(", ")}` : `${names.join(", ")} ${what}`))
+    .join("; ");
 }
 
 // ---------------------------------------------------------------- the list
@@ -309,6 +310,9 @@ function taskCard(a, t, act) {
         t.lost ? "lost (no sign of life within its TTL)" : t.state + (t.failed ? " (failed)" : ""),
       ),
       t.readiness ? [h("dt", {}, "Ready"), h("dd", { class: "ready" }, t.ready ? "ready" : "not ready")] : null,
+      t.depends_on && t.depends_on.length
+        ? [h("dt", {}, "Depends on"), h("dd", { class: "depends" }, dependencyList(a, t))]
+        : null,
       t.liveness
         ? [
             h("dt", {}, "Liveness"),
@@ -329,6 +333,32 @@ function taskCard(a, t, act) {
           `Restart ${t.name}`,
         )
       : null,
+  );
+}
+
+/** A task's dependencies: each target (a link to its allocation when it is
+ * another one), the condition, and whether it holds now. */
+function dependencyList(a, t) {
+  return h(
+    "ul",
+    {},
+    t.depends_on.map((d) => {
+      const alloc = d.allocation || a.id;
+      const blocked = (t.blocked_by || []).find(
+        (b) => b.allocation === alloc && b.task === d.task && b.condition === d.condition,
+      );
+      const target = d.allocation
+        ? h("a", { href: `/ui/allocations/${encodeURIComponent(d.allocation)}` }, `${d.allocation}/${d.task}`)
+        : d.task;
+      const how = blocked
+        ? h(
+            "span",
+            { class: "blocked" },
+            ` — not yet: ${blocked.why.replace("_", " ")}${blocked.path ? ` (${blocked.path.join(" → ")})` : ""}`,
+          )
+        : h("span", { class: "holds" }, " — holds");
+      return h("li", {}, target, ` ${d.condition}`, how);
+    }),
   );
 }
 

@@ -310,6 +310,22 @@ test("a finished allocation offers no restart, and a task that is not running no
   await page.close();
 });
 
+test("a task's dependencies link to the other allocation and say whether they hold", async () => {
+  await call("PUT", "/v1/allocations/dep-app", {
+    tasks: [{ name: "web", depends_on: [{ task: "db", allocation: "dep-db", condition: "running" }] }],
+  }, TOKENS.agent);
+  const page = await open("/ui/allocations/dep-app", TOKENS.reader);
+  const deps = page.locator('.task[data-task="web"] .depends');
+  await deps.getByText("not yet: not registered").waitFor();
+  assert.equal(await deps.getByRole("link", { name: "dep-db/db" }).getAttribute("href"), "/ui/allocations/dep-db");
+  assert.match(await page.locator("#waiting").textContent(), /the dependencies of web/);
+  await call("PUT", "/v1/allocations/dep-db", { tasks: [{ name: "db" }] }, TOKENS.agent);
+  await report("dep-db", { db: { state: "running" } });
+  await deps.getByText("holds").waitFor();
+  await shot(page, "detail-dependency");
+  await page.close();
+});
+
 test("both pages pass axe's accessibility rules (WCAG 2.1 A and AA)", async () => {
   await call("PUT", "/v1/allocations/ax-1", FIVE, TOKENS.agent);
   await report("ax-1", { init: { state: "dead" }, proxy: { state: "running" }, web: { state: "running" } });
