@@ -14,9 +14,9 @@ struct Step {
     expect: Vec<String>,
 }
 
-fn walkthrough() -> Vec<Step> {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+/// The marked walkthrough of a page of the repository.
+fn walkthrough(page: &str) -> Vec<Step> {
+    let readme = std::fs::read_to_string(format!("{}/{page}", env!("CARGO_MANIFEST_DIR"))).unwrap();
     let block = readme
         .split("<!-- walkthrough:start -->")
         .nth(1)
@@ -56,9 +56,18 @@ fn walkthrough() -> Vec<Step> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_readme_walkthrough_runs_as_written() {
-    let steps = walkthrough();
+    run(walkthrough("README.md"), 15).await;
+}
+
+/// docs/dependencies.md: a database and the application that needs it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dependencies_walkthrough_runs_as_written() {
+    run(walkthrough("docs/dependencies.md"), 12).await;
+}
+
+async fn run(steps: Vec<Step>, at_least: usize) {
     assert!(
-        steps.len() >= 15,
+        steps.len() >= at_least,
         "the walkthrough was found ({} steps)",
         steps.len()
     );

@@ -196,22 +196,27 @@ impl Registry {
     }
 
     /// After a change of `target` (registered, changed or deleted): every
-    /// allocation that depends on it is judged again, in a task of its own
-    /// (the writer does not wait for its dependents).
-    pub(super) fn dependents_of(&self, target: &str) {
+    /// allocation that depends on it is judged again, all at once (their
+    /// writes share commits), in a task of its own that outlives the
+    /// request. The handle resolves once they all are: a writer on a
+    /// store this process alone writes awaits it, so that whoever it
+    /// answers sees the dependents' new verdicts too. `None`: nobody
+    /// depends on `target`.
+    pub(super) fn dependents_of(&self, target: &str) -> Option<tokio::task::JoinHandle<()>> {
         let dependents = self.inner.dependents.of(target);
         if dependents.is_empty() {
-            return;
+            return None;
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
+        let runtime = tokio::runtime::Handle::try_current().ok()?;
         let registry = self.clone();
-        runtime.spawn(async move {
+        Some(runtime.spawn(async move {
+            let mut all = tokio::task::JoinSet::new();
             for d in dependents {
-                registry.resolve(d.as_str()).await;
+                let r = registry.clone();
+                all.spawn(async move { r.resolve(d.as_str()).await });
             }
-        });
+            while all.join_next().await.is_some() {}
+        }))
     }
 
     /// Judges an allocation's dependencies on others again and writes a

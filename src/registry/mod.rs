@@ -563,7 +563,7 @@ impl Registry {
                     let published = a.clone();
                     // Logged and counted with the publication, so a client
                     // that goes away mid-commit loses neither.
-                    return self
+                    let done = self
                         .commit_then(write, Op::Put(a), move |committed| match committed {
                             Ok(()) => {
                                 handle.publish_live(
@@ -574,7 +574,7 @@ impl Registry {
                                 registry.inner.reschedule(&handle, &published);
                                 registry.inner.index_dependencies(&published, true);
                                 ticket.publish(feed::Event::put(published.clone()));
-                                registry.dependents_of(published.id.as_str());
+                                let dependents = registry.dependents_of(published.id.as_str());
                                 let a = &published;
                                 tracing::info!(alloc = %a.id, state = %a.state, tasks = a.tasks.len(), "allocation registered");
                                 if a.state != CoordState::Init {
@@ -584,7 +584,7 @@ impl Registry {
                                         .metrics
                                         .transition(CoordState::Init, a.state);
                                 }
-                                Ok((published, true))
+                                Ok((published, dependents))
                             }
                             Err(e) => {
                                 registry.remove(&id, &handle);
@@ -592,6 +592,9 @@ impl Registry {
                             }
                         })
                         .await;
+                    let (a, dependents) = done?;
+                    settled(dependents).await;
+                    return Ok((a, true));
                 }
             }
         }
@@ -689,16 +692,20 @@ impl Registry {
             index,
         };
         let registry = self.clone();
-        self.commit_then(write, op, move |committed| {
-            committed?;
-            registry.remove(&a.id, &handle);
-            registry.inner.index_dependencies(&a, false);
-            ticket.publish(feed::Event::deleted(a.id.clone(), index));
-            registry.dependents_of(a.id.as_str());
-            tracing::info!(alloc = %a.id, index, "allocation deleted");
-            Ok(index)
-        })
-        .await
+        let done = self
+            .commit_then(write, op, move |committed| {
+                committed?;
+                registry.remove(&a.id, &handle);
+                registry.inner.index_dependencies(&a, false);
+                ticket.publish(feed::Event::deleted(a.id.clone(), index));
+                let dependents = registry.dependents_of(a.id.as_str());
+                tracing::info!(alloc = %a.id, index, "allocation deleted");
+                Ok((index, dependents))
+            })
+            .await?;
+        let (index, dependents) = done;
+        settled(dependents).await;
+        Ok(index)
     }
 
     /// Decide → persist → publish for one allocation. `decide` gets the
@@ -736,21 +743,23 @@ impl Registry {
         let next = Arc::new(next);
         let published = next.clone();
         let registry = self.clone();
-        self.commit_then(write, Op::Put(next.clone()), move |committed| {
-            committed?;
-            handle.publish_live(
-                Some(&current),
-                published.clone(),
-                registry.inner.config.timeline_events,
-            );
-            registry.inner.reschedule(&handle, &published);
-            ticket.publish(feed::Event::put(published.clone()));
-            registry.dependents_of(published.id.as_str());
-            registry.observe(&current, &published);
-            counted(&registry.inner.config.metrics);
-            Ok(())
-        })
-        .await?;
+        let dependents = self
+            .commit_then(write, Op::Put(next.clone()), move |committed| {
+                committed?;
+                handle.publish_live(
+                    Some(&current),
+                    published.clone(),
+                    registry.inner.config.timeline_events,
+                );
+                registry.inner.reschedule(&handle, &published);
+                ticket.publish(feed::Event::put(published.clone()));
+                let dependents = registry.dependents_of(published.id.as_str());
+                registry.observe(&current, &published);
+                counted(&registry.inner.config.metrics);
+                Ok(dependents)
+            })
+            .await?;
+        settled(dependents).await;
         Ok((next, out))
     }
 
@@ -937,6 +946,14 @@ impl Registry {
             move |metrics| metrics.restart(counted_as),
         )
         .await
+    }
+}
+
+/// Waits until the dependents a change started judging are judged (a task
+/// of its own, which goes on if this wait is dropped).
+async fn settled(dependents: Option<tokio::task::JoinHandle<()>>) {
+    if let Some(h) = dependents {
+        let _ = h.await;
     }
 }
 

@@ -410,7 +410,8 @@ impl Follower for Inner {
             && let Some(registry) = self.registry()
         {
             for id in touched {
-                registry.dependents_of(id.as_str());
+                // Not waited for: this is the watch's thread of changes.
+                let _ = registry.dependents_of(id.as_str());
             }
         }
     }
