@@ -6,30 +6,19 @@
 
 mod disk;
 pub mod etcd;
-pub mod fs;
 pub mod identity;
 mod memory;
-#[cfg(test)]
-mod powerloss;
 pub(crate) mod record;
-mod salvage;
-mod snapshot;
-mod wal;
 
 use std::{future::Future, pin::Pin, sync::Arc};
 
-pub use disk::DEFAULT_LOG_CEILING;
+pub(crate) use disk::fs;
 pub use disk::{
-    DEFAULT_LOG_LIMIT, DiskStore, DiskStoreConfig, FoldBench, FoldChanges, LOCK_FILE, REDB_FILE,
-    StoreStats, read_only,
+    DEFAULT_LOG_CEILING, DEFAULT_LOG_LIMIT, DiskStore, DiskStoreConfig, FoldBench, FoldChanges,
+    LOCK_FILE, REDB_FILE, SNAPSHOT_FILE, SalvageReport, StoreStats, log_segments, read_only,
+    salvage,
 };
 pub use memory::MemoryStore;
-pub use salvage::{SalvageReport, salvage};
-pub use snapshot::SNAPSHOT_FILE;
-/// The log segments in a data directory, oldest first.
-pub fn log_segments(dir: &std::path::Path) -> std::io::Result<Vec<(u64, std::path::PathBuf)>> {
-    wal::list_segments(&fs::RealFs, dir)
-}
 
 use crate::lifecycle::{AllocId, Allocation};
 

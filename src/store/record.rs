@@ -1,6 +1,6 @@
 //! The stored form of an allocation record, versioned on its own so the
 //! files outlive changes to the in-memory types. The snapshot
-//! (`snapshot.rs`) and the log (`wal.rs`) carry these bytes as they are.
+//! (`disk/snapshot.rs`) and the log (`disk/log.rs`) carry these bytes as they are.
 //!
 //! This build writes version 4, a compact binary encoding, and reads
 //! versions 1 to 4. Version 1 is JSON (`{"v":1,...}`): readable, but a

@@ -20,13 +20,16 @@ use std::{
 use proptest::prelude::*;
 
 use super::{
-    Commit, DiskStore, DiskStoreConfig, Op, Store, StoreError, StoreHealth,
+    DiskStore, DiskStoreConfig,
     fs::{
         Fs,
         sim::{self, SimFs},
     },
 };
-use crate::lifecycle::{AllocId, AllocSpec, Allocation, Limits, TaskName, TaskSpec};
+use crate::{
+    lifecycle::{AllocId, AllocSpec, Allocation, Limits, TaskName, TaskSpec},
+    store::{Commit, Op, Store, StoreError, StoreHealth},
+};
 
 fn dir() -> PathBuf {
     PathBuf::from("/sim/data")
@@ -354,7 +357,7 @@ fn stray_temporary_files_are_removed_or_left_alone() {
     assert!(commit_puts(&store, 0, 3).iter().all(Result::is_ok));
     drop(store);
     let stray = [
-        (super::wal::SEGMENT_TEMP, true),
+        (super::log::SEGMENT_TEMP, true),
         (super::snapshot::NEXT_FILE, true),
         ("taskgate.wal.00000000000000000001.broken", false),
     ];

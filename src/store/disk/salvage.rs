@@ -15,12 +15,11 @@
 use std::{collections::BTreeMap, path::Path};
 
 use super::{
-    StoreError, disk,
     fs::RealFs,
-    record,
+    log, recovery,
     snapshot::{self, SNAPSHOT_FILE, SnapshotWriter},
-    wal,
 };
+use crate::store::{StoreError, record};
 
 /// What a salvage copied, and what it could not read.
 #[derive(Debug, Default)]
@@ -41,7 +40,7 @@ fn io(path: &Path, what: &str, e: std::io::Error) -> StoreError {
 /// Copies what can be read of data directory `from` into the new data
 /// directory `to`.
 pub fn salvage(from: &Path, to: &Path) -> Result<SalvageReport, StoreError> {
-    let _lock = disk::lock_shared(from)?;
+    let _lock = recovery::lock_shared(from)?;
     prepare(from, to)?;
     let mut report = SalvageReport::default();
     // ID → newest record; `None` once deleted.
@@ -72,7 +71,7 @@ pub fn salvage(from: &Path, to: &Path) -> Result<SalvageReport, StoreError> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(io(&snapshot_path, "read", e)),
     }
-    let segments = wal::list_segments(&RealFs, from).map_err(|e| io(from, "list", e))?;
+    let segments = log::list_segments(&RealFs, from).map_err(|e| io(from, "list", e))?;
     let mut lost_log_bytes = 0;
     let mut expected = folded.map(|f| f + 1);
     for (seq, path) in segments {
@@ -87,7 +86,7 @@ pub fn salvage(from: &Path, to: &Path) -> Result<SalvageReport, StoreError> {
         }
         expected = Some(seq + 1);
         let bytes = std::fs::read(&path).map_err(|e| io(&path, "read", e))?;
-        let unread = wal::salvage_with(&bytes, |id, index, record| {
+        let unread = log::salvage_with(&bytes, |id, index, record| {
             records.insert(id.to_owned(), record.map(<[u8]>::to_vec));
             report.last_index = report.last_index.max(index);
         });
@@ -119,9 +118,9 @@ pub fn salvage(from: &Path, to: &Path) -> Result<SalvageReport, StoreError> {
     }
     // A lost change may have used indexes above the highest one read; the
     // new directory goes on past every index they could have used (one per
-    // frame, and no frame is shorter than `wal::MIN_FRAME`), so no index a
+    // frame, and no frame is shorter than `log::MIN_FRAME`), so no index a
     // client saw is handed out twice.
-    let skipped = lost_log_bytes / wal::MIN_FRAME;
+    let skipped = lost_log_bytes / log::MIN_FRAME;
     if skipped > 0 {
         report.lost.push(format!(
             "indexes go on from {} ({skipped} above the highest one read, which the lost \
@@ -169,7 +168,7 @@ fn prepare(from: &Path, to: &Path) -> Result<(), StoreError> {
     std::fs::create_dir_all(to).map_err(|e| io(to, "create", e))
 }
 
-fn describe(lost: &mut Vec<String>, path: &Path, unread: &[wal::Unread]) {
+fn describe(lost: &mut Vec<String>, path: &Path, unread: &[log::Unread]) {
     for u in unread {
         lost.push(format!(
             "{}: bytes {} to {} ({} bytes) could not be read",

@@ -197,11 +197,6 @@ impl SimFs {
         self.state().image.clone()
     }
 
-    /// Operations so far.
-    pub fn ops(&self) -> u64 {
-        self.state().ops
-    }
-
     /// Fails an operation whenever `fault` says so.
     pub fn fail_with(&self, fault: impl FnMut(Op, &Path) -> Option<io::Error> + Send + 'static) {
         self.state().faults = Some(Box::new(fault));

@@ -31,7 +31,7 @@ use std::{
 
 use super::{
     fs::{Fs, FsFile, Open},
-    wal::{self, Overlay},
+    log::{self, Overlay},
 };
 
 /// The snapshot's name inside the data directory.
@@ -40,7 +40,7 @@ pub const SNAPSHOT_FILE: &str = "taskgate.snapshot";
 pub const NEXT_FILE: &str = "taskgate.snapshot.new";
 /// The snapshot a checkpoint replaced, kept under this name by `finish`
 /// so that the rename does not free its blocks all at once; the
-/// checkpoint thread removes it with `wal::remove_gently`.
+/// checkpoint thread removes it with `log::remove_gently`.
 pub const OLD_FILE: &str = "taskgate.snapshot.old";
 const MAGIC: [u8; 8] = *b"TGSNAP\0\x01";
 const END: [u8; 8] = *b"TGSNAPND";
@@ -331,7 +331,7 @@ pub struct Salvaged<'a> {
     /// Every record that passes its checksum: (ID, record).
     pub records: Vec<(&'a str, &'a [u8])>,
     /// The stretches that could not be read.
-    pub unread: Vec<wal::Unread>,
+    pub unread: Vec<log::Unread>,
     /// What the trailer says is wrong with the whole: missing (the file
     /// was cut short, or its end is damaged), or a count that differs
     /// from the records read.
@@ -357,7 +357,7 @@ pub fn salvage(bytes: &[u8]) -> Salvaged<'_> {
         out.folded = Some(u64_at(8));
         out.last_index = u64_at(16);
     } else {
-        out.unread.push(wal::Unread {
+        out.unread.push(log::Unread {
             from: 0,
             to: HEADER.min(bytes.len()) as u64,
         });
@@ -384,7 +384,7 @@ pub fn salvage(bytes: &[u8]) -> Salvaged<'_> {
         match record {
             Some((id, record, len)) => {
                 if let Some(from) = skipping.take() {
-                    out.unread.push(wal::Unread {
+                    out.unread.push(log::Unread {
                         from,
                         to: pos as u64,
                     });
@@ -399,7 +399,7 @@ pub fn salvage(bytes: &[u8]) -> Salvaged<'_> {
         }
     }
     if let Some(from) = skipping {
-        out.unread.push(wal::Unread {
+        out.unread.push(log::Unread {
             from,
             to: end as u64,
         });
@@ -602,7 +602,7 @@ mod tests {
         fold(&RealFs, dir.path(), &overlay(&[("a", None)], 3), 3).unwrap();
         assert_eq!(std::fs::read(&old).unwrap(), second);
         assert_eq!(contents(dir.path()), pairs(&[("b", "b2")]));
-        wal::remove_gently(&RealFs, &old).unwrap();
+        log::remove_gently(&RealFs, &old).unwrap();
         assert!(!old.exists());
         assert_eq!(contents(dir.path()), pairs(&[("b", "b2")]));
     }
