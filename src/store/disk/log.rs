@@ -1,43 +1,62 @@
 //! The disk store's write-ahead log.
 //!
-//! Every group commit is one append and one `fdatasync` to the current
-//! segment: sequential, and as cheap with a million allocations as with
-//! ten. Sealed segments are folded into the snapshot by a checkpoint
-//! thread (see `disk.rs`, `snapshot.rs`); recovery replays the segments
-//! not folded yet over what the snapshot holds.
+//! Every group commit is one append — one frame (`frame.rs`) — and one
+//! `fdatasync` to the current segment: sequential, and as cheap with a
+//! million allocations as with ten. Sealed segments are folded into the
+//! snapshot by a checkpoint (`checkpoint.rs`, `snapshot.rs`); recovery
+//! (`recovery.rs`) replays the segments not folded yet over what the
+//! snapshot holds.
 //!
 //! A segment is a file `taskgate.wal.<seq>` (20 decimal digits). It is
 //! written under a temporary name with its header, made durable and only
 //! then renamed into place, so a segment under its real name is never
-//! shorter than its header. Format 2 (integers little-endian):
+//! shorter than its header. Format 3 (integers little-endian):
 //!
 //! ```text
-//! header  = magic "TGWAL\0\0\x02" | seq: u64 | crc32(the 16 bytes before): u32 | 0: u32
-//! frame   = len: u32 | crc: u32 | chain: u32 | payload (len bytes)
-//!   crc   = crc32(len | payload)
-//!   chain = crc32(previous chain | len | crc); before the first frame, the header's crc32
-//! payload = kind: u8 (1 put, 2 delete) | index: u64 LE | id_len: u8 | id | record (put only)
+//! segment = header frame*
+//! header  = magic "TGWAL\0\0\x03" | seq: u64 | previous_len: u64 | previous_chain: u32
+//!         | crc32(the 28 bytes before): u32
+//! frame   = len: u32 | crc: u32 | chain: u32 | payload          one per append (frame.rs)
+//! payload = change+
+//! change  = len: u32 (of what follows) | kind: u8 (1 put, 2 delete) | index: u64
+//!         | id_len: u8 | id | record (put only: record.rs, as the snapshot holds it)
 //! ```
 //!
-//! The record is the same encoding the snapshot holds (`record.rs`). The
-//! requester computes `crc` on its own thread; the writer links each frame
-//! to the one before it (`chain`), which checks the frame's length on its
-//! own and ties every frame to its place in its segment.
+//! `previous_len` and `previous_chain` say where the segment before ended:
+//! its length and its last frame's chain (its header's crc32 if it has
+//! none) — or, after a checkpoint folded it, what the snapshot says it
+//! folded. So every sealed segment's end is vouched for by the next
+//! header: frames lost from the end of a sealed segment, even cut exactly
+//! at a frame boundary, are found, and a segment of another history does
+//! not follow. The first frame's chain starts from the header's crc32,
+//! which covers all of this.
 //!
-//! Replaying tells a torn tail from damage, as etcd's WAL does: an append
-//! is acknowledged only after its `fdatasync`, so a crash can leave only
-//! the end of the newest segment unfinished, and what it leaves is an
-//! append cut short, or the append's sectors that never reached the disk
-//! read as zeros to the end of the file. So a bad frame counts as torn
-//! only when it is the last thing in the file: too short for its head, a
-//! sound head whose payload runs past the end, or zeros from the frame's
-//! start (or from a sector boundary inside it) to the end of the file. Any
-//! other bad frame is damage to acknowledged changes, and the store
-//! refuses to start (`disk.rs`).
+//! The requester encodes its change on its own thread; the writer joins
+//! the changes of a batch into one frame, so an append is one frame
+//! whatever it holds. That is what makes a torn append recognizable:
 //!
-//! Format 1 (`"TGWAL\0\0\x01"`, a 16-byte header and `len | crc32(payload)`
-//! frame heads, no chain) is still read, so a log written by an earlier
-//! build replays; new segments are always format 2.
+//! ```text
+//!   ... | frame n: acknowledged, whole   | frame n+1: the append a crash cut            |EOF
+//!       | head | payload ............... | head | payload ............................ |
+//!   cut short:                           | head | payl|                                   the file ends inside it
+//!   sectors lost (in any order):         | head | pay 000000000000000 ad .. 00000000|     a sector reads as zeros
+//!   its head's sector lost:              |0000000000000000| payload .............. |
+//! ```
+//!
+//! An append is acknowledged only after its `fdatasync`, so only the last
+//! frame of the newest segment can be unfinished, and the disk may have
+//! written any of its sectors and not others, in no promised order (as
+//! etcd's WAL assumes). A bad frame is torn when it is cut short by the end
+//! of the file, or when it touches a sector of zeros and nothing
+//! acknowledged can follow it (`frame::torn_at` says exactly what that
+//! means). Any other bad frame is damage to acknowledged changes, and the
+//! store refuses to start (`recovery.rs`).
+//!
+//! Earlier formats are still read, so a log written by an earlier build
+//! replays: format 2 (`"TGWAL\0\0\x02"`, a 24-byte header `seq | crc32 |
+//! 0`, one frame per change with the change's fields as its payload, no
+//! `len`) and format 1 (`"TGWAL\0\0\x01"`, a 16-byte header, `len |
+//! crc32(payload)` heads, no chain). New segments are always format 3.
 
 use std::{
     collections::HashMap,
@@ -46,7 +65,10 @@ use std::{
     time::Duration,
 };
 
-use super::fs::{Fs, FsFile, Open};
+use super::{
+    frame::{self, HEAD, Head},
+    fs::{Fs, FsFile, Open},
+};
 
 /// Segment files are named this plus their sequence number.
 pub const SEGMENT_PREFIX: &str = "taskgate.wal.";
@@ -56,18 +78,17 @@ pub const SEGMENT_TEMP: &str = "taskgate.wal.new";
 /// this (and `.1`, `.2`, ... if that name is taken).
 pub const BROKEN_SUFFIX: &str = ".broken";
 const MAGIC_V1: [u8; 8] = *b"TGWAL\0\0\x01";
-const MAGIC: [u8; 8] = *b"TGWAL\0\0\x02";
+const MAGIC_V2: [u8; 8] = *b"TGWAL\0\0\x02";
+const MAGIC: [u8; 8] = *b"TGWAL\0\0\x03";
 const HEADER_V1: usize = 16;
-const HEADER: usize = 24;
+const HEADER_V2: usize = 24;
+const HEADER: usize = 32;
 const HEAD_V1: usize = 8;
-const HEAD: usize = 12;
-/// The shortest frame there is (a deletion of a one-byte ID, format 1).
-pub const MIN_FRAME: u64 = (HEAD_V1 + 1 + 8 + 1 + 1) as u64;
-/// No record comes near this; a larger length is damage, not a record.
-const MAX_PAYLOAD: usize = 1 << 30;
-/// The unit a disk writes whole or not at all: an append that reached the
-/// disk in part ends in zeros from a multiple of it.
-const SECTOR: usize = 512;
+/// A change's bytes before its ID: `len | kind | index | id_len`.
+const CHANGE_HEAD: usize = 4 + 1 + 8 + 1;
+/// The fewest bytes of the log one change can take (a deletion of a
+/// one-byte ID): a stretch of `n` lost bytes held at most `n / MIN_CHANGE`.
+pub const MIN_CHANGE: u64 = (CHANGE_HEAD + 1) as u64;
 const PUT: u8 = 1;
 const DELETE: u8 = 2;
 
@@ -85,6 +106,20 @@ impl Overlay {
         self.changes.insert(id, record);
         self.last_index = self.last_index.max(index);
     }
+}
+
+/// Where a segment ended: its length and its last frame's chain. A
+/// segment's header records its predecessor's; a snapshot records the last
+/// segment it folded.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct End {
+    pub len: u64,
+    pub chain: u32,
+}
+
+impl End {
+    /// Before the first segment of a data directory: nothing.
+    pub const NONE: End = End { len: 0, chain: 0 };
 }
 
 pub fn segment_path(dir: &Path, seq: u64) -> PathBuf {
@@ -109,19 +144,25 @@ pub fn list_segments(fs: &dyn Fs, dir: &Path) -> io::Result<Vec<(u64, PathBuf)>>
     Ok(found)
 }
 
-/// Appends one change as a frame to `buf`.
-pub fn frame(buf: &mut Vec<u8>, id: &str, index: u64, record: Option<&[u8]>) {
-    frame_with(buf, id, index, record.is_some(), |buf| {
+/// Starts an append: a frame's head, to fill once its changes follow
+/// (`Segment::append`).
+pub fn begin(buf: &mut Vec<u8>) {
+    buf.clear();
+    buf.extend_from_slice(&[0; HEAD]);
+}
+
+/// Appends one change to `buf`.
+pub fn change(buf: &mut Vec<u8>, id: &str, index: u64, record: Option<&[u8]>) {
+    change_with(buf, id, index, record.is_some(), |buf| {
         if let Some(r) = record {
             buf.extend_from_slice(r);
         }
     });
 }
 
-/// Appends a frame whose record (for a put) `fill` writes in place, so a
-/// record is encoded straight into its frame, with no copy. Its chain is
-/// left for the writer (`Segment::append`).
-pub fn frame_with(
+/// Appends a change whose record (for a put) `fill` writes in place, so a
+/// record is encoded straight into the bytes the writer appends.
+pub fn change_with(
     buf: &mut Vec<u8>,
     id: &str,
     index: u64,
@@ -130,7 +171,7 @@ pub fn frame_with(
 ) {
     let id_len = u8::try_from(id.len()).expect("allocation IDs are at most 128 bytes");
     let start = buf.len();
-    buf.extend_from_slice(&[0; HEAD]);
+    buf.extend_from_slice(&[0; 4]);
     buf.push(if put { PUT } else { DELETE });
     buf.extend_from_slice(&index.to_le_bytes());
     buf.push(id_len);
@@ -138,57 +179,97 @@ pub fn frame_with(
     if put {
         fill(buf);
     }
-    let len = u32::try_from(buf.len() - start - HEAD).expect("a record is far below 4 GiB");
-    let len = len.to_le_bytes();
-    let crc = frame_sum(true, &len, &buf[start + HEAD..]);
-    buf[start..start + 4].copy_from_slice(&len);
-    buf[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
+    let len = u32::try_from(buf.len() - start - 4).expect("a record is far below 4 GiB");
+    buf[start..start + 4].copy_from_slice(&len.to_le_bytes());
 }
 
-/// crc32 of `a` followed by `b`.
-fn crc_of(a: &[u8], b: &[u8]) -> u32 {
-    let mut h = crc32fast::Hasher::new();
-    h.update(a);
-    h.update(b);
-    h.finalize()
-}
-
-/// A frame's checksum: of its length and payload (format 2), of its
-/// payload alone (format 1).
-fn frame_sum(v2: bool, len: &[u8], payload: &[u8]) -> u32 {
-    if v2 {
-        crc_of(len, payload)
-    } else {
-        crc32fast::hash(payload)
-    }
-}
-
-/// The chain value of a frame head (`len | crc`) following `previous`.
-fn chain(previous: u32, len_crc: &[u8]) -> u32 {
-    crc_of(&previous.to_le_bytes(), len_crc)
-}
-
-/// Writes the chain of every frame in `frames` (whole frames, as
-/// `frame_with` builds them), the first following `previous`; returns the
-/// last frame's chain.
-fn link(frames: &mut [u8], mut previous: u32) -> u32 {
-    let mut pos = 0;
-    while pos < frames.len() {
-        let len = u32::from_le_bytes(frames[pos..pos + 4].try_into().expect("4 bytes"));
-        previous = chain(previous, &frames[pos..pos + 8]);
-        frames[pos + 8..pos + HEAD].copy_from_slice(&previous.to_le_bytes());
-        pos += HEAD + len as usize;
-    }
-    previous
-}
-
-fn header(seq: u64) -> [u8; HEADER] {
+fn header(seq: u64, previous: End) -> [u8; HEADER] {
     let mut header = [0u8; HEADER];
     header[..8].copy_from_slice(&MAGIC);
     header[8..16].copy_from_slice(&seq.to_le_bytes());
-    let crc = crc32fast::hash(&header[..16]);
-    header[16..20].copy_from_slice(&crc.to_le_bytes());
+    header[16..24].copy_from_slice(&previous.len.to_le_bytes());
+    header[24..28].copy_from_slice(&previous.chain.to_le_bytes());
+    let crc = crc32fast::hash(&header[..28]);
+    header[28..32].copy_from_slice(&crc.to_le_bytes());
     header
+}
+
+/// A segment's format, as its magic says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Version {
+    /// No chain, one change per frame.
+    V1,
+    /// Chained, one change per frame.
+    V2,
+    /// Chained, one append per frame, the previous segment's end in the
+    /// header.
+    V3,
+}
+
+/// A segment's header, read and checked.
+#[derive(Clone, Copy, Debug)]
+pub struct Header {
+    version: Version,
+    /// Where its frames start.
+    pub len: usize,
+    /// What its first frame's chain follows.
+    pub seed: u32,
+    /// Where the segment before it ended (format 3).
+    pub previous: Option<End>,
+}
+
+/// Reads segment `seq`'s header from its bytes: an error if it is not a
+/// segment's, damaged, or another segment's.
+pub fn read_header(bytes: &[u8], seq: u64) -> Result<Header, String> {
+    let short = || {
+        format!(
+            "it is {} bytes long, shorter than a segment header",
+            bytes.len()
+        )
+    };
+    let (version, len) = match () {
+        () if bytes.starts_with(&MAGIC) => (Version::V3, HEADER),
+        () if bytes.starts_with(&MAGIC_V2) => (Version::V2, HEADER_V2),
+        () if bytes.starts_with(&MAGIC_V1) => (Version::V1, HEADER_V1),
+        () if bytes.len() < MAGIC.len() && MAGIC.starts_with(bytes) => return Err(short()),
+        () => return Err("it does not start like a taskgate log segment".into()),
+    };
+    if bytes.len() < len {
+        return Err(short());
+    }
+    let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4"));
+    let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8"));
+    let (seed, previous) = match version {
+        Version::V1 => (0, None),
+        Version::V2 => {
+            let crc = crc32fast::hash(&bytes[..16]);
+            if u32_at(16) != crc || u32_at(20) != 0 {
+                return Err("its header is damaged".into());
+            }
+            (crc, None)
+        }
+        Version::V3 => {
+            let crc = crc32fast::hash(&bytes[..28]);
+            if u32_at(28) != crc {
+                return Err("its header is damaged".into());
+            }
+            let previous = End {
+                len: u64_at(16),
+                chain: u32_at(24),
+            };
+            (crc, Some(previous))
+        }
+    };
+    let stated = u64_at(8);
+    if stated != seq {
+        return Err(format!("its header says segment {stated}"));
+    }
+    Ok(Header {
+        version,
+        len,
+        seed,
+        previous,
+    })
 }
 
 /// What replaying one segment found.
@@ -200,8 +281,21 @@ pub struct Replayed {
     /// The first frame that did not read back, if any: everything from it
     /// on was not replayed.
     pub bad: Option<Bad>,
-    /// The chain of the last good frame (format 2).
+    /// The chain of the last good frame (the header's crc32 before any;
+    /// 0 in format 1): with `valid_len`, where the segment ends.
     pub chain: u32,
+    /// Where the segment before it ended, as its header says (format 3).
+    pub previous: Option<End>,
+}
+
+impl Replayed {
+    /// Where the segment ends, as far as it read back.
+    pub fn end(&self) -> End {
+        End {
+            len: self.valid_len,
+            chain: self.chain,
+        }
+    }
 }
 
 /// A frame that did not read back.
@@ -244,54 +338,79 @@ pub fn replay_with<'a>(
     seq: u64,
     mut each: impl FnMut(&'a str, u64, Option<&'a [u8]>),
 ) -> Result<Replayed, String> {
-    let v2 = bytes.starts_with(&MAGIC);
-    let (header, head) = match () {
-        () if v2 => (HEADER, HEAD),
-        () if bytes.starts_with(&MAGIC_V1) => (HEADER_V1, HEAD_V1),
-        () if bytes.len() < MAGIC.len() && MAGIC.starts_with(bytes) => {
-            return Err(format!(
-                "it is {} bytes long, shorter than a segment header",
-                bytes.len()
+    let header = read_header(bytes, seq)?;
+    if header.version == Version::V1 {
+        return replay_v1(bytes, each);
+    }
+    let mut pos = header.len;
+    let mut previous = header.seed;
+    let mut frames = 0;
+    let bad = loop {
+        let rest = &bytes[pos..];
+        if rest.is_empty() {
+            break None;
+        }
+        let bad = |what: &str| Bad {
+            at: pos as u64,
+            bytes: rest.len() as u64,
+            what: what.into(),
+            torn: frame::torn_at(bytes, pos, previous),
+        };
+        let Some(h) = rest.get(..HEAD).map(Head::read) else {
+            break Some(bad("is cut short in its head"));
+        };
+        if !h.links(previous) {
+            break Some(bad(
+                "has a damaged head (its length or checksums do not match the frame before)",
             ));
         }
-        () => return Err("it does not start like a taskgate log segment".into()),
-    };
-    if bytes.len() < header {
-        return Err(format!(
-            "it is {} bytes long, shorter than a segment header",
-            bytes.len()
-        ));
-    }
-    let stated = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"));
-    let mut previous = 0;
-    if v2 {
-        previous = crc32fast::hash(&bytes[..16]);
-        if bytes[16..20] != previous.to_le_bytes() || bytes[20..24] != [0; 4] {
-            return Err("its header is damaged".into());
+        if h.len > frame::MAX_PAYLOAD {
+            break Some(bad("has an impossible length"));
         }
-    }
-    if stated != seq {
-        return Err(format!("its header says segment {stated}"));
-    }
-    let mut pos = header;
+        let Some(payload) = rest.get(HEAD..HEAD + h.len) else {
+            break Some(bad("is cut short"));
+        };
+        if !h.fits(payload) {
+            break Some(bad("fails its checksum"));
+        }
+        let parsed = match header.version {
+            Version::V3 => changes(payload, &mut each),
+            _ => parse(payload).map(|(id, index, record)| each(id, index, record)),
+        };
+        parsed.map_err(|e| format!("the append at byte {pos} is damaged: {e}"))?;
+        previous = h.chain;
+        pos += HEAD + h.len;
+        frames += 1;
+    };
+    Ok(Replayed {
+        valid_len: pos as u64,
+        frames,
+        bad,
+        chain: previous,
+        previous: header.previous,
+    })
+}
+
+/// Format 1: no chain, so a damaged length cannot be told from an append
+/// that stopped midway; what is cut short, or reads as zeros to the end
+/// of the file from the frame's start or a sector inside it, is torn.
+fn replay_v1<'a>(
+    bytes: &'a [u8],
+    mut each: impl FnMut(&'a str, u64, Option<&'a [u8]>),
+) -> Result<Replayed, String> {
+    let mut pos = HEADER_V1;
     let mut frames = 0;
-    // Where the zeros at the end of the file start (its length if it does
-    // not end in zeros): a torn append leaves zeros from a sector boundary
-    // (or from where it began) to the end, never data after them.
     let zeros_from = bytes.len() - bytes.iter().rev().take_while(|&&b| b == 0).count();
     let bad = loop {
         let rest = &bytes[pos..];
         if rest.is_empty() {
             break None;
         }
-        // The bad frame at `pos`, which would end at `end`: torn if what
-        // is left of it runs out at the end of the file or turns to zeros
-        // for good before it ends.
         let bad = |what: &str, end: usize| {
             let zeros = if zeros_from <= pos {
                 pos
             } else {
-                zeros_from.next_multiple_of(SECTOR)
+                zeros_from.next_multiple_of(frame::SECTOR)
             };
             Bad {
                 at: pos as u64,
@@ -300,137 +419,55 @@ pub fn replay_with<'a>(
                 torn: end > bytes.len() || (zeros < bytes.len() && zeros <= end),
             }
         };
-        let Some(h) = rest.get(..head) else {
+        let Some(h) = rest.get(..HEAD_V1) else {
             break Some(bad("is cut short in its head", usize::MAX));
         };
         let len = u32::from_le_bytes(h[..4].try_into().expect("4 bytes")) as usize;
         let crc = u32::from_le_bytes(h[4..8].try_into().expect("4 bytes"));
-        if v2 {
-            let linked = u32::from_le_bytes(h[8..12].try_into().expect("4 bytes"));
-            if chain(previous, &h[..8]) != linked {
-                break Some(bad(
-                    "has a damaged head (its length or checksums do not match the frame before)",
-                    pos + head,
-                ));
-            }
-            previous = linked;
-        } else if len > rest.len() {
-            // Format 1 cannot tell a damaged length from an append that
-            // stopped midway.
-            break Some(bad("is cut short", usize::MAX));
-        }
-        if len > MAX_PAYLOAD {
-            break Some(bad("has an impossible length", pos + head));
-        }
-        let Some(payload) = rest.get(head..head + len) else {
-            // A sound head whose payload runs past the end: the append
-            // stopped midway.
+        let Some(payload) = rest.get(HEAD_V1..HEAD_V1.saturating_add(len)) else {
             break Some(bad("is cut short", usize::MAX));
         };
-        if frame_sum(v2, &rest[..4], payload) != crc {
-            break Some(bad("fails its checksum", pos + head + len));
+        if crc32fast::hash(payload) != crc {
+            break Some(bad("fails its checksum", pos + HEAD_V1 + len));
         }
         let (id, index, record) =
             parse(payload).map_err(|e| format!("the change at byte {pos} is damaged: {e}"))?;
         each(id, index, record);
-        pos += head + len;
+        pos += HEAD_V1 + len;
         frames += 1;
     };
     Ok(Replayed {
         valid_len: pos as u64,
         frames,
         bad,
-        chain: previous,
+        chain: 0,
+        previous: None,
     })
 }
 
-/// A stretch of a file that could not be read.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Unread {
-    pub from: u64,
-    pub to: u64,
-}
-
-/// Every change of a segment that can still be read, however damaged it
-/// is (`taskgate dump --salvage`): frames are read as `replay_with` reads
-/// them, and past a bad one the next offset at which a whole frame passes
-/// its checksum and parses is taken up again (its chain is not checked:
-/// the frames before it are lost). Returns the stretches skipped; the
-/// header may be damaged too (its bytes are then skipped like the rest).
-pub fn salvage_with<'a>(
-    bytes: &'a [u8],
+/// Hands each change of a format-3 frame's payload to `each`.
+fn changes<'a>(
+    mut payload: &'a [u8],
     mut each: impl FnMut(&'a str, u64, Option<&'a [u8]>),
-) -> Vec<Unread> {
-    let v1 = bytes.starts_with(&MAGIC_V1);
-    let (mut pos, head) = if v1 {
-        (HEADER_V1, HEAD_V1)
-    } else {
-        (HEADER, HEAD)
-    };
-    let mut unread: Vec<Unread> = Vec::new();
-    if !v1 && !bytes.starts_with(&MAGIC) {
-        unread.push(Unread {
-            from: 0,
-            to: (pos.min(bytes.len())) as u64,
-        });
+) -> Result<(), &'static str> {
+    if payload.is_empty() {
+        return Err("it holds no change");
     }
-    let mut skipping: Option<usize> = None;
-    while pos < bytes.len() {
-        let frame = bytes.get(pos..pos + head).and_then(|h| {
-            let len = u32::from_le_bytes(h[..4].try_into().expect("4 bytes")) as usize;
-            let crc = u32::from_le_bytes(h[4..8].try_into().expect("4 bytes"));
-            let payload = bytes.get(pos + head..(pos + head).checked_add(len)?)?;
-            (frame_sum(!v1, &bytes[pos..pos + 4], payload) == crc).then_some(())?;
-            parse(payload).ok().map(|change| (change, head + len))
-        });
-        match frame {
-            Some(((id, index, record), len)) => {
-                if let Some(from) = skipping.take() {
-                    unread.push(Unread {
-                        from: from as u64,
-                        to: pos as u64,
-                    });
-                }
-                each(id, index, record);
-                pos += len;
-            }
-            None => {
-                skipping.get_or_insert(pos);
-                pos += 1;
-            }
-        }
+    while !payload.is_empty() {
+        let len = payload.get(..4).ok_or("a change is cut short")?;
+        let len = u32::from_le_bytes(len.try_into().expect("4 bytes")) as usize;
+        let change = payload
+            .get(4..4 + len)
+            .ok_or("a change runs past its append")?;
+        let (id, index, record) = parse(change)?;
+        each(id, index, record);
+        payload = &payload[4 + len..];
     }
-    if let Some(from) = skipping {
-        unread.push(Unread {
-            from: from as u64,
-            to: bytes.len() as u64,
-        });
-    }
-    unread
+    Ok(())
 }
 
-/// Appends to segment `path` what a crash in the middle of appending
-/// `frame` (built by `frame_with`) may leave: its first `keep` bytes
-/// (less than all of it), then `zeros` zero bytes (sectors the append was
-/// given that never reached the disk: with zeros, `keep` is taken back to
-/// a sector boundary of the file or to the frame's start).
-#[cfg(test)]
-pub fn append_unfinished(path: &Path, frame: &mut [u8], keep: usize, zeros: usize) {
-    let mut bytes = std::fs::read(path).unwrap();
-    let seq = u64::from_le_bytes(bytes[8..16].try_into().unwrap());
-    let r = replay_with(&bytes, seq, |_, _, _| {}).unwrap();
-    assert!(r.bad.is_none(), "appended after a whole segment");
-    link(frame, r.chain);
-    let mut keep = keep.min(frame.len() - 1);
-    if zeros > 0 {
-        let end = (bytes.len() + keep) / SECTOR * SECTOR;
-        keep = end.saturating_sub(bytes.len()).min(keep);
-    }
-    bytes.extend_from_slice(&frame[..keep]);
-    bytes.resize(bytes.len() + zeros, 0);
-    std::fs::write(path, bytes).unwrap();
-}
-
+/// One change's fields (without its length): `kind | index | id_len | id
+/// | record`.
 fn parse(payload: &[u8]) -> Result<(&str, u64, Option<&[u8]>), &'static str> {
     let (&kind, rest) = payload.split_first().ok_or("empty")?;
     let index = rest.get(..8).ok_or("too short")?;
@@ -447,13 +484,191 @@ fn parse(payload: &[u8]) -> Result<(&str, u64, Option<&[u8]>), &'static str> {
     }
 }
 
+/// One change salvage found, where it lies.
+#[derive(Debug)]
+pub struct Found<'a> {
+    pub id: &'a str,
+    pub index: u64,
+    pub record: Option<&'a [u8]>,
+}
+
+/// What salvage read of one segment.
+#[derive(Debug, Default)]
+pub struct Salvaged<'a> {
+    /// Every change it can prove, in the order they lie.
+    pub changes: Vec<Found<'a>>,
+    /// The stretches it could not.
+    pub unread: Vec<frame::Unread>,
+    /// Where its proven frames end (their length and last chain).
+    pub end: End,
+    /// Whether the segment ends as `vouched` said.
+    pub ends_as_vouched: bool,
+}
+
+/// Every change of segment `seq` that can be proven, however damaged it is
+/// (`taskgate dump --salvage`): frames are read as `frame::salvage` reads
+/// them (a frame is taken only if its chain links, or if it starts a run
+/// of linked frames to the segment's vouched end), to `vouched` (what the
+/// next segment's header says of this one's end; `None` for the newest,
+/// read to the end of the file). A damaged header is read past as far as
+/// can be: its frames are then only taken from a run.
+pub fn salvage(bytes: &[u8], seq: u64, vouched: Option<End>) -> Salvaged<'_> {
+    let end = match vouched {
+        Some(e) => frame::End::Vouched {
+            at: usize::try_from(e.len).unwrap_or(usize::MAX),
+            chain: e.chain,
+        },
+        None => frame::End::File,
+    };
+    let mut out = Salvaged::default();
+    let header = read_header(bytes, seq);
+    if let Ok(Header {
+        version: Version::V1,
+        ..
+    }) = header
+    {
+        return salvage_v1(bytes);
+    }
+    let (version, start, seed) = match header {
+        Ok(h) => (h.version, h.len, h.seed),
+        Err(_) => {
+            // The header is lost: only runs can be taken, in this build's
+            // format if the magic does not say.
+            let v2 = bytes.starts_with(&MAGIC_V2);
+            let start = if v2 { HEADER_V2 } else { HEADER };
+            out.unread.push(frame::Unread {
+                from: 0,
+                to: start.min(bytes.len()) as u64,
+            });
+            (if v2 { Version::V2 } else { Version::V3 }, start, 0)
+        }
+    };
+    let read = frame::salvage(bytes, start.min(bytes.len()), seed, end);
+    let mut last = End {
+        len: start as u64,
+        chain: seed,
+    };
+    for &(at, payload) in &read.frames {
+        let mut found = Vec::new();
+        let parsed = match version {
+            Version::V3 => changes(payload, |id, index, record| {
+                found.push((id, index, record));
+            }),
+            _ => parse(payload).map(|c| found.push(c)),
+        };
+        let end = (at + HEAD + payload.len()) as u64;
+        if parsed.is_err() {
+            // Passes its checks but does not parse: lost all the same.
+            out.unread.push(frame::Unread {
+                from: at as u64,
+                to: end,
+            });
+            continue;
+        }
+        let h = Head::read(&bytes[at..]);
+        last = End {
+            len: end,
+            chain: h.chain,
+        };
+        out.changes
+            .extend(
+                found
+                    .into_iter()
+                    .map(|(id, index, record)| Found { id, index, record }),
+            );
+    }
+    out.unread.extend(read.unread);
+    out.unread.sort_by_key(|u| u.from);
+    out.end = last;
+    out.ends_as_vouched = read.ends_as_vouched;
+    out
+}
+
+/// Format 1 salvage: no chain, so past damage the next offset at which a
+/// whole frame passes its checksum and parses is taken up again.
+fn salvage_v1(bytes: &[u8]) -> Salvaged<'_> {
+    let mut out = Salvaged {
+        ends_as_vouched: true,
+        ..Salvaged::default()
+    };
+    let mut pos = HEADER_V1;
+    let mut skipping: Option<usize> = None;
+    while pos < bytes.len() {
+        let frame = bytes.get(pos..pos + HEAD_V1).and_then(|h| {
+            let len = u32::from_le_bytes(h[..4].try_into().expect("4 bytes")) as usize;
+            let crc = u32::from_le_bytes(h[4..8].try_into().expect("4 bytes"));
+            let payload = bytes.get(pos + HEAD_V1..(pos + HEAD_V1).checked_add(len)?)?;
+            (crc32fast::hash(payload) == crc).then_some(())?;
+            parse(payload).ok().map(|change| (change, HEAD_V1 + len))
+        });
+        match frame {
+            Some(((id, index, record), len)) => {
+                if let Some(from) = skipping.take() {
+                    out.unread.push(frame::Unread {
+                        from: from as u64,
+                        to: pos as u64,
+                    });
+                }
+                out.changes.push(Found { id, index, record });
+                pos += len;
+            }
+            None => {
+                skipping.get_or_insert(pos);
+                pos += 1;
+            }
+        }
+    }
+    if let Some(from) = skipping {
+        out.unread.push(frame::Unread {
+            from: from as u64,
+            to: bytes.len() as u64,
+        });
+    }
+    out
+}
+
+/// One append of one change, ready for `Segment::append`.
+#[cfg(test)]
+pub fn one_append(id: &str, index: u64, record: Option<&[u8]>) -> Vec<u8> {
+    let mut buf = Vec::new();
+    begin(&mut buf);
+    change(&mut buf, id, index, record);
+    buf
+}
+
+/// Appends to segment `path` what a crash in the middle of appending the
+/// changes in `changes` (built by `change`) may leave: its frame's first
+/// `keep` bytes (less than all of it), then `zeros` zero bytes (sectors
+/// the append was given that never reached the disk: with zeros, `keep`
+/// is taken back to a sector boundary of the file or to the frame's
+/// start).
+#[cfg(test)]
+pub fn append_unfinished(path: &Path, changes: &[u8], keep: usize, zeros: usize) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let seq = u64::from_le_bytes(bytes[8..16].try_into().unwrap());
+    let r = replay_with(&bytes, seq, |_, _, _| {}).unwrap();
+    assert!(r.bad.is_none(), "appended after a whole segment");
+    let mut frame = Vec::new();
+    begin(&mut frame);
+    frame.extend_from_slice(changes);
+    frame::seal(&mut frame, r.chain);
+    let mut keep = keep.min(frame.len() - 1);
+    if zeros > 0 {
+        let end = (bytes.len() + keep) / frame::SECTOR * frame::SECTOR;
+        keep = end.saturating_sub(bytes.len()).min(keep);
+    }
+    bytes.extend_from_slice(&frame[..keep]);
+    bytes.resize(bytes.len() + zeros, 0);
+    std::fs::write(path, bytes).unwrap();
+}
+
 /// The segment being appended to.
 pub struct Segment {
     file: Box<dyn FsFile>,
     pub seq: u64,
     /// Bytes written, header included.
     pub len: u64,
-    /// The chain of the last frame written (the header's checksum before
+    /// The chain of the last frame written (the header's crc32 before
     /// the first).
     chain: u32,
 }
@@ -462,13 +677,14 @@ impl Segment {
     /// Bytes of an empty segment.
     pub const HEADER_LEN: u64 = HEADER as u64;
 
-    /// Creates segment `seq` in `dir`: written under `SEGMENT_TEMP` with its
-    /// header, made durable, renamed to its name, the directory made
-    /// durable. A crash at any point leaves no segment or a whole header.
-    pub fn create(fs: &dyn Fs, dir: &Path, seq: u64) -> io::Result<Self> {
+    /// Creates segment `seq` in `dir`, following a segment that ended at
+    /// `previous`: written under `SEGMENT_TEMP` with its header, made
+    /// durable, renamed to its name, the directory made durable. A crash at
+    /// any point leaves no segment or a whole header.
+    pub fn create(fs: &dyn Fs, dir: &Path, seq: u64, previous: End) -> io::Result<Self> {
         let temp = dir.join(SEGMENT_TEMP);
         let mut file = fs.open(&temp, Open::Truncate)?;
-        let header = header(seq);
+        let header = header(seq, previous);
         let written = file
             .write_all(&header)
             .and_then(|()| file.sync_all())
@@ -483,7 +699,7 @@ impl Segment {
             file,
             seq,
             len: Self::HEADER_LEN,
-            chain: crc32fast::hash(&header[..16]),
+            chain: u32::from_le_bytes(header[28..32].try_into().expect("4 bytes")),
         })
     }
 
@@ -500,13 +716,22 @@ impl Segment {
         })
     }
 
-    /// Links `frames` (whole frames, as `frame_with` builds them) to the
-    /// segment's last frame, appends them and makes them durable.
-    pub fn append(&mut self, frames: &mut [u8]) -> io::Result<()> {
-        let chain = link(frames, self.chain);
-        self.file.write_all(frames)?;
+    /// Where the segment ends now.
+    pub fn end(&self) -> End {
+        End {
+            len: self.len,
+            chain: self.chain,
+        }
+    }
+
+    /// Appends one frame: `frame` is `begin` followed by the changes
+    /// (`change_with`); its head is filled in here, linked to the
+    /// segment's last frame, and it is written and made durable.
+    pub fn append(&mut self, frame: &mut [u8]) -> io::Result<()> {
+        let chain = frame::seal(frame, self.chain);
+        self.file.write_all(frame)?;
         self.file.sync_data()?;
-        self.len += frames.len() as u64;
+        self.len += frame.len() as u64;
         self.chain = chain;
         Ok(())
     }
@@ -584,6 +809,7 @@ pub fn remove_gently(fs: &dyn Fs, path: &Path) -> io::Result<()> {
 }
 
 #[cfg(test)]
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::store::fs::RealFs;
@@ -614,19 +840,17 @@ mod tests {
         remove_gently(&RealFs, &other).unwrap();
     }
 
+    type Change<'a> = (&'a str, u64, Option<&'a [u8]>);
+
     /// Segment `seq` in `dir` holding `changes`, appended in batches of
-    /// `per_append`; returns its bytes.
-    fn segment_in(
-        dir: &Path,
-        seq: u64,
-        changes: &[(&str, u64, Option<&[u8]>)],
-        per_append: usize,
-    ) -> Vec<u8> {
-        let mut s = Segment::create(&RealFs, dir, seq).unwrap();
+    /// `per_append` (one frame each); returns its bytes.
+    fn segment_in(dir: &Path, seq: u64, changes: &[Change<'_>], per_append: usize) -> Vec<u8> {
+        let mut s = Segment::create(&RealFs, dir, seq, End::NONE).unwrap();
         for batch in changes.chunks(per_append.max(1)) {
             let mut buf = Vec::new();
+            begin(&mut buf);
             for (id, index, record) in batch {
-                frame(&mut buf, id, *index, *record);
+                change(&mut buf, id, *index, *record);
             }
             s.append(&mut buf).unwrap();
         }
@@ -635,12 +859,12 @@ mod tests {
         bytes
     }
 
-    fn segment(dir: &Path, seq: u64, changes: &[(&str, u64, Option<&[u8]>)]) -> Vec<u8> {
+    fn segment(dir: &Path, seq: u64, changes: &[Change<'_>]) -> Vec<u8> {
         segment_in(dir, seq, changes, 1)
     }
 
-    /// `n` puts of records of `size` bytes, in two appends.
-    fn many(dir: &Path, n: u64, size: usize) -> Vec<u8> {
+    /// `n` puts of records of `size` bytes, `per_append` to an append.
+    fn many(dir: &Path, n: u64, size: usize, per_append: usize) -> Vec<u8> {
         let ids: Vec<String> = (0..n).map(|i| format!("alloc-{i}")).collect();
         let record = vec![0x5a; size];
         let changes: Vec<_> = ids
@@ -648,11 +872,22 @@ mod tests {
             .zip(1..)
             .map(|(id, i)| (id.as_str(), i, Some(&record[..])))
             .collect();
-        segment_in(dir, 1, &changes, changes.len() / 2)
+        segment_in(dir, 1, &changes, per_append)
+    }
+
+    /// Where each frame of `bytes` (segment 1) starts, and the end.
+    fn boundaries(bytes: &[u8]) -> Vec<usize> {
+        let mut at = HEADER;
+        let mut all = vec![at];
+        while at < bytes.len() {
+            at += HEAD + Head::read(&bytes[at..]).len;
+            all.push(at);
+        }
+        all
     }
 
     #[test]
-    fn frames_replay_in_order_and_the_newest_change_wins() {
+    fn appends_replay_in_order_and_the_newest_change_wins() {
         let dir = tempfile::tempdir().unwrap();
         let bytes = segment_in(
             dir.path(),
@@ -669,11 +904,13 @@ mod tests {
         let r = replay(&bytes, 7, &mut o).unwrap();
         assert_eq!(
             (r.valid_len, r.frames, r.bad),
-            (bytes.len() as u64, 4, None)
+            (bytes.len() as u64, 2, None),
+            "two appends"
         );
-        // The last frame's chain (a deletion of "b": 11 bytes of payload).
-        let last_chain = &bytes[bytes.len() - 11 - 4..][..4];
+        // The last frame's chain (one deletion of "b": 15 bytes).
+        let last_chain = &bytes[bytes.len() - 15 - 4..][..4];
         assert_eq!(r.chain.to_le_bytes(), last_chain);
+        assert_eq!(r.previous, Some(End::NONE));
         assert_eq!(o.changes["a"].as_deref(), Some(&b"three"[..]));
         assert_eq!(o.changes["b"], None);
         assert_eq!(o.last_index, 4);
@@ -685,14 +922,33 @@ mod tests {
     }
 
     #[test]
-    fn an_unfinished_append_at_every_cut_is_torn_and_keeps_the_frames_before_it() {
+    fn a_header_records_where_the_segment_before_ended() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = segment(dir.path(), 1, &[("a", 1, Some(b"x"))]);
+        let end = replay(&first, 1, &mut Overlay::default()).unwrap().end();
+        assert_eq!(end.len, first.len() as u64);
+        let second = Segment::create(&RealFs, dir.path(), 2, end).unwrap();
+        assert_eq!(second.end().len, Segment::HEADER_LEN);
+        let bytes = std::fs::read(segment_path(dir.path(), 2)).unwrap();
+        let r = replay(&bytes, 2, &mut Overlay::default()).unwrap();
+        assert_eq!(r.previous, Some(end));
+        // Every byte of the header is checked.
+        for at in 0..HEADER {
+            let mut bad = bytes.clone();
+            bad[at] ^= 0x20;
+            assert!(read_header(&bad, 2).is_err(), "byte {at}");
+        }
+    }
+
+    #[test]
+    fn an_unfinished_append_at_every_cut_is_torn_and_keeps_the_appends_before_it() {
         let dir = tempfile::tempdir().unwrap();
         let bytes = segment(
             dir.path(),
             1,
             &[("a", 1, Some(b"first")), ("b", 2, Some(b"second"))],
         );
-        let first_end = HEADER + HEAD + 1 + 8 + 1 + 1 + 5;
+        let first_end = HEADER + HEAD + CHANGE_HEAD + 1 + 5;
         for cut in 0..bytes.len() {
             let mut o = Overlay::default();
             let r = replay(&bytes[..cut], 1, &mut o);
@@ -722,9 +978,9 @@ mod tests {
     #[test]
     fn no_flipped_bit_looks_like_a_torn_tail() {
         let dir = tempfile::tempdir().unwrap();
-        let good = many(dir.path(), 12, 40);
+        let good = many(dir.path(), 12, 40, 3);
         let frames = replay(&good, 1, &mut Overlay::default()).unwrap().frames;
-        assert_eq!(frames, 12);
+        assert_eq!(frames, 4);
         for at in 0..good.len() {
             for bit in [0x01, 0x80] {
                 let mut bad = good.clone();
@@ -742,38 +998,46 @@ mod tests {
     }
 
     #[test]
-    fn zeros_to_the_end_are_torn_a_zeroed_block_before_good_frames_is_not() {
+    fn zeros_to_the_end_are_torn_a_zeroed_block_before_good_appends_is_not() {
         let dir = tempfile::tempdir().unwrap();
-        let good = many(dir.path(), 40, 300);
+        let good = many(dir.path(), 40, 300, 1);
         assert!(good.len() > 3 * 4096);
-        // A 4 KiB block zeroed in the middle: frames follow it.
-        let mut bad = good.clone();
-        bad[4096..8192].fill(0);
-        let r = replay(&bad, 1, &mut Overlay::default()).unwrap();
-        let b = r.bad.unwrap();
-        assert!(!b.torn, "{b:?}");
-        assert!(b.at < 4096, "{b:?}");
-        // Zeros from a frame boundary, or from inside a frame, to the end:
-        // space the file had been given but the append never filled.
+        // A 4 KiB block zeroed in the middle: appends follow it, whether
+        // the block starts in a payload or takes a head with it.
+        for from in [4096, boundaries(&good)[10] / 512 * 512] {
+            let mut bad = good.clone();
+            bad[from..from + 4096].fill(0);
+            let r = replay(&bad, 1, &mut Overlay::default()).unwrap();
+            let b = r.bad.unwrap();
+            assert!(!b.torn, "zeros from {from}: {b:?}");
+            assert!(b.at < from as u64 + 4096, "{b:?}");
+        }
+        // Zeros from the last frame's start, or from a sector inside it,
+        // to the end: space the file had been given but the append never
+        // filled.
         let r = replay(&good, 1, &mut Overlay::default()).unwrap();
         assert!(r.bad.is_none());
-        // A frame boundary (the append began there), and sector boundaries.
-        let boundary = replay(&good[..good.len() - 1000], 1, &mut Overlay::default())
-            .unwrap()
-            .valid_len as usize;
-        let aligned = |at: usize| at.next_multiple_of(SECTOR);
-        for from in [
-            boundary,
-            aligned(good.len() - 4096),
-            aligned(good.len() - 1000),
-        ] {
+        let last = *boundaries(&good).iter().rev().nth(1).unwrap();
+        let inside = (last + HEAD).next_multiple_of(512);
+        assert!(inside < good.len());
+        for from in [last, inside] {
             let mut bad = good.clone();
             bad[from..].fill(0);
             let r = replay(&bad, 1, &mut Overlay::default()).unwrap();
             let b = r.bad.unwrap();
             assert!(b.torn, "zeros from {from}: {b:?}");
-            assert!(r.valid_len <= from as u64);
+            assert_eq!(r.valid_len, last as u64);
         }
+        // From inside the append before it: that one was acknowledged.
+        let mut bad = good.clone();
+        bad[last - 1..].fill(0);
+        assert!(
+            !replay(&bad, 1, &mut Overlay::default())
+                .unwrap()
+                .bad
+                .unwrap()
+                .torn
+        );
         let mut longer = good.clone();
         longer.resize(good.len() + 8192, 0);
         let r = replay(&longer, 1, &mut Overlay::default()).unwrap();
@@ -781,29 +1045,82 @@ mod tests {
         assert!(r.bad.unwrap().torn);
     }
 
+    /// etcd's rule: the last append of the newest segment is torn if any
+    /// of its sectors reads as zeros, wherever it lies in it (the disk
+    /// wrote a later sector but not that one), its head's included; not if
+    /// a whole append follows, nor if it is damaged some other way.
     #[test]
-    fn a_last_frame_zeroed_from_a_sector_boundary_is_torn_a_damaged_one_is_not() {
+    fn a_last_append_with_any_sector_lost_is_torn() {
         let dir = tempfile::tempdir().unwrap();
-        // Two frames of 2 KiB records: each spans whole sectors.
-        let good = many(dir.path(), 2, 2048);
-        let first_end = HEADER + HEAD + 1 + 8 + 1 + "alloc-0".len() + 2048;
-        let sector = first_end.next_multiple_of(SECTOR);
-        for from in [sector, sector + SECTOR, good.len() - 1] {
+        // Ten appends of four ~600-byte changes: each spans several sectors.
+        let good = many(dir.path(), 40, 600, 4);
+        let frames = boundaries(&good);
+        let last = frames[frames.len() - 2];
+        assert!(good.len() - last > 4 * 512);
+        let sectors = |from: usize, to: usize| {
+            (from / 512..to.div_ceil(512))
+                .map(|k| k * 512)
+                .collect::<Vec<_>>()
+        };
+        for sector in sectors(last, good.len()) {
             let mut bad = good.clone();
-            bad[from..].fill(0);
+            let end = (sector + 512).min(good.len());
+            bad[sector..end].fill(0);
+            if bad[..last] != good[..last] {
+                continue; // that sector also held the append before
+            }
             let r = replay(&bad, 1, &mut Overlay::default()).unwrap();
-            assert_eq!(r.frames, 1);
-            let b = r.bad.unwrap();
-            assert_eq!(b.at, first_end as u64);
-            // The last byte alone is no sector of its own.
-            assert_eq!(b.torn, from < good.len() - 1, "zeros from {from}: {b:?}");
+            let b = r
+                .bad
+                .unwrap_or_else(|| panic!("sector {sector}: unnoticed"));
+            assert!(b.torn, "sector {sector}: {b:?}");
+            assert_eq!(r.valid_len, last as u64, "sector {sector}");
         }
-        // A zeroed sector with data after it: damage, even in the last frame.
+        // The same sectors lost in the append before the last: a whole
+        // append follows, so it is damage.
+        let before = frames[frames.len() - 3];
+        for sector in sectors(before + 512, last - 512) {
+            let mut bad = good.clone();
+            bad[sector..sector + 512].fill(0);
+            let r = replay(&bad, 1, &mut Overlay::default()).unwrap();
+            assert!(!r.bad.unwrap().torn, "sector {sector}");
+        }
+        // A flipped byte in the last append, with no sector of zeros.
         let mut bad = good.clone();
-        bad[sector..sector + SECTOR].fill(0);
+        bad[good.len() - 700] ^= 0x01;
         let r = replay(&bad, 1, &mut Overlay::default()).unwrap();
-        assert_eq!(r.frames, 1);
         assert!(!r.bad.unwrap().torn);
+    }
+
+    /// Out of order and cut short at once, as `fs::sim` tears appends:
+    /// any set of the last append's sectors lost, the file ending anywhere
+    /// in it. Always torn, and what was acknowledged before stays.
+    #[test]
+    fn any_sectors_of_the_last_append_lost_and_any_cut_is_torn() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = many(dir.path(), 12, 500, 4);
+        let frames = boundaries(&good);
+        let last = frames[frames.len() - 2];
+        let mut rng = fastrand::Rng::with_seed(7);
+        for _ in 0..2000 {
+            let cut = rng.usize(last + 1..=good.len());
+            let mut bad = good[..cut].to_vec();
+            let mut at = last;
+            while at < bad.len() {
+                let end = (at + 1).next_multiple_of(512).min(bad.len());
+                if rng.bool() {
+                    bad[at..end].fill(0);
+                }
+                at = end;
+            }
+            let r = replay(&bad, 1, &mut Overlay::default()).unwrap();
+            if bad == good {
+                continue;
+            }
+            let b = r.bad.unwrap();
+            assert!(b.torn, "cut at {cut}: {b:?}");
+            assert_eq!(r.valid_len, last as u64);
+        }
     }
 
     #[test]
@@ -819,7 +1136,7 @@ mod tests {
         assert_eq!(r.frames, 0);
         assert!(!r.bad.unwrap().torn);
         // Two frames swapped.
-        let first = HEAD + 1 + 8 + 1 + 1 + 1;
+        let first = HEAD + CHANGE_HEAD + 2;
         let mut swapped = a[..HEADER].to_vec();
         swapped.extend_from_slice(&a[HEADER + first..]);
         swapped.extend_from_slice(&a[HEADER..HEADER + first]);
@@ -827,8 +1144,28 @@ mod tests {
         assert_eq!(r.frames, 0);
     }
 
+    /// A format-2 segment as an earlier build wrote it: one frame per
+    /// change, the change's fields as its payload.
+    fn v2_segment(seq: u64, changes: &[Change<'_>]) -> Vec<u8> {
+        let mut bytes = MAGIC_V2.to_vec();
+        bytes.extend_from_slice(&seq.to_le_bytes());
+        let crc = crc32fast::hash(&bytes);
+        bytes.extend_from_slice(&crc.to_le_bytes());
+        bytes.extend_from_slice(&[0; 4]);
+        let mut previous = crc;
+        for (id, index, record) in changes {
+            let mut one = Vec::new();
+            change(&mut one, id, *index, *record);
+            let mut f = vec![0; HEAD];
+            f.extend_from_slice(&one[4..]);
+            previous = frame::seal(&mut f, previous);
+            bytes.extend_from_slice(&f);
+        }
+        bytes
+    }
+
     #[test]
-    fn a_log_of_the_first_format_still_replays() {
+    fn logs_of_earlier_formats_still_replay() {
         let mut bytes = MAGIC_V1.to_vec();
         bytes.extend_from_slice(&3u64.to_le_bytes());
         for (kind, index, id, record) in [(PUT, 5u64, "a", &b"rec"[..]), (DELETE, 6, "b", b"")] {
@@ -843,7 +1180,7 @@ mod tests {
         }
         let mut o = Overlay::default();
         let r = replay(&bytes, 3, &mut o).unwrap();
-        assert_eq!((r.frames, r.bad), (2, None));
+        assert_eq!((r.frames, r.bad, r.previous), (2, None, None));
         assert_eq!(o.changes["a"].as_deref(), Some(&b"rec"[..]));
         assert_eq!(o.changes["b"], None);
         assert_eq!(o.last_index, 6);
@@ -851,6 +1188,17 @@ mod tests {
         bytes[last] ^= 1;
         let r = replay(&bytes, 3, &mut o).unwrap();
         assert!(!r.bad.unwrap().torn);
+
+        let v2 = v2_segment(4, &[("a", 7, Some(b"new")), ("c", 8, None)]);
+        let mut o = Overlay::default();
+        let r = replay(&v2, 4, &mut o).unwrap();
+        assert_eq!((r.frames, r.bad, r.previous), (2, None, None));
+        assert_eq!(o.changes["a"].as_deref(), Some(&b"new"[..]));
+        assert_eq!(o.changes["c"], None);
+        for cut in HEADER_V2..v2.len() {
+            let r = replay(&v2[..cut], 4, &mut Overlay::default()).unwrap();
+            assert!(r.bad.is_none_or(|b| b.torn), "cut at {cut}");
+        }
     }
 
     #[test]
@@ -870,18 +1218,34 @@ mod tests {
     }
 
     #[test]
-    fn a_frame_that_passes_its_checks_but_does_not_parse_is_damage() {
+    fn an_append_that_passes_its_checks_but_does_not_parse_is_damage() {
         let dir = tempfile::tempdir().unwrap();
-        let mut bytes = segment(dir.path(), 1, &[]);
-        let mut buf = Vec::new();
-        frame(&mut buf, "a", 1, None);
-        buf[HEAD] = 9; // unknown kind
-        let sum = frame_sum(true, &buf[..4], &buf[HEAD..]);
-        buf[4..8].copy_from_slice(&sum.to_le_bytes());
-        link(&mut buf, crc32fast::hash(&bytes[..16]));
-        bytes.extend_from_slice(&buf);
-        let err = replay(&bytes, 1, &mut Overlay::default()).unwrap_err();
-        assert!(err.contains("unknown kind"), "{err}");
+        let bytes = segment(dir.path(), 1, &[]);
+        let seed = read_header(&bytes, 1).unwrap().seed;
+        for (what, edit) in [
+            (
+                "unknown kind",
+                Box::new(|b: &mut Vec<u8>| b[HEAD + 4] = 9) as Box<dyn Fn(&mut Vec<u8>)>,
+            ),
+            (
+                "runs past its append",
+                Box::new(|b: &mut Vec<u8>| b[HEAD] += 1),
+            ),
+            (
+                "holds no change",
+                Box::new(|b: &mut Vec<u8>| b.truncate(HEAD)),
+            ),
+        ] {
+            let mut f = Vec::new();
+            begin(&mut f);
+            change(&mut f, "a", 1, None);
+            edit(&mut f);
+            frame::seal(&mut f, seed);
+            let mut all = bytes.clone();
+            all.extend_from_slice(&f);
+            let err = replay(&all, 1, &mut Overlay::default()).unwrap_err();
+            assert!(err.contains(what), "{err}");
+        }
     }
 
     #[test]

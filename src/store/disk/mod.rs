@@ -29,6 +29,7 @@
 //! `taskgate.lock` in the data directory while it is open.
 
 mod checkpoint;
+mod frame;
 pub mod fs;
 mod log;
 #[cfg(test)]
@@ -148,10 +149,11 @@ const LOG_SLACK: u64 = 2;
 const SNAPSHOT_RATIO: u64 = 4;
 
 enum Msg {
-    /// One change, as its log frame (built and checksummed by the
-    /// requester, on its own thread).
+    /// One change, encoded for the log by the requester, on its own
+    /// thread (`log::change_with`); the writer joins a batch of them into
+    /// one frame.
     Change {
-        frame: Vec<u8>,
+        change: Vec<u8>,
         ack: oneshot::Sender<Result<(), StoreError>>,
     },
     Close(mpsc::SyncSender<()>),
@@ -237,9 +239,9 @@ impl DiskStore {
         // Everything read back: only now is anything changed.
         recovery.apply(fs, &config.dir)?;
         let id = super::identity::ensure(fs, &config.dir)?;
-        let (log_bytes, next_seq) = (recovery.log_bytes, recovery.next_seq);
+        let (log_bytes, next_seq, previous) = (recovery.log_bytes, recovery.next_seq, recovery.end);
         drop(recovery);
-        let segment = log::Segment::create(fs, &config.dir, next_seq).map_err(|e| {
+        let segment = log::Segment::create(fs, &config.dir, next_seq, previous).map_err(|e| {
             StoreError::Unusable(format!(
                 "cannot create the store log segment {}: {e}. {}; the directory holds every \
                  acknowledged change.",
@@ -380,14 +382,16 @@ impl Store for DiskStore {
     fn commit(&self, op: Op) -> Commit {
         let (ack, done) = oneshot::channel();
         // Sized for a typical record, so encoding it rarely reallocates.
-        let mut frame = Vec::with_capacity(1024);
+        let mut change = Vec::with_capacity(1024);
         match op {
-            Op::Put(a) => log::frame_with(&mut frame, a.id.as_str(), a.modify_index, true, |buf| {
-                record::encode_into(&a, buf);
-            }),
-            Op::Delete { id, index } => log::frame(&mut frame, id.as_str(), index, None),
+            Op::Put(a) => {
+                log::change_with(&mut change, a.id.as_str(), a.modify_index, true, |buf| {
+                    record::encode_into(&a, buf);
+                })
+            }
+            Op::Delete { id, index } => log::change(&mut change, id.as_str(), index, None),
         }
-        let msg = Msg::Change { frame, ack };
+        let msg = Msg::Change { change, ack };
         if let Err(e) = self.send(msg) {
             return Box::pin(async { Err(e) });
         }

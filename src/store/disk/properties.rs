@@ -101,9 +101,9 @@ proptest! {
                     settle(&rt, store, &mut queued);
                     let (seq, _) = log::list_segments(&RealFs, dir.path()).unwrap().pop().unwrap();
                     let path = log::segment_path(dir.path(), seq);
-                    let mut frame = Vec::new();
-                    log::frame(&mut frame, "never-acked", last + 1, Some(&[7; 2000]));
-                    log::append_unfinished(&path, &mut frame, keep, zeros);
+                    let mut change = Vec::new();
+                    log::change(&mut change, "never-acked", last + 1, Some(&[7; 2000]));
+                    log::append_unfinished(&path, &change, keep, zeros);
                     store = reopen(dir.path(), limit, &model, last);
                 }
             }

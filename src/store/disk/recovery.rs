@@ -71,6 +71,9 @@ pub(super) struct Recovery {
     pub(super) folded: Vec<PathBuf>,
     /// The newest segment's torn tail: the segment and where to cut it.
     pub(super) torn: Option<(PathBuf, log::Bad, u64)>,
+    /// Where the log ends once the torn tail is cut: what the next
+    /// segment's header records.
+    pub(super) end: log::End,
 }
 
 /// Replays the log segments `folded` does not cover into an overlay. They
@@ -91,6 +94,7 @@ pub(super) fn scan_log(fs: &dyn Fs, dir: &Path, folded: u64) -> Result<Recovery,
         next_seq: folded + 1,
         folded: Vec::new(),
         torn: None,
+        end: log::End::NONE,
     };
     let (done, live): (Vec<_>, Vec<_>) = log::list_segments(fs, dir)
         .map_err(dir_error)?
@@ -121,6 +125,7 @@ pub(super) fn scan_log(fs: &dyn Fs, dir: &Path, folded: u64) -> Result<Recovery,
             .map_err(|e| unusable_log(&path, e))?;
         recovery.next_seq = seq + 1;
         recovery.log_bytes += r.valid_len;
+        recovery.end = r.end();
         let Some(bad) = r.bad else { continue };
         let newest = i + 1 == count;
         if !(newest && bad.torn) {

@@ -15,6 +15,7 @@
 use std::{collections::BTreeMap, path::Path};
 
 use super::{
+    frame,
     fs::RealFs,
     log, recovery,
     snapshot::{self, SNAPSHOT_FILE, SnapshotWriter},
@@ -86,10 +87,12 @@ pub fn salvage(from: &Path, to: &Path) -> Result<SalvageReport, StoreError> {
         }
         expected = Some(seq + 1);
         let bytes = std::fs::read(&path).map_err(|e| io(&path, "read", e))?;
-        let unread = log::salvage_with(&bytes, |id, index, record| {
-            records.insert(id.to_owned(), record.map(<[u8]>::to_vec));
-            report.last_index = report.last_index.max(index);
-        });
+        let read = log::salvage(&bytes, seq, None);
+        for c in read.changes {
+            records.insert(c.id.to_owned(), c.record.map(<[u8]>::to_vec));
+            report.last_index = report.last_index.max(c.index);
+        }
+        let unread = read.unread;
         lost_log_bytes += unread.iter().map(|u| u.to - u.from).sum::<u64>();
         describe(&mut report.lost, &path, &unread);
     }
@@ -118,9 +121,9 @@ pub fn salvage(from: &Path, to: &Path) -> Result<SalvageReport, StoreError> {
     }
     // A lost change may have used indexes above the highest one read; the
     // new directory goes on past every index they could have used (one per
-    // frame, and no frame is shorter than `log::MIN_FRAME`), so no index a
+    // frame, and no frame is shorter than `log::MIN_CHANGE`), so no index a
     // client saw is handed out twice.
-    let skipped = lost_log_bytes / log::MIN_FRAME;
+    let skipped = lost_log_bytes / log::MIN_CHANGE;
     if skipped > 0 {
         report.lost.push(format!(
             "indexes go on from {} ({skipped} above the highest one read, which the lost \
@@ -168,7 +171,7 @@ fn prepare(from: &Path, to: &Path) -> Result<(), StoreError> {
     std::fs::create_dir_all(to).map_err(|e| io(to, "create", e))
 }
 
-fn describe(lost: &mut Vec<String>, path: &Path, unread: &[log::Unread]) {
+fn describe(lost: &mut Vec<String>, path: &Path, unread: &[frame::Unread]) {
     for u in unread {
         lost.push(format!(
             "{}: bytes {} to {} ({} bytes) could not be read",

@@ -30,8 +30,9 @@ use std::{
 };
 
 use super::{
+    frame,
     fs::{Fs, FsFile, Open},
-    log::{self, Overlay},
+    log::Overlay,
 };
 
 /// The snapshot's name inside the data directory.
@@ -331,7 +332,7 @@ pub struct Salvaged<'a> {
     /// Every record that passes its checksum: (ID, record).
     pub records: Vec<(&'a str, &'a [u8])>,
     /// The stretches that could not be read.
-    pub unread: Vec<log::Unread>,
+    pub unread: Vec<frame::Unread>,
     /// What the trailer says is wrong with the whole: missing (the file
     /// was cut short, or its end is damaged), or a count that differs
     /// from the records read.
@@ -357,7 +358,7 @@ pub fn salvage(bytes: &[u8]) -> Salvaged<'_> {
         out.folded = Some(u64_at(8));
         out.last_index = u64_at(16);
     } else {
-        out.unread.push(log::Unread {
+        out.unread.push(frame::Unread {
             from: 0,
             to: HEADER.min(bytes.len()) as u64,
         });
@@ -384,7 +385,7 @@ pub fn salvage(bytes: &[u8]) -> Salvaged<'_> {
         match record {
             Some((id, record, len)) => {
                 if let Some(from) = skipping.take() {
-                    out.unread.push(log::Unread {
+                    out.unread.push(frame::Unread {
                         from,
                         to: pos as u64,
                     });
@@ -399,7 +400,7 @@ pub fn salvage(bytes: &[u8]) -> Salvaged<'_> {
         }
     }
     if let Some(from) = skipping {
-        out.unread.push(log::Unread {
+        out.unread.push(frame::Unread {
             from,
             to: end as u64,
         });
@@ -602,7 +603,7 @@ mod tests {
         fold(&RealFs, dir.path(), &overlay(&[("a", None)], 3), 3).unwrap();
         assert_eq!(std::fs::read(&old).unwrap(), second);
         assert_eq!(contents(dir.path()), pairs(&[("b", "b2")]));
-        log::remove_gently(&RealFs, &old).unwrap();
+        super::super::log::remove_gently(&RealFs, &old).unwrap();
         assert!(!old.exists());
         assert_eq!(contents(dir.path()), pairs(&[("b", "b2")]));
     }

@@ -50,14 +50,28 @@ async fn register(
     log_limit: u64,
     ids: &[String],
 ) -> (Vec<Arc<Allocation>>, u64, StoreStats) {
+    register_with(dir, log_limit, ids, true).await
+}
+
+/// `register`, all at once (sharing appends) or one after the other (an
+/// append each).
+async fn register_with(
+    dir: &Path,
+    log_limit: u64,
+    ids: &[String],
+    at_once: bool,
+) -> (Vec<Arc<Allocation>>, u64, StoreStats) {
     let store = Arc::new(open_with(dir, 64, log_limit));
     let r = Registry::open(store.clone(), RegistryConfig::default()).unwrap();
     let mut tasks = Vec::new();
     for id in ids {
         let (r, id) = (r.clone(), AllocId::parse(id).unwrap());
-        tasks.push(tokio::spawn(async move {
-            r.register(id, spec()).await.unwrap()
-        }));
+        let task = tokio::spawn(async move { r.register(id, spec()).await.unwrap() });
+        if at_once {
+            tasks.push(task);
+        } else {
+            task.await.unwrap();
+        }
     }
     for t in tasks {
         t.await.unwrap();
@@ -340,7 +354,8 @@ async fn salvage_copies_what_can_be_read_and_names_what_cannot() {
     let dir = tempfile::tempdir().unwrap();
     // Folded into the snapshot, then in the log.
     let (mut views, _, _) = register(dir.path(), 1, &ids("s", 60)).await;
-    let (logged, last, _) = register(dir.path(), DEFAULT_LOG_LIMIT, &ids("l", 60)).await;
+    let (logged, last, _) =
+        register_with(dir.path(), DEFAULT_LOG_LIMIT, &ids("l", 60), false).await;
     views.extend(logged);
     let snapshot = dir.path().join(SNAPSHOT_FILE);
     let (seq, _) = *segments(dir.path()).last().unwrap();
@@ -697,7 +712,7 @@ fn a_second_store_on_the_same_directory_is_refused() {
 #[test]
 fn a_failed_append_stops_the_log_until_a_restart_and_says_why() {
     let dir = tempfile::tempdir().unwrap();
-    drop(log::Segment::create(&RealFs, dir.path(), 1).unwrap());
+    drop(log::Segment::create(&RealFs, dir.path(), 1, log::End::NONE).unwrap());
     let (jobs, _jobs) = mpsc::sync_channel(1);
     let (_done, done) = mpsc::channel();
     let trouble = Arc::new(Mutex::new(Trouble::default()));
@@ -721,8 +736,7 @@ fn a_failed_append_stops_the_log_until_a_restart_and_says_why() {
         stats: Arc::default(),
         metrics: None,
     };
-    let mut frame = Vec::new();
-    log::frame(&mut frame, "a1", 1, Some(b"{}"));
+    let mut frame = log::one_append("a1", 1, Some(b"{}"));
     let err = writer.append(&mut frame).unwrap_err().to_string();
     assert!(err.contains("until taskgate is restarted"), "{err}");
     let why = trouble
@@ -783,9 +797,8 @@ async fn records_of_an_earlier_build_load_and_changes_are_written_in_the_current
     let mut w = snapshot::SnapshotWriter::create(&RealFs, dir.path(), 0, 1).unwrap();
     w.put("a", &record::encode_json(&a)).unwrap();
     w.finish().unwrap();
-    let mut s = log::Segment::create(&RealFs, dir.path(), 1).unwrap();
-    let mut frame = Vec::new();
-    log::frame(&mut frame, "b", 2, Some(&record::encode_json(&b)));
+    let mut s = log::Segment::create(&RealFs, dir.path(), 1, log::End::NONE).unwrap();
+    let mut frame = log::one_append("b", 2, Some(&record::encode_json(&b)));
     s.append(&mut frame).unwrap();
     drop(s);
 
@@ -895,14 +908,13 @@ fn a_corrupt_record_stops_the_open_naming_the_allocation_and_changes_nothing() {
     w.put("broken", b"{not json").unwrap();
     w.finish().unwrap();
     // A torn append the open would cut, and names it would drop.
-    let mut s = log::Segment::create(&RealFs, dir.path(), 1).unwrap();
-    let mut frame = Vec::new();
-    log::frame(&mut frame, "fine", 1, Some(b"{}"));
+    let mut s = log::Segment::create(&RealFs, dir.path(), 1, log::End::NONE).unwrap();
+    let mut frame = log::one_append("fine", 1, Some(b"{}"));
     s.append(&mut frame).unwrap();
     drop(s);
     let mut torn = Vec::new();
-    log::frame(&mut torn, "torn", 2, Some(&[1; 100]));
-    log::append_unfinished(&log::segment_path(dir.path(), 1), &mut torn, 50, 0);
+    log::change(&mut torn, "torn", 2, Some(&[1; 100]));
+    log::append_unfinished(&log::segment_path(dir.path(), 1), &torn, 50, 0);
     std::fs::write(dir.path().join(NEXT_FILE), b"unfinished").unwrap();
     std::fs::write(dir.path().join(LOCK_FILE), b"").unwrap();
     let before = files(dir.path());

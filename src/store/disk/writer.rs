@@ -102,11 +102,13 @@ impl Writer {
                 }
             }
             let mut closing = None;
-            buf.clear();
+            // The whole batch is one frame: one append, which a crash
+            // leaves whole or torn, never half of its changes whole.
+            log::begin(&mut buf);
             for msg in batch.drain(..) {
                 match msg {
-                    Msg::Change { frame, ack } => {
-                        buf.extend_from_slice(&frame);
+                    Msg::Change { change, ack } => {
+                        buf.extend_from_slice(&change);
                         acks.push(ack);
                     }
                     // Everything queued before the close is in this batch.
@@ -239,10 +241,17 @@ impl Writer {
         if self.retry_at.is_some_and(|at| Instant::now() < at) {
             return;
         }
+        // After a failed append the segment's end is not known (part of
+        // the append may be there), so no next segment may vouch for it:
+        // the log stays as it is until a restart recovers from it.
+        if self.trouble().write.is_some() {
+            return;
+        }
         // Seal the current segment (unless it is empty: a retry of a
         // failed checkpoint alone), then fold everything sealed.
         if self.log_bytes > log::Segment::HEADER_LEN {
-            let next = match log::Segment::create(&*self.fs, &self.dir, self.segment.seq + 1) {
+            let end = self.segment.end();
+            let next = match log::Segment::create(&*self.fs, &self.dir, self.segment.seq + 1, end) {
                 Ok(next) => next,
                 Err(e) => {
                     let e = e.to_string();
