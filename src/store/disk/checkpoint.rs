@@ -88,6 +88,12 @@ pub(super) fn checkpoint(
         .collect::<std::io::Result<Vec<_>>>()?;
     let mut newest: HashMap<&str, Option<&[u8]>> = HashMap::new();
     let mut last_index = 0;
+    // Where the log before the first of them ended, as the snapshot says
+    // (`None`: a snapshot of the first format, which does not say).
+    let mut before = match snapshot::Snapshot::open(fs, dir)? {
+        Some(base) => base.log_end,
+        None => Some(log::End::NONE),
+    };
     for (seq, bytes) in &segments {
         let damaged = |what: String| {
             std::io::Error::other(format!(
@@ -106,9 +112,16 @@ pub(super) fn checkpoint(
                 bad.at, bad.what
             )));
         }
+        // A checkpoint never folds a log whose parts do not vouch for
+        // each other: what it wrote would hide that for good.
+        if let Some(why) = log::mismatch(replayed.previous, before) {
+            return Err(damaged(why));
+        }
+        before = Some(replayed.end());
     }
     let changes = sort_changes(newest);
-    let written = snapshot::fold_sorted(fs, dir, &changes, last_index, sealed)?;
+    let end = before.unwrap_or(log::End::NONE);
+    let written = snapshot::fold_sorted(fs, dir, &changes, last_index, sealed, end)?;
     Ok((written, changes.len()))
 }
 
@@ -156,7 +169,7 @@ impl FoldBench {
     /// snapshot it replaced, dropping the changes after). Returns the records the snapshot holds.
     pub fn fold(&mut self, changes: FoldChanges) -> Result<u64, StoreError> {
         self.sealed += 1;
-        let written = snapshot::fold(&RealFs, &self.dir, &changes.0, self.sealed)
+        let written = snapshot::fold(&RealFs, &self.dir, &changes.0, self.sealed, log::End::NONE)
             .map_err(|e| StoreError::Io(format!("checkpoint failed: {e}")))?;
         remove_folded(&RealFs, &self.dir, self.sealed);
         Ok(written.records)

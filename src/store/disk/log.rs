@@ -122,6 +122,34 @@ impl End {
     pub const NONE: End = End { len: 0, chain: 0 };
 }
 
+/// What is wrong when a segment whose header says the segment before it
+/// ended at `stated` follows one that ended at `actual` (either `None`: a
+/// file of an earlier format, which does not say): `None` if nothing.
+pub fn mismatch(stated: Option<End>, actual: Option<End>) -> Option<String> {
+    let (stated, actual) = (stated?, actual?);
+    if stated == actual {
+        return None;
+    }
+    Some(if actual.len < stated.len {
+        format!(
+            "the log before it ends at byte {}, but its header says at byte {}: the \
+             appends between are missing (a sealed segment cut short)",
+            actual.len, stated.len
+        )
+    } else if actual.len > stated.len {
+        format!(
+            "the log before it ends at byte {}, but its header says at byte {}",
+            actual.len, stated.len
+        )
+    } else {
+        format!(
+            "the log before it ends at byte {} with another append than its header names: \
+             they are not of one history",
+            actual.len
+        )
+    })
+}
+
 pub fn segment_path(dir: &Path, seq: u64) -> PathBuf {
     dir.join(format!("{SEGMENT_PREFIX}{seq:020}"))
 }
@@ -625,6 +653,19 @@ fn salvage_v1(bytes: &[u8]) -> Salvaged<'_> {
         });
     }
     out
+}
+
+/// Where each append of a format-3 segment starts (its whole frames,
+/// read by their heads alone).
+#[cfg(test)]
+pub fn frame_starts(bytes: &[u8]) -> Vec<usize> {
+    let mut at = HEADER;
+    let mut starts = Vec::new();
+    while at + HEAD <= bytes.len() {
+        starts.push(at);
+        at += HEAD + Head::read(&bytes[at..]).len;
+    }
+    starts
 }
 
 /// One append of one change, ready for `Segment::append`.

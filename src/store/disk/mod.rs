@@ -270,7 +270,7 @@ impl DiskStore {
                     checkpointer(
                         &*fs,
                         &dir,
-                        folded,
+                        folded.seq,
                         &jobs_rx,
                         &done,
                         &stats,

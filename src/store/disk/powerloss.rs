@@ -202,6 +202,7 @@ proptest! {
         second in prop::option::weighted(0.3, 1..200u64),
         log_limit in prop::sample::select(vec![200u64, 2048, 1 << 26]),
         seed in any::<u64>(),
+        cut in prop::option::weighted(0.5, any::<prop::sample::Index>()),
     ) {
         let fs = SimFs::new();
         fs.create_dir_all(&dir()).unwrap();
@@ -223,7 +224,64 @@ proptest! {
         let store = open(&after, log_limit)
             .map_err(|e| TestCaseError::fail(format!("recovery refused to start: {e}")))?;
         check(&store, &keys, acked_index).map_err(TestCaseError::fail)?;
+        if let Some(cut) = cut {
+            drop(store);
+            cut_a_sealed_segment(&after, log_limit, cut)?;
+        }
     }
+}
+
+/// Then damage no crash can cause, on what the recovery left: a sealed
+/// segment cut at one of its frame boundaries (its last appends gone, the
+/// segment after it intact). Nothing in the segment itself looks wrong;
+/// the next one's header says where it ended, so the start is refused,
+/// naming the segment, and changes nothing.
+fn cut_a_sealed_segment(
+    fs: &SimFs,
+    log_limit: u64,
+    pick: prop::sample::Index,
+) -> Result<(), TestCaseError> {
+    fs.crash_now(0);
+    let mut image = fs.image().unwrap();
+    let segments: Vec<PathBuf> = image
+        .files
+        .keys()
+        .filter(|p| p.to_string_lossy().contains("taskgate.wal.0"))
+        .filter(|p| !p.to_string_lossy().ends_with(super::log::BROKEN_SUFFIX))
+        .cloned()
+        .collect();
+    // Every (segment, boundary) at which a cut loses at least one append.
+    let cuts: Vec<(PathBuf, usize)> = segments[..segments.len().saturating_sub(1)]
+        .iter()
+        .flat_map(|path| {
+            let starts = super::log::frame_starts(&image.files[path]);
+            starts.into_iter().map(move |at| (path.clone(), at))
+        })
+        .collect();
+    if cuts.is_empty() {
+        return Ok(());
+    }
+    let (path, at) = pick.get(&cuts).clone();
+    image.files.get_mut(&path).unwrap().truncate(at);
+    let damaged = SimFs::from_image(&image);
+    let err = match open(&damaged, log_limit) {
+        Ok(_) => {
+            return Err(TestCaseError::fail(format!(
+                "{} cut at byte {at}: the store started",
+                path.display()
+            )));
+        }
+        Err(e) => e.to_string(),
+    };
+    let named = err.contains(&path.display().to_string()) && err.contains(&format!("byte {at}"));
+    prop_assert!(named, "{err}");
+    damaged.crash_now(0);
+    prop_assert_eq!(
+        damaged.image().unwrap().files,
+        image.files,
+        "nothing changed"
+    );
+    Ok(())
 }
 
 /// Commits `n` puts, one at a time, on keys `first..`; returns the results.

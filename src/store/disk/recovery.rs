@@ -38,14 +38,23 @@ pub(super) fn refuse_pre_release(dir: &Path) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// The last log segment the snapshot in `dir` folded (0 without a
-/// snapshot). A snapshot that is missing while the one it replaced is
+/// Where the log the snapshot in `dir` folded ends: the last segment it
+/// folded, and where that segment ended (`None` for a snapshot of the
+/// first format, which does not say), or no log at all without a
+/// snapshot. A snapshot that is missing while the one it replaced is
 /// still there, or while the log starts past segment 1, is a lost
 /// snapshot, not an empty store (see `scan_log`).
-pub(super) fn snapshot_folded(fs: &dyn Fs, dir: &Path) -> Result<u64, StoreError> {
+pub(super) fn snapshot_folded(fs: &dyn Fs, dir: &Path) -> Result<Folded, StoreError> {
     let path = dir.join(SNAPSHOT_FILE);
+    let none = Folded {
+        seq: 0,
+        end: Some(log::End::NONE),
+    };
     match Snapshot::open(fs, dir) {
-        Ok(Some(s)) => Ok(s.folded),
+        Ok(Some(s)) => Ok(Folded {
+            seq: s.folded,
+            end: s.log_end,
+        }),
         Ok(None) if fs.exists(&dir.join(OLD_FILE)) => Err(unusable(
             &path,
             format!(
@@ -53,9 +62,18 @@ pub(super) fn snapshot_folded(fs: &dyn Fs, dir: &Path) -> Result<u64, StoreError
                  is only ever replaced by a rename, so it was removed by something else"
             ),
         )),
-        Ok(None) => Ok(0),
+        Ok(None) => Ok(none),
         Err(e) => Err(unusable(&path, format!("cannot be read: {e}"))),
     }
+}
+
+/// How far the snapshot folded the log.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Folded {
+    /// The last segment it folded (0: none).
+    pub(super) seq: u64,
+    /// Where that segment ended, as the snapshot says (format 2).
+    pub(super) end: Option<log::End>,
 }
 
 /// What the log holds, read without changing anything, and what a start
@@ -77,11 +95,16 @@ pub(super) struct Recovery {
 }
 
 /// Replays the log segments `folded` does not cover into an overlay. They
-/// must run on from `folded + 1` with no gap, each read back whole; only
-/// the newest may end in a torn append (`log.rs` says what counts as
+/// must run on from `folded + 1` with no gap, each read back whole, each
+/// beginning where its header says the one before it ended (the first:
+/// where the snapshot says the log it folded ended), so a sealed segment
+/// that lost appends at its end, even cut at a frame boundary, is found;
+/// only the newest may end in a torn append (`log.rs` says what counts as
 /// torn), which `Recovery::apply` then cuts off. Anything else stops the
 /// start, naming the file and the offset.
-pub(super) fn scan_log(fs: &dyn Fs, dir: &Path, folded: u64) -> Result<Recovery, StoreError> {
+pub(super) fn scan_log(fs: &dyn Fs, dir: &Path, folded: Folded) -> Result<Recovery, StoreError> {
+    let snapshot_end = folded.end;
+    let folded = folded.seq;
     let dir_error = |e: std::io::Error| {
         StoreError::Unusable(format!(
             "cannot read the store log in {}: {e}",
@@ -94,7 +117,7 @@ pub(super) fn scan_log(fs: &dyn Fs, dir: &Path, folded: u64) -> Result<Recovery,
         next_seq: folded + 1,
         folded: Vec::new(),
         torn: None,
-        end: log::End::NONE,
+        end: snapshot_end.unwrap_or(log::End::NONE),
     };
     let (done, live): (Vec<_>, Vec<_>) = log::list_segments(fs, dir)
         .map_err(dir_error)?
@@ -102,6 +125,8 @@ pub(super) fn scan_log(fs: &dyn Fs, dir: &Path, folded: u64) -> Result<Recovery,
         .partition(|(seq, _)| *seq <= folded);
     recovery.folded = done.into_iter().map(|(_, path)| path).collect();
     let count = live.len();
+    // The segment before this one, and where it ended.
+    let mut before: Option<(PathBuf, log::End)> = None;
     for (i, (seq, path)) in live.into_iter().enumerate() {
         if seq != recovery.next_seq {
             let why = if folded == 0 && i == 0 {
@@ -123,9 +148,14 @@ pub(super) fn scan_log(fs: &dyn Fs, dir: &Path, folded: u64) -> Result<Recovery,
             .map_err(|e| unusable_log(&path, format!("cannot be read: {e}")))?;
         let r = log::replay(&content, seq, &mut recovery.overlay)
             .map_err(|e| unusable_log(&path, e))?;
+        match &before {
+            None => follows_snapshot(dir, &path, r.previous, snapshot_end)?,
+            Some(before) => follows(before, &path, r.previous)?,
+        }
         recovery.next_seq = seq + 1;
         recovery.log_bytes += r.valid_len;
         recovery.end = r.end();
+        before = Some((path.clone(), recovery.end));
         let Some(bad) = r.bad else { continue };
         let newest = i + 1 == count;
         if !(newest && bad.torn) {
@@ -143,6 +173,77 @@ pub(super) fn scan_log(fs: &dyn Fs, dir: &Path, folded: u64) -> Result<Recovery,
         recovery.torn = Some((path, bad, r.valid_len));
     }
     Ok(recovery)
+}
+
+/// Checks that segment `path`, whose header says the log before it ended
+/// at `stated`, follows the segment `before` that ended where it says.
+/// Damage, if any, is at the end of that segment: it is the one named.
+fn follows(
+    (before, end): &(PathBuf, log::End),
+    path: &Path,
+    stated: Option<log::End>,
+) -> Result<(), StoreError> {
+    let Some(stated) = stated.filter(|s| s != end) else {
+        return Ok(());
+    };
+    let next = path.display();
+    let why = if end.len < stated.len {
+        format!(
+            "it ends at byte {}, but the segment after it ({next}) says it ended at byte {}: \
+             the {} bytes of acknowledged appends from byte {} on are missing (a sealed \
+             segment was cut short)",
+            end.len,
+            stated.len,
+            stated.len - end.len,
+            end.len
+        )
+    } else if end.len > stated.len {
+        format!(
+            "it ends at byte {}, but the segment after it ({next}) says it ended at byte {}: \
+             the bytes from byte {} on were never part of it",
+            end.len, stated.len, stated.len
+        )
+    } else {
+        format!(
+            "its last append (ending at byte {}) is not the one the segment after it \
+             ({next}) names: the two are not of one history (a segment copied from \
+             elsewhere?)",
+            end.len
+        )
+    };
+    Err(unusable_log(before, why))
+}
+
+/// Checks that the first segment the snapshot has not folded, `path`,
+/// whose header says the log before it ended at `stated`, follows the log
+/// the snapshot folded (which ended at `folded`).
+fn follows_snapshot(
+    dir: &Path,
+    path: &Path,
+    stated: Option<log::End>,
+    folded: Option<log::End>,
+) -> Result<(), StoreError> {
+    let (Some(stated), Some(folded)) = (stated, folded) else {
+        return Ok(());
+    };
+    if stated == folded {
+        return Ok(());
+    }
+    let snapshot = dir.join(SNAPSHOT_FILE);
+    Err(unusable_log(
+        path,
+        format!(
+            "its header (at byte 16) says the log before it ended at byte {} (chain {:08x}), \
+             but the snapshot {} says the log it folded ended at byte {} (chain {:08x}): the \
+             snapshot and the log are not of one history (an older snapshot with a newer log, \
+             or files of two data directories)",
+            stated.len,
+            stated.chain,
+            snapshot.display(),
+            folded.len,
+            folded.chain
+        ),
+    ))
 }
 
 impl Recovery {

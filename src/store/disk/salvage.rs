@@ -132,7 +132,14 @@ pub fn salvage(from: &Path, to: &Path) -> Result<SalvageReport, StoreError> {
         ));
     }
     report.last_index += skipped;
-    let mut out = SnapshotWriter::create(&RealFs, to, 0, report.last_index)
+    // No log came before it: a chain of its own, which the first segment
+    // written after it takes up (two salvaged directories' files do not
+    // fit each other).
+    let start = log::End {
+        len: 0,
+        chain: fastrand::u32(..),
+    };
+    let mut out = SnapshotWriter::create(&RealFs, to, 0, report.last_index, start)
         .map_err(|e| io(to, "write a snapshot in", e))?;
     for (id, record) in kept {
         out.put(id, record)

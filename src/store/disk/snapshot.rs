@@ -11,18 +11,39 @@
 //! longer shared pages, which made checkpoints cost 3–4 times as much CPU
 //! per change at a million allocations.
 //!
-//! Layout (integers little-endian):
+//! Format 2 (integers little-endian):
 //!
 //! ```text
-//! header  = magic "TGSNAP\0\x01" | folded: u64 | last_index: u64 | crc32(the 24 bytes before): u32 | 0: u32
-//! record  = len: u32 | crc32(payload): u32 | payload = id_len: u8 | id | record (record.rs)
-//! trailer = "TGSNAPND" | records: u64
+//! snapshot = header record* trailer
+//! header   = magic "TGSNAP\0\x02" | folded: u64 | last_index: u64
+//!          | log_len: u64 | log_chain: u32 | crc32(the 36 bytes before): u32
+//! record   = frame (frame.rs: len | crc | chain | payload), chained from the header's crc32
+//! payload  = id_len: u8 | id | record (record.rs)
+//! trailer  = "TGSNAPND" | records: u64 | chain: u32 (the last record's; the header's
+//!            crc32 if there is none) | crc32(the 20 bytes before): u32
 //! ```
 //!
-//! `folded` is the last log segment whose changes the snapshot holds;
-//! `last_index` the highest global index committed up to it (deletions
-//! included). IDs are strictly increasing; a file that breaks any of this,
-//! or whose trailer is missing or counts differently, is damaged.
+//! `folded` is the last log segment whose changes the snapshot holds, and
+//! `log_len` and `log_chain` say where that segment ended (its length and
+//! its last frame's chain, `log::End`): the next segment's header says the
+//! same, which ties the snapshot to the log that follows it — an older
+//! snapshot, or one of another data directory, does not fit the log. A
+//! snapshot written by `dump --salvage` folded nothing, and has a random
+//! `log_chain` that the first segment written after it takes up.
+//! `last_index` is the highest global index committed up to it (deletions
+//! included).
+//!
+//! The records' chain runs from the header to the trailer, so the trailer
+//! checks the whole file: a record copied from an older snapshot (even a
+//! whole block of them at the same place) does not link to the record
+//! before it, and the start names the byte where that happens. IDs are
+//! strictly increasing; a file that breaks any of this, or whose trailer
+//! is missing, damaged or counts differently, is damaged.
+//!
+//! Format 1 (`"TGSNAP\0\x01"`: a 32-byte header `folded | last_index |
+//! crc32 | 0`, records `len | crc32(payload) | payload` with no chain, a
+//! trailer `"TGSNAPND" | records`) is still read; checkpoints write
+//! format 2.
 
 use std::{
     io::{self, BufReader, BufWriter, Read, Seek, SeekFrom, Write},
@@ -30,9 +51,9 @@ use std::{
 };
 
 use super::{
-    frame,
+    frame::{self, Head},
     fs::{Fs, FsFile, Open},
-    log::Overlay,
+    log::{End, Overlay},
 };
 
 /// The snapshot's name inside the data directory.
@@ -43,15 +64,14 @@ pub const NEXT_FILE: &str = "taskgate.snapshot.new";
 /// so that the rename does not free its blocks all at once; the
 /// checkpoint thread removes it with `log::remove_gently`.
 pub const OLD_FILE: &str = "taskgate.snapshot.old";
-const MAGIC: [u8; 8] = *b"TGSNAP\0\x01";
+const MAGIC_V1: [u8; 8] = *b"TGSNAP\0\x01";
+const MAGIC: [u8; 8] = *b"TGSNAP\0\x02";
 const END: [u8; 8] = *b"TGSNAPND";
-const HEADER: usize = 32;
-const TRAILER: usize = 16;
-const FRAME_HEAD: usize = 8;
-/// No record comes near this (the log's bound too); a larger length is
-/// damage, not a record. A frame is also never longer than what is left of
-/// the file.
-const MAX_PAYLOAD: usize = 1 << 30;
+const HEADER_V1: usize = 32;
+const HEADER: usize = 40;
+const TRAILER_V1: usize = 16;
+const TRAILER: usize = 24;
+const HEAD_V1: usize = 8;
 const IO_BUFFER: usize = 1 << 20;
 /// A checkpoint makes what it wrote durable every this many bytes instead
 /// of all at the end: a snapshot of a million records is ~780 MB, and
@@ -64,10 +84,89 @@ const IO_BUFFER: usize = 1 << 20;
 /// the checkpoints took longer (BENCHMARKS.md).
 const SYNC_EVERY: u64 = 1 << 20;
 
+/// A snapshot's header and trailer, read and checked.
+struct Bounds {
+    v2: bool,
+    folded: u64,
+    last_index: u64,
+    /// Where the log segment it folded ended (format 2).
+    log_end: Option<End>,
+    /// The chain its records start from and must end with (format 2).
+    seed: u32,
+    chain: u32,
+    /// Records the trailer states.
+    records: u64,
+    /// Where the records start and end.
+    first: usize,
+    end: usize,
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+/// Checks a snapshot's header (its first `HEADER` bytes, or fewer if the
+/// file is shorter) and trailer (its last `TRAILER` bytes) for a file of
+/// `len` bytes.
+fn bounds(header: &[u8], trailer: &[u8], len: u64) -> Result<Bounds, String> {
+    let v2 = header.starts_with(&MAGIC);
+    if !v2 && !header.starts_with(&MAGIC_V1) {
+        return Err("it does not start like a taskgate snapshot".into());
+    }
+    let (head, tail) = if v2 {
+        (HEADER, TRAILER)
+    } else {
+        (HEADER_V1, TRAILER_V1)
+    };
+    if len < (head + tail) as u64 {
+        return Err(format!(
+            "it is {len} bytes long, shorter than a header and a trailer"
+        ));
+    }
+    let crc_at = if v2 { 36 } else { 24 };
+    if crc32fast::hash(&header[..crc_at]) != u32_at(header, crc_at)
+        || (!v2 && header[28..32] != [0; 4])
+    {
+        return Err("its header is damaged".into());
+    }
+    let trailer = &trailer[trailer.len() - tail..];
+    if trailer[..8] != END {
+        return Err("it does not end with a trailer (was it cut short?)".into());
+    }
+    if v2 && crc32fast::hash(&trailer[..20]) != u32_at(trailer, 20) {
+        return Err(format!(
+            "its trailer (at byte {}) is damaged",
+            len - TRAILER as u64
+        ));
+    }
+    let seed = if v2 { u32_at(header, 36) } else { 0 };
+    Ok(Bounds {
+        v2,
+        folded: u64_at(header, 8),
+        last_index: u64_at(header, 16),
+        log_end: v2.then(|| End {
+            len: u64_at(header, 24),
+            chain: u32_at(header, 32),
+        }),
+        seed,
+        chain: if v2 { u32_at(trailer, 16) } else { 0 },
+        records: u64_at(trailer, 8),
+        first: head,
+        end: usize::try_from(len).unwrap_or(usize::MAX) - tail,
+    })
+}
+
 /// A snapshot being read, one record at a time.
 pub struct Snapshot {
     pub folded: u64,
     pub last_index: u64,
+    /// Where the log segment it folded ended (format 2).
+    pub log_end: Option<End>,
+    v2: bool,
     reader: BufReader<Box<dyn FsFile>>,
     /// Offset of the next record; the records end at `end`.
     pos: u64,
@@ -75,8 +174,13 @@ pub struct Snapshot {
     /// Records the trailer states, and records read so far.
     stated: u64,
     read: u64,
-    /// The current record's whole frame, and the end of its ID in it.
+    /// The chain of the last record read, and the one the trailer states.
+    chain: u32,
+    last_chain: u32,
+    /// The current record's whole frame, and where its payload and the
+    /// end of its ID are in it.
     frame: Vec<u8>,
+    payload: usize,
     id_end: usize,
     previous: Vec<u8>,
 }
@@ -96,39 +200,27 @@ impl Snapshot {
             Err(e) => return Err(e),
         };
         let len = file.len()?;
-        if len < (HEADER + TRAILER) as u64 {
-            return Err(damaged(format!(
-                "it is {len} bytes long, shorter than a header and a trailer"
-            )));
-        }
-        let mut header = [0u8; HEADER];
+        let mut header = vec![0u8; HEADER.min(len as usize)];
         file.read_exact(&mut header)?;
-        if header[..8] != MAGIC {
-            return Err(damaged("it does not start like a taskgate snapshot"));
-        }
-        let u64_at = |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
-        let crc = u32::from_le_bytes(header[24..28].try_into().unwrap());
-        if crc32fast::hash(&header[..24]) != crc || header[28..] != [0; 4] {
-            return Err(damaged("its header is damaged"));
-        }
-        let mut trailer = [0u8; TRAILER];
-        file.seek(SeekFrom::Start(len - TRAILER as u64))?;
+        let mut trailer = vec![0u8; TRAILER.min(len as usize)];
+        file.seek(SeekFrom::Start(len - trailer.len() as u64))?;
         file.read_exact(&mut trailer)?;
-        if trailer[..8] != END {
-            return Err(damaged(
-                "it does not end with a trailer (was it cut short?)",
-            ));
-        }
-        file.seek(SeekFrom::Start(HEADER as u64))?;
+        let b = bounds(&header, &trailer, len).map_err(damaged)?;
+        file.seek(SeekFrom::Start(b.first as u64))?;
         Ok(Some(Self {
-            folded: u64_at(&header, 8),
-            last_index: u64_at(&header, 16),
+            folded: b.folded,
+            last_index: b.last_index,
+            log_end: b.log_end,
+            v2: b.v2,
             reader: BufReader::with_capacity(IO_BUFFER, file),
-            pos: HEADER as u64,
-            end: len - TRAILER as u64,
-            stated: u64_at(&trailer, 8),
+            pos: b.first as u64,
+            end: b.end as u64,
+            stated: b.records,
             read: 0,
+            chain: b.seed,
+            last_chain: b.chain,
             frame: Vec::new(),
+            payload: 0,
             id_end: 0,
             previous: Vec::new(),
         }))
@@ -138,8 +230,9 @@ impl Snapshot {
     /// only once they are read), but never more than its bytes could hold:
     /// callers size buffers by it.
     pub fn records(&self) -> u64 {
+        let first = if self.v2 { HEADER } else { HEADER_V1 };
         self.stated
-            .min((self.end - HEADER as u64) / (FRAME_HEAD as u64 + 1))
+            .min((self.end - first as u64) / (HEAD_V1 as u64 + 1))
     }
 
     /// Reads the next record; `false` after the last one.
@@ -153,31 +246,55 @@ impl Snapshot {
                     self.read, self.stated
                 )));
             }
+            if self.chain != self.last_chain {
+                return Err(damaged(format!(
+                    "its last record (ending at byte {at}) is not the one its trailer \
+                     names: records are missing or were changed"
+                )));
+            }
             return Ok(false);
         }
-        if self.end - self.pos < FRAME_HEAD as u64 {
+        let head = if self.v2 { frame::HEAD } else { HEAD_V1 };
+        if self.end - self.pos < head as u64 {
             return Err(fail("is cut short"));
-        }
-        let mut head = [0u8; FRAME_HEAD];
-        self.reader.read_exact(&mut head)?;
-        let len = u32::from_le_bytes(head[..4].try_into().unwrap()) as usize;
-        let crc = u32::from_le_bytes(head[4..].try_into().unwrap());
-        if len > MAX_PAYLOAD || (self.end - self.pos - FRAME_HEAD as u64) < len as u64 {
-            return Err(fail("has an impossible length"));
         }
         // The previous ID, for the order check, before the new frame is
         // read over it.
         self.previous.clear();
         if self.read > 0 {
             self.previous
-                .extend_from_slice(&self.frame[FRAME_HEAD + 1..self.id_end]);
+                .extend_from_slice(&self.frame[self.payload + 1..self.id_end]);
         }
         self.frame.clear();
-        self.frame.extend_from_slice(&head);
-        self.frame.resize(FRAME_HEAD + len, 0);
-        self.reader.read_exact(&mut self.frame[FRAME_HEAD..])?;
-        let payload = &self.frame[FRAME_HEAD..];
-        if crc32fast::hash(payload) != crc {
+        self.frame.resize(head, 0);
+        self.reader.read_exact(&mut self.frame)?;
+        let h = if self.v2 {
+            Head::read(&self.frame)
+        } else {
+            Head {
+                len: u32_at(&self.frame, 0) as usize,
+                crc: u32_at(&self.frame, 4),
+                chain: 0,
+            }
+        };
+        if self.v2 && !h.links(self.chain) {
+            return Err(fail(
+                "does not follow the record before it (its head is damaged, or it was \
+                 not written in this file: a block of another snapshot?)",
+            ));
+        }
+        if h.len > frame::MAX_PAYLOAD || (self.end - self.pos - head as u64) < h.len as u64 {
+            return Err(fail("has an impossible length"));
+        }
+        self.frame.resize(head + h.len, 0);
+        self.reader.read_exact(&mut self.frame[head..])?;
+        let payload = &self.frame[head..];
+        let fits = if self.v2 {
+            h.fits(payload)
+        } else {
+            crc32fast::hash(payload) == h.crc
+        };
+        if !fits {
             return Err(fail("fails its checksum"));
         }
         let id_len = *payload.first().ok_or_else(|| fail("is empty"))? as usize;
@@ -191,15 +308,17 @@ impl Snapshot {
         if self.read > 0 && self.previous.as_slice() >= id {
             return Err(fail("is out of ID order"));
         }
-        self.id_end = FRAME_HEAD + 1 + id_len;
-        self.pos += (FRAME_HEAD + len) as u64;
+        self.payload = head;
+        self.id_end = head + 1 + id_len;
+        self.pos += (head + h.len) as u64;
         self.read += 1;
+        self.chain = h.chain;
         Ok(true)
     }
 
     /// The current record's allocation ID.
     pub fn id(&self) -> &str {
-        std::str::from_utf8(&self.frame[FRAME_HEAD + 1..self.id_end]).expect("checked on read")
+        std::str::from_utf8(&self.frame[self.payload + 1..self.id_end]).expect("checked on read")
     }
 
     /// The current record (`record.rs`).
@@ -207,9 +326,13 @@ impl Snapshot {
         &self.frame[self.id_end..]
     }
 
-    /// The current record's whole frame, as a writer copies it.
-    fn raw(&self) -> &[u8] {
-        &self.frame
+    /// The current record's payload (ID and record), as a writer copies
+    /// it, and its checksum in this format if it has one to reuse.
+    fn raw(&self) -> (&[u8], Option<[u8; 8]>) {
+        let len_crc = self
+            .v2
+            .then(|| self.frame[..8].try_into().expect("8 bytes"));
+        (&self.frame[self.payload..], len_crc)
     }
 }
 
@@ -220,6 +343,8 @@ pub struct SnapshotWriter<'f> {
     dir: PathBuf,
     out: BufWriter<Box<dyn FsFile>>,
     records: u64,
+    /// The last record's chain (the header's crc32 before any).
+    chain: u32,
     scratch: Vec<u8>,
     /// Bytes written since the last `sync_data`, and in all.
     unsynced: u64,
@@ -234,22 +359,32 @@ pub struct Written {
 }
 
 impl<'f> SnapshotWriter<'f> {
-    /// Starts the next snapshot, replacing an unfinished one.
-    pub fn create(fs: &'f dyn Fs, dir: &Path, folded: u64, last_index: u64) -> io::Result<Self> {
+    /// Starts the next snapshot, replacing an unfinished one: it folds the
+    /// log up to segment `folded`, which ended at `log_end`.
+    pub fn create(
+        fs: &'f dyn Fs,
+        dir: &Path,
+        folded: u64,
+        last_index: u64,
+        log_end: End,
+    ) -> io::Result<Self> {
         let file = fs.open(&dir.join(NEXT_FILE), Open::Truncate)?;
         let mut out = BufWriter::with_capacity(IO_BUFFER, file);
         let mut header = [0u8; HEADER];
         header[..8].copy_from_slice(&MAGIC);
         header[8..16].copy_from_slice(&folded.to_le_bytes());
         header[16..24].copy_from_slice(&last_index.to_le_bytes());
-        let crc = crc32fast::hash(&header[..24]);
-        header[24..28].copy_from_slice(&crc.to_le_bytes());
+        header[24..32].copy_from_slice(&log_end.len.to_le_bytes());
+        header[32..36].copy_from_slice(&log_end.chain.to_le_bytes());
+        let crc = crc32fast::hash(&header[..36]);
+        header[36..40].copy_from_slice(&crc.to_le_bytes());
         out.write_all(&header)?;
         Ok(Self {
             fs,
             dir: dir.to_owned(),
             out,
             records: 0,
+            chain: crc,
             scratch: Vec::new(),
             unsynced: HEADER as u64,
             bytes: HEADER as u64,
@@ -274,22 +409,37 @@ impl<'f> SnapshotWriter<'f> {
         let id_len = u8::try_from(id.len()).expect("allocation IDs are at most 128 bytes");
         let buf = &mut self.scratch;
         buf.clear();
-        buf.extend_from_slice(&[0; FRAME_HEAD]);
+        buf.extend_from_slice(&[0; frame::HEAD]);
         buf.push(id_len);
         buf.extend_from_slice(id.as_bytes());
         buf.extend_from_slice(record);
-        let len = u32::try_from(buf.len() - FRAME_HEAD).expect("a record is far below 4 GiB");
-        let crc = crc32fast::hash(&buf[FRAME_HEAD..]);
-        buf[..4].copy_from_slice(&len.to_le_bytes());
-        buf[4..FRAME_HEAD].copy_from_slice(&crc.to_le_bytes());
+        self.chain = frame::seal(buf, self.chain);
         self.out.write_all(buf)?;
         let n = buf.len();
         self.wrote(n)
     }
 
-    fn put_raw(&mut self, frame: &[u8]) -> io::Result<()> {
-        self.out.write_all(frame)?;
-        self.wrote(frame.len())
+    /// Appends a record read from the snapshot before (ID and record, as
+    /// `Snapshot::raw` gives them): a format-2 record keeps its checksum,
+    /// and only its chain is computed anew.
+    fn put_raw(&mut self, payload: &[u8], len_crc: Option<[u8; 8]>) -> io::Result<()> {
+        let Some(len_crc) = len_crc else {
+            // Format 1: no checksum of this format to keep.
+            let buf = &mut self.scratch;
+            buf.clear();
+            buf.extend_from_slice(&[0; frame::HEAD]);
+            buf.extend_from_slice(payload);
+            self.chain = frame::seal(buf, self.chain);
+            self.out.write_all(buf)?;
+            let n = buf.len();
+            return self.wrote(n);
+        };
+        let mut head = [0u8; frame::HEAD];
+        head[..8].copy_from_slice(&len_crc);
+        self.chain = frame::relink(&mut head, self.chain);
+        self.out.write_all(&head)?;
+        self.out.write_all(payload)?;
+        self.wrote(frame::HEAD + payload.len())
     }
 
     /// Writes the trailer, makes the file durable and renames it over the
@@ -297,8 +447,13 @@ impl<'f> SnapshotWriter<'f> {
     /// `OLD_FILE` (a second name, linked before the rename) for its
     /// blocks to be freed gently.
     pub fn finish(mut self) -> io::Result<Written> {
-        self.out.write_all(&END)?;
-        self.out.write_all(&self.records.to_le_bytes())?;
+        let mut trailer = [0u8; TRAILER];
+        trailer[..8].copy_from_slice(&END);
+        trailer[8..16].copy_from_slice(&self.records.to_le_bytes());
+        trailer[16..20].copy_from_slice(&self.chain.to_le_bytes());
+        let crc = crc32fast::hash(&trailer[..20]);
+        trailer[20..24].copy_from_slice(&crc.to_le_bytes());
+        self.out.write_all(&trailer)?;
         let mut file = self.out.into_inner().map_err(|e| e.into_error())?;
         file.sync_all()?;
         drop(file);
@@ -329,7 +484,7 @@ pub struct Salvaged<'a> {
     /// The header's facts, if the header reads back.
     pub folded: Option<u64>,
     pub last_index: u64,
-    /// Every record that passes its checksum: (ID, record).
+    /// Every record that can be proven: (ID, record).
     pub records: Vec<(&'a str, &'a [u8])>,
     /// The stretches that could not be read.
     pub unread: Vec<frame::Unread>,
@@ -339,9 +494,10 @@ pub struct Salvaged<'a> {
     pub trailer: Option<String>,
 }
 
-/// Reads a snapshot's bytes as `Snapshot` does, but past a bad record
-/// takes up again at the next offset where a whole record passes its
-/// checksum.
+/// Reads a snapshot's bytes as `Snapshot` does, but past damage: a
+/// format-2 snapshot as `frame::salvage` reads frames (to the end its
+/// trailer vouches for), a format-1 one taking up again at the next offset
+/// where a whole record passes its checksum.
 pub fn salvage(bytes: &[u8]) -> Salvaged<'_> {
     let mut out = Salvaged {
         folded: None,
@@ -350,37 +506,95 @@ pub fn salvage(bytes: &[u8]) -> Salvaged<'_> {
         unread: Vec::new(),
         trailer: None,
     };
-    let header_ok = bytes.len() >= HEADER
-        && bytes[..8] == MAGIC
-        && crc32fast::hash(&bytes[..24]).to_le_bytes() == bytes[24..28];
+    let v2 = !bytes.starts_with(&MAGIC_V1);
+    let (head, tail) = if v2 {
+        (HEADER, TRAILER)
+    } else {
+        (HEADER_V1, TRAILER_V1)
+    };
+    let crc_at = if v2 { 36 } else { 24 };
+    let header_ok = bytes.len() >= head
+        && bytes.starts_with(if v2 { &MAGIC } else { &MAGIC_V1 })
+        && crc32fast::hash(&bytes[..crc_at]) == u32_at(bytes, crc_at);
     if header_ok {
-        let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
-        out.folded = Some(u64_at(8));
-        out.last_index = u64_at(16);
+        out.folded = Some(u64_at(bytes, 8));
+        out.last_index = u64_at(bytes, 16);
     } else {
         out.unread.push(frame::Unread {
             from: 0,
-            to: HEADER.min(bytes.len()) as u64,
+            to: head.min(bytes.len()) as u64,
         });
     }
-    let trailer = bytes.len() >= HEADER + TRAILER && bytes[bytes.len() - TRAILER..][..8] == END;
-    let end = if trailer {
-        bytes.len() - TRAILER
+    let trailer = &bytes[bytes.len().saturating_sub(tail)..];
+    let trailer_ok = bytes.len() >= head + tail
+        && trailer[..8] == END
+        && (!v2 || crc32fast::hash(&trailer[..20]) == u32_at(trailer, 20));
+    let end = if trailer_ok {
+        bytes.len() - tail
     } else {
         bytes.len()
     };
-    let mut pos = HEADER;
+    let records = &bytes[..end.max(head.min(bytes.len()))];
+    if v2 {
+        let seed = if header_ok { u32_at(bytes, 36) } else { 0 };
+        let vouched = if trailer_ok {
+            frame::End::Vouched {
+                at: end,
+                chain: u32_at(trailer, 16),
+            }
+        } else {
+            frame::End::File
+        };
+        let read = frame::salvage(records, head.min(records.len()), seed, vouched);
+        out.unread.extend(read.unread);
+        for (at, payload) in read.frames {
+            match split_record(payload) {
+                Some(r) => out.records.push(r),
+                // Passes its checks but is no record: lost all the same.
+                None => out.unread.push(frame::Unread {
+                    from: at as u64,
+                    to: (at + frame::HEAD + payload.len()) as u64,
+                }),
+            }
+        }
+        out.unread.sort_by_key(|u| u.from);
+    } else {
+        salvage_v1(records, &mut out);
+    }
+    if !trailer_ok {
+        out.trailer = Some("it has no trailer: it was cut short, or its end is damaged".into());
+    } else {
+        let stated = u64_at(trailer, 8);
+        if stated != out.records.len() as u64 {
+            out.trailer = Some(format!(
+                "its trailer counts {stated} records, {} were read",
+                out.records.len()
+            ));
+        }
+    }
+    out
+}
+
+/// A record's payload as its ID and record.
+fn split_record(payload: &[u8]) -> Option<(&str, &[u8])> {
+    let id_len = *payload.first()? as usize;
+    let id = std::str::from_utf8(payload.get(1..1 + id_len)?).ok()?;
+    Some((id, &payload[1 + id_len..]))
+}
+
+/// Format 1 salvage: past a bad record, the next offset where a whole
+/// record passes its checksum.
+fn salvage_v1<'a>(bytes: &'a [u8], out: &mut Salvaged<'a>) {
+    let end = bytes.len();
+    let mut pos = HEADER_V1;
     let mut skipping = None;
     while pos < end {
-        let record = bytes.get(pos..pos + FRAME_HEAD).and_then(|h| {
-            let len = u32::from_le_bytes(h[..4].try_into().unwrap()) as usize;
-            let crc = u32::from_le_bytes(h[4..].try_into().unwrap());
-            let payload =
-                bytes[..end].get(pos + FRAME_HEAD..(pos + FRAME_HEAD).checked_add(len)?)?;
-            (crc32fast::hash(payload) == crc).then_some(())?;
-            let id_len = *payload.first()? as usize;
-            let id = std::str::from_utf8(payload.get(1..1 + id_len)?).ok()?;
-            Some((id, &payload[1 + id_len..], FRAME_HEAD + len))
+        let record = bytes.get(pos..pos + HEAD_V1).and_then(|h| {
+            let len = u32_at(h, 0) as usize;
+            let payload = bytes.get(pos + HEAD_V1..(pos + HEAD_V1).checked_add(len)?)?;
+            (crc32fast::hash(payload) == u32_at(h, 4)).then_some(())?;
+            let (id, record) = split_record(payload)?;
+            Some((id, record, HEAD_V1 + len))
         });
         match record {
             Some((id, record, len)) => {
@@ -405,18 +619,6 @@ pub fn salvage(bytes: &[u8]) -> Salvaged<'_> {
             to: end as u64,
         });
     }
-    if !trailer {
-        out.trailer = Some("it has no trailer: it was cut short, or its end is damaged".into());
-    } else {
-        let stated = u64::from_le_bytes(bytes[bytes.len() - 8..].try_into().unwrap());
-        if stated != out.records.len() as u64 {
-            out.trailer = Some(format!(
-                "its trailer counts {stated} records, {} were read",
-                out.records.len()
-            ));
-        }
-    }
-    out
 }
 
 /// The newest change of every allocation in `changes`, sorted by ID.
@@ -469,9 +671,22 @@ fn merge(
 
 /// A checkpoint: the snapshot in `dir` with `overlay`'s changes merged in,
 /// written as the next snapshot, which records that the log is folded up
-/// to segment `sealed`.
-pub fn fold(fs: &dyn Fs, dir: &Path, overlay: &Overlay, sealed: u64) -> io::Result<Written> {
-    fold_sorted(fs, dir, &sorted(overlay), overlay.last_index, sealed)
+/// to segment `sealed`, which ended at `log_end`.
+pub fn fold(
+    fs: &dyn Fs,
+    dir: &Path,
+    overlay: &Overlay,
+    sealed: u64,
+    log_end: End,
+) -> io::Result<Written> {
+    fold_sorted(
+        fs,
+        dir,
+        &sorted(overlay),
+        overlay.last_index,
+        sealed,
+        log_end,
+    )
 }
 
 /// `fold` of changes already sorted by ID (newer than the snapshot), the
@@ -482,12 +697,17 @@ pub fn fold_sorted(
     changes: &[(&str, Option<&[u8]>)],
     last_index: u64,
     sealed: u64,
+    log_end: End,
 ) -> io::Result<Written> {
     let mut base = Snapshot::open(fs, dir)?;
     let last_index = base.as_ref().map_or(0, |b| b.last_index).max(last_index);
-    let written = SnapshotWriter::create(fs, dir, sealed, last_index).and_then(|mut out| {
+    let created = SnapshotWriter::create(fs, dir, sealed, last_index, log_end);
+    let written = created.and_then(|mut out| {
         merge(base.as_mut(), changes, |merged| match merged {
-            Merged::Kept(kept) => out.put_raw(kept.raw()),
+            Merged::Kept(kept) => {
+                let (payload, len_crc) = kept.raw();
+                out.put_raw(payload, len_crc)
+            }
             Merged::Put(id, record) => out.put(id, record),
         })?;
         out.finish()
@@ -546,7 +766,7 @@ mod tests {
             .iter()
             .map(|id| (id.as_str(), Some("{\"v\":1}")))
             .collect();
-        fold(&RealFs, dir, &overlay(&changes, n as u64), 1).unwrap();
+        fold(&RealFs, dir, &overlay(&changes, n as u64), 1, End::NONE).unwrap();
         dir.join(SNAPSHOT_FILE)
     }
 
@@ -565,9 +785,14 @@ mod tests {
             &[("b", Some("b1")), ("a", Some("a1")), ("d", Some("d1"))],
             3,
         );
-        assert_eq!(fold(&RealFs, dir.path(), &first, 1).unwrap().records, 3);
+        assert_eq!(
+            fold(&RealFs, dir.path(), &first, 1, End::NONE)
+                .unwrap()
+                .records,
+            3
+        );
         let second = overlay(&[("c", Some("c2")), ("a", None), ("d", Some("d2"))], 7);
-        let written = fold(&RealFs, dir.path(), &second, 2).unwrap();
+        let written = fold(&RealFs, dir.path(), &second, 2, End::NONE).unwrap();
         assert_eq!(written.records, 3);
         let len = std::fs::metadata(dir.path().join(SNAPSHOT_FILE))
             .unwrap()
@@ -581,7 +806,14 @@ mod tests {
         assert_eq!((s.folded, s.last_index), (2, 7));
         // The index never goes back, even if a checkpoint's changes are
         // older than what a deletion already used.
-        fold(&RealFs, dir.path(), &overlay(&[("e", Some("e3"))], 5), 3).unwrap();
+        fold(
+            &RealFs,
+            dir.path(),
+            &overlay(&[("e", Some("e3"))], 5),
+            3,
+            End::NONE,
+        )
+        .unwrap();
         let s = Snapshot::open(&RealFs, dir.path()).unwrap().unwrap();
         assert_eq!((s.folded, s.last_index), (3, 7));
         assert!(!dir.path().join(NEXT_FILE).exists());
@@ -591,16 +823,37 @@ mod tests {
     fn the_replaced_snapshot_keeps_a_name_of_its_own_until_removed() {
         let dir = tempfile::tempdir().unwrap();
         let old = dir.path().join(OLD_FILE);
-        fold(&RealFs, dir.path(), &overlay(&[("a", Some("a1"))], 1), 1).unwrap();
+        fold(
+            &RealFs,
+            dir.path(),
+            &overlay(&[("a", Some("a1"))], 1),
+            1,
+            End::NONE,
+        )
+        .unwrap();
         assert!(!old.exists(), "nothing was replaced");
         let first = std::fs::read(dir.path().join(SNAPSHOT_FILE)).unwrap();
-        fold(&RealFs, dir.path(), &overlay(&[("b", Some("b2"))], 2), 2).unwrap();
+        fold(
+            &RealFs,
+            dir.path(),
+            &overlay(&[("b", Some("b2"))], 2),
+            2,
+            End::NONE,
+        )
+        .unwrap();
         assert_eq!(std::fs::read(&old).unwrap(), first);
         assert_eq!(contents(dir.path()), pairs(&[("a", "a1"), ("b", "b2")]));
         // Not removed in between (a failed removal): the next checkpoint
         // drops that name and keeps the one it replaces.
         let second = std::fs::read(dir.path().join(SNAPSHOT_FILE)).unwrap();
-        fold(&RealFs, dir.path(), &overlay(&[("a", None)], 3), 3).unwrap();
+        fold(
+            &RealFs,
+            dir.path(),
+            &overlay(&[("a", None)], 3),
+            3,
+            End::NONE,
+        )
+        .unwrap();
         assert_eq!(std::fs::read(&old).unwrap(), second);
         assert_eq!(contents(dir.path()), pairs(&[("b", "b2")]));
         super::super::log::remove_gently(&RealFs, &old).unwrap();
@@ -611,13 +864,27 @@ mod tests {
     #[test]
     fn an_unfinished_next_snapshot_changes_nothing_and_is_replaced() {
         let dir = tempfile::tempdir().unwrap();
-        fold(&RealFs, dir.path(), &overlay(&[("a", Some("a1"))], 1), 1).unwrap();
+        fold(
+            &RealFs,
+            dir.path(),
+            &overlay(&[("a", Some("a1"))], 1),
+            1,
+            End::NONE,
+        )
+        .unwrap();
         // A checkpoint that crashed before its rename.
-        let mut w = SnapshotWriter::create(&RealFs, dir.path(), 2, 2).unwrap();
+        let mut w = SnapshotWriter::create(&RealFs, dir.path(), 2, 2, End::NONE).unwrap();
         w.put("a", b"never renamed").unwrap();
         drop(w);
         assert_eq!(contents(dir.path()), pairs(&[("a", "a1")]));
-        fold(&RealFs, dir.path(), &overlay(&[("b", Some("b2"))], 2), 2).unwrap();
+        fold(
+            &RealFs,
+            dir.path(),
+            &overlay(&[("b", Some("b2"))], 2),
+            2,
+            End::NONE,
+        )
+        .unwrap();
         assert_eq!(contents(dir.path()), pairs(&[("a", "a1"), ("b", "b2")]));
     }
 
@@ -629,7 +896,14 @@ mod tests {
         let middle = bytes.len() / 2;
         bytes[middle] ^= 0x01;
         std::fs::write(&path, &bytes).unwrap();
-        let err = fold(&RealFs, dir.path(), &overlay(&[("new", Some("x"))], 51), 2).unwrap_err();
+        let err = fold(
+            &RealFs,
+            dir.path(),
+            &overlay(&[("new", Some("x"))], 51),
+            2,
+            End::NONE,
+        )
+        .unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
         assert!(!dir.path().join(NEXT_FILE).exists(), "its space given back");
         assert_eq!(std::fs::read(&path).unwrap(), bytes, "left as it was");
@@ -661,11 +935,14 @@ mod tests {
                 "a flipped bit at byte {at} went unnoticed"
             );
         }
-        // A trailer claiming an absurd count is not believed before the
-        // records are read (the store sizes its load by it).
+        // A trailer (its checksum right) claiming an absurd count is not
+        // believed before the records are read (the store sizes its load
+        // by it).
         let mut bad = good.clone();
-        let at = good.len() - 1;
-        bad[at] ^= 0x80;
+        let t = good.len() - TRAILER;
+        bad[t + 8..t + 16].copy_from_slice(&(u64::MAX / 2).to_le_bytes());
+        let crc = crc32fast::hash(&bad[t..t + 20]);
+        bad[t + 20..].copy_from_slice(&crc.to_le_bytes());
         std::fs::write(&path, &bad).unwrap();
         let s = Snapshot::open(&RealFs, dir.path()).unwrap().unwrap();
         assert!(s.records() <= good.len() as u64, "{}", s.records());
@@ -674,5 +951,89 @@ mod tests {
             std::fs::write(&path, &good[..cut]).unwrap();
             assert!(read_all().is_err(), "a cut at byte {cut} went unnoticed");
         }
+    }
+
+    /// A block of an older snapshot copied over the same place in the
+    /// current one — whole records, each passing its own checksum, in ID
+    /// order, as many as before — is found, at the first record that did
+    /// not follow the one before it in this file.
+    #[test]
+    fn a_block_of_an_older_snapshot_is_found_where_it_starts() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = snapshot_of(dir.path(), 300);
+        let older = std::fs::read(&path).unwrap();
+        // The same records but one, changed in place (same length).
+        let changed = overlay(&[("alloc-150", Some("{\"v\":2}"))], 301);
+        fold(&RealFs, dir.path(), &changed, 2, End { len: 99, chain: 7 }).unwrap();
+        let current = std::fs::read(&path).unwrap();
+        assert_eq!(older.len(), current.len());
+        let block = 4096..8192;
+        assert!(current.len() > block.end + TRAILER);
+        let mut mixed = current.clone();
+        mixed[block.clone()].copy_from_slice(&older[block.clone()]);
+        std::fs::write(&path, &mixed).unwrap();
+        let mut base = Snapshot::open(&RealFs, dir.path()).unwrap().unwrap();
+        let err = load(Some(&mut base), &[], |_, _| Ok(())).unwrap_err();
+        let err = err.to_string();
+        assert!(
+            err.contains("does not follow the record before it"),
+            "{err}"
+        );
+        let at: usize = err
+            .split("the record at byte ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap();
+        assert!(block.contains(&at), "{err}");
+        // Its log position is what the checkpoint said.
+        std::fs::write(&path, &current).unwrap();
+        let s = Snapshot::open(&RealFs, dir.path()).unwrap().unwrap();
+        assert_eq!(s.log_end, Some(End { len: 99, chain: 7 }));
+        assert_eq!((s.folded, s.last_index), (2, 301));
+    }
+
+    /// A snapshot an earlier build wrote (format 1) is read, and the
+    /// next checkpoint writes format 2.
+    #[test]
+    fn a_snapshot_of_the_first_format_is_read_and_folded_into_the_second() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut bytes = MAGIC_V1.to_vec();
+        bytes.extend_from_slice(&4u64.to_le_bytes());
+        bytes.extend_from_slice(&9u64.to_le_bytes());
+        let crc = crc32fast::hash(&bytes);
+        bytes.extend_from_slice(&crc.to_le_bytes());
+        bytes.extend_from_slice(&[0; 4]);
+        for (id, record) in [("a", "ra"), ("b", "rb")] {
+            let mut payload = vec![1u8];
+            payload.extend_from_slice(id.as_bytes());
+            payload.extend_from_slice(record.as_bytes());
+            bytes.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+            bytes.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
+            bytes.extend_from_slice(&payload);
+        }
+        bytes.extend_from_slice(&END);
+        bytes.extend_from_slice(&2u64.to_le_bytes());
+        std::fs::write(dir.path().join(SNAPSHOT_FILE), &bytes).unwrap();
+        let s = Snapshot::open(&RealFs, dir.path()).unwrap().unwrap();
+        assert_eq!((s.folded, s.last_index, s.log_end), (4, 9, None));
+        assert_eq!(contents(dir.path()), pairs(&[("a", "ra"), ("b", "rb")]));
+        let end = End { len: 5, chain: 6 };
+        fold(
+            &RealFs,
+            dir.path(),
+            &overlay(&[("c", Some("rc"))], 10),
+            5,
+            end,
+        )
+        .unwrap();
+        let s = Snapshot::open(&RealFs, dir.path()).unwrap().unwrap();
+        assert_eq!((s.folded, s.last_index, s.log_end), (5, 10, Some(end)));
+        assert_eq!(
+            contents(dir.path()),
+            pairs(&[("a", "ra"), ("b", "rb"), ("c", "rc")])
+        );
+        let written = std::fs::read(dir.path().join(SNAPSHOT_FILE)).unwrap();
+        assert!(written.starts_with(&MAGIC));
     }
 }

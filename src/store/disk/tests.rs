@@ -293,6 +293,19 @@ async fn damage_anywhere_stops_the_open_naming_it_and_changes_nothing() {
             "damaged at byte".into(),
         ),
         (
+            // Nothing in the segment itself looks wrong: the next one's
+            // header says where it ended.
+            "an older segment cut at the boundary of its last append",
+            edit(
+                older.clone(),
+                Box::new(|b| {
+                    let last = *log::frame_starts(b).last().unwrap();
+                    b.truncate(last)
+                }),
+            ),
+            "are missing (a sealed segment was cut short)".into(),
+        ),
+        (
             "an emptied older segment",
             edit(older.clone(), Box::new(Vec::clear)),
             "shorter than a segment header".into(),
@@ -794,7 +807,8 @@ async fn records_of_an_earlier_build_load_and_changes_are_written_in_the_current
         Allocation::register(AllocId::parse(id).unwrap(), Arc::new(spec()), index, at)
     };
     let (a, b) = (alloc("a", 1), alloc("b", 2));
-    let mut w = snapshot::SnapshotWriter::create(&RealFs, dir.path(), 0, 1).unwrap();
+    let mut w =
+        snapshot::SnapshotWriter::create(&RealFs, dir.path(), 0, 1, log::End::NONE).unwrap();
     w.put("a", &record::encode_json(&a)).unwrap();
     w.finish().unwrap();
     let mut s = log::Segment::create(&RealFs, dir.path(), 1, log::End::NONE).unwrap();
@@ -904,7 +918,8 @@ fn read_only_refuses_a_directory_in_use_an_old_one_or_none() {
 #[test]
 fn a_corrupt_record_stops_the_open_naming_the_allocation_and_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let mut w = snapshot::SnapshotWriter::create(&RealFs, dir.path(), 0, 1).unwrap();
+    let mut w =
+        snapshot::SnapshotWriter::create(&RealFs, dir.path(), 0, 1, log::End::NONE).unwrap();
     w.put("broken", b"{not json").unwrap();
     w.finish().unwrap();
     // A torn append the open would cut, and names it would drop.
@@ -959,4 +974,76 @@ async fn commits_after_close_fail_as_closed() {
         .await
         .unwrap_err();
     assert!(matches!(err, StoreError::Closed));
+}
+
+/// The snapshot and the log vouch for each other: a snapshot of another
+/// data directory (or an older one) that folded as many segments as this
+/// one's did does not fit the segment after it, and the start is refused,
+/// naming both, changing nothing. So is a log whose first segment does
+/// not follow the snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_that_does_not_fit_the_log_stops_the_open() {
+    // Two directories with the same shape: a snapshot that folded
+    // segment 1, and segment 2 after it.
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    for (d, prefix) in dirs.iter().zip(["a", "b"]) {
+        fold_first_segment(d.path(), prefix).await;
+        assert_eq!(snapshot_facts(d.path()).2, 1);
+        assert_eq!(segments(d.path())[0].0, 2, "{prefix}");
+    }
+    let [mine, theirs] = &dirs;
+    std::fs::copy(
+        theirs.path().join(SNAPSHOT_FILE),
+        mine.path().join(SNAPSHOT_FILE),
+    )
+    .unwrap();
+    let before = files(mine.path());
+    let err = DiskStore::open(config(mine.path(), 1, DEFAULT_LOG_LIMIT))
+        .err()
+        .expect("refused")
+        .to_string();
+    let segment = log::segment_path(mine.path(), 2).display().to_string();
+    assert!(err.contains(&segment), "{err}");
+    assert!(err.contains(SNAPSHOT_FILE), "{err}");
+    assert!(err.contains("not of one history"), "{err}");
+    assert_eq!(files(mine.path()), before);
+}
+
+/// A store whose first segment was folded into its snapshot by a
+/// checkpoint, with a second segment after it: what a checkpoint at the
+/// first rollover leaves.
+async fn fold_first_segment(dir: &Path, prefix: &str) {
+    register_with(dir, DEFAULT_LOG_LIMIT, &ids(prefix, 5), false).await;
+    // Folded by hand, as the checkpoint thread does it, then removed.
+    let (written, _) = super::checkpoint::checkpoint(&RealFs, dir, 0, 1).unwrap();
+    assert_eq!(written.records, 5);
+    std::fs::remove_file(log::segment_path(dir, 1)).unwrap();
+    register_with(
+        dir,
+        DEFAULT_LOG_LIMIT,
+        &ids(&format!("{prefix}x"), 2),
+        false,
+    )
+    .await;
+}
+
+/// A checkpoint never folds a log whose segments do not vouch for each
+/// other (here: the first cut at an append's boundary, under a running
+/// store): it fails, and the store says so, instead of hiding the loss in
+/// the next snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_refuses_a_sealed_segment_cut_short() {
+    let dir = tempfile::tempdir().unwrap();
+    for round in ["a", "b"] {
+        register_with(dir.path(), DEFAULT_LOG_LIMIT, &ids(round, 3), false).await;
+    }
+    let first = log::segment_path(dir.path(), 1);
+    let mut bytes = std::fs::read(&first).unwrap();
+    bytes.truncate(*log::frame_starts(&bytes).last().unwrap());
+    std::fs::write(&first, &bytes).unwrap();
+    let err = super::checkpoint::checkpoint(&RealFs, dir.path(), 0, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("are missing"), "{err}");
+    assert!(!dir.path().join(SNAPSHOT_FILE).exists());
 }
