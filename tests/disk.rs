@@ -77,12 +77,15 @@ fn index_of(res: &reqwest::Response) -> u64 {
 }
 
 /// A task report with an event whose size never changes (its time given),
-/// on `id`'s prestart task; returns the index it got.
-async fn report(base: &str, id: &str) -> u64 {
+/// on `id`'s prestart task; `n` picks one of two messages, so that with a
+/// full history of them every report changes the record; returns the
+/// index it got.
+async fn report(base: &str, id: &str, n: usize) -> u64 {
+    let message = ["still here", "still there"][n % 2];
     let res = common::http()
         .put(format!("{base}/v1/allocations/{id}/tasks/init/state"))
         .json(&json!({"state": "pending", "event": {
-            "type": "Tick", "time": "2024-01-01T00:00:00Z", "message": "still here"}}))
+            "type": "Tick", "time": "2024-01-01T00:00:00Z", "message": message}}))
         .send()
         .await
         .unwrap();
@@ -262,8 +265,8 @@ async fn a_block_of_an_older_snapshot_is_refused() {
     healthy(&server.base).await;
     register(&server.base, &ids("x", 100), &mut acked).await;
     // A full history of events, so the next ones replace as many bytes.
-    for _ in 0..10 {
-        acked.insert("x050".into(), report(&server.base, "x050").await);
+    for n in 0..10 {
+        acked.insert("x050".into(), report(&server.base, "x050", n).await);
     }
     drop(server);
     checkpoint(dir.path(), "zz0", &mut acked).await;
@@ -276,7 +279,10 @@ async fn a_block_of_an_older_snapshot_is_refused() {
         let older = std::fs::read(&snapshot).unwrap();
         let server = start(dir.path(), "64MiB");
         healthy(&server.base).await;
-        acked.insert("x050".into(), report(&server.base, "x050").await);
+        let before = acked["x050"];
+        let index = report(&server.base, "x050", tries).await;
+        assert!(index > before, "a change");
+        acked.insert("x050".into(), index);
         drop(server);
         checkpoint(dir.path(), &format!("zz{tries}"), &mut acked).await;
         let current = std::fs::read(&snapshot).unwrap();
@@ -289,7 +295,7 @@ async fn a_block_of_an_older_snapshot_is_refused() {
     assert!(block.start >= 4096 && block.end < current.len() - 24);
     let mut mixed = current.clone();
     mixed[block.clone()].copy_from_slice(&older[block.clone()]);
-    assert_ne!(mixed, current, "the block holds the older version");
+    assert!(mixed != current, "the block holds the older version");
     std::fs::write(&snapshot, &mixed).unwrap();
     let said = refused(dir.path());
     assert!(said.contains(&snapshot.display().to_string()), "{said}");
