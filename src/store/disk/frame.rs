@@ -260,8 +260,10 @@ pub struct Salvaged<'a> {
 /// - a frame whose head links is where it says, so when only its payload
 ///   is damaged, that frame alone is lost and the next is read;
 /// - a frame whose head does not link, but whose stated end is where the
-///   next head links to its stated chain, lost alone too (its length or
-///   checksum was damaged, its chain not);
+///   next head links to its stated chain (or the vouched end is), is
+///   where it says: lost alone too if it fails its checksum (its length
+///   or checksum was damaged), taken if it passes (only what it follows
+///   was unknown: a damaged header);
 /// - otherwise the chain is broken there: reading takes up again at the
 ///   first later offset from which frames link to the file's vouched end
 ///   (`End`), and never inside the stated extent of the frame it stopped
@@ -312,13 +314,29 @@ pub fn salvage(bytes: &[u8], at: usize, seed: u32, end: End) -> Salvaged<'_> {
                 lost(&mut out, pos, limit);
                 pos = limit;
             }
+            // The next head links to this one's chain: it is where it
+            // says. Either its length or checksum was damaged (it is lost
+            // alone), or only what it follows is unknown (a damaged
+            // header): then it passes its checksum, and is taken.
             Some(e) if vouched_by_next(e) => {
-                lost(&mut out, pos, e);
+                if h.fits(&bytes[pos + HEAD..e]) {
+                    out.frames.push((pos, &bytes[pos + HEAD..e]));
+                } else {
+                    lost(&mut out, pos, e);
+                }
                 (pos, previous) = (e, h.chain);
             }
             _ => {
+                // The frame here may itself start a run (it is at a
+                // boundary; only what came before it is unknown); else
+                // the first after its stated extent that does.
                 let from = stated.unwrap_or(pos + 1).max(pos + 1);
-                match find_run(bytes, from, end) {
+                let found = if run_from(bytes, pos, end) {
+                    Some(pos)
+                } else {
+                    find_run(bytes, from, end)
+                };
+                match found {
                     Some(q) => {
                         lost(&mut out, pos, q);
                         // The run vouches for its first frame, which

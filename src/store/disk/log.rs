@@ -515,6 +515,8 @@ fn parse(payload: &[u8]) -> Result<(&str, u64, Option<&[u8]>), &'static str> {
 /// One change salvage found, where it lies.
 #[derive(Debug)]
 pub struct Found<'a> {
+    /// The offset of the frame that holds it.
+    pub at: u64,
     pub id: &'a str,
     pub index: u64,
     pub record: Option<&'a [u8]>,
@@ -531,6 +533,8 @@ pub struct Salvaged<'a> {
     pub end: End,
     /// Whether the segment ends as `vouched` said.
     pub ends_as_vouched: bool,
+    /// Where the segment before it ended, as its header says (format 3).
+    pub previous: Option<End>,
 }
 
 /// Every change of segment `seq` that can be proven, however damaged it is
@@ -557,6 +561,7 @@ pub fn salvage(bytes: &[u8], seq: u64, vouched: Option<End>) -> Salvaged<'_> {
     {
         return salvage_v1(bytes);
     }
+    out.previous = header.as_ref().ok().and_then(|h| h.previous);
     let (version, start, seed) = match header {
         Ok(h) => (h.version, h.len, h.seed),
         Err(_) => {
@@ -599,11 +604,12 @@ pub fn salvage(bytes: &[u8], seq: u64, vouched: Option<End>) -> Salvaged<'_> {
             chain: h.chain,
         };
         out.changes
-            .extend(
-                found
-                    .into_iter()
-                    .map(|(id, index, record)| Found { id, index, record }),
-            );
+            .extend(found.into_iter().map(|(id, index, record)| Found {
+                at: at as u64,
+                id,
+                index,
+                record,
+            }));
     }
     out.unread.extend(read.unread);
     out.unread.sort_by_key(|u| u.from);
@@ -637,7 +643,12 @@ fn salvage_v1(bytes: &[u8]) -> Salvaged<'_> {
                         to: pos as u64,
                     });
                 }
-                out.changes.push(Found { id, index, record });
+                out.changes.push(Found {
+                    at: pos as u64,
+                    id,
+                    index,
+                    record,
+                });
                 pos += len;
             }
             None => {

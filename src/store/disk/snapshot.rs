@@ -484,8 +484,10 @@ pub struct Salvaged<'a> {
     /// The header's facts, if the header reads back.
     pub folded: Option<u64>,
     pub last_index: u64,
-    /// Every record that can be proven: (ID, record).
-    pub records: Vec<(&'a str, &'a [u8])>,
+    /// Where the log segment it folded ended, if the header says.
+    pub log_end: Option<End>,
+    /// Every record that can be proven: (offset, ID, record).
+    pub records: Vec<(usize, &'a str, &'a [u8])>,
     /// The stretches that could not be read.
     pub unread: Vec<frame::Unread>,
     /// What the trailer says is wrong with the whole: missing (the file
@@ -502,6 +504,7 @@ pub fn salvage(bytes: &[u8]) -> Salvaged<'_> {
     let mut out = Salvaged {
         folded: None,
         last_index: 0,
+        log_end: None,
         records: Vec::new(),
         unread: Vec::new(),
         trailer: None,
@@ -519,6 +522,10 @@ pub fn salvage(bytes: &[u8]) -> Salvaged<'_> {
     if header_ok {
         out.folded = Some(u64_at(bytes, 8));
         out.last_index = u64_at(bytes, 16);
+        out.log_end = v2.then(|| End {
+            len: u64_at(bytes, 24),
+            chain: u32_at(bytes, 32),
+        });
     } else {
         out.unread.push(frame::Unread {
             from: 0,
@@ -549,7 +556,7 @@ pub fn salvage(bytes: &[u8]) -> Salvaged<'_> {
         out.unread.extend(read.unread);
         for (at, payload) in read.frames {
             match split_record(payload) {
-                Some(r) => out.records.push(r),
+                Some((id, record)) => out.records.push((at, id, record)),
                 // Passes its checks but is no record: lost all the same.
                 None => out.unread.push(frame::Unread {
                     from: at as u64,
@@ -598,13 +605,14 @@ fn salvage_v1<'a>(bytes: &'a [u8], out: &mut Salvaged<'a>) {
         });
         match record {
             Some((id, record, len)) => {
+                let at = pos;
                 if let Some(from) = skipping.take() {
                     out.unread.push(frame::Unread {
                         from,
                         to: pos as u64,
                     });
                 }
-                out.records.push((id, record));
+                out.records.push((at, id, record));
                 pos += len;
             }
             None => {

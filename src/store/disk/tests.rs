@@ -393,7 +393,7 @@ async fn salvage_copies_what_can_be_read_and_names_what_cannot() {
         "the damaged directory is only read"
     );
     let lost = &report.lost;
-    assert_eq!(lost.len(), 4, "{lost:?}");
+    assert_eq!(lost.len(), 5, "{lost:?}");
     let snapshot = snapshot.display().to_string();
     assert!(
         lost[0].starts_with(&format!("{snapshot}: bytes ")),
@@ -404,13 +404,33 @@ async fn salvage_copies_what_can_be_read_and_names_what_cannot() {
         lost[1].starts_with(&format!("{snapshot}: its trailer counts ")),
         "{lost:?}"
     );
+    // Which records it can have been: the snapshot is in ID order.
     assert!(
-        lost[2].starts_with(&format!("{}: bytes ", newest.display())),
+        lost[2].contains(r#"IDs sort after "s1" and before "s11""#),
+        "{lost:?}"
+    );
+    assert!(
+        lost[3].starts_with(&format!("{}: bytes ", newest.display())),
         "{lost:?}"
     );
     // The lost change's index may have been the highest: indexes go on
     // past any it could have had.
-    assert!(lost[3].starts_with("indexes go on from "), "{lost:?}");
+    assert!(lost[4].starts_with("indexes go on from "), "{lost:?}");
+    // The lost append (l10's registration) could have changed anything
+    // written before it: those allocations' last index is not proven;
+    // those written after it are.
+    let unproven = &report.unproven;
+    let named = |id: &str| {
+        unproven
+            .iter()
+            .any(|l| l.starts_with(&format!("allocation \"{id}\": salvaged at index")))
+    };
+    assert!(named("s5") && named("s59") && named("l9"), "{unproven:?}");
+    assert!(
+        !named("l11") && !named("l59") && !named("l10"),
+        "{unproven:?}"
+    );
+    assert_eq!(unproven.len(), 60 - 1 + 10 + 1, "{unproven:?}");
     assert!(report.last_index > last, "{} > {last}", report.last_index);
     // One record of the snapshot and one change of the log are lost.
     assert_eq!(report.allocations, 118);
@@ -1046,4 +1066,48 @@ async fn a_checkpoint_refuses_a_sealed_segment_cut_short() {
         .to_string();
     assert!(err.contains("are missing"), "{err}");
     assert!(!dir.path().join(SNAPSHOT_FILE).exists());
+}
+
+/// Salvage by index: the newest version of an allocation wins wherever
+/// it lies. Here a checkpoint folded segments 1 and 2 (the allocation at
+/// index 7 in the first, at 88 in the second) and stopped before removing
+/// segment 1; with the snapshot's header damaged, salvage cannot know what
+/// it folded and reads segment 1 too — whose older version must not win.
+#[test]
+fn salvage_keeps_the_newest_version_wherever_it_lies() {
+    let dir = tempfile::tempdir().unwrap();
+    let at = time::OffsetDateTime::UNIX_EPOCH;
+    let version = |index| {
+        let mut a = Allocation::register(AllocId::parse("x").unwrap(), Arc::new(spec()), 1, at);
+        a.modify_index = index;
+        a
+    };
+    let (old, new) = (version(7), version(88));
+    let mut s = log::Segment::create(&RealFs, dir.path(), 1, log::End::NONE).unwrap();
+    let mut frame = log::one_append("x", 7, Some(&record::encode(&old)));
+    s.append(&mut frame).unwrap();
+    drop(s);
+    let mut w =
+        snapshot::SnapshotWriter::create(&RealFs, dir.path(), 2, 88, log::End::NONE).unwrap();
+    w.put("x", &record::encode(&new)).unwrap();
+    w.finish().unwrap();
+    let path = dir.path().join(SNAPSHOT_FILE);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[9] ^= 0x01;
+    std::fs::write(&path, bytes).unwrap();
+    let to = tempfile::tempdir().unwrap();
+    let to = to.path().join("salvaged");
+    let report = super::salvage(dir.path(), &to).unwrap();
+    assert!(
+        report
+            .lost
+            .iter()
+            .any(|l| l.contains("its header is damaged")),
+        "{:?}",
+        report.lost
+    );
+    assert!(report.unproven.is_empty(), "{:?}", report.unproven);
+    let loaded = open(&to, 1).load().unwrap();
+    assert_eq!(loaded.allocations, vec![new]);
+    assert_eq!(loaded.last_index, 88);
 }
