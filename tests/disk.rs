@@ -507,3 +507,108 @@ async fn salvage_never_takes_a_frame_written_inside_an_event_message() {
         .unwrap();
     assert!(index_of(&last) < 1 << 40, "indexes did not jump");
 }
+
+/// The first line of `GET /v1/events?index=N`.
+async fn first_event(base: &str, index: u64) -> Value {
+    let mut res = common::http()
+        .get(format!("{base}/v1/events?index={index}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    let mut line = Vec::new();
+    while !line.contains(&b'\n') {
+        let chunk = tokio::time::timeout(Duration::from_secs(60), res.chunk())
+            .await
+            .expect("a line within the heartbeat")
+            .unwrap()
+            .expect("the stream goes on");
+        line.extend_from_slice(&chunk);
+    }
+    let end = line.iter().position(|&b| b == b'\n').unwrap();
+    serde_json::from_slice(&line[..end]).unwrap()
+}
+
+/// Indexes only go up, across restarts, for readers too. Writes refused
+/// while checkpoints fail (the snapshot damaged under the running server,
+/// the log at its ceiling) still take indexes; a reader must not go past
+/// them, since nothing durable holds them and after a restart new changes
+/// take them again: a reader that goes on from where it was gets those
+/// changes (before: it had gone past them, and waited in silence). A
+/// reader ahead of every index the server has reached is told to resync
+/// at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_never_goes_past_an_index_a_restart_hands_out_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let snapshot = dir.path().join("taskgate.snapshot");
+    let mut server = Server::start(&[
+        "--data-dir",
+        dir.path().to_str().unwrap(),
+        "--store-log-limit",
+        "4KiB",
+        "--store-log-ceiling",
+        "16KiB",
+    ]);
+    healthy(&server.base).await;
+    let http = common::http();
+    let mut acked = Acked::new();
+    let mut n = 0;
+    while checkpoints(&server.base).await == 0 {
+        n += 1;
+        assert!(n < 5000, "no checkpoint");
+        register(&server.base, &[format!("a{n}")], &mut acked).await;
+    }
+    // Damaged under the running server: every later checkpoint fails,
+    // and the log grows to its ceiling. (A checkpoint already running
+    // may still put a good one in its place: damaged again then.)
+    let (mut good, mut damaged) = (Vec::new(), Vec::new());
+    let mut refused = 0;
+    while refused < 3 {
+        n += 1;
+        assert!(n < 5000, "never refused");
+        let now = std::fs::read(&snapshot).unwrap();
+        if now != damaged {
+            damaged = now.clone();
+            let middle = damaged.len() / 2;
+            damaged[middle] ^= 0x08;
+            std::fs::write(&snapshot, &damaged).unwrap();
+            good = now;
+        }
+        let res = http
+            .put(format!("{}/v1/allocations/a{n}", server.base))
+            .json(&spec())
+            .send()
+            .await
+            .unwrap();
+        match res.status().as_u16() {
+            201 => {
+                acked.insert(format!("a{n}"), index_of(&res));
+            }
+            503 => refused += 1,
+            other => panic!("{other}"),
+        }
+    }
+    let listed = http
+        .get(format!("{}/v1/allocations", server.base))
+        .send()
+        .await
+        .unwrap();
+    let reader_at = index_of(&listed);
+    assert!(reader_at >= acked.values().copied().max().unwrap());
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    std::fs::write(&snapshot, &good).unwrap();
+
+    let server = start(dir.path(), "64MiB");
+    healthy(&server.base).await;
+    verify(&server.base, &acked).await;
+    register(&server.base, &["after".to_owned()], &mut acked).await;
+    let line = first_event(&server.base, reader_at).await;
+    assert!(
+        line["type"] == "Resync" || line["alloc_id"] == "after",
+        "a reader at {reader_at} after the restart: {line}"
+    );
+    let ahead = acked["after"] + 1000;
+    let line = first_event(&server.base, ahead).await;
+    assert_eq!(line["type"], "Resync", "{line}");
+}

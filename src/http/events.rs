@@ -42,9 +42,10 @@ const AHEAD: usize = 4;
 /// reads: each change after `index` in index order, each once
 /// (`Allocation` with the allocation's view, `AllocationDeleted`); a
 /// `Resync` line first when `index` is older than the changes the server
-/// keeps (`--event-buffer`; a restarted server keeps none from before):
-/// list the allocations again, then go on from the `Resync`'s index, as
-/// the stream does; a `Heartbeat` line after 10 s without another. The
+/// keeps (`--event-buffer`; a restarted server keeps none from before), or
+/// newer than any index it has reached (another server's, a restored
+/// backup's): list the allocations again, then go on from the `Resync`'s
+/// index, as the stream does; a `Heartbeat` line after 10 s without another. The
 /// stream ends when the server shuts down: reconnect with the last index
 /// seen. A scoped token must give a `prefix` within its prefixes. Counts as
 /// a waiting request.
