@@ -612,3 +612,49 @@ async fn a_reader_never_goes_past_an_index_a_restart_hands_out_again() {
     let line = first_event(&server.base, ahead).await;
     assert_eq!(line["type"], "Resync", "{line}");
 }
+
+/// An upgrade keeps the data: a data directory the build before format 3
+/// wrote (`tests/fixtures/before-format-3`: a format-1 snapshot that
+/// folded segments 1 and 2, format-2 segments 3 and 4 after it, made with
+/// that build's binary by registering, reporting, a checkpoint, and more
+/// changes ended by a SIGKILL) reads as that build dumped it
+/// (`before-format-3.ndjson`), takes new changes in format 3, and folds
+/// them all into a snapshot of format 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_directory_of_the_formats_before_upgrades_whole() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let expected = std::fs::read_to_string(fixtures.join("before-format-3.ndjson")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixtures.join("before-format-3")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    let dump = || {
+        let out = Command::new(taskgate_bin())
+            .args(["dump", "--data-dir", dir.path().to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert_eq!(dump(), expected);
+    let mut acked = Acked::new();
+    for line in expected.lines() {
+        let v: Value = serde_json::from_str(line).unwrap();
+        let index = v["modify_index"].as_u64().unwrap();
+        acked.insert(v["id"].as_str().unwrap().to_owned(), index);
+    }
+    let server = start(dir.path(), "64MiB");
+    healthy(&server.base).await;
+    verify(&server.base, &acked).await;
+    register(&server.base, &ids("new", 3), &mut acked).await;
+    drop(server);
+    checkpoint(dir.path(), "folded-again", &mut acked).await;
+    let snapshot = std::fs::read(dir.path().join("taskgate.snapshot")).unwrap();
+    assert_eq!(&snapshot[..8], b"TGSNAP\0\x02");
+    let server = start(dir.path(), "64MiB");
+    healthy(&server.base).await;
+    verify(&server.base, &acked).await;
+    drop(server);
+    assert!(dump().starts_with(expected.lines().next().unwrap()));
+}
