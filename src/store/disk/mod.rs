@@ -1,19 +1,38 @@
 //! The embedded disk store: a snapshot file and a write-ahead log, one
-//! writer thread (group commit) and one checkpoint thread.
+//! writer thread (group commit) and one checkpoint thread. Its formats are
+//! drawn in the files that own them and written out in
+//! `docs/storage-format.md`:
+//!
+//! ```text
+//! <data dir>/taskgate.snapshot        snapshot.rs   every record in ID order, chained,
+//!                                                   and where the log it folded ended
+//!            taskgate.wal.<seq>       log.rs        one frame per append; each header says
+//!                                                   where the segment before it ended
+//!            (both made of)           frame.rs      len | crc | chain | payload, and what
+//!                                                   a torn append looks like
+//!            taskgate.lock, store-id               one process at a time; the store's ID
+//!
+//!   start:      recovery.rs    read and check all of it, then repair (cut a torn tail)
+//!   running:    writer.rs      one append and one fdatasync per batch
+//!               checkpoint.rs  fold sealed segments into the next snapshot
+//!   refused:    salvage.rs     `taskgate dump --salvage`: what can be proven, by index
+//!   tests:      fs.rs          the file system seam; fs/sim.rs crashes it (powerloss.rs)
+//! ```
 //!
 //! Requests serialize their record on their own thread and queue it. The
 //! writer takes everything queued at that moment (up to `max_batch`),
-//! appends it to the log (`log.rs`) in one write and one `fdatasync`, and
-//! only then acknowledges every change in it. A failed append fails every
-//! change in the batch, and the log takes nothing more until a restart
-//! recovers from it.
+//! appends it to the log (`log.rs`) as one frame, in one write and one
+//! `fdatasync`, and only then acknowledges every change in it. A failed
+//! append fails every change in the batch, and the log takes nothing more
+//! until a restart recovers from it.
 //!
 //! Once the log holds `log_limit` bytes, the writer seals its segment,
 //! starts the next, and hands the newest record of every allocation changed
 //! since the last checkpoint to the checkpoint thread, which writes the next
 //! snapshot (`snapshot.rs`: the current one merged with those changes,
 //! sequentially, renamed into place), recording in it which segment it
-//! folded, and then removes the folded segments. The checkpoint thread runs
+//! folded and where that segment ended, and then removes the folded
+//! segments. The checkpoint thread runs
 //! at the lowest priority, in the time requests leave; while a checkpoint
 //! runs the log may grow to `LOG_SLACK` times its limit before the writer
 //! waits for it. The log on disk (and in memory until folded) — the
@@ -22,8 +41,9 @@
 //! replays at most.
 //!
 //! Recovery reads the snapshot, then replays the segments it has not
-//! folded, in order. A data directory of the pre-release format (a redb
-//! file, `taskgate.redb`) is refused, never read as empty.
+//! folded, in order, each checked against its neighbours. A data directory
+//! of the pre-release format (a redb file, `taskgate.redb`) is refused,
+//! never read as empty.
 //!
 //! One process at a time: the store holds an exclusive lock on
 //! `taskgate.lock` in the data directory while it is open.
