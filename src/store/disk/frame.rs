@@ -132,7 +132,7 @@ pub fn lost_sector(bytes: &[u8], start: usize, from: usize, to: usize) -> bool {
 
 /// How a file's frames must end for a run of them to be believed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum End {
+pub enum EndsAt {
     /// Exactly at this offset, with this chain: what the next log
     /// segment's header, or the snapshot's trailer, says.
     Vouched { at: usize, chain: u32 },
@@ -141,11 +141,11 @@ pub enum End {
     File,
 }
 
-impl End {
+impl EndsAt {
     fn limit(self, bytes: &[u8]) -> usize {
         match self {
-            End::Vouched { at, .. } => at.min(bytes.len()),
-            End::File => bytes.len(),
+            EndsAt::Vouched { at, .. } => at.min(bytes.len()),
+            EndsAt::File => bytes.len(),
         }
     }
 }
@@ -153,7 +153,7 @@ impl End {
 /// Whether the frames from `at` on link, each to the one before, and end
 /// as `end` says, the first passing its checksum (nothing before vouches
 /// for it). Looks at heads only past the first: O(frames).
-fn run_from(bytes: &[u8], at: usize, end: End) -> bool {
+fn run_from(bytes: &[u8], at: usize, end: EndsAt) -> bool {
     let limit = end.limit(bytes);
     let Some(first) = head_at(bytes, at) else {
         return false;
@@ -168,18 +168,18 @@ fn run_from(bytes: &[u8], at: usize, end: End) -> bool {
     loop {
         if pos == limit {
             return match end {
-                End::Vouched { at, chain } => pos == at && previous == chain,
-                End::File => true,
+                EndsAt::Vouched { at, chain } => pos == at && previous == chain,
+                EndsAt::File => true,
             };
         }
         let Some(h) = head_at(bytes, pos).filter(|h| h.links(previous)) else {
             // A head cut short at the end of the file.
-            return end == End::File && pos + HEAD > limit;
+            return end == EndsAt::File && pos + HEAD > limit;
         };
         match end_of(pos, &h) {
             Some(e) if e <= limit => pos = e,
             // Cut short by the end of the file: what a torn append leaves.
-            _ => return end == End::File,
+            _ => return end == EndsAt::File,
         }
         previous = h.chain;
     }
@@ -187,7 +187,7 @@ fn run_from(bytes: &[u8], at: usize, end: End) -> bool {
 
 /// The first offset in `from..` at which a run of frames starts that ends
 /// as `end` says (`run_from`).
-fn find_run(bytes: &[u8], from: usize, end: End) -> Option<usize> {
+fn find_run(bytes: &[u8], from: usize, end: EndsAt) -> Option<usize> {
     let limit = end.limit(bytes);
     (from..limit.saturating_sub(HEAD - 1)).find(|&q| {
         // Cheap checks first: most offsets fail on the length alone.
@@ -238,7 +238,7 @@ pub fn torn_at(bytes: &[u8], at: usize, previous: u32) -> bool {
             None => false,
         };
     }
-    lost_sector(bytes, at, at, at + HEAD) && find_run(bytes, at + 1, End::File).is_none()
+    lost_sector(bytes, at, at, at + HEAD) && find_run(bytes, at + 1, EndsAt::File).is_none()
 }
 
 /// What salvage can prove of a file's frames.
@@ -266,10 +266,14 @@ pub struct Salvaged<'a> {
 ///   was unknown: a damaged header);
 /// - otherwise the chain is broken there: reading takes up again at the
 ///   first later offset from which frames link to the file's vouched end
-///   (`End`), and never inside the stated extent of the frame it stopped
+///   (`EndsAt`), and never inside the stated extent of the frame it stopped
 ///   at. A frame inside another's payload (an agent may write one in an
 ///   event message) links neither to its surroundings nor to the end.
-pub fn salvage(bytes: &[u8], at: usize, seed: u32, end: End) -> Salvaged<'_> {
+///   The one way left for one: its container is the newest segment's last
+///   frame, the container's own length is what was damaged (so its extent
+///   is unknown), and the frame's bytes end exactly where the file does,
+///   its payload decoding as a change whose record decodes too.
+pub fn salvage(bytes: &[u8], at: usize, seed: u32, end: EndsAt) -> Salvaged<'_> {
     let limit = end.limit(bytes);
     let mut out = Salvaged::default();
     let lost = |out: &mut Salvaged<'_>, from: usize, to: usize| {
@@ -294,7 +298,7 @@ pub fn salvage(bytes: &[u8], at: usize, seed: u32, end: End) -> Salvaged<'_> {
         let vouched_by_next = |e: usize| {
             (e == limit
                 && end
-                    == End::Vouched {
+                    == EndsAt::Vouched {
                         at: e,
                         chain: h.chain,
                     })
@@ -355,8 +359,8 @@ pub fn salvage(bytes: &[u8], at: usize, seed: u32, end: End) -> Salvaged<'_> {
         }
     }
     out.ends_as_vouched = match end {
-        End::Vouched { at, chain } => pos == at && previous == chain && bytes.len() == at,
-        End::File => true,
+        EndsAt::Vouched { at, chain } => pos == at && previous == chain && bytes.len() == at,
+        EndsAt::File => true,
     };
     if limit < bytes.len() {
         lost(&mut out, limit, bytes.len());
@@ -404,7 +408,7 @@ mod tests {
     #[test]
     fn salvage_reads_every_whole_file_to_its_vouched_end() {
         let (bytes, last) = file(&[b"one", b"two", b"three"]);
-        let end = End::Vouched {
+        let end = EndsAt::Vouched {
             at: bytes.len(),
             chain: last,
         };
@@ -418,7 +422,7 @@ mod tests {
         assert_eq!(taken(&s), [&b"one"[..], b"two"]);
         assert!(!s.ends_as_vouched);
         // Another end vouched for.
-        let other = End::Vouched {
+        let other = EndsAt::Vouched {
             at: bytes.len(),
             chain: last ^ 1,
         };
@@ -428,7 +432,7 @@ mod tests {
     #[test]
     fn a_damaged_payload_or_checksum_loses_its_frame_alone() {
         let (good, last) = file(&[b"first", b"second", b"third"]);
-        let end = End::Vouched {
+        let end = EndsAt::Vouched {
             at: good.len(),
             chain: last,
         };
@@ -454,7 +458,7 @@ mod tests {
         let payloads: Vec<Vec<u8>> = (0..6u8).map(|i| vec![i + 1; 20]).collect();
         let refs: Vec<&[u8]> = payloads.iter().map(Vec::as_slice).collect();
         let (good, last) = file(&refs);
-        let end = End::Vouched {
+        let end = EndsAt::Vouched {
             at: good.len(),
             chain: last,
         };
@@ -469,7 +473,7 @@ mod tests {
         assert_eq!(s.unread[0].to, (4 + 3 * size) as u64);
         assert!(s.ends_as_vouched);
         // Vouched for another end, the run does not count: all lost.
-        let elsewhere = End::Vouched {
+        let elsewhere = EndsAt::Vouched {
             at: good.len(),
             chain: last ^ 1,
         };
@@ -502,8 +506,8 @@ mod tests {
                 let mut bad = good.clone();
                 bad[at + field] ^= 0x10;
                 for end in [
-                    End::File,
-                    End::Vouched {
+                    EndsAt::File,
+                    EndsAt::Vouched {
                         at: good.len(),
                         chain: last,
                     },

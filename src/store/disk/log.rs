@@ -546,11 +546,11 @@ pub struct Salvaged<'a> {
 /// can be: its frames are then only taken from a run.
 pub fn salvage(bytes: &[u8], seq: u64, vouched: Option<End>) -> Salvaged<'_> {
     let end = match vouched {
-        Some(e) => frame::End::Vouched {
+        Some(e) => frame::EndsAt::Vouched {
             at: usize::try_from(e.len).unwrap_or(usize::MAX),
             chain: e.chain,
         },
-        None => frame::End::File,
+        None => frame::EndsAt::File,
     };
     let mut out = Salvaged::default();
     let header = read_header(bytes, seq);

@@ -545,12 +545,12 @@ pub fn salvage(bytes: &[u8]) -> Salvaged<'_> {
     if v2 {
         let seed = if header_ok { u32_at(bytes, 36) } else { 0 };
         let vouched = if trailer_ok {
-            frame::End::Vouched {
+            frame::EndsAt::Vouched {
                 at: end,
                 chain: u32_at(trailer, 16),
             }
         } else {
-            frame::End::File
+            frame::EndsAt::File
         };
         let read = frame::salvage(records, head.min(records.len()), seed, vouched);
         out.unread.extend(read.unread);
