@@ -294,6 +294,7 @@ fn registry_config(config: &ServeConfig, metrics: Arc<Metrics>) -> RegistryConfi
         metrics,
         timeline_events: config.timeline_events,
         event_buffer: config.event_buffer,
+        event_buffer_bytes: usize::try_from(config.event_buffer_bytes).unwrap_or(usize::MAX),
         default_liveness_ttl: config.default_liveness_ttl,
         clock: crate::registry::Clock::system(),
     }

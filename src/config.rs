@@ -259,6 +259,12 @@ pub struct ServeConfig {
     #[arg(long, env = "TASKGATE_EVENT_BUFFER", default_value_t = crate::registry::DEFAULT_EVENT_BUFFER, value_parser = at_least_one)]
     pub event_buffer: usize,
 
+    /// Most bytes of those changes kept rendered for readers (one copy,
+    /// shared by all of them): past it the oldest go, and a reader that
+    /// far behind is told to list again.
+    #[arg(long, env = "TASKGATE_EVENT_BUFFER_BYTES", default_value = "64MiB", value_parser = byte_size)]
+    pub event_buffer_bytes: u64,
+
     /// Client connections open at once; one more is answered 503
     /// `too_many_connections` and closed, not left unanswered.
     #[arg(long, env = "TASKGATE_MAX_CONNECTIONS", default_value_t = 20_000)]
@@ -323,6 +329,7 @@ impl ServeConfig {
             max_allocations: crate::registry::DEFAULT_MAX_ALLOCATIONS,
             timeline_events: crate::registry::DEFAULT_TIMELINE_EVENTS,
             event_buffer: crate::registry::DEFAULT_EVENT_BUFFER,
+            event_buffer_bytes: crate::registry::DEFAULT_EVENT_BUFFER_BYTES as u64,
             default_liveness_ttl: None,
             max_connections: 20_000,
             shutdown_grace: Duration::from_secs(10),

@@ -1235,6 +1235,8 @@ async fn metrics_parse_with_their_names_labels_and_buckets() {
     type Family<'a> = (&'a str, Vec<&'a str>, Option<&'a [&'a str]>);
     let expected: std::collections::BTreeMap<&str, Family> = [
         ("taskgate_waiters", ("gauge", vec![], None)),
+        ("taskgate_stream_rendered_bytes", ("gauge", vec![], None)),
+        ("taskgate_timer_entries", ("gauge", vec![], None)),
         ("taskgate_allocations", ("gauge", vec![], None)),
         ("taskgate_last_index", ("gauge", vec![], None)),
         ("taskgate_connections", ("gauge", vec![], None)),

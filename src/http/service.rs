@@ -92,6 +92,8 @@ pub async fn metrics(State(s): State<AppState>, _: ApiQuery<NoParams>) -> Respon
         last_index: s.registry.last_index(),
         store_degraded: matches!(health, StoreHealth::Degraded(_)),
         store_refusing_writes: matches!(health, StoreHealth::Refusing { .. }),
+        stream_rendered_bytes: s.registry.stream_rendered_bytes() as u64,
+        timer_entries: s.registry.timer_entries() as u64,
     });
     let mut res = text.into_response();
     res.headers_mut().insert(

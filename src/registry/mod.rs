@@ -57,6 +57,8 @@ pub struct RegistryConfig {
     pub timeline_events: usize,
     /// Changes kept for the event stream's readers to resume from.
     pub event_buffer: usize,
+    /// Most bytes of those changes kept rendered (the oldest go first).
+    pub event_buffer_bytes: usize,
     /// The TTL of every task that declares none (`None`: such tasks are
     /// never declared lost).
     pub default_liveness_ttl: Option<std::time::Duration>,
@@ -76,6 +78,7 @@ impl Default for RegistryConfig {
             metrics: Arc::new(Metrics::new()),
             timeline_events: DEFAULT_TIMELINE_EVENTS,
             event_buffer: DEFAULT_EVENT_BUFFER,
+            event_buffer_bytes: DEFAULT_EVENT_BUFFER_BYTES,
             default_liveness_ttl: None,
             clock: Clock::system(),
         }
@@ -86,6 +89,9 @@ impl Default for RegistryConfig {
 /// far behind lists again. Each holds the allocation's version it tells
 /// (a few KiB with full histories, which would otherwise be freed).
 pub const DEFAULT_EVENT_BUFFER: usize = 4_096;
+
+/// Bytes of rendered changes the event stream keeps by default.
+pub const DEFAULT_EVENT_BUFFER_BYTES: usize = 64 << 20;
 
 /// The largest global index: indexes are 0 to 2^63 - 1 in the API.
 pub const MAX_INDEX: u64 = i64::MAX as u64;
@@ -320,7 +326,11 @@ impl Registry {
         let registry = Self {
             inner: Arc::new_cyclic(|me| Inner {
                 allocs: RwLock::new(allocs),
-                feed: Arc::new(feed::Feed::new(index.clone(), config.event_buffer)),
+                feed: Arc::new(feed::Feed::new(
+                    index.clone(),
+                    config.event_buffer,
+                    config.event_buffer_bytes,
+                )),
                 index,
                 store,
                 config,
@@ -367,6 +377,11 @@ impl Registry {
     /// The last global index handed out.
     pub fn last_index(&self) -> u64 {
         self.inner.index.load(Ordering::SeqCst)
+    }
+
+    /// Bytes of rendered changes the event stream keeps.
+    pub fn stream_rendered_bytes(&self) -> usize {
+        self.inner.feed.rendered_bytes()
     }
 
     /// The index up to which every change is in the event stream's order

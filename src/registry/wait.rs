@@ -206,6 +206,16 @@ impl Subscription {
         &self.registry
     }
 
+    /// A change as `render` writes it, rendered once and shared by every
+    /// reader (`Feed::render`).
+    pub fn render(
+        &self,
+        e: &super::feed::Event,
+        render: impl FnOnce(&super::feed::Event) -> bytes::Bytes,
+    ) -> bytes::Bytes {
+        self.registry.inner.feed.render(e, render)
+    }
+
     /// The last index this reader was given or went past.
     pub fn index(&self) -> u64 {
         self.after
