@@ -98,7 +98,10 @@ async fn a_report_through_one_replica_wakes_a_waiter_parked_on_another() {
     // `web` may not start before `init` finished: parked on B.
     let parked = {
         let b = b.clone();
-        tokio::spawn(async move { b.wait_start("web-1", "web", Duration::from_secs(60)).await })
+        tokio::spawn(async move {
+            b.wait_start("web-1", "web", Duration::from_secs(60), true)
+                .await
+        })
     };
     common::parked(&b, 1).await;
     let init = TaskName::parse("init").unwrap();
@@ -488,7 +491,10 @@ async fn a_stalled_member_and_a_compaction_during_parked_waits_wake_exactly_the_
     assert!(b.wait_view(last, SETTLE).await);
     let park = |alloc: &'static str| {
         let b = b.clone();
-        tokio::spawn(async move { b.wait_start(alloc, "web", Duration::from_secs(120)).await })
+        tokio::spawn(async move {
+            b.wait_start(alloc, "web", Duration::from_secs(120), true)
+                .await
+        })
     };
     let (w1, w2) = (park("w1"), park("w2"));
     common::parked(&b, 2).await;
@@ -884,7 +890,10 @@ async fn a_dependency_on_another_allocation_holds_across_replicas() {
     assert!(b.wait_view(data.modify_index, SETTLE).await);
     let parked = {
         let b = b.clone();
-        tokio::spawn(async move { b.wait_start("app", "web", Duration::from_secs(60)).await })
+        tokio::spawn(async move {
+            b.wait_start("app", "web", Duration::from_secs(60), true)
+                .await
+        })
     };
     common::parked(&b, 1).await;
     let db_name = TaskName::parse("db").unwrap();

@@ -374,3 +374,58 @@ fn a_real_deletion_still_ends_the_agent_and_its_workload() {
     }
     wait_gone(pid, "the deleted allocation's workload");
 }
+
+/// `--register` with a spec the server refuses with 409
+/// `dependency_cycle` is fatal (exit 2, naming the cycle), not retried
+/// forever (it was: every 409 was taken for a conflict that passes).
+#[test]
+fn registering_a_spec_that_closes_a_cycle_exits_2() {
+    let server = Server::start(&["--in-memory"]);
+    let put = Command::new("curl")
+        .args(["-sf", "-X", "PUT", "-H", "Content-Type: application/json", "-d"])
+        .arg(r#"{"tasks":[{"name":"web","depends_on":[{"task":"db","allocation":"b","condition":"running"}]}]}"#)
+        .arg(format!("{}/v1/allocations/a", server.base))
+        .status()
+        .unwrap();
+    assert!(put.success());
+    let dir = tempfile::tempdir().unwrap();
+    let spec = common::agents::spec_file(
+        dir.path(),
+        &serde_json::json!({"tasks": [{"name": "db", "depends_on": [
+            {"task": "web", "allocation": "a", "condition": "running"}]}]}),
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        .args([
+            "agent",
+            "--server",
+            &server.base,
+            "--alloc",
+            "b",
+            "--task",
+            "db",
+        ])
+        .arg("--register")
+        .arg(&spec)
+        .args(["--", "true"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + BOUND;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the agent kept retrying a dependency cycle"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(2));
+    let err = stderr_of(child);
+    assert!(
+        err.contains("dependency_cycle") && err.contains("b/db"),
+        "{err}"
+    );
+}

@@ -88,6 +88,12 @@ impl Token {
     }
 
     /// The registry's quota for this token's registrations, if it has one.
+    /// Whether the token may act for a task of allocation `id` (report
+    /// it): an agent or operator token whose prefixes cover it.
+    pub fn may_act(&self, id: &str) -> bool {
+        self.role != Role::Reader && self.may_read(id)
+    }
+
     /// Whether the token may read allocation `id` (its prefixes cover it).
     pub fn may_read(&self, id: &str) -> bool {
         self.alloc_prefixes.is_empty()

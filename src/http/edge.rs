@@ -26,9 +26,6 @@ use crate::metrics::Metrics;
 /// The request-ID header, accepted from the client or generated.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 
-/// The registration route, whose handler applies the caller's quota.
-const REGISTER_ROUTE: &str = "/v1/allocations/{alloc_id}";
-
 /// The event stream, whose answer lasts as long as its client reads.
 pub(crate) const STREAM_ROUTE: &str = "/v1/events";
 
@@ -157,11 +154,11 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
                     None => return quota_exceeded(token),
                 }
             }
-            // Only registration applies the caller's own quota.
-            if method == Method::PUT && route == Some(REGISTER_ROUTE) {
-                req.extensions_mut()
-                    .insert(super::auth::Caller(token.clone()));
-            }
+            // Registration applies the caller's own quota and checks its
+            // dependencies' targets; a task query counts as a sign of life
+            // only from a caller that may act for the task.
+            req.extensions_mut()
+                .insert(super::auth::Caller(token.clone()));
         }
         if announced_length(&req).is_some_and(|n| n > edge.body_limit as u64) {
             return payload_too_large().into_response();

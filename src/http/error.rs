@@ -383,6 +383,7 @@ impl From<RegistryError> for ApiError {
                 }));
                 e
             }
+            RegistryError::Invalid(errors) => Self::invalid(detail, errors),
             RegistryError::Unsupported(_) => {
                 Self::new(StatusCode::BAD_REQUEST, "invalid_request", detail)
             }

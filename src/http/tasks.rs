@@ -18,6 +18,14 @@ use super::{
     views::{StartConditionView, TaskDetailView},
 };
 
+/// Whether a task query by `caller` is a sign of life for the task: from
+/// a caller that may act for it (an agent or operator token covering the
+/// allocation, or any caller on a server without tokens), not from a
+/// reader's dashboard.
+fn sign_of_life(caller: &Option<axum::Extension<super::auth::Caller>>, alloc: &str) -> bool {
+    caller.as_ref().is_none_or(|c| c.0.0.may_act(alloc))
+}
+
 /// Read one task (blocking query).
 ///
 /// `index` compares with the task's own `modify_index`, so an agent
@@ -42,6 +50,7 @@ use super::{
 )]
 pub async fn get(
     State(s): State<AppState>,
+    caller: Option<axum::Extension<super::auth::Caller>>,
     TaskPath(id, task): TaskPath,
     ApiQuery(q): ApiQuery<BlockingParams>,
 ) -> Result<Response, ApiError> {
@@ -51,7 +60,13 @@ pub async fn get(
         (a, i)
     } else {
         s.registry
-            .wait_task(id.as_str(), task.as_str(), q.index, s.wait_time(q.wait))
+            .wait_task(
+                id.as_str(),
+                task.as_str(),
+                q.index,
+                s.wait_time(q.wait),
+                sign_of_life(&caller, id.as_str()),
+            )
             .await?
     };
     Ok(indexed(
@@ -94,7 +109,10 @@ pub async fn report(
     let report = body
         .into_report("", &s.registry.config().limits)
         .map_err(|e| ApiError::invalid("the report is not valid", e))?;
+    // The request as a whole: which task, and what of it.
     let mut request = Vec::new();
+    request.extend_from_slice(&(task.as_str().len() as u64).to_le_bytes());
+    request.extend_from_slice(task.as_str().as_bytes());
     report.fingerprint_into(&mut request);
     let key = key.with_request(&request);
     let a = s
@@ -128,12 +146,14 @@ pub async fn report(
 )]
 pub async fn start_condition(
     State(s): State<AppState>,
+    caller: Option<axum::Extension<super::auth::Caller>>,
     TaskPath(id, task): TaskPath,
     ApiQuery(q): ApiQuery<WaitParams>,
 ) -> Result<Response, ApiError> {
+    let alive = sign_of_life(&caller, id.as_str());
     let (a, i) = s
         .registry
-        .wait_start(id.as_str(), task.as_str(), s.wait_time(q.wait))
+        .wait_start(id.as_str(), task.as_str(), s.wait_time(q.wait), alive)
         .await?;
     Ok(indexed(
         StatusCode::OK,

@@ -76,6 +76,23 @@ static AGENT_LOST: Desired = Desired::Stop(StopReason::bare(StopKind::AgentLost)
 /// What a poststop task still going at the poststop deadline is told.
 static POSTSTOP_OVERDUE: Desired = Desired::Stop(StopReason::deadline(CoordState::Poststop));
 
+/// `t + d`, or the end of time where that is past it (a damaged record's
+/// time must not panic the server).
+fn later(t: Timestamp, d: Duration) -> Timestamp {
+    time::Duration::try_from(d)
+        .ok()
+        .and_then(|d| t.checked_add(d))
+        .unwrap_or(time::PrimitiveDateTime::MAX.assume_utc())
+}
+
+/// `t - d`, or the start of time.
+fn earlier(t: Timestamp, d: Duration) -> Timestamp {
+    time::Duration::try_from(d)
+        .ok()
+        .and_then(|d| t.checked_sub(d))
+        .unwrap_or(time::PrimitiveDateTime::MIN.assume_utc())
+}
+
 /// The latest sign of life the caller knows of for task `i` (`None`:
 /// none since the task started), for `Allocation::tick`.
 pub type SeenAt<'a> = &'a dyn Fn(usize) -> Option<Timestamp>;
@@ -331,11 +348,12 @@ impl Allocation {
             .find_map(|i| self.tasks[i].lost_at().map(|at| (i, at)))
     }
 
-    /// What the keys kept on `positions` say of `key`: a retry if any of
-    /// them holds it with the same request.
-    pub fn key_seen(&self, positions: impl IntoIterator<Item = usize>, key: IdemKey) -> KeySeen {
+    /// What the keys kept on the allocation's tasks say of `key`: a retry
+    /// if one holds it with the same request, reused if one holds it with
+    /// another (a key names one request, whichever task it was for).
+    pub fn key_seen(&self, key: IdemKey) -> KeySeen {
         let mut seen = KeySeen::New;
-        for i in positions {
+        for i in 0..self.tasks.len() {
             match self.tasks[i].seen(key) {
                 KeySeen::Reused => return KeySeen::Reused,
                 KeySeen::Retry => seen = KeySeen::Retry,
@@ -353,7 +371,7 @@ impl Allocation {
         if self.state == CoordState::Poststop && !self.poststop_going() {
             return None;
         }
-        Some(now + d)
+        Some(later(now, d))
     }
 
     /// Whether a poststop task is still pending or running.
@@ -392,7 +410,7 @@ impl Allocation {
             (Some(a), Some(b)) => a.max(b),
             (a, b) => a.or(b)?,
         };
-        Some(from + ttl)
+        Some(later(from, ttl))
     }
 
     /// What time alone does by `now`: a running task whose TTL passed
@@ -412,7 +430,7 @@ impl Allocation {
                 && end <= now
             {
                 let ttl = self.spec.ttl(i, default_ttl).expect("a TTL ended");
-                next.tasks[i].lose(now, ttl, end - ttl);
+                next.tasks[i].lose(now, ttl, earlier(end, ttl));
                 changed = true;
             }
         }
@@ -443,7 +461,19 @@ impl Allocation {
                         .is_some()
                     })
                     .collect();
-                overdue.stage = Some((self.state, waited));
+                // A later stage's deadline passing too adds the tasks it
+                // waited on; the order names the first stage that failed.
+                match &mut overdue.stage {
+                    Some((_, tasks)) => {
+                        for i in waited {
+                            if !tasks.contains(&i) {
+                                tasks.push(i);
+                            }
+                        }
+                        tasks.sort_unstable();
+                    }
+                    None => overdue.stage = Some((self.state, waited)),
+                }
                 // Sticky: an earlier order keeps its reason.
                 if !self.order.is_stop() {
                     self.order = Desired::Stop(StopReason::deadline(self.state));
@@ -731,6 +761,12 @@ impl Allocation {
             ));
         }
         if mode == RestartMode::AllTasks {
+            // A lost poststop task is not restarted (poststop tasks never
+            // are), but the restart clears its loss as any other's: it
+            // waits, pending, for a new agent.
+            for t in next.tasks.iter_mut().filter(|t| t.lost()) {
+                t.revive(now);
+            }
             // Evaluated at once like after any change: if every task is
             // already pending the coordinator moves on without waiting for a
             // report that might never come.

@@ -133,6 +133,12 @@ impl Handle {
         WriteGuard(self.clone())
     }
 
+    /// Whether a write holds the lock now (a change decided, maybe not
+    /// committed yet).
+    pub(crate) fn writing(&self) -> bool {
+        self.write.available_permits() == 0
+    }
+
     /// The write lock if it is free.
     pub(crate) fn try_lock_write(self: &Arc<Self>) -> Option<WriteGuard> {
         let permit = self.write.try_acquire().ok()?;

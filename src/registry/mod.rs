@@ -18,6 +18,7 @@ pub mod timeline;
 mod timers;
 mod wait;
 
+pub use deps::MAX_REACH;
 pub use timers::Clock;
 pub use wait::Subscription;
 
@@ -178,6 +179,10 @@ pub enum RegistryError {
     /// A valid request for something this server does not do.
     #[error("{0}")]
     Unsupported(String),
+    /// A rule only the registry can check is broken (it needs the other
+    /// allocations it holds).
+    #[error("the allocation spec is not valid")]
+    Invalid(Vec<crate::lifecycle::FieldError>),
     /// The allocation kept changing under the request (deleted and
     /// registered again by others); a later try will go through.
     #[error("{0}")]
@@ -255,6 +260,11 @@ struct Inner {
     /// (`deps.rs`), kept with the view: written when an allocation with
     /// dependencies on others appears or goes, read after every change.
     dependents: deps::Dependents,
+    /// Held by a registration with dependencies on other allocations from
+    /// its check to its publication: two of them racing could otherwise
+    /// close a cycle neither sees (each one's check runs before the other
+    /// exists). Registrations without such dependencies never take it.
+    registering: tokio::sync::Mutex<()>,
 }
 
 impl Inner {
@@ -342,6 +352,7 @@ impl Registry {
                 driving: std::sync::atomic::AtomicBool::new(false),
                 me: me.clone(),
                 dependents: deps::Dependents::default(),
+                registering: tokio::sync::Mutex::new(()),
             }),
         };
         for (_, handle) in registry.read_map().range_from("") {
@@ -515,6 +526,30 @@ impl Registry {
         spec: AllocSpec,
         quota: Option<Quota<'_>>,
     ) -> Result<(Arc<Allocation>, bool), RegistryError> {
+        let _serial = if spec.reaches_out() {
+            Some(self.inner.registering.lock().await)
+        } else {
+            None
+        };
+        let registered = self.register_unserialized(id, spec, quota).await?;
+        if registered.1 && registered.0.spec.reaches_out() {
+            // What its targets did between the verdicts it was registered
+            // with and its publication (when it joined the reverse index)
+            // is judged now: nothing of it is missed.
+            self.resolve(registered.0.id.as_str()).await;
+            if let Ok(now) = self.get(registered.0.id.as_str()) {
+                return Ok((now, true));
+            }
+        }
+        Ok(registered)
+    }
+
+    async fn register_unserialized(
+        &self,
+        id: AllocId,
+        spec: AllocSpec,
+        quota: Option<Quota<'_>>,
+    ) -> Result<(Arc<Allocation>, bool), RegistryError> {
         if let Some(store) = self.inner.store.replicated() {
             if let Some(task) = spec.tasks().iter().find(|t| t.liveness.is_some()) {
                 // Signs of life reach one replica; until they reach the
@@ -557,7 +592,7 @@ impl Registry {
                         0,
                         self.now(),
                     );
-                    if let Err(e) = self.check_cycles(&a) {
+                    if let Err(e) = self.check_dependencies(&a) {
                         drop(write);
                         self.remove(&id, &handle);
                         return Err(e);
@@ -905,7 +940,7 @@ impl Registry {
                                 return Err(RegistryError::task_lost(a, i, at));
                             }
                             if let Some(key) = key {
-                                match a.key_seen(reports.iter().map(|(i, _)| *i), key) {
+                                match a.key_seen(key) {
                                     KeySeen::New => {}
                                     KeySeen::Retry => return Ok((None, ())),
                                     KeySeen::Reused => {

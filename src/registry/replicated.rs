@@ -215,7 +215,7 @@ impl Registry {
             }
             const STAMP: u64 = 1;
             let mut a = Allocation::register(id.clone(), spec.clone(), STAMP, self.now());
-            if let Err(e) = self.check_cycles(&a) {
+            if let Err(e) = self.check_dependencies(&a) {
                 drop(write);
                 self.inner.forget_creating(&id, &handle);
                 return Err(e);
@@ -331,6 +331,14 @@ impl Inner {
                     .is_some_and(|now| now.modify_index == a.modify_index);
                 if same {
                     return None;
+                }
+                // Deleted and registered again with another spec, the
+                // deletion unseen (a listing after a compaction): the old
+                // spec's dependencies go from the reverse index.
+                if let Some(old) = &now
+                    && old.spec != a.spec
+                {
+                    self.index_dependencies(old, false);
                 }
                 handle.publish_live(now.as_deref(), a.clone(), limit);
                 self.reschedule(handle, &a);

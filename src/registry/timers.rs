@@ -213,12 +213,40 @@ impl Ord for Entry {
 #[derive(Default)]
 pub(crate) struct Timers {
     /// A std lock: held to push or pop, never across an `.await`.
-    heap: Mutex<BinaryHeap<Reverse<Entry>>>,
+    heap: Mutex<Heap>,
     /// Woken when an entry earlier than the earliest is pushed, and when
     /// the registry goes.
     earlier: Notify,
     /// The registry was dropped: the driver ends.
     closed: std::sync::atomic::AtomicBool,
+}
+
+/// The heap and what keeps it small.
+#[derive(Default)]
+struct Heap {
+    entries: BinaryHeap<Reverse<Entry>>,
+    /// The heap's length after the last sweep: the next one comes when it
+    /// has doubled.
+    swept: usize,
+}
+
+impl Heap {
+    /// Drops the entries no handle waits for any more: an allocation
+    /// deleted, or one scheduled earlier since (an entry is never moved,
+    /// so each earlier schedule leaves the later entry behind). Swept as
+    /// the heap doubles, which keeps it within about twice the allocations
+    /// that wait, at a constant cost per push.
+    fn sweep_if_doubled(&mut self) {
+        if self.entries.len() < 2 * self.swept.max(512) {
+            return;
+        }
+        self.entries.retain(|Reverse(e)| {
+            e.handle.upgrade().is_some_and(|h| {
+                h.scheduled().0.load(Ordering::SeqCst) == e.at && h.current().is_some()
+            })
+        });
+        self.swept = self.entries.len();
+    }
 }
 
 /// What a handle keeps of its place in the heap.
@@ -242,11 +270,12 @@ impl Timers {
             return;
         }
         let mut heap = self.heap.lock().unwrap_or_else(PoisonError::into_inner);
-        let earliest = heap.peek().is_none_or(|Reverse(e)| at < e.at);
-        heap.push(Reverse(Entry {
+        let earliest = heap.entries.peek().is_none_or(|Reverse(e)| at < e.at);
+        heap.entries.push(Reverse(Entry {
             at,
             handle: Arc::downgrade(handle),
         }));
+        heap.sweep_if_doubled();
         drop(heap);
         if earliest {
             self.earlier.notify_one();
@@ -261,11 +290,11 @@ impl Timers {
         let mut heap = self.heap.lock().unwrap_or_else(PoisonError::into_inner);
         let mut out = Vec::new();
         while out.len() < max {
-            match heap.peek() {
+            match heap.entries.peek() {
                 Some(Reverse(e)) if e.at <= now => {}
                 _ => break,
             }
-            let Reverse(e) = heap.pop().expect("peeked");
+            let Reverse(e) = heap.entries.pop().expect("peeked");
             let Some(handle) = e.handle.upgrade() else {
                 continue;
             };
@@ -279,7 +308,7 @@ impl Timers {
                 out.push(handle);
             }
         }
-        let next = heap.peek().map(|Reverse(e)| from_nanos(e.at));
+        let next = heap.entries.peek().map(|Reverse(e)| from_nanos(e.at));
         (out, next)
     }
 
@@ -297,6 +326,7 @@ impl Timers {
         self.heap
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+            .entries
             .len()
     }
 

@@ -117,15 +117,18 @@ impl Registry {
     /// The task is looked up by name in every record checked, never by a
     /// position taken from an earlier copy: between two copies the
     /// allocation can be deleted and registered again with other tasks.
+    /// `alive`: the query is a sign of life for the task (its agent's, not
+    /// a dashboard's: the caller may act for the task).
     pub async fn wait_task(
         &self,
         id: &str,
         task: &str,
         index: u64,
         timeout: Duration,
+        alive: bool,
     ) -> Result<(Arc<Allocation>, usize), RegistryError> {
         let a = self
-            .wait_for_task(id, Some(task), timeout, |a| {
+            .wait_for_task(id, alive.then_some(task), timeout, |a| {
                 a.position(task)
                     .is_none_or(|i| a.tasks[i].modify_index > index)
             })
@@ -142,9 +145,10 @@ impl Registry {
         id: &str,
         task: &str,
         timeout: Duration,
+        alive: bool,
     ) -> Result<(Arc<Allocation>, usize), RegistryError> {
         let a = self
-            .wait_for_task(id, Some(task), timeout, |a| {
+            .wait_for_task(id, alive.then_some(task), timeout, |a| {
                 a.position(task)
                     .is_none_or(|i| a.allowed(i) || a.desired(i).is_stop())
             })
