@@ -121,7 +121,24 @@ pub struct Allocation {
     pub deadline_at: Option<Timestamp>,
     /// Deadlines that passed (out of line: most allocations have none).
     overdue: Option<Arc<Overdue>>,
+    /// The last writes that made this record, oldest first (on a store
+    /// several replicas write; empty on any other).
+    writes: Option<Arc<Vec<WriteMark>>>,
 }
+
+/// One write of a record on a store several replicas write: an ID the
+/// writer drew and the index of the record it was decided on (0: a
+/// registration). Compare-and-swap lets exactly one write follow each
+/// record, so a writer that lost the answer to its own finds out whether
+/// that one was its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WriteMark {
+    pub id: u64,
+    pub parent: u64,
+}
+
+/// How many writes a record remembers.
+pub const WRITE_MARKS: usize = 8;
 
 impl Allocation {
     /// A new allocation, evaluated once with every task pending.
@@ -252,7 +269,30 @@ impl Allocation {
             order,
             deadline_at: None,
             overdue: None,
+            writes: None,
         }
+    }
+
+    /// The last writes that made this record, oldest first.
+    pub fn writes(&self) -> &[WriteMark] {
+        self.writes.as_deref().map_or(&[], Vec::as_slice)
+    }
+
+    /// Records a write about to be sent: the record remembers the last
+    /// `WRITE_MARKS`.
+    pub fn mark_write(&mut self, mark: WriteMark) {
+        let mut marks = self.writes().to_vec();
+        if marks.len() >= WRITE_MARKS {
+            marks.drain(..=marks.len() - WRITE_MARKS);
+        }
+        marks.push(mark);
+        self.writes = Some(Arc::new(marks));
+    }
+
+    /// The record with the write marks it was stored with.
+    pub fn with_writes(mut self, marks: Vec<WriteMark>) -> Self {
+        self.writes = (!marks.is_empty()).then(|| Arc::new(marks));
+        self
     }
 
     /// Replaces the index `from` with `to` wherever a change stamped it

@@ -21,7 +21,7 @@ use super::{
     handle::{Handle, WriteGuard},
 };
 use crate::{
-    lifecycle::{AllocId, AllocSpec, Allocation, CoordState},
+    lifecycle::{AllocId, AllocSpec, Allocation, CoordState, WriteMark},
     metrics::Metrics,
     store::{Change, Follower, Loaded, Op, ReplicatedStore, SwapError},
 };
@@ -164,6 +164,10 @@ impl Registry {
                 return Ok((current, out));
             };
             let expect = current.modify_index;
+            next.mark_write(WriteMark {
+                id: fastrand::u64(..),
+                parent: expect,
+            });
             match store.swap(Op::Put(Arc::new(next.clone())), expect).await {
                 Ok(index) => {
                     self.reach(index).await;
@@ -172,6 +176,17 @@ impl Registry {
                     self.observe(&current, &next);
                     counted(&self.inner.config.metrics);
                     return Ok((Arc::new(next), out));
+                }
+                // An attempt whose answer was lost committed: answered with
+                // the record as it is now, never decided again.
+                Err(SwapError::Landed { seen }) => {
+                    self.reach(seen).await;
+                    drop(write);
+                    next.restamp(stamp, seen);
+                    self.observe(&current, &next);
+                    counted(&self.inner.config.metrics);
+                    let now = handle.current().unwrap_or_else(|| Arc::new(next));
+                    return Ok((now, out));
                 }
                 Err(SwapError::Conflict { seen }) => {
                     drop(write);
@@ -228,8 +243,12 @@ impl Registry {
                 })
                 .collect();
             a.set_verdicts(&|i, j| verdicts[i][j].clone());
+            a.mark_write(WriteMark {
+                id: fastrand::u64(..),
+                parent: 0,
+            });
             match store.swap(Op::Put(Arc::new(a.clone())), 0).await {
-                Ok(index) => {
+                Ok(index) | Err(SwapError::Landed { seen: index }) => {
                     self.reach(index).await;
                     drop(write);
                     a.restamp(STAMP, index);
@@ -240,7 +259,13 @@ impl Registry {
                             .metrics
                             .transition(CoordState::Init, a.state);
                     }
-                    return Ok((Arc::new(a), true));
+                    // An attempt whose answer was lost created it: the
+                    // record as it is now (others may have changed it).
+                    let a = match handle.current() {
+                        Some(now) if now.spec == a.spec => now,
+                        _ => Arc::new(a),
+                    };
+                    return Ok((a, true));
                 }
                 // Registered through another replica: once the view has
                 // it, the next round compares the specs.
@@ -271,7 +296,7 @@ impl Registry {
                 index: 0,
             };
             match store.swap(op, current.modify_index).await {
-                Ok(index) => {
+                Ok(index) | Err(SwapError::Landed { seen: index }) => {
                     self.reach(index).await;
                     drop(write);
                     tracing::info!(alloc = %id, index, "allocation deleted");

@@ -181,6 +181,11 @@ pub enum SwapError {
     /// the change is visible. Follow up to it, then decide again.
     #[error("the record changed under the write (visible at index {seen})")]
     Conflict { seen: u64 },
+    /// An attempt whose answer was lost did commit: the change is visible
+    /// at index `seen` (later changes may follow it there). Not to be
+    /// decided again.
+    #[error("the write committed (visible at index {seen})")]
+    Landed { seen: u64 },
     #[error(transparent)]
     Store(#[from] StoreError),
 }

@@ -18,6 +18,7 @@
 //! every `CHECK_EVERY`: either way the watch moves to the next member.
 
 pub mod client;
+pub mod proto;
 
 use std::{
     sync::{Arc, Mutex, PoisonError, Weak},
@@ -155,7 +156,7 @@ async fn list(client: &Client, keys: &[u8]) -> Result<Loaded, CallError> {
     loop {
         let page = client.range(&from, &end, at, PAGE).await?;
         if at == 0 {
-            at = page.header.revision;
+            at = page.revision;
         }
         let more = page.more;
         let mut last = None;
@@ -194,9 +195,71 @@ fn decode(keys: &[u8], key: &[u8], value: &[u8], revision: u64) -> Result<Alloca
     Ok(a)
 }
 
+/// What a failed compare tells about a swap of `op` on the record at
+/// `expect`: the key is at revision `now` (0: absent) holding `value`,
+/// created at `created`, read at `read`. A write that follows a record
+/// names that record's revision in its mark, and at most one write
+/// follows each: the record's marks tell whether that one was ours. Only
+/// when an attempt got no answer (`uncertain`) and the marks no longer
+/// reach back that far is the outcome unknown.
+fn settle(
+    op: &Op,
+    expect: u64,
+    now: u64,
+    value: &[u8],
+    created: u64,
+    read: u64,
+    uncertain: bool,
+) -> SwapError {
+    let unknown = |why: &str| {
+        SwapError::Store(StoreError::Unavailable(format!(
+            "etcd did not answer a write and {why}, so whether it was applied cannot be told; \
+             read the allocation before sending the request again (or send it with the same \
+             Idempotency-Key)"
+        )))
+    };
+    match op {
+        Op::Put(a) => {
+            let Some(ours) = a.writes().last() else {
+                return SwapError::Conflict { seen: now };
+            };
+            if now == 0 {
+                // Deleted since: the decision is taken again (and finds
+                // no allocation).
+                return SwapError::Conflict { seen: read };
+            }
+            let record = match record::decode(value) {
+                Ok(r) => r,
+                Err(_) if uncertain => return unknown("the record is unreadable"),
+                Err(_) => return SwapError::Conflict { seen: now },
+            };
+            let marks = record.writes();
+            if marks.iter().any(|m| m.id == ours.id) {
+                SwapError::Landed { seen: now }
+            } else if !uncertain
+                || marks.iter().any(|m| m.parent == expect)
+                || (expect != 0 && created > expect)
+            {
+                SwapError::Conflict { seen: now }
+            } else {
+                unknown("more writes followed it than the record remembers")
+            }
+        }
+        // A deletion that may have landed: the key gone, or created again
+        // since, means the record it was decided on is deleted.
+        Op::Delete { .. } if uncertain && (now == 0 || created > expect) => SwapError::Landed {
+            seen: if now == 0 { read } else { now },
+        },
+        Op::Delete { .. } => SwapError::Conflict {
+            seen: if now == 0 { read } else { now },
+        },
+    }
+}
+
 fn unavailable(e: CallError) -> StoreError {
     match e {
         CallError::Unreachable(m) => StoreError::Unavailable(m),
+        CallError::Ambiguous(m) => StoreError::Unavailable(m),
         CallError::Refused(m) => StoreError::Io(m),
         CallError::Compacted(r) => StoreError::Io(format!("etcd compacted revision {r} away")),
     }
@@ -252,7 +315,13 @@ impl ReplicatedStore for EtcdStore {
         Box::pin(async move {
             match client.swap(&key, value.as_deref(), expect).await {
                 Ok(Swapped::Done(index)) => Ok(index),
-                Ok(Swapped::Conflict { now, .. }) => Err(SwapError::Conflict { seen: now }),
+                Ok(Swapped::Conflict {
+                    now,
+                    value,
+                    created,
+                    read,
+                    uncertain,
+                }) => Err(settle(&op, expect, now, &value, created, read, uncertain)),
                 Err(e) => Err(SwapError::Store(unavailable(e))),
             }
         })
@@ -438,14 +507,14 @@ impl Follow {
             // Without events this is a progress notification: everything up
             // to its revision has been sent.
             let mut reached = if response.events.is_empty() {
-                response.header.revision
+                response.revision
             } else {
                 self.applied
             };
             let mut changes = Vec::with_capacity(response.events.len());
             for e in response.events {
                 reached = reached.max(e.kv.mod_revision);
-                if e.kind.as_deref() == Some("DELETE") {
+                if e.deleted {
                     let id =
                         e.kv.key
                             .get(self.keys.len()..)
