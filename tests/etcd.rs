@@ -7,7 +7,10 @@ mod common;
 
 use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
-use common::etcd::{Cluster, available};
+use common::{
+    etcd::{Cluster, available},
+    stall::Stall,
+};
 use taskgate::{
     lifecycle::{
         AllocId, AllocSpec, EventInput, Hook, Lifecycle, Limits, RunState, TaskName, TaskReport,
@@ -23,9 +26,13 @@ use taskgate::{
 const SETTLE: Duration = Duration::from_secs(10);
 
 async fn replica(endpoints: Vec<String>, prefix: &str) -> Registry {
+    replica_with(endpoints, prefix, Duration::from_secs(1)).await
+}
+
+async fn replica_with(endpoints: Vec<String>, prefix: &str, timeout: Duration) -> Registry {
     let config = EtcdConfig {
         prefix: prefix.into(),
-        request_timeout: Duration::from_secs(1),
+        request_timeout: timeout,
         ..EtcdConfig::new(endpoints)
     };
     let store = EtcdStore::connect(&config).await.expect("connects");
@@ -934,4 +941,155 @@ async fn a_dependency_on_another_allocation_holds_across_replicas() {
         })
         .count();
     assert_eq!(holds, 1, "the verdict was written once");
+}
+
+/// The messages of a task's events, in order.
+fn messages(r: &Registry, alloc: &str, task: usize) -> Vec<String> {
+    r.get(alloc).unwrap().tasks[task]
+        .events
+        .iter()
+        .map(|e| e.message.to_string())
+        .collect()
+}
+
+/// Replica A and replica B on one allocation; A's first member (behind a
+/// forwarder that can stall) applies what A sends and its answers stop
+/// coming back. `timeout`: A's deadline per call.
+async fn stalled_pair(
+    cluster: &Cluster,
+    prefix: &str,
+    timeout: Duration,
+) -> (Stall, Registry, Registry) {
+    let endpoints = cluster.endpoints();
+    let stall = Stall::start(&endpoints[0]);
+    let a = replica_with(
+        vec![
+            stall.url.clone(),
+            endpoints[1].clone(),
+            endpoints[2].clone(),
+        ],
+        prefix,
+        timeout,
+    )
+    .await;
+    let b = replica(vec![endpoints[1].clone(), endpoints[2].clone()], prefix).await;
+    let (made, _) = a
+        .register(id("w1"), spec(vec![task("web", None)]))
+        .await
+        .unwrap();
+    assert!(b.wait_view(made.modify_index, SETTLE).await);
+    (stall, a, b)
+}
+
+/// Issue 33's first fault: a replica's compare-and-swap commits, its answer
+/// does not come back within the deadline (the member paused on the way
+/// back), another replica writes the same allocation meanwhile, and the
+/// replica sends the transaction to the next member, whose compare fails.
+/// The record's write marks say the change that moved the key was its own:
+/// it answers with it and never decides again on top of it (before, the
+/// report was decided again and its event appended twice).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_whose_answer_was_lost_is_applied_once() {
+    if !available("a_write_whose_answer_was_lost_is_applied_once") {
+        return;
+    }
+    let cluster = Cluster::start(3);
+    let (stall, a, b) = stalled_pair(&cluster, "/t10/", Duration::from_secs(2)).await;
+    let web = TaskName::parse("web").unwrap();
+    let seen = b.get("w1").unwrap().modify_index;
+
+    stall.stall();
+    let sent = {
+        let (a, web) = (a.clone(), web.clone());
+        tokio::spawn(async move {
+            a.report("w1", vec![(web, report(RunState::Running, "once"))])
+                .await
+        })
+    };
+    // A's transaction is applied (B sees it) while A waits for the answer;
+    // B writes on top of it before A's deadline passes.
+    assert!(b.wait_view(seen + 1, SETTLE).await);
+    assert_eq!(messages(&b, "w1", 0), ["once"]);
+    b.report(
+        "w1",
+        vec![(web.clone(), report(RunState::Running, "from B"))],
+    )
+    .await
+    .unwrap();
+    let answer = sent.await.unwrap().expect("A's report is acknowledged");
+    assert_eq!(
+        answer.tasks[0]
+            .events
+            .iter()
+            .filter(|e| *e.message == *"once")
+            .count(),
+        1,
+        "the answer holds the report once"
+    );
+    stall.release();
+    let last = b.get("w1").unwrap().modify_index;
+    assert!(a.wait_view(last, SETTLE).await);
+    assert_eq!(messages(&b, "w1", 0), ["once", "from B"]);
+    assert_eq!(messages(&a, "w1", 0), ["once", "from B"]);
+}
+
+/// When more writes followed a write whose answer was lost than a record
+/// remembers (8), whether it was applied cannot be told: the replica says
+/// so (503 `store_unavailable`, "may have been applied") rather than
+/// deciding again; a deletion whose answer was lost is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_answer_past_what_the_record_remembers_is_unavailable_not_doubled() {
+    if !available("a_lost_answer_past_what_the_record_remembers_is_unavailable_not_doubled") {
+        return;
+    }
+    let cluster = Cluster::start(3);
+    let (stall, a, b) = stalled_pair(&cluster, "/t11/", Duration::from_secs(4)).await;
+    let web = TaskName::parse("web").unwrap();
+    let seen = b.get("w1").unwrap().modify_index;
+
+    stall.stall();
+    let sent = {
+        let (a, web) = (a.clone(), web.clone());
+        tokio::spawn(async move {
+            a.report("w1", vec![(web, report(RunState::Running, "once"))])
+                .await
+        })
+    };
+    assert!(b.wait_view(seen + 1, SETTLE).await);
+    for k in 0..9 {
+        let m = format!("B{k}");
+        b.report("w1", vec![(web.clone(), report(RunState::Running, &m))])
+            .await
+            .unwrap();
+    }
+    let refused = sent.await.unwrap().expect_err("cannot be told");
+    assert!(
+        matches!(&refused, RegistryError::Store(StoreError::Unavailable(m)) if m.contains("cannot be told")),
+        "{refused}"
+    );
+    let got = messages(&b, "w1", 0);
+    assert_eq!(got.iter().filter(|m| *m == "once").count(), 1, "{got:?}");
+    stall.release();
+
+    // A deletion whose answer is lost, sent by a replica whose first
+    // member is the stalled one: the key is gone when the next member is
+    // asked, so it is done (before: 404, as if someone else had deleted it).
+    let endpoints = cluster.endpoints();
+    let c = replica_with(
+        vec![
+            stall.url.clone(),
+            endpoints[1].clone(),
+            endpoints[2].clone(),
+        ],
+        "/t11/",
+        Duration::from_secs(2),
+    )
+    .await;
+    let last = b.get("w1").unwrap().modify_index;
+    assert!(c.wait_view(last, SETTLE).await);
+    stall.stall();
+    let deleted = c.delete("w1").await.expect("the deletion is acknowledged");
+    assert!(deleted > last);
+    assert!(b.wait_view(deleted, SETTLE).await);
+    assert!(b.get("w1").is_err());
 }
