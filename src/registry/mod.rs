@@ -224,7 +224,10 @@ pub struct Registry {
 ///    across an `.await` (the store commit). At most one at a time: a
 ///    writer never waits for another allocation's write lock while it
 ///    holds its own (the dependents of a change are judged in tasks of
-///    their own, awaited only after the writer has let its lock go).
+///    their own, awaited only after the writer has let its lock go). The
+///    one taken under (2): a registration's new handle is inserted with
+///    its write lock already held (`try_lock_write`, which never waits,
+///    on a handle nobody else can see yet).
 /// 2. the allocation map (`allocs`, a std `RwLock`): held only to look up,
 ///    insert or remove handles. A writer holding (1) reads it to judge its
 ///    dependencies on other allocations; the replicated view holds its
