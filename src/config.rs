@@ -210,20 +210,6 @@ pub struct ServeConfig {
     #[arg(help_heading = "Security", long, env = "TASKGATE_PUBLIC_METRICS")]
     pub public_metrics: bool,
 
-    /// Log filter, as RUST_LOG (`info`, `taskgate=debug,tower_http=info`).
-    #[arg(
-        help_heading = "Logging",
-        long,
-        env = "TASKGATE_LOG",
-        default_value = "info"
-    )]
-    pub log: String,
-
-    /// Log format: `text` for people, `json` (one object per line) for log
-    /// pipelines.
-    #[arg(help_heading = "Logging", long, env = "TASKGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
-    pub log_format: LogFormat,
-
     /// Largest request body accepted, in bytes.
     #[arg(help_heading = "Limits", long, env = "TASKGATE_BODY_LIMIT", default_value_t = 1024 * 1024)]
     pub body_limit: usize,
@@ -271,12 +257,13 @@ pub struct ServeConfig {
     #[arg(help_heading = "Limits", long, env = "TASKGATE_EVENT_BUFFER", default_value_t = crate::registry::DEFAULT_EVENT_BUFFER, value_parser = at_least_one)]
     pub event_buffer: usize,
 
-    /// Client connections open at once; one more is answered 503
-    /// `too_many_connections` and closed, not left unanswered.
+    /// Client connections open at once (default: 20000, or what the
+    /// open-files limit leaves room for); one more is answered 503
+    /// `too_many_connections` and closed.
     ///
-    /// Default: 20000, or as many as the process's open-files limit leaves
-    /// room for if that is lower (said at start, at info). A value above
-    /// what the limit allows is lowered to fit, with a warning.
+    /// A default lowered to fit the open-files limit is said at start, at
+    /// info; a value above what the limit allows is lowered to fit, with a
+    /// warning.
     #[arg(help_heading = "Limits", long, env = "TASKGATE_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
 
@@ -324,6 +311,20 @@ pub struct ServeConfig {
     /// How long in-flight requests may take to finish after SIGTERM/SIGINT.
     #[arg(help_heading = "Time", long, env = "TASKGATE_SHUTDOWN_GRACE", default_value = "10s", value_parser = duration)]
     pub shutdown_grace: Duration,
+
+    /// Log filter, as RUST_LOG (`info`, `taskgate=debug,tower_http=info`).
+    #[arg(
+        help_heading = "Logging",
+        long,
+        env = "TASKGATE_LOG",
+        default_value = "info"
+    )]
+    pub log: String,
+
+    /// Log format: `text` for people, `json` (one object per line) for log
+    /// pipelines.
+    #[arg(help_heading = "Logging", long, env = "TASKGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
 }
 
 impl ServeConfig {
