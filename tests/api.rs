@@ -296,6 +296,28 @@ async fn bad_identifiers_in_paths_are_invalid_request() {
         .assert_problem(404, "allocation_not_found");
 }
 
+/// Someone who opens the server's address in a browser lands in the web
+/// view; curl sees where the API is described. Other unknown paths stay
+/// problem+json 404s.
+#[tokio::test]
+async fn the_root_points_to_the_web_view_and_the_docs() {
+    let app = test_app().await;
+    for method in ["GET", "HEAD"] {
+        let a = app.call(method, "/", None).await;
+        assert_eq!(a.status, 307, "{method}");
+        assert_eq!(a.header("location"), Some("/ui"), "{method}");
+    }
+    let a = app.get("/").await;
+    let text = String::from_utf8_lossy(&a.raw);
+    assert!(
+        text.contains("/ui") && text.contains("/docs") && text.contains("/openapi.json"),
+        "{text}"
+    );
+    app.get("/index.html")
+        .await
+        .assert_problem(404, "not_found");
+}
+
 #[tokio::test]
 async fn unknown_routes_are_404_and_wrong_methods_405_with_allow() {
     let app = test_app().await;

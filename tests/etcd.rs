@@ -75,6 +75,32 @@ fn id(s: &str) -> AllocId {
     AllocId::parse(s).unwrap()
 }
 
+/// A run without etcd does not pass in silence: it says, where `cargo
+/// test`'s output shows it, that the etcd tests did not run. (This test
+/// runs one of them again, as a child, with no etcd on its PATH.)
+#[test]
+fn a_run_without_etcd_says_the_etcd_tests_were_skipped() {
+    if std::env::var_os("TASKGATE_ETCD_SKIP_CHECK").is_some() {
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_report_through_one_replica_wakes_a_waiter_parked_on_another",
+            "--test-threads=1",
+        ])
+        .env("PATH", "/nonexistent")
+        .env_remove("TASKGATE_REQUIRE_ETCD")
+        .env("TASKGATE_ETCD_SKIP_CHECK", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert_eq!(err.matches(common::etcd::SKIPPED).count(), 1, "{err}");
+    // What was captured stays captured: one line, not one per test.
+    assert!(!err.contains(": skipped, no etcd"), "{err}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_report_through_one_replica_wakes_a_waiter_parked_on_another() {
     if !available("a_report_through_one_replica_wakes_a_waiter_parked_on_another") {

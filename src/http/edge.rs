@@ -193,7 +193,13 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
     let latency = started.elapsed();
     let status = res.status().as_u16();
     let latency_ms = latency.as_secs_f64() * 1000.0;
-    if status >= 500 {
+    // A parked wait answered 503 `shutting_down` is the shutdown working
+    // as designed (every parked request gets one), not a failure.
+    let by_design = res
+        .extensions()
+        .get::<super::error::ProblemCode>()
+        .is_some_and(|c| c.0 == "shutting_down");
+    if status >= 500 && !by_design {
         tracing::warn!(parent: &span, status, latency_ms, "request failed");
     } else {
         tracing::debug!(parent: &span, status, latency_ms, "request");

@@ -459,10 +459,17 @@ impl ApiError {
     }
 }
 
+/// A problem's code, on its response, for the edge's log: an answer that is
+/// a 5xx by design (`shutting_down`) is not logged as a failure.
+#[derive(Clone, Copy, Debug)]
+pub struct ProblemCode(pub &'static str);
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let (status, index, retry_after) = (self.status, self.index, self.retry_after);
+        let (status, index, retry_after, code) =
+            (self.status, self.index, self.retry_after, self.code);
         let mut res = (status, self.into_body()).into_response();
+        res.extensions_mut().insert(ProblemCode(code));
         let headers = res.headers_mut();
         headers.insert(
             header::CONTENT_TYPE,

@@ -16,6 +16,35 @@ use super::{
     views::HealthView,
 };
 
+/// The front door.
+///
+/// Someone who opens the server's address in a browser lands in the web
+/// view; the body says where the API is described, for whoever reads it
+/// without following the redirect (curl). Never needs a token.
+#[utoipa::path(
+    get, path = "/", operation_id = "getRoot", tag = "service",
+    responses(
+        (status = 307, description = "To the web view, `/ui`; the body points to `/docs` and `/openapi.json` too",
+         body = String, content_type = "text/plain",
+         headers(("Location" = String, description = "`/ui`"))),
+    )
+)]
+pub async fn root(_: ApiQuery<NoParams>) -> Response {
+    (
+        StatusCode::TEMPORARY_REDIRECT,
+        [
+            (header::LOCATION, HeaderValue::from_static("/ui")),
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; charset=utf-8"),
+            ),
+        ],
+        "taskgate: the web view is at /ui; the HTTP API is described at /docs (Swagger UI) \
+         and /openapi.json, its error codes at /errors.\n",
+    )
+        .into_response()
+}
+
 /// Health.
 ///
 /// 200 once the store is loaded and the server accepts work: `{"status":

@@ -87,7 +87,7 @@ pub async fn get(
         ("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
         ("task" = String, Path, description = "Task name", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
         ("Prefer" = Option<String>, Header, description = "`return=minimal` (RFC 7240): answer only the index, the coordinator state and what this task is told (`task`, `allowed`, `desired`, `stop_reason`, `restart_generation`), with `Preference-Applied: return=minimal`"),
-        ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 printable ASCII characters (IETF httpapi draft). A retry with the same key and the same request, within the task's last few keyed writes, answers the record as it is and applies nothing again; the same key with another request is 422 `idempotency_key_reused`. Kept with the record: it holds across restarts and replicas."),
+        ("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = "^[ -~]+$", description = "1 to 255 printable ASCII characters (IETF httpapi draft). A retry with the same key and the same request, within the task's last few keyed writes, answers the record as it is and applies nothing again; the same key with another request is 422 `idempotency_key_reused`. Kept with the record: it holds across restarts and replicas."),
     ),
     request_body = ReportBody,
     responses(

@@ -26,6 +26,11 @@ pub(crate) enum Slot {
 /// one heap block: with a million allocations every separate block a report
 /// touches is a cache miss (and, before, a `tokio::sync::watch` channel
 /// added a block of ~350 bytes whose every send locked nine mutexes).
+///
+/// Its locks (`write`, `slot`, `timeline`) are taken in the registry's
+/// lock order, written down at `Inner` in `registry/mod.rs`: `write`
+/// before any other lock, `slot` and `timeline` each on its own, never
+/// while the other is held.
 pub(crate) struct Handle {
     /// The allocation's ID, which the registry's map compares on every
     /// lookup (see `Key`).

@@ -226,6 +226,32 @@ pub struct Registry {
     inner: Arc<Inner>,
 }
 
+/// The registry's shared state.
+///
+/// **Lock order.** A lock may be taken while holding only locks above it
+/// in this list, never one below it:
+/// 1. a handle's write semaphore (`Handle::write`, `handle.rs`): one
+///    allocation's decide → commit → publish; tokio's, the only lock held
+///    across an `.await` (the store commit). At most one at a time: a
+///    writer never waits for another allocation's write lock while it
+///    holds its own (the dependents of a change are judged in tasks of
+///    their own, awaited only after the writer has let its lock go). The
+///    one taken under (2): a registration's new handle is inserted with
+///    its write lock already held (`try_lock_write`, which never waits,
+///    on a handle nobody else can see yet).
+/// 2. the allocation map (`allocs`, a std `RwLock`): held only to look up,
+///    insert or remove handles. A writer holding (1) reads it to judge its
+///    dependencies on other allocations; the replicated view holds its
+///    write side while it publishes what the store's watch delivered, and
+///    takes the locks below under it.
+/// 3. a handle's slot `RwLock` (the committed record) and its timeline
+///    `Mutex` (`handle.rs`), each taken and let go on its own (publishing
+///    extends the timeline, lets it go, then writes the slot); readers
+///    take the slot's read side without (1).
+/// 4. leaves, none held while another lock is taken: the spec interner
+///    (`specs`), the reverse dependency index (`dependents`, `deps.rs`),
+///    the timer heap (`timers.rs`; it holds handles only as weak
+///    references and touches their atomics), and the feed (`feed.rs`).
 struct Inner {
     /// Allocation ID → handle, sorted for listing. Inserted by `register`,
     /// removed by `delete`, read by everything. A std lock: it is only held
