@@ -19,7 +19,10 @@ use taskgate::{
     registry::{Registry, RegistryConfig, RegistryError, feed::Next},
     store::{
         StoreError, StoreHealth,
-        etcd::{EtcdConfig, EtcdStore},
+        etcd::{
+            EtcdConfig, EtcdStore,
+            client::{Client, Swapped},
+        },
     },
 };
 
@@ -1118,4 +1121,97 @@ async fn a_lost_answer_past_what_the_record_remembers_is_unavailable_not_doubled
     assert!(deleted > last);
     assert!(b.wait_view(deleted, SETTLE).await);
     assert!(b.get("w1").is_err());
+}
+
+/// Issue 33's fourth fault on a real cluster: a record this build cannot
+/// read (here, a record version from the future) wedged its allocation and
+/// stopped a replica from starting. Now: health names it, its requests are
+/// 503 `store_failed` at once, the other allocations are served, a replica
+/// starts, and DELETE removes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_record_is_named_refused_and_does_not_stop_a_start() {
+    if !available("an_unreadable_record_is_named_refused_and_does_not_stop_a_start") {
+        return;
+    }
+    let cluster = Cluster::start(1);
+    let endpoints = cluster.endpoints();
+    let a = replica(endpoints.clone(), "/t12/").await;
+    let s = spec(vec![task("web", None)]);
+    a.register(id("good"), s.clone()).await.unwrap();
+    let (bad, _) = a.register(id("bad"), s).await.unwrap();
+
+    let raw = Client::new(&EtcdConfig::new(endpoints.clone())).unwrap();
+    let written = raw
+        .swap(b"/t12/a/bad", Some(&[99, 1, 2, 3]), bad.modify_index)
+        .await
+        .unwrap();
+    let Swapped::Done(index) = written else {
+        panic!("the record moved")
+    };
+    assert!(a.wait_view(index, SETTLE).await);
+    assert_eq!(
+        a.store_health(),
+        StoreHealth::Degraded(vec!["records_unreadable"])
+    );
+    assert_eq!(a.unreadable(100), ["bad"]);
+    let web = TaskName::parse("web").unwrap();
+    let refused = a
+        .report("bad", vec![(web.clone(), report(RunState::Running, "x"))])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, RegistryError::Unreadable { id, .. } if id == "bad"),
+        "{refused:?}"
+    );
+    a.report("good", vec![(web.clone(), report(RunState::Running, "y"))])
+        .await
+        .unwrap();
+
+    // A replica starts with it in the prefix, and serves the others.
+    let b = replica(endpoints, "/t12/").await;
+    assert_eq!(b.unreadable(100), ["bad"]);
+    assert!(matches!(
+        b.look_up("bad").await,
+        Err(RegistryError::Unreadable { .. })
+    ));
+    assert_eq!(b.get("good").unwrap().tasks[0].state, RunState::Running);
+
+    let deleted = b.delete("bad").await.unwrap();
+    assert!(a.wait_view(deleted, SETTLE).await);
+    assert_eq!(a.store_health(), StoreHealth::Ok);
+    assert!(a.unreadable(100).is_empty());
+    assert!(matches!(
+        a.get("bad"),
+        Err(RegistryError::AllocationNotFound(_))
+    ));
+}
+
+/// Issue 33's second fault: the watch was opened with no deadline, so a
+/// replica whose member was paused (or cut off without a reset) never
+/// tried the healthy ones. A replica whose first member is paused starts,
+/// writes, and follows another replica's writes through the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_first_member_is_left_for_the_healthy_ones() {
+    if !available("a_paused_first_member_is_left_for_the_healthy_ones") {
+        return;
+    }
+    let cluster = Cluster::start(3);
+    let endpoints = cluster.endpoints();
+    let b = replica(endpoints[1..].to_vec(), "/t13/").await;
+    cluster.pause(0);
+    let a = replica(endpoints.clone(), "/t13/").await;
+    let (made, _) = a
+        .register(id("p1"), spec(vec![task("web", None)]))
+        .await
+        .unwrap();
+    assert!(b.wait_view(made.modify_index, SETTLE).await);
+    let web = TaskName::parse("web").unwrap();
+    let moved = b
+        .report("p1", vec![(web, report(RunState::Running, "through B"))])
+        .await
+        .unwrap();
+    assert!(a.wait_view(moved.modify_index, SETTLE).await, "A follows");
+    assert_eq!(a.get("p1").unwrap().tasks[0].state, RunState::Running);
+    assert!(wait_health(&a, |h| *h == StoreHealth::Ok).await);
+    cluster.resume(0);
 }

@@ -142,6 +142,7 @@ async fn current_or_newer(
     id: &AllocId,
     q: BlockingParams,
 ) -> Result<Arc<Allocation>, ApiError> {
+    s.registry.look_up(id.as_str()).await?;
     Ok(if q.index == 0 {
         s.registry.get(id.as_str())?
     } else {

@@ -390,6 +390,19 @@ impl From<RegistryError> for ApiError {
             RegistryError::QuotaExceeded(_) => {
                 Self::new(StatusCode::TOO_MANY_REQUESTS, "quota_exceeded", detail)
             }
+            RegistryError::Unreadable { .. } => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store_failed",
+                format!(
+                    "{detail}. The other allocations are served; a newer build may read it, or \
+                     the record can be deleted (DELETE answers for it once etcd holds a readable \
+                     one; see docs/replicas.md)"
+                ),
+            ),
+            RegistryError::Behind { .. } => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", detail)
+                    .retry_later()
+            }
             RegistryError::Store(e) => e.into(),
         }
     }
@@ -411,6 +424,19 @@ impl From<StoreError> for ApiError {
                     StatusCode::SERVICE_UNAVAILABLE,
                     "store_unavailable",
                     "the store takes no writes for now; see /v1/health",
+                )
+                .retry_later()
+            }
+            // A replica's write that no member confirmed: it may have
+            // been applied.
+            StoreError::Uncertain(_) => {
+                tracing::warn!(error = %e, "a write's outcome is unknown");
+                Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "store_unavailable",
+                    "etcd did not confirm this change, and whether it was applied cannot be \
+                     told: it may have been. Read the allocation before sending the request \
+                     again, or send it again with the same Idempotency-Key",
                 )
                 .retry_later()
             }

@@ -51,7 +51,9 @@ pub async fn root(_: ApiQuery<NoParams>) -> Response {
 /// "ok"}`, or `{"status": "degraded", "problems": [...]}` while the store
 /// takes writes but its background work fails (`checkpoints_failing`,
 /// `log_rollover_failing`: the log grows toward its ceiling; the cause is
-/// in the server's log). 503 while it starts or stops, or while the store
+/// in the server's log), or while a replica on etcd finds records it
+/// cannot read (`records_unreadable`, with the allocations in
+/// `unreadable`: those are answered 503 `store_failed`, the rest served). 503 while it starts or stops, or while the store
 /// refuses writes. Never needs a token, and never carries an internal
 /// error's text.
 #[utoipa::path(
@@ -72,10 +74,12 @@ pub async fn health(
         StoreHealth::Ok => HealthView {
             status: "ok",
             problems: Vec::new(),
+            unreadable: Vec::new(),
         },
         StoreHealth::Degraded(problems) => HealthView {
             status: "degraded",
             problems,
+            unreadable: s.registry.unreadable(100),
         },
         StoreHealth::Refusing {
             code: "store_unavailable",

@@ -55,6 +55,7 @@ pub async fn get(
     ApiQuery(q): ApiQuery<BlockingParams>,
 ) -> Result<Response, ApiError> {
     let (a, i) = if q.index == 0 {
+        s.registry.look_up(id.as_str()).await?;
         let a = s.registry.get(id.as_str())?;
         let i = s.registry.task_position(&a, task.as_str())?;
         (a, i)

@@ -340,9 +340,16 @@ pub struct HealthView {
     /// background work fails.
     #[schema(example = "ok")]
     pub status: &'static str,
-    /// While `degraded`: `checkpoints_failing`, `log_rollover_failing`.
+    /// While `degraded`: `checkpoints_failing`, `log_rollover_failing`,
+    /// `records_unreadable`.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub problems: Vec<&'static str>,
+    /// With `records_unreadable` (a replica on etcd): the allocations whose
+    /// records this build cannot read, in ID order (at most 100). Their
+    /// requests are answered 503 `store_failed`; every other allocation is
+    /// served.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub unreadable: Vec<String>,
 }
 
 impl From<&crate::lifecycle::StopReason> for StopReasonView {

@@ -187,6 +187,17 @@ pub enum RegistryError {
     /// registered again by others); a later try will go through.
     #[error("{0}")]
     Contended(String),
+    /// The allocation's record in a store several replicas write cannot
+    /// be read by this build.
+    #[error("the record of allocation \"{id}\" in the store cannot be read by this server: {why}")]
+    Unreadable { id: String, why: String },
+    /// The store holds the allocation at `index` and this replica's view
+    /// has not reached it in time.
+    #[error(
+        "this replica has not caught up with allocation \"{id}\" yet (the store holds it at \
+         index {index}, this replica's view is at {view}); try again"
+    )]
+    Behind { id: String, index: u64, view: u64 },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -1142,5 +1153,7 @@ impl AllocMap {
     }
 }
 
+#[cfg(test)]
+mod replicated_tests;
 #[cfg(test)]
 mod tests;

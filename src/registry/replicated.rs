@@ -38,6 +38,22 @@ const MAX_SWAPS: usize = 16;
 /// into a 503.
 const REACH_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The longest a read waits for this replica's view to reach an
+/// allocation the store holds and the view does not (`Registry::look_up`).
+const LOOK_UP_WAIT: Duration = Duration::from_secs(5);
+
+/// 503 `store_failed` for an allocation whose record this build cannot
+/// read.
+fn unreadable(store: &dyn ReplicatedStore, id: &str) -> Result<(), RegistryError> {
+    match store.unreadable(id) {
+        Some(u) => Err(RegistryError::Unreadable {
+            id: id.to_owned(),
+            why: u.why,
+        }),
+        None => Ok(()),
+    }
+}
+
 /// The index given to a change while it is decided: above every index in
 /// the record it was decided on, so that it alone is replaced by the
 /// commit's own index (`Allocation::restamp`).
@@ -71,41 +87,97 @@ impl Registry {
         }
     }
 
+    /// Before a request answers from this replica's view about `id`: on a
+    /// store several replicas write, an allocation whose record this build
+    /// cannot read is 503 `store_failed`, and a miss is checked with the
+    /// store's quorum: if the store holds the allocation, the view is
+    /// waited for (up to `LOOK_UP_WAIT`), so that a replica never answers
+    /// 404 for an allocation that exists (one registered through another
+    /// replica a moment ago, or through this one while its view lagged).
+    /// A view that does not get there in time is 503 `store_unavailable`.
+    /// Nothing on any other store.
+    pub async fn look_up(&self, id: &str) -> Result<(), RegistryError> {
+        let Some(store) = self.inner.store.replicated() else {
+            return Ok(());
+        };
+        unreadable(store, id)?;
+        if self.get(id).is_ok() {
+            return Ok(());
+        }
+        let Ok(alloc) = AllocId::parse(id) else {
+            return Ok(());
+        };
+        let Some(index) = store.index_of(&alloc).await? else {
+            return Ok(());
+        };
+        if !self.wait_view(index, LOOK_UP_WAIT).await {
+            return Err(self.behind(id, index));
+        }
+        // Reached: there now, or deleted since (404 is then right).
+        unreadable(store, id)
+    }
+
+    /// The allocations (at most `max`, in ID order) whose records this
+    /// replica cannot read.
+    pub fn unreadable(&self, max: usize) -> Vec<String> {
+        let mut ids = self
+            .inner
+            .store
+            .replicated()
+            .map(|s| s.unreadable_ids())
+            .unwrap_or_default();
+        ids.truncate(max);
+        ids
+    }
+
+    fn behind(&self, id: &str, index: u64) -> RegistryError {
+        RegistryError::Behind {
+            id: id.to_owned(),
+            index,
+            view: *self.inner.view.borrow(),
+        }
+    }
+
     /// Takes an allocation's write lock, retrying while the handle found
     /// was replaced (deleted and registered again) before the lock was
     /// ours. Serializes this replica's own writers, so they rarely
-    /// conflict with one another.
+    /// conflict with one another. An allocation missing from the view, or
+    /// whose registration the view has not reached yet, is asked of the
+    /// store once (`look_up`).
     async fn lock_live(
         &self,
         store: &dyn ReplicatedStore,
         id: &str,
     ) -> Result<(WriteGuard, Arc<Handle>, Arc<Allocation>), RegistryError> {
-        let mut asked = false;
+        let mut asked = None;
         for _ in 0..MAX_SWAPS {
-            let handle = match self.handle(id) {
-                Ok(handle) => handle,
-                // Registered through another replica a moment ago? Asked
-                // once, through the store's quorum.
-                Err(e) if !asked => {
-                    asked = true;
-                    let Ok(alloc) = AllocId::parse(id) else {
-                        return Err(e);
-                    };
-                    match store.index_of(&alloc).await? {
-                        Some(index) => {
-                            self.reach(index).await;
-                            continue;
-                        }
-                        None => return Err(e),
-                    }
+            unreadable(store, id)?;
+            let handle = self.handle(id).ok();
+            if let Some(handle) = &handle {
+                let write = handle.lock_write().await;
+                match handle.slot_now() {
+                    Slot::Live(a) => return Ok((write, handle.clone(), a)),
+                    Slot::Deleted => continue,
+                    Slot::Creating => {}
                 }
-                Err(e) => return Err(e),
+            }
+            // Not in the view (yet): registered through another replica a
+            // moment ago, or the view lags behind a registration.
+            match asked {
+                // The view reached the store's record and still has no
+                // allocation: deleted since.
+                Some((_, true)) => break,
+                Some((index, false)) => return Err(self.behind(id, index)),
+                None => {}
+            }
+            let Ok(alloc) = AllocId::parse(id) else {
+                break;
             };
-            let write = handle.lock_write().await;
-            match handle.slot_now() {
-                Slot::Live(a) => return Ok((write, handle, a)),
-                Slot::Deleted => continue,
-                Slot::Creating => break,
+            match store.index_of(&alloc).await? {
+                Some(index) => {
+                    asked = Some((index, self.wait_view(index, REACH_TIMEOUT).await));
+                }
+                None => break,
             }
         }
         Err(RegistryError::AllocationNotFound(id.to_owned()))
@@ -290,6 +362,26 @@ impl Registry {
         id: &str,
     ) -> Result<u64, RegistryError> {
         for _ in 0..MAX_SWAPS {
+            // A record this build cannot read can still be deleted: the
+            // compare is on the index that wrote it.
+            if let (Some(u), Ok(alloc)) = (store.unreadable(id), AllocId::parse(id)) {
+                let op = Op::Delete {
+                    id: alloc,
+                    index: 0,
+                };
+                match store.swap(op, u.index).await {
+                    Ok(index) | Err(SwapError::Landed { seen: index }) => {
+                        self.reach(index).await;
+                        tracing::info!(alloc = %id, index, "an unreadable allocation deleted");
+                        return Ok(index);
+                    }
+                    Err(SwapError::Conflict { seen }) => {
+                        self.reach(seen).await;
+                        continue;
+                    }
+                    Err(SwapError::Store(e)) => return Err(e.into()),
+                }
+            }
             let (write, handle, current) = self.lock_live(store, id).await?;
             let op = Op::Delete {
                 id: current.id.clone(),

@@ -58,6 +58,7 @@ impl Registry {
         timeout: Duration,
         done: impl Fn(&Allocation) -> bool,
     ) -> Result<Arc<Allocation>, RegistryError> {
+        self.look_up(id).await?;
         let handle = self.handle(id)?;
         let current = match handle.slot_now() {
             Slot::Live(a) => a,

@@ -82,6 +82,10 @@ pub enum StoreError {
     /// may succeed.
     #[error("the store takes no writes for now: {0}")]
     Unavailable(String),
+    /// The store did not confirm a write and whether it was applied cannot
+    /// be told: it may have been.
+    #[error("{0}")]
+    Uncertain(String),
     /// The data directory cannot be used: damaged, locked, or of an unknown
     /// format. Nothing was changed in it.
     #[error("{0}")]
@@ -170,6 +174,21 @@ pub trait ReplicatedStore: Send + Sync {
     /// order, until the store is closed; after a gap it cannot replay
     /// (a compaction), it lists everything again (`Follower::resync`).
     fn follow(&self, from: u64, follower: std::sync::Weak<dyn Follower>);
+
+    /// Why the allocation's record in the store cannot be read by this
+    /// build, if it cannot.
+    fn unreadable(&self, id: &str) -> Option<Unreadable>;
+
+    /// The allocations whose records cannot be read, in ID order.
+    fn unreadable_ids(&self) -> Vec<String>;
+}
+
+/// A record this build cannot read: why, and the index that wrote it (a
+/// deletion compares against it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unreadable {
+    pub why: String,
+    pub index: u64,
 }
 
 /// A compare-and-swap in flight.

@@ -21,6 +21,7 @@ pub mod client;
 pub mod proto;
 
 use std::{
+    collections::BTreeMap,
     sync::{Arc, Mutex, PoisonError, Weak},
     time::{Duration, Instant},
 };
@@ -31,7 +32,7 @@ use tokio::sync::watch;
 
 use super::{
     Change, Commit, Follower, LoadOnce, Loaded, Op, ReplicatedStore, Store, StoreError,
-    StoreHealth, Swap, SwapError, record,
+    StoreHealth, Swap, SwapError, Unreadable, record,
 };
 use crate::lifecycle::{AllocId, Allocation};
 
@@ -69,6 +70,11 @@ struct Link {
     /// Why the watch is down (since it last failed, until a member takes
     /// it again): health is 503 `store_unavailable` meanwhile.
     trouble: Option<String>,
+    /// Allocations whose record in etcd this build cannot read, with why:
+    /// their requests are answered 503 `store_failed`, health is degraded,
+    /// and everything else is served. A readable record (or a deletion)
+    /// of the allocation takes it off.
+    unreadable: BTreeMap<String, Unreadable>,
 }
 
 impl EtcdStore {
@@ -87,9 +93,9 @@ impl EtcdStore {
         // answering 503 `starting` meanwhile.
         let started = Instant::now();
         let mut backoff = RETRY_FIRST;
-        let loaded = loop {
+        let (loaded, unreadable) = loop {
             match list(&client, &keys).await {
-                Ok(loaded) => break loaded,
+                Ok(listed) => break listed,
                 Err(CallError::Unreachable(e)) if started.elapsed() < CONNECT_PATIENCE => {
                     tracing::warn!(error = %e, retry_in = ?backoff, "etcd is not reachable yet");
                     tokio::time::sleep(backoff).await;
@@ -109,7 +115,10 @@ impl EtcdStore {
             client: Arc::new(client),
             keys,
             loaded: LoadOnce::new(loaded),
-            link: Arc::default(),
+            link: Arc::new(Mutex::new(Link {
+                unreadable,
+                ..Link::default()
+            })),
             closed: watch::Sender::new(false),
         })
     }
@@ -147,8 +156,13 @@ async fn identify(client: &Client, prefix: &[u8]) -> Result<String, StoreError> 
     }
 }
 
-/// The whole prefix at one revision, page by page.
-async fn list(client: &Client, keys: &[u8]) -> Result<Loaded, CallError> {
+/// The whole prefix at one revision, page by page, and the records in it
+/// this build cannot read (by allocation, with why).
+async fn list(
+    client: &Client,
+    keys: &[u8],
+) -> Result<(Loaded, BTreeMap<String, Unreadable>), CallError> {
+    let mut unreadable = BTreeMap::new();
     let end = prefix_end(keys);
     let mut from = keys.to_vec();
     let mut at = 0;
@@ -161,7 +175,10 @@ async fn list(client: &Client, keys: &[u8]) -> Result<Loaded, CallError> {
         let more = page.more;
         let mut last = None;
         for kv in page.kvs {
-            allocations.push(decode(keys, &kv.key, &kv.value, kv.mod_revision)?);
+            match decode(keys, &kv.key, &kv.value, kv.mod_revision) {
+                Ok(a) => allocations.push(a),
+                Err(why) => unreadable_record(keys, &kv, why, &mut unreadable),
+            }
             last = Some(kv.key);
         }
         match (more, last) {
@@ -173,10 +190,51 @@ async fn list(client: &Client, keys: &[u8]) -> Result<Loaded, CallError> {
             _ => break,
         }
     }
-    Ok(Loaded {
-        allocations,
-        last_index: at,
-    })
+    Ok((
+        Loaded {
+            allocations,
+            last_index: at,
+        },
+        unreadable,
+    ))
+}
+
+/// The allocation a key under the prefix names, if it names one.
+fn named(keys: &[u8], key: &[u8]) -> Option<AllocId> {
+    let id = std::str::from_utf8(key.get(keys.len()..)?).ok()?;
+    AllocId::parse(id).ok()
+}
+
+/// Notes a record this build cannot read: under its allocation, or (a key
+/// that names none) only in the log.
+fn unreadable_record(
+    keys: &[u8],
+    kv: &client::KeyValue,
+    why: CallError,
+    unreadable: &mut BTreeMap<String, Unreadable>,
+) {
+    let key = &kv.key;
+    let why = match why {
+        CallError::Refused(m) => m,
+        other => other.to_string(),
+    };
+    match named(keys, key) {
+        Some(id) => {
+            tracing::error!(alloc = %id, error = %why, "a record in etcd cannot be read by this build; its allocation is answered 503 store_failed, the others are served");
+            unreadable.insert(
+                id.as_str().to_owned(),
+                Unreadable {
+                    why,
+                    index: kv.mod_revision,
+                },
+            );
+        }
+        None => tracing::warn!(
+            key = %String::from_utf8_lossy(key),
+            error = %why,
+            "a key under the prefix names no allocation; ignored"
+        ),
+    }
 }
 
 /// A record as stored, stamped with the revision that wrote it.
@@ -212,7 +270,7 @@ fn settle(
     uncertain: bool,
 ) -> SwapError {
     let unknown = |why: &str| {
-        SwapError::Store(StoreError::Unavailable(format!(
+        SwapError::Store(StoreError::Uncertain(format!(
             "etcd did not answer a write and {why}, so whether it was applied cannot be told; \
              read the allocation before sending the request again (or send it with the same \
              Idempotency-Key)"
@@ -287,6 +345,9 @@ impl Store for EtcdStore {
         // of the watch that follows it until a member takes it again.
         let link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
         match &link.trouble {
+            None if !link.unreadable.is_empty() => {
+                StoreHealth::Degraded(vec!["records_unreadable"])
+            }
             None => StoreHealth::Ok,
             Some(cause) => StoreHealth::Refusing {
                 code: "store_unavailable",
@@ -322,6 +383,9 @@ impl ReplicatedStore for EtcdStore {
                     read,
                     uncertain,
                 }) => Err(settle(&op, expect, now, &value, created, read, uncertain)),
+                Err(CallError::Ambiguous(m)) => Err(SwapError::Store(StoreError::Uncertain(
+                    format!("no etcd member confirmed a write, which may have been applied: {m}"),
+                ))),
                 Err(e) => Err(SwapError::Store(unavailable(e))),
             }
         })
@@ -343,6 +407,19 @@ impl ReplicatedStore for EtcdStore {
             let found = client.range(&key, &end, 0, 1).await.map_err(unavailable)?;
             Ok(found.kvs.first().map(|kv| kv.mod_revision))
         })
+    }
+
+    fn unreadable(&self, id: &str) -> Option<Unreadable> {
+        let link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
+        if link.unreadable.is_empty() {
+            return None;
+        }
+        link.unreadable.get(id).cloned()
+    }
+
+    fn unreadable_ids(&self) -> Vec<String> {
+        let link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
+        link.unreadable.keys().cloned().collect()
     }
 
     fn follow(&self, from: u64, follower: Weak<dyn Follower>) {
@@ -394,10 +471,14 @@ impl Follow {
                         _ = closed.wait_for(|c| *c) => return,
                     };
                     match relisted {
-                        Ok(loaded) => {
+                        Ok((loaded, unreadable)) => {
                             let Some(follower) = self.follower.upgrade() else {
                                 return;
                             };
+                            self.link
+                                .lock()
+                                .unwrap_or_else(PoisonError::into_inner)
+                                .unreadable = unreadable;
                             self.applied = loaded.last_index;
                             follower.resync(loaded);
                             backoff = RETRY_FIRST;
@@ -446,22 +527,23 @@ impl Follow {
         let endpoint = watch.endpoint.clone();
         let mut checks = tokio::time::interval(CHECK_EVERY);
         checks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut answered = Instant::now();
         loop {
             let next = tokio::select! {
                 next = watch.next() => next,
                 _ = checks.tick() => {
                     match tokio::time::timeout(CHECK_EVERY, self.client.check(&endpoint, &self.keys)).await {
-                        Ok(Ok(_)) => answered = Instant::now(),
+                        Ok(Ok(_)) => {}
                         Ok(Err(e)) => {
                             self.client.skip(&endpoint);
                             return Ended::Lost(format!("the member the watch is on cannot read through a leader: {e}"));
                         }
-                        Err(_) if answered.elapsed() > 2 * CHECK_EVERY => {
+                        // Left at once: a member that stopped answering
+                        // (paused, cut off without a reset) is left within
+                        // two check intervals of its last answer.
+                        Err(_) => {
                             self.client.skip(&endpoint);
-                            return Ended::Lost(format!("{endpoint}: the member the watch is on stopped answering"));
+                            return Ended::Lost(format!("{endpoint}: the member the watch is on did not answer a read within {CHECK_EVERY:?}"));
                         }
-                        Err(_) => {}
                     }
                     continue;
                 }
@@ -512,33 +594,46 @@ impl Follow {
                 self.applied
             };
             let mut changes = Vec::with_capacity(response.events.len());
+            // Each allocation changed, in order: unreadable (with why) or not.
+            let mut read: Vec<(String, Option<Unreadable>)> = Vec::new();
             for e in response.events {
                 reached = reached.max(e.kv.mod_revision);
+                let Some(id) = named(&self.keys, &e.kv.key) else {
+                    tracing::warn!(
+                        key = %String::from_utf8_lossy(&e.kv.key),
+                        "a key under the prefix that names no allocation changed; ignored"
+                    );
+                    continue;
+                };
                 if e.deleted {
-                    let id =
-                        e.kv.key
-                            .get(self.keys.len()..)
-                            .and_then(|id| std::str::from_utf8(id).ok())
-                            .and_then(|id| AllocId::parse(id).ok());
-                    match id {
-                        Some(id) => changes.push(Change::Delete {
-                            id,
-                            index: e.kv.mod_revision,
-                        }),
-                        None => tracing::warn!(
-                            key = %String::from_utf8_lossy(&e.kv.key),
-                            "a key under the prefix that names no allocation was deleted; ignored"
-                        ),
-                    }
+                    read.push((id.as_str().to_owned(), None));
+                    changes.push(Change::Delete {
+                        id,
+                        index: e.kv.mod_revision,
+                    });
                     continue;
                 }
                 match decode(&self.keys, &e.kv.key, &e.kv.value, e.kv.mod_revision) {
-                    Ok(a) => changes.push(Change::Put(a)),
-                    Err(err) => {
-                        tracing::error!(error = %err, "a change in etcd cannot be read; this replica keeps the record it had")
+                    Ok(a) => {
+                        read.push((id.as_str().to_owned(), None));
+                        changes.push(Change::Put(a));
+                    }
+                    Err(why) => {
+                        let mut one = BTreeMap::new();
+                        unreadable_record(&self.keys, &e.kv, why, &mut one);
+                        read.extend(one.into_iter().map(|(id, why)| (id, Some(why))));
                     }
                 }
             }
+            let mut link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
+            for (id, why) in read {
+                match why {
+                    Some(why) => link.unreadable.insert(id, why),
+                    None if link.unreadable.is_empty() => continue,
+                    None => link.unreadable.remove(&id),
+                };
+            }
+            drop(link);
             if reached > self.applied {
                 self.applied = reached;
             }

@@ -1,0 +1,257 @@
+//! The replicated write path against a store in memory whose follower is
+//! handed changes only when the test says (`Held`): a view that lags
+//! behind what the store acknowledged, without timing.
+
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Mutex, Weak},
+};
+
+use super::*;
+use crate::{
+    lifecycle::{RunState, TaskName, TaskReport, TaskSpec},
+    store::{
+        Change, Commit, Follower, Loaded, Op, ReplicatedStore, Store, StoreError, Swap, SwapError,
+        Unreadable,
+    },
+};
+
+#[derive(Default)]
+struct State {
+    /// The records, by ID: the revision that wrote each.
+    records: BTreeMap<String, (u64, Allocation)>,
+    revision: u64,
+    /// Committed, not yet handed to the follower.
+    held: Vec<Change>,
+    follower: Option<Weak<dyn Follower>>,
+    unreadable: BTreeMap<String, Unreadable>,
+}
+
+#[derive(Default)]
+struct Held(Mutex<State>);
+
+impl Held {
+    /// Hands every held change to the follower.
+    fn deliver(&self) {
+        let (changes, revision, follower) = {
+            let mut s = self.0.lock().unwrap();
+            (std::mem::take(&mut s.held), s.revision, s.follower.clone())
+        };
+        if let Some(f) = follower.and_then(|f| f.upgrade()) {
+            f.changed(changes, revision);
+        }
+    }
+}
+
+impl Store for Held {
+    fn load(&self) -> Result<Loaded, StoreError> {
+        Ok(Loaded {
+            allocations: Vec::new(),
+            last_index: 0,
+        })
+    }
+    fn commit(&self, _: Op) -> Commit {
+        Box::pin(async { Err(StoreError::Io("swap only".into())) })
+    }
+    fn id(&self) -> &str {
+        "held"
+    }
+    fn replicated(&self) -> Option<&dyn ReplicatedStore> {
+        Some(self)
+    }
+}
+
+impl ReplicatedStore for Held {
+    fn swap(&self, op: Op, expect: u64) -> Swap {
+        let mut s = self.0.lock().unwrap();
+        let (id, now) = match &op {
+            Op::Put(a) => (a.id.to_string(), s.records.get(a.id.as_str()).map(|r| r.0)),
+            Op::Delete { id, .. } => (id.to_string(), s.records.get(id.as_str()).map(|r| r.0)),
+        };
+        let now = now.or(s.unreadable.get(&id).map(|u| u.index));
+        if now.unwrap_or(0) != expect {
+            let seen = now.unwrap_or(s.revision);
+            return Box::pin(async move { Err(SwapError::Conflict { seen }) });
+        }
+        s.revision += 1;
+        let index = s.revision;
+        s.unreadable.remove(&id);
+        match op {
+            Op::Put(a) => {
+                let mut a = Arc::unwrap_or_clone(a);
+                let placeholder = a.modify_index;
+                a.restamp(placeholder, index);
+                s.records.insert(id, (index, a.clone()));
+                s.held.push(Change::Put(a));
+            }
+            Op::Delete { id: alloc, .. } => {
+                s.records.remove(&id);
+                s.held.push(Change::Delete { id: alloc, index });
+            }
+        }
+        Box::pin(async move { Ok(index) })
+    }
+
+    fn index_of(
+        &self,
+        id: &AllocId,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Option<u64>, StoreError>> + Send>>
+    {
+        let s = self.0.lock().unwrap();
+        let found = s.records.get(id.as_str()).map(|r| r.0);
+        Box::pin(async move { Ok(found) })
+    }
+
+    fn follow(&self, _: u64, follower: Weak<dyn Follower>) {
+        self.0.lock().unwrap().follower = Some(follower);
+    }
+
+    fn unreadable(&self, id: &str) -> Option<Unreadable> {
+        self.0.lock().unwrap().unreadable.get(id).cloned()
+    }
+
+    fn unreadable_ids(&self) -> Vec<String> {
+        self.0.lock().unwrap().unreadable.keys().cloned().collect()
+    }
+}
+
+fn web() -> AllocSpec {
+    AllocSpec::new(
+        vec![TaskSpec::named(TaskName::parse("web").unwrap())],
+        &Limits::default(),
+    )
+    .unwrap()
+}
+
+fn running() -> Vec<(TaskName, TaskReport)> {
+    vec![(
+        TaskName::parse("web").unwrap(),
+        TaskReport {
+            state: RunState::Running,
+            failed: false,
+            event: None,
+            ready: None,
+        },
+    )]
+}
+
+fn open() -> (Arc<Held>, Registry) {
+    let store = Arc::new(Held::default());
+    let registry = Registry::open(store.clone(), RegistryConfig::default()).unwrap();
+    (store, registry)
+}
+
+/// Issue 33's third fault: a registration acknowledged while this
+/// replica's view had not reached it left the handle `Creating`, and the
+/// same replica answered 404 to reads and reports of it (which an agent
+/// takes for a deletion). Now the store is asked: 503 while the view is
+/// behind, the allocation once it caught up.
+#[tokio::test(start_paused = true)]
+async fn an_acknowledged_registration_is_never_404_on_a_lagging_view() {
+    let (store, r) = open();
+    let (made, created) = r
+        .register(AllocId::parse("a1").unwrap(), web())
+        .await
+        .unwrap();
+    assert!(created);
+    assert!(r.get("a1").is_err(), "the view has not reached it");
+
+    let read = r.look_up("a1").await.unwrap_err();
+    assert!(
+        matches!(&read, RegistryError::Behind { index, view: 0, .. } if *index == made.modify_index),
+        "{read:?}"
+    );
+    let write = r.report("a1", running()).await.unwrap_err();
+    assert!(matches!(write, RegistryError::Behind { .. }), "{write:?}");
+    let wait = r
+        .wait_alloc("a1", 0, std::time::Duration::from_secs(1))
+        .await
+        .unwrap_err();
+    assert!(matches!(wait, RegistryError::Behind { .. }), "{wait:?}");
+
+    // An allocation the store does not hold is still 404.
+    assert!(matches!(
+        r.look_up("nothing").await,
+        Ok(()) if r.get("nothing").is_err()
+    ));
+
+    store.deliver();
+    r.look_up("a1").await.unwrap();
+    assert_eq!(r.get("a1").unwrap().modify_index, made.modify_index);
+    let reported = {
+        let r = r.clone();
+        let store = store.clone();
+        let sent = tokio::spawn(async move { r.report("a1", running()).await });
+        // The report waits for its own change to reach the view.
+        tokio::task::yield_now().await;
+        store.deliver();
+        sent.await.unwrap().unwrap()
+    };
+    assert_eq!(reported.tasks[0].state, RunState::Running);
+}
+
+/// Issue 33's fourth fault: a record this build cannot read wedged its
+/// allocation (16 conflicts, then 503 `timeout`, health ok). Now its
+/// requests are 503 `store_failed` at once, health names it, the others
+/// are served, and DELETE removes it.
+#[tokio::test(start_paused = true)]
+async fn an_unreadable_record_is_refused_named_and_deletable() {
+    let (store, r) = open();
+    for id in ["bad", "good"] {
+        let registering = {
+            let r = r.clone();
+            tokio::spawn(async move { r.register(AllocId::parse(id).unwrap(), web()).await })
+        };
+        tokio::task::yield_now().await;
+        store.deliver();
+        registering.await.unwrap().unwrap();
+    }
+    {
+        // Another build writes the record in a version this one cannot
+        // read: the store's revision moves, the view gets no change.
+        let mut s = store.0.lock().unwrap();
+        s.records.remove("bad").unwrap();
+        s.revision += 1;
+        let index = s.revision;
+        s.unreadable.insert(
+            "bad".into(),
+            Unreadable {
+                why: "unknown record version 99".into(),
+                index,
+            },
+        );
+    }
+    store.deliver();
+    assert_eq!(r.unreadable(100), ["bad"]);
+    let refused = r.report("bad", running()).await.unwrap_err();
+    assert!(
+        matches!(&refused, RegistryError::Unreadable { why, .. } if why.contains("version 99")),
+        "{refused:?}"
+    );
+    assert!(matches!(
+        r.look_up("bad").await,
+        Err(RegistryError::Unreadable { .. })
+    ));
+    let good = {
+        let r = r.clone();
+        let sent = tokio::spawn(async move { r.report("good", running()).await });
+        tokio::task::yield_now().await;
+        store.deliver();
+        sent.await.unwrap().unwrap()
+    };
+    assert_eq!(good.tasks[0].state, RunState::Running);
+
+    let deleting = {
+        let r = r.clone();
+        tokio::spawn(async move { r.delete("bad").await })
+    };
+    tokio::task::yield_now().await;
+    store.deliver();
+    deleting.await.unwrap().unwrap();
+    assert!(r.unreadable(100).is_empty());
+    r.look_up("bad").await.unwrap();
+    assert!(matches!(
+        r.get("bad"),
+        Err(RegistryError::AllocationNotFound(_))
+    ));
+}
