@@ -491,9 +491,14 @@ fn five_agents_finish_in_lifecycle_order_through_two_replicas_while_one_dies() {
     let base = &stays.base;
     assert!(started_at(base, "ha1", "proxy") < started_at(base, "ha1", "web"));
     assert!(started_at(base, "ha1", "web") < started_at(base, "ha1", "announce"));
-    assert_eq!(
-        get(base, "/v1/allocations/ha1")["coordinator_state"],
-        "poststop"
+    let done = get(base, "/v1/allocations/ha1");
+    assert_eq!(done["coordinator_state"], "poststop");
+    // Health says how far the replica's view has got.
+    let health = get(base, "/v1/health");
+    assert_eq!(health["view"]["state"], "synced", "{health}");
+    assert!(
+        health["view"]["index"].as_u64() >= done["modify_index"].as_u64(),
+        "{health}"
     );
 }
 

@@ -12,8 +12,12 @@ use crate::{
 };
 
 use super::{
-    AppState, error::ApiError, error::Problem, extract::ApiQuery, extract::NoParams,
-    views::HealthView,
+    AppState,
+    error::ApiError,
+    error::Problem,
+    extract::ApiQuery,
+    extract::NoParams,
+    views::{HealthView, ReplicaView},
 };
 
 /// The front door.
@@ -70,16 +74,22 @@ pub async fn health(
     if s.registry.is_shutting_down() {
         return Err(crate::registry::RegistryError::ShuttingDown.into());
     }
+    let replica = s.registry.view_index().map(|index| ReplicaView {
+        state: "synced",
+        index,
+    });
     let view = match s.registry.store_health() {
         StoreHealth::Ok => HealthView {
             status: "ok",
             problems: Vec::new(),
             unreadable: Vec::new(),
+            view: replica,
         },
         StoreHealth::Degraded(problems) => HealthView {
             status: "degraded",
             problems,
             unreadable: s.registry.unreadable(100),
+            view: replica,
         },
         StoreHealth::Refusing {
             code: "store_unavailable",
@@ -88,9 +98,12 @@ pub async fn health(
             return Err(ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store_unavailable",
-                "this replica cannot reach a quorum of its etcd cluster, or has not caught up with \
-                 it; reads answer from its last view, writes are refused (the cause is in the \
-                 server's log)",
+                format!(
+                    "this replica is syncing: it cannot reach a quorum of its etcd cluster, or \
+                     has not caught up with it (its view is at index {}); reads answer from that \
+                     view, writes are refused (the cause is in the server's log)",
+                    s.registry.view_index().unwrap_or(0)
+                ),
             )
             .retry_later());
         }

@@ -350,6 +350,19 @@ pub struct HealthView {
     /// served.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub unreadable: Vec<String>,
+    /// A replica on etcd: the index its view has reached (every change up
+    /// to it is applied here), `synced` while its watch is open. While it
+    /// is not, health is 503 `store_unavailable`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub view: Option<ReplicaView>,
+}
+
+/// How far a replica's view of etcd has got.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReplicaView {
+    #[schema(example = "synced")]
+    pub state: &'static str,
+    pub index: u64,
 }
 
 impl From<&crate::lifecycle::StopReason> for StopReasonView {

@@ -117,6 +117,15 @@ impl Registry {
         unreadable(store, id)
     }
 
+    /// On a store several replicas write, the index this replica's view
+    /// has reached.
+    pub fn view_index(&self) -> Option<u64> {
+        self.inner
+            .store
+            .replicated()
+            .map(|_| *self.inner.view.borrow())
+    }
+
     /// The allocations (at most `max`, in ID order) whose records this
     /// replica cannot read.
     pub fn unreadable(&self, max: usize) -> Vec<String> {
