@@ -157,12 +157,12 @@ pub const CODES: &[(&str, u16, &str)] = &[
     (
         "store_unavailable",
         503,
-        "The store takes no writes for now: an etcd replica without a quorum, or a disk store whose log is at its ceiling or whose commit queue is full. It recovers by itself; `GET /v1/health` says why. Reads still work.",
+        "The store takes no writes for now: an etcd replica without a quorum, or a disk store whose log is at its ceiling or whose commit queue is full. It recovers by itself; `GET /v1/health` says why. Reads still work. Also: a replica whose view has not yet reached an allocation etcd holds (try again), and a write etcd did not confirm, which may have been applied (the detail says so: read the allocation before sending it again, or resend a report with the same `Idempotency-Key`).",
     ),
     (
         "store_failed",
         503,
-        "The store failed a write, or refuses writes: the disk store takes no change after a write it cannot vouch for until taskgate is restarted (the change whose write failed may or may not be kept: read it back after the restart), or its log is at its ceiling while checkpoints fail. `GET /v1/health` says which; the server's log has the cause.",
+        "The store failed a write, or refuses writes: the disk store takes no change after a write it cannot vouch for until taskgate is restarted (the change whose write failed may or may not be kept: read it back after the restart), or its log is at its ceiling while checkpoints fail. `GET /v1/health` says which; the server's log has the cause. With replicas: the allocation's record in etcd cannot be read by this build (health names it under `unreadable`; the other allocations are served; DELETE removes it).",
     ),
 ];
 
