@@ -94,8 +94,20 @@ fn earlier(t: Timestamp, d: Duration) -> Timestamp {
 }
 
 /// The latest sign of life the caller knows of for task `i` (`None`:
-/// none since the task started), for `Allocation::tick`.
+/// none since the task started), for `Allocation::tick`. A time past
+/// every deadline (`UNTIL_TOLD`) says the task is alive until the caller
+/// says otherwise: with replicas, whether it is comes from the
+/// store (`LapsedAt`), not from a clock.
 pub type SeenAt<'a> = &'a dyn Fn(usize) -> Option<Timestamp>;
+
+/// A sign of life that lasts until the caller says otherwise (`SeenAt`).
+pub const UNTIL_TOLD: Timestamp = time::PrimitiveDateTime::MAX.assume_utc();
+
+/// Whether task `i`'s signs of life have lapsed where several replicas
+/// keep them (etcd: the lease of its live key expired): `Some(t)`, the
+/// latest sign of life the caller knows of, and the task is lost now,
+/// whatever any clock says; `None`, not lapsed. For `Allocation::tick_lapsed`.
+pub type LapsedAt<'a> = &'a dyn Fn(usize) -> Option<Timestamp>;
 
 /// Everything known about one allocation.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -463,10 +475,34 @@ impl Allocation {
         default_ttl: Option<Duration>,
         next_index: impl FnOnce() -> u64,
     ) -> Option<Self> {
+        self.tick_lapsed(now, seen, &|_| None, default_ttl, next_index)
+    }
+
+    /// `tick`, where the signs of life of some tasks are kept by a store
+    /// several replicas share: a running task under a TTL whose record
+    /// there has lapsed (`lapsed`) is lost now, its event naming the
+    /// latest sign of life `lapsed` gives. No clock is compared for it:
+    /// the store's expiry already measured the silence.
+    pub fn tick_lapsed(
+        &self,
+        now: Timestamp,
+        seen: SeenAt<'_>,
+        lapsed: LapsedAt<'_>,
+        default_ttl: Option<Duration>,
+        next_index: impl FnOnce() -> u64,
+    ) -> Option<Self> {
         let mut next = self.clone();
         let mut changed = false;
         for i in 0..self.tasks.len() {
-            if let Some(end) = self.ttl_ends(i, seen, default_ttl)
+            let gone = self.tasks[i].state == RunState::Running
+                && self.spec.ttl(i, default_ttl).is_some()
+                && lapsed(i).is_some();
+            if gone {
+                let ttl = self.spec.ttl(i, default_ttl).expect("checked above");
+                let last = lapsed(i).expect("checked above");
+                next.tasks[i].lose(now, ttl, last.min(now));
+                changed = true;
+            } else if let Some(end) = self.ttl_ends(i, seen, default_ttl)
                 && end <= now
             {
                 let ttl = self.spec.ttl(i, default_ttl).expect("a TTL ended");
@@ -1034,6 +1070,34 @@ mod tests {
             assert_eq!(a.wake_at(&no_sign, default), Some(at(10)));
             let lost = a.tick(at(10), &no_sign, default, || 9).unwrap();
             assert!(lost.tasks[0].lost() && !lost.tasks[1].lost());
+        }
+
+        #[test]
+        fn a_task_whose_signs_of_life_lapsed_in_the_store_is_lost_now_whatever_the_clock() {
+            let a = running();
+            // Alive until told: nothing due by time alone.
+            let alive = |_: usize| Some(UNTIL_TOLD);
+            assert_eq!(a.wake_at(&alive, None), Some(UNTIL_TOLD));
+            assert!(a.tick(at(3600), &alive, None, || 9).is_none());
+            // web's lease expired: lost at once, even before its start
+            // plus its TTL by this clock (a replica whose clock is behind
+            // the one that started it).
+            let lapsed = |i: usize| (i == 1).then_some(at(3));
+            let lost = a
+                .tick_lapsed(at(10), &alive, &lapsed, None, || 9)
+                .expect("lost");
+            let web = &lost.tasks[1];
+            assert_eq!(web.lost_at(), Some(at(10)));
+            let event = web.events.last().unwrap();
+            assert_eq!(event.kind, LOST_EVENT);
+            assert_eq!(event.details.get("last_seen"), Some("2026-11-25T10:00:03Z"));
+            assert!(!lost.tasks[0].lost(), "a task with no TTL never lapses");
+            lost.check_invariants().unwrap();
+            // Only a running task under a TTL: once dead, nothing.
+            assert!(
+                lost.tick_lapsed(at(11), &alive, &lapsed, None, || 10)
+                    .is_none()
+            );
         }
 
         #[test]
