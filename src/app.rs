@@ -355,13 +355,6 @@ fn open_configured_store(
         return Ok(Arc::new(MemoryStore::volatile()));
     }
     if config.store == crate::config::StoreKind::Etcd {
-        if config.default_liveness_ttl.is_some() {
-            return Err(StoreError::Unusable(
-                "--default-liveness-ttl needs the disk store (or --in-memory) in this build: \
-                 with --store etcd, liveness TTLs are not enforced yet"
-                    .into(),
-            ));
-        }
         let etcd = config.etcd.config().map_err(StoreError::Unusable)?;
         // Blocking is fine here: the store opens on a blocking thread.
         let store = tokio::runtime::Handle::current()

@@ -725,6 +725,7 @@ fn f10_a_record_started_at_the_end_of_time_does_not_panic_the_load() {
     let store = Arc::new(Preloaded(Mutex::new(Some(Loaded {
         allocations: vec![a],
         last_index: 1,
+        ..Default::default()
     }))));
     let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         rt.block_on(async { Registry::open(store, RegistryConfig::default()).map(|_| ()) })

@@ -12,6 +12,7 @@
 mod deps;
 pub mod feed;
 mod handle;
+mod keep;
 mod replicated;
 mod timed;
 pub mod timeline;
@@ -262,7 +263,9 @@ pub struct Registry {
 /// 4. leaves, none held while another lock is taken: the spec interner
 ///    (`specs`), the reverse dependency index (`dependents`, `deps.rs`),
 ///    the timer heap (`timers.rs`; it holds handles only as weak
-///    references and touches their atomics), and the feed (`feed.rs`).
+///    references and touches their atomics), the keeper's heap of lease
+///    renewals (`keep.rs`, the same), a task's liveness keys in its handle
+///    (`keep::Kept`), and the feed (`feed.rs`).
 struct Inner {
     /// Allocation ID → handle, sorted for listing. Inserted by `register`,
     /// removed by `delete`, read by everything. A std lock: it is only held
@@ -290,6 +293,9 @@ struct Inner {
     /// Whether the task that drives `timers` runs (started on first use,
     /// inside a runtime).
     driving: std::sync::atomic::AtomicBool,
+    /// With a shared store: this replica's renewals of the leases of the
+    /// tasks it hears signs of life for (`keep.rs`).
+    keeper: Arc<keep::Keeper>,
     /// This registry, for the tasks it starts (which must not keep it
     /// alive).
     me: std::sync::Weak<Inner>,
@@ -357,18 +363,27 @@ impl Registry {
         let default_ttl = config.default_liveness_ttl;
         let loaded_at = config.clock.now();
         let mut timed = Vec::new();
+        let shared = store.replicated().is_some();
         let allocs = AllocMap::from_sorted(loaded.allocations.into_iter().map(|mut a| {
             a.spec = specs.share(a.spec);
             let (id, tasks) = (a.id.clone(), a.tasks.len());
             let handle = Arc::new(Handle::live(Arc::new(a)));
             if handle.current().is_some_and(|a| a.spec.timed(default_ttl)) {
                 // Their agents' long-polls were cut by the restart, not by
-                // their death: every running task gets a full TTL.
-                handle.lives().init_at(tasks, loaded_at);
+                // their death: every running task gets a full TTL. With a
+                // shared store the store keeps their clocks: no replica's
+                // start restarts one.
+                if !shared {
+                    handle.lives().init_at(tasks, loaded_at);
+                }
                 timed.push(handle.clone());
             }
             (id, handle)
         }));
+        let mut allocs = allocs;
+        for l in loaded.liveness {
+            replicated::keep_liveness(&mut allocs, &l, loaded_at);
+        }
         let index = Arc::new(AtomicU64::new(last));
         let registry = Self {
             inner: Arc::new_cyclic(|me| Inner {
@@ -387,6 +402,7 @@ impl Registry {
                 view: watch::Sender::new(last),
                 timers: Arc::new(timers::Timers::default()),
                 driving: std::sync::atomic::AtomicBool::new(false),
+                keeper: Arc::new(keep::Keeper::default()),
                 me: me.clone(),
                 dependents: deps::Dependents::default(),
                 registering: tokio::sync::Mutex::new(()),
@@ -588,16 +604,6 @@ impl Registry {
         quota: Option<Quota<'_>>,
     ) -> Result<(Arc<Allocation>, bool), RegistryError> {
         if let Some(store) = self.inner.store.replicated() {
-            if let Some(task) = spec.tasks().iter().find(|t| t.liveness.is_some()) {
-                // Signs of life reach one replica; until they reach the
-                // decision of every one, a TTL would declare live tasks
-                // lost. Refused, not silently ignored.
-                return Err(RegistryError::Unsupported(format!(
-                    "task \"{}\" declares a liveness TTL, which this build enforces with the \
-                     disk or memory store only, not with --store etcd yet",
-                    task.name
-                )));
-            }
             return self.register_shared(store, id, spec, quota).await;
         }
         // A handle found here may be deleted before its lock is ours; then

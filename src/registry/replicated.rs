@@ -21,9 +21,9 @@ use super::{
     handle::{Handle, WriteGuard},
 };
 use crate::{
-    lifecycle::{AllocId, AllocSpec, Allocation, CoordState, WriteMark},
+    lifecycle::{AllocId, AllocSpec, Allocation, CoordState, Timestamp, WriteMark},
     metrics::Metrics,
-    store::{Change, Follower, Loaded, Op, ReplicatedStore, SwapError},
+    store::{Change, Follower, Liveness, Loaded, Op, ReplicatedStore, SwapError},
 };
 
 /// Decisions tried on newer copies before a write gives up (503 with
@@ -219,6 +219,9 @@ impl Registry {
         decide: impl Fn(&Allocation, &dyn Fn() -> u64) -> Result<(Option<Allocation>, R), RegistryError>,
         counted: impl FnOnce(&Metrics) + Send + 'static,
     ) -> Result<(Arc<Allocation>, R), RegistryError> {
+        // Leases granted for runs this write starts, kept for its next
+        // rounds (a lease no round uses expires by itself).
+        let mut leases = std::collections::HashMap::new();
         for _ in 0..MAX_SWAPS {
             let (write, handle, current) = self.lock_live(store, id).await?;
             let stamp = placeholder(&current);
@@ -249,7 +252,13 @@ impl Registry {
                 id: fastrand::u64(..),
                 parent: expect,
             });
-            match store.swap(Op::Put(Arc::new(next.clone())), expect).await {
+            let live = self
+                .live_ops(store, &handle, &current, &next, &mut leases)
+                .await?;
+            match store
+                .swap(Op::Put(Arc::new(next.clone())), expect, live)
+                .await
+            {
                 Ok(index) => {
                     self.reach(index).await;
                     drop(write);
@@ -328,7 +337,10 @@ impl Registry {
                 id: fastrand::u64(..),
                 parent: 0,
             });
-            match store.swap(Op::Put(Arc::new(a.clone())), 0).await {
+            match store
+                .swap(Op::Put(Arc::new(a.clone())), 0, Vec::new())
+                .await
+            {
                 Ok(index) | Err(SwapError::Landed { seen: index }) => {
                     self.reach(index).await;
                     drop(write);
@@ -378,7 +390,7 @@ impl Registry {
                     id: alloc,
                     index: 0,
                 };
-                match store.swap(op, u.index).await {
+                match store.swap(op, u.index, Vec::new()).await {
                     Ok(index) | Err(SwapError::Landed { seen: index }) => {
                         self.reach(index).await;
                         tracing::info!(alloc = %id, index, "an unreadable allocation deleted");
@@ -396,7 +408,7 @@ impl Registry {
                 id: current.id.clone(),
                 index: 0,
             };
-            match store.swap(op, current.modify_index).await {
+            match store.swap(op, current.modify_index, Vec::new()).await {
                 Ok(index) | Err(SwapError::Landed { seen: index }) => {
                     self.reach(index).await;
                     drop(write);
@@ -494,7 +506,7 @@ impl Inner {
     }
 
     /// The registry this is the inner state of, while it lives.
-    fn registry(&self) -> Option<Registry> {
+    pub(super) fn registry(&self) -> Option<Registry> {
         self.me.upgrade().map(|inner| Registry { inner })
     }
 
@@ -511,16 +523,48 @@ impl Inner {
     }
 }
 
+/// Applies a liveness key the store listed or changed to the handle of its
+/// allocation in `map` (if the view holds it, with that task). Returns the
+/// handle, and whether a live key was written (its lease is new).
+pub(super) fn keep_liveness(
+    map: &mut super::AllocMap,
+    l: &Liveness,
+    now: Timestamp,
+) -> Option<(Arc<Handle>, usize, bool)> {
+    let (id, task) = match l {
+        Liveness::Mark { id, task, .. } | Liveness::Live { id, task, .. } => (id, task),
+    };
+    let handle = map.get(id.as_str())?;
+    let a = handle.current()?;
+    let i = a.position(task.as_str())?;
+    let life = handle.lives().life_made(a.tasks.len(), i)?;
+    let written = match l {
+        Liveness::Mark { mark, .. } => {
+            life.kept.set_mark(*mark);
+            false
+        }
+        Liveness::Live { lease, .. } => life.kept.set_live(*lease, now),
+    };
+    Some((handle.clone(), i, written))
+}
+
 impl Follower for Inner {
     fn changed(&self, changes: Vec<Change>, index: u64) {
         let mut events = Vec::new();
         let mut touched = Vec::new();
+        // Looked at once the view holds all of it (`reschedule` trusts a
+        // missing key only then).
+        let mut timed: Vec<Arc<Handle>> = Vec::new();
         if !changes.is_empty() {
+            let now = self.config.clock.now();
             let mut map = self.write_map();
             for change in changes {
                 match change {
                     Change::Put(a) => {
                         if let Some(a) = self.put(&mut map, a, true) {
+                            if let Some(h) = map.get(a.id.as_str()) {
+                                timed.push(h.clone());
+                            }
                             touched.push(a.id.clone());
                             events.push(Event::put(a));
                         }
@@ -531,6 +575,14 @@ impl Follower for Inner {
                             events.push(Event::deleted(id, index));
                         }
                     }
+                    Change::Liveness(l) => {
+                        if let Some((handle, i, written)) = keep_liveness(&mut map, &l, now) {
+                            if written && let Some(store) = self.store.replicated() {
+                                self.keeper.lease_known(store, &handle, i);
+                            }
+                            timed.push(handle);
+                        }
+                    }
                 }
             }
         }
@@ -538,6 +590,7 @@ impl Follower for Inner {
         // finds the change in the stream too.
         self.feed.append(events, index);
         self.reached(index);
+        self.look_again(timed);
         // Every replica judges the dependents of what changed; the
         // compare-and-swap keeps one write of each new verdict.
         if !touched.is_empty()
@@ -551,6 +604,7 @@ impl Follower for Inner {
     }
 
     fn resync(&self, loaded: Loaded) {
+        let now = self.config.clock.now();
         let mut map = self.write_map();
         let listed: HashSet<AllocId> = loaded.allocations.iter().map(|a| a.id.clone()).collect();
         let stale: Vec<AllocId> = map
@@ -565,6 +619,25 @@ impl Follower for Inner {
         for a in loaded.allocations {
             self.put(&mut map, a, false);
         }
+        // Liveness keys as listed: whatever is not listed is gone (a live
+        // key expired while the watch was behind).
+        let mut timed = Vec::new();
+        for (_, handle) in map.range_from("") {
+            if handle.lives().made() {
+                for life in handle.lives().all() {
+                    life.kept.forget(now);
+                }
+                timed.push(handle.clone());
+            }
+        }
+        for l in &loaded.liveness {
+            if let Some((handle, i, written)) = keep_liveness(&mut map, l, now) {
+                if written && let Some(store) = self.store.replicated() {
+                    self.keeper.lease_known(store, &handle, i);
+                }
+                timed.push(handle);
+            }
+        }
         drop(map);
         // What changed meanwhile is known only as a whole: the stream's
         // readers list again too.
@@ -575,8 +648,27 @@ impl Follower for Inner {
             "the view was listed again"
         );
         self.reached(loaded.last_index);
+        self.look_again(timed);
         if let Some(registry) = self.registry() {
             registry.resolve_all();
         }
+    }
+}
+
+impl Inner {
+    /// Schedules each handle's next look again, now that the view holds
+    /// what changed (a handle named twice is looked at once).
+    fn look_again(&self, mut handles: Vec<Arc<Handle>>) {
+        if handles.is_empty() {
+            return;
+        }
+        handles.sort_by_key(|h| Arc::as_ptr(h) as usize);
+        handles.dedup_by_key(|h| Arc::as_ptr(h) as usize);
+        for handle in handles {
+            if let Some(a) = handle.current() {
+                self.reschedule(&handle, &a);
+            }
+        }
+        self.keep_driving();
     }
 }

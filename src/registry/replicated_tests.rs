@@ -11,8 +11,8 @@ use super::*;
 use crate::{
     lifecycle::{RunState, TaskName, TaskReport, TaskSpec},
     store::{
-        Change, Commit, Follower, Loaded, Op, ReplicatedStore, Store, StoreError, Swap, SwapError,
-        Unreadable,
+        Change, Commit, Follower, Lease, LiveOp, Liveness, Loaded, Op, ReplicatedStore, Store,
+        StoreError, Swap, SwapError, Unreadable,
     },
 };
 
@@ -25,6 +25,54 @@ struct State {
     held: Vec<Change>,
     follower: Option<Weak<dyn Follower>>,
     unreadable: BTreeMap<String, Unreadable>,
+    /// Live keys by (allocation, task): their lease.
+    live: BTreeMap<(String, String), Lease>,
+    /// Leases granted so far.
+    leases: Lease,
+    /// Every renewal asked for, in order.
+    renewals: Vec<Lease>,
+}
+
+impl State {
+    /// Applies liveness ops on `id`'s keys, holding the changes.
+    fn apply_live(&mut self, id: &AllocId, ops: Vec<LiveOp>) {
+        for op in ops {
+            let change = match op {
+                LiveOp::Start { task, mark } => {
+                    self.live
+                        .insert((id.to_string(), task.to_string()), mark.lease);
+                    vec![
+                        Liveness::Live {
+                            id: id.clone(),
+                            task: task.clone(),
+                            lease: Some(mark.lease),
+                        },
+                        Liveness::Mark {
+                            id: id.clone(),
+                            task,
+                            mark: Some(mark),
+                        },
+                    ]
+                }
+                LiveOp::End { task } => {
+                    self.live.remove(&(id.to_string(), task.to_string()));
+                    vec![
+                        Liveness::Live {
+                            id: id.clone(),
+                            task: task.clone(),
+                            lease: None,
+                        },
+                        Liveness::Mark {
+                            id: id.clone(),
+                            task,
+                            mark: None,
+                        },
+                    ]
+                }
+            };
+            self.held.extend(change.into_iter().map(Change::Liveness));
+        }
+    }
 }
 
 #[derive(Default)]
@@ -48,6 +96,7 @@ impl Store for Held {
         Ok(Loaded {
             allocations: Vec::new(),
             last_index: 0,
+            ..Default::default()
         })
     }
     fn commit(&self, _: Op) -> Commit {
@@ -62,7 +111,7 @@ impl Store for Held {
 }
 
 impl ReplicatedStore for Held {
-    fn swap(&self, op: Op, expect: u64) -> Swap {
+    fn swap(&self, op: Op, expect: u64, live: Vec<LiveOp>) -> Swap {
         let mut s = self.0.lock().unwrap();
         let (id, now) = match &op {
             Op::Put(a) => (a.id.to_string(), s.records.get(a.id.as_str()).map(|r| r.0)),
@@ -82,7 +131,9 @@ impl ReplicatedStore for Held {
                 let placeholder = a.modify_index;
                 a.restamp(placeholder, index);
                 s.records.insert(id, (index, a.clone()));
+                let alloc = a.id.clone();
                 s.held.push(Change::Put(a));
+                s.apply_live(&alloc, live);
             }
             Op::Delete { id: alloc, .. } => {
                 s.records.remove(&id);
@@ -100,6 +151,33 @@ impl ReplicatedStore for Held {
         let s = self.0.lock().unwrap();
         let found = s.records.get(id.as_str()).map(|r| r.0);
         Box::pin(async move { Ok(found) })
+    }
+
+    fn grant(
+        &self,
+        _: std::time::Duration,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Lease, StoreError>> + Send>>
+    {
+        let mut s = self.0.lock().unwrap();
+        s.leases += 1;
+        let lease = s.leases;
+        Box::pin(async move { Ok(lease) })
+    }
+
+    fn mark(&self, id: &AllocId, expect: u64, live: Vec<LiveOp>) -> Swap {
+        let mut s = self.0.lock().unwrap();
+        let now = s.records.get(id.as_str()).map_or(0, |r| r.0);
+        if now != expect {
+            return Box::pin(async move { Err(SwapError::Conflict { seen: now }) });
+        }
+        s.revision += 1;
+        let index = s.revision;
+        s.apply_live(id, live);
+        Box::pin(async move { Ok(index) })
+    }
+
+    fn keep_alive(&self, lease: Lease) {
+        self.0.lock().unwrap().renewals.push(lease);
     }
 
     fn follow(&self, _: u64, follower: Weak<dyn Follower>) {
@@ -254,4 +332,142 @@ async fn an_unreadable_record_is_refused_named_and_deletable() {
         r.get("bad"),
         Err(RegistryError::AllocationNotFound(_))
     ));
+}
+
+// ---- liveness over a shared store (`keep.rs`, `timed.rs`) ----
+
+const TTL: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// `web` under a 30 s TTL.
+fn timed_web() -> AllocSpec {
+    let mut web = TaskSpec::named(TaskName::parse("web").unwrap());
+    web.liveness = Some(TTL);
+    AllocSpec::new(vec![web], &Limits::default()).unwrap()
+}
+
+/// Runs `f` on `r` while the store hands its changes to the view.
+async fn delivered<T: Send + 'static>(
+    store: &Arc<Held>,
+    f: impl std::future::Future<Output = T> + Send + 'static,
+) -> T {
+    let task = tokio::spawn(f);
+    loop {
+        tokio::task::yield_now().await;
+        store.deliver();
+        if task.is_finished() {
+            return task.await.unwrap();
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+}
+
+fn renewals(store: &Held) -> Vec<Lease> {
+    store.0.lock().unwrap().renewals.clone()
+}
+
+/// A running task under a TTL, on a view that holds its liveness keys.
+async fn timed_running(store: &Arc<Held>, r: &Registry) {
+    let rr = r.clone();
+    delivered(store, async move {
+        rr.register(AllocId::parse("t1").unwrap(), timed_web())
+            .await
+            .unwrap()
+    })
+    .await;
+    let rr = r.clone();
+    delivered(
+        store,
+        async move { rr.report("t1", running()).await.unwrap() },
+    )
+    .await;
+    let s = store.0.lock().unwrap();
+    assert_eq!(
+        s.live.get(&("t1".to_string(), "web".to_string())),
+        Some(&1),
+        "the write that made web running wrote its live key under a new lease"
+    );
+}
+
+/// With a shared store, time alone never declares a task lost (its clock
+/// is the store's lease); the live key going is what does, at once and in
+/// one change, and the change removes the run's keys.
+#[tokio::test(start_paused = true)]
+async fn a_task_is_lost_when_its_live_key_goes_not_by_this_replica_s_clock() {
+    let (store, r) = open();
+    timed_running(&store, &r).await;
+    tokio::time::sleep(TTL * 10).await;
+    store.deliver();
+    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    assert!(
+        !r.get("t1").unwrap().tasks[0].lost(),
+        "ten TTLs of silence here"
+    );
+
+    // The lease expires: the store removes the live key.
+    {
+        let mut s = store.0.lock().unwrap();
+        s.live.clear();
+        s.revision += 1;
+        s.held.push(Change::Liveness(Liveness::Live {
+            id: AllocId::parse("t1").unwrap(),
+            task: TaskName::parse("web").unwrap(),
+            lease: None,
+        }));
+    }
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !r.get("t1").unwrap().tasks[0].lost() {
+        assert!(tokio::time::Instant::now() < deadline, "never lost");
+        store.deliver();
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    let a = r.get("t1").unwrap();
+    let lost: Vec<_> = a.tasks[0]
+        .events
+        .iter()
+        .filter(|e| e.kind == crate::lifecycle::LOST_EVENT)
+        .collect();
+    assert_eq!(lost.len(), 1);
+    // The run's keys went with the decision (its mark included).
+    store.deliver();
+    let handle = r.handle("t1").unwrap();
+    assert!(handle.lives().life(0).unwrap().kept.keys().mark.is_none());
+}
+
+/// Signs of life renew the run's lease, at most once a third of the TTL
+/// each (the one that comes too soon is sent when that third is up, never
+/// dropped); a parked query keeps renewing it; the end of a wait is sent
+/// at once.
+#[tokio::test(start_paused = true)]
+async fn signs_of_life_renew_the_lease_within_a_bound() {
+    let (store, r) = open();
+    timed_running(&store, &r).await;
+    let third = TTL / 3;
+    r.heartbeat("t1", "web").unwrap();
+    assert_eq!(renewals(&store), [1], "the first at once");
+    for _ in 0..50 {
+        r.heartbeat("t1", "web").unwrap();
+    }
+    assert_eq!(renewals(&store).len(), 1, "the others wait for the third");
+    tokio::time::sleep(third + std::time::Duration::from_millis(1)).await;
+    assert_eq!(renewals(&store).len(), 2, "sent when the third was up");
+    tokio::time::sleep(TTL).await;
+    assert_eq!(renewals(&store).len(), 2, "nothing more without a sign");
+
+    // A parked query: one renewal a third while it waits.
+    let rr = r.clone();
+    let index = r.get("t1").unwrap().modify_index;
+    let parked = tokio::spawn(async move { rr.wait_task("t1", "web", index, TTL * 2, true).await });
+    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    assert_eq!(renewals(&store).len(), 3, "its start");
+    tokio::time::sleep(TTL * 2 - std::time::Duration::from_millis(100)).await;
+    let during = renewals(&store).len();
+    assert!(
+        (8..=9).contains(&during),
+        "{during} renewals in two TTLs parked"
+    );
+    parked.await.unwrap().unwrap();
+    // The end of the wait, at once though the last was less than a third
+    // ago.
+    assert_eq!(renewals(&store).len(), during + 1);
+    assert!(renewals(&store).iter().all(|&l| l == 1));
 }

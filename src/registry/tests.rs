@@ -504,6 +504,7 @@ fn an_index_past_the_range_refuses_the_start() {
             crate::store::Loaded {
                 allocations: Vec::new(),
                 last_index: last,
+                ..Default::default()
             },
         ))));
         match Registry::open(store, RegistryConfig::default()) {

@@ -13,6 +13,11 @@
 //! comes due the allocation is asked again, finds its tasks alive, and is
 //! put back at the new moment. So a heartbeat costs an atomic store, and
 //! an allocation costs one heap operation per TTL at most.
+//!
+//! With a store several replicas share, a task's silence is measured by
+//! the store, not here: each slot also holds what this replica's view
+//! knows of the task's liveness keys and its own renewals of their lease
+//! (`keep.rs`).
 
 use std::{
     cmp::Reverse,
@@ -108,6 +113,9 @@ pub(crate) struct Life {
     /// Queries for the task parked now: each one is a sign of life for as
     /// long as it waits.
     parked: AtomicU32,
+    /// With a store several replicas share: its liveness keys and this
+    /// replica's renewals (`keep.rs`).
+    pub(crate) kept: super::keep::Kept,
 }
 
 /// The signs of life of an allocation's tasks, made for allocations whose
@@ -125,6 +133,7 @@ impl Lives {
                 .map(|_| Life {
                     seen: AtomicI64::new(seen),
                     parked: AtomicU32::new(0),
+                    kept: super::keep::Kept::default(),
                 })
                 .collect()
         })
@@ -134,6 +143,27 @@ impl Lives {
     /// gives every running task a full TTL).
     pub(crate) fn init_at(&self, tasks: usize, now: Timestamp) {
         self.table(tasks, Some(now));
+    }
+
+    /// Whether the table was made (the allocation runs tasks under a TTL,
+    /// or the store keeps liveness keys for it).
+    pub(crate) fn made(&self) -> bool {
+        self.0.get().is_some()
+    }
+
+    /// Task `i`'s slot, if the table was made.
+    pub(crate) fn life(&self, i: usize) -> Option<&Life> {
+        self.0.get()?.get(i)
+    }
+
+    /// Task `i`'s slot, the table made for `tasks` tasks if it was not.
+    pub(crate) fn life_made(&self, tasks: usize, i: usize) -> Option<&Life> {
+        self.table(tasks, None).get(i)
+    }
+
+    /// Every slot (none if the table was not made).
+    pub(crate) fn all(&self) -> &[Life] {
+        self.0.get().map_or(&[], |t| t)
     }
 
     /// A sign of life for task `i` at `now`.
@@ -157,13 +187,41 @@ impl Lives {
     }
 
     /// Counts a query for task `i` parked while the guard lives; its end
-    /// is a sign of life too.
-    pub(crate) fn park(&self, tasks: usize, i: usize, clock: Clock) -> ParkedLife {
+    /// is a sign of life too, after which `ended` runs (a replica renews
+    /// the task's lease then).
+    pub(crate) fn park(
+        &self,
+        tasks: usize,
+        i: usize,
+        clock: Clock,
+        ended: Option<Box<dyn FnOnce() + Send>>,
+    ) -> ParkedLife {
         let table = self.table(tasks, None).clone();
         if let Some(life) = table.get(i) {
             life.parked.fetch_add(1, Ordering::Relaxed);
         }
-        ParkedLife { table, i, clock }
+        ParkedLife {
+            table,
+            i,
+            clock,
+            ended,
+        }
+    }
+}
+
+impl Life {
+    /// Whether a query for the task is parked now.
+    pub(crate) fn is_parked(&self) -> bool {
+        self.parked.load(Ordering::Relaxed) > 0
+    }
+
+    /// The latest sign of life stored (a parked query not counted as one
+    /// now).
+    pub(crate) fn last_seen(&self) -> Option<Timestamp> {
+        match self.seen.load(Ordering::Relaxed) {
+            NEVER_SEEN => None,
+            n => Some(from_nanos(n)),
+        }
     }
 }
 
@@ -172,6 +230,7 @@ pub(crate) struct ParkedLife {
     table: Arc<[Life]>,
     i: usize,
     clock: Clock,
+    ended: Option<Box<dyn FnOnce() + Send>>,
 }
 
 impl Drop for ParkedLife {
@@ -182,6 +241,9 @@ impl Drop for ParkedLife {
             life.seen
                 .fetch_max(nanos(self.clock.now()), Ordering::Relaxed);
             life.parked.fetch_sub(1, Ordering::Relaxed);
+        }
+        if let Some(ended) = self.ended.take() {
+            ended();
         }
     }
 }

@@ -11,7 +11,7 @@ use std::{
     time::Duration,
 };
 
-use super::{Inner, Registry, RegistryError, handle::Slot};
+use super::{Inner, Registry, RegistryError, handle::Slot, keep::Sign};
 use crate::lifecycle::Allocation;
 
 /// Counts one parked request while it lives.
@@ -66,21 +66,46 @@ impl Registry {
                 return Err(RegistryError::AllocationNotFound(id.to_owned()));
             }
         };
+        // With a shared store, a task may have liveness keys this replica
+        // knows no TTL for (another replica's default): renewed all the
+        // same.
+        let shared = self.inner.store.replicated().is_some();
         let life = task
             .and_then(|t| current.position(t))
-            .filter(|&i| self.ttl(&current, i).is_some());
+            .filter(|&i| self.ttl(&current, i).is_some() || (shared && handle.lives().made()));
         if let Some(i) = life {
             handle.lives().touch(current.tasks.len(), i, self.now());
         }
         if done(&current) || timeout.is_zero() {
+            if let Some(i) = life {
+                self.inner.renew(&handle, i, Sign::Came);
+            }
             return Ok(current);
         }
         let _parked = self.park()?;
         let _alive = life.map(|i| {
-            handle
-                .lives()
-                .park(current.tasks.len(), i, self.inner.config.clock.clone())
+            // With a shared store the end of the wait renews the task's
+            // lease: it is its agent's last sign of life if it died.
+            let ended: Option<Box<dyn FnOnce() + Send>> = self.inner.store.replicated().map(|_| {
+                let (inner, handle) = (Arc::downgrade(&self.inner), handle.clone());
+                Box::new(move || {
+                    if let Some(inner) = inner.upgrade() {
+                        inner.renew(&handle, i, Sign::Ended);
+                    }
+                }) as Box<dyn FnOnce() + Send>
+            });
+            handle.lives().park(
+                current.tasks.len(),
+                i,
+                self.inner.config.clock.clone(),
+                ended,
+            )
         });
+        // Counted as parked first: the renewal then keeps the lease up for
+        // as long as the wait lasts.
+        if let Some(i) = life {
+            self.inner.renew(&handle, i, Sign::Came);
+        }
         let mut shutdown = self.inner.shutdown.subscribe();
         let gone = || RegistryError::Deleted(id.to_owned());
         tokio::select! {

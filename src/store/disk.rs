@@ -618,6 +618,7 @@ fn load_with(fs: &dyn Fs, dir: &Path, overlay: &Overlay) -> Result<Loaded, Store
     Ok(Loaded {
         allocations: loader.finish()?,
         last_index: stored_index.max(overlay.last_index),
+        ..Default::default()
     })
 }
 

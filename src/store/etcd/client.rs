@@ -91,6 +91,8 @@ pub struct KeyValue {
     pub key: Vec<u8>,
     pub mod_revision: u64,
     pub value: Vec<u8>,
+    /// The lease the key is under (0: none).
+    pub lease: i64,
 }
 
 impl From<proto::KeyValue> for KeyValue {
@@ -99,6 +101,7 @@ impl From<proto::KeyValue> for KeyValue {
             key: kv.key,
             mod_revision: u64::try_from(kv.mod_revision).unwrap_or(0),
             value: kv.value,
+            lease: kv.lease,
         }
     }
 }
@@ -491,6 +494,18 @@ impl Client {
         value: Option<&[u8]>,
         expect: u64,
     ) -> Result<Swapped, CallError> {
+        self.swap_with(key, value, expect, Vec::new()).await
+    }
+
+    /// `swap`, with `also` applied in the same transaction when it
+    /// succeeds (a task's liveness keys with its record).
+    pub async fn swap_with(
+        &self,
+        key: &[u8],
+        value: Option<&[u8]>,
+        expect: u64,
+        also: Vec<Request>,
+    ) -> Result<Swapped, CallError> {
         let then = match value {
             Some(v) => Request::Put(proto::PutRequest {
                 key: key.to_vec(),
@@ -502,6 +517,19 @@ impl Client {
                 range_end: Vec::new(),
             }),
         };
+        let mut ops = vec![then];
+        ops.extend(also);
+        self.when_at(key, expect, ops).await
+    }
+
+    /// Applies `ops` in one transaction if `key`'s `mod_revision` is
+    /// `expect` (0: the key is absent), else reads `key` (as `swap`).
+    pub async fn when_at(
+        &self,
+        key: &[u8],
+        expect: u64,
+        ops: Vec<Request>,
+    ) -> Result<Swapped, CallError> {
         let req = proto::TxnRequest {
             compare: vec![proto::Compare {
                 result: proto::COMPARE_EQUAL,
@@ -511,9 +539,12 @@ impl Client {
                     i64::try_from(expect).unwrap_or(i64::MAX),
                 )),
             }],
-            success: vec![RequestOp {
-                request: Some(then),
-            }],
+            success: ops
+                .into_iter()
+                .map(|request| RequestOp {
+                    request: Some(request),
+                })
+                .collect(),
             failure: vec![RequestOp {
                 request: Some(Request::Range(proto::RangeRequest {
                     key: key.to_vec(),
@@ -686,15 +717,18 @@ impl Client {
         }
     }
 
-    /// A lease of `ttl` seconds; its ID.
-    pub async fn grant(&self, ttl: i64) -> Result<i64, CallError> {
+    /// A lease of `ttl` seconds: its ID and the TTL etcd gave it (raised
+    /// to etcd's minimum when `ttl` is below it). Not sent again after an
+    /// attempt that got no answer: a lease granted twice is one left to
+    /// expire, but the caller learns of the failure.
+    pub async fn grant(&self, ttl: i64) -> Result<(i64, i64), CallError> {
         let res: proto::LeaseGrantResponse = self
             .call(LEASE_GRANT, proto::LeaseGrantRequest { ttl, id: 0 }, false)
             .await?;
         if !res.error.is_empty() {
             return Err(CallError::Refused(res.error));
         }
-        Ok(res.id)
+        Ok((res.id, res.ttl))
     }
 
     /// Revokes a lease (the keys attached to it go).
@@ -760,6 +794,78 @@ impl Client {
         }
     }
 
+    /// Opens a stream of lease keep-alives on the member that answered
+    /// last (then the others), sending `first` on it (at least one: etcd
+    /// answers the opening with the first renewal). Only the opening has a
+    /// deadline; the stream lives until it breaks.
+    pub async fn lease_stream(&self, first: &[i64]) -> Result<LeaseStream, CallError> {
+        let n = self.members.len();
+        let start = self.current.load(Ordering::Relaxed);
+        let mut last = String::new();
+        for i in 0..n {
+            let at = (start + i) % n;
+            match self.lease_stream_on(at, first).await {
+                Ok(s) => return Ok(s),
+                Err(e) => last = e.to_string(),
+            }
+        }
+        Err(CallError::Unreachable(last))
+    }
+
+    async fn lease_stream_on(
+        &self,
+        member: usize,
+        first: &[i64],
+    ) -> Result<LeaseStream, CallError> {
+        if self.credentials.is_some() && self.token_for(member).is_none() {
+            self.authenticate(member).await?;
+        }
+        let m = &self.members[member];
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        for &id in first {
+            tx.send(proto::LeaseKeepAliveRequest { id })
+                .map_err(|_| CallError::Unreachable("the keep-alive stream closed".into()))?;
+        }
+        let open = async {
+            let mut grpc = tonic::client::Grpc::new(m.channel.clone());
+            grpc.ready()
+                .await
+                .map_err(|e| CallError::Unreachable(format!("{}: {e}", m.url)))?;
+            let mut req =
+                tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
+            req.metadata_mut().insert(
+                "hasleader",
+                tonic::metadata::MetadataValue::from_static("true"),
+            );
+            if let Some(t) = self.token_for(member)
+                && let Ok(v) = t.parse()
+            {
+                req.metadata_mut().insert("token", v);
+            }
+            let res: tonic::Response<tonic::codec::Streaming<proto::LeaseKeepAliveResponse>> = grpc
+                .streaming(
+                    req,
+                    PathAndQuery::from_static(LEASE_KEEP_ALIVE),
+                    tonic_prost::ProstCodec::default(),
+                )
+                .await
+                .map_err(|status| classify(&m.url, &status))?;
+            Ok::<_, CallError>(res.into_inner())
+        };
+        match tokio::time::timeout(self.timeout, open).await {
+            Ok(Ok(stream)) => Ok(LeaseStream {
+                endpoint: m.url.clone(),
+                tx,
+                stream,
+            }),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(CallError::Unreachable(format!(
+                "{}: the keep-alive stream was not opened within {:?}",
+                m.url, self.timeout
+            ))),
+        }
+    }
+
     /// The member's status (version, leader), for health checks and tests.
     pub async fn status(&self, endpoint: &str) -> Result<(String, u64), CallError> {
         let Some(at) = self.members.iter().position(|m| m.url == endpoint) else {
@@ -793,6 +899,32 @@ fn classify(endpoint: &str, status: &tonic::Status) -> CallError {
         // maybe on its way: it may have been applied.
         Code::DeadlineExceeded | Code::Cancelled | Code::Unknown => CallError::Ambiguous(message),
         _ => CallError::Refused(message),
+    }
+}
+
+/// An open stream of lease keep-alives (`Client::lease_stream`).
+pub struct LeaseStream {
+    pub endpoint: String,
+    tx: tokio::sync::mpsc::UnboundedSender<proto::LeaseKeepAliveRequest>,
+    stream: tonic::codec::Streaming<proto::LeaseKeepAliveResponse>,
+}
+
+impl LeaseStream {
+    /// Sends a renewal of lease `id`; false if the stream is closed.
+    pub fn send(&self, id: i64) -> bool {
+        self.tx.send(proto::LeaseKeepAliveRequest { id }).is_ok()
+    }
+
+    /// The next answer: the lease and its TTL left (0: it has expired or
+    /// was never granted); `None` when the member closed the stream.
+    pub async fn next(&mut self) -> Result<Option<(i64, i64)>, CallError> {
+        let answer = self.stream.message().await.map_err(|status| {
+            match classify(&self.endpoint, &status) {
+                CallError::Ambiguous(m) => CallError::Unreachable(m),
+                other => other,
+            }
+        })?;
+        Ok(answer.map(|a| (a.id, a.ttl)))
     }
 }
 

@@ -16,8 +16,15 @@
 //! A member that loses its quorum cancels the watch (`require_leader`),
 //! and a member that stops answering is found by a linearizable read
 //! every `CHECK_EVERY`: either way the watch moves to the next member.
+//!
+//! Tasks under a TTL keep their signs of life in keys of their own
+//! (`<prefix>live/`, `live.rs`), under leases the replicas renew
+//! (`keep.rs`): the same listing and the same watch carry them, so a
+//! replica's view holds them in revision order with the records.
 
 pub mod client;
+mod keep;
+pub mod live;
 pub mod proto;
 
 use std::{
@@ -31,8 +38,8 @@ pub use client::{EtcdConfig, prefix_end};
 use tokio::sync::watch;
 
 use super::{
-    Change, Commit, Follower, LoadOnce, Loaded, Op, ReplicatedStore, Store, StoreError,
-    StoreHealth, Swap, SwapError, Unreadable, record,
+    Change, Commit, Follower, Lease, LiveOp, LoadOnce, Loaded, Op, ReplicatedStore, Store,
+    StoreError, StoreHealth, Swap, SwapError, Unreadable, record,
 };
 use crate::lifecycle::{AllocId, Allocation};
 
@@ -55,6 +62,13 @@ pub struct EtcdStore {
     client: Arc<Client>,
     /// `<prefix>a/`: the allocations' keys.
     keys: Vec<u8>,
+    /// `<prefix>live/`: the tasks' liveness keys (`live.rs`).
+    live: Vec<u8>,
+    /// Carries lease renewals to etcd.
+    keep: keep::KeepAlives,
+    /// Whether etcd was seen raising a lease's TTL to its minimum (said
+    /// once).
+    raised: Arc<std::sync::atomic::AtomicBool>,
     /// The listing made at connect, until `load` takes it.
     loaded: LoadOnce,
     link: Arc<Mutex<Link>>,
@@ -88,13 +102,15 @@ impl EtcdStore {
         let client = Client::new(config).map_err(StoreError::Unusable)?;
         let mut keys = config.prefix.as_bytes().to_vec();
         keys.extend_from_slice(b"a/");
+        let mut live = config.prefix.as_bytes().to_vec();
+        live.extend_from_slice(b"live/");
         // etcd may come up after the replica (a whole deployment started
         // at once): unreachable members are waited for a while, the server
         // answering 503 `starting` meanwhile.
         let started = Instant::now();
         let mut backoff = RETRY_FIRST;
         let (loaded, unreadable) = loop {
-            match list(&client, &keys).await {
+            match list(&client, &keys, &live).await {
                 Ok(listed) => break listed,
                 Err(CallError::Unreachable(e)) if started.elapsed() < CONNECT_PATIENCE => {
                     tracing::warn!(error = %e, retry_in = ?backoff, "etcd is not reachable yet");
@@ -110,16 +126,21 @@ impl EtcdStore {
             }
         };
         let id = identify(&client, config.prefix.as_bytes()).await?;
+        let client = Arc::new(client);
+        let closed = watch::Sender::new(false);
         Ok(Self {
             id,
-            client: Arc::new(client),
+            keep: keep::KeepAlives::start(client.clone(), closed.subscribe()),
+            client,
             keys,
+            live,
             loaded: LoadOnce::new(loaded),
             link: Arc::new(Mutex::new(Link {
                 unreadable,
                 ..Link::default()
             })),
-            closed: watch::Sender::new(false),
+            closed,
+            raised: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         })
     }
 
@@ -127,6 +148,39 @@ impl EtcdStore {
         let mut key = self.keys.clone();
         key.extend_from_slice(id.as_str().as_bytes());
         key
+    }
+
+    /// The requests that apply `ops` to `id`'s liveness keys.
+    fn live_requests(&self, id: &AllocId, ops: Vec<LiveOp>) -> Vec<proto::Request> {
+        let mut out = Vec::with_capacity(ops.len() * 2);
+        for op in ops {
+            match op {
+                LiveOp::Start { task, mark } => {
+                    out.push(proto::Request::Put(proto::PutRequest {
+                        key: live::live_key(&self.live, id, &task),
+                        value: Vec::new(),
+                        lease: mark.lease,
+                    }));
+                    out.push(proto::Request::Put(proto::PutRequest {
+                        key: live::mark_key(&self.live, id, &task),
+                        value: live::encode(&mark),
+                        lease: 0,
+                    }));
+                }
+                LiveOp::End { task } => {
+                    for key in [
+                        live::live_key(&self.live, id, &task),
+                        live::mark_key(&self.live, id, &task),
+                    ] {
+                        out.push(proto::Request::DeleteRange(proto::DeleteRangeRequest {
+                            key,
+                            range_end: Vec::new(),
+                        }));
+                    }
+                }
+            }
+        }
+        out
     }
 }
 
@@ -157,29 +211,61 @@ async fn identify(client: &Client, prefix: &[u8]) -> Result<String, StoreError> 
 }
 
 /// The whole prefix at one revision, page by page, and the records in it
-/// this build cannot read (by allocation, with why).
+/// this build cannot read (by allocation, with why): the allocations under
+/// `keys`, then the liveness keys under `live` at the same revision.
 async fn list(
     client: &Client,
     keys: &[u8],
+    live: &[u8],
 ) -> Result<(Loaded, BTreeMap<String, Unreadable>), CallError> {
     let mut unreadable = BTreeMap::new();
-    let end = prefix_end(keys);
-    let mut from = keys.to_vec();
     let mut at = 0;
     let mut allocations = Vec::new();
+    each_key(client, keys, &mut at, |kv| {
+        match decode(keys, &kv.key, &kv.value, kv.mod_revision) {
+            Ok(a) => allocations.push(a),
+            Err(why) => unreadable_record(keys, &kv, why, &mut unreadable),
+        }
+    })
+    .await?;
+    let mut liveness = Vec::new();
+    each_key(client, live, &mut at, |kv| {
+        match live::read(live, &kv, false) {
+            Some(l) => liveness.push(l),
+            None => unnamed_live_key(&kv.key),
+        }
+    })
+    .await?;
+    Ok((
+        Loaded {
+            allocations,
+            last_index: at,
+            liveness,
+        },
+        unreadable,
+    ))
+}
+
+/// Every key under `prefix` at revision `at` (0: now, which sets `at`),
+/// page by page.
+async fn each_key(
+    client: &Client,
+    prefix: &[u8],
+    at: &mut u64,
+    mut each: impl FnMut(client::KeyValue),
+) -> Result<(), CallError> {
+    let end = prefix_end(prefix);
+    let mut from = prefix.to_vec();
     loop {
-        let page = client.range(&from, &end, at, PAGE).await?;
-        if at == 0 {
-            at = page.revision;
+        let page = client.range(&from, &end, *at, PAGE).await?;
+        if *at == 0 {
+            *at = page.revision;
         }
         let more = page.more;
         let mut last = None;
         for kv in page.kvs {
-            match decode(keys, &kv.key, &kv.value, kv.mod_revision) {
-                Ok(a) => allocations.push(a),
-                Err(why) => unreadable_record(keys, &kv, why, &mut unreadable),
-            }
-            last = Some(kv.key);
+            last = Some(kv.key.clone());
+            each(kv);
         }
         match (more, last) {
             (true, Some(mut key)) => {
@@ -187,16 +273,16 @@ async fn list(
                 key.push(0);
                 from = key;
             }
-            _ => break,
+            _ => return Ok(()),
         }
     }
-    Ok((
-        Loaded {
-            allocations,
-            last_index: at,
-        },
-        unreadable,
-    ))
+}
+
+fn unnamed_live_key(key: &[u8]) {
+    tracing::warn!(
+        key = %String::from_utf8_lossy(key),
+        "a key under the liveness prefix names no task; ignored"
+    );
 }
 
 /// The allocation a key under the prefix names, if it names one.
@@ -367,14 +453,30 @@ impl Store for EtcdStore {
 }
 
 impl ReplicatedStore for EtcdStore {
-    fn swap(&self, op: Op, expect: u64) -> Swap {
-        let (key, value) = match &op {
-            Op::Put(a) => (self.key(&a.id), Some(record::encode(a))),
-            Op::Delete { id, .. } => (self.key(id), None),
+    fn swap(&self, op: Op, expect: u64, live: Vec<LiveOp>) -> Swap {
+        let (key, value, also) = match &op {
+            Op::Put(a) => (
+                self.key(&a.id),
+                Some(record::encode(a)),
+                self.live_requests(&a.id, live),
+            ),
+            // Every liveness key of the allocation goes with it.
+            Op::Delete { id, .. } => {
+                let keys = live::of_alloc(&self.live, id);
+                let range_end = prefix_end(&keys);
+                (
+                    self.key(id),
+                    None,
+                    vec![proto::Request::DeleteRange(proto::DeleteRangeRequest {
+                        key: keys,
+                        range_end,
+                    })],
+                )
+            }
         };
         let client = self.client.clone();
         Box::pin(async move {
-            match client.swap(&key, value.as_deref(), expect).await {
+            match client.swap_with(&key, value.as_deref(), expect, also).await {
                 Ok(Swapped::Done(index)) => Ok(index),
                 Ok(Swapped::Conflict {
                     now,
@@ -389,6 +491,47 @@ impl ReplicatedStore for EtcdStore {
                 Err(e) => Err(SwapError::Store(unavailable(e))),
             }
         })
+    }
+
+    fn grant(
+        &self,
+        ttl: Duration,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Lease, StoreError>> + Send>>
+    {
+        let client = self.client.clone();
+        let asked = live::lease_seconds(ttl);
+        let raised = self.raised.clone();
+        Box::pin(async move {
+            let (lease, granted) = client.grant(asked).await.map_err(unavailable)?;
+            if granted > asked && !raised.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::info!(
+                    asked,
+                    granted,
+                    "etcd raised a lease's TTL to its minimum (one and a half election \
+                     timeouts): tasks with shorter TTLs are declared lost that much later"
+                );
+            }
+            Ok(lease)
+        })
+    }
+
+    fn mark(&self, id: &AllocId, expect: u64, live: Vec<LiveOp>) -> Swap {
+        let key = self.key(id);
+        let ops = self.live_requests(id, live);
+        let client = self.client.clone();
+        Box::pin(async move {
+            match client.when_at(&key, expect, ops).await {
+                Ok(Swapped::Done(index)) => Ok(index),
+                Ok(Swapped::Conflict { now, read, .. }) => Err(SwapError::Conflict {
+                    seen: if now == 0 { read } else { now },
+                }),
+                Err(e) => Err(SwapError::Store(unavailable(e))),
+            }
+        })
+    }
+
+    fn keep_alive(&self, lease: Lease) {
+        self.keep.renew(lease);
     }
 
     fn index_of(
@@ -426,6 +569,7 @@ impl ReplicatedStore for EtcdStore {
         let run = Follow {
             client: self.client.clone(),
             keys: self.keys.clone(),
+            live: self.live.clone(),
             link: self.link.clone(),
             follower,
             applied: from,
@@ -440,6 +584,10 @@ impl ReplicatedStore for EtcdStore {
 struct Follow {
     client: Arc<Client>,
     keys: Vec<u8>,
+    /// `<prefix>live/`, watched with `keys` in one range (`a/` to
+    /// `live/`'s end), so the records and the liveness keys arrive in one
+    /// revision order.
+    live: Vec<u8>,
     link: Arc<Mutex<Link>>,
     follower: Weak<dyn Follower>,
     /// Every change up to this revision is handed to the follower.
@@ -467,7 +615,7 @@ impl Follow {
                 Ended::Stop => return,
                 Ended::Compacted => {
                     let relisted = tokio::select! {
-                        r = list(&self.client, &self.keys) => r,
+                        r = list(&self.client, &self.keys, &self.live) => r,
                         _ = closed.wait_for(|c| *c) => return,
                     };
                     match relisted {
@@ -519,7 +667,7 @@ impl Follow {
 
     /// One watch, from the revision after `applied`, until it ends.
     async fn watch(&mut self) -> Ended {
-        let end = prefix_end(&self.keys);
+        let end = prefix_end(&self.live);
         let mut watch = match self.client.watch(&self.keys, &end, self.applied + 1).await {
             Ok(w) => w,
             Err(e) => return Ended::Lost(e.to_string()),
@@ -598,6 +746,17 @@ impl Follow {
             let mut read: Vec<(String, Option<Unreadable>)> = Vec::new();
             for e in response.events {
                 reached = reached.max(e.kv.mod_revision);
+                if e.kv.key.starts_with(&self.live) {
+                    match live::read(&self.live, &e.kv, e.deleted) {
+                        Some(l) => changes.push(Change::Liveness(l)),
+                        None => unnamed_live_key(&e.kv.key),
+                    }
+                    continue;
+                }
+                if !e.kv.key.starts_with(&self.keys) {
+                    // Between the two ranges: not ours.
+                    continue;
+                }
                 let Some(id) = named(&self.keys, &e.kv.key) else {
                     tracing::warn!(
                         key = %String::from_utf8_lossy(&e.kv.key),
