@@ -1220,3 +1220,198 @@ async fn a_paused_first_member_is_left_for_the_healthy_ones() {
     assert!(wait_health(&a, |h| *h == StoreHealth::Ok).await);
     cluster.resume(0);
 }
+
+// ---- liveness over etcd (docs/replicas.md, "Liveness") ----
+
+/// A task under `ttl`, alone in its allocation.
+fn timed(ttl: Duration) -> AllocSpec {
+    let mut web = task("web", None);
+    web.liveness = Some(ttl);
+    spec(vec![web])
+}
+
+/// etcd checks for expired leases every 500 ms: a lease is revoked up to
+/// that long after its TTL.
+const EXPIRY_CHECK: Duration = Duration::from_millis(500);
+
+fn now() -> time::OffsetDateTime {
+    time::OffsetDateTime::now_utc()
+}
+
+/// Waits (bounded) until replica `r` holds `alloc`'s `web` lost; the record.
+async fn wait_lost(r: &Registry, alloc: &str) -> Arc<taskgate::lifecycle::Allocation> {
+    let until = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(a) = r.get(alloc)
+            && a.tasks[0].lost()
+        {
+            return a;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "{alloc}/web never lost"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The `Agent Lost` events of `alloc`'s `web` on `r`.
+fn lost_events(r: &Registry, alloc: &str) -> usize {
+    r.get(alloc).unwrap().tasks[0]
+        .events
+        .iter()
+        .filter(|e| e.kind == taskgate::lifecycle::LOST_EVENT)
+        .count()
+}
+
+/// Registers `alloc` (web under `ttl`) through `r` and reports web running;
+/// the record.
+async fn run_timed(r: &Registry, alloc: &str, ttl: Duration) -> u64 {
+    r.register(id(alloc), timed(ttl)).await.unwrap();
+    let web = TaskName::parse("web").unwrap();
+    r.report(alloc, vec![(web, report(RunState::Running, "up"))])
+        .await
+        .unwrap()
+        .modify_index
+}
+
+/// An agent reports through replica A, heartbeats there, then goes
+/// silent: the task is lost within its TTL and etcd's expiry check (its
+/// lease expires; every replica's watch sees the live key go; one of them
+/// wins the write), with exactly one `Agent Lost` event, the same on all
+/// three replicas. (Before: a TTL was refused with --store etcd.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_agent_s_task_is_lost_once_within_its_ttl_on_every_replica() {
+    if !available("a_silent_agent_s_task_is_lost_once_within_its_ttl_on_every_replica") {
+        return;
+    }
+    const TTL: Duration = Duration::from_secs(2);
+    let cluster = Cluster::start(3);
+    let prefix = "/l1/";
+    let a = replica(cluster.endpoints(), prefix).await;
+    let b = replica(cluster.endpoints(), prefix).await;
+    let c = replica(cluster.endpoints(), prefix).await;
+    run_timed(&a, "s1", TTL).await;
+    // Heartbeats through A, each more than a third of the TTL apart (so
+    // each renews the lease at once), for two TTLs.
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        a.heartbeat("s1", "web").unwrap();
+    }
+    let last = now();
+    for r in [&a, &b, &c] {
+        assert!(!r.get("s1").unwrap().tasks[0].lost(), "alive while heard");
+    }
+    let lost = wait_lost(&a, "s1").await;
+    let at = lost.tasks[0].lost_at().unwrap();
+    let took = at - last;
+    assert!(took >= TTL, "lost {took} after the last sign of life");
+    assert!(
+        took <= TTL + Duration::from_secs(1) + EXPIRY_CHECK,
+        "lost {took} after the last sign of life: more than the TTL, a second and etcd's expiry check"
+    );
+    for r in [&a, &b, &c] {
+        assert!(r.wait_view(lost.modify_index, SETTLE).await);
+        let seen = r.get("s1").unwrap();
+        assert!(seen.tasks[0].lost());
+        assert_eq!(seen.tasks[0].lost_at(), Some(at), "one decision");
+        assert_eq!(lost_events(r, "s1"), 1);
+    }
+    // Decided once: nothing after it.
+    tokio::time::sleep(TTL).await;
+    assert_eq!(a.get("s1").unwrap().modify_index, lost.modify_index);
+}
+
+/// Signs of life sent only to replica B keep alive a task that replica A
+/// made running and would otherwise time out; once they stop, it is lost
+/// on both. (Before: refused; and a replica's memory alone would have
+/// timed it out on A.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signs_of_life_through_one_replica_keep_a_task_alive_on_all() {
+    if !available("signs_of_life_through_one_replica_keep_a_task_alive_on_all") {
+        return;
+    }
+    const TTL: Duration = Duration::from_secs(2);
+    let cluster = Cluster::start(3);
+    let prefix = "/l2/";
+    let a = replica(cluster.endpoints(), prefix).await;
+    let b = replica(cluster.endpoints(), prefix).await;
+    let running = run_timed(&a, "s2", TTL).await;
+    assert!(b.wait_view(running, SETTLE).await);
+    // Three TTLs of heartbeats through B only, then a parked long-poll on
+    // B for two more.
+    for _ in 0..9 {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        b.heartbeat("s2", "web").unwrap();
+    }
+    let (seen, _) = b
+        .wait_task("s2", "web", running, TTL * 2, true)
+        .await
+        .unwrap();
+    assert_eq!(
+        seen.modify_index, running,
+        "the wait timed out: nothing changed"
+    );
+    let last = now();
+    for r in [&a, &b] {
+        assert!(
+            !r.get("s2").unwrap().tasks[0].lost(),
+            "alive for five TTLs while B heard it"
+        );
+    }
+    let lost = wait_lost(&a, "s2").await;
+    let took = lost.tasks[0].lost_at().unwrap() - last;
+    assert!(took >= TTL, "lost {took} after the last sign of life");
+    assert!(
+        took <= TTL + Duration::from_secs(1) + EXPIRY_CHECK,
+        "lost {took} after it"
+    );
+    assert!(b.wait_view(lost.modify_index, SETTLE).await);
+    assert_eq!(lost_events(&b, "s2"), 1);
+}
+
+/// A replica restarted while a task's agent is silent does not restart
+/// its clock: the task is lost one TTL after its last sign of life, not
+/// one TTL after the restart, even when the replica that heard the agent
+/// is gone too and only replicas started since are left. (Before: refused;
+/// on the disk store a restart gives every task a full TTL.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_restarted_during_a_ttl_does_not_restart_its_clock() {
+    if !available("a_replica_restarted_during_a_ttl_does_not_restart_its_clock") {
+        return;
+    }
+    const TTL: Duration = Duration::from_secs(4);
+    let cluster = Cluster::start(3);
+    let prefix = "/l3/";
+    let a = replica(cluster.endpoints(), prefix).await;
+    let b = replica(cluster.endpoints(), prefix).await;
+    let running = run_timed(&a, "s3", TTL).await;
+    assert!(b.wait_view(running, SETTLE).await);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    b.heartbeat("s3", "web").unwrap();
+    let last = now();
+    // Half a TTL later both replicas go (B, which heard the agent, and A)
+    // and two new ones start.
+    tokio::time::sleep(TTL / 2).await;
+    drop(a);
+    drop(b);
+    let restarted = now();
+    let c = replica(cluster.endpoints(), prefix).await;
+    let d = replica(cluster.endpoints(), prefix).await;
+    assert!(!c.get("s3").unwrap().tasks[0].lost(), "not lost yet");
+    let lost = wait_lost(&c, "s3").await;
+    let at = lost.tasks[0].lost_at().unwrap();
+    assert!(at - last >= TTL, "lost {} after the last sign", at - last);
+    assert!(
+        at - last <= TTL + Duration::from_secs(1) + EXPIRY_CHECK,
+        "lost {} after the last sign of life",
+        at - last
+    );
+    assert!(
+        at < restarted + TTL,
+        "the restart gave the task a new TTL: lost {} after it",
+        at - restarted
+    );
+    assert!(d.wait_view(lost.modify_index, SETTLE).await);
+    assert_eq!(lost_events(&d, "s3"), 1);
+}
