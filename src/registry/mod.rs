@@ -243,8 +243,10 @@ pub struct Registry {
 /// **Lock order.** A lock may be taken while holding only locks above it
 /// in this list, never one below it:
 /// 1. a handle's write semaphore (`Handle::write`, `handle.rs`): one
-///    allocation's decide → commit → publish; tokio's, the only lock held
-///    across an `.await` (the store commit). At most one at a time: a
+///    allocation's decisions, in order; tokio's, the only lock held
+///    across an `.await` (a registration's or a deletion's commit, or a
+///    deletion waiting for the changes handed to the store before it; an
+///    update holds it only to decide and hand its record to the store). At most one at a time: a
 ///    writer never waits for another allocation's write lock while it
 ///    holds its own (the dependents of a change are judged in tasks of
 ///    their own, awaited only after the writer has let its lock go). The
@@ -775,6 +777,12 @@ impl Registry {
         }
         let handle = self.handle(id)?;
         let write = handle.lock_write().await;
+        // Changes handed to the store before it are published first.
+        if let Some(p) = handle.pending()
+            && !p.outcome().await
+        {
+            return Err(parent_failed());
+        }
         let Slot::Live(a) = handle.slot_now() else {
             return Err(RegistryError::AllocationNotFound(id.to_owned()));
         };
@@ -802,12 +810,17 @@ impl Registry {
     }
 
     /// Decide → persist → publish for one allocation. `decide` gets the
-    /// committed record and a source of fresh indexes, and returns the next
+    /// newest record decided (durable, or handed to the store and not yet
+    /// published) and a source of fresh indexes, and returns the next
     /// record (or `None` for no change) plus a result for the caller.
     ///
-    /// The write lock (an async one) is held across the commit on purpose:
-    /// one allocation's writes are serialized, so a failed commit leaves
-    /// nothing to undo and the next writer starts from the committed record.
+    /// Commits are pipelined: the write lock is held only to decide and
+    /// hand the record to the store, so one allocation's writers share
+    /// the store's group commits instead of waiting one fsync each. A
+    /// writer is answered once its own change and every one it was decided
+    /// on are durable and published; nothing a reader sees was not
+    /// durable; an answer decided on a version whose commit failed fails
+    /// too (a store that failed a commit takes none after it).
     ///
     /// `counted` counts the request in the metrics once it is decided (and
     /// committed, if it changed anything); it runs with the publication,
@@ -824,34 +837,89 @@ impl Registry {
         }
         let handle = self.handle(id)?;
         let write = handle.lock_write().await;
-        let Slot::Live(current) = handle.slot_now() else {
-            return Err(RegistryError::AllocationNotFound(id.to_owned()));
+        // The pending version first, then the slot: a commit is cleared
+        // from `pending` only after it is published.
+        let parent = handle.pending();
+        let current = match &parent {
+            Some(p) => p.record.clone(),
+            None => match handle.slot_now() {
+                Slot::Live(a) => a,
+                Slot::Creating | Slot::Deleted => {
+                    return Err(RegistryError::AllocationNotFound(id.to_owned()));
+                }
+            },
         };
         let ticket = self.inner.feed.begin();
-        let (next, out) = decide(&current, &|| self.next_index())?;
-        let Some(next) = next else {
-            counted(&self.inner.config.metrics);
-            return Ok((current, out));
+        let decided = decide(&current, &|| self.next_index());
+        let (next, out) = match decided {
+            Ok((Some(next), out)) => (next, out),
+            // An answer that changes nothing (or refuses) was decided on a
+            // version that may not be durable yet: it goes out once that
+            // version is (never a state a reader could not see).
+            other => {
+                drop(write);
+                drop(ticket);
+                if let Some(p) = &parent
+                    && !p.outcome().await
+                {
+                    return Err(parent_failed());
+                }
+                let (_, out) = other?;
+                counted(&self.inner.config.metrics);
+                return Ok((current, out));
+            }
         };
+        // Pipelined: handed to the store in decision order (the store
+        // makes changes durable in the order they are handed to it), the
+        // lock let go for the next writer, which decides on this version;
+        // published once durable and once the version it was decided on
+        // is published. A task of its own, so that a client that goes
+        // away cannot stop a change between its commit and its
+        // publication.
         let next = Arc::new(next);
-        let published = next.clone();
+        let commit = self.inner.store.commit(Op::Put(next.clone()));
+        let mine = Arc::new(handle::Pending::new(next.clone()));
+        handle.set_pending(mine.clone());
+        drop(write);
         let registry = self.clone();
-        let dependents = self
-            .commit_then(write, Op::Put(next.clone()), move |committed| {
-                committed?;
-                handle.publish_live(
-                    Some(&current),
-                    published.clone(),
-                    registry.inner.config.timeline_events,
-                );
-                registry.inner.reschedule(&handle, &published);
-                ticket.publish(feed::Event::put(published.clone()));
-                let dependents = registry.dependents_of(published.id.as_str());
-                registry.observe(&current, &published);
-                counted(&registry.inner.config.metrics);
-                Ok(dependents)
-            })
-            .await?;
+        let published = next.clone();
+        let task = tokio::spawn(async move {
+            let committed = commit.await;
+            let after = match &parent {
+                Some(p) => p.outcome().await,
+                None => true,
+            };
+            let done = match (committed, after) {
+                (Ok(()), true) => {
+                    handle.publish_live(
+                        Some(&current),
+                        published.clone(),
+                        registry.inner.config.timeline_events,
+                    );
+                    registry.inner.reschedule(&handle, &published);
+                    ticket.publish(feed::Event::put(published.clone()));
+                    let dependents = registry.dependents_of(published.id.as_str());
+                    registry.observe(&current, &published);
+                    counted(&registry.inner.config.metrics);
+                    Ok(dependents)
+                }
+                (Ok(()), false) => {
+                    // A store that failed a commit takes none after it, so
+                    // this is a store that broke its promise: not published.
+                    tracing::error!(alloc = %published.id, index = published.modify_index, "a change was committed after the one it was decided on failed; it is not published");
+                    Err(parent_failed())
+                }
+                (Err(e), _) => Err(RegistryError::Store(e)),
+            };
+            mine.finish(done.is_ok());
+            handle.clear_pending(&mine);
+            done
+        });
+        let dependents = task.await.unwrap_or_else(|e| {
+            Err(RegistryError::Store(StoreError::Io(format!(
+                "the commit task failed: {e}"
+            ))))
+        })?;
         settled(dependents).await;
         Ok((next, out))
     }
@@ -1044,6 +1112,13 @@ impl Registry {
 
 /// Waits until the dependents a change started judging are judged (a task
 /// of its own, which goes on if this wait is dropped).
+/// The answer of a write decided on a version whose commit failed.
+fn parent_failed() -> RegistryError {
+    RegistryError::Store(StoreError::Io(
+        "a change this one was decided on failed to commit".into(),
+    ))
+}
+
 async fn settled(dependents: Option<tokio::task::JoinHandle<()>>) {
     if let Some(h) = dependents {
         let _ = h.await;
@@ -1159,6 +1234,8 @@ impl AllocMap {
     }
 }
 
+#[cfg(test)]
+mod pipeline_tests;
 #[cfg(test)]
 mod replicated_tests;
 #[cfg(test)]
