@@ -91,6 +91,7 @@ impl Store for Gated {
         Ok(Loaded {
             allocations: Vec::new(),
             last_index: 0,
+            liveness: Vec::new(),
         })
     }
 

@@ -1,7 +1,8 @@
 //! Lease keep-alives: one stream per replica, on one member at a time,
 //! carrying every renewal the replica sends (`ReplicatedStore::keep_alive`).
-//! A renewal is served by etcd's leader from memory: no raft write (the
-//! measurement is in BENCHMARKS.md, "Liveness over etcd"). How often each
+//! A renewal is served by etcd's leader from memory: no raft write, no
+//! revision (etcd's lessor; lease checkpoints, off by default, would add
+//! one per lease per checkpoint interval). How often each
 //! lease is renewed is the registry's business (`registry/keep.rs`); this
 //! only carries them and moves to the next member when the one it is on
 //! breaks the stream or leaves a renewal unanswered for `DEADLINE`.
