@@ -24,11 +24,15 @@
 //! - with a shared store the store's follower delivers changes already in
 //!   index order (`append`), and a relisting (`reset`) starts afresh.
 //!
-//! The last `capacity` changes are kept; a reader further behind is told to
-//! list again (`Next::Resync`) instead of missing changes silently, and so
-//! is a reader behind the index the feed started at (it read another run
-//! of the server, before a restart) or ahead of any index handed out (it
-//! read another server, or a directory restored from a backup), at once.
+//! The last `capacity` changes are kept, and no more than `budget` bytes of
+//! their rendered lines (a change is rendered once, by its first reader,
+//! and shared by every reader: an allocation view can be large, and a
+//! stream of large changes must not hold thousands of them); a reader
+//! further behind is told to list again (`Next::Resync`) instead of missing
+//! changes silently, and so is a reader behind the index the feed started
+//! at (it read another run of the server, before a restart) or ahead of any
+//! index handed out (it read another server, or a directory restored from a
+//! backup), at once.
 
 use std::{
     collections::{BTreeMap, VecDeque},
@@ -49,8 +53,11 @@ pub struct Event {
     pub alloc_id: AllocId,
     /// The allocation as committed at `index`, or `None`: deleted.
     pub allocation: Option<Arc<Allocation>>,
-    /// The change rendered once for every reader (see `rendered`).
+    /// The change rendered once for every reader (see `Feed::render`).
     rendered: OnceLock<bytes::Bytes>,
+    /// Whether the feed keeps it (its rendered bytes count against the
+    /// feed's budget while it does). Written under the feed's lock.
+    kept: std::sync::atomic::AtomicBool,
 }
 
 impl Event {
@@ -68,13 +75,13 @@ impl Event {
             alloc_id,
             allocation,
             rendered: OnceLock::new(),
+            kept: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
-    /// The change as `render` writes it, rendered by the first reader to
-    /// ask and shared with the others.
-    pub fn rendered(&self, render: impl FnOnce(&Self) -> bytes::Bytes) -> bytes::Bytes {
-        self.rendered.get_or_init(|| render(self)).clone()
+    /// Its rendered bytes, if a reader rendered it.
+    fn rendered_len(&self) -> usize {
+        self.rendered.get().map_or(0, bytes::Bytes::len)
     }
 }
 
@@ -90,6 +97,8 @@ pub enum Next {
 
 pub(crate) struct Feed {
     inner: Mutex<Inner>,
+    /// Most bytes of rendered changes kept (see the module's comment).
+    budget: usize,
     /// The registry's last index handed out (with a store this process
     /// writes alone; see `begin`).
     index: Arc<AtomicU64>,
@@ -114,15 +123,19 @@ struct Inner {
     /// For each write in progress, the last index handed out when it
     /// began (the indexes it takes are above it): how many began there.
     writing: BTreeMap<u64, usize>,
+    /// Bytes of rendered changes among `kept`.
+    rendered: usize,
 }
 
 impl Feed {
     /// A feed that holds nothing before `index` (the store's last index
-    /// when it was opened) and keeps up to `capacity` changes.
-    pub(crate) fn new(index: Arc<AtomicU64>, capacity: usize) -> Self {
+    /// when it was opened) and keeps up to `capacity` changes, of which at
+    /// most `budget` bytes rendered.
+    pub(crate) fn new(index: Arc<AtomicU64>, capacity: usize, budget: usize) -> Self {
         let last = index.load(Ordering::SeqCst);
         Self {
             index,
+            budget: budget.max(1),
             inner: Mutex::new(Inner {
                 floor: last,
                 frontier: last,
@@ -130,6 +143,7 @@ impl Feed {
                 kept: VecDeque::new(),
                 pending: VecDeque::new(),
                 writing: BTreeMap::new(),
+                rendered: 0,
             }),
             moved: Notify::new(),
             capacity: capacity.max(1),
@@ -138,6 +152,38 @@ impl Feed {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The change as `render` writes it: rendered by the first reader to
+    /// ask (outside the feed's lock) and shared with the others; its bytes
+    /// count against the budget while the feed keeps it, and the oldest
+    /// changes go when they are over it.
+    pub(crate) fn render(
+        &self,
+        e: &Event,
+        render: impl FnOnce(&Event) -> bytes::Bytes,
+    ) -> bytes::Bytes {
+        let mut first = false;
+        let bytes = e
+            .rendered
+            .get_or_init(|| {
+                first = true;
+                render(e)
+            })
+            .clone();
+        if first {
+            let mut inner = self.lock();
+            if e.kept.load(Ordering::Relaxed) {
+                inner.rendered += bytes.len();
+                inner.trim(self.capacity, self.budget);
+            }
+        }
+        bytes
+    }
+
+    /// Bytes of rendered changes kept now.
+    pub(crate) fn rendered_bytes(&self) -> usize {
+        self.lock().rendered
     }
 
     /// Starts a write that takes its indexes after this returns: the
@@ -184,7 +230,7 @@ impl Feed {
         }
         for _ in inner.frontier..frontier {
             match inner.pending.pop_front() {
-                Some(Some(event)) => inner.keep(event, self.capacity),
+                Some(Some(event)) => inner.keep(event, self.capacity, self.budget),
                 Some(None) => {}
                 None => break,
             }
@@ -204,7 +250,7 @@ impl Feed {
         for event in events {
             if event.index > inner.frontier {
                 inner.frontier = event.index;
-                inner.keep(event, self.capacity);
+                inner.keep(event, self.capacity, self.budget);
             }
         }
         inner.frontier = inner.frontier.max(index);
@@ -217,7 +263,10 @@ impl Feed {
     /// everything again: what happened before is not known one by one).
     pub(crate) fn reset(&self, index: u64) {
         let mut inner = self.lock();
-        inner.kept.clear();
+        for e in inner.kept.drain(..) {
+            e.kept.store(false, Ordering::Relaxed);
+        }
+        inner.rendered = 0;
         inner.pending.clear();
         inner.floor = index.max(inner.frontier);
         inner.frontier = inner.floor;
@@ -272,11 +321,23 @@ impl Feed {
 }
 
 impl Inner {
-    fn keep(&mut self, event: Event, capacity: usize) {
+    fn keep(&mut self, event: Event, capacity: usize, budget: usize) {
+        event.kept.store(true, Ordering::Relaxed);
+        self.rendered += event.rendered_len();
         self.kept.push_back(Arc::new(event));
-        if self.kept.len() > capacity
-            && let Some(old) = self.kept.pop_front()
-        {
+        self.trim(capacity, budget);
+    }
+
+    /// Drops the oldest changes while more than `capacity` are kept or
+    /// their rendered bytes are over `budget` (the newest stays, whatever
+    /// its size: a reader can always be given the latest change).
+    fn trim(&mut self, capacity: usize, budget: usize) {
+        while self.kept.len() > capacity || (self.rendered > budget && self.kept.len() > 1) {
+            let Some(old) = self.kept.pop_front() else {
+                break;
+            };
+            old.kept.store(false, Ordering::Relaxed);
+            self.rendered -= old.rendered_len();
             self.floor = old.index;
         }
     }
@@ -310,7 +371,10 @@ mod tests {
 
     fn feed(capacity: usize) -> (Arc<Feed>, Arc<AtomicU64>) {
         let index = Arc::new(AtomicU64::new(10));
-        (Arc::new(Feed::new(index.clone(), capacity)), index)
+        (
+            Arc::new(Feed::new(index.clone(), capacity, usize::MAX)),
+            index,
+        )
     }
 
     fn take(index: &AtomicU64) -> u64 {
@@ -522,5 +586,45 @@ mod tests {
                 "from {from}"
             );
         }
+    }
+
+    #[test]
+    fn a_change_is_rendered_once_for_every_reader_and_the_renders_kept_are_bounded() {
+        let index = Arc::new(AtomicU64::new(10));
+        // Room for two renders of 100 bytes.
+        let feed = Arc::new(Feed::new(index.clone(), 100, 250));
+        for _ in 0..5 {
+            let t = feed.begin();
+            let n = take(&index);
+            t.publish(deleted(n));
+        }
+        let mut after = 10;
+        let Some(Next::Changes(events)) = feed.read(&mut after, "", 10) else {
+            panic!("five changes");
+        };
+        let renders = std::sync::atomic::AtomicUsize::new(0);
+        let render = |_: &Event| {
+            renders.fetch_add(1, Ordering::SeqCst);
+            bytes::Bytes::from(vec![b'x'; 100])
+        };
+        let one = feed.render(&events[3], render);
+        let two = feed.render(&events[3], render);
+        assert_eq!(one.as_ptr(), two.as_ptr(), "one copy, shared");
+        assert_eq!(renders.load(Ordering::SeqCst), 1);
+        feed.render(&events[4], render);
+        assert_eq!(feed.rendered_bytes(), 200);
+        // A third render is over the budget: the oldest changes go, and a
+        // reader behind them resyncs instead of missing them.
+        feed.render(&events[2], render);
+        assert!(feed.rendered_bytes() <= 250, "{}", feed.rendered_bytes());
+        let mut behind = 10;
+        assert!(matches!(
+            feed.read(&mut behind, "", 10),
+            Some(Next::Resync(15))
+        ));
+        // A render of a change the feed no longer keeps counts for nothing.
+        let before = feed.rendered_bytes();
+        feed.render(&events[0], render);
+        assert_eq!(feed.rendered_bytes(), before);
     }
 }

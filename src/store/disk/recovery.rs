@@ -402,6 +402,7 @@ pub(super) fn load_with(fs: &dyn Fs, dir: &Path, overlay: &Overlay) -> Result<Lo
     Ok(Loaded {
         allocations: loader.finish()?,
         last_index: stored_index.max(overlay.last_index),
+        ..Default::default()
     })
 }
 
