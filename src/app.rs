@@ -263,6 +263,7 @@ impl Application {
                 body_limit: config.body_limit,
                 max_wait: config.max_wait,
                 request_timeout: config.request_timeout,
+                max_streams: config.max_streams,
                 site: Arc::new(http::site::Site::new(
                     config.listen.ip().to_canonical().is_loopback(),
                     config.allowed_hosts.clone(),

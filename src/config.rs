@@ -263,6 +263,13 @@ pub struct ServeConfig {
     #[arg(help_heading = "Limits", long, env = "TASKGATE_EVENT_BUFFER_BYTES", default_value = "64MiB", value_parser = byte_size)]
     pub event_buffer_bytes: u64,
 
+    /// Event streams (`GET /v1/events`) open at once; one more is answered
+    /// 503 `too_many_waiters`. Each may hold up to 256 KiB of changes ahead
+    /// of a client that stopped reading, so the default bounds what streams
+    /// can take to 256 MiB.
+    #[arg(help_heading = "Limits", long, env = "TASKGATE_MAX_STREAMS", default_value_t = crate::http::DEFAULT_MAX_STREAMS, value_parser = at_least_one)]
+    pub max_streams: usize,
+
     /// Client connections open at once (default: 20000, or what the
     /// open-files limit leaves room for); one more is answered 503
     /// `too_many_connections` and closed.
@@ -367,6 +374,7 @@ impl ServeConfig {
             event_buffer_bytes: crate::registry::DEFAULT_EVENT_BUFFER_BYTES as u64,
             default_liveness_ttl: None,
             max_connections: None,
+            max_streams: crate::http::DEFAULT_MAX_STREAMS,
             shutdown_grace: Duration::from_secs(10),
             tls_cert: None,
             tls_key: None,

@@ -2224,6 +2224,53 @@ async fn an_idle_stream_sends_heartbeats_and_ends_at_shutdown() {
     refused.assert_problem(503, "shutting_down");
 }
 
+/// Streams beyond `--max-streams` are refused 503 `too_many_waiters` with
+/// `Retry-After` (each may hold 256 KiB ahead of a reader that stopped),
+/// and a stream's place is free again once its client goes.
+#[tokio::test]
+async fn streams_beyond_the_limit_are_refused_until_one_closes() {
+    let app = test_app_with(
+        RegistryConfig::default(),
+        HttpConfig {
+            max_streams: 2,
+            ..HttpConfig::default()
+        },
+    )
+    .await;
+    let first = app.stream("/v1/events").await;
+    let second = app.stream("/v1/events").await;
+    assert_eq!(
+        (first.status, second.status),
+        (StatusCode::OK, StatusCode::OK)
+    );
+    let refused = app.get("/v1/events").await;
+    refused.assert_problem(503, "too_many_waiters");
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    assert!(
+        refused.body["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("--max-streams")),
+        "{}",
+        refused.body
+    );
+    // Other requests are served meanwhile.
+    assert_eq!(app.get("/v1/allocations").await.status, StatusCode::OK);
+    drop(first);
+    // The follower sees its client gone and gives the place back.
+    let mut reopened = false;
+    for _ in 0..1000 {
+        let r = app.stream("/v1/events").await;
+        if r.status == StatusCode::OK {
+            reopened = true;
+            break;
+        }
+        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+        tokio::task::yield_now().await;
+    }
+    assert!(reopened, "a closed stream's place is given back");
+    drop(second);
+}
+
 /// Writes to many allocations commit side by side and finish in any
 /// order; the stream still tells them in index order, each once, none
 /// missing.

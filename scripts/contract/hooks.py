@@ -21,9 +21,15 @@ rejected"; this hook keeps such bodies out of generation:
   8 KiB), while `maxLength` counts characters, so a string of multibyte
   characters within `maxLength` can be over them (tests/api.rs covers the
   limits).
+
+And one thing no schema can say: an `Idempotency-Key` names one request,
+so a key generated again for another request is rightly 422
+`idempotency_key_reused` (tests/api.rs covers it); every generated key is
+made unique here.
 """
 
 import re
+import uuid
 
 import schemathesis
 
@@ -187,3 +193,23 @@ def filter_body(ctx, body):
 @schemathesis.hook
 def filter_case(ctx, case):
     return body_fits(case.body)
+
+
+def unique_key(headers):
+    """A generated Idempotency-Key, replaced by one no other case has."""
+    if isinstance(headers, dict):
+        for name in list(headers):
+            if name.lower() == "idempotency-key":
+                headers[name] = uuid.uuid4().hex
+    return headers
+
+
+@schemathesis.hook
+def map_headers(ctx, headers):
+    return unique_key(headers)
+
+
+@schemathesis.hook
+def map_case(ctx, case):
+    unique_key(case.headers)
+    return case

@@ -142,7 +142,7 @@ pub const CODES: &[(&str, u16, &str)] = &[
     (
         "too_many_waiters",
         503,
-        "The server holds as many long-polls and blocking queries as it may (`--max-waiters`). Retry after `Retry-After`.",
+        "The server holds as many long-polls and blocking queries as it may (`--max-waiters`), or as many event streams (`--max-streams`). Retry after `Retry-After`.",
     ),
     (
         "too_many_connections",
@@ -313,6 +313,19 @@ impl ApiError {
     fn with_index(mut self, index: u64) -> Self {
         self.index = Some(index);
         self
+    }
+
+    /// 503 `too_many_waiters`: the event stream limit is reached.
+    pub(crate) fn too_many_streams(max: usize) -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too_many_waiters",
+            format!(
+                "{max} event streams are open, as many as --max-streams allows; retry later, \
+                 or close a stream"
+            ),
+        )
+        .retry_later()
     }
 
     /// Adds `Retry-After` (for 503s).

@@ -51,7 +51,8 @@ pub const BACKLOG_BYTES: usize = 256 << 10;
 /// index, as the stream does; a `Heartbeat` line after 10 s without another. The
 /// stream ends when the server shuts down: reconnect with the last index
 /// seen. A scoped token must give a `prefix` within its prefixes. Counts as
-/// a waiting request.
+/// a waiting request; at most `--max-streams` (default 1024) are open at
+/// once.
 #[utoipa::path(
     get, path = "/v1/events", operation_id = "streamEvents", tag = "allocations",
     params(
@@ -64,7 +65,7 @@ pub const BACKLOG_BYTES: usize = 256 << 10;
         (status = 403, description = "`forbidden`: the token's role, or a `prefix` outside its prefixes", body = Problem, content_type = "application/problem+json"),
         (status = 429, description = "`quota_exceeded`: the token holds as many waits as it may", body = Problem, content_type = "application/problem+json",
          headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
-        (status = 503, description = "`too_many_waiters`, `shutting_down`, or `starting` (the store is still loading)", body = Problem, content_type = "application/problem+json",
+        (status = 503, description = "`too_many_waiters` (the waiter or the stream limit), `shutting_down`, or `starting` (the store is still loading)", body = Problem, content_type = "application/problem+json",
          headers(("Retry-After" = u64, description = "Seconds to wait before retrying"))),
     )
 )]
@@ -73,11 +74,19 @@ pub async fn stream(
     ApiQuery(q): ApiQuery<StreamParams>,
 ) -> Result<Response, ApiError> {
     let index = q.index;
+    let Ok(open) = s.streams.clone().try_acquire_owned() else {
+        return Err(ApiError::too_many_streams(s.config.max_streams));
+    };
     let sub = s.registry.subscribe(q.index, q.prefix)?;
     // The queue's length is bounded by the byte permits each chunk holds.
     let (tx, rx) = mpsc::unbounded_channel();
     let budget = std::sync::Arc::new(tokio::sync::Semaphore::new(BACKLOG_BYTES));
-    tokio::spawn(follow(sub, tx, budget));
+    tokio::spawn(async move {
+        follow(sub, tx, budget).await;
+        // The stream's place is free once its follower ends (the client
+        // went away, or the server shuts down).
+        drop(open);
+    });
     let mut res = (
         StatusCode::OK,
         [(

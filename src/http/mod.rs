@@ -55,6 +55,8 @@ pub struct HttpConfig {
     pub request_timeout: Duration,
     /// The hosts served, and the rule for cross-site writes (`site.rs`).
     pub site: Arc<site::Site>,
+    /// Event streams open at once (`GET /v1/events`).
+    pub max_streams: usize,
 }
 
 impl Default for HttpConfig {
@@ -65,15 +67,23 @@ impl Default for HttpConfig {
             max_wait: Duration::from_secs(300),
             request_timeout: Duration::from_secs(30),
             site: Arc::default(),
+            max_streams: DEFAULT_MAX_STREAMS,
         }
     }
 }
+
+/// Event streams open at once unless configured otherwise: each may hold
+/// up to `events::BACKLOG_BYTES` (256 KiB) ahead of a reader that stopped
+/// reading, so this bounds what streams can take to 256 MiB.
+pub const DEFAULT_MAX_STREAMS: usize = 1024;
 
 /// What every handler gets.
 #[derive(Clone)]
 pub struct AppState {
     pub registry: Registry,
     pub config: HttpConfig,
+    /// One permit per open event stream (`config.max_streams`).
+    streams: Arc<tokio::sync::Semaphore>,
     /// The OpenAPI document, rendered once.
     openapi: Arc<str>,
 }
@@ -136,6 +146,7 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
     let body_limit = config.body_limit;
     let state = AppState {
         registry,
+        streams: Arc::new(tokio::sync::Semaphore::new(config.max_streams)),
         config,
         openapi: openapi::document().into(),
     };
