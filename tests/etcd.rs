@@ -1424,3 +1424,65 @@ async fn a_replica_restarted_during_a_ttl_does_not_restart_its_clock() {
     assert!(d.wait_view(lost.modify_index, SETTLE).await);
     assert_eq!(lost_events(&d, "s3"), 1);
 }
+
+/// The member a replica's lease keep-alive stream is on stops answering
+/// (SIGSTOP; a follower, so etcd's leader keeps counting the leases down)
+/// while its agent gives signs of life at its own pace, three a TTL: the
+/// replica moves its renewals to another member before the lease runs
+/// out, and the task is never lost. (Before: a renewal was waited for a
+/// whole second whatever the TTL, and a 1 s lease ran out first.) Tried
+/// three times, on a fresh replica each: where the stream moves after the
+/// TTL, a lease expires in most tries, as etcd's expiry check falls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_keep_alive_member_loses_no_live_task() {
+    if !available("a_paused_keep_alive_member_loses_no_live_task") {
+        return;
+    }
+    // etcd's shortest lease in the test cluster (elections of 500 ms).
+    const TTL: Duration = Duration::from_secs(1);
+    let cluster = Cluster::start(3);
+    let leader = cluster.leader();
+    let f = (leader + 1) % 3;
+    let g = (leader + 2) % 3;
+    let all = cluster.endpoints();
+    // A starts on follower `f` (its stream opens there); B stays off it.
+    let on_f = vec![all[f].clone(), all[g].clone(), all[leader].clone()];
+    let off_f = vec![all[leader].clone(), all[g].clone(), all[f].clone()];
+    let prefix = "/l4/";
+    let b = replica(off_f, prefix).await;
+    let web = TaskName::parse("web").unwrap();
+    for trial in 0..3 {
+        let alloc = format!("k{trial}");
+        let a = replica(on_f.clone(), prefix).await;
+        let running = run_timed(&a, &alloc, TTL).await;
+        assert!(b.wait_view(running, SETTLE).await);
+        let mut beats = tokio::time::interval(TTL / 3);
+        // A TTL of signs of life answered on `f`, then `f` stops.
+        for _ in 0..3 {
+            beats.tick().await;
+            a.heartbeat(&alloc, "web").unwrap();
+        }
+        cluster.pause(f);
+        // Four TTLs of signs of life through A while `f` is stopped.
+        for _ in 0..12 {
+            beats.tick().await;
+            let heard = a.heartbeat(&alloc, "web");
+            let seen = b.get(&alloc).unwrap();
+            assert!(
+                heard.is_ok() && !seen.tasks[0].lost(),
+                "try {trial}: a live task was lost while the member its lease's renewals \
+                 went to was stopped (heartbeat answered: {:?})",
+                heard.err()
+            );
+        }
+        cluster.resume(f);
+        cluster.wait_healthy(SETTLE);
+        // Its agent finishes: no lost decision left behind.
+        let done = a
+            .report(&alloc, vec![(web.clone(), report(RunState::Dead, "done"))])
+            .await
+            .unwrap();
+        assert!(b.wait_view(done.modify_index, SETTLE).await);
+        assert!(!b.get(&alloc).unwrap().tasks[0].lost());
+    }
+}

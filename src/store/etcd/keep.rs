@@ -5,7 +5,8 @@
 //! one per lease per checkpoint interval). How often each
 //! lease is renewed is the registry's business (`registry/keep.rs`); this
 //! only carries them and moves to the next member when the one it is on
-//! breaks the stream or leaves a renewal unanswered for `DEADLINE`.
+//! breaks the stream or leaves a renewal unanswered for `DEADLINE` (less
+//! with short leases).
 
 use std::{
     collections::HashMap,
@@ -19,8 +20,9 @@ use super::client::{Client, LeaseStream};
 use crate::store::Lease;
 
 /// How long a renewal may go unanswered before the stream is taken to
-/// another member. Short: a renewal that does not arrive in time is a live
-/// task declared lost.
+/// another member, at most. Short: a renewal that does not arrive in time
+/// is a live task declared lost. Shorter still with short leases: a third
+/// of the shortest TTL etcd answered with (`Unanswered::deadline`).
 const DEADLINE: Duration = Duration::from_secs(1);
 /// Waits between openings that fail, doubling to `RETRY_MAX`.
 const RETRY_FIRST: Duration = Duration::from_millis(50);
@@ -44,18 +46,47 @@ impl KeepAlives {
     }
 }
 
-/// Renewals sent and not answered yet, with when each was sent.
+/// Renewals sent and not answered yet, with when each was sent; and the
+/// shortest lease TTL etcd answered with.
 #[derive(Default)]
-struct Unanswered(HashMap<Lease, Instant>);
+struct Unanswered {
+    sent: HashMap<Lease, Instant>,
+    shortest: Option<Duration>,
+}
 
 impl Unanswered {
     fn sent(&mut self, lease: Lease) {
-        self.0.entry(lease).or_insert_with(Instant::now);
+        self.sent.entry(lease).or_insert_with(Instant::now);
+    }
+
+    /// A renewal was answered: the lease runs `ttl` seconds from now.
+    fn answered(&mut self, lease: Lease, ttl: i64) {
+        self.sent.remove(&lease);
+        if let Ok(secs) = u64::try_from(ttl)
+            && secs > 0
+        {
+            let ttl = Duration::from_secs(secs);
+            self.shortest = Some(self.shortest.map_or(ttl, |t| t.min(ttl)));
+        }
+    }
+
+    /// How long a renewal may wait for its answer: `DEADLINE`, or a third
+    /// of the shortest lease seen if that is less. A renewal is sent at
+    /// most a third of a TTL after the last one answered (`registry/keep.rs`
+    /// sends one per third while a task is heard), so one that waited this
+    /// long and is then sent on another member still arrives a third of a
+    /// TTL before its lease would run out. A fixed second did not: a 1 s
+    /// lease, renewed a third of a second after its last answer, ran out
+    /// on a stopped member before the stream moved.
+    fn deadline(&self) -> Duration {
+        self.shortest
+            .map_or(DEADLINE, |ttl| (ttl / 3).min(DEADLINE))
     }
 
     /// The earliest moment a renewal on the stream is overdue.
     fn overdue_at(&self) -> Option<Instant> {
-        self.0.values().min().map(|&t| t + DEADLINE)
+        let deadline = self.deadline();
+        self.sent.values().min().map(|&t| t + deadline)
     }
 }
 
@@ -67,7 +98,7 @@ async fn carry(
     let mut unanswered = Unanswered::default();
     let mut backoff = RETRY_FIRST;
     loop {
-        if unanswered.0.is_empty() {
+        if unanswered.sent.is_empty() {
             tokio::select! {
                 lease = rx.recv() => match lease {
                     Some(lease) => unanswered.sent(lease),
@@ -77,7 +108,7 @@ async fn carry(
             }
         }
         // Whatever was not answered on the last stream goes on the next.
-        let first: Vec<Lease> = unanswered.0.keys().copied().collect();
+        let first: Vec<Lease> = unanswered.sent.keys().copied().collect();
         let opened = tokio::select! {
             s = client.lease_stream(&first) => s,
             _ = closed.wait_for(|c| *c) => return,
@@ -94,7 +125,7 @@ async fn carry(
                 continue;
             }
         };
-        for t in unanswered.0.values_mut() {
+        for t in unanswered.sent.values_mut() {
             *t = Instant::now();
         }
         match pump(&mut stream, &mut rx, &mut unanswered, &mut closed).await {
@@ -139,7 +170,7 @@ async fn pump(
             }
             answer = stream.next() => match answer {
                 Ok(Some((lease, ttl))) => {
-                    unanswered.0.remove(&lease);
+                    unanswered.answered(lease, ttl);
                     if ttl <= 0 {
                         // Expired (its live key is gone, which the watch
                         // delivers) or revoked: nothing to renew.
@@ -150,9 +181,34 @@ async fn pump(
                 Err(e) => return Pumped::Broken(e.to_string()),
             },
             () = late => {
-                return Pumped::Broken(format!("a renewal got no answer within {DEADLINE:?}"));
+                return Pumped::Broken(format!("a renewal got no answer within {:?}", unanswered.deadline()));
             }
             _ = closed.wait_for(|c| *c) => return Pumped::Stop,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_renewal_waits_a_second_or_a_third_of_the_shortest_lease() {
+        let mut u = Unanswered::default();
+        assert_eq!(u.deadline(), DEADLINE, "no lease answered yet");
+        u.sent(7);
+        u.answered(7, 30);
+        assert_eq!(u.deadline(), DEADLINE);
+        u.answered(8, 1);
+        assert_eq!(
+            u.deadline(),
+            Duration::from_millis(333) + Duration::from_nanos(333_333)
+        );
+        // An expired lease (TTL 0) says nothing of how long leases run.
+        u.answered(9, 0);
+        u.answered(9, -1);
+        u.answered(10, 6);
+        assert_eq!(u.deadline(), Duration::from_secs(1) / 3);
+        assert!(u.sent.is_empty());
     }
 }
