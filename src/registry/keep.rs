@@ -75,6 +75,8 @@ pub(crate) struct Kept {
     /// When this replica last sent a renewal (the keeper's clock,
     /// nanoseconds; `NEVER`).
     sent: AtomicI64,
+    /// The lease that renewal went to (0: none since a new one was seen).
+    sent_on: AtomicI64,
     /// A sign of life came that no renewal sent since covers.
     want: AtomicBool,
     /// When the keeper looks at the task next (`NOT_DUE`: it does not).
@@ -90,6 +92,7 @@ impl Default for Kept {
             lease: AtomicI64::new(0),
             every_ms: AtomicU64::new(EVERY_UNKNOWN.as_millis() as u64),
             sent: AtomicI64::new(NEVER),
+            sent_on: AtomicI64::new(0),
             want: AtomicBool::new(false),
             due: AtomicI64::new(NOT_DUE),
             marking: AtomicBool::new(false),
@@ -128,6 +131,17 @@ impl Kept {
         drop(keys);
         // A new lease has had no renewal from here yet.
         self.sent.store(NEVER, Ordering::SeqCst);
+        if let Some(new) = lease {
+            // The last sign heard here renewed another run's lease: this
+            // view had not seen the run end yet, and the sign may have
+            // been the new run's agent. Renewed again once the new lease
+            // is known (`Keeper::lease_known`), never spent on a lease
+            // nobody needs.
+            let old = self.sent_on.swap(0, Ordering::SeqCst);
+            if old != 0 && old != new {
+                self.want.store(true, Ordering::SeqCst);
+            }
+        }
         self.lease.store(lease.unwrap_or(0), Ordering::SeqCst);
         lease.is_some()
     }
@@ -278,6 +292,7 @@ impl Keeper {
         }
         let now = self.now();
         k.sent.store(now, Ordering::SeqCst);
+        k.sent_on.store(lease, Ordering::SeqCst);
         store.keep_alive(lease);
         if parked {
             self.schedule(handle, i, now.saturating_add(k.every()));

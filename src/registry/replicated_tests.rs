@@ -471,3 +471,70 @@ async fn signs_of_life_renew_the_lease_within_a_bound() {
     assert_eq!(renewals(&store).len(), during + 1);
     assert!(renewals(&store).iter().all(|&l| l == 1));
 }
+
+/// Another replica ends `t1`'s run of web and starts a new one under a
+/// new lease, in two changes this view has not seen yet; the new lease.
+fn another_run(store: &Held, started: Timestamp) -> Lease {
+    let mut s = store.0.lock().unwrap();
+    let (_, current) = s.records.get("t1").unwrap().clone();
+    let id = current.id.clone();
+    let web = TaskName::parse("web").unwrap();
+    let mut next = current;
+    for (state, live) in [
+        (RunState::Pending, None),
+        (RunState::Running, Some(started)),
+    ] {
+        s.revision += 1;
+        let index = s.revision;
+        next.tasks[0].state = state;
+        next.tasks[0].modify_index = index;
+        next.modify_index = index;
+        let ops = match live {
+            None => vec![LiveOp::End { task: web.clone() }],
+            Some(started) => {
+                next.tasks[0].started_at = Some(started);
+                s.leases += 1;
+                vec![LiveOp::Start {
+                    task: web.clone(),
+                    mark: crate::store::Mark {
+                        run: super::timers::nanos(started),
+                        ttl: TTL,
+                        lease: s.leases,
+                    },
+                }]
+            }
+        };
+        s.records.insert("t1".into(), (index, next.clone()));
+        s.held.push(Change::Put(next.clone()));
+        s.apply_live(&id, ops);
+    }
+    s.leases
+}
+
+/// A sign of life heard while this replica's view still holds the run
+/// that another replica has since ended and started again renews the old
+/// run's lease, which nobody needs: once the view sees the new run's live
+/// key, its lease is renewed for that sign too. (Before: the sign was
+/// spent on the old lease, and the new one ran out a TTL after it was
+/// granted, not a TTL after the agent's sign: a task lost early.)
+#[tokio::test(start_paused = true)]
+async fn a_sign_heard_on_a_view_behind_a_new_run_renews_the_new_run_s_lease() {
+    let (store, r) = open();
+    timed_running(&store, &r).await;
+    // Past the bound: the next sign is sent at once.
+    tokio::time::sleep(TTL).await;
+    let before = renewals(&store).len();
+    let lease = another_run(&store, r.now());
+    // The agent of the new run, heard here on a view a step behind.
+    r.heartbeat("t1", "web").unwrap();
+    assert_eq!(renewals(&store)[before..], [1], "the lease this view knows");
+    store.deliver();
+    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    let handle = r.handle("t1").unwrap();
+    assert!(handle.lives().life(0).unwrap().kept.keys().live);
+    assert_eq!(
+        renewals(&store)[before..],
+        [1, lease],
+        "the new run's lease renewed for the sign heard after it began"
+    );
+}
