@@ -9,7 +9,7 @@
 //! with short leases).
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, VecDeque},
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -46,22 +46,31 @@ impl KeepAlives {
     }
 }
 
-/// Renewals sent and not answered yet, with when each was sent; and the
-/// shortest lease TTL etcd answered with.
+/// Renewals sent and not answered yet, by lease, with when each was sent
+/// (a member answers a stream's renewals in order); and the shortest lease
+/// TTL etcd answered with.
 #[derive(Default)]
 struct Unanswered {
-    sent: HashMap<Lease, Instant>,
+    sent: HashMap<Lease, VecDeque<Instant>>,
     shortest: Option<Duration>,
 }
 
 impl Unanswered {
     fn sent(&mut self, lease: Lease) {
-        self.sent.entry(lease).or_insert_with(Instant::now);
+        self.sent
+            .entry(lease)
+            .or_default()
+            .push_back(Instant::now());
     }
 
     /// A renewal was answered: the lease runs `ttl` seconds from now.
     fn answered(&mut self, lease: Lease, ttl: i64) {
-        self.sent.remove(&lease);
+        if let Some(waiting) = self.sent.get_mut(&lease) {
+            waiting.pop_front();
+            if waiting.is_empty() {
+                self.sent.remove(&lease);
+            }
+        }
         if let Ok(secs) = u64::try_from(ttl)
             && secs > 0
         {
@@ -86,7 +95,11 @@ impl Unanswered {
     /// The earliest moment a renewal on the stream is overdue.
     fn overdue_at(&self) -> Option<Instant> {
         let deadline = self.deadline();
-        self.sent.values().min().map(|&t| t + deadline)
+        self.sent
+            .values()
+            .filter_map(|w| w.front())
+            .min()
+            .map(|&t| t + deadline)
     }
 }
 
@@ -125,8 +138,9 @@ async fn carry(
                 continue;
             }
         };
-        for t in unanswered.sent.values_mut() {
-            *t = Instant::now();
+        // One renewal of each went with the opening.
+        for waiting in unanswered.sent.values_mut() {
+            *waiting = VecDeque::from([Instant::now()]);
         }
         match pump(&mut stream, &mut rx, &mut unanswered, &mut closed).await {
             Pumped::Stop => return,
@@ -191,6 +205,21 @@ async fn pump(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A lease renewed twice before the first answer came: the second
+    /// renewal is still waited for. (Before: the first answer took the
+    /// lease off the list, and a member that stopped after it left the
+    /// second unanswered unnoticed, and unsent on the next member.)
+    #[test]
+    fn each_renewal_of_a_lease_is_waited_for() {
+        let mut u = Unanswered::default();
+        u.sent(7);
+        u.sent(7);
+        u.answered(7, 3);
+        assert!(u.overdue_at().is_some(), "the second renewal is waited for");
+        u.answered(7, 3);
+        assert_eq!(u.overdue_at(), None);
+    }
 
     #[test]
     fn a_renewal_waits_a_second_or_a_third_of_the_shortest_lease() {
