@@ -2,13 +2,15 @@
 //! --store etcd` replicas on a real three-member etcd, clients sending
 //! reports with unique events through random replicas, and faults on a
 //! schedule drawn from a seed — SIGKILL and SIGSTOP of replicas and of
-//! members, lost quorum, compaction. At the end, with everything healed and
-//! every replica's view at etcd's revision, the history is checked
-//! (`history/check.rs`): nothing acknowledged lost, nothing twice, nothing
-//! that no one sent, real-time order kept, the replicas identical and equal
-//! to etcd's revisions, read-your-writes as docs/replicas.md promises.
+//! members, lost quorum, compaction, a member's answers to a replica held
+//! back past its deadline (writes that commit unanswered). At the end,
+//! with everything healed and every replica's view at etcd's revision, the
+//! history is checked (`history/check.rs`): nothing acknowledged lost,
+//! nothing twice, nothing that no one sent, real-time order kept, the
+//! replicas identical and equal to etcd's revisions, read-your-writes as
+//! docs/replicas.md promises.
 //!
-//! A tier of its own in `.ci/run` (about three minutes):
+//! A tier of its own in `.ci/run` (about two minutes):
 //! `cargo test --locked --test history -- --ignored`. The seed is printed;
 //! `TASKGATE_HISTORY_SEED=<seed>` replays the same schedule and the same
 //! client choices (the timings, and so the interleavings, differ). On a
@@ -33,7 +35,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::etcd::{Cluster, available};
+use common::{
+    etcd::{Cluster, available},
+    stall::Stall,
+};
 use faults::{PREFIX, Rig};
 use serde_json::{Value, json};
 use workload::{Outcome, Recorded, Shared, Worker};
@@ -86,8 +91,11 @@ async fn replicas_under_faults_keep_a_history_that_checks() {
     let steps = faults::schedule(&mut rng, ROUNDS, REPLICAS, 3);
 
     let cluster = tokio::task::block_in_place(|| Cluster::start(3));
+    let stalls: Vec<_> = (0..REPLICAS)
+        .map(|r| Stall::start(&cluster.endpoints()[r % 3]))
+        .collect();
     let servers: Vec<_> = (0..REPLICAS)
-        .map(|r| tokio::task::block_in_place(|| Rig::start_replica(&cluster, r)))
+        .map(|r| tokio::task::block_in_place(|| Rig::start_replica(&cluster, &stalls[r], r)))
         .collect();
     let shared = Arc::new(Shared {
         urls: Mutex::new(servers.iter().map(|s| s.base.clone()).collect()),
@@ -99,6 +107,7 @@ async fn replicas_under_faults_keep_a_history_that_checks() {
         cluster,
         servers: servers.into_iter().map(Some).collect(),
         logs: vec![Vec::new(); REPLICAS],
+        stalls,
         shared: shared.clone(),
     };
     assert!(

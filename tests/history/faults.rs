@@ -11,7 +11,7 @@ use std::{
 
 use serde::Serialize;
 
-use super::common::{etcd::Cluster, process::Server};
+use super::common::{etcd::Cluster, process::Server, stall::Stall};
 use super::workload::Shared;
 
 /// How long a compaction waits, after its member was paused, for a
@@ -44,6 +44,13 @@ pub enum Fault {
     /// SIGKILL two of the three members (the leader among them): no
     /// quorum until they are restarted.
     LoseQuorum,
+    /// Hold back every answer of its first member to a replica (a
+    /// forwarder between them; the member still applies what it is sent)
+    /// for longer than the replica's `--etcd-timeout`: the writes in
+    /// flight commit and their answers are lost, so the replica finds out
+    /// from the records' write marks (docs/replicas.md, "No write applied
+    /// twice").
+    StallAnswers { replica: usize },
     /// SIGSTOP the member a replica's watch is on; once the others have
     /// gone past that replica's view, compact etcd's history, so that the
     /// replica finds its revision compacted when its watch moves to
@@ -94,6 +101,9 @@ pub fn schedule(
             },
             Fault::KillMember { leader: rng.bool() },
             Fault::LoseQuorum,
+            Fault::StallAnswers {
+                replica: rng.usize(..replicas),
+            },
             Fault::CompactBehindPausedMember {
                 replica: rng.usize(..replicas),
             },
@@ -104,7 +114,11 @@ pub fn schedule(
         .into_iter()
         .map(|fault| Step {
             fault,
-            hold_ms: rng.u64(1_500..=3_500),
+            hold_ms: match fault {
+                // Past the replica's `--etcd-timeout` (5 s by default).
+                Fault::StallAnswers { .. } => rng.u64(6_000..=7_500),
+                _ => rng.u64(1_500..=3_500),
+            },
             calm_ms: rng.u64(1_000..=2_500),
         })
         .collect()
@@ -165,6 +179,8 @@ pub struct Rig {
     pub servers: Vec<Option<Server>>,
     /// What each replica logged, including the processes killed so far.
     pub logs: Vec<Vec<String>>,
+    /// Replica `r`'s way to its first member (`r` modulo the members).
+    pub stalls: Vec<Stall>,
     pub shared: Arc<Shared>,
 }
 
@@ -184,11 +200,13 @@ fn signal(pid: u32, signal: &str) {
 
 impl Rig {
     /// Starts replica `r`: its etcd endpoints rotated by `r`, so that each
-    /// replica prefers another member and their writes race in etcd.
-    pub fn start_replica(cluster: &Cluster, r: usize) -> Server {
+    /// replica prefers another member and their writes race in etcd; the
+    /// first through `stall` (a forwarder to that member).
+    pub fn start_replica(cluster: &Cluster, stall: &Stall, r: usize) -> Server {
         let mut endpoints = cluster.endpoints();
         let n = endpoints.len();
         endpoints.rotate_left(r % n);
+        endpoints[0] = stall.url.clone();
         let endpoints = endpoints.join(",");
         Server::start(&[
             "--store",
@@ -213,6 +231,7 @@ impl Rig {
     fn watched(&self, r: usize) -> usize {
         let endpoints = self.cluster.endpoints();
         let first = r % endpoints.len();
+        let stall = &self.stalls[r].url;
         let Some(server) = &self.servers[r] else {
             return first;
         };
@@ -223,6 +242,9 @@ impl Rig {
             .filter(|l| l.contains("the watch on etcd is back"))
             .find_map(|l| {
                 let url = l.split("endpoint=").nth(1)?.split_whitespace().next()?;
+                if url == stall {
+                    return Some(first);
+                }
                 endpoints.iter().position(|e| e == url)
             })
             .unwrap_or(first)
@@ -242,7 +264,8 @@ impl Rig {
                 let old = server.base.clone();
                 blocking(|| drop(server)); // SIGKILL
                 tokio::time::sleep(hold).await;
-                let server = blocking(|| Self::start_replica(&self.cluster, replica));
+                let server =
+                    blocking(|| Self::start_replica(&self.cluster, &self.stalls[replica], replica));
                 let new = server.base.clone();
                 self.shared.set_url(replica, new.clone());
                 self.servers[replica] = Some(server);
@@ -254,6 +277,13 @@ impl Rig {
                 tokio::time::sleep(hold).await;
                 blocking(|| signal(pid, "-CONT"));
                 format!("replica {replica} paused")
+            }
+            Fault::StallAnswers { replica } => {
+                let member = replica % self.cluster.endpoints().len();
+                self.stalls[replica].stall();
+                tokio::time::sleep(hold).await;
+                self.stalls[replica].release();
+                format!("member {member}'s answers to replica {replica} held back")
             }
             Fault::PauseMember { member } => {
                 blocking(|| self.cluster.pause(member));
