@@ -130,6 +130,11 @@ impl Server {
         (status, lines)
     }
 
+    /// Every line the server logged so far.
+    pub fn log(&self) -> Vec<String> {
+        self.lines.lock().unwrap().clone()
+    }
+
     /// The address the server listens on.
     pub fn addr(&self) -> std::net::SocketAddr {
         self.base
