@@ -47,7 +47,7 @@ use workload::{Outcome, Recorded, Shared, Worker};
 const WORKERS: usize = 6;
 
 /// Each kind of fault this many times in a run; with the lengths
-/// `faults::schedule` draws, about a minute and a half in all.
+/// `faults::schedule` draws, about two minutes in all.
 const ROUNDS: usize = 3;
 
 /// How long the replicas may take, once everything is healed, to reach
@@ -206,9 +206,11 @@ async fn replicas_under_faults_keep_a_history_that_checks() {
     };
     say(&format!(
         "history: each replica's watch lost {:?} times, listed again after a compaction {:?} \
-         times; of the unknown reports, {} landed",
+         times, found a write whose answer was lost applied by its write mark {:?} times; of \
+         the unknown reports, {} landed",
         lines("the watch on etcd is lost"),
         lines("the watch fell behind a compaction"),
+        lines("a write whose answer was lost had been applied"),
         landed_unknown(&recorded, &fin),
     ));
     let reads = &recorded.reads;

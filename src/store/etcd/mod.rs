@@ -379,6 +379,11 @@ fn settle(
             };
             let marks = record.writes();
             if marks.iter().any(|m| m.id == ours.id) {
+                tracing::info!(
+                    alloc = %a.id,
+                    revision = now,
+                    "a write whose answer was lost had been applied (its write mark is in the record); not applied again"
+                );
                 SwapError::Landed { seen: now }
             } else if !uncertain
                 || marks.iter().any(|m| m.parent == expect)
