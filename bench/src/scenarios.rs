@@ -19,6 +19,7 @@ use std::{
 use clap::Args;
 
 mod etcd;
+mod liveness;
 mod versus_etcd;
 
 use rustix::process::{Pid, Signal, kill_process};
@@ -44,7 +45,9 @@ pub struct BenchConfig {
     /// versus-etcd (durable reports on one-task allocations against a
     /// single etcd member's puts through its JSON gateway and its gRPC
     /// API, alternated three times); the last two need etcd and etcdctl on
-    /// the PATH.
+    /// the PATH; liveness (what TTLs cost: liveness-ttl,
+    /// liveness-heartbeats, liveness-scale, and liveness-base with
+    /// --base-server-bin).
     #[arg(
         long,
         value_delimiter = ',',
@@ -106,6 +109,16 @@ pub struct BenchConfig {
     /// this binary).
     #[arg(long, env = "TASKGATE_BIN")]
     pub server_bin: Option<PathBuf>,
+    /// A second service binary, the build to compare against: the
+    /// liveness-base scenario alternates servers of
+    /// it with servers of `--server-bin` (e.g. the build before a change,
+    /// from a `git worktree` of its commit).
+    #[arg(long, env = "TASKGATE_BASE_BIN")]
+    pub base_server_bin: Option<PathBuf>,
+    /// Allocations (of five tasks) the liveness-scale scenario fills two
+    /// servers with, one with every task under a TTL and one without.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub liveness_allocations: usize,
     /// Where the durable scenarios keep their data (a fresh temporary
     /// directory per scenario by default).
     #[arg(long)]
@@ -134,6 +147,12 @@ impl Proc {
         } else {
             std::env::current_exe()?
         };
+        Self::start_exe(&exe, args)
+    }
+
+    /// Starts `EXE ARGS` (a server of another build) and reads `addr=...`
+    /// from its log.
+    fn start_exe(exe: &std::path::Path, args: &[String]) -> std::io::Result<Self> {
         let mut child = Command::new(exe)
             .args(args)
             .stdout(Stdio::piped())
@@ -172,6 +191,13 @@ impl Proc {
             .lines()
             .find_map(|l| l.strip_prefix("VmRSS:"))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    }
+
+    /// The server's threads now (`/proc/PID/task`).
+    fn threads(&self) -> Option<usize> {
+        std::fs::read_dir(format!("/proc/{}/task", self.child.id()))
+            .ok()
+            .map(Iterator::count)
     }
 
     /// Stops (`Signal::STOP`) or continues (`Signal::CONT`) the server.
@@ -494,15 +520,32 @@ async fn put_each(
     ok: &'static [u16],
     what: &'static str,
 ) -> std::io::Result<()> {
+    let request = move |i| ("PUT", path(i), body.clone());
+    send_each(addr, ids, clients, request, ok, what).await
+}
+
+/// `request(i)` (method, path, body) for every `i` in `ids`, as `put_each`.
+pub(super) async fn send_each(
+    addr: SocketAddr,
+    ids: std::ops::Range<usize>,
+    clients: usize,
+    request: impl Fn(usize) -> (&'static str, String, String) + Clone + Send + 'static,
+    ok: &'static [u16],
+    what: &'static str,
+) -> std::io::Result<()> {
     let mut tasks = Vec::new();
     for c in 0..clients.min(ids.len().max(1)) {
-        let (ids, path, body) = (ids.clone(), path.clone(), body.clone());
+        let (ids, request) = (ids.clone(), request.clone());
         tasks.push(tokio::spawn(async move {
             let mut conn = Conn::open(addr).await?;
             for i in (ids.start + c..ids.end).step_by(clients) {
-                let status = conn.call("PUT", &path(i), body.as_bytes()).await?;
+                let (method, path, body) = request(i);
+                let status = conn.call(method, &path, body.as_bytes()).await?;
                 if !ok.contains(&status) {
-                    return Err(std::io::Error::other(format!("{what} answered {status}")));
+                    return Err(std::io::Error::other(format!(
+                        "{what} answered {status}: {}",
+                        String::from_utf8_lossy(&conn.body)
+                    )));
                 }
             }
             Ok::<_, std::io::Error>(())
@@ -520,7 +563,7 @@ pub(super) async fn register(
     prefix: &str,
     ids: std::ops::Range<usize>,
     clients: usize,
-    spec: &'static str,
+    spec: &str,
 ) -> std::io::Result<()> {
     let prefix = prefix.to_owned();
     let path = move |i| format!("/v1/allocations/{prefix}-{i}");
@@ -603,39 +646,7 @@ async fn reports_with_events(
     let count = EVENT_MEMORY_ALLOCATIONS.max(config.clients);
     register(server.addr, "events", 0..count, config.clients, FIVE_TASKS).await?;
     let before = server.rss_kib().unwrap_or(0);
-    let mut fill = Vec::new();
-    for c in 0..config.clients {
-        let addr = server.addr;
-        let clients = config.clients;
-        fill.push(tokio::spawn(async move {
-            let mut conn = Conn::open(addr).await?;
-            for i in (c..count).step_by(clients) {
-                for n in 0..MAX_EVENTS as u64 {
-                    let tasks: Vec<String> = ["init", "proxy", "web", "announce", "cleanup"]
-                        .iter()
-                        .map(|t| {
-                            format!(
-                                r#""{t}": {{"state": "running", "event": {}}}"#,
-                                event_json("Started", n)
-                            )
-                        })
-                        .collect();
-                    let body = format!(r#"{{"tasks": {{{}}}}}"#, tasks.join(", "));
-                    let path = format!("/v1/allocations/events-{i}/task-states");
-                    let status = conn.call("POST", &path, body.as_bytes()).await?;
-                    if status != 200 {
-                        return Err(std::io::Error::other(format!(
-                            "filling the event history answered {status}"
-                        )));
-                    }
-                }
-            }
-            Ok::<_, std::io::Error>(())
-        }));
-    }
-    for t in fill {
-        t.await.map_err(std::io::Error::other)??;
-    }
+    fill_histories(server.addr, "events", 0..count, config.clients).await?;
     let after = server.rss_kib().unwrap_or(0);
     let per = after.saturating_sub(before) as f64 * 1024.0 / count as f64;
     let events = (5 * MAX_EVENTS) as f64;
@@ -652,25 +663,80 @@ async fn reports_with_events(
         server.addr,
         config.clients,
         config.duration,
-        |c, n| {
-            let (state, kind) = if n % 2 == 0 {
-                ("pending", "Restarting")
-            } else {
-                ("running", "Started")
-            };
-            (
-                "PUT",
-                format!("/v1/allocations/events-{c}/tasks/web/state"),
-                format!(
-                    r#"{{"state": "{state}", "event": {}}}"#,
-                    event_json(kind, n)
-                )
-                .into_bytes(),
-            )
-        },
+        event_reports("events"),
     )
     .await?;
     Ok((outcome, note))
+}
+
+/// Gives every task of the five-task allocations `{prefix}-{i}`, `i` in
+/// `ids`, a full history (`MAX_EVENTS` events each, every task reported
+/// running with each), in batch reports over `clients` connections.
+pub(super) async fn fill_histories(
+    addr: SocketAddr,
+    prefix: &str,
+    ids: std::ops::Range<usize>,
+    clients: usize,
+) -> std::io::Result<()> {
+    use taskgate::lifecycle::MAX_EVENTS;
+    let mut fill = Vec::new();
+    for c in 0..clients {
+        let prefix = prefix.to_owned();
+        let ids = ids.clone();
+        fill.push(tokio::spawn(async move {
+            let mut conn = Conn::open(addr).await?;
+            for i in (ids.start + c..ids.end).step_by(clients) {
+                for n in 0..MAX_EVENTS as u64 {
+                    let tasks: Vec<String> = ["init", "proxy", "web", "announce", "cleanup"]
+                        .iter()
+                        .map(|t| {
+                            format!(
+                                r#""{t}": {{"state": "running", "event": {}}}"#,
+                                event_json("Started", n)
+                            )
+                        })
+                        .collect();
+                    let body = format!(r#"{{"tasks": {{{}}}}}"#, tasks.join(", "));
+                    let path = format!("/v1/allocations/{prefix}-{i}/task-states");
+                    let status = conn.call("POST", &path, body.as_bytes()).await?;
+                    if status != 200 {
+                        return Err(std::io::Error::other(format!(
+                            "filling the event history answered {status}"
+                        )));
+                    }
+                }
+            }
+            Ok::<_, std::io::Error>(())
+        }));
+    }
+    for t in fill {
+        t.await.map_err(std::io::Error::other)??;
+    }
+    Ok(())
+}
+
+/// Client `c`'s `n`th report with an event on the `web` task of its own
+/// allocation `{prefix}-{c}`: pending (restarting), then running (started),
+/// and so on, so that every report is a real change.
+pub(super) fn event_reports(
+    prefix: &'static str,
+) -> impl Fn(usize, u64) -> (&'static str, String, Vec<u8>) + Send + Sync + Clone + 'static {
+    move |c, n| {
+        let (state, kind) = if n % 2 == 0 {
+            ("pending", "Restarting")
+        } else {
+            ("running", "Started")
+        };
+        (
+            "PUT",
+            format!("/v1/allocations/{prefix}-{c}/tasks/web/state"),
+            format!(
+                r#"{{"state": "{state}", "event": {}}}"#,
+                event_json(kind, n)
+            )
+            .into_bytes(),
+        )
+    }
 }
 
 pub(super) fn data_dir(
@@ -756,6 +822,32 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
                 notes.push(note);
             }
             "histories" => notes.push(histories(&config).await?),
+            "liveness"
+            | "liveness-ttl"
+            | "liveness-heartbeats"
+            | "liveness-scale"
+            | "liveness-base" => {
+                let all = scenario == "liveness";
+                let mut parts = Vec::new();
+                if all || scenario == "liveness-ttl" {
+                    parts.push(liveness::ttl_cost(&config).await?);
+                }
+                if all || scenario == "liveness-heartbeats" {
+                    parts.push(liveness::heartbeats(&config).await?);
+                }
+                if all || scenario == "liveness-scale" {
+                    parts.push(liveness::scale(&config).await?);
+                }
+                if scenario == "liveness-base" || (all && config.base_server_bin.is_some()) {
+                    parts.push(liveness::versus_base(&config).await?);
+                } else if all {
+                    notes.push("liveness-base skipped: no --base-server-bin".into());
+                }
+                for (rows, note) in parts {
+                    outcomes.extend(rows);
+                    notes.push(note);
+                }
+            }
             "scale" => {
                 let (rows, note) = scale(&config).await?;
                 outcomes.extend(rows);

@@ -1,0 +1,616 @@
+//! `taskgate-bench --scenarios liveness`: what liveness TTLs cost (the
+//! benchmark rows of issue 31), in four parts that can also be run alone:
+//!
+//! - `liveness-ttl`: reports with events on allocations whose tasks all
+//!   run under a TTL against the same workload without TTLs, same build,
+//!   durable, alternated `ROUNDS` times on fresh servers.
+//! - `liveness-heartbeats`: `PUT .../heartbeat` against durable reports on
+//!   one server, alternated.
+//! - `liveness-scale`: `--liveness-allocations` five-task allocations on
+//!   two servers, one with every task under a TTL: memory, threads, idle
+//!   CPU, reports spread over all of them (alternated), restarts.
+//! - `liveness-base`: allocations without the new fields on this build
+//!   against `--base-server-bin` (the build before the third edition),
+//!   alternated.
+
+use std::{
+    net::SocketAddr,
+    path::Path,
+    time::{Duration, Instant},
+};
+
+use rustix::process::Signal;
+
+use super::{
+    BenchConfig, Conn, Cpu, FIVE_TASKS, Measured, Outcome, Proc, data_dir, drive, drive_with,
+    event_reports, fill_histories, flip_web, healthy, put_each, register, send_each, serve_args,
+    window,
+};
+
+/// Alternations of each comparison.
+pub(super) const ROUNDS: usize = 3;
+/// The TTL of the measured windows (lifecycle.md's example).
+const TTL: &str = "30s";
+/// How often the agents of the tasks a window does not report on give a
+/// sign of life: a third of the TTL, as `taskgate agent` does.
+const HEARTBEAT_EVERY: Duration = Duration::from_secs(10);
+/// The TTL at scale: longer than the run, so nothing is lost there (a
+/// million tasks' heartbeats every ten seconds are more than this
+/// machine's two cores answer next to the measured load).
+const LONG_TTL: &str = "1h";
+/// The tasks the measured reports leave alone (they go to `web`).
+const QUIET_TASKS: [&str; 4] = ["init", "proxy", "announce", "cleanup"];
+/// At scale, what every allocation's agents report first: the prestart
+/// task done, the sidecar running (under its TTL: the allocation is in
+/// the timer heap), `web` still pending (the measured reports start it).
+const STARTED: &str = r#"{"tasks": {"init": {"state": "dead"}, "proxy": {"state": "running"}}}"#;
+
+/// The five-task allocation of API.md with `"liveness": {"ttl": ttl}` on
+/// every task.
+pub(super) fn five_tasks_with_ttl(ttl: &str) -> String {
+    let mut spec: serde_json::Value = serde_json::from_str(FIVE_TASKS).expect("FIVE_TASKS is JSON");
+    for task in spec["tasks"].as_array_mut().expect("a task list") {
+        task["liveness"] = serde_json::json!({ "ttl": ttl });
+    }
+    spec.to_string()
+}
+
+pub(super) fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Each round's value, as `a / b / c`.
+pub(super) fn each(xs: &[f64]) -> String {
+    let all: Vec<String> = xs.iter().map(|x| format!("{x:.0}")).collect();
+    all.join(" / ")
+}
+
+/// `a` against `b` in percent (+: `a` is larger).
+pub(super) fn change(a: f64, b: f64) -> f64 {
+    100.0 * (a / b - 1.0)
+}
+
+/// The order of two sides in round `round`: ABBA..., so a machine that
+/// drifts over the run does not always favour the side that goes first.
+pub(super) fn order<T: Copy>(round: usize, sides: &[T]) -> Vec<T> {
+    let mut v = sides.to_vec();
+    if round % 2 == 1 {
+        v.reverse();
+    }
+    v
+}
+
+/// A durable server of `bin` on a fresh data directory (kept alive by the
+/// returned guard).
+pub(super) fn fresh_server(
+    config: &BenchConfig,
+    bin: &Path,
+    name: &str,
+) -> std::io::Result<(Proc, Option<taskgate::testing::TempDir>)> {
+    let (dir, guard) = data_dir(config, name)?;
+    let dir = dir.to_string_lossy().into_owned();
+    let server = Proc::start_exe(bin, &serve_args(&["--data-dir", dir.as_str()]))?;
+    Ok((server, guard))
+}
+
+/// Heartbeats for `tasks` of `{prefix}-0` to `{prefix}-{allocations-1}`,
+/// every `every`, on one connection, as their agents would send them,
+/// until stopped.
+struct Heartbeats {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<std::io::Result<u64>>,
+}
+
+impl Heartbeats {
+    fn start(
+        addr: SocketAddr,
+        prefix: &'static str,
+        allocations: usize,
+        tasks: &'static [&'static str],
+        every: Duration,
+    ) -> Self {
+        let (stop, mut stopped) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(async move {
+            let mut conn = Conn::open(addr).await?;
+            let mut sent = 0u64;
+            loop {
+                let began = Instant::now();
+                for a in 0..allocations {
+                    for t in tasks {
+                        let path = format!("/v1/allocations/{prefix}-{a}/tasks/{t}/heartbeat");
+                        let status = conn.call("PUT", &path, b"").await?;
+                        if status != 204 {
+                            return Err(std::io::Error::other(format!(
+                                "a heartbeat answered {status}: {}",
+                                String::from_utf8_lossy(&conn.body)
+                            )));
+                        }
+                        sent += 1;
+                    }
+                }
+                tokio::select! {
+                    _ = &mut stopped => return Ok(sent),
+                    () = tokio::time::sleep_until((began + every).into()) => {}
+                }
+            }
+        });
+        Self { stop, task }
+    }
+
+    /// Stops them; the heartbeats sent.
+    async fn stop(self) -> std::io::Result<u64> {
+        let _ = self.stop.send(());
+        self.task.await.map_err(std::io::Error::other)?
+    }
+}
+
+/// An error if any task of `{prefix}-0` to `{prefix}-{n-1}` was declared
+/// lost (the measured windows must not lose any: a loss is a write of its
+/// own and changes what the reports find).
+async fn none_lost(addr: SocketAddr, prefix: &str, n: usize) -> std::io::Result<()> {
+    let mut conn = Conn::open(addr).await?;
+    for i in 0..n {
+        let status = conn
+            .call("GET", &format!("/v1/allocations/{prefix}-{i}"), b"")
+            .await?;
+        let body = String::from_utf8_lossy(&conn.body);
+        if status != 200 || body.contains(r#""lost":true"#) {
+            return Err(std::io::Error::other(format!(
+                "{prefix}-{i}: a task was lost during the measurement ({status}): {body}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// One window of reports with events on a fresh durable server of `bin`:
+/// `--clients` allocations of `spec` (one per client) given full
+/// histories, then `--duration` of reports with an event on `web`. With
+/// `keep_alive`, the other four tasks' heartbeats go on meanwhile
+/// (every `HEARTBEAT_EVERY`), and no task may be lost by the end.
+async fn events_window(
+    config: &BenchConfig,
+    bin: &Path,
+    spec: &str,
+    keep_alive: bool,
+    name: &str,
+) -> std::io::Result<Outcome> {
+    let (server, _guard) = fresh_server(config, bin, "liveness-events")?;
+    let (addr, clients) = (server.addr, config.clients);
+    register(addr, "events", 0..clients, clients, spec).await?;
+    fill_histories(addr, "events", 0..clients, clients).await?;
+    let beats = keep_alive
+        .then(|| Heartbeats::start(addr, "events", clients, &QUIET_TASKS, HEARTBEAT_EVERY));
+    let o = drive(
+        name,
+        addr,
+        clients,
+        config.duration,
+        event_reports("events"),
+    )
+    .await?;
+    if let Some(beats) = beats {
+        beats.stop().await?;
+        none_lost(addr, "events", clients).await?;
+    }
+    Ok(o)
+}
+
+/// Issue 31: reports at most 5% slower with TTLs. Reports with events (as
+/// the `events` scenario sends them, on allocations with full
+/// histories), durable, on allocations whose five tasks all run under a
+/// 30 s TTL against the same without TTLs; fresh servers of this build,
+/// `ROUNDS` alternations. The four tasks the reports leave alone get
+/// heartbeats every 10 s on both sides (a heartbeat for a task without a
+/// TTL is taken and ignored), as their agents would send them.
+pub(super) async fn ttl_cost(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> {
+    let bin = super::server_bin()?;
+    let with = five_tasks_with_ttl(TTL);
+    let mut rows = Vec::new();
+    let mut rates: [Vec<f64>; 2] = Default::default();
+    let mut p99: [Vec<f64>; 2] = Default::default();
+    for round in 0..ROUNDS {
+        for ttl in order(round, &[false, true]) {
+            let (spec, what) = if ttl {
+                (with.as_str(), "every task under a 30 s TTL")
+            } else {
+                (FIVE_TASKS, "no TTL")
+            };
+            let name = format!(
+                "reports with events, durable, full histories, {what}, round {}",
+                round + 1
+            );
+            let o = events_window(config, &bin, spec, true, &name).await?;
+            rates[usize::from(ttl)].push(o.rate());
+            p99[usize::from(ttl)].push(o.pct(0.99));
+            rows.push(o);
+        }
+    }
+    let (without, with) = (median(&rates[0]), median(&rates[1]));
+    let note = format!(
+        "liveness, TTL cost: reports with events on {clients} five-task allocations with full \
+         histories, durable, fresh servers, {ROUNDS} alternations (medians): without TTLs \
+         {without:.0}/s ({}), every task under a {TTL} TTL {with:.0}/s ({}): {diff:+.1}% \
+         (target: no worse than -5%); p99 {p0:.2} → {p1:.2} ms. Heartbeats for the other four \
+         tasks every {every:?} on both sides; no task was lost.",
+        each(&rates[0]),
+        each(&rates[1]),
+        clients = config.clients,
+        diff = change(with, without),
+        p0 = median(&p99[0]),
+        p1 = median(&p99[1]),
+        every = HEARTBEAT_EVERY,
+    );
+    Ok((rows, note))
+}
+
+#[derive(Clone, Copy)]
+enum Load {
+    Heartbeats,
+    Reports,
+    EventsMinimal,
+}
+
+/// Issue 31: heartbeats at least 3× the rate of durable reports, same
+/// machine, same run. One durable server, `--clients` five-task
+/// allocations with every task under a 30 s TTL; `ROUNDS` alternations of
+/// heartbeats on `web` (running), durable reports as the `durable`
+/// scenario sends them, and reports with an event and `Prefer:
+/// return=minimal` as `taskgate agent` sends them.
+pub(super) async fn heartbeats(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> {
+    let bin = super::server_bin()?;
+    let (server, _guard) = fresh_server(config, &bin, "liveness-heartbeats")?;
+    let (addr, clients) = (server.addr, config.clients);
+    register(
+        addr,
+        "bench",
+        0..clients,
+        clients,
+        &five_tasks_with_ttl(TTL),
+    )
+    .await?;
+    let mut rows = Vec::new();
+    let mut rates: [Vec<f64>; 3] = Default::default();
+    let loads = [Load::Heartbeats, Load::Reports, Load::EventsMinimal];
+    for round in 0..ROUNDS {
+        for load in order(round, &loads) {
+            let round = round + 1;
+            let o = match load {
+                Load::Heartbeats => {
+                    // A task beats while it runs.
+                    let path = |i| format!("/v1/allocations/bench-{i}/tasks/web/state");
+                    let body = r#"{"state": "running"}"#.to_owned();
+                    put_each(addr, 0..clients, clients, path, body, &[200], "start").await?;
+                    drive(
+                        &format!("heartbeats (PUT .../heartbeat, 204), round {round}"),
+                        addr,
+                        clients,
+                        config.duration,
+                        |c, _| {
+                            let path = format!("/v1/allocations/bench-{c}/tasks/web/heartbeat");
+                            ("PUT", path, Vec::new())
+                        },
+                    )
+                    .await?
+                }
+                Load::Reports => {
+                    drive(
+                        &format!("reports, durable (as `durable`), round {round}"),
+                        addr,
+                        clients,
+                        config.duration,
+                        flip_web,
+                    )
+                    .await?
+                }
+                Load::EventsMinimal => {
+                    drive_with(
+                        &format!(
+                            "reports with an event, durable, return=minimal (as agents \
+                             send them), round {round}"
+                        ),
+                        &[addr],
+                        clients,
+                        config.duration,
+                        "Prefer: return=minimal\r\n",
+                        event_reports("bench"),
+                    )
+                    .await?
+                }
+            };
+            if o.errors > 0 {
+                return Err(std::io::Error::other(format!(
+                    "{}: {} answers were not 2xx",
+                    o.name, o.errors
+                )));
+            }
+            rates[load as usize].push(o.rate());
+            rows.push(o);
+        }
+    }
+    none_lost(addr, "bench", clients).await?;
+    let [beats, reports, agents] = [0, 1, 2].map(|i| median(&rates[i]));
+    let note = format!(
+        "liveness, heartbeats: one durable server, {clients} five-task allocations under a {TTL} \
+         TTL, {ROUNDS} alternations (medians): heartbeats {beats:.0}/s ({}), durable reports \
+         {reports:.0}/s ({}), reports with an event and return=minimal {agents:.0}/s ({}). \
+         Heartbeats per durable report: {r1:.2}× (target ≥ 3×); per report as agents send them: \
+         {r2:.2}×.",
+        each(&rates[0]),
+        each(&rates[1]),
+        each(&rates[2]),
+        clients = config.clients,
+        r1 = beats / reports,
+        r2 = beats / agents,
+    );
+    Ok((rows, note))
+}
+
+/// The server's CPU seconds (all its threads: request threads, store
+/// writer, checkpoints) split as request threads and the store's.
+fn server_cpu(server: &Proc) -> std::io::Result<(f64, f64)> {
+    let cpu = Cpu::sample(server.child.id())?;
+    Ok((cpu.requests, cpu.writer + cpu.checkpoint))
+}
+
+/// One side of the scale comparison.
+struct Side {
+    what: &'static str,
+    args: Vec<String>,
+    server: Option<Proc>,
+    measured: Measured,
+    lines: Vec<String>,
+    rss_kib: u64,
+    threads: usize,
+    idle: (f64, f64),
+    restarts: Vec<(Duration, u64, usize)>,
+}
+
+/// Issue 31: a million allocations with TTL'd tasks cost no timer per
+/// allocation, and reports on them at most 5% slower. Two durable servers
+/// of this build, each filled with `--liveness-allocations` five-task
+/// allocations (`init` dead, `proxy` running, `web` pending), one with
+/// every task under a 1 h TTL (so every allocation is in the timer heap
+/// and nothing is lost in the run): resident memory, threads, CPU while
+/// idle; reports spread over every allocation (the `scale` scenario's
+/// windows), the two servers in turns, each stopped (SIGSTOP) outside its
+/// own windows; restarts in turns.
+pub(super) async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> {
+    let size = config.liveness_allocations;
+    let clients = config.clients;
+    let (dir, _guard) = data_dir(config, "liveness-scale")?;
+    let long = five_tasks_with_ttl(LONG_TTL);
+    let mut sides = Vec::new();
+    for (i, (what, spec)) in [("no TTL", FIVE_TASKS), ("TTL", long.as_str())]
+        .into_iter()
+        .enumerate()
+    {
+        let d = dir.join(format!("side-{i}")).to_string_lossy().into_owned();
+        let args = serve_args(&["--data-dir", d.as_str()]);
+        let server = Proc::start(&args)?;
+        let addr = server.addr;
+        let started = Instant::now();
+        register(addr, "scale", 0..size, clients, spec).await?;
+        let registered = started.elapsed();
+        let rss_registered = server.rss_kib().unwrap_or(0);
+        let started = Instant::now();
+        let request = |i| {
+            let path = format!("/v1/allocations/scale-{i}/task-states");
+            ("POST", path, STARTED.to_owned())
+        };
+        send_each(addr, 0..size, clients, request, &[200], "starting").await?;
+        let reported = started.elapsed();
+        let rss_kib = server.rss_kib().unwrap_or(0);
+        let threads = server.threads().unwrap_or(0);
+        let mib = |kib: u64| kib as f64 / 1024.0;
+        let lines = vec![format!(
+            "- {what}: {size} allocations registered in {registered:.1?} ({r:.0} MiB resident), \
+             init dead and proxy running on each in {reported:.1?}: {s:.0} MiB resident \
+             ({per:.0} bytes per allocation), {threads} threads",
+            r = mib(rss_registered),
+            s = mib(rss_kib),
+            per = rss_kib as f64 * 1024.0 / size as f64,
+        )];
+        // Still while the other side fills and is measured.
+        server.signal(Signal::STOP)?;
+        sides.push(Side {
+            what,
+            args,
+            server: Some(server),
+            measured: Measured::new(size, clients),
+            lines,
+            rss_kib,
+            threads,
+            idle: (0.0, 0.0),
+            restarts: Vec::new(),
+        });
+    }
+
+    // Idle: both running, nothing sent, for ten seconds.
+    let idle_for = Duration::from_secs(10);
+    for side in &sides {
+        side.server
+            .as_ref()
+            .expect("running")
+            .signal(Signal::CONT)?;
+    }
+    let before: Vec<(f64, f64)> = sides
+        .iter()
+        .map(|s| server_cpu(s.server.as_ref().expect("running")))
+        .collect::<Result<_, _>>()?;
+    tokio::time::sleep(idle_for).await;
+    for (side, (req, store)) in sides.iter_mut().zip(before) {
+        let server = side.server.as_ref().expect("running");
+        let (r, s) = server_cpu(server)?;
+        side.idle = (r - req, s - store);
+        server.signal(Signal::STOP)?;
+    }
+
+    // Reports spread over every allocation, the sides in turns.
+    for round in 0..ROUNDS {
+        for i in order(round, &[0, 1]) {
+            let side = &mut sides[i];
+            let server = side.server.as_ref().expect("running");
+            server.signal(Signal::CONT)?;
+            let store = format!("durable, {}", side.what);
+            window(server, &mut side.measured, config, &store).await?;
+            server.signal(Signal::STOP)?;
+        }
+    }
+    let mut rows = Vec::new();
+    for side in &mut sides {
+        let server = side.server.take().expect("running");
+        server.signal(Signal::CONT)?;
+        none_lost(server.addr, "scale", 1).await?;
+        server.terminate()?;
+        rows.extend(side.measured.saturated.take());
+        rows.extend(side.measured.paced.take());
+    }
+
+    // Restarts in turns: each loads its store, the TTL side giving every
+    // running task a full TTL (a heap entry per allocation again).
+    for round in 0..ROUNDS {
+        for i in order(round, &[0, 1]) {
+            let side = &mut sides[i];
+            let started = Instant::now();
+            let server = Proc::start(&side.args)?;
+            let ready = healthy(&server, started).await?;
+            let rss = server.rss_kib().unwrap_or(0);
+            let threads = server.threads().unwrap_or(0);
+            side.restarts.push((ready, rss, threads));
+            server.terminate()?;
+        }
+    }
+
+    let rate = |s: &Side| median(&s.measured.windows.iter().map(|w| w.0).collect::<Vec<_>>());
+    let p99 = |s: &Side| median(&s.measured.windows.iter().map(|w| w.1).collect::<Vec<_>>());
+    let ready = |s: &Side| {
+        median(
+            &s.restarts
+                .iter()
+                .map(|r| r.0.as_secs_f64())
+                .collect::<Vec<_>>(),
+        )
+    };
+    let rss_restarted =
+        |s: &Side| median(&s.restarts.iter().map(|r| r.1 as f64).collect::<Vec<_>>());
+    let (a, b) = (&sides[0], &sides[1]);
+    let mut lines = vec![format!(
+        "liveness at scale: {size} five-task allocations on each of two durable servers, one \
+         with every task under a {LONG_TTL} TTL:"
+    )];
+    for side in &sides {
+        lines.extend(side.lines.iter().cloned());
+    }
+    for side in &sides {
+        let windows: Vec<String> = side
+            .measured
+            .windows
+            .iter()
+            .map(|(r, p)| format!("{r:.0}/s p99 {p:.2} ms"))
+            .collect();
+        let restarts: Vec<String> = side
+            .restarts
+            .iter()
+            .map(|(t, rss, th)| {
+                format!(
+                    "{:.2} s {:.0} MiB {th} threads",
+                    t.as_secs_f64(),
+                    *rss as f64 / 1024.0
+                )
+            })
+            .collect();
+        lines.push(format!(
+            "- {}: idle 10 s: {:.2} s CPU in request threads, {:.2} s in the store's; \
+             report windows: {}; restarts: {}",
+            side.what,
+            side.idle.0,
+            side.idle.1,
+            windows.join(", "),
+            restarts.join(", "),
+        ));
+    }
+    lines.push(format!(
+        "- with TTLs against without: resident {d:+.0} bytes per allocation serving \
+         ({ra:.0} → {rb:.0} MiB), {rd:+.0} bytes after a restart; threads {ta} → {tb}; reports \
+         (medians of {ROUNDS} windows) {wa:.0} → {wb:.0}/s ({dw:+.1}%; target: no worse than \
+         -5%), p99 {pa:.2} → {pb:.2} ms; restart to healthy {ha:.2} → {hb:.2} s",
+        d = (b.rss_kib as f64 - a.rss_kib as f64) * 1024.0 / size as f64,
+        ra = a.rss_kib as f64 / 1024.0,
+        rb = b.rss_kib as f64 / 1024.0,
+        rd = (rss_restarted(b) - rss_restarted(a)) * 1024.0 / size as f64,
+        ta = a.threads,
+        tb = b.threads,
+        wa = rate(a),
+        wb = rate(b),
+        dw = change(rate(b), rate(a)),
+        pa = p99(a),
+        pb = p99(b),
+        ha = ready(a),
+        hb = ready(b),
+    ));
+    lines.push(
+        "- the server exposes no metric of its timer heap (`Registry::timer_entries` is not \
+         in /metrics): the heap's size is not read here"
+            .to_owned(),
+    );
+    Ok((rows, lines.join("\n")))
+}
+
+/// Issue 31: allocations without the new fields cost what they cost
+/// before the third edition. Fresh durable servers of
+/// `--base-server-bin` and of this build in turns, `ROUNDS` times: durable
+/// reports as the `durable` scenario sends them, then reports with events
+/// on allocations with full histories (as `events`, on `--clients`
+/// allocations).
+pub(super) async fn versus_base(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> {
+    let base = config.base_server_bin.clone().ok_or_else(|| {
+        std::io::Error::other("liveness-base needs --base-server-bin (the build to compare with)")
+    })?;
+    let this = super::server_bin()?;
+    let bins = [
+        (base.as_path(), "base build"),
+        (this.as_path(), "this build"),
+    ];
+    let mut rows = Vec::new();
+    let mut rates: [[Vec<f64>; 2]; 2] = Default::default();
+    for round in 0..ROUNDS {
+        for side in order(round, &[0usize, 1]) {
+            let (bin, what) = bins[side];
+            let (server, _guard) = fresh_server(config, bin, "liveness-base")?;
+            let (addr, clients) = (server.addr, config.clients);
+            register(addr, "bench", 0..clients, clients, FIVE_TASKS).await?;
+            let name = format!("reports, durable, {what}, round {}", round + 1);
+            let o = drive(&name, addr, clients, config.duration, flip_web).await?;
+            rates[0][side].push(o.rate());
+            rows.push(o);
+            drop(server);
+            let name = format!(
+                "reports with events, durable, full histories, {what}, round {}",
+                round + 1
+            );
+            let o = events_window(config, bin, FIVE_TASKS, false, &name).await?;
+            rates[1][side].push(o.rate());
+            rows.push(o);
+        }
+    }
+    let line = |what: &str, r: &[Vec<f64>; 2]| {
+        let (b, t) = (median(&r[0]), median(&r[1]));
+        format!(
+            "{what}: base {b:.0}/s ({}), this build {t:.0}/s ({}): {:+.1}%",
+            each(&r[0]),
+            each(&r[1]),
+            change(t, b)
+        )
+    };
+    let note = format!(
+        "liveness, allocations without the new fields against {} ({ROUNDS} alternations, \
+         medians, fresh durable servers):\n- {}\n- {}",
+        base.display(),
+        line("durable reports", &rates[0]),
+        line("reports with events, full histories", &rates[1]),
+    );
+    Ok((rows, note))
+}
