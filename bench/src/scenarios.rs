@@ -18,6 +18,7 @@ use std::{
 
 use clap::Args;
 
+mod dependencies;
 mod etcd;
 mod liveness;
 mod versus_etcd;
@@ -47,7 +48,8 @@ pub struct BenchConfig {
     /// API, alternated three times); the last two need etcd and etcdctl on
     /// the PATH; liveness (what TTLs cost: liveness-ttl,
     /// liveness-heartbeats, liveness-scale, and liveness-base with
-    /// --base-server-bin).
+    /// --base-server-bin) and dependencies (dependencies-wake, and
+    /// dependencies-base with --base-server-bin).
     #[arg(
         long,
         value_delimiter = ',',
@@ -110,7 +112,7 @@ pub struct BenchConfig {
     #[arg(long, env = "TASKGATE_BIN")]
     pub server_bin: Option<PathBuf>,
     /// A second service binary, the build to compare against: the
-    /// liveness-base scenario alternates servers of
+    /// liveness-base and dependencies-base scenarios alternate servers of
     /// it with servers of `--server-bin` (e.g. the build before a change,
     /// from a `git worktree` of its commit).
     #[arg(long, env = "TASKGATE_BASE_BIN")]
@@ -119,6 +121,16 @@ pub struct BenchConfig {
     /// servers with, one with every task under a TTL and one without.
     #[arg(long, default_value_t = 1_000_000)]
     pub liveness_allocations: usize,
+    /// Dependent allocations in the dependencies scenario, each with one
+    /// start-condition long-poll parked (one connection each: mind the
+    /// open-files limit, `ulimit -n`, and the server's `--max-waiters`
+    /// and `--max-connections`).
+    #[arg(long, default_value_t = 10_000)]
+    pub dependents: usize,
+    /// Target allocations the dependents are spread over (each dependent
+    /// depends on one target's task).
+    #[arg(long, default_value_t = 100)]
+    pub dependency_targets: usize,
     /// Where the durable scenarios keep their data (a fresh temporary
     /// directory per scenario by default).
     #[arg(long)]
@@ -846,6 +858,20 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
                 for (rows, note) in parts {
                     outcomes.extend(rows);
                     notes.push(note);
+                }
+            }
+            "dependencies" | "dependencies-wake" | "dependencies-base" => {
+                if scenario != "dependencies-base" {
+                    notes.push(dependencies::wake(&config).await?);
+                }
+                if scenario == "dependencies-base"
+                    || (scenario == "dependencies" && config.base_server_bin.is_some())
+                {
+                    let (rows, note) = dependencies::versus_base(&config).await?;
+                    outcomes.extend(rows);
+                    notes.push(note);
+                } else if scenario == "dependencies" {
+                    notes.push("dependencies-base skipped: no --base-server-bin".into());
                 }
             }
             "scale" => {
