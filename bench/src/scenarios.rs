@@ -776,8 +776,9 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
     }
     let mut outcomes: Vec<Outcome> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
+    let load_before = load_average();
     for scenario in &config.scenarios {
-        eprintln!("bench: {scenario} ...");
+        eprintln!("bench: {scenario} ... (load average {})", load_average());
         match scenario.as_str() {
             "ceiling" => {
                 let server =
@@ -889,10 +890,13 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
         .find(|o| o.name.starts_with("ceiling"))
         .map(Outcome::rate);
     println!(
-        "\n{} clients, {:?} per scenario, {} cores\n",
+        "\n{} clients, {:?} per scenario, {} cores; load average (1, 5, 15 min) {} at the \
+         start, {} at the end\n",
         config.clients,
         config.duration,
-        std::thread::available_parallelism().map_or(0, |n| n.get())
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        load_before,
+        load_average(),
     );
     println!("| scenario | requests | errors | req/s | p50 ms | p99 ms | max ms | of ceiling |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
@@ -914,6 +918,15 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
         println!("\n{n}");
     }
     Ok(())
+}
+
+/// The machine's load averages over 1, 5 and 15 minutes (`/proc/loadavg`):
+/// how busy the shared cores were besides the benchmark.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg").map_or_else(
+        |_| "unknown".to_owned(),
+        |l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "),
+    )
 }
 
 /// Registers many allocations on a durable server, stops it, and measures
