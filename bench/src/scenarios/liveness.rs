@@ -165,52 +165,82 @@ async fn none_lost(addr: SocketAddr, prefix: &str, n: usize) -> std::io::Result<
     Ok(())
 }
 
-/// One window of reports with events on a fresh durable server of `bin`:
-/// `--clients` allocations of `spec` (one per client) given full
-/// histories, then `--duration` of reports with an event on `web`. With
-/// `keep_alive`, the other four tasks' heartbeats go on meanwhile
-/// (every `HEARTBEAT_EVERY`), and no task may be lost by the end.
-async fn events_window(
+/// Reports with events on a fresh durable server of `bin`: `--clients`
+/// allocations of `spec` (one per client) given full histories, then
+/// `--duration` of reports with an event on `web` with full answers, and
+/// as long again with `Prefer: return=minimal` (as `taskgate agent`
+/// sends them). With `keep_alive`, the other four tasks' heartbeats go on
+/// meanwhile (every `HEARTBEAT_EVERY`), and no task may be lost by the
+/// end. The two outcomes are named `name` with ", full answers" and ",
+/// return=minimal".
+async fn events_windows(
     config: &BenchConfig,
     bin: &Path,
     spec: &str,
     keep_alive: bool,
     name: &str,
-) -> std::io::Result<Outcome> {
+) -> std::io::Result<Vec<Outcome>> {
     let (server, _guard) = fresh_server(config, bin, "liveness-events")?;
     let (addr, clients) = (server.addr, config.clients);
     register(addr, "events", 0..clients, clients, spec).await?;
     fill_histories(addr, "events", 0..clients, clients).await?;
     let beats = keep_alive
         .then(|| Heartbeats::start(addr, "events", clients, &QUIET_TASKS, HEARTBEAT_EVERY));
-    let o = drive(
-        name,
-        addr,
-        clients,
-        config.duration,
-        event_reports("events"),
-    )
-    .await?;
+    let mut out = Vec::new();
+    for (what, headers) in [
+        ("full answers", ""),
+        ("return=minimal", "Prefer: return=minimal\r\n"),
+    ] {
+        let o = drive_with(
+            &format!("{name}, {what}"),
+            &[addr],
+            clients,
+            config.duration,
+            headers,
+            event_reports("events"),
+        )
+        .await?;
+        if o.errors > 0 {
+            return Err(std::io::Error::other(format!(
+                "{}: {} answers were not 2xx",
+                o.name, o.errors
+            )));
+        }
+        out.push(o);
+    }
     if let Some(beats) = beats {
         beats.stop().await?;
         none_lost(addr, "events", clients).await?;
     }
-    Ok(o)
+    Ok(out)
+}
+
+/// The size of a five-task allocation's view with full histories (what a
+/// report's full answer carries) on a server of `bin`, for `spec`.
+async fn view_bytes(config: &BenchConfig, bin: &Path, spec: &str) -> std::io::Result<usize> {
+    let (server, _guard) = fresh_server(config, bin, "liveness-view")?;
+    register(server.addr, "events", 0..1, 1, spec).await?;
+    fill_histories(server.addr, "events", 0..1, 1).await?;
+    let mut conn = Conn::open(server.addr).await?;
+    conn.call("GET", "/v1/allocations/events-0", b"").await?;
+    Ok(conn.body.len())
 }
 
 /// Issue 31: reports at most 5% slower with TTLs. Reports with events (as
 /// the `events` scenario sends them, on allocations with full
 /// histories), durable, on allocations whose five tasks all run under a
 /// 30 s TTL against the same without TTLs; fresh servers of this build,
-/// `ROUNDS` alternations. The four tasks the reports leave alone get
-/// heartbeats every 10 s on both sides (a heartbeat for a task without a
-/// TTL is taken and ignored), as their agents would send them.
+/// `ROUNDS` alternations; full answers, then minimal ones. The four tasks
+/// the reports leave alone get heartbeats every 10 s on both sides (a
+/// heartbeat for a task without a TTL is taken and ignored), as their
+/// agents would send them.
 pub(super) async fn ttl_cost(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> {
     let bin = super::server_bin()?;
     let with = five_tasks_with_ttl(TTL);
     let mut rows = Vec::new();
-    let mut rates: [Vec<f64>; 2] = Default::default();
-    let mut p99: [Vec<f64>; 2] = Default::default();
+    // [no TTL, TTL] × [full, minimal]
+    let mut rates: [[Vec<f64>; 2]; 2] = Default::default();
+    let mut p99: [[Vec<f64>; 2]; 2] = Default::default();
     for round in 0..ROUNDS {
         for ttl in order(round, &[false, true]) {
             let (spec, what) = if ttl {
@@ -222,25 +252,40 @@ pub(super) async fn ttl_cost(config: &BenchConfig) -> std::io::Result<(Vec<Outco
                 "reports with events, durable, full histories, {what}, round {}",
                 round + 1
             );
-            let o = events_window(config, &bin, spec, true, &name).await?;
-            rates[usize::from(ttl)].push(o.rate());
-            p99[usize::from(ttl)].push(o.pct(0.99));
-            rows.push(o);
+            let side = usize::from(ttl);
+            for (answer, o) in events_windows(config, &bin, spec, true, &name)
+                .await?
+                .into_iter()
+                .enumerate()
+            {
+                rates[side][answer].push(o.rate());
+                p99[side][answer].push(o.pct(0.99));
+                rows.push(o);
+            }
         }
     }
-    let (without, with) = (median(&rates[0]), median(&rates[1]));
+    let sizes = (
+        view_bytes(config, &bin, FIVE_TASKS).await?,
+        view_bytes(config, &bin, &with).await?,
+    );
+    let line = |answer: usize, what: &str| {
+        let (without, with) = (median(&rates[0][answer]), median(&rates[1][answer]));
+        format!(
+            "- {what}: without TTLs {without:.0}/s ({}), every task under a {TTL} TTL              {with:.0}/s ({}): {diff:+.1}% (target: no worse than -5%); p99 {p0:.2} →              {p1:.2} ms",
+            each(&rates[0][answer]),
+            each(&rates[1][answer]),
+            diff = change(with, without),
+            p0 = median(&p99[0][answer]),
+            p1 = median(&p99[1][answer]),
+        )
+    };
     let note = format!(
-        "liveness, TTL cost: reports with events on {clients} five-task allocations with full \
-         histories, durable, fresh servers, {ROUNDS} alternations (medians): without TTLs \
-         {without:.0}/s ({}), every task under a {TTL} TTL {with:.0}/s ({}): {diff:+.1}% \
-         (target: no worse than -5%); p99 {p0:.2} → {p1:.2} ms. Heartbeats for the other four \
-         tasks every {every:?} on both sides; no task was lost.",
-        each(&rates[0]),
-        each(&rates[1]),
+        "liveness, TTL cost: reports with events on {clients} five-task allocations with full          histories, durable, fresh servers, {ROUNDS} alternations (medians); heartbeats for          the other four tasks every {every:?} on both sides; no task was lost:\n{}\n{}\n         - a full answer (the allocation's view) is {} bytes without TTLs, {} with them",
+        line(0, "full answers"),
+        line(1, "return=minimal"),
+        sizes.0,
+        sizes.1,
         clients = config.clients,
-        diff = change(with, without),
-        p0 = median(&p99[0]),
-        p1 = median(&p99[1]),
         every = HEARTBEAT_EVERY,
     );
     Ok((rows, note))
@@ -564,7 +609,7 @@ pub(super) async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>
 /// `--base-server-bin` and of this build in turns, `ROUNDS` times: durable
 /// reports as the `durable` scenario sends them, then reports with events
 /// on allocations with full histories (as `events`, on `--clients`
-/// allocations).
+/// allocations), with full answers and with minimal ones.
 pub(super) async fn versus_base(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> {
     let base = config.base_server_bin.clone().ok_or_else(|| {
         std::io::Error::other("liveness-base needs --base-server-bin (the build to compare with)")
@@ -575,7 +620,8 @@ pub(super) async fn versus_base(config: &BenchConfig) -> std::io::Result<(Vec<Ou
         (this.as_path(), "this build"),
     ];
     let mut rows = Vec::new();
-    let mut rates: [[Vec<f64>; 2]; 2] = Default::default();
+    // [plain, events full, events minimal] × [base, this]
+    let mut rates: [[Vec<f64>; 2]; 3] = Default::default();
     for round in 0..ROUNDS {
         for side in order(round, &[0usize, 1]) {
             let (bin, what) = bins[side];
@@ -591,9 +637,11 @@ pub(super) async fn versus_base(config: &BenchConfig) -> std::io::Result<(Vec<Ou
                 "reports with events, durable, full histories, {what}, round {}",
                 round + 1
             );
-            let o = events_window(config, bin, FIVE_TASKS, false, &name).await?;
-            rates[1][side].push(o.rate());
-            rows.push(o);
+            let windows = events_windows(config, bin, FIVE_TASKS, false, &name).await?;
+            for (answer, o) in windows.into_iter().enumerate() {
+                rates[1 + answer][side].push(o.rate());
+                rows.push(o);
+            }
         }
     }
     let line = |what: &str, r: &[Vec<f64>; 2]| {
@@ -607,10 +655,17 @@ pub(super) async fn versus_base(config: &BenchConfig) -> std::io::Result<(Vec<Ou
     };
     let note = format!(
         "liveness, allocations without the new fields against {} ({ROUNDS} alternations, \
-         medians, fresh durable servers):\n- {}\n- {}",
+         medians, fresh durable servers):\n- {}\n- {}\n- {}\n- a full answer (the \
+         allocation's view with full histories) is {} bytes on the base build, {} on this one",
         base.display(),
         line("durable reports", &rates[0]),
-        line("reports with events, full histories", &rates[1]),
+        line(
+            "reports with events, full histories, full answers",
+            &rates[1]
+        ),
+        line("the same, return=minimal", &rates[2]),
+        view_bytes(config, &base, FIVE_TASKS).await?,
+        view_bytes(config, &this, FIVE_TASKS).await?,
     );
     Ok((rows, note))
 }
