@@ -117,6 +117,11 @@ pub struct BenchConfig {
     /// from a `git worktree` of its commit).
     #[arg(long, env = "TASKGATE_BASE_BIN")]
     pub base_server_bin: Option<PathBuf>,
+    /// Alternations of each side in the liveness and dependencies
+    /// comparisons (medians of them are reported); on a busy machine more
+    /// rounds of a shorter `--duration` follow its load better.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub rounds: u32,
     /// Allocations (of five tasks) the liveness-scale scenario fills two
     /// servers with, one with every task under a TTL and one without.
     #[arg(long, default_value_t = 1_000_000)]
@@ -423,6 +428,36 @@ where
     }
     out.latencies_us.sort_unstable();
     Ok(out)
+}
+
+/// `drive_with` on `server` alone, and the server's CPU time (all its
+/// threads, user and system) per answered request over the measured
+/// window, in µs: a cost the other work on a shared machine moves far
+/// less than it moves a rate.
+pub(super) async fn drive_cpu<F>(
+    name: &str,
+    server: &Proc,
+    clients: usize,
+    duration: Duration,
+    headers: &'static str,
+    request: F,
+) -> std::io::Result<(Outcome, f64)>
+where
+    F: Fn(usize, u64) -> (&'static str, String, Vec<u8>) + Send + Sync + Clone + 'static,
+{
+    let (pid, from) = (server.child.id(), tokio::time::Instant::now());
+    // The window drive_with counts: after its one-second warm-up.
+    let cpu = tokio::spawn(async move {
+        let total = |c: Cpu| c.requests + c.writer + c.checkpoint;
+        tokio::time::sleep_until(from + Duration::from_secs(1)).await;
+        let start = Cpu::sample(pid)?;
+        tokio::time::sleep_until(from + Duration::from_secs(1) + duration).await;
+        Ok::<_, std::io::Error>(total(Cpu::sample(pid)?.since(start)))
+    });
+    let o = drive_with(name, &[server.addr], clients, duration, headers, request).await?;
+    let seconds = cpu.await.map_err(std::io::Error::other)??;
+    let us = seconds * 1e6 / o.requests.max(1) as f64;
+    Ok((o, us))
 }
 
 /// Sends `request(c, n)` on `conns` keep-alive connections at `rate`

@@ -14,8 +14,8 @@
 use std::time::{Duration, Instant};
 
 use super::{
-    BenchConfig, Conn, FIVE_TASKS, Outcome, Proc, data_dir, drive, flip_web,
-    liveness::{ROUNDS, change, each, fresh_server, median, order},
+    BenchConfig, Conn, FIVE_TASKS, Outcome, Proc, data_dir, drive_cpu, flip_web,
+    liveness::{Compared, fresh_server, order},
     metric, percentile, register, send_each, serve_args,
 };
 
@@ -202,8 +202,8 @@ pub(super) async fn wake(config: &BenchConfig) -> std::io::Result<String> {
 }
 
 /// Issue 35: reports on allocations without dependencies are not slower
-/// than before. Fresh durable servers in turns, `ROUNDS` times: the base
-/// build and this build holding `--dependency-targets` +
+/// than before. Fresh durable servers in turns, `--rounds` times: the
+/// base build and this build holding `--dependency-targets` +
 /// `--dependents` allocations without dependencies, and this build holding
 /// the same as a dependency graph (the reverse index filled); on each,
 /// durable reports as the `durable` scenario sends them, on `--clients`
@@ -216,14 +216,15 @@ pub(super) async fn versus_base(config: &BenchConfig) -> std::io::Result<(Vec<Ou
     })?;
     let this = super::server_bin()?;
     let (targets, dependents) = (config.dependency_targets.max(1), config.dependents);
+    let rounds = config.rounds as usize;
     let sides = [
         (base.as_path(), false, "base build"),
         (this.as_path(), false, "this build"),
         (this.as_path(), true, "this build, dependency graph held"),
     ];
     let mut rows = Vec::new();
-    let mut rates: [Vec<f64>; 3] = Default::default();
-    for round in 0..ROUNDS {
+    let mut seen: [Compared; 3] = Default::default();
+    for round in 0..rounds {
         for side in order(round, &[0usize, 1, 2]) {
             let (bin, deps, what) = sides[side];
             let (server, _guard) = fresh_server(config, bin, "dependencies-base")?;
@@ -236,23 +237,23 @@ pub(super) async fn versus_base(config: &BenchConfig) -> std::io::Result<(Vec<Ou
             }
             register(addr, "bench", 0..clients, clients, FIVE_TASKS).await?;
             let name = format!("reports, durable, {what}, round {}", round + 1);
-            let o = drive(&name, addr, clients, config.duration, flip_web).await?;
-            rates[side].push(o.rate());
+            let (o, cpu) =
+                drive_cpu(&name, &server, clients, config.duration, "", flip_web).await?;
+            seen[side].push(&o, cpu)?;
             rows.push(o);
         }
     }
-    let [b, t, g] = [0, 1, 2].map(|i| median(&rates[i]));
+    let [b, t, g] = &seen;
     let note = format!(
-        "dependencies, reports on allocations without dependencies against {} ({ROUNDS} \
-         alternations, medians, fresh durable servers each holding {n} other allocations): \
-         base {b:.0}/s ({}), this build {t:.0}/s ({}, {:+.1}%), this build with them a \
-         dependency graph ({dependents} dependents on {targets} targets) {g:.0}/s ({}, {:+.1}%)",
+        "dependencies, reports on allocations without dependencies against {} ({rounds} \
+         alternations, medians, fresh durable servers each holding {n} other allocations):\n\
+         - {}\n- {}: {}\n- {} ({dependents} dependents on {targets} targets): {}",
         base.display(),
-        each(&rates[0]),
-        each(&rates[1]),
-        change(t, b),
-        each(&rates[2]),
-        change(g, b),
+        b.describe("base"),
+        t.describe("this build"),
+        Compared::versus(b, t),
+        g.describe("this build, the others a dependency graph"),
+        Compared::versus(b, g),
         n = targets + dependents,
     );
     Ok((rows, note))

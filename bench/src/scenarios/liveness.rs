@@ -3,7 +3,7 @@
 //!
 //! - `liveness-ttl`: reports with events on allocations whose tasks all
 //!   run under a TTL against the same workload without TTLs, same build,
-//!   durable, alternated `ROUNDS` times on fresh servers.
+//!   durable, alternated `--rounds` times on fresh servers.
 //! - `liveness-heartbeats`: `PUT .../heartbeat` against durable reports on
 //!   one server, alternated.
 //! - `liveness-scale`: `--liveness-allocations` five-task allocations on
@@ -22,13 +22,11 @@ use std::{
 use rustix::process::Signal;
 
 use super::{
-    BenchConfig, Conn, Cpu, FIVE_TASKS, Measured, Outcome, Proc, data_dir, drive, drive_with,
+    BenchConfig, Conn, Cpu, FIVE_TASKS, Measured, Outcome, Proc, data_dir, drive_cpu,
     event_reports, fill_histories, flip_web, healthy, put_each, register, send_each, serve_args,
     window,
 };
 
-/// Alternations of each comparison.
-pub(super) const ROUNDS: usize = 3;
 /// The TTL of the measured windows (lifecycle.md's example).
 const TTL: &str = "30s";
 /// How often the agents of the tasks a window does not report on give a
@@ -55,21 +53,74 @@ pub(super) fn five_tasks_with_ttl(ttl: &str) -> String {
     spec.to_string()
 }
 
-pub(super) fn median(xs: &[f64]) -> f64 {
+fn median(xs: &[f64]) -> f64 {
     let mut v = xs.to_vec();
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// Each round's value, as `a / b / c`.
-pub(super) fn each(xs: &[f64]) -> String {
+fn each(xs: &[f64]) -> String {
     let all: Vec<String> = xs.iter().map(|x| format!("{x:.0}")).collect();
     all.join(" / ")
 }
 
 /// `a` against `b` in percent (+: `a` is larger).
-pub(super) fn change(a: f64, b: f64) -> f64 {
+fn change(a: f64, b: f64) -> f64 {
     100.0 * (a / b - 1.0)
+}
+
+/// What one kind of window measured on one side, over the rounds.
+#[derive(Default)]
+pub(super) struct Compared {
+    rates: Vec<f64>,
+    cpu_us: Vec<f64>,
+    p99: Vec<f64>,
+}
+
+impl Compared {
+    /// A window and its server's CPU per request (µs); an error if any
+    /// answer was not 2xx.
+    pub(super) fn push(&mut self, o: &Outcome, cpu_us: f64) -> std::io::Result<()> {
+        if o.errors > 0 {
+            return Err(std::io::Error::other(format!(
+                "{}: {} answers were not 2xx",
+                o.name, o.errors
+            )));
+        }
+        self.rates.push(o.rate());
+        self.cpu_us.push(cpu_us);
+        self.p99.push(o.pct(0.99));
+        Ok(())
+    }
+
+    pub(super) fn rate(&self) -> f64 {
+        median(&self.rates)
+    }
+
+    pub(super) fn cpu_us(&self) -> f64 {
+        median(&self.cpu_us)
+    }
+
+    /// "`what`: rate (each round), CPU per request, p99", medians.
+    pub(super) fn describe(&self, what: &str) -> String {
+        format!(
+            "{what} {r:.0}/s ({}), {c:.1} µs of server CPU per request, p99 {p:.2} ms",
+            each(&self.rates),
+            r = self.rate(),
+            c = self.cpu_us(),
+            p = median(&self.p99),
+        )
+    }
+
+    /// `b` against `a`: "rate ±x%, CPU per request ±y%".
+    pub(super) fn versus(a: &Self, b: &Self) -> String {
+        format!(
+            "rate {:+.1}%, CPU per request {:+.1}%",
+            change(b.rate(), a.rate()),
+            change(b.cpu_us(), a.cpu_us())
+        )
+    }
 }
 
 /// The order of two sides in round `round`: ABBA..., so a machine that
@@ -171,15 +222,15 @@ async fn none_lost(addr: SocketAddr, prefix: &str, n: usize) -> std::io::Result<
 /// as long again with `Prefer: return=minimal` (as `taskgate agent`
 /// sends them). With `keep_alive`, the other four tasks' heartbeats go on
 /// meanwhile (every `HEARTBEAT_EVERY`), and no task may be lost by the
-/// end. The two outcomes are named `name` with ", full answers" and ",
-/// return=minimal".
+/// end. The two outcomes (named `name` with ", full answers" and ",
+/// return=minimal") with the server's CPU per request.
 async fn events_windows(
     config: &BenchConfig,
     bin: &Path,
     spec: &str,
     keep_alive: bool,
     name: &str,
-) -> std::io::Result<Vec<Outcome>> {
+) -> std::io::Result<Vec<(Outcome, f64)>> {
     let (server, _guard) = fresh_server(config, bin, "liveness-events")?;
     let (addr, clients) = (server.addr, config.clients);
     register(addr, "events", 0..clients, clients, spec).await?;
@@ -191,22 +242,17 @@ async fn events_windows(
         ("full answers", ""),
         ("return=minimal", "Prefer: return=minimal\r\n"),
     ] {
-        let o = drive_with(
-            &format!("{name}, {what}"),
-            &[addr],
-            clients,
-            config.duration,
-            headers,
-            event_reports("events"),
-        )
-        .await?;
-        if o.errors > 0 {
-            return Err(std::io::Error::other(format!(
-                "{}: {} answers were not 2xx",
-                o.name, o.errors
-            )));
-        }
-        out.push(o);
+        out.push(
+            drive_cpu(
+                &format!("{name}, {what}"),
+                &server,
+                clients,
+                config.duration,
+                headers,
+                event_reports("events"),
+            )
+            .await?,
+        );
     }
     if let Some(beats) = beats {
         beats.stop().await?;
@@ -230,18 +276,18 @@ async fn view_bytes(config: &BenchConfig, bin: &Path, spec: &str) -> std::io::Re
 /// the `events` scenario sends them, on allocations with full
 /// histories), durable, on allocations whose five tasks all run under a
 /// 30 s TTL against the same without TTLs; fresh servers of this build,
-/// `ROUNDS` alternations; full answers, then minimal ones. The four tasks
-/// the reports leave alone get heartbeats every 10 s on both sides (a
-/// heartbeat for a task without a TTL is taken and ignored), as their
+/// `--rounds` alternations; full answers, then minimal ones. The four
+/// tasks the reports leave alone get heartbeats every 10 s on both sides
+/// (a heartbeat for a task without a TTL is taken and ignored), as their
 /// agents would send them.
 pub(super) async fn ttl_cost(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> {
     let bin = super::server_bin()?;
     let with = five_tasks_with_ttl(TTL);
+    let rounds = config.rounds as usize;
     let mut rows = Vec::new();
     // [no TTL, TTL] × [full, minimal]
-    let mut rates: [[Vec<f64>; 2]; 2] = Default::default();
-    let mut p99: [[Vec<f64>; 2]; 2] = Default::default();
-    for round in 0..ROUNDS {
+    let mut seen: [[Compared; 2]; 2] = Default::default();
+    for round in 0..rounds {
         for ttl in order(round, &[false, true]) {
             let (spec, what) = if ttl {
                 (with.as_str(), "every task under a 30 s TTL")
@@ -253,13 +299,9 @@ pub(super) async fn ttl_cost(config: &BenchConfig) -> std::io::Result<(Vec<Outco
                 round + 1
             );
             let side = usize::from(ttl);
-            for (answer, o) in events_windows(config, &bin, spec, true, &name)
-                .await?
-                .into_iter()
-                .enumerate()
-            {
-                rates[side][answer].push(o.rate());
-                p99[side][answer].push(o.pct(0.99));
+            let windows = events_windows(config, &bin, spec, true, &name).await?;
+            for (answer, (o, cpu)) in windows.into_iter().enumerate() {
+                seen[side][answer].push(&o, cpu)?;
                 rows.push(o);
             }
         }
@@ -269,18 +311,19 @@ pub(super) async fn ttl_cost(config: &BenchConfig) -> std::io::Result<(Vec<Outco
         view_bytes(config, &bin, &with).await?,
     );
     let line = |answer: usize, what: &str| {
-        let (without, with) = (median(&rates[0][answer]), median(&rates[1][answer]));
+        let [without, with] = [&seen[0][answer], &seen[1][answer]];
         format!(
-            "- {what}: without TTLs {without:.0}/s ({}), every task under a {TTL} TTL              {with:.0}/s ({}): {diff:+.1}% (target: no worse than -5%); p99 {p0:.2} →              {p1:.2} ms",
-            each(&rates[0][answer]),
-            each(&rates[1][answer]),
-            diff = change(with, without),
-            p0 = median(&p99[0][answer]),
-            p1 = median(&p99[1][answer]),
+            "- {what}: {}; {}: {} (target: rate no worse than -5%)",
+            without.describe("without TTLs"),
+            with.describe(&format!("every task under a {TTL} TTL")),
+            Compared::versus(without, with),
         )
     };
     let note = format!(
-        "liveness, TTL cost: reports with events on {clients} five-task allocations with full          histories, durable, fresh servers, {ROUNDS} alternations (medians); heartbeats for          the other four tasks every {every:?} on both sides; no task was lost:\n{}\n{}\n         - a full answer (the allocation's view) is {} bytes without TTLs, {} with them",
+        "liveness, TTL cost: reports with events on {clients} five-task allocations with full \
+         histories, durable, fresh servers, {rounds} alternations (medians); heartbeats for the \
+         other four tasks every {every:?} on both sides; no task was lost:\n{}\n{}\n- a full \
+         answer (the allocation's view) is {} bytes without TTLs, {} with them",
         line(0, "full answers"),
         line(1, "return=minimal"),
         sizes.0,
@@ -300,14 +343,15 @@ enum Load {
 
 /// Issue 31: heartbeats at least 3× the rate of durable reports, same
 /// machine, same run. One durable server, `--clients` five-task
-/// allocations with every task under a 30 s TTL; `ROUNDS` alternations of
-/// heartbeats on `web` (running), durable reports as the `durable`
+/// allocations with every task under a 30 s TTL; `--rounds` alternations
+/// of heartbeats on `web` (running), durable reports as the `durable`
 /// scenario sends them, and reports with an event and `Prefer:
 /// return=minimal` as `taskgate agent` sends them.
 pub(super) async fn heartbeats(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> {
     let bin = super::server_bin()?;
     let (server, _guard) = fresh_server(config, &bin, "liveness-heartbeats")?;
     let (addr, clients) = (server.addr, config.clients);
+    let rounds = config.rounds as usize;
     register(
         addr,
         "bench",
@@ -317,22 +361,23 @@ pub(super) async fn heartbeats(config: &BenchConfig) -> std::io::Result<(Vec<Out
     )
     .await?;
     let mut rows = Vec::new();
-    let mut rates: [Vec<f64>; 3] = Default::default();
+    let mut seen: [Compared; 3] = Default::default();
     let loads = [Load::Heartbeats, Load::Reports, Load::EventsMinimal];
-    for round in 0..ROUNDS {
+    for round in 0..rounds {
         for load in order(round, &loads) {
             let round = round + 1;
-            let o = match load {
+            let (o, cpu) = match load {
                 Load::Heartbeats => {
                     // A task beats while it runs.
                     let path = |i| format!("/v1/allocations/bench-{i}/tasks/web/state");
                     let body = r#"{"state": "running"}"#.to_owned();
                     put_each(addr, 0..clients, clients, path, body, &[200], "start").await?;
-                    drive(
+                    drive_cpu(
                         &format!("heartbeats (PUT .../heartbeat, 204), round {round}"),
-                        addr,
+                        &server,
                         clients,
                         config.duration,
+                        "",
                         |c, _| {
                             let path = format!("/v1/allocations/bench-{c}/tasks/web/heartbeat");
                             ("PUT", path, Vec::new())
@@ -341,22 +386,23 @@ pub(super) async fn heartbeats(config: &BenchConfig) -> std::io::Result<(Vec<Out
                     .await?
                 }
                 Load::Reports => {
-                    drive(
+                    drive_cpu(
                         &format!("reports, durable (as `durable`), round {round}"),
-                        addr,
+                        &server,
                         clients,
                         config.duration,
+                        "",
                         flip_web,
                     )
                     .await?
                 }
                 Load::EventsMinimal => {
-                    drive_with(
+                    drive_cpu(
                         &format!(
                             "reports with an event, durable, return=minimal (as agents \
                              send them), round {round}"
                         ),
-                        &[addr],
+                        &server,
                         clients,
                         config.duration,
                         "Prefer: return=minimal\r\n",
@@ -365,30 +411,25 @@ pub(super) async fn heartbeats(config: &BenchConfig) -> std::io::Result<(Vec<Out
                     .await?
                 }
             };
-            if o.errors > 0 {
-                return Err(std::io::Error::other(format!(
-                    "{}: {} answers were not 2xx",
-                    o.name, o.errors
-                )));
-            }
-            rates[load as usize].push(o.rate());
+            seen[load as usize].push(&o, cpu)?;
             rows.push(o);
         }
     }
     none_lost(addr, "bench", clients).await?;
-    let [beats, reports, agents] = [0, 1, 2].map(|i| median(&rates[i]));
+    let [beats, reports, agents] = &seen;
     let note = format!(
         "liveness, heartbeats: one durable server, {clients} five-task allocations under a {TTL} \
-         TTL, {ROUNDS} alternations (medians): heartbeats {beats:.0}/s ({}), durable reports \
-         {reports:.0}/s ({}), reports with an event and return=minimal {agents:.0}/s ({}). \
-         Heartbeats per durable report: {r1:.2}× (target ≥ 3×); per report as agents send them: \
-         {r2:.2}×.",
-        each(&rates[0]),
-        each(&rates[1]),
-        each(&rates[2]),
+         TTL, {rounds} alternations (medians):\n- {}\n- {}\n- {}\n- heartbeats per durable \
+         report: {r1:.2}× the rate (target ≥ 3×), {c1:.2}× fewer µs of server CPU; per report \
+         as agents send them: {r2:.2}× the rate, {c2:.2}× fewer µs",
+        beats.describe("heartbeats"),
+        reports.describe("durable reports"),
+        agents.describe("reports with an event, return=minimal"),
         clients = config.clients,
-        r1 = beats / reports,
-        r2 = beats / agents,
+        r1 = beats.rate() / reports.rate(),
+        c1 = reports.cpu_us() / beats.cpu_us(),
+        r2 = beats.rate() / agents.rate(),
+        c2 = agents.cpu_us() / beats.cpu_us(),
     );
     Ok((rows, note))
 }
@@ -494,7 +535,8 @@ pub(super) async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>
     }
 
     // Reports spread over every allocation, the sides in turns.
-    for round in 0..ROUNDS {
+    let rounds = config.rounds as usize;
+    for round in 0..rounds {
         for i in order(round, &[0, 1]) {
             let side = &mut sides[i];
             let server = side.server.as_ref().expect("running");
@@ -516,7 +558,7 @@ pub(super) async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>
 
     // Restarts in turns: each loads its store, the TTL side giving every
     // running task a full TTL (a heap entry per allocation again).
-    for round in 0..ROUNDS {
+    for round in 0..rounds {
         for i in order(round, &[0, 1]) {
             let side = &mut sides[i];
             let started = Instant::now();
@@ -548,6 +590,7 @@ pub(super) async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>
     )];
     for side in &sides {
         lines.extend(side.lines.iter().cloned());
+        lines.extend(side.measured.lines(config.rounds));
     }
     for side in &sides {
         let windows: Vec<String> = side
@@ -580,7 +623,7 @@ pub(super) async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>
     lines.push(format!(
         "- with TTLs against without: resident {d:+.0} bytes per allocation serving \
          ({ra:.0} → {rb:.0} MiB), {rd:+.0} bytes after a restart; threads {ta} → {tb}; reports \
-         (medians of {ROUNDS} windows) {wa:.0} → {wb:.0}/s ({dw:+.1}%; target: no worse than \
+         (medians of {rounds} windows) {wa:.0} → {wb:.0}/s ({dw:+.1}%; target: no worse than \
          -5%), p99 {pa:.2} → {pb:.2} ms; restart to healthy {ha:.2} → {hb:.2} s",
         d = (b.rss_kib as f64 - a.rss_kib as f64) * 1024.0 / size as f64,
         ra = a.rss_kib as f64 / 1024.0,
@@ -606,9 +649,9 @@ pub(super) async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>
 
 /// Issue 31: allocations without the new fields cost what they cost
 /// before the third edition. Fresh durable servers of
-/// `--base-server-bin` and of this build in turns, `ROUNDS` times: durable
-/// reports as the `durable` scenario sends them, then reports with events
-/// on allocations with full histories (as `events`, on `--clients`
+/// `--base-server-bin` and of this build in turns, `--rounds` times:
+/// durable reports as the `durable` scenario sends them, then reports with
+/// events on allocations with full histories (as `events`, on `--clients`
 /// allocations), with full answers and with minimal ones.
 pub(super) async fn versus_base(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> {
     let base = config.base_server_bin.clone().ok_or_else(|| {
@@ -619,18 +662,20 @@ pub(super) async fn versus_base(config: &BenchConfig) -> std::io::Result<(Vec<Ou
         (base.as_path(), "base build"),
         (this.as_path(), "this build"),
     ];
+    let rounds = config.rounds as usize;
     let mut rows = Vec::new();
     // [plain, events full, events minimal] × [base, this]
-    let mut rates: [[Vec<f64>; 2]; 3] = Default::default();
-    for round in 0..ROUNDS {
+    let mut seen: [[Compared; 2]; 3] = Default::default();
+    for round in 0..rounds {
         for side in order(round, &[0usize, 1]) {
             let (bin, what) = bins[side];
             let (server, _guard) = fresh_server(config, bin, "liveness-base")?;
-            let (addr, clients) = (server.addr, config.clients);
-            register(addr, "bench", 0..clients, clients, FIVE_TASKS).await?;
+            let clients = config.clients;
+            register(server.addr, "bench", 0..clients, clients, FIVE_TASKS).await?;
             let name = format!("reports, durable, {what}, round {}", round + 1);
-            let o = drive(&name, addr, clients, config.duration, flip_web).await?;
-            rates[0][side].push(o.rate());
+            let (o, cpu) =
+                drive_cpu(&name, &server, clients, config.duration, "", flip_web).await?;
+            seen[0][side].push(&o, cpu)?;
             rows.push(o);
             drop(server);
             let name = format!(
@@ -638,32 +683,31 @@ pub(super) async fn versus_base(config: &BenchConfig) -> std::io::Result<(Vec<Ou
                 round + 1
             );
             let windows = events_windows(config, bin, FIVE_TASKS, false, &name).await?;
-            for (answer, o) in windows.into_iter().enumerate() {
-                rates[1 + answer][side].push(o.rate());
+            for (answer, (o, cpu)) in windows.into_iter().enumerate() {
+                seen[1 + answer][side].push(&o, cpu)?;
                 rows.push(o);
             }
         }
     }
-    let line = |what: &str, r: &[Vec<f64>; 2]| {
-        let (b, t) = (median(&r[0]), median(&r[1]));
+    let line = |what: &str, [b, t]: &[Compared; 2]| {
         format!(
-            "{what}: base {b:.0}/s ({}), this build {t:.0}/s ({}): {:+.1}%",
-            each(&r[0]),
-            each(&r[1]),
-            change(t, b)
+            "- {what}: {}; {}: {}",
+            b.describe("base"),
+            t.describe("this build"),
+            Compared::versus(b, t)
         )
     };
     let note = format!(
-        "liveness, allocations without the new fields against {} ({ROUNDS} alternations, \
-         medians, fresh durable servers):\n- {}\n- {}\n- {}\n- a full answer (the \
-         allocation's view with full histories) is {} bytes on the base build, {} on this one",
+        "liveness, allocations without the new fields against {} ({rounds} alternations, \
+         medians, fresh durable servers):\n{}\n{}\n{}\n- a full answer (the allocation's view \
+         with full histories) is {} bytes on the base build, {} on this one",
         base.display(),
-        line("durable reports", &rates[0]),
+        line("durable reports", &seen[0]),
         line(
             "reports with events, full histories, full answers",
-            &rates[1]
+            &seen[1]
         ),
-        line("the same, return=minimal", &rates[2]),
+        line("the same, return=minimal", &seen[2]),
         view_bytes(config, &base, FIVE_TASKS).await?,
         view_bytes(config, &this, FIVE_TASKS).await?,
     );
