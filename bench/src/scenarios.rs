@@ -20,6 +20,7 @@ use clap::Args;
 
 mod dependencies;
 mod etcd;
+mod instructions;
 mod liveness;
 mod versus_etcd;
 
@@ -48,8 +49,10 @@ pub struct BenchConfig {
     /// API, alternated three times); the last two need etcd and etcdctl on
     /// the PATH; liveness (what TTLs cost: liveness-ttl,
     /// liveness-heartbeats, liveness-scale, and liveness-base with
-    /// --base-server-bin) and dependencies (dependencies-wake, and
-    /// dependencies-base with --base-server-bin).
+    /// --base-server-bin), dependencies (dependencies-wake, and
+    /// dependencies-base with --base-server-bin) and instructions (the
+    /// server's instructions per request under callgrind, this build with
+    /// and without TTLs and --base-server-bin; needs valgrind).
     #[arg(
         long,
         value_delimiter = ',',
@@ -896,6 +899,7 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
                     notes.push(note);
                 }
             }
+            "instructions" => notes.push(instructions::scenario(&config).await?),
             "dependencies" | "dependencies-wake" | "dependencies-base" => {
                 if scenario != "dependencies-base" {
                     notes.push(dependencies::wake(&config).await?);
