@@ -36,7 +36,7 @@ const WAIT: &str = "300s";
 
 /// Registers the targets `tgt-*` and the dependents `dep-*` (dependent
 /// `i` on target `i % targets`).
-async fn graph(
+pub(super) async fn graph(
     addr: std::net::SocketAddr,
     targets: usize,
     dependents: usize,

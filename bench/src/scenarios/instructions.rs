@@ -77,13 +77,16 @@ fn control(arg: &str, pid: u32) -> std::io::Result<()> {
 }
 
 /// The server's instructions per request for `load` on allocations of
-/// `spec`, on a server of `bin` under callgrind (`case` names its files).
+/// `spec`, on a server of `bin` under callgrind (`case` names its files);
+/// with `graph`, the server holds `--dependents` allocations depending on
+/// `--dependency-targets` others besides.
 async fn count(
     config: &BenchConfig,
     case: &str,
     bin: &Path,
     spec: &str,
     load: Load,
+    graph: bool,
 ) -> std::io::Result<f64> {
     let (dir, _guard) = data_dir(config, &format!("instructions-{case}-{}", load.name()))?;
     std::fs::create_dir_all(&dir)?;
@@ -103,6 +106,10 @@ async fn count(
         Load::Reports | Load::Heartbeats => "bench",
         Load::Events | Load::EventsMinimal => "events",
     };
+    if graph {
+        let targets = config.dependency_targets.max(1);
+        super::dependencies::graph(addr, targets, config.dependents, CLIENTS).await?;
+    }
     register(addr, prefix, 0..CLIENTS, CLIENTS, spec).await?;
     match load {
         Load::Events | Load::EventsMinimal => {
@@ -198,7 +205,10 @@ pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<String> {
         eprintln!("bench: instructions: {} ...", load.what());
         let base = match (&base, load) {
             (Some(bin), l) if l != Load::Heartbeats => {
-                format!("{:.0}", count(config, "base", bin, FIVE_TASKS, load).await?)
+                format!(
+                    "{:.0}",
+                    count(config, "base", bin, FIVE_TASKS, load, false).await?
+                )
             }
             _ => "-".to_owned(),
         };
@@ -207,11 +217,22 @@ pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<String> {
         } else {
             format!(
                 "{:.0}",
-                count(config, "this", &this, FIVE_TASKS, load).await?
+                count(config, "this", &this, FIVE_TASKS, load, false).await?
             )
         };
-        let timed = format!("{:.0}", count(config, "ttl", &this, &ttl, load).await?);
+        let timed = format!(
+            "{:.0}",
+            count(config, "ttl", &this, &ttl, load, false).await?
+        );
         lines.push(format!("| {} | {base} | {plain} | {timed} |", load.what()));
     }
+    eprintln!("bench: instructions: durable reports next to a dependency graph ...");
+    let held = count(config, "graph", &this, FIVE_TASKS, Load::Reports, true).await?;
+    lines.push(format!(
+        "\nDurable reports (as `durable`) on this build while it holds {} allocations \
+         depending on {} others besides: {held:.0} instructions per report.",
+        config.dependents,
+        config.dependency_targets.max(1),
+    ));
     Ok(lines.join("\n"))
 }
