@@ -346,20 +346,26 @@ enum Load {
 /// allocations with every task under a 30 s TTL; `--rounds` alternations
 /// of heartbeats on `web` (running), durable reports as the `durable`
 /// scenario sends them, and reports with an event and `Prefer:
-/// return=minimal` as `taskgate agent` sends them.
+/// return=minimal` as `taskgate agent` sends them (on allocations of
+/// their own); every `web` also beats every 10 s throughout, as its agent
+/// would between the windows that touch it.
 pub(super) async fn heartbeats(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> {
     let bin = super::server_bin()?;
     let (server, _guard) = fresh_server(config, &bin, "liveness-heartbeats")?;
     let (addr, clients) = (server.addr, config.clients);
     let rounds = config.rounds as usize;
-    register(
-        addr,
-        "bench",
-        0..clients,
-        clients,
-        &five_tasks_with_ttl(TTL),
-    )
-    .await?;
+    // Heartbeats and plain reports on `bench-*`, reports with events on
+    // `events-*` (so the plain reports' answers carry no histories, as in
+    // `durable`).
+    let spec = five_tasks_with_ttl(TTL);
+    register(addr, "bench", 0..clients, clients, &spec).await?;
+    register(addr, "events", 0..clients, clients, &spec).await?;
+    // Between their windows every `web` still beats, as its agent would:
+    // a window may wait for several others, longer than the TTL.
+    let keep = [
+        Heartbeats::start(addr, "bench", clients, &["web"], HEARTBEAT_EVERY),
+        Heartbeats::start(addr, "events", clients, &["web"], HEARTBEAT_EVERY),
+    ];
     let mut rows = Vec::new();
     let mut seen: [Compared; 3] = Default::default();
     let loads = [Load::Heartbeats, Load::Reports, Load::EventsMinimal];
@@ -406,7 +412,7 @@ pub(super) async fn heartbeats(config: &BenchConfig) -> std::io::Result<(Vec<Out
                         clients,
                         config.duration,
                         "Prefer: return=minimal\r\n",
-                        event_reports("bench"),
+                        event_reports("events"),
                     )
                     .await?
                 }
@@ -415,7 +421,11 @@ pub(super) async fn heartbeats(config: &BenchConfig) -> std::io::Result<(Vec<Out
             rows.push(o);
         }
     }
+    for beats in keep {
+        beats.stop().await?;
+    }
     none_lost(addr, "bench", clients).await?;
+    none_lost(addr, "events", clients).await?;
     let [beats, reports, agents] = &seen;
     let note = format!(
         "liveness, heartbeats: one durable server, {clients} five-task allocations under a {TTL} \
@@ -552,6 +562,8 @@ pub(super) async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>
         server.signal(Signal::CONT)?;
         none_lost(server.addr, "scale", 1).await?;
         server.terminate()?;
+        // CPU per report and the store's work, over every window.
+        side.lines.extend(side.measured.lines(1));
         rows.extend(side.measured.saturated.take());
         rows.extend(side.measured.paced.take());
     }
@@ -590,7 +602,6 @@ pub(super) async fn scale(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>
     )];
     for side in &sides {
         lines.extend(side.lines.iter().cloned());
-        lines.extend(side.measured.lines(config.rounds));
     }
     for side in &sides {
         let windows: Vec<String> = side
