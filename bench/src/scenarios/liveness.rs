@@ -147,11 +147,34 @@ pub(super) fn fresh_server(
 }
 
 /// Heartbeats for `tasks` of `{prefix}-0` to `{prefix}-{allocations-1}`,
-/// every `every`, on one connection, as their agents would send them,
-/// until stopped.
+/// every `every`, on one keep-alive connection, as their agents would send
+/// them, until stopped. The server closes a connection that stays idle for
+/// its `--header-timeout` (10 s, as long as `HEARTBEAT_EVERY`); a
+/// heartbeat that finds its connection closed is sent again on a new one,
+/// as a pooling HTTP client does, and counted.
 struct Heartbeats {
     stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<std::io::Result<u64>>,
+    task: tokio::task::JoinHandle<std::io::Result<Beaten>>,
+}
+
+/// What `Heartbeats` did.
+#[derive(Debug, Default, Clone, Copy)]
+struct Beaten {
+    sent: u64,
+    /// Heartbeats that found their connection closed by the server.
+    reopened: u64,
+}
+
+/// `Beaten::reopened` over every `Heartbeats` of the run, for the notes.
+static REOPENED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The heartbeats sent again on a new connection so far, as a note.
+fn reopened() -> String {
+    format!(
+        "{} heartbeats found their keep-alive connection closed by the server (idle for its \
+         10 s header timeout) and were sent again on a new one",
+        REOPENED.load(std::sync::atomic::Ordering::Relaxed)
+    )
 }
 
 impl Heartbeats {
@@ -165,24 +188,32 @@ impl Heartbeats {
         let (stop, mut stopped) = tokio::sync::oneshot::channel();
         let task = tokio::spawn(async move {
             let mut conn = Conn::open(addr).await?;
-            let mut sent = 0u64;
+            let mut done = Beaten::default();
             loop {
                 let began = Instant::now();
                 for a in 0..allocations {
                     for t in tasks {
                         let path = format!("/v1/allocations/{prefix}-{a}/tasks/{t}/heartbeat");
-                        let status = conn.call("PUT", &path, b"").await?;
+                        let status = match conn.call("PUT", &path, b"").await {
+                            Ok(status) => status,
+                            Err(_) => {
+                                done.reopened += 1;
+                                REOPENED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                conn = Conn::open(addr).await?;
+                                conn.call("PUT", &path, b"").await?
+                            }
+                        };
                         if status != 204 {
                             return Err(std::io::Error::other(format!(
                                 "a heartbeat answered {status}: {}",
                                 String::from_utf8_lossy(&conn.body)
                             )));
                         }
-                        sent += 1;
+                        done.sent += 1;
                     }
                 }
                 tokio::select! {
-                    _ = &mut stopped => return Ok(sent),
+                    _ = &mut stopped => return Ok(done),
                     () = tokio::time::sleep_until((began + every).into()) => {}
                 }
             }
@@ -190,8 +221,8 @@ impl Heartbeats {
         Self { stop, task }
     }
 
-    /// Stops them; the heartbeats sent.
-    async fn stop(self) -> std::io::Result<u64> {
+    /// Stops them; what they did.
+    async fn stop(self) -> std::io::Result<Beaten> {
         let _ = self.stop.send(());
         self.task.await.map_err(std::io::Error::other)?
     }
@@ -323,11 +354,12 @@ pub(super) async fn ttl_cost(config: &BenchConfig) -> std::io::Result<(Vec<Outco
         "liveness, TTL cost: reports with events on {clients} five-task allocations with full \
          histories, durable, fresh servers, {rounds} alternations (medians); heartbeats for the \
          other four tasks every {every:?} on both sides; no task was lost:\n{}\n{}\n- a full \
-         answer (the allocation's view) is {} bytes without TTLs, {} with them",
+         answer (the allocation's view) is {} bytes without TTLs, {} with them\n- {}",
         line(0, "full answers"),
         line(1, "return=minimal"),
         sizes.0,
         sizes.1,
+        reopened(),
         clients = config.clients,
         every = HEARTBEAT_EVERY,
     );
@@ -417,7 +449,28 @@ pub(super) async fn heartbeats(config: &BenchConfig) -> std::io::Result<(Vec<Out
                     .await?
                 }
             };
-            seen[load as usize].push(&o, cpu)?;
+            if let Err(e) = seen[load as usize].push(&o, cpu) {
+                // Say why: a heartbeat refused, or a task lost.
+                let mut why = vec![e.to_string()];
+                for beats in keep {
+                    if let Err(e) = beats.stop().await {
+                        why.push(e.to_string());
+                    }
+                }
+                for prefix in ["bench", "events"] {
+                    if let Err(e) = none_lost(addr, prefix, clients).await {
+                        why.push(e.to_string());
+                    }
+                }
+                for m in [
+                    "taskgate_store_refusing_writes",
+                    "taskgate_store_degraded",
+                    "taskgate_store_unfolded_log_bytes",
+                ] {
+                    why.push(format!("{m} {}", super::metric(addr, m).await?));
+                }
+                return Err(std::io::Error::other(why.join("; ")));
+            }
             rows.push(o);
         }
     }
@@ -431,10 +484,11 @@ pub(super) async fn heartbeats(config: &BenchConfig) -> std::io::Result<(Vec<Out
         "liveness, heartbeats: one durable server, {clients} five-task allocations under a {TTL} \
          TTL, {rounds} alternations (medians):\n- {}\n- {}\n- {}\n- heartbeats per durable \
          report: {r1:.2}× the rate (target ≥ 3×), {c1:.2}× fewer µs of server CPU; per report \
-         as agents send them: {r2:.2}× the rate, {c2:.2}× fewer µs",
+         as agents send them: {r2:.2}× the rate, {c2:.2}× fewer µs\n- {}",
         beats.describe("heartbeats"),
         reports.describe("durable reports"),
         agents.describe("reports with an event, return=minimal"),
+        reopened(),
         clients = config.clients,
         r1 = beats.rate() / reports.rate(),
         c1 = reports.cpu_us() / beats.cpu_us(),
