@@ -1,8 +1,11 @@
 # taskgate: one static-ish binary on a small Debian base.
 #
 #   podman build --format docker -t taskgate .
+#   (umask 077 && openssl rand -hex 32 > operator.token)   # keep it: it is the operator's
 #   podman run -d -p 8080:8080 -v taskgate-data:/data \
-#     -e TASKGATE_OPERATOR_TOKEN="$(openssl rand -hex 32)" taskgate
+#     -e TASKGATE_OPERATOR_TOKEN="$(cat operator.token)" taskgate
+#
+# (docs/operations.md, "Container", has the rest.)
 #
 # The base images are build arguments, so the image also builds where only
 # local base images exist (see scripts/container-smoke): the build stage
@@ -16,7 +19,8 @@ ENV CARGO_HOME=/usr/local/cargo \
     RUSTUP_HOME=/usr/local/rustup \
     PATH=/usr/local/cargo/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     CARGO_TARGET_DIR=/build/target
-# C compiler for mimalloc and ring; a no-op where the image has them.
+# ring and mimalloc compile C with the system's cc (as any Rust build of
+# them does); a no-op where the image has one.
 RUN command -v cc >/dev/null 2>&1 || (apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev ca-certificates \
     && rm -rf /var/lib/apt/lists/*)

@@ -21,7 +21,7 @@ def call(method, url, body=None, key=None):
                 return r.status, json.loads(r.read() or b"null")
         except urllib.error.HTTPError as e:
             problem = json.loads(e.read() or b"{}")
-            if e.code < 500 and e.code not in (409, 429) or problem.get("code") == "task_lost":
+            if e.code < 500 and e.code != 429:
                 return e.code, problem  # final: 404/410 gone, 409 task_lost, 4xx a bug
         except OSError:
             pass  # unreachable: retry

@@ -22,15 +22,39 @@ use crate::{
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    #[error("cannot listen on {addr}: {source}")]
+    #[error("cannot listen on {addr}: {source}{}", bind_hint(.source))]
     Bind {
         addr: SocketAddr,
         source: std::io::Error,
+    },
+    /// The address cannot be had and the configuration is refused too:
+    /// both are said, the address first, since the other may depend on it
+    /// (a loopback address needs no tokens).
+    #[error("two problems, in the order to fix them:\n  1. {address}\n  2. then: {config}")]
+    AddressAndConfig {
+        address: Box<StartError>,
+        config: Box<StartError>,
     },
     #[error("{0}")]
     Store(#[from] StoreError),
     #[error("{0}")]
     Config(String),
+}
+
+/// What to do about a bind error the user can fix.
+fn bind_hint(e: &std::io::Error) -> &'static str {
+    match e.kind() {
+        std::io::ErrorKind::AddrInUse => {
+            " (another process listens on that port: stop it, or choose another port with --listen)"
+        }
+        std::io::ErrorKind::PermissionDenied => {
+            " (ports below 1024 need privileges: choose a higher port with --listen)"
+        }
+        std::io::ErrorKind::AddrNotAvailable => {
+            " (no interface of this machine has that address: check --listen)"
+        }
+        _ => "",
+    }
 }
 
 /// Binds with SO_REUSEADDR, so a restarted server gets its port back while
@@ -111,7 +135,16 @@ fn auth_for(config: &ServeConfig) -> Result<Arc<Auth>, StartError> {
         )));
     }
     if !auth.enabled() {
-        tracing::warn!("no tokens configured: every request is allowed");
+        // On loopback this is the intended default (only this machine can
+        // connect), so nothing to warn of; off it the operator opted out.
+        if config.listen.ip().is_loopback() {
+            tracing::info!("no tokens configured: every request is allowed (loopback only)");
+        } else {
+            tracing::warn!(
+                "no tokens configured (--insecure-no-auth): every request from the network is \
+                 allowed"
+            );
+        }
     }
     Ok(Arc::new(auth))
 }
@@ -141,12 +174,25 @@ impl Application {
     /// port, so health is never 200 before the store is loaded and clients
     /// are never refused a connection.
     pub async fn build(config: ServeConfig) -> Result<Self, StartError> {
-        let auth = auth_for(&config)?;
         let bind_err = |source| StartError::Bind {
             addr: config.listen,
             source,
         };
-        let listener = bind(config.listen).map_err(bind_err)?;
+        // Both checked, so that a start refused for its configuration also
+        // says whether its address could be had (`--listen :8080` with no
+        // tokens, on a busy port); a listener bound here for a refused
+        // configuration is closed at once, having accepted nothing.
+        let (auth, listener) = match (auth_for(&config), bind(config.listen).map_err(bind_err)) {
+            (Ok(auth), Ok(listener)) => (auth, listener),
+            (Err(refused), Ok(_)) => return Err(refused),
+            (Ok(_), Err(address)) => return Err(address),
+            (Err(refused), Err(address)) => {
+                return Err(StartError::AddressAndConfig {
+                    address: Box::new(address),
+                    config: Box::new(refused),
+                });
+            }
+        };
         let opener_config = config.clone();
         Self::build_on(listener, config, auth, move |metrics| {
             open_configured_store(&opener_config, metrics)
@@ -294,6 +340,7 @@ fn registry_config(config: &ServeConfig, metrics: Arc<Metrics>) -> RegistryConfi
         metrics,
         timeline_events: config.timeline_events,
         event_buffer: config.event_buffer,
+        event_buffer_bytes: usize::try_from(config.event_buffer_bytes).unwrap_or(usize::MAX),
         default_liveness_ttl: config.default_liveness_ttl,
         clock: crate::registry::Clock::system(),
     }
@@ -308,13 +355,6 @@ fn open_configured_store(
         return Ok(Arc::new(MemoryStore::volatile()));
     }
     if config.store == crate::config::StoreKind::Etcd {
-        if config.default_liveness_ttl.is_some() {
-            return Err(StoreError::Unusable(
-                "--default-liveness-ttl needs the disk store (or --in-memory) in this build: \
-                 with --store etcd, liveness TTLs are not enforced yet"
-                    .into(),
-            ));
-        }
         let etcd = config.etcd.config().map_err(StoreError::Unusable)?;
         // Blocking is fine here: the store opens on a blocking thread.
         let store = tokio::runtime::Handle::current()

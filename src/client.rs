@@ -1,6 +1,9 @@
 //! The command-line tools' client of a taskgate server (`taskgate health`,
-//! `taskgate agent`): reqwest, with keep-alive connections, timeouts,
-//! proxies from the environment and TLS (rustls with ring, as the server).
+//! `taskgate agent`, `taskgate alloc`): reqwest, with keep-alive
+//! connections, timeouts, proxies from the environment and TLS (rustls
+//! with ring, as the server). A failed TLS handshake is told apart from an
+//! unreachable server and says what to check: it is a setup to fix, not a
+//! network to wait for.
 
 use std::{path::Path, time::Duration};
 
@@ -71,10 +74,11 @@ impl Endpoint {
         self.request_reading(method, path, token, body, headers, timeout, None)
             .await
             .map(|(status, _, body)| (status, body))
+            .map_err(|e| e.to_string())
     }
 
     /// `request`, also returning the answer's header `read` (if asked for
-    /// and present).
+    /// and present), with a TLS failure told apart.
     #[allow(clippy::too_many_arguments)]
     pub async fn request_reading(
         &self,
@@ -85,10 +89,10 @@ impl Endpoint {
         headers: &[(&'static str, &'static str)],
         timeout: Duration,
         read: Option<&str>,
-    ) -> Result<(u16, Option<String>, Vec<u8>), String> {
+    ) -> Result<(u16, Option<String>, Vec<u8>), RequestError> {
         let headers: Vec<(&str, &str)> = headers.to_vec();
         let reply = self
-            .send(method, path, token, body, &headers, timeout)
+            .exchange(method, path, token, body, &headers, timeout)
             .await?;
         let header = read.and_then(|name| reply.header(name)).map(str::to_owned);
         Ok((reply.status, header, reply.body))
@@ -104,7 +108,23 @@ impl Endpoint {
         headers: &[(&str, &str)],
         timeout: Duration,
     ) -> Result<Reply, String> {
-        let method = reqwest::Method::from_bytes(method.as_bytes()).map_err(|e| e.to_string())?;
+        self.exchange(method, path, token, body, headers, timeout)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    /// `send`, with a TLS failure told apart.
+    async fn exchange(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: Option<&serde_json::Value>,
+        headers: &[(&str, &str)],
+        timeout: Duration,
+    ) -> Result<Reply, RequestError> {
+        let method = reqwest::Method::from_bytes(method.as_bytes())
+            .map_err(|e| RequestError::Unreachable(e.to_string()))?;
         let mut req = self
             .client
             .request(method, format!("{}{path}", self.base))
@@ -121,10 +141,12 @@ impl Endpoint {
                 .body(b.to_string());
         }
         let why = |e: reqwest::Error| {
-            if e.is_timeout() {
-                format!("no answer from {} within {timeout:?}", self.url)
+            if let Some(tls) = tls_failure(&e) {
+                RequestError::Tls(format!("the TLS handshake with {} failed: {tls}", self.url))
+            } else if e.is_timeout() {
+                RequestError::Unreachable(format!("no answer from {} within {timeout:?}", self.url))
             } else {
-                error_chain(&e)
+                RequestError::Unreachable(error_chain(&e))
             }
         };
         let answer = req.send().await.map_err(why)?;
@@ -136,6 +158,93 @@ impl Endpoint {
             headers,
             body: body.to_vec(),
         })
+    }
+}
+
+/// Why a request got no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    /// The TLS handshake failed; the message says what to check.
+    #[error("{0}")]
+    Tls(String),
+    /// No answer: a refused or cut connection, a timeout, a name that does
+    /// not resolve.
+    #[error("{0}")]
+    Unreachable(String),
+}
+
+/// What to check, said after every certificate refusal.
+const CHECK_CA: &str = "check that --ca-cert (TASKGATE_CA_CERT) names the CA that signed \
+the server's certificate, and that the server's certificate is not its own CA \
+(docs/operations.md, \"TLS\", has a recipe that works)";
+
+/// The TLS failure under a request's error, explained, if it is one.
+/// rustls's error sits inside an `io::Error` (inside another, as reqwest
+/// wraps it), whose `source()` skips what it holds, so each `io::Error` of
+/// the chain is opened down to what it wraps.
+fn tls_failure(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        let mut held: Option<&(dyn std::error::Error + 'static)> = Some(e);
+        while let Some(h) = held {
+            if let Some(tls) = h.downcast_ref::<rustls::Error>() {
+                return Some(explain_tls(tls));
+            }
+            held = h
+                .downcast_ref::<std::io::Error>()
+                .and_then(std::io::Error::get_ref)
+                .map(|inner| inner as &(dyn std::error::Error + 'static));
+        }
+        next = e.source();
+    }
+    None
+}
+
+fn explain_tls(e: &rustls::Error) -> String {
+    use rustls::{CertificateError as C, Error as E};
+    match e {
+        E::InvalidCertificate(c) => {
+            let what = match c {
+                C::UnknownIssuer => "the server's certificate is not signed by a CA this client \
+                                     trusts (without --ca-cert: the system's CAs)"
+                    .to_owned(),
+                C::NotValidForName | C::NotValidForNameContext { .. } => {
+                    "the server's certificate does not name the host of the URL: its \
+                     subjectAltName must list it (DNS:name or IP:address), or use a name it lists"
+                        .to_owned()
+                }
+                C::Expired | C::ExpiredContext { .. } => {
+                    "the server's certificate has expired (or this machine's clock is wrong)"
+                        .to_owned()
+                }
+                C::NotValidYet | C::NotValidYetContext { .. } => {
+                    "the server's certificate is not valid yet (or this machine's clock is wrong)"
+                        .to_owned()
+                }
+                // webpki's `CaUsedAsEndEntity` reaches rustls as an
+                // "other" error: its name is the only way to tell it.
+                C::Other(other) if format!("{other:?}").contains("CaUsedAsEndEntity") => {
+                    "the server's certificate is a CA certificate (basicConstraints CA:TRUE, \
+                     which `openssl req -x509` sets by default): it may sign the server's \
+                     certificate but not be it; make a CA and a server certificate signed by it"
+                        .to_owned()
+                }
+                other => format!("the server's certificate was refused ({other:?})"),
+            };
+            format!("{what}; {CHECK_CA}")
+        }
+        E::InvalidMessage(_)
+        | E::InappropriateMessage { .. }
+        | E::InappropriateHandshakeMessage { .. } => {
+            "the server does not speak TLS (a plain-HTTP server?): use an http:// URL, or give the \
+             server --tls-cert and --tls-key"
+                .to_owned()
+        }
+        E::AlertReceived(alert) => format!(
+            "the server ended the handshake ({alert:?}): check that it has a certificate and key \
+             that belong together, and its log"
+        ),
+        other => format!("{other}; {CHECK_CA}"),
     }
 }
 

@@ -40,6 +40,7 @@ pub enum StoreKind {
 
 /// The etcd cluster of `--store etcd`.
 #[derive(Debug, Clone, Default, Args)]
+#[command(next_help_heading = "Replicas (--store etcd)")]
 pub struct EtcdArgs {
     /// Client URLs of the etcd members, comma-separated
     /// (`http://10.0.0.1:2379,http://10.0.0.2:2379`).
@@ -125,22 +126,27 @@ impl EtcdArgs {
 pub struct ServeConfig {
     /// Address to listen on: HOST:PORT (a host name such as `localhost`
     /// too), or `:PORT` for every interface; port 0 picks a free one.
-    #[arg(long, env = "TASKGATE_LISTEN", default_value = "127.0.0.1:8080", value_parser = crate::units::parse_listen)]
+    #[arg(help_heading = "Listening", long, env = "TASKGATE_LISTEN", default_value = "127.0.0.1:8080", value_parser = crate::units::parse_listen)]
     pub listen: SocketAddr,
 
     /// Directory of the embedded store (a snapshot and its log). Created
     /// if missing.
-    #[arg(long, env = "TASKGATE_DATA_DIR", default_value = "./taskgate-data")]
+    #[arg(
+        help_heading = "Storage",
+        long,
+        env = "TASKGATE_DATA_DIR",
+        default_value = "./taskgate-data"
+    )]
     pub data_dir: PathBuf,
 
     /// Keep everything in memory instead: nothing survives a restart. For
     /// tests and experiments.
-    #[arg(long, env = "TASKGATE_IN_MEMORY")]
+    #[arg(help_heading = "Storage", long, env = "TASKGATE_IN_MEMORY")]
     pub in_memory: bool,
 
     /// Where records live: `disk` (the data directory) or `etcd` (an etcd
     /// cluster that any number of replicas share; see `--etcd-endpoints`).
-    #[arg(long, env = "TASKGATE_STORE", value_enum, default_value_t = StoreKind::Disk)]
+    #[arg(help_heading = "Storage", long, env = "TASKGATE_STORE", value_enum, default_value_t = StoreKind::Disk)]
     pub store: StoreKind,
 
     #[command(flatten)]
@@ -148,17 +154,8 @@ pub struct ServeConfig {
 
     /// Most changes the store groups into one durable commit. 1 turns
     /// group commit off (one fsync per change).
-    #[arg(long, env = "TASKGATE_COMMIT_BATCH", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(help_heading = "Storage", long, env = "TASKGATE_COMMIT_BATCH", default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..))]
     pub commit_batch: u64,
-
-    /// Let the memory allocator back the heap with transparent huge pages.
-    /// Off by default: with them, buffer space a connection never touches
-    /// is resident anyway (a parked long-poll cost 24 KiB instead of
-    /// 15 KiB), and with the disk store they measured no faster here,
-    /// even with a million allocations (in memory, one run spent ~7% less
-    /// CPU per report at a million).
-    #[arg(long, env = "TASKGATE_TRANSPARENT_HUGE_PAGES")]
-    pub transparent_huge_pages: bool,
 
     /// Size of the store's log at which a checkpoint folds it into the
     /// snapshot (`64MiB`, `512KiB`, or bytes), or a quarter of the
@@ -166,7 +163,7 @@ pub struct ServeConfig {
     /// snapshot, so its cost per change stays the same at any size). The
     /// log stays under about four times that, which is what recovery
     /// replays at most; larger means fewer, bigger checkpoints.
-    #[arg(long, env = "TASKGATE_STORE_LOG_LIMIT", default_value = "64MiB", value_parser = byte_size)]
+    #[arg(help_heading = "Storage", long, env = "TASKGATE_STORE_LOG_LIMIT", default_value = "64MiB", value_parser = byte_size)]
     pub store_log_limit: u64,
 
     /// The most log the store keeps unfolded while checkpoints fail (a
@@ -174,23 +171,28 @@ pub struct ServeConfig {
     /// 503 `store_unavailable` until a checkpoint succeeds, instead of the
     /// log growing until the disk or the memory of the next start runs
     /// out. At least four times `--store-log-limit`.
-    #[arg(long, env = "TASKGATE_STORE_LOG_CEILING", default_value = "1GiB", value_parser = byte_size)]
+    #[arg(help_heading = "Storage", long, env = "TASKGATE_STORE_LOG_CEILING", default_value = "1GiB", value_parser = byte_size)]
     pub store_log_ceiling: u64,
 
     /// JSON file of tokens (only SHA-256 hashes of the secrets):
     /// `{"tokens": [{"name": "ci", "role": "agent", "sha256": "<hex>",
     /// "alloc_prefixes": ["web-"]}]}`; roles: operator, agent, reader.
-    #[arg(long, env = "TASKGATE_TOKEN_FILE")]
+    #[arg(help_heading = "Security", long, env = "TASKGATE_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
 
     /// One operator secret (prefer the environment variable: a flag shows
     /// in the process list).
-    #[arg(long, env = "TASKGATE_OPERATOR_TOKEN", hide_env_values = true)]
+    #[arg(
+        help_heading = "Security",
+        long,
+        env = "TASKGATE_OPERATOR_TOKEN",
+        hide_env_values = true
+    )]
     pub operator_token: Option<Secret>,
 
     /// Serve without tokens on a non-loopback address. Without it, such a
     /// server refuses to start.
-    #[arg(long, env = "TASKGATE_INSECURE_NO_AUTH")]
+    #[arg(help_heading = "Security", long, env = "TASKGATE_INSECURE_NO_AUTH")]
     pub insecure_no_auth: bool,
 
     /// Host names served besides localhost, 127.x.y.z and [::1]
@@ -201,95 +203,134 @@ pub struct ServeConfig {
     /// the server (DNS rebinding) cannot use it. Without this flag, a
     /// server on a loopback address serves only the loopback names, and
     /// one on any other address serves every name.
-    #[arg(long, env = "TASKGATE_ALLOWED_HOSTS", value_delimiter = ',', value_parser = crate::http::site::parse_allowed_host)]
+    #[arg(help_heading = "Listening", long, env = "TASKGATE_ALLOWED_HOSTS", value_delimiter = ',', value_parser = crate::http::site::parse_allowed_host)]
     pub allowed_hosts: Vec<crate::http::site::AllowedHost>,
 
     /// Serve /metrics without a token.
-    #[arg(long, env = "TASKGATE_PUBLIC_METRICS")]
+    #[arg(help_heading = "Security", long, env = "TASKGATE_PUBLIC_METRICS")]
     pub public_metrics: bool,
 
-    /// Log filter, as RUST_LOG (`info`, `taskgate=debug,tower_http=info`).
-    #[arg(long, env = "TASKGATE_LOG", default_value = "info")]
-    pub log: String,
-
-    /// Log format: `text` for people, `json` (one object per line) for log
-    /// pipelines.
-    #[arg(long, env = "TASKGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
-    pub log_format: LogFormat,
-
     /// Largest request body accepted, in bytes.
-    #[arg(long, env = "TASKGATE_BODY_LIMIT", default_value_t = 1024 * 1024)]
+    #[arg(help_heading = "Limits", long, env = "TASKGATE_BODY_LIMIT", default_value_t = 1024 * 1024)]
     pub body_limit: usize,
 
     /// Longest wait a blocking query or long-poll may ask for.
-    #[arg(long, env = "TASKGATE_MAX_WAIT", default_value = "300s", value_parser = duration)]
+    #[arg(help_heading = "Time", long, env = "TASKGATE_MAX_WAIT", default_value = "300s", value_parser = duration)]
     pub max_wait: Duration,
 
     /// Requests that may be parked in waits at once; more get 503.
-    #[arg(long, env = "TASKGATE_MAX_WAITERS", default_value_t = 100_000)]
+    #[arg(
+        help_heading = "Limits",
+        long,
+        env = "TASKGATE_MAX_WAITERS",
+        default_value_t = 100_000
+    )]
     pub max_waiters: usize,
 
     /// Waits one token may hold at once (a token file entry's
     /// `max_waiters` overrides it); more get 429 `quota_exceeded`, so one
     /// tenant cannot take every waiter slot.
-    #[arg(long, env = "TASKGATE_MAX_WAITERS_PER_TOKEN", default_value_t = crate::http::auth::DEFAULT_MAX_WAITERS_PER_TOKEN)]
+    #[arg(help_heading = "Limits", long, env = "TASKGATE_MAX_WAITERS_PER_TOKEN", default_value_t = crate::http::auth::DEFAULT_MAX_WAITERS_PER_TOKEN)]
     pub max_waiters_per_token: usize,
 
     /// Allocations the server holds at most; registering one more is 429
     /// `quota_exceeded` (a token file entry's `max_allocations` limits one
     /// token within its prefixes).
-    #[arg(long, env = "TASKGATE_MAX_ALLOCATIONS", default_value_t = crate::registry::DEFAULT_MAX_ALLOCATIONS)]
+    #[arg(help_heading = "Limits", long, env = "TASKGATE_MAX_ALLOCATIONS", default_value_t = crate::registry::DEFAULT_MAX_ALLOCATIONS)]
     pub max_allocations: usize,
 
     /// Entries each allocation's timeline keeps in memory (its server's
     /// decisions and its agents' events; `GET .../events`); 0 keeps none.
-    #[arg(long, env = "TASKGATE_TIMELINE_EVENTS", default_value_t = crate::registry::DEFAULT_TIMELINE_EVENTS)]
+    #[arg(help_heading = "Limits", long, env = "TASKGATE_TIMELINE_EVENTS", default_value_t = crate::registry::DEFAULT_TIMELINE_EVENTS)]
     pub timeline_events: usize,
 
     /// The liveness TTL of every task that declares none: a running task
     /// whose agent gives no sign of life for this long is declared lost
     /// (dead, failed). Off by default: only tasks with their own
     /// `liveness.ttl` are watched.
-    #[arg(long, env = "TASKGATE_DEFAULT_LIVENESS_TTL", value_parser = liveness_ttl)]
+    #[arg(help_heading = "Time", long, env = "TASKGATE_DEFAULT_LIVENESS_TTL", value_parser = liveness_ttl)]
     pub default_liveness_ttl: Option<Duration>,
 
     /// Changes the event stream (`GET /v1/events`) keeps in memory for
     /// readers that resume; one further behind is told to list again
     /// (a `Resync` line).
-    #[arg(long, env = "TASKGATE_EVENT_BUFFER", default_value_t = crate::registry::DEFAULT_EVENT_BUFFER, value_parser = at_least_one)]
+    #[arg(help_heading = "Limits", long, env = "TASKGATE_EVENT_BUFFER", default_value_t = crate::registry::DEFAULT_EVENT_BUFFER, value_parser = at_least_one)]
     pub event_buffer: usize,
 
-    /// Client connections open at once; one more is answered 503
-    /// `too_many_connections` and closed, not left unanswered.
-    #[arg(long, env = "TASKGATE_MAX_CONNECTIONS", default_value_t = 20_000)]
-    pub max_connections: usize,
+    /// Most bytes of those changes kept rendered for readers (one copy,
+    /// shared by all of them): past it the oldest go, and a reader that
+    /// far behind is told to list again.
+    #[arg(help_heading = "Limits", long, env = "TASKGATE_EVENT_BUFFER_BYTES", default_value = "64MiB", value_parser = byte_size)]
+    pub event_buffer_bytes: u64,
+
+    /// Client connections open at once (default: 20000, or what the
+    /// open-files limit leaves room for); one more is answered 503
+    /// `too_many_connections` and closed.
+    ///
+    /// A default lowered to fit the open-files limit is said at start, at
+    /// info; a value above what the limit allows is lowered to fit, with a
+    /// warning.
+    #[arg(help_heading = "Limits", long, env = "TASKGATE_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+
+    /// Let the memory allocator back the heap with transparent huge pages.
+    ///
+    /// Off by default: with them, buffer space a connection never touches
+    /// is resident anyway, and they made the server no faster (measured:
+    /// see BENCHMARKS.md, "Transparent huge pages").
+    #[arg(help_heading = "Limits", long, env = "TASKGATE_TRANSPARENT_HUGE_PAGES")]
+    pub transparent_huge_pages: bool,
 
     /// PEM certificate chain: serve HTTPS (with --tls-key).
-    #[arg(long, env = "TASKGATE_TLS_CERT", requires = "tls_key")]
+    #[arg(
+        help_heading = "Security",
+        long,
+        env = "TASKGATE_TLS_CERT",
+        requires = "tls_key"
+    )]
     pub tls_cert: Option<PathBuf>,
 
     /// PEM private key of --tls-cert.
-    #[arg(long, env = "TASKGATE_TLS_KEY", requires = "tls_cert")]
+    #[arg(
+        help_heading = "Security",
+        long,
+        env = "TASKGATE_TLS_KEY",
+        requires = "tls_cert"
+    )]
     pub tls_key: Option<PathBuf>,
 
     /// Longest time a client may take to send its request headers (and to
     /// finish a TLS handshake).
-    #[arg(long, env = "TASKGATE_HEADER_TIMEOUT", default_value = "10s", value_parser = duration)]
+    #[arg(help_heading = "Time", long, env = "TASKGATE_HEADER_TIMEOUT", default_value = "10s", value_parser = duration)]
     pub header_timeout: Duration,
 
     /// Longest time a write of an answer may wait for the client to read;
     /// a client that stops reading is dropped then, with what it held.
-    #[arg(long, env = "TASKGATE_WRITE_TIMEOUT", default_value = "30s", value_parser = duration)]
+    #[arg(help_heading = "Time", long, env = "TASKGATE_WRITE_TIMEOUT", default_value = "30s", value_parser = duration)]
     pub write_timeout: Duration,
 
     /// Longest time a request that does not wait (everything but blocking
     /// queries and start-condition) may take; then 503 `timeout`.
-    #[arg(long, env = "TASKGATE_REQUEST_TIMEOUT", default_value = "30s", value_parser = duration)]
+    #[arg(help_heading = "Time", long, env = "TASKGATE_REQUEST_TIMEOUT", default_value = "30s", value_parser = duration)]
     pub request_timeout: Duration,
 
     /// How long in-flight requests may take to finish after SIGTERM/SIGINT.
-    #[arg(long, env = "TASKGATE_SHUTDOWN_GRACE", default_value = "10s", value_parser = duration)]
+    #[arg(help_heading = "Time", long, env = "TASKGATE_SHUTDOWN_GRACE", default_value = "10s", value_parser = duration)]
     pub shutdown_grace: Duration,
+
+    /// Log filter, as RUST_LOG (`info`, `taskgate=debug,tower_http=info`).
+    #[arg(
+        help_heading = "Logging",
+        long,
+        env = "TASKGATE_LOG",
+        default_value = "info"
+    )]
+    pub log: String,
+
+    /// Log format: `text` for people, `json` (one object per line) for log
+    /// pipelines.
+    #[arg(help_heading = "Logging", long, env = "TASKGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
 }
 
 impl ServeConfig {
@@ -323,8 +364,9 @@ impl ServeConfig {
             max_allocations: crate::registry::DEFAULT_MAX_ALLOCATIONS,
             timeline_events: crate::registry::DEFAULT_TIMELINE_EVENTS,
             event_buffer: crate::registry::DEFAULT_EVENT_BUFFER,
+            event_buffer_bytes: crate::registry::DEFAULT_EVENT_BUFFER_BYTES as u64,
             default_liveness_ttl: None,
-            max_connections: 20_000,
+            max_connections: None,
             shutdown_grace: Duration::from_secs(10),
             tls_cert: None,
             tls_key: None,

@@ -22,15 +22,18 @@ pub struct DumpConfig {
     pub prefix: String,
 
     /// Instead of printing, copy everything that can still be read from a
-    /// damaged data directory into this new one (absent or empty), and
-    /// say exactly what could not be read. The damaged directory is never
-    /// changed. Exits 0 if everything was read, 3 if something was lost.
+    /// damaged data directory into this new one (absent or empty), the
+    /// newest version of each allocation, and say exactly what could not
+    /// be read and which allocations' last changes may be lost. The
+    /// damaged directory is never changed. Exits 0 if everything was read,
+    /// 3 if something was lost.
     #[arg(long, value_name = "NEW_DIR")]
     pub salvage: Option<PathBuf>,
 }
 
 /// `taskgate dump --salvage`: copies what can be read into `to`, and
-/// writes the report to `out`. Returns whether everything was read.
+/// writes the report to `out`. Returns whether everything was read and
+/// every allocation's last index proven.
 pub fn salvage(
     config: &DumpConfig,
     to: &std::path::Path,
@@ -41,6 +44,9 @@ pub fn salvage(
         for line in &report.lost {
             writeln!(out, "lost: {line}")?;
         }
+        for line in &report.unproven {
+            writeln!(out, "unproven: {line}")?;
+        }
         writeln!(
             out,
             "salvaged {} allocations (last index {}) from {} into {}; {}",
@@ -48,18 +54,20 @@ pub fn salvage(
             report.last_index,
             config.data_dir.display(),
             to.display(),
-            if report.lost.is_empty() {
+            if report.whole() {
                 "everything was read".to_owned()
             } else {
                 format!(
-                    "{} things could not be read (listed above)",
-                    report.lost.len()
+                    "{} things could not be read and {} allocations' last index could not be \
+                     proven (listed above)",
+                    report.lost.len(),
+                    report.unproven.len()
                 )
             }
         )
     };
     write(out).map_err(|e| format!("cannot write: {e}"))?;
-    Ok(report.lost.is_empty())
+    Ok(report.whole())
 }
 
 /// Writes the allocations to `out`; returns how many. A reader that goes

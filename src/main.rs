@@ -127,8 +127,10 @@ async fn serve(config: taskgate::config::ServeConfig) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // Before saying it listens: whoever reads that may stop it at once.
+    let stop = taskgate::signals::terminated();
     tracing::info!(addr = %app.local_addr(), "taskgate listening");
-    match app.run_until_stopped(taskgate::signals::terminated()).await {
+    match app.run_until_stopped(stop).await {
         Ok(()) => {
             tracing::info!("taskgate stopped");
             ExitCode::SUCCESS

@@ -68,6 +68,10 @@ pub struct Scrape {
     pub last_index: u64,
     pub store_degraded: bool,
     pub store_refusing_writes: bool,
+    /// Bytes of rendered changes the event stream keeps.
+    pub stream_rendered_bytes: u64,
+    /// Entries in the timer heap (TTLs and deadlines; stale ones included).
+    pub timer_entries: u64,
 }
 
 /// Every metric of one application, and the registry that encodes them.
@@ -90,6 +94,8 @@ pub struct Metrics {
     last_index: Gauge,
     store_degraded: Gauge,
     store_refusing_writes: Gauge,
+    stream_rendered_bytes: Gauge,
+    timer_entries: Gauge,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -186,6 +192,16 @@ impl Metrics {
             &mut registry,
             "taskgate_waiters",
             "Requests parked in a long-poll or blocking query",
+        );
+        let stream_rendered_bytes = gauge(
+            &mut registry,
+            "taskgate_stream_rendered_bytes",
+            "Bytes of rendered changes the event stream keeps for its readers (one copy for all)",
+        );
+        let timer_entries = gauge(
+            &mut registry,
+            "taskgate_timer_entries",
+            "Entries in the timer heap of liveness TTLs and deadlines (one per timed allocation, plus stale ones)",
         );
         let allocations = gauge(
             &mut registry,
@@ -286,6 +302,8 @@ impl Metrics {
             last_index,
             store_degraded,
             store_refusing_writes,
+            stream_rendered_bytes,
+            timer_entries,
         }
     }
 
@@ -373,6 +391,9 @@ impl Metrics {
         self.store_degraded.set(i64::from(now.store_degraded));
         self.store_refusing_writes
             .set(i64::from(now.store_refusing_writes));
+        self.stream_rendered_bytes
+            .set(gauge_value(now.stream_rendered_bytes));
+        self.timer_entries.set(gauge_value(now.timer_entries));
         let mut out = String::with_capacity(8192);
         prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry)
             .expect("writing to a String does not fail");

@@ -5,16 +5,26 @@
 //!
 //! Exit codes: 0 done; 1 the server refused (its code, detail and where
 //! the code is explained are printed); 2 usage; 3 the server could not be
-//! reached.
+//! reached; 4 the TLS handshake failed (the server's certificate was
+//! refused, or the server does not speak TLS): a configuration to fix, not
+//! a network to wait for.
 
 use std::{fmt::Write as _, io::IsTerminal, path::PathBuf, time::Duration};
 
 use clap::{Args, Subcommand};
 use serde_json::{Value, json};
 
-use crate::{client::Endpoint, secret::Secret};
+use crate::{
+    client::{Endpoint, RequestError},
+    secret::Secret,
+};
+
+/// What `taskgate alloc --help` says last: how it ends.
+const EXIT_CODES: &str = "Exit codes: 0 done; 1 the server refused (its code and what to do are \
+printed); 2 usage; 3 the server cannot be reached; 4 the TLS handshake failed (check --ca-cert)";
 
 #[derive(Debug, Clone, Args)]
+#[command(after_help = EXIT_CODES)]
 pub struct AllocArgs {
     /// The server's base URL.
     #[arg(
@@ -47,41 +57,64 @@ pub enum AllocCommand {
     },
     /// What the allocation is doing and why, its tasks and its recent
     /// timeline.
-    Status { id: String },
+    Status {
+        /// The allocation's ID.
+        id: String,
+    },
     /// The allocation's timeline; `--follow` keeps printing as it grows.
     Events {
+        /// The allocation's ID.
         id: String,
+        /// Keep printing new entries; wait for an allocation not registered
+        /// yet and for a server that went away.
         #[arg(long)]
         follow: bool,
     },
     /// Restart the running tasks, one task, or every task.
     Restart {
+        /// The allocation's ID.
         id: String,
+        /// Restart only this task (it must be running).
         #[arg(long, conflicts_with = "all_tasks")]
         task: Option<String>,
+        /// Restart every task, the dead ones too: every gate closes and the
+        /// allocation starts over from prestart.
         #[arg(long)]
         all_tasks: bool,
+        /// Why, recorded in the restart order and the timeline.
         #[arg(long)]
         reason: Option<String>,
     },
     /// Restore the coordinator from known task states (a batch-report JSON
     /// file: `{"tasks": {"web": {"state": "running"}}}`).
     Restore {
+        /// The allocation's ID.
         id: String,
+        /// The batch-report JSON file with the tasks' known states.
         #[arg(long)]
         file: PathBuf,
     },
     /// Delete the allocation.
-    Delete { id: String },
+    Delete {
+        /// The allocation's ID.
+        id: String,
+    },
 }
 
 /// How a command ended.
 #[derive(Debug)]
 enum Failure {
-    /// The server answered with a problem.
-    Refused(String),
+    /// The server answered with a problem: its status and code, and the
+    /// message to print.
+    Refused {
+        status: u16,
+        code: String,
+        message: String,
+    },
     /// The server could not be reached.
     Unreachable(String),
+    /// The TLS handshake failed: the message says what to check.
+    Tls(String),
     /// Something the user gave is wrong (a file, a URL).
     Usage(String),
 }
@@ -128,7 +161,12 @@ impl Client {
                 read,
             )
             .await
-            .map_err(|e| Failure::Unreachable(format!("{}: {e}", self.endpoint.url)))?;
+            .map_err(|e| match e {
+                RequestError::Tls(m) => Failure::Tls(m),
+                RequestError::Unreachable(m) => {
+                    Failure::Unreachable(format!("{}: {m}", self.endpoint.url))
+                }
+            })?;
         let value: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
         if status < 300 {
             return Ok((value, header));
@@ -154,7 +192,11 @@ impl Client {
         if status == 401 {
             msg.push_str("\n  give a token with --token or TASKGATE_TOKEN");
         }
-        Err(Failure::Refused(msg))
+        Err(Failure::Refused {
+            status,
+            code: text("code"),
+            message: msg,
+        })
     }
 }
 
@@ -208,8 +250,8 @@ pub async fn run(args: AllocArgs) -> i32 {
     print!("{out}");
     match done {
         Ok(()) => 0,
-        Err(Failure::Refused(m)) => {
-            eprintln!("taskgate alloc: the server refused: {m}");
+        Err(Failure::Refused { message, .. }) => {
+            eprintln!("taskgate alloc: the server refused: {message}");
             1
         }
         Err(Failure::Usage(m)) => {
@@ -219,6 +261,10 @@ pub async fn run(args: AllocArgs) -> i32 {
         Err(Failure::Unreachable(m)) => {
             eprintln!("taskgate alloc: cannot reach the server: {m}");
             3
+        }
+        Err(Failure::Tls(m)) => {
+            eprintln!("taskgate alloc: {m}");
+            4
         }
     }
 }
@@ -334,13 +380,15 @@ async fn command(
     }
 }
 
+/// One listing request per page: the list's items carry what a line
+/// shows (tasks by state, waiting on), so no allocation is read on its own.
 async fn list(
     client: &Client,
     prefix: &str,
     as_json: bool,
     out: &mut String,
 ) -> Result<(), Failure> {
-    let mut ids = Vec::new();
+    let mut items = Vec::new();
     let mut next = String::new();
     loop {
         let mut path = format!("/v1/allocations?per_page=1000&prefix={}", enc(prefix));
@@ -350,33 +398,19 @@ async fn list(
         let (page, token) = client
             .call_reading("GET", &path, None, Some("x-taskgate-nexttoken"))
             .await?;
-        for item in page.as_array().into_iter().flatten() {
-            if let Some(id) = item["id"].as_str() {
-                ids.push(id.to_owned());
-            }
+        if let Value::Array(page) = page {
+            items.extend(page);
         }
         match token {
             Some(t) => next = t,
             None => break,
         }
     }
-    let mut views = Vec::new();
-    for id in &ids {
-        match client
-            .call("GET", &format!("/v1/allocations/{}", enc(id)), None)
-            .await
-        {
-            Ok(v) => views.push(v),
-            // Deleted meanwhile: not listed.
-            Err(Failure::Refused(m)) if m.starts_with("404") => {}
-            Err(e) => return Err(e),
-        }
-    }
     if as_json {
-        let _ = writeln!(out, "{}", Value::Array(views));
+        let _ = writeln!(out, "{}", Value::Array(items));
         return Ok(());
     }
-    if views.is_empty() {
+    if items.is_empty() {
         let _ = writeln!(out, "no allocations");
         return Ok(());
     }
@@ -385,18 +419,13 @@ async fn list(
         "{:<20}  {:<10}  {:<28}  Waiting on",
         "ID", "State", "Tasks"
     );
-    for v in &views {
-        let tasks = v["tasks"].as_array().cloned().unwrap_or_default();
-        let count = |s: &str| tasks.iter().filter(|t| t["state"] == s).count();
-        let by_state: Vec<String> = [
-            ("running", count("running")),
-            ("pending", count("pending")),
-            ("dead", count("dead")),
-        ]
-        .iter()
-        .filter(|(_, n)| *n > 0)
-        .map(|(s, n)| format!("{n} {s}"))
-        .collect();
+    for v in &items {
+        let by_state: Vec<String> = ["running", "pending", "dead"]
+            .iter()
+            .map(|s| (s, v["task_states"][s].as_u64().unwrap_or(0)))
+            .filter(|(_, n)| *n > 0)
+            .map(|(s, n)| format!("{n} {s}"))
+            .collect();
         let waiting: Vec<&str> = v["waiting_on"]
             .as_array()
             .into_iter()
@@ -684,6 +713,89 @@ fn event_line(e: &Value) -> String {
         .to_owned()
 }
 
+/// First and longest pause of `--follow` between tries while the server
+/// is away or the allocation is not registered yet: short at first (a
+/// restart takes a moment), never so long that a returning server waits.
+const RETRY_FIRST: Duration = Duration::from_millis(250);
+const RETRY_CAP: Duration = Duration::from_secs(5);
+
+/// Why `--follow` is waiting, said once each time it starts waiting for
+/// another reason.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Away {
+    NotRegistered,
+    Server,
+}
+
+/// `--follow`'s waiting between tries: backoff, and one line on stderr
+/// per episode (and per change of reason within one).
+struct Retry {
+    id: String,
+    said: Option<Away>,
+    pause: Duration,
+}
+
+impl Retry {
+    fn new(id: &str) -> Self {
+        Self {
+            id: id.to_owned(),
+            said: None,
+            pause: RETRY_FIRST,
+        }
+    }
+
+    /// A try answered: the next episode starts from the first pause.
+    fn answered(&mut self) {
+        self.said = None;
+        self.pause = RETRY_FIRST;
+    }
+
+    /// Waits before the next try after `failure`, or returns it when it is
+    /// not something that goes away by waiting (a refused token, a TLS
+    /// setup to fix).
+    async fn wait(&mut self, failure: Failure, seen: bool) -> Result<(), Failure> {
+        let (away, why) = match &failure {
+            Failure::Refused { status: 404, .. } if !seen => (
+                Away::NotRegistered,
+                format!("{} is not registered yet; waiting for it", self.id),
+            ),
+            Failure::Refused {
+                status: 429 | 502 | 503 | 504,
+                code,
+                ..
+            } => (
+                Away::Server,
+                format!("the server is unavailable ({code}); retrying until it answers"),
+            ),
+            Failure::Unreachable(m) => (
+                Away::Server,
+                format!("lost the server ({m}); retrying until it answers"),
+            ),
+            _ => return Err(failure),
+        };
+        if self.said != Some(away) {
+            eprintln!("taskgate alloc: {why}");
+            self.said = Some(away);
+        }
+        // Jittered, so that many followers of one restarted server do not
+        // come back in step.
+        tokio::time::sleep(self.pause.mul_f64(0.75 + fastrand::f64() / 2.0)).await;
+        self.pause = (self.pause * 2).min(RETRY_CAP);
+        Ok(())
+    }
+}
+
+/// Whether a failure says the allocation is gone (once it was seen).
+fn deleted(f: &Failure) -> bool {
+    matches!(
+        f,
+        Failure::Refused {
+            status: 404 | 410,
+            ..
+        }
+    )
+}
+
 async fn events(
     client: &Client,
     id: &str,
@@ -692,7 +804,17 @@ async fn events(
     out: &mut String,
 ) -> Result<(), Failure> {
     let path = format!("/v1/allocations/{}/events", enc(id));
-    let mut t = client.call("GET", &path, None).await?;
+    let mut retry = Retry::new(id);
+    // With --follow, an allocation not registered yet and a server that
+    // does not answer yet are waited for, as the web view does.
+    let mut t = loop {
+        match client.call("GET", &path, None).await {
+            Ok(t) => break t,
+            Err(e) if follow => retry.wait(e, false).await?,
+            Err(e) => return Err(e),
+        }
+    };
+    retry.answered();
     // Entries already printed: (index, position within that index).
     let mut printed: Option<(u64, usize)> = None;
     loop {
@@ -723,17 +845,25 @@ async fn events(
             return Ok(());
         }
         // Following: print what came so far, then a blocking query for
-        // the next change.
+        // the next change. A server that goes away (a restart) is waited
+        // for and the query resumed from the last index printed: the
+        // indexes of a server's store go on across its restarts.
         print!("{out}");
+        let _ = std::io::Write::flush(&mut std::io::stdout());
         out.clear();
         let index = printed.map_or(0, |p| p.0);
-        t = client
-            .call(
-                "GET",
-                &format!("{path}?index={index}&wait={FOLLOW_WAIT}"),
-                None,
-            )
-            .await?;
+        let asked = format!("{path}?index={index}&wait={FOLLOW_WAIT}");
+        match client.call("GET", &asked, None).await {
+            Ok(next) => {
+                t = next;
+                retry.answered();
+            }
+            Err(e) if deleted(&e) => {
+                eprintln!("taskgate alloc: {id} was deleted");
+                return Ok(());
+            }
+            Err(e) => retry.wait(e, true).await?,
+        }
     }
 }
 

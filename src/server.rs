@@ -67,23 +67,48 @@ pub struct ServeOptions {
 /// store's files, the listener, logs).
 const RESERVED_FDS: u64 = 128;
 
-/// The connection limit in force: `configured`, or fewer if the process may
-/// not open that many files (accept would then fail in a loop instead of
-/// answering).
-pub fn connection_limit(configured: usize) -> usize {
+/// Connections served at once when `--max-connections` is not given and
+/// the open-files limit leaves room for them.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 20_000;
+
+/// The connection limit in force. Each connection holds a file, so no
+/// more than the open-files limit leaves room for (beyond the reserve)
+/// can be served: past it, accept would fail in a loop instead of
+/// answering. `asked` above that is the operator's mistake and is warned
+/// of; the default lowered to fit is said at info, since a machine's limit
+/// (often 1024, or a container's) is what it is.
+pub fn connection_limit(asked: Option<usize>) -> usize {
     let files = rustix::process::getrlimit(rustix::process::Resource::Nofile)
         .current
         .unwrap_or(u64::MAX);
-    let fits = usize::try_from(files.saturating_sub(RESERVED_FDS)).unwrap_or(usize::MAX);
-    if fits < configured {
-        tracing::warn!(
-            configured,
-            open_files_limit = files,
-            using = fits.max(1),
-            "--max-connections is more than the process may open files for; using fewer"
-        );
+    let fits = usize::try_from(files.saturating_sub(RESERVED_FDS))
+        .unwrap_or(usize::MAX)
+        .max(1);
+    match asked {
+        Some(asked) if asked > fits => {
+            tracing::warn!(
+                asked,
+                open_files_limit = files,
+                using = fits,
+                "--max-connections is more than the open-files limit leaves room for \
+                 ({RESERVED_FDS} files are kept for the store and the logs); using fewer: raise \
+                 the limit (ulimit -n, systemd's LimitNOFILE=) or ask for fewer"
+            );
+            fits
+        }
+        Some(asked) => asked.max(1),
+        None if fits < DEFAULT_MAX_CONNECTIONS => {
+            tracing::info!(
+                open_files_limit = files,
+                using = fits,
+                "serving at most {fits} connections at once: the open-files limit less \
+                 {RESERVED_FDS} files kept for the store and the logs (--max-connections, with \
+                 a higher limit, changes it)"
+            );
+            fits
+        }
+        None => DEFAULT_MAX_CONNECTIONS,
     }
-    configured.min(fits).max(1)
 }
 
 /// The answer to a connection over the limit: problem+json, as every

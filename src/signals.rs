@@ -1,30 +1,41 @@
 //! Signals that end taskgate: SIGINT and SIGTERM for the server, every
 //! terminating signal for the agent.
 
-/// Completes on the first SIGINT or SIGTERM.
-pub async fn terminated() {
-    let ctrl_c = async {
-        if let Err(e) = tokio::signal::ctrl_c().await {
-            // Without a handler there is no Ctrl-C to wait for; SIGTERM
-            // still stops the process. Ending here would stop it at once.
-            tracing::warn!(error = %e, "cannot listen for Ctrl-C; SIGTERM still stops taskgate");
-            std::future::pending::<()>().await;
-        }
-    };
+/// Completes on the first SIGINT or SIGTERM. The handlers are installed
+/// when this is called, not when the future is first polled: a server that
+/// has said it listens stops gracefully on a signal that comes at once,
+/// instead of dying by the signal's default action. Call it inside the
+/// runtime.
+pub fn terminated() -> impl std::future::Future<Output = ()> + Send + 'static {
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let term = signal(SignalKind::terminate());
+        let int = signal(SignalKind::interrupt());
+        async move {
+            // Without a handler there is no such signal to wait for; the
+            // other still stops the process. Ending here would stop it at
+            // once.
+            let wait = |s: std::io::Result<tokio::signal::unix::Signal>, name: &'static str| async move {
+                match s {
+                    Ok(mut s) => {
+                        s.recv().await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot listen for {name}; the other signal still stops taskgate");
+                        std::future::pending::<()>().await;
+                    }
+                }
+            };
+            tokio::select! {
+                () = wait(term, "SIGTERM") => {},
+                () = wait(int, "SIGINT") => {},
             }
-            Err(_) => std::future::pending::<()>().await,
         }
-    };
+    }
     #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = term => {},
+    async {
+        let _ = tokio::signal::ctrl_c().await;
     }
 }
 

@@ -1015,10 +1015,17 @@ fn the_backoff_keeps_growing_while_the_probe_answers() {
         std::thread::sleep(Duration::from_millis(20));
     }
     drop(server);
+    // The long-poll's retries; or, when a probe check overran its 50 ms on
+    // a loaded machine and readiness flipped, the report of it, which
+    // then holds the agent (its retries back off the same way).
     wait_lines(&lines, "backed off to 500 ms", |lines| {
         lines
             .iter()
-            .filter(|l| l.contains("tasks/web?index=") && l.contains("retrying"))
+            .filter(|l| {
+                (l.contains("tasks/web?index=")
+                    || l.contains("PUT /v1/allocations/bo1/tasks/web/state"))
+                    && l.contains("retrying")
+            })
             .any(|l| retry_in_ms(l).is_some_and(|ms| ms >= 500.0))
     });
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use axum::http::StatusCode;
 use axum::{body::Body, http::Request};
-use common::{five_tasks, on_etcd, test_app, test_app_with};
+use common::{etcd_endpoints, five_tasks, on_etcd, test_app, test_app_with};
 use serde_json::{Value, json};
 use taskgate::{http::HttpConfig, registry::RegistryConfig};
 
@@ -294,6 +294,28 @@ async fn bad_identifiers_in_paths_are_invalid_request() {
     app.get(&ok)
         .await
         .assert_problem(404, "allocation_not_found");
+}
+
+/// Someone who opens the server's address in a browser lands in the web
+/// view; curl sees where the API is described. Other unknown paths stay
+/// problem+json 404s.
+#[tokio::test]
+async fn the_root_points_to_the_web_view_and_the_docs() {
+    let app = test_app().await;
+    for method in ["GET", "HEAD"] {
+        let a = app.call(method, "/", None).await;
+        assert_eq!(a.status, 307, "{method}");
+        assert_eq!(a.header("location"), Some("/ui"), "{method}");
+    }
+    let a = app.get("/").await;
+    let text = String::from_utf8_lossy(&a.raw);
+    assert!(
+        text.contains("/ui") && text.contains("/docs") && text.contains("/openapi.json"),
+        "{text}"
+    );
+    app.get("/index.html")
+        .await
+        .assert_problem(404, "not_found");
 }
 
 #[tokio::test]
@@ -1052,7 +1074,14 @@ async fn health_turns_503_on_shutdown() {
     let app = test_app().await;
     let ok = app.get("/v1/health").await;
     assert_eq!(ok.status, StatusCode::OK);
-    assert_eq!(ok.body, json!({"status": "ok"}));
+    if etcd_endpoints().is_some() {
+        // A replica also says where its view of the store is.
+        assert_eq!(ok.body["status"], "ok");
+        assert_eq!(ok.body["view"]["state"], "synced");
+        assert!(ok.body["view"]["index"].is_u64(), "{}", ok.body);
+    } else {
+        assert_eq!(ok.body, json!({"status": "ok"}));
+    }
     app.registry.shutdown();
     let stopping = app.get("/v1/health").await;
     stopping.assert_problem(503, "shutting_down");
@@ -1235,6 +1264,8 @@ async fn metrics_parse_with_their_names_labels_and_buckets() {
     type Family<'a> = (&'a str, Vec<&'a str>, Option<&'a [&'a str]>);
     let expected: std::collections::BTreeMap<&str, Family> = [
         ("taskgate_waiters", ("gauge", vec![], None)),
+        ("taskgate_stream_rendered_bytes", ("gauge", vec![], None)),
+        ("taskgate_timer_entries", ("gauge", vec![], None)),
         ("taskgate_allocations", ("gauge", vec![], None)),
         ("taskgate_last_index", ("gauge", vec![], None)),
         ("taskgate_connections", ("gauge", vec![], None)),

@@ -59,6 +59,7 @@ fn routes(id: &str) -> Vec<(&'static str, String, Option<Value>, &'static str)> 
     // (method, uri, body, least role: "public", "token", "reader", "agent", "operator")
     vec![
         ("GET", "/v1/health".into(), None, "public"),
+        ("GET", "/".into(), None, "public"),
         ("GET", "/openapi.json".into(), None, "public"),
         ("GET", "/docs/".into(), None, "public"),
         ("GET", "/ui".into(), None, "public"),
@@ -156,7 +157,13 @@ async fn every_route_against_every_role() {
             let a = call(&app, token, method, &uri, body).await;
             let label = format!("{token:?} {method} {uri}");
             if need == 0 || (need == 1 && level >= 1) || (need >= 2 && level >= need) {
-                assert!(a.status.is_success(), "{label}: {} {}", a.status, a.body);
+                // `/` answers with a redirect to the web view.
+                assert!(
+                    a.status.is_success() || a.status.is_redirection(),
+                    "{label}: {} {}",
+                    a.status,
+                    a.body
+                );
             } else if level == 0 {
                 a.assert_problem(401, "unauthorized");
                 assert_eq!(
@@ -315,6 +322,35 @@ async fn missing_and_wrong_tokens_are_401_in_both_headers() {
         )
         .await;
     assert_eq!(both.status, 200, "{}", both.body);
+    // A token sent under another scheme is said to be under the wrong
+    // scheme, not missing.
+    let token_scheme = app
+        .send(
+            Request::get("/v1/allocations")
+                .header(header::AUTHORIZATION, "Token reader-secret")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await;
+    token_scheme.assert_problem(401, "unauthorized");
+    let detail = token_scheme.body["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("\"Token\"") && detail.contains("Bearer"),
+        "{detail}"
+    );
+    assert!(!detail.contains("required"), "{detail}");
+    let basic_detail = basic.body["detail"].as_str().unwrap();
+    assert!(basic_detail.contains("\"Basic\""), "{basic_detail}");
+    // With no Authorization header at all, a token is said to be missing.
+    let none = call(&app, None, "GET", "/v1/allocations", None).await;
+    assert!(
+        none.body["detail"]
+            .as_str()
+            .unwrap()
+            .contains("a token is required"),
+        "{}",
+        none.body
+    );
     // Unknown routes are 404 for everyone: nothing is behind them.
     call(&app, None, "GET", "/nowhere", None)
         .await

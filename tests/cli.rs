@@ -1,5 +1,6 @@
 //! `taskgate alloc` against a real server: its human output, its `--json`,
-//! and its exit codes.
+//! its exit codes, `events --follow` across a late registration and a
+//! server restart; and every command's help.
 
 mod common;
 
@@ -33,6 +34,21 @@ fn send(base: &str, method: &str, path: &str, body: Value) {
         .output()
         .unwrap();
     assert!(out.status.success(), "{method} {path}");
+}
+
+/// GET requests the server counted on `route` (its metrics).
+fn gets_on(base: &str, route: &str) -> u64 {
+    let out = Command::new("curl")
+        .args(["-s", "-f", &format!("{base}/metrics")])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let label = format!("method=\"GET\",route=\"{route}\",");
+    text.lines()
+        .filter(|l| l.starts_with("taskgate_http_request_duration_seconds_count{"))
+        .filter(|l| l.contains(&label))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+        .sum()
 }
 
 fn seeded() -> Server {
@@ -104,6 +120,173 @@ fn list_events_and_actions_print_one_line_each() {
     let o = alloc(&server.base, &["delete", "web-42"]);
     assert_eq!(text(&o), "web-42: deleted\n");
     assert_eq!(text(&alloc(&server.base, &["list"])), "no allocations\n");
+}
+
+/// `alloc list` reads the listing and nothing else: one request per
+/// page, not one per allocation.
+#[test]
+fn list_reads_one_listing_not_each_allocation() {
+    let server = seeded();
+    for id in ["web-43", "web-44"] {
+        send(
+            &server.base,
+            "PUT",
+            &format!("/v1/allocations/{id}"),
+            common::five_tasks(),
+        );
+    }
+    let o = alloc(&server.base, &["list"]);
+    assert_eq!(o.status.code(), Some(0));
+    let out = text(&o);
+    assert_eq!(out.lines().count(), 4, "{out}");
+    assert!(out.contains("web-44"), "{out}");
+    assert!(
+        out.lines().any(|l| l.starts_with("web-43")
+            && l.contains("5 pending")
+            && l.ends_with("init, proxy")),
+        "{out}"
+    );
+    assert_eq!(gets_on(&server.base, "/v1/allocations"), 1);
+    assert_eq!(gets_on(&server.base, "/v1/allocations/{alloc_id}"), 0);
+    let j: Value =
+        serde_json::from_slice(&alloc(&server.base, &["list", "--json"]).stdout).unwrap();
+    assert_eq!(j[0]["id"], "web-42");
+    assert_eq!(
+        j[0]["task_states"],
+        json!({"pending": 3, "running": 1, "dead": 1})
+    );
+}
+
+/// Every argument of every command (and subcommand) has a help line, and
+/// `serve`'s flags are grouped under headings.
+#[test]
+fn every_argument_has_help_and_serve_is_grouped() {
+    use clap::CommandFactory;
+    fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+        for arg in cmd.get_arguments() {
+            let help = arg.get_help().map(ToString::to_string).unwrap_or_default();
+            if help.trim().is_empty() || help.contains('\n') {
+                missing.push(format!("{path} {}", arg.get_id()));
+            }
+        }
+        for sub in cmd.get_subcommands() {
+            walk(sub, &format!("{path} {}", sub.get_name()), missing);
+        }
+    }
+    let mut cli = taskgate::cli::Cli::command();
+    cli.build();
+    let mut missing = Vec::new();
+    walk(&cli, "taskgate", &mut missing);
+    assert!(missing.is_empty(), "no one-line help: {missing:#?}");
+
+    let serve = cli.find_subcommand("serve").unwrap();
+    let headings = [
+        "Listening",
+        "Storage",
+        "Replicas (--store etcd)",
+        "Security",
+        "Limits",
+        "Time",
+        "Logging",
+    ];
+    for arg in serve.get_arguments() {
+        if ["help", "version"].contains(&arg.get_id().as_str()) {
+            continue;
+        }
+        let heading = arg.get_help_heading();
+        assert!(
+            heading.is_some_and(|h| headings.contains(&h)),
+            "serve --{}: heading {heading:?}",
+            arg.get_id()
+        );
+    }
+    let help = String::from_utf8(
+        Command::new(env!("CARGO_BIN_EXE_taskgate"))
+            .args(["serve", "--help"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
+    for h in headings {
+        assert!(help.contains(&format!("{h}:")), "{h} in:\n{help}");
+    }
+}
+
+/// A line of a child's output stream, read on a thread of its own so the
+/// test waits for it with a bound.
+fn lines_of(r: impl std::io::Read + Send + 'static) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(r).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Waits (bounded) for a line containing `what`; returns it.
+#[track_caller]
+fn expect_line(rx: &std::sync::mpsc::Receiver<String>, what: &str) -> String {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let left = until.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) if line.contains(what) => return line,
+            Ok(_) => {}
+            Err(e) => panic!("no line with {what:?}: {e}"),
+        }
+    }
+}
+
+/// `events --follow` on an allocation not registered yet waits for it,
+/// and follows it across a restart of the server (on the same data
+/// directory and port), saying once on stderr each time it waits.
+#[test]
+fn events_follow_waits_for_the_allocation_and_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap().to_owned();
+    let server = Server::start(&["--data-dir", &data]);
+    let base = server.base.clone();
+    let addr = server.addr().to_string();
+    let mut follower = Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        .args(["alloc", "--server", &base, "events", "late-1", "--follow"])
+        .env("NO_COLOR", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = lines_of(follower.stdout.take().unwrap());
+    let err = lines_of(follower.stderr.take().unwrap());
+    expect_line(&err, "late-1 is not registered yet; waiting for it");
+    send(&base, "PUT", "/v1/allocations/late-1", common::five_tasks());
+    expect_line(&out, "Registered");
+
+    let (exit, _) = server.stop();
+    assert!(exit.success());
+    expect_line(&err, "retrying until it answers");
+    let server = Server::start(&["--data-dir", &data, "--listen", &addr]);
+    send(
+        &server.base,
+        "PUT",
+        "/v1/allocations/late-1/tasks/init/state",
+        json!({"state": "running"}),
+    );
+    expect_line(&out, "Task State running");
+    // Still following: nothing made it exit.
+    assert!(follower.try_wait().unwrap().is_none());
+    follower.kill().unwrap();
+    follower.wait().unwrap();
+    // Each wait was said once, not once per try.
+    drop(server);
+    let said: Vec<String> = err.try_iter().collect();
+    assert!(
+        said.iter().all(|l| !l.contains("not registered yet")),
+        "said once: {said:#?}"
+    );
 }
 
 #[test]

@@ -7,7 +7,10 @@ mod common;
 
 use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
-use common::etcd::{Cluster, available};
+use common::{
+    etcd::{Cluster, available},
+    stall::Stall,
+};
 use taskgate::{
     lifecycle::{
         AllocId, AllocSpec, EventInput, Hook, Lifecycle, Limits, RunState, TaskName, TaskReport,
@@ -16,16 +19,23 @@ use taskgate::{
     registry::{Registry, RegistryConfig, RegistryError, feed::Next},
     store::{
         StoreError, StoreHealth,
-        etcd::{EtcdConfig, EtcdStore},
+        etcd::{
+            EtcdConfig, EtcdStore,
+            client::{Client, Swapped},
+        },
     },
 };
 
 const SETTLE: Duration = Duration::from_secs(10);
 
 async fn replica(endpoints: Vec<String>, prefix: &str) -> Registry {
+    replica_with(endpoints, prefix, Duration::from_secs(1)).await
+}
+
+async fn replica_with(endpoints: Vec<String>, prefix: &str, timeout: Duration) -> Registry {
     let config = EtcdConfig {
         prefix: prefix.into(),
-        request_timeout: Duration::from_secs(1),
+        request_timeout: timeout,
         ..EtcdConfig::new(endpoints)
     };
     let store = EtcdStore::connect(&config).await.expect("connects");
@@ -68,6 +78,32 @@ fn id(s: &str) -> AllocId {
     AllocId::parse(s).unwrap()
 }
 
+/// A run without etcd does not pass in silence: it says, where `cargo
+/// test`'s output shows it, that the etcd tests did not run. (This test
+/// runs one of them again, as a child, with no etcd on its PATH.)
+#[test]
+fn a_run_without_etcd_says_the_etcd_tests_were_skipped() {
+    if std::env::var_os("TASKGATE_ETCD_SKIP_CHECK").is_some() {
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_report_through_one_replica_wakes_a_waiter_parked_on_another",
+            "--test-threads=1",
+        ])
+        .env("PATH", "/nonexistent")
+        .env_remove("TASKGATE_REQUIRE_ETCD")
+        .env("TASKGATE_ETCD_SKIP_CHECK", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert_eq!(err.matches(common::etcd::SKIPPED).count(), 1, "{err}");
+    // What was captured stays captured: one line, not one per test.
+    assert!(!err.contains(": skipped, no etcd"), "{err}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_report_through_one_replica_wakes_a_waiter_parked_on_another() {
     if !available("a_report_through_one_replica_wakes_a_waiter_parked_on_another") {
@@ -98,7 +134,10 @@ async fn a_report_through_one_replica_wakes_a_waiter_parked_on_another() {
     // `web` may not start before `init` finished: parked on B.
     let parked = {
         let b = b.clone();
-        tokio::spawn(async move { b.wait_start("web-1", "web", Duration::from_secs(60)).await })
+        tokio::spawn(async move {
+            b.wait_start("web-1", "web", Duration::from_secs(60), true)
+                .await
+        })
     };
     common::parked(&b, 1).await;
     let init = TaskName::parse("init").unwrap();
@@ -326,11 +365,15 @@ async fn without_a_quorum_writes_are_refused_reads_answer_and_health_recovers() 
     let others: Vec<usize> = (0..3).filter(|&i| i != leader).collect();
     cluster.kill(leader);
     cluster.kill(others[0]);
+    // 503 store_unavailable: refused, or (a member that did not answer
+    // in time) not confirmed, which may have been applied.
     let refused = a.register(id("lost"), s.clone()).await;
     assert!(
         matches!(
             refused,
-            Err(RegistryError::Store(StoreError::Unavailable(_)))
+            Err(RegistryError::Store(
+                StoreError::Unavailable(_) | StoreError::Uncertain(_)
+            ))
         ),
         "{refused:?}"
     );
@@ -452,9 +495,14 @@ fn five_agents_finish_in_lifecycle_order_through_two_replicas_while_one_dies() {
     let base = &stays.base;
     assert!(started_at(base, "ha1", "proxy") < started_at(base, "ha1", "web"));
     assert!(started_at(base, "ha1", "web") < started_at(base, "ha1", "announce"));
-    assert_eq!(
-        get(base, "/v1/allocations/ha1")["coordinator_state"],
-        "poststop"
+    let done = get(base, "/v1/allocations/ha1");
+    assert_eq!(done["coordinator_state"], "poststop");
+    // Health says how far the replica's view has got.
+    let health = get(base, "/v1/health");
+    assert_eq!(health["view"]["state"], "synced", "{health}");
+    assert!(
+        health["view"]["index"].as_u64() >= done["modify_index"].as_u64(),
+        "{health}"
     );
 }
 
@@ -488,7 +536,10 @@ async fn a_stalled_member_and_a_compaction_during_parked_waits_wake_exactly_the_
     assert!(b.wait_view(last, SETTLE).await);
     let park = |alloc: &'static str| {
         let b = b.clone();
-        tokio::spawn(async move { b.wait_start(alloc, "web", Duration::from_secs(120)).await })
+        tokio::spawn(async move {
+            b.wait_start(alloc, "web", Duration::from_secs(120), true)
+                .await
+        })
     };
     let (w1, w2) = (park("w1"), park("w2"));
     common::parked(&b, 2).await;
@@ -575,7 +626,12 @@ async fn the_etcd_leader_killed_under_load_loses_no_acknowledged_change() {
                         acked.push((message, a.modify_index));
                         tried_after = 0;
                     }
-                    Err(RegistryError::Store(StoreError::Unavailable(_)))
+                    // 503s: refused, not confirmed (may have landed), the
+                    // view behind, or contended.
+                    Err(RegistryError::Store(
+                        StoreError::Unavailable(_) | StoreError::Uncertain(_),
+                    ))
+                    | Err(RegistryError::Behind { .. })
                     | Err(RegistryError::Contended(_)) => tried_after += 1,
                     Err(e) => panic!("{message}: {e}"),
                 }
@@ -884,7 +940,10 @@ async fn a_dependency_on_another_allocation_holds_across_replicas() {
     assert!(b.wait_view(data.modify_index, SETTLE).await);
     let parked = {
         let b = b.clone();
-        tokio::spawn(async move { b.wait_start("app", "web", Duration::from_secs(60)).await })
+        tokio::spawn(async move {
+            b.wait_start("app", "web", Duration::from_secs(60), true)
+                .await
+        })
     };
     common::parked(&b, 1).await;
     let db_name = TaskName::parse("db").unwrap();
@@ -925,4 +984,443 @@ async fn a_dependency_on_another_allocation_holds_across_replicas() {
         })
         .count();
     assert_eq!(holds, 1, "the verdict was written once");
+}
+
+/// The messages of a task's events, in order.
+fn messages(r: &Registry, alloc: &str, task: usize) -> Vec<String> {
+    r.get(alloc).unwrap().tasks[task]
+        .events
+        .iter()
+        .map(|e| e.message.to_string())
+        .collect()
+}
+
+/// Replica A and replica B on one allocation; A's first member (behind a
+/// forwarder that can stall) applies what A sends and its answers stop
+/// coming back. `timeout`: A's deadline per call.
+async fn stalled_pair(
+    cluster: &Cluster,
+    prefix: &str,
+    timeout: Duration,
+) -> (Stall, Registry, Registry) {
+    let endpoints = cluster.endpoints();
+    let stall = Stall::start(&endpoints[0]);
+    let a = replica_with(
+        vec![
+            stall.url.clone(),
+            endpoints[1].clone(),
+            endpoints[2].clone(),
+        ],
+        prefix,
+        timeout,
+    )
+    .await;
+    let b = replica(vec![endpoints[1].clone(), endpoints[2].clone()], prefix).await;
+    let (made, _) = a
+        .register(id("w1"), spec(vec![task("web", None)]))
+        .await
+        .unwrap();
+    assert!(b.wait_view(made.modify_index, SETTLE).await);
+    (stall, a, b)
+}
+
+/// Issue 33's first fault: a replica's compare-and-swap commits, its answer
+/// does not come back within the deadline (the member paused on the way
+/// back), another replica writes the same allocation meanwhile, and the
+/// replica sends the transaction to the next member, whose compare fails.
+/// The record's write marks say the change that moved the key was its own:
+/// it answers with it and never decides again on top of it (before, the
+/// report was decided again and its event appended twice).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_whose_answer_was_lost_is_applied_once() {
+    if !available("a_write_whose_answer_was_lost_is_applied_once") {
+        return;
+    }
+    let cluster = Cluster::start(3);
+    let (stall, a, b) = stalled_pair(&cluster, "/t10/", Duration::from_secs(2)).await;
+    let web = TaskName::parse("web").unwrap();
+    let seen = b.get("w1").unwrap().modify_index;
+
+    stall.stall();
+    let sent = {
+        let (a, web) = (a.clone(), web.clone());
+        tokio::spawn(async move {
+            a.report("w1", vec![(web, report(RunState::Running, "once"))])
+                .await
+        })
+    };
+    // A's transaction is applied (B sees it) while A waits for the answer;
+    // B writes on top of it before A's deadline passes.
+    assert!(b.wait_view(seen + 1, SETTLE).await);
+    assert_eq!(messages(&b, "w1", 0), ["once"]);
+    b.report(
+        "w1",
+        vec![(web.clone(), report(RunState::Running, "from B"))],
+    )
+    .await
+    .unwrap();
+    let answer = sent.await.unwrap().expect("A's report is acknowledged");
+    assert_eq!(
+        answer.tasks[0]
+            .events
+            .iter()
+            .filter(|e| *e.message == *"once")
+            .count(),
+        1,
+        "the answer holds the report once"
+    );
+    stall.release();
+    let last = b.get("w1").unwrap().modify_index;
+    assert!(a.wait_view(last, SETTLE).await);
+    assert_eq!(messages(&b, "w1", 0), ["once", "from B"]);
+    assert_eq!(messages(&a, "w1", 0), ["once", "from B"]);
+}
+
+/// When more writes followed a write whose answer was lost than a record
+/// remembers (8), whether it was applied cannot be told: the replica says
+/// so (503 `store_unavailable`, "may have been applied") rather than
+/// deciding again; a deletion whose answer was lost is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_answer_past_what_the_record_remembers_is_unavailable_not_doubled() {
+    if !available("a_lost_answer_past_what_the_record_remembers_is_unavailable_not_doubled") {
+        return;
+    }
+    let cluster = Cluster::start(3);
+    let (stall, a, b) = stalled_pair(&cluster, "/t11/", Duration::from_secs(4)).await;
+    let web = TaskName::parse("web").unwrap();
+    let seen = b.get("w1").unwrap().modify_index;
+
+    stall.stall();
+    let sent = {
+        let (a, web) = (a.clone(), web.clone());
+        tokio::spawn(async move {
+            a.report("w1", vec![(web, report(RunState::Running, "once"))])
+                .await
+        })
+    };
+    assert!(b.wait_view(seen + 1, SETTLE).await);
+    for k in 0..9 {
+        let m = format!("B{k}");
+        b.report("w1", vec![(web.clone(), report(RunState::Running, &m))])
+            .await
+            .unwrap();
+    }
+    let refused = sent.await.unwrap().expect_err("cannot be told");
+    assert!(
+        matches!(&refused, RegistryError::Store(StoreError::Uncertain(m)) if m.contains("cannot be told")),
+        "{refused}"
+    );
+    let got = messages(&b, "w1", 0);
+    assert_eq!(got.iter().filter(|m| *m == "once").count(), 1, "{got:?}");
+    stall.release();
+
+    // A deletion whose answer is lost, sent by a replica whose first
+    // member is the stalled one: the key is gone when the next member is
+    // asked, so it is done (before: 404, as if someone else had deleted it).
+    let endpoints = cluster.endpoints();
+    let c = replica_with(
+        vec![
+            stall.url.clone(),
+            endpoints[1].clone(),
+            endpoints[2].clone(),
+        ],
+        "/t11/",
+        Duration::from_secs(2),
+    )
+    .await;
+    let last = b.get("w1").unwrap().modify_index;
+    assert!(c.wait_view(last, SETTLE).await);
+    stall.stall();
+    let deleted = c.delete("w1").await.expect("the deletion is acknowledged");
+    assert!(deleted > last);
+    assert!(b.wait_view(deleted, SETTLE).await);
+    assert!(b.get("w1").is_err());
+}
+
+/// Issue 33's fourth fault on a real cluster: a record this build cannot
+/// read (here, a record version from the future) wedged its allocation and
+/// stopped a replica from starting. Now: health names it, its requests are
+/// 503 `store_failed` at once, the other allocations are served, a replica
+/// starts, and DELETE removes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_record_is_named_refused_and_does_not_stop_a_start() {
+    if !available("an_unreadable_record_is_named_refused_and_does_not_stop_a_start") {
+        return;
+    }
+    let cluster = Cluster::start(1);
+    let endpoints = cluster.endpoints();
+    let a = replica(endpoints.clone(), "/t12/").await;
+    let s = spec(vec![task("web", None)]);
+    a.register(id("good"), s.clone()).await.unwrap();
+    let (bad, _) = a.register(id("bad"), s).await.unwrap();
+
+    let raw = Client::new(&EtcdConfig::new(endpoints.clone())).unwrap();
+    let written = raw
+        .swap(b"/t12/a/bad", Some(&[99, 1, 2, 3]), bad.modify_index)
+        .await
+        .unwrap();
+    let Swapped::Done(index) = written else {
+        panic!("the record moved")
+    };
+    assert!(a.wait_view(index, SETTLE).await);
+    assert_eq!(
+        a.store_health(),
+        StoreHealth::Degraded(vec!["records_unreadable"])
+    );
+    assert_eq!(a.unreadable(100), ["bad"]);
+    let web = TaskName::parse("web").unwrap();
+    let refused = a
+        .report("bad", vec![(web.clone(), report(RunState::Running, "x"))])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, RegistryError::Unreadable { id, .. } if id == "bad"),
+        "{refused:?}"
+    );
+    a.report("good", vec![(web.clone(), report(RunState::Running, "y"))])
+        .await
+        .unwrap();
+
+    // A replica starts with it in the prefix, and serves the others.
+    let b = replica(endpoints, "/t12/").await;
+    assert_eq!(b.unreadable(100), ["bad"]);
+    assert!(matches!(
+        b.look_up("bad").await,
+        Err(RegistryError::Unreadable { .. })
+    ));
+    assert_eq!(b.get("good").unwrap().tasks[0].state, RunState::Running);
+
+    let deleted = b.delete("bad").await.unwrap();
+    assert!(a.wait_view(deleted, SETTLE).await);
+    assert_eq!(a.store_health(), StoreHealth::Ok);
+    assert!(a.unreadable(100).is_empty());
+    assert!(matches!(
+        a.get("bad"),
+        Err(RegistryError::AllocationNotFound(_))
+    ));
+}
+
+/// Issue 33's second fault: the watch was opened with no deadline, so a
+/// replica whose member was paused (or cut off without a reset) never
+/// tried the healthy ones. A replica whose first member is paused starts,
+/// writes, and follows another replica's writes through the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_first_member_is_left_for_the_healthy_ones() {
+    if !available("a_paused_first_member_is_left_for_the_healthy_ones") {
+        return;
+    }
+    let cluster = Cluster::start(3);
+    let endpoints = cluster.endpoints();
+    let b = replica(endpoints[1..].to_vec(), "/t13/").await;
+    cluster.pause(0);
+    let a = replica(endpoints.clone(), "/t13/").await;
+    let (made, _) = a
+        .register(id("p1"), spec(vec![task("web", None)]))
+        .await
+        .unwrap();
+    assert!(b.wait_view(made.modify_index, SETTLE).await);
+    let web = TaskName::parse("web").unwrap();
+    let moved = b
+        .report("p1", vec![(web, report(RunState::Running, "through B"))])
+        .await
+        .unwrap();
+    assert!(a.wait_view(moved.modify_index, SETTLE).await, "A follows");
+    assert_eq!(a.get("p1").unwrap().tasks[0].state, RunState::Running);
+    assert!(wait_health(&a, |h| *h == StoreHealth::Ok).await);
+    cluster.resume(0);
+}
+
+// ---- liveness over etcd (docs/replicas.md, "Liveness") ----
+
+/// A task under `ttl`, alone in its allocation.
+fn timed(ttl: Duration) -> AllocSpec {
+    let mut web = task("web", None);
+    web.liveness = Some(ttl);
+    spec(vec![web])
+}
+
+/// etcd checks for expired leases every 500 ms: a lease is revoked up to
+/// that long after its TTL.
+const EXPIRY_CHECK: Duration = Duration::from_millis(500);
+
+fn now() -> time::OffsetDateTime {
+    time::OffsetDateTime::now_utc()
+}
+
+/// Waits (bounded) until replica `r` holds `alloc`'s `web` lost; the record.
+async fn wait_lost(r: &Registry, alloc: &str) -> Arc<taskgate::lifecycle::Allocation> {
+    let until = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(a) = r.get(alloc)
+            && a.tasks[0].lost()
+        {
+            return a;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "{alloc}/web never lost"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The `Agent Lost` events of `alloc`'s `web` on `r`.
+fn lost_events(r: &Registry, alloc: &str) -> usize {
+    r.get(alloc).unwrap().tasks[0]
+        .events
+        .iter()
+        .filter(|e| e.kind == taskgate::lifecycle::LOST_EVENT)
+        .count()
+}
+
+/// Registers `alloc` (web under `ttl`) through `r` and reports web running;
+/// the record.
+async fn run_timed(r: &Registry, alloc: &str, ttl: Duration) -> u64 {
+    r.register(id(alloc), timed(ttl)).await.unwrap();
+    let web = TaskName::parse("web").unwrap();
+    r.report(alloc, vec![(web, report(RunState::Running, "up"))])
+        .await
+        .unwrap()
+        .modify_index
+}
+
+/// An agent reports through replica A, heartbeats there, then goes
+/// silent: the task is lost within its TTL and etcd's expiry check (its
+/// lease expires; every replica's watch sees the live key go; one of them
+/// wins the write), with exactly one `Agent Lost` event, the same on all
+/// three replicas. (Before: a TTL was refused with --store etcd.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_agent_s_task_is_lost_once_within_its_ttl_on_every_replica() {
+    if !available("a_silent_agent_s_task_is_lost_once_within_its_ttl_on_every_replica") {
+        return;
+    }
+    const TTL: Duration = Duration::from_secs(2);
+    let cluster = Cluster::start(3);
+    let prefix = "/l1/";
+    let a = replica(cluster.endpoints(), prefix).await;
+    let b = replica(cluster.endpoints(), prefix).await;
+    let c = replica(cluster.endpoints(), prefix).await;
+    run_timed(&a, "s1", TTL).await;
+    // Heartbeats through A, each more than a third of the TTL apart (so
+    // each renews the lease at once), for two TTLs.
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        a.heartbeat("s1", "web").unwrap();
+    }
+    let last = now();
+    for r in [&a, &b, &c] {
+        assert!(!r.get("s1").unwrap().tasks[0].lost(), "alive while heard");
+    }
+    let lost = wait_lost(&a, "s1").await;
+    let at = lost.tasks[0].lost_at().unwrap();
+    let took = at - last;
+    assert!(took >= TTL, "lost {took} after the last sign of life");
+    assert!(
+        took <= TTL + Duration::from_secs(1) + EXPIRY_CHECK,
+        "lost {took} after the last sign of life: more than the TTL, a second and etcd's expiry check"
+    );
+    for r in [&a, &b, &c] {
+        assert!(r.wait_view(lost.modify_index, SETTLE).await);
+        let seen = r.get("s1").unwrap();
+        assert!(seen.tasks[0].lost());
+        assert_eq!(seen.tasks[0].lost_at(), Some(at), "one decision");
+        assert_eq!(lost_events(r, "s1"), 1);
+    }
+    // Decided once: nothing after it.
+    tokio::time::sleep(TTL).await;
+    assert_eq!(a.get("s1").unwrap().modify_index, lost.modify_index);
+}
+
+/// Signs of life sent only to replica B keep alive a task that replica A
+/// made running and would otherwise time out; once they stop, it is lost
+/// on both. (Before: refused; and a replica's memory alone would have
+/// timed it out on A.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signs_of_life_through_one_replica_keep_a_task_alive_on_all() {
+    if !available("signs_of_life_through_one_replica_keep_a_task_alive_on_all") {
+        return;
+    }
+    const TTL: Duration = Duration::from_secs(2);
+    let cluster = Cluster::start(3);
+    let prefix = "/l2/";
+    let a = replica(cluster.endpoints(), prefix).await;
+    let b = replica(cluster.endpoints(), prefix).await;
+    let running = run_timed(&a, "s2", TTL).await;
+    assert!(b.wait_view(running, SETTLE).await);
+    // Three TTLs of heartbeats through B only, then a parked long-poll on
+    // B for two more.
+    for _ in 0..9 {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        b.heartbeat("s2", "web").unwrap();
+    }
+    let (seen, _) = b
+        .wait_task("s2", "web", running, TTL * 2, true)
+        .await
+        .unwrap();
+    assert_eq!(
+        seen.modify_index, running,
+        "the wait timed out: nothing changed"
+    );
+    let last = now();
+    for r in [&a, &b] {
+        assert!(
+            !r.get("s2").unwrap().tasks[0].lost(),
+            "alive for five TTLs while B heard it"
+        );
+    }
+    let lost = wait_lost(&a, "s2").await;
+    let took = lost.tasks[0].lost_at().unwrap() - last;
+    assert!(took >= TTL, "lost {took} after the last sign of life");
+    assert!(
+        took <= TTL + Duration::from_secs(1) + EXPIRY_CHECK,
+        "lost {took} after it"
+    );
+    assert!(b.wait_view(lost.modify_index, SETTLE).await);
+    assert_eq!(lost_events(&b, "s2"), 1);
+}
+
+/// A replica restarted while a task's agent is silent does not restart
+/// its clock: the task is lost one TTL after its last sign of life, not
+/// one TTL after the restart, even when the replica that heard the agent
+/// is gone too and only replicas started since are left. (Before: refused;
+/// on the disk store a restart gives every task a full TTL.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_restarted_during_a_ttl_does_not_restart_its_clock() {
+    if !available("a_replica_restarted_during_a_ttl_does_not_restart_its_clock") {
+        return;
+    }
+    const TTL: Duration = Duration::from_secs(4);
+    let cluster = Cluster::start(3);
+    let prefix = "/l3/";
+    let a = replica(cluster.endpoints(), prefix).await;
+    let b = replica(cluster.endpoints(), prefix).await;
+    let running = run_timed(&a, "s3", TTL).await;
+    assert!(b.wait_view(running, SETTLE).await);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    b.heartbeat("s3", "web").unwrap();
+    let last = now();
+    // Half a TTL later both replicas go (B, which heard the agent, and A)
+    // and two new ones start.
+    tokio::time::sleep(TTL / 2).await;
+    drop(a);
+    drop(b);
+    let restarted = now();
+    let c = replica(cluster.endpoints(), prefix).await;
+    let d = replica(cluster.endpoints(), prefix).await;
+    assert!(!c.get("s3").unwrap().tasks[0].lost(), "not lost yet");
+    let lost = wait_lost(&c, "s3").await;
+    let at = lost.tasks[0].lost_at().unwrap();
+    assert!(at - last >= TTL, "lost {} after the last sign", at - last);
+    assert!(
+        at - last <= TTL + Duration::from_secs(1) + EXPIRY_CHECK,
+        "lost {} after the last sign of life",
+        at - last
+    );
+    assert!(
+        at < restarted + TTL,
+        "the restart gave the task a new TTL: lost {} after it",
+        at - restarted
+    );
+    assert!(d.wait_view(lost.modify_index, SETTLE).await);
+    assert_eq!(lost_events(&d, "s3"), 1);
 }

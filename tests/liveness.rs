@@ -374,3 +374,146 @@ fn a_real_deletion_still_ends_the_agent_and_its_workload() {
     }
     wait_gone(pid, "the deleted allocation's workload");
 }
+
+/// `--register` with a spec the server refuses with 409
+/// `dependency_cycle` is fatal (exit 2, naming the cycle), not retried
+/// forever (it was: every 409 was taken for a conflict that passes).
+#[test]
+fn registering_a_spec_that_closes_a_cycle_exits_2() {
+    let server = Server::start(&["--in-memory"]);
+    let put = Command::new("curl")
+        .args(["-sf", "-X", "PUT", "-H", "Content-Type: application/json", "-d"])
+        .arg(r#"{"tasks":[{"name":"web","depends_on":[{"task":"db","allocation":"b","condition":"running"}]}]}"#)
+        .arg(format!("{}/v1/allocations/a", server.base))
+        .status()
+        .unwrap();
+    assert!(put.success());
+    let dir = tempfile::tempdir().unwrap();
+    let spec = common::agents::spec_file(
+        dir.path(),
+        &serde_json::json!({"tasks": [{"name": "db", "depends_on": [
+            {"task": "web", "allocation": "a", "condition": "running"}]}]}),
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        .args([
+            "agent",
+            "--server",
+            &server.base,
+            "--alloc",
+            "b",
+            "--task",
+            "db",
+        ])
+        .arg("--register")
+        .arg(&spec)
+        .args(["--", "true"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + BOUND;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the agent kept retrying a dependency cycle"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(2));
+    let err = stderr_of(child);
+    assert!(
+        err.contains("dependency_cycle") && err.contains("b/db"),
+        "{err}"
+    );
+}
+
+/// The same over etcd, with replicas: three `taskgate serve --store etcd`
+/// replicas; web's agent talks to replica B, the other agents to A and
+/// C. web's agent and replica B are SIGKILLed together while web runs:
+/// nobody renews web's lease any more, etcd expires it, A and C see its
+/// live key go, one of them records web lost, and the allocation ends
+/// failed because of web, within the TTL and a second of the kill (the
+/// TTL is whole seconds here, so etcd's lease is exactly it).
+#[test]
+fn over_etcd_a_sigkilled_agent_s_task_is_lost_with_the_replica_it_used() {
+    if !common::etcd::available(
+        "over_etcd_a_sigkilled_agent_s_task_is_lost_with_the_replica_it_used",
+    ) {
+        return;
+    }
+    let cluster = common::etcd::Cluster::start(3);
+    let replica = || {
+        let endpoints = cluster.endpoints().join(",");
+        Server::start(&[
+            "--store",
+            "etcd",
+            "--etcd-endpoints",
+            &endpoints,
+            "--etcd-prefix",
+            "/k2/",
+        ])
+    };
+    let (a, b, c) = (replica(), replica(), replica());
+    let dir = tempfile::tempdir().unwrap();
+    let spec = five_spec(dir.path());
+    let others = [
+        format!("{},{}", a.base, c.base),
+        format!("{},{}", c.base, a.base),
+    ];
+    let mut agents: Vec<_> = commands(dir.path())
+        .into_iter()
+        .enumerate()
+        .map(|(i, (t, cmd))| {
+            let servers = if t == "web" {
+                b.base.clone()
+            } else {
+                others[i % 2].clone()
+            };
+            agent(&servers, "k2", t, &spec, &["--liveness-ttl", "2s"], &cmd)
+        })
+        .collect();
+    wait_state(&a.base, "k2", "web", "running");
+    let web = agents.iter_mut().find(|a| a.task == "web").unwrap();
+    let killed = time::OffsetDateTime::now_utc();
+    send_signal(web.child.id(), "KILL");
+    send_signal(b.child.id(), "KILL");
+    let _ = web.child.wait();
+    let a_view = wait_alloc(&a.base, "k2", "ended", |v| v["outcome"].is_string());
+    assert_eq!(a_view["coordinator_state"], "poststop", "{a_view}");
+    assert_eq!(a_view["outcome"], "failed");
+    assert_eq!(a_view["failed_tasks"], serde_json::json!(["web"]));
+    let web = task(&a_view, "web");
+    assert_eq!(web["lost"], true);
+    assert_eq!(web["stop_reason"]["type"], "Agent Lost");
+    let took = parse(&web["finished_at"]) - killed;
+    assert!(
+        took <= time::Duration::seconds(3),
+        "lost {took} after the kill: more than the TTL (2 s) and a second"
+    );
+    // B renewed the lease at most a third of the TTL before it died (its
+    // agent's parked query kept it renewing).
+    assert!(
+        took >= time::Duration::milliseconds(2000 - 700),
+        "lost before its TTL: {took}"
+    );
+    // Poststop ran, through the replicas left, and C holds the same.
+    wait_state(&a.base, "k2", "cleanup", "dead");
+    let c_view = wait_alloc(&c.base, "k2", "ended on C", |v| {
+        task(v, "cleanup")["state"] == "dead"
+    });
+    assert_eq!(task(&c_view, "web")["finished_at"], web["finished_at"]);
+    let events: Vec<Value> = get(&a.base, "/v1/allocations/k2/events")["events"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let lost: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["type"] == "Agent Lost")
+        .collect();
+    assert_eq!(lost.len(), 1, "{events:?}");
+    assert_eq!(lost[0]["task"], "web");
+    drop(agents);
+}

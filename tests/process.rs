@@ -15,7 +15,7 @@ const BOUND: Duration = Duration::from_secs(20);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_answers_parked_waits_with_503_and_exits_0() {
-    let mut server = Server::start(&["--in-memory"]);
+    let server = Server::start(&["--in-memory"]);
     let base = server.base.clone();
     assert!(
         tokio::task::spawn_blocking({
@@ -73,14 +73,21 @@ async fn sigterm_answers_parked_waits_with_503_and_exits_0() {
         let body: Value = res.json().await.unwrap();
         assert_eq!(body["code"], "shutting_down");
     }
-    let exit = tokio::task::spawn_blocking(move || {
-        let status = server.child.wait().unwrap();
-        (status, server)
-    })
-    .await
-    .unwrap()
-    .0;
+    let (exit, lines) = tokio::task::spawn_blocking(move || server.wait_logs())
+        .await
+        .unwrap();
     assert!(exit.success(), "exit code 0, got {exit:?}");
+    // Answering parked waits 503 `shutting_down` is the shutdown working
+    // as designed: no warning for any of them.
+    let stopping = lines
+        .iter()
+        .position(|l| l.contains("shutting down"))
+        .expect("the server logs that it shuts down");
+    let warned: Vec<&String> = lines[stopping..]
+        .iter()
+        .filter(|l| l.contains(" WARN "))
+        .collect();
+    assert!(warned.is_empty(), "{warned:#?}");
     assert!(
         asked.elapsed() < Duration::from_secs(10),
         "stopped within the grace: {:?}",
@@ -250,4 +257,71 @@ async fn the_event_stream_resumes_or_resyncs_across_a_restart() {
         serde_json::json!({"type": "Resync", "index": i2})
     );
     assert_eq!(older.next().await.unwrap()["index"], i3);
+}
+
+fn warnings(lines: &[String]) -> Vec<&String> {
+    lines.iter().filter(|l| l.contains(" WARN ")).collect()
+}
+
+/// A start with the defaults (on loopback, no tokens) and a stop log no
+/// warning, also where the open-files limit is below the default
+/// connection limit (the default is lowered to fit, said at info).
+#[test]
+fn a_default_start_and_stop_warn_of_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap();
+    let server = Server::start_with_open_files(1024, &["--data-dir", data]);
+    let (exit, lines) = server.stop();
+    assert!(exit.success(), "{exit:?}");
+    assert!(warnings(&lines).is_empty(), "{:#?}", warnings(&lines));
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains(" INFO ") && l.contains("896 connections at once")),
+        "the lowered limit is said: {lines:#?}"
+    );
+}
+
+/// Asking for more connections than the open-files limit allows is the
+/// operator's to fix: one warning, naming the flag.
+#[test]
+fn more_connections_than_the_open_files_limit_is_one_warning() {
+    let server = Server::start_with_open_files(1024, &["--in-memory", "--max-connections", "5000"]);
+    let (exit, lines) = server.stop();
+    assert!(exit.success(), "{exit:?}");
+    let warned = warnings(&lines);
+    assert_eq!(warned.len(), 1, "{warned:#?}");
+    assert!(
+        warned[0].contains("--max-connections") && warned[0].contains("using=896"),
+        "{}",
+        warned[0]
+    );
+}
+
+/// `--listen :PORT` with no tokens on a port another process holds: both
+/// problems are said, the address first (whether tokens are needed
+/// depends on it), instead of the token refusal alone.
+#[test]
+fn a_busy_port_and_missing_tokens_are_both_said_address_first() {
+    // Held on loopback: Linux refuses the wildcard address on a port that
+    // a socket listens on.
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = held.local_addr().unwrap().port();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        .args(["serve", "--in-memory", "--listen", &format!(":{port}")])
+        .env_remove("TASKGATE_OPERATOR_TOKEN")
+        .env_remove("TASKGATE_TOKEN_FILE")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let address = err
+        .find(&format!("cannot listen on 0.0.0.0:{port}"))
+        .unwrap_or_else(|| panic!("the busy port is said: {err}"));
+    let tokens = err
+        .find("without authentication")
+        .unwrap_or_else(|| panic!("the missing tokens are said: {err}"));
+    assert!(address < tokens, "the address first: {err}");
+    assert!(err.contains("another process listens"), "{err}");
+    drop(held);
 }

@@ -1,8 +1,11 @@
 //! Runs the README's walkthrough against a real server, so it cannot rot:
-//! each `curl` command of the marked block runs in `sh` with the server's
-//! address in place of `localhost:8080`, each `taskgate` command runs the
-//! binary with `TASKGATE_SERVER` set to it, and each `# expect:` line must
-//! be in the output of the command before it.
+//! each command of the marked block runs in `sh` as written, with the
+//! server's address in place of `localhost:8080` and `TASKGATE_SERVER` set
+//! to it (as a reader's `taskgate` finds the server at its default
+//! address), and with the `taskgate` this build made first on the PATH
+//! (where the README's `cargo install --locked --path .` puts the
+//! reader's). Each `# expect:` line must be in the output of the command
+//! before it.
 
 mod common;
 
@@ -56,6 +59,14 @@ fn walkthrough(page: &str) -> Vec<Step> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_readme_walkthrough_runs_as_written() {
+    // The walkthrough's `taskgate` is the one the README installs first.
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let before = readme.split("<!-- walkthrough:start -->").next().unwrap();
+    assert!(
+        before.contains("```sh\ncargo install --locked --path .\n```"),
+        "the README installs taskgate before its walkthrough"
+    );
     run(walkthrough("README.md"), 15).await;
 }
 
@@ -78,19 +89,34 @@ async fn run(steps: Vec<Step>, at_least: usize) {
     let server = common::spawn_server().await;
     let addr = server.base.trim_start_matches("http://").to_owned();
     let base = server.base.clone();
+    // The binary under test is the `taskgate` the shell finds.
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_taskgate"));
+    let path = format!(
+        "{}:{}",
+        bin.parent().unwrap().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let found = Command::new("sh")
+        .args(["-c", "command -v taskgate"])
+        .env("PATH", &path)
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&found.stdout).trim(),
+        bin.to_str().unwrap()
+    );
     for step in steps {
-        let command = step.command.replace("localhost:8080", &addr);
-        // `taskgate ...` is the binary under test, told where the server
-        // is as an operator's environment would.
-        let command = match command.strip_prefix("taskgate ") {
-            Some(rest) => format!("{} {rest}", env!("CARGO_BIN_EXE_taskgate")),
-            None => format!("{command} --max-time 30"),
-        };
-        let base = base.clone();
+        let mut command = step.command.replace("localhost:8080", &addr);
+        if command.starts_with("curl ") {
+            // A bound on each request, so a hung server fails the test.
+            command.push_str(" --max-time 30");
+        }
+        let (base, path) = (base.clone(), path.clone());
         let out = tokio::task::spawn_blocking(move || {
             Command::new("sh")
                 .arg("-c")
                 .arg(command)
+                .env("PATH", path)
                 .env("TASKGATE_SERVER", base)
                 .env("NO_COLOR", "1")
                 .output()

@@ -1,5 +1,7 @@
-//! TLS with a certificate made at test time, the header-read bound, and
-//! the timeout on requests that do not wait.
+//! TLS with a certificate made at test time, the recipe of
+//! docs/operations.md run as written and used by the CLI and the agent,
+//! TLS failures told as such, the header-read bound, and the timeout on
+//! requests that do not wait.
 
 mod common;
 
@@ -112,4 +114,201 @@ async fn a_client_that_never_finishes_its_headers_is_cut_off() {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     server.stop.send(()).unwrap();
     server.task.await.unwrap().unwrap();
+}
+
+/// The commands of docs/operations.md's TLS recipe.
+fn recipe() -> String {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operations.md"))
+        .unwrap();
+    let block = doc
+        .split("<!-- tls-recipe:start -->")
+        .nth(1)
+        .and_then(|rest| rest.split("<!-- tls-recipe:end -->").next())
+        .expect("docs/operations.md has the TLS recipe");
+    let body = block
+        .split("```sh\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("the recipe is a sh block");
+    body.to_owned()
+}
+
+/// Runs `script` with `sh -e` in `dir` (openssl must be installed:
+/// `.ci/run` installs it).
+fn sh_in(dir: &std::path::Path, script: &str) {
+    let out = std::process::Command::new("sh")
+        .args(["-e", "-c", script])
+        .current_dir(dir)
+        .output()
+        .expect("sh runs");
+    assert!(
+        out.status.success(),
+        "{script}\nfailed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn taskgate(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        .args(args)
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap()
+}
+
+/// Waits (bounded) for a child to exit.
+fn exit_within(child: &mut std::process::Child, bound: Duration) -> std::process::ExitStatus {
+    let until = std::time::Instant::now() + bound;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if std::time::Instant::now() > until {
+            let _ = child.kill();
+            panic!("the child did not exit within {bound:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The recipe of docs/operations.md, run as written, makes a certificate
+/// that the CLI and the agent accept, by name and by address.
+#[test]
+fn the_documented_recipe_works_with_the_cli_and_the_agent() {
+    let dir = tempfile::tempdir().unwrap();
+    sh_in(dir.path(), &recipe());
+    let file = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    let server = common::process::Server::start(&[
+        "--in-memory",
+        "--tls-cert",
+        &file("cert.pem"),
+        "--tls-key",
+        &file("key.pem"),
+    ]);
+    let port = server.addr().port();
+    let ca = file("ca.pem");
+    for host in ["localhost", "127.0.0.1"] {
+        let url = format!("https://{host}:{port}");
+        let o = taskgate(&["alloc", "--server", &url, "--ca-cert", &ca, "list"]);
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{host}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert_eq!(String::from_utf8_lossy(&o.stdout), "no allocations\n");
+    }
+    let url = format!("https://localhost:{port}");
+    let o = taskgate(&["health", "--server", &url, "--ca-cert", &ca]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+
+    // The agent registers a one-task allocation over TLS, runs its task
+    // and exits with its exit code once the allocation is done.
+    let spec = file("spec.json");
+    std::fs::write(&spec, r#"{"tasks": [{"name": "main"}]}"#).unwrap();
+    let mut agent = std::process::Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        .args([
+            "agent",
+            "--server",
+            &url,
+            "--ca-cert",
+            &ca,
+            "--alloc",
+            "tls-1",
+            "--task",
+            "main",
+            "--register",
+            &spec,
+            "--",
+            "true",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let exit = exit_within(&mut agent, BOUND);
+    assert!(exit.success(), "{exit:?}");
+    let o = taskgate(&[
+        "alloc",
+        "--server",
+        &url,
+        "--ca-cert",
+        &ca,
+        "status",
+        "tls-1",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("main      main"), "{out}");
+    assert!(out.contains("dead ok"), "{out}");
+}
+
+/// The usual self-signed certificate (its own CA), a CA the client was not
+/// given, and an https:// URL for a plain-HTTP server: each a TLS failure
+/// (exit 4) that says what to check, not "cannot reach the server" (3).
+#[test]
+fn tls_failures_are_told_as_such_with_their_own_exit_code() {
+    let dir = tempfile::tempdir().unwrap();
+    sh_in(
+        dir.path(),
+        "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 30 \
+         -subj /CN=localhost -addext subjectAltName=DNS:localhost \
+         -keyout self.key -out self.pem",
+    );
+    sh_in(dir.path(), &recipe());
+    let file = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    let own_ca = common::process::Server::start(&[
+        "--in-memory",
+        "--tls-cert",
+        &file("self.pem"),
+        "--tls-key",
+        &file("self.key"),
+    ]);
+    let url = format!("https://localhost:{}", own_ca.addr().port());
+    let o = taskgate(&[
+        "alloc",
+        "--server",
+        &url,
+        "--ca-cert",
+        &file("self.pem"),
+        "list",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(4), "{err}");
+    assert!(err.contains("is a CA certificate"), "{err}");
+    assert!(
+        err.contains("--ca-cert") && err.contains("docs/operations.md"),
+        "{err}"
+    );
+    assert!(!err.contains("cannot reach"), "{err}");
+
+    let signed = common::process::Server::start(&[
+        "--in-memory",
+        "--tls-cert",
+        &file("cert.pem"),
+        "--tls-key",
+        &file("key.pem"),
+    ]);
+    let url = format!("https://localhost:{}", signed.addr().port());
+    // The server's CA is not the one given.
+    let o = taskgate(&[
+        "alloc",
+        "--server",
+        &url,
+        "--ca-cert",
+        &file("self.pem"),
+        "list",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(4), "{err}");
+    assert!(
+        err.contains("not signed by a CA this client trusts"),
+        "{err}"
+    );
+
+    let plain = common::process::Server::start(&["--in-memory"]);
+    let url = format!("https://127.0.0.1:{}", plain.addr().port());
+    let o = taskgate(&["alloc", "--server", &url, "list"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(4), "{err}");
+    assert!(err.contains("does not speak TLS"), "{err}");
 }

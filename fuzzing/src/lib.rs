@@ -16,8 +16,8 @@ use tower::Service;
 use taskgate::{
     http::{HttpConfig, app, auth::Auth},
     lifecycle::{
-        AllocId, AllocSpec, Allocation, CoordState, Hook, Lifecycle, Limits, RestartMode, RunState,
-        Step, TaskName, TaskReport, TaskSpec,
+        AllocId, AllocSpec, Allocation, Condition, CoordState, Deadlines, Dependency, Hook,
+        Lifecycle, Limits, RestartMode, RunState, Step, TaskName, TaskReport, TaskSpec,
     },
     registry::{Registry, RegistryConfig},
     store::MemoryStore,
@@ -211,14 +211,16 @@ async fn check_on(router: axum::Router, method: &str, uri: &str, body: Vec<u8>) 
     assert_eq!(status, 200, "unhealthy after {method} {uri}");
 }
 
-/// A random allocation (from the first byte and one byte per task) driven
-/// by operations (three bytes each), checked after every step against the
-/// invariants of docs/lifecycle.md.
+/// A random allocation (from the first byte and one byte per task: stages,
+/// a leader, readiness, a TTL, a dependency on an earlier task; deadlines
+/// from the first byte) driven by operations (three bytes each: reports,
+/// restores, restarts, and time passing with the allocation looked at),
+/// checked after every step against the invariants of docs/lifecycle.md.
 pub fn lifecycle(data: &[u8]) {
-    let Some((&n, rest)) = data.split_first() else {
+    let Some((&first, rest)) = data.split_first() else {
         return;
     };
-    let n = 1 + usize::from(n % 7);
+    let n = 1 + usize::from(first % 7);
     if rest.len() < n {
         return;
     }
@@ -243,13 +245,47 @@ pub fn lifecycle(data: &[u8]) {
                 lifecycle: lifecycle.map(|(hook, sidecar)| Lifecycle { hook, sidecar }),
                 leader: is_leader,
                 readiness: stage_takes_readiness && b & 0x20 != 0,
-                liveness: None,
+                liveness: (b & 0x10 != 0).then(|| std::time::Duration::from_secs(10)),
                 depends_on: Vec::new(),
             }
         })
         .collect();
-    let spec = AllocSpec::new(tasks, &Limits::default()).expect("a valid spec");
-    let now = time::OffsetDateTime::UNIX_EPOCH;
+    // A dependency of each task on the one before it, where the rules let
+    // it be (`b & 0x08`), on a condition from the byte.
+    let mut tasks = tasks;
+    for i in 1..n {
+        let b = task_bytes[i];
+        if b & 0x08 == 0 {
+            continue;
+        }
+        let condition = [
+            Condition::Running,
+            Condition::Ready,
+            Condition::Succeeded,
+            Condition::Dead,
+        ][usize::from(b >> 6)];
+        let mut with = tasks.clone();
+        with[i].depends_on.push(Dependency {
+            task: tasks[i - 1].name.clone(),
+            allocation: None,
+            condition,
+        });
+        if AllocSpec::new(with.clone(), &Limits::default()).is_ok() {
+            tasks = with;
+        }
+    }
+    let mut deadlines = Deadlines::default();
+    for (bit, state) in Deadlines::STATES.into_iter().enumerate() {
+        if first & (0x08 << bit) != 0 {
+            deadlines.set(
+                state,
+                Some(std::time::Duration::from_secs(30 + 15 * bit as u64)),
+            );
+        }
+    }
+    let spec =
+        AllocSpec::with_deadlines(tasks, deadlines, &Limits::default()).expect("a valid spec");
+    let mut now = time::OffsetDateTime::UNIX_EPOCH;
     let mut index = 1u64;
     let mut a = Allocation::register(
         AllocId::parse("a").expect("an ID"),
@@ -281,7 +317,17 @@ pub fn lifecycle(data: &[u8]) {
             index += 1;
             index
         };
-        let (next, back_to, step) = match kind % 8 {
+        let (next, back_to, step) = match kind % 10 {
+            // Time passes (up to 255 s) and the allocation is looked at:
+            // no sign of life but its reports.
+            8 | 9 => {
+                now += std::time::Duration::from_secs(u64::from(what));
+                let seen = |_| None;
+                let due = a.wake_at(&seen, None).is_some_and(|at| at <= now);
+                let next = a.tick(now, &seen, None, next_index);
+                assert_eq!(next.is_some(), due, "a tick changes exactly what is due");
+                (next, None, Step::Report)
+            }
             0..=4 => (
                 a.report(&[(task, report)], now, next_index),
                 None,

@@ -9,12 +9,21 @@ rejected"; this hook keeps such bodies out of generation:
 - `readiness` only on a prestart sidecar or a main task, and `ready: true`
   only with `state: running` (docs/lifecycle.md, Readiness; tests/api.rs
   covers both 400s);
+- a duration (a stage deadline, a liveness TTL) is a number with a unit
+  within its range, which the schema's `string` cannot say
+  (tests/api.rs covers the 400s);
+- a dependency on a task of the same allocation (no `allocation`) must
+  name another task of it, of an earlier stage, with a condition that can
+  hold (docs/lifecycle.md, Dependencies; tests/api.rs covers each 400):
+  generated bodies keep only dependencies on other allocations;
 - an event's size limits count UTF-8 bytes (the fields' descriptions say
   so: message 4 KiB, detail keys 128 bytes, values 1 KiB, the whole event
   8 KiB), while `maxLength` counts characters, so a string of multibyte
   characters within `maxLength` can be over them (tests/api.rs covers the
   limits).
 """
+
+import re
 
 import schemathesis
 
@@ -102,13 +111,71 @@ def readiness_rules_hold(body):
     return ready_fits(body)
 
 
+UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+
+
+def seconds(text):
+    """A duration's seconds, or None if it is not one."""
+    if not isinstance(text, str) or not text:
+        return None
+    total, at = 0.0, 0
+    for m in DURATION.finditer(text):
+        if m.start() != at:
+            return None
+        total += float(m.group(1)) * UNITS[m.group(2)]
+        at = m.end()
+    return total if at == len(text) else None
+
+
+def within(text, low, high):
+    s = seconds(text)
+    return s is not None and low <= s <= high
+
+
+def durations_fit(body):
+    """Stage deadlines within 1 s to 7 days, liveness TTLs within 1 s to 24 h."""
+    if not isinstance(body, dict):
+        return True
+    deadlines = body.get("deadlines")
+    if isinstance(deadlines, dict):
+        for value in deadlines.values():
+            if value is not None and not within(value, 1, 7 * 86400):
+                return False
+    tasks = body.get("tasks")
+    if isinstance(tasks, list):
+        for t in tasks:
+            liveness = t.get("liveness") if isinstance(t, dict) else None
+            if isinstance(liveness, dict) and not within(liveness.get("ttl"), 1, 86400):
+                return False
+    return True
+
+
+def dependencies_fit(body):
+    """Only dependencies on other allocations (see the module's doc)."""
+    if not isinstance(body, dict) or not isinstance(body.get("tasks"), list):
+        return True
+    for t in body["tasks"]:
+        deps = t.get("depends_on") if isinstance(t, dict) else None
+        if isinstance(deps, list):
+            for d in deps:
+                if isinstance(d, dict) and d.get("allocation") is None:
+                    return False
+    return True
+
+
 def body_fits(body):
     if isinstance(body, dict) and isinstance(body.get("tasks"), list):
         names = [t.get("name") for t in body["tasks"] if isinstance(t, dict)]
         names = [n for n in names if isinstance(n, str)]
         if len(names) != len(set(names)):
             return False
-    return readiness_rules_hold(body) and events_fit(body)
+    return (
+        readiness_rules_hold(body)
+        and events_fit(body)
+        and durations_fit(body)
+        and dependencies_fit(body)
+    )
 
 
 @schemathesis.hook

@@ -271,10 +271,12 @@ impl Api {
     }
 
     /// Sends until the server answers something final. Network errors, 5xx
-    /// (503 included), 409 and 429 are retried with exponential backoff and
+    /// (503 included) and 429 are retried with exponential backoff and
     /// jitter (20 ms doubling to 10 s), after a network error or a 5xx at
-    /// the next server of the list; other 4xx are fatal, except a missing
-    /// or deleted allocation, which ends the agent quietly.
+    /// the next server of the list; other 4xx are fatal (a 409 too: a
+    /// dependency cycle or a spec conflict is not fixed by waiting), except
+    /// a missing or deleted allocation, which ends the agent quietly, and a
+    /// lost task.
     async fn call(
         &self,
         method: &str,
@@ -391,7 +393,7 @@ impl Api {
                                 self.alloc
                             )));
                         }
-                        if (400..500).contains(&status) && status != 409 && status != 429 {
+                        if (400..500).contains(&status) && status != 429 {
                             return Err(ApiError::Fatal(format!(
                                 "{method} {path}: {status} {code}: {}",
                                 text(&v, "detail")

@@ -142,6 +142,7 @@ async fn current_or_newer(
     id: &AllocId,
     q: BlockingParams,
 ) -> Result<Arc<Allocation>, ApiError> {
+    s.registry.look_up(id.as_str()).await?;
     Ok(if q.index == 0 {
         s.registry.get(id.as_str())?
     } else {
@@ -253,7 +254,7 @@ pub async fn delete(
     post, path = "/v1/allocations/{alloc_id}/task-states", operation_id = "reportTaskStates", tag = "tasks",
     params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
            ("Prefer" = Option<String>, Header, description = "`return=minimal` (RFC 7240): answer only the index and the coordinator state (and for a one-task report what the task is told), with `Preference-Applied: return=minimal`"),
-           ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 printable ASCII characters (IETF httpapi draft). A retry with the same key and the same request, within the task's last few keyed writes, answers the record as it is and applies nothing again; the same key with another request is 422 `idempotency_key_reused`. Kept with the record: it holds across restarts and replicas.")),
+           ("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = "^[ -~]+$", description = "1 to 255 printable ASCII characters (IETF httpapi draft). A retry with the same key and the same request, within the task's last few keyed writes, answers the record as it is and applies nothing again; the same key with another request is 422 `idempotency_key_reused`. Kept with the record: it holds across restarts and replicas.")),
     request_body = BatchBody,
     responses(
         (status = 200, description = "The allocation after the reports", body = WriteView,

@@ -7,7 +7,8 @@
 //!   optionally only for allocation IDs with given prefixes;
 //! - `reader`: GET only (optionally scoped the same way).
 //!
-//! `/v1/health`, `/openapi.json` and `/docs` never need a token; `/metrics`
+//! `/` (a pointer to `/ui`), `/v1/health`, `/openapi.json`, `/errors`,
+//! `/docs` and the web view's files never need a token; `/metrics`
 //! needs one unless `--public-metrics`.
 
 use std::{
@@ -88,6 +89,12 @@ impl Token {
     }
 
     /// The registry's quota for this token's registrations, if it has one.
+    /// Whether the token may act for a task of allocation `id` (report
+    /// it): an agent or operator token whose prefixes cover it.
+    pub fn may_act(&self, id: &str) -> bool {
+        self.role != Role::Reader && self.may_read(id)
+    }
+
     /// Whether the token may read allocation `id` (its prefixes cover it).
     pub fn may_read(&self, id: &str) -> bool {
         self.alloc_prefixes.is_empty()
@@ -254,7 +261,7 @@ enum Need {
 
 fn need(method: &Method, route: &str, public_metrics: bool) -> Need {
     match route {
-        "/v1/health" | "/openapi.json" | "/errors" => Need::Nothing,
+        "/" | "/v1/health" | "/openapi.json" | "/errors" => Need::Nothing,
         r if r == "/docs" || r.starts_with("/docs/") => Need::Nothing,
         // The web view's files; its data comes from the API, with a token.
         r if r == "/ui" || r.starts_with("/ui/") => Need::Nothing,
@@ -282,6 +289,14 @@ fn presented(req: &Request) -> Option<&str> {
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
         .map(|(_, token)| token.trim());
     bearer.or_else(|| h.get("x-taskgate-token").and_then(|v| v.to_str().ok()))
+}
+
+/// The scheme of an `Authorization` header that is not `Bearer`, if one
+/// was sent (at most 32 characters of it, for the answer).
+fn other_scheme(req: &Request) -> Option<String> {
+    let value = req.headers().get(header::AUTHORIZATION)?.to_str().ok()?;
+    let scheme = value.split(' ').next().unwrap_or_default();
+    (!scheme.eq_ignore_ascii_case("bearer")).then(|| scheme.chars().take(32).collect())
 }
 
 /// The allocation ID (or, for the list, the `prefix`) a request concerns.
@@ -339,9 +354,18 @@ impl Auth {
         }
         let Some(secret) = presented(req) else {
             tracing::info!(%route, method = %req.method(), "refused (401): no token");
-            return Err(Box::new(unauthorized(
-                "a token is required (Authorization: Bearer <token>, or X-Taskgate-Token)",
-            )));
+            let detail = match other_scheme(req) {
+                // A token sent under another scheme (`Token`, `Basic`) is
+                // not read as one: say so, rather than that none was sent.
+                Some(scheme) => format!(
+                    "the Authorization header uses the scheme {scheme:?}; taskgate reads \
+                     tokens from `Authorization: Bearer <token>` (or X-Taskgate-Token)"
+                ),
+                None => "a token is required (Authorization: Bearer <token>, or \
+                         X-Taskgate-Token)"
+                    .to_owned(),
+            };
+            return Err(Box::new(unauthorized(&detail)));
         };
         let Some(token) = self.identify(secret) else {
             tracing::info!(%route, method = %req.method(), "refused (401): unknown token");
@@ -456,6 +480,7 @@ mod tests {
     fn routes_need_what_the_roles_table_says() {
         use Method as M;
         assert_eq!(need(&M::GET, "/v1/health", false), Need::Nothing);
+        assert_eq!(need(&M::GET, "/", false), Need::Nothing);
         assert_eq!(need(&M::GET, "/metrics", false), Need::AnyToken);
         assert_eq!(need(&M::GET, "/metrics", true), Need::Nothing);
         assert_eq!(

@@ -26,9 +26,6 @@ use crate::metrics::Metrics;
 /// The request-ID header, accepted from the client or generated.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 
-/// The registration route, whose handler applies the caller's quota.
-const REGISTER_ROUTE: &str = "/v1/allocations/{alloc_id}";
-
 /// The event stream, whose answer lasts as long as its client reads.
 pub(crate) const STREAM_ROUTE: &str = "/v1/events";
 
@@ -157,11 +154,11 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
                     None => return quota_exceeded(token),
                 }
             }
-            // Only registration applies the caller's own quota.
-            if method == Method::PUT && route == Some(REGISTER_ROUTE) {
-                req.extensions_mut()
-                    .insert(super::auth::Caller(token.clone()));
-            }
+            // Registration applies the caller's own quota and checks its
+            // dependencies' targets; a task query counts as a sign of life
+            // only from a caller that may act for the task.
+            req.extensions_mut()
+                .insert(super::auth::Caller(token.clone()));
         }
         if announced_length(&req).is_some_and(|n| n > edge.body_limit as u64) {
             return payload_too_large().into_response();
@@ -196,7 +193,13 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
     let latency = started.elapsed();
     let status = res.status().as_u16();
     let latency_ms = latency.as_secs_f64() * 1000.0;
-    if status >= 500 {
+    // A parked wait answered 503 `shutting_down` is the shutdown working
+    // as designed (every parked request gets one), not a failure.
+    let by_design = res
+        .extensions()
+        .get::<super::error::ProblemCode>()
+        .is_some_and(|c| c.0 == "shutting_down");
+    if status >= 500 && !by_design {
         tracing::warn!(parent: &span, status, latency_ms, "request failed");
     } else {
         tracing::debug!(parent: &span, status, latency_ms, "request");

@@ -157,12 +157,12 @@ pub const CODES: &[(&str, u16, &str)] = &[
     (
         "store_unavailable",
         503,
-        "The store takes no writes for now: an etcd replica without a quorum, or a disk store whose log is at its ceiling or whose commit queue is full. It recovers by itself; `GET /v1/health` says why. Reads still work.",
+        "The store takes no writes for now: an etcd replica without a quorum, or a disk store whose log is at its ceiling or whose commit queue is full. It recovers by itself; `GET /v1/health` says why. Reads still work. Also: a replica whose view has not yet reached an allocation etcd holds (try again), and a write etcd did not confirm, which may have been applied (the detail says so: read the allocation before sending it again, or resend a report with the same `Idempotency-Key`).",
     ),
     (
         "store_failed",
         503,
-        "The store failed a write, or refuses writes: the disk store takes no change after a write it cannot vouch for until taskgate is restarted (the change whose write failed may or may not be kept: read it back after the restart), or its log is at its ceiling while checkpoints fail. `GET /v1/health` says which; the server's log has the cause.",
+        "The store failed a write, or refuses writes: the disk store takes no change after a write it cannot vouch for until taskgate is restarted (the change whose write failed may or may not be kept: read it back after the restart), or its log is at its ceiling while checkpoints fail. `GET /v1/health` says which; the server's log has the cause. With replicas: the allocation's record in etcd cannot be read by this build (health names it under `unreadable`; the other allocations are served; DELETE removes it).",
     ),
 ];
 
@@ -383,11 +383,25 @@ impl From<RegistryError> for ApiError {
                 }));
                 e
             }
+            RegistryError::Invalid(errors) => Self::invalid(detail, errors),
             RegistryError::Unsupported(_) => {
                 Self::new(StatusCode::BAD_REQUEST, "invalid_request", detail)
             }
             RegistryError::QuotaExceeded(_) => {
                 Self::new(StatusCode::TOO_MANY_REQUESTS, "quota_exceeded", detail)
+            }
+            RegistryError::Unreadable { .. } => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store_failed",
+                format!(
+                    "{detail}. The other allocations are served; a newer build may read it, or \
+                     the record can be deleted (DELETE answers for it once etcd holds a readable \
+                     one; see docs/replicas.md)"
+                ),
+            ),
+            RegistryError::Behind { .. } => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", detail)
+                    .retry_later()
             }
             RegistryError::Store(e) => e.into(),
         }
@@ -410,6 +424,19 @@ impl From<StoreError> for ApiError {
                     StatusCode::SERVICE_UNAVAILABLE,
                     "store_unavailable",
                     "the store takes no writes for now; see /v1/health",
+                )
+                .retry_later()
+            }
+            // A replica's write that no member confirmed: it may have
+            // been applied.
+            StoreError::Uncertain(_) => {
+                tracing::warn!(error = %e, "a write's outcome is unknown");
+                Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "store_unavailable",
+                    "etcd did not confirm this change, and whether it was applied cannot be \
+                     told: it may have been. Read the allocation before sending the request \
+                     again, or send it again with the same Idempotency-Key",
                 )
                 .retry_later()
             }
@@ -458,10 +485,17 @@ impl ApiError {
     }
 }
 
+/// A problem's code, on its response, for the edge's log: an answer that is
+/// a 5xx by design (`shutting_down`) is not logged as a failure.
+#[derive(Clone, Copy, Debug)]
+pub struct ProblemCode(pub &'static str);
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let (status, index, retry_after) = (self.status, self.index, self.retry_after);
+        let (status, index, retry_after, code) =
+            (self.status, self.index, self.retry_after, self.code);
         let mut res = (status, self.into_body()).into_response();
+        res.extensions_mut().insert(ProblemCode(code));
         let headers = res.headers_mut();
         headers.insert(
             header::CONTENT_TYPE,

@@ -28,13 +28,16 @@ use crate::registry::{Subscription, feed::Next};
 /// A line sent after this long without another.
 pub const HEARTBEAT: Duration = Duration::from_secs(10);
 
-/// Changes taken from the feed at once (one write to the connection).
+/// Changes taken from the feed at once.
 const BATCH: usize = 256;
 
-/// Chunks rendered ahead of a slow client before the stream waits for it
-/// (past that, a client that falls behind the kept changes gets a
-/// `Resync`).
-const AHEAD: usize = 4;
+/// Bytes queued for a client ahead of what it has read, at most. A change
+/// is sent as the feed's own rendered copy (shared by every reader, never
+/// copied per reader), so what a client that stops reading holds is this
+/// queue's references and its connection's buffers; past it the stream
+/// waits for the client, and one that falls behind the kept changes gets a
+/// `Resync`. A single change larger than this is still sent, alone.
+pub const BACKLOG_BYTES: usize = 256 << 10;
 
 /// Follow allocation changes (a stream).
 ///
@@ -42,9 +45,10 @@ const AHEAD: usize = 4;
 /// reads: each change after `index` in index order, each once
 /// (`Allocation` with the allocation's view, `AllocationDeleted`); a
 /// `Resync` line first when `index` is older than the changes the server
-/// keeps (`--event-buffer`; a restarted server keeps none from before):
-/// list the allocations again, then go on from the `Resync`'s index, as
-/// the stream does; a `Heartbeat` line after 10 s without another. The
+/// keeps (`--event-buffer`; a restarted server keeps none from before), or
+/// newer than any index it has reached (another server's, a restored
+/// backup's): list the allocations again, then go on from the `Resync`'s
+/// index, as the stream does; a `Heartbeat` line after 10 s without another. The
 /// stream ends when the server shuts down: reconnect with the last index
 /// seen. A scoped token must give a `prefix` within its prefixes. Counts as
 /// a waiting request.
@@ -70,8 +74,10 @@ pub async fn stream(
 ) -> Result<Response, ApiError> {
     let index = q.index;
     let sub = s.registry.subscribe(q.index, q.prefix)?;
-    let (tx, rx) = mpsc::channel(AHEAD);
-    tokio::spawn(follow(sub, tx));
+    // The queue's length is bounded by the byte permits each chunk holds.
+    let (tx, rx) = mpsc::unbounded_channel();
+    let budget = std::sync::Arc::new(tokio::sync::Semaphore::new(BACKLOG_BYTES));
+    tokio::spawn(follow(sub, tx, budget));
     let mut res = (
         StatusCode::OK,
         [(
@@ -86,29 +92,44 @@ pub async fn stream(
     Ok(res)
 }
 
+/// A chunk of the stream and the share of the client's backlog it holds
+/// until the connection takes it.
+type Chunk = (Bytes, tokio::sync::OwnedSemaphorePermit);
+
 /// Writes the stream's lines until the client goes away or the server
 /// shuts down.
-async fn follow(mut sub: Subscription, tx: mpsc::Sender<Bytes>) {
+async fn follow(
+    mut sub: Subscription,
+    tx: mpsc::UnboundedSender<Chunk>,
+    budget: std::sync::Arc<tokio::sync::Semaphore>,
+) {
     loop {
-        let chunk = tokio::select! {
+        let chunks: Vec<Bytes> = tokio::select! {
             next = sub.next(BATCH) => match next {
-                Ok(Next::Changes(events)) => {
-                    let mut chunk = Vec::new();
-                    for e in &events {
-                        chunk.extend_from_slice(&e.rendered(|e| line(&StreamLine::change(e, sub.registry()))));
-                    }
-                    Bytes::from(chunk)
-                }
-                Ok(Next::Resync(index)) => line(&StreamLine::Resync { index }),
+                Ok(Next::Changes(events)) => events
+                    .iter()
+                    .map(|e| sub.render(e, |e| line(&StreamLine::change(e, sub.registry()))))
+                    .collect(),
+                Ok(Next::Resync(index)) => vec![line(&StreamLine::Resync { index })],
                 // Shutting down: the client reconnects (elsewhere, or once
                 // the server is back) with the last index it saw.
                 Err(_) => return,
             },
-            () = tokio::time::sleep(HEARTBEAT) => line(&StreamLine::Heartbeat),
+            () = tokio::time::sleep(HEARTBEAT) => vec![line(&StreamLine::Heartbeat)],
             () = tx.closed() => return,
         };
-        if tx.send(chunk).await.is_err() {
-            return;
+        for chunk in chunks {
+            let want = chunk.len().clamp(1, BACKLOG_BYTES) as u32;
+            let permit = tokio::select! {
+                p = budget.clone().acquire_many_owned(want) => match p {
+                    Ok(p) => p,
+                    Err(_) => return,
+                },
+                () = tx.closed() => return,
+            };
+            if tx.send((chunk, permit)).is_err() {
+                return;
+            }
         }
     }
 }
@@ -122,8 +143,9 @@ fn line(l: &StreamLine) -> Bytes {
     Bytes::from(buf)
 }
 
-/// The response body: the chunks `follow` sends, as they come.
-struct Lines(mpsc::Receiver<Bytes>);
+/// The response body: the chunks `follow` sends, as they come (each
+/// chunk's share of the backlog is given back as the connection takes it).
+struct Lines(mpsc::UnboundedReceiver<Chunk>);
 
 impl http_body::Body for Lines {
     type Data = Bytes;
@@ -133,6 +155,8 @@ impl http_body::Body for Lines {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        self.0.poll_recv(cx).map(|c| c.map(|c| Ok(Frame::data(c))))
+        self.0
+            .poll_recv(cx)
+            .map(|c| c.map(|(bytes, _permit)| Ok(Frame::data(bytes))))
     }
 }

@@ -172,6 +172,7 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
             "/v1/allocations/{alloc_id}/tasks/{task}/heartbeat",
             put(tasks::heartbeat),
         )
+        .route("/", get(service::root))
         .route("/v1/health", get(service::health))
         .route("/metrics", get(service::metrics))
         .route("/openapi.json", get(service::openapi_json))

@@ -68,6 +68,7 @@ Errors are RFC 9457 problem documents with a stable `code`.",
         tasks::report,
         tasks::start_condition,
         tasks::heartbeat,
+        service::root,
         service::health,
         service::metrics,
         service::openapi_json,
@@ -121,7 +122,7 @@ fn add_case(op: &mut Operation, status: &str, description: &str) {
 }
 
 /// Routes that never need a token.
-const PUBLIC: &[&str] = &["/v1/health", "/openapi.json", "/errors"];
+const PUBLIC: &[&str] = &["/", "/v1/health", "/openapi.json", "/errors"];
 
 impl Modify for CommonResponses {
     fn modify(&self, doc: &mut Doc) {

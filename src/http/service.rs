@@ -12,9 +12,42 @@ use crate::{
 };
 
 use super::{
-    AppState, error::ApiError, error::Problem, extract::ApiQuery, extract::NoParams,
-    views::HealthView,
+    AppState,
+    error::ApiError,
+    error::Problem,
+    extract::ApiQuery,
+    extract::NoParams,
+    views::{HealthView, ReplicaView},
 };
+
+/// The front door.
+///
+/// Someone who opens the server's address in a browser lands in the web
+/// view; the body says where the API is described, for whoever reads it
+/// without following the redirect (curl). Never needs a token.
+#[utoipa::path(
+    get, path = "/", operation_id = "getRoot", tag = "service",
+    responses(
+        (status = 307, description = "To the web view, `/ui`; the body points to `/docs` and `/openapi.json` too",
+         body = String, content_type = "text/plain",
+         headers(("Location" = String, description = "`/ui`"))),
+    )
+)]
+pub async fn root(_: ApiQuery<NoParams>) -> Response {
+    (
+        StatusCode::TEMPORARY_REDIRECT,
+        [
+            (header::LOCATION, HeaderValue::from_static("/ui")),
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; charset=utf-8"),
+            ),
+        ],
+        "taskgate: the web view is at /ui; the HTTP API is described at /docs (Swagger UI) \
+         and /openapi.json, its error codes at /errors.\n",
+    )
+        .into_response()
+}
 
 /// Health.
 ///
@@ -22,7 +55,9 @@ use super::{
 /// "ok"}`, or `{"status": "degraded", "problems": [...]}` while the store
 /// takes writes but its background work fails (`checkpoints_failing`,
 /// `log_rollover_failing`: the log grows toward its ceiling; the cause is
-/// in the server's log). 503 while it starts or stops, or while the store
+/// in the server's log), or while a replica on etcd finds records it
+/// cannot read (`records_unreadable`, with the allocations in
+/// `unreadable`: those are answered 503 `store_failed`, the rest served). 503 while it starts or stops, or while the store
 /// refuses writes. Never needs a token, and never carries an internal
 /// error's text.
 #[utoipa::path(
@@ -39,14 +74,22 @@ pub async fn health(
     if s.registry.is_shutting_down() {
         return Err(crate::registry::RegistryError::ShuttingDown.into());
     }
+    let replica = s.registry.view_index().map(|index| ReplicaView {
+        state: "synced",
+        index,
+    });
     let view = match s.registry.store_health() {
         StoreHealth::Ok => HealthView {
             status: "ok",
             problems: Vec::new(),
+            unreadable: Vec::new(),
+            view: replica,
         },
         StoreHealth::Degraded(problems) => HealthView {
             status: "degraded",
             problems,
+            unreadable: s.registry.unreadable(100),
+            view: replica,
         },
         StoreHealth::Refusing {
             code: "store_unavailable",
@@ -55,9 +98,12 @@ pub async fn health(
             return Err(ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store_unavailable",
-                "this replica cannot reach a quorum of its etcd cluster, or has not caught up with \
-                 it; reads answer from its last view, writes are refused (the cause is in the \
-                 server's log)",
+                format!(
+                    "this replica is syncing: it cannot reach a quorum of its etcd cluster, or \
+                     has not caught up with it (its view is at index {}); reads answer from that \
+                     view, writes are refused (the cause is in the server's log)",
+                    s.registry.view_index().unwrap_or(0)
+                ),
             )
             .retry_later());
         }
@@ -92,6 +138,8 @@ pub async fn metrics(State(s): State<AppState>, _: ApiQuery<NoParams>) -> Respon
         last_index: s.registry.last_index(),
         store_degraded: matches!(health, StoreHealth::Degraded(_)),
         store_refusing_writes: matches!(health, StoreHealth::Refusing { .. }),
+        stream_rendered_bytes: s.registry.stream_rendered_bytes() as u64,
+        timer_entries: s.registry.timer_entries() as u64,
     });
     let mut res = text.into_response();
     res.headers_mut().insert(

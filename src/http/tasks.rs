@@ -18,6 +18,14 @@ use super::{
     views::{StartConditionView, TaskDetailView},
 };
 
+/// Whether a task query by `caller` is a sign of life for the task: from
+/// a caller that may act for it (an agent or operator token covering the
+/// allocation, or any caller on a server without tokens), not from a
+/// reader's dashboard.
+fn sign_of_life(caller: &Option<axum::Extension<super::auth::Caller>>, alloc: &str) -> bool {
+    caller.as_ref().is_none_or(|c| c.0.0.may_act(alloc))
+}
+
 /// Read one task (blocking query).
 ///
 /// `index` compares with the task's own `modify_index`, so an agent
@@ -42,16 +50,24 @@ use super::{
 )]
 pub async fn get(
     State(s): State<AppState>,
+    caller: Option<axum::Extension<super::auth::Caller>>,
     TaskPath(id, task): TaskPath,
     ApiQuery(q): ApiQuery<BlockingParams>,
 ) -> Result<Response, ApiError> {
     let (a, i) = if q.index == 0 {
+        s.registry.look_up(id.as_str()).await?;
         let a = s.registry.get(id.as_str())?;
         let i = s.registry.task_position(&a, task.as_str())?;
         (a, i)
     } else {
         s.registry
-            .wait_task(id.as_str(), task.as_str(), q.index, s.wait_time(q.wait))
+            .wait_task(
+                id.as_str(),
+                task.as_str(),
+                q.index,
+                s.wait_time(q.wait),
+                sign_of_life(&caller, id.as_str()),
+            )
             .await?
     };
     Ok(indexed(
@@ -72,7 +88,7 @@ pub async fn get(
         ("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
         ("task" = String, Path, description = "Task name", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
         ("Prefer" = Option<String>, Header, description = "`return=minimal` (RFC 7240): answer only the index, the coordinator state and what this task is told (`task`, `allowed`, `desired`, `stop_reason`, `restart_generation`), with `Preference-Applied: return=minimal`"),
-        ("Idempotency-Key" = Option<String>, Header, description = "1 to 255 printable ASCII characters (IETF httpapi draft). A retry with the same key and the same request, within the task's last few keyed writes, answers the record as it is and applies nothing again; the same key with another request is 422 `idempotency_key_reused`. Kept with the record: it holds across restarts and replicas."),
+        ("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = "^[ -~]+$", description = "1 to 255 printable ASCII characters (IETF httpapi draft). A retry with the same key and the same request, within the task's last few keyed writes, answers the record as it is and applies nothing again; the same key with another request is 422 `idempotency_key_reused`. Kept with the record: it holds across restarts and replicas."),
     ),
     request_body = ReportBody,
     responses(
@@ -94,7 +110,10 @@ pub async fn report(
     let report = body
         .into_report("", &s.registry.config().limits)
         .map_err(|e| ApiError::invalid("the report is not valid", e))?;
+    // The request as a whole: which task, and what of it.
     let mut request = Vec::new();
+    request.extend_from_slice(&(task.as_str().len() as u64).to_le_bytes());
+    request.extend_from_slice(task.as_str().as_bytes());
     report.fingerprint_into(&mut request);
     let key = key.with_request(&request);
     let a = s
@@ -128,12 +147,14 @@ pub async fn report(
 )]
 pub async fn start_condition(
     State(s): State<AppState>,
+    caller: Option<axum::Extension<super::auth::Caller>>,
     TaskPath(id, task): TaskPath,
     ApiQuery(q): ApiQuery<WaitParams>,
 ) -> Result<Response, ApiError> {
+    let alive = sign_of_life(&caller, id.as_str());
     let (a, i) = s
         .registry
-        .wait_start(id.as_str(), task.as_str(), s.wait_time(q.wait))
+        .wait_start(id.as_str(), task.as_str(), s.wait_time(q.wait), alive)
         .await?;
     Ok(indexed(
         StatusCode::OK,

@@ -308,13 +308,29 @@ pub struct RestartView {
     pub index: u64,
 }
 
-/// One allocation in a listing.
+/// One allocation in a listing: enough for a line of `taskgate alloc
+/// list` (and the web view's list) without reading each allocation.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ListItem {
     pub id: String,
     pub coordinator_state: CoordState,
     pub modify_index: u64,
+    #[serde(with = "time::serde::rfc3339")]
+    pub modified_at: OffsetDateTime,
     pub task_count: usize,
+    /// How many of its tasks are in each state.
+    pub task_states: TaskStateCounts,
+    /// As in the allocation view: the tasks (registration order) whose
+    /// state holds the coordinator where it is.
+    pub waiting_on: Vec<String>,
+}
+
+/// Tasks by state.
+#[derive(Debug, Default, Serialize, ToSchema)]
+pub struct TaskStateCounts {
+    pub pending: usize,
+    pub running: usize,
+    pub dead: usize,
 }
 
 /// `GET /v1/health`.
@@ -324,9 +340,29 @@ pub struct HealthView {
     /// background work fails.
     #[schema(example = "ok")]
     pub status: &'static str,
-    /// While `degraded`: `checkpoints_failing`, `log_rollover_failing`.
+    /// While `degraded`: `checkpoints_failing`, `log_rollover_failing`,
+    /// `records_unreadable`.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub problems: Vec<&'static str>,
+    /// With `records_unreadable` (a replica on etcd): the allocations whose
+    /// records this build cannot read, in ID order (at most 100). Their
+    /// requests are answered 503 `store_failed`; every other allocation is
+    /// served.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub unreadable: Vec<String>,
+    /// A replica on etcd: the index its view has reached (every change up
+    /// to it is applied here), `synced` while its watch is open. While it
+    /// is not, health is 503 `store_unavailable`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub view: Option<ReplicaView>,
+}
+
+/// How far a replica's view of etcd has got.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReplicaView {
+    #[schema(example = "synced")]
+    pub state: &'static str,
+    pub index: u64,
 }
 
 impl From<&crate::lifecycle::StopReason> for StopReasonView {
@@ -455,11 +491,22 @@ impl StartConditionView {
 
 impl ListItem {
     pub fn new(a: &Allocation) -> Self {
+        let mut task_states = TaskStateCounts::default();
+        for t in &a.tasks {
+            match t.state {
+                RunState::Pending => task_states.pending += 1,
+                RunState::Running => task_states.running += 1,
+                RunState::Dead => task_states.dead += 1,
+            }
+        }
         Self {
             id: a.id.to_string(),
             coordinator_state: a.state,
             modify_index: a.modify_index,
+            modified_at: a.modified_at,
             task_count: a.tasks.len(),
+            task_states,
+            waiting_on: names(a),
         }
     }
 }

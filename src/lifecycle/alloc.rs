@@ -76,9 +76,38 @@ static AGENT_LOST: Desired = Desired::Stop(StopReason::bare(StopKind::AgentLost)
 /// What a poststop task still going at the poststop deadline is told.
 static POSTSTOP_OVERDUE: Desired = Desired::Stop(StopReason::deadline(CoordState::Poststop));
 
+/// `t + d`, or the end of time where that is past it (a damaged record's
+/// time must not panic the server).
+fn later(t: Timestamp, d: Duration) -> Timestamp {
+    time::Duration::try_from(d)
+        .ok()
+        .and_then(|d| t.checked_add(d))
+        .unwrap_or(time::PrimitiveDateTime::MAX.assume_utc())
+}
+
+/// `t - d`, or the start of time.
+fn earlier(t: Timestamp, d: Duration) -> Timestamp {
+    time::Duration::try_from(d)
+        .ok()
+        .and_then(|d| t.checked_sub(d))
+        .unwrap_or(time::PrimitiveDateTime::MIN.assume_utc())
+}
+
 /// The latest sign of life the caller knows of for task `i` (`None`:
-/// none since the task started), for `Allocation::tick`.
+/// none since the task started), for `Allocation::tick`. A time past
+/// every deadline (`UNTIL_TOLD`) says the task is alive until the caller
+/// says otherwise: with replicas, whether it is comes from the
+/// store (`LapsedAt`), not from a clock.
 pub type SeenAt<'a> = &'a dyn Fn(usize) -> Option<Timestamp>;
+
+/// A sign of life that lasts until the caller says otherwise (`SeenAt`).
+pub const UNTIL_TOLD: Timestamp = time::PrimitiveDateTime::MAX.assume_utc();
+
+/// Whether task `i`'s signs of life have lapsed where several replicas
+/// keep them (etcd: the lease of its live key expired): `Some(t)`, the
+/// latest sign of life the caller knows of, and the task is lost now,
+/// whatever any clock says; `None`, not lapsed. For `Allocation::tick_lapsed`.
+pub type LapsedAt<'a> = &'a dyn Fn(usize) -> Option<Timestamp>;
 
 /// Everything known about one allocation.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -104,7 +133,24 @@ pub struct Allocation {
     pub deadline_at: Option<Timestamp>,
     /// Deadlines that passed (out of line: most allocations have none).
     overdue: Option<Arc<Overdue>>,
+    /// The last writes that made this record, oldest first (on a store
+    /// several replicas write; empty on any other).
+    writes: Option<Arc<Vec<WriteMark>>>,
 }
+
+/// One write of a record on a store several replicas write: an ID the
+/// writer drew and the index of the record it was decided on (0: a
+/// registration). Compare-and-swap lets exactly one write follow each
+/// record, so a writer that lost the answer to its own finds out whether
+/// that one was its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WriteMark {
+    pub id: u64,
+    pub parent: u64,
+}
+
+/// How many writes a record remembers.
+pub const WRITE_MARKS: usize = 8;
 
 impl Allocation {
     /// A new allocation, evaluated once with every task pending.
@@ -235,7 +281,30 @@ impl Allocation {
             order,
             deadline_at: None,
             overdue: None,
+            writes: None,
         }
+    }
+
+    /// The last writes that made this record, oldest first.
+    pub fn writes(&self) -> &[WriteMark] {
+        self.writes.as_deref().map_or(&[], Vec::as_slice)
+    }
+
+    /// Records a write about to be sent: the record remembers the last
+    /// `WRITE_MARKS`.
+    pub fn mark_write(&mut self, mark: WriteMark) {
+        let mut marks = self.writes().to_vec();
+        if marks.len() >= WRITE_MARKS {
+            marks.drain(..=marks.len() - WRITE_MARKS);
+        }
+        marks.push(mark);
+        self.writes = Some(Arc::new(marks));
+    }
+
+    /// The record with the write marks it was stored with.
+    pub fn with_writes(mut self, marks: Vec<WriteMark>) -> Self {
+        self.writes = (!marks.is_empty()).then(|| Arc::new(marks));
+        self
     }
 
     /// Replaces the index `from` with `to` wherever a change stamped it
@@ -331,11 +400,12 @@ impl Allocation {
             .find_map(|i| self.tasks[i].lost_at().map(|at| (i, at)))
     }
 
-    /// What the keys kept on `positions` say of `key`: a retry if any of
-    /// them holds it with the same request.
-    pub fn key_seen(&self, positions: impl IntoIterator<Item = usize>, key: IdemKey) -> KeySeen {
+    /// What the keys kept on the allocation's tasks say of `key`: a retry
+    /// if one holds it with the same request, reused if one holds it with
+    /// another (a key names one request, whichever task it was for).
+    pub fn key_seen(&self, key: IdemKey) -> KeySeen {
         let mut seen = KeySeen::New;
-        for i in positions {
+        for i in 0..self.tasks.len() {
             match self.tasks[i].seen(key) {
                 KeySeen::Reused => return KeySeen::Reused,
                 KeySeen::Retry => seen = KeySeen::Retry,
@@ -353,7 +423,7 @@ impl Allocation {
         if self.state == CoordState::Poststop && !self.poststop_going() {
             return None;
         }
-        Some(now + d)
+        Some(later(now, d))
     }
 
     /// Whether a poststop task is still pending or running.
@@ -392,7 +462,7 @@ impl Allocation {
             (Some(a), Some(b)) => a.max(b),
             (a, b) => a.or(b)?,
         };
-        Some(from + ttl)
+        Some(later(from, ttl))
     }
 
     /// What time alone does by `now`: a running task whose TTL passed
@@ -405,14 +475,38 @@ impl Allocation {
         default_ttl: Option<Duration>,
         next_index: impl FnOnce() -> u64,
     ) -> Option<Self> {
+        self.tick_lapsed(now, seen, &|_| None, default_ttl, next_index)
+    }
+
+    /// `tick`, where the signs of life of some tasks are kept by a store
+    /// several replicas share: a running task under a TTL whose record
+    /// there has lapsed (`lapsed`) is lost now, its event naming the
+    /// latest sign of life `lapsed` gives. No clock is compared for it:
+    /// the store's expiry already measured the silence.
+    pub fn tick_lapsed(
+        &self,
+        now: Timestamp,
+        seen: SeenAt<'_>,
+        lapsed: LapsedAt<'_>,
+        default_ttl: Option<Duration>,
+        next_index: impl FnOnce() -> u64,
+    ) -> Option<Self> {
         let mut next = self.clone();
         let mut changed = false;
         for i in 0..self.tasks.len() {
-            if let Some(end) = self.ttl_ends(i, seen, default_ttl)
+            let gone = self.tasks[i].state == RunState::Running
+                && self.spec.ttl(i, default_ttl).is_some()
+                && lapsed(i).is_some();
+            if gone {
+                let ttl = self.spec.ttl(i, default_ttl).expect("checked above");
+                let last = lapsed(i).expect("checked above");
+                next.tasks[i].lose(now, ttl, last.min(now));
+                changed = true;
+            } else if let Some(end) = self.ttl_ends(i, seen, default_ttl)
                 && end <= now
             {
                 let ttl = self.spec.ttl(i, default_ttl).expect("a TTL ended");
-                next.tasks[i].lose(now, ttl, end - ttl);
+                next.tasks[i].lose(now, ttl, earlier(end, ttl));
                 changed = true;
             }
         }
@@ -443,7 +537,19 @@ impl Allocation {
                         .is_some()
                     })
                     .collect();
-                overdue.stage = Some((self.state, waited));
+                // A later stage's deadline passing too adds the tasks it
+                // waited on; the order names the first stage that failed.
+                match &mut overdue.stage {
+                    Some((_, tasks)) => {
+                        for i in waited {
+                            if !tasks.contains(&i) {
+                                tasks.push(i);
+                            }
+                        }
+                        tasks.sort_unstable();
+                    }
+                    None => overdue.stage = Some((self.state, waited)),
+                }
                 // Sticky: an earlier order keeps its reason.
                 if !self.order.is_stop() {
                     self.order = Desired::Stop(StopReason::deadline(self.state));
@@ -731,6 +837,12 @@ impl Allocation {
             ));
         }
         if mode == RestartMode::AllTasks {
+            // A lost poststop task is not restarted (poststop tasks never
+            // are), but the restart clears its loss as any other's: it
+            // waits, pending, for a new agent.
+            for t in next.tasks.iter_mut().filter(|t| t.lost()) {
+                t.revive(now);
+            }
             // Evaluated at once like after any change: if every task is
             // already pending the coordinator moves on without waiting for a
             // report that might never come.
@@ -958,6 +1070,34 @@ mod tests {
             assert_eq!(a.wake_at(&no_sign, default), Some(at(10)));
             let lost = a.tick(at(10), &no_sign, default, || 9).unwrap();
             assert!(lost.tasks[0].lost() && !lost.tasks[1].lost());
+        }
+
+        #[test]
+        fn a_task_whose_signs_of_life_lapsed_in_the_store_is_lost_now_whatever_the_clock() {
+            let a = running();
+            // Alive until told: nothing due by time alone.
+            let alive = |_: usize| Some(UNTIL_TOLD);
+            assert_eq!(a.wake_at(&alive, None), Some(UNTIL_TOLD));
+            assert!(a.tick(at(3600), &alive, None, || 9).is_none());
+            // web's lease expired: lost at once, even before its start
+            // plus its TTL by this clock (a replica whose clock is behind
+            // the one that started it).
+            let lapsed = |i: usize| (i == 1).then_some(at(3));
+            let lost = a
+                .tick_lapsed(at(10), &alive, &lapsed, None, || 9)
+                .expect("lost");
+            let web = &lost.tasks[1];
+            assert_eq!(web.lost_at(), Some(at(10)));
+            let event = web.events.last().unwrap();
+            assert_eq!(event.kind, LOST_EVENT);
+            assert_eq!(event.details.get("last_seen"), Some("2026-11-25T10:00:03Z"));
+            assert!(!lost.tasks[0].lost(), "a task with no TTL never lapses");
+            lost.check_invariants().unwrap();
+            // Only a running task under a TTL: once dead, nothing.
+            assert!(
+                lost.tick_lapsed(at(11), &alive, &lapsed, None, || 10)
+                    .is_none()
+            );
         }
 
         #[test]

@@ -36,7 +36,10 @@ mod orders;
 mod spec;
 mod task;
 
-pub use alloc::{Allocation, Overdue, RESTART_EVENT, RestartError, RestartMode, SeenAt, Step};
+pub use alloc::{
+    Allocation, LapsedAt, Overdue, RESTART_EVENT, RestartError, RestartMode, SeenAt, Step,
+    UNTIL_TOLD, WRITE_MARKS, WriteMark,
+};
 pub use coordinator::{
     CoordState, WaitFor, evaluate, gates, next_state, wait_for, waiting, waiting_on,
 };

@@ -401,13 +401,13 @@ impl TaskReport {
                 format!("must be 1 to {MAX_EVENT_TYPE} characters, got {type_len}"),
             ));
         }
-        if event.message.len() > limits.max_event_message {
+        if json_len(&event.message) > limits.max_event_message {
             errors.push(FieldError::new(
                 field("message"),
                 format!(
-                    "must be at most {} bytes, got {}",
+                    "must be at most {} bytes as JSON, got {}",
                     limits.max_event_message,
-                    event.message.len()
+                    json_len(&event.message)
                 ),
             ));
         }
@@ -422,49 +422,62 @@ impl TaskReport {
             ));
         }
         for (key, value) in &event.details {
-            if key.len() > limits.max_detail_key {
+            if json_len(key) > limits.max_detail_key {
                 errors.push(FieldError::new(
                     field("details"),
                     format!(
-                        "keys must be at most {} bytes, got {} in a key starting {:?}",
+                        "keys must be at most {} bytes as JSON, got {} in a key starting {:?}",
                         limits.max_detail_key,
-                        key.len(),
+                        json_len(key),
                         key.chars().take(16).collect::<String>()
                     ),
                 ));
             }
-            if value.len() > limits.max_detail_value {
+            if json_len(value) > limits.max_detail_value {
                 errors.push(FieldError::new(
                     field(&format!(
                         "details.{}",
                         key.chars().take(64).collect::<String>()
                     )),
                     format!(
-                        "must be at most {} bytes, got {}",
+                        "must be at most {} bytes as JSON, got {}",
                         limits.max_detail_value,
-                        value.len()
+                        json_len(value)
                     ),
                 ));
             }
         }
-        let bytes = event.kind.len()
-            + event.message.len()
+        let bytes = json_len(&event.kind)
+            + json_len(&event.message)
             + event
                 .details
                 .iter()
-                .map(|(k, v)| k.len() + v.len())
+                .map(|(k, v)| json_len(k) + json_len(v))
                 .sum::<usize>();
         if bytes > limits.max_event_bytes {
             errors.push(FieldError::new(
                 field(""),
                 format!(
-                    "an event (type, message, details keys and values) must be at most {} bytes, got {bytes}",
+                    "an event (type, message, details keys and values) must be at most {} bytes as JSON, got {bytes}",
                     limits.max_event_bytes
                 ),
             ));
         }
         errors
     }
+}
+
+/// The bytes `s` takes as a JSON string's contents, as the server writes
+/// it: a limit counts what an answer carries, so that a control character
+/// (`\u0001`, six bytes) cannot make an event six times its limit.
+pub fn json_len(s: &str) -> usize {
+    s.bytes()
+        .map(|b| match b {
+            b'"' | b'\\' | b'\n' | b'\r' | b'\t' | 0x08 | 0x0c => 2,
+            0..=0x1f => 6,
+            _ => 1,
+        })
+        .sum()
 }
 
 /// Everything recorded about one task. Derived facts (its gate, its stop
@@ -1080,7 +1093,9 @@ mod tests {
         );
         assert!(errors[1].message.contains("at most 4 bytes"), "{errors:?}");
         assert!(
-            errors[2].message.contains("at most 20 bytes, got 24"),
+            errors[2]
+                .message
+                .contains("at most 20 bytes as JSON, got 24"),
             "{errors:?}"
         );
         sized.details = [("k".into(), "v".into())].into();
@@ -1094,6 +1109,33 @@ mod tests {
         let mut empty = r;
         empty.event = Some(event(""));
         assert_eq!(empty.validate("", &limits)[0].field, "event.type");
+    }
+
+    #[test]
+    fn limits_count_the_bytes_the_json_takes() {
+        assert_eq!(json_len("abc"), 3);
+        assert_eq!(json_len("a\"b\\c\n"), 9);
+        assert_eq!(json_len("\u{1}"), 6);
+        assert_eq!(json_len("é"), 2, "UTF-8 is written as it is");
+        // A message of control characters within 4 KiB of UTF-8, six times
+        // that as JSON: refused, naming the JSON size.
+        let mut e = event("Started");
+        e.message = "\u{1}".repeat(1000);
+        let r = TaskReport {
+            state: RunState::Running,
+            failed: false,
+            ready: None,
+            event: Some(e),
+        };
+        let errors = r.validate("", &Limits::default());
+        assert_eq!(errors[0].field, "event.message", "{errors:?}");
+        assert!(
+            errors[0].message.contains("4096 bytes as JSON, got 6000"),
+            "{errors:?}"
+        );
+        // Rendered, the refused message would have been what the limit says.
+        let rendered = serde_json::to_string(&"\u{1}".repeat(1000)).unwrap();
+        assert_eq!(rendered.len() - 2, 6000);
     }
 
     #[test]

@@ -21,9 +21,11 @@ use crate::lifecycle::{
     AllocId, AllocSpec, Allocation, DepState, Target, TaskName, judge_dependency,
 };
 
-/// Nodes a cycle search visits at most: past it, no cycle is reported (a
-/// graph that large is a misuse the verdicts still show as blocked).
-const MAX_VISITED: usize = 10_000;
+/// Tasks a registration's dependencies may reach, through the other
+/// allocations' dependencies, at most: the server follows no chain longer
+/// (a registration that would reach more is refused, so every search for
+/// a cycle is bounded by it).
+pub const MAX_REACH: usize = 1_000;
 
 /// Target allocation → the allocations with a task that depends on one of
 /// its tasks (each listed once).
@@ -83,6 +85,13 @@ impl Dependents {
 /// A task of an allocation, a node of the dependency graph.
 type Node = (AllocId, TaskName);
 
+/// What a registration's dependencies reach.
+enum Reach {
+    Clear,
+    Cycle(Vec<String>),
+    TooFar,
+}
+
 impl Registry {
     /// The record of `id` this registry holds, if any.
     fn record(&self, id: &str) -> Option<Arc<Allocation>> {
@@ -130,6 +139,8 @@ impl Registry {
         let mut parent: HashMap<Node, Option<Node>> = HashMap::new();
         parent.insert(from.clone(), None);
         let mut stack = vec![from];
+        // A task that depends on nothing leads nowhere: the common case
+        // (a target with no dependencies of its own) costs one look.
         while let Some(node) = stack.pop() {
             if node == *to {
                 let mut path = vec![show(&node)];
@@ -143,7 +154,9 @@ impl Registry {
                 path.dedup();
                 return Some(path);
             }
-            if parent.len() > MAX_VISITED {
+            if parent.len() > MAX_REACH {
+                // Registrations keep what is reachable within the bound;
+                // past it (replicas racing) no cycle is claimed.
                 return None;
             }
             let Some(spec) = spec_of(&node.0) else {
@@ -166,33 +179,135 @@ impl Registry {
         None
     }
 
-    /// A cycle a registration of `a` would close through the allocations
-    /// held: the path, from a task of `a` back to it.
-    pub(super) fn cycle_through_others(&self, a: &Allocation) -> Option<Vec<String>> {
+    /// What the dependencies of a registration of `a` reach through the
+    /// allocations held: a cycle (its path), too many tasks, or neither.
+    /// One depth-first walk over every task reachable from `a`'s, each
+    /// visited once.
+    fn reachable(&self, a: &Allocation) -> Reach {
+        let spec_of = |id: &AllocId| -> Option<Arc<AllocSpec>> {
+            if *id == a.id {
+                Some(a.spec.clone())
+            } else {
+                self.record(id.as_str()).map(|r| r.spec.clone())
+            }
+        };
+        let show = |(alloc, task): &Node| format!("{alloc}/{task}");
+        // Grey: on the current path; black: done.
+        let mut grey: Vec<Node> = Vec::new();
+        let mut black: HashSet<Node> = HashSet::new();
         for t in a.spec.tasks() {
-            let me = (a.id.clone(), t.name.clone());
-            for d in &t.depends_on {
-                let Some(alloc) = &d.allocation else { continue };
-                if let Some(path) = self.path_back(a, (alloc.clone(), d.task.clone()), &me) {
-                    return Some(path);
+            let root = (a.id.clone(), t.name.clone());
+            if black.contains(&root) {
+                continue;
+            }
+            // (node, its dependencies, the next one to follow)
+            let mut stack: Vec<(Node, Vec<Node>, usize)> = Vec::new();
+            let edges = |n: &Node| -> Vec<Node> {
+                let Some(spec) = spec_of(&n.0) else {
+                    return Vec::new();
+                };
+                let Some(i) = spec.position(n.1.as_str()) else {
+                    return Vec::new();
+                };
+                spec.tasks()[i]
+                    .depends_on
+                    .iter()
+                    .map(|d| {
+                        (
+                            d.allocation.clone().unwrap_or_else(|| n.0.clone()),
+                            d.task.clone(),
+                        )
+                    })
+                    .collect()
+            };
+            stack.push((root.clone(), edges(&root), 0));
+            grey.push(root);
+            while let Some((_, next, at)) = stack.last_mut() {
+                let Some(n) = next.get(*at).cloned() else {
+                    let (done, _, _) = stack.pop().expect("not empty");
+                    grey.pop();
+                    black.insert(done);
+                    continue;
+                };
+                *at += 1;
+                if let Some(start) = grey.iter().position(|g| *g == n) {
+                    let mut path: Vec<String> = grey[start..].iter().map(show).collect();
+                    path.push(show(&n));
+                    return Reach::Cycle(path);
                 }
+                if black.contains(&n) {
+                    continue;
+                }
+                if black.len() + grey.len() >= MAX_REACH {
+                    return Reach::TooFar;
+                }
+                let e = edges(&n);
+                grey.push(n.clone());
+                stack.push((n, e, 0));
             }
         }
-        None
+        Reach::Clear
     }
 
     /// The checks of a registration's dependencies the registry can make:
     /// no cycle among its own tasks (400), none through the allocations
-    /// held (409).
-    pub(super) fn check_cycles(&self, a: &Allocation) -> Result<(), RegistryError> {
+    /// held (409), no more than `MAX_REACH` tasks reachable (400), and a
+    /// `ready` dependency only on a task that declares readiness, where the
+    /// target is held (400).
+    pub(super) fn check_dependencies(&self, a: &Allocation) -> Result<(), RegistryError> {
         if let Some(cycle) = a.spec.own_cycle() {
             let path = cycle.iter().map(|t| format!("{}/{t}", a.id)).collect();
             return Err(RegistryError::DependencyCycle { path, held: false });
         }
-        if let Some(path) = self.cycle_through_others(a) {
-            return Err(RegistryError::DependencyCycle { path, held: true });
+        if !a.spec.reaches_out() {
+            return Ok(());
         }
-        Ok(())
+        match self.reachable(a) {
+            Reach::Clear => {}
+            Reach::Cycle(path) => return Err(RegistryError::DependencyCycle { path, held: true }),
+            Reach::TooFar => {
+                return Err(RegistryError::Invalid(vec![
+                    crate::lifecycle::FieldError::new(
+                        "tasks",
+                        format!(
+                            "the dependencies reach more than {MAX_REACH} tasks through other \
+                         allocations' dependencies; the server follows no chain that long"
+                        ),
+                    ),
+                ]));
+            }
+        }
+        let mut errors = Vec::new();
+        for (i, t) in a.spec.tasks().iter().enumerate() {
+            for (j, d) in t.depends_on.iter().enumerate() {
+                let Some(target) = d
+                    .allocation
+                    .as_ref()
+                    .and_then(|id| self.record(id.as_str()))
+                else {
+                    continue;
+                };
+                let readiness = target
+                    .position(d.task.as_str())
+                    .map(|p| target.spec.tasks()[p].readiness);
+                if d.condition == crate::lifecycle::Condition::Ready && readiness == Some(false) {
+                    errors.push(crate::lifecycle::FieldError::new(
+                        format!("tasks[{i}].depends_on[{j}]"),
+                        format!(
+                            "\"{}\" depends on {}/{} being ready, but that task declares no \
+                             readiness, so it is never ready (declare `readiness` on it, or \
+                             wait for `running`)",
+                            t.name, target.id, d.task
+                        ),
+                    ));
+                }
+            }
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(RegistryError::Invalid(errors))
+        }
     }
 
     /// After a change of `target` (registered, changed or deleted): every
@@ -222,17 +337,23 @@ impl Registry {
     /// Judges an allocation's dependencies on others again and writes a
     /// new version if a verdict changed.
     pub(super) async fn resolve(&self, id: &str) {
-        let Some(current) = self.record(id) else {
+        let Ok(handle) = self.handle(id) else { return };
+        let Some(current) = handle.current() else {
             return;
         };
         // Most changes of a target change no verdict of a dependent: judged
-        // first without the lock, written only when one changed.
-        let changed = current.spec.tasks().iter().enumerate().any(|(i, t)| {
-            t.depends_on.iter().enumerate().any(|(j, d)| {
-                d.allocation.is_some()
-                    && current.tasks[i].deps().get(j) != Some(&self.verdict(&current, i, j))
-            })
-        });
+        // first without the lock, and written only when one changed. The
+        // published record is the one to compare with only while no write
+        // holds the lock: one in progress may carry a verdict about to be
+        // stale (the target changed again meanwhile), so it is judged again
+        // once that write is done.
+        let changed = handle.writing()
+            || current.spec.tasks().iter().enumerate().any(|(i, t)| {
+                t.depends_on.iter().enumerate().any(|(j, d)| {
+                    d.allocation.is_some()
+                        && current.tasks[i].deps().get(j) != Some(&self.verdict(&current, i, j))
+                })
+            });
         if !changed {
             return;
         }

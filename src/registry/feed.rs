@@ -9,14 +9,30 @@
 //! - with a store this process writes alone (disk, memory), every write
 //!   takes a `Ticket` before it takes an index. The frontier is the lowest
 //!   index a write in progress may still publish, less one (or the last
-//!   index handed out, with none in progress). A change published above the
-//!   frontier waits in `pending` until the writes below it end, published or
-//!   not (a failed commit's index is simply never seen);
+//!   index handed out, with none in progress), but never past the highest
+//!   index committed: the index of a failed commit is passed only once a
+//!   later change is durable. A change published above the frontier waits
+//!   in `pending` until the writes below it end, published or not;
+//!
+//!   so an index a reader has gone past is always at or below one the
+//!   store holds, and a restart, which goes on from the highest index the
+//!   store holds, never hands it out again. (Before, a failed commit's
+//!   index was passed at once; after a restart the next change took it
+//!   again, and a reader that had gone past it missed that change with no
+//!   `Resync`. The store's log already records every committed index, so
+//!   this needs no reservation of its own.)
 //! - with a shared store the store's follower delivers changes already in
 //!   index order (`append`), and a relisting (`reset`) starts afresh.
 //!
-//! The last `capacity` changes are kept; a reader further behind is told to
-//! list again (`Next::Resync`) instead of missing changes silently.
+//! The last `capacity` changes are kept, and no more than `budget` bytes of
+//! their rendered lines (a change is rendered once, by its first reader,
+//! and shared by every reader: an allocation view can be large, and a
+//! stream of large changes must not hold thousands of them); a reader
+//! further behind is told to list again (`Next::Resync`) instead of missing
+//! changes silently, and so is a reader behind the index the feed started
+//! at (it read another run of the server, before a restart) or ahead of any
+//! index handed out (it read another server, or a directory restored from a
+//! backup), at once.
 
 use std::{
     collections::{BTreeMap, VecDeque},
@@ -37,8 +53,11 @@ pub struct Event {
     pub alloc_id: AllocId,
     /// The allocation as committed at `index`, or `None`: deleted.
     pub allocation: Option<Arc<Allocation>>,
-    /// The change rendered once for every reader (see `rendered`).
+    /// The change rendered once for every reader (see `Feed::render`).
     rendered: OnceLock<bytes::Bytes>,
+    /// Whether the feed keeps it (its rendered bytes count against the
+    /// feed's budget while it does). Written under the feed's lock.
+    kept: std::sync::atomic::AtomicBool,
 }
 
 impl Event {
@@ -56,13 +75,13 @@ impl Event {
             alloc_id,
             allocation,
             rendered: OnceLock::new(),
+            kept: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
-    /// The change as `render` writes it, rendered by the first reader to
-    /// ask and shared with the others.
-    pub fn rendered(&self, render: impl FnOnce(&Self) -> bytes::Bytes) -> bytes::Bytes {
-        self.rendered.get_or_init(|| render(self)).clone()
+    /// Its rendered bytes, if a reader rendered it.
+    fn rendered_len(&self) -> usize {
+        self.rendered.get().map_or(0, bytes::Bytes::len)
     }
 }
 
@@ -78,6 +97,8 @@ pub enum Next {
 
 pub(crate) struct Feed {
     inner: Mutex<Inner>,
+    /// Most bytes of rendered changes kept (see the module's comment).
+    budget: usize,
     /// The registry's last index handed out (with a store this process
     /// writes alone; see `begin`).
     index: Arc<AtomicU64>,
@@ -90,6 +111,9 @@ struct Inner {
     /// Every change with an index in `(floor, frontier]` is in `kept`.
     floor: u64,
     frontier: u64,
+    /// The highest index of a change known committed (published, or the
+    /// store's last index at open): the frontier never passes it.
+    durable: u64,
     kept: VecDeque<Arc<Event>>,
     /// Changes published above the frontier: slot `k` is index
     /// `frontier + 1 + k` (empty until published, and forever for an index
@@ -99,21 +123,27 @@ struct Inner {
     /// For each write in progress, the last index handed out when it
     /// began (the indexes it takes are above it): how many began there.
     writing: BTreeMap<u64, usize>,
+    /// Bytes of rendered changes among `kept`.
+    rendered: usize,
 }
 
 impl Feed {
     /// A feed that holds nothing before `index` (the store's last index
-    /// when it was opened) and keeps up to `capacity` changes.
-    pub(crate) fn new(index: Arc<AtomicU64>, capacity: usize) -> Self {
+    /// when it was opened) and keeps up to `capacity` changes, of which at
+    /// most `budget` bytes rendered.
+    pub(crate) fn new(index: Arc<AtomicU64>, capacity: usize, budget: usize) -> Self {
         let last = index.load(Ordering::SeqCst);
         Self {
             index,
+            budget: budget.max(1),
             inner: Mutex::new(Inner {
                 floor: last,
                 frontier: last,
+                durable: last,
                 kept: VecDeque::new(),
                 pending: VecDeque::new(),
                 writing: BTreeMap::new(),
+                rendered: 0,
             }),
             moved: Notify::new(),
             capacity: capacity.max(1),
@@ -122,6 +152,38 @@ impl Feed {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The change as `render` writes it: rendered by the first reader to
+    /// ask (outside the feed's lock) and shared with the others; its bytes
+    /// count against the budget while the feed keeps it, and the oldest
+    /// changes go when they are over it.
+    pub(crate) fn render(
+        &self,
+        e: &Event,
+        render: impl FnOnce(&Event) -> bytes::Bytes,
+    ) -> bytes::Bytes {
+        let mut first = false;
+        let bytes = e
+            .rendered
+            .get_or_init(|| {
+                first = true;
+                render(e)
+            })
+            .clone();
+        if first {
+            let mut inner = self.lock();
+            if e.kept.load(Ordering::Relaxed) {
+                inner.rendered += bytes.len();
+                inner.trim(self.capacity, self.budget);
+            }
+        }
+        bytes
+    }
+
+    /// Bytes of rendered changes kept now.
+    pub(crate) fn rendered_bytes(&self) -> usize {
+        self.lock().rendered
     }
 
     /// Starts a write that takes its indexes after this returns: the
@@ -150,6 +212,7 @@ impl Feed {
             }
         }
         if let Some(event) = event {
+            inner.durable = inner.durable.max(event.index);
             // Above the frontier: its own write held the frontier below it.
             let slot = (event.index - inner.frontier - 1) as usize;
             if inner.pending.len() <= slot {
@@ -160,13 +223,14 @@ impl Feed {
         let frontier = match inner.writing.first_key_value() {
             Some((&since, _)) => since,
             None => last_index,
-        };
+        }
+        .min(inner.durable);
         if frontier <= inner.frontier {
             return;
         }
         for _ in inner.frontier..frontier {
             match inner.pending.pop_front() {
-                Some(Some(event)) => inner.keep(event, self.capacity),
+                Some(Some(event)) => inner.keep(event, self.capacity, self.budget),
                 Some(None) => {}
                 None => break,
             }
@@ -186,10 +250,11 @@ impl Feed {
         for event in events {
             if event.index > inner.frontier {
                 inner.frontier = event.index;
-                inner.keep(event, self.capacity);
+                inner.keep(event, self.capacity, self.budget);
             }
         }
         inner.frontier = inner.frontier.max(index);
+        inner.durable = inner.frontier;
         drop(inner);
         self.moved.notify_waiters();
     }
@@ -198,10 +263,14 @@ impl Feed {
     /// everything again: what happened before is not known one by one).
     pub(crate) fn reset(&self, index: u64) {
         let mut inner = self.lock();
-        inner.kept.clear();
+        for e in inner.kept.drain(..) {
+            e.kept.store(false, Ordering::Relaxed);
+        }
+        inner.rendered = 0;
         inner.pending.clear();
         inner.floor = index.max(inner.frontier);
         inner.frontier = inner.floor;
+        inner.durable = inner.floor;
         drop(inner);
         self.moved.notify_waiters();
     }
@@ -211,7 +280,11 @@ impl Feed {
     /// looked at.
     pub(crate) fn read(&self, after: &mut u64, prefix: &str, max: usize) -> Option<Next> {
         let inner = self.lock();
-        if *after < inner.floor {
+        // Read under the lock, as `end` does. Past every index handed out:
+        // waiting would be silent, and whatever this server does next
+        // could take indexes the reader has seen elsewhere.
+        let reached = self.index.load(Ordering::SeqCst).max(inner.frontier);
+        if *after < inner.floor || *after > reached {
             *after = inner.frontier;
             return Some(Next::Resync(inner.frontier));
         }
@@ -248,11 +321,23 @@ impl Feed {
 }
 
 impl Inner {
-    fn keep(&mut self, event: Event, capacity: usize) {
+    fn keep(&mut self, event: Event, capacity: usize, budget: usize) {
+        event.kept.store(true, Ordering::Relaxed);
+        self.rendered += event.rendered_len();
         self.kept.push_back(Arc::new(event));
-        if self.kept.len() > capacity
-            && let Some(old) = self.kept.pop_front()
-        {
+        self.trim(capacity, budget);
+    }
+
+    /// Drops the oldest changes while more than `capacity` are kept or
+    /// their rendered bytes are over `budget` (the newest stays, whatever
+    /// its size: a reader can always be given the latest change).
+    fn trim(&mut self, capacity: usize, budget: usize) {
+        while self.kept.len() > capacity || (self.rendered > budget && self.kept.len() > 1) {
+            let Some(old) = self.kept.pop_front() else {
+                break;
+            };
+            old.kept.store(false, Ordering::Relaxed);
+            self.rendered -= old.rendered_len();
             self.floor = old.index;
         }
     }
@@ -286,7 +371,10 @@ mod tests {
 
     fn feed(capacity: usize) -> (Arc<Feed>, Arc<AtomicU64>) {
         let index = Arc::new(AtomicU64::new(10));
-        (Arc::new(Feed::new(index.clone(), capacity)), index)
+        (
+            Arc::new(Feed::new(index.clone(), capacity, usize::MAX)),
+            index,
+        )
     }
 
     fn take(index: &AtomicU64) -> u64 {
@@ -323,9 +411,42 @@ mod tests {
         assert_eq!(feed.frontier(), 10);
         first.publish(deleted(i1));
         assert_eq!(indexes(feed.read(&mut after, "", 10)), [i1, i2]);
-        // Past the failed write's index too.
-        assert_eq!(after, 13);
-        assert_eq!(feed.frontier(), 13);
+        // Not past the failed write's index: nothing durable holds it, so
+        // a restart would hand it out again.
+        assert_eq!(after, 12);
+        assert_eq!(feed.frontier(), 12);
+        // Once a later change is committed, past it.
+        let fourth = feed.begin();
+        let i4 = take(&index);
+        fourth.publish(deleted(i4));
+        assert_eq!(indexes(feed.read(&mut after, "", 10)), [i4]);
+        assert_eq!((after, feed.frontier()), (14, 14));
+    }
+
+    #[test]
+    fn a_reader_ahead_of_every_index_handed_out_is_told_to_resync_at_once() {
+        let (feed, index) = feed(100);
+        let t = feed.begin();
+        let n = take(&index);
+        t.publish(deleted(n));
+        // Another server's index, or one from before a restore: nothing
+        // here will ever be told to it in order.
+        let mut after = 50;
+        assert!(matches!(
+            feed.read(&mut after, "", 10),
+            Some(Next::Resync(11))
+        ));
+        assert_eq!(after, 11);
+        // An index handed out but not yet in order (a write below it is
+        // still in progress) is not ahead: the reader waits for it.
+        let slow = feed.begin();
+        let _ = take(&index);
+        let fast = feed.begin();
+        let m = take(&index);
+        fast.publish(deleted(m));
+        let mut after = m;
+        assert!(feed.read(&mut after, "", 10).is_none());
+        drop(slow);
     }
 
     #[test]
@@ -380,5 +501,130 @@ mod tests {
         feed.append(vec![deleted(21)], 22);
         assert_eq!(indexes(feed.read(&mut after, "", 10)), [21]);
         assert_eq!(after, 22);
+    }
+
+    /// Through the registry and the disk store, with a restart between: a
+    /// commit that failed (the disk refused the write) does not move any
+    /// reader past its index, so after the restart, which hands that
+    /// index out again, a reader that goes on from where it was gets the
+    /// new change (before: it was past it, and missed it with no
+    /// `Resync`). A reader from before the restart's index is told to
+    /// resync; one ahead of the server, at once.
+    #[tokio::test]
+    async fn a_failed_commits_index_is_never_passed_so_a_restart_cannot_hide_a_change() {
+        use std::path::{Path, PathBuf};
+
+        use crate::{
+            lifecycle::{AllocSpec, Limits, TaskName, TaskSpec},
+            registry::{Registry, RegistryConfig},
+            store::{
+                DiskStore, DiskStoreConfig, Store,
+                fs::{Fs, sim},
+            },
+        };
+        let dir = PathBuf::from("/sim/data");
+        let open = |fs: &sim::SimFs| {
+            let store = DiskStore::open(DiskStoreConfig {
+                fs: Arc::new(fs.clone()),
+                ..DiskStoreConfig::new(dir.clone())
+            })
+            .unwrap();
+            let store: Arc<dyn Store> = Arc::new(store);
+            Registry::open(store, RegistryConfig::default()).unwrap()
+        };
+        let spec = || {
+            let task = TaskSpec {
+                name: TaskName::parse("web").unwrap(),
+                lifecycle: None,
+                leader: false,
+                readiness: false,
+                liveness: None,
+                depends_on: Vec::new(),
+            };
+            AllocSpec::new(vec![task], &Limits::default()).unwrap()
+        };
+        let id = |s: &str| AllocId::parse(s).unwrap();
+        let fs = sim::SimFs::new();
+        fs.create_dir_all(&dir).unwrap();
+        let r = open(&fs);
+        r.register(id("a"), spec()).await.unwrap();
+        r.register(id("b"), spec()).await.unwrap();
+        // The disk refuses the next write: its commit fails.
+        fs.fail_with(|op, path: &Path| {
+            let log = path.to_string_lossy().contains("taskgate.wal.");
+            (op == sim::Op::Write && log).then(|| std::io::Error::from_raw_os_error(5))
+        });
+        assert!(r.register(id("c"), spec()).await.is_err());
+        let mut sub = r.subscribe(0, String::new()).unwrap();
+        let Next::Changes(seen) = sub.next(10).await.unwrap() else {
+            panic!("changes");
+        };
+        assert_eq!(seen.iter().map(|e| e.index).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(sub.index(), 2, "not past the failed commit's index");
+        assert_eq!(r.stream_index(), 2);
+        let listed_at = r.stream_index();
+        drop((sub, r));
+        fs.crash_now(1);
+        let fs = sim::SimFs::from_image(&fs.image().unwrap());
+        let r = open(&fs);
+        r.register(id("d"), spec()).await.unwrap();
+        assert_eq!(
+            r.get("d").unwrap().modify_index,
+            3,
+            "the index is handed out again"
+        );
+        let mut sub = r.subscribe(listed_at, String::new()).unwrap();
+        let Next::Changes(seen) = sub.next(10).await.unwrap() else {
+            panic!("changes");
+        };
+        assert_eq!(seen[0].alloc_id.as_str(), "d");
+        // Behind the restart, and ahead of the server.
+        for from in [1, 4, 1000] {
+            let mut sub = r.subscribe(from, String::new()).unwrap();
+            assert!(
+                matches!(sub.next(10).await.unwrap(), Next::Resync(3)),
+                "from {from}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_change_is_rendered_once_for_every_reader_and_the_renders_kept_are_bounded() {
+        let index = Arc::new(AtomicU64::new(10));
+        // Room for two renders of 100 bytes.
+        let feed = Arc::new(Feed::new(index.clone(), 100, 250));
+        for _ in 0..5 {
+            let t = feed.begin();
+            let n = take(&index);
+            t.publish(deleted(n));
+        }
+        let mut after = 10;
+        let Some(Next::Changes(events)) = feed.read(&mut after, "", 10) else {
+            panic!("five changes");
+        };
+        let renders = std::sync::atomic::AtomicUsize::new(0);
+        let render = |_: &Event| {
+            renders.fetch_add(1, Ordering::SeqCst);
+            bytes::Bytes::from(vec![b'x'; 100])
+        };
+        let one = feed.render(&events[3], render);
+        let two = feed.render(&events[3], render);
+        assert_eq!(one.as_ptr(), two.as_ptr(), "one copy, shared");
+        assert_eq!(renders.load(Ordering::SeqCst), 1);
+        feed.render(&events[4], render);
+        assert_eq!(feed.rendered_bytes(), 200);
+        // A third render is over the budget: the oldest changes go, and a
+        // reader behind them resyncs instead of missing them.
+        feed.render(&events[2], render);
+        assert!(feed.rendered_bytes() <= 250, "{}", feed.rendered_bytes());
+        let mut behind = 10;
+        assert!(matches!(
+            feed.read(&mut behind, "", 10),
+            Some(Next::Resync(15))
+        ));
+        // A render of a change the feed no longer keeps counts for nothing.
+        let before = feed.rendered_bytes();
+        feed.render(&events[0], render);
+        assert_eq!(feed.rendered_bytes(), before);
     }
 }

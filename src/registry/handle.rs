@@ -1,6 +1,9 @@
 //! One allocation's runtime handle.
 
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::{
+    Arc, Mutex, PoisonError, RwLock,
+    atomic::{AtomicU8, Ordering},
+};
 
 use tokio::sync::{Notify, Semaphore};
 
@@ -26,14 +29,25 @@ pub(crate) enum Slot {
 /// one heap block: with a million allocations every separate block a report
 /// touches is a cache miss (and, before, a `tokio::sync::watch` channel
 /// added a block of ~350 bytes whose every send locked nine mutexes).
+///
+/// Its locks (`write`, `slot`, `timeline`) are taken in the registry's
+/// lock order, written down at `Inner` in `registry/mod.rs`: `write`
+/// before any other lock, `slot` and `timeline` each on its own, never
+/// while the other is held.
 pub(crate) struct Handle {
     /// The allocation's ID, which the registry's map compares on every
     /// lookup (see `Key`).
     key: Key,
-    /// Serializes decide → persist → publish for this allocation: one
-    /// permit, taken by a `WriteGuard` and held across the store commit
-    /// (see `Registry::update`), hence tokio's.
+    /// Serializes this allocation's decisions: one permit, taken by a
+    /// `WriteGuard`. An update holds it only to decide and hand the record
+    /// to the store (`Registry::update`: commits are pipelined); a
+    /// registration and a deletion hold it across their commit. Tokio's.
     write: Semaphore,
+    /// The newest version decided and handed to the store whose commit has
+    /// not been published yet: the next writer decides on it; no reader
+    /// ever sees it. Written by the holder of `write`; cleared by its own
+    /// commit's publication (or failure) unless a newer one replaced it.
+    pending: Mutex<Option<Arc<Pending>>>,
     /// The committed state. Written only by the holder of `write`, after a
     /// commit; read by every reader and waiter without locking `write`.
     slot: RwLock<Slot>,
@@ -87,6 +101,49 @@ impl Key {
     }
 }
 
+/// A version handed to the store, and its commit's outcome once known.
+pub(crate) struct Pending {
+    pub(crate) record: Arc<Allocation>,
+    /// 0 while the commit runs, then `OK` or `FAILED`.
+    outcome: AtomicU8,
+    done: Notify,
+}
+
+const OK: u8 = 1;
+const FAILED: u8 = 2;
+
+impl Pending {
+    pub(crate) fn new(record: Arc<Allocation>) -> Self {
+        Self {
+            record,
+            outcome: AtomicU8::new(0),
+            done: Notify::new(),
+        }
+    }
+
+    /// Ends the commit: published (`ok`), or failed.
+    pub(crate) fn finish(&self, ok: bool) {
+        self.outcome
+            .store(if ok { OK } else { FAILED }, Ordering::Release);
+        self.done.notify_waiters();
+    }
+
+    /// Waits until the commit is published (true) or failed (false).
+    pub(crate) async fn outcome(&self) -> bool {
+        loop {
+            let done = self.done.notified();
+            let mut done = std::pin::pin!(done);
+            // Registered before the check: a `finish` after it wakes this.
+            done.as_mut().enable();
+            match self.outcome.load(Ordering::Acquire) {
+                OK => return true,
+                FAILED => return false,
+                _ => done.await,
+            }
+        }
+    }
+}
+
 impl Handle {
     pub(crate) fn creating(id: &AllocId) -> Self {
         Self::new(id, Slot::Creating)
@@ -101,6 +158,7 @@ impl Handle {
         Self {
             key: Key::new(id),
             write: Semaphore::new(1),
+            pending: Mutex::new(None),
             slot: RwLock::new(slot),
             changed: Notify::new(),
             timeline: Mutex::new(Timeline::default()),
@@ -131,6 +189,36 @@ impl Handle {
             .expect("a handle's write lock is never closed")
             .forget();
         WriteGuard(self.clone())
+    }
+
+    /// Whether a write holds the lock now, or a change decided is not
+    /// published yet.
+    pub(crate) fn writing(&self) -> bool {
+        self.write.available_permits() == 0 || self.pending().is_some()
+    }
+
+    /// The version decided last whose commit is not published yet. Read
+    /// before the slot by a writer: a commit clears it only after
+    /// publishing, so a writer that finds none finds the slot up to date.
+    pub(crate) fn pending(&self) -> Option<Arc<Pending>> {
+        self.pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Records the version just handed to the store (under the write lock).
+    pub(crate) fn set_pending(&self, pending: Arc<Pending>) {
+        *self.pending.lock().unwrap_or_else(PoisonError::into_inner) = Some(pending);
+    }
+
+    /// Forgets `mine` once its commit is published or failed, unless a
+    /// newer version replaced it.
+    pub(crate) fn clear_pending(&self, mine: &Arc<Pending>) {
+        let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        if pending.as_ref().is_some_and(|p| Arc::ptr_eq(p, mine)) {
+            *pending = None;
+        }
     }
 
     /// The write lock if it is free.

@@ -12,12 +12,14 @@
 mod deps;
 pub mod feed;
 mod handle;
+mod keep;
 mod replicated;
 mod timed;
 pub mod timeline;
 mod timers;
 mod wait;
 
+pub use deps::MAX_REACH;
 pub use timers::Clock;
 pub use wait::Subscription;
 
@@ -57,6 +59,8 @@ pub struct RegistryConfig {
     pub timeline_events: usize,
     /// Changes kept for the event stream's readers to resume from.
     pub event_buffer: usize,
+    /// Most bytes of those changes kept rendered (the oldest go first).
+    pub event_buffer_bytes: usize,
     /// The TTL of every task that declares none (`None`: such tasks are
     /// never declared lost).
     pub default_liveness_ttl: Option<std::time::Duration>,
@@ -76,6 +80,7 @@ impl Default for RegistryConfig {
             metrics: Arc::new(Metrics::new()),
             timeline_events: DEFAULT_TIMELINE_EVENTS,
             event_buffer: DEFAULT_EVENT_BUFFER,
+            event_buffer_bytes: DEFAULT_EVENT_BUFFER_BYTES,
             default_liveness_ttl: None,
             clock: Clock::system(),
         }
@@ -86,6 +91,9 @@ impl Default for RegistryConfig {
 /// far behind lists again. Each holds the allocation's version it tells
 /// (a few KiB with full histories, which would otherwise be freed).
 pub const DEFAULT_EVENT_BUFFER: usize = 4_096;
+
+/// Bytes of rendered changes the event stream keeps by default.
+pub const DEFAULT_EVENT_BUFFER_BYTES: usize = 64 << 20;
 
 /// The largest global index: indexes are 0 to 2^63 - 1 in the API.
 pub const MAX_INDEX: u64 = i64::MAX as u64;
@@ -172,10 +180,25 @@ pub enum RegistryError {
     /// A valid request for something this server does not do.
     #[error("{0}")]
     Unsupported(String),
+    /// A rule only the registry can check is broken (it needs the other
+    /// allocations it holds).
+    #[error("the allocation spec is not valid")]
+    Invalid(Vec<crate::lifecycle::FieldError>),
     /// The allocation kept changing under the request (deleted and
     /// registered again by others); a later try will go through.
     #[error("{0}")]
     Contended(String),
+    /// The allocation's record in a store several replicas write cannot
+    /// be read by this build.
+    #[error("the record of allocation \"{id}\" in the store cannot be read by this server: {why}")]
+    Unreadable { id: String, why: String },
+    /// The store holds the allocation at `index` and this replica's view
+    /// has not reached it in time.
+    #[error(
+        "this replica has not caught up with allocation \"{id}\" yet (the store holds it at \
+         index {index}, this replica's view is at {view}); try again"
+    )]
+    Behind { id: String, index: u64, view: u64 },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -215,6 +238,36 @@ pub struct Registry {
     inner: Arc<Inner>,
 }
 
+/// The registry's shared state.
+///
+/// **Lock order.** A lock may be taken while holding only locks above it
+/// in this list, never one below it:
+/// 1. a handle's write semaphore (`Handle::write`, `handle.rs`): one
+///    allocation's decisions, in order; tokio's, the only lock held
+///    across an `.await` (a registration's or a deletion's commit, or a
+///    deletion waiting for the changes handed to the store before it; an
+///    update holds it only to decide and hand its record to the store). At most one at a time: a
+///    writer never waits for another allocation's write lock while it
+///    holds its own (the dependents of a change are judged in tasks of
+///    their own, awaited only after the writer has let its lock go). The
+///    one taken under (2): a registration's new handle is inserted with
+///    its write lock already held (`try_lock_write`, which never waits,
+///    on a handle nobody else can see yet).
+/// 2. the allocation map (`allocs`, a std `RwLock`): held only to look up,
+///    insert or remove handles. A writer holding (1) reads it to judge its
+///    dependencies on other allocations; the replicated view holds its
+///    write side while it publishes what the store's watch delivered, and
+///    takes the locks below under it.
+/// 3. a handle's slot `RwLock` (the committed record) and its timeline
+///    `Mutex` (`handle.rs`), each taken and let go on its own (publishing
+///    extends the timeline, lets it go, then writes the slot); readers
+///    take the slot's read side without (1).
+/// 4. leaves, none held while another lock is taken: the spec interner
+///    (`specs`), the reverse dependency index (`dependents`, `deps.rs`),
+///    the timer heap (`timers.rs`; it holds handles only as weak
+///    references and touches their atomics), the keeper's heap of lease
+///    renewals (`keep.rs`, the same), a task's liveness keys in its handle
+///    (`keep::Kept`), and the feed (`feed.rs`).
 struct Inner {
     /// Allocation ID → handle, sorted for listing. Inserted by `register`,
     /// removed by `delete`, read by everything. A std lock: it is only held
@@ -242,6 +295,9 @@ struct Inner {
     /// Whether the task that drives `timers` runs (started on first use,
     /// inside a runtime).
     driving: std::sync::atomic::AtomicBool,
+    /// With a shared store: this replica's renewals of the leases of the
+    /// tasks it hears signs of life for (`keep.rs`).
+    keeper: Arc<keep::Keeper>,
     /// This registry, for the tasks it starts (which must not keep it
     /// alive).
     me: std::sync::Weak<Inner>,
@@ -249,6 +305,11 @@ struct Inner {
     /// (`deps.rs`), kept with the view: written when an allocation with
     /// dependencies on others appears or goes, read after every change.
     dependents: deps::Dependents,
+    /// Held by a registration with dependencies on other allocations from
+    /// its check to its publication: two of them racing could otherwise
+    /// close a cycle neither sees (each one's check runs before the other
+    /// exists). Registrations without such dependencies never take it.
+    registering: tokio::sync::Mutex<()>,
 }
 
 impl Inner {
@@ -304,23 +365,36 @@ impl Registry {
         let default_ttl = config.default_liveness_ttl;
         let loaded_at = config.clock.now();
         let mut timed = Vec::new();
+        let shared = store.replicated().is_some();
         let allocs = AllocMap::from_sorted(loaded.allocations.into_iter().map(|mut a| {
             a.spec = specs.share(a.spec);
             let (id, tasks) = (a.id.clone(), a.tasks.len());
             let handle = Arc::new(Handle::live(Arc::new(a)));
             if handle.current().is_some_and(|a| a.spec.timed(default_ttl)) {
                 // Their agents' long-polls were cut by the restart, not by
-                // their death: every running task gets a full TTL.
-                handle.lives().init_at(tasks, loaded_at);
+                // their death: every running task gets a full TTL. With a
+                // shared store the store keeps their clocks: no replica's
+                // start restarts one.
+                if !shared {
+                    handle.lives().init_at(tasks, loaded_at);
+                }
                 timed.push(handle.clone());
             }
             (id, handle)
         }));
+        let mut allocs = allocs;
+        for l in loaded.liveness {
+            replicated::keep_liveness(&mut allocs, &l, loaded_at);
+        }
         let index = Arc::new(AtomicU64::new(last));
         let registry = Self {
             inner: Arc::new_cyclic(|me| Inner {
                 allocs: RwLock::new(allocs),
-                feed: Arc::new(feed::Feed::new(index.clone(), config.event_buffer)),
+                feed: Arc::new(feed::Feed::new(
+                    index.clone(),
+                    config.event_buffer,
+                    config.event_buffer_bytes,
+                )),
                 index,
                 store,
                 config,
@@ -330,8 +404,10 @@ impl Registry {
                 view: watch::Sender::new(last),
                 timers: Arc::new(timers::Timers::default()),
                 driving: std::sync::atomic::AtomicBool::new(false),
+                keeper: Arc::new(keep::Keeper::default()),
                 me: me.clone(),
                 dependents: deps::Dependents::default(),
+                registering: tokio::sync::Mutex::new(()),
             }),
         };
         for (_, handle) in registry.read_map().range_from("") {
@@ -367,6 +443,11 @@ impl Registry {
     /// The last global index handed out.
     pub fn last_index(&self) -> u64 {
         self.inner.index.load(Ordering::SeqCst)
+    }
+
+    /// Bytes of rendered changes the event stream keeps.
+    pub fn stream_rendered_bytes(&self) -> usize {
+        self.inner.feed.rendered_bytes()
     }
 
     /// The index up to which every change is in the event stream's order
@@ -500,17 +581,31 @@ impl Registry {
         spec: AllocSpec,
         quota: Option<Quota<'_>>,
     ) -> Result<(Arc<Allocation>, bool), RegistryError> {
-        if let Some(store) = self.inner.store.replicated() {
-            if let Some(task) = spec.tasks().iter().find(|t| t.liveness.is_some()) {
-                // Signs of life reach one replica; until they reach the
-                // decision of every one, a TTL would declare live tasks
-                // lost. Refused, not silently ignored.
-                return Err(RegistryError::Unsupported(format!(
-                    "task \"{}\" declares a liveness TTL, which this build enforces with the \
-                     disk or memory store only, not with --store etcd yet",
-                    task.name
-                )));
+        let _serial = if spec.reaches_out() {
+            Some(self.inner.registering.lock().await)
+        } else {
+            None
+        };
+        let registered = self.register_unserialized(id, spec, quota).await?;
+        if registered.1 && registered.0.spec.reaches_out() {
+            // What its targets did between the verdicts it was registered
+            // with and its publication (when it joined the reverse index)
+            // is judged now: nothing of it is missed.
+            self.resolve(registered.0.id.as_str()).await;
+            if let Ok(now) = self.get(registered.0.id.as_str()) {
+                return Ok((now, true));
             }
+        }
+        Ok(registered)
+    }
+
+    async fn register_unserialized(
+        &self,
+        id: AllocId,
+        spec: AllocSpec,
+        quota: Option<Quota<'_>>,
+    ) -> Result<(Arc<Allocation>, bool), RegistryError> {
+        if let Some(store) = self.inner.store.replicated() {
             return self.register_shared(store, id, spec, quota).await;
         }
         // A handle found here may be deleted before its lock is ours; then
@@ -542,7 +637,7 @@ impl Registry {
                         0,
                         self.now(),
                     );
-                    if let Err(e) = self.check_cycles(&a) {
+                    if let Err(e) = self.check_dependencies(&a) {
                         drop(write);
                         self.remove(&id, &handle);
                         return Err(e);
@@ -682,6 +777,12 @@ impl Registry {
         }
         let handle = self.handle(id)?;
         let write = handle.lock_write().await;
+        // Changes handed to the store before it are published first.
+        if let Some(p) = handle.pending()
+            && !p.outcome().await
+        {
+            return Err(parent_failed());
+        }
         let Slot::Live(a) = handle.slot_now() else {
             return Err(RegistryError::AllocationNotFound(id.to_owned()));
         };
@@ -709,12 +810,17 @@ impl Registry {
     }
 
     /// Decide → persist → publish for one allocation. `decide` gets the
-    /// committed record and a source of fresh indexes, and returns the next
+    /// newest record decided (durable, or handed to the store and not yet
+    /// published) and a source of fresh indexes, and returns the next
     /// record (or `None` for no change) plus a result for the caller.
     ///
-    /// The write lock (an async one) is held across the commit on purpose:
-    /// one allocation's writes are serialized, so a failed commit leaves
-    /// nothing to undo and the next writer starts from the committed record.
+    /// Commits are pipelined: the write lock is held only to decide and
+    /// hand the record to the store, so one allocation's writers share
+    /// the store's group commits instead of waiting one fsync each. A
+    /// writer is answered once its own change and every one it was decided
+    /// on are durable and published; nothing a reader sees was not
+    /// durable; an answer decided on a version whose commit failed fails
+    /// too (a store that failed a commit takes none after it).
     ///
     /// `counted` counts the request in the metrics once it is decided (and
     /// committed, if it changed anything); it runs with the publication,
@@ -731,34 +837,89 @@ impl Registry {
         }
         let handle = self.handle(id)?;
         let write = handle.lock_write().await;
-        let Slot::Live(current) = handle.slot_now() else {
-            return Err(RegistryError::AllocationNotFound(id.to_owned()));
+        // The pending version first, then the slot: a commit is cleared
+        // from `pending` only after it is published.
+        let parent = handle.pending();
+        let current = match &parent {
+            Some(p) => p.record.clone(),
+            None => match handle.slot_now() {
+                Slot::Live(a) => a,
+                Slot::Creating | Slot::Deleted => {
+                    return Err(RegistryError::AllocationNotFound(id.to_owned()));
+                }
+            },
         };
         let ticket = self.inner.feed.begin();
-        let (next, out) = decide(&current, &|| self.next_index())?;
-        let Some(next) = next else {
-            counted(&self.inner.config.metrics);
-            return Ok((current, out));
+        let decided = decide(&current, &|| self.next_index());
+        let (next, out) = match decided {
+            Ok((Some(next), out)) => (next, out),
+            // An answer that changes nothing (or refuses) was decided on a
+            // version that may not be durable yet: it goes out once that
+            // version is (never a state a reader could not see).
+            other => {
+                drop(write);
+                drop(ticket);
+                if let Some(p) = &parent
+                    && !p.outcome().await
+                {
+                    return Err(parent_failed());
+                }
+                let (_, out) = other?;
+                counted(&self.inner.config.metrics);
+                return Ok((current, out));
+            }
         };
+        // Pipelined: handed to the store in decision order (the store
+        // makes changes durable in the order they are handed to it), the
+        // lock let go for the next writer, which decides on this version;
+        // published once durable and once the version it was decided on
+        // is published. A task of its own, so that a client that goes
+        // away cannot stop a change between its commit and its
+        // publication.
         let next = Arc::new(next);
-        let published = next.clone();
+        let commit = self.inner.store.commit(Op::Put(next.clone()));
+        let mine = Arc::new(handle::Pending::new(next.clone()));
+        handle.set_pending(mine.clone());
+        drop(write);
         let registry = self.clone();
-        let dependents = self
-            .commit_then(write, Op::Put(next.clone()), move |committed| {
-                committed?;
-                handle.publish_live(
-                    Some(&current),
-                    published.clone(),
-                    registry.inner.config.timeline_events,
-                );
-                registry.inner.reschedule(&handle, &published);
-                ticket.publish(feed::Event::put(published.clone()));
-                let dependents = registry.dependents_of(published.id.as_str());
-                registry.observe(&current, &published);
-                counted(&registry.inner.config.metrics);
-                Ok(dependents)
-            })
-            .await?;
+        let published = next.clone();
+        let task = tokio::spawn(async move {
+            let committed = commit.await;
+            let after = match &parent {
+                Some(p) => p.outcome().await,
+                None => true,
+            };
+            let done = match (committed, after) {
+                (Ok(()), true) => {
+                    handle.publish_live(
+                        Some(&current),
+                        published.clone(),
+                        registry.inner.config.timeline_events,
+                    );
+                    registry.inner.reschedule(&handle, &published);
+                    ticket.publish(feed::Event::put(published.clone()));
+                    let dependents = registry.dependents_of(published.id.as_str());
+                    registry.observe(&current, &published);
+                    counted(&registry.inner.config.metrics);
+                    Ok(dependents)
+                }
+                (Ok(()), false) => {
+                    // A store that failed a commit takes none after it, so
+                    // this is a store that broke its promise: not published.
+                    tracing::error!(alloc = %published.id, index = published.modify_index, "a change was committed after the one it was decided on failed; it is not published");
+                    Err(parent_failed())
+                }
+                (Err(e), _) => Err(RegistryError::Store(e)),
+            };
+            mine.finish(done.is_ok());
+            handle.clear_pending(&mine);
+            done
+        });
+        let dependents = task.await.unwrap_or_else(|e| {
+            Err(RegistryError::Store(StoreError::Io(format!(
+                "the commit task failed: {e}"
+            ))))
+        })?;
         settled(dependents).await;
         Ok((next, out))
     }
@@ -890,7 +1051,7 @@ impl Registry {
                                 return Err(RegistryError::task_lost(a, i, at));
                             }
                             if let Some(key) = key {
-                                match a.key_seen(reports.iter().map(|(i, _)| *i), key) {
+                                match a.key_seen(key) {
                                     KeySeen::New => {}
                                     KeySeen::Retry => return Ok((None, ())),
                                     KeySeen::Reused => {
@@ -951,6 +1112,13 @@ impl Registry {
 
 /// Waits until the dependents a change started judging are judged (a task
 /// of its own, which goes on if this wait is dropped).
+/// The answer of a write decided on a version whose commit failed.
+fn parent_failed() -> RegistryError {
+    RegistryError::Store(StoreError::Io(
+        "a change this one was decided on failed to commit".into(),
+    ))
+}
+
 async fn settled(dependents: Option<tokio::task::JoinHandle<()>>) {
     if let Some(h) = dependents {
         let _ = h.await;
@@ -1066,5 +1234,9 @@ impl AllocMap {
     }
 }
 
+#[cfg(test)]
+mod pipeline_tests;
+#[cfg(test)]
+mod replicated_tests;
 #[cfg(test)]
 mod tests;

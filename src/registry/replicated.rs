@@ -21,9 +21,9 @@ use super::{
     handle::{Handle, WriteGuard},
 };
 use crate::{
-    lifecycle::{AllocId, AllocSpec, Allocation, CoordState},
+    lifecycle::{AllocId, AllocSpec, Allocation, CoordState, Timestamp, WriteMark},
     metrics::Metrics,
-    store::{Change, Follower, Loaded, Op, ReplicatedStore, SwapError},
+    store::{Change, Follower, Liveness, Loaded, Op, ReplicatedStore, SwapError},
 };
 
 /// Decisions tried on newer copies before a write gives up (503 with
@@ -37,6 +37,22 @@ const MAX_SWAPS: usize = 16;
 /// so), well before the request's own timeout would turn a committed change
 /// into a 503.
 const REACH_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The longest a read waits for this replica's view to reach an
+/// allocation the store holds and the view does not (`Registry::look_up`).
+const LOOK_UP_WAIT: Duration = Duration::from_secs(5);
+
+/// 503 `store_failed` for an allocation whose record this build cannot
+/// read.
+fn unreadable(store: &dyn ReplicatedStore, id: &str) -> Result<(), RegistryError> {
+    match store.unreadable(id) {
+        Some(u) => Err(RegistryError::Unreadable {
+            id: id.to_owned(),
+            why: u.why,
+        }),
+        None => Ok(()),
+    }
+}
 
 /// The index given to a change while it is decided: above every index in
 /// the record it was decided on, so that it alone is replaced by the
@@ -71,41 +87,106 @@ impl Registry {
         }
     }
 
+    /// Before a request answers from this replica's view about `id`: on a
+    /// store several replicas write, an allocation whose record this build
+    /// cannot read is 503 `store_failed`, and a miss is checked with the
+    /// store's quorum: if the store holds the allocation, the view is
+    /// waited for (up to `LOOK_UP_WAIT`), so that a replica never answers
+    /// 404 for an allocation that exists (one registered through another
+    /// replica a moment ago, or through this one while its view lagged).
+    /// A view that does not get there in time is 503 `store_unavailable`.
+    /// Nothing on any other store.
+    pub async fn look_up(&self, id: &str) -> Result<(), RegistryError> {
+        let Some(store) = self.inner.store.replicated() else {
+            return Ok(());
+        };
+        unreadable(store, id)?;
+        if self.get(id).is_ok() {
+            return Ok(());
+        }
+        let Ok(alloc) = AllocId::parse(id) else {
+            return Ok(());
+        };
+        let Some(index) = store.index_of(&alloc).await? else {
+            return Ok(());
+        };
+        if !self.wait_view(index, LOOK_UP_WAIT).await {
+            return Err(self.behind(id, index));
+        }
+        // Reached: there now, or deleted since (404 is then right).
+        unreadable(store, id)
+    }
+
+    /// On a store several replicas write, the index this replica's view
+    /// has reached.
+    pub fn view_index(&self) -> Option<u64> {
+        self.inner
+            .store
+            .replicated()
+            .map(|_| *self.inner.view.borrow())
+    }
+
+    /// The allocations (at most `max`, in ID order) whose records this
+    /// replica cannot read.
+    pub fn unreadable(&self, max: usize) -> Vec<String> {
+        let mut ids = self
+            .inner
+            .store
+            .replicated()
+            .map(|s| s.unreadable_ids())
+            .unwrap_or_default();
+        ids.truncate(max);
+        ids
+    }
+
+    fn behind(&self, id: &str, index: u64) -> RegistryError {
+        RegistryError::Behind {
+            id: id.to_owned(),
+            index,
+            view: *self.inner.view.borrow(),
+        }
+    }
+
     /// Takes an allocation's write lock, retrying while the handle found
     /// was replaced (deleted and registered again) before the lock was
     /// ours. Serializes this replica's own writers, so they rarely
-    /// conflict with one another.
+    /// conflict with one another. An allocation missing from the view, or
+    /// whose registration the view has not reached yet, is asked of the
+    /// store once (`look_up`).
     async fn lock_live(
         &self,
         store: &dyn ReplicatedStore,
         id: &str,
     ) -> Result<(WriteGuard, Arc<Handle>, Arc<Allocation>), RegistryError> {
-        let mut asked = false;
+        let mut asked = None;
         for _ in 0..MAX_SWAPS {
-            let handle = match self.handle(id) {
-                Ok(handle) => handle,
-                // Registered through another replica a moment ago? Asked
-                // once, through the store's quorum.
-                Err(e) if !asked => {
-                    asked = true;
-                    let Ok(alloc) = AllocId::parse(id) else {
-                        return Err(e);
-                    };
-                    match store.index_of(&alloc).await? {
-                        Some(index) => {
-                            self.reach(index).await;
-                            continue;
-                        }
-                        None => return Err(e),
-                    }
+            unreadable(store, id)?;
+            let handle = self.handle(id).ok();
+            if let Some(handle) = &handle {
+                let write = handle.lock_write().await;
+                match handle.slot_now() {
+                    Slot::Live(a) => return Ok((write, handle.clone(), a)),
+                    Slot::Deleted => continue,
+                    Slot::Creating => {}
                 }
-                Err(e) => return Err(e),
+            }
+            // Not in the view (yet): registered through another replica a
+            // moment ago, or the view lags behind a registration.
+            match asked {
+                // The view reached the store's record and still has no
+                // allocation: deleted since.
+                Some((_, true)) => break,
+                Some((index, false)) => return Err(self.behind(id, index)),
+                None => {}
+            }
+            let Ok(alloc) = AllocId::parse(id) else {
+                break;
             };
-            let write = handle.lock_write().await;
-            match handle.slot_now() {
-                Slot::Live(a) => return Ok((write, handle, a)),
-                Slot::Deleted => continue,
-                Slot::Creating => break,
+            match store.index_of(&alloc).await? {
+                Some(index) => {
+                    asked = Some((index, self.wait_view(index, REACH_TIMEOUT).await));
+                }
+                None => break,
             }
         }
         Err(RegistryError::AllocationNotFound(id.to_owned()))
@@ -138,6 +219,9 @@ impl Registry {
         decide: impl Fn(&Allocation, &dyn Fn() -> u64) -> Result<(Option<Allocation>, R), RegistryError>,
         counted: impl FnOnce(&Metrics) + Send + 'static,
     ) -> Result<(Arc<Allocation>, R), RegistryError> {
+        // Leases granted for runs this write starts, kept for its next
+        // rounds (a lease no round uses expires by itself).
+        let mut leases = std::collections::HashMap::new();
         for _ in 0..MAX_SWAPS {
             let (write, handle, current) = self.lock_live(store, id).await?;
             let stamp = placeholder(&current);
@@ -164,7 +248,17 @@ impl Registry {
                 return Ok((current, out));
             };
             let expect = current.modify_index;
-            match store.swap(Op::Put(Arc::new(next.clone())), expect).await {
+            next.mark_write(WriteMark {
+                id: fastrand::u64(..),
+                parent: expect,
+            });
+            let live = self
+                .live_ops(store, &handle, &current, &next, &mut leases)
+                .await?;
+            match store
+                .swap(Op::Put(Arc::new(next.clone())), expect, live)
+                .await
+            {
                 Ok(index) => {
                     self.reach(index).await;
                     drop(write);
@@ -172,6 +266,17 @@ impl Registry {
                     self.observe(&current, &next);
                     counted(&self.inner.config.metrics);
                     return Ok((Arc::new(next), out));
+                }
+                // An attempt whose answer was lost committed: answered with
+                // the record as it is now, never decided again.
+                Err(SwapError::Landed { seen }) => {
+                    self.reach(seen).await;
+                    drop(write);
+                    next.restamp(stamp, seen);
+                    self.observe(&current, &next);
+                    counted(&self.inner.config.metrics);
+                    let now = handle.current().unwrap_or_else(|| Arc::new(next));
+                    return Ok((now, out));
                 }
                 Err(SwapError::Conflict { seen }) => {
                     drop(write);
@@ -215,7 +320,7 @@ impl Registry {
             }
             const STAMP: u64 = 1;
             let mut a = Allocation::register(id.clone(), spec.clone(), STAMP, self.now());
-            if let Err(e) = self.check_cycles(&a) {
+            if let Err(e) = self.check_dependencies(&a) {
                 drop(write);
                 self.inner.forget_creating(&id, &handle);
                 return Err(e);
@@ -228,8 +333,15 @@ impl Registry {
                 })
                 .collect();
             a.set_verdicts(&|i, j| verdicts[i][j].clone());
-            match store.swap(Op::Put(Arc::new(a.clone())), 0).await {
-                Ok(index) => {
+            a.mark_write(WriteMark {
+                id: fastrand::u64(..),
+                parent: 0,
+            });
+            match store
+                .swap(Op::Put(Arc::new(a.clone())), 0, Vec::new())
+                .await
+            {
+                Ok(index) | Err(SwapError::Landed { seen: index }) => {
                     self.reach(index).await;
                     drop(write);
                     a.restamp(STAMP, index);
@@ -240,7 +352,13 @@ impl Registry {
                             .metrics
                             .transition(CoordState::Init, a.state);
                     }
-                    return Ok((Arc::new(a), true));
+                    // An attempt whose answer was lost created it: the
+                    // record as it is now (others may have changed it).
+                    let a = match handle.current() {
+                        Some(now) if now.spec == a.spec => now,
+                        _ => Arc::new(a),
+                    };
+                    return Ok((a, true));
                 }
                 // Registered through another replica: once the view has
                 // it, the next round compares the specs.
@@ -265,13 +383,33 @@ impl Registry {
         id: &str,
     ) -> Result<u64, RegistryError> {
         for _ in 0..MAX_SWAPS {
+            // A record this build cannot read can still be deleted: the
+            // compare is on the index that wrote it.
+            if let (Some(u), Ok(alloc)) = (store.unreadable(id), AllocId::parse(id)) {
+                let op = Op::Delete {
+                    id: alloc,
+                    index: 0,
+                };
+                match store.swap(op, u.index, Vec::new()).await {
+                    Ok(index) | Err(SwapError::Landed { seen: index }) => {
+                        self.reach(index).await;
+                        tracing::info!(alloc = %id, index, "an unreadable allocation deleted");
+                        return Ok(index);
+                    }
+                    Err(SwapError::Conflict { seen }) => {
+                        self.reach(seen).await;
+                        continue;
+                    }
+                    Err(SwapError::Store(e)) => return Err(e.into()),
+                }
+            }
             let (write, handle, current) = self.lock_live(store, id).await?;
             let op = Op::Delete {
                 id: current.id.clone(),
                 index: 0,
             };
-            match store.swap(op, current.modify_index).await {
-                Ok(index) => {
+            match store.swap(op, current.modify_index, Vec::new()).await {
+                Ok(index) | Err(SwapError::Landed { seen: index }) => {
                     self.reach(index).await;
                     drop(write);
                     tracing::info!(alloc = %id, index, "allocation deleted");
@@ -332,6 +470,14 @@ impl Inner {
                 if same {
                     return None;
                 }
+                // Deleted and registered again with another spec, the
+                // deletion unseen (a listing after a compaction): the old
+                // spec's dependencies go from the reverse index.
+                if let Some(old) = &now
+                    && old.spec != a.spec
+                {
+                    self.index_dependencies(old, false);
+                }
                 handle.publish_live(now.as_deref(), a.clone(), limit);
                 self.reschedule(handle, &a);
             }
@@ -360,7 +506,7 @@ impl Inner {
     }
 
     /// The registry this is the inner state of, while it lives.
-    fn registry(&self) -> Option<Registry> {
+    pub(super) fn registry(&self) -> Option<Registry> {
         self.me.upgrade().map(|inner| Registry { inner })
     }
 
@@ -377,16 +523,48 @@ impl Inner {
     }
 }
 
+/// Applies a liveness key the store listed or changed to the handle of its
+/// allocation in `map` (if the view holds it, with that task). Returns the
+/// handle, and whether a live key was written (its lease is new).
+pub(super) fn keep_liveness(
+    map: &mut super::AllocMap,
+    l: &Liveness,
+    now: Timestamp,
+) -> Option<(Arc<Handle>, usize, bool)> {
+    let (id, task) = match l {
+        Liveness::Mark { id, task, .. } | Liveness::Live { id, task, .. } => (id, task),
+    };
+    let handle = map.get(id.as_str())?;
+    let a = handle.current()?;
+    let i = a.position(task.as_str())?;
+    let life = handle.lives().life_made(a.tasks.len(), i)?;
+    let written = match l {
+        Liveness::Mark { mark, .. } => {
+            life.kept.set_mark(*mark);
+            false
+        }
+        Liveness::Live { lease, .. } => life.kept.set_live(*lease, now),
+    };
+    Some((handle.clone(), i, written))
+}
+
 impl Follower for Inner {
     fn changed(&self, changes: Vec<Change>, index: u64) {
         let mut events = Vec::new();
         let mut touched = Vec::new();
+        // Looked at once the view holds all of it (`reschedule` trusts a
+        // missing key only then).
+        let mut timed: Vec<Arc<Handle>> = Vec::new();
         if !changes.is_empty() {
+            let now = self.config.clock.now();
             let mut map = self.write_map();
             for change in changes {
                 match change {
                     Change::Put(a) => {
                         if let Some(a) = self.put(&mut map, a, true) {
+                            if let Some(h) = map.get(a.id.as_str()) {
+                                timed.push(h.clone());
+                            }
                             touched.push(a.id.clone());
                             events.push(Event::put(a));
                         }
@@ -397,6 +575,14 @@ impl Follower for Inner {
                             events.push(Event::deleted(id, index));
                         }
                     }
+                    Change::Liveness(l) => {
+                        if let Some((handle, i, written)) = keep_liveness(&mut map, &l, now) {
+                            if written && let Some(store) = self.store.replicated() {
+                                self.keeper.lease_known(store, &handle, i);
+                            }
+                            timed.push(handle);
+                        }
+                    }
                 }
             }
         }
@@ -404,6 +590,7 @@ impl Follower for Inner {
         // finds the change in the stream too.
         self.feed.append(events, index);
         self.reached(index);
+        self.look_again(timed);
         // Every replica judges the dependents of what changed; the
         // compare-and-swap keeps one write of each new verdict.
         if !touched.is_empty()
@@ -417,6 +604,7 @@ impl Follower for Inner {
     }
 
     fn resync(&self, loaded: Loaded) {
+        let now = self.config.clock.now();
         let mut map = self.write_map();
         let listed: HashSet<AllocId> = loaded.allocations.iter().map(|a| a.id.clone()).collect();
         let stale: Vec<AllocId> = map
@@ -431,6 +619,25 @@ impl Follower for Inner {
         for a in loaded.allocations {
             self.put(&mut map, a, false);
         }
+        // Liveness keys as listed: whatever is not listed is gone (a live
+        // key expired while the watch was behind).
+        let mut timed = Vec::new();
+        for (_, handle) in map.range_from("") {
+            if handle.lives().made() {
+                for life in handle.lives().all() {
+                    life.kept.forget(now);
+                }
+                timed.push(handle.clone());
+            }
+        }
+        for l in &loaded.liveness {
+            if let Some((handle, i, written)) = keep_liveness(&mut map, l, now) {
+                if written && let Some(store) = self.store.replicated() {
+                    self.keeper.lease_known(store, &handle, i);
+                }
+                timed.push(handle);
+            }
+        }
         drop(map);
         // What changed meanwhile is known only as a whole: the stream's
         // readers list again too.
@@ -441,8 +648,27 @@ impl Follower for Inner {
             "the view was listed again"
         );
         self.reached(loaded.last_index);
+        self.look_again(timed);
         if let Some(registry) = self.registry() {
             registry.resolve_all();
         }
+    }
+}
+
+impl Inner {
+    /// Schedules each handle's next look again, now that the view holds
+    /// what changed (a handle named twice is looked at once).
+    fn look_again(&self, mut handles: Vec<Arc<Handle>>) {
+        if handles.is_empty() {
+            return;
+        }
+        handles.sort_by_key(|h| Arc::as_ptr(h) as usize);
+        handles.dedup_by_key(|h| Arc::as_ptr(h) as usize);
+        for handle in handles {
+            if let Some(a) = handle.current() {
+                self.reschedule(&handle, &a);
+            }
+        }
+        self.keep_driving();
     }
 }

@@ -108,7 +108,7 @@ async fn a_parked_waiter_is_answered_by_the_change_it_waits_for() {
     r.register(id("a1"), two_stage()).await.unwrap();
     let waiter = {
         let r = r.clone();
-        tokio::spawn(async move { r.wait_start("a1", "web", LONG).await })
+        tokio::spawn(async move { r.wait_start("a1", "web", LONG, true).await })
     };
     // Let the waiter park, then check it is parked rather than answered.
     parked(&r, 1).await;
@@ -128,7 +128,7 @@ async fn a_timed_out_wait_answers_with_the_current_record() {
     r.register(id("a1"), two_stage()).await.unwrap();
     let started = tokio::time::Instant::now();
     let (a, i) = r
-        .wait_start("a1", "web", Duration::from_secs(5))
+        .wait_start("a1", "web", Duration::from_secs(5), true)
         .await
         .unwrap();
     assert!(!a.allowed(i));
@@ -169,7 +169,7 @@ async fn a_task_query_ignores_changes_to_other_tasks() {
     let waiter = {
         let r = r.clone();
         let index = a.modify_index;
-        tokio::spawn(async move { r.wait_task("x", "b", index, LONG).await })
+        tokio::spawn(async move { r.wait_task("x", "b", index, LONG, true).await })
     };
     parked(&r, 1).await;
     r.report("x", report("a", RunState::Running)).await.unwrap();
@@ -186,7 +186,7 @@ async fn deletion_ends_waits_with_deleted() {
     r.register(id("a1"), two_stage()).await.unwrap();
     let waiter = {
         let r = r.clone();
-        tokio::spawn(async move { r.wait_start("a1", "web", LONG).await })
+        tokio::spawn(async move { r.wait_start("a1", "web", LONG, true).await })
     };
     parked(&r, 1).await;
     r.delete("a1").await.unwrap();
@@ -206,7 +206,7 @@ async fn shutdown_ends_waits_and_refuses_new_ones() {
     r.register(id("a1"), two_stage()).await.unwrap();
     let waiter = {
         let r = r.clone();
-        tokio::spawn(async move { r.wait_start("a1", "web", LONG).await })
+        tokio::spawn(async move { r.wait_start("a1", "web", LONG, true).await })
     };
     parked(&r, 1).await;
     r.shutdown();
@@ -215,11 +215,11 @@ async fn shutdown_ends_waits_and_refuses_new_ones() {
         Err(RegistryError::ShuttingDown)
     ));
     assert!(matches!(
-        r.wait_start("a1", "web", LONG).await,
+        r.wait_start("a1", "web", LONG, true).await,
         Err(RegistryError::ShuttingDown)
     ));
     // An answer that needs no wait is still given.
-    assert!(r.wait_start("a1", "init", LONG).await.is_ok());
+    assert!(r.wait_start("a1", "init", LONG, true).await.is_ok());
 }
 
 #[tokio::test(start_paused = true)]
@@ -234,12 +234,12 @@ async fn the_waiter_limit_refuses_the_one_too_many_and_abandoned_waits_are_uncou
     let waits: Vec<_> = (0..2)
         .map(|_| {
             let r = r.clone();
-            tokio::spawn(async move { r.wait_start("a1", "web", LONG).await })
+            tokio::spawn(async move { r.wait_start("a1", "web", LONG, true).await })
         })
         .collect();
     parked(&r, 2).await;
     assert!(matches!(
-        r.wait_start("a1", "web", LONG).await,
+        r.wait_start("a1", "web", LONG, true).await,
         Err(RegistryError::TooManyWaiters)
     ));
     assert_eq!(r.waiters(), 2, "a refused wait is not counted");
@@ -455,9 +455,10 @@ async fn long_polls_answer_about_their_own_task_while_the_allocation_is_replaced
     while !churn.is_finished() {
         for poll in [0, 1] {
             let got = if poll == 0 {
-                r.wait_task("x", "web", u64::MAX, Duration::ZERO).await
+                r.wait_task("x", "web", u64::MAX, Duration::ZERO, true)
+                    .await
             } else {
-                r.wait_start("x", "web", Duration::ZERO).await
+                r.wait_start("x", "web", Duration::ZERO, true).await
             };
             match got {
                 Ok((a, i)) => {
@@ -503,6 +504,7 @@ fn an_index_past_the_range_refuses_the_start() {
             crate::store::Loaded {
                 allocations: Vec::new(),
                 last_index: last,
+                ..Default::default()
             },
         ))));
         match Registry::open(store, RegistryConfig::default()) {
@@ -695,7 +697,7 @@ mod third_edition {
         // TTLs here.
         let waiter = {
             let r = r.clone();
-            tokio::spawn(async move { r.wait_task("a", "web", index, TTL * 4).await })
+            tokio::spawn(async move { r.wait_task("a", "web", index, TTL * 4, true).await })
         };
         parked(&r, 1).await;
         for _ in 0..6 {

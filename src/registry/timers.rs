@@ -13,6 +13,11 @@
 //! comes due the allocation is asked again, finds its tasks alive, and is
 //! put back at the new moment. So a heartbeat costs an atomic store, and
 //! an allocation costs one heap operation per TTL at most.
+//!
+//! With a store several replicas share, a task's silence is measured by
+//! the store, not here: each slot also holds what this replica's view
+//! knows of the task's liveness keys and its own renewals of their lease
+//! (`keep.rs`).
 
 use std::{
     cmp::Reverse,
@@ -108,6 +113,9 @@ pub(crate) struct Life {
     /// Queries for the task parked now: each one is a sign of life for as
     /// long as it waits.
     parked: AtomicU32,
+    /// With a store several replicas share: its liveness keys and this
+    /// replica's renewals (`keep.rs`).
+    pub(crate) kept: super::keep::Kept,
 }
 
 /// The signs of life of an allocation's tasks, made for allocations whose
@@ -125,6 +133,7 @@ impl Lives {
                 .map(|_| Life {
                     seen: AtomicI64::new(seen),
                     parked: AtomicU32::new(0),
+                    kept: super::keep::Kept::default(),
                 })
                 .collect()
         })
@@ -134,6 +143,27 @@ impl Lives {
     /// gives every running task a full TTL).
     pub(crate) fn init_at(&self, tasks: usize, now: Timestamp) {
         self.table(tasks, Some(now));
+    }
+
+    /// Whether the table was made (the allocation runs tasks under a TTL,
+    /// or the store keeps liveness keys for it).
+    pub(crate) fn made(&self) -> bool {
+        self.0.get().is_some()
+    }
+
+    /// Task `i`'s slot, if the table was made.
+    pub(crate) fn life(&self, i: usize) -> Option<&Life> {
+        self.0.get()?.get(i)
+    }
+
+    /// Task `i`'s slot, the table made for `tasks` tasks if it was not.
+    pub(crate) fn life_made(&self, tasks: usize, i: usize) -> Option<&Life> {
+        self.table(tasks, None).get(i)
+    }
+
+    /// Every slot (none if the table was not made).
+    pub(crate) fn all(&self) -> &[Life] {
+        self.0.get().map_or(&[], |t| t)
     }
 
     /// A sign of life for task `i` at `now`.
@@ -157,13 +187,41 @@ impl Lives {
     }
 
     /// Counts a query for task `i` parked while the guard lives; its end
-    /// is a sign of life too.
-    pub(crate) fn park(&self, tasks: usize, i: usize, clock: Clock) -> ParkedLife {
+    /// is a sign of life too, after which `ended` runs (a replica renews
+    /// the task's lease then).
+    pub(crate) fn park(
+        &self,
+        tasks: usize,
+        i: usize,
+        clock: Clock,
+        ended: Option<Box<dyn FnOnce() + Send>>,
+    ) -> ParkedLife {
         let table = self.table(tasks, None).clone();
         if let Some(life) = table.get(i) {
             life.parked.fetch_add(1, Ordering::Relaxed);
         }
-        ParkedLife { table, i, clock }
+        ParkedLife {
+            table,
+            i,
+            clock,
+            ended,
+        }
+    }
+}
+
+impl Life {
+    /// Whether a query for the task is parked now.
+    pub(crate) fn is_parked(&self) -> bool {
+        self.parked.load(Ordering::Relaxed) > 0
+    }
+
+    /// The latest sign of life stored (a parked query not counted as one
+    /// now).
+    pub(crate) fn last_seen(&self) -> Option<Timestamp> {
+        match self.seen.load(Ordering::Relaxed) {
+            NEVER_SEEN => None,
+            n => Some(from_nanos(n)),
+        }
     }
 }
 
@@ -172,6 +230,7 @@ pub(crate) struct ParkedLife {
     table: Arc<[Life]>,
     i: usize,
     clock: Clock,
+    ended: Option<Box<dyn FnOnce() + Send>>,
 }
 
 impl Drop for ParkedLife {
@@ -182,6 +241,9 @@ impl Drop for ParkedLife {
             life.seen
                 .fetch_max(nanos(self.clock.now()), Ordering::Relaxed);
             life.parked.fetch_sub(1, Ordering::Relaxed);
+        }
+        if let Some(ended) = self.ended.take() {
+            ended();
         }
     }
 }
@@ -213,12 +275,40 @@ impl Ord for Entry {
 #[derive(Default)]
 pub(crate) struct Timers {
     /// A std lock: held to push or pop, never across an `.await`.
-    heap: Mutex<BinaryHeap<Reverse<Entry>>>,
+    heap: Mutex<Heap>,
     /// Woken when an entry earlier than the earliest is pushed, and when
     /// the registry goes.
     earlier: Notify,
     /// The registry was dropped: the driver ends.
     closed: std::sync::atomic::AtomicBool,
+}
+
+/// The heap and what keeps it small.
+#[derive(Default)]
+struct Heap {
+    entries: BinaryHeap<Reverse<Entry>>,
+    /// The heap's length after the last sweep: the next one comes when it
+    /// has doubled.
+    swept: usize,
+}
+
+impl Heap {
+    /// Drops the entries no handle waits for any more: an allocation
+    /// deleted, or one scheduled earlier since (an entry is never moved,
+    /// so each earlier schedule leaves the later entry behind). Swept as
+    /// the heap doubles, which keeps it within about twice the allocations
+    /// that wait, at a constant cost per push.
+    fn sweep_if_doubled(&mut self) {
+        if self.entries.len() < 2 * self.swept.max(512) {
+            return;
+        }
+        self.entries.retain(|Reverse(e)| {
+            e.handle.upgrade().is_some_and(|h| {
+                h.scheduled().0.load(Ordering::SeqCst) == e.at && h.current().is_some()
+            })
+        });
+        self.swept = self.entries.len();
+    }
 }
 
 /// What a handle keeps of its place in the heap.
@@ -242,11 +332,12 @@ impl Timers {
             return;
         }
         let mut heap = self.heap.lock().unwrap_or_else(PoisonError::into_inner);
-        let earliest = heap.peek().is_none_or(|Reverse(e)| at < e.at);
-        heap.push(Reverse(Entry {
+        let earliest = heap.entries.peek().is_none_or(|Reverse(e)| at < e.at);
+        heap.entries.push(Reverse(Entry {
             at,
             handle: Arc::downgrade(handle),
         }));
+        heap.sweep_if_doubled();
         drop(heap);
         if earliest {
             self.earlier.notify_one();
@@ -261,11 +352,11 @@ impl Timers {
         let mut heap = self.heap.lock().unwrap_or_else(PoisonError::into_inner);
         let mut out = Vec::new();
         while out.len() < max {
-            match heap.peek() {
+            match heap.entries.peek() {
                 Some(Reverse(e)) if e.at <= now => {}
                 _ => break,
             }
-            let Reverse(e) = heap.pop().expect("peeked");
+            let Reverse(e) = heap.entries.pop().expect("peeked");
             let Some(handle) = e.handle.upgrade() else {
                 continue;
             };
@@ -279,7 +370,7 @@ impl Timers {
                 out.push(handle);
             }
         }
-        let next = heap.peek().map(|Reverse(e)| from_nanos(e.at));
+        let next = heap.entries.peek().map(|Reverse(e)| from_nanos(e.at));
         (out, next)
     }
 
@@ -297,6 +388,7 @@ impl Timers {
         self.heap
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+            .entries
             .len()
     }
 

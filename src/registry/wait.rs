@@ -11,7 +11,7 @@ use std::{
     time::Duration,
 };
 
-use super::{Inner, Registry, RegistryError, handle::Slot};
+use super::{Inner, Registry, RegistryError, handle::Slot, keep::Sign};
 use crate::lifecycle::Allocation;
 
 /// Counts one parked request while it lives.
@@ -58,6 +58,7 @@ impl Registry {
         timeout: Duration,
         done: impl Fn(&Allocation) -> bool,
     ) -> Result<Arc<Allocation>, RegistryError> {
+        self.look_up(id).await?;
         let handle = self.handle(id)?;
         let current = match handle.slot_now() {
             Slot::Live(a) => a,
@@ -65,21 +66,46 @@ impl Registry {
                 return Err(RegistryError::AllocationNotFound(id.to_owned()));
             }
         };
+        // With a shared store, a task may have liveness keys this replica
+        // knows no TTL for (another replica's default): renewed all the
+        // same.
+        let shared = self.inner.store.replicated().is_some();
         let life = task
             .and_then(|t| current.position(t))
-            .filter(|&i| self.ttl(&current, i).is_some());
+            .filter(|&i| self.ttl(&current, i).is_some() || (shared && handle.lives().made()));
         if let Some(i) = life {
             handle.lives().touch(current.tasks.len(), i, self.now());
         }
         if done(&current) || timeout.is_zero() {
+            if let Some(i) = life {
+                self.inner.renew(&handle, i, Sign::Came);
+            }
             return Ok(current);
         }
         let _parked = self.park()?;
         let _alive = life.map(|i| {
-            handle
-                .lives()
-                .park(current.tasks.len(), i, self.inner.config.clock.clone())
+            // With a shared store the end of the wait renews the task's
+            // lease: it is its agent's last sign of life if it died.
+            let ended: Option<Box<dyn FnOnce() + Send>> = self.inner.store.replicated().map(|_| {
+                let (inner, handle) = (Arc::downgrade(&self.inner), handle.clone());
+                Box::new(move || {
+                    if let Some(inner) = inner.upgrade() {
+                        inner.renew(&handle, i, Sign::Ended);
+                    }
+                }) as Box<dyn FnOnce() + Send>
+            });
+            handle.lives().park(
+                current.tasks.len(),
+                i,
+                self.inner.config.clock.clone(),
+                ended,
+            )
         });
+        // Counted as parked first: the renewal then keeps the lease up for
+        // as long as the wait lasts.
+        if let Some(i) = life {
+            self.inner.renew(&handle, i, Sign::Came);
+        }
         let mut shutdown = self.inner.shutdown.subscribe();
         let gone = || RegistryError::Deleted(id.to_owned());
         tokio::select! {
@@ -117,15 +143,18 @@ impl Registry {
     /// The task is looked up by name in every record checked, never by a
     /// position taken from an earlier copy: between two copies the
     /// allocation can be deleted and registered again with other tasks.
+    /// `alive`: the query is a sign of life for the task (its agent's, not
+    /// a dashboard's: the caller may act for the task).
     pub async fn wait_task(
         &self,
         id: &str,
         task: &str,
         index: u64,
         timeout: Duration,
+        alive: bool,
     ) -> Result<(Arc<Allocation>, usize), RegistryError> {
         let a = self
-            .wait_for_task(id, Some(task), timeout, |a| {
+            .wait_for_task(id, alive.then_some(task), timeout, |a| {
                 a.position(task)
                     .is_none_or(|i| a.tasks[i].modify_index > index)
             })
@@ -142,9 +171,10 @@ impl Registry {
         id: &str,
         task: &str,
         timeout: Duration,
+        alive: bool,
     ) -> Result<(Arc<Allocation>, usize), RegistryError> {
         let a = self
-            .wait_for_task(id, Some(task), timeout, |a| {
+            .wait_for_task(id, alive.then_some(task), timeout, |a| {
                 a.position(task)
                     .is_none_or(|i| a.allowed(i) || a.desired(i).is_stop())
             })
@@ -204,6 +234,16 @@ impl Subscription {
     /// The registry it reads.
     pub fn registry(&self) -> &Registry {
         &self.registry
+    }
+
+    /// A change as `render` writes it, rendered once and shared by every
+    /// reader (`Feed::render`).
+    pub fn render(
+        &self,
+        e: &super::feed::Event,
+        render: impl FnOnce(&super::feed::Event) -> bytes::Bytes,
+    ) -> bytes::Bytes {
+        self.registry.inner.feed.render(e, render)
     }
 
     /// The last index this reader was given or went past.

@@ -86,6 +86,7 @@ impl Store for MemoryStore {
         Ok(Loaded {
             allocations,
             last_index: self.last_index.load(Ordering::SeqCst),
+            ..Default::default()
         })
     }
 

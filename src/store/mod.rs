@@ -6,30 +6,19 @@
 
 mod disk;
 pub mod etcd;
-pub mod fs;
 pub mod identity;
 mod memory;
-#[cfg(test)]
-mod powerloss;
 pub(crate) mod record;
-mod salvage;
-mod snapshot;
-mod wal;
 
 use std::{future::Future, pin::Pin, sync::Arc};
 
-pub use disk::DEFAULT_LOG_CEILING;
+pub(crate) use disk::fs;
 pub use disk::{
-    DEFAULT_LOG_LIMIT, DiskStore, DiskStoreConfig, FoldBench, FoldChanges, LOCK_FILE, REDB_FILE,
-    StoreStats, read_only,
+    DEFAULT_LOG_CEILING, DEFAULT_LOG_LIMIT, DiskStore, DiskStoreConfig, FoldBench, FoldChanges,
+    LOCK_FILE, REDB_FILE, SNAPSHOT_FILE, SalvageReport, StoreStats, log_segments, read_only,
+    salvage,
 };
 pub use memory::MemoryStore;
-pub use salvage::{SalvageReport, salvage};
-pub use snapshot::SNAPSHOT_FILE;
-/// The log segments in a data directory, oldest first.
-pub fn log_segments(dir: &std::path::Path) -> std::io::Result<Vec<(u64, std::path::PathBuf)>> {
-    wal::list_segments(&fs::RealFs, dir)
-}
 
 use crate::lifecycle::{AllocId, Allocation};
 
@@ -67,6 +56,63 @@ pub struct Loaded {
     pub allocations: Vec<Allocation>,
     /// The highest global index ever committed (deletions included).
     pub last_index: u64,
+    /// A store several replicas share: the liveness keys it holds at
+    /// `last_index` (each written, none removed). Empty for the others.
+    pub liveness: Vec<Liveness>,
+}
+
+/// A lease in a store several replicas share (etcd's lease ID): a key
+/// written under it goes when it expires, and a keep-alive renews it.
+pub type Lease = i64;
+
+/// What a store several replicas share keeps of a task's run under a TTL
+/// (docs/replicas.md, "Liveness"): written with the change that makes the
+/// task `running`, removed with the one that ends its run. Its live key,
+/// under `lease`, is written and removed with it, and goes by itself when
+/// the lease expires: a mark without its live key is a run whose agent
+/// fell silent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mark {
+    /// Which run: the task's `started_at` (nanoseconds since the epoch),
+    /// so a mark left by an earlier run is never taken for this one's.
+    pub run: i64,
+    /// The TTL the run is watched under.
+    pub ttl: std::time::Duration,
+    /// The lease of its live key.
+    pub lease: Lease,
+}
+
+/// A task's liveness keys, as a store several replicas share lists or
+/// changes them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Liveness {
+    /// The run's mark, written (`Some`) or removed.
+    Mark {
+        id: AllocId,
+        task: crate::lifecycle::TaskName,
+        mark: Option<Mark>,
+    },
+    /// The run's live key, written under a lease (`Some`), or gone:
+    /// removed with its run, or its lease expired.
+    Live {
+        id: AllocId,
+        task: crate::lifecycle::TaskName,
+        lease: Option<Lease>,
+    },
+}
+
+/// What a write does to its tasks' liveness keys, in the same transaction
+/// as the record: a task that starts a run under a TTL gets its mark and
+/// its live key; one whose run ends loses both.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LiveOp {
+    Start {
+        task: crate::lifecycle::TaskName,
+        mark: Mark,
+    },
+    End {
+        task: crate::lifecycle::TaskName,
+    },
 }
 
 #[derive(Clone, Debug, thiserror::Error)]
@@ -82,6 +128,10 @@ pub enum StoreError {
     /// may succeed.
     #[error("the store takes no writes for now: {0}")]
     Unavailable(String),
+    /// The store did not confirm a write and whether it was applied cannot
+    /// be told: it may have been.
+    #[error("{0}")]
+    Uncertain(String),
     /// The data directory cannot be used: damaged, locked, or of an unknown
     /// format. Nothing was changed in it.
     #[error("{0}")]
@@ -155,7 +205,27 @@ pub trait ReplicatedStore: Send + Sync {
     /// carries a placeholder index above every other index in it; readers
     /// see it stamped with the index the commit got (`Allocation::restamp`).
     /// Resolves to that index.
-    fn swap(&self, op: Op, expect: u64) -> Swap;
+    ///
+    /// `live` is what the change does to its tasks' liveness keys, applied
+    /// in the same transaction; a deletion removes all of the
+    /// allocation's.
+    fn swap(&self, op: Op, expect: u64, live: Vec<LiveOp>) -> Swap;
+
+    /// A lease for a run's live key that expires `ttl` (rounded up to what
+    /// the store keeps) after it was granted or last kept alive.
+    fn grant(
+        &self,
+        ttl: std::time::Duration,
+    ) -> Pin<Box<dyn Future<Output = Result<Lease, StoreError>> + Send>>;
+
+    /// Writes liveness keys alone (`LiveOp::Start` of runs that have none:
+    /// runs that began before their TTL applied), if the allocation's
+    /// record is still the one at `expect`. Resolves to the index it took.
+    fn mark(&self, id: &AllocId, expect: u64, live: Vec<LiveOp>) -> Swap;
+
+    /// Renews `lease` (queued; a failure is retried on another member).
+    /// Whoever calls it bounds how often.
+    fn keep_alive(&self, lease: Lease);
 
     /// The index of the allocation's record in the store now (`None`:
     /// there is none), read through the store's quorum: a write for an
@@ -170,6 +240,21 @@ pub trait ReplicatedStore: Send + Sync {
     /// order, until the store is closed; after a gap it cannot replay
     /// (a compaction), it lists everything again (`Follower::resync`).
     fn follow(&self, from: u64, follower: std::sync::Weak<dyn Follower>);
+
+    /// Why the allocation's record in the store cannot be read by this
+    /// build, if it cannot.
+    fn unreadable(&self, id: &str) -> Option<Unreadable>;
+
+    /// The allocations whose records cannot be read, in ID order.
+    fn unreadable_ids(&self) -> Vec<String>;
+}
+
+/// A record this build cannot read: why, and the index that wrote it (a
+/// deletion compares against it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unreadable {
+    pub why: String,
+    pub index: u64,
 }
 
 /// A compare-and-swap in flight.
@@ -181,6 +266,11 @@ pub enum SwapError {
     /// the change is visible. Follow up to it, then decide again.
     #[error("the record changed under the write (visible at index {seen})")]
     Conflict { seen: u64 },
+    /// An attempt whose answer was lost did commit: the change is visible
+    /// at index `seen` (later changes may follow it there). Not to be
+    /// decided again.
+    #[error("the write committed (visible at index {seen})")]
+    Landed { seen: u64 },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -194,6 +284,8 @@ pub enum Change {
         id: AllocId,
         index: u64,
     },
+    /// A task's liveness key written or gone.
+    Liveness(Liveness),
 }
 
 /// Where a shared store delivers the changes it follows (the registry).

@@ -1,6 +1,6 @@
 //! The stored form of an allocation record, versioned on its own so the
 //! files outlive changes to the in-memory types. The snapshot
-//! (`snapshot.rs`) and the log (`wal.rs`) carry these bytes as they are.
+//! (`disk/snapshot.rs`) and the log (`disk/log.rs`) carry these bytes as they are.
 //!
 //! This build writes version 4, a compact binary encoding, and reads
 //! versions 1 to 4. Version 1 is JSON (`{"v":1,...}`): readable, but a
@@ -49,6 +49,8 @@
 //!                  2 deadline_at   = time
 //!                  3 stage overdue = state: u8 | count | position*
 //!                  4 poststop told = count | position*
+//!                  5 writes        = count | (id: u64 LE | parent: varint)*
+//!                                    (at most 8, oldest first; replicas)
 //! task tags:       1 liveness ttl  = milliseconds: varint
 //!                  2 lost_at       = time
 //!                  3 keys          = count | (key: u64 LE | request: u64 LE)*
@@ -78,7 +80,7 @@ use serde::Deserialize;
 use crate::lifecycle::{
     AllocId, AllocSpec, Allocation, Condition, CoordState, Deadlines, DepState, Dependency,
     Desired, Details, Event, Hook, IdemKey, Lifecycle, Limits, Overdue, RunState, StopKind,
-    StopReason, TaskExtra, TaskName, TaskSpec, TaskStatus, Timestamp, Why,
+    StopReason, TaskExtra, TaskName, TaskSpec, TaskStatus, Timestamp, WRITE_MARKS, Why, WriteMark,
 };
 
 /// The record format this build writes.
@@ -114,6 +116,7 @@ const EXT_DEADLINES: u8 = 1;
 const EXT_DEADLINE_AT: u8 = 2;
 const EXT_STAGE_OVERDUE: u8 = 3;
 const EXT_POSTSTOP_TOLD: u8 = 4;
+const EXT_WRITES: u8 = 5;
 const EXT_TTL: u8 = 1;
 const EXT_LOST_AT: u8 = 2;
 const EXT_KEYS: u8 = 3;
@@ -243,6 +246,16 @@ fn put_alloc_ext(buf: &mut Vec<u8>, a: &Allocation) {
     let write_told = |b: &mut Vec<u8>| put_positions(b, told.expect("checked"));
     if told.is_some() {
         entries.push((EXT_POSTSTOP_TOLD, &write_told));
+    }
+    let write_marks = |b: &mut Vec<u8>| {
+        put_varint(b, a.writes().len() as u64);
+        for m in a.writes() {
+            b.extend_from_slice(&m.id.to_le_bytes());
+            put_varint(b, m.parent);
+        }
+    };
+    if !a.writes().is_empty() {
+        entries.push((EXT_WRITES, &write_marks));
     }
     put_ext(buf, &entries);
 }
@@ -596,6 +609,7 @@ struct AllocExt<'a> {
     /// Read once the task count is known.
     stage_overdue: Option<Reader<'a>>,
     poststop_told: Option<Reader<'a>>,
+    writes: Vec<WriteMark>,
 }
 
 fn alloc_ext<'a>(r: &mut Reader<'a>) -> Result<AllocExt<'a>, String> {
@@ -620,6 +634,19 @@ fn alloc_ext<'a>(r: &mut Reader<'a>) -> Result<AllocExt<'a>, String> {
             }
             EXT_STAGE_OVERDUE => ext.stage_overdue = Some(p),
             EXT_POSTSTOP_TOLD => ext.poststop_told = Some(p),
+            EXT_WRITES => {
+                // A mark takes at least 9 bytes.
+                let n = p.count("the write marks", 9)?;
+                if n > WRITE_MARKS {
+                    return Err(format!("{n} write marks (at most {WRITE_MARKS})"));
+                }
+                for _ in 0..n {
+                    let id = p.u64_le("a write mark")?;
+                    let parent = p.varint("a write mark")?;
+                    ext.writes.push(WriteMark { id, parent });
+                }
+                p.done("the write marks")?;
+            }
             other => return Err(format!("unknown allocation extension {other}")),
         }
     }
@@ -902,7 +929,8 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
         created_at,
         modified_at,
     )?;
-    Ok(a.with_deadlines(ext.deadline_at, overdue))
+    Ok(a.with_deadlines(ext.deadline_at, overdue)
+        .with_writes(ext.writes))
 }
 
 #[derive(Deserialize)]
@@ -1209,6 +1237,32 @@ mod tests {
             back.tasks[0].events[0].time.offset(),
             a.tasks[0].events[0].time.offset()
         );
+    }
+
+    #[test]
+    fn write_marks_round_trip_and_keep_the_last_eight() {
+        let mut a = overdue_main();
+        for i in 0..11u64 {
+            a.mark_write(WriteMark {
+                id: u64::MAX - i,
+                parent: i * 300,
+            });
+        }
+        assert_eq!(a.writes().len(), WRITE_MARKS);
+        assert_eq!(a.writes()[0].parent, 900, "the oldest three are gone");
+        assert_eq!(a.writes()[7].id, u64::MAX - 10);
+        let back = decode(&encode(&a)).unwrap();
+        assert_eq!(back.writes(), a.writes());
+        assert_eq!(back, a);
+        // Nine marks are damage.
+        let mut bytes = encode(&a);
+        let at = bytes
+            .windows(2)
+            .position(|w| w == [EXT_WRITES, 1 + 8 * 8 + 8 * 2])
+            .expect("the marks' block");
+        assert_eq!(bytes[at + 2], 8);
+        bytes[at + 2] = 9;
+        assert!(decode(&bytes).is_err());
     }
 
     #[test]

@@ -1,15 +1,25 @@
 //! The etcd store's tests run against a real cluster
-//! (`taskgate::testing::cluster`). Without `etcd` on the PATH they say so and
-//! pass, unless `TASKGATE_REQUIRE_ETCD` is set (as `.ci/run` does), which
-//! makes a missing etcd a failure.
+//! (`taskgate::testing::cluster`). Without `etcd` on the PATH they pass
+//! without running, and the run says so on its terminal in one line that
+//! `cargo test` does not swallow; with `TASKGATE_REQUIRE_ETCD` set (as
+//! `.ci/run` does) a missing etcd is a failure instead.
 
-use std::process::{Command, Stdio};
+use std::{
+    io::Write,
+    process::{Command, Stdio},
+};
 
 #[allow(unused_imports)] // not every test binary starts a cluster
 pub use taskgate::testing::cluster::Cluster;
 
+/// What a run without etcd says, once.
+pub const SKIPPED: &str = "SKIPPED: the etcd tests (tests/etcd.rs) did not run: no `etcd` on \
+the PATH. Install it (Debian: apt-get install etcd-server etcd-client) to run them; \
+TASKGATE_REQUIRE_ETCD=1 makes a missing etcd a failure";
+
 /// Whether etcd is installed; when it is not and the run does not
-/// require it, prints why the test does nothing.
+/// require it, says so (once per run) where a reader of `cargo test`'s
+/// output sees it.
 pub fn available(test: &str) -> bool {
     let found = Command::new("etcd")
         .arg("--version")
@@ -22,7 +32,13 @@ pub fn available(test: &str) -> bool {
             std::env::var_os("TASKGATE_REQUIRE_ETCD").is_none(),
             "TASKGATE_REQUIRE_ETCD is set, but there is no etcd on the PATH"
         );
-        eprintln!("{test}: skipped, no etcd on the PATH (Debian: apt-get install etcd-server)");
+        // `eprintln!` in a passing test is captured and never shown; a
+        // write to the stderr handle itself is not.
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            let _ = writeln!(std::io::stderr().lock(), "\n{SKIPPED}\n");
+        });
+        eprintln!("{test}: skipped, no etcd on the PATH");
     }
     found
 }

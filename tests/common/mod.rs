@@ -7,6 +7,7 @@ pub mod etcd;
 pub mod process;
 pub mod proxy;
 pub mod raw;
+pub mod stall;
 
 use std::{sync::Arc, time::Duration};
 

@@ -32,6 +32,9 @@ pub fn taskgate_bin() -> std::path::PathBuf {
 pub struct Server {
     pub child: Child,
     pub base: String,
+    /// Every line the server logged so far (its stdout).
+    lines: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    reader: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Drop for Server {
@@ -56,6 +59,22 @@ impl Server {
         command
             .args(["serve", "--log", "info"])
             .envs(env.iter().copied());
+        Self::spawn(command, args)
+    }
+
+    /// `start` with the process's open-files limit set to `nofile` (by
+    /// `sh`'s `ulimit`, which then execs the server).
+    pub fn start_with_open_files(nofile: u64, args: &[&str]) -> Server {
+        let mut command = Command::new("sh");
+        command
+            .arg("-c")
+            .arg(format!("ulimit -n {nofile} && exec \"$0\" \"$@\""))
+            .arg(taskgate_bin())
+            .args(["serve", "--log", "info"]);
+        Self::spawn(command, args)
+    }
+
+    fn spawn(mut command: Command, args: &[&str]) -> Server {
         if !args.contains(&"--listen") {
             command.args(["--listen", "127.0.0.1:0"]);
         }
@@ -67,7 +86,9 @@ impl Server {
             .expect("taskgate starts");
         let stdout = child.stdout.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
+        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = lines.clone();
+        let reader = std::thread::spawn(move || {
             let mut tx = Some(tx);
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
                 if let Some(addr) = line.split("addr=").nth(1)
@@ -75,6 +96,7 @@ impl Server {
                 {
                     let _ = tx.send(addr.trim().to_owned());
                 }
+                kept.lock().unwrap().push(line);
             }
         });
         let addr = rx
@@ -83,7 +105,29 @@ impl Server {
         Server {
             child,
             base: format!("http://{addr}"),
+            lines,
+            reader: Some(reader),
         }
+    }
+
+    /// Stops the server with SIGTERM and returns its exit status and every
+    /// line it logged, up to its last.
+    pub fn stop(self) -> (std::process::ExitStatus, Vec<String>) {
+        self.terminate();
+        self.wait_logs()
+    }
+
+    /// Waits for the server to exit (after a `terminate`); its exit status
+    /// and every line it logged.
+    pub fn wait_logs(mut self) -> (std::process::ExitStatus, Vec<String>) {
+        let status = self.child.wait().unwrap();
+        // The server's stdout is closed once it has exited: the reader
+        // ends at its last line.
+        if let Some(reader) = self.reader.take() {
+            reader.join().unwrap();
+        }
+        let lines = self.lines.lock().unwrap().clone();
+        (status, lines)
     }
 
     /// The address the server listens on.

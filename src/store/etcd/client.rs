@@ -1,13 +1,14 @@
-//! A client for etcd's v3 API through its JSON gateway (the gRPC-gateway
-//! every etcd 3.4+ member serves on its client port: `/v3/kv/range`,
-//! `/v3/kv/txn`, `/v3/watch`, `/v3/auth/authenticate`). Keys and values
-//! travel base64-encoded, 64-bit integers as decimal strings.
+//! A client for etcd's v3 gRPC API (tonic over HTTP/2, one connection per
+//! member), with the few messages we use written by hand (`proto.rs`): no
+//! generated code, no `protoc`, no build script. It replaced a client of
+//! etcd's JSON gateway, which cost more CPU per request (BENCHMARKS.md,
+//! "Replicas over etcd").
 //!
-//! Why the gateway and not gRPC: it needs no generated protobuf code and no
-//! `protoc` (reqwest and serde do all of it), and every request of ours is
-//! one small transaction or a watch. `taskgate-bench --scenarios etcd`
-//! measures our replicas against etcd's own transactions through this same
-//! client.
+//! Every call has a deadline (`request_timeout`), the watch's opening
+//! included: a member that stops answering (paused, cut off without a
+//! reset) costs one deadline, then the next member is tried. A call that
+//! failed after it was sent may have been applied: `swap` says so
+//! (`CallError::Ambiguous`) instead of guessing, and its caller finds out.
 
 use std::{
     path::PathBuf,
@@ -18,9 +19,9 @@ use std::{
     time::Duration,
 };
 
-use base64::{Engine, engine::general_purpose::STANDARD as B64};
-use serde::{Deserialize, Deserializer, de::DeserializeOwned};
-use serde_json::json;
+use tonic::{codegen::http::uri::PathAndQuery, transport::Channel};
+
+use super::proto::{self, CompareUnion, Request, RequestOp};
 
 /// How to reach and authenticate to an etcd cluster.
 #[derive(Clone, Debug)]
@@ -62,9 +63,14 @@ impl EtcdConfig {
 /// Why a request failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {
-    /// No member answered, or none had a leader: try again later.
+    /// No member answered, or none had a leader: try again later. Nothing
+    /// was applied.
     #[error("etcd is unreachable: {0}")]
     Unreachable(String),
+    /// The request may or may not have been applied: it was sent, and no
+    /// answer came (a deadline passed, the connection broke).
+    #[error("etcd did not answer a request it may have applied: {0}")]
+    Ambiguous(String),
     /// A member answered with an error that trying again will not fix.
     #[error("etcd refused the request: {0}")]
     Refused(String),
@@ -73,99 +79,58 @@ pub enum CallError {
     Compacted(u64),
 }
 
-/// An int64 as the gateway writes it: a decimal string (or a number).
-fn num<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum N {
-        S(String),
-        N(u64),
-    }
-    match N::deserialize(d)? {
-        N::S(s) => s.parse().map_err(serde::de::Error::custom),
-        N::N(n) => Ok(n),
-    }
+/// The revision a response's header carries (0: none).
+fn revision(h: &Option<proto::ResponseHeader>) -> u64 {
+    h.as_ref()
+        .map_or(0, |h| u64::try_from(h.revision).unwrap_or(0))
 }
 
-fn b64<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
-    let s = String::deserialize(d)?;
-    B64.decode(s).map_err(serde::de::Error::custom)
-}
-
-#[derive(Debug, Default, Deserialize)]
-pub struct Header {
-    #[serde(default, deserialize_with = "num")]
-    pub revision: u64,
-}
-
-#[derive(Debug, Default, Deserialize)]
+/// A key-value as read.
+#[derive(Debug, Default)]
 pub struct KeyValue {
-    #[serde(default, deserialize_with = "b64")]
     pub key: Vec<u8>,
-    #[serde(default, deserialize_with = "num")]
     pub mod_revision: u64,
-    #[serde(default, deserialize_with = "b64")]
     pub value: Vec<u8>,
+    /// The lease the key is under (0: none).
+    pub lease: i64,
 }
 
-#[derive(Debug, Default, Deserialize)]
+impl From<proto::KeyValue> for KeyValue {
+    fn from(kv: proto::KeyValue) -> Self {
+        Self {
+            key: kv.key,
+            mod_revision: u64::try_from(kv.mod_revision).unwrap_or(0),
+            value: kv.value,
+            lease: kv.lease,
+        }
+    }
+}
+
+/// A range's answer.
+#[derive(Debug, Default)]
 pub struct RangeResponse {
-    #[serde(default)]
-    pub header: Header,
-    #[serde(default)]
+    /// The revision the range was read at.
+    pub revision: u64,
     pub kvs: Vec<KeyValue>,
-    #[serde(default)]
     pub more: bool,
 }
 
-#[derive(Debug, Default, Deserialize)]
-struct TxnResponse {
-    #[serde(default)]
-    header: Header,
-    #[serde(default)]
-    succeeded: bool,
-    #[serde(default)]
-    responses: Vec<OpResponse>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-struct OpResponse {
-    #[serde(default)]
-    response_range: Option<RangeResponse>,
-}
-
-#[derive(Debug, Default, Deserialize)]
+/// A watch's answer.
+#[derive(Debug, Default)]
 pub struct WatchResponse {
-    #[serde(default)]
-    pub header: Header,
-    #[serde(default)]
+    pub revision: u64,
     pub created: bool,
-    #[serde(default)]
     pub canceled: bool,
-    #[serde(default, deserialize_with = "num")]
     pub compact_revision: u64,
-    #[serde(default)]
     pub cancel_reason: String,
-    #[serde(default)]
     pub events: Vec<Event>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+/// A change a watch delivers.
+#[derive(Debug, Default)]
 pub struct Event {
-    /// `"DELETE"`, or absent for a put.
-    #[serde(default, rename = "type")]
-    pub kind: Option<String>,
-    #[serde(default)]
+    pub deleted: bool,
     pub kv: KeyValue,
-}
-
-/// The gateway's error body.
-#[derive(Debug, Default, Deserialize)]
-struct GatewayError {
-    #[serde(default)]
-    code: i32,
-    #[serde(default)]
-    message: String,
 }
 
 /// What a compare-and-swap did.
@@ -174,8 +139,59 @@ pub enum Swapped {
     /// Committed at this revision.
     Done(u64),
     /// The key was not at the expected revision; it is at this one now
-    /// (0: absent), holding this value.
-    Conflict { now: u64, value: Vec<u8> },
+    /// (0: absent), holding this value, created at `created`, read at the
+    /// store's revision `read`. `uncertain`: an earlier attempt of this
+    /// same transaction got no answer, so the change that moved the key
+    /// may be that attempt's.
+    Conflict {
+        now: u64,
+        value: Vec<u8>,
+        created: u64,
+        read: u64,
+        uncertain: bool,
+    },
+}
+
+/// A transaction's answer as a swap's outcome.
+fn swapped(res: proto::TxnResponse, uncertain: bool) -> Swapped {
+    let read = revision_of(&res.header);
+    if res.succeeded {
+        return Swapped::Done(read);
+    }
+    let kv = res.responses.into_iter().find_map(|r| match r.response {
+        Some(proto::Response::Range(r)) => r.kvs.into_iter().next(),
+        None => None,
+    });
+    let (now, value, created) = kv.map_or((0, Vec::new(), 0), |kv| {
+        (
+            u64::try_from(kv.mod_revision).unwrap_or(0),
+            kv.value,
+            u64::try_from(kv.create_revision).unwrap_or(0),
+        )
+    });
+    Swapped::Conflict {
+        now,
+        value,
+        created,
+        read,
+        uncertain,
+    }
+}
+
+/// Whether a failed call surely never reached a member's raft log: the
+/// connection was never made, or the member refused it before proposing
+/// (no leader, not capable, overloaded). Anything else may have been
+/// applied.
+fn surely_unsent(message: &str) -> bool {
+    [
+        "tcp connect error",
+        "Connection refused",
+        "etcdserver: no leader",
+        "etcdserver: not capable",
+        "etcdserver: too many requests",
+    ]
+    .iter()
+    .any(|m| message.contains(m))
 }
 
 /// The end of a key range: every key starting with `prefix`.
@@ -191,63 +207,97 @@ pub fn prefix_end(prefix: &[u8]) -> Vec<u8> {
     vec![0]
 }
 
+/// One member: its URL (for messages) and its connection.
+struct Member {
+    url: String,
+    channel: Channel,
+}
+
 pub struct Client {
-    http: reqwest::Client,
-    endpoints: Vec<String>,
+    members: Vec<Member>,
     /// The member tried first (the last that answered).
     current: AtomicUsize,
     credentials: Option<(String, String)>,
-    token: Mutex<Option<String>>,
+    /// The auth token of the member that gave it (tokens are per member
+    /// when etcd's simple tokens are used).
+    token: Mutex<Option<(usize, String)>>,
     timeout: Duration,
 }
+
+const KV_RANGE: &str = "/etcdserverpb.KV/Range";
+const KV_TXN: &str = "/etcdserverpb.KV/Txn";
+const WATCH: &str = "/etcdserverpb.Watch/Watch";
+const AUTHENTICATE: &str = "/etcdserverpb.Auth/Authenticate";
+const LEASE_GRANT: &str = "/etcdserverpb.Lease/LeaseGrant";
+const LEASE_KEEP_ALIVE: &str = "/etcdserverpb.Lease/LeaseKeepAlive";
+const LEASE_REVOKE: &str = "/etcdserverpb.Lease/LeaseRevoke";
+const STATUS: &str = "/etcdserverpb.Maintenance/Status";
 
 impl Client {
     pub fn new(config: &EtcdConfig) -> Result<Self, String> {
         if config.endpoints.is_empty() {
             return Err("no etcd endpoint is given (--etcd-endpoints)".into());
         }
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let read = |path: &PathBuf, what: &str| {
+            std::fs::read(path)
+                .map_err(|e| format!("cannot read the etcd {what} {}: {e}", path.display()))
+        };
+        let mut tls = None;
+        if config.endpoints.iter().any(|e| e.starts_with("https://")) {
+            let mut t = tonic::transport::ClientTlsConfig::new();
+            match &config.ca {
+                Some(ca) => {
+                    t = t.ca_certificate(tonic::transport::Certificate::from_pem(read(
+                        ca,
+                        "CA bundle",
+                    )?));
+                }
+                None => t = t.with_native_roots(),
+            }
+            tls = Some(t);
+        }
+        match (&config.cert, &config.key) {
+            (Some(cert), Some(key)) => {
+                let identity = tonic::transport::Identity::from_pem(
+                    read(cert, "client certificate")?,
+                    read(key, "client key")?,
+                );
+                tls = Some(
+                    tls.unwrap_or_else(tonic::transport::ClientTlsConfig::new)
+                        .identity(identity),
+                );
+            }
+            (None, None) => {}
+            _ => return Err("--etcd-cert and --etcd-key go together".into()),
+        }
+        let mut members = Vec::new();
         for e in &config.endpoints {
             if !(e.starts_with("http://") || e.starts_with("https://")) {
                 return Err(format!(
                     "etcd endpoint {e:?} is not an http:// or https:// URL"
                 ));
             }
-        }
-        // reqwest's rustls needs a crypto provider: ring, as the server's.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let read = |path: &PathBuf, what: &str| {
-            std::fs::read(path)
-                .map_err(|e| format!("cannot read the etcd {what} {}: {e}", path.display()))
-        };
-        let mut builder = reqwest::Client::builder()
-            .tcp_nodelay(true)
-            .tcp_keepalive(Duration::from_secs(10))
-            .connect_timeout(config.request_timeout)
-            .pool_idle_timeout(Duration::from_secs(60))
-            .redirect(reqwest::redirect::Policy::none())
-            .no_proxy();
-        let tls = config.endpoints.iter().any(|e| e.starts_with("https://"));
-        if let Some(ca) = &config.ca {
-            let certs = reqwest::Certificate::from_pem_bundle(&read(ca, "CA bundle")?)
-                .map_err(|e| format!("the etcd CA bundle {} is not PEM: {e}", ca.display()))?;
-            builder = builder.tls_certs_only(certs);
-        } else if !tls {
-            // Plain HTTP: no certificate roots needed (a minimal image has
-            // none, and loading the platform's would fail there).
-            builder = builder.tls_certs_only([]);
-        }
-        match (&config.cert, &config.key) {
-            (Some(cert), Some(key)) => {
-                let mut pem = read(cert, "client certificate")?;
-                pem.extend_from_slice(b"\n");
-                pem.extend(read(key, "client key")?);
-                let identity = reqwest::Identity::from_pem(&pem).map_err(|e| {
-                    format!("the etcd client certificate or key is not usable: {e}")
+            let url = e.trim_end_matches('/').to_owned();
+            let mut endpoint = tonic::transport::Endpoint::from_shared(url.clone())
+                .map_err(|e| format!("etcd endpoint {url:?}: {e}"))?
+                .connect_timeout(config.request_timeout)
+                .tcp_nodelay(true)
+                .tcp_keepalive(Some(Duration::from_secs(10)))
+                .http2_keep_alive_interval(Duration::from_secs(10))
+                .keep_alive_timeout(config.request_timeout)
+                .keep_alive_while_idle(true);
+            if url.starts_with("https://")
+                && let Some(t) = &tls
+            {
+                endpoint = endpoint.tls_config(t.clone()).map_err(|e| {
+                    format!("the TLS settings for etcd endpoint {url} are not usable: {e}")
                 })?;
-                builder = builder.identity(identity);
             }
-            (None, None) => {}
-            _ => return Err("--etcd-cert and --etcd-key go together".into()),
+            members.push(Member {
+                url,
+                channel: endpoint.connect_lazy(),
+            });
         }
         let credentials = match (&config.user, &config.password) {
             (Some(u), Some(p)) => Some((u.clone(), p.clone())),
@@ -261,18 +311,7 @@ impl Client {
             (None, Some(_)) => return Err("an etcd password needs --etcd-user".into()),
         };
         Ok(Self {
-            http: builder.build().map_err(|e| {
-                let mut why = crate::client::error_chain(&e);
-                if tls && config.ca.is_none() {
-                    why.push_str(" (without --etcd-ca the system's certificate roots are used)");
-                }
-                format!("cannot build the etcd client: {why}")
-            })?,
-            endpoints: config
-                .endpoints
-                .iter()
-                .map(|e| e.trim_end_matches('/').to_owned())
-                .collect(),
+            members,
             current: AtomicUsize::new(0),
             credentials,
             token: Mutex::new(None),
@@ -280,110 +319,147 @@ impl Client {
         })
     }
 
-    fn token(&self) -> Option<String> {
-        self.token
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+    fn token_for(&self, member: usize) -> Option<String> {
+        let token = self.token.lock().unwrap_or_else(PoisonError::into_inner);
+        token
+            .as_ref()
+            .filter(|(m, _)| *m == member)
+            .map(|(_, t)| t.clone())
     }
 
-    async fn authenticate(&self, endpoint: &str) -> Result<(), CallError> {
+    /// A request with the deadline, the auth token and etcd's
+    /// require-leader flag (a member without a leader answers at once
+    /// instead of waiting).
+    fn request<T>(&self, member: usize, message: T, within: Duration) -> tonic::Request<T> {
+        let mut req = tonic::Request::new(message);
+        req.set_timeout(within);
+        let md = req.metadata_mut();
+        md.insert(
+            "hasleader",
+            tonic::metadata::MetadataValue::from_static("true"),
+        );
+        if let Some(t) = self.token_for(member)
+            && let Ok(v) = t.parse()
+        {
+            md.insert("token", v);
+        }
+        req
+    }
+
+    /// One unary call to one member, within the deadline. `Ambiguous` if
+    /// it was (maybe) sent and no answer came.
+    async fn unary_once<Req, Res>(
+        &self,
+        member: usize,
+        path: &'static str,
+        message: Req,
+    ) -> Result<Res, CallError>
+    where
+        Req: prost::Message + Send + Sync + 'static,
+        Res: prost::Message + Default + Send + Sync + 'static,
+    {
+        let m = &self.members[member];
+        let mut grpc = tonic::client::Grpc::new(m.channel.clone());
+        let call = async {
+            grpc.ready()
+                .await
+                .map_err(|e| CallError::Unreachable(format!("{}: {e}", m.url)))?;
+            // From here on the request may reach the member.
+            grpc.unary(
+                self.request(member, message, self.timeout),
+                PathAndQuery::from_static(path),
+                tonic_prost::ProstCodec::default(),
+            )
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|status| classify(&m.url, &status))
+        };
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(answer) => answer,
+            Err(_) => Err(CallError::Ambiguous(format!(
+                "{}: no answer within {:?}",
+                m.url, self.timeout
+            ))),
+        }
+    }
+
+    async fn authenticate(&self, member: usize) -> Result<(), CallError> {
         let Some((name, password)) = &self.credentials else {
             return Ok(());
         };
-        #[derive(Deserialize)]
-        struct Token {
-            token: String,
-        }
-        let body = json!({"name": name, "password": password})
-            .to_string()
-            .into();
-        let t: Token = self
-            .post_once(endpoint, "/v3/auth/authenticate", &body, None)
-            .await?;
-        *self.token.lock().unwrap_or_else(PoisonError::into_inner) = Some(t.token);
+        let req = proto::AuthenticateRequest {
+            name: name.clone(),
+            password: password.clone(),
+        };
+        let res: proto::AuthenticateResponse = self.unary_once(member, AUTHENTICATE, req).await?;
+        *self.token.lock().unwrap_or_else(PoisonError::into_inner) = Some((member, res.token));
         Ok(())
     }
 
-    /// One request to one member.
-    async fn post_once<T: DeserializeOwned>(
+    /// A call to one member, authenticating first where needed (and once
+    /// more if its token expired).
+    async fn on<Req, Res>(
         &self,
-        endpoint: &str,
-        path: &str,
-        body: &bytes::Bytes,
-        token: Option<&str>,
-    ) -> Result<T, CallError> {
-        let mut req = self
-            .http
-            .post(format!("{endpoint}{path}"))
-            .timeout(self.timeout)
-            .header("content-type", "application/json")
-            .body(body.clone());
-        if let Some(t) = token {
-            req = req.header("authorization", t);
+        member: usize,
+        path: &'static str,
+        message: Req,
+    ) -> Result<Res, CallError>
+    where
+        Req: prost::Message + Clone + Send + Sync + 'static,
+        Res: prost::Message + Default + Send + Sync + 'static,
+    {
+        if self.credentials.is_some() && self.token_for(member).is_none() {
+            self.authenticate(member).await?;
         }
-        let answer = req.send().await.map_err(|e| {
-            CallError::Unreachable(format!("{endpoint}: {}", crate::client::error_chain(&e)))
-        })?;
-        let status = answer.status();
-        let bytes = answer
-            .bytes()
-            .await
-            .map_err(|e| CallError::Unreachable(format!("{endpoint}: {e}")))?;
-        if status.is_success() {
-            return serde_json::from_slice(&bytes).map_err(|e| {
-                CallError::Refused(format!(
-                    "{endpoint}{path} answered what is not its JSON: {e}"
-                ))
-            });
+        let answer = self.unary_once(member, path, message.clone()).await;
+        if matches!(&answer, Err(CallError::Refused(m)) if m.contains("token")) {
+            self.authenticate(member).await?;
+            return self.unary_once(member, path, message).await;
         }
-        let err: GatewayError = serde_json::from_slice(&bytes).unwrap_or_default();
-        Err(classify(endpoint, status.as_u16(), err))
+        answer
     }
 
-    /// A request, to the member that answered last and then to the others.
-    async fn post<T: DeserializeOwned>(
+    /// A call to the member that answered last, then the others: on a
+    /// member that is unreachable or has no leader, the next one. A call
+    /// that may have been applied is not sent again (`Ambiguous`) unless
+    /// `idempotent`.
+    async fn call<Req, Res>(
         &self,
-        path: &str,
-        body: &bytes::Bytes,
-    ) -> Result<T, CallError> {
-        let n = self.endpoints.len();
+        path: &'static str,
+        message: Req,
+        idempotent: bool,
+    ) -> Result<Res, CallError>
+    where
+        Req: prost::Message + Clone + Send + Sync + 'static,
+        Res: prost::Message + Default + Send + Sync + 'static,
+    {
+        let n = self.members.len();
         let first = self.current.load(Ordering::Relaxed);
         let mut last = String::new();
         for i in 0..n {
             let at = (first + i) % n;
-            let endpoint = &self.endpoints[at];
-            if self.credentials.is_some()
-                && self.token().is_none()
-                && let Err(e) = self.authenticate(endpoint).await
-            {
-                last = e.to_string();
-                continue;
-            }
-            let mut answer = self
-                .post_once(endpoint, path, body, self.token().as_deref())
-                .await;
-            if matches!(&answer, Err(CallError::Refused(m)) if m.contains("auth token")) {
-                // Tokens expire: one new one, then the same request again.
-                self.authenticate(endpoint).await?;
-                answer = self
-                    .post_once(endpoint, path, body, self.token().as_deref())
-                    .await;
-            }
-            match answer {
-                Ok(t) => {
+            match self.on(at, path, message.clone()).await {
+                Ok(res) => {
                     self.current.store(at, Ordering::Relaxed);
-                    return Ok(t);
+                    return Ok(res);
                 }
                 Err(CallError::Unreachable(e)) => last = e,
-                Err(e) => return Err(e),
+                Err(CallError::Ambiguous(e)) if idempotent => last = e,
+                Err(e) => {
+                    // A member that did not answer is not asked first next.
+                    if matches!(e, CallError::Ambiguous(_)) {
+                        self.current.store((at + 1) % n, Ordering::Relaxed);
+                    }
+                    return Err(e);
+                }
             }
+            self.current.store((at + 1) % n, Ordering::Relaxed);
         }
         Err(CallError::Unreachable(last))
     }
 
     /// Every key from `key` (inclusive) to `end`, at `revision` (0: now),
-    /// at most `limit` of them.
+    /// at most `limit` of them; a linearizable read (through the leader).
     pub async fn range(
         &self,
         key: &[u8],
@@ -391,134 +467,247 @@ impl Client {
         revision: u64,
         limit: u64,
     ) -> Result<RangeResponse, CallError> {
-        let body = json!({
-            "key": B64.encode(key),
-            "range_end": B64.encode(end),
-            "revision": revision.to_string(),
-            "limit": limit.to_string(),
+        let req = proto::RangeRequest {
+            key: key.to_vec(),
+            range_end: end.to_vec(),
+            limit: i64::try_from(limit).unwrap_or(i64::MAX),
+            revision: i64::try_from(revision).unwrap_or(i64::MAX),
+            serializable: false,
+            count_only: false,
+        };
+        let res: proto::RangeResponse = self.call(KV_RANGE, req, true).await?;
+        Ok(RangeResponse {
+            revision: revision_of(&res.header),
+            kvs: res.kvs.into_iter().map(KeyValue::from).collect(),
+            more: res.more,
         })
-        .to_string()
-        .into();
-        self.post("/v3/kv/range", &body).await
     }
 
     /// Puts `value` at `key` (or deletes `key`, for `None`) if the key's
-    /// `mod_revision` is `expect` (0: the key is absent).
-    ///
-    /// A request that failed after it was sent may have been committed;
-    /// trying it again is safe: its compare fails then, and the key holding
-    /// exactly this value (which carries the change's own time) tells that
-    /// the first try went through.
+    /// `mod_revision` is `expect` (0: the key is absent), else reads it.
+    /// `Ambiguous` when the transaction was sent and no answer came: it
+    /// may have been applied, and the caller finds out (a record carries
+    /// the IDs of the writes that made it).
     pub async fn swap(
         &self,
         key: &[u8],
         value: Option<&[u8]>,
         expect: u64,
     ) -> Result<Swapped, CallError> {
-        // Written out directly (base64 and decimal digits need no JSON
-        // escaping): every report commits one of these.
-        let key64 = B64.encode(key);
+        self.swap_with(key, value, expect, Vec::new()).await
+    }
+
+    /// `swap`, with `also` applied in the same transaction when it
+    /// succeeds (a task's liveness keys with its record).
+    pub async fn swap_with(
+        &self,
+        key: &[u8],
+        value: Option<&[u8]>,
+        expect: u64,
+        also: Vec<Request>,
+    ) -> Result<Swapped, CallError> {
         let then = match value {
-            Some(v) => format!(
-                r#"{{"request_put":{{"key":"{key64}","value":"{}"}}}}"#,
-                B64.encode(v)
-            ),
-            None => format!(r#"{{"request_delete_range":{{"key":"{key64}"}}}}"#),
+            Some(v) => Request::Put(proto::PutRequest {
+                key: key.to_vec(),
+                value: v.to_vec(),
+                lease: 0,
+            }),
+            None => Request::DeleteRange(proto::DeleteRangeRequest {
+                key: key.to_vec(),
+                range_end: Vec::new(),
+            }),
         };
-        let body = format!(
-            r#"{{"compare":[{{"key":"{key64}","target":"MOD","result":"EQUAL","mod_revision":"{expect}"}}],"success":[{then}],"failure":[{{"request_range":{{"key":"{key64}"}}}}]}}"#
-        )
-        .into();
-        let answer: TxnResponse = self.post("/v3/kv/txn", &body).await?;
-        if answer.succeeded {
-            return Ok(Swapped::Done(answer.header.revision));
+        let mut ops = vec![then];
+        ops.extend(also);
+        self.when_at(key, expect, ops).await
+    }
+
+    /// Applies `ops` in one transaction if `key`'s `mod_revision` is
+    /// `expect` (0: the key is absent), else reads `key` (as `swap`).
+    pub async fn when_at(
+        &self,
+        key: &[u8],
+        expect: u64,
+        ops: Vec<Request>,
+    ) -> Result<Swapped, CallError> {
+        let req = proto::TxnRequest {
+            compare: vec![proto::Compare {
+                result: proto::COMPARE_EQUAL,
+                target: proto::TARGET_MOD,
+                key: key.to_vec(),
+                target_union: Some(CompareUnion::ModRevision(
+                    i64::try_from(expect).unwrap_or(i64::MAX),
+                )),
+            }],
+            success: ops
+                .into_iter()
+                .map(|request| RequestOp {
+                    request: Some(request),
+                })
+                .collect(),
+            failure: vec![RequestOp {
+                request: Some(Request::Range(proto::RangeRequest {
+                    key: key.to_vec(),
+                    ..Default::default()
+                })),
+            }],
+        };
+        // The same transaction on each member in turn: sending it again is
+        // safe (its compare lets at most one attempt apply), and a conflict
+        // after an attempt that got no answer is told as uncertain.
+        let n = self.members.len();
+        let first = self.current.load(Ordering::Relaxed);
+        let mut uncertain = false;
+        let mut last = String::new();
+        for i in 0..n {
+            let at = (first + i) % n;
+            match self
+                .on::<_, proto::TxnResponse>(at, KV_TXN, req.clone())
+                .await
+            {
+                Ok(res) => {
+                    self.current.store(at, Ordering::Relaxed);
+                    return Ok(swapped(res, uncertain));
+                }
+                Err(CallError::Unreachable(e) | CallError::Ambiguous(e)) => {
+                    uncertain |= !surely_unsent(&e);
+                    last = e;
+                }
+                Err(e) if uncertain => {
+                    return Err(CallError::Ambiguous(format!(
+                        "{e}, after an attempt that got no answer"
+                    )));
+                }
+                Err(e) => return Err(e),
+            }
+            self.current.store((at + 1) % n, Ordering::Relaxed);
         }
-        let kv = answer
-            .responses
-            .into_iter()
-            .find_map(|r| r.response_range)
-            .and_then(|r| r.kvs.into_iter().next());
-        Ok(match kv {
-            Some(kv) if value == Some(&kv.value[..]) => Swapped::Done(kv.mod_revision),
-            Some(kv) => Swapped::Conflict {
-                now: kv.mod_revision,
-                value: kv.value,
-            },
-            None => Swapped::Conflict {
-                now: 0,
-                value: Vec::new(),
-            },
+        Err(if uncertain {
+            CallError::Ambiguous(last)
+        } else {
+            CallError::Unreachable(last)
         })
     }
 
     /// Opens a watch on `[key, end)` from `start` on the member that
-    /// answered last, with `require_leader`: a member that loses its
-    /// leader cancels the watch instead of going quiet.
+    /// answered last (then the others), with `require_leader`: a member
+    /// that loses its leader cancels the watch instead of going quiet. The
+    /// opening has a deadline too: it is open once the member said it
+    /// created it.
     pub async fn watch(&self, key: &[u8], end: &[u8], start: u64) -> Result<Watch, CallError> {
-        let n = self.endpoints.len();
+        let n = self.members.len();
         let first = self.current.load(Ordering::Relaxed);
-        let body = json!({"create_request": {
-            "key": B64.encode(key),
-            "range_end": B64.encode(end),
-            "start_revision": start.to_string(),
-            "progress_notify": true,
-        }});
         let mut last = String::new();
         for i in 0..n {
             let at = (first + i) % n;
-            let endpoint = &self.endpoints[at];
-            if self.credentials.is_some()
-                && let Err(e) = self.authenticate(endpoint).await
-            {
-                last = e.to_string();
-                continue;
-            }
-            let mut req = self
-                .http
-                .post(format!("{endpoint}/v3/watch"))
-                .header("content-type", "application/json")
-                // The gateway hands `Grpc-Metadata-*` headers on as gRPC
-                // metadata: this one is etcd's require-leader flag.
-                .header("grpc-metadata-hasleader", "true")
-                .body(body.to_string());
-            if let Some(t) = self.token() {
-                req = req.header("authorization", t);
-            }
-            match req.send().await {
-                Ok(r) if r.status().is_success() => {
+            match self.watch_on(at, key, end, start).await {
+                Ok(w) => {
                     self.current.store(at, Ordering::Relaxed);
-                    return Ok(Watch {
-                        endpoint: endpoint.clone(),
-                        response: r,
-                        buf: Vec::new(),
-                        start: 0,
-                    });
+                    return Ok(w);
                 }
-                Ok(r) => last = format!("{endpoint}: the watch answered {}", r.status()),
-                Err(e) => last = format!("{endpoint}: {e}"),
+                Err(CallError::Compacted(r)) => return Err(CallError::Compacted(r)),
+                Err(e) => last = e.to_string(),
             }
-            // The next member, and the next request starts there too.
             self.current.store((at + 1) % n, Ordering::Relaxed);
         }
         Err(CallError::Unreachable(last))
     }
 
+    async fn watch_on(
+        &self,
+        member: usize,
+        key: &[u8],
+        end: &[u8],
+        start: u64,
+    ) -> Result<Watch, CallError> {
+        if self.credentials.is_some() && self.token_for(member).is_none() {
+            self.authenticate(member).await?;
+        }
+        let m = &self.members[member];
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let create = proto::WatchRequest {
+            request_union: Some(proto::WatchUnion::Create(proto::WatchCreateRequest {
+                key: key.to_vec(),
+                range_end: end.to_vec(),
+                start_revision: i64::try_from(start).unwrap_or(i64::MAX),
+                progress_notify: true,
+            })),
+        };
+        tx.send(create)
+            .map_err(|_| CallError::Unreachable("the watch closed".into()))?;
+        let open = async {
+            let mut grpc = tonic::client::Grpc::new(m.channel.clone());
+            grpc.ready()
+                .await
+                .map_err(|e| CallError::Unreachable(format!("{}: {e}", m.url)))?;
+            // The stream lives past any deadline: only its opening has one
+            // (below); a member that goes quiet later is found by `check`.
+            let mut req =
+                tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
+            req.metadata_mut().insert(
+                "hasleader",
+                tonic::metadata::MetadataValue::from_static("true"),
+            );
+            if let Some(t) = self.token_for(member)
+                && let Ok(v) = t.parse()
+            {
+                req.metadata_mut().insert("token", v);
+            }
+            let res: tonic::Response<tonic::codec::Streaming<proto::WatchResponse>> = grpc
+                .streaming(
+                    req,
+                    PathAndQuery::from_static(WATCH),
+                    tonic_prost::ProstCodec::default(),
+                )
+                .await
+                .map_err(|status| classify(&m.url, &status))?;
+            let mut stream = res.into_inner();
+            // Created, or canceled at once (a compacted start).
+            let first = stream
+                .message()
+                .await
+                .map_err(|status| classify(&m.url, &status))?
+                .ok_or_else(|| {
+                    CallError::Unreachable(format!("{}: the watch closed at once", m.url))
+                })?;
+            Ok::<_, CallError>((stream, first))
+        };
+        let (stream, first) = match tokio::time::timeout(self.timeout, open).await {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(CallError::Unreachable(format!(
+                    "{}: the watch was not created within {:?}",
+                    m.url, self.timeout
+                )));
+            }
+        };
+        Ok(Watch {
+            endpoint: m.url.clone(),
+            stream,
+            _requests: tx,
+            first: Some(first),
+        })
+    }
+
     /// Whether the member at `endpoint` reaches its cluster's quorum now:
     /// a linearizable read of one key goes through the leader.
     pub async fn check(&self, endpoint: &str, key: &[u8]) -> Result<u64, CallError> {
-        let body = json!({"key": B64.encode(key), "count_only": true})
-            .to_string()
-            .into();
-        let r: RangeResponse = self
-            .post_once(endpoint, "/v3/kv/range", &body, self.token().as_deref())
-            .await?;
-        Ok(r.header.revision)
+        let Some(at) = self.members.iter().position(|m| m.url == endpoint) else {
+            return Err(CallError::Refused(format!("no member {endpoint}")));
+        };
+        let req = proto::RangeRequest {
+            key: key.to_vec(),
+            count_only: true,
+            ..Default::default()
+        };
+        let res: proto::RangeResponse = self.on(at, KV_RANGE, req).await?;
+        Ok(revision_of(&res.header))
     }
 
     /// Moves the next requests to the member after `endpoint`.
     pub fn skip(&self, endpoint: &str) {
-        if let Some(at) = self.endpoints.iter().position(|e| e == endpoint) {
-            let n = self.endpoints.len();
+        if let Some(at) = self.members.iter().position(|m| m.url == endpoint) {
+            let n = self.members.len();
             let _ = self.current.compare_exchange(
                 at,
                 (at + 1) % n,
@@ -527,81 +716,255 @@ impl Client {
             );
         }
     }
+
+    /// A lease of `ttl` seconds: its ID and the TTL etcd gave it (raised
+    /// to etcd's minimum when `ttl` is below it). Not sent again after an
+    /// attempt that got no answer: a lease granted twice is one left to
+    /// expire, but the caller learns of the failure.
+    pub async fn grant(&self, ttl: i64) -> Result<(i64, i64), CallError> {
+        let res: proto::LeaseGrantResponse = self
+            .call(LEASE_GRANT, proto::LeaseGrantRequest { ttl, id: 0 }, false)
+            .await?;
+        if !res.error.is_empty() {
+            return Err(CallError::Refused(res.error));
+        }
+        Ok((res.id, res.ttl))
+    }
+
+    /// Revokes a lease (the keys attached to it go).
+    pub async fn revoke(&self, id: i64) -> Result<(), CallError> {
+        let _: proto::LeaseRevokeResponse = self
+            .call(LEASE_REVOKE, proto::LeaseRevokeRequest { id }, true)
+            .await?;
+        Ok(())
+    }
+
+    /// Renews a lease once; its TTL left (0: it has expired).
+    pub async fn keep_alive(&self, id: i64) -> Result<i64, CallError> {
+        let n = self.members.len();
+        let first = self.current.load(Ordering::Relaxed);
+        let mut last = String::new();
+        for i in 0..n {
+            let at = (first + i) % n;
+            match self.keep_alive_on(at, id).await {
+                Ok(ttl) => return Ok(ttl),
+                Err(CallError::Refused(e)) => return Err(CallError::Refused(e)),
+                Err(e) => last = e.to_string(),
+            }
+        }
+        Err(CallError::Unreachable(last))
+    }
+
+    async fn keep_alive_on(&self, member: usize, id: i64) -> Result<i64, CallError> {
+        if self.credentials.is_some() && self.token_for(member).is_none() {
+            self.authenticate(member).await?;
+        }
+        let m = &self.members[member];
+        let once = async {
+            let mut grpc = tonic::client::Grpc::new(m.channel.clone());
+            grpc.ready()
+                .await
+                .map_err(|e| CallError::Unreachable(format!("{}: {e}", m.url)))?;
+            let req = self.request(
+                member,
+                tokio_stream::once(proto::LeaseKeepAliveRequest { id }),
+                self.timeout,
+            );
+            let res: tonic::Response<tonic::codec::Streaming<proto::LeaseKeepAliveResponse>> = grpc
+                .streaming(
+                    req,
+                    PathAndQuery::from_static(LEASE_KEEP_ALIVE),
+                    tonic_prost::ProstCodec::default(),
+                )
+                .await
+                .map_err(|status| classify(&m.url, &status))?;
+            let answer = res
+                .into_inner()
+                .message()
+                .await
+                .map_err(|status| classify(&m.url, &status))?;
+            Ok::<_, CallError>(answer.map_or(0, |a| a.ttl))
+        };
+        match tokio::time::timeout(self.timeout, once).await {
+            Ok(r) => r,
+            Err(_) => Err(CallError::Unreachable(format!(
+                "{}: a lease keep-alive got no answer within {:?}",
+                m.url, self.timeout
+            ))),
+        }
+    }
+
+    /// Opens a stream of lease keep-alives on the member that answered
+    /// last (then the others), sending `first` on it (at least one: etcd
+    /// answers the opening with the first renewal). Only the opening has a
+    /// deadline; the stream lives until it breaks.
+    pub async fn lease_stream(&self, first: &[i64]) -> Result<LeaseStream, CallError> {
+        let n = self.members.len();
+        let start = self.current.load(Ordering::Relaxed);
+        let mut last = String::new();
+        for i in 0..n {
+            let at = (start + i) % n;
+            match self.lease_stream_on(at, first).await {
+                Ok(s) => return Ok(s),
+                Err(e) => last = e.to_string(),
+            }
+        }
+        Err(CallError::Unreachable(last))
+    }
+
+    async fn lease_stream_on(
+        &self,
+        member: usize,
+        first: &[i64],
+    ) -> Result<LeaseStream, CallError> {
+        if self.credentials.is_some() && self.token_for(member).is_none() {
+            self.authenticate(member).await?;
+        }
+        let m = &self.members[member];
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        for &id in first {
+            tx.send(proto::LeaseKeepAliveRequest { id })
+                .map_err(|_| CallError::Unreachable("the keep-alive stream closed".into()))?;
+        }
+        let open = async {
+            let mut grpc = tonic::client::Grpc::new(m.channel.clone());
+            grpc.ready()
+                .await
+                .map_err(|e| CallError::Unreachable(format!("{}: {e}", m.url)))?;
+            let mut req =
+                tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
+            req.metadata_mut().insert(
+                "hasleader",
+                tonic::metadata::MetadataValue::from_static("true"),
+            );
+            if let Some(t) = self.token_for(member)
+                && let Ok(v) = t.parse()
+            {
+                req.metadata_mut().insert("token", v);
+            }
+            let res: tonic::Response<tonic::codec::Streaming<proto::LeaseKeepAliveResponse>> = grpc
+                .streaming(
+                    req,
+                    PathAndQuery::from_static(LEASE_KEEP_ALIVE),
+                    tonic_prost::ProstCodec::default(),
+                )
+                .await
+                .map_err(|status| classify(&m.url, &status))?;
+            Ok::<_, CallError>(res.into_inner())
+        };
+        match tokio::time::timeout(self.timeout, open).await {
+            Ok(Ok(stream)) => Ok(LeaseStream {
+                endpoint: m.url.clone(),
+                tx,
+                stream,
+            }),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(CallError::Unreachable(format!(
+                "{}: the keep-alive stream was not opened within {:?}",
+                m.url, self.timeout
+            ))),
+        }
+    }
+
+    /// The member's status (version, leader), for health checks and tests.
+    pub async fn status(&self, endpoint: &str) -> Result<(String, u64), CallError> {
+        let Some(at) = self.members.iter().position(|m| m.url == endpoint) else {
+            return Err(CallError::Refused(format!("no member {endpoint}")));
+        };
+        let res: proto::StatusResponse = self.on(at, STATUS, proto::StatusRequest {}).await?;
+        Ok((res.version, res.leader))
+    }
 }
 
-/// What an error answer means for the next try.
-fn classify(endpoint: &str, status: u16, err: GatewayError) -> CallError {
-    let message = format!("{endpoint}: {} (code {})", err.message, err.code);
-    if err.message.contains("required revision has been compacted") {
+fn revision_of(h: &Option<proto::ResponseHeader>) -> u64 {
+    revision(h)
+}
+
+/// What an error status means for the next try.
+fn classify(endpoint: &str, status: &tonic::Status) -> CallError {
+    let message = format!("{endpoint}: {} ({:?})", status.message(), status.code());
+    if status
+        .message()
+        .contains("required revision has been compacted")
+    {
         return CallError::Compacted(0);
     }
-    match err.code {
-        // Unavailable, DeadlineExceeded, Aborted, ResourceExhausted: a
-        // member without a leader, an election, an overloaded member.
-        14 | 4 | 10 | 8 => CallError::Unreachable(message),
-        _ if status >= 500 && err.code == 0 => CallError::Unreachable(message),
+    use tonic::Code;
+    match status.code() {
+        // No leader, an election, an overloaded member: nothing applied.
+        Code::Unavailable | Code::ResourceExhausted | Code::Aborted => {
+            CallError::Unreachable(message)
+        }
+        // The deadline passed or the connection broke with the request
+        // maybe on its way: it may have been applied.
+        Code::DeadlineExceeded | Code::Cancelled | Code::Unknown => CallError::Ambiguous(message),
         _ => CallError::Refused(message),
     }
 }
 
-/// An open watch: one JSON object per line.
+/// An open stream of lease keep-alives (`Client::lease_stream`).
+pub struct LeaseStream {
+    pub endpoint: String,
+    tx: tokio::sync::mpsc::UnboundedSender<proto::LeaseKeepAliveRequest>,
+    stream: tonic::codec::Streaming<proto::LeaseKeepAliveResponse>,
+}
+
+impl LeaseStream {
+    /// Sends a renewal of lease `id`; false if the stream is closed.
+    pub fn send(&self, id: i64) -> bool {
+        self.tx.send(proto::LeaseKeepAliveRequest { id }).is_ok()
+    }
+
+    /// The next answer: the lease and its TTL left (0: it has expired or
+    /// was never granted); `None` when the member closed the stream.
+    pub async fn next(&mut self) -> Result<Option<(i64, i64)>, CallError> {
+        let answer = self.stream.message().await.map_err(|status| {
+            match classify(&self.endpoint, &status) {
+                CallError::Ambiguous(m) => CallError::Unreachable(m),
+                other => other,
+            }
+        })?;
+        Ok(answer.map(|a| (a.id, a.ttl)))
+    }
+}
+
+/// An open watch.
 pub struct Watch {
     pub endpoint: String,
-    response: reqwest::Response,
-    buf: Vec<u8>,
-    /// Where the lines not parsed yet start in `buf`.
-    start: usize,
+    stream: tonic::codec::Streaming<proto::WatchResponse>,
+    /// Kept open: closing the request stream ends the watch.
+    _requests: tokio::sync::mpsc::UnboundedSender<proto::WatchRequest>,
+    /// The creation's answer, given first.
+    first: Option<proto::WatchResponse>,
 }
 
 impl Watch {
     /// The next response; `None` when the member closed the stream.
     pub async fn next(&mut self) -> Result<Option<WatchResponse>, CallError> {
-        loop {
-            if let Some(end) = self.buf[self.start..].iter().position(|&b| b == b'\n') {
-                let line = self.start..self.start + end + 1;
-                self.start = line.end;
-                let line = &self.buf[line];
-                if line.iter().all(u8::is_ascii_whitespace) {
-                    continue;
+        let message = match self.first.take() {
+            Some(m) => Some(m),
+            None => self.stream.message().await.map_err(|status| {
+                match classify(&self.endpoint, &status) {
+                    CallError::Ambiguous(m) => CallError::Unreachable(m),
+                    other => other,
                 }
-                return parse_line(&self.endpoint, line).map(Some);
-            }
-            // Every whole line is parsed: the rest moves to the front.
-            self.buf.drain(..self.start);
-            self.start = 0;
-            match self.response.chunk().await {
-                Ok(Some(chunk)) => self.buf.extend_from_slice(&chunk),
-                Ok(None) if self.buf.iter().all(u8::is_ascii_whitespace) => return Ok(None),
-                Ok(None) => {
-                    let line = std::mem::take(&mut self.buf);
-                    return parse_line(&self.endpoint, &line).map(Some);
-                }
-                Err(e) => {
-                    return Err(CallError::Unreachable(format!(
-                        "{}: the watch stream broke: {e}",
-                        self.endpoint
-                    )));
-                }
-            }
-        }
-    }
-}
-
-fn parse_line(endpoint: &str, line: &[u8]) -> Result<WatchResponse, CallError> {
-    #[derive(Deserialize)]
-    struct Line {
-        result: Option<WatchResponse>,
-        error: Option<GatewayError>,
-    }
-    let l: Line = serde_json::from_slice(line).map_err(|e| {
-        CallError::Unreachable(format!("{endpoint}: a watch line is not JSON: {e}"))
-    })?;
-    match (l.result, l.error) {
-        (Some(r), _) => Ok(r),
-        (None, Some(e)) => Err(classify(endpoint, 500, e)),
-        (None, None) => Err(CallError::Unreachable(format!(
-            "{endpoint}: a watch line holds neither a result nor an error"
-        ))),
+            })?,
+        };
+        Ok(message.map(|r| WatchResponse {
+            revision: revision_of(&r.header),
+            created: r.created,
+            canceled: r.canceled,
+            compact_revision: u64::try_from(r.compact_revision).unwrap_or(0),
+            cancel_reason: r.cancel_reason,
+            events: r
+                .events
+                .into_iter()
+                .map(|e| Event {
+                    deleted: e.kind == proto::EVENT_DELETE,
+                    kv: e.kv.map(KeyValue::from).unwrap_or_default(),
+                })
+                .collect(),
+        }))
     }
 }
 
@@ -617,21 +980,18 @@ mod tests {
     }
 
     #[test]
-    fn the_gateways_lines_decode() {
-        let line = br#"{"result":{"header":{"revision":"4"},"events":[{"type":"DELETE","kv":{"key":"L3QvYg==","mod_revision":"4"}},{"kv":{"key":"L3QvYQ==","mod_revision":"3","value":"aGVsbG8="}}]}}"#;
-        let r = parse_line("e", line).unwrap();
-        assert_eq!(r.header.revision, 4);
-        assert_eq!(r.events[0].kind.as_deref(), Some("DELETE"));
-        assert_eq!(r.events[0].kv.key, b"/t/b");
-        assert_eq!(r.events[1].kind, None);
-        assert_eq!(r.events[1].kv.value, b"hello");
-        let canceled = br#"{"result":{"header":{},"canceled":true,"compact_revision":"3"}}"#;
-        let r = parse_line("e", canceled).unwrap();
-        assert!(r.canceled);
-        assert_eq!(r.compact_revision, 3);
-        let err = br#"{"error":{"grpc_code":14,"http_code":503,"message":"etcdserver: no leader","code":14}}"#;
-        assert!(
-            matches!(parse_line("e", err), Err(CallError::Unreachable(m)) if m.contains("no leader"))
-        );
+    fn a_status_says_whether_the_request_may_have_been_applied() {
+        let ambiguous = tonic::Status::deadline_exceeded("slow");
+        assert!(matches!(classify("e", &ambiguous), CallError::Ambiguous(_)));
+        let no_leader = tonic::Status::unavailable("etcdserver: no leader");
+        assert!(matches!(
+            classify("e", &no_leader),
+            CallError::Unreachable(_)
+        ));
+        let compacted =
+            tonic::Status::out_of_range("etcdserver: mvcc: required revision has been compacted");
+        assert!(matches!(classify("e", &compacted), CallError::Compacted(_)));
+        let refused = tonic::Status::permission_denied("etcdserver: permission denied");
+        assert!(matches!(classify("e", &refused), CallError::Refused(_)));
     }
 }

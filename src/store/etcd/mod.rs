@@ -16,10 +16,19 @@
 //! A member that loses its quorum cancels the watch (`require_leader`),
 //! and a member that stops answering is found by a linearizable read
 //! every `CHECK_EVERY`: either way the watch moves to the next member.
+//!
+//! Tasks under a TTL keep their signs of life in keys of their own
+//! (`<prefix>live/`, `live.rs`), under leases the replicas renew
+//! (`keep.rs`): the same listing and the same watch carry them, so a
+//! replica's view holds them in revision order with the records.
 
 pub mod client;
+mod keep;
+pub mod live;
+pub mod proto;
 
 use std::{
+    collections::BTreeMap,
     sync::{Arc, Mutex, PoisonError, Weak},
     time::{Duration, Instant},
 };
@@ -29,8 +38,8 @@ pub use client::{EtcdConfig, prefix_end};
 use tokio::sync::watch;
 
 use super::{
-    Change, Commit, Follower, LoadOnce, Loaded, Op, ReplicatedStore, Store, StoreError,
-    StoreHealth, Swap, SwapError, record,
+    Change, Commit, Follower, Lease, LiveOp, LoadOnce, Loaded, Op, ReplicatedStore, Store,
+    StoreError, StoreHealth, Swap, SwapError, Unreadable, record,
 };
 use crate::lifecycle::{AllocId, Allocation};
 
@@ -53,6 +62,13 @@ pub struct EtcdStore {
     client: Arc<Client>,
     /// `<prefix>a/`: the allocations' keys.
     keys: Vec<u8>,
+    /// `<prefix>live/`: the tasks' liveness keys (`live.rs`).
+    live: Vec<u8>,
+    /// Carries lease renewals to etcd.
+    keep: keep::KeepAlives,
+    /// Whether etcd was seen raising a lease's TTL to its minimum (said
+    /// once).
+    raised: Arc<std::sync::atomic::AtomicBool>,
     /// The listing made at connect, until `load` takes it.
     loaded: LoadOnce,
     link: Arc<Mutex<Link>>,
@@ -68,6 +84,11 @@ struct Link {
     /// Why the watch is down (since it last failed, until a member takes
     /// it again): health is 503 `store_unavailable` meanwhile.
     trouble: Option<String>,
+    /// Allocations whose record in etcd this build cannot read, with why:
+    /// their requests are answered 503 `store_failed`, health is degraded,
+    /// and everything else is served. A readable record (or a deletion)
+    /// of the allocation takes it off.
+    unreadable: BTreeMap<String, Unreadable>,
 }
 
 impl EtcdStore {
@@ -81,14 +102,16 @@ impl EtcdStore {
         let client = Client::new(config).map_err(StoreError::Unusable)?;
         let mut keys = config.prefix.as_bytes().to_vec();
         keys.extend_from_slice(b"a/");
+        let mut live = config.prefix.as_bytes().to_vec();
+        live.extend_from_slice(b"live/");
         // etcd may come up after the replica (a whole deployment started
         // at once): unreachable members are waited for a while, the server
         // answering 503 `starting` meanwhile.
         let started = Instant::now();
         let mut backoff = RETRY_FIRST;
-        let loaded = loop {
-            match list(&client, &keys).await {
-                Ok(loaded) => break loaded,
+        let (loaded, unreadable) = loop {
+            match list(&client, &keys, &live).await {
+                Ok(listed) => break listed,
                 Err(CallError::Unreachable(e)) if started.elapsed() < CONNECT_PATIENCE => {
                     tracing::warn!(error = %e, retry_in = ?backoff, "etcd is not reachable yet");
                     tokio::time::sleep(backoff).await;
@@ -103,13 +126,21 @@ impl EtcdStore {
             }
         };
         let id = identify(&client, config.prefix.as_bytes()).await?;
+        let client = Arc::new(client);
+        let closed = watch::Sender::new(false);
         Ok(Self {
             id,
-            client: Arc::new(client),
+            keep: keep::KeepAlives::start(client.clone(), closed.subscribe()),
+            client,
             keys,
+            live,
             loaded: LoadOnce::new(loaded),
-            link: Arc::default(),
-            closed: watch::Sender::new(false),
+            link: Arc::new(Mutex::new(Link {
+                unreadable,
+                ..Link::default()
+            })),
+            closed,
+            raised: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         })
     }
 
@@ -117,6 +148,39 @@ impl EtcdStore {
         let mut key = self.keys.clone();
         key.extend_from_slice(id.as_str().as_bytes());
         key
+    }
+
+    /// The requests that apply `ops` to `id`'s liveness keys.
+    fn live_requests(&self, id: &AllocId, ops: Vec<LiveOp>) -> Vec<proto::Request> {
+        let mut out = Vec::with_capacity(ops.len() * 2);
+        for op in ops {
+            match op {
+                LiveOp::Start { task, mark } => {
+                    out.push(proto::Request::Put(proto::PutRequest {
+                        key: live::live_key(&self.live, id, &task),
+                        value: Vec::new(),
+                        lease: mark.lease,
+                    }));
+                    out.push(proto::Request::Put(proto::PutRequest {
+                        key: live::mark_key(&self.live, id, &task),
+                        value: live::encode(&mark),
+                        lease: 0,
+                    }));
+                }
+                LiveOp::End { task } => {
+                    for key in [
+                        live::live_key(&self.live, id, &task),
+                        live::mark_key(&self.live, id, &task),
+                    ] {
+                        out.push(proto::Request::DeleteRange(proto::DeleteRangeRequest {
+                            key,
+                            range_end: Vec::new(),
+                        }));
+                    }
+                }
+            }
+        }
+        out
     }
 }
 
@@ -146,22 +210,62 @@ async fn identify(client: &Client, prefix: &[u8]) -> Result<String, StoreError> 
     }
 }
 
-/// The whole prefix at one revision, page by page.
-async fn list(client: &Client, keys: &[u8]) -> Result<Loaded, CallError> {
-    let end = prefix_end(keys);
-    let mut from = keys.to_vec();
+/// The whole prefix at one revision, page by page, and the records in it
+/// this build cannot read (by allocation, with why): the allocations under
+/// `keys`, then the liveness keys under `live` at the same revision.
+async fn list(
+    client: &Client,
+    keys: &[u8],
+    live: &[u8],
+) -> Result<(Loaded, BTreeMap<String, Unreadable>), CallError> {
+    let mut unreadable = BTreeMap::new();
     let mut at = 0;
     let mut allocations = Vec::new();
+    each_key(client, keys, &mut at, |kv| {
+        match decode(keys, &kv.key, &kv.value, kv.mod_revision) {
+            Ok(a) => allocations.push(a),
+            Err(why) => unreadable_record(keys, &kv, why, &mut unreadable),
+        }
+    })
+    .await?;
+    let mut liveness = Vec::new();
+    each_key(client, live, &mut at, |kv| {
+        match live::read(live, &kv, false) {
+            Some(l) => liveness.push(l),
+            None => unnamed_live_key(&kv.key),
+        }
+    })
+    .await?;
+    Ok((
+        Loaded {
+            allocations,
+            last_index: at,
+            liveness,
+        },
+        unreadable,
+    ))
+}
+
+/// Every key under `prefix` at revision `at` (0: now, which sets `at`),
+/// page by page.
+async fn each_key(
+    client: &Client,
+    prefix: &[u8],
+    at: &mut u64,
+    mut each: impl FnMut(client::KeyValue),
+) -> Result<(), CallError> {
+    let end = prefix_end(prefix);
+    let mut from = prefix.to_vec();
     loop {
-        let page = client.range(&from, &end, at, PAGE).await?;
-        if at == 0 {
-            at = page.header.revision;
+        let page = client.range(&from, &end, *at, PAGE).await?;
+        if *at == 0 {
+            *at = page.revision;
         }
         let more = page.more;
         let mut last = None;
         for kv in page.kvs {
-            allocations.push(decode(keys, &kv.key, &kv.value, kv.mod_revision)?);
-            last = Some(kv.key);
+            last = Some(kv.key.clone());
+            each(kv);
         }
         match (more, last) {
             (true, Some(mut key)) => {
@@ -169,13 +273,54 @@ async fn list(client: &Client, keys: &[u8]) -> Result<Loaded, CallError> {
                 key.push(0);
                 from = key;
             }
-            _ => break,
+            _ => return Ok(()),
         }
     }
-    Ok(Loaded {
-        allocations,
-        last_index: at,
-    })
+}
+
+fn unnamed_live_key(key: &[u8]) {
+    tracing::warn!(
+        key = %String::from_utf8_lossy(key),
+        "a key under the liveness prefix names no task; ignored"
+    );
+}
+
+/// The allocation a key under the prefix names, if it names one.
+fn named(keys: &[u8], key: &[u8]) -> Option<AllocId> {
+    let id = std::str::from_utf8(key.get(keys.len()..)?).ok()?;
+    AllocId::parse(id).ok()
+}
+
+/// Notes a record this build cannot read: under its allocation, or (a key
+/// that names none) only in the log.
+fn unreadable_record(
+    keys: &[u8],
+    kv: &client::KeyValue,
+    why: CallError,
+    unreadable: &mut BTreeMap<String, Unreadable>,
+) {
+    let key = &kv.key;
+    let why = match why {
+        CallError::Refused(m) => m,
+        other => other.to_string(),
+    };
+    match named(keys, key) {
+        Some(id) => {
+            tracing::error!(alloc = %id, error = %why, "a record in etcd cannot be read by this build; its allocation is answered 503 store_failed, the others are served");
+            unreadable.insert(
+                id.as_str().to_owned(),
+                Unreadable {
+                    why,
+                    index: kv.mod_revision,
+                },
+            );
+        }
+        None => tracing::warn!(
+            key = %String::from_utf8_lossy(key),
+            error = %why,
+            "a key under the prefix names no allocation; ignored"
+        ),
+    }
 }
 
 /// A record as stored, stamped with the revision that wrote it.
@@ -194,9 +339,71 @@ fn decode(keys: &[u8], key: &[u8], value: &[u8], revision: u64) -> Result<Alloca
     Ok(a)
 }
 
+/// What a failed compare tells about a swap of `op` on the record at
+/// `expect`: the key is at revision `now` (0: absent) holding `value`,
+/// created at `created`, read at `read`. A write that follows a record
+/// names that record's revision in its mark, and at most one write
+/// follows each: the record's marks tell whether that one was ours. Only
+/// when an attempt got no answer (`uncertain`) and the marks no longer
+/// reach back that far is the outcome unknown.
+fn settle(
+    op: &Op,
+    expect: u64,
+    now: u64,
+    value: &[u8],
+    created: u64,
+    read: u64,
+    uncertain: bool,
+) -> SwapError {
+    let unknown = |why: &str| {
+        SwapError::Store(StoreError::Uncertain(format!(
+            "etcd did not answer a write and {why}, so whether it was applied cannot be told; \
+             read the allocation before sending the request again (or send it with the same \
+             Idempotency-Key)"
+        )))
+    };
+    match op {
+        Op::Put(a) => {
+            let Some(ours) = a.writes().last() else {
+                return SwapError::Conflict { seen: now };
+            };
+            if now == 0 {
+                // Deleted since: the decision is taken again (and finds
+                // no allocation).
+                return SwapError::Conflict { seen: read };
+            }
+            let record = match record::decode(value) {
+                Ok(r) => r,
+                Err(_) if uncertain => return unknown("the record is unreadable"),
+                Err(_) => return SwapError::Conflict { seen: now },
+            };
+            let marks = record.writes();
+            if marks.iter().any(|m| m.id == ours.id) {
+                SwapError::Landed { seen: now }
+            } else if !uncertain
+                || marks.iter().any(|m| m.parent == expect)
+                || (expect != 0 && created > expect)
+            {
+                SwapError::Conflict { seen: now }
+            } else {
+                unknown("more writes followed it than the record remembers")
+            }
+        }
+        // A deletion that may have landed: the key gone, or created again
+        // since, means the record it was decided on is deleted.
+        Op::Delete { .. } if uncertain && (now == 0 || created > expect) => SwapError::Landed {
+            seen: if now == 0 { read } else { now },
+        },
+        Op::Delete { .. } => SwapError::Conflict {
+            seen: if now == 0 { read } else { now },
+        },
+    }
+}
+
 fn unavailable(e: CallError) -> StoreError {
     match e {
         CallError::Unreachable(m) => StoreError::Unavailable(m),
+        CallError::Ambiguous(m) => StoreError::Unavailable(m),
         CallError::Refused(m) => StoreError::Io(m),
         CallError::Compacted(r) => StoreError::Io(format!("etcd compacted revision {r} away")),
     }
@@ -224,6 +431,9 @@ impl Store for EtcdStore {
         // of the watch that follows it until a member takes it again.
         let link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
         match &link.trouble {
+            None if !link.unreadable.is_empty() => {
+                StoreHealth::Degraded(vec!["records_unreadable"])
+            }
             None => StoreHealth::Ok,
             Some(cause) => StoreHealth::Refusing {
                 code: "store_unavailable",
@@ -243,19 +453,85 @@ impl Store for EtcdStore {
 }
 
 impl ReplicatedStore for EtcdStore {
-    fn swap(&self, op: Op, expect: u64) -> Swap {
-        let (key, value) = match &op {
-            Op::Put(a) => (self.key(&a.id), Some(record::encode(a))),
-            Op::Delete { id, .. } => (self.key(id), None),
+    fn swap(&self, op: Op, expect: u64, live: Vec<LiveOp>) -> Swap {
+        let (key, value, also) = match &op {
+            Op::Put(a) => (
+                self.key(&a.id),
+                Some(record::encode(a)),
+                self.live_requests(&a.id, live),
+            ),
+            // Every liveness key of the allocation goes with it.
+            Op::Delete { id, .. } => {
+                let keys = live::of_alloc(&self.live, id);
+                let range_end = prefix_end(&keys);
+                (
+                    self.key(id),
+                    None,
+                    vec![proto::Request::DeleteRange(proto::DeleteRangeRequest {
+                        key: keys,
+                        range_end,
+                    })],
+                )
+            }
         };
         let client = self.client.clone();
         Box::pin(async move {
-            match client.swap(&key, value.as_deref(), expect).await {
+            match client.swap_with(&key, value.as_deref(), expect, also).await {
                 Ok(Swapped::Done(index)) => Ok(index),
-                Ok(Swapped::Conflict { now, .. }) => Err(SwapError::Conflict { seen: now }),
+                Ok(Swapped::Conflict {
+                    now,
+                    value,
+                    created,
+                    read,
+                    uncertain,
+                }) => Err(settle(&op, expect, now, &value, created, read, uncertain)),
+                Err(CallError::Ambiguous(m)) => Err(SwapError::Store(StoreError::Uncertain(
+                    format!("no etcd member confirmed a write, which may have been applied: {m}"),
+                ))),
                 Err(e) => Err(SwapError::Store(unavailable(e))),
             }
         })
+    }
+
+    fn grant(
+        &self,
+        ttl: Duration,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Lease, StoreError>> + Send>>
+    {
+        let client = self.client.clone();
+        let asked = live::lease_seconds(ttl);
+        let raised = self.raised.clone();
+        Box::pin(async move {
+            let (lease, granted) = client.grant(asked).await.map_err(unavailable)?;
+            if granted > asked && !raised.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::info!(
+                    asked,
+                    granted,
+                    "etcd raised a lease's TTL to its minimum (one and a half election \
+                     timeouts): tasks with shorter TTLs are declared lost that much later"
+                );
+            }
+            Ok(lease)
+        })
+    }
+
+    fn mark(&self, id: &AllocId, expect: u64, live: Vec<LiveOp>) -> Swap {
+        let key = self.key(id);
+        let ops = self.live_requests(id, live);
+        let client = self.client.clone();
+        Box::pin(async move {
+            match client.when_at(&key, expect, ops).await {
+                Ok(Swapped::Done(index)) => Ok(index),
+                Ok(Swapped::Conflict { now, read, .. }) => Err(SwapError::Conflict {
+                    seen: if now == 0 { read } else { now },
+                }),
+                Err(e) => Err(SwapError::Store(unavailable(e))),
+            }
+        })
+    }
+
+    fn keep_alive(&self, lease: Lease) {
+        self.keep.renew(lease);
     }
 
     fn index_of(
@@ -276,10 +552,24 @@ impl ReplicatedStore for EtcdStore {
         })
     }
 
+    fn unreadable(&self, id: &str) -> Option<Unreadable> {
+        let link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
+        if link.unreadable.is_empty() {
+            return None;
+        }
+        link.unreadable.get(id).cloned()
+    }
+
+    fn unreadable_ids(&self) -> Vec<String> {
+        let link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
+        link.unreadable.keys().cloned().collect()
+    }
+
     fn follow(&self, from: u64, follower: Weak<dyn Follower>) {
         let run = Follow {
             client: self.client.clone(),
             keys: self.keys.clone(),
+            live: self.live.clone(),
             link: self.link.clone(),
             follower,
             applied: from,
@@ -294,6 +584,10 @@ impl ReplicatedStore for EtcdStore {
 struct Follow {
     client: Arc<Client>,
     keys: Vec<u8>,
+    /// `<prefix>live/`, watched with `keys` in one range (`a/` to
+    /// `live/`'s end), so the records and the liveness keys arrive in one
+    /// revision order.
+    live: Vec<u8>,
     link: Arc<Mutex<Link>>,
     follower: Weak<dyn Follower>,
     /// Every change up to this revision is handed to the follower.
@@ -321,14 +615,18 @@ impl Follow {
                 Ended::Stop => return,
                 Ended::Compacted => {
                     let relisted = tokio::select! {
-                        r = list(&self.client, &self.keys) => r,
+                        r = list(&self.client, &self.keys, &self.live) => r,
                         _ = closed.wait_for(|c| *c) => return,
                     };
                     match relisted {
-                        Ok(loaded) => {
+                        Ok((loaded, unreadable)) => {
                             let Some(follower) = self.follower.upgrade() else {
                                 return;
                             };
+                            self.link
+                                .lock()
+                                .unwrap_or_else(PoisonError::into_inner)
+                                .unreadable = unreadable;
                             self.applied = loaded.last_index;
                             follower.resync(loaded);
                             backoff = RETRY_FIRST;
@@ -369,7 +667,7 @@ impl Follow {
 
     /// One watch, from the revision after `applied`, until it ends.
     async fn watch(&mut self) -> Ended {
-        let end = prefix_end(&self.keys);
+        let end = prefix_end(&self.live);
         let mut watch = match self.client.watch(&self.keys, &end, self.applied + 1).await {
             Ok(w) => w,
             Err(e) => return Ended::Lost(e.to_string()),
@@ -377,22 +675,23 @@ impl Follow {
         let endpoint = watch.endpoint.clone();
         let mut checks = tokio::time::interval(CHECK_EVERY);
         checks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut answered = Instant::now();
         loop {
             let next = tokio::select! {
                 next = watch.next() => next,
                 _ = checks.tick() => {
                     match tokio::time::timeout(CHECK_EVERY, self.client.check(&endpoint, &self.keys)).await {
-                        Ok(Ok(_)) => answered = Instant::now(),
+                        Ok(Ok(_)) => {}
                         Ok(Err(e)) => {
                             self.client.skip(&endpoint);
                             return Ended::Lost(format!("the member the watch is on cannot read through a leader: {e}"));
                         }
-                        Err(_) if answered.elapsed() > 2 * CHECK_EVERY => {
+                        // Left at once: a member that stopped answering
+                        // (paused, cut off without a reset) is left within
+                        // two check intervals of its last answer.
+                        Err(_) => {
                             self.client.skip(&endpoint);
-                            return Ended::Lost(format!("{endpoint}: the member the watch is on stopped answering"));
+                            return Ended::Lost(format!("{endpoint}: the member the watch is on did not answer a read within {CHECK_EVERY:?}"));
                         }
-                        Err(_) => {}
                     }
                     continue;
                 }
@@ -438,38 +737,62 @@ impl Follow {
             // Without events this is a progress notification: everything up
             // to its revision has been sent.
             let mut reached = if response.events.is_empty() {
-                response.header.revision
+                response.revision
             } else {
                 self.applied
             };
             let mut changes = Vec::with_capacity(response.events.len());
+            // Each allocation changed, in order: unreadable (with why) or not.
+            let mut read: Vec<(String, Option<Unreadable>)> = Vec::new();
             for e in response.events {
                 reached = reached.max(e.kv.mod_revision);
-                if e.kind.as_deref() == Some("DELETE") {
-                    let id =
-                        e.kv.key
-                            .get(self.keys.len()..)
-                            .and_then(|id| std::str::from_utf8(id).ok())
-                            .and_then(|id| AllocId::parse(id).ok());
-                    match id {
-                        Some(id) => changes.push(Change::Delete {
-                            id,
-                            index: e.kv.mod_revision,
-                        }),
-                        None => tracing::warn!(
-                            key = %String::from_utf8_lossy(&e.kv.key),
-                            "a key under the prefix that names no allocation was deleted; ignored"
-                        ),
+                if e.kv.key.starts_with(&self.live) {
+                    match live::read(&self.live, &e.kv, e.deleted) {
+                        Some(l) => changes.push(Change::Liveness(l)),
+                        None => unnamed_live_key(&e.kv.key),
                     }
                     continue;
                 }
+                if !e.kv.key.starts_with(&self.keys) {
+                    // Between the two ranges: not ours.
+                    continue;
+                }
+                let Some(id) = named(&self.keys, &e.kv.key) else {
+                    tracing::warn!(
+                        key = %String::from_utf8_lossy(&e.kv.key),
+                        "a key under the prefix that names no allocation changed; ignored"
+                    );
+                    continue;
+                };
+                if e.deleted {
+                    read.push((id.as_str().to_owned(), None));
+                    changes.push(Change::Delete {
+                        id,
+                        index: e.kv.mod_revision,
+                    });
+                    continue;
+                }
                 match decode(&self.keys, &e.kv.key, &e.kv.value, e.kv.mod_revision) {
-                    Ok(a) => changes.push(Change::Put(a)),
-                    Err(err) => {
-                        tracing::error!(error = %err, "a change in etcd cannot be read; this replica keeps the record it had")
+                    Ok(a) => {
+                        read.push((id.as_str().to_owned(), None));
+                        changes.push(Change::Put(a));
+                    }
+                    Err(why) => {
+                        let mut one = BTreeMap::new();
+                        unreadable_record(&self.keys, &e.kv, why, &mut one);
+                        read.extend(one.into_iter().map(|(id, why)| (id, Some(why))));
                     }
                 }
             }
+            let mut link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
+            for (id, why) in read {
+                match why {
+                    Some(why) => link.unreadable.insert(id, why),
+                    None if link.unreadable.is_empty() => continue,
+                    None => link.unreadable.remove(&id),
+                };
+            }
+            drop(link);
             if reached > self.applied {
                 self.applied = reached;
             }

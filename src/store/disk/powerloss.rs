@@ -20,13 +20,16 @@ use std::{
 use proptest::prelude::*;
 
 use super::{
-    Commit, DiskStore, DiskStoreConfig, Op, Store, StoreError, StoreHealth,
+    DiskStore, DiskStoreConfig,
     fs::{
         Fs,
         sim::{self, SimFs},
     },
 };
-use crate::lifecycle::{AllocId, AllocSpec, Allocation, Limits, TaskName, TaskSpec};
+use crate::{
+    lifecycle::{AllocId, AllocSpec, Allocation, Limits, TaskName, TaskSpec},
+    store::{Commit, Op, Store, StoreError, StoreHealth},
+};
 
 fn dir() -> PathBuf {
     PathBuf::from("/sim/data")
@@ -199,6 +202,7 @@ proptest! {
         second in prop::option::weighted(0.3, 1..200u64),
         log_limit in prop::sample::select(vec![200u64, 2048, 1 << 26]),
         seed in any::<u64>(),
+        cut in prop::option::weighted(0.5, any::<prop::sample::Index>()),
     ) {
         let fs = SimFs::new();
         fs.create_dir_all(&dir()).unwrap();
@@ -220,7 +224,64 @@ proptest! {
         let store = open(&after, log_limit)
             .map_err(|e| TestCaseError::fail(format!("recovery refused to start: {e}")))?;
         check(&store, &keys, acked_index).map_err(TestCaseError::fail)?;
+        if let Some(cut) = cut {
+            drop(store);
+            cut_a_sealed_segment(&after, log_limit, cut)?;
+        }
     }
+}
+
+/// Then damage no crash can cause, on what the recovery left: a sealed
+/// segment cut at one of its frame boundaries (its last appends gone, the
+/// segment after it intact). Nothing in the segment itself looks wrong;
+/// the next one's header says where it ended, so the start is refused,
+/// naming the segment, and changes nothing.
+fn cut_a_sealed_segment(
+    fs: &SimFs,
+    log_limit: u64,
+    pick: prop::sample::Index,
+) -> Result<(), TestCaseError> {
+    fs.crash_now(0);
+    let mut image = fs.image().unwrap();
+    let segments: Vec<PathBuf> = image
+        .files
+        .keys()
+        .filter(|p| p.to_string_lossy().contains("taskgate.wal.0"))
+        .filter(|p| !p.to_string_lossy().ends_with(super::log::BROKEN_SUFFIX))
+        .cloned()
+        .collect();
+    // Every (segment, boundary) at which a cut loses at least one append.
+    let cuts: Vec<(PathBuf, usize)> = segments[..segments.len().saturating_sub(1)]
+        .iter()
+        .flat_map(|path| {
+            let starts = super::log::frame_starts(&image.files[path]);
+            starts.into_iter().map(move |at| (path.clone(), at))
+        })
+        .collect();
+    if cuts.is_empty() {
+        return Ok(());
+    }
+    let (path, at) = pick.get(&cuts).clone();
+    image.files.get_mut(&path).unwrap().truncate(at);
+    let damaged = SimFs::from_image(&image);
+    let err = match open(&damaged, log_limit) {
+        Ok(_) => {
+            return Err(TestCaseError::fail(format!(
+                "{} cut at byte {at}: the store started",
+                path.display()
+            )));
+        }
+        Err(e) => e.to_string(),
+    };
+    let named = err.contains(&path.display().to_string()) && err.contains(&format!("byte {at}"));
+    prop_assert!(named, "{err}");
+    damaged.crash_now(0);
+    prop_assert_eq!(
+        damaged.image().unwrap().files,
+        image.files,
+        "nothing changed"
+    );
+    Ok(())
 }
 
 /// Commits `n` puts, one at a time, on keys `first..`; returns the results.
@@ -231,6 +292,64 @@ fn commit_puts(store: &DiskStore, first: u8, n: u8) -> Vec<Result<(), StoreError
     (first..first + n)
         .map(|k| rt.block_on(store.commit(Op::Put(Arc::new(alloc(k, u64::from(k) + 1, 10))))))
         .collect()
+}
+
+/// A crash in the middle of an append of many changes (one frame of
+/// several sectors), over many seeds: the disk kept a prefix of it with
+/// its end lost, or any of its sectors, later ones without earlier ones.
+/// Every start is a start (the tail is torn, not damage), with every
+/// acknowledged change.
+#[test]
+fn a_crash_mid_append_with_its_sectors_lost_in_any_order_is_a_torn_tail() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let mut out_of_order = 0;
+    for seed in 0..120 {
+        let fs = SimFs::new();
+        fs.create_dir_all(&dir()).unwrap();
+        let store = open(&fs, 1 << 26).unwrap();
+        assert!(commit_puts(&store, 0, 3).iter().all(Result::is_ok));
+        // Its fsync never returns: the machine dies in it.
+        fs.fail_with(|op, path: &Path| {
+            let log = path.to_string_lossy().contains("taskgate.wal.");
+            (op == sim::Op::SyncData && log).then(|| io::Error::from_raw_os_error(5))
+        });
+        // Records of ~3 KB: whatever the writer takes in its first
+        // append spans several sectors.
+        let batch: Vec<_> = (3..9u8)
+            .map(|k| store.commit(Op::Put(Arc::new(alloc(k, u64::from(k) + 1, 3000)))))
+            .collect();
+        for c in batch {
+            assert!(rt.block_on(c).is_err());
+        }
+        drop(store);
+        fs.crash_now(seed);
+        let image = fs.image().unwrap();
+        let (_, log) = image
+            .files
+            .iter()
+            .rfind(|(p, _)| p.to_string_lossy().contains("taskgate.wal."))
+            .unwrap();
+        let zero_sectors: Vec<bool> = log.chunks(512).map(|c| c.iter().all(|&b| b == 0)).collect();
+        if zero_sectors.windows(2).any(|w| w[0] && !w[1]) {
+            out_of_order += 1;
+        }
+        let after = SimFs::from_image(&image);
+        let store = open(&after, 1 << 26).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        let ids: Vec<_> = store
+            .load()
+            .unwrap()
+            .allocations
+            .iter()
+            .map(|a| a.id.to_string())
+            .collect();
+        assert_eq!(ids[..3], ["key-0", "key-1", "key-2"], "seed {seed}");
+    }
+    assert!(
+        out_of_order > 10,
+        "{out_of_order} seeds lost sectors out of order"
+    );
 }
 
 fn enospc() -> io::Error {
@@ -354,7 +473,7 @@ fn stray_temporary_files_are_removed_or_left_alone() {
     assert!(commit_puts(&store, 0, 3).iter().all(Result::is_ok));
     drop(store);
     let stray = [
-        (super::wal::SEGMENT_TEMP, true),
+        (super::log::SEGMENT_TEMP, true),
         (super::snapshot::NEXT_FILE, true),
         ("taskgate.wal.00000000000000000001.broken", false),
     ];

@@ -11,7 +11,9 @@
 //! `image()` is what a restart would find: durable names and durable
 //! bytes, plus — for a file that was only appended to since its last sync —
 //! any prefix of the unsynced appends (a torn write), whose end may read as
-//! zeros from a sector boundary on (sectors that never reached the disk).
+//! zeros from a sector boundary on, or any of whose sectors may read as
+//! zeros, later ones kept while earlier ones are lost (sectors that never
+//! reached the disk, written out of order).
 //! `fail_with` makes chosen operations fail (ENOSPC, EIO, EROFS).
 
 use std::{
@@ -39,6 +41,9 @@ pub enum Op {
     SyncDir,
     List,
 }
+
+/// The unit a disk writes whole or not at all.
+const SECTOR: usize = 512;
 
 type Faults = Box<dyn FnMut(Op, &Path) -> Option<io::Error> + Send>;
 
@@ -108,16 +113,39 @@ impl State {
             let mut bytes = inode.durable.clone();
             if inode.data.len() > bytes.len() && inode.data.starts_with(&bytes) {
                 // Only appended to since the last sync: any prefix of the
-                // appends may have reached the disk, its end perhaps as
-                // zeros from a sector boundary.
+                // appends may have reached the disk (the file's length is
+                // metadata of its own), and of that prefix, any of its
+                // sectors: the disk writes a sector whole or not at all,
+                // in no promised order, so a later sector may be there
+                // while an earlier one reads as zeros (as etcd's WAL
+                // assumes). Either the end from a sector boundary on is
+                // lost (the common case), or each sector is kept or lost
+                // on its own.
                 let extra = inode.data.len() - bytes.len();
                 let kept = rng.usize(0..=extra);
                 let from = bytes.len();
                 bytes.extend_from_slice(&inode.data[from..from + kept]);
-                if kept > 0 && rng.bool() {
-                    let zero_from = rng.usize(from..bytes.len()).next_multiple_of(512);
-                    if zero_from < bytes.len() {
-                        bytes[zero_from..].fill(0);
+                if kept > 0 {
+                    match rng.u8(0..3) {
+                        0 => {}
+                        1 => {
+                            let zero_from = rng.usize(from..bytes.len()).next_multiple_of(SECTOR);
+                            if zero_from < bytes.len() {
+                                bytes[zero_from..].fill(0);
+                            }
+                        }
+                        _ => {
+                            // The sector holding `from` also holds synced
+                            // bytes: lost, it reads as it was at the sync.
+                            let mut at = from;
+                            while at < bytes.len() {
+                                let end = (at + 1).next_multiple_of(SECTOR).min(bytes.len());
+                                if rng.bool() {
+                                    bytes[at..end].fill(0);
+                                }
+                                at = end;
+                            }
+                        }
                     }
                 }
             }
@@ -195,11 +223,6 @@ impl SimFs {
     /// What a restart finds, once crashed.
     pub fn image(&self) -> Option<Image> {
         self.state().image.clone()
-    }
-
-    /// Operations so far.
-    pub fn ops(&self) -> u64 {
-        self.state().ops
     }
 
     /// Fails an operation whenever `fault` says so.
@@ -499,12 +522,15 @@ mod tests {
     }
 
     /// Over many seeds, a torn append leaves every prefix length, and
-    /// never anything but a prefix of what was written (or zeros).
+    /// never anything but a prefix of what was written with some of its
+    /// sectors zeroed: at its end, and also out of order (a sector kept
+    /// after one lost).
     #[test]
-    fn torn_appends_are_prefixes_perhaps_ending_in_zeros() {
+    fn torn_appends_are_prefixes_with_sectors_lost_even_out_of_order() {
         let appended: Vec<u8> = (1..=255u8).cycle().take(3000).collect();
         let mut lengths = BTreeSet::new();
-        for seed in 0..200 {
+        let mut out_of_order = 0;
+        for seed in 0..300 {
             let fs = SimFs::new();
             let dir = Path::new("/d");
             fs.create_dir_all(dir).unwrap();
@@ -517,12 +543,28 @@ mod tests {
             let got = fs.image().unwrap().files[&dir.join("log")].clone();
             assert_eq!(&got[..4], b"head");
             let tail = &got[4..];
-            let zeros = tail.iter().rev().take_while(|&&b| b == 0).count();
-            let data = &tail[..tail.len() - zeros];
-            assert!(appended.starts_with(data), "seed {seed}");
+            assert!(tail.len() <= appended.len(), "seed {seed}");
+            // Sector by sector (of the file): as written, or zeros.
+            let mut lost = Vec::new();
+            let mut at = 4;
+            while at < got.len() {
+                let end = (at + 1).next_multiple_of(SECTOR).min(got.len());
+                let chunk = &got[at..end];
+                if chunk != &appended[at - 4..end - 4] {
+                    assert!(chunk.iter().all(|&b| b == 0), "seed {seed}: byte {at}");
+                    lost.push(true);
+                } else {
+                    lost.push(false);
+                }
+                at = end;
+            }
+            if lost.windows(2).any(|w| w[0] && !w[1]) {
+                out_of_order += 1;
+            }
             lengths.insert(tail.len());
         }
         assert!(lengths.len() > 50, "{lengths:?}");
+        assert!(out_of_order > 20, "{out_of_order}");
     }
 
     #[test]

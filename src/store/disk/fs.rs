@@ -4,7 +4,8 @@
 //! real one (`RealFs`, std's files) in the server, and in tests a simulated
 //! one (`sim::SimFs`) that knows which writes, creates, renames and
 //! unlinks an `fsync` has made durable, and can crash — drop everything
-//! that was not, and tear the last unsynced append at any byte — or fail
+//! that was not, and tear the last unsynced append at any byte, losing
+//! any of its sectors, in any order — or fail
 //! an operation (ENOSPC, EIO, a read-only directory) on purpose. SIGKILL
 //! keeps the page cache, so only the simulated crash can catch a write
 //! whose durability the store takes for granted.

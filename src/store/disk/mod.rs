@@ -1,0 +1,482 @@
+//! The embedded disk store: a snapshot file and a write-ahead log, one
+//! writer thread (group commit) and one checkpoint thread. Its formats are
+//! drawn in the files that own them and written out in
+//! `docs/storage-format.md`:
+//!
+//! ```text
+//! <data dir>/taskgate.snapshot        snapshot.rs   every record in ID order, chained,
+//!                                                   and where the log it folded ended
+//!            taskgate.wal.<seq>       log.rs        one frame per append; each header says
+//!                                                   where the segment before it ended
+//!            (both made of)           frame.rs      len | crc | chain | payload, and what
+//!                                                   a torn append looks like
+//!            taskgate.lock, store-id               one process at a time; the store's ID
+//!
+//!   start:      recovery.rs    read and check all of it, then repair (cut a torn tail)
+//!   running:    writer.rs      one append and one fdatasync per batch
+//!               checkpoint.rs  fold sealed segments into the next snapshot
+//!   refused:    salvage.rs     `taskgate dump --salvage`: what can be proven, by index
+//!   tests:      fs.rs          the file system seam; fs/sim.rs crashes it (powerloss.rs)
+//! ```
+//!
+//! Requests serialize their record on their own thread and queue it. The
+//! writer takes everything queued at that moment (up to `max_batch`),
+//! appends it to the log (`log.rs`) as one frame, in one write and one
+//! `fdatasync`, and only then acknowledges every change in it. A failed
+//! append fails every change in the batch, and the log takes nothing more
+//! until a restart recovers from it.
+//!
+//! Once the log holds `log_limit` bytes, the writer seals its segment,
+//! starts the next, and hands the newest record of every allocation changed
+//! since the last checkpoint to the checkpoint thread, which writes the next
+//! snapshot (`snapshot.rs`: the current one merged with those changes,
+//! sequentially, renamed into place), recording in it which segment it
+//! folded and where that segment ended, and then removes the folded
+//! segments. The checkpoint thread runs
+//! at the lowest priority, in the time requests leave; while a checkpoint
+//! runs the log may grow to `LOG_SLACK` times its limit before the writer
+//! waits for it. The log on disk (and in memory until folded) — the
+//! segments being folded plus those written since — so stays under about
+//! `2 × LOG_SLACK` times the limit: 256 MiB by default, what recovery
+//! replays at most.
+//!
+//! Recovery reads the snapshot, then replays the segments it has not
+//! folded, in order, each checked against its neighbours. A data directory
+//! of the pre-release format (a redb file, `taskgate.redb`) is refused,
+//! never read as empty.
+//!
+//! One process at a time: the store holds an exclusive lock on
+//! `taskgate.lock` in the data directory while it is open.
+
+mod checkpoint;
+mod frame;
+pub mod fs;
+mod log;
+#[cfg(test)]
+mod powerloss;
+#[cfg(test)]
+mod properties;
+mod recovery;
+mod salvage;
+mod snapshot;
+#[cfg(test)]
+mod tests;
+mod writer;
+
+use std::{
+    path::{Path, PathBuf},
+    sync::{
+        Arc, Mutex, PoisonError,
+        mpsc::{self, SyncSender},
+    },
+    thread::JoinHandle,
+    time::Duration,
+};
+
+use tokio::sync::oneshot;
+
+use super::{Commit, LoadOnce, Loaded, Op, Store, StoreError, record};
+use crate::metrics::Metrics;
+use checkpoint::checkpointer;
+use fs::{DirLock, Fs, LockError, Open, RealFs};
+use recovery::{load_with, mend, refuse_pre_release, scan_log, snapshot_folded};
+use writer::RETRY_FIRST;
+use writer::{Trouble, Writer};
+
+pub use checkpoint::{FoldBench, FoldChanges};
+pub use recovery::{REDB_FILE, read_only};
+pub use salvage::{SalvageReport, salvage};
+pub use snapshot::SNAPSHOT_FILE;
+
+/// The log segments in a data directory, oldest first.
+pub fn log_segments(dir: &Path) -> std::io::Result<Vec<(u64, PathBuf)>> {
+    log::list_segments(&RealFs, dir)
+}
+
+/// The lock file's name inside the data directory.
+pub const LOCK_FILE: &str = "taskgate.lock";
+
+#[derive(Clone)]
+pub struct DiskStoreConfig {
+    pub dir: PathBuf,
+    /// Most changes in one commit; 1 turns group commit off.
+    pub max_batch: usize,
+    /// Log bytes after which a checkpoint folds them into the snapshot (or a
+    /// quarter of the snapshot's size, if that is larger).
+    pub log_limit: u64,
+    /// Unfolded log past which writes are refused (at least `4 ×` the
+    /// log's limit: under a working checkpoint the log never comes near).
+    pub log_ceiling: u64,
+    /// The first wait before a failed checkpoint or rollover is tried
+    /// again (then doubling, up to a minute).
+    pub retry: Duration,
+    /// Where commit latency and batch sizes are recorded.
+    pub metrics: Option<Arc<Metrics>>,
+    /// Where the files are: the real file system, or a simulated one in
+    /// tests.
+    pub fs: Arc<dyn Fs>,
+    /// Changes queued for the writer at most (`COMMIT_QUEUE`).
+    pub commit_queue: usize,
+}
+
+impl std::fmt::Debug for DiskStoreConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskStoreConfig")
+            .field("dir", &self.dir)
+            .field("max_batch", &self.max_batch)
+            .field("log_limit", &self.log_limit)
+            .field("log_ceiling", &self.log_ceiling)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DiskStoreConfig {
+    /// The defaults for a data directory.
+    pub fn new(dir: PathBuf) -> Self {
+        Self {
+            dir,
+            max_batch: 4096,
+            log_limit: DEFAULT_LOG_LIMIT,
+            log_ceiling: DEFAULT_LOG_CEILING,
+            retry: RETRY_FIRST,
+            metrics: None,
+            fs: Arc::new(RealFs),
+            commit_queue: COMMIT_QUEUE,
+        }
+    }
+}
+
+/// Changes queued for the writer at most; one more is refused (503
+/// `store_unavailable`) instead of memory growing without bound. Far more
+/// than the connections a server takes can have in flight.
+const COMMIT_QUEUE: usize = 65_536;
+
+/// Default size of the log between checkpoints.
+pub const DEFAULT_LOG_LIMIT: u64 = 64 * 1024 * 1024;
+
+/// Default ceiling of the log not yet folded, while checkpoints fail: a
+/// checkpoint reads all of it back, and a start replays it into memory.
+pub const DEFAULT_LOG_CEILING: u64 = 1024 * 1024 * 1024;
+
+/// How far past its limit the log may grow while a checkpoint runs.
+const LOG_SLACK: u64 = 2;
+
+/// The log's limit is at least the snapshot's size divided by this. A
+/// checkpoint rewrites the whole snapshot, so its cost grows with the
+/// number of allocations; with the limit growing alike, its cost per
+/// change stays the same at any size (and the disk writes at most ~4
+/// snapshot bytes per log byte).
+const SNAPSHOT_RATIO: u64 = 4;
+
+enum Msg {
+    /// One change, encoded for the log by the requester, on its own
+    /// thread (`log::change_with`); the writer joins a batch of them into
+    /// one frame.
+    Change {
+        change: Vec<u8>,
+        ack: oneshot::Sender<Result<(), StoreError>>,
+    },
+    Close(mpsc::SyncSender<()>),
+}
+
+/// Counters of the writer and the checkpoints, for tests and metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    /// Durable commits (log appends) made.
+    pub commits: u64,
+    /// Changes (puts and deletes) in them.
+    pub changes: u64,
+    /// Checkpoints (snapshots written).
+    pub checkpoints: u64,
+    /// Records (one per allocation changed) those checkpoints wrote.
+    pub folded: u64,
+    /// Checkpoints that failed, and failed tries to start a log segment.
+    pub failed_checkpoints: u64,
+    pub failed_rollovers: u64,
+}
+
+pub struct DiskStore {
+    /// Held (locked) while the store is open.
+    _lock: Box<dyn DirLock>,
+    /// The data directory's ID (`identity.rs`).
+    id: String,
+    /// Written by the writer and the checkpoints; read by `stats`.
+    stats: Arc<Mutex<StoreStats>>,
+    dir: PathBuf,
+    /// Queue to the writer thread; `None` once closed.
+    queue: Mutex<Option<SyncSender<Msg>>>,
+    /// The writer, then the checkpoint thread, joined in that order.
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    /// What the store held at open, until `load` takes it.
+    recovered: LoadOnce,
+    /// What is wrong with the writer's work, shared with it.
+    trouble: Arc<Mutex<Trouble>>,
+}
+
+fn unusable(path: &Path, what: impl std::fmt::Display) -> StoreError {
+    StoreError::Unusable(format!(
+        "snapshot {}: {what}. Nothing in it was changed. The data directory must be \
+         restored from a backup as a whole (the snapshot and its log segments belong \
+         together), or moved away to start with an empty store.",
+        path.display()
+    ))
+}
+
+fn unusable_log(path: &Path, what: impl std::fmt::Display) -> StoreError {
+    StoreError::Unusable(format!(
+        "store log segment {}: {what}. Nothing in it was changed. The data directory must \
+         be restored from a backup as a whole (the snapshot and its log segments belong \
+         together).",
+        path.display()
+    ))
+}
+
+impl DiskStore {
+    /// Opens (or creates) the store in its directory, reads and checks
+    /// everything it holds, and starts the writer
+    /// and checkpoint threads. Nothing in the directory changes until the
+    /// snapshot and the log have been read through and every record
+    /// decoded: a refused start leaves the directory as it found it (but
+    /// for the lock file).
+    pub fn open(config: DiskStoreConfig) -> Result<Self, StoreError> {
+        let fs = &*config.fs;
+        fs.create_dir_all(&config.dir).map_err(|e| {
+            StoreError::Unusable(format!(
+                "cannot create the data directory {}: {e}",
+                config.dir.display()
+            ))
+        })?;
+        let lock = lock(fs, &config.dir)?;
+        refuse_pre_release(&config.dir)?;
+        let path = config.dir.join(SNAPSHOT_FILE);
+        let folded = snapshot_folded(fs, &config.dir)?;
+        let snapshot_bytes = fs
+            .open(&path, Open::Read)
+            .and_then(|f| f.len())
+            .unwrap_or(0);
+        let recovery = scan_log(fs, &config.dir, folded)?;
+        let loaded = load_with(fs, &config.dir, &recovery.overlay)?;
+        // Everything read back: only now is anything changed.
+        recovery.apply(fs, &config.dir)?;
+        let id = super::identity::ensure(fs, &config.dir)?;
+        let (log_bytes, next_seq, previous) = (recovery.log_bytes, recovery.next_seq, recovery.end);
+        drop(recovery);
+        let segment = log::Segment::create(fs, &config.dir, next_seq, previous).map_err(|e| {
+            StoreError::Unusable(format!(
+                "cannot create the store log segment {}: {e}. {}; the directory holds every \
+                 acknowledged change.",
+                log::segment_path(&config.dir, next_seq).display(),
+                mend(&e)
+            ))
+        })?;
+        let stats = Arc::new(Mutex::new(StoreStats::default()));
+        // One checkpoint at a time: the writer sends the next job only
+        // once it has the last one's answer.
+        let (jobs, jobs_rx) = mpsc::sync_channel(1);
+        let (done, done_rx) = mpsc::channel();
+        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(f)
+                .map_err(|e| StoreError::Unusable(format!("cannot start the {name} thread: {e}")))
+        };
+        let checkpointer = {
+            let (dir, stats) = (config.dir.clone(), stats.clone());
+            let metrics = config.metrics.clone();
+            let fs = config.fs.clone();
+            spawn(
+                "taskgate-checkpoint",
+                Box::new(move || {
+                    checkpointer(
+                        &*fs,
+                        &dir,
+                        folded.seq,
+                        &jobs_rx,
+                        &done,
+                        &stats,
+                        metrics.as_deref(),
+                    )
+                }),
+            )?
+        };
+        let (tx, rx) = mpsc::sync_channel(config.commit_queue.max(1));
+        let trouble = Arc::new(Mutex::new(Trouble::default()));
+        let log_limit = config.log_limit.max(1);
+        let writer = Writer {
+            fs: config.fs.clone(),
+            dir: config.dir.clone(),
+            // The live segments recovered are folded by the first
+            // checkpoint, with the new one.
+            log_bytes: log_bytes + segment.len,
+            sealed: Vec::new(),
+            segment,
+            log_limit,
+            log_ceiling: config.log_ceiling.max(4 * log_limit),
+            jobs,
+            done: done_rx,
+            snapshot_bytes,
+            in_flight: false,
+            trouble: trouble.clone(),
+            retry_at: None,
+            retry_first: config.retry,
+            backoff: config.retry,
+            max_batch: config.max_batch.max(1),
+            stats: stats.clone(),
+            metrics: config.metrics.clone(),
+        };
+        let writer = spawn("taskgate-store", Box::new(move || writer.run(&rx)))?;
+        Ok(Self {
+            _lock: lock,
+            id,
+            stats,
+            dir: config.dir,
+            queue: Mutex::new(Some(tx)),
+            threads: Mutex::new(vec![writer, checkpointer]),
+            recovered: LoadOnce::new(loaded),
+            trouble,
+        })
+    }
+
+    /// The data directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn stats(&self) -> StoreStats {
+        *self.stats.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Queues a change for the writer without blocking: a full queue is
+    /// refused, not waited on (the caller is an async task).
+    fn send(&self, msg: Msg) -> Result<(), StoreError> {
+        let queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(q) = queue.as_ref() else {
+            return Err(StoreError::Closed);
+        };
+        q.try_send(msg).map_err(|e| match e {
+            mpsc::TrySendError::Full(_) => StoreError::Unavailable(
+                "the commit queue is full: changes are waiting for the disk; try again".into(),
+            ),
+            mpsc::TrySendError::Disconnected(_) => StoreError::Closed,
+        })
+    }
+
+    /// Waits for the writer (after what is queued) and then the checkpoint
+    /// thread (after its checkpoint) to finish.
+    fn join(&self) -> Result<(), StoreError> {
+        let threads =
+            std::mem::take(&mut *self.threads.lock().unwrap_or_else(PoisonError::into_inner));
+        let mut result = Ok(());
+        for t in threads {
+            if t.join().is_err() {
+                result = Err(StoreError::Io("a store thread panicked".into()));
+            }
+        }
+        result
+    }
+}
+
+/// Takes the data directory's lock, or says who holds it.
+fn lock(fs: &dyn Fs, dir: &Path) -> Result<Box<dyn DirLock>, StoreError> {
+    let path = dir.join(LOCK_FILE);
+    fs.lock(&path).map_err(|e| match e {
+        LockError::Held => StoreError::Unusable(format!(
+            "the data directory {} is in use by another process (is another taskgate running on it?)",
+            dir.display()
+        )),
+        LockError::Io(e) => {
+            StoreError::Unusable(format!("cannot lock {}: {e}", path.display()))
+        }
+    })
+}
+
+impl Store for DiskStore {
+    fn load(&self) -> Result<Loaded, StoreError> {
+        self.recovered.take()
+    }
+
+    fn id(&self) -> &str {
+        &self.id
+    }
+
+    fn commit(&self, op: Op) -> Commit {
+        let (ack, done) = oneshot::channel();
+        // Sized for a typical record, so encoding it rarely reallocates.
+        let mut change = Vec::with_capacity(1024);
+        match op {
+            Op::Put(a) => {
+                log::change_with(&mut change, a.id.as_str(), a.modify_index, true, |buf| {
+                    record::encode_into(&a, buf);
+                })
+            }
+            Op::Delete { id, index } => log::change(&mut change, id.as_str(), index, None),
+        }
+        let msg = Msg::Change { change, ack };
+        if let Err(e) = self.send(msg) {
+            return Box::pin(async { Err(e) });
+        }
+        Box::pin(async move { done.await.unwrap_or(Err(StoreError::Closed)) })
+    }
+
+    fn health(&self) -> super::StoreHealth {
+        let t = self.trouble.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(cause) = &t.write {
+            return super::StoreHealth::Refusing {
+                code: "write_failed",
+                cause: cause.clone(),
+            };
+        }
+        if t.full {
+            return super::StoreHealth::Refusing {
+                code: "log_full",
+                cause: format!(
+                    "the store log reached its ceiling; checkpoints fail: {}",
+                    t.checkpoint
+                        .as_deref()
+                        .unwrap_or("(no checkpoint has failed)")
+                ),
+            };
+        }
+        let mut codes = Vec::new();
+        if t.checkpoint.is_some() {
+            codes.push("checkpoints_failing");
+        }
+        if t.rollover.is_some() {
+            codes.push("log_rollover_failing");
+        }
+        if codes.is_empty() {
+            super::StoreHealth::Ok
+        } else {
+            super::StoreHealth::Degraded(codes)
+        }
+    }
+
+    fn close(&self) -> Result<(), StoreError> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        // Send the close and drop the queue under one lock, so no change
+        // can be queued behind the close.
+        let sent = {
+            let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+            let sent = queue
+                .as_ref()
+                .is_some_and(|q| q.send(Msg::Close(tx)).is_ok());
+            queue.take();
+            sent
+        };
+        if sent {
+            let _ = rx.recv();
+        }
+        self.join()
+    }
+}
+
+impl Drop for DiskStore {
+    fn drop(&mut self) {
+        // Stops the writer after what is queued; `close` may have done it.
+        self.queue
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let _ = self.join();
+    }
+}

@@ -1,0 +1,530 @@
+//! Recovery: what a start reads, checks and only then tidies.
+//!
+//! A start reads the snapshot and every log segment it has not folded,
+//! decodes every record, and refuses the directory, naming the file and
+//! the byte, if anything does not read back. Only once all of it has been
+//! read does it change anything: the torn tail of the newest segment is
+//! cut off (kept beside it as `<segment>.broken`), segments the snapshot
+//! already folded and unfinished temporary files are removed.
+
+use std::path::{Path, PathBuf};
+
+use super::{
+    LOCK_FILE,
+    fs::{Fs, Open, RealFs},
+    log::{self, Overlay},
+    snapshot::{self, NEXT_FILE, OLD_FILE, SNAPSHOT_FILE, Snapshot},
+    unusable, unusable_log,
+};
+use crate::{
+    lifecycle::Allocation,
+    store::{Loaded, StoreError, record},
+};
+
+/// The file of the pre-release store (redb), which no release reads.
+pub const REDB_FILE: &str = "taskgate.redb";
+
+/// A directory holding only a pre-release store is refused and named: read
+/// as an empty store, its allocations would be lost without a word. The
+/// first release's format (the snapshot and its log) is the baseline.
+pub(super) fn refuse_pre_release(dir: &Path) -> Result<(), StoreError> {
+    if dir.join(REDB_FILE).exists() && !dir.join(SNAPSHOT_FILE).exists() {
+        return Err(StoreError::Unusable(format!(
+            "{} holds a store of taskgate's pre-release format ({REDB_FILE}), which this \
+             taskgate does not read; move the directory away to start with an empty store",
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Where the log the snapshot in `dir` folded ends: the last segment it
+/// folded, and where that segment ended (`None` for a snapshot of the
+/// first format, which does not say), or no log at all without a
+/// snapshot. A snapshot that is missing while the one it replaced is
+/// still there, or while the log starts past segment 1, is a lost
+/// snapshot, not an empty store (see `scan_log`).
+pub(super) fn snapshot_folded(fs: &dyn Fs, dir: &Path) -> Result<Folded, StoreError> {
+    let path = dir.join(SNAPSHOT_FILE);
+    let none = Folded {
+        seq: 0,
+        end: Some(log::End::NONE),
+    };
+    match Snapshot::open(fs, dir) {
+        Ok(Some(s)) => Ok(Folded {
+            seq: s.folded,
+            end: s.log_end,
+        }),
+        Ok(None) if fs.exists(&dir.join(OLD_FILE)) => Err(unusable(
+            &path,
+            format!(
+                "it is missing, but the snapshot it replaced ({OLD_FILE}) is there: a snapshot \
+                 is only ever replaced by a rename, so it was removed by something else"
+            ),
+        )),
+        Ok(None) => Ok(none),
+        Err(e) => Err(unusable(&path, format!("cannot be read: {e}"))),
+    }
+}
+
+/// How far the snapshot folded the log.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Folded {
+    /// The last segment it folded (0: none).
+    pub(super) seq: u64,
+    /// Where that segment ended, as the snapshot says (format 2).
+    pub(super) end: Option<log::End>,
+}
+
+/// What the log holds, read without changing anything, and what a start
+/// must then tidy (`apply`).
+pub(super) struct Recovery {
+    pub(super) overlay: Overlay,
+    /// Bytes of the live segments, up to their last good frame.
+    pub(super) log_bytes: u64,
+    /// The sequence number of the segment to write next.
+    pub(super) next_seq: u64,
+    /// Segments the snapshot already folded (a checkpoint stopped before
+    /// removing them).
+    pub(super) folded: Vec<PathBuf>,
+    /// The newest segment's torn tail: the segment and where to cut it.
+    pub(super) torn: Option<(PathBuf, log::Bad, u64)>,
+    /// Where the log ends once the torn tail is cut: what the next
+    /// segment's header records.
+    pub(super) end: log::End,
+}
+
+/// Replays the log segments `folded` does not cover into an overlay. They
+/// must run on from `folded + 1` with no gap, each read back whole, each
+/// beginning where its header says the one before it ended (the first:
+/// where the snapshot says the log it folded ended), so a sealed segment
+/// that lost appends at its end, even cut at a frame boundary, is found;
+/// only the newest may end in a torn append (`log.rs` says what counts as
+/// torn), which `Recovery::apply` then cuts off. Anything else stops the
+/// start, naming the file and the offset.
+pub(super) fn scan_log(fs: &dyn Fs, dir: &Path, folded: Folded) -> Result<Recovery, StoreError> {
+    let snapshot_end = folded.end;
+    let folded = folded.seq;
+    let dir_error = |e: std::io::Error| {
+        StoreError::Unusable(format!(
+            "cannot read the store log in {}: {e}",
+            dir.display()
+        ))
+    };
+    let mut recovery = Recovery {
+        overlay: Overlay::default(),
+        log_bytes: 0,
+        next_seq: folded + 1,
+        folded: Vec::new(),
+        torn: None,
+        end: snapshot_end.unwrap_or(log::End::NONE),
+    };
+    let (done, live): (Vec<_>, Vec<_>) = log::list_segments(fs, dir)
+        .map_err(dir_error)?
+        .into_iter()
+        .partition(|(seq, _)| *seq <= folded);
+    recovery.folded = done.into_iter().map(|(_, path)| path).collect();
+    let count = live.len();
+    // The segment before this one, and where it ended.
+    let mut before: Option<(PathBuf, log::End)> = None;
+    for (i, (seq, path)) in live.into_iter().enumerate() {
+        if seq != recovery.next_seq {
+            let why = if folded == 0 && i == 0 {
+                format!(
+                    "the log starts at segment {seq}: segment 1 is missing, or the snapshot \
+                     that folded the segments before {seq} ({}) is",
+                    dir.join(SNAPSHOT_FILE).display()
+                )
+            } else {
+                format!(
+                    "segment {} is missing (the snapshot has folded up to segment {folded})",
+                    recovery.next_seq
+                )
+            };
+            return Err(unusable_log(&path, why));
+        }
+        let content = fs
+            .read(&path)
+            .map_err(|e| unusable_log(&path, format!("cannot be read: {e}")))?;
+        let r = log::replay(&content, seq, &mut recovery.overlay)
+            .map_err(|e| unusable_log(&path, e))?;
+        match &before {
+            None => follows_snapshot(dir, &path, r.previous, snapshot_end)?,
+            Some(before) => follows(before, &path, r.previous)?,
+        }
+        recovery.next_seq = seq + 1;
+        recovery.log_bytes += r.valid_len;
+        recovery.end = r.end();
+        before = Some((path.clone(), recovery.end));
+        let Some(bad) = r.bad else { continue };
+        let newest = i + 1 == count;
+        if !(newest && bad.torn) {
+            let mut why = format!(
+                "it is damaged at byte {}: the frame there {}; the {} bytes from there on \
+                 cannot be read",
+                bad.at, bad.what, bad.bytes
+            );
+            if !newest {
+                why.push_str(", and newer segments follow it");
+            }
+            why.push_str(". `taskgate dump --salvage` copies what can be read to a new directory");
+            return Err(unusable_log(&path, why));
+        }
+        recovery.torn = Some((path, bad, r.valid_len));
+    }
+    Ok(recovery)
+}
+
+/// Checks that segment `path`, whose header says the log before it ended
+/// at `stated`, follows the segment `before` that ended where it says.
+/// Damage, if any, is at the end of that segment: it is the one named.
+fn follows(
+    (before, end): &(PathBuf, log::End),
+    path: &Path,
+    stated: Option<log::End>,
+) -> Result<(), StoreError> {
+    let Some(stated) = stated.filter(|s| s != end) else {
+        return Ok(());
+    };
+    let next = path.display();
+    let why = if end.len < stated.len {
+        format!(
+            "it ends at byte {}, but the segment after it ({next}) says it ended at byte {}: \
+             the {} bytes of acknowledged appends from byte {} on are missing (a sealed \
+             segment was cut short)",
+            end.len,
+            stated.len,
+            stated.len - end.len,
+            end.len
+        )
+    } else if end.len > stated.len {
+        format!(
+            "it ends at byte {}, but the segment after it ({next}) says it ended at byte {}: \
+             the bytes from byte {} on were never part of it",
+            end.len, stated.len, stated.len
+        )
+    } else {
+        format!(
+            "its last append (ending at byte {}) is not the one the segment after it \
+             ({next}) names: the two are not of one history (a segment copied from \
+             elsewhere?)",
+            end.len
+        )
+    };
+    Err(unusable_log(before, why))
+}
+
+/// Checks that the first segment the snapshot has not folded, `path`,
+/// whose header says the log before it ended at `stated`, follows the log
+/// the snapshot folded (which ended at `folded`).
+fn follows_snapshot(
+    dir: &Path,
+    path: &Path,
+    stated: Option<log::End>,
+    folded: Option<log::End>,
+) -> Result<(), StoreError> {
+    let (Some(stated), Some(folded)) = (stated, folded) else {
+        return Ok(());
+    };
+    if stated == folded {
+        return Ok(());
+    }
+    let snapshot = dir.join(SNAPSHOT_FILE);
+    Err(unusable_log(
+        path,
+        format!(
+            "its header (at byte 16) says the log before it ended at byte {} (chain {:08x}), \
+             but the snapshot {} says the log it folded ended at byte {} (chain {:08x}): the \
+             snapshot and the log are not of one history (an older snapshot with a newer log, \
+             or files of two data directories)",
+            stated.len,
+            stated.chain,
+            snapshot.display(),
+            folded.len,
+            folded.chain
+        ),
+    ))
+}
+
+impl Recovery {
+    /// Tidies the data directory once everything in it has been read: cuts
+    /// the torn tail off the newest segment (kept beside it as
+    /// `<segment>.broken`), and removes the segments already folded, an
+    /// unfinished snapshot and an unfinished segment.
+    pub(super) fn apply(&self, fs: &dyn Fs, dir: &Path) -> Result<(), StoreError> {
+        if let Some((path, bad, len)) = &self.torn {
+            let names_before = fs.list(dir).unwrap_or_default();
+            let aside = log::cut(fs, path, *len)
+                .map_err(|e| cut_failed(fs, dir, path, *len, &names_before, e))?;
+            tracing::warn!(
+                segment = %path.display(),
+                at = bad.at,
+                bytes = bad.bytes,
+                kept_in = %aside.display(),
+                "cut off an unfinished append at the end of the store log (the frame there {}; \
+                 it was never acknowledged)",
+                bad.what
+            );
+        }
+        let mut removed = false;
+        for path in &self.folded {
+            fs.remove_file(path)
+                .map_err(|e| unusable_log(path, format!("cannot remove it: {e}")))?;
+            removed = true;
+        }
+        // A checkpoint that stopped before its rename, a segment creation
+        // that stopped before its rename: incomplete, never used.
+        for name in [NEXT_FILE, log::SEGMENT_TEMP] {
+            let path = dir.join(name);
+            match fs.remove_file(&path) {
+                Ok(()) => removed = true,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(StoreError::Unusable(format!(
+                        "cannot remove the unfinished {}: {e}",
+                        path.display()
+                    )));
+                }
+            }
+        }
+        if removed {
+            fs.sync_dir(dir).map_err(|e| {
+                StoreError::Unusable(format!(
+                    "cannot sync the data directory {}: {e}",
+                    dir.display()
+                ))
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// What an operator does about a file system error that stopped a start
+/// before or after it changed anything; the data is not damaged.
+pub(super) fn mend(e: &std::io::Error) -> &'static str {
+    if e.kind() == std::io::ErrorKind::StorageFull {
+        "The file system is full: free space on it and start again"
+    } else {
+        "Mend that (the data directory must take writes) and start again"
+    }
+}
+
+/// Why a start could not cut the torn tail off segment `path` (back to
+/// `len` bytes). The log is not damaged: what stopped the start is the
+/// file system (full, read-only, failing), so the answer says to mend that
+/// and start again, not to restore a backup. While the segment is still
+/// whole, the start has changed nothing, and a `.broken` file the cut
+/// began (empty or partial) is removed so that this stays true.
+pub(super) fn cut_failed(
+    fs: &dyn Fs,
+    dir: &Path,
+    path: &Path,
+    len: u64,
+    names_before: &[std::ffi::OsString],
+    e: std::io::Error,
+) -> StoreError {
+    let what = format!(
+        "store log segment {}: it ends in an unfinished append (never acknowledged), which a \
+         start keeps aside in a `{}` file and then cuts off; that failed ({e}). {}",
+        path.display(),
+        log::BROKEN_SUFFIX,
+        mend(&e)
+    );
+    match fs.open(path, Open::Read).and_then(|f| f.len()) {
+        Ok(n) if n > len => {}
+        // The tail was made durable in its `.broken` file before the cut
+        // began, so whether or not the cut happened, nothing is lost.
+        Ok(_) => {
+            return StoreError::Unusable(format!(
+                "{what}; the segment was cut back and its tail kept beside it. Nothing \
+                 acknowledged is lost."
+            ));
+        }
+        Err(_) => {
+            return StoreError::Unusable(format!(
+                "{what}; whether the segment was cut back cannot be read. Nothing acknowledged \
+                 is lost (the tail is kept aside before any cut)."
+            ));
+        }
+    }
+    let mut prefix = path.file_name().unwrap_or_default().to_owned();
+    prefix.push(log::BROKEN_SUFFIX);
+    let prefix = prefix.to_string_lossy().into_owned();
+    let begun = fs
+        .list(dir)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|n| n.to_string_lossy().starts_with(&prefix) && !names_before.contains(n));
+    let mut left = Vec::new();
+    for n in begun {
+        let p = dir.join(&n);
+        if fs.remove_file(&p).is_err() {
+            left.push(p.display().to_string());
+        }
+    }
+    if left.is_empty() {
+        // A crash before this sync can only bring back a stray `.broken`
+        // copy, which holds nothing acknowledged.
+        let _ = fs.sync_dir(dir);
+        StoreError::Unusable(format!(
+            "{what}. Nothing in the data directory was changed."
+        ))
+    } else {
+        StoreError::Unusable(format!(
+            "{what}, after removing the unfinished copy {} (it holds nothing acknowledged). \
+             Nothing else in the data directory was changed.",
+            left.join(", ")
+        ))
+    }
+}
+
+/// Every record of the snapshot in `dir` with the log's changes
+/// (`overlay`) over it, decoded.
+pub(super) fn load_with(fs: &dyn Fs, dir: &Path, overlay: &Overlay) -> Result<Loaded, StoreError> {
+    let path = dir.join(SNAPSHOT_FILE);
+    let io = |e: std::io::Error| unusable(&path, format!("cannot be read: {e}"));
+    let mut base = Snapshot::open(fs, dir).map_err(io)?;
+    let stored_index = base.as_ref().map_or(0, |b| b.last_index);
+    // The log's changes are newer than the snapshot's records: merged in ID
+    // order, a logged record replaces the snapshot's, a logged deletion
+    // drops it.
+    let changes = snapshot::sorted(overlay);
+    let stored = base.as_ref().map_or(0, Snapshot::records);
+    let mut loader = Loader::new(&path, usize::try_from(stored).unwrap_or(0) + changes.len());
+    let mut failed = None;
+    snapshot::load(base.as_mut(), &changes, |id, record| {
+        loader.push(id.to_owned(), record.to_vec()).map_err(|e| {
+            failed = Some(e);
+            std::io::Error::other("a record did not decode")
+        })
+    })
+    .map_err(|e| failed.take().unwrap_or_else(|| io(e)))?;
+    Ok(Loaded {
+        allocations: loader.finish()?,
+        last_index: stored_index.max(overlay.last_index),
+        ..Default::default()
+    })
+}
+
+/// A shared lock on `dir`, held while reading it from outside a store: a
+/// checkpoint must not replace the files midway. Refused while a taskgate
+/// has the directory open. A directory no store has opened has no lock
+/// file (`None`); nothing is created in it.
+pub(in crate::store) fn lock_shared(dir: &Path) -> Result<Option<std::fs::File>, StoreError> {
+    if !dir.is_dir() {
+        return Err(StoreError::Unusable(format!(
+            "{} is not a data directory",
+            dir.display()
+        )));
+    }
+    let lock_path = dir.join(LOCK_FILE);
+    match std::fs::File::open(&lock_path) {
+        Ok(file) => match file.try_lock_shared() {
+            Ok(()) => Ok(Some(file)),
+            Err(std::fs::TryLockError::WouldBlock) => Err(StoreError::Unusable(format!(
+                "the data directory {} is in use by a running taskgate: stop it first, \
+                 or work on a copy of the directory",
+                dir.display()
+            ))),
+            Err(std::fs::TryLockError::Error(e)) => Err(StoreError::Unusable(format!(
+                "cannot lock {}: {e}",
+                lock_path.display()
+            ))),
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(StoreError::Unusable(format!(
+            "cannot open the lock file {}: {e}",
+            lock_path.display()
+        ))),
+    }
+}
+
+/// Everything the data directory `dir` holds, read without changing a
+/// byte of it (`taskgate dump`): what a start would load, except that an
+/// unfinished append at the end of the log is left where it is. Refused
+/// while a taskgate has the directory open.
+pub fn read_only(dir: &Path) -> Result<Loaded, StoreError> {
+    let _lock = lock_shared(dir)?;
+    refuse_pre_release(dir)?;
+    let recovery = scan_log(&RealFs, dir, snapshot_folded(&RealFs, dir)?)?;
+    load_with(&RealFs, dir, &recovery.overlay)
+}
+
+/// Decodes loaded records in chunks, each chunk on every core: decoding
+/// is most of a recovery.
+pub(super) struct Loader<'a> {
+    path: &'a Path,
+    raw: Vec<(String, Vec<u8>)>,
+    allocations: Vec<Allocation>,
+    specs: crate::lifecycle::SpecInterner,
+}
+
+impl<'a> Loader<'a> {
+    const CHUNK: usize = 16_384;
+
+    fn new(path: &'a Path, capacity: usize) -> Self {
+        Self {
+            path,
+            raw: Vec::with_capacity(Self::CHUNK),
+            allocations: Vec::with_capacity(capacity),
+            specs: Default::default(),
+        }
+    }
+
+    /// Takes the records in key order.
+    fn push(&mut self, key: String, bytes: Vec<u8>) -> Result<(), StoreError> {
+        self.raw.push((key, bytes));
+        if self.raw.len() == Self::CHUNK {
+            self.decode()?;
+        }
+        Ok(())
+    }
+
+    fn decode(&mut self) -> Result<(), StoreError> {
+        let decoded = decode_parallel(&self.raw);
+        for ((key, _), result) in self.raw.drain(..).zip(decoded) {
+            let mut a = result.map_err(|e| {
+                unusable(
+                    self.path,
+                    format!("the record of allocation {key:?} is unreadable: {e}"),
+                )
+            })?;
+            if a.id.as_str() != key {
+                return Err(unusable(
+                    self.path,
+                    format!("the record under {key:?} is for allocation {:?}", a.id),
+                ));
+            }
+            a.spec = self.specs.share(a.spec);
+            self.allocations.push(a);
+        }
+        Ok(())
+    }
+
+    fn finish(mut self) -> Result<Vec<Allocation>, StoreError> {
+        self.decode()?;
+        Ok(self.allocations)
+    }
+}
+
+/// Decodes records on every core; the results keep the input order.
+pub(super) fn decode_parallel(raw: &[(String, Vec<u8>)]) -> Vec<Result<Allocation, String>> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per = raw.len().div_ceil(threads).max(1);
+    std::thread::scope(|s| {
+        let parts: Vec<_> = raw
+            .chunks(per)
+            .map(|part| {
+                s.spawn(move || {
+                    part.iter()
+                        .map(|(_, bytes)| record::decode(bytes))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        parts
+            .into_iter()
+            .flat_map(|h| h.join().expect("decoding does not panic"))
+            .collect()
+    })
+}

@@ -1,0 +1,340 @@
+//! `taskgate dump --salvage`: everything that can still be proven of a
+//! damaged data directory, copied into a new one.
+//!
+//! A start refuses a directory whose snapshot or log is damaged, rather
+//! than drop acknowledged changes in silence. Salvage is the way on when
+//! there is no backup, as named steps:
+//!
+//! 1. **Read** the snapshot and every log segment past damage, taking a
+//!    frame only where it can be proven (`frame::salvage`): its chain
+//!    links, or it starts a run of linked frames to the end its file's
+//!    neighbour vouches for (the next segment's header, the snapshot's
+//!    trailer). A frame that lies inside another's payload — an agent can
+//!    write one in an event message — is never taken.
+//! 2. **Merge by index**: the newest version of each allocation wins,
+//!    wherever it lies (snapshot, any segment, even one the snapshot
+//!    folded), a deletion included.
+//! 3. **Judge**: an allocation's last index is proven only if nothing was
+//!    lost after its newest version (one allocation's changes are written
+//!    in index order, so anything lost after it could have been newer).
+//!    Every allocation it cannot prove is listed.
+//! 4. **Write** what survives, decoded, as the first snapshot of a new data
+//!    directory, whose indexes go on past any a lost change could have
+//!    used.
+//!
+//! The damaged directory is only read, never changed; the new one must not
+//! exist yet (or be empty). The report says exactly what could not be
+//! read (which bytes of which file, which allocation's record) and which
+//! allocations may have lost their last changes.
+
+use std::{collections::BTreeMap, path::Path};
+
+use super::{
+    frame,
+    fs::RealFs,
+    log, recovery,
+    snapshot::{self, SNAPSHOT_FILE, SnapshotWriter},
+};
+use crate::store::{StoreError, record};
+
+/// What a salvage copied, and what it could not read.
+#[derive(Debug, Default)]
+pub struct SalvageReport {
+    /// Allocations written to the new directory.
+    pub allocations: usize,
+    /// The highest global index seen (the new directory goes on from it).
+    pub last_index: u64,
+    /// One line per thing that could not be read, naming the file and the
+    /// bytes, or the allocation.
+    pub lost: Vec<String>,
+    /// One line per allocation whose last index could not be proven: its
+    /// newest version salvaged (or its deletion) may be older than what
+    /// it had, because something after it was lost.
+    pub unproven: Vec<String>,
+}
+
+impl SalvageReport {
+    /// Everything was read, and every allocation's last index proven.
+    pub fn whole(&self) -> bool {
+        self.lost.is_empty() && self.unproven.is_empty()
+    }
+}
+
+fn io(path: &Path, what: &str, e: std::io::Error) -> StoreError {
+    StoreError::Unusable(format!("cannot {what} {}: {e}", path.display()))
+}
+
+/// Where something lies in the history the files hold, oldest first: the
+/// segments the snapshot folded, the snapshot, the segments after it.
+/// (For a snapshot whose header is lost: before every segment.)
+type Position = (u64, u64);
+
+/// The newest version of one allocation found so far.
+struct Version {
+    index: u64,
+    /// Its record, or `None`: deleted.
+    record: Option<Vec<u8>>,
+    at: Position,
+}
+
+/// Copies what can be proven of data directory `from` into the new data
+/// directory `to`.
+pub fn salvage(from: &Path, to: &Path) -> Result<SalvageReport, StoreError> {
+    let _lock = recovery::lock_shared(from)?;
+    prepare(from, to)?;
+    let mut report = SalvageReport::default();
+    let mut newest: BTreeMap<String, Version> = BTreeMap::new();
+    let keep = |newest: &mut BTreeMap<String, Version>, id: &str, v: Version| match newest.get(id) {
+        Some(have) if have.index > v.index || (have.index == v.index && have.at > v.at) => {}
+        _ => {
+            newest.insert(id.to_owned(), v);
+        }
+    };
+    // Where log bytes were lost (in history order), and how many.
+    let mut lost_at: Vec<Position> = Vec::new();
+    let mut lost_log_bytes = 0;
+
+    // 1. Read: the snapshot.
+    let snapshot_path = from.join(SNAPSHOT_FILE);
+    let folded;
+    let mut snapshot_end = None;
+    match std::fs::read(&snapshot_path) {
+        Ok(bytes) => {
+            let s = snapshot::salvage(&bytes);
+            describe(&mut report.lost, &snapshot_path, &s.unread);
+            if let Some(why) = &s.trailer {
+                report
+                    .lost
+                    .push(format!("{}: {why}", snapshot_path.display()));
+            }
+            if s.folded.is_none() {
+                report.lost.push(format!(
+                    "{}: its header is damaged, so every log segment is read with it",
+                    snapshot_path.display()
+                ));
+            }
+            describe_ids(&mut report.lost, &s);
+            folded = s.folded;
+            snapshot_end = s.log_end;
+            report.last_index = s.last_index;
+            let at = (folded.unwrap_or(0), u64::MAX);
+            for (_, id, bytes) in s.records {
+                match record::decode(bytes) {
+                    Ok(a) if a.id.as_str() == id => keep(
+                        &mut newest,
+                        id,
+                        Version {
+                            index: a.modify_index,
+                            record: Some(bytes.to_vec()),
+                            at,
+                        },
+                    ),
+                    Ok(a) => report.lost.push(format!(
+                        "allocation {id:?}: its record in the snapshot is for allocation {:?}",
+                        a.id
+                    )),
+                    Err(e) => report.lost.push(format!(
+                        "allocation {id:?}: its record in the snapshot is unreadable: {e}"
+                    )),
+                }
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => folded = Some(0),
+        Err(e) => return Err(io(&snapshot_path, "read", e)),
+    }
+
+    // 1. Read: the log, every segment (those the snapshot folded too, if
+    // it cannot say which it folded), each to the end its successor's
+    // header vouches for.
+    let mut segments = Vec::new();
+    for (seq, path) in log::list_segments(&RealFs, from).map_err(|e| io(from, "list", e))? {
+        if folded.is_some_and(|f| seq <= f) {
+            continue;
+        }
+        let bytes = std::fs::read(&path).map_err(|e| io(&path, "read", e))?;
+        segments.push((seq, path, bytes));
+    }
+    let mut expected = folded.map(|f| f + 1);
+    for (i, (seq, path, bytes)) in segments.iter().enumerate() {
+        let seq = *seq;
+        if let Some(next) = expected.filter(|&next| next < seq) {
+            report.lost.push(format!(
+                "log segments {next} to {} are missing: their changes are lost",
+                seq - 1
+            ));
+            lost_at.push((next, 0));
+        }
+        expected = Some(seq + 1);
+        let next = segments.get(i + 1).filter(|(n, _, _)| *n == seq + 1);
+        let vouched = next.and_then(|(n, _, b)| log::read_header(b, *n).ok()?.previous);
+        let read = log::salvage(bytes, seq, vouched);
+        for c in &read.changes {
+            keep(
+                &mut newest,
+                c.id,
+                Version {
+                    index: c.index,
+                    record: c.record.map(<[u8]>::to_vec),
+                    at: (seq, c.at),
+                },
+            );
+            report.last_index = report.last_index.max(c.index);
+        }
+        lost_log_bytes += read.unread.iter().map(|u| u.to - u.from).sum::<u64>();
+        lost_at.extend(read.unread.iter().map(|u| (seq, u.from)));
+        describe(&mut report.lost, path, &read.unread);
+        if let (Some(stated), false) = (vouched, read.ends_as_vouched) {
+            let end = read.end.len.min(bytes.len() as u64);
+            report.lost.push(format!(
+                "{}: the segment after it says it ended at byte {}, but what can be read of \
+                 it ends at byte {end}: the appends between are lost",
+                path.display(),
+                stated.len
+            ));
+            lost_at.push((seq, end));
+            lost_log_bytes += stated.len.saturating_sub(end);
+        }
+        if folded.is_some_and(|f| seq == f + 1)
+            && let Some(why) = log::mismatch(read.previous, snapshot_end)
+        {
+            report.lost.push(format!(
+                "{}: it does not follow the snapshot ({why}): changes between them may be lost",
+                path.display()
+            ));
+            lost_at.push((seq, 0));
+        }
+    }
+
+    // 3. Judge: nothing lost may lie after an allocation's newest version.
+    let last_lost = lost_at.iter().max().copied();
+    let mut kept = Vec::new();
+    for (id, v) in &newest {
+        if last_lost.is_some_and(|l| l > v.at) {
+            report.unproven.push(match v.record {
+                Some(_) => format!(
+                    "allocation {id:?}: salvaged at index {}, but what was lost after it may \
+                     have held newer changes",
+                    v.index
+                ),
+                None => format!(
+                    "allocation {id:?}: deleted at index {}, but what was lost after it may \
+                     have registered it again",
+                    v.index
+                ),
+            });
+        }
+        let Some(record) = &v.record else { continue };
+        match record::decode(record) {
+            Ok(a) if a.id.as_str() == id => {
+                report.last_index = report.last_index.max(a.modify_index);
+                kept.push((id, record));
+            }
+            Ok(a) => report.lost.push(format!(
+                "allocation {id:?}: its record is for allocation {:?}",
+                a.id
+            )),
+            Err(e) => report
+                .lost
+                .push(format!("allocation {id:?}: its record is unreadable: {e}")),
+        }
+    }
+    if last_lost.is_some() {
+        report.unproven.push(
+            "and any allocation whose changes all lay in what was lost: its ID cannot be read"
+                .into(),
+        );
+    }
+    // A lost change may have used indexes above the highest one read; the
+    // new directory goes on past every index they could have used (one per
+    // change, and no change is shorter than `log::MIN_CHANGE`), so no index
+    // a client saw is handed out twice.
+    let skipped = lost_log_bytes / log::MIN_CHANGE;
+    if skipped > 0 {
+        report.lost.push(format!(
+            "indexes go on from {} ({skipped} above the highest one read, which the lost \
+             changes of the log may have used)",
+            report.last_index + skipped
+        ));
+    }
+    report.last_index += skipped;
+
+    // 4. Write.
+    // No log came before it: a chain of its own, which the first segment
+    // written after it takes up (two salvaged directories' files do not
+    // fit each other).
+    let start = log::End {
+        len: 0,
+        chain: fastrand::u32(..),
+    };
+    let mut out = SnapshotWriter::create(&RealFs, to, 0, report.last_index, start)
+        .map_err(|e| io(to, "write a snapshot in", e))?;
+    for (id, record) in kept {
+        out.put(id, record)
+            .map_err(|e| io(to, "write a snapshot in", e))?;
+        report.allocations += 1;
+    }
+    out.finish().map_err(|e| io(to, "write a snapshot in", e))?;
+    Ok(report)
+}
+
+/// Checks that `to` is a new place (not `from`, absent or empty) and
+/// creates it.
+fn prepare(from: &Path, to: &Path) -> Result<(), StoreError> {
+    let same = |a: &Path, b: &Path| -> bool {
+        match (a.canonicalize(), b.canonicalize()) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
+        }
+    };
+    if same(from, to) {
+        return Err(StoreError::Unusable(
+            "salvage never works in place: name a new directory to copy into".into(),
+        ));
+    }
+    match std::fs::read_dir(to).map(|mut entries| entries.next().is_some()) {
+        Ok(true) => {
+            return Err(StoreError::Unusable(format!(
+                "{} is not empty: salvage copies into a new directory",
+                to.display()
+            )));
+        }
+        Ok(false) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io(to, "read", e)),
+    }
+    std::fs::create_dir_all(to).map_err(|e| io(to, "create", e))
+}
+
+/// Which allocations a lost stretch of the snapshot can have held: the
+/// records are in ID order, so only those whose IDs sort between the
+/// records around it.
+fn describe_ids(lost: &mut Vec<String>, s: &snapshot::Salvaged<'_>) {
+    // The header's own stretch (from byte 0) held no record.
+    for u in s.unread.iter().filter(|u| u.from > 0) {
+        let before = s.records.iter().rev().find(|r| (r.0 as u64) < u.from);
+        let after = s.records.iter().find(|r| r.0 as u64 >= u.to);
+        let which = match (before, after) {
+            (Some(b), Some(a)) => format!("whose IDs sort after {:?} and before {:?}", b.1, a.1),
+            (Some(b), None) => format!("whose IDs sort after {:?}", b.1),
+            (None, Some(a)) => format!("whose IDs sort before {:?}", a.1),
+            (None, None) => "of any ID".into(),
+        };
+        lost.push(format!(
+            "snapshot bytes {} to {}: they may have held the records of allocations {which}, \
+             which are lost unless the log holds them",
+            u.from, u.to
+        ));
+    }
+}
+
+fn describe(lost: &mut Vec<String>, path: &Path, unread: &[frame::Unread]) {
+    for u in unread {
+        lost.push(format!(
+            "{}: bytes {} to {} ({} bytes) could not be read",
+            path.display(),
+            u.from,
+            u.to,
+            u.to - u.from
+        ));
+    }
+}

@@ -1,0 +1,338 @@
+//! The writer: one thread, one log append and one `fdatasync` per batch
+//! of changes (group commit), and the rollovers and checkpoints it starts.
+
+use std::{
+    path::PathBuf,
+    sync::{
+        Arc, Mutex, PoisonError,
+        mpsc::{self, Receiver, SyncSender},
+    },
+    time::{Duration, Instant},
+};
+
+use super::{LOG_SLACK, Msg, SNAPSHOT_RATIO, StoreStats, checkpoint::Job, fs::Fs, log};
+use crate::{metrics::Metrics, store::StoreError};
+
+/// What is wrong with the store's background work, shared between the
+/// writer (which keeps it) and `DiskStore::health`.
+#[derive(Debug, Default)]
+pub(super) struct Trouble {
+    /// Why the log takes no more changes, after a failed append: for good,
+    /// until a restart recovers from the log.
+    pub(super) write: Option<String>,
+    /// The last checkpoint's error, while checkpoints fail.
+    pub(super) checkpoint: Option<String>,
+    /// The last error starting a new log segment, while that fails.
+    pub(super) rollover: Option<String>,
+    /// The log not yet folded reached its ceiling: writes are refused
+    /// until a checkpoint succeeds.
+    pub(super) full: bool,
+}
+
+/// How long the writer waits before trying a failed checkpoint or
+/// rollover again, at first and at most (doubling in between): a
+/// checkpoint reads the whole unfolded log back, and tried after every
+/// commit, failing ones cut throughput threefold.
+pub(super) const RETRY_FIRST: Duration = Duration::from_secs(1);
+
+pub(super) const RETRY_MAX: Duration = Duration::from_secs(60);
+
+/// How often the writer, idle, looks for the answer of a checkpoint that
+/// tries again.
+pub(super) const RETRY_POLL: Duration = Duration::from_millis(10);
+
+/// The single writer: one log append and one `fdatasync` per batch.
+pub(super) struct Writer {
+    pub(super) fs: Arc<dyn Fs>,
+    pub(super) dir: PathBuf,
+    pub(super) segment: log::Segment,
+    /// Bytes of the current segment.
+    pub(super) log_bytes: u64,
+    /// Sealed segments not folded yet, and their bytes.
+    pub(super) sealed: Vec<(u64, u64)>,
+    pub(super) log_limit: u64,
+    /// Unfolded log past which writes are refused.
+    pub(super) log_ceiling: u64,
+    pub(super) jobs: SyncSender<Job>,
+    /// One answer per job: the new snapshot's size, or why the checkpoint
+    /// failed.
+    pub(super) done: Receiver<Result<u64, String>>,
+    /// The snapshot's size (see `SNAPSHOT_RATIO`).
+    pub(super) snapshot_bytes: u64,
+    pub(super) in_flight: bool,
+    /// Shared with `DiskStore::health`.
+    pub(super) trouble: Arc<Mutex<Trouble>>,
+    /// When a failed checkpoint or rollover is tried again, and the wait
+    /// after the next failure.
+    pub(super) retry_at: Option<Instant>,
+    pub(super) retry_first: Duration,
+    pub(super) backoff: Duration,
+    pub(super) max_batch: usize,
+    pub(super) stats: Arc<Mutex<StoreStats>>,
+    pub(super) metrics: Option<Arc<Metrics>>,
+}
+
+impl Writer {
+    pub(super) fn run(mut self, queue: &Receiver<Msg>) {
+        let mut batch = Vec::with_capacity(self.max_batch);
+        let mut buf = Vec::new();
+        let mut acks = Vec::new();
+        loop {
+            // While something failed, wake up to try it again (and to
+            // collect the try's answer) even if no change comes.
+            let first = match self.wake_at() {
+                None => queue
+                    .recv()
+                    .map_err(|_| mpsc::RecvTimeoutError::Disconnected),
+                Some(at) => queue.recv_timeout(at.saturating_duration_since(Instant::now())),
+            };
+            let first = match first {
+                Ok(msg) => msg,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    self.maintain();
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            };
+            batch.push(first);
+            while batch.len() < self.max_batch {
+                match queue.try_recv() {
+                    Ok(msg) => batch.push(msg),
+                    Err(_) => break,
+                }
+            }
+            let mut closing = None;
+            // The whole batch is one frame: one append, which a crash
+            // leaves whole or torn, never half of its changes whole.
+            log::begin(&mut buf);
+            for msg in batch.drain(..) {
+                match msg {
+                    Msg::Change { change, ack } => {
+                        buf.extend_from_slice(&change);
+                        acks.push(ack);
+                    }
+                    // Everything queued before the close is in this batch.
+                    Msg::Close(done) => closing = Some(done),
+                }
+            }
+            if !acks.is_empty() {
+                let started = Instant::now();
+                let result = self.append(&mut buf);
+                if result.is_ok() {
+                    if let Some(m) = &self.metrics {
+                        m.commit(started.elapsed(), acks.len());
+                        m.unfolded_log(self.unfolded());
+                    }
+                    let mut s = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
+                    s.commits += 1;
+                    s.changes += acks.len() as u64;
+                }
+                for ack in acks.drain(..) {
+                    let _ = ack.send(result.clone());
+                }
+                self.maintain();
+            }
+            if let Some(closed) = closing {
+                let _ = closed.send(());
+                return;
+            }
+        }
+    }
+
+    /// When to look at the background work without a change to commit:
+    /// the next try of what failed, or soon after a try is in flight.
+    fn wake_at(&self) -> Option<Instant> {
+        if self.retry_at.is_some() {
+            return self.retry_at;
+        }
+        let t = self.trouble();
+        let retrying = t.checkpoint.is_some() || t.rollover.is_some() || t.full;
+        (retrying && self.in_flight).then(|| Instant::now() + RETRY_POLL)
+    }
+
+    fn trouble(&self) -> std::sync::MutexGuard<'_, Trouble> {
+        self.trouble.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The log not folded yet: the sealed segments and the current one.
+    fn unfolded(&self) -> u64 {
+        self.sealed.iter().map(|(_, b)| b).sum::<u64>() + self.log_bytes
+    }
+
+    pub(super) fn append(&mut self, buf: &mut [u8]) -> Result<(), StoreError> {
+        if let Some(why) = &self.trouble().write {
+            return Err(StoreError::Io(why.clone()));
+        }
+        let unfolded = self.unfolded();
+        if unfolded + buf.len() as u64 > self.log_ceiling {
+            let mut t = self.trouble();
+            if !t.full {
+                t.full = true;
+                tracing::error!(
+                    unfolded_bytes = unfolded,
+                    ceiling = self.log_ceiling,
+                    "the store log reached its ceiling because checkpoints fail; writes are refused \
+                     until a checkpoint succeeds"
+                );
+            }
+            return Err(StoreError::Unavailable(format!(
+                "the store log holds {unfolded} bytes not yet folded into the snapshot, its \
+                 ceiling, because checkpoints fail; writes are refused until one succeeds"
+            )));
+        }
+        match self.segment.append(buf) {
+            Ok(()) => {
+                self.log_bytes += buf.len() as u64;
+                Ok(())
+            }
+            Err(e) => {
+                // After a failed write or fsync the file's state is not
+                // known; appending after it could put acknowledged changes
+                // behind a torn frame, which recovery would not reach.
+                let why = format!(
+                    "writing the store log failed ({e}); no change is accepted until taskgate \
+                     is restarted and recovers from the log"
+                );
+                tracing::error!(error = %e, "store log append failed; the store takes no more changes");
+                self.trouble().write = Some(why.clone());
+                Err(StoreError::Io(why))
+            }
+        }
+    }
+
+    /// The log size at which the next checkpoint starts.
+    fn limit(&self) -> u64 {
+        self.log_limit.max(self.snapshot_bytes / SNAPSHOT_RATIO)
+    }
+
+    /// Takes a finished checkpoint's answer, then seals the current
+    /// segment and starts the next checkpoint if the log is past its limit.
+    /// While a checkpoint runs, the log may grow to `LOG_SLACK` times its
+    /// limit; past that the writer waits for it, which bounds the log (and
+    /// what recovery replays). A failed checkpoint or rollover is tried
+    /// again after a wait that doubles with each failure.
+    fn maintain(&mut self) {
+        if self.in_flight {
+            let answer = match self.done.try_recv() {
+                Ok(answer) => Ok(answer),
+                Err(mpsc::TryRecvError::Empty)
+                    if self.log_bytes < self.limit().saturating_mul(LOG_SLACK) =>
+                {
+                    Err(false)
+                }
+                Err(mpsc::TryRecvError::Empty) => self.done.recv().map_err(|_| true),
+                Err(mpsc::TryRecvError::Disconnected) => Err(true),
+            };
+            let answer = match answer {
+                Ok(answer) => answer,
+                Err(gone) => {
+                    if gone {
+                        self.checkpointer_gone();
+                    }
+                    return;
+                }
+            };
+            self.in_flight = false;
+            self.finished(answer);
+        }
+        if self.log_bytes < self.limit() && self.retry_at.is_none() {
+            return;
+        }
+        if self.retry_at.is_some_and(|at| Instant::now() < at) {
+            return;
+        }
+        // After a failed append the segment's end is not known (part of
+        // the append may be there), so no next segment may vouch for it:
+        // the log stays as it is until a restart recovers from it.
+        if self.trouble().write.is_some() {
+            return;
+        }
+        // Seal the current segment (unless it is empty: a retry of a
+        // failed checkpoint alone), then fold everything sealed.
+        if self.log_bytes > log::Segment::HEADER_LEN {
+            let end = self.segment.end();
+            let next = match log::Segment::create(&*self.fs, &self.dir, self.segment.seq + 1, end) {
+                Ok(next) => next,
+                Err(e) => {
+                    let e = e.to_string();
+                    if self.trouble().rollover.replace(e.clone()).is_none() {
+                        tracing::error!(error = %e, "cannot start a new store log segment; the log grows past its limit until this works");
+                    }
+                    self.failed(false);
+                    return;
+                }
+            };
+            if self.trouble().rollover.take().is_some() {
+                tracing::info!("store log segments can be started again");
+            }
+            let sealed = std::mem::replace(&mut self.segment, next);
+            self.sealed.push((sealed.seq, self.log_bytes));
+            self.log_bytes = self.segment.len;
+        }
+        let Some(&(last, _)) = self.sealed.last() else {
+            self.retry_at = None;
+            return;
+        };
+        if self.jobs.send(Job { sealed: last }).is_ok() {
+            self.in_flight = true;
+            // Tried: the next try comes with the answer.
+            self.retry_at = None;
+        }
+    }
+
+    /// The checkpoint thread is gone (it panicked): said once, as a
+    /// failing checkpoint, so health shows it and the log's ceiling stops
+    /// the growth that follows.
+    fn checkpointer_gone(&mut self) {
+        let mut t = self.trouble();
+        if t.checkpoint.is_none() {
+            tracing::error!("the checkpoint thread is gone; the store log grows until its ceiling");
+            t.checkpoint = Some("the checkpoint thread is gone".into());
+        }
+    }
+
+    /// A checkpoint's answer.
+    fn finished(&mut self, answer: Result<u64, String>) {
+        match answer {
+            Ok(bytes) => {
+                self.snapshot_bytes = bytes;
+                self.sealed.clear();
+                if let Some(m) = &self.metrics {
+                    m.unfolded_log(self.unfolded());
+                }
+                self.backoff = self.retry_first;
+                let mut t = self.trouble();
+                if t.checkpoint.take().is_some() {
+                    tracing::info!("store checkpoints work again");
+                }
+                if std::mem::take(&mut t.full) {
+                    tracing::info!(
+                        "the store log is folded below its ceiling; writes are taken again"
+                    );
+                }
+            }
+            Err(e) => {
+                if self.trouble().checkpoint.replace(e.clone()).is_none() {
+                    tracing::error!(error = %e, "store checkpoint failed; its changes stay in the log, and it is tried again until it works");
+                }
+                self.failed(true);
+            }
+        }
+    }
+
+    /// Counts a failed checkpoint or rollover and schedules the next try.
+    fn failed(&mut self, checkpoint: bool) {
+        if let Some(m) = &self.metrics {
+            m.store_failure(if checkpoint { "checkpoint" } else { "rollover" });
+        }
+        let mut s = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
+        if checkpoint {
+            s.failed_checkpoints += 1;
+        } else {
+            s.failed_rollovers += 1;
+        }
+        drop(s);
+        self.retry_at = Some(Instant::now() + self.backoff);
+        self.backoff = (self.backoff * 2).min(RETRY_MAX);
+    }
+}

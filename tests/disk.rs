@@ -1,0 +1,660 @@
+//! The disk store through the real binary, against damage no crash can
+//! cause: write, stop (SIGKILL or SIGTERM), damage the data directory,
+//! start, and compare with what was acknowledged. A start either holds
+//! every acknowledged change or refuses, naming the file and the byte;
+//! it never starts healthy with less.
+
+mod common;
+
+use std::{
+    collections::BTreeMap,
+    io::{BufRead, BufReader, Read},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use common::process::{Server, taskgate_bin};
+use serde_json::{Value, json};
+
+/// Allocation ID → the index its last acknowledged change got.
+type Acked = BTreeMap<String, u64>;
+
+fn spec() -> Value {
+    json!({"tasks": [
+        {"name": "init", "lifecycle": {"hook": "prestart"}},
+        {"name": "proxy", "lifecycle": {"hook": "prestart", "sidecar": true}},
+        {"name": "web", "leader": true},
+        {"name": "announce", "lifecycle": {"hook": "poststart"}},
+        {"name": "cleanup", "lifecycle": {"hook": "poststop"}}
+    ]})
+}
+
+fn start(dir: &Path, log_limit: &str) -> Server {
+    Server::start(&[
+        "--data-dir",
+        dir.to_str().unwrap(),
+        "--store-log-limit",
+        log_limit,
+    ])
+}
+
+async fn healthy(base: &str) {
+    let http = common::http();
+    for _ in 0..3000 {
+        if let Ok(res) = http.get(format!("{base}/v1/health")).send().await
+            && res.status() == 200
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the server never became healthy");
+}
+
+/// Registers `ids` one after the other (an append each) and notes the
+/// index each got.
+async fn register(base: &str, ids: &[String], acked: &mut Acked) {
+    let http = common::http();
+    for id in ids {
+        let res = http
+            .put(format!("{base}/v1/allocations/{id}"))
+            .json(&spec())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 201, "{id}");
+        acked.insert(id.clone(), index_of(&res));
+    }
+}
+
+fn index_of(res: &reqwest::Response) -> u64 {
+    res.headers()["x-taskgate-index"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// A task report with an event whose size never changes (its time given),
+/// on `id`'s prestart task; `n` picks one of two messages, so that with a
+/// full history of them every report changes the record; returns the
+/// index it got.
+async fn report(base: &str, id: &str, n: usize) -> u64 {
+    let message = ["still here", "still there"][n % 2];
+    let res = common::http()
+        .put(format!("{base}/v1/allocations/{id}/tasks/init/state"))
+        .json(&json!({"state": "pending", "event": {
+            "type": "Tick", "time": "2024-01-01T00:00:00Z", "message": message}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    index_of(&res)
+}
+
+/// Every acknowledged allocation is there at the index it was
+/// acknowledged with.
+async fn verify(base: &str, acked: &Acked) {
+    let http = common::http();
+    for (id, index) in acked {
+        let res = http
+            .get(format!("{base}/v1/allocations/{id}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200, "{id} was acknowledged at {index}");
+        let body: Value = res.json().await.unwrap();
+        assert_eq!(body["modify_index"], *index, "{id}");
+    }
+}
+
+fn ids(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{prefix}{i:03}")).collect()
+}
+
+/// Starts `taskgate serve` on `dir`, which must refuse to start: returns
+/// what it said. Panics if it started (it logged its address) instead.
+fn refused(dir: &Path) -> String {
+    let mut child = Command::new(taskgate_bin())
+        .args(["serve", "--log", "info", "--listen", "127.0.0.1:0"])
+        .args(["--data-dir", dir.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("taskgate starts");
+    let stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        // Its address logged: it started. Its output closed: it exited.
+        let started = BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .any(|line| line.contains("addr="));
+        let _ = tx.send(started);
+    });
+    let started = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the server starts or exits");
+    if started {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("the server started on a damaged data directory");
+    }
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "{status:?}");
+    let mut said = String::new();
+    stderr.read_to_string(&mut said).unwrap();
+    said
+}
+
+fn segment(dir: &Path, seq: u64) -> PathBuf {
+    dir.join(format!("taskgate.wal.{seq:020}"))
+}
+
+/// Where each append of a log segment starts: after its header, each
+/// frame's length is its first 4 bytes, then an 12-byte head in all
+/// (docs/storage-format.md). Format 2 segments (an earlier build's) have a
+/// 24-byte header.
+fn append_starts(bytes: &[u8]) -> Vec<usize> {
+    let mut at = if bytes[7] == 2 { 24 } else { 32 };
+    let mut starts = Vec::new();
+    while at + 12 <= bytes.len() {
+        starts.push(at);
+        at += 12 + u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+    }
+    starts
+}
+
+/// The byte offsets named in a refusal: "byte N".
+fn bytes_named(said: &str) -> Vec<usize> {
+    said.split("byte ")
+        .skip(1)
+        .filter_map(|s| s.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
+        .collect()
+}
+
+/// A sealed log segment cut exactly at an append's boundary — the appends
+/// at its end gone, the segment after it intact — is refused, naming the
+/// segment and the byte where the missing appends began; put back, every
+/// acknowledged change is there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sealed_segment_cut_at_an_append_boundary_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut acked = Acked::new();
+    // A segment per start.
+    for round in ["a", "b", "c"] {
+        let mut server = start(dir.path(), "64MiB");
+        healthy(&server.base).await;
+        register(&server.base, &ids(round, 6), &mut acked).await;
+        server.child.kill().unwrap();
+        server.child.wait().unwrap();
+    }
+    let first = segment(dir.path(), 1);
+    let whole = std::fs::read(&first).unwrap();
+    let last = *append_starts(&whole).last().unwrap();
+    std::fs::write(&first, &whole[..last]).unwrap();
+    let said = refused(dir.path());
+    assert!(said.contains(&first.display().to_string()), "{said}");
+    assert!(bytes_named(&said).contains(&last), "{said}");
+    std::fs::write(&first, &whole).unwrap();
+    let server = start(dir.path(), "64MiB");
+    healthy(&server.base).await;
+    verify(&server.base, &acked).await;
+}
+
+/// The checkpoints' count, from `/metrics`.
+async fn checkpoints(base: &str) -> u64 {
+    let text = common::http()
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("taskgate_store_checkpoint_duration_seconds_count "))
+        .map_or(0, |n| n.trim().parse().unwrap())
+}
+
+/// Folds the whole log into the snapshot: a start with a 1-byte log
+/// limit (which the store raises to a quarter of the snapshot's size),
+/// changes (`id-<n>`) until one seals the segment and a checkpoint of
+/// everything sealed is done, a clean stop.
+async fn checkpoint(dir: &Path, id: &str, acked: &mut Acked) {
+    let mut server = start(dir, "1B");
+    healthy(&server.base).await;
+    let mut n = 0;
+    while checkpoints(&server.base).await == 0 {
+        n += 1;
+        assert!(n < 5000, "no checkpoint");
+        register(&server.base, &[format!("{id}-{n}")], acked).await;
+    }
+    server.terminate();
+    assert!(server.child.wait().unwrap().success());
+}
+
+/// Where a snapshot's record of `id` starts and how long it is (format 1:
+/// a 32-byte header and 8-byte heads; format 2: 40 and 12).
+fn record_of(snapshot: &[u8], id: &str) -> (usize, usize) {
+    let (mut at, head) = if snapshot[7] == 1 { (32, 8) } else { (40, 12) };
+    loop {
+        let len = u32::from_le_bytes(snapshot[at..at + 4].try_into().unwrap()) as usize;
+        let id_len = snapshot[at + head] as usize;
+        if &snapshot[at + head + 1..at + head + 1 + id_len] == id.as_bytes() {
+            return (at, head + len);
+        }
+        at += head + len;
+    }
+}
+
+/// A 4 KiB block of an older snapshot copied over the same place in the
+/// current one, holding an older version of an allocation of the same
+/// size (each record in it passes its own checksum, the count is right):
+/// refused, naming the snapshot and a byte in the block — not started
+/// with the allocation back at its older index. Put back, every
+/// acknowledged change is there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_of_an_older_snapshot_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let snapshot = dir.path().join("taskgate.snapshot");
+    let mut acked = Acked::new();
+    let server = start(dir.path(), "64MiB");
+    healthy(&server.base).await;
+    register(&server.base, &ids("x", 100), &mut acked).await;
+    // A full history of events, so the next ones replace as many bytes.
+    for n in 0..10 {
+        acked.insert("x050".into(), report(&server.base, "x050", n).await);
+    }
+    drop(server);
+    checkpoint(dir.path(), "zz0", &mut acked).await;
+    // A change of the same size: its record's time may take another
+    // number of bytes, so tried until one does not (bounded).
+    let mut tries = 0;
+    let (older, current, at) = loop {
+        tries += 1;
+        assert!(tries <= 20, "no change of the same size");
+        let older = std::fs::read(&snapshot).unwrap();
+        let server = start(dir.path(), "64MiB");
+        healthy(&server.base).await;
+        let before = acked["x050"];
+        let index = report(&server.base, "x050", tries).await;
+        assert!(index > before, "a change");
+        acked.insert("x050".into(), index);
+        drop(server);
+        checkpoint(dir.path(), &format!("zz{tries}"), &mut acked).await;
+        let current = std::fs::read(&snapshot).unwrap();
+        let (at, len) = record_of(&current, "x050");
+        if record_of(&older, "x050") == (at, len) {
+            break (older, current, at);
+        }
+    };
+    let block = at / 4096 * 4096..(at / 4096 + 1) * 4096;
+    assert!(block.start >= 4096 && block.end < current.len() - 24);
+    let mut mixed = current.clone();
+    mixed[block.clone()].copy_from_slice(&older[block.clone()]);
+    assert!(mixed != current, "the block holds the older version");
+    std::fs::write(&snapshot, &mixed).unwrap();
+    let said = refused(dir.path());
+    assert!(said.contains(&snapshot.display().to_string()), "{said}");
+    assert!(
+        bytes_named(&said).iter().any(|b| block.contains(b)),
+        "{said}"
+    );
+    std::fs::write(&snapshot, &current).unwrap();
+    let server = start(dir.path(), "64MiB");
+    healthy(&server.base).await;
+    verify(&server.base, &acked).await;
+}
+
+/// Two data directories with the same shape (a snapshot that folded the
+/// same segments, a log after it): the snapshot of one with the log of
+/// the other (an older snapshot with a newer log) is refused, naming the
+/// segment that does not follow it and the snapshot — not started with
+/// the other's allocations and without this one's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_with_a_log_that_does_not_follow_it_is_refused() {
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let mut acked = [Acked::new(), Acked::new()];
+    for (d, (acked, prefix)) in dirs.iter().zip(acked.iter_mut().zip(["a", "b"])) {
+        let server = start(d.path(), "64MiB");
+        healthy(&server.base).await;
+        register(&server.base, &ids(prefix, 20), acked).await;
+        drop(server);
+        checkpoint(d.path(), &format!("{prefix}-folded"), acked).await;
+        let mut server = start(d.path(), "64MiB");
+        healthy(&server.base).await;
+        register(&server.base, &ids(&format!("{prefix}-log"), 5), acked).await;
+        server.child.kill().unwrap();
+        server.child.wait().unwrap();
+    }
+    let [mine, theirs] = &dirs;
+    let name = "taskgate.snapshot";
+    let own = std::fs::read(mine.path().join(name)).unwrap();
+    std::fs::copy(theirs.path().join(name), mine.path().join(name)).unwrap();
+    let said = refused(mine.path());
+    assert!(said.contains(name), "{said}");
+    assert!(said.contains("taskgate.wal."), "{said}");
+    std::fs::write(mine.path().join(name), own).unwrap();
+    let server = start(mine.path(), "64MiB");
+    healthy(&server.base).await;
+    verify(&server.base, &acked[0]).await;
+}
+
+/// Runs `taskgate dump --data-dir FROM --salvage TO`; returns its exit
+/// code and report.
+fn salvage(from: &Path, to: &Path) -> (i32, String) {
+    let out = Command::new(taskgate_bin())
+        .args(["dump", "--data-dir", from.to_str().unwrap()])
+        .args(["--salvage", to.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&out.stdout).into_owned();
+    let said = String::from_utf8_lossy(&out.stderr);
+    (out.status.code().unwrap_or(-1), format!("{report}{said}"))
+}
+
+/// Salvage by index: the newest version of each allocation wins wherever
+/// it lies. A checkpoint folded the log (`x` at a newer index) and
+/// stopped before removing the segment it folded (`x` at an older
+/// index); the snapshot's header is damaged, so salvage cannot know what
+/// it folded and reads that segment too: its older `x` must not win.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn salvage_keeps_the_newest_version_of_each_allocation() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut acked = Acked::new();
+    let server = start(dir.path(), "64MiB");
+    healthy(&server.base).await;
+    register(&server.base, &ids("x", 3), &mut acked).await;
+    acked.insert("x001".into(), report(&server.base, "x001", 0).await);
+    drop(server);
+    let first = segment(dir.path(), 1);
+    let folded = std::fs::read(&first).unwrap();
+    // Newer changes of x001 in the next segment, then a checkpoint of both.
+    let server = start(dir.path(), "64MiB");
+    healthy(&server.base).await;
+    for n in 1..4 {
+        acked.insert("x001".into(), report(&server.base, "x001", n).await);
+    }
+    drop(server);
+    checkpoint(dir.path(), "y", &mut acked).await;
+    assert!(!first.exists(), "the checkpoint removed what it folded");
+    std::fs::write(&first, &folded).unwrap();
+    let snapshot = dir.path().join("taskgate.snapshot");
+    let mut bytes = std::fs::read(&snapshot).unwrap();
+    bytes[9] ^= 0x01;
+    std::fs::write(&snapshot, &bytes).unwrap();
+    let to = tempfile::tempdir().unwrap();
+    let to = to.path().join("salvaged");
+    let (code, said) = salvage(dir.path(), &to);
+    assert_eq!(code, 3, "{said}");
+    assert!(said.contains("its header is damaged"), "{said}");
+    let server = start(&to, "64MiB");
+    healthy(&server.base).await;
+    verify(&server.base, &acked).await;
+}
+
+/// The bytes of a log frame (the format the segment `like` is in) that
+/// deletes `victim` at index `index` or near it, every byte of it ASCII so
+/// that it can be an event message: what an agent that knows the format
+/// could write.
+fn fake_frame(like: &[u8], victim: &str, mut index: u64) -> Vec<u8> {
+    let v3 = like[7] == 3;
+    let ascii = |b: &[u8]| b.iter().all(|&c| c < 0x80);
+    loop {
+        index += 1;
+        let mut change = vec![2u8];
+        change.extend_from_slice(&index.to_le_bytes());
+        change.push(victim.len() as u8);
+        change.extend_from_slice(victim.as_bytes());
+        let payload = if v3 {
+            let mut p = (change.len() as u32).to_le_bytes().to_vec();
+            p.extend_from_slice(&change);
+            p
+        } else {
+            change
+        };
+        let len = (payload.len() as u32).to_le_bytes();
+        let mut h = crc32fast::Hasher::new();
+        h.update(&len);
+        h.update(&payload);
+        let crc = h.finalize().to_le_bytes();
+        let mut frame = len.to_vec();
+        frame.extend_from_slice(&crc);
+        frame.extend_from_slice(b"AAAA");
+        frame.extend_from_slice(&payload);
+        if ascii(&frame) {
+            return frame;
+        }
+    }
+}
+
+/// An agent writes, inside an event message, bytes that read as a log
+/// frame deleting another allocation at an index of its choosing. Its
+/// append's head is then damaged: salvage must read past it, and must
+/// not take the frame inside it — the other allocation is there, and the
+/// indexes do not jump. What salvage cannot prove is named, and it exits 3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn salvage_never_takes_a_frame_written_inside_an_event_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut acked = Acked::new();
+    let server = start(dir.path(), "64MiB");
+    healthy(&server.base).await;
+    register(&server.base, &ids("victim", 3), &mut acked).await;
+    register(&server.base, &["agent".to_owned()], &mut acked).await;
+    let log = std::fs::read(segment(dir.path(), 1)).unwrap();
+    // Indexes below 2^56 whose bytes are ASCII.
+    let fake = fake_frame(&log, "victim001", 0x0100_0000_0000_0000);
+    let message = format!(
+        "all is well{}and more",
+        String::from_utf8(fake.clone()).unwrap()
+    );
+    let res = common::http()
+        .put(format!(
+            "{}/v1/allocations/agent/tasks/init/state",
+            server.base
+        ))
+        .json(&json!({"state": "pending", "event": {"type": "Note", "message": message}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    register(&server.base, &ids("later", 2), &mut acked).await;
+    drop(server);
+    // The head of the append that holds the message: its checksum and its
+    // chain damaged, so nothing vouches for where it ends.
+    let path = segment(dir.path(), 1);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let inside = bytes
+        .windows(fake.len())
+        .position(|w| w == fake.as_slice())
+        .unwrap();
+    let container = *append_starts(&bytes)
+        .iter()
+        .rfind(|&&at| at < inside)
+        .unwrap();
+    bytes[container + 5] ^= 0x20;
+    bytes[container + 9] ^= 0x20;
+    std::fs::write(&path, &bytes).unwrap();
+    let said = refused(dir.path());
+    assert!(bytes_named(&said).contains(&container), "{said}");
+    let to = tempfile::tempdir().unwrap();
+    let to = to.path().join("salvaged");
+    let (code, said) = salvage(dir.path(), &to);
+    assert_eq!(code, 3, "{said}");
+    assert!(
+        said.contains(&format!("bytes {container} to ")),
+        "the damaged append is named: {said}"
+    );
+    // Written before the lost append: their last index cannot be proven.
+    assert!(
+        said.contains(r#"unproven: allocation "victim001": salvaged at index"#),
+        "{said}"
+    );
+    assert!(!said.contains(r#""later000""#), "{said}");
+    let server = start(&to, "64MiB");
+    healthy(&server.base).await;
+    // The agent's allocation is back at its registration (the report
+    // was in the lost append, and was never noted); all the others are as
+    // acknowledged, the victim included.
+    verify(&server.base, &acked).await;
+    let last = common::http()
+        .get(format!("{}/v1/allocations", server.base))
+        .send()
+        .await
+        .unwrap();
+    assert!(index_of(&last) < 1 << 40, "indexes did not jump");
+}
+
+/// The first line of `GET /v1/events?index=N`.
+async fn first_event(base: &str, index: u64) -> Value {
+    let mut res = common::http()
+        .get(format!("{base}/v1/events?index={index}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    let mut line = Vec::new();
+    while !line.contains(&b'\n') {
+        let chunk = tokio::time::timeout(Duration::from_secs(60), res.chunk())
+            .await
+            .expect("a line within the heartbeat")
+            .unwrap()
+            .expect("the stream goes on");
+        line.extend_from_slice(&chunk);
+    }
+    let end = line.iter().position(|&b| b == b'\n').unwrap();
+    serde_json::from_slice(&line[..end]).unwrap()
+}
+
+/// Indexes only go up, across restarts, for readers too. Writes refused
+/// while checkpoints fail (the snapshot damaged under the running server,
+/// the log at its ceiling) still take indexes; a reader must not go past
+/// them, since nothing durable holds them and after a restart new changes
+/// take them again: a reader that goes on from where it was gets those
+/// changes (before: it had gone past them, and waited in silence). A
+/// reader ahead of every index the server has reached is told to resync
+/// at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_never_goes_past_an_index_a_restart_hands_out_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let snapshot = dir.path().join("taskgate.snapshot");
+    let mut server = Server::start(&[
+        "--data-dir",
+        dir.path().to_str().unwrap(),
+        "--store-log-limit",
+        "4KiB",
+        "--store-log-ceiling",
+        "16KiB",
+    ]);
+    healthy(&server.base).await;
+    let http = common::http();
+    let mut acked = Acked::new();
+    let mut n = 0;
+    while checkpoints(&server.base).await == 0 {
+        n += 1;
+        assert!(n < 5000, "no checkpoint");
+        register(&server.base, &[format!("a{n}")], &mut acked).await;
+    }
+    // Damaged under the running server: every later checkpoint fails,
+    // and the log grows to its ceiling. (A checkpoint already running
+    // may still put a good one in its place: damaged again then.)
+    let (mut good, mut damaged) = (Vec::new(), Vec::new());
+    let mut refused = 0;
+    while refused < 3 {
+        n += 1;
+        assert!(n < 5000, "never refused");
+        let now = std::fs::read(&snapshot).unwrap();
+        if now != damaged {
+            damaged = now.clone();
+            let middle = damaged.len() / 2;
+            damaged[middle] ^= 0x08;
+            std::fs::write(&snapshot, &damaged).unwrap();
+            good = now;
+        }
+        let res = http
+            .put(format!("{}/v1/allocations/a{n}", server.base))
+            .json(&spec())
+            .send()
+            .await
+            .unwrap();
+        match res.status().as_u16() {
+            201 => {
+                acked.insert(format!("a{n}"), index_of(&res));
+            }
+            503 => refused += 1,
+            other => panic!("{other}"),
+        }
+    }
+    let listed = http
+        .get(format!("{}/v1/allocations", server.base))
+        .send()
+        .await
+        .unwrap();
+    let reader_at = index_of(&listed);
+    assert!(reader_at >= acked.values().copied().max().unwrap());
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    std::fs::write(&snapshot, &good).unwrap();
+
+    let server = start(dir.path(), "64MiB");
+    healthy(&server.base).await;
+    verify(&server.base, &acked).await;
+    register(&server.base, &["after".to_owned()], &mut acked).await;
+    let line = first_event(&server.base, reader_at).await;
+    assert!(
+        line["type"] == "Resync" || line["alloc_id"] == "after",
+        "a reader at {reader_at} after the restart: {line}"
+    );
+    let ahead = acked["after"] + 1000;
+    let line = first_event(&server.base, ahead).await;
+    assert_eq!(line["type"], "Resync", "{line}");
+}
+
+/// An upgrade keeps the data: a data directory the build before format 3
+/// wrote (`tests/fixtures/before-format-3`: a format-1 snapshot that
+/// folded segments 1 and 2, format-2 segments 3 and 4 after it, made with
+/// that build's binary by registering, reporting, a checkpoint, and more
+/// changes ended by a SIGKILL) reads as that build dumped it
+/// (`before-format-3.ndjson`), takes new changes in format 3, and folds
+/// them all into a snapshot of format 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_directory_of_the_formats_before_upgrades_whole() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let expected = std::fs::read_to_string(fixtures.join("before-format-3.ndjson")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixtures.join("before-format-3")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    let dump = || {
+        let out = Command::new(taskgate_bin())
+            .args(["dump", "--data-dir", dir.path().to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert_eq!(dump(), expected);
+    let mut acked = Acked::new();
+    for line in expected.lines() {
+        let v: Value = serde_json::from_str(line).unwrap();
+        let index = v["modify_index"].as_u64().unwrap();
+        acked.insert(v["id"].as_str().unwrap().to_owned(), index);
+    }
+    let server = start(dir.path(), "64MiB");
+    healthy(&server.base).await;
+    verify(&server.base, &acked).await;
+    register(&server.base, &ids("new", 3), &mut acked).await;
+    drop(server);
+    checkpoint(dir.path(), "folded-again", &mut acked).await;
+    let snapshot = std::fs::read(dir.path().join("taskgate.snapshot")).unwrap();
+    assert_eq!(&snapshot[..8], b"TGSNAP\0\x02");
+    let server = start(dir.path(), "64MiB");
+    healthy(&server.base).await;
+    verify(&server.base, &acked).await;
+    drop(server);
+    assert!(dump().starts_with(expected.lines().next().unwrap()));
+}
