@@ -22,6 +22,8 @@ mod dependencies;
 mod etcd;
 mod instructions;
 mod liveness;
+mod pipeline;
+mod streams;
 mod versus_etcd;
 
 use rustix::process::{Pid, Signal, kill_process};
@@ -52,7 +54,10 @@ pub struct BenchConfig {
     /// --base-server-bin), dependencies (dependencies-wake, and
     /// dependencies-base with --base-server-bin) and instructions (the
     /// server's instructions per request under callgrind, this build with
-    /// and without TTLs and --base-server-bin; needs valgrind).
+    /// and without TTLs and --base-server-bin; needs valgrind), pipeline
+    /// (`--clients` writers on one allocation and on one each, against
+    /// --base-server-bin) and streams (`--stream-readers` event streams
+    /// that never read, alternated with none, while writers write).
     #[arg(
         long,
         value_delimiter = ',',
@@ -139,6 +144,14 @@ pub struct BenchConfig {
     /// depends on one target's task).
     #[arg(long, default_value_t = 100)]
     pub dependency_targets: usize,
+    /// Event-stream readers (`GET /v1/events`, never read) the streams
+    /// scenario holds open in its windows with readers.
+    #[arg(long, default_value_t = 300)]
+    pub stream_readers: usize,
+    /// The fixed rate of the streams scenario's paced writer windows
+    /// (reports per second, over `--clients` connections).
+    #[arg(long, default_value_t = 2000.0)]
+    pub stream_paced_rate: f64,
     /// Where the durable scenarios keep their data (a fresh temporary
     /// directory per scenario by default).
     #[arg(long)]
@@ -900,6 +913,16 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
                 }
             }
             "instructions" => notes.push(instructions::scenario(&config).await?),
+            "pipeline" => {
+                let (rows, note) = pipeline::scenario(&config).await?;
+                outcomes.extend(rows);
+                notes.push(note);
+            }
+            "streams" => {
+                let (rows, note) = streams::scenario(&config).await?;
+                outcomes.extend(rows);
+                notes.push(note);
+            }
             "dependencies" | "dependencies-wake" | "dependencies-base" => {
                 if scenario != "dependencies-base" {
                     notes.push(dependencies::wake(&config).await?);

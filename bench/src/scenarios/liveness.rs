@@ -102,6 +102,11 @@ impl Compared {
         median(&self.cpu_us)
     }
 
+    /// The windows' p99s (ms), median.
+    pub(super) fn p99_median(&self) -> f64 {
+        median(&self.p99)
+    }
+
     /// "`what`: rate (each round), CPU per request, p99", medians.
     pub(super) fn describe(&self, what: &str) -> String {
         format!(
