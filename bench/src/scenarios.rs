@@ -302,7 +302,17 @@ impl Conn {
             .split(' ')
             .nth(1)
             .and_then(|s| s.parse().ok())
-            .ok_or_else(|| std::io::Error::other(format!("bad status line {:?}", self.line)))?;
+            .ok_or_else(|| {
+                std::io::Error::other(format!(
+                    "bad status line {:?} answering {method} {path}{}",
+                    self.line,
+                    if self.line.is_empty() {
+                        " (the server closed the connection)"
+                    } else {
+                        ""
+                    }
+                ))
+            })?;
         let mut length = None;
         loop {
             self.line.clear();

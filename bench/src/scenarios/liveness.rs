@@ -102,6 +102,11 @@ impl Compared {
         median(&self.cpu_us)
     }
 
+    /// Each window's rate, in order.
+    pub(super) fn rates(&self) -> &[f64] {
+        &self.rates
+    }
+
     /// The windows' p99s (ms), median.
     pub(super) fn p99_median(&self) -> f64 {
         median(&self.p99)
@@ -110,8 +115,14 @@ impl Compared {
     /// "`what`: rate (each round), CPU per request, p99", medians.
     pub(super) fn describe(&self, what: &str) -> String {
         format!(
-            "{what} {r:.0}/s ({}), {c:.1} µs of server CPU per request, p99 {p:.2} ms",
+            "{what} {r:.0}/s ({}), {c:.1} µs of server CPU per request ({}), p99 {p:.2} ms ({})",
             each(&self.rates),
+            each(&self.cpu_us),
+            self.p99
+                .iter()
+                .map(|p| format!("{p:.1}"))
+                .collect::<Vec<_>>()
+                .join(" / "),
             r = self.rate(),
             c = self.cpu_us(),
             p = median(&self.p99),

@@ -24,6 +24,11 @@ use super::{
     metric, paced, percentile, register,
 };
 
+/// The first window after the readers connect (after `drive`'s one-second
+/// warm-up): it takes the filling of the new streams' buffers, so the
+/// windows after it measure readers that have long stopped reading.
+const SETTLE: Duration = Duration::from_secs(3);
+
 /// The writers' reports, as `event_reports` on `events-*`.
 const PREFIX: &str = "events";
 
@@ -113,6 +118,7 @@ pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<(Vec<Outco
     let mut rows = Vec::new();
     // [without, with] readers: saturated windows, paced p99s (ms).
     let mut seen: [Compared; 2] = Default::default();
+    let mut first: [Compared; 2] = Default::default();
     let mut paced_p99: [Vec<f64>; 2] = Default::default();
     let mut rss_after: Vec<(bool, u64, u64)> = Vec::new();
     let mut memory_lines = Vec::new();
@@ -132,6 +138,20 @@ pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<(Vec<Outco
                 None
             };
             let (rss1, tcp1) = (server.rss_kib().unwrap_or(0), tcp_kernel_kib());
+            // The first window after the readers connect (and the same
+            // on the side without them): the server fills the kernel's
+            // buffers of every new stream, a cost paid once per reader.
+            let offset = sent;
+            let reports = event_reports(PREFIX);
+            let request = move |c: usize, k: u64| reports(c, offset + k);
+            let name = format!(
+                "reports with an event, first window, {what}, round {}",
+                round + 1
+            );
+            let (o, cpu) = drive_cpu(&name, &server, clients, SETTLE, "", request).await?;
+            sent += o.requests + o.errors + 1_000_000;
+            first[side].push(&o, cpu)?;
+            rows.push(o);
             // Writers as fast as they go; each window goes on with the
             // reports' alternation, so every report is a change.
             let offset = sent;
@@ -209,11 +229,16 @@ pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<(Vec<Outco
          without and with {n} readers of `GET /v1/events` that connect and never read (medians):\n\
          - server RSS per reader, the first window with readers against the window without \
            just before it: {per_reader:+.1} KiB (target ≤ 256 KiB)\n{}\n\
-         - writers as fast as they go: {}; {}: {}; p99 {:.2} → {:.2} ms ({:+.1}%; target: \
+         - the writers' first window after the readers connect ({SETTLE:?} after a 1 s warm-up): \
+           {}; {}: {}\n\
+         - writers as fast as they go, after it: {}; {}: {}; p99 {:.2} → {:.2} ms ({:+.1}%; target: \
            within ±10%)\n\
          - writers at {rate:.0}/s: p99 without readers {} ms, with them {} ms: medians {:.2} → \
            {:.2} ms ({:+.1}%; target: within ±10%)",
         memory_lines.join("\n"),
+        first[0].describe("without readers"),
+        first[1].describe(&format!("with {n} readers")),
+        Compared::versus(&first[0], &first[1]),
         without.describe("without readers"),
         with.describe(&format!("with {n} readers")),
         Compared::versus(without, with),
