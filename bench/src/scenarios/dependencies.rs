@@ -227,7 +227,7 @@ pub(super) async fn versus_base(config: &BenchConfig) -> std::io::Result<(Vec<Ou
     for round in 0..rounds {
         for side in order(round, &[0usize, 1, 2]) {
             let (bin, deps, what) = sides[side];
-            let (server, _guard) = fresh_server(config, bin, "dependencies-base")?;
+            let (_guard, server) = fresh_server(config, bin, "dependencies-base")?;
             let (addr, clients) = (server.addr, config.clients);
             if deps {
                 graph(addr, targets, dependents, clients).await?;

@@ -150,16 +150,19 @@ pub(super) fn order<T: Copy>(round: usize, sides: &[T]) -> Vec<T> {
 }
 
 /// A durable server of `bin` on a fresh data directory (kept alive by the
-/// returned guard).
+/// returned guard). The guard comes first, so that `let (_guard, server)`
+/// drops the server (bindings go in reverse order) before the directory:
+/// the other way round a server's checkpoint could write into a directory
+/// already removed, and leave it behind.
 pub(super) fn fresh_server(
     config: &BenchConfig,
     bin: &Path,
     name: &str,
-) -> std::io::Result<(Proc, Option<taskgate::testing::TempDir>)> {
+) -> std::io::Result<(Option<taskgate::testing::TempDir>, Proc)> {
     let (dir, guard) = data_dir(config, name)?;
     let dir = dir.to_string_lossy().into_owned();
     let server = Proc::start_exe(bin, &serve_args(&["--data-dir", dir.as_str()]))?;
-    Ok((server, guard))
+    Ok((guard, server))
 }
 
 /// Heartbeats for `tasks` of `{prefix}-0` to `{prefix}-{allocations-1}`,
@@ -278,7 +281,7 @@ async fn events_windows(
     keep_alive: bool,
     name: &str,
 ) -> std::io::Result<Vec<(Outcome, f64)>> {
-    let (server, _guard) = fresh_server(config, bin, "liveness-events")?;
+    let (_guard, server) = fresh_server(config, bin, "liveness-events")?;
     let (addr, clients) = (server.addr, config.clients);
     register(addr, "events", 0..clients, clients, spec).await?;
     fill_histories(addr, "events", 0..clients, clients).await?;
@@ -311,7 +314,7 @@ async fn events_windows(
 /// The size of a five-task allocation's view with full histories (what a
 /// report's full answer carries) on a server of `bin`, for `spec`.
 async fn view_bytes(config: &BenchConfig, bin: &Path, spec: &str) -> std::io::Result<usize> {
-    let (server, _guard) = fresh_server(config, bin, "liveness-view")?;
+    let (_guard, server) = fresh_server(config, bin, "liveness-view")?;
     register(server.addr, "events", 0..1, 1, spec).await?;
     fill_histories(server.addr, "events", 0..1, 1).await?;
     let mut conn = Conn::open(server.addr).await?;
@@ -399,7 +402,7 @@ enum Load {
 /// would between the windows that touch it.
 pub(super) async fn heartbeats(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> {
     let bin = super::server_bin()?;
-    let (server, _guard) = fresh_server(config, &bin, "liveness-heartbeats")?;
+    let (_guard, server) = fresh_server(config, &bin, "liveness-heartbeats")?;
     let (addr, clients) = (server.addr, config.clients);
     let rounds = config.rounds as usize;
     // Heartbeats and plain reports on `bench-*`, reports with events on
@@ -750,7 +753,7 @@ pub(super) async fn versus_base(config: &BenchConfig) -> std::io::Result<(Vec<Ou
     for round in 0..rounds {
         for side in order(round, &[0usize, 1]) {
             let (bin, what) = bins[side];
-            let (server, _guard) = fresh_server(config, bin, "liveness-base")?;
+            let (_guard, server) = fresh_server(config, bin, "liveness-base")?;
             let clients = config.clients;
             register(server.addr, "bench", 0..clients, clients, FIVE_TASKS).await?;
             let name = format!("reports, durable, {what}, round {}", round + 1);

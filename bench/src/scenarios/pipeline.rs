@@ -69,7 +69,7 @@ pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<(Vec<Outco
     for round in 0..rounds {
         for side in order(round, &[0usize, 1]) {
             let (bin, what) = bins[side];
-            let (server, _guard) = fresh_server(config, bin, "pipeline")?;
+            let (_guard, server) = fresh_server(config, bin, "pipeline")?;
             let addr = server.addr;
             register(addr, "pipe", 0..clients, clients, FIVE_TASKS).await?;
             // Every record at its settled size: full histories.

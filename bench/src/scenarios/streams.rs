@@ -90,7 +90,7 @@ fn tcp_kernel_kib() -> u64 {
 /// memory each, and move the writers' p99 by at most 10%.
 pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> {
     let bin = super::server_bin()?;
-    let (server, _guard) = fresh_server(config, &bin, "streams")?;
+    let (_guard, server) = fresh_server(config, &bin, "streams")?;
     let addr = server.addr;
     let (clients, n, rounds) = (
         config.clients,
