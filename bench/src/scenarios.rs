@@ -18,7 +18,12 @@ use std::{
 
 use clap::Args;
 
+mod dependencies;
 mod etcd;
+mod instructions;
+mod liveness;
+mod pipeline;
+mod streams;
 mod versus_etcd;
 
 use rustix::process::{Pid, Signal, kill_process};
@@ -44,7 +49,15 @@ pub struct BenchConfig {
     /// versus-etcd (durable reports on one-task allocations against a
     /// single etcd member's puts through its JSON gateway and its gRPC
     /// API, alternated three times); the last two need etcd and etcdctl on
-    /// the PATH.
+    /// the PATH; liveness (what TTLs cost: liveness-ttl,
+    /// liveness-heartbeats, liveness-scale, and liveness-base with
+    /// --base-server-bin), dependencies (dependencies-wake, and
+    /// dependencies-base with --base-server-bin) and instructions (the
+    /// server's instructions per request under callgrind, this build with
+    /// and without TTLs and --base-server-bin; needs valgrind), pipeline
+    /// (`--clients` writers on one allocation and on one each, against
+    /// --base-server-bin) and streams (`--stream-readers` event streams
+    /// that never read, alternated with none, while writers write).
     #[arg(
         long,
         value_delimiter = ',',
@@ -106,6 +119,39 @@ pub struct BenchConfig {
     /// this binary).
     #[arg(long, env = "TASKGATE_BIN")]
     pub server_bin: Option<PathBuf>,
+    /// A second service binary, the build to compare against: the
+    /// liveness-base and dependencies-base scenarios alternate servers of
+    /// it with servers of `--server-bin` (e.g. the build before a change,
+    /// from a `git worktree` of its commit).
+    #[arg(long, env = "TASKGATE_BASE_BIN")]
+    pub base_server_bin: Option<PathBuf>,
+    /// Alternations of each side in the liveness and dependencies
+    /// comparisons (medians of them are reported); on a busy machine more
+    /// rounds of a shorter `--duration` follow its load better.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub rounds: u32,
+    /// Allocations (of five tasks) the liveness-scale scenario fills two
+    /// servers with, one with every task under a TTL and one without.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub liveness_allocations: usize,
+    /// Dependent allocations in the dependencies scenario, each with one
+    /// start-condition long-poll parked (one connection each: mind the
+    /// open-files limit, `ulimit -n`, and the server's `--max-waiters`
+    /// and `--max-connections`).
+    #[arg(long, default_value_t = 10_000)]
+    pub dependents: usize,
+    /// Target allocations the dependents are spread over (each dependent
+    /// depends on one target's task).
+    #[arg(long, default_value_t = 100)]
+    pub dependency_targets: usize,
+    /// Event-stream readers (`GET /v1/events`, never read) the streams
+    /// scenario holds open in its windows with readers.
+    #[arg(long, default_value_t = 300)]
+    pub stream_readers: usize,
+    /// The fixed rate of the streams scenario's paced writer windows
+    /// (reports per second, over `--clients` connections).
+    #[arg(long, default_value_t = 2000.0)]
+    pub stream_paced_rate: f64,
     /// Where the durable scenarios keep their data (a fresh temporary
     /// directory per scenario by default).
     #[arg(long)]
@@ -134,6 +180,12 @@ impl Proc {
         } else {
             std::env::current_exe()?
         };
+        Self::start_exe(&exe, args)
+    }
+
+    /// Starts `EXE ARGS` (a server of another build) and reads `addr=...`
+    /// from its log.
+    fn start_exe(exe: &std::path::Path, args: &[String]) -> std::io::Result<Self> {
         let mut child = Command::new(exe)
             .args(args)
             .stdout(Stdio::piped())
@@ -172,6 +224,13 @@ impl Proc {
             .lines()
             .find_map(|l| l.strip_prefix("VmRSS:"))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    }
+
+    /// The server's threads now (`/proc/PID/task`).
+    fn threads(&self) -> Option<usize> {
+        std::fs::read_dir(format!("/proc/{}/task", self.child.id()))
+            .ok()
+            .map(Iterator::count)
     }
 
     /// Stops (`Signal::STOP`) or continues (`Signal::CONT`) the server.
@@ -243,7 +302,17 @@ impl Conn {
             .split(' ')
             .nth(1)
             .and_then(|s| s.parse().ok())
-            .ok_or_else(|| std::io::Error::other(format!("bad status line {:?}", self.line)))?;
+            .ok_or_else(|| {
+                std::io::Error::other(format!(
+                    "bad status line {:?} answering {method} {path}{}",
+                    self.line,
+                    if self.line.is_empty() {
+                        " (the server closed the connection)"
+                    } else {
+                        ""
+                    }
+                ))
+            })?;
         let mut length = None;
         loop {
             self.line.clear();
@@ -387,6 +456,36 @@ where
     Ok(out)
 }
 
+/// `drive_with` on `server` alone, and the server's CPU time (all its
+/// threads, user and system) per answered request over the measured
+/// window, in µs: a cost the other work on a shared machine moves far
+/// less than it moves a rate.
+pub(super) async fn drive_cpu<F>(
+    name: &str,
+    server: &Proc,
+    clients: usize,
+    duration: Duration,
+    headers: &'static str,
+    request: F,
+) -> std::io::Result<(Outcome, f64)>
+where
+    F: Fn(usize, u64) -> (&'static str, String, Vec<u8>) + Send + Sync + Clone + 'static,
+{
+    let (pid, from) = (server.child.id(), tokio::time::Instant::now());
+    // The window drive_with counts: after its one-second warm-up.
+    let cpu = tokio::spawn(async move {
+        let total = |c: Cpu| c.requests + c.writer + c.checkpoint;
+        tokio::time::sleep_until(from + Duration::from_secs(1)).await;
+        let start = Cpu::sample(pid)?;
+        tokio::time::sleep_until(from + Duration::from_secs(1) + duration).await;
+        Ok::<_, std::io::Error>(total(Cpu::sample(pid)?.since(start)))
+    });
+    let o = drive_with(name, &[server.addr], clients, duration, headers, request).await?;
+    let seconds = cpu.await.map_err(std::io::Error::other)??;
+    let us = seconds * 1e6 / o.requests.max(1) as f64;
+    Ok((o, us))
+}
+
 /// Sends `request(c, n)` on `conns` keep-alive connections at `rate`
 /// requests per second in all, each connection on a fixed schedule, for
 /// `duration`. A request that falls due while its connection still waits
@@ -494,15 +593,32 @@ async fn put_each(
     ok: &'static [u16],
     what: &'static str,
 ) -> std::io::Result<()> {
+    let request = move |i| ("PUT", path(i), body.clone());
+    send_each(addr, ids, clients, request, ok, what).await
+}
+
+/// `request(i)` (method, path, body) for every `i` in `ids`, as `put_each`.
+pub(super) async fn send_each(
+    addr: SocketAddr,
+    ids: std::ops::Range<usize>,
+    clients: usize,
+    request: impl Fn(usize) -> (&'static str, String, String) + Clone + Send + 'static,
+    ok: &'static [u16],
+    what: &'static str,
+) -> std::io::Result<()> {
     let mut tasks = Vec::new();
     for c in 0..clients.min(ids.len().max(1)) {
-        let (ids, path, body) = (ids.clone(), path.clone(), body.clone());
+        let (ids, request) = (ids.clone(), request.clone());
         tasks.push(tokio::spawn(async move {
             let mut conn = Conn::open(addr).await?;
             for i in (ids.start + c..ids.end).step_by(clients) {
-                let status = conn.call("PUT", &path(i), body.as_bytes()).await?;
+                let (method, path, body) = request(i);
+                let status = conn.call(method, &path, body.as_bytes()).await?;
                 if !ok.contains(&status) {
-                    return Err(std::io::Error::other(format!("{what} answered {status}")));
+                    return Err(std::io::Error::other(format!(
+                        "{what} answered {status}: {}",
+                        String::from_utf8_lossy(&conn.body)
+                    )));
                 }
             }
             Ok::<_, std::io::Error>(())
@@ -520,7 +636,7 @@ pub(super) async fn register(
     prefix: &str,
     ids: std::ops::Range<usize>,
     clients: usize,
-    spec: &'static str,
+    spec: &str,
 ) -> std::io::Result<()> {
     let prefix = prefix.to_owned();
     let path = move |i| format!("/v1/allocations/{prefix}-{i}");
@@ -603,39 +719,7 @@ async fn reports_with_events(
     let count = EVENT_MEMORY_ALLOCATIONS.max(config.clients);
     register(server.addr, "events", 0..count, config.clients, FIVE_TASKS).await?;
     let before = server.rss_kib().unwrap_or(0);
-    let mut fill = Vec::new();
-    for c in 0..config.clients {
-        let addr = server.addr;
-        let clients = config.clients;
-        fill.push(tokio::spawn(async move {
-            let mut conn = Conn::open(addr).await?;
-            for i in (c..count).step_by(clients) {
-                for n in 0..MAX_EVENTS as u64 {
-                    let tasks: Vec<String> = ["init", "proxy", "web", "announce", "cleanup"]
-                        .iter()
-                        .map(|t| {
-                            format!(
-                                r#""{t}": {{"state": "running", "event": {}}}"#,
-                                event_json("Started", n)
-                            )
-                        })
-                        .collect();
-                    let body = format!(r#"{{"tasks": {{{}}}}}"#, tasks.join(", "));
-                    let path = format!("/v1/allocations/events-{i}/task-states");
-                    let status = conn.call("POST", &path, body.as_bytes()).await?;
-                    if status != 200 {
-                        return Err(std::io::Error::other(format!(
-                            "filling the event history answered {status}"
-                        )));
-                    }
-                }
-            }
-            Ok::<_, std::io::Error>(())
-        }));
-    }
-    for t in fill {
-        t.await.map_err(std::io::Error::other)??;
-    }
+    fill_histories(server.addr, "events", 0..count, config.clients).await?;
     let after = server.rss_kib().unwrap_or(0);
     let per = after.saturating_sub(before) as f64 * 1024.0 / count as f64;
     let events = (5 * MAX_EVENTS) as f64;
@@ -652,25 +736,80 @@ async fn reports_with_events(
         server.addr,
         config.clients,
         config.duration,
-        |c, n| {
-            let (state, kind) = if n % 2 == 0 {
-                ("pending", "Restarting")
-            } else {
-                ("running", "Started")
-            };
-            (
-                "PUT",
-                format!("/v1/allocations/events-{c}/tasks/web/state"),
-                format!(
-                    r#"{{"state": "{state}", "event": {}}}"#,
-                    event_json(kind, n)
-                )
-                .into_bytes(),
-            )
-        },
+        event_reports("events"),
     )
     .await?;
     Ok((outcome, note))
+}
+
+/// Gives every task of the five-task allocations `{prefix}-{i}`, `i` in
+/// `ids`, a full history (`MAX_EVENTS` events each, every task reported
+/// running with each), in batch reports over `clients` connections.
+pub(super) async fn fill_histories(
+    addr: SocketAddr,
+    prefix: &str,
+    ids: std::ops::Range<usize>,
+    clients: usize,
+) -> std::io::Result<()> {
+    use taskgate::lifecycle::MAX_EVENTS;
+    let mut fill = Vec::new();
+    for c in 0..clients {
+        let prefix = prefix.to_owned();
+        let ids = ids.clone();
+        fill.push(tokio::spawn(async move {
+            let mut conn = Conn::open(addr).await?;
+            for i in (ids.start + c..ids.end).step_by(clients) {
+                for n in 0..MAX_EVENTS as u64 {
+                    let tasks: Vec<String> = ["init", "proxy", "web", "announce", "cleanup"]
+                        .iter()
+                        .map(|t| {
+                            format!(
+                                r#""{t}": {{"state": "running", "event": {}}}"#,
+                                event_json("Started", n)
+                            )
+                        })
+                        .collect();
+                    let body = format!(r#"{{"tasks": {{{}}}}}"#, tasks.join(", "));
+                    let path = format!("/v1/allocations/{prefix}-{i}/task-states");
+                    let status = conn.call("POST", &path, body.as_bytes()).await?;
+                    if status != 200 {
+                        return Err(std::io::Error::other(format!(
+                            "filling the event history answered {status}"
+                        )));
+                    }
+                }
+            }
+            Ok::<_, std::io::Error>(())
+        }));
+    }
+    for t in fill {
+        t.await.map_err(std::io::Error::other)??;
+    }
+    Ok(())
+}
+
+/// Client `c`'s `n`th report with an event on the `web` task of its own
+/// allocation `{prefix}-{c}`: pending (restarting), then running (started),
+/// and so on, so that every report is a real change.
+pub(super) fn event_reports(
+    prefix: &'static str,
+) -> impl Fn(usize, u64) -> (&'static str, String, Vec<u8>) + Send + Sync + Clone + 'static {
+    move |c, n| {
+        let (state, kind) = if n % 2 == 0 {
+            ("pending", "Restarting")
+        } else {
+            ("running", "Started")
+        };
+        (
+            "PUT",
+            format!("/v1/allocations/{prefix}-{c}/tasks/web/state"),
+            format!(
+                r#"{{"state": "{state}", "event": {}}}"#,
+                event_json(kind, n)
+            )
+            .into_bytes(),
+        )
+    }
 }
 
 pub(super) fn data_dir(
@@ -698,8 +837,9 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
     }
     let mut outcomes: Vec<Outcome> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
+    let load_before = load_average();
     for scenario in &config.scenarios {
-        eprintln!("bench: {scenario} ...");
+        eprintln!("bench: {scenario} ... (load average {})", load_average());
         match scenario.as_str() {
             "ceiling" => {
                 let server =
@@ -756,6 +896,57 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
                 notes.push(note);
             }
             "histories" => notes.push(histories(&config).await?),
+            "liveness"
+            | "liveness-ttl"
+            | "liveness-heartbeats"
+            | "liveness-scale"
+            | "liveness-base" => {
+                let all = scenario == "liveness";
+                let mut parts = Vec::new();
+                if all || scenario == "liveness-ttl" {
+                    parts.push(liveness::ttl_cost(&config).await?);
+                }
+                if all || scenario == "liveness-heartbeats" {
+                    parts.push(liveness::heartbeats(&config).await?);
+                }
+                if all || scenario == "liveness-scale" {
+                    parts.push(liveness::scale(&config).await?);
+                }
+                if scenario == "liveness-base" || (all && config.base_server_bin.is_some()) {
+                    parts.push(liveness::versus_base(&config).await?);
+                } else if all {
+                    notes.push("liveness-base skipped: no --base-server-bin".into());
+                }
+                for (rows, note) in parts {
+                    outcomes.extend(rows);
+                    notes.push(note);
+                }
+            }
+            "instructions" => notes.push(instructions::scenario(&config).await?),
+            "pipeline" => {
+                let (rows, note) = pipeline::scenario(&config).await?;
+                outcomes.extend(rows);
+                notes.push(note);
+            }
+            "streams" => {
+                let (rows, note) = streams::scenario(&config).await?;
+                outcomes.extend(rows);
+                notes.push(note);
+            }
+            "dependencies" | "dependencies-wake" | "dependencies-base" => {
+                if scenario != "dependencies-base" {
+                    notes.push(dependencies::wake(&config).await?);
+                }
+                if scenario == "dependencies-base"
+                    || (scenario == "dependencies" && config.base_server_bin.is_some())
+                {
+                    let (rows, note) = dependencies::versus_base(&config).await?;
+                    outcomes.extend(rows);
+                    notes.push(note);
+                } else if scenario == "dependencies" {
+                    notes.push("dependencies-base skipped: no --base-server-bin".into());
+                }
+            }
             "scale" => {
                 let (rows, note) = scale(&config).await?;
                 outcomes.extend(rows);
@@ -771,10 +962,13 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
         .find(|o| o.name.starts_with("ceiling"))
         .map(Outcome::rate);
     println!(
-        "\n{} clients, {:?} per scenario, {} cores\n",
+        "\n{} clients, {:?} per scenario, {} cores; load average (1, 5, 15 min) {} at the \
+         start, {} at the end\n",
         config.clients,
         config.duration,
-        std::thread::available_parallelism().map_or(0, |n| n.get())
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        load_before,
+        load_average(),
     );
     println!("| scenario | requests | errors | req/s | p50 ms | p99 ms | max ms | of ceiling |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
@@ -796,6 +990,15 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
         println!("\n{n}");
     }
     Ok(())
+}
+
+/// The machine's load averages over 1, 5 and 15 minutes (`/proc/loadavg`):
+/// how busy the shared cores were besides the benchmark.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg").map_or_else(
+        |_| "unknown".to_owned(),
+        |l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "),
+    )
 }
 
 /// Registers many allocations on a durable server, stops it, and measures
