@@ -233,6 +233,62 @@ async fn a_scoped_agent_token_only_touches_its_prefixes() {
         .assert_problem(403, "forbidden");
 }
 
+/// A cycle through held allocations is answered with its path, but a step
+/// in an allocation the registering token may not read is not named to it
+/// (the operator sees the whole path).
+#[tokio::test]
+async fn a_cycle_s_path_names_no_allocation_the_token_may_not_read() {
+    let app = secured(false).await;
+    let op = Some("operator-secret");
+    let dep = |task: &str, alloc: &str, target: &str| {
+        json!({"tasks": [{"name": task,
+            "depends_on": [{"task": target, "allocation": alloc, "condition": "running"}]}]})
+    };
+    let a = call(
+        &app,
+        op,
+        "PUT",
+        "/v1/allocations/other-1",
+        Some(dep("t", "web-2", "w")),
+    )
+    .await;
+    assert_eq!(a.status, 201, "{}", a.body);
+    let a = call(
+        &app,
+        op,
+        "PUT",
+        "/v1/allocations/web-3",
+        Some(dep("a", "other-1", "t")),
+    )
+    .await;
+    assert_eq!(a.status, 201, "{}", a.body);
+    let closing = dep("w", "web-3", "a");
+    let a = call(
+        &app,
+        Some("web-secret"),
+        "PUT",
+        "/v1/allocations/web-2",
+        Some(closing.clone()),
+    )
+    .await;
+    a.assert_problem(409, "dependency_cycle");
+    assert_eq!(
+        a.body["path"],
+        json!(["web-2/w", "web-3/a", taskgate::http::HIDDEN_STEP, "web-2/w"]),
+        "{}",
+        a.body
+    );
+    assert!(!a.body.to_string().contains("other-1"), "{}", a.body);
+    let a = call(&app, op, "PUT", "/v1/allocations/web-2", Some(closing)).await;
+    a.assert_problem(409, "dependency_cycle");
+    assert_eq!(
+        a.body["path"],
+        json!(["web-2/w", "web-3/a", "other-1/t", "web-2/w"]),
+        "{}",
+        a.body
+    );
+}
+
 /// A dependency reads its target: a token may declare one only on
 /// allocations it may read (403 otherwise, nothing registered).
 #[tokio::test]

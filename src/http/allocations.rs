@@ -22,7 +22,7 @@ use super::{
 };
 use crate::{
     lifecycle::{AllocId, Allocation, FieldError, TaskName},
-    registry::RestartTarget,
+    registry::{RegistryError, RestartTarget},
 };
 
 /// The reason recorded when a restart request gives none.
@@ -84,7 +84,28 @@ pub async fn register(
         }
     }
     let quota = caller.as_ref().and_then(|c| c.0.0.quota());
-    let (a, created) = s.registry.register_within(id, spec, quota).await?;
+    let (a, created) = match s.registry.register_within(id, spec, quota).await {
+        // A cycle through held allocations may pass through ones this
+        // token may not read: their IDs are not shown to it.
+        Err(RegistryError::DependencyCycle { path, held: true }) => {
+            let path = match caller.as_ref().map(|c| &c.0.0) {
+                Some(token) => path
+                    .into_iter()
+                    .map(|step| {
+                        let alloc = step.rsplit_once('/').map_or(step.as_str(), |(a, _)| a);
+                        if token.may_read(alloc) {
+                            step
+                        } else {
+                            HIDDEN_STEP.to_owned()
+                        }
+                    })
+                    .collect(),
+                None => path,
+            };
+            return Err(RegistryError::DependencyCycle { path, held: true }.into());
+        }
+        other => other?,
+    };
     let status = if created {
         StatusCode::CREATED
     } else {
@@ -99,6 +120,10 @@ pub async fn register(
     }
     Ok(res)
 }
+
+/// A step of a dependency cycle's path in an allocation the caller's token
+/// may not read.
+pub const HIDDEN_STEP: &str = "(an allocation outside this token's prefixes)";
 
 /// Read an allocation (blocking query).
 ///

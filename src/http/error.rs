@@ -199,7 +199,9 @@ pub struct Problem {
     #[schema(example = "2026-11-25T10:00:30Z")]
     pub lost_at: Option<String>,
     /// `dependency_cycle`: the cycle, as `alloc/task` steps from a task of
-    /// the registration back to it.
+    /// the registration back to it; a step in an allocation the caller's
+    /// token may not read is "(an allocation outside this token's
+    /// prefixes)".
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(example = json!(["app/web", "db-7/db", "app/web"]))]
     pub path: Option<Vec<String>>,

@@ -4,6 +4,7 @@
 //! lives here.
 
 mod allocations;
+pub use allocations::HIDDEN_STEP;
 pub mod auth;
 pub mod dto;
 mod edge;
