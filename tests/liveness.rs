@@ -102,7 +102,13 @@ fn a_sigkilled_agent_s_task_is_lost_and_its_allocation_ends_failed() {
     assert_eq!(proxy["stop_reason"]["task"], "web");
     // Poststop ran, and told how the allocation ended.
     wait_state(&server.base, "k1", "cleanup", "dead");
-    let events: Vec<Value> = get(&server.base, "/v1/allocations/k1/events")["events"]
+    assert_lost_once(&server.base, "k1", "web");
+}
+
+/// The allocation's timeline holds exactly one "Agent Lost" entry, for
+/// `task`.
+fn assert_lost_once(base: &str, id: &str, task: &str) {
+    let events: Vec<Value> = get(base, &format!("/v1/allocations/{id}/events"))["events"]
         .as_array()
         .unwrap()
         .clone();
@@ -111,7 +117,7 @@ fn a_sigkilled_agent_s_task_is_lost_and_its_allocation_ends_failed() {
         .filter(|e| e["type"] == "Agent Lost")
         .collect();
     assert_eq!(lost.len(), 1, "{events:?}");
-    assert_eq!(lost[0]["task"], "web");
+    assert_eq!(lost[0]["task"], task);
 }
 
 /// An agent cut off from the server: its task is declared lost; when it
@@ -505,15 +511,6 @@ fn over_etcd_a_sigkilled_agent_s_task_is_lost_with_the_replica_it_used() {
         task(v, "cleanup")["state"] == "dead"
     });
     assert_eq!(task(&c_view, "web")["finished_at"], web["finished_at"]);
-    let events: Vec<Value> = get(&a.base, "/v1/allocations/k2/events")["events"]
-        .as_array()
-        .unwrap()
-        .clone();
-    let lost: Vec<&Value> = events
-        .iter()
-        .filter(|e| e["type"] == "Agent Lost")
-        .collect();
-    assert_eq!(lost.len(), 1, "{events:?}");
-    assert_eq!(lost[0]["task"], "web");
+    assert_lost_once(&a.base, "k2", "web");
     drop(agents);
 }

@@ -636,32 +636,10 @@ impl Client {
         tx.send(create)
             .map_err(|_| CallError::Unreachable("the watch closed".into()))?;
         let open = async {
-            let mut grpc = tonic::client::Grpc::new(m.channel.clone());
-            grpc.ready()
-                .await
-                .map_err(|e| CallError::Unreachable(format!("{}: {e}", m.url)))?;
             // The stream lives past any deadline: only its opening has one
             // (below); a member that goes quiet later is found by `check`.
-            let mut req =
-                tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
-            req.metadata_mut().insert(
-                "hasleader",
-                tonic::metadata::MetadataValue::from_static("true"),
-            );
-            if let Some(t) = self.token_for(member)
-                && let Ok(v) = t.parse()
-            {
-                req.metadata_mut().insert("token", v);
-            }
-            let res: tonic::Response<tonic::codec::Streaming<proto::WatchResponse>> = grpc
-                .streaming(
-                    req,
-                    PathAndQuery::from_static(WATCH),
-                    tonic_prost::ProstCodec::default(),
-                )
-                .await
-                .map_err(|status| classify(&m.url, &status))?;
-            let mut stream = res.into_inner();
+            let mut stream: tonic::codec::Streaming<proto::WatchResponse> =
+                self.open_stream(member, rx, WATCH).await?;
             // Created, or canceled at once (a compacted start).
             let first = stream
                 .message()
@@ -827,30 +805,8 @@ impl Client {
                 .map_err(|_| CallError::Unreachable("the keep-alive stream closed".into()))?;
         }
         let open = async {
-            let mut grpc = tonic::client::Grpc::new(m.channel.clone());
-            grpc.ready()
+            self.open_stream::<_, proto::LeaseKeepAliveResponse>(member, rx, LEASE_KEEP_ALIVE)
                 .await
-                .map_err(|e| CallError::Unreachable(format!("{}: {e}", m.url)))?;
-            let mut req =
-                tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
-            req.metadata_mut().insert(
-                "hasleader",
-                tonic::metadata::MetadataValue::from_static("true"),
-            );
-            if let Some(t) = self.token_for(member)
-                && let Ok(v) = t.parse()
-            {
-                req.metadata_mut().insert("token", v);
-            }
-            let res: tonic::Response<tonic::codec::Streaming<proto::LeaseKeepAliveResponse>> = grpc
-                .streaming(
-                    req,
-                    PathAndQuery::from_static(LEASE_KEEP_ALIVE),
-                    tonic_prost::ProstCodec::default(),
-                )
-                .await
-                .map_err(|status| classify(&m.url, &status))?;
-            Ok::<_, CallError>(res.into_inner())
         };
         match tokio::time::timeout(self.timeout, open).await {
             Ok(Ok(stream)) => Ok(LeaseStream {
@@ -864,6 +820,45 @@ impl Client {
                 m.url, self.timeout
             ))),
         }
+    }
+
+    /// Opens a bidirectional stream on `member` (the watch, the lease
+    /// keep-alives): what `rx` yields is sent as it comes. No deadline
+    /// here: the caller bounds the opening.
+    async fn open_stream<Req, Resp>(
+        &self,
+        member: usize,
+        rx: tokio::sync::mpsc::UnboundedReceiver<Req>,
+        path: &'static str,
+    ) -> Result<tonic::codec::Streaming<Resp>, CallError>
+    where
+        Req: prost::Message + Send + Sync + 'static,
+        Resp: prost::Message + Default + Send + Sync + 'static,
+    {
+        let m = &self.members[member];
+        let mut grpc = tonic::client::Grpc::new(m.channel.clone());
+        grpc.ready()
+            .await
+            .map_err(|e| CallError::Unreachable(format!("{}: {e}", m.url)))?;
+        let mut req = tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
+        req.metadata_mut().insert(
+            "hasleader",
+            tonic::metadata::MetadataValue::from_static("true"),
+        );
+        if let Some(t) = self.token_for(member)
+            && let Ok(v) = t.parse()
+        {
+            req.metadata_mut().insert("token", v);
+        }
+        let res = grpc
+            .streaming(
+                req,
+                PathAndQuery::from_static(path),
+                tonic_prost::ProstCodec::default(),
+            )
+            .await
+            .map_err(|status| classify(&m.url, &status))?;
+        Ok(res.into_inner())
     }
 
     /// The member's status (version, leader), for health checks and tests.
