@@ -2377,20 +2377,6 @@ fn timed_spec() -> Value {
 #[tokio::test]
 async fn liveness_and_deadlines_are_registered_shown_and_validated() {
     let app = test_app().await;
-    if common::etcd_endpoints().is_some() {
-        // Not enforced across replicas yet: refused, never silently
-        // ignored.
-        let a = app
-            .call("PUT", "/v1/allocations/t1", Some(timed_spec()))
-            .await;
-        a.assert_problem(400, "invalid_request");
-        assert!(
-            a.body["detail"].as_str().unwrap().contains("--store etcd"),
-            "{}",
-            a.body
-        );
-        return;
-    }
     let a = app
         .call("PUT", "/v1/allocations/t1", Some(timed_spec()))
         .await;
