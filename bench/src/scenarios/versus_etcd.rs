@@ -22,6 +22,7 @@ use base64::Engine;
 use tonic::codegen::http::uri::PathAndQuery;
 
 use super::{BenchConfig, Outcome, Proc, serve_args};
+use taskgate::store::etcd::proto::{PutRequest, ResponseHeader};
 use taskgate::testing::cluster::Cluster;
 
 /// Alternations of the four rows.
@@ -31,27 +32,13 @@ const LOOPS_PER_CHANNEL: usize = 8;
 
 const ONE_TASK: &str = r#"{"tasks": [{"name": "web"}]}"#;
 
-/// etcd's `etcdserverpb.PutRequest`: the two fields a put needs.
-#[derive(Clone, PartialEq, prost::Message)]
-struct PutRequest {
-    #[prost(bytes = "vec", tag = "1")]
-    key: Vec<u8>,
-    #[prost(bytes = "vec", tag = "2")]
-    value: Vec<u8>,
-}
-
 /// etcd's `etcdserverpb.PutResponse`, of which only the header's revision
-/// is read (to know the put was applied).
+/// is read (to know the put was applied). The store's own messages have
+/// no put of their own (its puts go in transactions).
 #[derive(Clone, PartialEq, prost::Message)]
 struct PutResponse {
     #[prost(message, optional, tag = "1")]
     header: Option<ResponseHeader>,
-}
-
-#[derive(Clone, PartialEq, prost::Message)]
-struct ResponseHeader {
-    #[prost(int64, tag = "3")]
-    revision: i64,
 }
 
 pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<(Vec<Outcome>, String)> {
@@ -296,6 +283,7 @@ async fn grpc_puts(
         let request = PutRequest {
             key,
             value: value.clone(),
+            lease: 0,
         };
         async move {
             grpc.ready().await.map_err(|e| e.to_string())?;

@@ -331,8 +331,16 @@ impl Client {
     /// require-leader flag (a member without a leader answers at once
     /// instead of waiting).
     fn request<T>(&self, member: usize, message: T, within: Duration) -> tonic::Request<T> {
-        let mut req = tonic::Request::new(message);
+        let mut req = self.addressed(member, message);
         req.set_timeout(within);
+        req
+    }
+
+    /// A request with the auth token and the require-leader flag, and no
+    /// deadline (a stream lives past any: its opening is bounded by the
+    /// caller).
+    fn addressed<T>(&self, member: usize, message: T) -> tonic::Request<T> {
+        let mut req = tonic::Request::new(message);
         let md = req.metadata_mut();
         md.insert(
             "hasleader",
@@ -840,16 +848,10 @@ impl Client {
         grpc.ready()
             .await
             .map_err(|e| CallError::Unreachable(format!("{}: {e}", m.url)))?;
-        let mut req = tonic::Request::new(tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
-        req.metadata_mut().insert(
-            "hasleader",
-            tonic::metadata::MetadataValue::from_static("true"),
+        let req = self.addressed(
+            member,
+            tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
         );
-        if let Some(t) = self.token_for(member)
-            && let Ok(v) = t.parse()
-        {
-            req.metadata_mut().insert("token", v);
-        }
         let res = grpc
             .streaming(
                 req,
