@@ -186,26 +186,33 @@ fn check(
     Ok(())
 }
 
+/// A registry on a gated store, with allocation `a` (one task, `web`)
+/// registered and its commit finished.
+async fn registered() -> (Arc<Gated>, Registry) {
+    let store = Arc::new(Gated::default());
+    let r = Registry::open(store.clone(), RegistryConfig::default()).unwrap();
+    let spec = AllocSpec::new(
+        vec![TaskSpec::named(TaskName::parse("web").unwrap())],
+        &Limits::default(),
+    )
+    .unwrap();
+    let registering = {
+        let r = r.clone();
+        tokio::spawn(async move { r.register(AllocId::parse("a").unwrap(), spec).await })
+    };
+    settle().await;
+    store.finish(true);
+    registering.await.unwrap().unwrap();
+    (store, r)
+}
+
 fn run(steps: Vec<Step>) -> Result<(), TestCaseError> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
     rt.block_on(async move {
-        let store = Arc::new(Gated::default());
-        let r = Registry::open(store.clone(), RegistryConfig::default()).unwrap();
-        let spec = AllocSpec::new(
-            vec![TaskSpec::named(TaskName::parse("web").unwrap())],
-            &Limits::default(),
-        )
-        .unwrap();
-        let registering = {
-            let r = r.clone();
-            tokio::spawn(async move { r.register(AllocId::parse("a").unwrap(), spec).await })
-        };
-        settle().await;
-        store.finish(true);
-        registering.await.unwrap().unwrap();
+        let (store, r) = registered().await;
 
         let answers = Arc::new(Mutex::new(Vec::new()));
         let mut writers = Vec::new();
@@ -293,20 +300,7 @@ proptest! {
 /// waited for the one before it to be durable).
 #[tokio::test]
 async fn writers_on_one_allocation_do_not_wait_for_each_others_commit() {
-    let store = Arc::new(Gated::default());
-    let r = Registry::open(store.clone(), RegistryConfig::default()).unwrap();
-    let spec = AllocSpec::new(
-        vec![TaskSpec::named(TaskName::parse("web").unwrap())],
-        &Limits::default(),
-    )
-    .unwrap();
-    let registering = {
-        let r = r.clone();
-        tokio::spawn(async move { r.register(AllocId::parse("a").unwrap(), spec).await })
-    };
-    settle().await;
-    store.finish(true);
-    registering.await.unwrap().unwrap();
+    let (store, r) = registered().await;
 
     let writers: Vec<_> = (0..64)
         .map(|n| {
