@@ -268,7 +268,6 @@ impl Handle {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .entries()
-            .cloned()
             .collect()
     }
 

@@ -97,42 +97,407 @@ impl Entry {
     }
 }
 
-/// The bounded timeline of one allocation.
+/// The bounded timeline of one allocation, packed.
+///
+/// At a million allocations with full histories the timelines were the
+/// largest part of the server's memory (64 entries of 32 bytes each,
+/// ~2 KiB per allocation), so each entry is kept as a few bytes: a header
+/// byte (its kind, and whether its index and time differ from the entry
+/// before), the differences themselves as variable-length integers, and
+/// its fields; an event an entry names is a pointer in `bodies`, shared
+/// with the record. An agent's event takes ~10 bytes, a task's state 3.
 #[derive(Debug, Default)]
 pub struct Timeline {
-    entries: VecDeque<Entry>,
+    /// The entries, oldest first, as `pack` writes them.
+    bytes: VecDeque<u8>,
+    /// The event bodies the entries name, in the entries' order.
+    bodies: VecDeque<Arc<EventBody>>,
+    /// The oldest entry's index and time: the first entry's differences
+    /// are from these.
+    first: Base,
+    /// The newest entry's, which the next entry is packed against.
+    last: Base,
+    len: u32,
 }
 
+/// An entry's index and time, which the next entry is packed against.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Base {
+    index: u64,
+    nanos: i64,
+}
+
+/// Kinds of entry, the low four bits of an entry's header byte.
+const REGISTERED: u8 = 0;
+const COORDINATOR: u8 = 1;
+const TASK_STATE: u8 = 2;
+const STOP_ORDER: u8 = 3;
+const LOST: u8 = 4;
+const DEADLINE: u8 = 5;
+const DEPENDENCY: u8 = 6;
+const RESTART_ORDER: u8 = 7;
+const RESTORED: u8 = 8;
+const AGENT: u8 = 9;
+/// Header bits: the entry's index, or its time, differs from the one
+/// before (the difference follows).
+const NEW_INDEX: u8 = 0x10;
+const NEW_TIME: u8 = 0x20;
+
 impl Timeline {
-    /// Appends, dropping the oldest beyond `limit`. Grows its block to
-    /// the size it needs, not by doubling: a settled allocation's 28 or so
-    /// entries take 28 slots, not 32 or 64.
+    /// Appends, dropping the oldest beyond `limit`. Grows its blocks by a
+    /// quarter, not by doubling: a settled allocation's timeline takes
+    /// little more than its entries.
     pub fn extend(&mut self, new: Vec<Entry>, limit: usize) {
         if limit == 0 {
             return;
         }
-        let room = limit.min(self.entries.len() + new.len());
-        if room > self.entries.capacity() {
-            self.entries.reserve_exact(room - self.entries.len());
-        }
         for e in new {
-            if self.entries.len() == limit {
-                self.entries.pop_front();
+            if self.len as usize >= limit {
+                self.pop_front();
             }
-            self.entries.push_back(e);
+            self.push_back(e);
         }
     }
 
-    pub fn entries(&self) -> impl Iterator<Item = &Entry> {
-        self.entries.iter()
+    fn push_back(&mut self, e: Entry) {
+        // At most: a header, two differences of ten bytes, and fields
+        // (a task position takes up to three).
+        let most = 21
+            + match &e.what {
+                What::RestartOrder(order) => 10 + 3 * order.tasks.len(),
+                _ => 8,
+            };
+        grow(&mut self.bytes, most);
+        let mut out = Packer(&mut self.bytes);
+        let at = Base {
+            index: e.index,
+            nanos: e.nanos,
+        };
+        let before = if self.len == 0 { at } else { self.last };
+        let mut head = match &e.what {
+            What::Registered => REGISTERED,
+            What::Coordinator { .. } => COORDINATOR,
+            What::TaskState { .. } => TASK_STATE,
+            What::StopOrder { .. } => STOP_ORDER,
+            What::Lost { .. } => LOST,
+            What::DeadlineExceeded { .. } => DEADLINE,
+            What::Dependency { .. } => DEPENDENCY,
+            What::RestartOrder(_) => RESTART_ORDER,
+            What::Restored => RESTORED,
+            What::Agent { .. } => AGENT,
+        };
+        if at.index != before.index {
+            head |= NEW_INDEX;
+        }
+        if at.nanos != before.nanos {
+            head |= NEW_TIME;
+        }
+        out.byte(head);
+        if at.index != before.index {
+            out.signed(at.index.wrapping_sub(before.index) as i64);
+        }
+        if at.nanos != before.nanos {
+            out.signed(at.nanos.wrapping_sub(before.nanos));
+        }
+        let mut body = None;
+        match e.what {
+            What::Registered | What::Restored => {}
+            What::Coordinator { from, to } => {
+                out.byte(from as u8);
+                out.byte(to as u8);
+            }
+            What::TaskState {
+                task,
+                state,
+                failed,
+                ready,
+            } => {
+                out.unsigned(task.into());
+                out.byte(state as u8 | u8::from(failed) << 4 | u8::from(ready) << 5);
+            }
+            What::StopOrder {
+                reason,
+                named,
+                stage,
+            } => {
+                out.byte(reason as u8);
+                out.unsigned(named.map_or(0, |t| u64::from(t) + 1));
+                out.byte(stage.map_or(0, |s| s as u8 + 1));
+            }
+            What::Lost { task, event } | What::Agent { task, event } => {
+                out.unsigned(task.into());
+                body = Some(event);
+            }
+            What::DeadlineExceeded { stage } => out.byte(stage as u8),
+            What::Dependency { task, dep, holds } => {
+                out.unsigned(task.into());
+                out.unsigned(dep.into());
+                out.byte(u8::from(holds));
+            }
+            What::RestartOrder(order) => {
+                let RestartOrder { tasks, event } = *order;
+                out.unsigned(tasks.len() as u64);
+                for t in tasks {
+                    out.unsigned(t.into());
+                }
+                body = Some(event);
+            }
+        }
+        if let Some(body) = body {
+            grow(&mut self.bodies, 1);
+            self.bodies.push_back(body);
+        }
+        if self.len == 0 {
+            self.first = at;
+        }
+        self.last = at;
+        self.len += 1;
+    }
+
+    /// Drops the oldest entry.
+    fn pop_front(&mut self) {
+        let mut cursor = Cursor {
+            bytes: &self.bytes,
+            at: 0,
+            bodies: &self.bodies,
+            body: 0,
+            base: self.first,
+        };
+        let Some(dropped) = cursor.pass() else {
+            return;
+        };
+        let (taken, bodies) = (cursor.at, cursor.body);
+        self.bytes.drain(..taken);
+        self.bodies.drain(..bodies);
+        self.len -= 1;
+        // The next entry's differences are from the one dropped, which
+        // becomes the base.
+        self.first = dropped;
+    }
+
+    /// The entries, oldest first.
+    pub fn entries(&self) -> impl Iterator<Item = Entry> + '_ {
+        Cursor {
+            bytes: &self.bytes,
+            at: 0,
+            bodies: &self.bodies,
+            body: 0,
+            base: self.first,
+        }
     }
 
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.len as usize
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.len == 0
+    }
+
+    /// The heap bytes it holds.
+    pub fn heap_bytes(&self) -> usize {
+        self.bytes.capacity() + self.bodies.capacity() * std::mem::size_of::<Arc<EventBody>>()
+    }
+}
+
+/// Room for `more` in `q`, growing by at least a quarter.
+fn grow<T>(q: &mut VecDeque<T>, more: usize) {
+    let need = q.len() + more;
+    if need > q.capacity() {
+        let by = (need - q.len()).max(q.capacity() / 4);
+        q.reserve_exact(by);
+    }
+}
+
+/// Writes an entry's bytes.
+struct Packer<'a>(&'a mut VecDeque<u8>);
+
+impl Packer<'_> {
+    fn byte(&mut self, b: u8) {
+        self.0.push_back(b);
+    }
+
+    /// LEB128: seven bits a byte, low first.
+    fn unsigned(&mut self, mut n: u64) {
+        while n >= 0x80 {
+            self.byte(n as u8 | 0x80);
+            n >>= 7;
+        }
+        self.byte(n as u8);
+    }
+
+    /// Zigzag, then LEB128: small differences either way take a byte.
+    fn signed(&mut self, n: i64) {
+        self.unsigned(((n << 1) ^ (n >> 63)) as u64);
+    }
+}
+
+/// Reads packed entries in order.
+struct Cursor<'a> {
+    bytes: &'a VecDeque<u8>,
+    at: usize,
+    bodies: &'a VecDeque<Arc<EventBody>>,
+    body: usize,
+    /// The entry before's index and time.
+    base: Base,
+}
+
+impl Cursor<'_> {
+    fn byte(&mut self) -> u8 {
+        let b = self.bytes[self.at];
+        self.at += 1;
+        b
+    }
+
+    fn unsigned(&mut self) -> u64 {
+        let (mut n, mut shift) = (0u64, 0);
+        loop {
+            let b = self.byte();
+            n |= u64::from(b & 0x7f) << shift;
+            if b < 0x80 {
+                return n;
+            }
+            shift += 7;
+        }
+    }
+
+    fn signed(&mut self) -> i64 {
+        let n = self.unsigned();
+        (n >> 1) as i64 ^ -((n & 1) as i64)
+    }
+
+    fn task(&mut self) -> u16 {
+        pos(self.unsigned() as usize)
+    }
+
+    fn body(&mut self) -> Arc<EventBody> {
+        let b = self.bodies[self.body].clone();
+        self.body += 1;
+        b
+    }
+}
+
+impl Cursor<'_> {
+    /// Passes over the next entry (without copying its event's pointer,
+    /// which would touch a count every allocation's entries share):
+    /// returns its index and time.
+    fn pass(&mut self) -> Option<Base> {
+        if self.at >= self.bytes.len() {
+            return None;
+        }
+        let head = self.head();
+        match head & 0x0f {
+            REGISTERED | RESTORED => {}
+            COORDINATOR => self.at += 2,
+            TASK_STATE => {
+                self.unsigned();
+                self.at += 1;
+            }
+            STOP_ORDER => {
+                self.at += 1;
+                self.unsigned();
+                self.at += 1;
+            }
+            LOST | AGENT => {
+                self.unsigned();
+                self.body += 1;
+            }
+            DEADLINE => self.at += 1,
+            DEPENDENCY => {
+                self.unsigned();
+                self.unsigned();
+                self.at += 1;
+            }
+            RESTART_ORDER => {
+                for _ in 0..self.unsigned() {
+                    self.unsigned();
+                }
+                self.body += 1;
+            }
+            other => unreachable!("a timeline entry of kind {other}: only `push_back` packs them"),
+        }
+        Some(self.base)
+    }
+
+    /// Reads an entry's header byte and its index and time.
+    fn head(&mut self) -> u8 {
+        let head = self.byte();
+        if head & NEW_INDEX != 0 {
+            self.base.index = self.base.index.wrapping_add(self.signed() as u64);
+        }
+        if head & NEW_TIME != 0 {
+            self.base.nanos = self.base.nanos.wrapping_add(self.signed());
+        }
+        head
+    }
+}
+
+/// `ALL[i]` of a named enum, as packed by `as u8`.
+fn nth<T: Copy>(all: &[T], i: u8) -> T {
+    all[usize::from(i)]
+}
+
+impl Iterator for Cursor<'_> {
+    type Item = Entry;
+
+    fn next(&mut self) -> Option<Entry> {
+        if self.at >= self.bytes.len() {
+            return None;
+        }
+        let head = self.head();
+        let what = match head & 0x0f {
+            REGISTERED => What::Registered,
+            RESTORED => What::Restored,
+            COORDINATOR => What::Coordinator {
+                from: nth(CoordState::ALL, self.byte()),
+                to: nth(CoordState::ALL, self.byte()),
+            },
+            TASK_STATE => {
+                let task = self.task();
+                let b = self.byte();
+                What::TaskState {
+                    task,
+                    state: nth(RunState::ALL, b & 0x0f),
+                    failed: b & 0x10 != 0,
+                    ready: b & 0x20 != 0,
+                }
+            }
+            STOP_ORDER => What::StopOrder {
+                reason: nth(StopKind::ALL, self.byte()),
+                named: self.unsigned().checked_sub(1).map(|t| pos(t as usize)),
+                stage: self.byte().checked_sub(1).map(|s| nth(CoordState::ALL, s)),
+            },
+            LOST => What::Lost {
+                task: self.task(),
+                event: self.body(),
+            },
+            AGENT => What::Agent {
+                task: self.task(),
+                event: self.body(),
+            },
+            DEADLINE => What::DeadlineExceeded {
+                stage: nth(CoordState::ALL, self.byte()),
+            },
+            DEPENDENCY => What::Dependency {
+                task: self.task(),
+                dep: self.task(),
+                holds: self.byte() != 0,
+            },
+            RESTART_ORDER => {
+                let n = self.unsigned() as usize;
+                let tasks = (0..n).map(|_| self.task()).collect();
+                What::RestartOrder(Box::new(RestartOrder {
+                    tasks,
+                    event: self.body(),
+                }))
+            }
+            other => unreachable!("a timeline entry of kind {other}: only `push_back` packs them"),
+        };
+        Some(Entry {
+            index: self.base.index,
+            nanos: self.base.nanos,
+            what,
+        })
     }
 }
 
@@ -426,8 +791,124 @@ mod tests {
             a = next;
         }
         assert_eq!(a.state, CoordState::Poststop);
-        let bytes = timeline.entries.capacity() * std::mem::size_of::<Entry>();
+        let bytes = timeline.heap_bytes();
         assert!(bytes <= 1024, "{} entries in {bytes} bytes", timeline.len());
+    }
+
+    /// What a million allocations with full histories hold: 64 entries,
+    /// half of them agents' events, in ~1/3 of what 32-byte entries took.
+    #[test]
+    fn a_full_timeline_of_agent_events_and_states_packs_into_a_third() {
+        let body = crate::lifecycle::EventBody::new("Started", "", Default::default());
+        let mut t = Timeline::default();
+        let mut index = 1_000_000;
+        let mut time = T;
+        for _ in 0..100 {
+            index += 64;
+            time += time::Duration::milliseconds(1500);
+            let mut change = Vec::new();
+            for task in 0..5 {
+                let what = What::Agent {
+                    task,
+                    event: body.clone(),
+                };
+                change.push(Entry::new(index, time, what));
+            }
+            for task in 0..5 {
+                let what = What::TaskState {
+                    task,
+                    state: RunState::Running,
+                    failed: false,
+                    ready: false,
+                };
+                change.push(Entry::new(index, time, what));
+            }
+            t.extend(change, 64);
+        }
+        assert_eq!(t.len(), 64);
+        let bytes = t.heap_bytes();
+        assert!(
+            bytes <= 64 * std::mem::size_of::<Entry>() / 3,
+            "64 entries in {bytes} bytes"
+        );
+    }
+
+    fn any_entry() -> impl proptest::strategy::Strategy<Value = Entry> {
+        use proptest::prelude::*;
+        let body = || {
+            prop_oneof![
+                Just("Started".to_owned()),
+                Just("Terminated".to_owned()),
+                "[a-z]{1,8}"
+            ]
+            .prop_map(|k: String| crate::lifecycle::EventBody::new(&k, "m", Default::default()))
+        };
+        let task = prop_oneof![0u16..8, Just(u16::MAX), any::<u16>()];
+        let coord = proptest::sample::select(CoordState::ALL);
+        let what = prop_oneof![
+            Just(What::Registered),
+            Just(What::Restored),
+            (coord.clone(), coord.clone()).prop_map(|(from, to)| What::Coordinator { from, to }),
+            (
+                task.clone(),
+                proptest::sample::select(RunState::ALL),
+                any::<bool>(),
+                any::<bool>()
+            )
+                .prop_map(|(task, state, failed, ready)| What::TaskState {
+                    task,
+                    state,
+                    failed,
+                    ready
+                }),
+            (
+                proptest::sample::select(StopKind::ALL),
+                proptest::option::of(task.clone()),
+                proptest::option::of(coord.clone())
+            )
+                .prop_map(|(reason, named, stage)| What::StopOrder {
+                    reason,
+                    named,
+                    stage
+                }),
+            (task.clone(), body()).prop_map(|(task, event)| What::Lost { task, event }),
+            (task.clone(), body()).prop_map(|(task, event)| What::Agent { task, event }),
+            coord.prop_map(|stage| What::DeadlineExceeded { stage }),
+            (task.clone(), task.clone(), any::<bool>())
+                .prop_map(|(task, dep, holds)| What::Dependency { task, dep, holds }),
+            (proptest::collection::vec(task, 0..40), body()).prop_map(|(tasks, event)| {
+                What::RestartOrder(Box::new(RestartOrder {
+                    tasks: tasks.into_boxed_slice(),
+                    event,
+                }))
+            }),
+        ];
+        // Indexes and times anywhere, and often the same as the entry
+        // before (entries of one change).
+        let index = prop_oneof![Just(7u64), any::<u64>()];
+        let nanos = prop_oneof![Just(0i64), any::<i64>(), -1_000_000i64..1_000_000];
+        (index, nanos, what).prop_map(|(index, nanos, what)| Entry { index, nanos, what })
+    }
+
+    proptest::proptest! {
+        /// Whatever entries come, in whatever batches, the timeline gives
+        /// back exactly the last `limit` of them, oldest first.
+        #[test]
+        fn packed_entries_come_back_exactly(
+            batches in proptest::collection::vec(proptest::collection::vec(any_entry(), 0..12), 0..20),
+            limit in 1usize..40,
+        ) {
+            let mut t = Timeline::default();
+            let mut all = Vec::new();
+            for batch in batches {
+                all.extend(batch.iter().cloned());
+                t.extend(batch, limit);
+                let kept: Vec<Entry> = t.entries().collect();
+                let want = &all[all.len().saturating_sub(limit)..];
+                proptest::prop_assert_eq!(&kept[..], want);
+                proptest::prop_assert_eq!(t.len(), want.len());
+            }
+        }
     }
 
     #[test]
