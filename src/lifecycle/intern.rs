@@ -136,6 +136,10 @@ thread_local! {
         std::cell::RefCell::new(vec![None; CACHED]);
     static RECENT_BODIES: std::cell::RefCell<Vec<Option<Arc<EventBody>>>> =
         std::cell::RefCell::new(vec![None; CACHED]);
+    /// The bodies this thread made from their text last (`EventBody::of_text`),
+    /// by a hash of the text.
+    static RECENT_TEXTS: std::cell::RefCell<Vec<Option<Arc<EventBody>>>> =
+        std::cell::RefCell::new(vec![None; CACHED]);
 }
 
 /// `table.get`, through this thread's cache `recent`.
@@ -257,6 +261,35 @@ impl EventBody {
         // own copy of a new one (its parts are shared: pointers copied).
         cached(&RECENT_BODIES, &BODIES, &body, || Arc::new(body.clone()))
     }
+
+    /// The shared body with this text, as a stored record holds it
+    /// (`details` sorted by key, keys distinct). What a store's load does
+    /// for each of its millions of events: a body this thread met recently
+    /// costs a hash of its text and a compare, and none of its strings is
+    /// looked up, copied or counted (each string's count is shared by
+    /// every core, and `new` touches five of them per event).
+    pub fn of_text(kind: &str, message: &str, details: &[(&str, &str)]) -> Arc<Self> {
+        let mut h = STRINGS.hasher.build_hasher();
+        (kind, message, details).hash(&mut h);
+        let slot = h.finish() as usize % CACHED;
+        let same = |b: &Self| {
+            *b.kind == *kind
+                && *b.message == *message
+                && b.details.len() == details.len()
+                && b.details.iter().zip(details).all(|(x, y)| x == *y)
+        };
+        let found = RECENT_TEXTS.with_borrow(|r| r[slot].as_ref().filter(|b| same(b)).cloned());
+        if let Some(found) = found {
+            return found;
+        }
+        let made = Self::new(
+            kind,
+            message,
+            super::Details::from_pairs(details.iter().copied()),
+        );
+        RECENT_TEXTS.with_borrow_mut(|r| r[slot] = Some(made.clone()));
+        made
+    }
 }
 
 #[cfg(test)]
@@ -275,6 +308,31 @@ mod tests {
         assert!(Arc::ptr_eq(&x, &y));
         assert!(!Arc::ptr_eq(&x, &z));
         assert_eq!(x.details.get("exit_code"), Some("0"));
+    }
+
+    #[test]
+    fn a_body_from_its_text_is_the_one_body_with_that_text() {
+        let details = super::super::Details::from_pairs([("a", "1"), ("b", "2")]);
+        let x = EventBody::new("Terminated", "Exit Code: 2", details);
+        for _ in 0..2 {
+            // Once made (or found in the table), once from this thread's cache.
+            let y = EventBody::of_text("Terminated", "Exit Code: 2", &[("a", "1"), ("b", "2")]);
+            assert!(Arc::ptr_eq(&x, &y));
+        }
+        // Any part different is another body, never the cached one.
+        let differs: [(&str, &str, &[(&str, &str)]); 5] = [
+            ("Terminated", "Exit Code: 3", &[("a", "1"), ("b", "2")]),
+            ("Killed", "Exit Code: 2", &[("a", "1"), ("b", "2")]),
+            ("Terminated", "Exit Code: 2", &[("a", "1")]),
+            ("Terminated", "Exit Code: 2", &[("a", "1"), ("b", "3")]),
+            ("Terminated", "Exit Code: 2", &[("a", "1"), ("c", "2")]),
+        ];
+        for (kind, message, details) in differs {
+            let z = EventBody::of_text(kind, message, details);
+            assert!(!Arc::ptr_eq(&x, &z), "{kind} {message} {details:?}");
+            assert_eq!((&*z.kind, &*z.message), (kind, message));
+            assert!(z.details.iter().eq(details.iter().copied()));
+        }
     }
 
     #[test]

@@ -79,7 +79,7 @@ use serde::Deserialize;
 
 use crate::lifecycle::{
     AllocId, AllocSpec, Allocation, Condition, CoordState, Deadlines, DepState, Dependency,
-    Desired, Details, Event, Hook, IdemKey, Lifecycle, Limits, Overdue, RunState, StopKind,
+    Desired, Event, EventBody, Hook, IdemKey, Lifecycle, Limits, Overdue, RunState, StopKind,
     StopReason, TaskExtra, TaskName, TaskSpec, TaskStatus, Timestamp, WRITE_MARKS, Why, WriteMark,
 };
 
@@ -806,6 +806,8 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
     // A task takes at least 9 bytes (an empty name is refused below).
     let n = r.count("the task count", 9)?;
     let (mut specs, mut statuses) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    // One event's details, reused from event to event.
+    let mut details: Vec<(&str, &str)> = Vec::new();
     for _ in 0..n {
         let name = r.str("a task name")?;
         let name = TaskName::parse(name).map_err(|e| format!("bad task name {name:?}: {e}"))?;
@@ -847,7 +849,7 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
             let time = r.time("an event time")?;
             let message = r.str("an event message")?;
             let n_details = r.count("the details count", 2)?;
-            let mut details: Vec<(&str, &str)> = Vec::with_capacity(n_details);
+            details.clear();
             for _ in 0..n_details {
                 let key = r.str("a details key")?;
                 let value = r.str("a details value")?;
@@ -856,11 +858,9 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
                 }
                 details.push((key, value));
             }
-            events.push(Event::new(
-                kind,
+            events.push(Event::with_body(
+                EventBody::of_text(kind, message, &details),
                 time,
-                message,
-                Details::from_pairs(details),
             ));
         }
         let (liveness, depends_on, extra) = if v4 {
@@ -1120,7 +1120,7 @@ mod tests {
                 kind,
                 east,
                 "Exit Code: 1 — ünïcode",
-                Details::from_pairs(details.iter().copied()),
+                crate::lifecycle::Details::from_pairs(details.iter().copied()),
             )
         };
         let mut tasks: Vec<TaskStatus> = (0..6).map(TaskStatus::new).collect();
