@@ -71,13 +71,21 @@ impl<T: ?Sized + Hash + Eq> Table<T> {
         Arc<T>: Borrow<Q>,
         Q: ?Sized + Hash + Eq,
     {
+        self.get_by(hash, |v| as_key::<T, Q>(v) == key, make)
+    }
+
+    /// The shared value whose hash is `hash` and for which `same` holds,
+    /// made by `make` if there is none.
+    fn get_by(
+        &self,
+        hash: u64,
+        same: impl Fn(&Arc<T>) -> bool,
+        make: impl FnOnce() -> Arc<T>,
+    ) -> Arc<T> {
         // The top bits pick the shard; the table uses the low ones.
         let shard = &self.shards[(hash >> (64 - SHARDS.trailing_zeros())) as usize];
         let mut shard = shard.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((_, found)) = shard
-            .set
-            .find(hash, |(h, v)| *h == hash && as_key::<T, Q>(v) == key)
-        {
+        if let Some((_, found)) = shard.set.find(hash, |(h, v)| *h == hash && same(v)) {
             return found.clone();
         }
         let made = make();
@@ -135,10 +143,6 @@ thread_local! {
     static RECENT_STRINGS: std::cell::RefCell<Vec<Option<Arc<str>>>> =
         std::cell::RefCell::new(vec![None; CACHED]);
     static RECENT_BODIES: std::cell::RefCell<Vec<Option<Arc<EventBody>>>> =
-        std::cell::RefCell::new(vec![None; CACHED]);
-    /// The bodies this thread made from their text last (`EventBody::of_text`),
-    /// by a hash of the text.
-    static RECENT_TEXTS: std::cell::RefCell<Vec<Option<Arc<EventBody>>>> =
         std::cell::RefCell::new(vec![None; CACHED]);
 }
 
@@ -251,45 +255,68 @@ pub struct EventBody {
 impl EventBody {
     /// The shared body with these parts.
     pub fn new(kind: &str, message: &str, details: super::Details) -> Arc<Self> {
-        let body = Self {
+        let hash = text_hash(kind, message, details.iter());
+        let same = |b: &Self| {
+            *b.kind == *kind && *b.message == *message && b.details.iter().eq(details.iter())
+        };
+        // A new body copies the details' pointers (`same` holds them).
+        body(hash, same, || Self {
             kind: Sym::new(kind),
             message: Sym::new(message),
-            details,
-        };
-        // Looked up by value: the parts are shared already, so a body that
-        // exists costs its lookup and nothing else. The table keeps its
-        // own copy of a new one (its parts are shared: pointers copied).
-        cached(&RECENT_BODIES, &BODIES, &body, || Arc::new(body.clone()))
+            details: details.clone(),
+        })
     }
 
     /// The shared body with this text, as a stored record holds it
-    /// (`details` sorted by key, keys distinct). What a store's load does
-    /// for each of its millions of events: a body this thread met recently
-    /// costs a hash of its text and a compare, and none of its strings is
-    /// looked up, copied or counted (each string's count is shared by
-    /// every core, and `new` touches five of them per event).
+    /// (`details` sorted by key, keys distinct): what a store's load does
+    /// for each of its millions of events. Found by its text, so a body
+    /// that exists costs a hash and a compare, and none of its strings is
+    /// looked up or counted (a string's count is shared by every core).
     pub fn of_text(kind: &str, message: &str, details: &[(&str, &str)]) -> Arc<Self> {
-        let mut h = STRINGS.hasher.build_hasher();
-        (kind, message, details).hash(&mut h);
-        let slot = h.finish() as usize % CACHED;
-        let same = |b: &Self| {
-            *b.kind == *kind
-                && *b.message == *message
-                && b.details.len() == details.len()
-                && b.details.iter().zip(details).all(|(x, y)| x == *y)
-        };
-        let found = RECENT_TEXTS.with_borrow(|r| r[slot].as_ref().filter(|b| same(b)).cloned());
-        if let Some(found) = found {
-            return found;
-        }
-        let made = Self::new(
-            kind,
-            message,
-            super::Details::from_pairs(details.iter().copied()),
-        );
-        RECENT_TEXTS.with_borrow_mut(|r| r[slot] = Some(made.clone()));
-        made
+        let pairs = || details.iter().copied();
+        let hash = text_hash(kind, message, pairs());
+        let same =
+            |b: &Self| *b.kind == *kind && *b.message == *message && b.details.iter().eq(pairs());
+        body(hash, same, || Self {
+            kind: Sym::new(kind),
+            message: Sym::new(message),
+            details: super::Details::from_pairs(pairs()),
+        })
     }
+}
+
+/// A body's hash, from its text: the same for a body made from a report
+/// and one read from a record.
+fn text_hash<'a>(
+    kind: &str,
+    message: &str,
+    details: impl Iterator<Item = (&'a str, &'a str)>,
+) -> u64 {
+    let mut h = BODIES.hasher.build_hasher();
+    kind.hash(&mut h);
+    message.hash(&mut h);
+    for (key, value) in details {
+        key.hash(&mut h);
+        value.hash(&mut h);
+    }
+    h.finish()
+}
+
+/// The shared body with hash `hash` for which `same` holds, through this
+/// thread's cache, then the table; made by `make` if there is none.
+fn body(
+    hash: u64,
+    same: impl Fn(&EventBody) -> bool,
+    make: impl FnOnce() -> EventBody,
+) -> Arc<EventBody> {
+    let slot = hash as usize % CACHED;
+    let found = RECENT_BODIES.with_borrow(|r| r[slot].as_ref().filter(|b| same(b)).cloned());
+    if let Some(found) = found {
+        return found;
+    }
+    let got = BODIES.get_by(hash, |b| same(b), || Arc::new(make()));
+    RECENT_BODIES.with_borrow_mut(|r| r[slot] = Some(got.clone()));
+    got
 }
 
 #[cfg(test)]
