@@ -347,7 +347,8 @@ mod tests {
             assert!(Arc::ptr_eq(&x, &y));
         }
         // Any part different is another body, never the cached one.
-        let differs: [(&str, &str, &[(&str, &str)]); 5] = [
+        type Text<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)]);
+        let differs: [Text<'_>; 5] = [
             ("Terminated", "Exit Code: 3", &[("a", "1"), ("b", "2")]),
             ("Killed", "Exit Code: 2", &[("a", "1"), ("b", "2")]),
             ("Terminated", "Exit Code: 2", &[("a", "1")]),

@@ -7,7 +7,10 @@
 //! cut off (kept beside it as `<segment>.broken`), segments the snapshot
 //! already folded and unfinished temporary files are removed.
 
-use std::path::{Path, PathBuf};
+use std::{
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex, PoisonError, mpsc},
+};
 
 use super::{
     LOCK_FILE,
@@ -450,24 +453,74 @@ pub fn read_only(dir: &Path) -> Result<Loaded, StoreError> {
     load_with(&RealFs, dir, &recovery.overlay)
 }
 
-/// Decodes loaded records in chunks, each chunk on every core: decoding
-/// is most of a recovery.
+/// Decodes loaded records in chunks on every core while the records
+/// after them are read: decoding is most of a recovery, and reading the
+/// files (one thread) no longer waits for it, nor it for the reading.
 pub(super) struct Loader<'a> {
     path: &'a Path,
-    raw: Vec<(String, Vec<u8>)>,
+    raw: Raw,
     allocations: Vec<Allocation>,
     specs: crate::lifecycle::SpecInterner,
+    /// Chunks for the decoding threads, numbered; bounded, so that the
+    /// reading stays a few chunks ahead and no more.
+    jobs: Option<mpsc::SyncSender<(usize, Raw)>>,
+    done: mpsc::Receiver<(usize, Decoded)>,
+    workers: Vec<std::thread::JoinHandle<()>>,
+    /// Chunks sent, chunks kept, and decoded chunks that came before an
+    /// earlier one.
+    sent: usize,
+    taken: usize,
+    early: std::collections::BTreeMap<usize, Decoded>,
 }
+
+/// A chunk of records as read, each with its key.
+type Raw = Vec<(String, Vec<u8>)>;
+
+/// A chunk's records decoded, each with its key.
+type Decoded = Vec<(String, Result<Allocation, String>)>;
 
 impl<'a> Loader<'a> {
     const CHUNK: usize = 16_384;
 
     fn new(path: &'a Path, capacity: usize) -> Self {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let (jobs, queue) = mpsc::sync_channel::<(usize, Raw)>(threads);
+        let queue = Arc::new(Mutex::new(queue));
+        let (out, done) = mpsc::channel();
+        let workers = (0..threads)
+            .map(|_| {
+                let (queue, out) = (queue.clone(), out.clone());
+                std::thread::spawn(move || {
+                    loop {
+                        let job = queue.lock().unwrap_or_else(PoisonError::into_inner).recv();
+                        let Ok((n, raw)) = job else {
+                            return;
+                        };
+                        let decoded: Decoded = raw
+                            .into_iter()
+                            .map(|(key, bytes): (String, Vec<u8>)| {
+                                let a = record::decode(&bytes);
+                                (key, a)
+                            })
+                            .collect();
+                        if out.send((n, decoded)).is_err() {
+                            return;
+                        }
+                    }
+                })
+            })
+            .collect();
         Self {
             path,
             raw: Vec::with_capacity(Self::CHUNK),
             allocations: Vec::with_capacity(capacity),
             specs: Default::default(),
+            jobs: Some(jobs),
+            done,
+            workers,
+            sent: 0,
+            taken: 0,
+            early: Default::default(),
         }
     }
 
@@ -475,56 +528,149 @@ impl<'a> Loader<'a> {
     fn push(&mut self, key: String, bytes: Vec<u8>) -> Result<(), StoreError> {
         self.raw.push((key, bytes));
         if self.raw.len() == Self::CHUNK {
-            self.decode()?;
+            self.send()?;
         }
         Ok(())
     }
 
-    fn decode(&mut self) -> Result<(), StoreError> {
-        let decoded = decode_parallel(&self.raw);
-        for ((key, _), result) in self.raw.drain(..).zip(decoded) {
-            let mut a = result.map_err(|e| {
-                unusable(
-                    self.path,
-                    format!("the record of allocation {key:?} is unreadable: {e}"),
-                )
-            })?;
-            if a.id.as_str() != key {
-                return Err(unusable(
-                    self.path,
-                    format!("the record under {key:?} is for allocation {:?}", a.id),
-                ));
+    /// Hands the records taken so far to the decoding threads, and takes
+    /// in what they have decoded meanwhile.
+    fn send(&mut self) -> Result<(), StoreError> {
+        let raw = std::mem::replace(&mut self.raw, Vec::with_capacity(Self::CHUNK));
+        let jobs = self.jobs.as_ref().expect("jobs are sent until `finish`");
+        if jobs.send((self.sent, raw)).is_err() {
+            return Err(self.lost());
+        }
+        self.sent += 1;
+        while let Ok((n, decoded)) = self.done.try_recv() {
+            self.take(n, decoded)?;
+        }
+        Ok(())
+    }
+
+    /// Keeps a decoded chunk, in chunk order.
+    fn take(&mut self, n: usize, decoded: Decoded) -> Result<(), StoreError> {
+        self.early.insert(n, decoded);
+        while let Some(decoded) = self.early.remove(&self.taken) {
+            for (key, result) in decoded {
+                let mut a = result.map_err(|e| {
+                    unusable(
+                        self.path,
+                        format!("the record of allocation {key:?} is unreadable: {e}"),
+                    )
+                })?;
+                if a.id.as_str() != key {
+                    return Err(unusable(
+                        self.path,
+                        format!("the record under {key:?} is for allocation {:?}", a.id),
+                    ));
+                }
+                a.spec = self.specs.share(a.spec);
+                self.allocations.push(a);
             }
-            a.spec = self.specs.share(a.spec);
-            self.allocations.push(a);
+            self.taken += 1;
         }
         Ok(())
     }
 
     fn finish(mut self) -> Result<Vec<Allocation>, StoreError> {
-        self.decode()?;
-        Ok(self.allocations)
+        if !self.raw.is_empty() {
+            self.send()?;
+        }
+        // No more chunks: the threads end once the queue is empty.
+        self.jobs = None;
+        while self.taken < self.sent {
+            let Ok((n, decoded)) = self.done.recv() else {
+                return Err(self.lost());
+            };
+            self.take(n, decoded)?;
+        }
+        for w in std::mem::take(&mut self.workers) {
+            let _ = w.join();
+        }
+        Ok(std::mem::take(&mut self.allocations))
+    }
+
+    /// A decoding thread died: only a panic ends one early.
+    fn lost(&self) -> StoreError {
+        unusable(self.path, "a thread decoding its records failed".to_owned())
     }
 }
 
-/// Decodes records on every core; the results keep the input order.
-pub(super) fn decode_parallel(raw: &[(String, Vec<u8>)]) -> Vec<Result<Allocation, String>> {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let per = raw.len().div_ceil(threads).max(1);
-    std::thread::scope(|s| {
-        let parts: Vec<_> = raw
-            .chunks(per)
-            .map(|part| {
-                s.spawn(move || {
-                    part.iter()
-                        .map(|(_, bytes)| record::decode(bytes))
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        parts
-            .into_iter()
-            .flat_map(|h| h.join().expect("decoding does not panic"))
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lifecycle::AllocId;
+
+    fn record(id: &str) -> Vec<u8> {
+        let spec = Arc::new(super::super::tests::spec());
+        let a = Allocation::register(
+            AllocId::parse(id).unwrap(),
+            spec,
+            1,
+            time::OffsetDateTime::UNIX_EPOCH,
+        );
+        record::encode(&a)
+    }
+
+    /// Keys for three and a half chunks, in key order.
+    fn keys() -> Vec<String> {
+        (0..Loader::CHUNK * 7 / 2)
+            .map(|i| format!("a{i:06}"))
             .collect()
-    })
+    }
+
+    #[test]
+    fn records_decoded_on_other_threads_come_back_in_key_order() {
+        let path = Path::new("/data/taskgate.snapshot");
+        let mut loader = Loader::new(path, 0);
+        for key in keys() {
+            let bytes = record(&key);
+            loader.push(key, bytes).unwrap();
+        }
+        let ids: Vec<String> = loader
+            .finish()
+            .unwrap()
+            .iter()
+            .map(|a| a.id.to_string())
+            .collect();
+        assert_eq!(ids, keys());
+    }
+
+    /// Whichever thread decodes which chunk first, the refusal names the
+    /// first bad record in key order: here one of the third chunk, with a
+    /// bad one in the second and one in the last after it.
+    #[test]
+    fn the_first_bad_record_in_key_order_is_the_one_named() {
+        let keys = keys();
+        let first = Loader::CHUNK * 3 / 2;
+        let misfiled = Loader::CHUNK * 5 / 2;
+        let path = Path::new("/data/taskgate.snapshot");
+        let mut loader = Loader::new(path, 0);
+        let mut refused = None;
+        for (i, key) in keys.iter().enumerate() {
+            let bytes = match i {
+                _ if i == first => vec![record::RECORD_VERSION, 0xff],
+                _ if i == misfiled => record("elsewhere"),
+                _ if i > misfiled => vec![0xee],
+                _ => record(key),
+            };
+            if let Err(e) = loader.push(key.clone(), bytes) {
+                refused = Some(e);
+                break;
+            }
+        }
+        let e = match refused {
+            Some(e) => e,
+            None => match loader.finish() {
+                Ok(_) => panic!("bad records were taken"),
+                Err(e) => e,
+            },
+        };
+        let said = e.to_string();
+        assert!(
+            said.contains(&format!("allocation {:?} is unreadable", keys[first])),
+            "{said}"
+        );
+    }
 }
