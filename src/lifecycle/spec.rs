@@ -396,7 +396,7 @@ impl AllocSpec {
 /// stays proportional to the specs in use.
 #[derive(Default)]
 pub struct SpecInterner {
-    specs: HashSet<Arc<AllocSpec>>,
+    specs: HashSet<Arc<AllocSpec>, foldhash::fast::RandomState>,
     /// Size after the last pruning; the next comes at twice that.
     pruned_at: usize,
 }

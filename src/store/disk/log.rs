@@ -96,7 +96,8 @@ const DELETE: u8 = 2;
 /// `Some(record)` for a put, `None` for a deletion.
 #[derive(Clone, Debug, Default)]
 pub struct Overlay {
-    pub changes: HashMap<String, Option<Vec<u8>>>,
+    /// foldhash: a start puts every change of the log here.
+    pub changes: HashMap<String, Option<Vec<u8>>, foldhash::fast::RandomState>,
     /// The highest global index among them (deletions included).
     pub last_index: u64,
 }
