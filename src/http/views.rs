@@ -242,7 +242,7 @@ impl<'a> From<&'a Event> for EventView<'a> {
     fn from(e: &'a Event) -> Self {
         Self {
             kind: &e.kind,
-            time: e.time,
+            time: e.time(),
             message: &e.message,
             details: &e.details,
         }

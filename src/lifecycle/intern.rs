@@ -250,20 +250,27 @@ pub struct EventBody {
     pub kind: Sym,
     pub message: Sym,
     pub details: super::Details,
+    /// The time of the events that say this, for times an `Event` does
+    /// not hold itself (`Event::time`): rare, and a body apiece.
+    pub(in crate::lifecycle) when: Option<Box<super::Timestamp>>,
 }
 
 impl EventBody {
     /// The shared body with these parts.
     pub fn new(kind: &str, message: &str, details: super::Details) -> Arc<Self> {
-        let hash = text_hash(kind, message, details.iter());
+        let hash = text_hash(kind, message, details.iter(), None);
         let same = |b: &Self| {
-            *b.kind == *kind && *b.message == *message && b.details.iter().eq(details.iter())
+            *b.kind == *kind
+                && *b.message == *message
+                && b.details.iter().eq(details.iter())
+                && b.when.is_none()
         };
         // A new body copies the details' pointers (`same` holds them).
         body(hash, same, || Self {
             kind: Sym::new(kind),
             message: Sym::new(message),
             details: details.clone(),
+            when: None,
         })
     }
 
@@ -274,13 +281,42 @@ impl EventBody {
     /// looked up or counted (a string's count is shared by every core).
     pub fn of_text(kind: &str, message: &str, details: &[(&str, &str)]) -> Arc<Self> {
         let pairs = || details.iter().copied();
-        let hash = text_hash(kind, message, pairs());
-        let same =
-            |b: &Self| *b.kind == *kind && *b.message == *message && b.details.iter().eq(pairs());
+        let hash = text_hash(kind, message, pairs(), None);
+        let same = |b: &Self| {
+            *b.kind == *kind
+                && *b.message == *message
+                && b.details.iter().eq(pairs())
+                && b.when.is_none()
+        };
         body(hash, same, || Self {
             kind: Sym::new(kind),
             message: Sym::new(message),
             details: super::Details::from_pairs(pairs()),
+            when: None,
+        })
+    }
+
+    /// The shared body saying what this one says, with the time `when`
+    /// (`None`: without one).
+    pub(in crate::lifecycle) fn at(self: Arc<Self>, when: Option<super::Timestamp>) -> Arc<Self> {
+        if same_time(self.when.as_deref(), when.as_ref()) {
+            return self;
+        }
+        let hash = text_hash(
+            &self.kind,
+            &self.message,
+            self.details.iter(),
+            when.as_ref(),
+        );
+        let same = |b: &Self| {
+            b.kind == self.kind
+                && b.message == self.message
+                && b.details == self.details
+                && same_time(b.when.as_deref(), when.as_ref())
+        };
+        body(hash, same, || Self {
+            when: when.map(Box::new),
+            ..(*self).clone()
         })
     }
 }
@@ -291,6 +327,7 @@ fn text_hash<'a>(
     kind: &str,
     message: &str,
     details: impl Iterator<Item = (&'a str, &'a str)>,
+    when: Option<&super::Timestamp>,
 ) -> u64 {
     let mut h = BODIES.hasher.build_hasher();
     kind.hash(&mut h);
@@ -299,7 +336,18 @@ fn text_hash<'a>(
         key.hash(&mut h);
         value.hash(&mut h);
     }
+    when.map(|t| (t.unix_timestamp_nanos(), t.offset()))
+        .hash(&mut h);
     h.finish()
+}
+
+/// The same instant written the same way: times compare by instant
+/// alone, and a body keeps its events' offset as given.
+fn same_time(a: Option<&super::Timestamp>, b: Option<&super::Timestamp>) -> bool {
+    match (a, b) {
+        (Some(a), Some(b)) => a == b && a.offset() == b.offset(),
+        (a, b) => a.is_none() && b.is_none(),
+    }
 }
 
 /// The shared body with hash `hash` for which `same` holds, through this

@@ -23,24 +23,50 @@ fn is_zero(n: &u64) -> bool {
 }
 
 /// One entry of a task's event history: what it says, stored once per
-/// process however many events say it (`intern.rs`), and when. 24 bytes.
+/// process however many events say it (`intern.rs`), and when. 16 bytes:
+/// a million allocations' full histories are fifty million events.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Event {
     body: Arc<EventBody>,
-    pub time: Timestamp,
+    /// UTC nanoseconds since 1970; `IN_BODY` for a time this cannot hold
+    /// (an offset other than UTC, or outside the years 1678 to 2262),
+    /// which its body holds instead.
+    at: i64,
 }
+
+/// `Event::at` for a time the body holds.
+const IN_BODY: i64 = i64::MIN;
 
 impl Event {
     pub fn new(kind: &str, time: Timestamp, message: &str, details: Details) -> Self {
-        Self {
-            body: EventBody::new(kind, message, details),
-            time,
-        }
+        Self::with_body(EventBody::new(kind, message, details), time)
     }
 
     /// With a body already shared.
     pub fn with_body(body: Arc<EventBody>, time: Timestamp) -> Self {
-        Self { body, time }
+        let at = (time.offset().is_utc())
+            .then(|| i64::try_from(time.unix_timestamp_nanos()).ok())
+            .flatten()
+            .filter(|&at| at != IN_BODY);
+        match at {
+            Some(at) => Self {
+                body: body.at(None),
+                at,
+            },
+            None => Self {
+                body: body.at(Some(time)),
+                at: IN_BODY,
+            },
+        }
+    }
+
+    /// When it happened, as given.
+    pub fn time(&self) -> Timestamp {
+        match self.body.when.as_deref() {
+            Some(t) if self.at == IN_BODY => *t,
+            _ => Timestamp::from_unix_timestamp_nanos(i128::from(self.at))
+                .expect("64-bit nanoseconds are always a valid time"),
+        }
     }
 
     /// What it says, shared.
@@ -62,7 +88,7 @@ impl std::fmt::Debug for Event {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Event")
             .field("kind", &self.kind)
-            .field("time", &self.time)
+            .field("time", &self.time())
             .field("message", &self.message)
             .field("details", &self.details)
             .finish()
@@ -86,7 +112,7 @@ impl serde::Serialize for Event {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         EventForm {
             kind: self.kind.as_str().into(),
-            time: self.time,
+            time: self.time(),
             message: self.message.as_str().into(),
             details: self
                 .details
@@ -761,6 +787,40 @@ mod tests {
     use super::*;
     use time::macros::datetime;
 
+    /// An event is 16 bytes, and any time comes back exactly as given,
+    /// offset and all: those it cannot hold itself its body holds.
+    #[test]
+    fn an_event_is_16_bytes_and_keeps_any_time_exactly() {
+        assert_eq!(std::mem::size_of::<Event>(), 16);
+        let sentinel = Timestamp::from_unix_timestamp_nanos(i128::from(i64::MIN)).unwrap();
+        let times = [
+            datetime!(2026-11-26 10:00:00.123456789 UTC),
+            datetime!(2026-11-26 10:00:00.123456789 +05:30),
+            datetime!(2026-11-26 10:00:00.123456789 -00:00:01),
+            datetime!(1970-01-01 0:00 UTC),
+            datetime!(9999-12-31 23:59:59.999999999 UTC),
+            datetime!(-9999-01-01 0:00 UTC),
+            datetime!(1600-01-01 0:00 +01:00),
+            sentinel,
+            sentinel + time::Duration::NANOSECOND,
+        ];
+        let mut events = Vec::new();
+        for t in times {
+            let e = Event::new("Started", t, "m", Details::default());
+            assert_eq!(e.time(), t);
+            assert_eq!(e.time().offset(), t.offset(), "{t}");
+            // The same body from another event keeps each event's time.
+            let again = Event::with_body(e.body().clone(), times[0]);
+            assert_eq!(again.time(), times[0]);
+            assert_eq!(again.time().offset(), times[0].offset());
+            events.push(e);
+        }
+        for (e, t) in events.iter().zip(times) {
+            assert_eq!((e.time(), e.time().offset()), (t, t.offset()));
+            assert_eq!(&*e.kind, "Started");
+        }
+    }
+
     const T0: Timestamp = datetime!(2026-11-21 10:00 UTC);
     const T1: Timestamp = datetime!(2026-11-21 10:01 UTC);
     const T2: Timestamp = datetime!(2026-11-21 10:02 UTC);
@@ -1019,8 +1079,8 @@ mod tests {
         given.time = Some(T0);
         r.event = Some(given);
         t.apply(&r, T2);
-        assert_eq!(t.events[0].time, T1);
-        assert_eq!(t.events[1].time, T0);
+        assert_eq!(t.events[0].time(), T1);
+        assert_eq!(t.events[1].time(), T0);
     }
 
     #[test]
@@ -1201,7 +1261,7 @@ mod tests {
                         .iter()
                         .map(|e| EventInput {
                             kind: e.kind.to_string(),
-                            time: Some(e.time),
+                            time: Some(e.time()),
                             message: e.message.to_string(),
                             details: e
                                 .details

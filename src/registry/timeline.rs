@@ -574,7 +574,7 @@ pub fn entries(prev: Option<&Allocation>, next: &Allocation) -> Vec<Entry> {
             } else if event.kind != RESTART_EVENT {
                 out.push(Entry::new(
                     next.modify_index,
-                    event.time,
+                    event.time(),
                     What::Agent {
                         task: pos(i),
                         event: event.body().clone(),

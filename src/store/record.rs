@@ -391,7 +391,7 @@ pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
         put_varint(buf, status.events.len() as u64);
         for event in status.events.iter() {
             put_str(buf, &event.kind);
-            put_time(buf, event.time);
+            put_time(buf, event.time());
             put_str(buf, &event.message);
             put_varint(buf, event.details.len() as u64);
             for (key, value) in event.details.iter() {
@@ -1234,8 +1234,8 @@ mod tests {
         let a = full();
         let back = decode(&encode(&a)).unwrap();
         assert_eq!(
-            back.tasks[0].events[0].time.offset(),
-            a.tasks[0].events[0].time.offset()
+            back.tasks[0].events[0].time().offset(),
+            a.tasks[0].events[0].time().offset()
         );
     }
 
