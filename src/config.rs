@@ -276,7 +276,7 @@ pub struct ServeConfig {
     /// stream may send per round trip. 0 leaves it to the kernel's
     /// autotuning (up to `net.ipv4.tcp_wmem`'s largest). Other answers
     /// keep the kernel's autotuning.
-    #[arg(help_heading = "Limits", long, env = "TASKGATE_STREAM_SEND_BUFFER", default_value = "256KiB", value_parser = byte_size)]
+    #[arg(help_heading = "Limits", long, env = "TASKGATE_STREAM_SEND_BUFFER", default_value = "256KiB", value_parser = crate::units::byte_size_or_zero)]
     pub stream_send_buffer: u64,
 
     /// Client connections open at once (default: 20000, or what the

@@ -295,48 +295,74 @@ fn a_client_that_stops_reading_is_dropped_after_the_write_timeout() {
 /// `tcp_wmem`'s 4 MiB.
 const STALLED_STREAM_QUEUE: u64 = taskgate::server::DEFAULT_STREAM_SEND_BUFFER as u64 + (128 << 10);
 
+/// Opens an event stream on a server started with `extra`, never reads
+/// it, and makes ~200 changes of ~12 KiB each (several times what the
+/// stream's backlog, the buffers and a bounded send queue take together,
+/// so the stream stalls on its client early and stays stalled). Returns
+/// the server's send queue to that client after each change, until it
+/// passes `STALLED_STREAM_QUEUE` (then it stops), and once the queue holds
+/// at least 128 KiB after them (the stream did stall in the kernel).
+fn stalled_stream(extra: &[&str]) -> (Vec<u64>, u64) {
+    let (_server, addr) = start(extra);
+    let mut reader = connect(addr);
+    reader
+        .write_all(b"GET /v1/events HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            gauge(addr, "taskgate_waiters") == 1
+        }),
+        "the stream never opened"
+    );
+    let client = reader.local_addr().unwrap();
+    let mut seen = Vec::new();
+    for n in 0..200 {
+        assert_eq!(exchange(addr, &report_with_event(n)).status, 200);
+        let queued = server_send_queue(addr, client).expect("the stream's connection");
+        seen.push(queued);
+        if queued > STALLED_STREAM_QUEUE {
+            return (seen, queued);
+        }
+    }
+    let mut last = 0;
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            last = server_send_queue(addr, client).unwrap_or(0);
+            last >= 128 << 10
+        }),
+        "the stream never filled the kernel's send queue (most {:?} bytes)",
+        seen.iter().max()
+    );
+    others_are_served(addr, Duration::from_secs(2));
+    drop(reader);
+    (seen, last)
+}
+
 /// An event-stream client that never reads, while changes pile up, holds
 /// the server's kernel send queue to the stream's send buffer: the kernel
 /// memory a stalled reader pins is bounded as its backlog is, not left to
 /// autotune to megabytes for the write timeout.
 #[test]
 fn a_stalled_event_stream_holds_a_bounded_kernel_send_queue() {
-    let (_server, addr) = start(&[]);
-    let mut reader = connect(addr);
-    reader
-        .write_all(b"GET /v1/events HTTP/1.1\r\nHost: localhost\r\n\r\n")
-        .unwrap();
+    let (seen, last) = stalled_stream(&[]);
+    let most = seen.iter().copied().max().unwrap_or(0).max(last);
     assert!(
-        eventually(Duration::from_secs(10), || gauge(addr, "taskgate_waiters")
-            == 1),
-        "the stream never opened"
+        most <= STALLED_STREAM_QUEUE,
+        "after {} changes the server's send queue to a client that reads nothing holds {most} \
+         bytes (bound {STALLED_STREAM_QUEUE})",
+        seen.len()
     );
-    let client = reader.local_addr().unwrap();
-    // ~200 changes of ~12 KiB each: several times what the stream's
-    // backlog, the buffers and the send queue together take, so the
-    // stream stalls on its client early and then stays stalled.
-    let mut most = 0;
-    for n in 0..200 {
-        assert_eq!(exchange(addr, &report_with_event(n)).status, 200);
-        let queued = server_send_queue(addr, client).expect("the stream's connection");
-        most = most.max(queued);
-        assert!(
-            queued <= STALLED_STREAM_QUEUE,
-            "after {n} changes the server's send queue to a client that reads nothing holds \
-             {queued} bytes (bound {STALLED_STREAM_QUEUE})"
-        );
-    }
-    // The stream did stall in the kernel (the bound above held for a
-    // stream that filled its buffer, not for one that sent nothing).
+}
+
+/// `--stream-send-buffer 0` leaves a stream's send buffer to the kernel,
+/// whose autotuning takes it past the bound.
+#[test]
+fn a_stream_send_buffer_of_zero_is_left_to_the_kernel() {
+    let (seen, last) = stalled_stream(&["--stream-send-buffer", "0"]);
     assert!(
-        eventually(Duration::from_secs(10), || {
-            server_send_queue(addr, client).is_some_and(|q| q >= 128 << 10)
-        }),
-        "the stream never filled the kernel's send queue (most {most} bytes)"
+        last > STALLED_STREAM_QUEUE,
+        "autotuned, the send queue stayed within the bound: {seen:?}"
     );
-    assert!(server_send_queue(addr, client).unwrap() <= STALLED_STREAM_QUEUE);
-    others_are_served(addr, Duration::from_secs(2));
-    drop(reader);
 }
 
 /// The bound is the event stream's alone: an ordinary answer keeps the
