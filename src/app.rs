@@ -101,6 +101,8 @@ fn serve_options(config: &ServeConfig, metrics: Arc<Metrics>) -> Result<ServeOpt
         write_timeout: config.write_timeout,
         max_connections: crate::server::connection_limit(config.max_connections),
         metrics,
+        stream_send_buffer: (config.stream_send_buffer > 0)
+            .then(|| usize::try_from(config.stream_send_buffer).unwrap_or(usize::MAX)),
     })
 }
 

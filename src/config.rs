@@ -270,6 +270,15 @@ pub struct ServeConfig {
     #[arg(help_heading = "Limits", long, env = "TASKGATE_MAX_STREAMS", default_value_t = crate::http::DEFAULT_MAX_STREAMS, value_parser = at_least_one)]
     pub max_streams: usize,
 
+    /// The kernel's send buffer of an event stream's connection: what a
+    /// client that stops reading pins in the kernel (until
+    /// `--write-timeout`) on top of the stream's backlog, and about what a
+    /// stream may send per round trip. 0 leaves it to the kernel's
+    /// autotuning (up to `net.ipv4.tcp_wmem`'s largest). Other answers
+    /// keep the kernel's autotuning.
+    #[arg(help_heading = "Limits", long, env = "TASKGATE_STREAM_SEND_BUFFER", default_value = "256KiB", value_parser = crate::units::byte_size_or_zero)]
+    pub stream_send_buffer: u64,
+
     /// Client connections open at once (default: 20000, or what the
     /// open-files limit leaves room for); one more is answered 503
     /// `too_many_connections` and closed.
@@ -375,6 +384,7 @@ impl ServeConfig {
             default_liveness_ttl: None,
             max_connections: None,
             max_streams: crate::http::DEFAULT_MAX_STREAMS,
+            stream_send_buffer: crate::server::DEFAULT_STREAM_SEND_BUFFER as u64,
             shutdown_grace: Duration::from_secs(10),
             tls_cert: None,
             tls_key: None,

@@ -3,7 +3,17 @@
 //! (stop accepting, let every open connection finish its request, close
 //! idle keep-alive connections).
 
-use std::{future::Future, path::Path, pin::pin, sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    path::Path,
+    pin::{Pin, pin},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    task::{Context, Poll},
+    time::Duration,
+};
 
 use axum::Router;
 use hyper::server::conn::http1;
@@ -12,7 +22,10 @@ use hyper_util::{
     server::graceful::GracefulShutdown,
     service::TowerToHyperService,
 };
-use tokio::net::TcpListener;
+use tokio::{
+    io::{AsyncRead, AsyncWrite, ReadBuf},
+    net::{TcpListener, TcpStream},
+};
 
 use crate::metrics::Metrics;
 
@@ -61,6 +74,133 @@ pub struct ServeOptions {
     pub max_connections: usize,
     /// Counts open connections (`taskgate_connections`).
     pub metrics: Arc<Metrics>,
+    /// The kernel's send buffer (`SO_SNDBUF`) of a connection once it
+    /// carries an event stream, in bytes the kernel may hold; `None` leaves
+    /// it to the kernel's autotuning.
+    pub stream_send_buffer: Option<usize>,
+}
+
+/// What the kernel holds for an event stream's connection by default: as
+/// much as the stream's own backlog (`http::events::BACKLOG_BYTES`), so a
+/// client that stops reading pins at most that much of the kernel's memory
+/// until the write timeout, not the 4 MiB `tcp_wmem` lets a send buffer
+/// autotune to. Only stream connections get it: a capped send buffer
+/// limits a connection to about that much per round trip, which a large
+/// answer over a long link would feel, and a stream is the one answer a
+/// client can leave unread for as long as the write timeout.
+pub const DEFAULT_STREAM_SEND_BUFFER: usize = 256 << 10;
+
+/// A connection's handle in each of its requests (an extension): the event
+/// stream marks its connection with it, and the connection's socket gets
+/// the stream's send buffer before the stream's first byte is written.
+#[derive(Clone, Default)]
+pub struct StreamSocket(Arc<AtomicBool>);
+
+impl StreamSocket {
+    /// This connection carries an event stream from now on.
+    pub fn mark(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A served TCP connection (under TLS, if any): the stream, bounded in how
+/// long a write may wait, and what its requests ask of its socket.
+struct Connection {
+    io: Pin<Box<tokio_io_timeout::TimeoutStream<TcpStream>>>,
+    /// Marked by the event stream's handler; read by the writes, which run
+    /// on the connection's own task after the handler answered (no
+    /// ordering beyond the task's own is needed).
+    marked: StreamSocket,
+    /// The send buffer to set once `marked`; taken when set.
+    send_buffer: Option<usize>,
+}
+
+impl Connection {
+    /// Sets the stream's send buffer on the first write after the handler
+    /// marked the connection: the answer's head is the first write, so the
+    /// whole stream goes out under the cap.
+    fn before_write(&mut self) {
+        if let Some(bytes) = self.send_buffer
+            && self.marked.0.load(Ordering::Relaxed)
+        {
+            self.send_buffer = None;
+            // Linux doubles the value asked for (the other half is its
+            // bookkeeping) and counts that against the buffer: half is
+            // asked so that what the kernel holds is `bytes`.
+            let socket = self.io.get_ref();
+            if let Err(e) = rustix::net::sockopt::set_socket_send_buffer_size(socket, bytes / 2) {
+                tracing::debug!(error = %e, "cannot set an event stream's send buffer");
+            }
+        }
+    }
+}
+
+impl AsyncRead for Connection {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        self.io.as_mut().poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Connection {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        self.before_write();
+        self.io.as_mut().poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        self.before_write();
+        self.io.as_mut().poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.io.as_mut().poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.io.as_mut().poll_shutdown(cx)
+    }
+}
+
+/// A request as hyper hands it to the router.
+type Incoming = hyper::Request<hyper::body::Incoming>;
+
+/// The router as hyper calls it.
+type Routed = TowerToHyperService<Router>;
+
+/// The router, as hyper calls it for one connection: every request
+/// carries the connection's [`StreamSocket`] (an `Arc` clone and an
+/// extension per request).
+#[derive(Clone)]
+struct PerConnection {
+    router: Routed,
+    socket: StreamSocket,
+}
+
+impl hyper::service::Service<Incoming> for PerConnection {
+    type Response = <Routed as hyper::service::Service<Incoming>>::Response;
+    type Error = <Routed as hyper::service::Service<Incoming>>::Error;
+    type Future = <Routed as hyper::service::Service<Incoming>>::Future;
+
+    fn call(&self, mut req: Incoming) -> Self::Future {
+        req.extensions_mut().insert(self.socket.clone());
+        self.router.call(req)
+    }
 }
 
 /// File descriptors kept for everything but client connections (the
@@ -195,10 +335,18 @@ pub async fn serve(
         let open = options.metrics.open_connection();
         // A client that stops reading its answer is dropped after the
         // write timeout, not held (with its buffers) for ever.
-        let mut stream = tokio_io_timeout::TimeoutStream::new(stream);
-        stream.set_write_timeout(Some(options.write_timeout));
-        let stream = Box::pin(stream);
-        let service = TowerToHyperService::new(router.clone());
+        let mut io = tokio_io_timeout::TimeoutStream::new(stream);
+        io.set_write_timeout(Some(options.write_timeout));
+        let socket = StreamSocket::default();
+        let stream = Connection {
+            io: Box::pin(io),
+            marked: socket.clone(),
+            send_buffer: options.stream_send_buffer,
+        };
+        let service = PerConnection {
+            router: TowerToHyperService::new(router.clone()),
+            socket,
+        };
         let watcher = graceful.watcher();
         // Plain and TLS connections are separate tasks: a task is as large
         // as its future, and a plain connection should not carry the room a

@@ -112,6 +112,15 @@ pub fn byte_size(s: &str) -> Result<u64, String> {
     }
 }
 
+/// A size in bytes as [`byte_size`] reads it, or `0` for "none": what a
+/// flag whose 0 hands the choice back to the kernel takes.
+pub fn byte_size_or_zero(s: &str) -> Result<u64, String> {
+    if s.trim() == "0" {
+        return Ok(0);
+    }
+    byte_size(s)
+}
+
 /// A listen address as operators write it: `127.0.0.1:8080`,
 /// `[::1]:8080`, a host name (`localhost:8080`, its first address), or
 /// `:8080` for every interface.
@@ -147,6 +156,15 @@ pub fn parse_listen(s: &str) -> Result<std::net::SocketAddr, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_zero_size_is_none_only_where_it_may_be() {
+        assert_eq!(byte_size_or_zero("0"), Ok(0));
+        assert_eq!(byte_size_or_zero("256KiB"), Ok(256 << 10));
+        assert!(byte_size_or_zero("").is_err());
+        assert!(byte_size_or_zero("0 parsecs").is_err());
+        assert!(byte_size("0").is_err());
+    }
 
     #[test]
     fn durations_are_written_as_they_are_read() {

@@ -13,7 +13,10 @@ use std::{
 
 use common::{
     process::{Server, health},
-    raw::{connect, exchange, gauge, json_request, read_answer, request},
+    raw::{
+        connect, exchange, gauge, json_request, read_answer, report_with_event, request,
+        server_send_queue,
+    },
 };
 
 fn start(extra: &[&str]) -> (Server, SocketAddr) {
@@ -282,6 +285,104 @@ fn a_client_that_stops_reading_is_dropped_after_the_write_timeout() {
         "the server kept a connection whose client stopped reading"
     );
     others_are_served(addr, Duration::from_secs(2));
+    drop(rude);
+}
+
+/// Most bytes the server's end of a stalled event stream may hold in its
+/// kernel send queue: the stream's send buffer (`--stream-send-buffer`'s
+/// default), plus the segment the kernel was filling when the buffer ran
+/// out (up to 64 KiB on loopback), with room. Autotuned, the queue grows to
+/// `tcp_wmem`'s 4 MiB.
+const STALLED_STREAM_QUEUE: u64 = taskgate::server::DEFAULT_STREAM_SEND_BUFFER as u64 + (128 << 10);
+
+/// Opens an event stream on a server started with `extra`, never reads
+/// it, and makes ~200 changes of ~12 KiB each (several times what the
+/// stream's backlog, the buffers and a bounded send queue take together,
+/// so the stream stalls on its client early and stays stalled). Returns
+/// the server's send queue to that client after each change, until it
+/// passes `STALLED_STREAM_QUEUE` (then it stops), and once the queue holds
+/// at least 128 KiB after them (the stream did stall in the kernel).
+fn stalled_stream(extra: &[&str]) -> (Vec<u64>, u64) {
+    let (_server, addr) = start(extra);
+    let mut reader = connect(addr);
+    reader
+        .write_all(b"GET /v1/events HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            gauge(addr, "taskgate_waiters") == 1
+        }),
+        "the stream never opened"
+    );
+    let client = reader.local_addr().unwrap();
+    let mut seen = Vec::new();
+    for n in 0..200 {
+        assert_eq!(exchange(addr, &report_with_event(n)).status, 200);
+        let queued = server_send_queue(addr, client).expect("the stream's connection");
+        seen.push(queued);
+        if queued > STALLED_STREAM_QUEUE {
+            return (seen, queued);
+        }
+    }
+    let mut last = 0;
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            last = server_send_queue(addr, client).unwrap_or(0);
+            last >= 128 << 10
+        }),
+        "the stream never filled the kernel's send queue (most {:?} bytes)",
+        seen.iter().max()
+    );
+    others_are_served(addr, Duration::from_secs(2));
+    drop(reader);
+    (seen, last)
+}
+
+/// An event-stream client that never reads, while changes pile up, holds
+/// the server's kernel send queue to the stream's send buffer: the kernel
+/// memory a stalled reader pins is bounded as its backlog is, not left to
+/// autotune to megabytes for the write timeout.
+#[test]
+fn a_stalled_event_stream_holds_a_bounded_kernel_send_queue() {
+    let (seen, last) = stalled_stream(&[]);
+    let most = seen.iter().copied().max().unwrap_or(0).max(last);
+    assert!(
+        most <= STALLED_STREAM_QUEUE,
+        "after {} changes the server's send queue to a client that reads nothing holds {most} \
+         bytes (bound {STALLED_STREAM_QUEUE})",
+        seen.len()
+    );
+}
+
+/// `--stream-send-buffer 0` leaves a stream's send buffer to the kernel,
+/// whose autotuning takes it past the bound.
+#[test]
+fn a_stream_send_buffer_of_zero_is_left_to_the_kernel() {
+    let (seen, last) = stalled_stream(&["--stream-send-buffer", "0"]);
+    assert!(
+        last > STALLED_STREAM_QUEUE,
+        "autotuned, the send queue stayed within the bound: {seen:?}"
+    );
+}
+
+/// The bound is the event stream's alone: an ordinary answer keeps the
+/// kernel's autotuned send buffer (a large view over a long link needs
+/// it), so a client that stops reading ordinary answers fills more than a
+/// stream's whole send buffer.
+#[test]
+fn ordinary_answers_keep_the_kernels_autotuned_send_buffer() {
+    let (_server, addr) = start(&[]);
+    // Large views: what `stall` asks for again and again.
+    for n in 0..40 {
+        assert_eq!(exchange(addr, &report_with_event(n)).status, 200);
+    }
+    let rude = stall(addr);
+    let client = rude.local_addr().unwrap();
+    let queued = server_send_queue(addr, client).expect("the rude connection");
+    assert!(
+        queued > STALLED_STREAM_QUEUE,
+        "an ordinary connection's send queue stopped at {queued} bytes, within a stream's bound"
+    );
     drop(rude);
 }
 

@@ -50,8 +50,8 @@ async fn exchange<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
     String::from_utf8_lossy(&out).into_owned()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn serves_https_with_the_given_certificate() {
+/// A TLS server with a certificate made now, and a client that trusts it.
+async fn tls_server() -> (Running, TlsConnector, tempfile::TempDir) {
     let made = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let cert = dir.path().join("cert.pem");
@@ -71,12 +71,24 @@ async fn serves_https_with_the_given_certificate() {
             .unwrap()
             .with_root_certificates(roots)
             .with_no_client_auth();
-    let connector = TlsConnector::from(Arc::new(client));
-    let tcp = TcpStream::connect(server.addr).await.unwrap();
-    let tls = connector
+    (server, TlsConnector::from(Arc::new(client)), dir)
+}
+
+async fn tls_connect(
+    connector: &TlsConnector,
+    addr: std::net::SocketAddr,
+) -> tokio_rustls::client::TlsStream<TcpStream> {
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    connector
         .connect(ServerName::try_from("localhost").unwrap(), tcp)
         .await
-        .expect("handshake with the generated certificate");
+        .expect("handshake with the generated certificate")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serves_https_with_the_given_certificate() {
+    let (server, connector, _dir) = tls_server().await;
+    let tls = tls_connect(&connector, server.addr).await;
     let answer = exchange(tls, "/v1/health").await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert!(answer.contains(r#"{"status":"ok"}"#), "{answer}");
@@ -112,6 +124,82 @@ async fn a_client_that_never_finishes_its_headers_is_cut_off() {
     // Others are served meanwhile and after.
     let answer = exchange(TcpStream::connect(server.addr).await.unwrap(), "/v1/health").await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    server.stop.send(()).unwrap();
+    server.task.await.unwrap().unwrap();
+}
+
+/// Under TLS too, an event-stream client that never reads holds the
+/// server's kernel send queue (encrypted bytes now) to the stream's send
+/// buffer, however many changes pile up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_event_stream_over_tls_holds_a_bounded_kernel_send_queue() {
+    let (server, connector, _dir) = tls_server().await;
+    let send = |request: Vec<u8>| {
+        let connector = connector.clone();
+        let addr = server.addr;
+        async move {
+            let mut tls = tls_connect(&connector, addr).await;
+            tls.write_all(&request).await.unwrap();
+            let mut out = Vec::new();
+            tokio::time::timeout(BOUND, tls.read_to_end(&mut out))
+                .await
+                .expect("answered")
+                .unwrap();
+            String::from_utf8_lossy(&out).into_owned()
+        }
+    };
+    let spec = common::five_tasks().to_string();
+    let answer = send(common::raw::json_request(
+        "PUT",
+        "/v1/allocations/a1",
+        spec.as_bytes(),
+    ))
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+
+    let mut reader = tls_connect(&connector, server.addr).await;
+    let client = reader.get_ref().0.local_addr().unwrap();
+    reader
+        .write_all(b"GET /v1/events HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    // Its answer's head, and then nothing more is read.
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let mut byte = [0; 1];
+        tokio::time::timeout(BOUND, reader.read_exact(&mut byte))
+            .await
+            .expect("the stream's head")
+            .unwrap();
+        head.push(byte[0]);
+    }
+    assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+
+    // As in tests/rude.rs: the buffer, the segment being filled, room.
+    let bound = taskgate::server::DEFAULT_STREAM_SEND_BUFFER as u64 + (128 << 10);
+    let mut most = 0;
+    for n in 0..200 {
+        let answer = send(common::raw::report_with_event(n)).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        let queued =
+            common::raw::server_send_queue(server.addr, client).expect("the stream's connection");
+        most = most.max(queued);
+        assert!(
+            queued <= bound,
+            "after {n} changes the server's send queue to a TLS client that reads nothing holds \
+             {queued} bytes (bound {bound})"
+        );
+    }
+    let deadline = std::time::Instant::now() + BOUND;
+    while common::raw::server_send_queue(server.addr, client).is_none_or(|q| q < 128 << 10) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the stream never filled the kernel's send queue (most {most} bytes)"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(common::raw::server_send_queue(server.addr, client).unwrap() <= bound);
+    drop(reader);
     server.stop.send(()).unwrap();
     server.task.await.unwrap().unwrap();
 }

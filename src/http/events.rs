@@ -8,6 +8,7 @@ use std::{
 };
 
 use axum::{
+    Extension,
     extract::State,
     http::{HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
@@ -23,7 +24,10 @@ use super::{
     params::StreamParams,
     views::StreamLine,
 };
-use crate::registry::{Subscription, feed::Next};
+use crate::{
+    registry::{Subscription, feed::Next},
+    server::StreamSocket,
+};
 
 /// A line sent after this long without another.
 pub const HEARTBEAT: Duration = Duration::from_secs(10);
@@ -36,7 +40,9 @@ const BATCH: usize = 256;
 /// copied per reader), so what a client that stops reading holds is this
 /// queue's references and its connection's buffers; past it the stream
 /// waits for the client, and one that falls behind the kept changes gets a
-/// `Resync`. A single change larger than this is still sent, alone.
+/// `Resync`. A single change larger than this is still sent, alone. (The
+/// kernel's send buffer under the stream is bounded to as much:
+/// `--stream-send-buffer`.)
 pub const BACKLOG_BYTES: usize = 256 << 10;
 
 /// Follow allocation changes (a stream).
@@ -71,6 +77,7 @@ pub const BACKLOG_BYTES: usize = 256 << 10;
 )]
 pub async fn stream(
     State(s): State<AppState>,
+    socket: Option<Extension<StreamSocket>>,
     ApiQuery(q): ApiQuery<StreamParams>,
 ) -> Result<Response, ApiError> {
     let index = q.index;
@@ -78,6 +85,12 @@ pub async fn stream(
         return Err(ApiError::too_many_streams(s.config.max_streams));
     };
     let sub = s.registry.subscribe(q.index, q.prefix)?;
+    // The connection's kernel send buffer is bounded from the answer's
+    // first byte on (absent when the router is called without a server,
+    // as handler tests do).
+    if let Some(Extension(socket)) = socket {
+        socket.mark();
+    }
     // The queue's length is bounded by the byte permits each chunk holds.
     let (tx, rx) = mpsc::unbounded_channel();
     let budget = std::sync::Arc::new(tokio::sync::Semaphore::new(BACKLOG_BYTES));

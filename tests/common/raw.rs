@@ -223,3 +223,38 @@ pub fn gauge(addr: SocketAddr, name: &str) -> u64 {
         })
         .unwrap_or_else(|| panic!("metric {name} in {text}"))
 }
+
+/// Bytes the kernel holds in the send queue of the server's end of a
+/// loopback connection (`tx_queue` of `/proc/net/tcp`: written by the
+/// server, not yet acknowledged by the client), found by the two ends'
+/// addresses; `None` once that connection is gone.
+pub fn server_send_queue(server: SocketAddr, client: SocketAddr) -> Option<u64> {
+    let table = std::fs::read_to_string("/proc/net/tcp").expect("/proc/net/tcp");
+    let end = |a: SocketAddr| format!(":{:04X}", a.port());
+    table.lines().skip(1).find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (local, remote, queues) = (fields.get(1)?, fields.get(2)?, fields.get(4)?);
+        (local.ends_with(&end(server)) && remote.ends_with(&end(client)))
+            .then(|| u64::from_str_radix(queues.split(':').next()?, 16).ok())?
+    })
+}
+
+/// A report that changes allocation `a1` (of `common::five_tasks`) with an
+/// event of about 1 KiB, so its view (what an event stream sends for the
+/// change) grows to ~12 KiB as histories fill: `n` alternates the state.
+pub fn report_with_event(n: usize) -> Vec<u8> {
+    let (state, kind) = if n.is_multiple_of(2) {
+        ("running", "Started")
+    } else {
+        ("pending", "Restarting")
+    };
+    let body = format!(
+        r#"{{"state": "{state}", "event": {{"type": "{kind}", "message": "{}"}}}}"#,
+        "x".repeat(900)
+    );
+    json_request(
+        "PUT",
+        "/v1/allocations/a1/tasks/proxy/state",
+        body.as_bytes(),
+    )
+}
