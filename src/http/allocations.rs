@@ -152,11 +152,7 @@ pub async fn get(
     ApiQuery(q): ApiQuery<BlockingParams>,
 ) -> Result<Response, ApiError> {
     let a = current_or_newer(&s, &id, q).await?;
-    Ok(indexed(
-        StatusCode::OK,
-        a.modify_index,
-        &AllocationView::new(&a, &s.registry),
-    ))
+    Ok(super::allocation_answer(StatusCode::OK, &a, &s.registry))
 }
 
 /// The allocation now, or with `index` > 0 once its `modify_index` passes
