@@ -58,32 +58,49 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 /// Writes a duration as `parse_duration` reads it, to the millisecond:
 /// `500ms`, `30s`, `1.5s`, `5m`, `1h30m`, `7d` is `168h`.
 pub fn format_duration(d: Duration) -> String {
-    let ms = d.as_millis();
-    if ms == 0 {
-        return "0s".to_owned();
-    }
-    if ms < 1000 {
-        return format!("{ms}ms");
-    }
-    let (h, rest) = (ms / 3_600_000, ms % 3_600_000);
-    let (m, rest) = (rest / 60_000, rest % 60_000);
-    let (s, frac) = (rest / 1000, rest % 1000);
-    let mut out = String::new();
-    if h > 0 {
-        out.push_str(&format!("{h}h"));
-    }
-    if m > 0 {
-        out.push_str(&format!("{m}m"));
-    }
-    if s > 0 || frac > 0 {
-        if frac == 0 {
-            out.push_str(&format!("{s}s"));
-        } else {
-            let frac = format!("{frac:03}");
-            out.push_str(&format!("{s}.{}s", frac.trim_end_matches('0')));
+    Shown(d).to_string()
+}
+
+/// A duration as `format_duration` writes it, written straight into a
+/// formatter: an answer writes one per task under a TTL, and a `String`
+/// of several `format!`s each was a measurable share of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shown(pub Duration);
+
+impl std::fmt::Display for Shown {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = self.0.as_millis();
+        if ms == 0 {
+            return f.write_str("0s");
         }
+        if ms < 1000 {
+            return write!(f, "{ms}ms");
+        }
+        let (h, rest) = (ms / 3_600_000, ms % 3_600_000);
+        let (m, rest) = (rest / 60_000, rest % 60_000);
+        let (s, frac) = (rest / 1000, rest % 1000);
+        if h > 0 {
+            write!(f, "{h}h")?;
+        }
+        if m > 0 {
+            write!(f, "{m}m")?;
+        }
+        if s > 0 || frac > 0 {
+            write!(f, "{s}")?;
+            if frac > 0 {
+                // Milliseconds as a decimal fraction without trailing
+                // zeros: 500 is ".5", 50 ".05", 5 ".005".
+                let (mut digits, mut width) = (frac, 3);
+                while digits % 10 == 0 {
+                    digits /= 10;
+                    width -= 1;
+                }
+                write!(f, ".{digits:0width$}")?;
+            }
+            f.write_str("s")?;
+        }
+        Ok(())
     }
-    out
 }
 
 /// A size in bytes: a number, optionally with `KiB`, `MiB` or `GiB`.
@@ -184,6 +201,61 @@ mod tests {
         }
         // Below a millisecond is cut, never rounded up.
         assert_eq!(format_duration(Duration::from_micros(1_999_999)), "1.999s");
+    }
+
+    /// The `String`-building writer `Shown` replaced, kept as the
+    /// reference it must match.
+    fn format_duration_by_strings(d: Duration) -> String {
+        let ms = d.as_millis();
+        if ms == 0 {
+            return "0s".to_owned();
+        }
+        if ms < 1000 {
+            return format!("{ms}ms");
+        }
+        let (h, rest) = (ms / 3_600_000, ms % 3_600_000);
+        let (m, rest) = (rest / 60_000, rest % 60_000);
+        let (s, frac) = (rest / 1000, rest % 1000);
+        let mut out = String::new();
+        if h > 0 {
+            out.push_str(&format!("{h}h"));
+        }
+        if m > 0 {
+            out.push_str(&format!("{m}m"));
+        }
+        if s > 0 || frac > 0 {
+            if frac == 0 {
+                out.push_str(&format!("{s}s"));
+            } else {
+                let frac = format!("{frac:03}");
+                out.push_str(&format!("{s}.{}s", frac.trim_end_matches('0')));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn shown_writes_what_the_string_building_writer_wrote() {
+        let mut ms: Vec<u64> = (0..5_000).collect();
+        ms.extend((0..2_000).map(|i| i * 997));
+        ms.extend([
+            59_999,
+            60_000,
+            60_001,
+            3_599_999,
+            3_600_000,
+            3_600_500,
+            3_661_010,
+            86_400_000 * 400 + 7,
+        ]);
+        for ms in ms {
+            for d in [
+                Duration::from_millis(ms),
+                Duration::from_micros(ms * 1000 + 999),
+            ] {
+                assert_eq!(Shown(d).to_string(), format_duration_by_strings(d), "{d:?}");
+            }
+        }
     }
 
     #[test]

@@ -152,11 +152,7 @@ pub async fn get(
     ApiQuery(q): ApiQuery<BlockingParams>,
 ) -> Result<Response, ApiError> {
     let a = current_or_newer(&s, &id, q).await?;
-    Ok(indexed(
-        StatusCode::OK,
-        a.modify_index,
-        &AllocationView::new(&a, &s.registry),
-    ))
+    Ok(super::allocation_answer(StatusCode::OK, &a, &s.registry))
 }
 
 /// The allocation now, or with `index` > 0 once its `modify_index` passes
@@ -298,13 +294,13 @@ pub async fn report_batch(
     ApiJson(body): ApiJson<BatchBody>,
 ) -> Result<Response, ApiError> {
     let reports = batch(&s, body)?;
-    let mut request = Vec::new();
-    for (name, r) in &reports {
-        request.extend_from_slice(&(name.as_str().len() as u64).to_le_bytes());
-        request.extend_from_slice(name.as_str().as_bytes());
-        r.fingerprint_into(&mut request);
-    }
-    let key = key.with_request(&request);
+    let key = key.with_request(|request| {
+        for (name, r) in &reports {
+            request.extend_from_slice(&(name.as_str().len() as u64).to_le_bytes());
+            request.extend_from_slice(name.as_str().as_bytes());
+            r.fingerprint_into(request);
+        }
+    });
     let a = s.registry.report_keyed(id.as_str(), reports, key).await?;
     Ok(written(StatusCode::OK, &a, prefer, None, &s.registry))
 }

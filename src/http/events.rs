@@ -130,7 +130,7 @@ async fn follow(
             next = sub.next(BATCH) => match next {
                 Ok(Next::Changes(events)) => events
                     .iter()
-                    .map(|e| sub.render(e, |e| line(&StreamLine::change(e, sub.registry()))))
+                    .map(|e| sub.render(e, |e| change_line(e, sub.registry())))
                     .collect(),
                 Ok(Next::Resync(index)) => vec![line(&StreamLine::Resync { index })],
                 // Shutting down: the client reconnects (elsewhere, or once
@@ -154,6 +154,20 @@ async fn follow(
             }
         }
     }
+}
+
+/// `StreamLine::change(e, live)` and its newline; a change that leaves an
+/// allocation written by `render` (the same bytes).
+fn change_line(e: &crate::registry::feed::Event, live: &dyn super::views::Live) -> Bytes {
+    let Some(a) = &e.allocation else {
+        return line(&StreamLine::change(e, live));
+    };
+    let mut buf = Vec::with_capacity(super::render::size_hint(a) + 64);
+    // As `line`: a view always serializes.
+    super::render::change_line(&mut buf, e.index, a, &live.of(a))
+        .expect("a stream line serializes");
+    buf.push(b'\n');
+    Bytes::from(buf)
 }
 
 /// One JSON object and its newline.

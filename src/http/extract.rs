@@ -279,20 +279,26 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKey {
 }
 
 impl IdempotencyKey {
-    /// The key and the request it came with (`request`: a canonical
-    /// encoding of what the request asks), as kept on tasks: the first 8
-    /// bytes of their SHA-256, the same on every replica and after every
-    /// restart.
-    pub fn with_request(&self, request: &[u8]) -> Option<crate::lifecycle::IdemKey> {
+    /// The key and the request it came with (`request` writes a
+    /// canonical encoding of what the request asks; only called when a
+    /// key came, since most reports carry none), as kept on tasks: the
+    /// first 8 bytes of their SHA-256, the same on every replica and
+    /// after every restart.
+    pub fn with_request(
+        &self,
+        request: impl FnOnce(&mut Vec<u8>),
+    ) -> Option<crate::lifecycle::IdemKey> {
         use sha2::{Digest, Sha256};
         let h = |bytes: &[u8]| {
             let d = Sha256::digest(bytes);
             u64::from_le_bytes(d[..8].try_into().expect("a SHA-256 has 32 bytes"))
         };
         let key = self.0.as_deref()?;
+        let mut bytes = Vec::new();
+        request(&mut bytes);
         Some(crate::lifecycle::IdemKey {
             key: h(key.as_bytes()),
-            request: h(request),
+            request: h(&bytes),
         })
     }
 }
@@ -322,6 +328,20 @@ impl<S: Send + Sync> FromRequestParts<S> for TaskPath {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_request_is_encoded_for_its_key_only_when_a_key_came() {
+        let none = IdempotencyKey(None).with_request(|_| panic!("no key: nothing to encode"));
+        assert_eq!(none, None);
+        let key = IdempotencyKey(Some("r-1".to_owned()));
+        let of = |bytes: &'static [u8]| {
+            key.with_request(|r| r.extend_from_slice(bytes))
+                .expect("a key came")
+        };
+        assert_eq!(of(b"running"), of(b"running"));
+        assert_eq!(of(b"running").key, of(b"dead").key);
+        assert_ne!(of(b"running").request, of(b"dead").request);
+    }
 
     #[test]
     fn json_content_types() {

@@ -15,6 +15,7 @@ pub mod openapi;
 pub mod params;
 pub mod prefer;
 pub mod query;
+pub mod render;
 mod service;
 pub mod site;
 mod tasks;
@@ -109,21 +110,49 @@ pub(crate) fn indexed<T: Serialize>(status: StatusCode, index: u64, body: &T) ->
     res
 }
 
+/// The allocation view of `a` (`views::AllocationView`) as a JSON answer
+/// with `X-Taskgate-Index`, written by `render`: the same bytes as
+/// `indexed(status, a.modify_index, &AllocationView::new(a, live))`.
+pub(crate) fn allocation_answer(
+    status: StatusCode,
+    a: &crate::lifecycle::Allocation,
+    live: &dyn views::Live,
+) -> Response {
+    let mut buf = Vec::with_capacity(render::size_hint(a));
+    match render::allocation(&mut buf, a, &live.of(a)) {
+        Ok(()) => {
+            let mut res = json_bytes(status, buf);
+            res.headers_mut()
+                .insert(INDEX_HEADER, HeaderValue::from(a.modify_index));
+            res
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "a response did not serialize");
+            ApiError::internal().into_response()
+        }
+    }
+}
+
+/// Written JSON as an answer.
+fn json_bytes(status: StatusCode, buf: Vec<u8>) -> Response {
+    (
+        status,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        buf,
+    )
+        .into_response()
+}
+
 /// A JSON answer. Serialized into one buffer sized for an allocation view,
 /// so a typical answer is written without growing it (axum's `Json`
 /// starts small and reallocates several times for a multi-KiB view).
 pub(crate) fn json<T: Serialize>(status: StatusCode, body: &T) -> Response {
     let mut buf = Vec::with_capacity(4096);
     match serde_json::to_writer(&mut buf, body) {
-        Ok(()) => (
-            status,
-            [(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            )],
-            buf,
-        )
-            .into_response(),
+        Ok(()) => json_bytes(status, buf),
         Err(e) => {
             tracing::error!(error = %e, "a response did not serialize");
             ApiError::internal().into_response()

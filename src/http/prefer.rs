@@ -119,7 +119,7 @@ pub fn written(
     if prefer.minimal {
         minimal(status, a.modify_index, &MinimalView::new(a, task))
     } else {
-        indexed(status, a.modify_index, &AllocationView::new(a, live))
+        super::allocation_answer(status, a, live)
     }
 }
 

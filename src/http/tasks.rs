@@ -111,11 +111,11 @@ pub async fn report(
         .into_report("", &s.registry.config().limits)
         .map_err(|e| ApiError::invalid("the report is not valid", e))?;
     // The request as a whole: which task, and what of it.
-    let mut request = Vec::new();
-    request.extend_from_slice(&(task.as_str().len() as u64).to_le_bytes());
-    request.extend_from_slice(task.as_str().as_bytes());
-    report.fingerprint_into(&mut request);
-    let key = key.with_request(&request);
+    let key = key.with_request(|request| {
+        request.extend_from_slice(&(task.as_str().len() as u64).to_le_bytes());
+        request.extend_from_slice(task.as_str().as_bytes());
+        report.fingerprint_into(request);
+    });
     let a = s
         .registry
         .report_keyed(id.as_str(), vec![(task.clone(), report)], key)

@@ -9,25 +9,43 @@ use crate::{
         Allocation, Condition, CoordState, Deadlines, DepState, DesiredKind, Details, Event,
         Events, Hook, Outcome, RunState, Stage, StopKind, Timestamp, WaitFor, Why,
     },
-    units::format_duration,
+    units::{Shown, format_duration},
 };
 
 /// What a view shows beyond the record: the liveness the server runs a
 /// task under (its own TTL or the server's default) and the latest sign
 /// of life it knows of. The registry knows both; a record alone knows
-/// only the task's own TTL (`RecordOnly`).
+/// only the task's own TTL (`RecordOnly`). Read once per view (`of`),
+/// not once per task.
 pub trait Live {
-    fn ttl(&self, a: &Allocation, i: usize) -> Option<std::time::Duration>;
-    fn last_seen(&self, a: &Allocation, i: usize) -> Option<Timestamp>;
+    fn of(&self, a: &Allocation) -> Liveness;
+}
+
+/// The liveness of one allocation's tasks, as one view shows them.
+pub struct Liveness {
+    default_ttl: Option<std::time::Duration>,
+    signs: Option<crate::registry::Signs>,
+}
+
+impl Liveness {
+    /// The TTL task `i` runs under; `None` when none.
+    pub fn ttl(&self, a: &Allocation, i: usize) -> Option<std::time::Duration> {
+        a.spec.ttl(i, self.default_ttl)
+    }
+
+    /// The latest sign of life known of task `i`, for a task under a TTL.
+    pub fn last_seen(&self, a: &Allocation, i: usize) -> Option<Timestamp> {
+        self.ttl(a, i)?;
+        self.signs.as_ref()?.last_seen(i)
+    }
 }
 
 impl Live for crate::registry::Registry {
-    fn ttl(&self, a: &Allocation, i: usize) -> Option<std::time::Duration> {
-        crate::registry::Registry::ttl(self, a, i)
-    }
-
-    fn last_seen(&self, a: &Allocation, i: usize) -> Option<Timestamp> {
-        crate::registry::Registry::last_seen(self, a, i)
+    fn of(&self, a: &Allocation) -> Liveness {
+        Liveness {
+            default_ttl: self.default_liveness_ttl(),
+            signs: self.signs(a),
+        }
     }
 }
 
@@ -36,12 +54,11 @@ impl Live for crate::registry::Registry {
 pub struct RecordOnly;
 
 impl Live for RecordOnly {
-    fn ttl(&self, a: &Allocation, i: usize) -> Option<std::time::Duration> {
-        a.spec.ttl(i, None)
-    }
-
-    fn last_seen(&self, _: &Allocation, _: usize) -> Option<Timestamp> {
-        None
+    fn of(&self, _: &Allocation) -> Liveness {
+        Liveness {
+            default_ttl: None,
+            signs: None,
+        }
     }
 }
 
@@ -81,15 +98,35 @@ pub struct AllocationView {
 #[derive(Debug, Serialize, ToSchema)]
 #[schema(example = json!({"prestart": "10m", "main": "5m", "poststart": null, "poststop": "10m"}))]
 pub struct DeadlinesView {
-    pub prestart: Option<String>,
-    pub main: Option<String>,
-    pub poststart: Option<String>,
-    pub poststop: Option<String>,
+    #[schema(value_type = Option<String>)]
+    #[serde(serialize_with = "shown_or_null")]
+    pub prestart: Option<Shown>,
+    #[schema(value_type = Option<String>)]
+    #[serde(serialize_with = "shown_or_null")]
+    pub main: Option<Shown>,
+    #[schema(value_type = Option<String>)]
+    #[serde(serialize_with = "shown_or_null")]
+    pub poststart: Option<Shown>,
+    #[schema(value_type = Option<String>)]
+    #[serde(serialize_with = "shown_or_null")]
+    pub poststop: Option<Shown>,
+}
+
+/// A duration as text (`30s`), written without a `String` of its own.
+fn shown<S: serde::Serializer>(d: &Shown, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(d)
+}
+
+fn shown_or_null<S: serde::Serializer>(d: &Option<Shown>, s: S) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.collect_str(d),
+        None => s.serialize_none(),
+    }
 }
 
 impl DeadlinesView {
     fn new(d: &Deadlines) -> Option<Self> {
-        let show = |s| d.of(s).map(format_duration);
+        let show = |s| d.of(s).map(Shown);
         (!d.is_empty()).then(|| Self {
             prestart: show(CoordState::Prestart),
             main: show(CoordState::Main),
@@ -103,8 +140,9 @@ impl DeadlinesView {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct LivenessView {
     /// Its own, or the server's `--default-liveness-ttl`.
-    #[schema(example = "30s")]
-    pub ttl: String,
+    #[schema(value_type = String, example = "30s")]
+    #[serde(serialize_with = "shown")]
+    pub ttl: Shown,
 }
 
 /// A task's lifecycle block as registered.
@@ -376,7 +414,7 @@ impl From<&crate::lifecycle::StopReason> for StopReasonView {
 }
 
 impl TaskView {
-    pub fn new(a: &Allocation, i: usize, live: &dyn Live) -> Self {
+    pub fn new(a: &Allocation, i: usize, live: &Liveness) -> Self {
         let spec = &a.spec.tasks()[i];
         let t = &a.tasks[i];
         let desired = a.desired(i);
@@ -404,9 +442,7 @@ impl TaskView {
             stop_reason: desired.reason().map(StopReasonView::from),
             restart_generation: t.restart_generation,
             modify_index: t.modify_index,
-            liveness: live.ttl(a, i).map(|ttl| LivenessView {
-                ttl: format_duration(ttl),
-            }),
+            liveness: live.ttl(a, i).map(|ttl| LivenessView { ttl: Shown(ttl) }),
             lost: t.lost(),
             last_seen: live.last_seen(a, i),
             depends_on,
@@ -432,6 +468,7 @@ fn outcome(a: &Allocation) -> (Option<Outcome>, Vec<String>) {
 
 impl AllocationView {
     pub fn new(a: &Allocation, live: &dyn Live) -> Self {
+        let live = live.of(a);
         let (waiting_on, waiting) = a
             .waiting()
             .into_iter()
@@ -452,7 +489,7 @@ impl AllocationView {
             deadlines: DeadlinesView::new(a.spec.deadlines()),
             deadline_at: a.deadline_at,
             tasks: (0..a.tasks.len())
-                .map(|i| TaskView::new(a, i, live))
+                .map(|i| TaskView::new(a, i, &live))
                 .collect(),
         }
     }
@@ -461,7 +498,7 @@ impl AllocationView {
 impl TaskDetailView {
     pub fn new(a: &Allocation, i: usize, live: &dyn Live) -> Self {
         Self {
-            task: TaskView::new(a, i, live),
+            task: TaskView::new(a, i, &live.of(a)),
             coordinator_state: a.state,
             alloc_modify_index: a.modify_index,
         }

@@ -249,6 +249,13 @@ impl Events {
     /// events (a pointer compare); versions decoded from a store compare
     /// by value.
     pub fn added_since(&self, prev: &Events) -> Vec<Event> {
+        // The same history (a task the change did not touch): nothing,
+        // without comparing its events one by one.
+        if let (Some(now), Some(before)) = (&self.0, &prev.0)
+            && Arc::ptr_eq(now, before)
+        {
+            return Vec::new();
+        }
         let now = self.0.as_deref().unwrap_or_default();
         let before = prev.0.as_deref().unwrap_or_default();
         let same = |a: &Event, b: &Event| a == b;
@@ -859,6 +866,8 @@ mod tests {
         let copy: Events = prev.iter().cloned().collect();
         assert_eq!(kinds(t.events.added_since(&copy)), ["new"]);
         assert!(t.events.added_since(&t.events.clone()).is_empty());
+        let same: Events = t.events.iter().cloned().collect();
+        assert!(t.events.added_since(&same).is_empty(), "compared by value");
         assert_eq!(t.events.added_since(&Events::default()).len(), MAX_EVENTS);
     }
 

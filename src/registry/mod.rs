@@ -20,6 +20,7 @@ mod timers;
 mod wait;
 
 pub use deps::MAX_REACH;
+pub use timed::Signs;
 pub use timers::Clock;
 pub use wait::Subscription;
 

@@ -365,17 +365,31 @@ impl Registry {
         Ok(a)
     }
 
-    /// The latest sign of life this server knows of for task `i` (the
-    /// task view's `last_seen`), for a task under a TTL.
-    pub fn last_seen(&self, a: &Allocation, i: usize) -> Option<Timestamp> {
-        a.spec.ttl(i, self.inner.config.default_liveness_ttl)?;
+    /// What a view of `a` shows of its tasks' signs of life: the
+    /// allocation looked up and the clock read once for all its tasks (a
+    /// lookup and a clock read per task were most of what the third
+    /// edition's fields cost a full answer). `None` when no task of `a`
+    /// runs under a TTL, or `a` is gone.
+    pub fn signs(&self, a: &Allocation) -> Option<Signs> {
+        let default = self.inner.config.default_liveness_ttl;
+        if !(0..a.tasks.len()).any(|i| a.spec.ttl(i, default).is_some()) {
+            return None;
+        }
         let handle = self.handle(a.id.as_str()).ok()?;
-        handle.lives().seen(i, self.now())
+        Some(Signs {
+            handle,
+            now: self.now(),
+        })
     }
 
     /// The TTL task `i` runs under (its own, or the server's default).
     pub fn ttl(&self, a: &Allocation, i: usize) -> Option<Duration> {
         a.spec.ttl(i, self.inner.config.default_liveness_ttl)
+    }
+
+    /// The server's `--default-liveness-ttl`.
+    pub fn default_liveness_ttl(&self) -> Option<Duration> {
+        self.inner.config.default_liveness_ttl
     }
 
     /// Writes marks for the runs `todo` of `a` (see `Inner::mark_runs`),
@@ -475,5 +489,20 @@ impl Registry {
     /// Entries in the timer heap (stale ones included), for the metrics.
     pub fn timer_entries(&self) -> usize {
         self.inner.timers.len()
+    }
+}
+
+/// The signs of life of one allocation's tasks as a view shows them
+/// (`Registry::signs`).
+pub struct Signs {
+    handle: Arc<Handle>,
+    now: Timestamp,
+}
+
+impl Signs {
+    /// The latest sign of life this server knows of for task `i` (a
+    /// parked query is one now), if the task runs under a TTL.
+    pub fn last_seen(&self, i: usize) -> Option<Timestamp> {
+        self.handle.lives().seen(i, self.now)
     }
 }
