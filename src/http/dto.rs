@@ -366,18 +366,30 @@ impl ReportBody {
     /// Converts and checks limits; `prefix` is this report's path in the
     /// request (`""` or `tasks.web.`).
     pub fn into_report(self, prefix: &str, limits: &Limits) -> Result<TaskReport, Vec<FieldError>> {
+        // Times are kept in UTC: one whose instant lies past the year 9999
+        // there (`9999-12-31T23:59:59-00:01`) has no UTC form.
+        let utc = |t: OffsetDateTime| t.checked_to_offset(time::UtcOffset::UTC);
+        let far = (self.event.as_ref())
+            .and_then(|e| e.time)
+            .is_some_and(|t| utc(t).is_none());
         let report = TaskReport {
             state: self.state,
             failed: self.failed,
             ready: self.ready,
             event: self.event.map(|e| EventInput {
                 kind: e.kind,
-                time: e.time.map(|t| t.to_offset(time::UtcOffset::UTC)),
+                time: e.time.map(|t| utc(t).unwrap_or(t)),
                 message: e.message,
                 details: e.details.0.into_iter().collect(),
             }),
         };
-        let errors = report.validate(prefix, limits);
+        let mut errors = report.validate(prefix, limits);
+        if far {
+            errors.push(FieldError::new(
+                format!("{prefix}event.time"),
+                "must be at most 9999-12-31T23:59:59.999999999Z in UTC",
+            ));
+        }
         if errors.is_empty() {
             Ok(report)
         } else {
@@ -444,4 +456,36 @@ pub struct RestartBody {
     #[serde(default)]
     #[schema(max_length = 4096)]
     pub reason: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An event time whose instant in UTC lies past the year 9999 (valid
+    /// RFC 3339: the last second of 9999 a minute west of UTC) is refused
+    /// as a field error, not a panic converting it to UTC.
+    #[test]
+    fn an_event_time_past_9999_in_utc_is_a_field_error() {
+        let report = |time: &str| {
+            let body: ReportBody = serde_json::from_value(serde_json::json!({
+                "state": "running",
+                "event": {"type": "Started", "time": time}
+            }))
+            .unwrap();
+            body.into_report("tasks.web.", &Limits::default())
+        };
+        let errors = report("9999-12-31T23:59:59-00:01").unwrap_err();
+        let fields: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
+        assert_eq!(fields, ["tasks.web.event.time"]);
+        // The last instant there is, and the first, are taken.
+        for time in [
+            "9999-12-31T23:59:59.999999999Z",
+            "0000-01-01T00:00:00+23:59",
+        ] {
+            let r = report(time).unwrap();
+            let t = r.event.unwrap().time.unwrap();
+            assert_eq!(t.offset(), time::UtcOffset::UTC, "{time}");
+        }
+    }
 }

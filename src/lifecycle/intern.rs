@@ -411,6 +411,98 @@ mod tests {
         }
     }
 
+    type Text = (String, String, Vec<(String, String)>);
+
+    /// Texts of few letters, often empty: many with the same
+    /// concatenation split differently (`ab`+`c`, `a`+`bc`, ``+`abc`).
+    fn any_text() -> impl proptest::strategy::Strategy<Value = Text> {
+        use proptest::prelude::*;
+        let s = || "[ab]{0,3}";
+        (
+            s(),
+            s(),
+            proptest::collection::btree_map(s(), s(), 0..4)
+                .prop_map(|d| d.into_iter().collect::<Vec<_>>()),
+        )
+    }
+
+    fn of_text((kind, message, details): &Text) -> Arc<EventBody> {
+        let pairs: Vec<(&str, &str)> = details
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        EventBody::of_text(kind, message, &pairs)
+    }
+
+    fn new((kind, message, details): &Text) -> Arc<EventBody> {
+        EventBody::new(
+            kind,
+            message,
+            super::super::Details::from_pairs(details.clone()),
+        )
+    }
+
+    fn says(b: &EventBody, (kind, message, details): &Text) -> bool {
+        *b.kind == **kind
+            && *b.message == **message
+            && b.details
+                .iter()
+                .eq(details.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            && b.when.is_none()
+    }
+
+    proptest::proptest! {
+        /// Bodies made either way are one allocation exactly when their
+        /// texts are equal, and each says its own text: never one with
+        /// the same letters split otherwise, whatever the cache holds.
+        #[test]
+        fn a_body_is_its_text_whichever_way_it_is_made(
+            texts in proptest::collection::vec(any_text(), 1..12)
+        ) {
+            let bodies: Vec<(Arc<EventBody>, Arc<EventBody>)> =
+                texts.iter().map(|t| (of_text(t), new(t))).collect();
+            for (t, (x, y)) in texts.iter().zip(&bodies) {
+                proptest::prop_assert!(Arc::ptr_eq(x, y), "{:?}", t);
+                proptest::prop_assert!(says(x, t), "{:?} says {:?}", t, x);
+                // Again, now from this thread's cache.
+                proptest::prop_assert!(Arc::ptr_eq(x, &of_text(t)));
+                proptest::prop_assert!(Arc::ptr_eq(x, &new(t)));
+            }
+            for (s, (a, _)) in texts.iter().zip(&bodies) {
+                for (t, (b, _)) in texts.iter().zip(&bodies) {
+                    proptest::prop_assert_eq!(Arc::ptr_eq(a, b), s == t, "{:?} {:?}", s, t);
+                    proptest::prop_assert_eq!(**a == **b, s == t);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_same_letters_split_otherwise_are_another_body() {
+        type Parts<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)]);
+        let texts: [Parts<'_>; 8] = [
+            ("ab", "c", &[]),
+            ("a", "bc", &[]),
+            ("", "abc", &[]),
+            ("abc", "", &[]),
+            ("", "", &[("ab", "c")]),
+            ("", "", &[("a", "bc")]),
+            ("", "", &[("", "abc")]),
+            ("", "", &[("a", ""), ("b", "c")]),
+        ];
+        let bodies: Vec<Arc<EventBody>> = texts
+            .iter()
+            .map(|(k, m, d)| EventBody::of_text(k, m, d))
+            .collect();
+        for (i, a) in bodies.iter().enumerate() {
+            let (k, m, d) = texts[i];
+            assert!((&*a.kind, &*a.message) == (k, m) && a.details.iter().eq(d.iter().copied()));
+            for (j, b) in bodies.iter().enumerate() {
+                assert_eq!(Arc::ptr_eq(a, b), i == j, "{:?} {:?}", texts[i], texts[j]);
+            }
+        }
+    }
+
     #[test]
     fn entries_nobody_holds_are_freed_by_a_later_sweep() {
         let table: Table<str> = Table::new();

@@ -911,6 +911,60 @@ mod tests {
         }
     }
 
+    /// Indexes and times at and across both ends of their ranges, task
+    /// positions up to `u16::MAX`, a restart order naming every position:
+    /// each limit, in batches of each size, keeps exactly the last ones.
+    #[test]
+    fn entries_at_the_ends_of_their_ranges_come_back_exactly() {
+        let body = EventBody::new("Restart Signaled", "", Default::default());
+        let order = What::RestartOrder(Box::new(RestartOrder {
+            tasks: (0..=u16::MAX).rev().collect(),
+            event: body.clone(),
+        }));
+        let ends = [
+            (0u64, 0i64),
+            (u64::MAX, i64::MIN),
+            (0, i64::MAX),
+            (u64::MAX, i64::MIN),
+            (u64::MAX, i64::MIN),
+            (1, -1),
+            (u64::MAX - 1, i64::MAX),
+            (u64::MAX, i64::MIN + 1),
+            (0, 0),
+        ];
+        let all: Vec<Entry> = ends
+            .into_iter()
+            .enumerate()
+            .map(|(i, (index, nanos))| {
+                let what = match i % 3 {
+                    0 => order.clone(),
+                    1 => What::Agent {
+                        task: u16::MAX,
+                        event: body.clone(),
+                    },
+                    _ => What::StopOrder {
+                        reason: StopKind::AgentLost,
+                        named: Some(u16::MAX),
+                        stage: Some(CoordState::Poststop),
+                    },
+                };
+                Entry { index, nanos, what }
+            })
+            .collect();
+        for limit in 1..=all.len() + 1 {
+            for size in 1..=3 {
+                let mut t = Timeline::default();
+                for (n, batch) in all.chunks(size).enumerate() {
+                    t.extend(batch.to_vec(), limit);
+                    let pushed = (n * size + batch.len()).min(all.len());
+                    let want = &all[pushed.saturating_sub(limit)..pushed];
+                    let kept: Vec<Entry> = t.entries().collect();
+                    assert_eq!(&kept[..], want, "limit {limit}, batches of {size}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn the_timeline_keeps_the_last_entries() {
         let mut t = Timeline::default();

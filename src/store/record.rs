@@ -531,11 +531,15 @@ impl<'a> Reader<'a> {
         let offset = i32::try_from(self.zigzag(what)?).map_err(|_| format!("bad {what}"))?;
         let offset =
             time::UtcOffset::from_whole_seconds(offset).map_err(|e| format!("bad {what}: {e}"))?;
-        Timestamp::from_unix_timestamp(secs)
+        // From its date and time where it was given: near either end of
+        // the years, a time's instant in UTC can lie past that end.
+        let local = secs
+            .checked_add(i64::from(offset.whole_seconds()))
+            .ok_or_else(|| format!("bad {what}: out of range"))?;
+        Ok(Timestamp::from_unix_timestamp(local)
             .and_then(|t| t.replace_nanosecond(nanos))
             .map_err(|e| format!("bad {what}: {e}"))?
-            .checked_to_offset(offset)
-            .ok_or_else(|| format!("bad {what}: out of range"))
+            .replace_offset(offset))
     }
 
     /// An extension block: its entries' tags and payloads.
@@ -1608,6 +1612,91 @@ mod tests {
                 prop_assert_eq!(encode(&a), bytes);
             }
             Ok(())
+        }
+
+        /// Any time an event can carry: local times across the years
+        /// time holds, any offset (so some are, in UTC, past either end),
+        /// the ends of 64-bit nanoseconds and their sentinel.
+        fn any_time() -> impl Strategy<Value = Timestamp> {
+            let (min, max) = (
+                time::PrimitiveDateTime::MIN
+                    .assume_utc()
+                    .unix_timestamp_nanos(),
+                time::PrimitiveDateTime::MAX
+                    .assume_utc()
+                    .unix_timestamp_nanos(),
+            );
+            let near = |at: i128| (-2i128..=2).prop_map(move |d| at + d);
+            let nanos = prop_oneof![
+                min..=max,
+                any::<i64>().prop_map(i128::from),
+                near(i128::from(i64::MIN)),
+                near(i128::from(i64::MAX)),
+                near(0),
+                near(min + 2),
+                near(max - 2),
+            ];
+            let offset = prop_oneof![Just(0i32), -93_599i32..=93_599, Just(-93_599), Just(93_599)];
+            (nanos, offset).prop_filter_map("a time's local date and time is in range", |(n, o)| {
+                let local = Timestamp::from_unix_timestamp_nanos(n).ok()?;
+                let offset = time::UtcOffset::from_whole_seconds(o).ok()?;
+                // The local date and time as given, at `offset`; and the
+                // same instant at `offset` where that exists.
+                Some(if n % 2 == 0 {
+                    time::PrimitiveDateTime::new(local.date(), local.time()).assume_offset(offset)
+                } else {
+                    local.checked_to_offset(offset)?
+                })
+            })
+        }
+
+        fn any_event() -> impl Strategy<Value = Event> {
+            let s = || "[ab]{0,3}";
+            (
+                s(),
+                any_time(),
+                s(),
+                prop::collection::btree_map(s(), s(), 0..3),
+            )
+                .prop_map(|(kind, time, message, details)| {
+                    Event::new(
+                        &kind,
+                        time,
+                        &message,
+                        crate::lifecycle::Details::from_pairs(details),
+                    )
+                })
+        }
+
+        proptest! {
+            /// Any event's time comes back exactly, instant and offset,
+            /// from the event and through a record, which re-encodes to
+            /// the same bytes; a body read back is the one it was.
+            #[test]
+            fn events_of_any_time_and_text_round_trip_exactly(
+                given in prop::collection::vec((any_time(), any_event()), 0..6)
+            ) {
+                let mut a = sample();
+                let mut events = Vec::new();
+                for (t, e) in &given {
+                    let again = Event::with_body(e.body().clone(), *t);
+                    prop_assert_eq!((again.time(), again.time().offset()), (*t, t.offset()));
+                    events.push(again);
+                    events.push(e.clone());
+                }
+                a.tasks[0].events = events.iter().cloned().collect();
+                let bytes = encode(&a);
+                let back = decode(&bytes);
+                prop_assert!(back.is_ok(), "{:?}: {:?}", events, back);
+                let back = back.unwrap();
+                prop_assert_eq!(&back, &a);
+                prop_assert_eq!(encode(&back), bytes);
+                prop_assert_eq!(back.tasks[0].events.len(), events.len());
+                for (b, e) in back.tasks[0].events.iter().zip(&events) {
+                    prop_assert_eq!((b.time(), b.time().offset()), (e.time(), e.time().offset()));
+                    prop_assert!(Arc::ptr_eq(b.body(), e.body()));
+                }
+            }
         }
 
         proptest! {

@@ -9,7 +9,11 @@
 
 use std::{
     path::{Path, PathBuf},
-    sync::{Arc, Mutex, PoisonError, mpsc},
+    sync::{
+        Arc, Mutex, PoisonError,
+        atomic::{AtomicBool, Ordering},
+        mpsc,
+    },
 };
 
 use super::{
@@ -395,13 +399,20 @@ pub(super) fn load_with(fs: &dyn Fs, dir: &Path, overlay: &Overlay) -> Result<Lo
     let stored = base.as_ref().map_or(0, Snapshot::records);
     let mut loader = Loader::new(&path, usize::try_from(stored).unwrap_or(0) + changes.len());
     let mut failed = None;
-    snapshot::load(base.as_mut(), &changes, |id, record| {
+    let read = snapshot::load(base.as_mut(), &changes, |id, record| {
         loader.push(id.to_owned(), record.to_vec()).map_err(|e| {
             failed = Some(e);
             std::io::Error::other("a record did not decode")
         })
-    })
-    .map_err(|e| failed.take().unwrap_or_else(|| io(e)))?;
+    });
+    if let Err(e) = read {
+        // The records read before the files failed come first in key
+        // order: a bad one among them is named, whether or not a thread
+        // has decoded it yet.
+        return Err(failed
+            .or_else(|| loader.finish().err())
+            .unwrap_or_else(|| io(e)));
+    }
     Ok(Loaded {
         allocations: loader.finish()?,
         last_index: stored_index.max(overlay.last_index),
@@ -471,6 +482,10 @@ pub(super) struct Loader<'a> {
     sent: usize,
     taken: usize,
     early: std::collections::BTreeMap<usize, Decoded>,
+    /// Set when the loader is dropped before `finish` (a bad record, or
+    /// files that cannot be read): the threads leave the chunks still
+    /// queued, and `drop` waits for them to end.
+    stop: Arc<AtomicBool>,
 }
 
 /// A chunk of records as read, each with its key.
@@ -483,23 +498,36 @@ impl<'a> Loader<'a> {
     const CHUNK: usize = 16_384;
 
     fn new(path: &'a Path, capacity: usize) -> Self {
+        Self::with_decoder(path, capacity, record::decode)
+    }
+
+    /// `new`, with records decoded by `decode`.
+    fn with_decoder(
+        path: &'a Path,
+        capacity: usize,
+        decode: fn(&[u8]) -> Result<Allocation, String>,
+    ) -> Self {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let stop = Arc::new(AtomicBool::new(false));
         let (jobs, queue) = mpsc::sync_channel::<(usize, Raw)>(threads);
         let queue = Arc::new(Mutex::new(queue));
         let (out, done) = mpsc::channel();
         let workers = (0..threads)
             .map(|_| {
-                let (queue, out) = (queue.clone(), out.clone());
+                let (queue, out, stop) = (queue.clone(), out.clone(), stop.clone());
                 std::thread::spawn(move || {
                     loop {
                         let job = queue.lock().unwrap_or_else(PoisonError::into_inner).recv();
                         let Ok((n, raw)) = job else {
                             return;
                         };
+                        if stop.load(Ordering::Relaxed) {
+                            return;
+                        }
                         let decoded: Decoded = raw
                             .into_iter()
                             .map(|(key, bytes): (String, Vec<u8>)| {
-                                let a = record::decode(&bytes);
+                                let a = decode(&bytes);
                                 (key, a)
                             })
                             .collect();
@@ -521,6 +549,7 @@ impl<'a> Loader<'a> {
             sent: 0,
             taken: 0,
             early: Default::default(),
+            stop,
         }
     }
 
@@ -597,6 +626,19 @@ impl<'a> Loader<'a> {
     }
 }
 
+/// A load that stops early (a bad record, files that cannot be read)
+/// leaves no thread behind decoding what no one will take: the threads
+/// skip what is still queued, and have ended when the load answers.
+impl Drop for Loader<'_> {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.jobs = None;
+        for w in std::mem::take(&mut self.workers) {
+            let _ = w.join();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -635,6 +677,105 @@ mod tests {
             .map(|a| a.id.to_string())
             .collect();
         assert_eq!(ids, keys());
+    }
+
+    /// Pushes `n` records under the key "a" (`bad(i)` for the i-th, if
+    /// any, else a good one) until one is refused; then finishes. The
+    /// error if any, and a pointer the decoding threads each hold.
+    fn load_a(
+        loader: Loader<'_>,
+        n: usize,
+        bad: impl Fn(usize) -> Option<Vec<u8>>,
+    ) -> (Result<usize, StoreError>, std::sync::Weak<AtomicBool>) {
+        let mut loader = loader;
+        let threads = Arc::downgrade(&loader.stop);
+        let good = record("a");
+        for i in 0..n {
+            let bytes = bad(i).unwrap_or_else(|| good.clone());
+            if let Err(e) = loader.push("a".to_owned(), bytes) {
+                return (Err(e), threads);
+            }
+        }
+        (loader.finish().map(|a| a.len()), threads)
+    }
+
+    /// A load refused at a bad record leaves no thread behind decoding
+    /// what nobody will take: all of them have ended when it answers.
+    #[test]
+    fn a_refused_load_leaves_no_decoding_thread_behind() {
+        let path = Path::new("/data/taskgate.snapshot");
+        for at in [0, Loader::CHUNK * 2 + 1] {
+            let (got, threads) = load_a(Loader::new(path, 0), Loader::CHUNK * 16, |i| {
+                (i == at).then(|| vec![0xee])
+            });
+            let said = got.unwrap_err().to_string();
+            assert!(said.contains("\"a\" is unreadable"), "{said}");
+            assert_eq!(threads.strong_count(), 0, "threads still decoding");
+        }
+    }
+
+    /// An empty store: nothing, and no thread left.
+    #[test]
+    fn an_empty_load_is_empty_and_leaves_no_thread() {
+        let path = Path::new("/data/taskgate.snapshot");
+        let (got, threads) = load_a(Loader::new(path, 0), 0, |_| None);
+        assert_eq!(got.unwrap(), 0);
+        assert_eq!(threads.strong_count(), 0);
+    }
+
+    /// A decoding thread that panics fails the load, wherever its chunk
+    /// is; it neither hangs nor leaves the other threads behind.
+    #[test]
+    fn a_panic_while_decoding_fails_the_load_without_hanging() {
+        fn decode(bytes: &[u8]) -> Result<Allocation, String> {
+            assert_ne!(bytes, b"panic", "a decoding bug");
+            record::decode(bytes)
+        }
+        let path = Path::new("/data/taskgate.snapshot");
+        let n = Loader::CHUNK * 3 + 1;
+        for at in [0, Loader::CHUNK + 5, n - 1] {
+            let loader = Loader::with_decoder(path, 0, decode);
+            let (got, threads) = load_a(loader, n, |i| (i == at).then(|| b"panic".to_vec()));
+            let said = got.unwrap_err().to_string();
+            assert!(
+                said.contains("a thread decoding its records failed"),
+                "{said}"
+            );
+            assert_eq!(threads.strong_count(), 0);
+        }
+    }
+
+    /// The snapshot fails to read (a record damaged) after a bad record
+    /// was read: the bad record, first in key order, is the one named, as
+    /// when a chunk was decoded before reading on, whichever thread has
+    /// decoded it by then.
+    #[test]
+    fn a_bad_record_read_before_a_damaged_one_is_the_one_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let keys: Vec<String> = (0..Loader::CHUNK + 100)
+            .map(|i| format!("a{i:06}"))
+            .collect();
+        let (bad, damaged) = (5, Loader::CHUNK + 50);
+        let mut overlay = Overlay::default();
+        for (i, key) in keys.iter().enumerate() {
+            let bytes = if i == bad { vec![0xee] } else { record(key) };
+            overlay.apply(key.clone(), Some(bytes), 1);
+        }
+        snapshot::fold(&RealFs, dir.path(), &overlay, 1, log::End::NONE).unwrap();
+        let path = dir.path().join(SNAPSHOT_FILE);
+        let mut file = std::fs::read(&path).unwrap();
+        let id = keys[damaged].as_bytes();
+        let at = file.windows(id.len()).position(|w| w == id).unwrap();
+        file[at + id.len() + 1] ^= 0xff;
+        std::fs::write(&path, file).unwrap();
+        let said = match load_with(&RealFs, dir.path(), &Overlay::default()) {
+            Ok(_) => panic!("a damaged snapshot was taken"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            said.contains(&format!("allocation {:?} is unreadable", keys[bad])),
+            "{said}"
+        );
     }
 
     /// Whichever thread decodes which chunk first, the refusal names the
