@@ -41,8 +41,8 @@ pub struct BenchConfig {
     #[arg(long, default_value = "10s", value_parser = taskgate::units::parse_duration)]
     pub duration: Duration,
     /// Scenarios to run, comma-separated: ceiling, durable, events, memory,
-    /// no-group-commit, recovery; and by name only: fanout (holds 10,000
-    /// connections), scale (registers 1,000,000 allocations),
+    /// no-group-commit, recovery; and by name only: events-memory (events
+    /// on `--in-memory`), fanout (holds 10,000 connections), scale (registers 1,000,000 allocations),
     /// checkpoint (the store's checkpoint code alone, on a file as large
     /// as the largest scale size), etcd (three replicas on a
     /// three-member etcd it starts, against etcd's own transactions) and
@@ -714,6 +714,7 @@ const EVENT_MEMORY_ALLOCATIONS: usize = 4000;
 async fn reports_with_events(
     server: &Proc,
     config: &BenchConfig,
+    store: &str,
 ) -> std::io::Result<(Outcome, String)> {
     use taskgate::lifecycle::MAX_EVENTS;
     let count = EVENT_MEMORY_ALLOCATIONS.max(config.clients);
@@ -732,7 +733,7 @@ async fn reports_with_events(
         each = per / events,
     );
     let outcome = drive(
-        "reports with events, durable, full histories",
+        &format!("reports with events, {store}, full histories"),
         server.addr,
         config.clients,
         config.duration,
@@ -874,7 +875,13 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
                 let (dir, _guard) = data_dir(&config, scenario)?;
                 let dir = dir.to_string_lossy().into_owned();
                 let server = Proc::start(&serve_args(&["--data-dir", dir.as_str()]))?;
-                let (outcome, note) = reports_with_events(&server, &config).await?;
+                let (outcome, note) = reports_with_events(&server, &config, "durable").await?;
+                outcomes.push(outcome);
+                notes.push(note);
+            }
+            "events-memory" => {
+                let server = Proc::start(&serve_args(&["--in-memory"]))?;
+                let (outcome, note) = reports_with_events(&server, &config, "--in-memory").await?;
                 outcomes.push(outcome);
                 notes.push(note);
             }
