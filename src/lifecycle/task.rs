@@ -69,6 +69,13 @@ impl Event {
         }
     }
 
+    /// Its time as UTC nanoseconds since 1970, when it is held so (a time
+    /// given in UTC between the years 1678 and 2262): what a record
+    /// writes, without the date arithmetic of `time()`.
+    pub fn utc_nanos(&self) -> Option<i64> {
+        (self.at != IN_BODY).then_some(self.at)
+    }
+
     /// What it says, shared.
     pub fn body(&self) -> &Arc<EventBody> {
         &self.body
