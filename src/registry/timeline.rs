@@ -108,7 +108,7 @@ impl Entry {
 /// with the record. An agent's event takes ~10 bytes, a task's state 3.
 #[derive(Debug, Default)]
 pub struct Timeline {
-    /// The entries, oldest first, as `pack` writes them.
+    /// The entries, oldest first, as `push_back` writes them.
     bytes: VecDeque<u8>,
     /// The event bodies the entries name, in the entries' order.
     bodies: VecDeque<Arc<EventBody>>,
