@@ -34,10 +34,10 @@ pub struct Event {
     at: i64,
 }
 
-/// `Event::at` for a time the body holds.
-const IN_BODY: i64 = i64::MIN;
-
 impl Event {
+    /// `at` for a time the body holds.
+    pub const IN_BODY: i64 = i64::MIN;
+
     pub fn new(kind: &str, time: Timestamp, message: &str, details: Details) -> Self {
         Self::with_body(EventBody::new(kind, message, details), time)
     }
@@ -47,7 +47,7 @@ impl Event {
         let at = (time.offset().is_utc())
             .then(|| i64::try_from(time.unix_timestamp_nanos()).ok())
             .flatten()
-            .filter(|&at| at != IN_BODY);
+            .filter(|&at| at != Self::IN_BODY);
         match at {
             Some(at) => Self {
                 body: body.at(None),
@@ -55,7 +55,7 @@ impl Event {
             },
             None => Self {
                 body: body.at(Some(time)),
-                at: IN_BODY,
+                at: Self::IN_BODY,
             },
         }
     }
@@ -63,9 +63,19 @@ impl Event {
     /// When it happened, as given.
     pub fn time(&self) -> Timestamp {
         match self.body.when.as_deref() {
-            Some(t) if self.at == IN_BODY => *t,
+            Some(t) if self.at == Self::IN_BODY => *t,
             _ => Timestamp::from_unix_timestamp_nanos(i128::from(self.at))
                 .expect("64-bit nanoseconds are always a valid time"),
+        }
+    }
+
+    /// With a time given as UTC nanoseconds since 1970, not `Self::IN_BODY`
+    /// (which `with_body` takes from a `Timestamp`).
+    pub fn at_utc_nanos(body: Arc<EventBody>, at: i64) -> Self {
+        debug_assert_ne!(at, Self::IN_BODY);
+        Self {
+            body: body.at(None),
+            at,
         }
     }
 
@@ -73,7 +83,7 @@ impl Event {
     /// given in UTC between the years 1678 and 2262): what a record
     /// writes, without the date arithmetic of `time()`.
     pub fn utc_nanos(&self) -> Option<i64> {
-        (self.at != IN_BODY).then_some(self.at)
+        (self.at != Self::IN_BODY).then_some(self.at)
     }
 
     /// What it says, shared.

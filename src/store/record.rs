@@ -540,20 +540,16 @@ impl<'a> Reader<'a> {
     }
 
     fn time(&mut self, what: &str) -> Result<Timestamp, String> {
+        let (secs, nanos, offset) = self.time_parts(what)?;
+        time_of(secs, nanos, offset, what)
+    }
+
+    /// A time's seconds, nanoseconds and offset as written (`put_time`).
+    fn time_parts(&mut self, what: &str) -> Result<(i64, u32, i32), String> {
         let secs = self.zigzag(what)?;
         let nanos = u32::try_from(self.varint(what)?).map_err(|_| format!("bad {what}"))?;
         let offset = i32::try_from(self.zigzag(what)?).map_err(|_| format!("bad {what}"))?;
-        let offset =
-            time::UtcOffset::from_whole_seconds(offset).map_err(|e| format!("bad {what}: {e}"))?;
-        // From its date and time where it was given: near either end of
-        // the years, a time's instant in UTC can lie past that end.
-        let local = secs
-            .checked_add(i64::from(offset.whole_seconds()))
-            .ok_or_else(|| format!("bad {what}: out of range"))?;
-        Ok(Timestamp::from_unix_timestamp(local)
-            .and_then(|t| t.replace_nanosecond(nanos))
-            .map_err(|e| format!("bad {what}: {e}"))?
-            .replace_offset(offset))
+        Ok((secs, nanos, offset))
     }
 
     /// An extension block: its entries' tags and payloads.
@@ -628,6 +624,41 @@ struct AllocExt<'a> {
     stage_overdue: Option<Reader<'a>>,
     poststop_told: Option<Reader<'a>>,
     writes: Vec<WriteMark>,
+}
+
+/// The time written as `secs`, `nanos`, `offset` (`put_time`).
+fn time_of(secs: i64, nanos: u32, offset: i32, what: &str) -> Result<Timestamp, String> {
+    let offset =
+        time::UtcOffset::from_whole_seconds(offset).map_err(|e| format!("bad {what}: {e}"))?;
+    // From its date and time where it was given: near either end of the
+    // years, a time's instant in UTC can lie past that end.
+    let local = secs
+        .checked_add(i64::from(offset.whole_seconds()))
+        .ok_or_else(|| format!("bad {what}: out of range"))?;
+    Ok(Timestamp::from_unix_timestamp(local)
+        .and_then(|t| t.replace_nanosecond(nanos))
+        .map_err(|e| format!("bad {what}: {e}"))?
+        .replace_offset(offset))
+}
+
+/// An event with this body and the time written as `secs`, `nanos`,
+/// `offset`. A time in UTC that fits 64-bit nanoseconds (nearly every one)
+/// becomes the event's without the date arithmetic of a `Timestamp`: a
+/// store's load reads fifty million of them at a million allocations.
+fn event_of(body: Arc<EventBody>, (secs, nanos, offset): (i64, u32, i32)) -> Result<Event, String> {
+    let utc = (offset == 0 && nanos < 1_000_000_000)
+        .then(|| {
+            secs.checked_mul(1_000_000_000)?
+                .checked_add(i64::from(nanos))
+        })
+        .flatten();
+    match utc {
+        Some(at) if at != Event::IN_BODY => Ok(Event::at_utc_nanos(body, at)),
+        _ => Ok(Event::with_body(
+            body,
+            time_of(secs, nanos, offset, "an event time")?,
+        )),
+    }
 }
 
 fn alloc_ext<'a>(r: &mut Reader<'a>) -> Result<AllocExt<'a>, String> {
@@ -864,7 +895,7 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
         let mut events = Vec::with_capacity(n_events);
         for _ in 0..n_events {
             let kind = r.str("an event type")?;
-            let time = r.time("an event time")?;
+            let time = r.time_parts("an event time")?;
             let message = r.str("an event message")?;
             let n_details = r.count("the details count", 2)?;
             details.clear();
@@ -876,10 +907,7 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
                 }
                 details.push((key, value));
             }
-            events.push(Event::with_body(
-                EventBody::of_text(kind, message, &details),
-                time,
-            ));
+            events.push(event_of(EventBody::of_text(kind, message, &details), time)?);
         }
         let (liveness, depends_on, extra) = if v4 {
             task_ext(&mut r)?
@@ -1729,6 +1757,26 @@ mod tests {
                     put_event_time(&mut fast, &e);
                     put_time(&mut plain, t);
                     prop_assert_eq!(fast, plain, "{}", t);
+                }
+            }
+
+            /// An event read from a record is the event written, whichever
+            /// way its time is read (as UTC nanoseconds, or as a date).
+            #[test]
+            fn an_event_s_time_is_read_as_written(
+                t in any_time(),
+                nanos in prop_oneof![any::<i64>(), -2_000_000_000i64..2_000_000_000],
+            ) {
+                let utc = Timestamp::from_unix_timestamp_nanos(i128::from(nanos)).unwrap();
+                for t in [t, utc] {
+                    let e = Event::new("Started", t, "", Default::default());
+                    let mut bytes = Vec::new();
+                    put_time(&mut bytes, t);
+                    let parts = Reader { bytes: &bytes }.time_parts("a time").unwrap();
+                    let read = event_of(e.body().clone(), parts).unwrap();
+                    prop_assert_eq!(&read, &e);
+                    prop_assert_eq!(read.utc_nanos(), e.utc_nanos());
+                    prop_assert_eq!((read.time(), read.time().offset()), (t, t.offset()));
                 }
             }
         }
