@@ -258,20 +258,8 @@ pub struct EventBody {
 impl EventBody {
     /// The shared body with these parts.
     pub fn new(kind: &str, message: &str, details: super::Details) -> Arc<Self> {
-        let hash = text_hash(kind, message, details.iter(), None);
-        let same = |b: &Self| {
-            *b.kind == *kind
-                && *b.message == *message
-                && b.details.iter().eq(details.iter())
-                && b.when.is_none()
-        };
-        // A new body copies the details' pointers (`same` holds them).
-        body(hash, same, || Self {
-            kind: Sym::new(kind),
-            message: Sym::new(message),
-            details: details.clone(),
-            when: None,
-        })
+        // A new body copies the details' pointers.
+        Self::find(kind, message, || details.iter(), None, || details.clone())
     }
 
     /// The shared body with this text, as a stored record holds it
@@ -281,18 +269,8 @@ impl EventBody {
     /// looked up or counted (a string's count is shared by every core).
     pub fn of_text(kind: &str, message: &str, details: &[(&str, &str)]) -> Arc<Self> {
         let pairs = || details.iter().copied();
-        let hash = text_hash(kind, message, pairs(), None);
-        let same = |b: &Self| {
-            *b.kind == *kind
-                && *b.message == *message
-                && b.details.iter().eq(pairs())
-                && b.when.is_none()
-        };
-        body(hash, same, || Self {
-            kind: Sym::new(kind),
-            message: Sym::new(message),
-            details: super::Details::from_pairs(pairs()),
-            when: None,
+        Self::find(kind, message, pairs, None, || {
+            super::Details::from_pairs(pairs())
         })
     }
 
@@ -302,21 +280,39 @@ impl EventBody {
         if same_time(self.when.as_deref(), when.as_ref()) {
             return self;
         }
-        let hash = text_hash(
+        Self::find(
             &self.kind,
             &self.message,
-            self.details.iter(),
-            when.as_ref(),
-        );
+            || self.details.iter(),
+            when,
+            || self.details.clone(),
+        )
+    }
+
+    /// The shared body with this text (details as `pairs` gives them, in
+    /// key order) and time `when`, found by their hash; made with
+    /// `details` if there is none.
+    fn find<'a, I: Iterator<Item = (&'a str, &'a str)>>(
+        kind: &str,
+        message: &str,
+        pairs: impl Fn() -> I,
+        when: Option<super::Timestamp>,
+        details: impl FnOnce() -> super::Details,
+    ) -> Arc<Self> {
+        let hash = text_hash(kind, message, pairs(), when.as_ref());
         let same = |b: &Self| {
-            b.kind == self.kind
-                && b.message == self.message
-                && b.details == self.details
+            let mut given = pairs();
+            *b.kind == *kind
+                && *b.message == *message
+                && b.details.iter().all(|pair| given.next() == Some(pair))
+                && given.next().is_none()
                 && same_time(b.when.as_deref(), when.as_ref())
         };
         body(hash, same, || Self {
+            kind: Sym::new(kind),
+            message: Sym::new(message),
+            details: details(),
             when: when.map(Box::new),
-            ..(*self).clone()
         })
     }
 }
