@@ -90,6 +90,17 @@ impl Event {
     pub fn body(&self) -> &Arc<EventBody> {
         &self.body
     }
+
+    /// What it says without its time: `body()`, unless the body holds the
+    /// time (then the shared body with the same text and no time). Two
+    /// live events say the same text exactly when these are one pointer.
+    pub fn text_body(&self) -> Arc<EventBody> {
+        if self.at == Self::IN_BODY {
+            self.body.clone().at(None)
+        } else {
+            self.body.clone()
+        }
+    }
 }
 
 /// `event.kind`, `event.message`, `event.details`.

@@ -2,8 +2,8 @@
 //! files outlive changes to the in-memory types. The snapshot
 //! (`disk/snapshot.rs`) and the log (`disk/log.rs`) carry these bytes as they are.
 //!
-//! This build writes version 4, a compact binary encoding, and reads
-//! versions 1 to 4. Version 1 is JSON (`{"v":1,...}`): readable, but a
+//! This build writes version 5, a compact binary encoding, and reads
+//! versions 1 to 5. Version 1 is JSON (`{"v":1,...}`): readable, but a
 //! settled five-task record takes ~720 bytes, over half of them task specs
 //! and timestamps spelled out, and every change writes its whole record to
 //! the log and, at the next checkpoint, rewrites the snapshot: what a
@@ -65,6 +65,21 @@
 //! A record that uses none of them (most) is version 3's bytes plus one
 //! zero per block. An unknown tag is damage, as an unknown flag is.
 //!
+//! Version 5 is version 4 with each event body written once per record:
+//! the bodies are numbered from 1 in the order the record writes them,
+//! and an event whose body was written before in the same record (in any
+//! task) is that number. Agents send the same few bodies to every task of
+//! an allocation and again on each restart, and every change writes the
+//! whole record, every event of every history; in version 4 a five-task
+//! allocation with full histories wrote ~6 KB per change, in version 5
+//! about a third of that when its tasks share their bodies.
+//!
+//! ```text
+//! event  = 0 | type: str | message: str | details: varint | (key: str | value: str)*
+//!            | time                           (a body not written before)
+//!        | number: varint | time              (1 ≤ number ≤ bodies written so far)
+//! ```
+//!
 //! Version 2 is version 3 without `order`, without the `readiness` kind
 //! bit and without the flags from 0x10 on.
 //!
@@ -84,7 +99,9 @@ use crate::lifecycle::{
 };
 
 /// The record format this build writes.
-pub const RECORD_VERSION: u8 = 4;
+pub const RECORD_VERSION: u8 = 5;
+/// The binary format of the third edition's first builds, still read.
+const BINARY_V4: u8 = 4;
 /// The binary format of the second edition, still read.
 const BINARY_V3: u8 = 3;
 /// The binary format of earlier builds, still read.
@@ -193,6 +210,14 @@ fn put_event_time(buf: &mut Vec<u8>, event: &Event) {
             put_zigzag(buf, 0);
         }
         None => put_time(buf, event.time()),
+    }
+}
+
+fn put_details(buf: &mut Vec<u8>, event: &Event) {
+    put_varint(buf, event.details.len() as u64);
+    for (key, value) in event.details.iter() {
+        put_str(buf, key);
+        put_str(buf, value);
     }
 }
 
@@ -336,7 +361,14 @@ fn put_task_ext(buf: &mut Vec<u8>, spec: &TaskSpec, status: &TaskStatus) {
 
 /// Appends the record of `a` to `buf`.
 pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
-    buf.push(RECORD_VERSION);
+    encode_version(a, RECORD_VERSION, buf);
+}
+
+/// `a` in `version` (4 or 5; 4 is written by the tests that check it is
+/// still read).
+fn encode_version(a: &Allocation, version: u8, buf: &mut Vec<u8>) {
+    debug_assert!(matches!(version, BINARY_V4 | RECORD_VERSION));
+    buf.push(version);
     put_str(buf, a.id.as_str());
     buf.push(code(&COORD, a.state));
     put_varint(buf, a.create_index);
@@ -362,6 +394,10 @@ pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
     }
     put_alloc_ext(buf, a);
     put_varint(buf, specs.len() as u64);
+    let mut bodies = Bodies::default();
+    // The text-only bodies of events whose body holds their time, kept
+    // alive while their pointers are the numbers' keys.
+    let mut held = Vec::new();
     for (spec, status) in specs.iter().zip(&a.tasks) {
         put_str(buf, spec.name.as_str());
         let mut kind = match spec.lifecycle {
@@ -404,16 +440,83 @@ pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
         }
         put_varint(buf, status.events.len() as u64);
         for event in status.events.iter() {
-            put_str(buf, &event.kind);
-            put_event_time(buf, event);
-            put_str(buf, &event.message);
-            put_varint(buf, event.details.len() as u64);
-            for (key, value) in event.details.iter() {
-                put_str(buf, key);
-                put_str(buf, value);
+            if version == BINARY_V4 {
+                put_str(buf, &event.kind);
+                put_event_time(buf, event);
+                put_str(buf, &event.message);
+                put_details(buf, event);
+                continue;
             }
+            let text = if event.utc_nanos().is_some() {
+                event.body()
+            } else {
+                held.push(event.text_body());
+                &held[held.len() - 1]
+            };
+            match bodies.number(text) {
+                Some(n) => put_varint(buf, n),
+                None => {
+                    buf.push(0);
+                    put_str(buf, &event.kind);
+                    put_str(buf, &event.message);
+                    put_details(buf, event);
+                }
+            }
+            put_event_time(buf, event);
         }
         put_task_ext(buf, spec, status);
+    }
+}
+
+/// The event bodies a record has written so far, each numbered from 1 in
+/// the order written: an event whose body is one of them is written as
+/// its number. Bodies are told apart by their pointer (the process shares
+/// each distinct text, `Event::text_body`), so a body shared by several
+/// tasks' events (every task `Received`, `Task Setup`, `Started`) is
+/// written once, and no text twice: a record has one encoding.
+#[derive(Default)]
+struct Bodies {
+    written: Vec<*const EventBody>,
+    /// Past `Bodies::SCAN` bodies, each pointer's number.
+    numbers: Option<foldhash::HashMap<*const EventBody, u64>>,
+}
+
+impl Bodies {
+    /// Up to this many bodies are looked up by a scan (a record's few).
+    const SCAN: usize = 32;
+
+    /// The number of `body` if written already; else `None`, and it is
+    /// numbered next (the caller writes it).
+    fn number(&mut self, body: &Arc<EventBody>) -> Option<u64> {
+        let ptr = Arc::as_ptr(body);
+        let found = match &self.numbers {
+            Some(numbers) => numbers.get(&ptr).copied(),
+            None => self
+                .written
+                .iter()
+                .position(|&p| p == ptr)
+                .map(|i| i as u64 + 1),
+        };
+        if found.is_none() {
+            self.written.push(ptr);
+            let n = self.written.len() as u64;
+            match &mut self.numbers {
+                Some(numbers) => {
+                    numbers.insert(ptr, n);
+                }
+                None if self.written.len() > Self::SCAN => {
+                    self.numbers = Some(
+                        self.written
+                            .iter()
+                            .enumerate()
+                            .map(|(i, &p)| (p, i as u64 + 1))
+                            .collect(),
+                    );
+                }
+                None => {}
+            }
+        }
+        found
     }
 }
 
@@ -427,7 +530,9 @@ pub fn encode(a: &Allocation) -> Vec<u8> {
 /// either version.
 pub fn decode(bytes: &[u8]) -> Result<Allocation, String> {
     match bytes.first() {
-        Some(&v @ (BINARY_V2 | BINARY_V3 | RECORD_VERSION)) => decode_binary(v, &bytes[1..]),
+        Some(&v @ (BINARY_V2 | BINARY_V3 | BINARY_V4 | RECORD_VERSION)) => {
+            decode_binary(v, &bytes[1..])
+        }
         Some(b'{') => decode_json(bytes),
         Some(&v) if v > RECORD_VERSION && v < b' ' => Err(format!(
             "record format version {v}, but this taskgate reads versions {JSON_VERSION} \
@@ -809,6 +914,7 @@ fn task_ext(r: &mut Reader<'_>) -> Result<TaskExt, String> {
 fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
     let v3 = version >= 3;
     let v4 = version >= 4;
+    let v5 = version >= 5;
     let (kind_bits, flag_bits) = if v3 {
         (
             0x0f | SIDECAR | LEADER | READINESS,
@@ -857,6 +963,9 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
     let (mut specs, mut statuses) = (Vec::with_capacity(n), Vec::with_capacity(n));
     // One event's details, reused from event to event.
     let mut details: Vec<(&str, &str)> = Vec::new();
+    // Version 5: the event bodies written so far, by number, and by
+    // pointer (each is written once).
+    let (mut bodies, mut seen): (Vec<Arc<EventBody>>, _) = (Vec::new(), Bodies::default());
     for _ in 0..n {
         let name = r.str("a task name")?;
         let name = TaskName::parse(name).map_err(|e| format!("bad task name {name:?}: {e}"))?;
@@ -890,24 +999,55 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
         let finished_at = time_if(FINISHED, "finished_at")?;
         let last_restart = time_if(LAST_RESTART, "last_restart")?;
         let ready_at = time_if(READY_AT, "ready_at")?;
-        // An event takes at least 6 bytes.
-        let n_events = r.count("the event count", 6)?;
+        // An event takes at least 6 bytes (4 from version 5 on: a body's
+        // number and a time).
+        let n_events = r.count("the event count", if v5 { 4 } else { 6 })?;
         let mut events = Vec::with_capacity(n_events);
         for _ in 0..n_events {
-            let kind = r.str("an event type")?;
-            let time = r.time_parts("an event time")?;
-            let message = r.str("an event message")?;
-            let n_details = r.count("the details count", 2)?;
-            details.clear();
-            for _ in 0..n_details {
-                let key = r.str("a details key")?;
-                let value = r.str("a details value")?;
-                if details.last().is_some_and(|(last, _)| *last >= key) {
-                    return Err(format!("details key {key:?} out of order"));
+            let written = if v5 { r.varint("an event body")? } else { 0 };
+            let (body, time) = if written == 0 {
+                let kind = r.str("an event type")?;
+                let time = if v5 {
+                    None
+                } else {
+                    Some(r.time_parts("an event time")?)
+                };
+                let message = r.str("an event message")?;
+                let n_details = r.count("the details count", 2)?;
+                details.clear();
+                for _ in 0..n_details {
+                    let key = r.str("a details key")?;
+                    let value = r.str("a details value")?;
+                    if details.last().is_some_and(|(last, _)| *last >= key) {
+                        return Err(format!("details key {key:?} out of order"));
+                    }
+                    details.push((key, value));
                 }
-                details.push((key, value));
-            }
-            events.push(event_of(EventBody::of_text(kind, message, &details), time)?);
+                let body = EventBody::of_text(kind, message, &details);
+                if v5 {
+                    if let Some(n) = seen.number(&body) {
+                        return Err(format!("event body {n} written again"));
+                    }
+                    bodies.push(body.clone());
+                }
+                (body, time)
+            } else {
+                let body = usize::try_from(written - 1)
+                    .ok()
+                    .and_then(|i| bodies.get(i))
+                    .ok_or_else(|| {
+                        format!(
+                            "event body {written} of the {} written before it",
+                            bodies.len()
+                        )
+                    })?;
+                (body.clone(), None)
+            };
+            let time = match time {
+                Some(time) => time,
+                None => r.time_parts("an event time")?,
+            };
+            events.push(event_of(body, time)?);
         }
         let (liveness, depends_on, extra) = if v4 {
             task_ext(&mut r)?
@@ -1064,7 +1204,7 @@ pub fn encode_json(a: &Allocation) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lifecycle::TaskReport;
+    use crate::lifecycle::{MAX_EVENTS, TaskReport};
     use time::macros::datetime;
 
     fn task(name: &str, hook: Option<Hook>, sidecar: bool, leader: bool) -> TaskSpec {
@@ -1429,7 +1569,7 @@ mod tests {
     fn the_format_is_pinned_byte_for_byte() {
         // A change here breaks every data directory written before it.
         let expected: &[u8] = &[
-            4, // version
+            5, // version
             2, b'a', b'1', // id
             2,    // state: main
             3, 4, // create_index, modify_index
@@ -1449,6 +1589,11 @@ mod tests {
             3, b'w', b'e', b'b', 0x20, 0, 0, 0, 0, 4, 0, 0,
         ];
         assert_eq!(encode(&sample()), expected);
+        // Without events, version 4's bytes are version 5's.
+        let mut v4 = expected.to_vec();
+        v4[0] = 4;
+        assert_eq!(decode(&v4).unwrap(), sample());
+        assert_eq!(sample_as(4), v4);
         // With a TTL on web, a deadline for main passed (its order and
         // its tasks) and a key kept on web.
         let mut a = sample();
@@ -1485,7 +1630,7 @@ mod tests {
             }),
         );
         let expected: &[u8] = &[
-            4, 2, b'a', b'1', 2, 3, 4, //
+            5, 2, b'a', b'1', 2, 3, 4, //
             192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
             192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
             4, 2, // stop order: Deadline Exceeded in main
@@ -1502,6 +1647,175 @@ mod tests {
         ];
         assert_eq!(encode(&a), expected);
         assert_eq!(decode(expected).unwrap(), a);
+    }
+
+    /// `sample()` in `version`.
+    fn sample_as(version: u8) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        encode_version(&sample(), version, &mut bytes);
+        bytes
+    }
+
+    /// `sample()` with events: init `Started`; web `Started` (the same
+    /// body) and `Terminated` with a detail; all at its created time.
+    fn sample_with_events() -> Allocation {
+        let mut a = sample();
+        let t = datetime!(2026-11-21 10:00:00.123456789 UTC);
+        let started = || Event::new("Started", t, "", Default::default());
+        let terminated = Event::new(
+            "Terminated",
+            t,
+            "x",
+            crate::lifecycle::Details::from_pairs([("exit_code", "1")]),
+        );
+        a.tasks[0].events = [started()].into_iter().collect();
+        a.tasks[1].events = [started(), terminated].into_iter().collect();
+        a
+    }
+
+    /// `sample_with_events()` in version 5: a body the record wrote
+    /// before is its number.
+    const EVENTS_V5: &[u8] = &[
+        5, 2, b'a', b'1', 2, 3, 4, //
+        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+        0, 0, 2, //
+        4, b'i', b'n', b'i', b't', 1, 2, 4, 0, 0, 4, //
+        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+        1, // one event: a new body (1), then its time
+        0, 7, b'S', b't', b'a', b'r', b't', b'e', b'd', 0, 0, //
+        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+        0, // no extensions
+        3, b'w', b'e', b'b', 0x20, 0, 0, 0, 0, 4, //
+        2, // two events: body 1 again, then a new body (2)
+        1, 192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+        0, 10, b'T', b'e', b'r', b'm', b'i', b'n', b'a', b't', b'e', b'd', 1, b'x', //
+        1, 9, b'e', b'x', b'i', b't', b'_', b'c', b'o', b'd', b'e', 1, b'1', //
+        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+        0,
+    ];
+
+    /// The same in version 4: every event whole, its time after its type.
+    const EVENTS_V4: &[u8] = &[
+        4, 2, b'a', b'1', 2, 3, 4, //
+        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+        0, 0, 2, //
+        4, b'i', b'n', b'i', b't', 1, 2, 4, 0, 0, 4, //
+        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+        1, 7, b'S', b't', b'a', b'r', b't', b'e', b'd', //
+        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, 0, 0, //
+        0, //
+        3, b'w', b'e', b'b', 0x20, 0, 0, 0, 0, 4, //
+        2, 7, b'S', b't', b'a', b'r', b't', b'e', b'd', //
+        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, 0, 0, //
+        10, b'T', b'e', b'r', b'm', b'i', b'n', b'a', b't', b'e', b'd', //
+        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, 1, b'x', //
+        1, 9, b'e', b'x', b'i', b't', b'_', b'c', b'o', b'd', b'e', 1, b'1', //
+        0,
+    ];
+
+    #[test]
+    fn an_event_body_is_written_once_per_record() {
+        let a = sample_with_events();
+        assert_eq!(encode(&a), EVENTS_V5);
+        let back = decode(EVENTS_V5).unwrap();
+        assert_eq!(back, a);
+        // Read back, the two Started events share one body.
+        assert!(Arc::ptr_eq(
+            back.tasks[0].events[0].body(),
+            back.tasks[1].events[0].body()
+        ));
+    }
+
+    #[test]
+    fn version_4_records_are_still_read() {
+        let a = sample_with_events();
+        let mut v4 = Vec::new();
+        encode_version(&a, 4, &mut v4);
+        assert_eq!(v4, EVENTS_V4);
+        assert_eq!(decode(EVENTS_V4).unwrap(), a);
+        for a in [full(), full_of(false)] {
+            let mut v4 = Vec::new();
+            encode_version(&a, 4, &mut v4);
+            assert_eq!(decode(&v4).unwrap(), a);
+            assert_ne!(v4[1..], encode(&a)[1..], "full() has shared bodies");
+        }
+        // Version 4 has no body numbers: its events are read whole.
+        let mut v5_as_v4 = EVENTS_V5.to_vec();
+        v5_as_v4[0] = 4;
+        assert!(decode(&v5_as_v4).is_err());
+    }
+
+    #[test]
+    fn a_body_number_not_written_before_or_a_body_written_twice_is_damage() {
+        // web's first event names body 2 while only body 1 is written.
+        let at = EVENTS_V5
+            .windows(2)
+            .position(|w| w == [2, 1])
+            .expect("web's two events, the first body 1")
+            + 1;
+        let mut bytes = EVENTS_V5.to_vec();
+        bytes[at] = 2;
+        let e = decode(&bytes).unwrap_err();
+        assert!(e.contains("event body 2 of the 1 written before it"), "{e}");
+        bytes[at] = 0x80; // a varint cut short by the time after it: still damage
+        assert!(decode(&bytes).is_err());
+        // web's first event writes body 1's text again instead of its
+        // number: read alone it would be the same record, so it is refused
+        // (a record has one encoding).
+        let mut twice = EVENTS_V5[..at].to_vec();
+        twice.extend_from_slice(&[0, 7, b'S', b't', b'a', b'r', b't', b'e', b'd', 0, 0]);
+        twice.extend_from_slice(&EVENTS_V5[at + 1..]);
+        let e = decode(&twice).unwrap_err();
+        assert!(e.contains("event body 1 written again"), "{e}");
+    }
+
+    #[test]
+    fn tasks_sharing_their_events_write_a_third_of_version_4() {
+        // The events benchmark's histories: five tasks, each given the
+        // same ten events (a third of version 4's bytes), then web ten
+        // of its own (about half).
+        let spec = AllocSpec::new(
+            ["init", "proxy", "web", "announce", "cleanup"]
+                .iter()
+                .map(|t| task(t, None, false, false))
+                .collect(),
+            &Limits::default(),
+        )
+        .unwrap();
+        let now = datetime!(2026-11-22 21:56:29.943529789 UTC);
+        let mut a =
+            Allocation::register(AllocId::parse("events-1").unwrap(), Arc::new(spec), 1, now);
+        let event = |n: u64| {
+            Event::new(
+                "Started",
+                now + Duration::from_millis(n * 1234),
+                &format!("report {n} of this task, sent by the benchmark"),
+                crate::lifecycle::Details::from_pairs([("exit_code", "0"), ("signal", "0")]),
+            )
+        };
+        for task in a.tasks.iter_mut() {
+            task.events = (0..MAX_EVENTS as u64).map(event).collect();
+        }
+        let (v5, mut v4) = (encode(&a), Vec::new());
+        encode_version(&a, 4, &mut v4);
+        assert!(
+            v5.len() * 3 <= v4.len(),
+            "{} against {}",
+            v5.len(),
+            v4.len()
+        );
+        a.tasks[2].events = (100..100 + MAX_EVENTS as u64).map(event).collect();
+        let (v5, mut v4) = (encode(&a), Vec::new());
+        encode_version(&a, 4, &mut v4);
+        assert!(
+            v5.len() * 2 <= v4.len() + 64,
+            "{} against {}",
+            v5.len(),
+            v4.len()
+        );
+        assert_eq!(decode(&v5).unwrap(), a);
     }
 
     #[test]
@@ -1603,9 +1917,10 @@ mod tests {
         let err = decode(&serde_json::to_vec(&v).unwrap()).unwrap_err();
         assert!(err.contains("version 3 (JSON)"), "{err}");
         let mut binary = encode(&sample());
-        binary[0] = 5;
+        binary[0] = 6;
         let err = decode(&binary).unwrap_err();
-        assert!(err.contains("version 5,"), "{err}");
+        assert!(err.contains("version 6,"), "{err}");
+        assert!(err.contains("versions 1 to 5"), "{err}");
         assert!(
             decode(b"garbage")
                 .unwrap_err()
@@ -1727,16 +2042,24 @@ mod tests {
                     events.push(e.clone());
                 }
                 a.tasks[0].events = events.iter().cloned().collect();
-                let bytes = encode(&a);
-                let back = decode(&bytes);
-                prop_assert!(back.is_ok(), "{:?}: {:?}", events, back);
-                let back = back.unwrap();
-                prop_assert_eq!(&back, &a);
-                prop_assert_eq!(encode(&back), bytes);
-                prop_assert_eq!(back.tasks[0].events.len(), events.len());
-                for (b, e) in back.tasks[0].events.iter().zip(&events) {
-                    prop_assert_eq!((b.time(), b.time().offset()), (e.time(), e.time().offset()));
-                    prop_assert!(Arc::ptr_eq(b.body(), e.body()));
+                // web holds them too, the other way round: bodies shared
+                // across tasks, written once, first by web or by init.
+                a.tasks[1].events = events.iter().rev().cloned().collect();
+                let mut v4 = Vec::new();
+                encode_version(&a, 4, &mut v4);
+                for bytes in [encode(&a), v4] {
+                    let back = decode(&bytes);
+                    prop_assert!(back.is_ok(), "{:?}: {:?}", events, back);
+                    let back = back.unwrap();
+                    prop_assert_eq!(&back, &a);
+                    prop_assert_eq!(encode(&back), encode(&a));
+                    for (task, given) in [(0, events.clone()), (1, events.iter().rev().cloned().collect())] {
+                        prop_assert_eq!(back.tasks[task].events.len(), given.len());
+                        for (b, e) in back.tasks[task].events.iter().zip(&given) {
+                            prop_assert_eq!((b.time(), b.time().offset()), (e.time(), e.time().offset()));
+                            prop_assert!(Arc::ptr_eq(b.body(), e.body()));
+                        }
+                    }
                 }
             }
         }
