@@ -243,8 +243,10 @@ impl serde::Serialize for Sym {
 }
 
 /// What an event says, without its time: stored once however many events
-/// say it (`EventBody::new`).
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+/// say it (`EventBody::new`). Not `Clone`: every body comes from the table,
+/// so two live bodies with the same text and time are one pointer, which
+/// a stored record relies on to write each text once (`store/record.rs`).
+#[derive(Debug, PartialEq, Eq, Hash)]
 pub struct EventBody {
     /// The event type (`Started`, `Terminated`, `Restart Signaled`, ...).
     pub kind: Sym,

@@ -2064,6 +2064,194 @@ mod tests {
             }
         }
 
+        /// An event's text: type, message, details.
+        type Text = (String, String, Vec<(String, String)>);
+
+        fn any_text() -> impl Strategy<Value = Text> {
+            let s = || "[ab]{0,2}";
+            (
+                s(),
+                s(),
+                prop::collection::btree_map(s(), s(), 0..3)
+                    .prop_map(|d| d.into_iter().collect::<Vec<_>>()),
+            )
+        }
+
+        fn event_of_text(t: &Text, time: Timestamp) -> Event {
+            Event::new(
+                &t.0,
+                time,
+                &t.1,
+                crate::lifecycle::Details::from_pairs(
+                    t.2.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+                ),
+            )
+        }
+
+        fn text_of(e: &Event) -> Text {
+            (
+                e.kind.to_string(),
+                e.message.to_string(),
+                e.details
+                    .iter()
+                    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                    .collect(),
+            )
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(100))]
+
+            /// Six tasks' events drawn from a pool of texts (past the
+            /// encoder's scan, `Bodies::SCAN`), at any times: read back
+            /// exactly from format 5 and 4, each text one body, each body
+            /// the one given.
+            #[test]
+            fn bodies_shared_across_tasks_come_back_shared(
+                pool in prop::collection::vec(any_text(), 1..12),
+                numbered in 0usize..50,
+                given in prop::collection::vec(
+                    prop::collection::vec((any::<prop::sample::Index>(), any_time()), 0..25),
+                    6,
+                ),
+            ) {
+                let mut pool = pool;
+                pool.extend((0..numbered).map(|i| (format!("k{i}"), String::new(), Vec::new())));
+                let mut a = full();
+                for (task, events) in a.tasks.iter_mut().zip(&given) {
+                    task.events = events
+                        .iter()
+                        .map(|(i, t)| event_of_text(&pool[i.index(pool.len())], *t))
+                        .collect();
+                }
+                let mut v4 = Vec::new();
+                encode_version(&a, 4, &mut v4);
+                for bytes in [encode(&a), v4] {
+                    let back = decode(&bytes);
+                    prop_assert!(back.is_ok(), "{:?}", back.err());
+                    let back = back.unwrap();
+                    prop_assert_eq!(&back, &a);
+                    prop_assert_eq!(encode(&back), encode(&a));
+                    let read: Vec<&Event> = back.tasks.iter().flat_map(|t| t.events.iter()).collect();
+                    let written: Vec<&Event> = a.tasks.iter().flat_map(|t| t.events.iter()).collect();
+                    prop_assert_eq!(read.len(), written.len());
+                    for (b, e) in read.iter().zip(&written) {
+                        prop_assert_eq!((b.time(), b.time().offset()), (e.time(), e.time().offset()));
+                        prop_assert_eq!(b.utc_nanos(), e.utc_nanos());
+                        prop_assert!(Arc::ptr_eq(b.body(), e.body()));
+                    }
+                    for x in &read {
+                        for y in &read {
+                            prop_assert_eq!(
+                                Arc::ptr_eq(&x.text_body(), &y.text_body()),
+                                text_of(x) == text_of(y)
+                            );
+                        }
+                    }
+                }
+            }
+        }
+
+        /// Every byte of a record with forty bodies (past the scan),
+        /// times its bodies hold and texts shared across tasks, with each
+        /// of its bits flipped and all of them, and the record cut at
+        /// every length:
+        /// refused, or the one encoding of what it reads as.
+        #[test]
+        fn every_changed_byte_of_a_record_sharing_bodies() {
+            let times = [
+                datetime!(2026-11-21 10:00:00.123456789 UTC),
+                datetime!(2026-11-21 10:00:00.123456789 +05:30),
+                datetime!(1600-01-01 00:00:00 UTC),
+            ];
+            let mut a = full();
+            for (n, task) in a.tasks.iter_mut().enumerate() {
+                task.events = (0..12)
+                    .map(|i| {
+                        let text = (
+                            format!("k{}", (i * 5 + n * 3) % 40),
+                            String::new(),
+                            Vec::new(),
+                        );
+                        event_of_text(&text, times[(i + n) % 3])
+                    })
+                    .collect();
+            }
+            let bytes = encode(&a);
+            assert_eq!(decode(&bytes).unwrap(), a);
+            for len in 0..bytes.len() {
+                assert!(decode(&bytes[..len]).is_err(), "cut at {len}");
+            }
+            for at in 0..bytes.len() {
+                for flip in [1u8, 2, 4, 8, 0x10, 0x20, 0x40, 0x80, 0xff] {
+                    let mut changed = bytes.clone();
+                    changed[at] ^= flip;
+                    if let Ok(back) = decode(&changed) {
+                        assert_eq!(encode(&back), changed, "byte {at} ^ {flip:#x}");
+                    }
+                }
+            }
+        }
+
+        /// The encoder tells texts apart by pointer: a text made on
+        /// another thread, dropped, swept from the table and made again by
+        /// every constructor (`Event::new`, `with_body`, `at_utc_nanos`,
+        /// serde) is still one body, and the record reads back.
+        #[test]
+        fn a_text_made_again_after_sweeps_by_every_constructor_is_one_body() {
+            let utc = datetime!(2026-11-21 10:00:00 UTC);
+            let east = datetime!(2026-11-21 10:00:00 +01:00);
+            let far = datetime!(1500-11-21 10:00:00 UTC);
+            let kind = "made-again".to_owned();
+            let k = kind.clone();
+            std::thread::spawn(move || {
+                drop(Event::new(&k, east, "", Default::default()));
+                drop(EventBody::new(&k, "", Default::default()));
+            })
+            .join()
+            .unwrap();
+            // Sweeps in every shard (each sweeps when it doubles).
+            for i in 0..50_000 {
+                drop(EventBody::of_text(&format!("churn-{i}"), "", &[]));
+            }
+            let k = kind.clone();
+            let elsewhere: Vec<Event> = std::thread::spawn(move || {
+                [east, far, utc]
+                    .into_iter()
+                    .map(|t| Event::new(&k, t, "", Default::default()))
+                    .collect()
+            })
+            .join()
+            .unwrap();
+            let mut events = elsewhere.clone();
+            let b = EventBody::of_text(&kind, "", &[]);
+            events.push(Event::with_body(b.clone(), east));
+            events.push(Event::at_utc_nanos(b, 5));
+            events.push(Event::with_body(elsewhere[0].body().clone(), utc));
+            events.push(Event::at_utc_nanos(elsewhere[1].body().clone(), 7));
+            for e in &elsewhere {
+                events.push(serde_json::from_str(&serde_json::to_string(e).unwrap()).unwrap());
+            }
+            drop(elsewhere);
+            for e in &events {
+                assert!(Arc::ptr_eq(&e.text_body(), &events[2].text_body()));
+            }
+            let mut a = full();
+            for (i, task) in a.tasks.iter_mut().enumerate() {
+                task.events = events
+                    .iter()
+                    .cycle()
+                    .skip(i)
+                    .take(events.len())
+                    .cloned()
+                    .collect();
+            }
+            let bytes = encode(&a);
+            let back = decode(&bytes).unwrap();
+            assert_eq!(back, a);
+            assert_eq!(encode(&back), bytes);
+        }
+
         proptest! {
             /// An event's time is written as `put_time` writes it, byte for
             /// byte, whether the event holds it as UTC nanoseconds or its
