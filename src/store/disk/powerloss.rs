@@ -53,6 +53,8 @@ fn open(fs: &SimFs, log_limit: u64) -> Result<DiskStore, StoreError> {
         log_limit,
         retry: Duration::from_millis(1),
         fs: Arc::new(fs.clone()),
+        // Crossed often: appends into zeros, and appends that write more.
+        write_ahead: 2048,
         ..DiskStoreConfig::new(dir())
     })
 }

@@ -229,6 +229,69 @@ async fn an_unfinished_append_at_the_end_of_the_log_is_cut_off() {
     }
 }
 
+/// A segment's appends land in zeros written ahead of them; a crash
+/// leaves those zeros after its last frame (a clean close cuts them):
+/// the next start reads every acknowledged change, cuts the zeros off
+/// without keeping a copy, and the log goes on from there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zeros_written_ahead_of_the_appends_are_cut_off_by_the_next_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let (views, _, _) = register(dir.path(), DEFAULT_LOG_LIMIT, &ids("a", 5)).await;
+    let (seq, len) = *segments(dir.path()).last().unwrap();
+    let path = log::segment_path(dir.path(), seq);
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().len(),
+        len,
+        "a clean close ends the log at its last frame"
+    );
+    // As a crash leaves it: the zeros written ahead still there.
+    let mut ahead = std::fs::read(&path).unwrap();
+    ahead.resize(len as usize + log::WRITE_AHEAD as usize, 0);
+    std::fs::write(&path, &ahead).unwrap();
+    let (more, _, _) = register(dir.path(), DEFAULT_LOG_LIMIT, &ids("b", 5)).await;
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), len, "cut back");
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert!(!names.iter().any(|n| n.ends_with(".broken")), "{names:?}");
+    let store = Arc::new(open(dir.path(), 64));
+    let r = Registry::open(store, RegistryConfig::default()).unwrap();
+    assert_eq!(r.len(), 10);
+    for v in views.iter().chain(&more) {
+        assert_eq!(*r.get(v.id.as_str()).unwrap(), **v);
+    }
+}
+
+/// While it is written, a segment's file runs ahead of its appends in
+/// zeros, to a multiple of `WRITE_AHEAD` at most twice that past them;
+/// sealed, it ends at its last frame.
+#[test]
+fn a_segment_is_written_ahead_in_zeros_and_sealed_at_its_last_frame() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = log::Segment::create(&RealFs, dir.path(), 1, log::End::NONE).unwrap();
+    let path = log::segment_path(dir.path(), 1);
+    let mut lens = Vec::new();
+    for i in 0..300 {
+        let mut frame = log::one_append(&format!("a{i}"), i + 1, Some(&[7u8; 9000]));
+        s.append(&mut frame).unwrap();
+        let file = std::fs::metadata(&path).unwrap().len();
+        assert!(file > s.len, "{file} for {}", s.len);
+        assert!(file <= s.len + 2 * log::WRITE_AHEAD);
+        let tail = &std::fs::read(&path).unwrap()[s.len as usize..];
+        assert!(tail.iter().all(|&b| b == 0));
+        assert_eq!(file % log::WRITE_AHEAD, 0);
+        lens.push(file);
+    }
+    lens.dedup();
+    assert!(lens.len() >= 2, "{lens:?}: written ahead again as it grows");
+    s.seal().unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    assert_eq!(bytes.len() as u64, s.len);
+    let r = log::replay(&bytes, 1, &mut log::Overlay::default()).unwrap();
+    assert_eq!((r.frames, r.spare, r.bad.is_none()), (300, 0, true));
+}
+
 /// Acknowledged changes are never dropped in silence: whatever damage
 /// the log or the snapshot takes (a flipped byte anywhere in the newest
 /// segment, its last frame included, a damaged length, a zeroed block,

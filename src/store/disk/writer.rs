@@ -133,6 +133,13 @@ impl Writer {
                 self.maintain();
             }
             if let Some(closed) = closing {
+                // A log closed cleanly ends at its last frame; after a
+                // crash the next start cuts the zeros written ahead.
+                if self.trouble().write.is_none()
+                    && let Err(e) = self.segment.seal()
+                {
+                    tracing::warn!(error = %e, "cannot cut the zeros written ahead off the store log; the next start does");
+                }
                 let _ = closed.send(());
                 return;
             }
@@ -251,7 +258,10 @@ impl Writer {
         // failed checkpoint alone), then fold everything sealed.
         if self.log_bytes > log::Segment::HEADER_LEN {
             let end = self.segment.end();
-            let next = match log::Segment::create(&*self.fs, &self.dir, self.segment.seq + 1, end) {
+            let next = match self.segment.seal().and_then(|()| {
+                log::Segment::create(&*self.fs, &self.dir, self.segment.seq + 1, end)
+                    .map(|s| s.writing_ahead(self.segment.ahead()))
+            }) {
                 Ok(next) => next,
                 Err(e) => {
                     let e = e.to_string();
