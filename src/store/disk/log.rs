@@ -43,6 +43,12 @@
 //!   its head's sector lost:              |0000000000000000| payload .............. |
 //! ```
 //!
+//! The file runs ahead of the appends in zeros (`WRITE_AHEAD`): an
+//! `fdatasync` into blocks already written writes no inode. Zeros from the
+//! end of the last good frame to the end of the file are not a frame
+//! (`Replayed::spare`); a sealed segment, and one closed cleanly, is cut at
+//! its last frame (`Segment::seal`), and a start cuts what a crash left.
+//!
 //! An append is acknowledged only after its `fdatasync`, so only the last
 //! frame of the newest segment can be unfinished, and the disk may have
 //! written any of its sectors and not others, in no promised order (as
