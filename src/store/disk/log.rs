@@ -840,22 +840,33 @@ impl Segment {
         let end = self.len + frame.len() as u64;
         if end > self.file_len {
             // Zeros past this append's end, written ahead: the appends
-            // after it land in blocks already written.
+            // after it land in blocks already written. Only a help: if
+            // they cannot be written (a full disk), the append goes as it
+            // would without them, and fails only if it fails itself.
             let to = end.next_multiple_of(self.ahead) + self.ahead;
-            self.file.seek(io::SeekFrom::Start(self.file_len))?;
-            let mut left = to - self.file_len;
-            while left > 0 {
-                let n = left.min(ZEROS.len() as u64) as usize;
-                self.file.write_all(&ZEROS[..n])?;
-                left -= n as u64;
-            }
+            self.file_len = match self.write_zeros(to) {
+                Ok(()) => to,
+                Err(_) => self.len,
+            };
             self.file.seek(io::SeekFrom::Start(self.len))?;
-            self.file_len = to;
         }
         self.file.write_all(frame)?;
         self.file.sync_data()?;
         self.len = end;
+        self.file_len = self.file_len.max(end);
         self.chain = chain;
+        Ok(())
+    }
+
+    /// Writes zeros from the end of what was written ahead up to `to`.
+    fn write_zeros(&mut self, to: u64) -> io::Result<()> {
+        self.file.seek(io::SeekFrom::Start(self.file_len))?;
+        let mut left = to - self.file_len;
+        while left > 0 {
+            let n = left.min(ZEROS.len() as u64) as usize;
+            self.file.write_all(&ZEROS[..n])?;
+            left -= n as u64;
+        }
         Ok(())
     }
 

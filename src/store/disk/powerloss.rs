@@ -408,6 +408,55 @@ fn a_failed_fsync_of_the_log_stops_writes_until_a_restart() {
     }
 }
 
+/// The zeros written ahead of the appends cannot be written (the disk is
+/// nearly full): the append goes on without them, acknowledged, and only
+/// a failure of its own stops the store.
+#[test]
+fn zeros_that_cannot_be_written_ahead_do_not_fail_the_append() {
+    let fs = SimFs::new();
+    fs.create_dir_all(&dir()).unwrap();
+    let store = open(&fs, 1 << 26).unwrap();
+    assert!(commit_puts(&store, 0, 3).iter().all(Result::is_ok));
+    // 120 appends of ~110 bytes pass the 2 KiB written ahead (in this
+    // file's stores) a few times.
+    let failed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = failed.clone();
+    // An append that writes ahead seeks to the end of the zeros, writes
+    // them, seeks back and writes its frame; one that does not only
+    // writes its frame. The write right after a commit's first seek (a
+    // seek is a `Read` here) is the zeros'.
+    let mut seeks = 0;
+    fs.fail_with(move |op, path: &Path| {
+        if !path.to_string_lossy().contains("taskgate.wal.") {
+            return None;
+        }
+        match op {
+            sim::Op::Read => seeks += 1,
+            sim::Op::Write if seeks == 1 => {
+                seeks += 1;
+                seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                return Some(enospc());
+            }
+            sim::Op::SyncData => seeks = 0,
+            _ => {}
+        }
+        None
+    });
+    let done = commit_puts(&store, 3, 120);
+    assert!(done.iter().all(Result::is_ok), "{done:?}");
+    assert!(failed.load(std::sync::atomic::Ordering::SeqCst) > 0);
+    assert!(
+        matches!(store.health(), StoreHealth::Ok),
+        "{:?}",
+        store.health()
+    );
+    drop(store);
+    fs.crash_now(5);
+    let after = SimFs::from_image(&fs.image().unwrap());
+    let store = open(&after, 1 << 26).unwrap();
+    assert_eq!(store.load().unwrap().allocations.len(), 123);
+}
+
 /// A directory that becomes read-only (EROFS on every create and rename),
 /// or a disk that fills up under the checkpoint: writes go on in the
 /// current segment while the store reports itself degraded, and once the
