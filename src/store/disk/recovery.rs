@@ -291,6 +291,11 @@ impl Recovery {
                         format!("cannot cut the zeros after its last append at byte {len}: {e}"),
                     )
                 })?;
+            tracing::info!(
+                segment = %path.display(),
+                at = len,
+                "cut off the zeros written ahead of the store log's appends (a stop without closing it)"
+            );
         }
         let mut removed = false;
         for path in &self.folded {
