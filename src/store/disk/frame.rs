@@ -137,8 +137,15 @@ pub enum EndsAt {
     /// segment's header, or the snapshot's trailer, says.
     Vouched { at: usize, chain: u32 },
     /// At the end of the file, where its last frame may be cut short (the
-    /// newest log segment, whose last append a crash may have cut).
+    /// newest log segment, whose last append a crash may have cut), or at
+    /// a frame boundary followed only by zeros (written ahead of the
+    /// appends, `log::Segment::append`).
     File,
+}
+
+/// Whether everything from `at` to `limit` reads as zeros.
+fn zeros_to(bytes: &[u8], at: usize, limit: usize) -> bool {
+    bytes.get(at..limit).is_some_and(|b| b.iter().all(|&x| x == 0))
 }
 
 impl EndsAt {
@@ -173,8 +180,9 @@ fn run_from(bytes: &[u8], at: usize, end: EndsAt) -> bool {
             };
         }
         let Some(h) = head_at(bytes, pos).filter(|h| h.links(previous)) else {
-            // A head cut short at the end of the file.
-            return end == EndsAt::File && pos + HEAD > limit;
+            // A head cut short at the end of the file, or zeros written
+            // ahead from here to it.
+            return end == EndsAt::File && (pos + HEAD > limit || zeros_to(bytes, pos, limit));
         };
         match end_of(pos, &h) {
             Some(e) if e <= limit => pos = e,
@@ -197,7 +205,9 @@ fn find_run(bytes: &[u8], from: usize, end: EndsAt) -> Option<usize> {
         let Some(e) = end_of(q, &h).filter(|&e| e <= limit) else {
             return false;
         };
-        let next_links = e == limit || head_at(bytes, e).is_some_and(|n| n.links(h.chain));
+        let next_links = e == limit
+            || head_at(bytes, e).is_some_and(|n| n.links(h.chain))
+            || (end == EndsAt::File && zeros_to(bytes, e, limit));
         next_links && run_from(bytes, q, end)
     })
 }

@@ -321,10 +321,12 @@ pub struct Replayed {
     pub chain: u32,
     /// Where the segment before it ended, as its header says (format 3).
     pub previous: Option<End>,
-    /// Zeros from the end of the last good frame to the end of the file,
-    /// not counted as a bad frame: space written ahead of the appends
-    /// (`Segment::append`), or an append none of whose sectors reached the
-    /// disk. Nothing is lost in it; recovery cuts it off.
+    /// Zeros from the end of the last good frame to the end of the file
+    /// (format 3), not counted as a bad frame: space written ahead of the
+    /// appends (`Segment::append`), or an append none of whose sectors
+    /// reached the disk. Only the newest segment may have them (every
+    /// other was cut at its last frame when sealed); recovery cuts them
+    /// off.
     pub spare: u64,
 }
 
@@ -387,7 +389,8 @@ pub fn replay_with<'a>(
     let mut frames = 0;
     let bad = loop {
         let rest = &bytes[pos..];
-        if rest.iter().all(|&b| b == 0) {
+        // Only this build's format writes zeros ahead.
+        if rest.is_empty() || (header.version == Version::V3 && rest.iter().all(|&b| b == 0)) {
             break None;
         }
         let bad = |what: &str| Bad {
@@ -629,15 +632,20 @@ pub fn salvage(bytes: &[u8], seq: u64, vouched: Option<End>) -> Salvaged<'_> {
                 record,
             }));
     }
-    // Zeros from the last frame read to the end of the file were written
-    // ahead of the appends (`Segment::append`): nothing was lost there.
-    let spare = |u: &frame::Unread| {
-        u.from >= last.len
-            && u.to == bytes.len() as u64
-            && bytes[u.from as usize..].iter().all(|&b| b == 0)
-    };
-    out.unread
-        .extend(read.unread.into_iter().filter(|u| !spare(u)));
+    // Zeros at the end of the file were written ahead of the appends
+    // (`Segment::append`), or never written: a stretch that could not be
+    // read ends at its last byte that is not zero.
+    let len = bytes.len() as u64;
+    out.unread.extend(read.unread.into_iter().filter_map(|mut u| {
+        if u.to == len && version == Version::V3 {
+            let from = u.from as usize;
+            u.to = bytes[from..]
+                .iter()
+                .rposition(|&b| b != 0)
+                .map_or(u.from, |i| (from + i + 1) as u64);
+        }
+        (u.to > u.from).then_some(u)
+    }));
     out.unread.sort_by_key(|u| u.from);
     out.end = last;
     out.ends_as_vouched = read.ends_as_vouched;
@@ -753,6 +761,9 @@ pub struct Segment {
     file_len: u64,
     /// How far ahead (`WRITE_AHEAD` unless set).
     ahead: u64,
+    /// Zeros written ahead failed part way: the file may be longer than
+    /// `file_len` says, so `seal` cuts it whatever it says.
+    tail_unknown: bool,
 }
 
 /// How far ahead of the appends a segment's file is written with zeros.
@@ -795,6 +806,7 @@ impl Segment {
             chain: u32::from_le_bytes(header[28..32].try_into().expect("4 bytes")),
             file_len: Self::HEADER_LEN,
             ahead: WRITE_AHEAD,
+            tail_unknown: false,
         })
     }
 
@@ -810,6 +822,7 @@ impl Segment {
             chain: 0,
             file_len: len,
             ahead: WRITE_AHEAD,
+            tail_unknown: false,
         })
     }
 
@@ -844,9 +857,10 @@ impl Segment {
             // they cannot be written (a full disk), the append goes as it
             // would without them, and fails only if it fails itself.
             let to = end.next_multiple_of(self.ahead) + self.ahead;
-            self.file_len = match self.write_zeros(to) {
-                Ok(()) => to,
-                Err(_) => self.len,
+            (self.file_len, self.tail_unknown) = match self.write_zeros(to) {
+                // Past whatever a failed try left.
+                Ok(()) => (to, false),
+                Err(_) => (self.len, true),
             };
             self.file.seek(io::SeekFrom::Start(self.len))?;
         }
@@ -875,21 +889,26 @@ impl Segment {
     /// (whose header vouches for this one's length) and the checkpoint
     /// reads it.
     pub fn seal(&mut self) -> io::Result<()> {
-        if self.file_len > self.len {
+        if self.file_len > self.len || self.tail_unknown {
             self.file.set_len(self.len)?;
             self.file.sync_all()?;
             self.file_len = self.len;
+            self.tail_unknown = false;
         }
         Ok(())
     }
 }
 
 /// Cuts segment `path` back to its first `len` bytes, durably, after
-/// copying what is cut to a file of its own beside it (`BROKEN_SUFFIX`),
-/// durably too. Returns that file's path.
+/// copying what is cut, up to its last byte that is not zero, to a file
+/// of its own beside it (`BROKEN_SUFFIX`), durably too. Returns that
+/// file's path.
 pub fn cut(fs: &dyn Fs, path: &Path, len: u64) -> io::Result<PathBuf> {
     let bytes = fs.read(path)?;
     let tail = bytes.get(len as usize..).unwrap_or_default();
+    // Zeros after the last byte that is not, written ahead of the appends
+    // (or never written), hold nothing to keep.
+    let tail = &tail[..tail.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1)];
     let mut n = 0;
     let (aside, mut out) = loop {
         let mut name = path.as_os_str().to_owned();

@@ -167,11 +167,23 @@ pub(super) fn scan_log(fs: &dyn Fs, dir: &Path, folded: Folded) -> Result<Recove
         recovery.log_bytes += r.valid_len;
         recovery.end = r.end();
         before = Some((path.clone(), recovery.end));
+        let newest = i + 1 == count;
         if r.spare > 0 {
+            // A sealed segment was cut at its last frame: zeros after it
+            // are appends lost (the next header may not say so, if they
+            // were the only ones after a checkpoint's fold).
+            if !newest {
+                return Err(unusable_log(
+                    &path,
+                    format!(
+                        "it is damaged at byte {}: the {} bytes from there on read as zeros,                          and newer segments follow it. `taskgate dump --salvage` copies what                          can be read to a new directory",
+                        r.valid_len, r.spare
+                    ),
+                ));
+            }
             recovery.spare.push((path.clone(), r.valid_len));
         }
         let Some(bad) = r.bad else { continue };
-        let newest = i + 1 == count;
         if !(newest && bad.torn) {
             let mut why = format!(
                 "it is damaged at byte {}: the frame there {}; the {} bytes from there on \

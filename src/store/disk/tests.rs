@@ -1098,7 +1098,7 @@ async fn a_snapshot_that_does_not_fit_the_log_stops_the_open() {
 async fn fold_first_segment(dir: &Path, prefix: &str) {
     register_with(dir, DEFAULT_LOG_LIMIT, &ids(prefix, 5), false).await;
     // Folded by hand, as the checkpoint thread does it, then removed.
-    let (written, _) = super::checkpoint::checkpoint(&RealFs, dir, 0, 1).unwrap();
+    let (written, _) = super::checkpoint::checkpoint(&RealFs, dir, 0, 1, None).unwrap();
     assert_eq!(written.records, 5);
     std::fs::remove_file(log::segment_path(dir, 1)).unwrap();
     register_with(
@@ -1124,7 +1124,7 @@ async fn a_checkpoint_refuses_a_sealed_segment_cut_short() {
     let mut bytes = std::fs::read(&first).unwrap();
     bytes.truncate(*log::frame_starts(&bytes).last().unwrap());
     std::fs::write(&first, &bytes).unwrap();
-    let err = super::checkpoint::checkpoint(&RealFs, dir.path(), 0, 2)
+    let err = super::checkpoint::checkpoint(&RealFs, dir.path(), 0, 2, None)
         .unwrap_err()
         .to_string();
     assert!(err.contains("are missing"), "{err}");
