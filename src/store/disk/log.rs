@@ -713,6 +713,18 @@ pub fn frame_starts(bytes: &[u8]) -> Vec<usize> {
     starts
 }
 
+/// Where each frame of a format-2 segment starts (audit).
+#[cfg(test)]
+pub fn frame_starts_v2(bytes: &[u8]) -> Vec<usize> {
+    let mut at = HEADER_V2;
+    let mut starts = Vec::new();
+    while at + HEAD <= bytes.len() {
+        starts.push(at);
+        at += HEAD + Head::read(&bytes[at..]).len;
+    }
+    starts
+}
+
 /// One append of one change, ready for `Segment::append`.
 #[cfg(test)]
 pub fn one_append(id: &str, index: u64, record: Option<&[u8]>) -> Vec<u8> {
@@ -746,6 +758,27 @@ pub fn append_unfinished(path: &Path, changes: &[u8], keep: usize, zeros: usize)
     bytes.extend_from_slice(&frame[..keep]);
     bytes.resize(bytes.len() + zeros, 0);
     std::fs::write(path, bytes).unwrap();
+}
+
+/// A format-2 segment as an earlier build wrote it (audit): one frame
+/// per change, the change's fields as its payload.
+#[cfg(test)]
+pub fn audit_v2_segment(seq: u64, changes: &[(&str, u64, Option<&[u8]>)]) -> Vec<u8> {
+    let mut bytes = MAGIC_V2.to_vec();
+    bytes.extend_from_slice(&seq.to_le_bytes());
+    let crc = crc32fast::hash(&bytes);
+    bytes.extend_from_slice(&crc.to_le_bytes());
+    bytes.extend_from_slice(&[0; 4]);
+    let mut previous = crc;
+    for (id, index, record) in changes {
+        let mut one = Vec::new();
+        change(&mut one, id, *index, *record);
+        let mut f = vec![0; HEAD];
+        f.extend_from_slice(&one[4..]);
+        previous = frame::seal(&mut f, previous);
+        bytes.extend_from_slice(&f);
+    }
+    bytes
 }
 
 /// The segment being appended to.
@@ -1455,5 +1488,84 @@ mod tests {
             1,
             "not a segment"
         );
+    }
+
+    // ---- audit of the zeros written ahead (branch audit-prewrite) ----
+
+    /// A block zeroed in the middle of the newest segment, acknowledged
+    /// appends after it: damage, not a tear (the test above). The same
+    /// file as a crash leaves it while appends are written ahead in zeros:
+    /// the run of acknowledged frames after the block no longer reaches the
+    /// end of the file, so `torn_at` calls it torn and a start would cut
+    /// every append after the block.
+    #[test]
+    fn audit_a_zeroed_block_before_good_appends_is_not_torn_with_zeros_written_ahead() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = many(dir.path(), 40, 300, 1);
+        // From the head of frame 10 (its sector as a lost sector reads,
+        // the end of frame 9 kept) over the next 4 KiB.
+        let from = boundaries(&good)[10];
+        let to = from.next_multiple_of(512) + 4096;
+        let mut bad = good.clone();
+        bad[from..to].fill(0);
+        let r = replay(&bad, 1, &mut Overlay::default()).unwrap();
+        let b = r.bad.unwrap();
+        assert_eq!(b.at, from as u64);
+        assert!(!b.torn, "sealed length: damage");
+        // As a crash leaves the newest segment: zeros written ahead.
+        bad.resize(bad.len() + 2048, 0);
+        let r = replay(&bad, 1, &mut Overlay::default()).unwrap();
+        let b = r.bad.unwrap();
+        assert!(
+            !b.torn,
+            "zeros written ahead after it: {b:?}, {} bytes of acknowledged appends after the block",
+            good.len() - to
+        );
+    }
+
+    /// Salvage of the same: the frames after the zeroed block form a run
+    /// that ends where the appends end, not where the file does.
+    #[test]
+    fn audit_salvage_reads_the_appends_after_a_zeroed_block_with_zeros_written_ahead() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = many(dir.path(), 40, 300, 1);
+        let from = boundaries(&good)[10];
+        let to = from.next_multiple_of(512) + 4096;
+        let mut bad = good.clone();
+        bad[from..to].fill(0);
+        let sealed = salvage(&bad, 1, None).changes.len();
+        bad.resize(bad.len() + 2048, 0);
+        let ahead = salvage(&bad, 1, None);
+        assert_eq!(
+            ahead.changes.len(),
+            sealed,
+            "changes salvaged: sealed length {sealed}, zeros written ahead {}; unread {:?}",
+            ahead.changes.len(),
+            ahead.unread
+        );
+    }
+
+    /// A format-2 segment (an earlier build's) followed by another: nothing
+    /// vouches for its end. Its last appends read as zeros from a frame
+    /// boundary to the end of the file: damage to a sealed segment, which
+    /// before this change was a bad frame (a refused start); now spare.
+    #[test]
+    fn audit_a_format_2_segment_ending_in_zeros_from_a_frame_boundary_is_not_spare() {
+        let v2 = v2_segment(
+            4,
+            &[
+                ("a", 7, Some(b"one")),
+                ("b", 8, Some(b"two")),
+                ("c", 9, Some(b"three")),
+            ],
+        );
+        let r = replay(&v2, 4, &mut Overlay::default()).unwrap();
+        assert_eq!((r.frames, r.spare), (3, 0));
+        // Zeros from the start of the third frame.
+        let third = HEADER_V2 + 2 * HEAD + 2 * (CHANGE_HEAD - 4 + 1 + 3);
+        let mut bad = v2.clone();
+        bad[third..].fill(0);
+        let r = replay(&bad, 4, &mut Overlay::default()).unwrap();
+        assert!(r.bad.is_some(), "{r:?}: an acknowledged change read as spare zeros");
     }
 }

@@ -1174,3 +1174,130 @@ fn salvage_keeps_the_newest_version_wherever_it_lies() {
     assert_eq!(loaded.allocations, vec![new]);
     assert_eq!(loaded.last_index, 88);
 }
+
+// ---- audit of the zeros written ahead (branch audit-prewrite) ----
+
+/// The newest segment as a crash leaves it (zeros written ahead after its
+/// last frame) with a block zeroed from the head of an acknowledged
+/// append, acknowledged appends after it: damage, which a start must
+/// refuse, `dump` too, and which salvage reads past. Without the zeros
+/// written ahead all three do; with them the appends after the block are
+/// taken for a torn tail (no run of frames reaches the end of the file).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audit_a_zeroed_block_before_acknowledged_appends_with_zeros_written_ahead_is_damage() {
+    zeroed_block_before_acknowledged_appends(true).await;
+}
+
+/// The control: the same damage in a segment cut at its last frame (a
+/// clean close, or the format before this change) is refused, and
+/// salvage reads past it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audit_control_a_zeroed_block_before_acknowledged_appends_is_damage() {
+    zeroed_block_before_acknowledged_appends(false).await;
+}
+
+async fn zeroed_block_before_acknowledged_appends(ahead: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, _, _) = register_with(dir.path(), DEFAULT_LOG_LIMIT, &ids("a", 30), false).await;
+    let (seq, len) = *segments(dir.path()).last().unwrap();
+    let path = log::segment_path(dir.path(), seq);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let starts = log::frame_starts(&bytes);
+    let from = starts[10];
+    let to = (from + 12).next_multiple_of(512);
+    assert!(to + 1000 < len as usize, "appends after the block: {to} {len}");
+    bytes[from..to].fill(0);
+    // As a crash leaves the newest segment: the zeros written ahead.
+    if ahead {
+        bytes.resize(len as usize + log::WRITE_AHEAD as usize, 0);
+    }
+    std::fs::write(&path, &bytes).unwrap();
+
+    let mut broken = Vec::new();
+    match super::read_only(dir.path()) {
+        Ok(l) => broken.push(format!(
+            "dump read the directory: {} of 30 allocations",
+            l.allocations.len()
+        )),
+        Err(e) => assert!(e.to_string().contains("damaged"), "{e}"),
+    }
+    let out = tempfile::tempdir().unwrap();
+    let report = super::salvage(dir.path(), &out.path().join("s")).unwrap();
+    if report.allocations < 25 {
+        broken.push(format!(
+            "salvage copied {} of 30 allocations (a block of ~1 KiB zeroed); lost: {:?}",
+            report.allocations, report.lost
+        ));
+    }
+    match DiskStore::open(config(dir.path(), 1, DEFAULT_LOG_LIMIT)) {
+        Ok(s) => {
+            let n = s.load().unwrap().allocations.len();
+            let names: Vec<_> = std::fs::read_dir(dir.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect();
+            broken.push(format!(
+                "the store started with {n} of 30 acknowledged allocations; files {names:?}"
+            ));
+        }
+        Err(e) => assert!(e.to_string().contains(&format!("byte {from}")), "{e}"),
+    }
+    assert!(broken.is_empty(), "{broken:#?}");
+}
+
+/// Two format-2 segments (an earlier build's log, no snapshot): nothing
+/// vouches for the first one's end. Its last append reads as zeros from a
+/// frame boundary to the end of the file: damage to a sealed segment
+/// with a newer one after it, which a start must refuse (as it did before
+/// the zeros written ahead); now read as spare zeros and cut.
+#[test]
+fn audit_a_sealed_format_2_segment_ending_in_zeros_stops_the_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let at = time::OffsetDateTime::UNIX_EPOCH;
+    let alloc = |id: &str, index| {
+        Allocation::register(AllocId::parse(id).unwrap(), Arc::new(spec()), index, at)
+    };
+    let recs: Vec<_> = (1..=4u64)
+        .map(|i| record::encode(&alloc(&format!("x{i}"), i)))
+        .collect();
+    let first = log::audit_v2_segment(
+        1,
+        &[
+            ("x1", 1, Some(&recs[0])),
+            ("x2", 2, Some(&recs[1])),
+            ("x3", 3, Some(&recs[2])),
+        ],
+    );
+    let second = log::audit_v2_segment(2, &[("x4", 4, Some(&recs[3]))]);
+    let p1 = log::segment_path(dir.path(), 1);
+    std::fs::write(&p1, &first).unwrap();
+    std::fs::write(log::segment_path(dir.path(), 2), &second).unwrap();
+    assert_eq!(open(dir.path(), 1).load().unwrap().allocations.len(), 4);
+    drop(std::fs::remove_file(log::segment_path(dir.path(), 3)));
+    // Re-create the earlier build's directory, then zero x3's append.
+    for e in std::fs::read_dir(dir.path()).unwrap() {
+        std::fs::remove_file(e.unwrap().path()).unwrap();
+    }
+    let mut damaged = first.clone();
+    let third = log::frame_starts_v2(&first)[2];
+    damaged[third..].fill(0);
+    std::fs::write(&p1, &damaged).unwrap();
+    std::fs::write(log::segment_path(dir.path(), 2), &second).unwrap();
+    match DiskStore::open(config(dir.path(), 1, DEFAULT_LOG_LIMIT)) {
+        Ok(s) => {
+            let ids: Vec<_> = s
+                .load()
+                .unwrap()
+                .allocations
+                .iter()
+                .map(|a| a.id.to_string())
+                .collect();
+            panic!(
+                "started with {ids:?} (x3 acknowledged, lost); segment 1 is now {} bytes (was {})",
+                std::fs::metadata(&p1).unwrap().len(),
+                first.len()
+            );
+        }
+        Err(e) => assert!(e.to_string().contains(&p1.display().to_string()), "{e}"),
+    }
+}
