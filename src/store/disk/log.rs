@@ -1568,4 +1568,40 @@ mod tests {
         let r = replay(&bad, 4, &mut Overlay::default()).unwrap();
         assert!(r.bad.is_some(), "{r:?}: an acknowledged change read as spare zeros");
     }
+
+    /// A disk that fills up partway through the zeros written ahead (the
+    /// first 64 KiB written, the next write ENOSPC): the append goes on,
+    /// but the segment's idea of its file's length is its last frame's end
+    /// while the file runs 64 KiB further, so sealing cuts nothing: a
+    /// sealed segment that does not end at its last frame.
+    #[test]
+    fn audit_zeros_partly_written_ahead_are_cut_by_seal() {
+        use crate::store::fs::sim::{self, SimFs};
+        let fs = SimFs::new();
+        let dir = Path::new("/d");
+        fs.create_dir_all(dir).unwrap();
+        let mut s = Segment::create(&fs, dir, 1, End::NONE)
+            .unwrap()
+            .writing_ahead(256 * 1024);
+        let mut writes = 0;
+        fs.fail_with(move |op, _: &Path| {
+            if op == sim::Op::Write {
+                writes += 1;
+                if writes == 2 {
+                    return Some(io::Error::from_raw_os_error(28));
+                }
+            }
+            None
+        });
+        let mut f = one_append("a", 1, Some(b"rec"));
+        s.append(&mut f).unwrap();
+        fs.heal();
+        s.seal().unwrap();
+        let bytes = fs.contents(&segment_path(dir, 1)).unwrap();
+        assert_eq!(
+            bytes.len() as u64,
+            s.len,
+            "sealed, the segment ends at its last frame"
+        );
+    }
 }
