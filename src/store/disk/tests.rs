@@ -1301,3 +1301,46 @@ fn audit_a_sealed_format_2_segment_ending_in_zeros_stops_the_open() {
         Err(e) => assert!(e.to_string().contains(&p1.display().to_string()), "{e}"),
     }
 }
+
+/// The checkpoint folds sealed segments 1 and 2 while segment 3 (whose
+/// header vouches for segment 2's end) is being written. Segment 2's last
+/// append reads as zeros from its start to the end of the file (damage):
+/// before this change a bad frame, so the checkpoint failed; now spare
+/// zeros, so it folds segment 2 short, the snapshot says the log ended
+/// there, and the checkpointer removes the segment: the append is gone
+/// for good (the next start refuses, but nothing is left to salvage).
+/// `cut` = true: the same damage as a truncation at that boundary, which
+/// the checkpoint let through before this change too (it never checks the
+/// last segment it folds against the next header).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audit_a_checkpoint_refuses_a_sealed_segment_ending_in_zeros() {
+    audit_checkpoint_last_sealed(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audit_a_checkpoint_refuses_a_sealed_segment_cut_at_its_last_append() {
+    audit_checkpoint_last_sealed(true).await;
+}
+
+async fn audit_checkpoint_last_sealed(cut: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    for round in ["a", "b", "c"] {
+        register_with(dir.path(), DEFAULT_LOG_LIMIT, &ids(round, 3), false).await;
+    }
+    assert_eq!(segments(dir.path()).len(), 3);
+    let second = log::segment_path(dir.path(), 2);
+    let mut bytes = std::fs::read(&second).unwrap();
+    let last = *log::frame_starts(&bytes).last().unwrap();
+    if cut {
+        bytes.truncate(last);
+    } else {
+        bytes[last..].fill(0);
+    }
+    std::fs::write(&second, &bytes).unwrap();
+    let folded = super::checkpoint::checkpoint(&RealFs, dir.path(), 0, 2);
+    assert!(
+        folded.is_err(),
+        "folded segments 1 and 2 with segment 2's last append lost ({})",
+        if cut { "cut" } else { "zeros" }
+    );
+}
