@@ -589,3 +589,52 @@ fn a_full_commit_queue_refuses_the_next_change_instead_of_growing() {
         rt.block_on(q).unwrap();
     }
 }
+
+/// Audit: sealing a segment fails (its `set_len`, or its `sync_all` after
+/// the cut), the writer goes on appending to it (a failed rollover), then
+/// the machine crashes at a random later moment: every acknowledged
+/// change is there.
+#[test]
+fn audit_a_failed_seal_then_more_appends_then_a_crash_keeps_every_acknowledged_change() {
+    for seed in 0..200u64 {
+        let fs = SimFs::new();
+        fs.create_dir_all(&dir()).unwrap();
+        let store = open(&fs, 300).unwrap();
+        let op = if seed % 2 == 0 {
+            sim::Op::SyncAll
+        } else {
+            sim::Op::SetLen
+        };
+        let mut left = 1 + seed % 3;
+        fs.fail_with(move |o, path: &Path| {
+            let p = path.to_string_lossy();
+            if o == op && p.contains("taskgate.wal.0") && left > 0 {
+                left -= 1;
+                return Some(io::Error::from_raw_os_error(5));
+            }
+            None
+        });
+        fs.crash_after(20 + seed * 7 % 400, seed);
+        let done = commit_puts(&store, 0, 60);
+        fs.crash_now(seed);
+        drop(store);
+        let after = SimFs::from_image(&fs.image().unwrap());
+        let store = open(&after, 300).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        let got: BTreeMap<String, u64> = store
+            .load()
+            .unwrap()
+            .allocations
+            .iter()
+            .map(|a| (a.id.to_string(), a.modify_index))
+            .collect();
+        for (k, r) in done.iter().enumerate() {
+            if r.is_ok() {
+                assert_eq!(
+                    got.get(&format!("key-{k}")),
+                    Some(&(k as u64 + 1)),
+                    "seed {seed}: key-{k} acknowledged"
+                );
+            }
+        }
+    }
+}
