@@ -143,11 +143,6 @@ pub enum EndsAt {
     File,
 }
 
-/// Whether everything from `at` to `limit` reads as zeros.
-fn zeros_to(bytes: &[u8], at: usize, limit: usize) -> bool {
-    bytes.get(at..limit).is_some_and(|b| b.iter().all(|&x| x == 0))
-}
-
 impl EndsAt {
     fn limit(self, bytes: &[u8]) -> usize {
         match self {
@@ -157,10 +152,21 @@ impl EndsAt {
     }
 }
 
+/// Where the zeros at the end of `bytes` start (its length if it does not
+/// end in one).
+fn zeros_from(bytes: &[u8]) -> usize {
+    bytes.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1)
+}
+
 /// Whether the frames from `at` on link, each to the one before, and end
 /// as `end` says, the first passing its checksum (nothing before vouches
 /// for it). Looks at heads only past the first: O(frames).
 fn run_from(bytes: &[u8], at: usize, end: EndsAt) -> bool {
+    run_from_with(bytes, at, end, zeros_from(bytes))
+}
+
+/// `run_from`, where the zeros at the end of the file start at `zeros`.
+fn run_from_with(bytes: &[u8], at: usize, end: EndsAt, zeros: usize) -> bool {
     let limit = end.limit(bytes);
     let Some(first) = head_at(bytes, at) else {
         return false;
@@ -182,7 +188,7 @@ fn run_from(bytes: &[u8], at: usize, end: EndsAt) -> bool {
         let Some(h) = head_at(bytes, pos).filter(|h| h.links(previous)) else {
             // A head cut short at the end of the file, or zeros written
             // ahead from here to it.
-            return end == EndsAt::File && (pos + HEAD > limit || zeros_to(bytes, pos, limit));
+            return end == EndsAt::File && (pos + HEAD > limit || pos >= zeros);
         };
         match end_of(pos, &h) {
             Some(e) if e <= limit => pos = e,
@@ -197,7 +203,14 @@ fn run_from(bytes: &[u8], at: usize, end: EndsAt) -> bool {
 /// as `end` says (`run_from`).
 fn find_run(bytes: &[u8], from: usize, end: EndsAt) -> Option<usize> {
     let limit = end.limit(bytes);
-    (from..limit.saturating_sub(HEAD - 1)).find(|&q| {
+    // No frame starts in the zeros at the end of the file (a frame's
+    // payload holds bytes that are not zero).
+    let zeros = zeros_from(bytes);
+    let mut last = limit.saturating_sub(HEAD - 1);
+    if end == EndsAt::File {
+        last = last.min(zeros);
+    }
+    (from..last).find(|&q| {
         // Cheap checks first: most offsets fail on the length alone.
         let Some(h) = head_at(bytes, q) else {
             return false;
@@ -207,8 +220,8 @@ fn find_run(bytes: &[u8], from: usize, end: EndsAt) -> Option<usize> {
         };
         let next_links = e == limit
             || head_at(bytes, e).is_some_and(|n| n.links(h.chain))
-            || (end == EndsAt::File && zeros_to(bytes, e, limit));
-        next_links && run_from(bytes, q, end)
+            || (end == EndsAt::File && e >= zeros);
+        next_links && run_from_with(bytes, q, end, zeros)
     })
 }
 

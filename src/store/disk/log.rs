@@ -636,16 +636,17 @@ pub fn salvage(bytes: &[u8], seq: u64, vouched: Option<End>) -> Salvaged<'_> {
     // (`Segment::append`), or never written: a stretch that could not be
     // read ends at its last byte that is not zero.
     let len = bytes.len() as u64;
-    out.unread.extend(read.unread.into_iter().filter_map(|mut u| {
-        if u.to == len && version == Version::V3 {
-            let from = u.from as usize;
-            u.to = bytes[from..]
-                .iter()
-                .rposition(|&b| b != 0)
-                .map_or(u.from, |i| (from + i + 1) as u64);
-        }
-        (u.to > u.from).then_some(u)
-    }));
+    out.unread
+        .extend(read.unread.into_iter().filter_map(|mut u| {
+            if u.to == len && version == Version::V3 {
+                let from = u.from as usize;
+                u.to = bytes[from..]
+                    .iter()
+                    .rposition(|&b| b != 0)
+                    .map_or(u.from, |i| (from + i + 1) as u64);
+            }
+            (u.to > u.from).then_some(u)
+        }));
     out.unread.sort_by_key(|u| u.from);
     out.end = last;
     out.ends_as_vouched = read.ends_as_vouched;
@@ -713,7 +714,7 @@ pub fn frame_starts(bytes: &[u8]) -> Vec<usize> {
     starts
 }
 
-/// Where each frame of a format-2 segment starts (audit).
+/// Where each frame of a format-2 segment starts.
 #[cfg(test)]
 pub fn frame_starts_v2(bytes: &[u8]) -> Vec<usize> {
     let mut at = HEADER_V2;
@@ -760,10 +761,10 @@ pub fn append_unfinished(path: &Path, changes: &[u8], keep: usize, zeros: usize)
     std::fs::write(path, bytes).unwrap();
 }
 
-/// A format-2 segment as an earlier build wrote it (audit): one frame
+/// A format-2 segment as an earlier build wrote it: one frame
 /// per change, the change's fields as its payload.
 #[cfg(test)]
-pub fn audit_v2_segment(seq: u64, changes: &[(&str, u64, Option<&[u8]>)]) -> Vec<u8> {
+pub fn v2_segment_of(seq: u64, changes: &[(&str, u64, Option<&[u8]>)]) -> Vec<u8> {
     let mut bytes = MAGIC_V2.to_vec();
     bytes.extend_from_slice(&seq.to_le_bytes());
     let crc = crc32fast::hash(&bytes);
@@ -1490,7 +1491,7 @@ mod tests {
         );
     }
 
-    // ---- audit of the zeros written ahead (branch audit-prewrite) ----
+    // ---- zeros written ahead of the appends: what they must not hide ----
 
     /// A block zeroed in the middle of the newest segment, acknowledged
     /// appends after it: damage, not a tear (the test above). The same
@@ -1499,7 +1500,7 @@ mod tests {
     /// end of the file, so `torn_at` calls it torn and a start would cut
     /// every append after the block.
     #[test]
-    fn audit_a_zeroed_block_before_good_appends_is_not_torn_with_zeros_written_ahead() {
+    fn a_zeroed_block_before_good_appends_is_not_torn_with_zeros_written_ahead() {
         let dir = tempfile::tempdir().unwrap();
         let good = many(dir.path(), 40, 300, 1);
         // From the head of frame 10 (its sector as a lost sector reads,
@@ -1526,7 +1527,7 @@ mod tests {
     /// Salvage of the same: the frames after the zeroed block form a run
     /// that ends where the appends end, not where the file does.
     #[test]
-    fn audit_salvage_reads_the_appends_after_a_zeroed_block_with_zeros_written_ahead() {
+    fn salvage_reads_the_appends_after_a_zeroed_block_with_zeros_written_ahead() {
         let dir = tempfile::tempdir().unwrap();
         let good = many(dir.path(), 40, 300, 1);
         let from = boundaries(&good)[10];
@@ -1550,7 +1551,7 @@ mod tests {
     /// boundary to the end of the file: damage to a sealed segment, which
     /// before this change was a bad frame (a refused start); now spare.
     #[test]
-    fn audit_a_format_2_segment_ending_in_zeros_from_a_frame_boundary_is_not_spare() {
+    fn a_format_2_segment_ending_in_zeros_from_a_frame_boundary_is_not_spare() {
         let v2 = v2_segment(
             4,
             &[
@@ -1566,7 +1567,10 @@ mod tests {
         let mut bad = v2.clone();
         bad[third..].fill(0);
         let r = replay(&bad, 4, &mut Overlay::default()).unwrap();
-        assert!(r.bad.is_some(), "{r:?}: an acknowledged change read as spare zeros");
+        assert!(
+            r.bad.is_some(),
+            "{r:?}: an acknowledged change read as spare zeros"
+        );
     }
 
     /// A disk that fills up partway through the zeros written ahead (the
@@ -1575,7 +1579,7 @@ mod tests {
     /// while the file runs 64 KiB further, so sealing cuts nothing: a
     /// sealed segment that does not end at its last frame.
     #[test]
-    fn audit_zeros_partly_written_ahead_are_cut_by_seal() {
+    fn zeros_partly_written_ahead_are_cut_by_seal() {
         use crate::store::fs::sim::{self, SimFs};
         let fs = SimFs::new();
         let dir = Path::new("/d");

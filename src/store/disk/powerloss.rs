@@ -595,7 +595,7 @@ fn a_full_commit_queue_refuses_the_next_change_instead_of_growing() {
 /// the machine crashes at a random later moment: every acknowledged
 /// change is there.
 #[test]
-fn audit_a_failed_seal_then_more_appends_then_a_crash_keeps_every_acknowledged_change() {
+fn a_failed_seal_then_more_appends_then_a_crash_keeps_every_acknowledged_change() {
     for seed in 0..200u64 {
         let fs = SimFs::new();
         fs.create_dir_all(&dir()).unwrap();

@@ -1175,7 +1175,7 @@ fn salvage_keeps_the_newest_version_wherever_it_lies() {
     assert_eq!(loaded.last_index, 88);
 }
 
-// ---- audit of the zeros written ahead (branch audit-prewrite) ----
+// ---- zeros written ahead of the appends: what they must not hide ----
 
 /// The newest segment as a crash leaves it (zeros written ahead after its
 /// last frame) with a block zeroed from the head of an acknowledged
@@ -1184,7 +1184,7 @@ fn salvage_keeps_the_newest_version_wherever_it_lies() {
 /// written ahead all three do; with them the appends after the block are
 /// taken for a torn tail (no run of frames reaches the end of the file).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn audit_a_zeroed_block_before_acknowledged_appends_with_zeros_written_ahead_is_damage() {
+async fn a_zeroed_block_before_acknowledged_appends_with_zeros_written_ahead_is_damage() {
     zeroed_block_before_acknowledged_appends(true).await;
 }
 
@@ -1192,7 +1192,7 @@ async fn audit_a_zeroed_block_before_acknowledged_appends_with_zeros_written_ahe
 /// clean close, or the format before this change) is refused, and
 /// salvage reads past it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn audit_control_a_zeroed_block_before_acknowledged_appends_is_damage() {
+async fn a_zeroed_block_before_acknowledged_appends_is_damage() {
     zeroed_block_before_acknowledged_appends(false).await;
 }
 
@@ -1205,7 +1205,10 @@ async fn zeroed_block_before_acknowledged_appends(ahead: bool) {
     let starts = log::frame_starts(&bytes);
     let from = starts[10];
     let to = (from + 12).next_multiple_of(512);
-    assert!(to + 1000 < len as usize, "appends after the block: {to} {len}");
+    assert!(
+        to + 1000 < len as usize,
+        "appends after the block: {to} {len}"
+    );
     bytes[from..to].fill(0);
     // As a crash leaves the newest segment: the zeros written ahead.
     if ahead {
@@ -1251,7 +1254,7 @@ async fn zeroed_block_before_acknowledged_appends(ahead: bool) {
 /// with a newer one after it, which a start must refuse (as it did before
 /// the zeros written ahead); now read as spare zeros and cut.
 #[test]
-fn audit_a_sealed_format_2_segment_ending_in_zeros_stops_the_open() {
+fn a_sealed_format_2_segment_ending_in_zeros_stops_the_open() {
     let dir = tempfile::tempdir().unwrap();
     let at = time::OffsetDateTime::UNIX_EPOCH;
     let alloc = |id: &str, index| {
@@ -1260,7 +1263,7 @@ fn audit_a_sealed_format_2_segment_ending_in_zeros_stops_the_open() {
     let recs: Vec<_> = (1..=4u64)
         .map(|i| record::encode(&alloc(&format!("x{i}"), i)))
         .collect();
-    let first = log::audit_v2_segment(
+    let first = log::v2_segment_of(
         1,
         &[
             ("x1", 1, Some(&recs[0])),
@@ -1268,7 +1271,7 @@ fn audit_a_sealed_format_2_segment_ending_in_zeros_stops_the_open() {
             ("x3", 3, Some(&recs[2])),
         ],
     );
-    let second = log::audit_v2_segment(2, &[("x4", 4, Some(&recs[3]))]);
+    let second = log::v2_segment_of(2, &[("x4", 4, Some(&recs[3]))]);
     let p1 = log::segment_path(dir.path(), 1);
     std::fs::write(&p1, &first).unwrap();
     std::fs::write(log::segment_path(dir.path(), 2), &second).unwrap();
@@ -1302,27 +1305,24 @@ fn audit_a_sealed_format_2_segment_ending_in_zeros_stops_the_open() {
     }
 }
 
-/// The checkpoint folds sealed segments 1 and 2 while segment 3 (whose
-/// header vouches for segment 2's end) is being written. Segment 2's last
-/// append reads as zeros from its start to the end of the file (damage):
-/// before this change a bad frame, so the checkpoint failed; now spare
-/// zeros, so it folds segment 2 short, the snapshot says the log ended
-/// there, and the checkpointer removes the segment: the append is gone
-/// for good (the next start refuses, but nothing is left to salvage).
-/// `cut` = true: the same damage as a truncation at that boundary, which
-/// the checkpoint let through before this change too (it never checks the
-/// last segment it folds against the next header).
+/// The checkpoint folds sealed segments 1 and 2 while segment 3 is
+/// written. Segment 2's last append reads as zeros from its start to the
+/// end of the file, or is cut off at that boundary (damage): folded, the
+/// snapshot would say the log ended there and the checkpointer would
+/// remove the segment, the append gone for good. So the checkpoint
+/// refuses zeros after a sealed segment's last frame, and checks the last
+/// segment it folds against where the writer sealed it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn audit_a_checkpoint_refuses_a_sealed_segment_ending_in_zeros() {
-    audit_checkpoint_last_sealed(false).await;
+async fn a_checkpoint_refuses_a_sealed_segment_ending_in_zeros() {
+    checkpoint_last_sealed(false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn audit_a_checkpoint_refuses_a_sealed_segment_cut_at_its_last_append() {
-    audit_checkpoint_last_sealed(true).await;
+async fn a_checkpoint_refuses_a_sealed_segment_cut_at_its_last_append() {
+    checkpoint_last_sealed(true).await;
 }
 
-async fn audit_checkpoint_last_sealed(cut: bool) {
+async fn checkpoint_last_sealed(cut: bool) {
     let dir = tempfile::tempdir().unwrap();
     for round in ["a", "b", "c"] {
         register_with(dir.path(), DEFAULT_LOG_LIMIT, &ids(round, 3), false).await;
@@ -1330,6 +1330,10 @@ async fn audit_checkpoint_last_sealed(cut: bool) {
     assert_eq!(segments(dir.path()).len(), 3);
     let second = log::segment_path(dir.path(), 2);
     let mut bytes = std::fs::read(&second).unwrap();
+    // Where the writer sealed it.
+    let sealed = log::replay(&bytes, 2, &mut log::Overlay::default())
+        .unwrap()
+        .end();
     let last = *log::frame_starts(&bytes).last().unwrap();
     if cut {
         bytes.truncate(last);
@@ -1337,7 +1341,7 @@ async fn audit_checkpoint_last_sealed(cut: bool) {
         bytes[last..].fill(0);
     }
     std::fs::write(&second, &bytes).unwrap();
-    let folded = super::checkpoint::checkpoint(&RealFs, dir.path(), 0, 2);
+    let folded = super::checkpoint::checkpoint(&RealFs, dir.path(), 0, 2, Some(sealed));
     assert!(
         folded.is_err(),
         "folded segments 1 and 2 with segment 2's last append lost ({})",
@@ -1351,7 +1355,7 @@ async fn audit_checkpoint_last_sealed(cut: bool) {
 /// append is a few KiB, but salvage reports the zeros after it as lost
 /// log too (a MiB "could not be read") and skips ~70,000 indexes for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn audit_salvage_of_a_crashed_directory_counts_the_zeros_written_ahead_as_lost() {
+async fn salvage_of_a_crashed_directory_counts_the_zeros_written_ahead_as_lost() {
     let dir = tempfile::tempdir().unwrap();
     let (_, last, _) = register_with(dir.path(), DEFAULT_LOG_LIMIT, &ids("a", 5), false).await;
     let (seq, len) = *segments(dir.path()).last().unwrap();
