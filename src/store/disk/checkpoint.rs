@@ -23,6 +23,9 @@ use crate::{metrics::Metrics, store::StoreError};
 /// last one folded) into the next snapshot.
 pub(super) struct Job {
     pub(super) sealed: u64,
+    /// Where the writer sealed segment `sealed`: its last segment read
+    /// back must end there, or appends were lost from it.
+    pub(super) end: log::End,
 }
 
 /// Folds sealed segments into the next snapshot, one job at a time: reads
@@ -47,7 +50,7 @@ pub(super) fn checkpointer(
     }
     while let Ok(job) = jobs.recv() {
         let started = Instant::now();
-        match checkpoint(fs, dir, folded, job.sealed) {
+        match checkpoint(fs, dir, folded, job.sealed, Some(job.end)) {
             Ok((written, changes)) => {
                 if let Some(m) = metrics {
                     m.checkpoint(started.elapsed(), changes);
@@ -79,6 +82,7 @@ pub(super) fn checkpoint(
     dir: &Path,
     folded: u64,
     sealed: u64,
+    sealed_end: Option<log::End>,
 ) -> std::io::Result<(snapshot::Written, usize)> {
     let segments = (folded + 1..=sealed)
         .map(|seq| {
@@ -112,12 +116,27 @@ pub(super) fn checkpoint(
                 bad.at, bad.what
             )));
         }
+        if replayed.spare > 0 {
+            return Err(damaged(format!(
+                "sealed, but the {} bytes from byte {} on read as zeros",
+                replayed.spare, replayed.valid_len
+            )));
+        }
         // A checkpoint never folds a log whose parts do not vouch for
         // each other: what it wrote would hide that for good.
         if let Some(why) = log::mismatch(replayed.previous, before) {
             return Err(damaged(why));
         }
         before = Some(replayed.end());
+    }
+    // The last segment: no header after it vouches for its end yet, the
+    // writer does.
+    if let Some(why) = log::mismatch(sealed_end, before) {
+        return Err(std::io::Error::other(format!(
+            "{}: sealed at byte {}, but {why}",
+            log::segment_path(dir, sealed).display(),
+            sealed_end.map_or(0, |e| e.len),
+        )));
     }
     let changes = sort_changes(newest);
     let end = before.unwrap_or(log::End::NONE);

@@ -137,7 +137,9 @@ pub enum EndsAt {
     /// segment's header, or the snapshot's trailer, says.
     Vouched { at: usize, chain: u32 },
     /// At the end of the file, where its last frame may be cut short (the
-    /// newest log segment, whose last append a crash may have cut).
+    /// newest log segment, whose last append a crash may have cut), or at
+    /// a frame boundary followed only by zeros (written ahead of the
+    /// appends, `log::Segment::append`).
     File,
 }
 
@@ -150,10 +152,21 @@ impl EndsAt {
     }
 }
 
+/// Where the zeros at the end of `bytes` start (its length if it does not
+/// end in one).
+fn zeros_from(bytes: &[u8]) -> usize {
+    bytes.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1)
+}
+
 /// Whether the frames from `at` on link, each to the one before, and end
 /// as `end` says, the first passing its checksum (nothing before vouches
 /// for it). Looks at heads only past the first: O(frames).
 fn run_from(bytes: &[u8], at: usize, end: EndsAt) -> bool {
+    run_from_with(bytes, at, end, zeros_from(bytes))
+}
+
+/// `run_from`, where the zeros at the end of the file start at `zeros`.
+fn run_from_with(bytes: &[u8], at: usize, end: EndsAt, zeros: usize) -> bool {
     let limit = end.limit(bytes);
     let Some(first) = head_at(bytes, at) else {
         return false;
@@ -173,8 +186,9 @@ fn run_from(bytes: &[u8], at: usize, end: EndsAt) -> bool {
             };
         }
         let Some(h) = head_at(bytes, pos).filter(|h| h.links(previous)) else {
-            // A head cut short at the end of the file.
-            return end == EndsAt::File && pos + HEAD > limit;
+            // A head cut short at the end of the file, or zeros written
+            // ahead from here to it.
+            return end == EndsAt::File && (pos + HEAD > limit || pos >= zeros);
         };
         match end_of(pos, &h) {
             Some(e) if e <= limit => pos = e,
@@ -189,7 +203,14 @@ fn run_from(bytes: &[u8], at: usize, end: EndsAt) -> bool {
 /// as `end` says (`run_from`).
 fn find_run(bytes: &[u8], from: usize, end: EndsAt) -> Option<usize> {
     let limit = end.limit(bytes);
-    (from..limit.saturating_sub(HEAD - 1)).find(|&q| {
+    // No frame starts in the zeros at the end of the file (a frame's
+    // payload holds bytes that are not zero).
+    let zeros = zeros_from(bytes);
+    let mut last = limit.saturating_sub(HEAD - 1);
+    if end == EndsAt::File {
+        last = last.min(zeros);
+    }
+    (from..last).find(|&q| {
         // Cheap checks first: most offsets fail on the length alone.
         let Some(h) = head_at(bytes, q) else {
             return false;
@@ -197,8 +218,10 @@ fn find_run(bytes: &[u8], from: usize, end: EndsAt) -> Option<usize> {
         let Some(e) = end_of(q, &h).filter(|&e| e <= limit) else {
             return false;
         };
-        let next_links = e == limit || head_at(bytes, e).is_some_and(|n| n.links(h.chain));
-        next_links && run_from(bytes, q, end)
+        let next_links = e == limit
+            || head_at(bytes, e).is_some_and(|n| n.links(h.chain))
+            || (end == EndsAt::File && e >= zeros);
+        next_links && run_from_with(bytes, q, end, zeros)
     })
 }
 

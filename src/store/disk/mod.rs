@@ -117,6 +117,9 @@ pub struct DiskStoreConfig {
     pub fs: Arc<dyn Fs>,
     /// Changes queued for the writer at most (`COMMIT_QUEUE`).
     pub commit_queue: usize,
+    /// How far a segment's file is written with zeros ahead of its
+    /// appends (`log::WRITE_AHEAD`; small in tests, to cross it often).
+    pub write_ahead: u64,
 }
 
 impl std::fmt::Debug for DiskStoreConfig {
@@ -142,6 +145,7 @@ impl DiskStoreConfig {
             metrics: None,
             fs: Arc::new(RealFs),
             commit_queue: COMMIT_QUEUE,
+            write_ahead: log::WRITE_AHEAD,
         }
     }
 }
@@ -261,14 +265,16 @@ impl DiskStore {
         let id = super::identity::ensure(fs, &config.dir)?;
         let (log_bytes, next_seq, previous) = (recovery.log_bytes, recovery.next_seq, recovery.end);
         drop(recovery);
-        let segment = log::Segment::create(fs, &config.dir, next_seq, previous).map_err(|e| {
-            StoreError::Unusable(format!(
-                "cannot create the store log segment {}: {e}. {}; the directory holds every \
+        let segment = log::Segment::create(fs, &config.dir, next_seq, previous)
+            .map(|s| s.writing_ahead(config.write_ahead))
+            .map_err(|e| {
+                StoreError::Unusable(format!(
+                    "cannot create the store log segment {}: {e}. {}; the directory holds every \
                  acknowledged change.",
-                log::segment_path(&config.dir, next_seq).display(),
-                mend(&e)
-            ))
-        })?;
+                    log::segment_path(&config.dir, next_seq).display(),
+                    mend(&e)
+                ))
+            })?;
         let stats = Arc::new(Mutex::new(StoreStats::default()));
         // One checkpoint at a time: the writer sends the next job only
         // once it has the last one's answer.

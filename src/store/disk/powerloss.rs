@@ -53,6 +53,8 @@ fn open(fs: &SimFs, log_limit: u64) -> Result<DiskStore, StoreError> {
         log_limit,
         retry: Duration::from_millis(1),
         fs: Arc::new(fs.clone()),
+        // Crossed often: appends into zeros, and appends that write more.
+        write_ahead: 2048,
         ..DiskStoreConfig::new(dir())
     })
 }
@@ -406,6 +408,55 @@ fn a_failed_fsync_of_the_log_stops_writes_until_a_restart() {
     }
 }
 
+/// The zeros written ahead of the appends cannot be written (the disk is
+/// nearly full): the append goes on without them, acknowledged, and only
+/// a failure of its own stops the store.
+#[test]
+fn zeros_that_cannot_be_written_ahead_do_not_fail_the_append() {
+    let fs = SimFs::new();
+    fs.create_dir_all(&dir()).unwrap();
+    let store = open(&fs, 1 << 26).unwrap();
+    assert!(commit_puts(&store, 0, 3).iter().all(Result::is_ok));
+    // 120 appends of ~110 bytes pass the 2 KiB written ahead (in this
+    // file's stores) a few times.
+    let failed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = failed.clone();
+    // An append that writes ahead seeks to the end of the zeros, writes
+    // them, seeks back and writes its frame; one that does not only
+    // writes its frame. The write right after a commit's first seek (a
+    // seek is a `Read` here) is the zeros'.
+    let mut seeks = 0;
+    fs.fail_with(move |op, path: &Path| {
+        if !path.to_string_lossy().contains("taskgate.wal.") {
+            return None;
+        }
+        match op {
+            sim::Op::Read => seeks += 1,
+            sim::Op::Write if seeks == 1 => {
+                seeks += 1;
+                seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                return Some(enospc());
+            }
+            sim::Op::SyncData => seeks = 0,
+            _ => {}
+        }
+        None
+    });
+    let done = commit_puts(&store, 3, 120);
+    assert!(done.iter().all(Result::is_ok), "{done:?}");
+    assert!(failed.load(std::sync::atomic::Ordering::SeqCst) > 0);
+    assert!(
+        matches!(store.health(), StoreHealth::Ok),
+        "{:?}",
+        store.health()
+    );
+    drop(store);
+    fs.crash_now(5);
+    let after = SimFs::from_image(&fs.image().unwrap());
+    let store = open(&after, 1 << 26).unwrap();
+    assert_eq!(store.load().unwrap().allocations.len(), 123);
+}
+
 /// A directory that becomes read-only (EROFS on every create and rename),
 /// or a disk that fills up under the checkpoint: writes go on in the
 /// current segment while the store reports itself degraded, and once the
@@ -536,5 +587,54 @@ fn a_full_commit_queue_refuses_the_next_change_instead_of_growing() {
     rt.block_on(first).unwrap();
     for q in queued {
         rt.block_on(q).unwrap();
+    }
+}
+
+/// Audit: sealing a segment fails (its `set_len`, or its `sync_all` after
+/// the cut), the writer goes on appending to it (a failed rollover), then
+/// the machine crashes at a random later moment: every acknowledged
+/// change is there.
+#[test]
+fn a_failed_seal_then_more_appends_then_a_crash_keeps_every_acknowledged_change() {
+    for seed in 0..200u64 {
+        let fs = SimFs::new();
+        fs.create_dir_all(&dir()).unwrap();
+        let store = open(&fs, 300).unwrap();
+        let op = if seed % 2 == 0 {
+            sim::Op::SyncAll
+        } else {
+            sim::Op::SetLen
+        };
+        let mut left = 1 + seed % 3;
+        fs.fail_with(move |o, path: &Path| {
+            let p = path.to_string_lossy();
+            if o == op && p.contains("taskgate.wal.0") && left > 0 {
+                left -= 1;
+                return Some(io::Error::from_raw_os_error(5));
+            }
+            None
+        });
+        fs.crash_after(20 + seed * 7 % 400, seed);
+        let done = commit_puts(&store, 0, 60);
+        fs.crash_now(seed);
+        drop(store);
+        let after = SimFs::from_image(&fs.image().unwrap());
+        let store = open(&after, 300).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        let got: BTreeMap<String, u64> = store
+            .load()
+            .unwrap()
+            .allocations
+            .iter()
+            .map(|a| (a.id.to_string(), a.modify_index))
+            .collect();
+        for (k, r) in done.iter().enumerate() {
+            if r.is_ok() {
+                assert_eq!(
+                    got.get(&format!("key-{k}")),
+                    Some(&(k as u64 + 1)),
+                    "seed {seed}: key-{k} acknowledged"
+                );
+            }
+        }
     }
 }

@@ -96,6 +96,9 @@ pub(super) struct Recovery {
     pub(super) folded: Vec<PathBuf>,
     /// The newest segment's torn tail: the segment and where to cut it.
     pub(super) torn: Option<(PathBuf, log::Bad, u64)>,
+    /// Segments ending in zeros after their last frame (`Replayed::spare`:
+    /// written ahead of appends), and where to cut them.
+    pub(super) spare: Vec<(PathBuf, u64)>,
     /// Where the log ends once the torn tail is cut: what the next
     /// segment's header records.
     pub(super) end: log::End,
@@ -124,6 +127,7 @@ pub(super) fn scan_log(fs: &dyn Fs, dir: &Path, folded: Folded) -> Result<Recove
         next_seq: folded + 1,
         folded: Vec::new(),
         torn: None,
+        spare: Vec::new(),
         end: snapshot_end.unwrap_or(log::End::NONE),
     };
     let (done, live): (Vec<_>, Vec<_>) = log::list_segments(fs, dir)
@@ -163,8 +167,23 @@ pub(super) fn scan_log(fs: &dyn Fs, dir: &Path, folded: Folded) -> Result<Recove
         recovery.log_bytes += r.valid_len;
         recovery.end = r.end();
         before = Some((path.clone(), recovery.end));
-        let Some(bad) = r.bad else { continue };
         let newest = i + 1 == count;
+        if r.spare > 0 {
+            // A sealed segment was cut at its last frame: zeros after it
+            // are appends lost (the next header may not say so, if they
+            // were the only ones after a checkpoint's fold).
+            if !newest {
+                return Err(unusable_log(
+                    &path,
+                    format!(
+                        "it is damaged at byte {}: the {} bytes from there on read as zeros,                          and newer segments follow it. `taskgate dump --salvage` copies what                          can be read to a new directory",
+                        r.valid_len, r.spare
+                    ),
+                ));
+            }
+            recovery.spare.push((path.clone(), r.valid_len));
+        }
+        let Some(bad) = r.bad else { continue };
         if !(newest && bad.torn) {
             let mut why = format!(
                 "it is damaged at byte {}: the frame there {}; the {} bytes from there on \
@@ -271,6 +290,23 @@ impl Recovery {
                 "cut off an unfinished append at the end of the store log (the frame there {}; \
                  it was never acknowledged)",
                 bad.what
+            );
+        }
+        // Zeros written ahead of the appends hold nothing: cut off without
+        // a copy, so a sealed segment ends at its last frame.
+        for (path, len) in &self.spare {
+            fs.open(path, Open::Append)
+                .and_then(|mut f| f.set_len(*len).and_then(|()| f.sync_all()))
+                .map_err(|e| {
+                    unusable_log(
+                        path,
+                        format!("cannot cut the zeros after its last append at byte {len}: {e}"),
+                    )
+                })?;
+            tracing::info!(
+                segment = %path.display(),
+                at = len,
+                "cut off the zeros written ahead of the store log's appends (a stop without closing it)"
             );
         }
         let mut removed = false;

@@ -229,6 +229,69 @@ async fn an_unfinished_append_at_the_end_of_the_log_is_cut_off() {
     }
 }
 
+/// A segment's appends land in zeros written ahead of them; a crash
+/// leaves those zeros after its last frame (a clean close cuts them):
+/// the next start reads every acknowledged change, cuts the zeros off
+/// without keeping a copy, and the log goes on from there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zeros_written_ahead_of_the_appends_are_cut_off_by_the_next_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let (views, _, _) = register(dir.path(), DEFAULT_LOG_LIMIT, &ids("a", 5)).await;
+    let (seq, len) = *segments(dir.path()).last().unwrap();
+    let path = log::segment_path(dir.path(), seq);
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().len(),
+        len,
+        "a clean close ends the log at its last frame"
+    );
+    // As a crash leaves it: the zeros written ahead still there.
+    let mut ahead = std::fs::read(&path).unwrap();
+    ahead.resize(len as usize + log::WRITE_AHEAD as usize, 0);
+    std::fs::write(&path, &ahead).unwrap();
+    let (more, _, _) = register(dir.path(), DEFAULT_LOG_LIMIT, &ids("b", 5)).await;
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), len, "cut back");
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert!(!names.iter().any(|n| n.ends_with(".broken")), "{names:?}");
+    let store = Arc::new(open(dir.path(), 64));
+    let r = Registry::open(store, RegistryConfig::default()).unwrap();
+    assert_eq!(r.len(), 10);
+    for v in views.iter().chain(&more) {
+        assert_eq!(*r.get(v.id.as_str()).unwrap(), **v);
+    }
+}
+
+/// While it is written, a segment's file runs ahead of its appends in
+/// zeros, to a multiple of `WRITE_AHEAD` at most twice that past them;
+/// sealed, it ends at its last frame.
+#[test]
+fn a_segment_is_written_ahead_in_zeros_and_sealed_at_its_last_frame() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = log::Segment::create(&RealFs, dir.path(), 1, log::End::NONE).unwrap();
+    let path = log::segment_path(dir.path(), 1);
+    let mut lens = Vec::new();
+    for i in 0..300 {
+        let mut frame = log::one_append(&format!("a{i}"), i + 1, Some(&[7u8; 9000]));
+        s.append(&mut frame).unwrap();
+        let file = std::fs::metadata(&path).unwrap().len();
+        assert!(file > s.len, "{file} for {}", s.len);
+        assert!(file <= s.len + 2 * log::WRITE_AHEAD);
+        let tail = &std::fs::read(&path).unwrap()[s.len as usize..];
+        assert!(tail.iter().all(|&b| b == 0));
+        assert_eq!(file % log::WRITE_AHEAD, 0);
+        lens.push(file);
+    }
+    lens.dedup();
+    assert!(lens.len() >= 2, "{lens:?}: written ahead again as it grows");
+    s.seal().unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    assert_eq!(bytes.len() as u64, s.len);
+    let r = log::replay(&bytes, 1, &mut log::Overlay::default()).unwrap();
+    assert_eq!((r.frames, r.spare, r.bad.is_none()), (300, 0, true));
+}
+
 /// Acknowledged changes are never dropped in silence: whatever damage
 /// the log or the snapshot takes (a flipped byte anywhere in the newest
 /// segment, its last frame included, a damaged length, a zeroed block,
@@ -1035,7 +1098,7 @@ async fn a_snapshot_that_does_not_fit_the_log_stops_the_open() {
 async fn fold_first_segment(dir: &Path, prefix: &str) {
     register_with(dir, DEFAULT_LOG_LIMIT, &ids(prefix, 5), false).await;
     // Folded by hand, as the checkpoint thread does it, then removed.
-    let (written, _) = super::checkpoint::checkpoint(&RealFs, dir, 0, 1).unwrap();
+    let (written, _) = super::checkpoint::checkpoint(&RealFs, dir, 0, 1, None).unwrap();
     assert_eq!(written.records, 5);
     std::fs::remove_file(log::segment_path(dir, 1)).unwrap();
     register_with(
@@ -1061,7 +1124,7 @@ async fn a_checkpoint_refuses_a_sealed_segment_cut_short() {
     let mut bytes = std::fs::read(&first).unwrap();
     bytes.truncate(*log::frame_starts(&bytes).last().unwrap());
     std::fs::write(&first, &bytes).unwrap();
-    let err = super::checkpoint::checkpoint(&RealFs, dir.path(), 0, 2)
+    let err = super::checkpoint::checkpoint(&RealFs, dir.path(), 0, 2, None)
         .unwrap_err()
         .to_string();
     assert!(err.contains("are missing"), "{err}");
@@ -1110,4 +1173,209 @@ fn salvage_keeps_the_newest_version_wherever_it_lies() {
     let loaded = open(&to, 1).load().unwrap();
     assert_eq!(loaded.allocations, vec![new]);
     assert_eq!(loaded.last_index, 88);
+}
+
+// ---- zeros written ahead of the appends: what they must not hide ----
+
+/// The newest segment as a crash leaves it (zeros written ahead after its
+/// last frame) with a block zeroed from the head of an acknowledged
+/// append, acknowledged appends after it: damage, which a start must
+/// refuse, `dump` too, and which salvage reads past. Without the zeros
+/// written ahead all three do; with them the appends after the block are
+/// taken for a torn tail (no run of frames reaches the end of the file).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zeroed_block_before_acknowledged_appends_with_zeros_written_ahead_is_damage() {
+    zeroed_block_before_acknowledged_appends(true).await;
+}
+
+/// The control: the same damage in a segment cut at its last frame (a
+/// clean close, or the format before this change) is refused, and
+/// salvage reads past it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zeroed_block_before_acknowledged_appends_is_damage() {
+    zeroed_block_before_acknowledged_appends(false).await;
+}
+
+async fn zeroed_block_before_acknowledged_appends(ahead: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, _, _) = register_with(dir.path(), DEFAULT_LOG_LIMIT, &ids("a", 30), false).await;
+    let (seq, len) = *segments(dir.path()).last().unwrap();
+    let path = log::segment_path(dir.path(), seq);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let starts = log::frame_starts(&bytes);
+    let from = starts[10];
+    let to = (from + 12).next_multiple_of(512);
+    assert!(
+        to + 1000 < len as usize,
+        "appends after the block: {to} {len}"
+    );
+    bytes[from..to].fill(0);
+    // As a crash leaves the newest segment: the zeros written ahead.
+    if ahead {
+        bytes.resize(len as usize + log::WRITE_AHEAD as usize, 0);
+    }
+    std::fs::write(&path, &bytes).unwrap();
+
+    let mut broken = Vec::new();
+    match super::read_only(dir.path()) {
+        Ok(l) => broken.push(format!(
+            "dump read the directory: {} of 30 allocations",
+            l.allocations.len()
+        )),
+        Err(e) => assert!(e.to_string().contains("damaged"), "{e}"),
+    }
+    let out = tempfile::tempdir().unwrap();
+    let report = super::salvage(dir.path(), &out.path().join("s")).unwrap();
+    if report.allocations < 25 {
+        broken.push(format!(
+            "salvage copied {} of 30 allocations (a block of ~1 KiB zeroed); lost: {:?}",
+            report.allocations, report.lost
+        ));
+    }
+    match DiskStore::open(config(dir.path(), 1, DEFAULT_LOG_LIMIT)) {
+        Ok(s) => {
+            let n = s.load().unwrap().allocations.len();
+            let names: Vec<_> = std::fs::read_dir(dir.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect();
+            broken.push(format!(
+                "the store started with {n} of 30 acknowledged allocations; files {names:?}"
+            ));
+        }
+        Err(e) => assert!(e.to_string().contains(&format!("byte {from}")), "{e}"),
+    }
+    assert!(broken.is_empty(), "{broken:#?}");
+}
+
+/// Two format-2 segments (an earlier build's log, no snapshot): nothing
+/// vouches for the first one's end. Its last append reads as zeros from a
+/// frame boundary to the end of the file: damage to a sealed segment
+/// with a newer one after it, which a start must refuse (as it did before
+/// the zeros written ahead); now read as spare zeros and cut.
+#[test]
+fn a_sealed_format_2_segment_ending_in_zeros_stops_the_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let at = time::OffsetDateTime::UNIX_EPOCH;
+    let alloc = |id: &str, index| {
+        Allocation::register(AllocId::parse(id).unwrap(), Arc::new(spec()), index, at)
+    };
+    let recs: Vec<_> = (1..=4u64)
+        .map(|i| record::encode(&alloc(&format!("x{i}"), i)))
+        .collect();
+    let first = log::v2_segment_of(
+        1,
+        &[
+            ("x1", 1, Some(&recs[0])),
+            ("x2", 2, Some(&recs[1])),
+            ("x3", 3, Some(&recs[2])),
+        ],
+    );
+    let second = log::v2_segment_of(2, &[("x4", 4, Some(&recs[3]))]);
+    let p1 = log::segment_path(dir.path(), 1);
+    std::fs::write(&p1, &first).unwrap();
+    std::fs::write(log::segment_path(dir.path(), 2), &second).unwrap();
+    assert_eq!(open(dir.path(), 1).load().unwrap().allocations.len(), 4);
+    drop(std::fs::remove_file(log::segment_path(dir.path(), 3)));
+    // Re-create the earlier build's directory, then zero x3's append.
+    for e in std::fs::read_dir(dir.path()).unwrap() {
+        std::fs::remove_file(e.unwrap().path()).unwrap();
+    }
+    let mut damaged = first.clone();
+    let third = log::frame_starts_v2(&first)[2];
+    damaged[third..].fill(0);
+    std::fs::write(&p1, &damaged).unwrap();
+    std::fs::write(log::segment_path(dir.path(), 2), &second).unwrap();
+    match DiskStore::open(config(dir.path(), 1, DEFAULT_LOG_LIMIT)) {
+        Ok(s) => {
+            let ids: Vec<_> = s
+                .load()
+                .unwrap()
+                .allocations
+                .iter()
+                .map(|a| a.id.to_string())
+                .collect();
+            panic!(
+                "started with {ids:?} (x3 acknowledged, lost); segment 1 is now {} bytes (was {})",
+                std::fs::metadata(&p1).unwrap().len(),
+                first.len()
+            );
+        }
+        Err(e) => assert!(e.to_string().contains(&p1.display().to_string()), "{e}"),
+    }
+}
+
+/// The checkpoint folds sealed segments 1 and 2 while segment 3 is
+/// written. Segment 2's last append reads as zeros from its start to the
+/// end of the file, or is cut off at that boundary (damage): folded, the
+/// snapshot would say the log ended there and the checkpointer would
+/// remove the segment, the append gone for good. So the checkpoint
+/// refuses zeros after a sealed segment's last frame, and checks the last
+/// segment it folds against where the writer sealed it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_refuses_a_sealed_segment_ending_in_zeros() {
+    checkpoint_last_sealed(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_refuses_a_sealed_segment_cut_at_its_last_append() {
+    checkpoint_last_sealed(true).await;
+}
+
+async fn checkpoint_last_sealed(cut: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    for round in ["a", "b", "c"] {
+        register_with(dir.path(), DEFAULT_LOG_LIMIT, &ids(round, 3), false).await;
+    }
+    assert_eq!(segments(dir.path()).len(), 3);
+    let second = log::segment_path(dir.path(), 2);
+    let mut bytes = std::fs::read(&second).unwrap();
+    // Where the writer sealed it.
+    let sealed = log::replay(&bytes, 2, &mut log::Overlay::default())
+        .unwrap()
+        .end();
+    let last = *log::frame_starts(&bytes).last().unwrap();
+    if cut {
+        bytes.truncate(last);
+    } else {
+        bytes[last..].fill(0);
+    }
+    std::fs::write(&second, &bytes).unwrap();
+    let folded = super::checkpoint::checkpoint(&RealFs, dir.path(), 0, 2, Some(sealed));
+    assert!(
+        folded.is_err(),
+        "folded segments 1 and 2 with segment 2's last append lost ({})",
+        if cut { "cut" } else { "zeros" }
+    );
+}
+
+/// A crash alone: the newest segment's last append (unacknowledged) torn
+/// with its head's sector lost and later sectors written, the zeros
+/// written ahead after it. `dump --salvage` on that directory: the torn
+/// append is a few KiB, but salvage reports the zeros after it as lost
+/// log too (a MiB "could not be read") and skips ~70,000 indexes for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn salvage_of_a_crashed_directory_counts_the_zeros_written_ahead_as_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, last, _) = register_with(dir.path(), DEFAULT_LOG_LIMIT, &ids("a", 5), false).await;
+    let (seq, len) = *segments(dir.path()).last().unwrap();
+    let path = log::segment_path(dir.path(), seq);
+    let mut changes = Vec::new();
+    log::change(&mut changes, "torn", last + 1, Some(&[0x5a; 3000]));
+    log::append_unfinished(&path, &changes, usize::MAX, 0);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let torn = bytes.len() as u64 - len;
+    let head_sector_end = (len as usize + 12).next_multiple_of(512);
+    bytes[len as usize..head_sector_end].fill(0);
+    bytes.resize(bytes.len() + log::WRITE_AHEAD as usize, 0);
+    std::fs::write(&path, &bytes).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let report = super::salvage(dir.path(), &out.path().join("s")).unwrap();
+    assert_eq!(report.allocations, 5);
+    assert!(
+        report.last_index <= last + 1 + torn / log::MIN_CHANGE,
+        "torn append of {torn} bytes; last index {last}; salvage goes on from {}: {:?}",
+        report.last_index,
+        report.lost
+    );
 }

@@ -49,7 +49,7 @@ pub(super) struct Writer {
     /// Bytes of the current segment.
     pub(super) log_bytes: u64,
     /// Sealed segments not folded yet, and their bytes.
-    pub(super) sealed: Vec<(u64, u64)>,
+    pub(super) sealed: Vec<(u64, u64, log::End)>,
     pub(super) log_limit: u64,
     /// Unfolded log past which writes are refused.
     pub(super) log_ceiling: u64,
@@ -133,6 +133,13 @@ impl Writer {
                 self.maintain();
             }
             if let Some(closed) = closing {
+                // A log closed cleanly ends at its last frame; after a
+                // crash the next start cuts the zeros written ahead.
+                if self.trouble().write.is_none()
+                    && let Err(e) = self.segment.seal()
+                {
+                    tracing::warn!(error = %e, "cannot cut the zeros written ahead off the store log; the next start does");
+                }
                 let _ = closed.send(());
                 return;
             }
@@ -156,7 +163,7 @@ impl Writer {
 
     /// The log not folded yet: the sealed segments and the current one.
     fn unfolded(&self) -> u64 {
-        self.sealed.iter().map(|(_, b)| b).sum::<u64>() + self.log_bytes
+        self.sealed.iter().map(|(_, b, _)| b).sum::<u64>() + self.log_bytes
     }
 
     pub(super) fn append(&mut self, buf: &mut [u8]) -> Result<(), StoreError> {
@@ -251,7 +258,10 @@ impl Writer {
         // failed checkpoint alone), then fold everything sealed.
         if self.log_bytes > log::Segment::HEADER_LEN {
             let end = self.segment.end();
-            let next = match log::Segment::create(&*self.fs, &self.dir, self.segment.seq + 1, end) {
+            let next = match self.segment.seal().and_then(|()| {
+                log::Segment::create(&*self.fs, &self.dir, self.segment.seq + 1, end)
+                    .map(|s| s.writing_ahead(self.segment.ahead()))
+            }) {
                 Ok(next) => next,
                 Err(e) => {
                     let e = e.to_string();
@@ -266,14 +276,14 @@ impl Writer {
                 tracing::info!("store log segments can be started again");
             }
             let sealed = std::mem::replace(&mut self.segment, next);
-            self.sealed.push((sealed.seq, self.log_bytes));
+            self.sealed.push((sealed.seq, self.log_bytes, end));
             self.log_bytes = self.segment.len;
         }
-        let Some(&(last, _)) = self.sealed.last() else {
+        let Some(&(last, _, end)) = self.sealed.last() else {
             self.retry_at = None;
             return;
         };
-        if self.jobs.send(Job { sealed: last }).is_ok() {
+        if self.jobs.send(Job { sealed: last, end }).is_ok() {
             self.in_flight = true;
             // Tried: the next try comes with the answer.
             self.retry_at = None;

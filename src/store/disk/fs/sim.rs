@@ -13,7 +13,9 @@
 //! any prefix of the unsynced appends (a torn write), whose end may read as
 //! zeros from a sector boundary on, or any of whose sectors may read as
 //! zeros, later ones kept while earlier ones are lost (sectors that never
-//! reached the disk, written out of order).
+//! reached the disk, written out of order); for a file written over since
+//! its last sync (an append into zeros written ahead of it), each sector
+//! from the first changed byte on, new or as it was at the sync.
 //! `fail_with` makes chosen operations fail (ENOSPC, EIO, EROFS).
 
 use std::{
@@ -147,6 +149,45 @@ impl State {
                             }
                         }
                     }
+                }
+            } else if inode.data.len() >= bytes.len() && inode.data != bytes {
+                // Written over since the last sync (an append into zeros
+                // written ahead of it), perhaps past the end too: from
+                // the first changed byte on, each sector reached the disk
+                // whole or not at all, in no promised order; a longer
+                // length, any part of it.
+                let from = inode
+                    .data
+                    .iter()
+                    .zip(&bytes)
+                    .position(|(a, b)| a != b)
+                    .unwrap_or(bytes.len());
+                let old = bytes.clone();
+                let len = rng.usize(bytes.len()..=inode.data.len());
+                bytes.resize(len, 0);
+                let cut = match rng.u8(0..3) {
+                    0 => len,
+                    1 => rng.usize(from..=len),
+                    _ => usize::MAX,
+                };
+                let mut at = from - from % SECTOR;
+                while at < len {
+                    let end = (at + SECTOR).min(len);
+                    let new = if cut == usize::MAX {
+                        rng.bool()
+                    } else {
+                        end <= cut
+                    };
+                    if new {
+                        bytes[at..end].copy_from_slice(&inode.data[at..end]);
+                    } else {
+                        let kept = old.len().clamp(at, end);
+                        if kept > at {
+                            bytes[at..kept].copy_from_slice(&old[at..kept]);
+                        }
+                        bytes[kept..end].fill(0);
+                    }
+                    at = end;
                 }
             }
             files.insert(name.clone(), bytes);
@@ -565,6 +606,53 @@ mod tests {
         }
         assert!(lengths.len() > 50, "{lengths:?}");
         assert!(out_of_order > 20, "{out_of_order}");
+    }
+
+    /// Over many seeds, bytes written over synced zeros (an append into
+    /// space written ahead) come back sector by sector new or as synced,
+    /// never anything else: all of them, none, and some sectors kept after
+    /// one lost; past the synced end, a longer file to any length.
+    #[test]
+    fn writes_over_synced_bytes_come_back_sector_by_sector() {
+        let written: Vec<u8> = (1..=255u8).cycle().take(3000).collect();
+        let (mut all, mut none, mut out_of_order, mut lengths) = (0, 0, 0, BTreeSet::new());
+        for seed in 0..300 {
+            let fs = SimFs::new();
+            let dir = Path::new("/d");
+            fs.create_dir_all(dir).unwrap();
+            let mut f = write(&fs, &dir.join("log"), &[0u8; 2048]);
+            f.sync_all().unwrap();
+            fs.sync_dir(dir).unwrap();
+            // Over the zeros from byte 100, and 1,148 bytes past them.
+            f.seek(SeekFrom::Start(100)).unwrap();
+            f.write_all(&written).unwrap();
+            fs.crash_now(seed);
+            let got = fs.image().unwrap().files[&dir.join("log")].clone();
+            assert!((2048..=3100).contains(&got.len()), "seed {seed}");
+            assert!(got[..100].iter().all(|&b| b == 0));
+            let mut kept = Vec::new();
+            let mut at = 100;
+            while at < got.len() {
+                let end = (at + 1).next_multiple_of(SECTOR).min(got.len());
+                let chunk = &got[at..end];
+                if chunk == &written[at - 100..end - 100] {
+                    kept.push(true);
+                } else {
+                    assert!(chunk.iter().all(|&b| b == 0), "seed {seed}: byte {at}");
+                    kept.push(false);
+                }
+                at = end;
+            }
+            all += usize::from(kept.iter().all(|&k| k));
+            none += usize::from(kept.iter().all(|&k| !k));
+            out_of_order += usize::from(kept.windows(2).any(|w| !w[0] && w[1]));
+            lengths.insert(got.len());
+        }
+        assert!(
+            all > 10 && none > 10 && out_of_order > 10,
+            "{all} {none} {out_of_order}"
+        );
+        assert!(lengths.len() > 50, "{lengths:?}");
     }
 
     #[test]
