@@ -238,9 +238,9 @@ fn find_run(bytes: &[u8], from: usize, end: EndsAt) -> Option<usize> {
 ///   head reads as zeros (`lost_sector`), and nothing but zeros follows
 ///   it; or
 /// - its head does not link, a sector it lies in reads as zeros, and no run of
-///   linked frames starts after it and reaches the end of the file
-///   (acknowledged frames after it would: a zeroed block in the middle
-///   of the log is damage, not a tear).
+///   linked frames starts after it and reaches the end of the file, or the
+///   zeros written ahead before it (acknowledged frames after it would: a
+///   zeroed block in the middle of the log is damage, not a tear).
 ///
 /// `previous` is the chain of the frame before it.
 pub fn torn_at(bytes: &[u8], at: usize, previous: u32) -> bool {

@@ -1180,9 +1180,9 @@ fn salvage_keeps_the_newest_version_wherever_it_lies() {
 /// The newest segment as a crash leaves it (zeros written ahead after its
 /// last frame) with a block zeroed from the head of an acknowledged
 /// append, acknowledged appends after it: damage, which a start must
-/// refuse, `dump` too, and which salvage reads past. Without the zeros
-/// written ahead all three do; with them the appends after the block are
-/// taken for a torn tail (no run of frames reaches the end of the file).
+/// refuse, `dump` too, and which salvage reads past: a run of frames
+/// that ends in the zeros counts as reaching the end of the file (when it
+/// did not, the appends after the block were taken for a torn tail).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_zeroed_block_before_acknowledged_appends_with_zeros_written_ahead_is_damage() {
     zeroed_block_before_acknowledged_appends(true).await;
