@@ -1494,11 +1494,11 @@ mod tests {
     // ---- zeros written ahead of the appends: what they must not hide ----
 
     /// A block zeroed in the middle of the newest segment, acknowledged
-    /// appends after it: damage, not a tear (the test above). The same
+    /// appends after it: damage, not a tear (the test above), also in the
     /// file as a crash leaves it while appends are written ahead in zeros:
-    /// the run of acknowledged frames after the block no longer reaches the
-    /// end of the file, so `torn_at` calls it torn and a start would cut
-    /// every append after the block.
+    /// the run of acknowledged frames after the block ends in the zeros,
+    /// not at the end of the file, and still counts (else `torn_at` calls
+    /// it torn and a start cuts every append after the block).
     #[test]
     fn a_zeroed_block_before_good_appends_is_not_torn_with_zeros_written_ahead() {
         let dir = tempfile::tempdir().unwrap();
@@ -1548,8 +1548,9 @@ mod tests {
 
     /// A format-2 segment (an earlier build's) followed by another: nothing
     /// vouches for its end. Its last appends read as zeros from a frame
-    /// boundary to the end of the file: damage to a sealed segment, which
-    /// before this change was a bad frame (a refused start); now spare.
+    /// boundary to the end of the file: damage to a sealed segment, a bad
+    /// frame (a refused start), never spare (only format 3 writes zeros
+    /// ahead).
     #[test]
     fn a_format_2_segment_ending_in_zeros_from_a_frame_boundary_is_not_spare() {
         let v2 = v2_segment(

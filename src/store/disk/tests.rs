@@ -1189,8 +1189,8 @@ async fn a_zeroed_block_before_acknowledged_appends_with_zeros_written_ahead_is_
 }
 
 /// The control: the same damage in a segment cut at its last frame (a
-/// clean close, or the format before this change) is refused, and
-/// salvage reads past it.
+/// clean close, or an earlier build's segment) is refused, and salvage
+/// reads past it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_zeroed_block_before_acknowledged_appends_is_damage() {
     zeroed_block_before_acknowledged_appends(false).await;
