@@ -176,7 +176,9 @@ pub(super) fn scan_log(fs: &dyn Fs, dir: &Path, folded: Folded) -> Result<Recove
                 return Err(unusable_log(
                     &path,
                     format!(
-                        "it is damaged at byte {}: the {} bytes from there on read as zeros,                          and newer segments follow it. `taskgate dump --salvage` copies what                          can be read to a new directory",
+                        "it is damaged at byte {}: the {} bytes from there on read as zeros, \
+                         and newer segments follow it. `taskgate dump --salvage` copies what \
+                         can be read to a new directory",
                         r.valid_len, r.spare
                     ),
                 ));
