@@ -263,6 +263,32 @@ async fn zeros_written_ahead_of_the_appends_are_cut_off_by_the_next_start() {
     }
 }
 
+/// A sealed segment is cut at its last frame before the next is started:
+/// zeros after it were not written ahead by this store, so a start
+/// refuses them as damage (naming the segment and the byte) and changes
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zeros_after_a_sealed_segment_s_last_frame_stop_the_open() {
+    let dir = tempfile::tempdir().unwrap();
+    register(dir.path(), DEFAULT_LOG_LIMIT, &ids("a", 5)).await;
+    register(dir.path(), DEFAULT_LOG_LIMIT, &ids("b", 5)).await;
+    let all = segments(dir.path());
+    assert_eq!(all.len(), 2, "{all:?}");
+    let (seq, len) = all[0];
+    let older = log::segment_path(dir.path(), seq);
+    let mut bytes = std::fs::read(&older).unwrap();
+    bytes.resize(len as usize + 4096, 0);
+    std::fs::write(&older, &bytes).unwrap();
+    let e = DiskStore::open(config(dir.path(), 64, DEFAULT_LOG_LIMIT))
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains(&older.display().to_string()), "{e}");
+    assert!(e.contains(&format!("at byte {len}")), "{e}");
+    assert!(e.contains("read as zeros"), "{e}");
+    assert_eq!(std::fs::read(&older).unwrap(), bytes, "unchanged");
+}
+
 /// While it is written, a segment's file runs ahead of its appends in
 /// zeros, to a multiple of `WRITE_AHEAD` at most twice that past them;
 /// sealed, it ends at its last frame.
