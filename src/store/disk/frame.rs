@@ -154,7 +154,7 @@ impl EndsAt {
 
 /// Where the zeros at the end of `bytes` start (its length if it does not
 /// end in one).
-fn zeros_from(bytes: &[u8]) -> usize {
+pub fn zeros_from(bytes: &[u8]) -> usize {
     bytes.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1)
 }
 

@@ -639,11 +639,7 @@ pub fn salvage(bytes: &[u8], seq: u64, vouched: Option<End>) -> Salvaged<'_> {
     out.unread
         .extend(read.unread.into_iter().filter_map(|mut u| {
             if u.to == len && version == Version::V3 {
-                let from = u.from as usize;
-                u.to = bytes[from..]
-                    .iter()
-                    .rposition(|&b| b != 0)
-                    .map_or(u.from, |i| (from + i + 1) as u64);
+                u.to = u.from + frame::zeros_from(&bytes[u.from as usize..]) as u64;
             }
             (u.to > u.from).then_some(u)
         }));
@@ -942,7 +938,7 @@ pub fn cut(fs: &dyn Fs, path: &Path, len: u64) -> io::Result<PathBuf> {
     let tail = bytes.get(len as usize..).unwrap_or_default();
     // Zeros after the last byte that is not, written ahead of the appends
     // (or never written), hold nothing to keep.
-    let tail = &tail[..tail.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1)];
+    let tail = &tail[..frame::zeros_from(tail)];
     let mut n = 0;
     let (aside, mut out) = loop {
         let mut name = path.as_os_str().to_owned();
@@ -1363,26 +1359,6 @@ mod tests {
         assert_eq!(r.frames, 0);
     }
 
-    /// A format-2 segment as an earlier build wrote it: one frame per
-    /// change, the change's fields as its payload.
-    fn v2_segment(seq: u64, changes: &[Change<'_>]) -> Vec<u8> {
-        let mut bytes = MAGIC_V2.to_vec();
-        bytes.extend_from_slice(&seq.to_le_bytes());
-        let crc = crc32fast::hash(&bytes);
-        bytes.extend_from_slice(&crc.to_le_bytes());
-        bytes.extend_from_slice(&[0; 4]);
-        let mut previous = crc;
-        for (id, index, record) in changes {
-            let mut one = Vec::new();
-            change(&mut one, id, *index, *record);
-            let mut f = vec![0; HEAD];
-            f.extend_from_slice(&one[4..]);
-            previous = frame::seal(&mut f, previous);
-            bytes.extend_from_slice(&f);
-        }
-        bytes
-    }
-
     #[test]
     fn logs_of_earlier_formats_still_replay() {
         let mut bytes = MAGIC_V1.to_vec();
@@ -1408,7 +1384,7 @@ mod tests {
         let r = replay(&bytes, 3, &mut o).unwrap();
         assert!(!r.bad.unwrap().torn);
 
-        let v2 = v2_segment(4, &[("a", 7, Some(b"new")), ("c", 8, None)]);
+        let v2 = v2_segment_of(4, &[("a", 7, Some(b"new")), ("c", 8, None)]);
         let mut o = Overlay::default();
         let r = replay(&v2, 4, &mut o).unwrap();
         assert_eq!((r.frames, r.bad, r.previous), (2, None, None));
@@ -1553,7 +1529,7 @@ mod tests {
     /// ahead).
     #[test]
     fn a_format_2_segment_ending_in_zeros_from_a_frame_boundary_is_not_spare() {
-        let v2 = v2_segment(
+        let v2 = v2_segment_of(
             4,
             &[
                 ("a", 7, Some(b"one")),

@@ -396,6 +396,19 @@ fn lock(fs: &dyn Fs, dir: &Path) -> Result<Box<dyn DirLock>, StoreError> {
     })
 }
 
+#[cfg(test)]
+impl DiskStore {
+    /// The IDs of the allocations it loaded, in order (a test's look).
+    fn loaded_ids(&self) -> Vec<String> {
+        self.load()
+            .unwrap()
+            .allocations
+            .iter()
+            .map(|a| a.id.to_string())
+            .collect()
+    }
+}
+
 impl Store for DiskStore {
     fn load(&self) -> Result<Loaded, StoreError> {
         self.recovered.take()

@@ -339,13 +339,7 @@ fn a_crash_mid_append_with_its_sectors_lost_in_any_order_is_a_torn_tail() {
         }
         let after = SimFs::from_image(&image);
         let store = open(&after, 1 << 26).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
-        let ids: Vec<_> = store
-            .load()
-            .unwrap()
-            .allocations
-            .iter()
-            .map(|a| a.id.to_string())
-            .collect();
+        let ids = store.loaded_ids();
         assert_eq!(ids[..3], ["key-0", "key-1", "key-2"], "seed {seed}");
     }
     assert!(
@@ -394,13 +388,7 @@ fn a_failed_fsync_of_the_log_stops_writes_until_a_restart() {
         fs.crash_now(3);
         let after = SimFs::from_image(&fs.image().unwrap());
         let store = open(&after, 1 << 26).unwrap();
-        let ids: Vec<_> = store
-            .load()
-            .unwrap()
-            .allocations
-            .iter()
-            .map(|a| a.id.to_string())
-            .collect();
+        let ids = store.loaded_ids();
         assert!(
             ids.starts_with(&["key-0".into(), "key-1".into(), "key-2".into()]),
             "{ids:?}"

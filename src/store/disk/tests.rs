@@ -202,6 +202,18 @@ async fn a_second_name_a_stopped_checkpoint_left_stays_until_the_next_checkpoint
     assert_eq!(r.len(), 60);
 }
 
+/// A registry opened on `dir` holds exactly `views`.
+fn holds_exactly<'a>(dir: &Path, views: impl Iterator<Item = &'a Arc<Allocation>>) {
+    let store = Arc::new(open(dir, 64));
+    let r = Registry::open(store, RegistryConfig::default()).unwrap();
+    let mut n = 0;
+    for v in views {
+        assert_eq!(*r.get(v.id.as_str()).unwrap(), **v);
+        n += 1;
+    }
+    assert_eq!(r.len(), n);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unfinished_append_at_the_end_of_the_log_is_cut_off() {
     let dir = tempfile::tempdir().unwrap();
@@ -221,12 +233,7 @@ async fn an_unfinished_append_at_the_end_of_the_log_is_cut_off() {
         &torn[len as usize..],
         "kept aside"
     );
-    let store = Arc::new(open(dir.path(), 64));
-    let r = Registry::open(store, RegistryConfig::default()).unwrap();
-    assert_eq!(r.len(), 10);
-    for v in views.iter().chain(&more) {
-        assert_eq!(*r.get(v.id.as_str()).unwrap(), **v);
-    }
+    holds_exactly(dir.path(), views.iter().chain(&more));
 }
 
 /// A segment's appends land in zeros written ahead of them; a crash
@@ -255,12 +262,7 @@ async fn zeros_written_ahead_of_the_appends_are_cut_off_by_the_next_start() {
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
     assert!(!names.iter().any(|n| n.ends_with(".broken")), "{names:?}");
-    let store = Arc::new(open(dir.path(), 64));
-    let r = Registry::open(store, RegistryConfig::default()).unwrap();
-    assert_eq!(r.len(), 10);
-    for v in views.iter().chain(&more) {
-        assert_eq!(*r.get(v.id.as_str()).unwrap(), **v);
-    }
+    holds_exactly(dir.path(), views.iter().chain(&more));
 }
 
 /// A sealed segment is cut at its last frame before the next is started:
@@ -1314,13 +1316,7 @@ fn a_sealed_format_2_segment_ending_in_zeros_stops_the_open() {
     std::fs::write(log::segment_path(dir.path(), 2), &second).unwrap();
     match DiskStore::open(config(dir.path(), 1, DEFAULT_LOG_LIMIT)) {
         Ok(s) => {
-            let ids: Vec<_> = s
-                .load()
-                .unwrap()
-                .allocations
-                .iter()
-                .map(|a| a.id.to_string())
-                .collect();
+            let ids = s.loaded_ids();
             panic!(
                 "started with {ids:?} (x3 acknowledged, lost); segment 1 is now {} bytes (was {})",
                 std::fs::metadata(&p1).unwrap().len(),
