@@ -1100,8 +1100,12 @@ impl taskgate::store::Store for TroubledStore {
         self.0.load()
     }
 
-    fn commit(&self, op: taskgate::store::Op) -> taskgate::store::Commit {
-        self.0.commit(op)
+    fn follow(&self, from: u64, follower: std::sync::Weak<dyn taskgate::store::Follower>) {
+        self.0.follow(from, follower)
+    }
+
+    fn append(&self, append: taskgate::store::Append) -> taskgate::store::Appended {
+        self.0.append(append)
     }
 
     fn id(&self) -> &str {

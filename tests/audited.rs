@@ -19,7 +19,7 @@ use taskgate::{
         RunState, TaskName, TaskReport, TaskSpec, Why,
     },
     registry::{Clock, Registry, RegistryConfig, RegistryError},
-    store::{Commit, Loaded, MemoryStore, Op, Store, StoreError},
+    store::{Append, Appended, Follower, Loaded, MemoryStore, Op, Store, StoreError},
 };
 
 // ---------------------------------------------------------------- helpers
@@ -69,11 +69,11 @@ async fn settle() {
     }
 }
 
-/// A memory store whose commits of one allocation's records wait for a
+/// A memory store whose appends of one allocation's records wait for a
 /// permit while a gate is set: the window a slow disk (fsync) or a slow
 /// etcd opens between a registry decision and its publication.
 struct Gated {
-    inner: MemoryStore,
+    inner: Arc<MemoryStore>,
     gate: Mutex<Option<(String, Arc<tokio::sync::Semaphore>)>>,
     held: AtomicUsize,
 }
@@ -81,7 +81,7 @@ struct Gated {
 impl Gated {
     fn new() -> Arc<Self> {
         Arc::new(Self {
-            inner: MemoryStore::new(),
+            inner: Arc::new(MemoryStore::new()),
             gate: Mutex::new(None),
             held: AtomicUsize::new(0),
         })
@@ -120,24 +120,30 @@ impl Store for Gated {
         self.inner.id()
     }
 
-    fn commit(&self, op: Op) -> Commit {
-        let wait = match &op {
+    fn follow(&self, from: u64, follower: std::sync::Weak<dyn Follower>) {
+        self.inner.follow(from, follower)
+    }
+
+    /// A gated record is appended once a permit comes: its index comes
+    /// with the commit, as etcd's does.
+    fn append(&self, append: Append) -> Appended {
+        let (record, wait) = match &append.op {
             Op::Put(a) => match &*self.gate.lock().unwrap() {
-                Some((alloc, sem)) if a.id.as_str() == alloc => Some(sem.clone()),
-                _ => None,
+                Some((alloc, sem)) if a.id.as_str() == alloc => (a.clone(), sem.clone()),
+                _ => return self.inner.append(append),
             },
-            Op::Delete { .. } => None,
+            Op::Delete(_) => return self.inner.append(append),
         };
-        if wait.is_some() {
-            self.held.fetch_add(1, Ordering::SeqCst);
+        self.held.fetch_add(1, Ordering::SeqCst);
+        let inner = self.inner.clone();
+        Appended {
+            record: Some(record),
+            stamped: false,
+            done: Box::pin(async move {
+                wait.acquire().await.expect("never closed").forget();
+                inner.append(append).done.await
+            }),
         }
-        let done = self.inner.commit(op);
-        Box::pin(async move {
-            if let Some(sem) = wait {
-                sem.acquire().await.expect("never closed").forget();
-            }
-            done.await
-        })
     }
 }
 
@@ -683,8 +689,9 @@ impl Store for Preloaded {
     fn id(&self) -> &str {
         "0123456789abcdef0123456789abcdef"
     }
-    fn commit(&self, _: Op) -> Commit {
-        Box::pin(async { Ok(()) })
+    fn follow(&self, _: u64, _: std::sync::Weak<dyn Follower>) {}
+    fn append(&self, _: Append) -> Appended {
+        unreachable!("nothing is written")
     }
 }
 

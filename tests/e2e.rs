@@ -200,8 +200,12 @@ impl taskgate::store::Store for GatedStore {
         self.inner.load()
     }
 
-    fn commit(&self, op: taskgate::store::Op) -> taskgate::store::Commit {
-        self.inner.commit(op)
+    fn follow(&self, from: u64, follower: std::sync::Weak<dyn taskgate::store::Follower>) {
+        self.inner.follow(from, follower)
+    }
+
+    fn append(&self, append: taskgate::store::Append) -> taskgate::store::Appended {
+        self.inner.append(append)
     }
 
     fn id(&self) -> &str {

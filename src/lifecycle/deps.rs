@@ -165,44 +165,96 @@ pub fn never_holds(from: Stage, to: Stage, to_readiness: bool, c: Condition) -> 
     None
 }
 
-/// The first cycle among one allocation's own dependencies, as the task
-/// positions along it (the first repeated at the end), if there is one.
-pub fn own_cycle(deps: &[Vec<usize>]) -> Option<Vec<usize>> {
-    // Depth-first, colouring: 0 unseen, 1 on the path, 2 done.
-    fn visit(
-        i: usize,
-        deps: &[Vec<usize>],
-        colour: &mut [u8],
-        path: &mut Vec<usize>,
-    ) -> Option<Vec<usize>> {
-        colour[i] = 1;
-        path.push(i);
-        for &j in &deps[i] {
-            if colour[j] == 1 {
-                let start = path.iter().position(|&p| p == j).expect("on the path");
-                let mut cycle = path[start..].to_vec();
-                cycle.push(j);
-                return Some(cycle);
-            }
-            if colour[j] == 0
-                && let Some(c) = visit(j, deps, colour, path)
-            {
-                return Some(c);
-            }
+/// A task of an allocation: a node of the dependency graph.
+pub type Node = (AllocId, TaskName);
+
+/// What a walk of the dependency graph found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Walk {
+    /// No cycle within reach.
+    Clear,
+    /// A cycle, as the tasks along it (the first repeated at the end).
+    Cycle(Vec<Node>),
+    /// More than the walk's limit of tasks is reachable.
+    TooFar,
+}
+
+/// The one walk of the dependency graph: depth-first from `roots`, each
+/// task visited once, along the dependencies of the specs `spec_of` knows
+/// (a task of an allocation it does not know leads nowhere). It ends at the
+/// first cycle it finds — with `goal`, only one through it: a path back to
+/// `goal`, which it then starts and ends — or once it has seen `max` tasks.
+pub fn walk(
+    roots: impl IntoIterator<Item = Node>,
+    spec_of: impl Fn(&AllocId) -> Option<Arc<super::AllocSpec>>,
+    goal: Option<&Node>,
+    max: usize,
+) -> Walk {
+    let edges = |n: &Node| -> Vec<Node> {
+        let Some(spec) = spec_of(&n.0) else {
+            return Vec::new();
+        };
+        let Some(i) = spec.position(n.1.as_str()) else {
+            return Vec::new();
+        };
+        spec.tasks()[i]
+            .depends_on
+            .iter()
+            .map(|d| {
+                (
+                    d.allocation.clone().unwrap_or_else(|| n.0.clone()),
+                    d.task.clone(),
+                )
+            })
+            .collect()
+    };
+    // Grey: on the current path; black: done.
+    let mut grey: Vec<Node> = Vec::new();
+    let mut black: std::collections::HashSet<Node> = std::collections::HashSet::new();
+    for root in roots {
+        if black.contains(&root) || grey.contains(&root) {
+            continue;
         }
-        path.pop();
-        colour[i] = 2;
-        None
-    }
-    let mut colour = vec![0u8; deps.len()];
-    for i in 0..deps.len() {
-        if colour[i] == 0
-            && let Some(c) = visit(i, deps, &mut colour, &mut Vec::new())
-        {
-            return Some(c);
+        // (node, its dependencies, the next one to follow)
+        let mut stack: Vec<(Node, Vec<Node>, usize)> = vec![(root.clone(), edges(&root), 0)];
+        grey.push(root);
+        while let Some((_, next, at)) = stack.last_mut() {
+            let Some(n) = next.get(*at).cloned() else {
+                let (done, _, _) = stack.pop().expect("not empty");
+                grey.pop();
+                black.insert(done);
+                continue;
+            };
+            *at += 1;
+            match goal {
+                Some(g) if n == *g => {
+                    let mut path = vec![g.clone()];
+                    path.extend(grey.iter().cloned());
+                    path.push(n);
+                    path.dedup();
+                    return Walk::Cycle(path);
+                }
+                None => {
+                    if let Some(start) = grey.iter().position(|g| *g == n) {
+                        let mut path = grey[start..].to_vec();
+                        path.push(n);
+                        return Walk::Cycle(path);
+                    }
+                }
+                Some(_) => {}
+            }
+            if black.contains(&n) || grey.contains(&n) {
+                continue;
+            }
+            if black.len() + grey.len() >= max {
+                return Walk::TooFar;
+            }
+            let e = edges(&n);
+            grey.push(n.clone());
+            stack.push((n, e, 0));
         }
     }
-    None
+    Walk::Clear
 }
 
 #[cfg(test)]
@@ -317,15 +369,96 @@ mod tests {
         assert!(unready.contains("declares no readiness"), "{unready}");
     }
 
+    /// A spec of tasks `t0..`, each depending on the listed positions
+    /// (`(alloc, position)` for another allocation's task).
+    fn spec(deps: &[&[(Option<&str>, usize)]]) -> Arc<super::super::AllocSpec> {
+        use super::super::{AllocSpec, Limits, TaskSpec};
+        let tasks = deps
+            .iter()
+            .enumerate()
+            .map(|(i, on)| TaskSpec {
+                name: TaskName::parse(&format!("t{i}")).unwrap(),
+                lifecycle: None,
+                leader: false,
+                readiness: false,
+                liveness: None,
+                depends_on: on
+                    .iter()
+                    .map(|&(alloc, j)| Dependency {
+                        allocation: alloc.map(|a| AllocId::parse(a).unwrap()),
+                        task: TaskName::parse(&format!("t{j}")).unwrap(),
+                        condition: Condition::Dead,
+                    })
+                    .collect(),
+            })
+            .collect();
+        Arc::new(AllocSpec::new(tasks, &Limits::default()).unwrap())
+    }
+
+    fn node(alloc: &str, t: usize) -> Node {
+        (
+            AllocId::parse(alloc).unwrap(),
+            TaskName::parse(&format!("t{t}")).unwrap(),
+        )
+    }
+
+    fn within(
+        specs: Vec<(&str, Arc<super::super::AllocSpec>)>,
+    ) -> impl Fn(&AllocId) -> Option<Arc<super::super::AllocSpec>> {
+        move |id| {
+            specs
+                .iter()
+                .find(|(a, _)| *a == id.as_str())
+                .map(|(_, s)| s.clone())
+        }
+    }
+
     #[test]
-    fn a_cycle_is_found_with_its_path() {
-        assert_eq!(own_cycle(&[vec![1], vec![2], vec![]]), None);
+    fn a_walk_finds_a_cycle_with_its_path_and_none_in_a_diamond() {
+        let roots = |n| (0..n).map(|i| node("a", i)).collect::<Vec<_>>();
+        let chain = spec(&[&[(None, 1)], &[(None, 2)], &[]]);
         assert_eq!(
-            own_cycle(&[vec![1], vec![2], vec![0]]),
-            Some(vec![0, 1, 2, 0])
+            walk(roots(3), within(vec![("a", chain)]), None, 100),
+            Walk::Clear
         );
-        assert_eq!(own_cycle(&[vec![], vec![1]]), Some(vec![1, 1]));
-        assert_eq!(own_cycle(&[vec![1, 2], vec![2], vec![]]), None, "a diamond");
+        let ring = spec(&[&[(None, 1)], &[(None, 2)], &[(None, 0)]]);
+        assert_eq!(
+            walk(roots(3), within(vec![("a", ring)]), None, 100),
+            Walk::Cycle(vec![node("a", 0), node("a", 1), node("a", 2), node("a", 0)])
+        );
+        let diamond = spec(&[&[(None, 1), (None, 2)], &[(None, 2)], &[]]);
+        assert_eq!(
+            walk(roots(3), within(vec![("a", diamond)]), None, 100),
+            Walk::Clear
+        );
+    }
+
+    #[test]
+    fn a_walk_through_other_allocations_stops_at_what_it_does_not_know_and_at_its_limit() {
+        // a/t0 → b/t0 → c/t0 → a/t0, with c unknown: no cycle seen.
+        let a = spec(&[&[(Some("b"), 0)]]);
+        let b = spec(&[&[(Some("c"), 0)]]);
+        let c = spec(&[&[(Some("a"), 0)]]);
+        let known = within(vec![("a", a.clone()), ("b", b.clone())]);
+        assert_eq!(walk([node("a", 0)], known, None, 100), Walk::Clear);
+        let all = || within(vec![("a", a.clone()), ("b", b.clone()), ("c", c.clone())]);
+        assert_eq!(
+            walk([node("a", 0)], all(), None, 100),
+            Walk::Cycle(vec![node("a", 0), node("b", 0), node("c", 0), node("a", 0)])
+        );
+        assert_eq!(walk([node("a", 0)], all(), None, 2), Walk::TooFar);
+        // Towards a goal: from b/t0 back to a/t0, the goal first and last.
+        assert_eq!(
+            walk([node("b", 0)], all(), Some(&node("a", 0)), 100),
+            Walk::Cycle(vec![node("a", 0), node("b", 0), node("c", 0), node("a", 0)])
+        );
+        // A cycle elsewhere is not one through the goal.
+        let ring = spec(&[&[(None, 1)], &[(None, 0)]]);
+        let other = within(vec![("a", ring)]);
+        assert_eq!(
+            walk([node("a", 0)], other, Some(&node("z", 0)), 100),
+            Walk::Clear
+        );
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::{collections::HashSet, sync::Arc, time::Duration};
 
 use super::{
     CoordState, FieldError, Limits, TaskName,
-    deps::{Dependency, MAX_DEPENDENCIES, never_holds, own_cycle},
+    deps::{Dependency, MAX_DEPENDENCIES, never_holds},
 };
 use crate::units::format_duration;
 
@@ -350,23 +350,6 @@ impl AllocSpec {
     /// The TTL task `i` runs under: its own, else `default`.
     pub fn ttl(&self, i: usize, default: Option<Duration>) -> Option<Duration> {
         self.tasks[i].liveness.or(default)
-    }
-
-    /// A cycle among the allocation's own dependencies, as the task names
-    /// along it (the first again at the end), if there is one.
-    pub fn own_cycle(&self) -> Option<Vec<TaskName>> {
-        let edges: Vec<Vec<usize>> = self
-            .tasks
-            .iter()
-            .map(|t| {
-                t.depends_on
-                    .iter()
-                    .filter(|d| d.allocation.is_none())
-                    .filter_map(|d| self.position(d.task.as_str()))
-                    .collect()
-            })
-            .collect();
-        own_cycle(&edges).map(|c| c.into_iter().map(|i| self.tasks[i].name.clone()).collect())
     }
 
     /// Whether a task depends on a task of another allocation.

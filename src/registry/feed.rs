@@ -1,28 +1,10 @@
-//! The feed: every allocation change in index order, for the event stream.
+//! The feed: every published change in index order, for the event stream.
 //!
-//! Changes are published per allocation as their commits finish, which is
-//! not index order: two allocations' writes commit side by side and the one
-//! with the higher index can finish first. The feed keeps a *frontier*, the
-//! index up to which every change is known, and lets readers see only
-//! changes at or below it:
-//!
-//! - with a store this process writes alone (disk, memory), every write
-//!   takes a `Ticket` before it takes an index. The frontier is the lowest
-//!   index a write in progress may still publish, less one (or the last
-//!   index handed out, with none in progress), but never past the highest
-//!   index committed: the index of a failed commit is passed only once a
-//!   later change is durable. A change published above the frontier waits
-//!   in `pending` until the writes below it end, published or not;
-//!
-//!   so an index a reader has gone past is always at or below one the
-//!   store holds, and a restart, which goes on from the highest index the
-//!   store holds, never hands it out again. (Before, a failed commit's
-//!   index was passed at once; after a restart the next change took it
-//!   again, and a reader that had gone past it missed that change with no
-//!   `Resync`. The store's log already records every committed index, so
-//!   this needs no reservation of its own.)
-//! - with a shared store the store's follower delivers changes already in
-//!   index order (`append`), and a relisting (`reset`) starts afresh.
+//! The store's follower delivers changes in index order (`append`), and a
+//! relisting starts afresh (`reset`); the feed's *frontier* is the index up
+//! to which every change is known. An index a reader goes past is always
+//! one the store holds, so a restart, which goes on from the highest index
+//! the store holds, never hands it out again.
 //!
 //! The last `capacity` changes are kept, and no more than `budget` bytes of
 //! their rendered lines (a change is rendered once, by its first reader,
@@ -30,16 +12,13 @@
 //! stream of large changes must not hold thousands of them); a reader
 //! further behind is told to list again (`Next::Resync`) instead of missing
 //! changes silently, and so is a reader behind the index the feed started
-//! at (it read another run of the server, before a restart) or ahead of any
-//! index handed out (it read another server, or a directory restored from a
+//! at (it read another run of the server, before a restart) or ahead of the
+//! frontier (it read another server, or a directory restored from a
 //! backup), at once.
 
 use std::{
-    collections::{BTreeMap, VecDeque},
-    sync::{
-        Arc, Mutex, OnceLock, PoisonError,
-        atomic::{AtomicU64, Ordering},
-    },
+    collections::VecDeque,
+    sync::{Arc, Mutex, OnceLock, PoisonError, atomic::Ordering},
 };
 
 use tokio::sync::Notify;
@@ -99,9 +78,6 @@ pub(crate) struct Feed {
     inner: Mutex<Inner>,
     /// Most bytes of rendered changes kept (see the module's comment).
     budget: usize,
-    /// The registry's last index handed out (with a store this process
-    /// writes alone; see `begin`).
-    index: Arc<AtomicU64>,
     /// Woken when the frontier moves or the feed starts afresh.
     moved: Notify,
     capacity: usize,
@@ -111,18 +87,7 @@ struct Inner {
     /// Every change with an index in `(floor, frontier]` is in `kept`.
     floor: u64,
     frontier: u64,
-    /// The highest index of a change known committed (published, or the
-    /// store's last index at open): the frontier never passes it.
-    durable: u64,
     kept: VecDeque<Arc<Event>>,
-    /// Changes published above the frontier: slot `k` is index
-    /// `frontier + 1 + k` (empty until published, and forever for an index
-    /// whose commit failed). Indexes above the frontier are those of writes
-    /// in progress, a few.
-    pending: VecDeque<Option<Event>>,
-    /// For each write in progress, the last index handed out when it
-    /// began (the indexes it takes are above it): how many began there.
-    writing: BTreeMap<u64, usize>,
     /// Bytes of rendered changes among `kept`.
     rendered: usize,
 }
@@ -131,18 +96,13 @@ impl Feed {
     /// A feed that holds nothing before `index` (the store's last index
     /// when it was opened) and keeps up to `capacity` changes, of which at
     /// most `budget` bytes rendered.
-    pub(crate) fn new(index: Arc<AtomicU64>, capacity: usize, budget: usize) -> Self {
-        let last = index.load(Ordering::SeqCst);
+    pub(crate) fn new(last: u64, capacity: usize, budget: usize) -> Self {
         Self {
-            index,
             budget: budget.max(1),
             inner: Mutex::new(Inner {
                 floor: last,
                 frontier: last,
-                durable: last,
                 kept: VecDeque::new(),
-                pending: VecDeque::new(),
-                writing: BTreeMap::new(),
                 rendered: 0,
             }),
             moved: Notify::new(),
@@ -186,61 +146,7 @@ impl Feed {
         self.lock().rendered
     }
 
-    /// Starts a write that takes its indexes after this returns: the
-    /// frontier stays below them until the ticket ends.
-    pub(crate) fn begin(self: &Arc<Self>) -> Ticket {
-        let mut inner = self.lock();
-        let since = self.index.load(Ordering::SeqCst);
-        *inner.writing.entry(since).or_default() += 1;
-        Ticket {
-            feed: self.clone(),
-            since,
-            event: None,
-        }
-    }
-
-    /// Ends a write begun at `since`, with the change it published.
-    fn end(&self, since: u64, event: Option<Event>) {
-        let mut inner = self.lock();
-        // Read under the lock: a write that has not begun (and so is not
-        // in `writing`) has taken no index yet.
-        let last_index = self.index.load(Ordering::SeqCst);
-        if let Some(count) = inner.writing.get_mut(&since) {
-            *count -= 1;
-            if *count == 0 {
-                inner.writing.remove(&since);
-            }
-        }
-        if let Some(event) = event {
-            inner.durable = inner.durable.max(event.index);
-            // Above the frontier: its own write held the frontier below it.
-            let slot = (event.index - inner.frontier - 1) as usize;
-            if inner.pending.len() <= slot {
-                inner.pending.resize_with(slot + 1, || None);
-            }
-            inner.pending[slot] = Some(event);
-        }
-        let frontier = match inner.writing.first_key_value() {
-            Some((&since, _)) => since,
-            None => last_index,
-        }
-        .min(inner.durable);
-        if frontier <= inner.frontier {
-            return;
-        }
-        for _ in inner.frontier..frontier {
-            match inner.pending.pop_front() {
-                Some(Some(event)) => inner.keep(event, self.capacity, self.budget),
-                Some(None) => {}
-                None => break,
-            }
-        }
-        inner.frontier = frontier;
-        drop(inner);
-        self.moved.notify_waiters();
-    }
-
-    /// Changes a shared store's follower delivers in index order, then
+    /// Changes the store's follower delivers in index order, then
     /// everything up to `index` known.
     pub(crate) fn append(&self, events: Vec<Event>, index: u64) {
         let mut inner = self.lock();
@@ -254,23 +160,20 @@ impl Feed {
             }
         }
         inner.frontier = inner.frontier.max(index);
-        inner.durable = inner.frontier;
         drop(inner);
         self.moved.notify_waiters();
     }
 
-    /// Starts afresh at `index` (a shared store's follower listed
-    /// everything again: what happened before is not known one by one).
+    /// Starts afresh at `index` (the store's follower listed everything
+    /// again: what happened before is not known one by one).
     pub(crate) fn reset(&self, index: u64) {
         let mut inner = self.lock();
         for e in inner.kept.drain(..) {
             e.kept.store(false, Ordering::Relaxed);
         }
         inner.rendered = 0;
-        inner.pending.clear();
         inner.floor = index.max(inner.frontier);
         inner.frontier = inner.floor;
-        inner.durable = inner.floor;
         drop(inner);
         self.moved.notify_waiters();
     }
@@ -280,11 +183,10 @@ impl Feed {
     /// looked at.
     pub(crate) fn read(&self, after: &mut u64, prefix: &str, max: usize) -> Option<Next> {
         let inner = self.lock();
-        // Read under the lock, as `end` does. Past every index handed out:
-        // waiting would be silent, and whatever this server does next
-        // could take indexes the reader has seen elsewhere.
-        let reached = self.index.load(Ordering::SeqCst).max(inner.frontier);
-        if *after < inner.floor || *after > reached {
+        // Past the frontier: waiting would be silent, and whatever this
+        // server does next could take indexes the reader has seen
+        // elsewhere.
+        if *after < inner.floor || *after > inner.frontier {
             *after = inner.frontier;
             return Some(Next::Resync(inner.frontier));
         }
@@ -302,7 +204,7 @@ impl Feed {
         }
         if out.len() < max {
             // Everything kept was looked at: the reader is at the frontier
-            // (indexes without a change, such as a failed commit's, too).
+            // (indexes without a change of its prefix, too).
             *after = (*after).max(inner.frontier);
         }
         (!out.is_empty()).then_some(Next::Changes(out))
@@ -343,42 +245,21 @@ impl Inner {
     }
 }
 
-/// A write in progress (see the module's comment). Ends when dropped,
-/// with the change given to `publish` if there was one.
-pub(crate) struct Ticket {
-    feed: Arc<Feed>,
-    since: u64,
-    event: Option<Event>,
-}
-
-impl Ticket {
-    /// The change this write committed and published.
-    pub(crate) fn publish(mut self, event: Event) {
-        self.event = Some(event);
-    }
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        self.feed.end(self.since, self.event.take());
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::lifecycle::AllocId;
 
-    fn feed(capacity: usize) -> (Arc<Feed>, Arc<AtomicU64>) {
-        let index = Arc::new(AtomicU64::new(10));
-        (
-            Arc::new(Feed::new(index.clone(), capacity, usize::MAX)),
-            index,
-        )
+    fn feed(capacity: usize) -> Feed {
+        Feed::new(10, capacity, usize::MAX)
     }
 
-    fn take(index: &AtomicU64) -> u64 {
-        index.fetch_add(1, Ordering::SeqCst) + 1
+    /// Changes 11 to `to`, delivered one by one.
+    fn deliver(feed: &Feed, to: u64, id: impl Fn(u64) -> String) {
+        for n in 11..=to {
+            let e = Event::deleted(AllocId::parse(&id(n)).unwrap(), n);
+            feed.append(vec![e], n);
+        }
     }
 
     fn deleted(i: u64) -> Event {
@@ -394,41 +275,9 @@ mod tests {
     }
 
     #[test]
-    fn a_change_published_early_waits_for_the_writes_below_it() {
-        let (feed, index) = feed(100);
-        let first = feed.begin();
-        let i1 = take(&index);
-        let second = feed.begin();
-        let i2 = take(&index);
-        let third = feed.begin();
-        let _burnt = take(&index);
-        // The later writes finish first: nothing is visible yet.
-        second.publish(deleted(i2));
-        drop(third); // its commit failed: its index is never seen
-        let mut after = 10;
-        assert!(feed.read(&mut after, "", 10).is_none());
-        assert_eq!(after, 10);
-        assert_eq!(feed.frontier(), 10);
-        first.publish(deleted(i1));
-        assert_eq!(indexes(feed.read(&mut after, "", 10)), [i1, i2]);
-        // Not past the failed write's index: nothing durable holds it, so
-        // a restart would hand it out again.
-        assert_eq!(after, 12);
-        assert_eq!(feed.frontier(), 12);
-        // Once a later change is committed, past it.
-        let fourth = feed.begin();
-        let i4 = take(&index);
-        fourth.publish(deleted(i4));
-        assert_eq!(indexes(feed.read(&mut after, "", 10)), [i4]);
-        assert_eq!((after, feed.frontier()), (14, 14));
-    }
-
-    #[test]
-    fn a_reader_ahead_of_every_index_handed_out_is_told_to_resync_at_once() {
-        let (feed, index) = feed(100);
-        let t = feed.begin();
-        let n = take(&index);
-        t.publish(deleted(n));
+    fn a_reader_ahead_of_the_frontier_is_told_to_resync_at_once() {
+        let feed = feed(100);
+        deliver(&feed, 11, |n| format!("a{n}"));
         // Another server's index, or one from before a restore: nothing
         // here will ever be told to it in order.
         let mut after = 50;
@@ -437,30 +286,17 @@ mod tests {
             Some(Next::Resync(11))
         ));
         assert_eq!(after, 11);
-        // An index handed out but not yet in order (a write below it is
-        // still in progress) is not ahead: the reader waits for it.
-        let slow = feed.begin();
-        let _ = take(&index);
-        let fast = feed.begin();
-        let m = take(&index);
-        fast.publish(deleted(m));
-        let mut after = m;
+        // At the frontier: the reader waits.
         assert!(feed.read(&mut after, "", 10).is_none());
-        drop(slow);
+        assert_eq!(after, 11);
     }
 
     #[test]
     fn a_reader_gets_each_change_once_filtered_and_in_batches() {
-        let (feed, index) = feed(100);
-        for i in 0..5 {
-            let t = feed.begin();
-            let n = take(&index);
-            let id = if i % 2 == 0 { "a" } else { "b" };
-            t.publish(Event::deleted(
-                AllocId::parse(&format!("{id}{n}")).unwrap(),
-                n,
-            ));
-        }
+        let feed = feed(100);
+        deliver(&feed, 15, |n| {
+            format!("{}{n}", if n % 2 == 1 { "a" } else { "b" })
+        });
         let mut after = 10;
         assert_eq!(indexes(feed.read(&mut after, "", 2)), [11, 12]);
         assert_eq!(indexes(feed.read(&mut after, "", 2)), [13, 14]);
@@ -476,12 +312,8 @@ mod tests {
 
     #[test]
     fn a_reader_behind_what_is_kept_is_told_to_resync() {
-        let (feed, index) = feed(2);
-        for _ in 0..4 {
-            let t = feed.begin();
-            let n = take(&index);
-            t.publish(deleted(n));
-        }
+        let feed = feed(2);
+        deliver(&feed, 14, |n| format!("a{n}"));
         // 13 and 14 are kept: a reader at 12 misses nothing.
         let mut after = 12;
         assert_eq!(indexes(feed.read(&mut after, "", 10)), [13, 14]);
@@ -491,7 +323,7 @@ mod tests {
             Some(Next::Resync(14))
         ));
         assert_eq!(after, 14);
-        // A shared store's relisting: everyone behind it resyncs.
+        // The follower's relisting: everyone behind it resyncs.
         feed.reset(20);
         let mut after = 14;
         assert!(matches!(
@@ -504,14 +336,13 @@ mod tests {
     }
 
     /// Through the registry and the disk store, with a restart between: a
-    /// commit that failed (the disk refused the write) does not move any
-    /// reader past its index, so after the restart, which hands that
-    /// index out again, a reader that goes on from where it was gets the
-    /// new change (before: it was past it, and missed it with no
-    /// `Resync`). A reader from before the restart's index is told to
-    /// resync; one ahead of the server, at once.
+    /// write the disk refused is never told to a reader, and moves no
+    /// reader past an index a restart hands out again, so a reader that
+    /// goes on from where it was gets the next change. A reader from
+    /// before the restart's index is told to resync; one ahead of the
+    /// server, at once.
     #[tokio::test]
-    async fn a_failed_commits_index_is_never_passed_so_a_restart_cannot_hide_a_change() {
+    async fn a_refused_write_is_never_told_so_a_restart_cannot_hide_a_change() {
         use std::path::{Path, PathBuf};
 
         use crate::{
@@ -560,7 +391,7 @@ mod tests {
             panic!("changes");
         };
         assert_eq!(seen.iter().map(|e| e.index).collect::<Vec<_>>(), [1, 2]);
-        assert_eq!(sub.index(), 2, "not past the failed commit's index");
+        assert_eq!(sub.index(), 2, "not past the refused write's index");
         assert_eq!(r.stream_index(), 2);
         let listed_at = r.stream_index();
         drop((sub, r));
@@ -590,14 +421,9 @@ mod tests {
 
     #[test]
     fn a_change_is_rendered_once_for_every_reader_and_the_renders_kept_are_bounded() {
-        let index = Arc::new(AtomicU64::new(10));
         // Room for two renders of 100 bytes.
-        let feed = Arc::new(Feed::new(index.clone(), 100, 250));
-        for _ in 0..5 {
-            let t = feed.begin();
-            let n = take(&index);
-            t.publish(deleted(n));
-        }
+        let feed = Feed::new(10, 100, 250);
+        deliver(&feed, 15, |n| format!("a{n}"));
         let mut after = 10;
         let Some(Next::Changes(events)) = feed.read(&mut after, "", 10) else {
             panic!("five changes");

@@ -2,14 +2,14 @@
 
 use std::sync::{
     Arc, Mutex, PoisonError, RwLock,
-    atomic::{AtomicU8, Ordering},
+    atomic::{AtomicI64, AtomicU8, Ordering},
 };
 
 use tokio::sync::{Notify, Semaphore};
 
 use super::{
+    lives::Lives,
     timeline::{self, Timeline},
-    timers::{Lives, Scheduled},
 };
 use crate::lifecycle::{AllocId, Allocation};
 
@@ -39,29 +39,32 @@ pub(crate) struct Handle {
     /// lookup (see `Key`).
     key: Key,
     /// Serializes this allocation's decisions: one permit, taken by a
-    /// `WriteGuard`. An update holds it only to decide and hand the record
-    /// to the store (`Registry::update`: commits are pipelined); a
-    /// registration and a deletion hold it across their commit. Tokio's.
+    /// `WriteGuard`. An update on a store that stamps its appends at once
+    /// holds it only to decide and append (`write.rs`: appends are
+    /// pipelined); a registration, a deletion, and any write on a store
+    /// that stamps at commit hold it until their change is published.
+    /// Tokio's.
     write: Semaphore,
-    /// The newest version decided and handed to the store whose commit has
-    /// not been published yet: the next writer decides on it; no reader
-    /// ever sees it. Written by the holder of `write`; cleared by its own
-    /// commit's publication (or failure) unless a newer one replaced it.
+    /// The newest version appended whose change has not been published
+    /// yet: the next writer decides on it; no reader ever sees it. Written
+    /// by the holder of `write`; cleared once it is published (or failed)
+    /// unless a newer one replaced it.
     pending: Mutex<Option<Arc<Pending>>>,
-    /// The committed state. Written only by the holder of `write`, after a
-    /// commit; read by every reader and waiter without locking `write`.
+    /// The published state. Written only by the store's follower (and a
+    /// registration that failed); read by every reader and waiter without
+    /// locking `write`.
     slot: RwLock<Slot>,
     /// Woken after every change of `slot` (see `wait_for`).
     changed: Notify,
     /// The allocation's recent history (`timeline.rs`); written with each
     /// publication, before the waiters are woken.
     timeline: Mutex<Timeline>,
-    /// Its tasks' signs of life (`timers.rs`), for tasks under a TTL:
+    /// Its tasks' signs of life (`lives.rs`), for tasks under a TTL:
     /// written by reports, heartbeats and parked queries, read when the
     /// allocation is looked at. Not part of the record.
     lives: Lives,
-    /// The moment the registry's timer heap will look at it next.
-    scheduled: Scheduled,
+    /// The moment the due-time heap looks at it next (`time.rs`).
+    pub(crate) scheduled: AtomicI64,
 }
 
 /// IDs up to this many bytes (a UUID's 36 fit) are kept in the handle's
@@ -101,7 +104,7 @@ impl Key {
     }
 }
 
-/// A version handed to the store, and its commit's outcome once known.
+/// A version appended, and whether it was published once that is known.
 pub(crate) struct Pending {
     pub(crate) record: Arc<Allocation>,
     /// 0 while the commit runs, then `OK` or `FAILED`.
@@ -163,7 +166,7 @@ impl Handle {
             changed: Notify::new(),
             timeline: Mutex::new(Timeline::default()),
             lives: Lives::default(),
-            scheduled: Scheduled::default(),
+            scheduled: AtomicI64::new(super::time::NOT_SCHEDULED),
         }
     }
 
@@ -171,13 +174,17 @@ impl Handle {
         &self.lives
     }
 
-    pub(crate) fn scheduled(&self) -> &Scheduled {
-        &self.scheduled
-    }
-
     /// The allocation's ID.
     pub(crate) fn id(&self) -> &str {
         self.key.as_str()
+    }
+
+    /// The allocation's ID, as one.
+    pub(crate) fn id_owned(&self) -> AllocId {
+        match &self.key {
+            Key::Shared(id) => id.clone(),
+            Key::Inline { .. } => AllocId::parse(self.id()).expect("copied from an ID"),
+        }
     }
 
     /// Waits for this allocation's write lock (first come, first served).
@@ -191,15 +198,15 @@ impl Handle {
         WriteGuard(self.clone())
     }
 
-    /// Whether a write holds the lock now, or a change decided is not
+    /// Whether a write holds the lock now, or a change appended is not
     /// published yet.
     pub(crate) fn writing(&self) -> bool {
         self.write.available_permits() == 0 || self.pending().is_some()
     }
 
-    /// The version decided last whose commit is not published yet. Read
-    /// before the slot by a writer: a commit clears it only after
-    /// publishing, so a writer that finds none finds the slot up to date.
+    /// The version appended last that is not published yet. Read before
+    /// the slot by a writer: it is cleared only after its publication, so
+    /// a writer that finds none finds the slot up to date.
     pub(crate) fn pending(&self) -> Option<Arc<Pending>> {
         self.pending
             .lock()
@@ -207,13 +214,13 @@ impl Handle {
             .clone()
     }
 
-    /// Records the version just handed to the store (under the write lock).
+    /// Records the version just appended (under the write lock).
     pub(crate) fn set_pending(&self, pending: Arc<Pending>) {
         *self.pending.lock().unwrap_or_else(PoisonError::into_inner) = Some(pending);
     }
 
-    /// Forgets `mine` once its commit is published or failed, unless a
-    /// newer version replaced it.
+    /// Forgets `mine` once it is published or failed, unless a newer
+    /// version replaced it.
     pub(crate) fn clear_pending(&self, mine: &Arc<Pending>) {
         let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
         if pending.as_ref().is_some_and(|p| Arc::ptr_eq(p, mine)) {
@@ -235,7 +242,7 @@ impl Handle {
             .clone()
     }
 
-    /// The committed record, if the allocation exists.
+    /// The published record, if the allocation exists.
     pub(crate) fn current(&self) -> Option<Arc<Allocation>> {
         match self.slot_now() {
             Slot::Live(a) => Some(a),
@@ -245,7 +252,7 @@ impl Handle {
 
     /// Publishes a committed version of the record, its timeline entries
     /// (from `prev`, the version before, or none for a new allocation)
-    /// first, then wakes every waiter.
+    /// first, then wakes every waiter (the follower's).
     pub(crate) fn publish_live(
         &self,
         prev: Option<&Allocation>,
@@ -283,7 +290,7 @@ impl Handle {
         drop(old);
     }
 
-    /// The committed state once `ready` holds for it. A change published
+    /// The published state once `ready` holds for it. A change published
     /// between a check and the park is never slept through: the waiter is
     /// registered for the next wake-up before it looks at the state.
     pub(crate) async fn wait_for(&self, mut ready: impl FnMut(&Slot) -> bool) -> Slot {

@@ -1,10 +1,12 @@
 use std::{sync::Arc, time::Duration};
 
 use super::*;
-use crate::store::Store;
 use crate::{
-    lifecycle::{CoordState, Hook, Lifecycle, RunState, TaskSpec},
-    store::MemoryStore,
+    lifecycle::{
+        AllocSpec, CoordState, Hook, Lifecycle, RestartError, RunState, TaskName, TaskReport,
+        TaskSpec,
+    },
+    store::{Append, Appended, Follower, MemoryStore, Op, Store, commit},
 };
 use std::sync::atomic::Ordering;
 
@@ -347,9 +349,9 @@ async fn restart_errors_carry_the_current_index() {
     assert!(matches!(err, RegistryError::TaskNotFound { .. }));
 }
 
-/// A store whose commits wait for a permit, to stop a change mid-commit.
+/// A store whose appends wait for a permit, to stop a change mid-commit.
 struct SlowStore {
-    inner: MemoryStore,
+    inner: Arc<MemoryStore>,
     permits: Arc<tokio::sync::Semaphore>,
     queued: std::sync::atomic::AtomicUsize,
 }
@@ -363,21 +365,34 @@ impl Store for SlowStore {
         self.inner.id()
     }
 
-    fn commit(&self, op: Op) -> crate::store::Commit {
+    fn follow(&self, from: u64, follower: std::sync::Weak<dyn Follower>) {
+        self.inner.follow(from, follower)
+    }
+
+    /// Appended once a permit comes: its index comes with the commit.
+    fn append(&self, append: Append) -> Appended {
         self.queued.fetch_add(1, Ordering::SeqCst);
         let permits = self.permits.clone();
-        let done = self.inner.commit(op);
-        Box::pin(async move {
-            permits.acquire().await.expect("open").forget();
-            done.await
-        })
+        let inner = self.inner.clone();
+        let record = match &append.op {
+            Op::Put(a) => Some(a.clone()),
+            Op::Delete(_) => None,
+        };
+        Appended {
+            record,
+            stamped: false,
+            done: Box::pin(async move {
+                permits.acquire().await.expect("open").forget();
+                inner.append(append).done.await
+            }),
+        }
     }
 }
 
 #[tokio::test]
 async fn a_client_that_goes_away_mid_commit_does_not_cancel_the_publication() {
     let store = Arc::new(SlowStore {
-        inner: MemoryStore::new(),
+        inner: Arc::new(MemoryStore::new()),
         permits: Arc::new(tokio::sync::Semaphore::new(1)),
         queued: std::sync::atomic::AtomicUsize::new(0),
     });
@@ -486,8 +501,10 @@ impl Store for Preloaded {
         "0123456789abcdef0123456789abcdef"
     }
 
-    fn commit(&self, _: Op) -> crate::store::Commit {
-        Box::pin(async { Ok(()) })
+    fn follow(&self, _: u64, _: std::sync::Weak<dyn Follower>) {}
+
+    fn append(&self, _: Append) -> Appended {
+        unreachable!("nothing is written")
     }
 }
 
@@ -533,7 +550,7 @@ async fn a_panic_while_the_map_is_written_leaves_it_whole_for_the_next_user() {
             let mut map = r.write_map();
             let handle = Arc::new(handle::Handle::creating(&id("a0")));
             // Into one structure only, then a panic.
-            map.by_id.insert(ByHandleId(handle));
+            map.insert_handle_only(handle);
             panic!("a writer dies half-way");
         })
     };
@@ -543,7 +560,7 @@ async fn a_panic_while_the_map_is_written_leaves_it_whole_for_the_next_user() {
     let ids: Vec<_> = page.iter().map(|a| a.id.to_string()).collect();
     assert_eq!(ids, ["a1"], "the creating handle is listed by nobody");
     assert!(!r.inner.allocs.is_poisoned());
-    assert_eq!(r.read_map().ids.len(), r.read_map().by_id.len());
+    assert!(r.read_map().agrees());
     r.register(id("a2"), two_stage()).await.unwrap();
     assert_eq!(r.len(), 3);
 }
@@ -900,7 +917,7 @@ mod dependencies {
     #[tokio::test]
     async fn a_cycle_that_formed_anyway_is_shown_on_each_task_with_its_path() {
         let store = Arc::new(MemoryStore::new());
-        let now = time::OffsetDateTime::now_utc();
+        let now = ::time::OffsetDateTime::now_utc();
         for (i, (id, spec)) in [
             ("app", depends("web", "data", "db")),
             ("data", depends("db", "app", "web")),
@@ -914,7 +931,7 @@ mod dependencies {
                 i as u64 + 1,
                 now,
             );
-            store.commit(Op::Put(Arc::new(a))).await.unwrap();
+            commit(&*store, Op::Put(Arc::new(a))).await.unwrap();
         }
         let r = Registry::open(store, RegistryConfig::default()).unwrap();
         let cycle = |a: &Allocation| matches!(a.tasks[0].deps().first(), Some(DepState::Cycle(_)));

@@ -11,7 +11,7 @@ use std::{
     time::Duration,
 };
 
-use super::{Inner, Registry, RegistryError, handle::Slot, keep::Sign};
+use super::{Inner, Registry, RegistryError, handle::Slot, lives::Sign};
 use crate::lifecycle::Allocation;
 
 /// Counts one parked request while it lives.
@@ -36,7 +36,7 @@ impl Registry {
         Ok(parked)
     }
 
-    /// Answers at once when `done` holds for the committed record, else
+    /// Answers at once when `done` holds for the published record, else
     /// parks until it holds, `timeout` elapses (then answers with the
     /// current record: a timeout is not an error), the allocation is
     /// deleted (`Deleted`) or the server shuts down (`ShuttingDown`).
@@ -66,46 +66,20 @@ impl Registry {
                 return Err(RegistryError::AllocationNotFound(id.to_owned()));
             }
         };
-        // With a shared store, a task may have liveness keys this replica
-        // knows no TTL for (another replica's default): renewed all the
-        // same.
-        let shared = self.inner.store.replicated().is_some();
-        let life = task
-            .and_then(|t| current.position(t))
-            .filter(|&i| self.ttl(&current, i).is_some() || (shared && handle.lives().made()));
-        if let Some(i) = life {
-            handle.lives().touch(current.tasks.len(), i, self.now());
-        }
+        let life = task.and_then(|t| current.position(t));
         if done(&current) || timeout.is_zero() {
+            if let Some(i) = life
+                && self.ttl(&current, i).is_some()
+            {
+                handle.lives().touch(current.tasks.len(), i, self.now());
+            }
             if let Some(i) = life {
                 self.inner.renew(&handle, i, Sign::Came);
             }
             return Ok(current);
         }
         let _parked = self.park()?;
-        let _alive = life.map(|i| {
-            // With a shared store the end of the wait renews the task's
-            // lease: it is its agent's last sign of life if it died.
-            let ended: Option<Box<dyn FnOnce() + Send>> = self.inner.store.replicated().map(|_| {
-                let (inner, handle) = (Arc::downgrade(&self.inner), handle.clone());
-                Box::new(move || {
-                    if let Some(inner) = inner.upgrade() {
-                        inner.renew(&handle, i, Sign::Ended);
-                    }
-                }) as Box<dyn FnOnce() + Send>
-            });
-            handle.lives().park(
-                current.tasks.len(),
-                i,
-                self.inner.config.clock.clone(),
-                ended,
-            )
-        });
-        // Counted as parked first: the renewal then keeps the lease up for
-        // as long as the wait lasts.
-        if let Some(i) = life {
-            self.inner.renew(&handle, i, Sign::Came);
-        }
+        let _alive = life.and_then(|i| self.parked_life(&handle, &current, i));
         let mut shutdown = self.inner.shutdown.subscribe();
         let gone = || RegistryError::Deleted(id.to_owned());
         tokio::select! {
@@ -132,7 +106,7 @@ impl Registry {
             .await
     }
 
-    /// Position of a task in a committed record, or `TaskNotFound`.
+    /// Position of a task in a published record, or `TaskNotFound`.
     pub fn task_position(&self, a: &Allocation, task: &str) -> Result<usize, RegistryError> {
         a.position(task)
             .ok_or_else(|| RegistryError::task_not_found(a, task))

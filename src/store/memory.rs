@@ -1,40 +1,55 @@
 //! The in-memory store: for tests and `--in-memory`. `new` keeps what was
 //! committed, so a test can rebuild a registry from it as a restart would;
 //! `volatile` (the server's `--in-memory`) keeps nothing, as nothing ever
-//! loads it again: no second copy of every record's index entry and no lock
-//! every commit takes.
+//! loads it again: no second copy of every record and no map every append
+//! writes.
+//!
+//! An append is committed at once: stamped with the next index and handed
+//! to the follower in the same call, under one lock, so the follower sees
+//! every change in index order.
 
 use std::{
     collections::HashMap,
     sync::{
-        Arc, Mutex, PoisonError,
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc, Mutex, PoisonError, Weak,
+        atomic::{AtomicBool, Ordering},
     },
 };
 
-use super::{Commit, Loaded, Op, Store, StoreError};
+use super::{
+    Admitted, Append, AppendError, Appended, Change, Follower, Loaded, Op, Store, StoreError,
+};
 use crate::lifecycle::{AllocId, Allocation};
 
 pub struct MemoryStore {
     /// A new ID per store: nothing of it outlives the process.
     id: String,
-    /// Committed records; written by `commit`, read by `load`. `None` for a
-    /// volatile store. A std mutex: it is never held across an `.await`.
-    records: Option<Mutex<HashMap<AllocId, Arc<Allocation>>>>,
-    /// The highest index committed.
-    last_index: AtomicU64,
-    /// When set, every commit fails (to test the failure path).
+    /// Whether `load` gets the records back (`new`) or nothing (`volatile`).
+    retain: bool,
+    /// The log's state; its lock orders the appends and their delivery.
+    /// A std mutex: it is never held across an `.await`.
+    state: Mutex<State>,
+    /// When set, every admission is refused (to test the failure path).
     fail: AtomicBool,
-    /// When set, commits never finish (to test timeouts).
+    /// When set, appends never finish (to test timeouts).
     stall: AtomicBool,
+}
+
+#[derive(Default)]
+struct State {
+    /// The highest index committed.
+    last_index: u64,
+    /// Committed records, when `retain`.
+    records: HashMap<AllocId, Arc<Allocation>>,
+    follower: Option<Weak<dyn Follower>>,
 }
 
 impl Default for MemoryStore {
     fn default() -> Self {
         Self {
             id: super::identity::new_id(),
-            records: None,
-            last_index: AtomicU64::new(0),
+            retain: false,
+            state: Mutex::default(),
             fail: AtomicBool::new(false),
             stall: AtomicBool::new(false),
         }
@@ -45,7 +60,7 @@ impl MemoryStore {
     /// A store that keeps every committed record for `load`.
     pub fn new() -> Self {
         Self {
-            records: Some(Mutex::default()),
+            retain: true,
             ..Self::default()
         }
     }
@@ -55,17 +70,17 @@ impl MemoryStore {
         Self::default()
     }
 
-    fn records(&self) -> Option<std::sync::MutexGuard<'_, HashMap<AllocId, Arc<Allocation>>>> {
-        let records = self.records.as_ref()?;
-        Some(records.lock().unwrap_or_else(PoisonError::into_inner))
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Makes every following commit fail until called with `false`.
+    /// Refuses every following change (before it is decided) until called
+    /// with `false`.
     pub fn fail_commits(&self, fail: bool) {
         self.fail.store(fail, Ordering::SeqCst);
     }
 
-    /// Makes every following commit hang until the end of time.
+    /// Makes every following append hang until the end of time.
     pub fn stall_commits(&self, stall: bool) {
         self.stall.store(stall, Ordering::SeqCst);
     }
@@ -77,42 +92,69 @@ impl Store for MemoryStore {
     }
 
     fn load(&self) -> Result<Loaded, StoreError> {
+        let state = self.state();
         // In ID order, as the `Store` contract (and the disk store) loads them.
-        let mut allocations: Vec<Allocation> = self
-            .records()
-            .map(|records| records.values().map(|a| (**a).clone()).collect())
-            .unwrap_or_default();
+        let mut allocations: Vec<Allocation> =
+            state.records.values().map(|a| (**a).clone()).collect();
         allocations.sort_unstable_by(|a, b| a.id.cmp(&b.id));
         Ok(Loaded {
             allocations,
-            last_index: self.last_index.load(Ordering::SeqCst),
+            last_index: state.last_index,
             ..Default::default()
         })
     }
 
-    fn commit(&self, op: Op) -> Commit {
-        if self.stall.load(Ordering::SeqCst) {
-            return Box::pin(std::future::pending());
-        }
+    fn follow(&self, from: u64, follower: Weak<dyn Follower>) {
+        let mut state = self.state();
+        state.last_index = state.last_index.max(from);
+        state.follower = Some(follower);
+    }
+
+    fn admit(&self) -> Result<Admitted, StoreError> {
         if self.fail.load(Ordering::SeqCst) {
-            return Box::pin(async { Err(StoreError::Io("injected failure".into())) });
+            return Err(StoreError::Io("injected failure".into()));
         }
-        let index = match &op {
-            Op::Put(a) => a.modify_index,
-            Op::Delete { index, .. } => *index,
-        };
-        self.last_index.fetch_max(index, Ordering::SeqCst);
-        if let Some(mut records) = self.records() {
-            match op {
-                Op::Put(a) => {
-                    records.insert(a.id.clone(), a);
+        Ok(Admitted::free())
+    }
+
+    fn append(&self, append: Append) -> Appended {
+        if self.stall.load(Ordering::SeqCst) {
+            let record = match append.op {
+                Op::Put(a) => Some(a),
+                Op::Delete(_) => None,
+            };
+            return Appended {
+                record,
+                stamped: false,
+                done: Box::pin(std::future::pending()),
+            };
+        }
+        let mut state = self.state();
+        let index = state.last_index + 1;
+        state.last_index = index;
+        let (change, record) = match append.op {
+            Op::Put(mut a) => {
+                let placeholder = a.modify_index;
+                Arc::make_mut(&mut a).restamp(placeholder, index);
+                if self.retain {
+                    state.records.insert(a.id.clone(), a.clone());
                 }
-                Op::Delete { id, .. } => {
-                    records.remove(&id);
-                }
+                (Change::Put(a.clone()), Some(a))
             }
+            Op::Delete(id) => {
+                state.records.remove(&id);
+                (Change::Delete { id, index }, None)
+            }
+        };
+        if let Some(follower) = state.follower.as_ref().and_then(Weak::upgrade) {
+            follower.changed(vec![change], index);
         }
-        Box::pin(async { Ok(()) })
+        drop(state);
+        Appended {
+            record,
+            stamped: true,
+            done: Box::pin(async move { Ok::<_, AppendError>(index) }),
+        }
     }
 }
 
@@ -120,8 +162,9 @@ impl Store for MemoryStore {
 mod tests {
     use super::*;
     use crate::lifecycle::{AllocSpec, Limits, TaskName, TaskSpec};
+    use crate::store::commit;
 
-    fn record(id: &str, index: u64) -> Arc<Allocation> {
+    fn record(id: &str) -> Arc<Allocation> {
         let task = TaskSpec {
             name: TaskName::parse("web").unwrap(),
             lifecycle: None,
@@ -134,27 +177,29 @@ mod tests {
         Arc::new(Allocation::register(
             AllocId::parse(id).unwrap(),
             Arc::new(spec),
-            index,
+            1,
             time::OffsetDateTime::UNIX_EPOCH,
         ))
     }
 
     async fn commit_three(store: &MemoryStore) {
-        store.commit(Op::Put(record("b", 1))).await.unwrap();
-        store.commit(Op::Put(record("a", 2))).await.unwrap();
+        commit(store, Op::Put(record("b"))).await.unwrap();
+        commit(store, Op::Put(record("a"))).await.unwrap();
         let id = AllocId::parse("b").unwrap();
-        store.commit(Op::Delete { id, index: 3 }).await.unwrap();
+        commit(store, Op::Delete(id)).await.unwrap();
     }
 
     #[tokio::test]
     async fn a_retaining_store_loads_what_was_committed_in_id_order() {
         let store = MemoryStore::new();
         commit_three(&store).await;
-        store.commit(Op::Put(record("c", 4))).await.unwrap();
+        let index = commit(&store, Op::Put(record("c"))).await.unwrap();
+        assert_eq!(index, 4);
         let loaded = store.load().unwrap();
         let ids: Vec<_> = loaded.allocations.iter().map(|a| a.id.as_str()).collect();
         assert_eq!(ids, ["a", "c"]);
         assert_eq!(loaded.last_index, 4);
+        assert_eq!(loaded.allocations[1].modify_index, 4, "stamped");
     }
 
     #[tokio::test]

@@ -1,6 +1,6 @@
-//! Durable allocation records. The registry hands every change to a
-//! `Store` and publishes it only once the store says it is committed
-//! (decide, persist, publish).
+//! Durable allocation records. The registry appends every change to a
+//! `Store`, and publishes what the store's follower hands back, committed
+//! and in index order (decide, persist, publish).
 //!
 //! This layer knows records, not rules: it never evaluates a coordinator.
 
@@ -22,14 +22,88 @@ pub use memory::MemoryStore;
 
 use crate::lifecycle::{AllocId, Allocation};
 
-/// One change to persist.
+/// One change, as the registry decides it.
 #[derive(Clone, Debug)]
 pub enum Op {
-    /// Create or replace an allocation's record.
+    /// Create or replace an allocation's record. Its `modify_index` is a
+    /// placeholder above every other index in it: the store stamps the
+    /// index the change takes over it (`Allocation::restamp`).
     Put(Arc<Allocation>),
-    /// Remove an allocation. `index` is the global index the deletion used,
-    /// so the counter never goes back across a restart.
-    Delete { id: AllocId, index: u64 },
+    /// Remove an allocation.
+    Delete(AllocId),
+}
+
+impl Op {
+    /// The allocation it changes.
+    pub fn id(&self) -> &AllocId {
+        match self {
+            Op::Put(a) => &a.id,
+            Op::Delete(id) => id,
+        }
+    }
+}
+
+/// A change handed to `Store::append`.
+#[derive(Debug)]
+pub struct Append {
+    pub op: Op,
+    /// The `modify_index` of the record the change was decided on (0: none).
+    /// A store other processes write takes the change only if the record is
+    /// still that one; a store this process alone writes takes it as given
+    /// (the registry's lock on the allocation keeps it true).
+    pub expect: u64,
+    /// What the change does to its tasks' liveness keys (`Leases`), in the
+    /// same transaction; a deletion removes all of them.
+    pub live: Vec<LiveOp>,
+}
+
+/// An append in flight.
+pub struct Appended {
+    /// A put's record as the store took it.
+    pub record: Option<Arc<Allocation>>,
+    /// Whether `record` is stamped with its index already: the store orders
+    /// its appends itself (disk, memory), so the next change of the
+    /// allocation may be decided on it before it is durable. Otherwise the
+    /// index comes with the commit (etcd).
+    pub stamped: bool,
+    /// Resolves to the change's index once the follower has been handed
+    /// it (disk, memory) or the store committed it (etcd).
+    pub done: Pin<Box<dyn Future<Output = Result<u64, AppendError>> + Send>>,
+}
+
+/// Why an append did not take.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum AppendError {
+    /// The record changed since it was read; `seen` is an index at which
+    /// the change is visible. Follow up to it, then decide again.
+    #[error("the record changed under the write (visible at index {seen})")]
+    Conflict { seen: u64 },
+    /// An attempt whose answer was lost did commit: the change is visible
+    /// at index `seen` (later changes may follow it there). Not to be
+    /// decided again.
+    #[error("the write committed (visible at index {seen})")]
+    Landed { seen: u64 },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// A place in a store's queue, taken before a change is decided
+/// (`Store::admit`) and given back (dropped) once its append is done.
+pub struct Admitted {
+    _place: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl Admitted {
+    /// A place in a store that keeps no count of them.
+    pub fn free() -> Self {
+        Self { _place: None }
+    }
+
+    pub(crate) fn of(place: tokio::sync::OwnedSemaphorePermit) -> Self {
+        Self {
+            _place: Some(place),
+        }
+    }
 }
 
 /// What a store read at open, kept until `Store::load` takes it (once).
@@ -56,16 +130,16 @@ pub struct Loaded {
     pub allocations: Vec<Allocation>,
     /// The highest global index ever committed (deletions included).
     pub last_index: u64,
-    /// A store several replicas share: the liveness keys it holds at
-    /// `last_index` (each written, none removed). Empty for the others.
+    /// A store with `Leases`: the liveness keys it holds at `last_index`
+    /// (each written, none removed). Empty for the others.
     pub liveness: Vec<Liveness>,
 }
 
-/// A lease in a store several replicas share (etcd's lease ID): a key
-/// written under it goes when it expires, and a keep-alive renews it.
+/// A lease (etcd's lease ID): a key written under it goes when it
+/// expires, and a keep-alive renews it.
 pub type Lease = i64;
 
-/// What a store several replicas share keeps of a task's run under a TTL
+/// What a store with `Leases` keeps of a task's run under a TTL
 /// (docs/replicas.md, "Liveness"): written with the change that makes the
 /// task `running`, removed with the one that ends its run. Its live key,
 /// under `lease`, is written and removed with it, and goes by itself when
@@ -82,8 +156,7 @@ pub struct Mark {
     pub lease: Lease,
 }
 
-/// A task's liveness keys, as a store several replicas share lists or
-/// changes them.
+/// A task's liveness keys, as a store with `Leases` lists or changes them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Liveness {
     /// The run's mark, written (`Some`) or removed.
@@ -117,15 +190,16 @@ pub enum LiveOp {
 
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {
-    /// A commit failed; nothing of it is applied.
+    /// A write failed; the store takes nothing more until a restart
+    /// recovers from what is durable.
     #[error("store I/O failed: {0}")]
     Io(String),
     /// The store was closed (the server is stopping).
     #[error("the store is closed")]
     Closed,
-    /// The store refuses writes for now (its log reached its ceiling while
-    /// checkpoints fail); nothing of the change is applied, and a later try
-    /// may succeed.
+    /// The store takes no change for now (its queue is full, or its log
+    /// reached its ceiling while checkpoints fail); nothing was decided,
+    /// and a later try may succeed.
     #[error("the store takes no writes for now: {0}")]
     Unavailable(String),
     /// The store did not confirm a write and whether it was applied cannot
@@ -154,63 +228,92 @@ pub enum StoreHealth {
     Refusing { code: &'static str, cause: String },
 }
 
-/// A commit in flight: resolves once the change is durable, or failed.
-pub type Commit = Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send>>;
+/// A read through a store's quorum: the index of an allocation's record in
+/// the store now (`None`: there is none).
+pub type QuorumRead = Pin<Box<dyn Future<Output = Result<Option<u64>, StoreError>> + Send>>;
 
-/// Where records live.
+/// Where records live: an ordered log with etcd's contract.
 ///
-/// `commit` may acknowledge asynchronously (a writer thread that groups
-/// many changes into one durable transaction). Changes submitted in order
-/// are committed in that order; the registry submits one allocation's
-/// changes one at a time, in order.
+/// An append takes all of its change or none of it. A follower is handed
+/// every committed change in index order, exactly once: from the writer
+/// thread after `fdatasync` (disk), at once (memory), from the watch
+/// (etcd). A store never takes an append after it refused an earlier one:
+/// the only refusal after admission is a failed write, which closes the
+/// store until a restart replays what is durable (fail-stop, as etcd's
+/// WAL). Everything that may be refused for a while (a full queue, a log
+/// at its ceiling) is refused by `admit`, before anything is decided.
 pub trait Store: Send + Sync + 'static {
-    /// Every record, as committed, in ID order. Called once, at start,
-    /// before any commit.
+    /// Every record, as committed, in ID order. Called once, at start.
     fn load(&self) -> Result<Loaded, StoreError>;
-
-    /// Queues a change. The returned future resolves when it is durable.
-    fn commit(&self, op: Op) -> Commit;
 
     /// The store's ID (`identity.rs`): given to a data directory or an
     /// etcd prefix when it is first used, the same for every replica.
     fn id(&self) -> &str;
+
+    /// Whether processes other than this one write the store (replicas on
+    /// etcd): then this process's view of it can be behind.
+    fn shared(&self) -> bool {
+        false
+    }
+
+    /// Hands every change committed after index `from` to `follower`, in
+    /// index order, until the store is closed; after a gap it cannot
+    /// replay (a compaction), it lists everything again
+    /// (`Follower::resync`). Called once, before the first append.
+    fn follow(&self, from: u64, follower: std::sync::Weak<dyn Follower>);
+
+    /// A place for one change, before it is decided: refused while the
+    /// store takes no change (its queue is full, its log at its ceiling, a
+    /// write failed).
+    fn admit(&self) -> Result<Admitted, StoreError> {
+        Ok(Admitted::free())
+    }
+
+    /// Appends a change (see the trait's contract).
+    fn append(&self, append: Append) -> Appended;
+
+    /// For a store other processes write too: the index of `id`'s record
+    /// read through the store's quorum, so that a replica can tell a view
+    /// that is behind from an allocation that is not there. `None` for a
+    /// store this process alone writes: its follower's view is complete.
+    fn quorum_read(&self, _id: &AllocId) -> Option<QuorumRead> {
+        None
+    }
+
+    /// The liveness leases of a store several replicas share (etcd):
+    /// there a task's silence is measured by the store. `None`: measured
+    /// by this process's clock.
+    fn leases(&self) -> Option<Arc<dyn Leases>> {
+        None
+    }
+
+    /// Why the allocation's record in the store cannot be read by this
+    /// build, if it cannot (a store several builds share).
+    fn unreadable(&self, _id: &str) -> Option<Unreadable> {
+        None
+    }
+
+    /// The allocations whose records cannot be read, in ID order.
+    fn unreadable_ids(&self) -> Vec<String> {
+        Vec::new()
+    }
 
     /// How the store is doing (`/v1/health`, the metrics).
     fn health(&self) -> StoreHealth {
         StoreHealth::Ok
     }
 
-    /// Commits what is queued and releases the store. Later commits fail
+    /// Commits what is queued and releases the store. Later appends fail
     /// with `Closed`.
     fn close(&self) -> Result<(), StoreError> {
         Ok(())
     }
-
-    /// A store other replicas write too (etcd), or `None` for one this
-    /// process alone writes (disk, memory), whose `commit` is all there is.
-    fn replicated(&self) -> Option<&dyn ReplicatedStore> {
-        None
-    }
 }
 
-/// A store that several replicas write at once. A change is decided on the
-/// replica's copy of a record and committed only if the record is still
-/// that copy (compare-and-swap on its `modify_index`); the store assigns the
-/// change its index at commit. Nothing is published by the writer: every
-/// replica (the writer's included) learns each change from `follow`, in
-/// index order, so all of them publish the same changes in the same order.
-pub trait ReplicatedStore: Send + Sync {
-    /// Commits `op` if the allocation's record is still the one at
-    /// `expect` (its `modify_index`; 0: no record). The record in a `Put`
-    /// carries a placeholder index above every other index in it; readers
-    /// see it stamped with the index the commit got (`Allocation::restamp`).
-    /// Resolves to that index.
-    ///
-    /// `live` is what the change does to its tasks' liveness keys, applied
-    /// in the same transaction; a deletion removes all of the
-    /// allocation's.
-    fn swap(&self, op: Op, expect: u64, live: Vec<LiveOp>) -> Swap;
-
+/// Leases for the liveness keys of runs under a TTL, in a store several
+/// replicas share: whichever replica hears an agent renews its run's
+/// lease, and the store ends the run's live key when the lease expires.
+pub trait Leases: Send + Sync {
     /// A lease for a run's live key that expires `ttl` (rounded up to what
     /// the store keeps) after it was granted or last kept alive.
     fn grant(
@@ -221,32 +324,16 @@ pub trait ReplicatedStore: Send + Sync {
     /// Writes liveness keys alone (`LiveOp::Start` of runs that have none:
     /// runs that began before their TTL applied), if the allocation's
     /// record is still the one at `expect`. Resolves to the index it took.
-    fn mark(&self, id: &AllocId, expect: u64, live: Vec<LiveOp>) -> Swap;
+    fn mark(
+        &self,
+        id: &AllocId,
+        expect: u64,
+        live: Vec<LiveOp>,
+    ) -> Pin<Box<dyn Future<Output = Result<u64, AppendError>> + Send>>;
 
     /// Renews `lease` (queued; a failure is retried on another member).
     /// Whoever calls it bounds how often.
     fn keep_alive(&self, lease: Lease);
-
-    /// The index of the allocation's record in the store now (`None`:
-    /// there is none), read through the store's quorum: a write for an
-    /// allocation this replica has not seen yet learns whether it is only
-    /// behind.
-    fn index_of(
-        &self,
-        id: &AllocId,
-    ) -> Pin<Box<dyn Future<Output = Result<Option<u64>, StoreError>> + Send>>;
-
-    /// Hands every change after index `from` to `follower`, in index
-    /// order, until the store is closed; after a gap it cannot replay
-    /// (a compaction), it lists everything again (`Follower::resync`).
-    fn follow(&self, from: u64, follower: std::sync::Weak<dyn Follower>);
-
-    /// Why the allocation's record in the store cannot be read by this
-    /// build, if it cannot.
-    fn unreadable(&self, id: &str) -> Option<Unreadable>;
-
-    /// The allocations whose records cannot be read, in ID order.
-    fn unreadable_ids(&self) -> Vec<String>;
 }
 
 /// A record this build cannot read: why, and the index that wrote it (a
@@ -257,29 +344,11 @@ pub struct Unreadable {
     pub index: u64,
 }
 
-/// A compare-and-swap in flight.
-pub type Swap = Pin<Box<dyn Future<Output = Result<u64, SwapError>> + Send>>;
-
-#[derive(Clone, Debug, thiserror::Error)]
-pub enum SwapError {
-    /// The record changed since it was read; `seen` is an index at which
-    /// the change is visible. Follow up to it, then decide again.
-    #[error("the record changed under the write (visible at index {seen})")]
-    Conflict { seen: u64 },
-    /// An attempt whose answer was lost did commit: the change is visible
-    /// at index `seen` (later changes may follow it there). Not to be
-    /// decided again.
-    #[error("the write committed (visible at index {seen})")]
-    Landed { seen: u64 },
-    #[error(transparent)]
-    Store(#[from] StoreError),
-}
-
-/// One change a shared store saw committed, by any replica.
+/// One committed change, as a store hands it to its follower.
 #[derive(Debug)]
 pub enum Change {
     /// The record as committed, stamped with its index.
-    Put(Allocation),
+    Put(Arc<Allocation>),
     Delete {
         id: AllocId,
         index: u64,
@@ -288,7 +357,7 @@ pub enum Change {
     Liveness(Liveness),
 }
 
-/// Where a shared store delivers the changes it follows (the registry).
+/// Where a store delivers the changes it follows (the registry).
 pub trait Follower: Send + Sync + 'static {
     /// Changes committed up to `index`, in index order (possibly none: the
     /// store has seen everything up to `index`).
@@ -297,4 +366,16 @@ pub trait Follower: Send + Sync + 'static {
     /// Everything the store holds, listed at `loaded.last_index`, after it
     /// could not replay the changes since the last `changed`.
     fn resync(&self, loaded: Loaded);
+}
+
+/// Appends `op` as a change decided on nothing (`expect` 0) and waits for
+/// it: a test's or a tool's way to write a store without a registry.
+pub async fn commit(store: &dyn Store, op: Op) -> Result<u64, AppendError> {
+    let _admitted = store.admit()?;
+    let appended = store.append(Append {
+        op,
+        expect: 0,
+        live: Vec::new(),
+    });
+    appended.done.await
 }

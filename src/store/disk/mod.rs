@@ -19,12 +19,15 @@
 //!   tests:      fs.rs          the file system seam; fs/sim.rs crashes it (powerloss.rs)
 //! ```
 //!
-//! Requests serialize their record on their own thread and queue it. The
-//! writer takes everything queued at that moment (up to `max_batch`),
-//! appends it to the log (`log.rs`) as one frame, in one write and one
-//! `fdatasync`, and only then acknowledges every change in it. A failed
-//! append fails every change in the batch, and the log takes nothing more
-//! until a restart recovers from it.
+//! An append is admitted first (a place in the writer's queue, refused
+//! while the queue is full, the log is at its ceiling or a write failed),
+//! then stamped with the next index and serialized on the requester's
+//! thread, and queued, in index order. The writer takes everything queued
+//! at that moment (up to `max_batch`), appends it to the log (`log.rs`) as
+//! one frame, in one write and one `fdatasync`, hands the batch to the
+//! follower (the registry publishes it), and only then answers every change
+//! in it. A failed append fails every change in the batch, and the log
+//! takes nothing more until a restart recovers from it (fail-stop).
 //!
 //! Once the log holds `log_limit` bytes, the writer seals its segment,
 //! starts the next, and hands the newest record of every allocation changed
@@ -66,16 +69,19 @@ mod writer;
 use std::{
     path::{Path, PathBuf},
     sync::{
-        Arc, Mutex, PoisonError,
-        mpsc::{self, SyncSender},
+        Arc, Mutex, OnceLock, PoisonError, Weak,
+        mpsc::{self, Sender},
     },
     thread::JoinHandle,
     time::Duration,
 };
 
-use tokio::sync::oneshot;
+use tokio::sync::{Semaphore, oneshot};
 
-use super::{Commit, LoadOnce, Loaded, Op, Store, StoreError, record};
+use super::{
+    Admitted, Append, AppendError, Appended, Change, Follower, LoadOnce, Loaded, Op, Store,
+    StoreError, record,
+};
 use crate::metrics::Metrics;
 use checkpoint::checkpointer;
 use fs::{DirLock, Fs, LockError, Open, RealFs};
@@ -115,7 +121,7 @@ pub struct DiskStoreConfig {
     /// Where the files are: the real file system, or a simulated one in
     /// tests.
     pub fs: Arc<dyn Fs>,
-    /// Changes queued for the writer at most (`COMMIT_QUEUE`).
+    /// Changes admitted and not yet answered at most (`COMMIT_QUEUE`).
     pub commit_queue: usize,
     /// How far a segment's file is written with zeros ahead of its
     /// appends (`log::WRITE_AHEAD`; small in tests, to cross it often).
@@ -150,9 +156,10 @@ impl DiskStoreConfig {
     }
 }
 
-/// Changes queued for the writer at most; one more is refused (503
-/// `store_unavailable`) instead of memory growing without bound. Far more
-/// than the connections a server takes can have in flight.
+/// Changes admitted and not yet answered at most; one more is refused
+/// before it is decided (503 `store_unavailable`) instead of memory growing
+/// without bound. Far more than the connections a server takes can have in
+/// flight.
 const COMMIT_QUEUE: usize = 65_536;
 
 /// Default size of the log between checkpoints.
@@ -172,15 +179,26 @@ const LOG_SLACK: u64 = 2;
 /// snapshot bytes per log byte).
 const SNAPSHOT_RATIO: u64 = 4;
 
-enum Msg {
-    /// One change, encoded for the log by the requester, on its own
-    /// thread (`log::change_with`); the writer joins a batch of them into
-    /// one frame.
+pub(super) enum Msg {
+    /// One change, stamped with its index and encoded for the log by the
+    /// requester, on its own thread (`log::change_with`); the writer joins
+    /// a batch of them into one frame.
     Change {
-        change: Vec<u8>,
-        ack: oneshot::Sender<Result<(), StoreError>>,
+        bytes: Vec<u8>,
+        /// What the follower is handed once it is durable.
+        change: Change,
+        index: u64,
+        ack: oneshot::Sender<Result<u64, AppendError>>,
     },
     Close(mpsc::SyncSender<()>),
+}
+
+/// The writer's queue and the last index handed out, under one lock: a
+/// change takes its index and its place in the queue together, so the
+/// queue (and the log, and the follower) is in index order.
+struct Queue {
+    tx: Option<Sender<Msg>>,
+    last_index: u64,
 }
 
 /// Counters of the writer and the checkpoints, for tests and metrics.
@@ -207,8 +225,12 @@ pub struct DiskStore {
     /// Written by the writer and the checkpoints; read by `stats`.
     stats: Arc<Mutex<StoreStats>>,
     dir: PathBuf,
-    /// Queue to the writer thread; `None` once closed.
-    queue: Mutex<Option<SyncSender<Msg>>>,
+    /// The writer's queue; its sender is `None` once closed.
+    queue: Mutex<Queue>,
+    /// Places in the queue (`admit`), given back as changes are answered.
+    places: Arc<Semaphore>,
+    /// Who the writer hands durable changes to (`follow`).
+    follower: Arc<OnceLock<Weak<dyn Follower>>>,
     /// The writer, then the checkpoint thread, joined in that order.
     threads: Mutex<Vec<JoinHandle<()>>>,
     /// What the store held at open, until `load` takes it.
@@ -305,7 +327,8 @@ impl DiskStore {
                 }),
             )?
         };
-        let (tx, rx) = mpsc::sync_channel(config.commit_queue.max(1));
+        let (tx, rx) = mpsc::channel();
+        let follower = Arc::new(OnceLock::new());
         let trouble = Arc::new(Mutex::new(Trouble::default()));
         let log_limit = config.log_limit.max(1);
         let writer = Writer {
@@ -329,14 +352,25 @@ impl DiskStore {
             max_batch: config.max_batch.max(1),
             stats: stats.clone(),
             metrics: config.metrics.clone(),
+            follower: follower.clone(),
         };
         let writer = spawn("taskgate-store", Box::new(move || writer.run(&rx)))?;
+        let last_index = loaded
+            .allocations
+            .iter()
+            .map(|a| a.modify_index)
+            .fold(loaded.last_index, u64::max);
         Ok(Self {
             _lock: lock,
             id,
             stats,
             dir: config.dir,
-            queue: Mutex::new(Some(tx)),
+            queue: Mutex::new(Queue {
+                tx: Some(tx),
+                last_index,
+            }),
+            places: Arc::new(Semaphore::new(config.commit_queue.max(1))),
+            follower,
             threads: Mutex::new(vec![writer, checkpointer]),
             recovered: LoadOnce::new(loaded),
             trouble,
@@ -352,19 +386,8 @@ impl DiskStore {
         *self.stats.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Queues a change for the writer without blocking: a full queue is
-    /// refused, not waited on (the caller is an async task).
-    fn send(&self, msg: Msg) -> Result<(), StoreError> {
-        let queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
-        let Some(q) = queue.as_ref() else {
-            return Err(StoreError::Closed);
-        };
-        q.try_send(msg).map_err(|e| match e {
-            mpsc::TrySendError::Full(_) => StoreError::Unavailable(
-                "the commit queue is full: changes are waiting for the disk; try again".into(),
-            ),
-            mpsc::TrySendError::Disconnected(_) => StoreError::Closed,
-        })
+    fn trouble(&self) -> std::sync::MutexGuard<'_, Trouble> {
+        self.trouble.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Waits for the writer (after what is queued) and then the checkpoint
@@ -396,8 +419,35 @@ fn lock(fs: &dyn Fs, dir: &Path) -> Result<Box<dyn DirLock>, StoreError> {
     })
 }
 
+/// A test's commit in flight (`DiskStore::commit`).
+#[cfg(test)]
+pub(crate) type Commit =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), StoreError>> + Send>>;
+
 #[cfg(test)]
 impl DiskStore {
+    /// Admits and appends `op` at once (so that changes a test queues
+    /// together share group commits); resolves once it is durable.
+    pub(crate) fn commit(&self, op: Op) -> Commit {
+        let admitted = match self.admit() {
+            Ok(admitted) => admitted,
+            Err(e) => return Box::pin(async move { Err(e) }),
+        };
+        let appended = self.append(Append {
+            op,
+            expect: 0,
+            live: Vec::new(),
+        });
+        Box::pin(async move {
+            let done = appended.done.await;
+            drop(admitted);
+            done.map(|_| ()).map_err(|e| match e {
+                AppendError::Store(e) => e,
+                other => StoreError::Io(other.to_string()),
+            })
+        })
+    }
+
     /// The IDs of the allocations it loaded, in order (a test's look).
     fn loaded_ids(&self) -> Vec<String> {
         self.load()
@@ -418,56 +468,72 @@ impl Store for DiskStore {
         &self.id
     }
 
-    fn commit(&self, op: Op) -> Commit {
+    fn follow(&self, from: u64, follower: Weak<dyn Follower>) {
+        let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+        queue.last_index = queue.last_index.max(from);
+        let _ = self.follower.set(follower);
+    }
+
+    fn admit(&self) -> Result<Admitted, StoreError> {
+        if let Some(refused) = self.trouble().refusal() {
+            return Err(refused);
+        }
+        match self.places.clone().try_acquire_owned() {
+            Ok(place) => Ok(Admitted::of(place)),
+            Err(_) => Err(StoreError::Unavailable(
+                "the commit queue is full: changes are waiting for the disk; try again".into(),
+            )),
+        }
+    }
+
+    fn append(&self, append: Append) -> Appended {
         let (ack, done) = oneshot::channel();
         // Sized for a typical record, so encoding it rarely reallocates.
-        let mut change = Vec::with_capacity(1024);
-        match op {
-            Op::Put(a) => {
-                log::change_with(&mut change, a.id.as_str(), a.modify_index, true, |buf| {
+        let mut bytes = Vec::with_capacity(1024);
+        let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+        let index = queue.last_index + 1;
+        let (change, record) = match append.op {
+            Op::Put(mut a) => {
+                let placeholder = a.modify_index;
+                Arc::make_mut(&mut a).restamp(placeholder, index);
+                log::change_with(&mut bytes, a.id.as_str(), index, true, |buf| {
                     record::encode_into(&a, buf);
-                })
+                });
+                (Change::Put(a.clone()), Some(a))
             }
-            Op::Delete { id, index } => log::change(&mut change, id.as_str(), index, None),
+            Op::Delete(id) => {
+                log::change(&mut bytes, id.as_str(), index, None);
+                (Change::Delete { id, index }, None)
+            }
+        };
+        let msg = Msg::Change {
+            bytes,
+            change,
+            index,
+            ack,
+        };
+        let sent = queue.tx.as_ref().is_some_and(|tx| tx.send(msg).is_ok());
+        if !sent {
+            return Appended {
+                record: None,
+                stamped: false,
+                done: Box::pin(async { Err(AppendError::Store(StoreError::Closed)) }),
+            };
         }
-        let msg = Msg::Change { change, ack };
-        if let Err(e) = self.send(msg) {
-            return Box::pin(async { Err(e) });
+        queue.last_index = index;
+        drop(queue);
+        Appended {
+            record,
+            stamped: true,
+            done: Box::pin(async move {
+                done.await
+                    .unwrap_or(Err(AppendError::Store(StoreError::Closed)))
+            }),
         }
-        Box::pin(async move { done.await.unwrap_or(Err(StoreError::Closed)) })
     }
 
     fn health(&self) -> super::StoreHealth {
-        let t = self.trouble.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(cause) = &t.write {
-            return super::StoreHealth::Refusing {
-                code: "write_failed",
-                cause: cause.clone(),
-            };
-        }
-        if t.full {
-            return super::StoreHealth::Refusing {
-                code: "log_full",
-                cause: format!(
-                    "the store log reached its ceiling; checkpoints fail: {}",
-                    t.checkpoint
-                        .as_deref()
-                        .unwrap_or("(no checkpoint has failed)")
-                ),
-            };
-        }
-        let mut codes = Vec::new();
-        if t.checkpoint.is_some() {
-            codes.push("checkpoints_failing");
-        }
-        if t.rollover.is_some() {
-            codes.push("log_rollover_failing");
-        }
-        if codes.is_empty() {
-            super::StoreHealth::Ok
-        } else {
-            super::StoreHealth::Degraded(codes)
-        }
+        self.trouble().health()
     }
 
     fn close(&self) -> Result<(), StoreError> {
@@ -477,9 +543,10 @@ impl Store for DiskStore {
         let sent = {
             let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
             let sent = queue
+                .tx
                 .as_ref()
                 .is_some_and(|q| q.send(Msg::Close(tx)).is_ok());
-            queue.take();
+            queue.tx.take();
             sent
         };
         if sent {
@@ -495,6 +562,7 @@ impl Drop for DiskStore {
         self.queue
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+            .tx
             .take();
         let _ = self.join();
     }

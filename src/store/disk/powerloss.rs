@@ -20,7 +20,7 @@ use std::{
 use proptest::prelude::*;
 
 use super::{
-    DiskStore, DiskStoreConfig,
+    Commit, DiskStore, DiskStoreConfig,
     fs::{
         Fs,
         sim::{self, SimFs},
@@ -28,7 +28,7 @@ use super::{
 };
 use crate::{
     lifecycle::{AllocId, AllocSpec, Allocation, Limits, TaskName, TaskSpec},
-    store::{Commit, Op, Store, StoreError, StoreHealth},
+    store::{Op, Store, StoreError, StoreHealth},
 };
 
 fn dir() -> PathBuf {
@@ -131,7 +131,7 @@ fn drive(fs: &SimFs, log_limit: u64, steps: &[Step]) -> (BTreeMap<u8, Key>, u64)
                 (Some(index), Op::Put(Arc::new(alloc(s.key, index, s.size))))
             } else {
                 let id = AllocId::parse(&format!("key-{}", s.key)).unwrap();
-                (None, Op::Delete { id, index })
+                (None, Op::Delete(id))
             };
             keys.entry(s.key).or_default().maybe.push(value);
             flight.push((s.key, value, index, store.commit(op)));
@@ -527,9 +527,10 @@ fn stray_temporary_files_are_removed_or_left_alone() {
 }
 
 /// The writer's queue is bounded: with the disk stalled in an fsync, the
-/// change one past the queue's size is refused at once (503
-/// `store_unavailable` at the HTTP edge) instead of memory growing; the
-/// queued ones commit once the disk goes on.
+/// change one past the queue's size (changes admitted and not yet
+/// answered, the stalled one included) is refused at once, before it is
+/// decided (503 `store_unavailable` at the HTTP edge) instead of memory
+/// growing; the queued ones commit once the disk goes on.
 #[test]
 fn a_full_commit_queue_refuses_the_next_change_instead_of_growing() {
     let fs = SimFs::new();
@@ -558,10 +559,10 @@ fn a_full_commit_queue_refuses_the_next_change_instead_of_growing() {
     // The first change is taken by the writer, which stalls in its fsync.
     let first = put(0);
     stalled.recv().unwrap();
-    let queued: Vec<_> = (1..=4).map(put).collect();
+    let queued: Vec<_> = (1..=3).map(put).collect();
     // Refused at once: ready on its first poll, not queued behind the
     // stalled disk.
-    let mut fifth = put(5);
+    let mut fifth = put(4);
     let refused = fifth
         .as_mut()
         .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));

@@ -87,7 +87,7 @@ proptest! {
                         Op::Put(Arc::new(a))
                     } else {
                         model.remove(id.as_str());
-                        Op::Delete { id, index: last }
+                        Op::Delete(id)
                     };
                     // Queued together, so they share group commits.
                     queued.push(store.commit(op));

@@ -848,6 +848,7 @@ fn a_failed_append_stops_the_log_until_a_restart_and_says_why() {
         sealed: Vec::new(),
         log_limit: DEFAULT_LOG_LIMIT,
         log_ceiling: DEFAULT_LOG_CEILING,
+        follower: Arc::default(),
         jobs,
         done,
         snapshot_bytes: 0,
@@ -885,12 +886,7 @@ async fn queued_changes_share_commits_unless_batching_is_off() {
         let dir = tempfile::tempdir().unwrap();
         let store = open(dir.path(), max_batch);
         let commits: Vec<_> = (1..=200u64)
-            .map(|i| {
-                store.commit(Op::Delete {
-                    id: AllocId::parse(&format!("x{i}")).unwrap(),
-                    index: i,
-                })
-            })
+            .map(|i| store.commit(Op::Delete(AllocId::parse(&format!("x{i}")).unwrap())))
             .collect();
         for c in commits {
             c.await.unwrap();
@@ -1078,10 +1074,7 @@ async fn commits_after_close_fail_as_closed() {
     let store = open(dir.path(), 8);
     store.close().unwrap();
     let err = store
-        .commit(Op::Delete {
-            id: AllocId::parse("x").unwrap(),
-            index: 1,
-        })
+        .commit(Op::Delete(AllocId::parse("x").unwrap()))
         .await
         .unwrap_err();
     assert!(matches!(err, StoreError::Closed));

@@ -4,14 +4,17 @@
 use std::{
     path::PathBuf,
     sync::{
-        Arc, Mutex, PoisonError,
+        Arc, Mutex, OnceLock, PoisonError, Weak,
         mpsc::{self, Receiver, SyncSender},
     },
     time::{Duration, Instant},
 };
 
 use super::{LOG_SLACK, Msg, SNAPSHOT_RATIO, StoreStats, checkpoint::Job, fs::Fs, log};
-use crate::{metrics::Metrics, store::StoreError};
+use crate::{
+    metrics::Metrics,
+    store::{AppendError, Follower, StoreError, StoreHealth},
+};
 
 /// What is wrong with the store's background work, shared between the
 /// writer (which keeps it) and `DiskStore::health`.
@@ -24,9 +27,57 @@ pub(super) struct Trouble {
     pub(super) checkpoint: Option<String>,
     /// The last error starting a new log segment, while that fails.
     pub(super) rollover: Option<String>,
-    /// The log not yet folded reached its ceiling: writes are refused
-    /// until a checkpoint succeeds.
+    /// The log not yet folded reached its ceiling: changes are refused
+    /// admission until a checkpoint succeeds.
     pub(super) full: bool,
+}
+
+impl Trouble {
+    /// Why a change is refused admission now, if it is.
+    pub(super) fn refusal(&self) -> Option<StoreError> {
+        if let Some(why) = &self.write {
+            return Some(StoreError::Io(why.clone()));
+        }
+        self.full.then(|| {
+            StoreError::Unavailable(
+                "the store log reached its ceiling of bytes not yet folded into the snapshot, \
+                 because checkpoints fail; writes are refused until one succeeds"
+                    .into(),
+            )
+        })
+    }
+
+    pub(super) fn health(&self) -> StoreHealth {
+        if let Some(cause) = &self.write {
+            return StoreHealth::Refusing {
+                code: "write_failed",
+                cause: cause.clone(),
+            };
+        }
+        if self.full {
+            return StoreHealth::Refusing {
+                code: "log_full",
+                cause: format!(
+                    "the store log reached its ceiling; checkpoints fail: {}",
+                    self.checkpoint
+                        .as_deref()
+                        .unwrap_or("(no checkpoint has failed)")
+                ),
+            };
+        }
+        let mut codes = Vec::new();
+        if self.checkpoint.is_some() {
+            codes.push("checkpoints_failing");
+        }
+        if self.rollover.is_some() {
+            codes.push("log_rollover_failing");
+        }
+        if codes.is_empty() {
+            StoreHealth::Ok
+        } else {
+            StoreHealth::Degraded(codes)
+        }
+    }
 }
 
 /// How long the writer waits before trying a failed checkpoint or
@@ -70,6 +121,8 @@ pub(super) struct Writer {
     pub(super) max_batch: usize,
     pub(super) stats: Arc<Mutex<StoreStats>>,
     pub(super) metrics: Option<Arc<Metrics>>,
+    /// Handed every durable batch before its changes are answered.
+    pub(super) follower: Arc<OnceLock<Weak<dyn Follower>>>,
 }
 
 impl Writer {
@@ -77,6 +130,7 @@ impl Writer {
         let mut batch = Vec::with_capacity(self.max_batch);
         let mut buf = Vec::new();
         let mut acks = Vec::new();
+        let mut changes = Vec::new();
         loop {
             // While something failed, wake up to try it again (and to
             // collect the try's answer) even if no change comes.
@@ -102,14 +156,22 @@ impl Writer {
                 }
             }
             let mut closing = None;
+            let mut last = 0;
             // The whole batch is one frame: one append, which a crash
             // leaves whole or torn, never half of its changes whole.
             log::begin(&mut buf);
             for msg in batch.drain(..) {
                 match msg {
-                    Msg::Change { change, ack } => {
-                        buf.extend_from_slice(&change);
-                        acks.push(ack);
+                    Msg::Change {
+                        bytes,
+                        change,
+                        index,
+                        ack,
+                    } => {
+                        buf.extend_from_slice(&bytes);
+                        changes.push(change);
+                        acks.push((index, ack));
+                        last = index;
                     }
                     // Everything queued before the close is in this batch.
                     Msg::Close(done) => closing = Some(done),
@@ -126,9 +188,17 @@ impl Writer {
                     let mut s = self.stats.lock().unwrap_or_else(PoisonError::into_inner);
                     s.commits += 1;
                     s.changes += acks.len() as u64;
+                    drop(s);
+                    if let Some(f) = self.follower.get().and_then(Weak::upgrade) {
+                        f.changed(std::mem::take(&mut changes), last);
+                    }
                 }
-                for ack in acks.drain(..) {
-                    let _ = ack.send(result.clone());
+                changes.clear();
+                for (index, ack) in acks.drain(..) {
+                    let _ = ack.send(match &result {
+                        Ok(()) => Ok(index),
+                        Err(e) => Err(AppendError::Store(e.clone())),
+                    });
                 }
                 self.maintain();
             }
@@ -166,30 +236,29 @@ impl Writer {
         self.sealed.iter().map(|(_, b, _)| b).sum::<u64>() + self.log_bytes
     }
 
+    /// Appends one frame. Past the log's ceiling the frame is still
+    /// written (it was admitted before the log got there): the ceiling
+    /// refuses admission to the changes after it.
     pub(super) fn append(&mut self, buf: &mut [u8]) -> Result<(), StoreError> {
         if let Some(why) = &self.trouble().write {
             return Err(StoreError::Io(why.clone()));
         }
-        let unfolded = self.unfolded();
-        if unfolded + buf.len() as u64 > self.log_ceiling {
-            let mut t = self.trouble();
-            if !t.full {
-                t.full = true;
-                tracing::error!(
-                    unfolded_bytes = unfolded,
-                    ceiling = self.log_ceiling,
-                    "the store log reached its ceiling because checkpoints fail; writes are refused \
-                     until a checkpoint succeeds"
-                );
-            }
-            return Err(StoreError::Unavailable(format!(
-                "the store log holds {unfolded} bytes not yet folded into the snapshot, its \
-                 ceiling, because checkpoints fail; writes are refused until one succeeds"
-            )));
-        }
         match self.segment.append(buf) {
             Ok(()) => {
                 self.log_bytes += buf.len() as u64;
+                let unfolded = self.unfolded();
+                if unfolded > self.log_ceiling {
+                    let mut t = self.trouble();
+                    if !t.full {
+                        t.full = true;
+                        tracing::error!(
+                            unfolded_bytes = unfolded,
+                            ceiling = self.log_ceiling,
+                            "the store log reached its ceiling because checkpoints fail; writes are \
+                             refused until a checkpoint succeeds"
+                        );
+                    }
+                }
                 Ok(())
             }
             Err(e) => {

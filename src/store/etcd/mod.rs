@@ -38,10 +38,10 @@ pub use client::{EtcdConfig, prefix_end};
 use tokio::sync::watch;
 
 use super::{
-    Change, Commit, Follower, Lease, LiveOp, LoadOnce, Loaded, Op, ReplicatedStore, Store,
-    StoreError, StoreHealth, Swap, SwapError, Unreadable, record,
+    Append, AppendError, Appended, Change, Follower, Lease, Leases, LiveOp, LoadOnce, Loaded, Op,
+    QuorumRead, Store, StoreError, StoreHealth, Unreadable, record,
 };
-use crate::lifecycle::{AllocId, Allocation};
+use crate::lifecycle::{AllocId, Allocation, WriteMark};
 
 /// Keys listed per request at start and on a resync.
 const PAGE: u64 = 500;
@@ -59,21 +59,33 @@ const CONNECT_PATIENCE: Duration = Duration::from_secs(60);
 pub struct EtcdStore {
     /// The prefix's store ID (`identify`).
     id: String,
-    client: Arc<Client>,
-    /// `<prefix>a/`: the allocations' keys.
-    keys: Vec<u8>,
-    /// `<prefix>live/`: the tasks' liveness keys (`live.rs`).
-    live: Vec<u8>,
-    /// Carries lease renewals to etcd.
-    keep: keep::KeepAlives,
-    /// Whether etcd was seen raising a lease's TTL to its minimum (said
-    /// once).
-    raised: Arc<std::sync::atomic::AtomicBool>,
+    keys: Arc<Keys>,
+    /// The runs' leases (`Leases`).
+    leases: Arc<EtcdLeases>,
     /// The listing made at connect, until `load` takes it.
     loaded: LoadOnce,
     link: Arc<Mutex<Link>>,
     /// Turns `true` at close: the follower stops.
     closed: watch::Sender<bool>,
+}
+
+/// Where a prefix's keys are, and the client that writes them.
+struct Keys {
+    client: Arc<Client>,
+    /// `<prefix>a/`: the allocations' keys.
+    keys: Vec<u8>,
+    /// `<prefix>live/`: the tasks' liveness keys (`live.rs`).
+    live: Vec<u8>,
+}
+
+/// The `Leases` of an etcd prefix.
+struct EtcdLeases {
+    keys: Arc<Keys>,
+    /// Carries lease renewals to etcd.
+    keep: keep::KeepAlives,
+    /// Whether etcd was seen raising a lease's TTL to its minimum (said
+    /// once).
+    raised: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// How the replica's link to etcd is doing (health).
@@ -128,22 +140,26 @@ impl EtcdStore {
         let id = identify(&client, config.prefix.as_bytes()).await?;
         let client = Arc::new(client);
         let closed = watch::Sender::new(false);
+        let keys = Arc::new(Keys { client, keys, live });
         Ok(Self {
             id,
-            keep: keep::KeepAlives::start(client.clone(), closed.subscribe()),
-            client,
+            leases: Arc::new(EtcdLeases {
+                keep: keep::KeepAlives::start(keys.client.clone(), closed.subscribe()),
+                keys: keys.clone(),
+                raised: Arc::default(),
+            }),
             keys,
-            live,
             loaded: LoadOnce::new(loaded),
             link: Arc::new(Mutex::new(Link {
                 unreadable,
                 ..Link::default()
             })),
             closed,
-            raised: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         })
     }
+}
 
+impl Keys {
     fn key(&self, id: &AllocId) -> Vec<u8> {
         let mut key = self.keys.clone();
         key.extend_from_slice(id.as_str().as_bytes());
@@ -354,9 +370,9 @@ fn settle(
     created: u64,
     read: u64,
     uncertain: bool,
-) -> SwapError {
+) -> AppendError {
     let unknown = |why: &str| {
-        SwapError::Store(StoreError::Uncertain(format!(
+        AppendError::Store(StoreError::Uncertain(format!(
             "etcd did not answer a write and {why}, so whether it was applied cannot be told; \
              read the allocation before sending the request again (or send it with the same \
              Idempotency-Key)"
@@ -365,17 +381,17 @@ fn settle(
     match op {
         Op::Put(a) => {
             let Some(ours) = a.writes().last() else {
-                return SwapError::Conflict { seen: now };
+                return AppendError::Conflict { seen: now };
             };
             if now == 0 {
                 // Deleted since: the decision is taken again (and finds
                 // no allocation).
-                return SwapError::Conflict { seen: read };
+                return AppendError::Conflict { seen: read };
             }
             let record = match record::decode(value) {
                 Ok(r) => r,
                 Err(_) if uncertain => return unknown("the record is unreadable"),
-                Err(_) => return SwapError::Conflict { seen: now },
+                Err(_) => return AppendError::Conflict { seen: now },
             };
             let marks = record.writes();
             if marks.iter().any(|m| m.id == ours.id) {
@@ -384,22 +400,22 @@ fn settle(
                     revision = now,
                     "a write whose answer was lost had been applied (its write mark is in the record); not applied again"
                 );
-                SwapError::Landed { seen: now }
+                AppendError::Landed { seen: now }
             } else if !uncertain
                 || marks.iter().any(|m| m.parent == expect)
                 || (expect != 0 && created > expect)
             {
-                SwapError::Conflict { seen: now }
+                AppendError::Conflict { seen: now }
             } else {
                 unknown("more writes followed it than the record remembers")
             }
         }
         // A deletion that may have landed: the key gone, or created again
         // since, means the record it was decided on is deleted.
-        Op::Delete { .. } if uncertain && (now == 0 || created > expect) => SwapError::Landed {
+        Op::Delete(_) if uncertain && (now == 0 || created > expect) => AppendError::Landed {
             seen: if now == 0 { read } else { now },
         },
-        Op::Delete { .. } => SwapError::Conflict {
+        Op::Delete(_) => AppendError::Conflict {
             seen: if now == 0 { read } else { now },
         },
     }
@@ -423,12 +439,108 @@ impl Store for EtcdStore {
         &self.id
     }
 
-    fn commit(&self, _: Op) -> Commit {
-        Box::pin(async {
-            Err(StoreError::Io(
-                "the etcd store commits through compare-and-swap only".into(),
-            ))
-        })
+    fn append(&self, append: Append) -> Appended {
+        let Append { op, expect, live } = append;
+        let k = &self.keys;
+        let (op, key, value, also) = match op {
+            Op::Put(mut a) => {
+                // Marked, so that an attempt whose answer is lost can be
+                // told from another's write (`settle`).
+                Arc::make_mut(&mut a).mark_write(WriteMark {
+                    id: fastrand::u64(..),
+                    parent: expect,
+                });
+                let (key, value) = (k.key(&a.id), Some(record::encode(&a)));
+                let also = k.live_requests(&a.id, live);
+                (Op::Put(a), key, value, also)
+            }
+            // Every liveness key of the allocation goes with it.
+            Op::Delete(id) => {
+                let keys = live::of_alloc(&k.live, &id);
+                let range_end = prefix_end(&keys);
+                let key = k.key(&id);
+                (
+                    Op::Delete(id),
+                    key,
+                    None,
+                    vec![proto::Request::DeleteRange(proto::DeleteRangeRequest {
+                        key: keys,
+                        range_end,
+                    })],
+                )
+            }
+        };
+        let client = k.client.clone();
+        let record = match &op {
+            Op::Put(a) => Some(a.clone()),
+            Op::Delete(_) => None,
+        };
+        let done = Box::pin(async move {
+            match client.swap_with(&key, value.as_deref(), expect, also).await {
+                Ok(Swapped::Done(index)) => Ok(index),
+                Ok(Swapped::Conflict {
+                    now,
+                    value,
+                    created,
+                    read,
+                    uncertain,
+                }) => Err(settle(&op, expect, now, &value, created, read, uncertain)),
+                Err(CallError::Ambiguous(m)) => Err(AppendError::Store(StoreError::Uncertain(
+                    format!("no etcd member confirmed a write, which may have been applied: {m}"),
+                ))),
+                Err(e) => Err(AppendError::Store(unavailable(e))),
+            }
+        });
+        Appended {
+            record,
+            stamped: false,
+            done,
+        }
+    }
+
+    fn shared(&self) -> bool {
+        true
+    }
+
+    fn quorum_read(&self, id: &AllocId) -> Option<QuorumRead> {
+        let key = self.keys.key(id);
+        let client = self.keys.client.clone();
+        Some(Box::pin(async move {
+            let mut end = key.clone();
+            end.push(0);
+            let found = client.range(&key, &end, 0, 1).await.map_err(unavailable)?;
+            Ok(found.kvs.first().map(|kv| kv.mod_revision))
+        }))
+    }
+
+    fn leases(&self) -> Option<Arc<dyn Leases>> {
+        Some(self.leases.clone())
+    }
+
+    fn unreadable(&self, id: &str) -> Option<Unreadable> {
+        let link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
+        if link.unreadable.is_empty() {
+            return None;
+        }
+        link.unreadable.get(id).cloned()
+    }
+
+    fn unreadable_ids(&self) -> Vec<String> {
+        let link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
+        link.unreadable.keys().cloned().collect()
+    }
+
+    fn follow(&self, from: u64, follower: Weak<dyn Follower>) {
+        let run = Follow {
+            client: self.keys.client.clone(),
+            keys: self.keys.keys.clone(),
+            live: self.keys.live.clone(),
+            link: self.link.clone(),
+            follower,
+            applied: from,
+        };
+        let closed = self.closed.subscribe();
+        tokio::spawn(run.run(closed));
     }
 
     fn health(&self) -> StoreHealth {
@@ -451,59 +563,15 @@ impl Store for EtcdStore {
         self.closed.send_replace(true);
         Ok(())
     }
-
-    fn replicated(&self) -> Option<&dyn ReplicatedStore> {
-        Some(self)
-    }
 }
 
-impl ReplicatedStore for EtcdStore {
-    fn swap(&self, op: Op, expect: u64, live: Vec<LiveOp>) -> Swap {
-        let (key, value, also) = match &op {
-            Op::Put(a) => (
-                self.key(&a.id),
-                Some(record::encode(a)),
-                self.live_requests(&a.id, live),
-            ),
-            // Every liveness key of the allocation goes with it.
-            Op::Delete { id, .. } => {
-                let keys = live::of_alloc(&self.live, id);
-                let range_end = prefix_end(&keys);
-                (
-                    self.key(id),
-                    None,
-                    vec![proto::Request::DeleteRange(proto::DeleteRangeRequest {
-                        key: keys,
-                        range_end,
-                    })],
-                )
-            }
-        };
-        let client = self.client.clone();
-        Box::pin(async move {
-            match client.swap_with(&key, value.as_deref(), expect, also).await {
-                Ok(Swapped::Done(index)) => Ok(index),
-                Ok(Swapped::Conflict {
-                    now,
-                    value,
-                    created,
-                    read,
-                    uncertain,
-                }) => Err(settle(&op, expect, now, &value, created, read, uncertain)),
-                Err(CallError::Ambiguous(m)) => Err(SwapError::Store(StoreError::Uncertain(
-                    format!("no etcd member confirmed a write, which may have been applied: {m}"),
-                ))),
-                Err(e) => Err(SwapError::Store(unavailable(e))),
-            }
-        })
-    }
-
+impl Leases for EtcdLeases {
     fn grant(
         &self,
         ttl: Duration,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Lease, StoreError>> + Send>>
     {
-        let client = self.client.clone();
+        let client = self.keys.client.clone();
         let asked = live::lease_seconds(ttl);
         let raised = self.raised.clone();
         Box::pin(async move {
@@ -520,67 +588,28 @@ impl ReplicatedStore for EtcdStore {
         })
     }
 
-    fn mark(&self, id: &AllocId, expect: u64, live: Vec<LiveOp>) -> Swap {
-        let key = self.key(id);
-        let ops = self.live_requests(id, live);
-        let client = self.client.clone();
+    fn mark(
+        &self,
+        id: &AllocId,
+        expect: u64,
+        live: Vec<LiveOp>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<u64, AppendError>> + Send>> {
+        let key = self.keys.key(id);
+        let ops = self.keys.live_requests(id, live);
+        let client = self.keys.client.clone();
         Box::pin(async move {
             match client.when_at(&key, expect, ops).await {
                 Ok(Swapped::Done(index)) => Ok(index),
-                Ok(Swapped::Conflict { now, read, .. }) => Err(SwapError::Conflict {
+                Ok(Swapped::Conflict { now, read, .. }) => Err(AppendError::Conflict {
                     seen: if now == 0 { read } else { now },
                 }),
-                Err(e) => Err(SwapError::Store(unavailable(e))),
+                Err(e) => Err(AppendError::Store(unavailable(e))),
             }
         })
     }
 
     fn keep_alive(&self, lease: Lease) {
         self.keep.renew(lease);
-    }
-
-    fn index_of(
-        &self,
-        id: &AllocId,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Option<u64>, StoreError>> + Send>>
-    {
-        let key = self.key(id);
-        let client = self.client.clone();
-        Box::pin(async move {
-            let end = {
-                let mut end = key.clone();
-                end.push(0);
-                end
-            };
-            let found = client.range(&key, &end, 0, 1).await.map_err(unavailable)?;
-            Ok(found.kvs.first().map(|kv| kv.mod_revision))
-        })
-    }
-
-    fn unreadable(&self, id: &str) -> Option<Unreadable> {
-        let link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
-        if link.unreadable.is_empty() {
-            return None;
-        }
-        link.unreadable.get(id).cloned()
-    }
-
-    fn unreadable_ids(&self) -> Vec<String> {
-        let link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
-        link.unreadable.keys().cloned().collect()
-    }
-
-    fn follow(&self, from: u64, follower: Weak<dyn Follower>) {
-        let run = Follow {
-            client: self.client.clone(),
-            keys: self.keys.clone(),
-            live: self.live.clone(),
-            link: self.link.clone(),
-            follower,
-            applied: from,
-        };
-        let closed = self.closed.subscribe();
-        tokio::spawn(run.run(closed));
     }
 }
 
@@ -780,7 +809,7 @@ impl Follow {
                 match decode(&self.keys, &e.kv.key, &e.kv.value, e.kv.mod_revision) {
                     Ok(a) => {
                         read.push((id.as_str().to_owned(), None));
-                        changes.push(Change::Put(a));
+                        changes.push(Change::Put(Arc::new(a)));
                     }
                     Err(why) => {
                         let mut one = BTreeMap::new();

@@ -1,0 +1,128 @@
+//! What the registry refuses, and why.
+
+use crate::{
+    lifecycle::{AllocId, Allocation, RestartError, TaskName, Timestamp},
+    store::StoreError,
+};
+
+/// A caller's own limit on registered allocations: at most `max` whose IDs
+/// start with one of `prefixes` (any ID, if there are none).
+#[derive(Clone, Copy, Debug)]
+pub struct Quota<'a> {
+    pub name: &'a str,
+    pub prefixes: &'a [String],
+    pub max: usize,
+}
+
+/// Which tasks a restart request names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RestartTarget {
+    Task(TaskName),
+    Running,
+    AllTasks,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    #[error("allocation \"{0}\" not found")]
+    AllocationNotFound(String),
+    #[error("task \"{task}\" not found in allocation \"{alloc}\"; its tasks are {tasks}")]
+    TaskNotFound {
+        alloc: String,
+        task: String,
+        /// The allocation's task names, quoted, comma-separated.
+        tasks: String,
+    },
+    #[error(
+        "allocation \"{id}\" is already registered with a different task spec; delete it \
+         first (DELETE /v1/allocations/{id}) or register the new spec under another ID"
+    )]
+    AllocationExists { id: AllocId, index: u64 },
+    #[error("{error}")]
+    RestartRefused { error: RestartError, index: u64 },
+    #[error(
+        "task \"{task}\" of allocation \"{alloc}\" was declared lost at {lost_at}: its agent gave \
+         no sign of life within its TTL. Stop its process; an all-tasks restart or a restore \
+         runs it again"
+    )]
+    TaskLost {
+        alloc: String,
+        task: String,
+        /// RFC 3339.
+        lost_at: String,
+        index: u64,
+    },
+    #[error(
+        "this Idempotency-Key was used before with another request; a retry must send the \
+         same request, and a new request needs a new key"
+    )]
+    KeyReused { index: u64 },
+    #[error("allocation \"{0}\" was deleted")]
+    Deleted(String),
+    #[error("too many requests are waiting; retry later")]
+    TooManyWaiters,
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    #[error("{0}")]
+    QuotaExceeded(String),
+    /// The registration's dependencies close a cycle: among its own tasks
+    /// (`held` false), or through allocations the server holds.
+    #[error(
+        "these dependencies close a cycle, so none of its tasks could ever start: {}",
+        path.join(" → ")
+    )]
+    DependencyCycle { path: Vec<String>, held: bool },
+    /// A valid request for something this server does not do.
+    #[error("{0}")]
+    Unsupported(String),
+    /// A rule only the registry can check is broken (it needs the other
+    /// allocations it holds).
+    #[error("the allocation spec is not valid")]
+    Invalid(Vec<crate::lifecycle::FieldError>),
+    /// The allocation kept changing under the request (deleted and
+    /// registered again by others); a later try will go through.
+    #[error("{0}")]
+    Contended(String),
+    /// The allocation's record in a store several replicas write cannot
+    /// be read by this build.
+    #[error("the record of allocation \"{id}\" in the store cannot be read by this server: {why}")]
+    Unreadable { id: String, why: String },
+    /// The store holds the allocation at `index` and this replica's view
+    /// has not reached it in time.
+    #[error(
+        "this replica has not caught up with allocation \"{id}\" yet (the store holds it at \
+         index {index}, this replica's view is at {view}); try again"
+    )]
+    Behind { id: String, index: u64, view: u64 },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl RegistryError {
+    /// `TaskLost` for task `i` of `a`, lost at `at`.
+    pub fn task_lost(a: &Allocation, i: usize, at: Timestamp) -> Self {
+        Self::TaskLost {
+            alloc: a.id.to_string(),
+            task: a.task_name(i).to_string(),
+            lost_at: at
+                .format(&time::format_description::well_known::Rfc3339)
+                .unwrap_or_default(),
+            index: a.modify_index,
+        }
+    }
+
+    /// `TaskNotFound` for `task` in `a`, listing the tasks it has.
+    pub fn task_not_found(a: &Allocation, task: &str) -> Self {
+        let tasks: Vec<String> = a
+            .spec
+            .tasks()
+            .iter()
+            .map(|t| format!("\"{}\"", t.name))
+            .collect();
+        Self::TaskNotFound {
+            alloc: a.id.to_string(),
+            task: task.to_owned(),
+            tasks: tasks.join(", "),
+        }
+    }
+}

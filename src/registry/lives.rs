@@ -1,0 +1,822 @@
+//! Signs of life, and how a task's silence is measured.
+//!
+//! A task under a TTL is alive while its agent reports, heartbeats or
+//! waits; a run that gives no sign for its TTL is declared lost. Who
+//! measures the silence depends on the store, decided once, at start
+//! (`Liveness`):
+//!
+//! - **Local** (a store this process alone writes): this process's clock.
+//!   Signs of life are atomics in the handle; the due-time heap looks at
+//!   the allocation when the earliest TTL would end, and `lifecycle`
+//!   decides. A restart gives every running task a full TTL.
+//! - **Leased** (a store several replicas share, etcd): the store. A run
+//!   under a TTL has a mark and a live key under a lease; whichever replica
+//!   hears the agent renews the lease, the store removes the live key when
+//!   it expires, every replica's view sees that, and the lost decision is
+//!   an ordinary write that one replica wins. No replica's memory or clock
+//!   measures a silence: a replica that starts, restarts or heard nothing
+//!   learns it from the keys. A running task under a TTL whose run has no
+//!   mark (it began before its TTL applied) is marked, which starts its
+//!   clock then.
+//!
+//! Renewals are bounded per task and replica. A sign of life that comes
+//! (a report, a heartbeat, the start of a wait) is sent at once unless one
+//! was sent in the last third of the TTL (`every`); then it is sent when
+//! that third is up, never dropped: the lease must not end before a TTL
+//! after the latest sign heard. While a query for the task is parked here,
+//! one renewal per `every` keeps the lease up. The end of a wait is sent at
+//! once (at most one per `END_GAP`): it is the last sign of life of an
+//! agent that died with its connections, and its renewal is what puts the
+//! lease's expiry one TTL after the death rather than up to a third of a
+//! TTL later.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex, OnceLock, PoisonError,
+        atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use super::{
+    Inner, Registry, RegistryError,
+    handle::Handle,
+    map::AllocMap,
+    time::{Clock, from_nanos, nanos},
+};
+use crate::{
+    lifecycle::{Allocation, RunState, Timestamp, UNTIL_TOLD},
+    store::{AppendError, Lease, Leases, LiveOp, Liveness as Key, Mark, Store},
+};
+
+/// After a mark that could not be written, the next try.
+const RETRY: Duration = Duration::from_secs(1);
+
+/// Who measures a task's silence (see the module's comment).
+pub(super) enum Liveness {
+    Local,
+    Leased(Arc<dyn Leases>),
+}
+
+impl Liveness {
+    /// As the store can: leases if it has them.
+    pub(super) fn of(store: &dyn Store) -> Self {
+        match store.leases() {
+            Some(leases) => Self::Leased(leases),
+            None => Self::Local,
+        }
+    }
+
+    /// A record loaded at start: with local liveness, every running task
+    /// under a TTL is alive now (their agents' long-polls were cut by the
+    /// restart, not by their death); leased, the store keeps their clocks.
+    pub(super) fn loaded(&self, handle: &Handle, now: Timestamp, default: Option<Duration>) {
+        if let (Self::Local, Some(a)) = (self, handle.current())
+            && a.spec.timed(default)
+        {
+            handle.lives().init_at(a.tasks.len(), now);
+        }
+    }
+
+    fn leases(&self) -> Option<&Arc<dyn Leases>> {
+        match self {
+            Self::Local => None,
+            Self::Leased(l) => Some(l),
+        }
+    }
+}
+
+/// No sign of life known.
+const NEVER_SEEN: i64 = i64::MIN;
+
+/// One task's signs of life.
+#[derive(Debug)]
+pub(crate) struct Life {
+    /// The latest sign of life (nanoseconds, `NEVER_SEEN`: none).
+    seen: AtomicI64,
+    /// Queries for the task parked now: each one is a sign of life for as
+    /// long as it waits.
+    parked: AtomicU32,
+    /// With a store several replicas share: its liveness keys and this
+    /// replica's renewals.
+    pub(crate) kept: Kept,
+}
+
+/// The signs of life of an allocation's tasks, made for allocations whose
+/// tasks run under a TTL (the others pay the empty cell, no block).
+#[derive(Debug, Default)]
+pub(crate) struct Lives(OnceLock<Arc<[Life]>>);
+
+impl Lives {
+    /// The table for `tasks` tasks, made on first use with every task's
+    /// last sign of life at `since` (`None`: never).
+    fn table(&self, tasks: usize, since: Option<Timestamp>) -> &Arc<[Life]> {
+        self.0.get_or_init(|| {
+            let seen = since.map_or(NEVER_SEEN, nanos);
+            (0..tasks)
+                .map(|_| Life {
+                    seen: AtomicI64::new(seen),
+                    parked: AtomicU32::new(0),
+                    kept: Kept::default(),
+                })
+                .collect()
+        })
+    }
+
+    /// Every task alive at `now` (a server that just loaded its store
+    /// gives every running task a full TTL).
+    pub(crate) fn init_at(&self, tasks: usize, now: Timestamp) {
+        self.table(tasks, Some(now));
+    }
+
+    /// Whether the table was made (the allocation runs tasks under a TTL,
+    /// or the store keeps liveness keys for it).
+    pub(crate) fn made(&self) -> bool {
+        self.0.get().is_some()
+    }
+
+    /// Task `i`'s slot, if the table was made.
+    pub(crate) fn life(&self, i: usize) -> Option<&Life> {
+        self.0.get()?.get(i)
+    }
+
+    /// Task `i`'s slot, the table made for `tasks` tasks if it was not.
+    pub(crate) fn life_made(&self, tasks: usize, i: usize) -> Option<&Life> {
+        self.table(tasks, None).get(i)
+    }
+
+    /// Every slot (none if the table was not made).
+    pub(crate) fn all(&self) -> &[Life] {
+        self.0.get().map_or(&[], |t| t)
+    }
+
+    /// A sign of life for task `i` at `now`.
+    pub(crate) fn touch(&self, tasks: usize, i: usize, now: Timestamp) {
+        if let Some(life) = self.table(tasks, None).get(i) {
+            life.seen.fetch_max(nanos(now), Ordering::Relaxed);
+        }
+    }
+
+    /// The latest sign of life of task `i` as of `now` (a parked query is
+    /// one now).
+    pub(crate) fn seen(&self, i: usize, now: Timestamp) -> Option<Timestamp> {
+        let life = self.0.get()?.get(i)?;
+        if life.parked.load(Ordering::Relaxed) > 0 {
+            return Some(now);
+        }
+        match life.seen.load(Ordering::Relaxed) {
+            NEVER_SEEN => None,
+            n => Some(from_nanos(n)),
+        }
+    }
+
+    /// Counts a query for task `i` parked while the guard lives; its end
+    /// is a sign of life too, after which `ended` runs (a replica renews
+    /// the task's lease then).
+    pub(crate) fn park(
+        &self,
+        tasks: usize,
+        i: usize,
+        clock: Clock,
+        ended: Option<Box<dyn FnOnce() + Send>>,
+    ) -> ParkedLife {
+        let table = self.table(tasks, None).clone();
+        if let Some(life) = table.get(i) {
+            life.parked.fetch_add(1, Ordering::Relaxed);
+        }
+        ParkedLife {
+            table,
+            i,
+            clock,
+            ended,
+        }
+    }
+}
+
+impl Life {
+    /// Whether a query for the task is parked now.
+    pub(crate) fn is_parked(&self) -> bool {
+        self.parked.load(Ordering::Relaxed) > 0
+    }
+
+    /// The latest sign of life stored (a parked query not counted as one
+    /// now).
+    pub(crate) fn last_seen(&self) -> Option<Timestamp> {
+        match self.seen.load(Ordering::Relaxed) {
+            NEVER_SEEN => None,
+            n => Some(from_nanos(n)),
+        }
+    }
+}
+
+/// A query parked for a task (see `Lives::park`).
+pub(crate) struct ParkedLife {
+    table: Arc<[Life]>,
+    i: usize,
+    clock: Clock,
+    ended: Option<Box<dyn FnOnce() + Send>>,
+}
+
+impl Drop for ParkedLife {
+    fn drop(&mut self) {
+        if let Some(life) = self.table.get(self.i) {
+            // The end of the wait is its last moment of life: stored
+            // before the count drops, so no moment reads neither.
+            life.seen
+                .fetch_max(nanos(self.clock.now()), Ordering::Relaxed);
+            life.parked.fetch_sub(1, Ordering::Relaxed);
+        }
+        if let Some(ended) = self.ended.take() {
+            ended();
+        }
+    }
+}
+
+/// The end of a wait is sent at once, but not more often than this per
+/// task and replica (a client that parks and ends many short waits).
+pub(crate) const END_GAP: Duration = Duration::from_millis(100);
+
+/// Renewals of a lease whose TTL this replica does not know yet (its mark
+/// not seen): at most this often.
+const EVERY_UNKNOWN: Duration = Duration::from_secs(1);
+
+const NEVER: i64 = i64::MIN;
+pub(super) const NOT_DUE: i64 = i64::MAX;
+
+/// What the view holds of a task's liveness keys.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Keys {
+    /// The run's mark, if the store holds one.
+    pub mark: Option<Mark>,
+    /// Whether the run's live key is there.
+    pub live: bool,
+    /// When this replica's view saw the live key go (its clock).
+    pub gone_at: Option<Timestamp>,
+}
+
+/// One task's liveness keys as this replica's view holds them, and this
+/// replica's renewals of their lease.
+#[derive(Debug)]
+pub(crate) struct Kept {
+    /// Written by the store's follower (in revision order), read by the
+    /// decisions. A std lock, held only to copy or set the keys.
+    keys: Mutex<Keys>,
+    /// The live key's lease (0: no live key): what a sign of life renews.
+    lease: AtomicI64,
+    /// A third of the run's TTL, in milliseconds.
+    every_ms: AtomicU64,
+    /// When this replica last sent a renewal (the due-time heap's clock,
+    /// `Timers::now`; `NEVER`).
+    sent: AtomicI64,
+    /// The lease that renewal went to (0: none since a new one was seen).
+    sent_on: AtomicI64,
+    /// A sign of life came that no renewal sent since covers.
+    want: AtomicBool,
+    /// When the due-time heap looks at the task's renewal next (its
+    /// clock; `NOT_DUE`: it does not).
+    pub(super) due: AtomicI64,
+    /// This replica is writing a mark for the run (`mark_runs`).
+    pub(crate) marking: AtomicBool,
+}
+
+impl Default for Kept {
+    fn default() -> Self {
+        Self {
+            keys: Mutex::default(),
+            lease: AtomicI64::new(0),
+            every_ms: AtomicU64::new(EVERY_UNKNOWN.as_millis() as u64),
+            sent: AtomicI64::new(NEVER),
+            sent_on: AtomicI64::new(0),
+            want: AtomicBool::new(false),
+            due: AtomicI64::new(NOT_DUE),
+            marking: AtomicBool::new(false),
+        }
+    }
+}
+
+impl Kept {
+    /// A copy of the keys as the view holds them.
+    pub(crate) fn keys(&self) -> Keys {
+        self.keys
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The store wrote (`Some`) or removed the run's mark.
+    pub(crate) fn set_mark(&self, mark: Option<Mark>) {
+        if let Some(m) = &mark {
+            let every = (m.ttl / 3).max(Duration::from_millis(1));
+            self.every_ms
+                .store(every.as_millis() as u64, Ordering::Relaxed);
+        }
+        self.keys
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .mark = mark;
+    }
+
+    /// The store wrote the live key under `lease` (`Some`), or it went at
+    /// `now`. True when it was written.
+    pub(crate) fn set_live(&self, lease: Option<Lease>, now: Timestamp) -> bool {
+        let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        keys.live = lease.is_some();
+        keys.gone_at = if lease.is_some() { None } else { Some(now) };
+        drop(keys);
+        // A new lease has had no renewal from here yet.
+        self.sent.store(NEVER, Ordering::SeqCst);
+        if let Some(new) = lease {
+            // The last sign heard here renewed another run's lease: this
+            // view had not seen the run end yet, and the sign may have
+            // been the new run's agent. Renewed again once the new lease
+            // is known (`Keeper::lease_known`), never spent on a lease
+            // nobody needs.
+            let old = self.sent_on.swap(0, Ordering::SeqCst);
+            if old != 0 && old != new {
+                self.want.store(true, Ordering::SeqCst);
+            }
+        }
+        self.lease.store(lease.unwrap_or(0), Ordering::SeqCst);
+        lease.is_some()
+    }
+
+    /// The view lists everything again: the keys it does not list are
+    /// gone (at `now`, if the live key was there).
+    pub(crate) fn forget(&self, now: Timestamp) {
+        let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        if keys.live {
+            keys.gone_at = Some(now);
+        }
+        keys.live = false;
+        keys.mark = None;
+        drop(keys);
+        self.lease.store(0, Ordering::SeqCst);
+    }
+
+    fn every(&self) -> i64 {
+        let ms = self.every_ms.load(Ordering::Relaxed);
+        i64::try_from(ms.saturating_mul(1_000_000)).unwrap_or(i64::MAX)
+    }
+}
+
+/// Why a renewal is asked for.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Sign {
+    /// A sign of life came: a report, a heartbeat, the start of a wait.
+    Came,
+    /// A parked query for the task ended.
+    Ended,
+}
+
+/// Applies a liveness key the store listed or changed to the handle of its
+/// allocation in `map` (if the view holds it, with that task). Returns the
+/// handle, and whether a live key was written (its lease is new).
+pub(super) fn keep_liveness(
+    map: &AllocMap,
+    l: &Key,
+    now: Timestamp,
+) -> Option<(Arc<Handle>, usize, bool)> {
+    let (id, task) = match l {
+        Key::Mark { id, task, .. } | Key::Live { id, task, .. } => (id, task),
+    };
+    let handle = map.get(id.as_str())?;
+    let a = handle.current()?;
+    let i = a.position(task.as_str())?;
+    let life = handle.lives().life_made(a.tasks.len(), i)?;
+    let written = match l {
+        Key::Mark { mark, .. } => {
+            life.kept.set_mark(*mark);
+            false
+        }
+        Key::Live { lease, .. } => life.kept.set_live(*lease, now),
+    };
+    Some((handle.clone(), i, written))
+}
+
+impl Inner {
+    /// The latest sign of life of each task, as time alone judges it:
+    /// this process's memory (local); leased, alive until the store says
+    /// otherwise (`lapsed`).
+    pub(super) fn seen<'a>(
+        &'a self,
+        handle: &'a Handle,
+        now: Timestamp,
+    ) -> impl Fn(usize) -> Option<Timestamp> + 'a {
+        let leased = self.lives.leases().is_some();
+        move |i| {
+            if leased {
+                Some(UNTIL_TOLD)
+            } else {
+                handle.lives().seen(i, now)
+            }
+        }
+    }
+
+    /// Leased: task `i` of `a` runs under a TTL, its run is marked, and
+    /// its live key is gone: its lease expired. `Some(the latest sign of
+    /// life known)`: this replica's own, or the moment the lease was last
+    /// renewed as its expiry tells, whichever is later.
+    pub(super) fn lapsed(&self, handle: &Handle, a: &Allocation, i: usize) -> Option<Timestamp> {
+        self.lives.leases()?;
+        let t = &a.tasks[i];
+        if t.state != RunState::Running || !self.view_holds(a) {
+            return None;
+        }
+        let life = handle.lives().life(i)?;
+        let keys = life.kept.keys();
+        let mark = keys.mark?;
+        if keys.live || Some(mark.run) != t.started_at.map(nanos) {
+            return None;
+        }
+        // A stored TTL too long for the calendar renews nothing knowable.
+        let renewed = keys
+            .gone_at
+            .and_then(|at| at.checked_sub(mark.ttl.try_into().ok()?));
+        let heard = life.last_seen().filter(|&h| Some(h) >= t.started_at);
+        renewed.max(heard).or(t.started_at)
+    }
+
+    /// Leased: task `i` of `a` runs under a TTL (this replica's) and the
+    /// store holds no mark of its run.
+    fn unmarked(&self, handle: &Handle, a: &Allocation, i: usize) -> bool {
+        let t = &a.tasks[i];
+        if self.lives.leases().is_none()
+            || t.state != RunState::Running
+            || a.spec.ttl(i, self.config.default_liveness_ttl).is_none()
+            || !self.view_holds(a)
+        {
+            return false;
+        }
+        let run = t.started_at.map(nanos);
+        let keys = handle
+            .lives()
+            .life(i)
+            .map(|l| l.kept.keys())
+            .unwrap_or_default();
+        keys.mark.is_none_or(|m| Some(m.run) != run)
+    }
+
+    /// What leases say of `a` now: due at once (a task lapsed), after
+    /// marking the runs that have no mark, or nothing. Local: nothing.
+    pub(super) fn lease_due(&self, handle: &Arc<Handle>, a: &Allocation) -> bool {
+        if self.lives.leases().is_none() {
+            return false;
+        }
+        if (0..a.tasks.len()).any(|i| self.lapsed(handle, a, i).is_some()) {
+            return true;
+        }
+        if (0..a.tasks.len()).any(|i| self.unmarked(handle, a, i)) {
+            self.mark_runs(handle);
+        }
+        false
+    }
+
+    /// Marks the runs of `handle`'s allocation that run under a TTL without
+    /// a mark (they started before their TTL applied: the server's default
+    /// turned on since, or a change written by another build): from now on
+    /// the store measures their silence. In a task of its own; a failure is
+    /// tried again.
+    fn mark_runs(&self, handle: &Arc<Handle>) {
+        let Some(registry) = self.registry() else {
+            return;
+        };
+        let Some(a) = handle.current() else { return };
+        let tasks = a.tasks.len();
+        let todo: Vec<usize> = (0..tasks)
+            .filter(|&i| self.unmarked(handle, &a, i))
+            .filter(|&i| {
+                handle
+                    .lives()
+                    .life_made(tasks, i)
+                    .is_some_and(|l| !l.kept.marking.swap(true, Ordering::SeqCst))
+            })
+            .collect();
+        if todo.is_empty() {
+            return;
+        }
+        let handle = handle.clone();
+        self.spawn(async move {
+            let outcome = registry.mark_unmarked(&a, &todo).await;
+            for &i in &todo {
+                if let Some(l) = handle.lives().life(i) {
+                    l.kept.marking.store(false, Ordering::SeqCst);
+                }
+            }
+            if let Err(e) = outcome {
+                tracing::warn!(alloc = %a.id, error = %e, "a running task's TTL could not be given to the store; trying again");
+                tokio::time::sleep(RETRY).await;
+            }
+            if let Some(now) = handle.current() {
+                registry.inner.reschedule(&handle, &now);
+            }
+        });
+    }
+
+    /// A sign of life for task `i` heard here: leased, a renewal of its
+    /// lease now, or when the bound allows. Local: nothing more to do.
+    pub(super) fn renew(&self, handle: &Arc<Handle>, i: usize, sign: Sign) {
+        let Some(leases) = self.lives.leases() else {
+            return;
+        };
+        let Some(life) = handle.lives().life(i) else {
+            return;
+        };
+        let k = &life.kept;
+        if k.lease.load(Ordering::SeqCst) == 0 {
+            // No live key seen yet (the view lags behind the write that
+            // made the task running): sent once it is.
+            k.want.store(true, Ordering::SeqCst);
+            return;
+        }
+        let gap = match sign {
+            Sign::Came => k.every(),
+            Sign::Ended => k.every().min(END_GAP.as_nanos() as i64),
+        };
+        k.want.store(true, Ordering::SeqCst);
+        let sent = k.sent.load(Ordering::SeqCst);
+        let now = self.timers.now();
+        if sent == NEVER || now.saturating_sub(sent) >= gap {
+            self.send(leases.as_ref(), handle, i);
+        } else {
+            self.renew_at(handle, i, sent.saturating_add(gap));
+        }
+    }
+
+    /// The view saw task `i`'s live key written: renewed at once if a
+    /// query for it is parked here or a sign of life waited for it.
+    pub(super) fn lease_known(&self, handle: &Arc<Handle>, i: usize) {
+        let (Some(leases), Some(life)) = (self.lives.leases(), handle.lives().life(i)) else {
+            return;
+        };
+        if life.is_parked() || life.kept.want.load(Ordering::SeqCst) {
+            self.send(leases.as_ref(), handle, i);
+        }
+    }
+
+    /// Sends a renewal of task `i`'s lease now (if it has one and a sign
+    /// of life or a parked query wants it), and schedules the next while a
+    /// query is parked.
+    fn send(&self, leases: &dyn Leases, handle: &Arc<Handle>, i: usize) {
+        let Some(life) = handle.lives().life(i) else {
+            return;
+        };
+        let k = &life.kept;
+        let lease = k.lease.load(Ordering::SeqCst);
+        if lease == 0 {
+            return;
+        }
+        let wanted = k.want.swap(false, Ordering::SeqCst);
+        let parked = life.is_parked();
+        if !wanted && !parked {
+            return;
+        }
+        let now = self.timers.now();
+        k.sent.store(now, Ordering::SeqCst);
+        k.sent_on.store(lease, Ordering::SeqCst);
+        leases.keep_alive(lease);
+        if parked {
+            self.renew_at(handle, i, now.saturating_add(k.every()));
+        }
+    }
+
+    /// A renewal of task `i` came due (`time.rs`).
+    pub(super) fn renewal_due(&self, handle: &Arc<Handle>, i: usize) {
+        let (Some(leases), Some(life)) = (self.lives.leases(), handle.lives().life(i)) else {
+            return;
+        };
+        let k = &life.kept;
+        let now = self.timers.now();
+        let sent = k.sent.load(Ordering::SeqCst);
+        let every = k.every();
+        let refresh = life.is_parked() && now.saturating_sub(sent) >= every;
+        if k.want.load(Ordering::SeqCst) || refresh {
+            k.want.store(true, Ordering::SeqCst);
+            self.send(leases.as_ref(), handle, i);
+        } else if life.is_parked() {
+            self.renew_at(handle, i, sent.saturating_add(every));
+        }
+    }
+}
+
+impl Registry {
+    /// A sign of life for tasks of an allocation (a report): each task
+    /// under a TTL is alive now.
+    pub(super) fn signs_of_life<'a>(&self, id: &str, tasks: impl IntoIterator<Item = &'a str>) {
+        let Ok(handle) = self.handle(id) else { return };
+        let Some(a) = handle.current() else { return };
+        let default = self.inner.config.default_liveness_ttl;
+        // A store with leases may keep liveness keys for tasks this
+        // replica knows no TTL of (another's default): their leases are
+        // renewed all the same.
+        if !a.spec.timed(default) && !handle.lives().made() {
+            return;
+        }
+        let now = self.now();
+        for name in tasks {
+            if let Some(i) = a.position(name) {
+                if a.spec.ttl(i, default).is_some() {
+                    handle.lives().touch(a.tasks.len(), i, now);
+                }
+                self.inner.renew(&handle, i, Sign::Came);
+            }
+        }
+    }
+
+    /// `PUT .../tasks/{task}/heartbeat`: a sign of life that writes
+    /// nothing and wakes nobody. Returns the record it was checked
+    /// against (for its index).
+    pub fn heartbeat(&self, id: &str, task: &str) -> Result<Arc<Allocation>, RegistryError> {
+        let handle = self.handle(id)?;
+        let a = handle
+            .current()
+            .ok_or_else(|| RegistryError::AllocationNotFound(id.to_owned()))?;
+        let i = self.task_position(&a, task)?;
+        if let Some(lost_at) = a.tasks[i].lost_at() {
+            return Err(RegistryError::task_lost(&a, i, lost_at));
+        }
+        if a.spec
+            .ttl(i, self.inner.config.default_liveness_ttl)
+            .is_some()
+        {
+            handle.lives().touch(a.tasks.len(), i, self.now());
+        }
+        self.inner.renew(&handle, i, Sign::Came);
+        Ok(a)
+    }
+
+    /// A query parked for task `i` of `a` (its agent's): a sign of life
+    /// now, and for as long as it waits; its end is one too (leased: it
+    /// renews the lease, as it is the last sign of an agent that died with
+    /// its connections). `None` if the task is not watched.
+    pub(super) fn parked_life(
+        &self,
+        handle: &Arc<Handle>,
+        a: &Allocation,
+        i: usize,
+    ) -> Option<ParkedLife> {
+        // Leased, a task may have liveness keys this replica knows no TTL
+        // for (another replica's default): renewed all the same.
+        let leased = self.inner.lives.leases().is_some();
+        if self.ttl(a, i).is_none() && !(leased && handle.lives().made()) {
+            return None;
+        }
+        handle.lives().touch(a.tasks.len(), i, self.now());
+        let ended: Option<Box<dyn FnOnce() + Send>> = leased.then(|| {
+            let (inner, handle) = (Arc::downgrade(&self.inner), handle.clone());
+            Box::new(move || {
+                if let Some(inner) = inner.upgrade() {
+                    inner.renew(&handle, i, Sign::Ended);
+                }
+            }) as Box<dyn FnOnce() + Send>
+        });
+        let parked = handle
+            .lives()
+            .park(a.tasks.len(), i, self.inner.config.clock.clone(), ended);
+        // Counted as parked first: the renewal then keeps the lease up for
+        // as long as the wait lasts.
+        self.inner.renew(handle, i, Sign::Came);
+        Some(parked)
+    }
+
+    /// What a view of `a` shows of its tasks' signs of life: the
+    /// allocation looked up and the clock read once for all its tasks.
+    /// `None` when no task of `a` runs under a TTL, or `a` is gone.
+    pub fn signs(&self, a: &Allocation) -> Option<Signs> {
+        let default = self.inner.config.default_liveness_ttl;
+        if !(0..a.tasks.len()).any(|i| a.spec.ttl(i, default).is_some()) {
+            return None;
+        }
+        let handle = self.handle(a.id.as_str()).ok()?;
+        Some(Signs {
+            handle,
+            now: self.now(),
+        })
+    }
+
+    /// The TTL task `i` runs under (its own, or the server's default).
+    pub fn ttl(&self, a: &Allocation, i: usize) -> Option<Duration> {
+        a.spec.ttl(i, self.inner.config.default_liveness_ttl)
+    }
+
+    /// The server's `--default-liveness-ttl`.
+    pub fn default_liveness_ttl(&self) -> Option<Duration> {
+        self.inner.config.default_liveness_ttl
+    }
+
+    /// Writes marks for the runs `todo` of `a` (see `Inner::mark_runs`),
+    /// if the store still holds `a`.
+    async fn mark_unmarked(&self, a: &Allocation, todo: &[usize]) -> Result<(), RegistryError> {
+        let Some(leases) = self.inner.lives.leases() else {
+            return Ok(());
+        };
+        let default = self.inner.config.default_liveness_ttl;
+        let mut ops = Vec::new();
+        for &i in todo {
+            let (Some(ttl), Some(started)) = (a.spec.ttl(i, default), a.tasks[i].started_at) else {
+                continue;
+            };
+            let lease = leases.grant(ttl).await?;
+            ops.push(LiveOp::Start {
+                task: a.task_name(i).clone(),
+                mark: Mark {
+                    run: nanos(started),
+                    ttl,
+                    lease,
+                },
+            });
+        }
+        if ops.is_empty() {
+            return Ok(());
+        }
+        match leases.mark(&a.id, a.modify_index, ops).await {
+            Ok(index) => {
+                tracing::info!(alloc = %a.id, index, "running tasks under a TTL without a mark of their run are watched from now on");
+                self.wait_view(index, Duration::from_secs(10)).await;
+                Ok(())
+            }
+            // The record moved on: its next publication looks again.
+            Err(AppendError::Conflict { .. } | AppendError::Landed { .. }) => Ok(()),
+            Err(AppendError::Store(e)) => Err(e.into()),
+        }
+    }
+
+    /// Leased: what `decided` (the next record, decided on `current`) does
+    /// to its tasks' liveness keys: a run under a TTL that starts gets its
+    /// mark and live key (under a lease from `granted`, granted on first
+    /// use and kept for the next rounds of the same write), a run that ends
+    /// loses them. Local: nothing.
+    pub(super) async fn live_ops(
+        &self,
+        handle: &Handle,
+        current: &Allocation,
+        decided: &Allocation,
+        granted: &mut HashMap<usize, Lease>,
+    ) -> Result<Vec<LiveOp>, RegistryError> {
+        let Some(leases) = self.inner.lives.leases() else {
+            return Ok(Vec::new());
+        };
+        let default = self.inner.config.default_liveness_ttl;
+        let mut ops = Vec::new();
+        for (i, (was, now)) in current.tasks.iter().zip(&decided.tasks).enumerate() {
+            let (ran, runs) = (
+                was.state == RunState::Running,
+                now.state == RunState::Running,
+            );
+            let new_run = runs && (!ran || was.started_at != now.started_at);
+            let kept = handle
+                .lives()
+                .life(i)
+                .is_some_and(|l| l.kept.keys().mark.is_some());
+            let ttl = decided.spec.ttl(i, default);
+            let task = || decided.task_name(i).clone();
+            match (new_run, ttl, now.started_at) {
+                (true, Some(ttl), Some(started)) => {
+                    let lease = match granted.get(&i) {
+                        Some(&l) => l,
+                        None => {
+                            let l = leases.grant(ttl).await?;
+                            granted.insert(i, l);
+                            l
+                        }
+                    };
+                    ops.push(LiveOp::Start {
+                        task: task(),
+                        mark: Mark {
+                            run: nanos(started),
+                            ttl,
+                            lease,
+                        },
+                    });
+                }
+                _ if ran && (new_run || !runs) && (kept || ttl.is_some()) => {
+                    ops.push(LiveOp::End { task: task() });
+                }
+                _ => {}
+            }
+        }
+        Ok(ops)
+    }
+}
+
+/// The signs of life of one allocation's tasks as a view shows them
+/// (`Registry::signs`).
+pub struct Signs {
+    handle: Arc<Handle>,
+    now: Timestamp,
+}
+
+impl Signs {
+    /// The latest sign of life this server knows of for task `i` (a
+    /// parked query is one now), if the task runs under a TTL.
+    pub fn last_seen(&self, i: usize) -> Option<Timestamp> {
+        self.handle.lives().seen(i, self.now)
+    }
+}
+
+impl Inner {
+    /// Whether the store measures silences (`Liveness::Leased`).
+    pub(super) fn lives_leased(&self) -> bool {
+        self.lives.leases().is_some()
+    }
+}

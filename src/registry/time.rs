@@ -1,0 +1,479 @@
+//! Time in the registry: its clock, the one due-time heap that holds every
+//! timer, and what time does to an allocation.
+//!
+//! `lifecycle/` decides what time does (`Allocation::tick`) and says when
+//! it must be asked again (`Allocation::wake_at`); this module only keeps
+//! those moments and wakes on the earliest. One heap holds every timer —
+//! an allocation to look at (a TTL, a deadline), a lease to renew
+//! (`lives.rs`) — and one task drives it, however many it holds: a million
+//! allocations with TTLs are a million heap entries, not a million timers.
+//!
+//! An entry is never moved later. A sign of life (a heartbeat, a report, a
+//! parked query) only stores a time in its task's slot; when the entry
+//! comes due the allocation is asked again, finds its tasks alive, and is
+//! put back at the new moment. So a heartbeat costs an atomic store, and an
+//! allocation costs one heap operation per TTL at most.
+//!
+//! The heap counts on tokio's monotonic clock (paused in tests); a moment
+//! the rules give as a wall time is put on it when it is scheduled, and
+//! the look at it reads the wall time again, so a wall clock that moves
+//! costs an extra look, never a missed one.
+
+use std::{
+    cmp::Reverse,
+    collections::BinaryHeap,
+    sync::{
+        Arc, Mutex, PoisonError, Weak,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use time::OffsetDateTime;
+use tokio::sync::Notify;
+
+use super::{Inner, Registry, RegistryError, handle::Handle, lives::NOT_DUE};
+use crate::lifecycle::{Allocation, Timestamp, UNTIL_TOLD};
+
+/// Where the registry reads the time. Tests run it on tokio's clock, which
+/// `tokio::time::pause` stops and `advance` moves; the server reads the
+/// system's.
+#[derive(Clone)]
+pub struct Clock(ClockKind);
+
+#[derive(Clone)]
+enum ClockKind {
+    System,
+    /// The wall time at `base`, moved on by tokio's clock since.
+    Tokio {
+        wall: OffsetDateTime,
+        base: tokio::time::Instant,
+    },
+}
+
+impl Clock {
+    pub fn system() -> Self {
+        Self(ClockKind::System)
+    }
+
+    /// Wall time that follows tokio's clock (for tests with paused time).
+    pub fn tokio() -> Self {
+        Self(ClockKind::Tokio {
+            wall: OffsetDateTime::now_utc(),
+            base: tokio::time::Instant::now(),
+        })
+    }
+
+    pub fn now(&self) -> Timestamp {
+        match &self.0 {
+            ClockKind::System => OffsetDateTime::now_utc(),
+            ClockKind::Tokio { wall, base } => *wall + base.elapsed(),
+        }
+    }
+}
+
+impl Default for Clock {
+    fn default() -> Self {
+        Self::system()
+    }
+}
+
+impl std::fmt::Debug for Clock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            ClockKind::System => f.write_str("Clock::system"),
+            ClockKind::Tokio { .. } => f.write_str("Clock::tokio"),
+        }
+    }
+}
+
+/// A time as the nanoseconds since the Unix epoch that fit an `i64`
+/// (until the year 2262), saturating.
+pub(crate) fn nanos(t: Timestamp) -> i64 {
+    i64::try_from(t.unix_timestamp_nanos()).unwrap_or(if t.year() < 1970 {
+        i64::MIN + 1
+    } else {
+        i64::MAX - 1
+    })
+}
+
+pub(crate) fn from_nanos(n: i64) -> Timestamp {
+    OffsetDateTime::from_unix_timestamp_nanos(i128::from(n)).unwrap_or(OffsetDateTime::UNIX_EPOCH)
+}
+
+/// An allocation the heap does not look at.
+pub(super) const NOT_SCHEDULED: i64 = i64::MAX;
+
+/// Allocations looked at together at most: a restart after a long outage
+/// can find a million deadlines due at once.
+const MAX_LOOKING: usize = 256;
+
+/// After a look that failed (the store refused the write), the next try.
+const RETRY: Duration = Duration::from_secs(1);
+
+/// What comes due.
+#[derive(Clone, Copy)]
+enum Due {
+    /// Look at the allocation (`Registry::look_at`).
+    Look,
+    /// Renew the lease of a task's run (`Inner::renewal_due`).
+    Renew(usize),
+}
+
+/// A heap entry: `what` of `handle` at `at` (the heap's clock).
+struct Entry {
+    at: i64,
+    handle: Weak<Handle>,
+    what: Due,
+}
+
+impl PartialEq for Entry {
+    fn eq(&self, other: &Self) -> bool {
+        self.at == other.at
+    }
+}
+impl Eq for Entry {}
+impl PartialOrd for Entry {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Entry {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.at.cmp(&other.at)
+    }
+}
+
+impl Entry {
+    /// Whether the entry's handle still waits for this moment; taken out
+    /// of its slot if it does (an entry replaced by an earlier one is not).
+    fn take(&self, handle: &Handle) -> bool {
+        let slot = match self.what {
+            Due::Look => &handle.scheduled,
+            Due::Renew(i) => match handle.lives().life(i) {
+                Some(life) => &life.kept.due,
+                None => return false,
+            },
+        };
+        let none = match self.what {
+            Due::Look => NOT_SCHEDULED,
+            Due::Renew(_) => NOT_DUE,
+        };
+        slot.compare_exchange(self.at, none, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+    }
+
+    /// Whether the entry is one its handle still waits for.
+    fn current(&self) -> bool {
+        self.handle.upgrade().is_some_and(|h| {
+            let at = match self.what {
+                Due::Look => h.scheduled.load(Ordering::SeqCst),
+                Due::Renew(i) => h
+                    .lives()
+                    .life(i)
+                    .map_or(NOT_DUE, |l| l.kept.due.load(Ordering::SeqCst)),
+            };
+            at == self.at && h.current().is_some()
+        })
+    }
+}
+
+/// Every timer, earliest first.
+pub(super) struct Timers {
+    /// The heap's clock starts here (tokio's: paused in tests).
+    base: tokio::time::Instant,
+    /// The wall clock the rules' moments are read on.
+    clock: Clock,
+    /// A std lock: held to push or pop, never across an `.await`.
+    heap: Mutex<Heap>,
+    /// Woken when an entry earlier than the earliest is pushed, and when
+    /// the registry goes.
+    earlier: Notify,
+    /// Whether the task that drives the heap runs (started on first use,
+    /// inside a runtime).
+    driving: AtomicBool,
+    /// The registry was dropped: the driver ends.
+    closed: AtomicBool,
+}
+
+/// The heap and what keeps it small.
+#[derive(Default)]
+struct Heap {
+    entries: BinaryHeap<Reverse<Entry>>,
+    /// The heap's length after the last sweep: the next one comes when it
+    /// has doubled.
+    swept: usize,
+}
+
+impl Heap {
+    /// Drops the entries no handle waits for any more: an allocation
+    /// deleted, or one scheduled earlier since (an entry is never moved,
+    /// so each earlier schedule leaves the later entry behind). Swept as
+    /// the heap doubles, which keeps it within about twice the entries
+    /// waited for, at a constant cost per push.
+    fn sweep_if_doubled(&mut self) {
+        if self.entries.len() < 2 * self.swept.max(512) {
+            return;
+        }
+        self.entries.retain(|Reverse(e)| e.current());
+        self.swept = self.entries.len();
+    }
+}
+
+impl Timers {
+    pub(super) fn new(clock: Clock) -> Self {
+        Self {
+            base: tokio::time::Instant::now(),
+            clock,
+            heap: Mutex::default(),
+            earlier: Notify::new(),
+            driving: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+        }
+    }
+
+    /// The heap's time now: nanoseconds since it started.
+    pub(super) fn now(&self) -> i64 {
+        i64::try_from(self.base.elapsed().as_nanos()).unwrap_or(i64::MAX)
+    }
+
+    /// The heap's time of the wall time `at`.
+    fn of_wall(&self, at: Timestamp) -> i64 {
+        let left = at - self.clock.now();
+        let left = i64::try_from(left.whole_nanoseconds()).unwrap_or(if left.is_negative() {
+            i64::MIN
+        } else {
+            i64::MAX
+        });
+        self.now().saturating_add(left.max(0))
+    }
+
+    /// Puts `what` of `handle` at `at` (the heap's clock) in the heap,
+    /// unless its slot is already due as early. True if it was the new
+    /// earliest.
+    fn push(&self, handle: &Arc<Handle>, at: i64, what: Due) -> bool {
+        let slot = match what {
+            Due::Look => &handle.scheduled,
+            Due::Renew(i) => match handle.lives().life(i) {
+                Some(life) => &life.kept.due,
+                None => return false,
+            },
+        };
+        // Only ever earlier: an entry already due sooner looks then and
+        // puts it back where it belongs.
+        if slot.fetch_min(at, Ordering::SeqCst) <= at {
+            return false;
+        }
+        let mut heap = self.heap.lock().unwrap_or_else(PoisonError::into_inner);
+        let earliest = heap.entries.peek().is_none_or(|Reverse(e)| at < e.at);
+        heap.entries.push(Reverse(Entry {
+            at,
+            handle: Arc::downgrade(handle),
+            what,
+        }));
+        heap.sweep_if_doubled();
+        drop(heap);
+        if earliest {
+            self.earlier.notify_one();
+        }
+        earliest
+    }
+
+    /// Entries due by now, each taken out of its handle's slot, and the
+    /// time of the next one.
+    fn due(&self, max: usize) -> (Vec<(Arc<Handle>, Due)>, Option<i64>) {
+        let now = self.now();
+        let mut heap = self.heap.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut out = Vec::new();
+        while out.len() < max {
+            match heap.entries.peek() {
+                Some(Reverse(e)) if e.at <= now => {}
+                _ => break,
+            }
+            let Reverse(e) = heap.entries.pop().expect("peeked");
+            let Some(handle) = e.handle.upgrade() else {
+                continue;
+            };
+            if e.take(&handle) {
+                out.push((handle, e.what));
+            }
+        }
+        let next = heap.entries.peek().map(|Reverse(e)| e.at);
+        (out, next)
+    }
+
+    fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        self.earlier.notify_one();
+    }
+
+    /// Entries held, stale ones included.
+    pub(super) fn len(&self) -> usize {
+        self.heap
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entries
+            .len()
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The driver holds the registry weakly: wake it to see it is gone.
+        self.timers.close();
+    }
+}
+
+impl Inner {
+    /// Puts a timed allocation's next moment in the heap. Called after
+    /// every publication and every look; cheap for an allocation that
+    /// uses no TTL and no deadline (one check of its spec).
+    pub(super) fn reschedule(&self, handle: &Arc<Handle>, a: &Allocation) {
+        let default = self.config.default_liveness_ttl;
+        if !a.spec.timed(default) {
+            return;
+        }
+        // Leased, the view decides only once it holds all of `a` (the
+        // liveness keys written with it included): the follower looks
+        // again then.
+        if self.lives_leased() && !self.view_holds(a) {
+            return;
+        }
+        let now = self.config.clock.now();
+        if self.lease_due(handle, a) {
+            return self.schedule(handle, now);
+        }
+        let seen = self.seen(handle, now);
+        if let Some(at) = a.wake_at(&seen, default)
+            && at != UNTIL_TOLD
+        {
+            self.schedule(handle, at);
+        }
+    }
+
+    /// Looks at `handle`'s allocation at `at` (a wall time).
+    pub(super) fn schedule(&self, handle: &Arc<Handle>, at: Timestamp) {
+        self.timers.push(handle, self.timers.of_wall(at), Due::Look);
+        self.drive();
+    }
+
+    /// Renews task `i`'s lease at `at` (the heap's clock).
+    pub(super) fn renew_at(&self, handle: &Arc<Handle>, i: usize, at: i64) {
+        self.timers.push(handle, at, Due::Renew(i));
+        self.drive();
+    }
+
+    /// Starts the task that drives the heap, once, inside a runtime.
+    pub(super) fn drive(&self) {
+        if self.timers.driving.load(Ordering::Acquire) {
+            return;
+        }
+        if self
+            .timers
+            .driving
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+            && self
+                .spawn(drive(self.me.clone(), self.timers.clone()))
+                .is_none()
+        {
+            // Outside a runtime: started by the next use inside one.
+            self.timers.driving.store(false, Ordering::Release);
+        }
+    }
+}
+
+/// Runs what comes due, until the registry is dropped. Holds the heap,
+/// not the registry, while it waits.
+async fn drive(me: Weak<Inner>, timers: Arc<Timers>) {
+    let mut looking = tokio::task::JoinSet::new();
+    loop {
+        while looking.try_join_next().is_some() {}
+        let earlier = timers.earlier.notified();
+        let mut earlier = std::pin::pin!(earlier);
+        // Registered before the heap is read: a push after the read wakes
+        // this wait.
+        earlier.as_mut().enable();
+        let next = {
+            let Some(inner) = me.upgrade() else { return };
+            if timers.closed.load(Ordering::SeqCst) {
+                return;
+            }
+            let (due, next) = timers.due(MAX_LOOKING);
+            let more = !due.is_empty();
+            for (handle, what) in due {
+                match what {
+                    Due::Renew(i) => inner.renewal_due(&handle, i),
+                    Due::Look => {
+                        while looking.len() >= MAX_LOOKING {
+                            looking.join_next().await;
+                        }
+                        let r = Registry {
+                            inner: inner.clone(),
+                        };
+                        looking.spawn(async move { r.look_at(handle).await });
+                    }
+                }
+            }
+            if more {
+                continue;
+            }
+            next
+        };
+        match next {
+            Some(at) => {
+                let wait = u64::try_from(at.saturating_sub(timers.now())).unwrap_or(0);
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_nanos(wait)) => {}
+                    () = earlier => {}
+                }
+            }
+            None => earlier.await,
+        }
+    }
+}
+
+impl Registry {
+    /// The registry's time now.
+    pub(super) fn now(&self) -> Timestamp {
+        self.inner.config.clock.now()
+    }
+
+    /// An allocation's moment came: what time alone does to it is decided
+    /// and written like any change, then its next moment is scheduled.
+    async fn look_at(&self, handle: Arc<Handle>) {
+        let Some(a) = handle.current() else { return };
+        let default = self.inner.config.default_liveness_ttl;
+        let now = self.now();
+        let inner = &self.inner;
+        let due = (0..a.tasks.len()).any(|i| inner.lapsed(&handle, &a, i).is_some())
+            || a.wake_at(&inner.seen(&handle, now), default)
+                .is_some_and(|at| at <= now);
+        if due {
+            let decided = self
+                .write(
+                    handle.id(),
+                    |a, next_index| {
+                        let now = self.now();
+                        let seen = inner.seen(&handle, now);
+                        let lapsed = |i| inner.lapsed(&handle, a, i);
+                        Ok((a.tick_lapsed(now, &seen, &lapsed, default, next_index), ()))
+                    },
+                    |_| {},
+                )
+                .await;
+            match decided {
+                Ok(_) => {}
+                Err(RegistryError::AllocationNotFound(_) | RegistryError::Deleted(_)) => return,
+                Err(e) => {
+                    tracing::warn!(alloc = %handle.id(), error = %e, "a deadline or TTL that passed could not be recorded; trying again");
+                    self.inner.schedule(&handle, self.now() + RETRY);
+                    return;
+                }
+            }
+        }
+        if let Some(a) = handle.current() {
+            self.inner.reschedule(&handle, &a);
+        }
+    }
+}
