@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use super::{
-    log::{self, Overlay},
+    log,
     snapshot::{self, NEXT_FILE, OLD_FILE, Snapshot},
     writer::{RETRY_FIRST, Trouble},
     *,
@@ -906,44 +906,6 @@ async fn queued_changes_share_commits_unless_batching_is_off() {
             assert_eq!(stats.commits, 200, "one commit per change");
         }
     }
-}
-
-#[tokio::test]
-async fn records_of_an_earlier_build_load_and_changes_are_written_in_the_current_format() {
-    // An earlier build's data directory: format-1 (JSON) records in the
-    // snapshot and in the log.
-    let dir = tempfile::tempdir().unwrap();
-    let at = time::OffsetDateTime::UNIX_EPOCH;
-    let alloc = |id: &str, index| {
-        Allocation::register(AllocId::parse(id).unwrap(), Arc::new(spec()), index, at)
-    };
-    let (a, b) = (alloc("a", 1), alloc("b", 2));
-    let mut w =
-        snapshot::SnapshotWriter::create(&RealFs, dir.path(), 0, 1, log::End::NONE).unwrap();
-    w.put("a", &record::encode_json(&a)).unwrap();
-    w.finish().unwrap();
-    let mut s = log::Segment::create(&RealFs, dir.path(), 1, log::End::NONE).unwrap();
-    let mut frame = log::one_append("b", 2, Some(&record::encode_json(&b)));
-    s.append(&mut frame).unwrap();
-    drop(s);
-
-    let store = open(dir.path(), 1);
-    let loaded = store.load().unwrap();
-    assert_eq!(loaded.allocations, vec![a.clone(), b]);
-    let mut changed = a.clone();
-    changed.modify_index = 3;
-    store
-        .commit(Op::Put(Arc::new(changed.clone())))
-        .await
-        .unwrap();
-    store.close().unwrap();
-    drop(store);
-    let log = std::fs::read(log::segment_path(dir.path(), 2)).unwrap();
-    let mut frames = Overlay::default();
-    log::replay(&log, 2, &mut frames).unwrap();
-    let written = frames.changes["a"].as_deref().unwrap();
-    assert_eq!(written, record::encode(&changed), "written in format 2");
-    assert_eq!(open(dir.path(), 1).load().unwrap().allocations[0], changed);
 }
 
 /// Every file of `dir` with its bytes.
