@@ -241,19 +241,10 @@ pub fn read_header(bytes: &[u8], seq: u64) -> Result<Header, String> {
             bytes.len()
         )
     };
-    let (name, format) = MAGIC.split_at(MAGIC.len() - 1);
-    match bytes.get(..MAGIC.len()) {
-        Some(magic) if magic == MAGIC => {}
-        Some(magic) if magic.starts_with(name) => {
-            return Err(format!(
-                "its header says log segment format {}, but this taskgate reads format {} only",
-                magic[name.len()],
-                format[0]
-            ));
-        }
-        None if MAGIC.starts_with(bytes) => return Err(short()),
-        _ => return Err("it does not start like a taskgate log segment".into()),
+    if bytes.len() < MAGIC.len() && MAGIC.starts_with(bytes) {
+        return Err(short());
     }
+    frame::magic(bytes, &MAGIC, "log segment")?;
     if bytes.len() < HEADER {
         return Err(short());
     }

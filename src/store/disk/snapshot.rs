@@ -106,18 +106,7 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 /// file is shorter) and trailer (its last `TRAILER` bytes) for a file of
 /// `len` bytes.
 fn bounds(header: &[u8], trailer: &[u8], len: u64) -> Result<Bounds, String> {
-    let (name, format) = MAGIC.split_at(MAGIC.len() - 1);
-    match header.get(..MAGIC.len()) {
-        Some(magic) if magic == MAGIC => {}
-        Some(magic) if magic.starts_with(name) => {
-            return Err(format!(
-                "its header says snapshot format {}, but this taskgate reads format {} only",
-                magic[name.len()],
-                format[0]
-            ));
-        }
-        _ => return Err("it does not start like a taskgate snapshot".into()),
-    }
+    frame::magic(header, &MAGIC, "snapshot")?;
     if len < (HEADER + TRAILER) as u64 {
         return Err(format!(
             "it is {len} bytes long, shorter than a header and a trailer"
