@@ -2,45 +2,30 @@
 //! files outlive changes to the in-memory types. The snapshot
 //! (`disk/snapshot.rs`) and the log (`disk/log.rs`) carry these bytes as they are.
 //!
-//! This build writes version 5, a compact binary encoding, and reads
-//! versions 1 to 5. Version 1 is JSON (`{"v":1,...}`): readable, but a
-//! settled five-task record takes ~720 bytes, over half of them task specs
-//! and timestamps spelled out, and every change writes its whole record to
-//! the log and, at the next checkpoint, rewrites the snapshot: what a
-//! change costs the store grows with the record. Version 2 holds the same
-//! fields in about a fifth of the bytes. Version 3 adds what the
-//! lifecycle's second edition keeps: the sticky stop order, readiness, and
-//! which task states are from before a restart order. A record of an
-//! earlier version stays as it is until its allocation next changes; its
-//! stop order is computed from its states, as those builds did.
-//!
-//! Version 3 (integers are unsigned LEB128 varints, each in its shortest
-//! form, unless marked `zigzag`, signed; `str` is a varint length and UTF-8
+//! This build writes and reads version 5, a compact binary encoding
+//! (integers are unsigned LEB128 varints, each in its shortest form,
+//! unless marked `zigzag`, signed; `str` is a varint length and UTF-8
 //! bytes):
 //!
 //! ```text
-//! record = 0x03 | id: str | state: u8 | create_index | modify_index
-//!        | created_at: time | modified_at: time | order | tasks: varint | task*
-//! order  = 0 (run) | reason: u8 (1 Leader Task Dead, 2 Sibling Task Failed,
-//!          3 Main Tasks Dead) | named task: varint (0 none, else position + 1)
+//! record = 0x05 | id: str | state: u8 | create_index | modify_index
+//!        | created_at: time | modified_at: time | order | ext | tasks: varint | task*
+//! order  = 0 (run)
+//!        | reason: u8 (1 Leader Task Dead, 2 Sibling Task Failed, 3 Main Tasks Dead)
+//!          | named task: varint (0 none, else position + 1)
+//!        | 4 (Deadline Exceeded) | stage: u8 (a coordinator state)
 //! task   = name: str | kind: u8 | state: u8 | flags: u8 | restarts
 //!        | restart_generation | modify_index
 //!        | [started_at: time] | [finished_at: time] | [last_restart: time]
-//!        | [ready_at: time] | events: varint | event*
+//!        | [ready_at: time] | events: varint | event* | ext
 //! kind   = hook (0 none: a main task, 1 prestart, 2 poststart, 3 poststop)
 //!        | 0x10 sidecar | 0x20 leader | 0x40 readiness
 //! flags  = 0x01 failed | 0x02 started_at | 0x04 finished_at | 0x08 last_restart
 //!        | 0x10 ready | 0x20 ready_at | 0x40 stale
-//! event  = type: str | time | message: str | details: varint | (key: str | value: str)*
+//! event  = 0 | type: str | message: str | details: varint | (key: str | value: str)*
+//!            | time                           (a body not written before)
+//!        | number: varint | time              (1 ≤ number ≤ bodies written so far)
 //! time   = unix seconds: zigzag | nanoseconds | UTC offset seconds: zigzag
-//! ```
-//!
-//! Version 4 (the third edition: liveness, deadlines, idempotency keys)
-//! is version 3 with a fourth stop reason and two extension blocks, one
-//! after `order` and one at the end of each task:
-//!
-//! ```text
-//! order  = ... | 4 (Deadline Exceeded) | stage: u8 (a coordinator state)
 //! ext    = count: varint | (tag: u8 | len: varint | payload: len bytes)*
 //!          tags strictly increasing; each payload is read whole
 //! allocation tags: 1 deadlines     = set: u8 (0x1 prestart, 0x2 main,
@@ -62,35 +47,21 @@
 //! condition = 0 running | 1 ready | 2 succeeded | 3 dead
 //! ```
 //!
-//! A record that uses none of them (most) is version 3's bytes plus one
-//! zero per block. An unknown tag is damage, as an unknown flag is.
-//!
-//! Version 5 is version 4 with each event body written once per record:
-//! the bodies are numbered from 1 in the order the record writes them,
-//! and an event whose body was written before in the same record (in any
-//! task) is that number. Agents send the same few bodies to every task of
-//! an allocation and again on each restart, and every change writes the
-//! whole record, every event of every history; in version 4 a five-task
-//! allocation with full histories wrote ~6 KB per change, in version 5
-//! about a third of that when its tasks share their bodies.
-//!
-//! ```text
-//! event  = 0 | type: str | message: str | details: varint | (key: str | value: str)*
-//!            | time                           (a body not written before)
-//!        | number: varint | time              (1 ≤ number ≤ bodies written so far)
-//! ```
-//!
-//! Version 2 is version 3 without `order`, without the `readiness` kind
-//! bit and without the flags from 0x10 on.
+//! Every change writes its whole record, every event of every history,
+//! and agents send the same few event bodies to every task of an
+//! allocation and again on each restart: so each body is written once
+//! per record. The bodies are numbered from 1 in the order the record
+//! writes them, and an event whose body was written before in the same
+//! record (in any task) is that number. A record that uses no extension
+//! (most) has one zero per `ext`.
 //!
 //! States are stored as their position in the tables below (`COORD`,
 //! `RUN`, `HOOK`), which are part of the format: never reorder them.
-//! Details keys are strictly increasing. Anything else — an unknown code
-//! or flag, a length past the end, bytes left over — is damage.
+//! Details keys are strictly increasing. Anything else — an unknown code,
+//! flag or tag, a length past the end, bytes left over — is damage. A
+//! record whose first byte is another version is refused, naming it.
 
 use std::{sync::Arc, time::Duration};
-
-use serde::Deserialize;
 
 use crate::lifecycle::{
     AllocId, AllocSpec, Allocation, Condition, CoordState, Deadlines, DepState, Dependency,
@@ -98,16 +69,8 @@ use crate::lifecycle::{
     StopReason, TaskExtra, TaskName, TaskSpec, TaskStatus, Timestamp, WRITE_MARKS, Why, WriteMark,
 };
 
-/// The record format this build writes.
+/// The record format this build writes and reads.
 pub const RECORD_VERSION: u8 = 5;
-/// The binary format of the third edition's first builds, still read.
-const BINARY_V4: u8 = 4;
-/// The binary format of the second edition, still read.
-const BINARY_V3: u8 = 3;
-/// The binary format of earlier builds, still read.
-const BINARY_V2: u8 = 2;
-/// The JSON format of earlier builds, still read.
-const JSON_VERSION: u32 = 1;
 
 const COORD: [CoordState; 6] = [
     CoordState::Init,
@@ -121,7 +84,7 @@ const RUN: [RunState; 3] = [RunState::Pending, RunState::Running, RunState::Dead
 /// Codes 1, 2, 3 (0 is a main task, with no lifecycle).
 const HOOK: [Hook; 3] = [Hook::Prestart, Hook::Poststart, Hook::Poststop];
 
-/// Codes 1, 2, 3 of a stop order (0 is run); 4 is a deadline (version 4).
+/// Codes 1, 2, 3 of a stop order (0 is run); 4 is a deadline.
 const STOP: [StopKind; 3] = [
     StopKind::LeaderTaskDead,
     StopKind::SiblingTaskFailed,
@@ -361,14 +324,7 @@ fn put_task_ext(buf: &mut Vec<u8>, spec: &TaskSpec, status: &TaskStatus) {
 
 /// Appends the record of `a` to `buf`.
 pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
-    encode_version(a, RECORD_VERSION, buf);
-}
-
-/// `a` in `version` (4 or 5; 4 is written by the tests that check it is
-/// still read).
-fn encode_version(a: &Allocation, version: u8, buf: &mut Vec<u8>) {
-    debug_assert!(matches!(version, BINARY_V4 | RECORD_VERSION));
-    buf.push(version);
+    buf.push(RECORD_VERSION);
     put_str(buf, a.id.as_str());
     buf.push(code(&COORD, a.state));
     put_varint(buf, a.create_index);
@@ -440,13 +396,6 @@ fn encode_version(a: &Allocation, version: u8, buf: &mut Vec<u8>) {
         }
         put_varint(buf, status.events.len() as u64);
         for event in status.events.iter() {
-            if version == BINARY_V4 {
-                put_str(buf, &event.kind);
-                put_event_time(buf, event);
-                put_str(buf, &event.message);
-                put_details(buf, event);
-                continue;
-            }
             let text = if event.utc_nanos().is_some() {
                 event.body()
             } else {
@@ -526,66 +475,18 @@ pub fn encode(a: &Allocation) -> Vec<u8> {
     buf
 }
 
-/// Decodes a stored record exactly as it was (no re-evaluation), of
-/// either version.
+/// Decodes a stored record exactly as it was (no re-evaluation).
 pub fn decode(bytes: &[u8]) -> Result<Allocation, String> {
-    match bytes.first() {
-        Some(&v @ (BINARY_V2 | BINARY_V3 | BINARY_V4 | RECORD_VERSION)) => {
-            decode_binary(v, &bytes[1..])
-        }
-        Some(b'{') => decode_json(bytes),
-        Some(&v) if v > RECORD_VERSION && v < b' ' => Err(format!(
-            "record format version {v}, but this taskgate reads versions {JSON_VERSION} \
-             to {RECORD_VERSION}"
+    match bytes.split_first() {
+        Some((&RECORD_VERSION, rest)) => decode_binary(rest),
+        Some((&v, _)) => Err(format!(
+            "record format version {v}, but this taskgate reads version {RECORD_VERSION} only"
         )),
-        _ => Err("not a taskgate record".to_owned()),
+        None => Err("an empty record".to_owned()),
     }
 }
 
-/// The parts common to both versions, checked as a registration is: a
-/// damaged record must not break the coordinator's assumptions.
-#[allow(clippy::too_many_arguments)]
-fn assemble(
-    id: AllocId,
-    tasks: Vec<TaskSpec>,
-    deadlines: Deadlines,
-    state: CoordState,
-    status: Vec<TaskStatus>,
-    order: Option<Desired>,
-    create_index: u64,
-    modify_index: u64,
-    created_at: Timestamp,
-    modified_at: Timestamp,
-) -> Result<Allocation, String> {
-    if tasks.len() != status.len() {
-        return Err(format!(
-            "{} tasks but {} task states",
-            tasks.len(),
-            status.len()
-        ));
-    }
-    // The limit on the task count is not re-applied: a record registered
-    // under a larger configured limit stays readable.
-    let limits = Limits {
-        max_tasks: usize::MAX,
-        ..Limits::default()
-    };
-    let spec = AllocSpec::with_deadlines(tasks, deadlines, &limits)
-        .map_err(|e| format!("invalid task spec: {}: {}", e[0].field, e[0].message))?;
-    Ok(Allocation::from_parts(
-        id,
-        Arc::new(spec),
-        state,
-        status,
-        order,
-        create_index,
-        modify_index,
-        created_at,
-        modified_at,
-    ))
-}
-
-/// Reads version 2, after its first byte.
+/// Reads a record, after its version byte.
 struct Reader<'a> {
     bytes: &'a [u8],
 }
@@ -720,7 +621,7 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// What a version 4 allocation's extension block holds.
+/// What an allocation's extension block holds.
 #[derive(Default)]
 struct AllocExt<'a> {
     deadlines: Deadlines,
@@ -824,7 +725,7 @@ impl AllocExt<'_> {
     }
 }
 
-/// What a version 4 task's extension block holds: its TTL and
+/// What a task's extension block holds: its TTL and
 /// dependencies (spec), and its status's out-of-line part.
 type TaskExt = (Option<Duration>, Vec<Dependency>, Option<Arc<TaskExtra>>);
 
@@ -910,22 +811,10 @@ fn task_ext(r: &mut Reader<'_>) -> Result<TaskExt, String> {
     Ok((ttl, deps, extra))
 }
 
-/// Reads version 2, 3 or 4 (`version`), after its first byte.
-fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
-    let v3 = version >= 3;
-    let v4 = version >= 4;
-    let v5 = version >= 5;
-    let (kind_bits, flag_bits) = if v3 {
-        (
-            0x0f | SIDECAR | LEADER | READINESS,
-            FAILED | STARTED | FINISHED | LAST_RESTART | READY | READY_AT | STALE,
-        )
-    } else {
-        (
-            0x0f | SIDECAR | LEADER,
-            FAILED | STARTED | FINISHED | LAST_RESTART,
-        )
-    };
+/// Reads a record, after its version byte.
+fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
+    let kind_bits = 0x0f | SIDECAR | LEADER | READINESS;
+    let flag_bits = FAILED | STARTED | FINISHED | LAST_RESTART | READY | READY_AT | STALE;
     let mut r = Reader { bytes };
     let id = AllocId::parse(r.str("the allocation ID")?)
         .map_err(|e| format!("bad allocation ID: {e}"))?;
@@ -936,35 +825,27 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
     let modified_at = r.time("modified_at")?;
     // The stop order, its named task as a position checked below.
     let mut deadline_stage = None;
-    let order = if v3 {
-        match r.byte("the stop order")? {
-            0 => Some(None),
-            STOP_DEADLINE if v4 => {
-                deadline_stage = Some(r.code(&COORD, "the stop order's stage")?);
-                Some(Some((StopKind::DeadlineExceeded, 0)))
-            }
-            c => {
-                let kind = *STOP
-                    .get(usize::from(c) - 1)
-                    .ok_or_else(|| format!("unknown stop order {c}"))?;
-                Some(Some((kind, r.varint("the stop order's task")?)))
-            }
+    let order = match r.byte("the stop order")? {
+        0 => None,
+        STOP_DEADLINE => {
+            deadline_stage = Some(r.code(&COORD, "the stop order's stage")?);
+            Some((StopKind::DeadlineExceeded, 0))
         }
-    } else {
-        None
+        c => {
+            let kind = *STOP
+                .get(usize::from(c) - 1)
+                .ok_or_else(|| format!("unknown stop order {c}"))?;
+            Some((kind, r.varint("the stop order's task")?))
+        }
     };
-    let mut ext = if v4 {
-        alloc_ext(&mut r)?
-    } else {
-        AllocExt::default()
-    };
+    let mut ext = alloc_ext(&mut r)?;
     // A task takes at least 9 bytes (an empty name is refused below).
     let n = r.count("the task count", 9)?;
     let (mut specs, mut statuses) = (Vec::with_capacity(n), Vec::with_capacity(n));
     // One event's details, reused from event to event.
     let mut details: Vec<(&str, &str)> = Vec::new();
-    // Version 5: the event bodies written so far, by number, and by
-    // pointer (each is written once).
+    // The event bodies written so far, by number, and by pointer (each
+    // is written once).
     let (mut bodies, mut seen): (Vec<Arc<EventBody>>, _) = (Vec::new(), Bodies::default());
     for _ in 0..n {
         let name = r.str("a task name")?;
@@ -999,19 +880,13 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
         let finished_at = time_if(FINISHED, "finished_at")?;
         let last_restart = time_if(LAST_RESTART, "last_restart")?;
         let ready_at = time_if(READY_AT, "ready_at")?;
-        // An event takes at least 6 bytes (4 from version 5 on: a body's
-        // number and a time).
-        let n_events = r.count("the event count", if v5 { 4 } else { 6 })?;
+        // An event takes at least 4 bytes: a body's number and a time.
+        let n_events = r.count("the event count", 4)?;
         let mut events = Vec::with_capacity(n_events);
         for _ in 0..n_events {
-            let written = if v5 { r.varint("an event body")? } else { 0 };
-            let (body, time) = if written == 0 {
+            let written = r.varint("an event body")?;
+            let body = if written == 0 {
                 let kind = r.str("an event type")?;
-                let time = if v5 {
-                    None
-                } else {
-                    Some(r.time_parts("an event time")?)
-                };
                 let message = r.str("an event message")?;
                 let n_details = r.count("the details count", 2)?;
                 details.clear();
@@ -1024,15 +899,13 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
                     details.push((key, value));
                 }
                 let body = EventBody::of_text(kind, message, &details);
-                if v5 {
-                    if let Some(n) = seen.number(&body) {
-                        return Err(format!("event body {n} written again"));
-                    }
-                    bodies.push(body.clone());
+                if let Some(n) = seen.number(&body) {
+                    return Err(format!("event body {n} written again"));
                 }
-                (body, time)
+                bodies.push(body.clone());
+                body
             } else {
-                let body = usize::try_from(written - 1)
+                usize::try_from(written - 1)
                     .ok()
                     .and_then(|i| bodies.get(i))
                     .ok_or_else(|| {
@@ -1040,20 +913,12 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
                             "event body {written} of the {} written before it",
                             bodies.len()
                         )
-                    })?;
-                (body.clone(), None)
+                    })?
+                    .clone()
             };
-            let time = match time {
-                Some(time) => time,
-                None => r.time_parts("an event time")?,
-            };
-            events.push(event_of(body, time)?);
+            events.push(event_of(body, r.time_parts("an event time")?)?);
         }
-        let (liveness, depends_on, extra) = if v4 {
-            task_ext(&mut r)?
-        } else {
-            (None, Vec::new(), None)
-        };
+        let (liveness, depends_on, extra) = task_ext(&mut r)?;
         specs.push(TaskSpec {
             name,
             lifecycle,
@@ -1082,9 +947,8 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
         return Err(format!("{} bytes after the record's end", r.bytes.len()));
     }
     let order = match order {
-        None => None,
-        Some(None) => Some(Desired::Run),
-        Some(Some((kind, named))) => {
+        None => Desired::Run,
+        Some((kind, named)) => {
             let task = match named {
                 0 => None,
                 i => Some(
@@ -1095,110 +959,37 @@ fn decode_binary(version: u8, bytes: &[u8]) -> Result<Allocation, String> {
                         .clone(),
                 ),
             };
-            Some(Desired::Stop(StopReason {
+            Desired::Stop(StopReason {
                 kind,
                 task,
                 stage: deadline_stage,
-            }))
+            })
         }
     };
     let overdue = ext.overdue(n)?;
-    let a = assemble(
+    // Checked as a registration is: a damaged record must not break the
+    // coordinator's assumptions. The limit on the task count is not
+    // re-applied: a record registered under a larger configured limit
+    // stays readable.
+    let limits = Limits {
+        max_tasks: usize::MAX,
+        ..Limits::default()
+    };
+    let spec = AllocSpec::with_deadlines(specs, ext.deadlines, &limits)
+        .map_err(|e| format!("invalid task spec: {}: {}", e[0].field, e[0].message))?;
+    let a = Allocation::from_parts(
         id,
-        specs,
-        ext.deadlines,
+        Arc::new(spec),
         state,
         statuses,
-        order,
+        Some(order),
         create_index,
         modify_index,
         created_at,
         modified_at,
-    )?;
+    );
     Ok(a.with_deadlines(ext.deadline_at, overdue)
         .with_writes(ext.writes))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct JsonRecord {
-    v: u32,
-    id: AllocId,
-    tasks: Vec<TaskSpec>,
-    state: CoordState,
-    status: Vec<TaskStatus>,
-    create_index: u64,
-    modify_index: u64,
-    created_at: Timestamp,
-    modified_at: Timestamp,
-}
-
-#[derive(Deserialize)]
-struct VersionOnly {
-    v: u32,
-}
-
-/// Version 1. One parse for a record of this version; the version alone
-/// is read only to explain a record that does not decode.
-fn decode_json(bytes: &[u8]) -> Result<Allocation, String> {
-    let version_error = |version: u32| {
-        format!(
-            "record format version {version} (JSON), but this taskgate reads versions \
-             {JSON_VERSION} to {RECORD_VERSION}"
-        )
-    };
-    let r: JsonRecord = match serde_json::from_slice::<JsonRecord>(bytes) {
-        Ok(r) if r.v == JSON_VERSION => r,
-        Ok(r) => return Err(version_error(r.v)),
-        Err(e) => {
-            return Err(match serde_json::from_slice::<VersionOnly>(bytes) {
-                Ok(v) if v.v != JSON_VERSION => version_error(v.v),
-                Ok(_) => format!("bad record: {e}"),
-                Err(e) => format!("not a taskgate record: {e}"),
-            });
-        }
-    };
-    assemble(
-        r.id,
-        r.tasks,
-        Deadlines::default(),
-        r.state,
-        r.status,
-        None,
-        r.create_index,
-        r.modify_index,
-        r.created_at,
-        r.modified_at,
-    )
-}
-
-/// Version 1, as earlier builds wrote it: for tests of reading it.
-#[cfg(test)]
-pub fn encode_json(a: &Allocation) -> Vec<u8> {
-    #[derive(serde::Serialize)]
-    struct JsonOut<'a> {
-        v: u32,
-        id: &'a AllocId,
-        tasks: &'a [TaskSpec],
-        state: CoordState,
-        status: &'a [TaskStatus],
-        create_index: u64,
-        modify_index: u64,
-        created_at: Timestamp,
-        modified_at: Timestamp,
-    }
-    serde_json::to_vec(&JsonOut {
-        v: JSON_VERSION,
-        id: &a.id,
-        tasks: a.spec.tasks(),
-        state: a.state,
-        status: &a.tasks,
-        create_index: a.create_index,
-        modify_index: a.modify_index,
-        created_at: a.created_at,
-        modified_at: a.modified_at,
-    })
-    .expect("an allocation record always serializes")
 }
 
 #[cfg(test)]
@@ -1241,13 +1032,6 @@ mod tests {
 
     /// Every field set, every kind of task, odd timestamps.
     fn full() -> Allocation {
-        full_of(true)
-    }
-
-    /// `full()`, with or without what only version 4 holds (TTLs,
-    /// deadlines, losses, keys).
-    fn full_of(third_edition: bool) -> Allocation {
-        let ttl = |d: Duration| third_edition.then_some(d);
         let deadlines = Deadlines {
             prestart: Some(Duration::from_millis(1001)),
             main: None,
@@ -1259,43 +1043,35 @@ mod tests {
                 task("init", Some(Hook::Prestart), false, false),
                 TaskSpec {
                     readiness: true,
-                    liveness: ttl(Duration::from_secs(24 * 3600)),
+                    liveness: Some(Duration::from_secs(24 * 3600)),
                     ..task("proxy", Some(Hook::Prestart), true, false)
                 },
                 TaskSpec {
-                    liveness: ttl(Duration::from_millis(1500)),
-                    depends_on: if third_edition {
-                        vec![
-                            Dependency {
-                                task: TaskName::parse("proxy").unwrap(),
-                                allocation: None,
-                                condition: Condition::Running,
-                            },
-                            Dependency {
-                                task: TaskName::parse("db").unwrap(),
-                                allocation: Some(AllocId::parse("db-7").unwrap()),
-                                condition: Condition::Ready,
-                            },
-                            Dependency {
-                                task: TaskName::parse("db").unwrap(),
-                                allocation: Some(AllocId::parse("b-2").unwrap()),
-                                condition: Condition::Dead,
-                            },
-                        ]
-                    } else {
-                        Vec::new()
-                    },
+                    liveness: Some(Duration::from_millis(1500)),
+                    depends_on: vec![
+                        Dependency {
+                            task: TaskName::parse("proxy").unwrap(),
+                            allocation: None,
+                            condition: Condition::Running,
+                        },
+                        Dependency {
+                            task: TaskName::parse("db").unwrap(),
+                            allocation: Some(AllocId::parse("db-7").unwrap()),
+                            condition: Condition::Ready,
+                        },
+                        Dependency {
+                            task: TaskName::parse("db").unwrap(),
+                            allocation: Some(AllocId::parse("b-2").unwrap()),
+                            condition: Condition::Dead,
+                        },
+                    ],
                     ..task("web", None, false, true)
                 },
                 task("announce", Some(Hook::Poststart), false, false),
                 task("log-ship", Some(Hook::Poststart), true, false),
                 task("cleanup", Some(Hook::Poststop), false, false),
             ],
-            if third_edition {
-                deadlines
-            } else {
-                Deadlines::default()
-            },
+            deadlines,
             &Limits::default(),
         )
         .unwrap();
@@ -1328,22 +1104,20 @@ mod tests {
             ready_at: None,
             stale: true,
             modify_index: 300,
-            extra: third_edition.then(|| {
-                Arc::new(TaskExtra {
-                    lost_at: Some(old),
-                    keys: vec![
-                        IdemKey {
-                            key: u64::MAX,
-                            request: 0,
-                        },
-                        IdemKey {
-                            key: 1,
-                            request: 1 << 63,
-                        },
-                    ],
-                    deps: Vec::new(),
-                })
-            }),
+            extra: Some(Arc::new(TaskExtra {
+                lost_at: Some(old),
+                keys: vec![
+                    IdemKey {
+                        key: u64::MAX,
+                        request: 0,
+                    },
+                    IdemKey {
+                        key: 1,
+                        request: 1 << 63,
+                    },
+                ],
+                deps: Vec::new(),
+            })),
         };
         tasks[1].state = RunState::Running;
         tasks[1].ready = true;
@@ -1351,13 +1125,11 @@ mod tests {
         tasks[2].state = RunState::Running;
         tasks[2].started_at = Some(datetime!(-9999-01-01 00:00:00 UTC));
         tasks[2].ready_at = Some(old);
-        if third_edition {
-            tasks[2].set_deps(vec![
-                DepState::Holds,
-                DepState::Blocked(Why::NotReady),
-                DepState::Cycle(vec!["b-2/db".to_owned(), "job.group_7-x/web".to_owned()].into()),
-            ]);
-        }
+        tasks[2].set_deps(vec![
+            DepState::Holds,
+            DepState::Blocked(Why::NotReady),
+            DepState::Cycle(vec!["b-2/db".to_owned(), "job.group_7-x/web".to_owned()].into()),
+        ]);
         let order = Desired::Stop(StopReason {
             task: Some(TaskName::parse("init").unwrap()),
             ..StopReason::bare(StopKind::SiblingTaskFailed)
@@ -1377,10 +1149,7 @@ mod tests {
             old,
             east,
         )
-        .with_deadlines(
-            third_edition.then_some(east),
-            third_edition.then_some(overdue),
-        )
+        .with_deadlines(Some(east), Some(overdue))
     }
 
     /// A record whose order is a deadline's.
@@ -1452,61 +1221,6 @@ mod tests {
     }
 
     #[test]
-    fn version_1_json_records_are_still_read() {
-        for a in [sample(), full_of(false)] {
-            let json = encode_json(&a);
-            assert_eq!(json[0], b'{');
-            // Version 1 kept no stop order: it is what the states call for.
-            let computed = Allocation::from_parts(
-                a.id.clone(),
-                a.spec.clone(),
-                a.state,
-                a.tasks.clone(),
-                None,
-                a.create_index,
-                a.modify_index,
-                a.created_at,
-                a.modified_at,
-            );
-            assert_eq!(decode(&json).unwrap(), computed);
-        }
-    }
-
-    /// `sample()` as version 3 wrote it (the second edition).
-    const SAMPLE_V3: &[u8] = &[
-        3, // version
-        2, b'a', b'1', // id
-        2,    // state: main
-        3, 4, // create_index, modify_index
-        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
-        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
-        0, // stop order: run
-        2, // tasks
-        4, b'i', b'n', b'i', b't', 1, 2, 4, 0, 0, 4, //
-        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, 0, //
-        3, b'w', b'e', b'b', 0x20, 0, 0, 0, 0, 4, 0,
-    ];
-
-    #[test]
-    fn version_3_records_are_still_read() {
-        assert_eq!(decode(SAMPLE_V3).unwrap(), sample());
-        let a = full_of(false);
-        let mut v3 = encode(&a);
-        // Version 4's bytes of a record without its fields are version
-        // 3's plus one empty block after the order and after each task.
-        v3[0] = 3;
-        assert!(decode(&v3).is_err(), "version 3 has no extension blocks");
-        // Version 3 has no deadline order.
-        let mut deadline = SAMPLE_V3.to_vec();
-        deadline[27] = STOP_DEADLINE;
-        assert!(
-            decode(&deadline)
-                .unwrap_err()
-                .contains("unknown stop order 4")
-        );
-    }
-
-    #[test]
     fn unknown_or_unordered_extensions_are_damage() {
         let bytes = encode(&sample());
         // The allocation's block: right after the order (byte 27).
@@ -1546,25 +1260,6 @@ mod tests {
         );
     }
 
-    /// `sample()` as version 2 wrote it: the first release's baseline.
-    const SAMPLE_V2: &[u8] = &[
-        2, // version
-        2, b'a', b'1', // id
-        2,    // state: main
-        3, 4, // create_index, modify_index
-        // created_at and modified_at: 2026-11-21 10:00:00.123456789 UTC
-        // (1795255200 zigzagged, 123456789 ns, offset 0)
-        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
-        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
-        2, // tasks
-        // init: prestart; dead; finished_at; restarts 0, generation 0,
-        // index 4; finished_at; no events
-        4, b'i', b'n', b'i', b't', 1, 2, 4, 0, 0, 4, //
-        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, 0, //
-        // web: main, leader; pending; no flags; 0, 0, index 4; no events
-        3, b'w', b'e', b'b', 0x20, 0, 0, 0, 0, 4, 0,
-    ];
-
     #[test]
     fn the_format_is_pinned_byte_for_byte() {
         // A change here breaks every data directory written before it.
@@ -1589,11 +1284,6 @@ mod tests {
             3, b'w', b'e', b'b', 0x20, 0, 0, 0, 0, 4, 0, 0,
         ];
         assert_eq!(encode(&sample()), expected);
-        // Without events, version 4's bytes are version 5's.
-        let mut v4 = expected.to_vec();
-        v4[0] = 4;
-        assert_eq!(decode(&v4).unwrap(), sample());
-        assert_eq!(sample_as(4), v4);
         // With a TTL on web, a deadline for main passed (its order and
         // its tasks) and a key kept on web.
         let mut a = sample();
@@ -1649,13 +1339,6 @@ mod tests {
         assert_eq!(decode(expected).unwrap(), a);
     }
 
-    /// `sample()` in `version`.
-    fn sample_as(version: u8) -> Vec<u8> {
-        let mut bytes = Vec::new();
-        encode_version(&sample(), version, &mut bytes);
-        bytes
-    }
-
     /// `sample()` with events: init `Started`; web `Started` (the same
     /// body) and `Terminated` with a detail; all at its created time.
     fn sample_with_events() -> Allocation {
@@ -1673,9 +1356,9 @@ mod tests {
         a
     }
 
-    /// `sample_with_events()` in version 5: a body the record wrote
-    /// before is its number.
-    const EVENTS_V5: &[u8] = &[
+    /// `sample_with_events()` as written: a body the record wrote before
+    /// is its number.
+    const EVENTS: &[u8] = &[
         5, 2, b'a', b'1', 2, 3, 4, //
         192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
         192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
@@ -1695,31 +1378,11 @@ mod tests {
         0,
     ];
 
-    /// The same in version 4: every event whole, its time after its type.
-    const EVENTS_V4: &[u8] = &[
-        4, 2, b'a', b'1', 2, 3, 4, //
-        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
-        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
-        0, 0, 2, //
-        4, b'i', b'n', b'i', b't', 1, 2, 4, 0, 0, 4, //
-        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
-        1, 7, b'S', b't', b'a', b'r', b't', b'e', b'd', //
-        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, 0, 0, //
-        0, //
-        3, b'w', b'e', b'b', 0x20, 0, 0, 0, 0, 4, //
-        2, 7, b'S', b't', b'a', b'r', b't', b'e', b'd', //
-        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, 0, 0, //
-        10, b'T', b'e', b'r', b'm', b'i', b'n', b'a', b't', b'e', b'd', //
-        192, 174, 139, 176, 13, 149, 154, 239, 58, 0, 1, b'x', //
-        1, 9, b'e', b'x', b'i', b't', b'_', b'c', b'o', b'd', b'e', 1, b'1', //
-        0,
-    ];
-
     #[test]
     fn an_event_body_is_written_once_per_record() {
         let a = sample_with_events();
-        assert_eq!(encode(&a), EVENTS_V5);
-        let back = decode(EVENTS_V5).unwrap();
+        assert_eq!(encode(&a), EVENTS);
+        let back = decode(EVENTS).unwrap();
         assert_eq!(back, a);
         // Read back, the two Started events share one body.
         assert!(Arc::ptr_eq(
@@ -1729,33 +1392,14 @@ mod tests {
     }
 
     #[test]
-    fn version_4_records_are_still_read() {
-        let a = sample_with_events();
-        let mut v4 = Vec::new();
-        encode_version(&a, 4, &mut v4);
-        assert_eq!(v4, EVENTS_V4);
-        assert_eq!(decode(EVENTS_V4).unwrap(), a);
-        for a in [full(), full_of(false)] {
-            let mut v4 = Vec::new();
-            encode_version(&a, 4, &mut v4);
-            assert_eq!(decode(&v4).unwrap(), a);
-            assert_ne!(v4[1..], encode(&a)[1..], "full() has shared bodies");
-        }
-        // Version 4 has no body numbers: its events are read whole.
-        let mut v5_as_v4 = EVENTS_V5.to_vec();
-        v5_as_v4[0] = 4;
-        assert!(decode(&v5_as_v4).is_err());
-    }
-
-    #[test]
     fn a_body_number_not_written_before_or_a_body_written_twice_is_damage() {
         // web's first event names body 2 while only body 1 is written.
-        let at = EVENTS_V5
+        let at = EVENTS
             .windows(2)
             .position(|w| w == [2, 1])
             .expect("web's two events, the first body 1")
             + 1;
-        let mut bytes = EVENTS_V5.to_vec();
+        let mut bytes = EVENTS.to_vec();
         bytes[at] = 2;
         let e = decode(&bytes).unwrap_err();
         assert!(e.contains("event body 2 of the 1 written before it"), "{e}");
@@ -1764,18 +1408,17 @@ mod tests {
         // web's first event writes body 1's text again instead of its
         // number: read alone it would be the same record, so it is refused
         // (a record has one encoding).
-        let mut twice = EVENTS_V5[..at].to_vec();
+        let mut twice = EVENTS[..at].to_vec();
         twice.extend_from_slice(&[0, 7, b'S', b't', b'a', b'r', b't', b'e', b'd', 0, 0]);
-        twice.extend_from_slice(&EVENTS_V5[at + 1..]);
+        twice.extend_from_slice(&EVENTS[at + 1..]);
         let e = decode(&twice).unwrap_err();
         assert!(e.contains("event body 1 written again"), "{e}");
     }
 
     #[test]
-    fn tasks_sharing_their_events_write_a_third_of_version_4() {
+    fn tasks_sharing_their_events_write_each_body_once() {
         // The events benchmark's histories: five tasks, each given the
-        // same ten events (a third of version 4's bytes), then web ten
-        // of its own (about half).
+        // same ten events, then web ten of its own.
         let spec = AllocSpec::new(
             ["init", "proxy", "web", "announce", "cleanup"]
                 .iter()
@@ -1795,49 +1438,24 @@ mod tests {
                 crate::lifecycle::Details::from_pairs([("exit_code", "0"), ("signal", "0")]),
             )
         };
+        // Each report's message is in the record once, and it reads back.
+        let once = |a: &Allocation, reports: &[u64]| {
+            let bytes = encode(a);
+            for n in reports {
+                let text = format!("report {n} of this task");
+                let found = bytes.windows(text.len()).filter(|w| *w == text.as_bytes());
+                assert_eq!(found.count(), 1, "{text}");
+            }
+            assert_eq!(decode(&bytes).unwrap(), *a);
+        };
+        let shared: Vec<u64> = (0..MAX_EVENTS as u64).collect();
         for task in a.tasks.iter_mut() {
-            task.events = (0..MAX_EVENTS as u64).map(event).collect();
+            task.events = shared.iter().copied().map(event).collect();
         }
-        let (v5, mut v4) = (encode(&a), Vec::new());
-        encode_version(&a, 4, &mut v4);
-        assert!(
-            v5.len() * 3 <= v4.len(),
-            "{} against {}",
-            v5.len(),
-            v4.len()
-        );
-        a.tasks[2].events = (100..100 + MAX_EVENTS as u64).map(event).collect();
-        let (v5, mut v4) = (encode(&a), Vec::new());
-        encode_version(&a, 4, &mut v4);
-        assert!(
-            v5.len() * 2 <= v4.len() + 64,
-            "{} against {}",
-            v5.len(),
-            v4.len()
-        );
-        assert_eq!(decode(&v5).unwrap(), a);
-    }
-
-    #[test]
-    fn version_2_records_are_still_read_with_their_order_computed() {
-        assert_eq!(decode(SAMPLE_V2).unwrap(), sample());
-        // A version-2 record with a dead leader: the order it never stored
-        // is what its states call for, as that build computed it.
-        let mut dead_leader = SAMPLE_V2.to_vec();
-        let web_state = dead_leader.len() - 6;
-        dead_leader[web_state] = 2;
-        let a = decode(&dead_leader).unwrap();
-        assert_eq!(
-            a.order().reason().map(|r| r.kind),
-            Some(StopKind::LeaderTaskDead)
-        );
-        // Version 2 has none of version 3's bits.
-        let mut ready = SAMPLE_V2.to_vec();
-        ready[web_state + 1] = READY;
-        assert!(decode(&ready).unwrap_err().contains("unknown flags"));
-        let mut readiness = SAMPLE_V2.to_vec();
-        readiness[web_state - 1] |= READINESS;
-        assert!(decode(&readiness).unwrap_err().contains("unknown kind"));
+        once(&a, &shared);
+        let own: Vec<u64> = (100..100 + MAX_EVENTS as u64).collect();
+        a.tasks[2].events = own.iter().copied().map(event).collect();
+        once(&a, &[shared, own].concat());
     }
 
     #[test]
@@ -1875,60 +1493,17 @@ mod tests {
     }
 
     #[test]
-    fn a_settled_five_task_record_is_a_fifth_of_its_json() {
-        let spec = AllocSpec::new(
-            vec![
-                task("init", Some(Hook::Prestart), false, false),
-                task("proxy", Some(Hook::Prestart), true, false),
-                task("web", None, false, true),
-                task("announce", Some(Hook::Poststart), false, false),
-                task("cleanup", Some(Hook::Poststop), false, false),
-            ],
-            &Limits::default(),
-        )
-        .unwrap();
-        let now = datetime!(2026-11-22 21:56:29.943529789 UTC);
-        let mut a = Allocation::register(
-            AllocId::parse("scale-123456").unwrap(),
-            Arc::new(spec),
-            1,
-            now,
-        );
-        // The scale benchmark's reports: web running, then pending.
-        for i in 0..12u64 {
-            let state = [RunState::Running, RunState::Pending][i as usize % 2];
-            let report = TaskReport {
-                state,
-                failed: false,
-                event: None,
-                ready: None,
-            };
-            a = a.report(&[(2, report)], now, || 1_000_000 + i).unwrap();
+    fn other_versions_are_refused_by_name() {
+        let mut bytes = encode(&sample());
+        for v in (0..=u8::MAX).filter(|&v| v != RECORD_VERSION) {
+            bytes[0] = v;
+            let err = decode(&bytes).unwrap_err();
+            assert!(
+                err.contains(&format!("record format version {v},")),
+                "{err}"
+            );
+            assert!(err.contains("reads version 5 only"), "{err}");
         }
-        let (binary, json) = (encode(&a).len(), encode_json(&a).len());
-        assert!(json > 600, "{json}");
-        assert!(binary * 5 <= json, "{binary} bytes against {json}");
-    }
-
-    #[test]
-    fn unknown_versions_are_refused_by_name() {
-        let mut v: serde_json::Value = serde_json::from_slice(&encode_json(&sample())).unwrap();
-        v["v"] = 3.into();
-        let err = decode(&serde_json::to_vec(&v).unwrap()).unwrap_err();
-        assert!(err.contains("version 3 (JSON)"), "{err}");
-        let mut binary = encode(&sample());
-        binary[0] = 6;
-        let err = decode(&binary).unwrap_err();
-        assert!(err.contains("version 6,"), "{err}");
-        assert!(err.contains("versions 1 to 5"), "{err}");
-        assert!(
-            decode(b"garbage")
-                .unwrap_err()
-                .contains("not a taskgate record")
-        );
-        binary[0] = 1;
-        let err = decode(&binary).unwrap_err();
-        assert!(err.contains("not a taskgate record"), "{err}");
         assert!(decode(b"").is_err());
     }
 
@@ -2051,20 +1626,17 @@ mod tests {
                 // web holds them too, the other way round: bodies shared
                 // across tasks, written once, first by web or by init.
                 a.tasks[1].events = events.iter().rev().cloned().collect();
-                let mut v4 = Vec::new();
-                encode_version(&a, 4, &mut v4);
-                for bytes in [encode(&a), v4] {
-                    let back = decode(&bytes);
-                    prop_assert!(back.is_ok(), "{:?}: {:?}", events, back);
-                    let back = back.unwrap();
-                    prop_assert_eq!(&back, &a);
-                    prop_assert_eq!(encode(&back), encode(&a));
-                    for (task, given) in [(0, events.clone()), (1, events.iter().rev().cloned().collect())] {
-                        prop_assert_eq!(back.tasks[task].events.len(), given.len());
-                        for (b, e) in back.tasks[task].events.iter().zip(&given) {
-                            prop_assert_eq!((b.time(), b.time().offset()), (e.time(), e.time().offset()));
-                            prop_assert!(Arc::ptr_eq(b.body(), e.body()));
-                        }
+                let bytes = encode(&a);
+                let back = decode(&bytes);
+                prop_assert!(back.is_ok(), "{:?}: {:?}", events, back);
+                let back = back.unwrap();
+                prop_assert_eq!(&back, &a);
+                prop_assert_eq!(encode(&back), encode(&a));
+                for (task, given) in [(0, events.clone()), (1, events.iter().rev().cloned().collect())] {
+                    prop_assert_eq!(back.tasks[task].events.len(), given.len());
+                    for (b, e) in back.tasks[task].events.iter().zip(&given) {
+                        prop_assert_eq!((b.time(), b.time().offset()), (e.time(), e.time().offset()));
+                        prop_assert!(Arc::ptr_eq(b.body(), e.body()));
                     }
                 }
             }
@@ -2110,8 +1682,7 @@ mod tests {
 
             /// Six tasks' events drawn from a pool of texts (past the
             /// encoder's scan, `Bodies::SCAN`), at any times: read back
-            /// exactly from format 5 and 4, each text one body, each body
-            /// the one given.
+            /// exactly, each text one body, each body the one given.
             #[test]
             fn bodies_shared_across_tasks_come_back_shared(
                 pool in prop::collection::vec(any_text(), 1..12),
@@ -2130,29 +1701,26 @@ mod tests {
                         .map(|(i, t)| event_of_text(&pool[i.index(pool.len())], *t))
                         .collect();
                 }
-                let mut v4 = Vec::new();
-                encode_version(&a, 4, &mut v4);
-                for bytes in [encode(&a), v4] {
-                    let back = decode(&bytes);
-                    prop_assert!(back.is_ok(), "{:?}", back.err());
-                    let back = back.unwrap();
-                    prop_assert_eq!(&back, &a);
-                    prop_assert_eq!(encode(&back), encode(&a));
-                    let read: Vec<&Event> = back.tasks.iter().flat_map(|t| t.events.iter()).collect();
-                    let written: Vec<&Event> = a.tasks.iter().flat_map(|t| t.events.iter()).collect();
-                    prop_assert_eq!(read.len(), written.len());
-                    for (b, e) in read.iter().zip(&written) {
-                        prop_assert_eq!((b.time(), b.time().offset()), (e.time(), e.time().offset()));
-                        prop_assert_eq!(b.utc_nanos(), e.utc_nanos());
-                        prop_assert!(Arc::ptr_eq(b.body(), e.body()));
-                    }
-                    for x in &read {
-                        for y in &read {
-                            prop_assert_eq!(
-                                Arc::ptr_eq(&x.text_body(), &y.text_body()),
-                                text_of(x) == text_of(y)
-                            );
-                        }
+                let bytes = encode(&a);
+                let back = decode(&bytes);
+                prop_assert!(back.is_ok(), "{:?}", back.err());
+                let back = back.unwrap();
+                prop_assert_eq!(&back, &a);
+                prop_assert_eq!(encode(&back), encode(&a));
+                let read: Vec<&Event> = back.tasks.iter().flat_map(|t| t.events.iter()).collect();
+                let written: Vec<&Event> = a.tasks.iter().flat_map(|t| t.events.iter()).collect();
+                prop_assert_eq!(read.len(), written.len());
+                for (b, e) in read.iter().zip(&written) {
+                    prop_assert_eq!((b.time(), b.time().offset()), (e.time(), e.time().offset()));
+                    prop_assert_eq!(b.utc_nanos(), e.utc_nanos());
+                    prop_assert!(Arc::ptr_eq(b.body(), e.body()));
+                }
+                for x in &read {
+                    for y in &read {
+                        prop_assert_eq!(
+                            Arc::ptr_eq(&x.text_body(), &y.text_body()),
+                            text_of(x) == text_of(y)
+                        );
                     }
                 }
             }

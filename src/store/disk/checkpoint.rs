@@ -92,11 +92,10 @@ pub(super) fn checkpoint(
         .collect::<std::io::Result<Vec<_>>>()?;
     let mut newest: HashMap<&str, Option<&[u8]>> = HashMap::new();
     let mut last_index = 0;
-    // Where the log before the first of them ended, as the snapshot says
-    // (`None`: a snapshot of the first format, which does not say).
+    // Where the log before the first of them ended, as the snapshot says.
     let mut before = match snapshot::Snapshot::open(fs, dir)? {
         Some(base) => base.log_end,
-        None => Some(log::End::NONE),
+        None => log::End::NONE,
     };
     for (seq, bytes) in &segments {
         let damaged = |what: String| {
@@ -127,11 +126,11 @@ pub(super) fn checkpoint(
         if let Some(why) = log::mismatch(replayed.previous, before) {
             return Err(damaged(why));
         }
-        before = Some(replayed.end());
+        before = replayed.end();
     }
     // The last segment: no header after it vouches for its end yet, the
     // writer does.
-    if let Some(why) = log::mismatch(sealed_end, before) {
+    if let Some(why) = sealed_end.and_then(|end| log::mismatch(end, before)) {
         return Err(std::io::Error::other(format!(
             "{}: sealed at byte {}, but {why}",
             log::segment_path(dir, sealed).display(),
@@ -139,8 +138,7 @@ pub(super) fn checkpoint(
         )));
     }
     let changes = sort_changes(newest);
-    let end = before.unwrap_or(log::End::NONE);
-    let written = snapshot::fold_sorted(fs, dir, &changes, last_index, sealed, end)?;
+    let written = snapshot::fold_sorted(fs, dir, &changes, last_index, sealed, before)?;
     Ok((written, changes.len()))
 }
 

@@ -37,6 +37,23 @@ pub struct Unread {
     pub to: u64,
 }
 
+/// Checks the first bytes of a `what` (a log segment, a snapshot) against
+/// `magic`, whose last byte is the only format this build reads: an error
+/// naming the format they name if it is another, or saying that they are
+/// not a `what`'s.
+pub fn magic(bytes: &[u8], magic: &[u8; 8], what: &str) -> Result<(), String> {
+    let (name, format) = magic.split_at(magic.len() - 1);
+    match bytes.get(..magic.len()) {
+        Some(m) if m == magic => Ok(()),
+        Some(m) if m.starts_with(name) => Err(format!(
+            "its header says {what} format {}, but this taskgate reads format {} only",
+            m[name.len()],
+            format[0]
+        )),
+        _ => Err(format!("it does not start like a taskgate {what}")),
+    }
+}
+
 /// crc32 of `a` followed by `b`.
 pub fn crc_of(a: &[u8], b: &[u8]) -> u32 {
     let mut h = crc32fast::Hasher::new();

@@ -46,8 +46,7 @@ pub(super) fn refuse_pre_release(dir: &Path) -> Result<(), StoreError> {
 }
 
 /// Where the log the snapshot in `dir` folded ends: the last segment it
-/// folded, and where that segment ended (`None` for a snapshot of the
-/// first format, which does not say), or no log at all without a
+/// folded, and where that segment ended, or no log at all without a
 /// snapshot. A snapshot that is missing while the one it replaced is
 /// still there, or while the log starts past segment 1, is a lost
 /// snapshot, not an empty store (see `scan_log`).
@@ -55,7 +54,7 @@ pub(super) fn snapshot_folded(fs: &dyn Fs, dir: &Path) -> Result<Folded, StoreEr
     let path = dir.join(SNAPSHOT_FILE);
     let none = Folded {
         seq: 0,
-        end: Some(log::End::NONE),
+        end: log::End::NONE,
     };
     match Snapshot::open(fs, dir) {
         Ok(Some(s)) => Ok(Folded {
@@ -79,8 +78,8 @@ pub(super) fn snapshot_folded(fs: &dyn Fs, dir: &Path) -> Result<Folded, StoreEr
 pub(super) struct Folded {
     /// The last segment it folded (0: none).
     pub(super) seq: u64,
-    /// Where that segment ended, as the snapshot says (format 2).
-    pub(super) end: Option<log::End>,
+    /// Where that segment ended, as the snapshot says.
+    pub(super) end: log::End,
 }
 
 /// What the log holds, read without changing anything, and what a start
@@ -128,7 +127,7 @@ pub(super) fn scan_log(fs: &dyn Fs, dir: &Path, folded: Folded) -> Result<Recove
         folded: Vec::new(),
         torn: None,
         spare: Vec::new(),
-        end: snapshot_end.unwrap_or(log::End::NONE),
+        end: snapshot_end,
     };
     let (done, live): (Vec<_>, Vec<_>) = log::list_segments(fs, dir)
         .map_err(dir_error)?
@@ -209,11 +208,11 @@ pub(super) fn scan_log(fs: &dyn Fs, dir: &Path, folded: Folded) -> Result<Recove
 fn follows(
     (before, end): &(PathBuf, log::End),
     path: &Path,
-    stated: Option<log::End>,
+    stated: log::End,
 ) -> Result<(), StoreError> {
-    let Some(stated) = stated.filter(|s| s != end) else {
+    if stated == *end {
         return Ok(());
-    };
+    }
     let next = path.display();
     let why = if end.len < stated.len {
         format!(
@@ -248,12 +247,9 @@ fn follows(
 fn follows_snapshot(
     dir: &Path,
     path: &Path,
-    stated: Option<log::End>,
-    folded: Option<log::End>,
+    stated: log::End,
+    folded: log::End,
 ) -> Result<(), StoreError> {
-    let (Some(stated), Some(folded)) = (stated, folded) else {
-        return Ok(());
-    };
     if stated == folded {
         return Ok(());
     }

@@ -166,7 +166,9 @@ pub fn salvage(from: &Path, to: &Path) -> Result<SalvageReport, StoreError> {
         }
         expected = Some(seq + 1);
         let next = segments.get(i + 1).filter(|(n, _, _)| *n == seq + 1);
-        let vouched = next.and_then(|(n, _, b)| log::read_header(b, *n).ok()?.previous);
+        let vouched = next
+            .and_then(|(n, _, b)| log::read_header(b, *n).ok())
+            .map(|h| h.previous);
         let read = log::salvage(bytes, seq, vouched);
         for c in &read.changes {
             keep(
@@ -195,7 +197,10 @@ pub fn salvage(from: &Path, to: &Path) -> Result<SalvageReport, StoreError> {
             lost_log_bytes += stated.len.saturating_sub(end);
         }
         if folded.is_some_and(|f| seq == f + 1)
-            && let Some(why) = log::mismatch(read.previous, snapshot_end)
+            && let Some(why) = read
+                .previous
+                .zip(snapshot_end)
+                .and_then(|(s, f)| log::mismatch(s, f))
         {
             report.lost.push(format!(
                 "{}: it does not follow the snapshot ({why}): changes between them may be lost",

@@ -11,7 +11,7 @@
 //! longer shared pages, which made checkpoints cost 3–4 times as much CPU
 //! per change at a million allocations.
 //!
-//! Format 2 (integers little-endian):
+//! This build writes and reads format 2 (integers little-endian):
 //!
 //! ```text
 //! snapshot = header record* trailer
@@ -38,12 +38,9 @@
 //! whole block of them at the same place) does not link to the record
 //! before it, and the start names the byte where that happens. IDs are
 //! strictly increasing; a file that breaks any of this, or whose trailer
-//! is missing, damaged or counts differently, is damaged.
-//!
-//! Format 1 (`"TGSNAP\0\x01"`: a 32-byte header `folded | last_index |
-//! crc32 | 0`, records `len | crc32(payload) | payload` with no chain, a
-//! trailer `"TGSNAPND" | records`) is still read; checkpoints write
-//! format 2.
+//! is missing, damaged or counts differently, is damaged. A snapshot
+//! whose magic names another format is refused: its header says which
+//! format, and the refusal which one this build reads.
 
 use std::{
     io::{self, BufReader, BufWriter, Read, Seek, SeekFrom, Write},
@@ -64,14 +61,11 @@ pub const NEXT_FILE: &str = "taskgate.snapshot.new";
 /// so that the rename does not free its blocks all at once; the
 /// checkpoint thread removes it with `log::remove_gently`.
 pub const OLD_FILE: &str = "taskgate.snapshot.old";
-const MAGIC_V1: [u8; 8] = *b"TGSNAP\0\x01";
+/// A snapshot's first bytes; the last is its format.
 const MAGIC: [u8; 8] = *b"TGSNAP\0\x02";
 const END: [u8; 8] = *b"TGSNAPND";
-const HEADER_V1: usize = 32;
 const HEADER: usize = 40;
-const TRAILER_V1: usize = 16;
 const TRAILER: usize = 24;
-const HEAD_V1: usize = 8;
 const IO_BUFFER: usize = 1 << 20;
 /// A checkpoint makes what it wrote durable every this many bytes instead
 /// of all at the end: a snapshot of a million records is ~780 MB, and
@@ -86,12 +80,11 @@ const SYNC_EVERY: u64 = 1 << 20;
 
 /// A snapshot's header and trailer, read and checked.
 struct Bounds {
-    v2: bool,
     folded: u64,
     last_index: u64,
-    /// Where the log segment it folded ended (format 2).
-    log_end: Option<End>,
-    /// The chain its records start from and must end with (format 2).
+    /// Where the log segment it folded ended.
+    log_end: End,
+    /// The chain its records start from and must end with.
     seed: u32,
     chain: u32,
     /// Records the trailer states.
@@ -113,50 +106,36 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 /// file is shorter) and trailer (its last `TRAILER` bytes) for a file of
 /// `len` bytes.
 fn bounds(header: &[u8], trailer: &[u8], len: u64) -> Result<Bounds, String> {
-    let v2 = header.starts_with(&MAGIC);
-    if !v2 && !header.starts_with(&MAGIC_V1) {
-        return Err("it does not start like a taskgate snapshot".into());
-    }
-    let (head, tail) = if v2 {
-        (HEADER, TRAILER)
-    } else {
-        (HEADER_V1, TRAILER_V1)
-    };
-    if len < (head + tail) as u64 {
+    frame::magic(header, &MAGIC, "snapshot")?;
+    if len < (HEADER + TRAILER) as u64 {
         return Err(format!(
             "it is {len} bytes long, shorter than a header and a trailer"
         ));
     }
-    let crc_at = if v2 { 36 } else { 24 };
-    if crc32fast::hash(&header[..crc_at]) != u32_at(header, crc_at)
-        || (!v2 && header[28..32] != [0; 4])
-    {
+    if crc32fast::hash(&header[..36]) != u32_at(header, 36) {
         return Err("its header is damaged".into());
     }
-    let trailer = &trailer[trailer.len() - tail..];
     if trailer[..8] != END {
         return Err("it does not end with a trailer (was it cut short?)".into());
     }
-    if v2 && crc32fast::hash(&trailer[..20]) != u32_at(trailer, 20) {
+    if crc32fast::hash(&trailer[..20]) != u32_at(trailer, 20) {
         return Err(format!(
             "its trailer (at byte {}) is damaged",
             len - TRAILER as u64
         ));
     }
-    let seed = if v2 { u32_at(header, 36) } else { 0 };
     Ok(Bounds {
-        v2,
         folded: u64_at(header, 8),
         last_index: u64_at(header, 16),
-        log_end: v2.then(|| End {
+        log_end: End {
             len: u64_at(header, 24),
             chain: u32_at(header, 32),
-        }),
-        seed,
-        chain: if v2 { u32_at(trailer, 16) } else { 0 },
+        },
+        seed: u32_at(header, 36),
+        chain: u32_at(trailer, 16),
         records: u64_at(trailer, 8),
-        first: head,
-        end: usize::try_from(len).unwrap_or(usize::MAX) - tail,
+        first: HEADER,
+        end: usize::try_from(len).unwrap_or(usize::MAX) - TRAILER,
     })
 }
 
@@ -164,9 +143,8 @@ fn bounds(header: &[u8], trailer: &[u8], len: u64) -> Result<Bounds, String> {
 pub struct Snapshot {
     pub folded: u64,
     pub last_index: u64,
-    /// Where the log segment it folded ended (format 2).
-    pub log_end: Option<End>,
-    v2: bool,
+    /// Where the log segment it folded ended.
+    pub log_end: End,
     reader: BufReader<Box<dyn FsFile>>,
     /// Offset of the next record; the records end at `end`.
     pos: u64,
@@ -211,7 +189,6 @@ impl Snapshot {
             folded: b.folded,
             last_index: b.last_index,
             log_end: b.log_end,
-            v2: b.v2,
             reader: BufReader::with_capacity(IO_BUFFER, file),
             pos: b.first as u64,
             end: b.end as u64,
@@ -230,9 +207,8 @@ impl Snapshot {
     /// only once they are read), but never more than its bytes could hold:
     /// callers size buffers by it.
     pub fn records(&self) -> u64 {
-        let first = if self.v2 { HEADER } else { HEADER_V1 };
         self.stated
-            .min((self.end - first as u64) / (HEAD_V1 as u64 + 1))
+            .min((self.end - HEADER as u64) / (frame::HEAD as u64 + 1))
     }
 
     /// Reads the next record; `false` after the last one.
@@ -254,7 +230,7 @@ impl Snapshot {
             }
             return Ok(false);
         }
-        let head = if self.v2 { frame::HEAD } else { HEAD_V1 };
+        let head = frame::HEAD;
         if self.end - self.pos < head as u64 {
             return Err(fail("is cut short"));
         }
@@ -268,16 +244,8 @@ impl Snapshot {
         self.frame.clear();
         self.frame.resize(head, 0);
         self.reader.read_exact(&mut self.frame)?;
-        let h = if self.v2 {
-            Head::read(&self.frame)
-        } else {
-            Head {
-                len: u32_at(&self.frame, 0) as usize,
-                crc: u32_at(&self.frame, 4),
-                chain: 0,
-            }
-        };
-        if self.v2 && !h.links(self.chain) {
+        let h = Head::read(&self.frame);
+        if !h.links(self.chain) {
             return Err(fail(
                 "does not follow the record before it (its head is damaged, or it was \
                  not written in this file: a block of another snapshot?)",
@@ -289,12 +257,7 @@ impl Snapshot {
         self.frame.resize(head + h.len, 0);
         self.reader.read_exact(&mut self.frame[head..])?;
         let payload = &self.frame[head..];
-        let fits = if self.v2 {
-            h.fits(payload)
-        } else {
-            crc32fast::hash(payload) == h.crc
-        };
-        if !fits {
+        if !h.fits(payload) {
             return Err(fail("fails its checksum"));
         }
         let id_len = *payload.first().ok_or_else(|| fail("is empty"))? as usize;
@@ -327,11 +290,9 @@ impl Snapshot {
     }
 
     /// The current record's payload (ID and record), as a writer copies
-    /// it, and its checksum in this format if it has one to reuse.
-    fn raw(&self) -> (&[u8], Option<[u8; 8]>) {
-        let len_crc = self
-            .v2
-            .then(|| self.frame[..8].try_into().expect("8 bytes"));
+    /// it, and its head's length and checksum, to reuse.
+    fn raw(&self) -> (&[u8], [u8; 8]) {
+        let len_crc = self.frame[..8].try_into().expect("8 bytes");
         (&self.frame[self.payload..], len_crc)
     }
 }
@@ -420,20 +381,9 @@ impl<'f> SnapshotWriter<'f> {
     }
 
     /// Appends a record read from the snapshot before (ID and record, as
-    /// `Snapshot::raw` gives them): a format-2 record keeps its checksum,
-    /// and only its chain is computed anew.
-    fn put_raw(&mut self, payload: &[u8], len_crc: Option<[u8; 8]>) -> io::Result<()> {
-        let Some(len_crc) = len_crc else {
-            // Format 1: no checksum of this format to keep.
-            let buf = &mut self.scratch;
-            buf.clear();
-            buf.extend_from_slice(&[0; frame::HEAD]);
-            buf.extend_from_slice(payload);
-            self.chain = frame::seal(buf, self.chain);
-            self.out.write_all(buf)?;
-            let n = buf.len();
-            return self.wrote(n);
-        };
+    /// `Snapshot::raw` gives them): it keeps its checksum, and only its
+    /// chain is computed anew.
+    fn put_raw(&mut self, payload: &[u8], len_crc: [u8; 8]) -> io::Result<()> {
         let mut head = [0u8; frame::HEAD];
         head[..8].copy_from_slice(&len_crc);
         self.chain = frame::relink(&mut head, self.chain);
@@ -496,10 +446,8 @@ pub struct Salvaged<'a> {
     pub trailer: Option<String>,
 }
 
-/// Reads a snapshot's bytes as `Snapshot` does, but past damage: a
-/// format-2 snapshot as `frame::salvage` reads frames (to the end its
-/// trailer vouches for), a format-1 one taking up again at the next offset
-/// where a whole record passes its checksum.
+/// Reads a snapshot's bytes as `Snapshot` does, but past damage, as
+/// `frame::salvage` reads frames (to the end its trailer vouches for).
 pub fn salvage(bytes: &[u8]) -> Salvaged<'_> {
     let mut out = Salvaged {
         folded: None,
@@ -509,65 +457,54 @@ pub fn salvage(bytes: &[u8]) -> Salvaged<'_> {
         unread: Vec::new(),
         trailer: None,
     };
-    let v2 = !bytes.starts_with(&MAGIC_V1);
-    let (head, tail) = if v2 {
-        (HEADER, TRAILER)
-    } else {
-        (HEADER_V1, TRAILER_V1)
-    };
-    let crc_at = if v2 { 36 } else { 24 };
-    let header_ok = bytes.len() >= head
-        && bytes.starts_with(if v2 { &MAGIC } else { &MAGIC_V1 })
-        && crc32fast::hash(&bytes[..crc_at]) == u32_at(bytes, crc_at);
+    let header_ok = bytes.len() >= HEADER
+        && bytes.starts_with(&MAGIC)
+        && crc32fast::hash(&bytes[..36]) == u32_at(bytes, 36);
     if header_ok {
         out.folded = Some(u64_at(bytes, 8));
         out.last_index = u64_at(bytes, 16);
-        out.log_end = v2.then(|| End {
+        out.log_end = Some(End {
             len: u64_at(bytes, 24),
             chain: u32_at(bytes, 32),
         });
     } else {
         out.unread.push(frame::Unread {
             from: 0,
-            to: head.min(bytes.len()) as u64,
+            to: HEADER.min(bytes.len()) as u64,
         });
     }
-    let trailer = &bytes[bytes.len().saturating_sub(tail)..];
-    let trailer_ok = bytes.len() >= head + tail
+    let trailer = &bytes[bytes.len().saturating_sub(TRAILER)..];
+    let trailer_ok = bytes.len() >= HEADER + TRAILER
         && trailer[..8] == END
-        && (!v2 || crc32fast::hash(&trailer[..20]) == u32_at(trailer, 20));
+        && crc32fast::hash(&trailer[..20]) == u32_at(trailer, 20);
     let end = if trailer_ok {
-        bytes.len() - tail
+        bytes.len() - TRAILER
     } else {
         bytes.len()
     };
-    let records = &bytes[..end.max(head.min(bytes.len()))];
-    if v2 {
-        let seed = if header_ok { u32_at(bytes, 36) } else { 0 };
-        let vouched = if trailer_ok {
-            frame::EndsAt::Vouched {
-                at: end,
-                chain: u32_at(trailer, 16),
-            }
-        } else {
-            frame::EndsAt::File
-        };
-        let read = frame::salvage(records, head.min(records.len()), seed, vouched);
-        out.unread.extend(read.unread);
-        for (at, payload) in read.frames {
-            match split_record(payload) {
-                Some((id, record)) => out.records.push((at, id, record)),
-                // Passes its checks but is no record: lost all the same.
-                None => out.unread.push(frame::Unread {
-                    from: at as u64,
-                    to: (at + frame::HEAD + payload.len()) as u64,
-                }),
-            }
+    let records = &bytes[..end.max(HEADER.min(bytes.len()))];
+    let seed = if header_ok { u32_at(bytes, 36) } else { 0 };
+    let vouched = if trailer_ok {
+        frame::EndsAt::Vouched {
+            at: end,
+            chain: u32_at(trailer, 16),
         }
-        out.unread.sort_by_key(|u| u.from);
     } else {
-        salvage_v1(records, &mut out);
+        frame::EndsAt::File
+    };
+    let read = frame::salvage(records, HEADER.min(records.len()), seed, vouched);
+    out.unread.extend(read.unread);
+    for (at, payload) in read.frames {
+        match split_record(payload) {
+            Some((id, record)) => out.records.push((at, id, record)),
+            // Passes its checks but is no record: lost all the same.
+            None => out.unread.push(frame::Unread {
+                from: at as u64,
+                to: (at + frame::HEAD + payload.len()) as u64,
+            }),
+        }
     }
+    out.unread.sort_by_key(|u| u.from);
     if !trailer_ok {
         out.trailer = Some("it has no trailer: it was cut short, or its end is damaged".into());
     } else {
@@ -587,46 +524,6 @@ fn split_record(payload: &[u8]) -> Option<(&str, &[u8])> {
     let id_len = *payload.first()? as usize;
     let id = std::str::from_utf8(payload.get(1..1 + id_len)?).ok()?;
     Some((id, &payload[1 + id_len..]))
-}
-
-/// Format 1 salvage: past a bad record, the next offset where a whole
-/// record passes its checksum.
-fn salvage_v1<'a>(bytes: &'a [u8], out: &mut Salvaged<'a>) {
-    let end = bytes.len();
-    let mut pos = HEADER_V1;
-    let mut skipping = None;
-    while pos < end {
-        let record = bytes.get(pos..pos + HEAD_V1).and_then(|h| {
-            let len = u32_at(h, 0) as usize;
-            let payload = bytes.get(pos + HEAD_V1..(pos + HEAD_V1).checked_add(len)?)?;
-            (crc32fast::hash(payload) == u32_at(h, 4)).then_some(())?;
-            let (id, record) = split_record(payload)?;
-            Some((id, record, HEAD_V1 + len))
-        });
-        match record {
-            Some((id, record, len)) => {
-                let at = pos;
-                if let Some(from) = skipping.take() {
-                    out.unread.push(frame::Unread {
-                        from,
-                        to: pos as u64,
-                    });
-                }
-                out.records.push((at, id, record));
-                pos += len;
-            }
-            None => {
-                skipping.get_or_insert(pos as u64);
-                pos += 1;
-            }
-        }
-    }
-    if let Some(from) = skipping {
-        out.unread.push(frame::Unread {
-            from,
-            to: end as u64,
-        });
-    }
 }
 
 /// The newest change of every allocation in `changes`, sorted by ID.
@@ -772,7 +669,7 @@ mod tests {
         let ids: Vec<String> = (0..n).map(|i| format!("alloc-{i:02}")).collect();
         let changes: Vec<_> = ids
             .iter()
-            .map(|id| (id.as_str(), Some("{\"v\":1}")))
+            .map(|id| (id.as_str(), Some("record-1")))
             .collect();
         fold(&RealFs, dir, &overlay(&changes, n as u64), 1, End::NONE).unwrap();
         dir.join(SNAPSHOT_FILE)
@@ -971,7 +868,7 @@ mod tests {
         let path = snapshot_of(dir.path(), 300);
         let older = std::fs::read(&path).unwrap();
         // The same records but one, changed in place (same length).
-        let changed = overlay(&[("alloc-150", Some("{\"v\":2}"))], 301);
+        let changed = overlay(&[("alloc-150", Some("record-2"))], 301);
         fold(&RealFs, dir.path(), &changed, 2, End { len: 99, chain: 7 }).unwrap();
         let current = std::fs::read(&path).unwrap();
         assert_eq!(older.len(), current.len());
@@ -997,51 +894,33 @@ mod tests {
         // Its log position is what the checkpoint said.
         std::fs::write(&path, &current).unwrap();
         let s = Snapshot::open(&RealFs, dir.path()).unwrap().unwrap();
-        assert_eq!(s.log_end, Some(End { len: 99, chain: 7 }));
+        assert_eq!(s.log_end, End { len: 99, chain: 7 });
         assert_eq!((s.folded, s.last_index), (2, 301));
     }
 
-    /// A snapshot an earlier build wrote (format 1) is read, and the
-    /// next checkpoint writes format 2.
+    /// A snapshot whose magic names another format is refused, saying
+    /// which format it names and which this build reads; salvage reads
+    /// no header from it.
     #[test]
-    fn a_snapshot_of_the_first_format_is_read_and_folded_into_the_second() {
+    fn a_snapshot_of_another_format_is_refused_by_name() {
         let dir = tempfile::tempdir().unwrap();
-        let mut bytes = MAGIC_V1.to_vec();
-        bytes.extend_from_slice(&4u64.to_le_bytes());
-        bytes.extend_from_slice(&9u64.to_le_bytes());
-        let crc = crc32fast::hash(&bytes);
-        bytes.extend_from_slice(&crc.to_le_bytes());
-        bytes.extend_from_slice(&[0; 4]);
-        for (id, record) in [("a", "ra"), ("b", "rb")] {
-            let mut payload = vec![1u8];
-            payload.extend_from_slice(id.as_bytes());
-            payload.extend_from_slice(record.as_bytes());
-            bytes.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-            bytes.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
-            bytes.extend_from_slice(&payload);
+        let path = snapshot_of(dir.path(), 3);
+        let good = std::fs::read(&path).unwrap();
+        for v in [0, 1, 3, 0xff] {
+            let mut bytes = good.clone();
+            bytes[7] = v;
+            std::fs::write(&path, &bytes).unwrap();
+            let err = Snapshot::open(&RealFs, dir.path())
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(
+                err.contains(&format!(
+                    "snapshot format {v}, but this taskgate reads format 2 only"
+                )),
+                "{err}"
+            );
+            assert_eq!(salvage(&bytes).folded, None, "format {v}");
         }
-        bytes.extend_from_slice(&END);
-        bytes.extend_from_slice(&2u64.to_le_bytes());
-        std::fs::write(dir.path().join(SNAPSHOT_FILE), &bytes).unwrap();
-        let s = Snapshot::open(&RealFs, dir.path()).unwrap().unwrap();
-        assert_eq!((s.folded, s.last_index, s.log_end), (4, 9, None));
-        assert_eq!(contents(dir.path()), pairs(&[("a", "ra"), ("b", "rb")]));
-        let end = End { len: 5, chain: 6 };
-        fold(
-            &RealFs,
-            dir.path(),
-            &overlay(&[("c", Some("rc"))], 10),
-            5,
-            end,
-        )
-        .unwrap();
-        let s = Snapshot::open(&RealFs, dir.path()).unwrap().unwrap();
-        assert_eq!((s.folded, s.last_index, s.log_end), (5, 10, Some(end)));
-        assert_eq!(
-            contents(dir.path()),
-            pairs(&[("a", "ra"), ("b", "rb"), ("c", "rc")])
-        );
-        let written = std::fs::read(dir.path().join(SNAPSHOT_FILE)).unwrap();
-        assert!(written.starts_with(&MAGIC));
     }
 }

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use super::{
-    log::{self, Overlay},
+    log,
     snapshot::{self, NEXT_FILE, OLD_FILE, Snapshot},
     writer::{RETRY_FIRST, Trouble},
     *,
@@ -323,9 +323,10 @@ fn a_segment_is_written_ahead_in_zeros_and_sealed_at_its_last_frame() {
 /// Acknowledged changes are never dropped in silence: whatever damage
 /// the log or the snapshot takes (a flipped byte anywhere in the newest
 /// segment, its last frame included, a damaged length, a zeroed block,
-/// an emptied or missing segment, a lost snapshot), the open is refused
-/// with the file (and the offset) named, and nothing in the directory
-/// changes.
+/// an emptied or missing segment, a lost snapshot, a header of another
+/// format), the open is refused with the file (and the offset, or the
+/// format this build reads) named, and nothing in the directory changes:
+/// no segment is cut, none kept aside.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn damage_anywhere_stops_the_open_naming_it_and_changes_nothing() {
     let good = tempfile::tempdir().unwrap();
@@ -415,11 +416,26 @@ async fn damage_anywhere_stops_the_open_naming_it_and_changes_nothing() {
             format!("segment {} is missing", all[0].0),
         ),
         (
+            "the newest segment of another format",
+            edit(newest.clone(), Box::new(|b| b[7] = 1)),
+            "log segment format 1, but this taskgate reads format 3 only".into(),
+        ),
+        (
+            "an older segment of another format",
+            edit(older.clone(), Box::new(|b| b[7] = 2)),
+            "log segment format 2, but this taskgate reads format 3 only".into(),
+        ),
+        (
             "a lost snapshot",
             Box::new(|dir: &Path| {
                 std::fs::rename(dir.join(SNAPSHOT_FILE), dir.join(OLD_FILE)).unwrap()
             }),
             "snapshot it replaced".into(),
+        ),
+        (
+            "a snapshot of another format",
+            edit(PathBuf::from(SNAPSHOT_FILE), Box::new(|b| b[7] = 1)),
+            "snapshot format 1, but this taskgate reads format 2 only".into(),
         ),
     ];
     assert!(newest_len > 8192, "{newest_len}");
@@ -429,7 +445,7 @@ async fn damage_anywhere_stops_the_open_naming_it_and_changes_nothing() {
     register(with_snapshot.path(), DEFAULT_LOG_LIMIT, &ids("t", 20)).await;
     for (what, damage, expect) in cases {
         let dir = tempfile::tempdir().unwrap();
-        let from = if what == "a lost snapshot" {
+        let from = if what.contains("snapshot") {
             with_snapshot.path()
         } else {
             good.path()
@@ -904,44 +920,6 @@ async fn queued_changes_share_commits_unless_batching_is_off() {
     }
 }
 
-#[tokio::test]
-async fn records_of_an_earlier_build_load_and_changes_are_written_in_the_current_format() {
-    // An earlier build's data directory: format-1 (JSON) records in the
-    // snapshot and in the log.
-    let dir = tempfile::tempdir().unwrap();
-    let at = time::OffsetDateTime::UNIX_EPOCH;
-    let alloc = |id: &str, index| {
-        Allocation::register(AllocId::parse(id).unwrap(), Arc::new(spec()), index, at)
-    };
-    let (a, b) = (alloc("a", 1), alloc("b", 2));
-    let mut w =
-        snapshot::SnapshotWriter::create(&RealFs, dir.path(), 0, 1, log::End::NONE).unwrap();
-    w.put("a", &record::encode_json(&a)).unwrap();
-    w.finish().unwrap();
-    let mut s = log::Segment::create(&RealFs, dir.path(), 1, log::End::NONE).unwrap();
-    let mut frame = log::one_append("b", 2, Some(&record::encode_json(&b)));
-    s.append(&mut frame).unwrap();
-    drop(s);
-
-    let store = open(dir.path(), 1);
-    let loaded = store.load().unwrap();
-    assert_eq!(loaded.allocations, vec![a.clone(), b]);
-    let mut changed = a.clone();
-    changed.modify_index = 3;
-    store
-        .commit(Op::Put(Arc::new(changed.clone())))
-        .await
-        .unwrap();
-    store.close().unwrap();
-    drop(store);
-    let log = std::fs::read(log::segment_path(dir.path(), 2)).unwrap();
-    let mut frames = Overlay::default();
-    log::replay(&log, 2, &mut frames).unwrap();
-    let written = frames.changes["a"].as_deref().unwrap();
-    assert_eq!(written, record::encode(&changed), "written in format 2");
-    assert_eq!(open(dir.path(), 1).load().unwrap().allocations[0], changed);
-}
-
 /// Every file of `dir` with its bytes.
 fn files(dir: &Path) -> Vec<(std::ffi::OsString, Vec<u8>)> {
     let mut all: Vec<_> = std::fs::read_dir(dir)
@@ -1210,8 +1188,7 @@ async fn a_zeroed_block_before_acknowledged_appends_with_zeros_written_ahead_is_
 }
 
 /// The control: the same damage in a segment cut at its last frame (a
-/// clean close, or an earlier build's segment) is refused, and salvage
-/// reads past it.
+/// clean close) is refused, and salvage reads past it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_zeroed_block_before_acknowledged_appends_is_damage() {
     zeroed_block_before_acknowledged_appends(false).await;
@@ -1267,57 +1244,6 @@ async fn zeroed_block_before_acknowledged_appends(ahead: bool) {
         Err(e) => assert!(e.to_string().contains(&format!("byte {from}")), "{e}"),
     }
     assert!(broken.is_empty(), "{broken:#?}");
-}
-
-/// Two format-2 segments (an earlier build's log, no snapshot): nothing
-/// vouches for the first one's end. Its last append reads as zeros from a
-/// frame boundary to the end of the file: damage to a sealed segment
-/// with a newer one after it, which a start must refuse (as it did before
-/// the zeros written ahead); now read as spare zeros and cut.
-#[test]
-fn a_sealed_format_2_segment_ending_in_zeros_stops_the_open() {
-    let dir = tempfile::tempdir().unwrap();
-    let at = time::OffsetDateTime::UNIX_EPOCH;
-    let alloc = |id: &str, index| {
-        Allocation::register(AllocId::parse(id).unwrap(), Arc::new(spec()), index, at)
-    };
-    let recs: Vec<_> = (1..=4u64)
-        .map(|i| record::encode(&alloc(&format!("x{i}"), i)))
-        .collect();
-    let first = log::v2_segment_of(
-        1,
-        &[
-            ("x1", 1, Some(&recs[0])),
-            ("x2", 2, Some(&recs[1])),
-            ("x3", 3, Some(&recs[2])),
-        ],
-    );
-    let second = log::v2_segment_of(2, &[("x4", 4, Some(&recs[3]))]);
-    let p1 = log::segment_path(dir.path(), 1);
-    std::fs::write(&p1, &first).unwrap();
-    std::fs::write(log::segment_path(dir.path(), 2), &second).unwrap();
-    assert_eq!(open(dir.path(), 1).load().unwrap().allocations.len(), 4);
-    drop(std::fs::remove_file(log::segment_path(dir.path(), 3)));
-    // Re-create the earlier build's directory, then zero x3's append.
-    for e in std::fs::read_dir(dir.path()).unwrap() {
-        std::fs::remove_file(e.unwrap().path()).unwrap();
-    }
-    let mut damaged = first.clone();
-    let third = log::frame_starts_v2(&first)[2];
-    damaged[third..].fill(0);
-    std::fs::write(&p1, &damaged).unwrap();
-    std::fs::write(log::segment_path(dir.path(), 2), &second).unwrap();
-    match DiskStore::open(config(dir.path(), 1, DEFAULT_LOG_LIMIT)) {
-        Ok(s) => {
-            let ids = s.loaded_ids();
-            panic!(
-                "started with {ids:?} (x3 acknowledged, lost); segment 1 is now {} bytes (was {})",
-                std::fs::metadata(&p1).unwrap().len(),
-                first.len()
-            );
-        }
-        Err(e) => assert!(e.to_string().contains(&p1.display().to_string()), "{e}"),
-    }
 }
 
 /// The checkpoint folds sealed segments 1 and 2 while segment 3 is
