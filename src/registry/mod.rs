@@ -459,4 +459,8 @@ impl Registry {
 }
 
 #[cfg(test)]
+mod pipeline_tests;
+#[cfg(test)]
+mod replicated_tests;
+#[cfg(test)]
 mod tests;

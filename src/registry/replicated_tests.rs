@@ -1,0 +1,550 @@
+//! The write path on a store other replicas write too, against a store in
+//! memory whose follower is handed changes only when the test says
+//! (`Held`): a view that lags behind what the store acknowledged, without
+//! timing.
+
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Mutex, Weak},
+};
+
+use super::*;
+use crate::{
+    lifecycle::{AllocSpec, RunState, TaskName, TaskReport, TaskSpec, Timestamp},
+    store::{
+        Append, AppendError, Appended, Change, Follower, Lease, Leases, LiveOp, Liveness, Loaded,
+        Op, QuorumRead, Store, StoreError, Unreadable,
+    },
+};
+
+type Pending<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
+
+#[derive(Default)]
+struct State {
+    /// The records, by ID: the revision that wrote each.
+    records: BTreeMap<String, (u64, Allocation)>,
+    revision: u64,
+    /// Committed, not yet handed to the follower.
+    held: Vec<Change>,
+    follower: Option<Weak<dyn Follower>>,
+    unreadable: BTreeMap<String, Unreadable>,
+    /// Live keys by (allocation, task): their lease.
+    live: BTreeMap<(String, String), Lease>,
+    /// Leases granted so far.
+    leases: Lease,
+    /// Every renewal asked for, in order.
+    renewals: Vec<Lease>,
+}
+
+impl State {
+    /// Applies liveness ops on `id`'s keys, holding the changes.
+    fn apply_live(&mut self, id: &AllocId, ops: Vec<LiveOp>) {
+        for op in ops {
+            let change = match op {
+                LiveOp::Start { task, mark } => {
+                    self.live
+                        .insert((id.to_string(), task.to_string()), mark.lease);
+                    vec![
+                        Liveness::Live {
+                            id: id.clone(),
+                            task: task.clone(),
+                            lease: Some(mark.lease),
+                        },
+                        Liveness::Mark {
+                            id: id.clone(),
+                            task,
+                            mark: Some(mark),
+                        },
+                    ]
+                }
+                LiveOp::End { task } => {
+                    self.live.remove(&(id.to_string(), task.to_string()));
+                    vec![
+                        Liveness::Live {
+                            id: id.clone(),
+                            task: task.clone(),
+                            lease: None,
+                        },
+                        Liveness::Mark {
+                            id: id.clone(),
+                            task,
+                            mark: None,
+                        },
+                    ]
+                }
+            };
+            self.held.extend(change.into_iter().map(Change::Liveness));
+        }
+    }
+}
+
+#[derive(Default)]
+struct Held(Arc<Mutex<State>>);
+
+impl Held {
+    /// Hands every held change to the follower.
+    fn deliver(&self) {
+        let (changes, revision, follower) = {
+            let mut s = self.0.lock().unwrap();
+            (std::mem::take(&mut s.held), s.revision, s.follower.clone())
+        };
+        if let Some(f) = follower.and_then(|f| f.upgrade()) {
+            f.changed(changes, revision);
+        }
+    }
+}
+
+impl Store for Held {
+    fn load(&self) -> Result<Loaded, StoreError> {
+        Ok(Loaded::default())
+    }
+
+    fn id(&self) -> &str {
+        "held"
+    }
+
+    fn shared(&self) -> bool {
+        true
+    }
+
+    fn follow(&self, _: u64, follower: Weak<dyn Follower>) {
+        self.0.lock().unwrap().follower = Some(follower);
+    }
+
+    fn append(&self, append: Append) -> Appended {
+        let Append { op, expect, live } = append;
+        let record = match &op {
+            Op::Put(a) => Some(a.clone()),
+            Op::Delete(_) => None,
+        };
+        let mut s = self.0.lock().unwrap();
+        let id = op.id().to_string();
+        let now = s.records.get(&id).map(|r| r.0);
+        let now = now.or(s.unreadable.get(&id).map(|u| u.index));
+        let done: Pending<Result<u64, AppendError>> = if now.unwrap_or(0) != expect {
+            let seen = now.unwrap_or(s.revision);
+            Box::pin(async move { Err(AppendError::Conflict { seen }) })
+        } else {
+            s.revision += 1;
+            let index = s.revision;
+            s.unreadable.remove(&id);
+            match op {
+                Op::Put(a) => {
+                    let mut a = Arc::unwrap_or_clone(a);
+                    let placeholder = a.modify_index;
+                    a.restamp(placeholder, index);
+                    s.records.insert(id, (index, a.clone()));
+                    let alloc = a.id.clone();
+                    s.held.push(Change::Put(Arc::new(a)));
+                    s.apply_live(&alloc, live);
+                }
+                Op::Delete(alloc) => {
+                    s.records.remove(&id);
+                    s.held.push(Change::Delete { id: alloc, index });
+                }
+            }
+            Box::pin(async move { Ok(index) })
+        };
+        Appended {
+            record,
+            stamped: false,
+            done,
+        }
+    }
+
+    fn quorum_read(&self, id: &AllocId) -> Option<QuorumRead> {
+        let found = self.0.lock().unwrap().records.get(id.as_str()).map(|r| r.0);
+        Some(Box::pin(async move { Ok(found) }))
+    }
+
+    fn leases(&self) -> Option<Arc<dyn Leases>> {
+        Some(Arc::new(HeldLeases(self.0.clone())))
+    }
+
+    fn unreadable(&self, id: &str) -> Option<Unreadable> {
+        self.0.lock().unwrap().unreadable.get(id).cloned()
+    }
+
+    fn unreadable_ids(&self) -> Vec<String> {
+        self.0.lock().unwrap().unreadable.keys().cloned().collect()
+    }
+}
+
+/// `Held`'s leases.
+struct HeldLeases(Arc<Mutex<State>>);
+
+impl Leases for HeldLeases {
+    fn grant(&self, _: std::time::Duration) -> Pending<Result<Lease, StoreError>> {
+        let mut s = self.0.lock().unwrap();
+        s.leases += 1;
+        let lease = s.leases;
+        Box::pin(async move { Ok(lease) })
+    }
+
+    fn mark(
+        &self,
+        id: &AllocId,
+        expect: u64,
+        live: Vec<LiveOp>,
+    ) -> Pending<Result<u64, AppendError>> {
+        let mut s = self.0.lock().unwrap();
+        let now = s.records.get(id.as_str()).map_or(0, |r| r.0);
+        if now != expect {
+            return Box::pin(async move { Err(AppendError::Conflict { seen: now }) });
+        }
+        s.revision += 1;
+        let index = s.revision;
+        s.apply_live(id, live);
+        Box::pin(async move { Ok(index) })
+    }
+
+    fn keep_alive(&self, lease: Lease) {
+        self.0.lock().unwrap().renewals.push(lease);
+    }
+}
+
+fn web() -> AllocSpec {
+    AllocSpec::new(
+        vec![TaskSpec::named(TaskName::parse("web").unwrap())],
+        &Limits::default(),
+    )
+    .unwrap()
+}
+
+fn running() -> Vec<(TaskName, TaskReport)> {
+    vec![(
+        TaskName::parse("web").unwrap(),
+        TaskReport {
+            state: RunState::Running,
+            failed: false,
+            event: None,
+            ready: None,
+        },
+    )]
+}
+
+fn open() -> (Arc<Held>, Registry) {
+    let store = Arc::new(Held::default());
+    let registry = Registry::open(store.clone(), RegistryConfig::default()).unwrap();
+    (store, registry)
+}
+
+/// Issue 33's third fault: a registration acknowledged while this
+/// replica's view had not reached it left the handle `Creating`, and the
+/// same replica answered 404 to reads and reports of it (which an agent
+/// takes for a deletion). Now the store is asked: 503 while the view is
+/// behind, the allocation once it caught up.
+#[tokio::test(start_paused = true)]
+async fn an_acknowledged_registration_is_never_404_on_a_lagging_view() {
+    let (store, r) = open();
+    let (made, created) = r
+        .register(AllocId::parse("a1").unwrap(), web())
+        .await
+        .unwrap();
+    assert!(created);
+    assert!(r.get("a1").is_err(), "the view has not reached it");
+
+    let read = r.look_up("a1").await.unwrap_err();
+    assert!(
+        matches!(&read, RegistryError::Behind { index, view: 0, .. } if *index == made.modify_index),
+        "{read:?}"
+    );
+    let write = r.report("a1", running()).await.unwrap_err();
+    assert!(matches!(write, RegistryError::Behind { .. }), "{write:?}");
+    let wait = r
+        .wait_alloc("a1", 0, std::time::Duration::from_secs(1))
+        .await
+        .unwrap_err();
+    assert!(matches!(wait, RegistryError::Behind { .. }), "{wait:?}");
+
+    // An allocation the store does not hold is still 404.
+    assert!(matches!(
+        r.look_up("nothing").await,
+        Ok(()) if r.get("nothing").is_err()
+    ));
+
+    store.deliver();
+    r.look_up("a1").await.unwrap();
+    assert_eq!(r.get("a1").unwrap().modify_index, made.modify_index);
+    let reported = {
+        let r = r.clone();
+        let store = store.clone();
+        let sent = tokio::spawn(async move { r.report("a1", running()).await });
+        // The report waits for its own change to reach the view.
+        tokio::task::yield_now().await;
+        store.deliver();
+        sent.await.unwrap().unwrap()
+    };
+    assert_eq!(reported.tasks[0].state, RunState::Running);
+}
+
+/// Issue 33's fourth fault: a record this build cannot read wedged its
+/// allocation (16 conflicts, then 503 `timeout`, health ok). Now its
+/// requests are 503 `store_failed` at once, health names it, the others
+/// are served, and DELETE removes it.
+#[tokio::test(start_paused = true)]
+async fn an_unreadable_record_is_refused_named_and_deletable() {
+    let (store, r) = open();
+    for id in ["bad", "good"] {
+        let registering = {
+            let r = r.clone();
+            tokio::spawn(async move { r.register(AllocId::parse(id).unwrap(), web()).await })
+        };
+        tokio::task::yield_now().await;
+        store.deliver();
+        registering.await.unwrap().unwrap();
+    }
+    {
+        // Another build writes the record in a version this one cannot
+        // read: the store's revision moves, the view gets no change.
+        let mut s = store.0.lock().unwrap();
+        s.records.remove("bad").unwrap();
+        s.revision += 1;
+        let index = s.revision;
+        s.unreadable.insert(
+            "bad".into(),
+            Unreadable {
+                why: "unknown record version 99".into(),
+                index,
+            },
+        );
+    }
+    store.deliver();
+    assert_eq!(r.unreadable(100), ["bad"]);
+    let refused = r.report("bad", running()).await.unwrap_err();
+    assert!(
+        matches!(&refused, RegistryError::Unreadable { why, .. } if why.contains("version 99")),
+        "{refused:?}"
+    );
+    assert!(matches!(
+        r.look_up("bad").await,
+        Err(RegistryError::Unreadable { .. })
+    ));
+    let good = {
+        let r = r.clone();
+        let sent = tokio::spawn(async move { r.report("good", running()).await });
+        tokio::task::yield_now().await;
+        store.deliver();
+        sent.await.unwrap().unwrap()
+    };
+    assert_eq!(good.tasks[0].state, RunState::Running);
+
+    let deleting = {
+        let r = r.clone();
+        tokio::spawn(async move { r.delete("bad").await })
+    };
+    tokio::task::yield_now().await;
+    store.deliver();
+    deleting.await.unwrap().unwrap();
+    assert!(r.unreadable(100).is_empty());
+    r.look_up("bad").await.unwrap();
+    assert!(matches!(
+        r.get("bad"),
+        Err(RegistryError::AllocationNotFound(_))
+    ));
+}
+
+// ---- liveness over a store with leases (`lives.rs`) ----
+
+const TTL: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// `web` under a 30 s TTL.
+fn timed_web() -> AllocSpec {
+    let mut web = TaskSpec::named(TaskName::parse("web").unwrap());
+    web.liveness = Some(TTL);
+    AllocSpec::new(vec![web], &Limits::default()).unwrap()
+}
+
+/// Runs `f` on `r` while the store hands its changes to the view.
+async fn delivered<T: Send + 'static>(
+    store: &Arc<Held>,
+    f: impl std::future::Future<Output = T> + Send + 'static,
+) -> T {
+    let task = tokio::spawn(f);
+    loop {
+        tokio::task::yield_now().await;
+        store.deliver();
+        if task.is_finished() {
+            return task.await.unwrap();
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+}
+
+fn renewals(store: &Held) -> Vec<Lease> {
+    store.0.lock().unwrap().renewals.clone()
+}
+
+/// A running task under a TTL, on a view that holds its liveness keys.
+async fn timed_running(store: &Arc<Held>, r: &Registry) {
+    let rr = r.clone();
+    delivered(store, async move {
+        rr.register(AllocId::parse("t1").unwrap(), timed_web())
+            .await
+            .unwrap()
+    })
+    .await;
+    let rr = r.clone();
+    delivered(
+        store,
+        async move { rr.report("t1", running()).await.unwrap() },
+    )
+    .await;
+    let s = store.0.lock().unwrap();
+    assert_eq!(
+        s.live.get(&("t1".to_string(), "web".to_string())),
+        Some(&1),
+        "the write that made web running wrote its live key under a new lease"
+    );
+}
+
+/// With a shared store, time alone never declares a task lost (its clock
+/// is the store's lease); the live key going is what does, at once and in
+/// one change, and the change removes the run's keys.
+#[tokio::test(start_paused = true)]
+async fn a_task_is_lost_when_its_live_key_goes_not_by_this_replica_s_clock() {
+    let (store, r) = open();
+    timed_running(&store, &r).await;
+    tokio::time::sleep(TTL * 10).await;
+    store.deliver();
+    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    assert!(
+        !r.get("t1").unwrap().tasks[0].lost(),
+        "ten TTLs of silence here"
+    );
+
+    // The lease expires: the store removes the live key.
+    {
+        let mut s = store.0.lock().unwrap();
+        s.live.clear();
+        s.revision += 1;
+        s.held.push(Change::Liveness(Liveness::Live {
+            id: AllocId::parse("t1").unwrap(),
+            task: TaskName::parse("web").unwrap(),
+            lease: None,
+        }));
+    }
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !r.get("t1").unwrap().tasks[0].lost() {
+        assert!(tokio::time::Instant::now() < deadline, "never lost");
+        store.deliver();
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    let a = r.get("t1").unwrap();
+    let lost: Vec<_> = a.tasks[0]
+        .events
+        .iter()
+        .filter(|e| e.kind == crate::lifecycle::LOST_EVENT)
+        .collect();
+    assert_eq!(lost.len(), 1);
+    // The run's keys went with the decision (its mark included).
+    store.deliver();
+    let handle = r.handle("t1").unwrap();
+    assert!(handle.lives().life(0).unwrap().kept.keys().mark.is_none());
+}
+
+/// Signs of life renew the run's lease, at most once a third of the TTL
+/// each (the one that comes too soon is sent when that third is up, never
+/// dropped); a parked query keeps renewing it; the end of a wait is sent
+/// at once.
+#[tokio::test(start_paused = true)]
+async fn signs_of_life_renew_the_lease_within_a_bound() {
+    let (store, r) = open();
+    timed_running(&store, &r).await;
+    let third = TTL / 3;
+    r.heartbeat("t1", "web").unwrap();
+    assert_eq!(renewals(&store), [1], "the first at once");
+    for _ in 0..50 {
+        r.heartbeat("t1", "web").unwrap();
+    }
+    assert_eq!(renewals(&store).len(), 1, "the others wait for the third");
+    tokio::time::sleep(third + std::time::Duration::from_millis(1)).await;
+    assert_eq!(renewals(&store).len(), 2, "sent when the third was up");
+    tokio::time::sleep(TTL).await;
+    assert_eq!(renewals(&store).len(), 2, "nothing more without a sign");
+
+    // A parked query: one renewal a third while it waits.
+    let rr = r.clone();
+    let index = r.get("t1").unwrap().modify_index;
+    let parked = tokio::spawn(async move { rr.wait_task("t1", "web", index, TTL * 2, true).await });
+    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    assert_eq!(renewals(&store).len(), 3, "its start");
+    tokio::time::sleep(TTL * 2 - std::time::Duration::from_millis(100)).await;
+    let during = renewals(&store).len();
+    assert!(
+        (8..=9).contains(&during),
+        "{during} renewals in two TTLs parked"
+    );
+    parked.await.unwrap().unwrap();
+    // The end of the wait, at once though the last was less than a third
+    // ago.
+    assert_eq!(renewals(&store).len(), during + 1);
+    assert!(renewals(&store).iter().all(|&l| l == 1));
+}
+
+/// Another replica ends `t1`'s run of web and starts a new one under a
+/// new lease, in two changes this view has not seen yet; the new lease.
+fn another_run(store: &Held, started: Timestamp) -> Lease {
+    let mut s = store.0.lock().unwrap();
+    let (_, current) = s.records.get("t1").unwrap().clone();
+    let id = current.id.clone();
+    let web = TaskName::parse("web").unwrap();
+    let mut next = current;
+    for (state, live) in [
+        (RunState::Pending, None),
+        (RunState::Running, Some(started)),
+    ] {
+        s.revision += 1;
+        let index = s.revision;
+        next.tasks[0].state = state;
+        next.tasks[0].modify_index = index;
+        next.modify_index = index;
+        let ops = match live {
+            None => vec![LiveOp::End { task: web.clone() }],
+            Some(started) => {
+                next.tasks[0].started_at = Some(started);
+                s.leases += 1;
+                vec![LiveOp::Start {
+                    task: web.clone(),
+                    mark: crate::store::Mark {
+                        run: super::time::nanos(started),
+                        ttl: TTL,
+                        lease: s.leases,
+                    },
+                }]
+            }
+        };
+        s.records.insert("t1".into(), (index, next.clone()));
+        s.held.push(Change::Put(Arc::new(next.clone())));
+        s.apply_live(&id, ops);
+    }
+    s.leases
+}
+
+/// A sign of life heard while this replica's view still holds the run
+/// that another replica has since ended and started again renews the old
+/// run's lease, which nobody needs: once the view sees the new run's live
+/// key, its lease is renewed for that sign too. (Before: the sign was
+/// spent on the old lease, and the new one ran out a TTL after it was
+/// granted, not a TTL after the agent's sign: a task lost early.)
+#[tokio::test(start_paused = true)]
+async fn a_sign_heard_on_a_view_behind_a_new_run_renews_the_new_run_s_lease() {
+    let (store, r) = open();
+    timed_running(&store, &r).await;
+    // Past the bound: the next sign is sent at once.
+    tokio::time::sleep(TTL).await;
+    let before = renewals(&store).len();
+    let lease = another_run(&store, r.now());
+    // The agent of the new run, heard here on a view a step behind.
+    r.heartbeat("t1", "web").unwrap();
+    assert_eq!(renewals(&store)[before..], [1], "the lease this view knows");
+    store.deliver();
+    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    let handle = r.handle("t1").unwrap();
+    assert!(handle.lives().life(0).unwrap().kept.keys().live);
+    assert_eq!(
+        renewals(&store)[before..],
+        [1, lease],
+        "the new run's lease renewed for the sign heard after it began"
+    );
+}
