@@ -1320,3 +1320,153 @@ async fn salvage_of_a_crashed_directory_counts_the_zeros_written_ahead_as_lost()
         report.lost
     );
 }
+
+/// A change the store refused is never on disk. Writers on one allocation
+/// pipeline their changes (each decided on the one before it) while the
+/// log runs into its ceiling, checkpoints failing: the writers told of a
+/// failure must find neither their change nor any change decided on it
+/// after a restart, and the record a restart loads is the last one a
+/// writer was told of. (Before, the writer refused one batch at the
+/// ceiling and took the next, smaller one, decided on the refused one:
+/// after a restart both were there, though their writers were told of a
+/// failure.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_refused_at_the_log_ceiling_never_comes_back_after_a_restart() {
+    use crate::lifecycle::{EventInput, RunState, TaskReport};
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(
+        DiskStore::open(DiskStoreConfig {
+            log_limit: 1024,
+            log_ceiling: 64 * 1024,
+            retry: Duration::from_millis(5),
+            ..DiskStoreConfig::new(dir.path().to_owned())
+        })
+        .unwrap(),
+    );
+    // Checkpoints fail from now on: a directory where the next snapshot
+    // is written.
+    std::fs::create_dir(dir.path().join(NEXT_FILE)).unwrap();
+    let r = Registry::open(store.clone(), RegistryConfig::default()).unwrap();
+    r.register(AllocId::parse("a").unwrap(), spec())
+        .await
+        .unwrap();
+    let report = |n: usize| {
+        vec![(
+            TaskName::parse("web").unwrap(),
+            TaskReport {
+                state: if n % 2 == 0 {
+                    RunState::Running
+                } else {
+                    RunState::Pending
+                },
+                failed: false,
+                ready: None,
+                event: Some(EventInput {
+                    kind: "Note".into(),
+                    time: None,
+                    // Of many sizes, so that batches are too.
+                    message: format!("w{n} {}", "x".repeat(n % 7 * 150)),
+                    details: Default::default(),
+                }),
+            },
+        )]
+    };
+    let mut told = Vec::new();
+    let mut refused = Vec::new();
+    for round in 0..400 {
+        let writers: Vec<_> = (0..16)
+            .map(|k| {
+                let (r, n) = (r.clone(), round * 16 + k);
+                tokio::spawn(async move { (n, r.report("a", report(n)).await) })
+            })
+            .collect();
+        for w in writers {
+            match w.await.unwrap() {
+                (n, Ok(a)) => told.push((a.modify_index, n)),
+                (n, Err(_)) => refused.push(n),
+            }
+        }
+        if refused.len() >= 64 {
+            break;
+        }
+    }
+    assert!(refused.len() >= 64, "the log never reached its ceiling");
+    drop(r);
+    store.close().unwrap();
+    drop(store);
+    std::fs::remove_dir(dir.path().join(NEXT_FILE)).unwrap();
+    let reopened = Arc::new(open(dir.path(), 64));
+    let r = Registry::open(reopened, RegistryConfig::default()).unwrap();
+    let a = r.get("a").unwrap();
+    let last = told.iter().map(|(index, _)| *index).max().unwrap();
+    assert_eq!(a.modify_index, last, "the last change a writer was told of");
+    let refused: std::collections::HashSet<String> =
+        refused.iter().map(|n| format!("w{n} ")).collect();
+    for e in a.tasks[0].events.iter() {
+        let key = e.message.split_inclusive(' ').next().unwrap_or_default();
+        assert!(
+            !refused.contains(key),
+            "a refused write's event came back: {}",
+            e.message
+        );
+    }
+}
+
+/// A disk store that refuses a change takes none after it, however small:
+/// at the log's ceiling, checkpoints failing, every change after the first
+/// refused one is refused too, until a checkpoint works; a restart finds
+/// exactly the changes that were taken. (Before, the log refused the change
+/// that would not fit under its ceiling and took a smaller one after it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_at_its_ceiling_takes_no_change_after_one_it_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = DiskStore::open(DiskStoreConfig {
+        log_limit: 1024,
+        log_ceiling: 16 * 1024,
+        retry: Duration::from_millis(5),
+        ..DiskStoreConfig::new(dir.path().to_owned())
+    })
+    .unwrap();
+    std::fs::create_dir(dir.path().join(NEXT_FILE)).unwrap();
+    // Records of 40 tasks each: far larger than the changes tried after.
+    let big = |n: u64| {
+        let tasks = (0..40)
+            .map(|t| TaskSpec::named(TaskName::parse(&format!("task-{t}")).unwrap()))
+            .collect();
+        let spec = AllocSpec::new(tasks, &Limits::default()).unwrap();
+        let id = AllocId::parse(&format!("p{n}")).unwrap();
+        let now = time::OffsetDateTime::UNIX_EPOCH;
+        Op::Put(Arc::new(Allocation::register(id, Arc::new(spec), n, now)))
+    };
+    let mut taken = Vec::new();
+    let mut n = 0;
+    loop {
+        n += 1;
+        assert!(n < 5000, "never refused");
+        match store.commit(big(n)).await {
+            Ok(()) => taken.push(n),
+            Err(e) => {
+                assert!(matches!(e, StoreError::Unavailable(_)), "{e:?}");
+                break;
+            }
+        }
+    }
+    // Smaller than any put: a deletion of the first, and a put of the
+    // smallest record there is.
+    let first = AllocId::parse(&format!("p{}", taken[0])).unwrap();
+    assert!(
+        store.commit(Op::Delete(first)).await.is_err(),
+        "a deletion after a refusal"
+    );
+    assert!(
+        store.commit(put(n + 1)).await.is_err(),
+        "a put after a refusal"
+    );
+    store.close().unwrap();
+    drop(store);
+    std::fs::remove_dir(dir.path().join(NEXT_FILE)).unwrap();
+    let loaded: Vec<String> = open(dir.path(), 1).loaded_ids();
+    let mut expected: Vec<String> = taken.iter().map(|n| format!("p{n}")).collect();
+    expected.sort();
+    assert_eq!(loaded, expected);
+}
