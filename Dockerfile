@@ -31,12 +31,13 @@ WORKDIR /build
 COPY Cargo.toml Cargo.lock ./
 COPY bench/Cargo.toml bench/
 COPY fuzzing/Cargo.toml fuzzing/
-RUN mkdir -p src bench/src fuzzing/src \
+COPY testkit/Cargo.toml testkit/
+RUN mkdir -p src bench/src fuzzing/src testkit/src \
     && echo 'fn main() {}' > src/main.rs \
-    && touch src/lib.rs fuzzing/src/lib.rs \
+    && touch src/lib.rs fuzzing/src/lib.rs testkit/src/lib.rs \
     && echo 'fn main() {}' > bench/src/main.rs \
     && cargo build --release --locked -p taskgate \
-    && rm -rf src bench/src fuzzing/src
+    && rm -rf src bench/src fuzzing/src testkit/src
 # Then the whole build context: whatever the crate reads at build time
 # (src/, ui/, openapi/, ...) is there. `.dockerignore` keeps out only what
 # is generated or local (target/, .git, node_modules, data directories).

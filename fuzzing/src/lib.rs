@@ -21,8 +21,8 @@ use taskgate::{
     },
     registry::{Registry, RegistryConfig},
     store::MemoryStore,
-    testing::FIVE_TASKS,
 };
+use taskgate_testkit::FIVE_TASKS;
 
 /// The write routes a fuzzed body is sent to.
 pub const WRITES: [(&str, &str); 6] = [
