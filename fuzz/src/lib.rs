@@ -1,6 +1,6 @@
-//! Fuzz targets, shared by the cargo-fuzz harness (`fuzz/`) and the
-//! regression tests that replay every input it ever found (`tests/fuzz.rs`
-//! over `fuzz/regressions/`). A crate of its own, beside `fuzz/`, so the
+//! Fuzz targets, shared by the cargo-fuzz harness (`fuzz/harness/`) and
+//! the regression tests that replay every input it ever found
+//! (`tests/fuzz.rs` over `fuzz/regressions/`). A crate of its own, so the
 //! service's library carries none of it. Each function takes arbitrary bytes and
 //! panics when an invariant breaks; it must never panic otherwise.
 
