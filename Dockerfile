@@ -30,13 +30,14 @@ WORKDIR /build
 # (only `-p taskgate` is built, but every member's manifest must parse).
 COPY Cargo.toml Cargo.lock ./
 COPY bench/Cargo.toml bench/
-COPY fuzzing/Cargo.toml fuzzing/
-RUN mkdir -p src bench/src fuzzing/src \
+COPY fuzz/Cargo.toml fuzz/
+COPY testkit/Cargo.toml testkit/
+RUN mkdir -p src bench/src fuzz/src testkit/src \
     && echo 'fn main() {}' > src/main.rs \
-    && touch src/lib.rs fuzzing/src/lib.rs \
+    && touch src/lib.rs fuzz/src/lib.rs testkit/src/lib.rs \
     && echo 'fn main() {}' > bench/src/main.rs \
     && cargo build --release --locked -p taskgate \
-    && rm -rf src bench/src fuzzing/src
+    && rm -rf src bench/src fuzz/src testkit/src
 # Then the whole build context: whatever the crate reads at build time
 # (src/, ui/, openapi/, ...) is there. `.dockerignore` keeps out only what
 # is generated or local (target/, .git, node_modules, data directories).

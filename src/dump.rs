@@ -121,7 +121,7 @@ mod tests {
         let r = Registry::open(store.clone(), RegistryConfig::default()).unwrap();
         for id in ["web-2", "web-1", "db-1"] {
             let body: crate::http::dto::RegisterBody =
-                serde_json::from_str(crate::testing::FIVE_TASKS).unwrap();
+                serde_json::from_str(taskgate_testkit::FIVE_TASKS).unwrap();
             let spec = body
                 .into_spec(&r.config().limits, &AllocId::parse(id).unwrap())
                 .unwrap();

@@ -20,6 +20,4 @@ pub mod secret;
 pub mod server;
 pub mod signals;
 pub mod store;
-#[doc(hidden)]
-pub mod testing;
 pub mod units;

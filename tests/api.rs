@@ -2602,6 +2602,27 @@ async fn a_retried_report_with_its_idempotency_key_is_applied_once() {
     app.send(twice).await.assert_problem(400, "invalid_request");
 }
 
+/// A key names one request of the allocation: the same key and body sent
+/// for another task is 422 idempotency_key_reused, not applied as new.
+#[tokio::test]
+async fn an_idempotency_key_reused_on_another_task_is_422() {
+    let app = test_app().await;
+    registered(&app, "k", json!({"tasks": [{"name": "a"}, {"name": "b"}]})).await;
+    let mut answers = Vec::new();
+    for t in ["a", "b"] {
+        let req = Request::put(format!("/v1/allocations/k/tasks/{t}/state"))
+            .header("content-type", "application/json")
+            .header("idempotency-key", "same-key")
+            .body(Body::from(r#"{"state": "running"}"#))
+            .unwrap();
+        answers.push(app.send(req).await);
+    }
+    assert_eq!(answers[0].status, StatusCode::OK, "{}", answers[0].body);
+    answers[1].assert_problem(422, "idempotency_key_reused");
+    let b = app.get("/v1/allocations/k/tasks/b").await;
+    assert_eq!(b.body["state"], "pending", "b unchanged: {}", b.body);
+}
+
 #[tokio::test]
 async fn every_answer_carries_the_store_s_id() {
     let app = test_app().await;
@@ -2759,6 +2780,76 @@ async fn a_cycle_through_held_allocations_is_409_with_its_path() {
     // Without the cycle it registers, and the first one's dependency
     // holds once db runs.
     registered(&app, "data", json!({"tasks": [{"name": "db"}]})).await;
+}
+
+/// A `ready` dependency on a task of an allocation the server holds is
+/// checked at registration: a target that declares no readiness is 400,
+/// and nothing is registered.
+#[tokio::test]
+async fn ready_on_a_held_target_without_readiness_is_400() {
+    let app = test_app().await;
+    registered(&app, "db-7", json!({"tasks": [{"name": "db"}]})).await;
+    let a = app
+        .call(
+            "PUT",
+            "/v1/allocations/app",
+            Some(json!({"tasks": [{"name": "web", "depends_on": [{"task": "db", "allocation": "db-7", "condition": "ready"}]}]})),
+        )
+        .await;
+    a.assert_problem(400, "invalid_request");
+    assert_eq!(a.error_fields(), ["tasks[0].depends_on[0]"], "{}", a.body);
+    let says = a.body["errors"][0]["message"].as_str().unwrap();
+    assert!(says.contains("declares no readiness"), "{}", a.body);
+    assert_eq!(app.get("/v1/allocations/app").await.status, 404);
+}
+
+/// A registration whose dependencies reach more than `MAX_REACH` tasks
+/// through held allocations is 400, so no cycle hides behind a graph too
+/// large to search; every layer within the limit registers.
+#[tokio::test]
+async fn a_registration_that_reaches_too_far_is_400() {
+    use taskgate::registry::MAX_REACH;
+    const WIDE: usize = 200;
+    const DEEPEST: usize = 49;
+    let app = test_app().await;
+    // Layer k's tasks depend one to one on layer k + 1's: each layer
+    // reaches WIDE tasks more than the one below it.
+    let layer = |k: usize| {
+        let tasks: Vec<Value> = (0..WIDE)
+            .map(|j| {
+                let deps: Vec<Value> = (k < DEEPEST)
+                    .then(|| json!({"task": format!("t{j}"), "allocation": format!("l{}", k + 1), "condition": "running"}))
+                    .into_iter()
+                    .collect();
+                json!({"name": format!("t{j}"), "depends_on": deps})
+            })
+            .collect();
+        json!({"tasks": tasks})
+    };
+    let mut refused = None;
+    for k in (1..=DEEPEST).rev() {
+        let a = app
+            .call("PUT", &format!("/v1/allocations/l{k}"), Some(layer(k)))
+            .await;
+        if a.status != StatusCode::CREATED {
+            refused = Some((k, a));
+            break;
+        }
+    }
+    let (k, a) = refused.expect("a layer reaching past the limit is refused");
+    a.assert_problem(400, "invalid_request");
+    let says = a.body["errors"][0]["message"].as_str().unwrap();
+    assert!(
+        says.contains(&format!("more than {MAX_REACH} tasks")),
+        "{}",
+        a.body
+    );
+    assert!(
+        (DEEPEST + 1 - k) * WIDE > MAX_REACH,
+        "refused only past the limit"
+    );
+    let status = app.get(&format!("/v1/allocations/l{k}")).await.status;
+    assert_eq!(status, 404, "nothing registered");
 }
 
 #[tokio::test]

@@ -20,6 +20,10 @@ fn hex_sha256(secret: &str) -> String {
 }
 
 async fn secured(public_metrics: bool) -> TestApp {
+    secured_with(RegistryConfig::default(), public_metrics).await
+}
+
+async fn secured_with(registry: RegistryConfig, public_metrics: bool) -> TestApp {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("tokens.json");
     let tokens = json!({"tokens": [
@@ -30,7 +34,7 @@ async fn secured(public_metrics: bool) -> TestApp {
     std::fs::write(&file, tokens.to_string()).unwrap();
     let mut auth = Auth::load(Some(&file), Some("operator-secret")).unwrap();
     auth.public_metrics = public_metrics;
-    test_app_auth(RegistryConfig::default(), HttpConfig::default(), auth).await
+    test_app_auth(registry, HttpConfig::default(), auth).await
 }
 
 async fn call(
@@ -663,6 +667,69 @@ async fn only_parked_requests_hold_a_token_s_waits() {
     app.registry.shutdown();
     assert_eq!(head.await.unwrap().status, 503);
     drop(streams);
+}
+
+/// Only a caller that may act for a task keeps it alive by long-polling
+/// it: with its agent gone, a task a reader token watches is declared lost
+/// once its TTL passes, while one an agent token watches stays alive.
+#[tokio::test(start_paused = true)]
+async fn a_reader_watching_a_task_does_not_keep_it_alive() {
+    if common::on_etcd(
+        "a_reader_watching_a_task_does_not_keep_it_alive",
+        "runs on paused time",
+    ) {
+        return;
+    }
+    let config = RegistryConfig {
+        clock: taskgate::registry::Clock::tokio(),
+        ..RegistryConfig::default()
+    };
+    let app = std::sync::Arc::new(secured_with(config, false).await);
+    let op = Some("operator-secret");
+    let spec = json!({"tasks": [{"name": "web", "liveness": {"ttl": "1s"}}]});
+    for alloc in ["watched", "agent-watched"] {
+        let uri = format!("/v1/allocations/{alloc}");
+        let a = call(&app, op, "PUT", &uri, Some(spec.clone())).await;
+        assert_eq!(a.status, 201, "{}", a.body);
+        let running = Some(json!({"state": "running"}));
+        let a = call(&app, op, "PUT", &format!("{uri}/tasks/web/state"), running).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+    }
+    // The agents are gone from here on. A reader may not give a sign of
+    // life itself.
+    let uri = "/v1/allocations/watched/tasks/web/heartbeat";
+    let hb = call(&app, Some("reader-secret"), "PUT", uri, None).await;
+    assert_eq!(hb.status, 403);
+    let watch = |token: &'static str, alloc: &'static str| {
+        let app = app.clone();
+        tokio::spawn(async move {
+            let uri = format!("/v1/allocations/{alloc}/tasks/web?index=999999&wait=2s");
+            for _ in 0..100 {
+                if call(&app, Some(token), "GET", &uri, None).await.status != 200 {
+                    return;
+                }
+            }
+        })
+    };
+    let reader = watch("reader-secret", "watched");
+    let agent = watch("agent-secret", "agent-watched");
+    // Five TTLs on the paused clock: it moves only once every task waits.
+    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    let watched = call(&app, op, "GET", "/v1/allocations/watched/tasks/web", None).await;
+    let uri = "/v1/allocations/agent-watched/tasks/web";
+    let by_agent = call(&app, op, "GET", uri, None).await;
+    reader.abort();
+    agent.abort();
+    assert_eq!(
+        watched.body["lost"], true,
+        "only a reader watched it for five TTLs: {}",
+        watched.body
+    );
+    assert_eq!(
+        by_agent.body["lost"], false,
+        "its agent token's long-polls keep it alive: {}",
+        by_agent.body
+    );
 }
 
 /// A token does not make a cross-site write acceptable (a page of another

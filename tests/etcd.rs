@@ -1440,7 +1440,7 @@ async fn a_paused_keep_alive_member_loses_no_live_task() {
     }
     // etcd's shortest lease in the test cluster (elections of 500 ms).
     const TTL: Duration = Duration::from_secs(1);
-    let cluster = Cluster::start(3);
+    let mut cluster = Cluster::start(3);
     let leader = cluster.leader();
     let f = (leader + 1) % 3;
     let g = (leader + 2) % 3;

@@ -547,7 +547,7 @@ where
     Ok((all, errors))
 }
 
-pub(crate) use taskgate::testing::FIVE_TASKS;
+pub(crate) use taskgate_testkit::FIVE_TASKS;
 
 /// The service's binary (`--server-bin`), set once per run.
 static SERVER_BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
@@ -816,7 +816,7 @@ pub(super) fn event_reports(
 pub(super) fn data_dir(
     config: &BenchConfig,
     name: &str,
-) -> std::io::Result<(PathBuf, Option<taskgate::testing::TempDir>)> {
+) -> std::io::Result<(PathBuf, Option<taskgate_testkit::TempDir>)> {
     match &config.work_dir {
         Some(dir) => {
             let d = dir.join(name);
@@ -824,7 +824,7 @@ pub(super) fn data_dir(
             Ok((d, None))
         }
         None => {
-            let t = taskgate::testing::TempDir::new(name)?;
+            let t = taskgate_testkit::TempDir::new(name)?;
             Ok((t.path().to_owned(), Some(t)))
         }
     }

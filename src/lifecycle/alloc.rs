@@ -1226,6 +1226,47 @@ mod tests {
             );
         }
 
+        /// A later stage's deadline keeps the first deadline's order and
+        /// what it failed: the outcome's failed tasks still name the
+        /// prestart sidecar that was never ready in time.
+        #[test]
+        fn a_later_deadline_keeps_the_failed_tasks_of_the_first() {
+            let side = TaskSpec {
+                readiness: true,
+                ..task("side", Some((Hook::Prestart, true)), None)
+            };
+            let a = alloc(
+                vec![side, task("web", None, None)],
+                deadlines(&[(CoordState::Prestart, 10), (CoordState::Main, 10)]),
+            );
+            let a = step(&a, &[(0, RunState::Running)], at(1));
+            // Prestart's deadline: side is running but was never ready.
+            let a = a.tick(at(10), &no_sign, None, || 3).unwrap();
+            assert_eq!(
+                a.order().reason().unwrap().stage,
+                Some(CoordState::Prestart)
+            );
+            // Ready just after: main opens, and its deadline passes too.
+            let ready = TaskReport {
+                ready: Some(true),
+                ..report(RunState::Running, false)
+            };
+            let a = a.report(&[(0, ready)], at(11), || 4).unwrap();
+            assert_eq!(a.state, CoordState::Main);
+            let a = a.tick(at(21), &no_sign, None, || 5).unwrap();
+            let done = step(&a, &[(0, RunState::Dead), (1, RunState::Dead)], at(22));
+            let (_, failed) = done.outcome().unwrap();
+            assert_eq!(
+                done.order().reason().unwrap().stage,
+                Some(CoordState::Prestart),
+                "the order names prestart"
+            );
+            assert!(
+                failed.contains(&TaskName::parse("side").unwrap()),
+                "prestart failed on side, yet failed_tasks = {failed:?}"
+            );
+        }
+
         #[test]
         fn the_poststop_deadline_tells_unfinished_poststop_tasks_to_stop() {
             let a = alloc(

@@ -597,6 +597,8 @@ mod third_edition {
     use super::*;
     use crate::lifecycle::{Deadlines, IdemKey, StopKind};
 
+    mod limits;
+
     const TTL: Duration = Duration::from_secs(30);
 
     thread_local! {
@@ -885,6 +887,8 @@ mod third_edition {
 mod dependencies {
     use super::*;
     use crate::lifecycle::{Condition, DepState, Dependency, Why};
+
+    mod concurrent;
 
     fn depends(task: &str, alloc: &str, on: &str) -> AllocSpec {
         let t = TaskSpec {

@@ -1,5 +1,5 @@
 //! The etcd store's tests run against a real cluster
-//! (`taskgate::testing::cluster`). Without `etcd` on the PATH they pass
+//! (`taskgate_testkit::cluster`). Without `etcd` on the PATH they pass
 //! without running, and the run says so on its terminal in one line that
 //! `cargo test` does not swallow; with `TASKGATE_REQUIRE_ETCD` set (as
 //! `.ci/run` does) a missing etcd is a failure instead.
@@ -10,7 +10,7 @@ use std::{
 };
 
 #[allow(unused_imports)] // not every test binary starts a cluster
-pub use taskgate::testing::cluster::Cluster;
+pub use taskgate_testkit::cluster::Cluster;
 
 /// What a run without etcd says, once.
 pub const SKIPPED: &str = "SKIPPED: the etcd tests (tests/etcd.rs) did not run: no `etcd` on \

@@ -345,13 +345,7 @@ pub async fn unparked_to(registry: &Registry, n: usize) {
 
 /// The example allocation of the API documentation.
 pub fn five_tasks() -> Value {
-    serde_json::json!({"tasks": [
-        {"name": "init", "lifecycle": {"hook": "prestart"}},
-        {"name": "proxy", "lifecycle": {"hook": "prestart", "sidecar": true}},
-        {"name": "web", "leader": true},
-        {"name": "announce", "lifecycle": {"hook": "poststart"}},
-        {"name": "cleanup", "lifecycle": {"hook": "poststop"}}
-    ]})
+    serde_json::from_str(taskgate_testkit::FIVE_TASKS).expect("FIVE_TASKS is JSON")
 }
 
 /// A real server on 127.0.0.1 with an OS-chosen port, stopped by dropping

@@ -24,7 +24,7 @@ use taskgate::store::etcd::{
     EtcdConfig,
     client::{Client, Swapped},
 };
-use taskgate::testing::cluster::Cluster;
+use taskgate_testkit::cluster::Cluster;
 
 /// Rounds of (etcd's own transactions, reports through the replicas).
 const ROUNDS: usize = 2;

@@ -158,7 +158,7 @@ pub(super) fn fresh_server(
     config: &BenchConfig,
     bin: &Path,
     name: &str,
-) -> std::io::Result<(Option<taskgate::testing::TempDir>, Proc)> {
+) -> std::io::Result<(Option<taskgate_testkit::TempDir>, Proc)> {
     let (dir, guard) = data_dir(config, name)?;
     let dir = dir.to_string_lossy().into_owned();
     let server = Proc::start_exe(bin, &serve_args(&["--data-dir", dir.as_str()]))?;

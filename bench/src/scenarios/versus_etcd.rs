@@ -23,7 +23,7 @@ use tonic::codegen::http::uri::PathAndQuery;
 
 use super::{BenchConfig, Outcome, Proc, serve_args};
 use taskgate::store::etcd::proto::{PutRequest, ResponseHeader};
-use taskgate::testing::cluster::Cluster;
+use taskgate_testkit::cluster::Cluster;
 
 /// Alternations of the four rows.
 const ROUNDS: usize = 3;

@@ -1354,7 +1354,7 @@ async fn a_write_refused_at_the_log_ceiling_never_comes_back_after_a_restart() {
         vec![(
             TaskName::parse("web").unwrap(),
             TaskReport {
-                state: if n % 2 == 0 {
+                state: if n.is_multiple_of(2) {
                     RunState::Running
                 } else {
                     RunState::Pending

@@ -45,9 +45,42 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// How long a cluster may take to start: elections take a second or two,
+/// a loaded machine many times that.
+const START_WITHIN: Duration = Duration::from_secs(90);
+
+/// Why a cluster is not healthy: a message naming the members at fault,
+/// with their logs' last lines.
+struct Unhealthy {
+    message: String,
+    /// A member exited because another process took one of its ports
+    /// between their pick and its bind.
+    port_taken: bool,
+}
+
 impl Cluster {
-    /// Starts `n` members and waits until the cluster has a leader.
+    /// Starts `n` members and waits until every one is healthy (it has a
+    /// leader and a quorum). A cluster whose member found a port taken is
+    /// started again on other ports, a few times at most.
     pub fn start(n: usize) -> Cluster {
+        const TRIES: usize = 3;
+        let mut taken = Vec::new();
+        for _ in 0..TRIES {
+            let mut cluster = Self::launch(n);
+            match cluster.until_healthy(START_WITHIN) {
+                Ok(()) => return cluster,
+                Err(e) if e.port_taken => taken.push(e.message),
+                Err(e) => panic!("{}", e.message),
+            }
+        }
+        panic!(
+            "the etcd cluster found a port taken in each of {TRIES} starts:\n{}",
+            taken.join("\n")
+        );
+    }
+
+    /// Spawns `n` members on ports picked now, in a new data directory.
+    fn launch(n: usize) -> Cluster {
         let dir = super::TempDir::new("etcd").unwrap();
         let members: Vec<Member> = (0..n)
             .map(|i| Member {
@@ -61,7 +94,6 @@ impl Cluster {
         for i in 0..n {
             cluster.spawn(i);
         }
-        cluster.wait_healthy(Duration::from_secs(30));
         cluster
     }
 
@@ -71,8 +103,8 @@ impl Cluster {
             .iter()
             .map(|m| format!("{}={}", m.name, m.peer))
             .collect();
+        let log = std::fs::File::create(self.log_path(i)).unwrap();
         let m = &self.members[i];
-        let log = std::fs::File::create(self.dir.path().join(format!("{}.log", m.name))).unwrap();
         let child = Command::new("etcd")
             .args(["--name", &m.name])
             .arg("--data-dir")
@@ -104,6 +136,12 @@ impl Cluster {
     /// Whether member `i` says it is healthy (it has a leader and a
     /// quorum).
     pub fn healthy(&self, i: usize) -> bool {
+        self.health(i).is_ok()
+    }
+
+    /// `healthy`, or what member `i`'s `/health` answered, or why it did
+    /// not.
+    fn health(&self, i: usize) -> Result<(), String> {
         let addr: std::net::SocketAddr = self.members[i]
             .client
             .trim_start_matches("http://")
@@ -118,22 +156,86 @@ impl Cluster {
             s.read_to_string(&mut answer)?;
             Ok(answer)
         };
-        get().is_ok_and(|a| a.contains("\"health\":\"true\""))
+        match get() {
+            Ok(a) if a.contains("\"health\":\"true\"") => Ok(()),
+            Ok(a) => Err(format!("GET /health answered {:?}", a.lines().last())),
+            Err(e) => Err(format!("GET /health failed: {e}")),
+        }
     }
 
-    /// Waits until every running member is healthy.
-    pub fn wait_healthy(&self, within: Duration) {
+    /// Waits until every running member is healthy; panics past `within`
+    /// or as soon as a member exits, naming it, with its log's last lines.
+    pub fn wait_healthy(&mut self, within: Duration) {
+        if let Err(e) = self.until_healthy(within) {
+            panic!("{}", e.message);
+        }
+    }
+
+    fn until_healthy(&mut self, within: Duration) -> Result<(), Unhealthy> {
         let until = Instant::now() + within;
         let running: Vec<usize> = (0..self.members.len())
             .filter(|&i| self.members[i].child.is_some())
             .collect();
-        while !running.iter().all(|&i| self.healthy(i)) {
-            assert!(
-                Instant::now() < until,
-                "the etcd cluster did not become healthy"
-            );
+        loop {
+            for &i in &running {
+                let child = self.members[i].child.as_mut().expect("running");
+                if let Ok(Some(status)) = child.try_wait() {
+                    self.members[i].child = None;
+                    let tail = self.log_tail(i);
+                    return Err(Unhealthy {
+                        message: format!(
+                            "etcd member {} exited ({status}) before the cluster was healthy; \
+                             its log ends:\n{tail}",
+                            self.members[i].name
+                        ),
+                        port_taken: tail.contains("address already in use"),
+                    });
+                }
+            }
+            let unhealthy: Vec<(usize, String)> = running
+                .iter()
+                .filter_map(|&i| self.health(i).err().map(|why| (i, why)))
+                .collect();
+            if unhealthy.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= until {
+                let named: Vec<String> = unhealthy
+                    .iter()
+                    .map(|(i, why)| {
+                        let m = &self.members[*i];
+                        format!(
+                            "etcd member {} ({}): {why}; its log ends:\n{}",
+                            m.name,
+                            m.client,
+                            self.log_tail(*i)
+                        )
+                    })
+                    .collect();
+                return Err(Unhealthy {
+                    message: format!(
+                        "the etcd cluster was not healthy within {within:?}:\n{}",
+                        named.join("\n")
+                    ),
+                    port_taken: false,
+                });
+            }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// The last lines member `i` logged.
+    fn log_tail(&self, i: usize) -> String {
+        const LINES: usize = 20;
+        let log = std::fs::read_to_string(self.log_path(i)).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(LINES)..].join("\n")
+    }
+
+    fn log_path(&self, i: usize) -> std::path::PathBuf {
+        self.dir
+            .path()
+            .join(format!("{}.log", self.members[i].name))
     }
 
     fn pid(&self, i: usize) -> String {
@@ -201,7 +303,11 @@ impl Cluster {
                     return i;
                 }
             }
-            assert!(Instant::now() < until, "no etcd member leads");
+            assert!(
+                Instant::now() < until,
+                "no etcd member leads; the members logged:\n{}",
+                self.logs()
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -234,12 +340,10 @@ impl Cluster {
 
     /// What the members logged (for a failure's message).
     pub fn logs(&self) -> String {
-        self.members
-            .iter()
-            .map(|m| {
-                let log = std::fs::read_to_string(self.dir.path().join(format!("{}.log", m.name)))
-                    .unwrap_or_default();
-                format!("--- {} ---\n{log}", m.name)
+        (0..self.members.len())
+            .map(|i| {
+                let log = std::fs::read_to_string(self.log_path(i)).unwrap_or_default();
+                format!("--- {} ---\n{log}", self.members[i].name)
             })
             .collect()
     }

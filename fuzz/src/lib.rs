@@ -1,6 +1,6 @@
-//! Fuzz targets, shared by the cargo-fuzz harness (`fuzz/`) and the
-//! regression tests that replay every input it ever found (`tests/fuzz.rs`
-//! over `fuzz/regressions/`). A crate of its own, beside `fuzz/`, so the
+//! Fuzz targets, shared by the cargo-fuzz harness (`fuzz/harness/`) and
+//! the regression tests that replay every input it ever found
+//! (`tests/fuzz.rs` over `fuzz/regressions/`). A crate of its own, so the
 //! service's library carries none of it. Each function takes arbitrary bytes and
 //! panics when an invariant breaks; it must never panic otherwise.
 
@@ -21,8 +21,8 @@ use taskgate::{
     },
     registry::{Registry, RegistryConfig},
     store::MemoryStore,
-    testing::FIVE_TASKS,
 };
+use taskgate_testkit::FIVE_TASKS;
 
 /// The write routes a fuzzed body is sent to.
 pub const WRITES: [(&str, &str); 6] = [

@@ -1,6 +1,6 @@
 //! Helpers for the people who build taskgate, shared by the tests, the
-//! fuzz targets and `taskgate-bench`; never reached from the service's
-//! commands.
+//! fuzz targets and `taskgate-bench`: a crate of its own, so the service's
+//! library carries none of it.
 
 pub mod cluster;
 
