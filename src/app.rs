@@ -18,6 +18,7 @@ use crate::{
     registry::{Registry, RegistryConfig},
     server::ServeOptions,
     store::{DiskStore, DiskStoreConfig, MemoryStore, Store, StoreError},
+    supervise::Supervisor,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -155,6 +156,9 @@ pub struct Application {
     listener: TcpListener,
     registry: Registry,
     store: Arc<dyn Store>,
+    /// Owns the long-lived tasks; one the server cannot go on without
+    /// ending stops it.
+    supervisor: Supervisor,
     router: axum::Router,
     config: ServeConfig,
     options: ServeOptions,
@@ -196,8 +200,8 @@ impl Application {
             }
         };
         let opener_config = config.clone();
-        Self::build_on(listener, config, auth, move |metrics| {
-            open_configured_store(&opener_config, metrics)
+        Self::build_on(listener, config, auth, move |opening| {
+            open_configured_store(&opener_config, opening)
         })
         .await
     }
@@ -208,7 +212,7 @@ impl Application {
         listener: std::net::TcpListener,
         config: ServeConfig,
         auth: Arc<Auth>,
-        open: impl FnOnce(Arc<Metrics>) -> Result<Arc<dyn Store>, StoreError> + Send + 'static,
+        open: impl FnOnce(Opening) -> Result<Arc<dyn Store>, StoreError> + Send + 'static,
     ) -> Result<Self, StartError> {
         let bind_err = |source| StartError::Bind {
             addr: config.listen,
@@ -230,9 +234,14 @@ impl Application {
             },
         ));
 
+        let supervisor = Supervisor::new();
         let loaded = {
-            let registry_config = registry_config(&config, metrics.clone());
-            tokio::task::spawn_blocking(move || load(open(metrics)?, registry_config))
+            let registry_config = registry_config(&config, metrics.clone(), supervisor.clone());
+            let opening = Opening {
+                metrics,
+                supervisor: supervisor.clone(),
+            };
+            tokio::task::spawn_blocking(move || load(open(opening)?, registry_config))
                 .await
                 .map_err(|e| StoreError::Unusable(format!("loading the store failed: {e}")))
         };
@@ -247,7 +256,7 @@ impl Application {
         }
         let (store, registry) = loaded??;
         Ok(Self::assemble(
-            listener, store, registry, config, auth, options,
+            listener, store, registry, supervisor, config, auth, options,
         ))
     }
 
@@ -255,6 +264,7 @@ impl Application {
         listener: TcpListener,
         store: Arc<dyn Store>,
         registry: Registry,
+        supervisor: Supervisor,
         config: ServeConfig,
         auth: Arc<Auth>,
         options: ServeOptions,
@@ -278,6 +288,7 @@ impl Application {
             listener,
             registry,
             store,
+            supervisor,
             router,
             config,
             options,
@@ -294,18 +305,26 @@ impl Application {
         &self.registry
     }
 
-    /// Serves until `shutdown` completes. Then: health turns 503, parked
-    /// waits answer 503 `shutting_down` at once, new connections are
-    /// refused, requests in flight get `shutdown_grace` to finish and
-    /// commit, and the store is closed.
+    /// Serves until `shutdown` completes, or a task the server cannot go
+    /// on without ends (then the answer is an error). Then: health turns
+    /// 503, parked waits answer 503 `shutting_down` at once, new
+    /// connections are refused, requests in flight get `shutdown_grace`
+    /// to finish and commit, and the store is closed.
     pub async fn run_until_stopped(
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         let registry = self.registry.clone();
         let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
+        let (fatal_tx, fatal_rx) = tokio::sync::oneshot::channel::<String>();
+        let supervisor = self.supervisor.clone();
         let signal = async move {
-            shutdown.await;
+            tokio::select! {
+                () = shutdown => {}
+                why = supervisor.stopping() => {
+                    let _ = fatal_tx.send(why);
+                }
+            }
             tracing::info!("shutting down: ending waits, draining requests");
             registry.shutdown();
             let _ = stopping_tx.send(());
@@ -331,12 +350,22 @@ impl Application {
             Ok(Err(e)) => tracing::error!(error = %e, "closing the store failed"),
             Err(e) => tracing::error!(error = %e, "closing the store panicked"),
         }
-        Ok(())
+        match fatal_rx.await {
+            Ok(why) => Err(std::io::Error::other(format!(
+                "stopped: {why}; a restart recovers from what the store holds"
+            ))),
+            Err(_) => Ok(()),
+        }
     }
 }
 
-fn registry_config(config: &ServeConfig, metrics: Arc<Metrics>) -> RegistryConfig {
+fn registry_config(
+    config: &ServeConfig,
+    metrics: Arc<Metrics>,
+    supervisor: Supervisor,
+) -> RegistryConfig {
     RegistryConfig {
+        supervisor,
         limits: Limits::default(),
         max_waiters: config.max_waiters,
         max_allocations: config.max_allocations,
@@ -349,10 +378,20 @@ fn registry_config(config: &ServeConfig, metrics: Arc<Metrics>) -> RegistryConfi
     }
 }
 
+/// What a store is opened with: where it counts, and who owns its
+/// long-lived tasks.
+pub struct Opening {
+    pub metrics: Arc<Metrics>,
+    pub supervisor: Supervisor,
+}
+
 /// Opens the store the configuration names (blocking).
 fn open_configured_store(
     config: &ServeConfig,
-    metrics: Arc<Metrics>,
+    Opening {
+        metrics,
+        supervisor,
+    }: Opening,
 ) -> Result<Arc<dyn Store>, StoreError> {
     if config.in_memory {
         return Ok(Arc::new(MemoryStore::volatile()));
@@ -360,8 +399,9 @@ fn open_configured_store(
     if config.store == crate::config::StoreKind::Etcd {
         let etcd = config.etcd.config().map_err(StoreError::Unusable)?;
         // Blocking is fine here: the store opens on a blocking thread.
-        let store = tokio::runtime::Handle::current()
-            .block_on(crate::store::etcd::EtcdStore::connect(&etcd))?;
+        let store = tokio::runtime::Handle::current().block_on(
+            crate::store::etcd::EtcdStore::connect_supervised(&etcd, supervisor),
+        )?;
         tracing::info!(endpoints = ?etcd.endpoints, prefix = %etcd.prefix, "etcd store connected");
         return Ok(Arc::new(store));
     }
@@ -370,6 +410,7 @@ fn open_configured_store(
         log_limit: config.store_log_limit,
         log_ceiling: config.store_log_ceiling,
         metrics: Some(metrics),
+        supervisor,
         ..DiskStoreConfig::new(config.data_dir.clone())
     })?;
     tracing::info!(dir = %store.dir().display(), "store opened");

@@ -20,4 +20,5 @@ pub mod secret;
 pub mod server;
 pub mod signals;
 pub mod store;
+pub mod supervise;
 pub mod units;

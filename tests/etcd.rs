@@ -1486,3 +1486,67 @@ async fn a_paused_keep_alive_member_loses_no_live_task() {
         assert!(!b.get(&alloc).unwrap().tasks[0].lost());
     }
 }
+
+/// The watch that follows the prefix, if it panics (here: in the follower
+/// it hands a change to), is started again from the last revision it
+/// handed over: the change arrives again, and the supervisor names the
+/// task (`follower_restarted`, what health shows).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_that_panics_is_started_again_from_where_it_was() {
+    use std::sync::Mutex;
+
+    use taskgate::store::{Change, Follower, Loaded, Op, Store, commit};
+    use taskgate::supervise::Supervisor;
+
+    if !available("a_watch_that_panics_is_started_again_from_where_it_was") {
+        return;
+    }
+    /// Panics on the first change it is handed; keeps the IDs of the rest.
+    #[derive(Default)]
+    struct Once(Mutex<(bool, Vec<String>)>);
+    impl Follower for Once {
+        fn changed(&self, changes: Vec<Change>, _: u64) {
+            let mut seen = self.0.lock().unwrap();
+            for c in changes {
+                if let Change::Put(a) = c {
+                    if !std::mem::replace(&mut seen.0, true) {
+                        drop(seen);
+                        panic!("a test's panic in the follower");
+                    }
+                    seen.1.push(a.id.to_string());
+                }
+            }
+        }
+        fn resync(&self, _: Loaded) {}
+    }
+    let cluster = Cluster::start(1);
+    let supervisor = Supervisor::new();
+    let config = EtcdConfig {
+        prefix: "/sup/".into(),
+        ..EtcdConfig::new(cluster.endpoints())
+    };
+    let store = EtcdStore::connect_supervised(&config, supervisor.clone())
+        .await
+        .expect("connects");
+    let follower = Arc::new(Once::default());
+    let weak: std::sync::Weak<dyn Follower> =
+        Arc::downgrade(&(follower.clone() as Arc<dyn Follower>));
+    store.follow(store.load().unwrap().last_index, weak);
+    let a = taskgate::lifecycle::Allocation::register(
+        id("a1"),
+        Arc::new(spec(vec![task("web", None)])),
+        1,
+        time::OffsetDateTime::now_utc(),
+    );
+    commit(&store, Op::Put(Arc::new(a))).await.unwrap();
+    let deadline = tokio::time::Instant::now() + SETTLE;
+    while follower.0.lock().unwrap().1.is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never handed over again"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(follower.0.lock().unwrap().1, ["a1"]);
+    assert_eq!(supervisor.problems(), ["follower_restarted"]);
+}

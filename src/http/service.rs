@@ -78,16 +78,29 @@ pub async fn health(
         state: "synced",
         index,
     });
+    // The supervised tasks' trouble (one restarted lately) and the
+    // store's background work's.
+    let tasks = s.registry.config().supervisor.problems();
     let view = match s.registry.store_health() {
-        StoreHealth::Ok => HealthView {
+        StoreHealth::Ok if tasks.is_empty() => HealthView {
             status: "ok",
             problems: Vec::new(),
             unreadable: Vec::new(),
             view: replica,
         },
+        StoreHealth::Ok => HealthView {
+            status: "degraded",
+            problems: tasks,
+            unreadable: Vec::new(),
+            view: replica,
+        },
         StoreHealth::Degraded(problems) => HealthView {
             status: "degraded",
-            problems,
+            problems: problems
+                .into_iter()
+                .map(str::to_owned)
+                .chain(tasks)
+                .collect(),
             unreadable: s.registry.unreadable(100),
             view: replica,
         },

@@ -379,9 +379,11 @@ pub struct HealthView {
     #[schema(example = "ok")]
     pub status: &'static str,
     /// While `degraded`: `checkpoints_failing`, `log_rollover_failing`,
-    /// `records_unreadable`.
+    /// `records_unreadable`, and `<task>_restarted` for a long-lived task
+    /// (`timers`, `follower`, `keep_alive`, `checkpoint`) that panicked and
+    /// was started again in the last five minutes.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub problems: Vec<&'static str>,
+    pub problems: Vec<String>,
     /// With `records_unreadable` (a replica on etcd): the allocations whose
     /// records this build cannot read, in ID order (at most 100). Their
     /// requests are answered 503 `store_failed`; every other allocation is

@@ -80,6 +80,9 @@ pub struct RegistryConfig {
     pub default_liveness_ttl: Option<std::time::Duration>,
     /// Where the time comes from (the system's; tokio's in tests).
     pub clock: Clock,
+    /// Restarts the registry's long-lived task (the due-time heap's
+    /// driver) if it panics, and tells health.
+    pub supervisor: crate::supervise::Supervisor,
 }
 
 /// Entries an allocation's timeline keeps by default.
@@ -97,6 +100,7 @@ impl Default for RegistryConfig {
             event_buffer_bytes: DEFAULT_EVENT_BUFFER_BYTES,
             default_liveness_ttl: None,
             clock: Clock::system(),
+            supervisor: crate::supervise::Supervisor::default(),
         }
     }
 }

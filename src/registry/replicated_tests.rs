@@ -548,3 +548,41 @@ async fn a_sign_heard_on_a_view_behind_a_new_run_renews_the_new_run_s_lease() {
         "the new run's lease renewed for the sign heard after it began"
     );
 }
+
+/// A stored mark whose TTL is too long for the calendar (damage, or a
+/// hostile write to the prefix) panics nothing: when its live key goes,
+/// the task is lost as any other. (Before, `gone_at - ttl` panicked inside
+/// the watch's task, which nobody watched: the view froze.)
+#[tokio::test(start_paused = true)]
+async fn a_mark_with_a_ttl_past_the_calendar_panics_nothing() {
+    let (store, r) = open();
+    timed_running(&store, &r).await;
+    {
+        let mut s = store.0.lock().unwrap();
+        let (_, a) = s.records.get("t1").unwrap().clone();
+        let run = super::time::nanos(a.tasks[0].started_at.unwrap());
+        let (id, task) = (a.id.clone(), TaskName::parse("web").unwrap());
+        s.revision += 1;
+        s.held.push(Change::Liveness(Liveness::Mark {
+            id: id.clone(),
+            task: task.clone(),
+            mark: Some(crate::store::Mark {
+                run,
+                ttl: std::time::Duration::MAX,
+                lease: 1,
+            }),
+        }));
+        s.revision += 1;
+        s.held.push(Change::Liveness(Liveness::Live {
+            id,
+            task,
+            lease: None,
+        }));
+    }
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !r.get("t1").unwrap().tasks[0].lost() {
+        assert!(tokio::time::Instant::now() < deadline, "never lost");
+        store.deliver();
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+}

@@ -693,6 +693,49 @@ mod third_edition {
         assert_eq!(r.get("a").unwrap().modify_index, a.modify_index);
     }
 
+    /// The due-time heap's driver, if it panics, is started again by the
+    /// supervisor: health says `degraded` naming it, and the TTL it held
+    /// still ends on time.
+    #[tokio::test(start_paused = true)]
+    async fn a_timer_driver_that_panics_is_started_again_and_health_names_it() {
+        use axum::body::Body;
+        use http_body_util::BodyExt;
+        use tower::ServiceExt;
+
+        let r = timed_registry(Arc::new(MemoryStore::new()));
+        running(&r).await;
+        r.inner.timers.panic_once.store(true, Ordering::SeqCst);
+        // Its next turn panics: an earlier entry wakes it.
+        r.inner.schedule(&r.handle("a").unwrap(), r.now());
+        settle().await;
+        tokio::time::advance(Duration::from_secs(1)).await;
+        settle().await;
+        assert!(!r.inner.timers.panic_once.load(Ordering::SeqCst), "it ran");
+        let router = crate::http::app(
+            r.clone(),
+            crate::http::HttpConfig::default(),
+            Arc::new(crate::http::auth::Auth::default()),
+        );
+        let health = router
+            .oneshot(
+                axum::http::Request::get("/v1/health")
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(health.status(), 200);
+        let body = health.into_body().collect().await.unwrap().to_bytes();
+        let body = String::from_utf8(body.to_vec()).unwrap();
+        assert!(
+            body.contains(r#""status":"degraded""#) && body.contains(r#""timers_restarted""#),
+            "{body}"
+        );
+        tokio::time::advance(TTL).await;
+        settle().await;
+        assert!(r.get("a").unwrap().tasks[1].lost(), "its TTL still ended");
+    }
+
     #[tokio::test(start_paused = true)]
     async fn heartbeats_reports_and_parked_queries_are_signs_of_life() {
         let r = timed_registry(Arc::new(MemoryStore::new()));

@@ -194,6 +194,9 @@ pub(super) struct Timers {
     driving: AtomicBool,
     /// The registry was dropped: the driver ends.
     closed: AtomicBool,
+    /// A test's way to make the driver panic once.
+    #[cfg(test)]
+    pub(super) panic_once: AtomicBool,
 }
 
 /// The heap and what keeps it small.
@@ -229,6 +232,8 @@ impl Timers {
             earlier: Notify::new(),
             driving: AtomicBool::new(false),
             closed: AtomicBool::new(false),
+            #[cfg(test)]
+            panic_once: AtomicBool::new(false),
         }
     }
 
@@ -363,22 +368,31 @@ impl Inner {
         self.drive();
     }
 
-    /// Starts the task that drives the heap, once, inside a runtime.
+    /// Starts the task that drives the heap, once, inside a runtime; the
+    /// supervisor starts it again if it panics.
     pub(super) fn drive(&self) {
         if self.timers.driving.load(Ordering::Acquire) {
             return;
         }
+        let Some(runtime) = self
+            .runtime
+            .clone()
+            .or_else(|| tokio::runtime::Handle::try_current().ok())
+        else {
+            // Outside a runtime: started by the next use inside one.
+            return;
+        };
         if self
             .timers
             .driving
             .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
-            && self
-                .spawn(drive(self.me.clone(), self.timers.clone()))
-                .is_none()
         {
-            // Outside a runtime: started by the next use inside one.
-            self.timers.driving.store(false, Ordering::Release);
+            let _entered = runtime.enter();
+            let (me, timers) = (self.me.clone(), self.timers.clone());
+            self.config
+                .supervisor
+                .keep("timers", move || drive(me.clone(), timers.clone()));
         }
     }
 }
@@ -398,6 +412,10 @@ async fn drive(me: Weak<Inner>, timers: Arc<Timers>) {
             let Some(inner) = me.upgrade() else { return };
             if timers.closed.load(Ordering::SeqCst) {
                 return;
+            }
+            #[cfg(test)]
+            if timers.panic_once.swap(false, Ordering::SeqCst) {
+                panic!("a test's panic in the timer driver");
             }
             let (due, next) = timers.due(MAX_LOOKING);
             let more = !due.is_empty();

@@ -5,9 +5,10 @@ use std::{
     collections::HashMap,
     path::{Path, PathBuf},
     sync::{
-        Mutex, PoisonError,
-        mpsc::{Receiver, Sender},
+        Arc, Mutex, PoisonError,
+        mpsc::{self, Receiver, Sender, SyncSender},
     },
+    thread::JoinHandle,
     time::Instant,
 };
 
@@ -28,12 +29,62 @@ pub(super) struct Job {
     pub(super) end: log::End,
 }
 
+/// The checkpoint thread and the writer's ends of its channels.
+pub(super) struct Checkpointer {
+    /// One job at a time: the writer sends the next only once it has the
+    /// last one's answer.
+    pub(super) jobs: SyncSender<Job>,
+    /// One answer per job: the new snapshot's size, or why it failed.
+    pub(super) done: Receiver<Result<u64, String>>,
+    thread: JoinHandle<()>,
+}
+
+impl Checkpointer {
+    /// Starts the thread, the segments up to `folded` being in the
+    /// snapshot.
+    pub(super) fn start(
+        fs: Arc<dyn Fs>,
+        dir: PathBuf,
+        folded: u64,
+        stats: Arc<Mutex<StoreStats>>,
+        metrics: Option<Arc<Metrics>>,
+    ) -> std::io::Result<Self> {
+        let (jobs, jobs_rx) = mpsc::sync_channel(1);
+        let (done, done_rx) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("taskgate-checkpoint".into())
+            .spawn(move || {
+                checkpointer(
+                    &*fs,
+                    &dir,
+                    folded,
+                    &jobs_rx,
+                    &done,
+                    &stats,
+                    metrics.as_deref(),
+                );
+            })?;
+        Ok(Self {
+            jobs,
+            done: done_rx,
+            thread,
+        })
+    }
+
+    /// Ends the thread after the job it is on, and waits for it; whether
+    /// it ended without a panic.
+    pub(super) fn stop(self) -> bool {
+        drop(self.jobs);
+        self.thread.join().is_ok()
+    }
+}
+
 /// Folds sealed segments into the next snapshot, one job at a time: reads
 /// back the segments after `folded` up to the job's, keeps the newest
 /// change of each allocation, and merges them into the next snapshot. The
 /// writer keeps none of it in memory. A failed checkpoint leaves `folded`
 /// where it was, so the next job reads its segments again.
-pub(super) fn checkpointer(
+fn checkpointer(
     fs: &dyn Fs,
     dir: &Path,
     mut folded: u64,

@@ -391,6 +391,29 @@ pub fn replay_with<'a>(
     })
 }
 
+/// Whether a frame of segment `seq` (its whole content `bytes`) ends at
+/// `at` with that chain: where a seal of the segment cut it.
+pub fn ends_at(bytes: &[u8], seq: u64, at: End) -> bool {
+    let Ok(header) = read_header(bytes, seq) else {
+        return false;
+    };
+    let (mut pos, mut previous) = (HEADER, header.seed);
+    while (pos as u64) < at.len {
+        let Some(h) = bytes.get(pos..pos + HEAD).map(Head::read) else {
+            return false;
+        };
+        let fits = bytes
+            .get(pos + HEAD..pos + HEAD + h.len)
+            .is_some_and(|payload| h.fits(payload));
+        if !h.links(previous) || h.len > frame::MAX_PAYLOAD || !fits {
+            return false;
+        }
+        previous = h.chain;
+        pos += HEAD + h.len;
+    }
+    pos as u64 == at.len && previous == at.chain
+}
+
 /// Hands each change of a frame's payload to `each`.
 fn changes<'a>(
     mut payload: &'a [u8],
@@ -631,7 +654,11 @@ impl Segment {
             .and_then(|()| fs.sync_dir(dir));
         if let Err(e) = written {
             // Nothing was ever appended to it: a later try creates it anew.
+            // Renamed already (the directory's sync failed), it goes too;
+            // if it comes back after a crash, a start sees that it is one
+            // the writer never used (`recovery::scan_log`).
             let _ = fs.remove_file(&temp);
+            let _ = fs.remove_file(&segment_path(dir, seq));
             return Err(e);
         }
         Ok(Self {

@@ -83,7 +83,7 @@ use super::{
     StoreError, record,
 };
 use crate::metrics::Metrics;
-use checkpoint::checkpointer;
+use checkpoint::Checkpointer;
 use fs::{DirLock, Fs, LockError, Open, RealFs};
 use recovery::{load_with, mend, refuse_pre_release, scan_log, snapshot_folded};
 use writer::RETRY_FIRST;
@@ -126,6 +126,8 @@ pub struct DiskStoreConfig {
     /// How far a segment's file is written with zeros ahead of its
     /// appends (`log::WRITE_AHEAD`; small in tests, to cross it often).
     pub write_ahead: u64,
+    /// Told when the writer or the checkpoint thread ends unasked.
+    pub supervisor: crate::supervise::Supervisor,
 }
 
 impl std::fmt::Debug for DiskStoreConfig {
@@ -152,6 +154,7 @@ impl DiskStoreConfig {
             fs: Arc::new(RealFs),
             commit_queue: COMMIT_QUEUE,
             write_ahead: log::WRITE_AHEAD,
+            supervisor: crate::supervise::Supervisor::default(),
         }
     }
 }
@@ -231,7 +234,7 @@ pub struct DiskStore {
     places: Arc<Semaphore>,
     /// Who the writer hands durable changes to (`follow`).
     follower: Arc<OnceLock<Weak<dyn Follower>>>,
-    /// The writer, then the checkpoint thread, joined in that order.
+    /// The writer (which ends its checkpoint thread before it ends).
     threads: Mutex<Vec<JoinHandle<()>>>,
     /// What the store held at open, until `load` takes it.
     recovered: LoadOnce,
@@ -298,40 +301,22 @@ impl DiskStore {
                 ))
             })?;
         let stats = Arc::new(Mutex::new(StoreStats::default()));
-        // One checkpoint at a time: the writer sends the next job only
-        // once it has the last one's answer.
-        let (jobs, jobs_rx) = mpsc::sync_channel(1);
-        let (done, done_rx) = mpsc::channel();
-        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
-            std::thread::Builder::new()
-                .name(name.into())
-                .spawn(f)
-                .map_err(|e| StoreError::Unusable(format!("cannot start the {name} thread: {e}")))
+        let unstarted = |name: &str, e: std::io::Error| {
+            StoreError::Unusable(format!("cannot start the {name} thread: {e}"))
         };
-        let checkpointer = {
-            let (dir, stats) = (config.dir.clone(), stats.clone());
-            let metrics = config.metrics.clone();
-            let fs = config.fs.clone();
-            spawn(
-                "taskgate-checkpoint",
-                Box::new(move || {
-                    checkpointer(
-                        &*fs,
-                        &dir,
-                        folded.seq,
-                        &jobs_rx,
-                        &done,
-                        &stats,
-                        metrics.as_deref(),
-                    )
-                }),
-            )?
-        };
+        let checkpointer = Checkpointer::start(
+            config.fs.clone(),
+            config.dir.clone(),
+            folded.seq,
+            stats.clone(),
+            config.metrics.clone(),
+        )
+        .map_err(|e| unstarted("checkpoint", e))?;
         let (tx, rx) = mpsc::channel();
         let follower = Arc::new(OnceLock::new());
         let trouble = Arc::new(Mutex::new(Trouble::default()));
         let log_limit = config.log_limit.max(1);
-        let writer = Writer {
+        let mut writer = Writer {
             fs: config.fs.clone(),
             dir: config.dir.clone(),
             // The live segments recovered are folded by the first
@@ -341,8 +326,9 @@ impl DiskStore {
             segment,
             log_limit,
             log_ceiling: config.log_ceiling.max(4 * log_limit),
-            jobs,
-            done: done_rx,
+            checkpointer: Some(checkpointer),
+            folded: folded.seq,
+            folding: folded.seq,
             snapshot_bytes,
             in_flight: false,
             trouble: trouble.clone(),
@@ -353,8 +339,19 @@ impl DiskStore {
             stats: stats.clone(),
             metrics: config.metrics.clone(),
             follower: follower.clone(),
+            supervisor: config.supervisor.clone(),
         };
-        let writer = spawn("taskgate-store", Box::new(move || writer.run(&rx)))?;
+        // The writer is vital: a panic (in the follower it hands batches
+        // to, say) leaves the log's state unknown, so the server stops.
+        let vital = config.supervisor.vital("store_writer");
+        let writer = std::thread::Builder::new()
+            .name("taskgate-store".into())
+            .spawn(move || {
+                writer.run(&rx);
+                writer.stop_checkpointer();
+                vital.done();
+            })
+            .map_err(|e| unstarted("store", e))?;
         let last_index = loaded
             .allocations
             .iter()
@@ -371,7 +368,7 @@ impl DiskStore {
             }),
             places: Arc::new(Semaphore::new(config.commit_queue.max(1))),
             follower,
-            threads: Mutex::new(vec![writer, checkpointer]),
+            threads: Mutex::new(vec![writer]),
             recovered: LoadOnce::new(loaded),
             trouble,
         })

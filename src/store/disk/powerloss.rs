@@ -627,3 +627,66 @@ fn a_failed_seal_then_more_appends_then_a_crash_keeps_every_acknowledged_change(
         }
     }
 }
+
+/// A rollover whose new segment was renamed into place but whose directory
+/// sync failed (having made the name durable all the same), and whose
+/// removal failed too: the writer goes on appending to the segment before
+/// it, and the unused segment stays. After a crash, the start removes the
+/// unused segment and holds every acknowledged change. (Before, the start
+/// refused with "must be restored from a backup": the unused segment's
+/// header said the log before it ended where the writer had sealed it.)
+#[test]
+fn a_rollover_whose_directory_sync_failed_then_a_crash_keeps_every_acknowledged_change() {
+    for seed in 0..20u64 {
+        let fs = SimFs::new();
+        fs.create_dir_all(&dir()).unwrap();
+        let store = open(&fs, 300).unwrap();
+        // From the first rename of a new segment into place on: every
+        // directory sync fails, every rename of a new segment after it (a
+        // try again), and every removal of a segment.
+        let mut renamed = false;
+        fs.fail_with(move |o, path: &Path| {
+            let eio = || Some(io::Error::from_raw_os_error(5));
+            let p = path.to_string_lossy();
+            match o {
+                sim::Op::Rename if p.ends_with(super::log::SEGMENT_TEMP) && renamed => eio(),
+                sim::Op::Rename if p.ends_with(super::log::SEGMENT_TEMP) => {
+                    renamed = true;
+                    None
+                }
+                sim::Op::SyncDir if renamed => eio(),
+                sim::Op::Remove if renamed && p.contains("taskgate.wal.0") => eio(),
+                _ => None,
+            }
+        });
+        let mut done = Vec::new();
+        let mut k = 0;
+        while store.stats().failed_rollovers == 0 {
+            assert!(k < 200, "no rollover failed");
+            done.extend(commit_puts(&store, k, 1));
+            k += 1;
+        }
+        // The failed sync made the new segment's name durable.
+        fs.persist_names();
+        done.extend(commit_puts(&store, k, 10 + (seed % 10) as u8));
+        fs.crash_now(seed);
+        drop(store);
+        let after = SimFs::from_image(&fs.image().unwrap());
+        let store = open(&after, 300).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        let got: BTreeMap<String, u64> = store
+            .load()
+            .unwrap()
+            .allocations
+            .iter()
+            .map(|a| (a.id.to_string(), a.modify_index))
+            .collect();
+        assert!(done.iter().all(Result::is_ok), "seed {seed}");
+        for k in 0..done.len() {
+            assert_eq!(
+                got.get(&format!("key-{k}")),
+                Some(&(k as u64 + 1)),
+                "seed {seed}: key-{k} acknowledged"
+            );
+        }
+    }
+}

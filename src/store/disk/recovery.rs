@@ -101,6 +101,10 @@ pub(super) struct Recovery {
     /// Where the log ends once the torn tail is cut: what the next
     /// segment's header records.
     pub(super) end: log::End,
+    /// A newest segment the writer never used (its rollover failed after
+    /// the segment was named: the writer went on in the one before it),
+    /// removed.
+    pub(super) unused: Option<PathBuf>,
 }
 
 /// Replays the log segments `folded` does not cover into an overlay. They
@@ -128,12 +132,16 @@ pub(super) fn scan_log(fs: &dyn Fs, dir: &Path, folded: Folded) -> Result<Recove
         torn: None,
         spare: Vec::new(),
         end: snapshot_end,
+        unused: None,
     };
-    let (done, live): (Vec<_>, Vec<_>) = log::list_segments(fs, dir)
+    let (done, mut live): (Vec<_>, Vec<_>) = log::list_segments(fs, dir)
         .map_err(dir_error)?
         .into_iter()
         .partition(|(seq, _)| *seq <= folded);
     recovery.folded = done.into_iter().map(|(_, path)| path).collect();
+    if unused_rollover(fs, &live) {
+        recovery.unused = live.pop().map(|(_, path)| path);
+    }
     let count = live.len();
     // The segment before this one, and where it ended.
     let mut before: Option<(PathBuf, log::End)> = None;
@@ -200,6 +208,41 @@ pub(super) fn scan_log(fs: &dyn Fs, dir: &Path, folded: Folded) -> Result<Recove
         recovery.torn = Some((path, bad, r.valid_len));
     }
     Ok(recovery)
+}
+
+/// Whether the newest of `live` is a segment the writer never used: it
+/// holds no frame, and the one before it goes on past where its header
+/// says that one ended — at a frame boundary with that very chain, where
+/// the writer sealed it before the rollover failed (the new segment's name
+/// not made durable) and went on appending to it. No acknowledged change
+/// is in the newest, and the one before holds every one.
+fn unused_rollover(fs: &dyn Fs, live: &[(u64, PathBuf)]) -> bool {
+    let [.., (before_seq, before), (seq, newest)] = live else {
+        return false;
+    };
+    let Ok(content) = fs.read(newest) else {
+        return false;
+    };
+    let Ok(r) = log::replay_with(&content, *seq, |_, _, _| {}) else {
+        return false;
+    };
+    if r.frames > 0 || r.bad.is_some() {
+        return false;
+    }
+    let Ok(content) = fs.read(before) else {
+        return false;
+    };
+    let longer = log::replay_with(&content, *before_seq, |_, _, _| {})
+        .is_ok_and(|b| b.valid_len > r.previous.len);
+    if longer && log::ends_at(&content, *before_seq, r.previous) {
+        tracing::warn!(
+            segment = %newest.display(),
+            "a store log segment was made but never written to (its rollover failed; the log \
+             went on in the segment before it): removed"
+        );
+        return true;
+    }
+    false
 }
 
 /// Checks that segment `path`, whose header says the log before it ended
@@ -308,6 +351,11 @@ impl Recovery {
             );
         }
         let mut removed = false;
+        if let Some(path) = &self.unused {
+            fs.remove_file(path)
+                .map_err(|e| unusable_log(path, format!("cannot remove it: {e}")))?;
+            removed = true;
+        }
         for path in &self.folded {
             fs.remove_file(path)
                 .map_err(|e| unusable_log(path, format!("cannot remove it: {e}")))?;

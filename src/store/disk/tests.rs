@@ -853,8 +853,6 @@ fn a_second_store_on_the_same_directory_is_refused() {
 fn a_failed_append_stops_the_log_until_a_restart_and_says_why() {
     let dir = tempfile::tempdir().unwrap();
     drop(log::Segment::create(&RealFs, dir.path(), 1, log::End::NONE).unwrap());
-    let (jobs, _jobs) = mpsc::sync_channel(1);
-    let (_done, done) = mpsc::channel();
     let trouble = Arc::new(Mutex::new(Trouble::default()));
     let mut writer = Writer {
         fs: Arc::new(RealFs),
@@ -865,8 +863,10 @@ fn a_failed_append_stops_the_log_until_a_restart_and_says_why() {
         log_limit: DEFAULT_LOG_LIMIT,
         log_ceiling: DEFAULT_LOG_CEILING,
         follower: Arc::default(),
-        jobs,
-        done,
+        checkpointer: None,
+        folded: 0,
+        folding: 0,
+        supervisor: Default::default(),
         snapshot_bytes: 0,
         in_flight: false,
         trouble: trouble.clone(),
@@ -1469,4 +1469,77 @@ async fn a_store_at_its_ceiling_takes_no_change_after_one_it_refused() {
     let mut expected: Vec<String> = taken.iter().map(|n| format!("p{n}")).collect();
     expected.sort();
     assert_eq!(loaded, expected);
+}
+
+/// The checkpoint thread, if it panics (here: in the file system, writing
+/// the next snapshot), is started again by the writer: health names it
+/// (`checkpoint_restarted`), and the next checkpoint folds the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_thread_that_panics_is_started_again() {
+    use crate::store::fs::sim::{self, SimFs};
+    let fs = SimFs::new();
+    let dir = std::path::PathBuf::from("/sim/data");
+    fs.create_dir_all(&dir).unwrap();
+    let mut once = true;
+    fs.fail_with(move |op, path| {
+        let next = path.to_string_lossy().ends_with(NEXT_FILE);
+        if op == sim::Op::Write && next && std::mem::take(&mut once) {
+            panic!("a test's panic in the checkpoint thread");
+        }
+        None
+    });
+    let supervisor = crate::supervise::Supervisor::new();
+    let store = DiskStore::open(DiskStoreConfig {
+        log_limit: 1024,
+        retry: Duration::from_millis(5),
+        fs: Arc::new(fs.clone()),
+        supervisor: supervisor.clone(),
+        ..DiskStoreConfig::new(dir.clone())
+    })
+    .unwrap();
+    let mut n = 0;
+    while store.stats().checkpoints == 0 {
+        n += 1;
+        assert!(n < 5000, "no checkpoint ever worked");
+        store.commit(put(n)).await.unwrap();
+    }
+    assert_eq!(supervisor.problems(), ["checkpoint_restarted"]);
+    store.close().unwrap();
+}
+
+/// A panic on the writer's thread (here: in the follower it hands a
+/// durable batch to) leaves the log's state unknown: the changes in
+/// flight fail, and the supervisor stops the server, whose restart
+/// recovers from the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_on_the_writer_thread_stops_the_server() {
+    struct Panics;
+    impl crate::store::Follower for Panics {
+        fn changed(&self, _: Vec<crate::store::Change>, _: u64) {
+            panic!("a test's panic in the follower");
+        }
+        fn resync(&self, _: Loaded) {}
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let supervisor = crate::supervise::Supervisor::new();
+    let store = DiskStore::open(DiskStoreConfig {
+        supervisor: supervisor.clone(),
+        ..DiskStoreConfig::new(dir.path().to_owned())
+    })
+    .unwrap();
+    let follower: Arc<dyn crate::store::Follower> = Arc::new(Panics);
+    store.follow(0, Arc::downgrade(&follower));
+    assert!(store.commit(put(1)).await.is_err());
+    let why = tokio::time::timeout(Duration::from_secs(30), supervisor.stopping())
+        .await
+        .expect("the server is told to stop");
+    assert_eq!(why, "the task `store_writer` panicked");
+    assert!(store.close().is_err(), "its thread panicked");
+    drop(store);
+    let reopened = open(dir.path(), 1);
+    assert_eq!(
+        reopened.loaded_ids(),
+        ["p1"],
+        "durable before the follower was handed it"
+    );
 }

@@ -5,15 +5,21 @@ use std::{
     path::PathBuf,
     sync::{
         Arc, Mutex, OnceLock, PoisonError, Weak,
-        mpsc::{self, Receiver, SyncSender},
+        mpsc::{self, Receiver},
     },
     time::{Duration, Instant},
 };
 
-use super::{LOG_SLACK, Msg, SNAPSHOT_RATIO, StoreStats, checkpoint::Job, fs::Fs, log};
+use super::{
+    LOG_SLACK, Msg, SNAPSHOT_RATIO, StoreStats,
+    checkpoint::{Checkpointer, Job},
+    fs::Fs,
+    log,
+};
 use crate::{
     metrics::Metrics,
     store::{AppendError, Follower, StoreError, StoreHealth},
+    supervise::{MAX_RESTARTS, Supervisor},
 };
 
 /// What is wrong with the store's background work, shared between the
@@ -104,10 +110,12 @@ pub(super) struct Writer {
     pub(super) log_limit: u64,
     /// Unfolded log past which writes are refused.
     pub(super) log_ceiling: u64,
-    pub(super) jobs: SyncSender<Job>,
-    /// One answer per job: the new snapshot's size, or why the checkpoint
-    /// failed.
-    pub(super) done: Receiver<Result<u64, String>>,
+    /// The checkpoint thread (`None` only while it is started again).
+    pub(super) checkpointer: Option<Checkpointer>,
+    /// The last segment folded into the snapshot, and the one the job in
+    /// flight folds.
+    pub(super) folded: u64,
+    pub(super) folding: u64,
     /// The snapshot's size (see `SNAPSHOT_RATIO`).
     pub(super) snapshot_bytes: u64,
     pub(super) in_flight: bool,
@@ -123,10 +131,12 @@ pub(super) struct Writer {
     pub(super) metrics: Option<Arc<Metrics>>,
     /// Handed every durable batch before its changes are answered.
     pub(super) follower: Arc<OnceLock<Weak<dyn Follower>>>,
+    /// Told when the checkpoint thread is started again.
+    pub(super) supervisor: Supervisor,
 }
 
 impl Writer {
-    pub(super) fn run(mut self, queue: &Receiver<Msg>) {
+    pub(super) fn run(&mut self, queue: &Receiver<Msg>) {
         let mut batch = Vec::with_capacity(self.max_batch);
         let mut buf = Vec::new();
         let mut acks = Vec::new();
@@ -216,6 +226,15 @@ impl Writer {
         }
     }
 
+    /// Ends the checkpoint thread after its job, and waits for it.
+    pub(super) fn stop_checkpointer(&mut self) {
+        if let Some(c) = self.checkpointer.take()
+            && !c.stop()
+        {
+            tracing::error!("the checkpoint thread panicked");
+        }
+    }
+
     /// When to look at the background work without a change to commit:
     /// the next try of what failed, or soon after a try is in flight.
     fn wake_at(&self) -> Option<Instant> {
@@ -289,14 +308,17 @@ impl Writer {
     /// again after a wait that doubles with each failure.
     fn maintain(&mut self) {
         if self.in_flight {
-            let answer = match self.done.try_recv() {
+            let Some(c) = &self.checkpointer else {
+                return self.checkpointer_gone();
+            };
+            let answer = match c.done.try_recv() {
                 Ok(answer) => Ok(answer),
                 Err(mpsc::TryRecvError::Empty)
                     if self.log_bytes < self.limit().saturating_mul(LOG_SLACK) =>
                 {
                     Err(false)
                 }
-                Err(mpsc::TryRecvError::Empty) => self.done.recv().map_err(|_| true),
+                Err(mpsc::TryRecvError::Empty) => c.done.recv().map_err(|_| true),
                 Err(mpsc::TryRecvError::Disconnected) => Err(true),
             };
             let answer = match answer {
@@ -352,21 +374,50 @@ impl Writer {
             self.retry_at = None;
             return;
         };
-        if self.jobs.send(Job { sealed: last, end }).is_ok() {
-            self.in_flight = true;
-            // Tried: the next try comes with the answer.
-            self.retry_at = None;
+        let job = Job { sealed: last, end };
+        match self.checkpointer.as_ref().map(|c| c.jobs.send(job)) {
+            Some(Ok(())) => {
+                self.in_flight = true;
+                self.folding = last;
+                // Tried: the next try comes with the answer.
+                self.retry_at = None;
+            }
+            _ => self.checkpointer_gone(),
         }
     }
 
-    /// The checkpoint thread is gone (it panicked): said once, as a
-    /// failing checkpoint, so health shows it and the log's ceiling stops
-    /// the growth that follows.
+    /// The checkpoint thread is gone (it panicked): it is started again,
+    /// and the job it was on is tried again after the usual wait. One that
+    /// keeps panicking, or cannot be started, stops the server.
     fn checkpointer_gone(&mut self) {
-        let mut t = self.trouble();
-        if t.checkpoint.is_none() {
-            tracing::error!("the checkpoint thread is gone; the store log grows until its ceiling");
-            t.checkpoint = Some("the checkpoint thread is gone".into());
+        self.in_flight = false;
+        if let Some(dead) = self.checkpointer.take() {
+            dead.stop();
+        }
+        let in_a_row = self.supervisor.restarted("checkpoint");
+        let started = (in_a_row < MAX_RESTARTS)
+            .then(|| {
+                Checkpointer::start(
+                    self.fs.clone(),
+                    self.dir.clone(),
+                    self.folded,
+                    self.stats.clone(),
+                    self.metrics.clone(),
+                )
+            })
+            .transpose();
+        match started {
+            Ok(Some(c)) => {
+                tracing::error!("the checkpoint thread panicked; it is started again");
+                self.checkpointer = Some(c);
+                self.failed(true);
+            }
+            Ok(None) => self.supervisor.stop(format!(
+                "the store's checkpoint thread panicked {in_a_row} times in a row"
+            )),
+            Err(e) => self.supervisor.stop(format!(
+                "the store's checkpoint thread cannot be started again: {e}"
+            )),
         }
     }
 
@@ -375,6 +426,7 @@ impl Writer {
         match answer {
             Ok(bytes) => {
                 self.snapshot_bytes = bytes;
+                self.folded = self.folding;
                 self.sealed.clear();
                 if let Some(m) = &self.metrics {
                     m.unfolded_log(self.unfolded());

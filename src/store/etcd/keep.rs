@@ -34,10 +34,18 @@ pub(super) struct KeepAlives {
 }
 
 impl KeepAlives {
-    /// Starts the task that carries the renewals (inside a runtime).
-    pub(super) fn start(client: Arc<Client>, closed: watch::Receiver<bool>) -> Self {
+    /// Starts the task that carries the renewals (inside a runtime), under
+    /// `supervisor`: started again, with the renewals queued, if it panics.
+    pub(super) fn start(
+        client: Arc<Client>,
+        closed: watch::Receiver<bool>,
+        supervisor: &crate::supervise::Supervisor,
+    ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(carry(client, rx, closed));
+        let rx = Arc::new(tokio::sync::Mutex::new(rx));
+        supervisor.keep("keep_alive", move || {
+            carry(client.clone(), rx.clone(), closed.clone())
+        });
         Self { tx }
     }
 
@@ -55,8 +63,17 @@ struct Unanswered {
     shortest: Option<Duration>,
 }
 
+/// A lease a test renews to make the task that carries renewals panic.
+#[cfg(test)]
+const PANIC_LEASE: Lease = -7;
+
 impl Unanswered {
     fn sent(&mut self, lease: Lease) {
+        #[cfg(test)]
+        assert!(
+            lease != PANIC_LEASE,
+            "a test's panic in the keep-alive task"
+        );
         self.sent
             .entry(lease)
             .or_default()
@@ -105,9 +122,10 @@ impl Unanswered {
 
 async fn carry(
     client: Arc<Client>,
-    mut rx: mpsc::UnboundedReceiver<Lease>,
+    rx: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<Lease>>>,
     mut closed: watch::Receiver<bool>,
 ) {
+    let mut rx = rx.lock().await;
     let mut unanswered = Unanswered::default();
     let mut backoff = RETRY_FIRST;
     loop {
@@ -205,6 +223,29 @@ async fn pump(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The task that carries renewals, if it panics, is started again on
+    /// the same queue (the supervisor names it, `keep_alive_restarted`);
+    /// one that keeps panicking stops the server.
+    #[tokio::test(start_paused = true)]
+    async fn a_keep_alive_task_that_panics_is_started_again_on_its_queue() {
+        let supervisor = crate::supervise::Supervisor::new();
+        let config = super::super::EtcdConfig::new(vec!["http://127.0.0.1:9".into()]);
+        let client = Arc::new(Client::new(&config).unwrap());
+        let (_open, closed) = watch::channel(false);
+        let keep = KeepAlives::start(client, closed, &supervisor);
+        keep.renew(PANIC_LEASE);
+        while supervisor.problems().is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(supervisor.problems(), ["keep_alive_restarted"]);
+        // Each start takes the next renewal from the same queue.
+        for _ in 0..crate::supervise::MAX_RESTARTS {
+            keep.renew(PANIC_LEASE);
+        }
+        let why = supervisor.stopping().await;
+        assert!(why.contains("`keep_alive` panicked 5 times"), "{why}");
+    }
 
     /// A lease renewed twice before the first answer came: the second
     /// renewal is still waited for. (Before: the first answer took the

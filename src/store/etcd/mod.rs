@@ -29,7 +29,10 @@ pub mod proto;
 
 use std::{
     collections::BTreeMap,
-    sync::{Arc, Mutex, PoisonError, Weak},
+    sync::{
+        Arc, Mutex, PoisonError, Weak,
+        atomic::{AtomicU64, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -41,7 +44,10 @@ use super::{
     Append, AppendError, Appended, Change, Follower, Lease, Leases, LiveOp, LoadOnce, Loaded, Op,
     QuorumRead, Store, StoreError, StoreHealth, Unreadable, record,
 };
-use crate::lifecycle::{AllocId, Allocation, WriteMark};
+use crate::{
+    lifecycle::{AllocId, Allocation, WriteMark},
+    supervise::Supervisor,
+};
 
 /// Keys listed per request at start and on a resync.
 const PAGE: u64 = 500;
@@ -67,6 +73,8 @@ pub struct EtcdStore {
     link: Arc<Mutex<Link>>,
     /// Turns `true` at close: the follower stops.
     closed: watch::Sender<bool>,
+    /// Starts the watch again if it panics.
+    supervisor: Supervisor,
 }
 
 /// Where a prefix's keys are, and the client that writes them.
@@ -106,6 +114,15 @@ struct Link {
 impl EtcdStore {
     /// Connects and lists every allocation under the prefix.
     pub async fn connect(config: &EtcdConfig) -> Result<Self, StoreError> {
+        Self::connect_supervised(config, Supervisor::default()).await
+    }
+
+    /// `connect`, its long-lived tasks (the watch, the keep-alive stream)
+    /// owned by `supervisor`.
+    pub async fn connect_supervised(
+        config: &EtcdConfig,
+        supervisor: Supervisor,
+    ) -> Result<Self, StoreError> {
         if config.prefix.is_empty() {
             return Err(StoreError::Unusable(
                 "the etcd prefix is empty; give one (--etcd-prefix), such as /taskgate/".into(),
@@ -144,7 +161,7 @@ impl EtcdStore {
         Ok(Self {
             id,
             leases: Arc::new(EtcdLeases {
-                keep: keep::KeepAlives::start(keys.client.clone(), closed.subscribe()),
+                keep: keep::KeepAlives::start(keys.client.clone(), closed.subscribe(), &supervisor),
                 keys: keys.clone(),
                 raised: Arc::default(),
             }),
@@ -155,6 +172,7 @@ impl EtcdStore {
                 ..Link::default()
             })),
             closed,
+            supervisor,
         })
     }
 }
@@ -530,17 +548,27 @@ impl Store for EtcdStore {
         link.unreadable.keys().cloned().collect()
     }
 
+    /// The watch runs under the supervisor: if it panics (in the follower
+    /// it hands changes to, say), it is started again from the last
+    /// revision it handed over, and health names it meanwhile.
     fn follow(&self, from: u64, follower: Weak<dyn Follower>) {
-        let run = Follow {
-            client: self.keys.client.clone(),
-            keys: self.keys.keys.clone(),
-            live: self.keys.live.clone(),
-            link: self.link.clone(),
-            follower,
-            applied: from,
-        };
-        let closed = self.closed.subscribe();
-        tokio::spawn(run.run(closed));
+        let applied = Arc::new(AtomicU64::new(from));
+        let (keys, link, closed) = (
+            self.keys.clone(),
+            self.link.clone(),
+            self.closed.subscribe(),
+        );
+        self.supervisor.keep("follower", move || {
+            let run = Follow {
+                client: keys.client.clone(),
+                keys: keys.keys.clone(),
+                live: keys.live.clone(),
+                link: link.clone(),
+                follower: follower.clone(),
+                applied: applied.clone(),
+            };
+            run.run(closed.clone())
+        });
     }
 
     fn health(&self) -> StoreHealth {
@@ -624,8 +652,9 @@ struct Follow {
     live: Vec<u8>,
     link: Arc<Mutex<Link>>,
     follower: Weak<dyn Follower>,
-    /// Every change up to this revision is handed to the follower.
-    applied: u64,
+    /// Every change up to this revision is handed to the follower (shared
+    /// with the watch's next start).
+    applied: Arc<AtomicU64>,
 }
 
 /// Why a watch ended.
@@ -661,7 +690,7 @@ impl Follow {
                                 .lock()
                                 .unwrap_or_else(PoisonError::into_inner)
                                 .unreadable = unreadable;
-                            self.applied = loaded.last_index;
+                            self.applied.store(loaded.last_index, Ordering::SeqCst);
                             follower.resync(loaded);
                             backoff = RETRY_FIRST;
                             continue;
@@ -702,7 +731,8 @@ impl Follow {
     /// One watch, from the revision after `applied`, until it ends.
     async fn watch(&mut self) -> Ended {
         let end = prefix_end(&self.live);
-        let mut watch = match self.client.watch(&self.keys, &end, self.applied + 1).await {
+        let from = self.applied.load(Ordering::SeqCst) + 1;
+        let mut watch = match self.client.watch(&self.keys, &end, from).await {
             Ok(w) => w,
             Err(e) => return Ended::Lost(e.to_string()),
         };
@@ -742,7 +772,7 @@ impl Follow {
                 if response.compact_revision > 0 {
                     tracing::info!(
                         compacted = response.compact_revision,
-                        applied = self.applied,
+                        applied = self.applied.load(Ordering::SeqCst),
                         "the watch fell behind a compaction; listing again"
                     );
                     return Ended::Compacted;
@@ -770,10 +800,11 @@ impl Follow {
             };
             // Without events this is a progress notification: everything up
             // to its revision has been sent.
+            let applied = self.applied.load(Ordering::SeqCst);
             let mut reached = if response.events.is_empty() {
                 response.revision
             } else {
-                self.applied
+                applied
             };
             let mut changes = Vec::with_capacity(response.events.len());
             // Each allocation changed, in order: unreadable (with why) or not.
@@ -827,10 +858,9 @@ impl Follow {
                 };
             }
             drop(link);
-            if reached > self.applied {
-                self.applied = reached;
-            }
-            follower.changed(changes, self.applied);
+            let reached = reached.max(applied);
+            follower.changed(changes, reached);
+            self.applied.store(reached, Ordering::SeqCst);
         }
     }
 }

@@ -271,6 +271,13 @@ impl SimFs {
         self.state().faults = Some(Box::new(fault));
     }
 
+    /// Makes every name durable now: what a directory sync that failed
+    /// may have done all the same.
+    pub fn persist_names(&self) {
+        let mut s = self.state();
+        s.durable_names = s.names.clone();
+    }
+
     /// Stops failing operations.
     pub fn heal(&self) {
         self.state().faults = None;
