@@ -279,3 +279,58 @@ async fn an_open_server_on_a_non_loopback_address_refuses_to_start() {
     );
     assert!(taskgate::app::Application::build(config).await.is_ok());
 }
+
+/// A task the server cannot go on without, ended (here: its supervisor told
+/// so, as the disk writer's panic does): parked waits are answered 503
+/// `shutting_down`, and the server stops with an error (taskgate exits
+/// non-zero, for whatever restarts it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vital_task_that_ends_stops_the_server_with_an_error() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let (tell, told) = std::sync::mpsc::channel();
+    let app = taskgate::app::Application::build_on(
+        listener,
+        taskgate::config::ServeConfig::for_tests(),
+        std::sync::Arc::new(taskgate::http::auth::Auth::default()),
+        move |opening: taskgate::app::Opening| {
+            tell.send(opening.supervisor.clone()).unwrap();
+            Ok(std::sync::Arc::new(taskgate::store::MemoryStore::new())
+                as std::sync::Arc<dyn taskgate::store::Store>)
+        },
+    )
+    .await
+    .unwrap();
+    let supervisor = told.recv().unwrap();
+    let registry = app.registry().clone();
+    let serving = tokio::spawn(app.run_until_stopped(std::future::pending()));
+    let http = common::http();
+    let created = http
+        .put(format!("{base}/v1/allocations/a1"))
+        .json(&five_tasks())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(created.status(), 201);
+    let wait = {
+        let http = http.clone();
+        let url = format!("{base}/v1/allocations/a1/tasks/web/start-condition?wait=60s");
+        tokio::spawn(async move { http.get(url).send().await.unwrap() })
+    };
+    parked(&registry, 1).await;
+    supervisor.stop("the task `store_writer` panicked".into());
+    let answered = tokio::time::timeout(BOUND, wait)
+        .await
+        .expect("answered")
+        .unwrap();
+    assert_eq!(answered.status(), 503);
+    let body: Value = answered.json().await.unwrap();
+    assert_eq!(body["code"], "shutting_down");
+    let stopped = tokio::time::timeout(BOUND, serving)
+        .await
+        .expect("the server stopped")
+        .unwrap();
+    let err = stopped.expect_err("stopped with an error").to_string();
+    assert!(err.contains("store_writer"), "{err}");
+}
