@@ -15,7 +15,7 @@
 # OUT.2, ... With ROUNDS 1 the sizes are measured minutes apart, SMALL
 # first; with ROUNDS above 1 each size has a server of its own and the
 # sizes' 10-second windows take turns, so a drift of the machine's speed
-# reaches both sizes alike (BENCHMARKS.md, "Sizes measured in turns").
+# reaches both sizes alike (`--scale-rounds` in `taskgate-bench --help`).
 #
 # usage: scripts/flat-cost.sh [RUNS=3] [LARGE=1000000] [SMALL=1000] [OUT=/tmp/flat-cost] [ROUNDS=1]
 # needs: python3, a release build

@@ -13,8 +13,8 @@
 //! when nothing in it needs escaping (serde_json escapes the rest), and
 //! a UTC time is written digit by digit (any other goes through `time`'s
 //! own RFC 3339 formatter). Nothing is kept between answers: no memory
-//! per event body or per string. Measured: see BENCHMARKS.md, "Where a
-//! report's time goes (2026-11-26)".
+//! per event body or per string. Measured: see BENCHMARKS.md, "What
+//! mattered" and "Current numbers".
 
 use serde::Serializer as _;
 use time::{OffsetDateTime, format_description::well_known::Rfc3339};

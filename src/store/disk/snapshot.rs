@@ -75,7 +75,7 @@ const IO_BUFFER: usize = 1 << 20;
 /// 5.3–5.8 ms. With compact records (a snapshot of ~130 MB), 4 MiB chunks
 /// still put 3.0–6.7% of the log's commits over 0.5 ms in windows with
 /// two checkpoints (2.5% with none); 1 MiB, 1.4–2.2%; 256 KiB, 3.2%, and
-/// the checkpoints took longer (BENCHMARKS.md).
+/// the checkpoints took longer (BENCHMARKS.md, "Older results").
 const SYNC_EVERY: u64 = 1 << 20;
 
 /// A snapshot's header and trailer, read and checked.

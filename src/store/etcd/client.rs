@@ -2,7 +2,7 @@
 //! member), with the few messages we use written by hand (`proto.rs`): no
 //! generated code, no `protoc`, no build script. It replaced a client of
 //! etcd's JSON gateway, which cost more CPU per request (BENCHMARKS.md,
-//! "Replicas over etcd").
+//! "Older results": the diary's "Replicas over etcd").
 //!
 //! Every call has a deadline (`request_timeout`), the watch's opening
 //! included: a member that stops answering (paused, cut off without a
