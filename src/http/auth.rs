@@ -29,6 +29,9 @@ use sha2::{Digest, Sha256};
 
 use super::{error::ApiError, query::query_pairs};
 
+/// The event stream, whose answer lasts as long as its client reads.
+pub(crate) const STREAM_ROUTE: &str = "/v1/events";
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
@@ -301,7 +304,7 @@ fn other_scheme(req: &Request) -> Option<String> {
 
 /// The allocation ID (or, for the list, the `prefix`) a request concerns.
 fn scope_target(req: &Request, route: &str) -> Option<String> {
-    if route == "/v1/allocations" || route == super::edge::STREAM_ROUTE {
+    if route == "/v1/allocations" || route == STREAM_ROUTE {
         let pairs = query_pairs(req.uri().query())?;
         return Some(
             pairs
@@ -398,7 +401,7 @@ impl Auth {
             {
                 let what = if route == "/v1/allocations" {
                     "list with a `prefix` within".to_owned()
-                } else if route == super::edge::STREAM_ROUTE {
+                } else if route == STREAM_ROUTE {
                     "follow events with a `prefix` within".to_owned()
                 } else {
                     format!("use allocation {target:?}, outside")

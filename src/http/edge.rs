@@ -17,7 +17,7 @@ use axum::{
 use tracing::Instrument;
 
 use super::{
-    auth::{Auth, Token},
+    auth::{Auth, STREAM_ROUTE, Token},
     error::{ApiError, payload_too_large},
     query::{PRETTY, pretty_on, query_pairs},
 };
@@ -25,9 +25,6 @@ use crate::metrics::Metrics;
 
 /// The request-ID header, accepted from the client or generated.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
-
-/// The event stream, whose answer lasts as long as its client reads.
-pub(crate) const STREAM_ROUTE: &str = "/v1/events";
 
 /// Routes whose GET (and HEAD, which runs the GET handler) may wait
 /// (bounded by the wait cap instead, or for the stream, by its client).

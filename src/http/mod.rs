@@ -222,7 +222,7 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
             "/v1/allocations/{alloc_id}/events",
             get(allocations::timeline),
         )
-        .route(edge::STREAM_ROUTE, get(events::stream))
+        .route(auth::STREAM_ROUTE, get(events::stream))
         .route("/ui", get(ui::page))
         .route("/ui/", get(ui::page))
         .route("/ui/allocations/{alloc_id}", get(ui::page))

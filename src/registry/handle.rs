@@ -8,9 +8,12 @@ use std::sync::{
 use tokio::sync::{Notify, Semaphore};
 
 use super::{
-    lives::Lives,
+    signs::Lives,
     timeline::{self, Timeline},
 };
+
+/// A handle the due-time heap does not look at.
+pub(super) const NOT_SCHEDULED: i64 = i64::MAX;
 use crate::lifecycle::{AllocId, Allocation};
 
 /// What a handle publishes.
@@ -166,7 +169,7 @@ impl Handle {
             changed: Notify::new(),
             timeline: Mutex::new(Timeline::default()),
             lives: Lives::default(),
-            scheduled: AtomicI64::new(super::time::NOT_SCHEDULED),
+            scheduled: AtomicI64::new(NOT_SCHEDULED),
         }
     }
 

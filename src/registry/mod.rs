@@ -16,8 +16,10 @@
 //! | `follow.rs` | the follower: publishing committed changes; the view's index |
 //! | `handle.rs` | one allocation's runtime state and its locks |
 //! | `map.rs` | allocation ID → handle |
-//! | `time.rs` | the clock, the one due-time heap, and what time does |
-//! | `lives.rs` | signs of life, and how a task's silence is measured |
+//! | `clock.rs` | where the time comes from |
+//! | `time.rs` | the one due-time heap, and what time does |
+//! | `signs.rs` | each task's signs of life, as its handle keeps them |
+//! | `lives.rs` | how a task's silence is measured, and lease renewals |
 //! | `judge.rs` | dependencies between allocations, and the graph walk |
 //! | `wait.rs` | long-polls, blocking queries, the event stream's readers |
 //! | `feed.rs`, `timeline.rs` | the event stream's changes; each allocation's history |
@@ -25,6 +27,7 @@
 //! This module must not know HTTP: it speaks allocations, task names and
 //! durations.
 
+mod clock;
 mod error;
 pub mod feed;
 mod follow;
@@ -32,15 +35,16 @@ mod handle;
 mod judge;
 mod lives;
 mod map;
-pub mod time;
+mod signs;
+mod time;
 pub mod timeline;
 mod wait;
 mod write;
 
+pub use clock::Clock;
 pub use error::{Quota, RegistryError, RestartTarget};
 pub use judge::MAX_REACH;
 pub use lives::Signs;
-pub use time::Clock;
 pub use wait::Subscription;
 
 use std::sync::{

@@ -507,7 +507,7 @@ fn another_run(store: &Held, started: Timestamp) -> Lease {
                 vec![LiveOp::Start {
                     task: web.clone(),
                     mark: crate::store::Mark {
-                        run: super::time::nanos(started),
+                        run: super::clock::nanos(started),
                         ttl: TTL,
                         lease: s.leases,
                     },
@@ -560,7 +560,7 @@ async fn a_mark_with_a_ttl_past_the_calendar_panics_nothing() {
     {
         let mut s = store.0.lock().unwrap();
         let (_, a) = s.records.get("t1").unwrap().clone();
-        let run = super::time::nanos(a.tasks[0].started_at.unwrap());
+        let run = super::clock::nanos(a.tasks[0].started_at.unwrap());
         let (id, task) = (a.id.clone(), TaskName::parse("web").unwrap());
         s.revision += 1;
         s.held.push(Change::Liveness(Liveness::Mark {
