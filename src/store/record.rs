@@ -1796,7 +1796,7 @@ mod tests {
             events.push(Event::with_body(elsewhere[0].body().clone(), utc));
             events.push(Event::at_utc_nanos(elsewhere[1].body().clone(), 7));
             for e in &elsewhere {
-                events.push(serde_json::from_str(&serde_json::to_string(e).unwrap()).unwrap());
+                events.push(Event::new(&e.kind, e.time(), &e.message, e.details.clone()));
             }
             drop(elsewhere);
             for e in &events {
