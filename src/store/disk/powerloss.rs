@@ -579,7 +579,7 @@ fn a_full_commit_queue_refuses_the_next_change_instead_of_growing() {
     }
 }
 
-/// Audit: sealing a segment fails (its `set_len`, or its `sync_all` after
+/// Sealing a segment fails (its `set_len`, or its `sync_all` after
 /// the cut), the writer goes on appending to it (a failed rollover), then
 /// the machine crashes at a random later moment: every acknowledged
 /// change is there.
