@@ -166,19 +166,6 @@ impl Details {
     }
 }
 
-/// Pairs in any order; of equal keys the last one counts, as with a map.
-impl FromIterator<(String, String)> for Details {
-    fn from_iter<I: IntoIterator<Item = (String, String)>>(iter: I) -> Self {
-        Self::from_pairs(iter)
-    }
-}
-
-impl From<BTreeMap<String, String>> for Details {
-    fn from(map: BTreeMap<String, String>) -> Self {
-        Self::from_pairs(map)
-    }
-}
-
 impl std::fmt::Debug for Details {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_map().entries(self.iter()).finish()
@@ -1001,13 +988,7 @@ mod tests {
     #[test]
     fn details_are_kept_in_key_order_and_a_repeated_key_keeps_its_last_value() {
         let pair = |k: &str, v: &str| (k.to_owned(), v.to_owned());
-        let d: Details = [
-            pair("signal", "9"),
-            pair("exit_code", "1"),
-            pair("signal", "15"),
-        ]
-        .into_iter()
-        .collect();
+        let d = Details::from_pairs([("signal", "9"), ("exit_code", "1"), ("signal", "15")]);
         assert_eq!(
             d.iter().collect::<Vec<_>>(),
             [("exit_code", "1"), ("signal", "15")]
@@ -1017,7 +998,7 @@ mod tests {
             (Some("15"), Some("1"), None)
         );
         let map: BTreeMap<String, String> = [pair("b", "2"), pair("a", "1")].into();
-        let from_map = Details::from(map.clone());
+        let from_map = Details::from_pairs(&map);
         assert_eq!(from_map.len(), 2);
         // Written as a JSON object, as the map is.
         assert_eq!(
