@@ -469,8 +469,6 @@ fn ago(then: &str, now: time::OffsetDateTime) -> String {
     }
 }
 
-/// The status summary of CLI.md: what it does and why in three lines, the
-/// task table, the recent timeline.
 /// What `waiting_on` waits for, as words: "web to be running, init to
 /// succeed" (tasks waited on for the same thing together, in order).
 pub fn waiting_words(a: &Value) -> String {
@@ -504,7 +502,7 @@ pub fn waiting_words(a: &Value) -> String {
         .join("; ")
 }
 
-/// How far off `at` is from `now`: "in 4m", "in 12s", "passed".
+/// How far off `at` is from `now`: "in 4m0s", "in 12s", "passing now".
 fn until(at: &str, now: time::OffsetDateTime) -> String {
     let Ok(t) = time::OffsetDateTime::parse(at, &time::format_description::well_known::Rfc3339)
     else {
@@ -520,6 +518,8 @@ fn until(at: &str, now: time::OffsetDateTime) -> String {
     }
 }
 
+/// The status summary of CLI.md: what it does and why in three lines, the
+/// task table, the recent timeline.
 fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime, out: &mut String) {
     let s = |v: &Value| v.as_str().unwrap_or("").to_owned();
     let waiting = waiting_words(a);

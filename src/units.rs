@@ -1,6 +1,7 @@
 //! Units on the command line and in query parameters: durations
-//! (`500ms`, `30s`, `1m30s`), sizes (`64MiB`) and listen addresses. Used by every
-//! subcommand's arguments and by the HTTP layer; depends on nothing.
+//! (`500ms`, `30s`, `1m30s`), sizes (`64MiB`) and listen addresses. Used
+//! by every subcommand's arguments and by the HTTP layer; depends on
+//! nothing.
 
 use std::time::Duration;
 
@@ -62,8 +63,9 @@ pub fn format_duration(d: Duration) -> String {
 }
 
 /// A duration as `format_duration` writes it, written straight into a
-/// formatter: an answer writes one per task under a TTL, and a `String`
-/// of several `format!`s each was a measurable share of it.
+/// formatter: an answer writes one per task under a TTL, and building a
+/// `String` for each costs (measured: see BENCHMARKS.md, "Where a
+/// report's time goes (2026-11-26)").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Shown(pub Duration);
 
@@ -203,8 +205,8 @@ mod tests {
         assert_eq!(format_duration(Duration::from_micros(1_999_999)), "1.999s");
     }
 
-    /// The `String`-building writer `Shown` replaced, kept as the
-    /// reference it must match.
+    /// `Shown` written the plain way, with `String`s: the reference it must
+    /// match.
     fn format_duration_by_strings(d: Duration) -> String {
         let ms = d.as_millis();
         if ms == 0 {
@@ -235,7 +237,7 @@ mod tests {
     }
 
     #[test]
-    fn shown_writes_what_the_string_building_writer_wrote() {
+    fn shown_writes_what_a_string_building_writer_writes() {
         let mut ms: Vec<u64> = (0..5_000).collect();
         ms.extend((0..2_000).map(|i| i * 997));
         ms.extend([

@@ -58,8 +58,8 @@ pub struct TaskInfo {
 /// The stop reason of a lost task.
 pub const AGENT_LOST: &str = "Agent Lost";
 
-/// The answer to "may I start?" (decoded whole: every field is required,
-/// but for those a server of the second edition did not send).
+/// The answer to "may I start?", decoded whole: a missing field is an
+/// error, but an `Option` reads a missing one as `None`.
 #[derive(Debug, Clone, serde::Deserialize)]
 pub struct StartCondition {
     pub allowed: bool,
@@ -169,7 +169,7 @@ struct TaskWire {
     stop_reason: Option<StopReasonWire>,
     restart_generation: u64,
     modify_index: u64,
-    /// A server of the second edition sends none.
+    /// Missing or `null`: the task runs under no TTL.
     #[serde(default)]
     liveness: Option<LivenessWire>,
 }

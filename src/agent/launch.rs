@@ -8,7 +8,7 @@
 //! hook, which is `unsafe` (forbidden in this workspace), and no kept
 //! library does it for us: process-wrap 10 offers process groups,
 //! sessions, a reset signal mask and kill-on-drop, not this (and would
-//! bring nix back). So the agent starts its own binary instead, as the
+//! bring in nix). So the agent starts its own binary instead, as the
 //! hidden `taskgate agent-exec`, which sets the signal on itself and execs
 //! the command in its place: same pid, same process group; the signal
 //! survives the exec (Linux clears it only on exec of a set-user-ID,

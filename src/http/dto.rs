@@ -22,7 +22,7 @@ use crate::lifecycle::{
 /// most `MAX` entries. Decoding stops at the first entry past `MAX`, and
 /// each key is checked against a hash set of those before it, so a body
 /// with tens of thousands of keys costs no more than reading it (a
-/// pairwise check took seconds and stalled the server).
+/// pairwise check is quadratic in the keys).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UniqueMap<V, const MAX: usize>(pub Vec<(String, V)>);
 

@@ -5,7 +5,7 @@
 //! strings do not).
 //!
 //! A full answer to a report is one of these, with every task's event
-//! history, and written through serde it was the largest part of a
+//! history, and through serde writing it is the largest part of a
 //! report's cost: every key and every string scanned byte by byte for
 //! characters to escape, every time formatted into a `String` of its own,
 //! and the view's strings copied out of the record first. Here keys are

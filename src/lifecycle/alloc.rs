@@ -254,8 +254,8 @@ impl Allocation {
 
     /// Rebuilds a record exactly as it was stored: the coordinator state is
     /// taken as given, never re-evaluated, so recovery opens or closes no
-    /// gate. `order` is the stored stop order; `None` (a record of a build
-    /// that did not store it) computes it from the states.
+    /// gate. `order` is the stored stop order; `None` computes it from the
+    /// states (a new allocation).
     #[allow(clippy::too_many_arguments)]
     pub fn from_parts(
         id: AllocId,

@@ -90,7 +90,7 @@ pub struct Limits {
     pub max_detail_value: usize,
     /// Bytes in one whole event: its type, message, and every `details`
     /// key and value. With `MAX_EVENTS` kept per task, this bounds what one
-    /// task's history can hold (an agent grew a view to 30 MB without it).
+    /// task's history can hold.
     pub max_event_bytes: usize,
 }
 
@@ -116,11 +116,6 @@ pub const MAX_EVENTS: usize = 10;
 
 /// Bytes in an event type.
 pub const MAX_EVENT_TYPE: usize = 64;
-
-/// For serde: a `false` flag is left out of stored records.
-fn is_false(b: &bool) -> bool {
-    !*b
-}
 
 /// Timestamps are UTC instants, rendered as RFC 3339.
 pub type Timestamp = time::OffsetDateTime;

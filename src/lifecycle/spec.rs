@@ -46,34 +46,28 @@ impl Stage {
 }
 
 /// A task's lifecycle block.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Lifecycle {
     pub hook: Hook,
-    #[serde(default, skip_serializing_if = "super::is_false")]
     pub sidecar: bool,
 }
 
 /// One task of an allocation, as registered.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct TaskSpec {
     pub name: TaskName,
     /// `None` for a main task.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lifecycle: Option<Lifecycle>,
-    #[serde(default, skip_serializing_if = "super::is_false")]
     pub leader: bool,
     /// The task says when it is ready (prestart sidecars and main tasks
     /// only): the next stage waits for it.
-    #[serde(default, skip_serializing_if = "super::is_false")]
     pub readiness: bool,
     /// While it runs, its agent gives a sign of life at least once per
     /// this long, or the task is declared lost. `None`: the server's
     /// default (`--default-liveness-ttl`), if any.
-    #[serde(skip)]
     pub liveness: Option<Duration>,
     /// Start conditions on other tasks (of this allocation or another
     /// one), at most `MAX_DEPENDENCIES`.
-    #[serde(skip)]
     pub depends_on: Vec<Dependency>,
 }
 

@@ -18,10 +18,6 @@ named_enum! {
     }
 }
 
-fn is_zero(n: &u64) -> bool {
-    *n == 0
-}
-
 /// One entry of a task's event history: what it says, stored once per
 /// process however many events say it (`intern.rs`), and when. 16 bytes:
 /// a million allocations' full histories are fifty million events.
@@ -123,42 +119,6 @@ impl std::fmt::Debug for Event {
     }
 }
 
-/// The wire form of an event (`dump` and tests; the API writes its own
-/// view, the store its own record).
-#[derive(serde::Serialize, serde::Deserialize)]
-struct EventForm<'a> {
-    #[serde(borrow)]
-    kind: std::borrow::Cow<'a, str>,
-    time: Timestamp,
-    #[serde(default, borrow, skip_serializing_if = "str::is_empty")]
-    message: std::borrow::Cow<'a, str>,
-    #[serde(default)]
-    details: BTreeMap<String, String>,
-}
-
-impl serde::Serialize for Event {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        EventForm {
-            kind: self.kind.as_str().into(),
-            time: self.time(),
-            message: self.message.as_str().into(),
-            details: self
-                .details
-                .iter()
-                .map(|(k, v)| (k.to_owned(), v.to_owned()))
-                .collect(),
-        }
-        .serialize(s)
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for Event {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let f = EventForm::deserialize(d)?;
-        Ok(Self::new(&f.kind, f.time, &f.message, f.details.into()))
-    }
-}
-
 /// An event's details: string pairs in key order, each key once, each
 /// string shared (`Sym`).
 ///
@@ -206,19 +166,6 @@ impl Details {
     }
 }
 
-/// Pairs in any order; of equal keys the last one counts, as with a map.
-impl FromIterator<(String, String)> for Details {
-    fn from_iter<I: IntoIterator<Item = (String, String)>>(iter: I) -> Self {
-        Self::from_pairs(iter)
-    }
-}
-
-impl From<BTreeMap<String, String>> for Details {
-    fn from(map: BTreeMap<String, String>) -> Self {
-        Self::from_pairs(map)
-    }
-}
-
 impl std::fmt::Debug for Details {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_map().entries(self.iter()).finish()
@@ -231,19 +178,12 @@ impl serde::Serialize for Details {
     }
 }
 
-impl<'de> serde::Deserialize<'de> for Details {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        Ok(BTreeMap::<String, String>::deserialize(d)?.into())
-    }
-}
-
 /// A task's most recent events, oldest first, at most `MAX_EVENTS`.
 ///
 /// Shared between the versions of a record: every report makes a new
-/// version of its allocation, and copying each task's history into it —
-/// ten events with their own strings and details maps, for every task —
-/// was most of what a report cost once histories were full (and freeing
-/// the old copy the rest). Here a version copies one pointer per task,
+/// version of its allocation, and copying each task's history into it
+/// would copy and free every event of every task (measured: see
+/// BENCHMARKS.md, "Event histories, interned"). Here a version copies one pointer per task,
 /// and adding an event copies the history's events (a body pointer and a
 /// time each), never a string. Empty histories hold no heap block at all.
 #[derive(Clone, Default)]
@@ -357,18 +297,6 @@ impl std::ops::Index<usize> for Events {
 impl std::fmt::Debug for Events {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_list().entries(self.iter()).finish()
-    }
-}
-
-impl serde::Serialize for Events {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_seq(self.iter())
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for Events {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        Ok(Vec::<Event>::deserialize(d)?.into_iter().collect())
     }
 }
 
@@ -543,44 +471,31 @@ pub fn json_len(s: &str) -> usize {
 
 /// Everything recorded about one task. Derived facts (its gate, its stop
 /// order) are not stored here; see `Allocation`.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-// Stored compactly (see `store/record.rs`): fields at their default are
-// left out, which halves a typical record.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TaskStatus {
     pub state: RunState,
-    #[serde(default, skip_serializing_if = "super::is_false")]
     pub failed: bool,
     /// Times the task went back to `pending` after running or dying.
-    #[serde(default, skip_serializing_if = "is_zero")]
     pub restarts: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_at: Option<Timestamp>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<Timestamp>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_restart: Option<Timestamp>,
     /// The most recent events, oldest first, at most `MAX_EVENTS`.
-    #[serde(default, skip_serializing_if = "Events::is_empty")]
     pub events: Events,
     /// Restart orders given to this task; only goes up.
-    #[serde(default, skip_serializing_if = "is_zero")]
     pub restart_generation: u64,
     /// Whether the task says it is ready (only ever while `running`).
-    #[serde(default, skip_serializing_if = "super::is_false")]
     pub ready: bool,
     /// The last time the task became ready.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready_at: Option<Timestamp>,
     /// From a restart order until the task's next report: its state is
     /// from before the order and does not count toward stop orders.
-    #[serde(default, skip_serializing_if = "super::is_false")]
     pub stale: bool,
     /// Global index of the last change that touched this task.
     pub modify_index: u64,
     /// What few tasks carry (a loss, idempotency keys), out of line: the
     /// others pay one pointer for it, and a new version of the record
     /// copies one pointer.
-    #[serde(skip)]
     pub extra: Option<Arc<TaskExtra>>,
 }
 
@@ -1068,22 +983,12 @@ mod tests {
             ["a", "b"]
         );
         assert_eq!(a.get(2), None);
-        // Stored (format 1) records read their history back as JSON.
-        let json = serde_json::to_string(&a).unwrap();
-        assert_eq!(serde_json::from_str::<Events>(&json).unwrap(), a);
-        assert_eq!(serde_json::from_str::<Events>("[]").unwrap(), none);
     }
 
     #[test]
     fn details_are_kept_in_key_order_and_a_repeated_key_keeps_its_last_value() {
         let pair = |k: &str, v: &str| (k.to_owned(), v.to_owned());
-        let d: Details = [
-            pair("signal", "9"),
-            pair("exit_code", "1"),
-            pair("signal", "15"),
-        ]
-        .into_iter()
-        .collect();
+        let d = Details::from_pairs([("signal", "9"), ("exit_code", "1"), ("signal", "15")]);
         assert_eq!(
             d.iter().collect::<Vec<_>>(),
             [("exit_code", "1"), ("signal", "15")]
@@ -1093,15 +998,13 @@ mod tests {
             (Some("15"), Some("1"), None)
         );
         let map: BTreeMap<String, String> = [pair("b", "2"), pair("a", "1")].into();
-        let from_map = Details::from(map.clone());
+        let from_map = Details::from_pairs(&map);
         assert_eq!(from_map.len(), 2);
-        // Written and read as a JSON object, like the map it replaces.
+        // Written as a JSON object, as the map is.
         assert_eq!(
             serde_json::to_value(&from_map).unwrap(),
             serde_json::to_value(&map).unwrap()
         );
-        let back: Details = serde_json::from_str(r#"{"b": "2", "a": "1"}"#).unwrap();
-        assert_eq!(back, from_map);
         assert!(Details::default().is_empty());
         assert_eq!(format!("{from_map:?}"), r#"{"a": "1", "b": "2"}"#);
     }
@@ -1280,8 +1183,7 @@ mod tests {
 
         proptest! {
             /// What is read back of a history (kept in shared bodies and
-            /// strings) is what was reported, also after the record is
-            /// stored and read again.
+            /// strings) is what was reported.
             #[test]
             fn reported_events_read_back_as_reported(
                 inputs in prop::collection::vec(input(), 1..(2 * MAX_EVENTS))
@@ -1312,11 +1214,7 @@ mod tests {
                     .iter()
                     .map(|e| EventInput { time: Some(e.time.unwrap_or(T0)), ..e.clone() })
                     .collect();
-                prop_assert_eq!(read(&t.events), expected.clone());
-                let json = serde_json::to_string(&t.events).unwrap();
-                let back: Events = serde_json::from_str(&json).unwrap();
-                prop_assert_eq!(read(&back), expected);
-                prop_assert!(back == t.events);
+                prop_assert_eq!(read(&t.events), expected);
             }
         }
     }

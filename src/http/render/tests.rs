@@ -1,4 +1,4 @@
-//! `render` against serde_json writing the views it replaces, on strings
+//! `render` against serde_json writing the views it must match, on strings
 //! that need escaping and strings that do not.
 
 use std::{sync::Arc, time::Duration};

@@ -194,13 +194,11 @@ pub(super) fn checkpoint(
 }
 
 /// The changes in ID order. Their IDs lie scattered over the segments
-/// read back (tens of megabytes), so sorting by the strings themselves
-/// missed the cache on most of its ~n log n compares (`memcmp` was the
-/// checkpoint thread's largest symbol at a million allocations, 0.5 µs per
-/// change). Each ID is sorted by its first 16 bytes as a number, computed
-/// once, which orders like the bytes (zero-padded: a shorter ID that is a
-/// prefix of another sorts first either way); only IDs that share those
-/// bytes are compared in full.
+/// read back, so comparing the strings themselves misses the cache on most
+/// compares (measured: see BENCHMARKS.md). Each ID is sorted by its first
+/// 16 bytes as a number, computed once, which orders like the bytes
+/// (zero-padded: a shorter ID that is a prefix of another sorts first
+/// either way); only IDs that share those bytes are compared in full.
 pub(super) fn sort_changes<'a>(
     newest: HashMap<&'a str, Option<&'a [u8]>>,
 ) -> Vec<(&'a str, Option<&'a [u8]>)> {
@@ -234,7 +232,8 @@ impl FoldBench {
 
     /// Writes `changes` in one checkpoint, as the checkpoint thread does
     /// (sorting them, merging them into the next snapshot, removing the
-    /// snapshot it replaced, dropping the changes after). Returns the records the snapshot holds.
+    /// snapshot it replaced, dropping the changes after). Returns the
+    /// records the snapshot holds.
     pub fn fold(&mut self, changes: FoldChanges) -> Result<u64, StoreError> {
         self.sealed += 1;
         let written = snapshot::fold(&RealFs, &self.dir, &changes.0, self.sealed, log::End::NONE)
@@ -258,9 +257,8 @@ impl FoldChanges {
     }
 }
 
-/// Removes what a checkpoint replaced: the old snapshot and the segments
-/// up to `sealed`, a slice at a time (`log::remove_gently`: freed at once,
-/// a million allocations' ~1 GB held the log's fsyncs for ~100 ms). A
+/// Removes what a checkpoint replaced: the replaced snapshot and the
+/// segments up to `sealed`, a slice at a time (`log::remove_gently`). A
 /// failure is only logged: the next checkpoint or the next open removes
 /// them.
 pub(super) fn remove_folded(fs: &dyn Fs, dir: &Path, sealed: u64) {

@@ -627,9 +627,9 @@ pub struct Segment {
 /// How far ahead of the appends a segment's file is written with zeros.
 /// An `fdatasync` of a file that grew must write its inode too, a second
 /// I/O waited on per commit; into blocks already written it need not
-/// (0.221 against 0.115 ms and 93 against 53 µs of CPU per commit on the
-/// benchmark machine, BENCHMARKS.md). The zeros go with the append that
-/// first passes the written end, in its own `fdatasync`.
+/// (measured: see BENCHMARKS.md, "The disk path with events, and record
+/// format 5"). The zeros go with the append that first passes the written
+/// end, in its own `fdatasync`.
 pub const WRITE_AHEAD: u64 = 1 << 20;
 
 /// Zeros to write ahead from.
@@ -802,17 +802,14 @@ const SHRINK_STEP: u64 = 16 << 20;
 const SHRINK_PAUSE: Duration = Duration::from_millis(5);
 
 /// Removes a file a slice at a time, for the files a checkpoint leaves
-/// behind (the replaced snapshot, the folded segments: up to ~1 GB at a
-/// million allocations). Freeing blocks is journaled, and on ext4 mounted
-/// with `discard` the journal commit that frees them also trims them, so
-/// unlinking a 780 MB file at once held concurrent `fdatasync`s for 43–83
-/// ms in seven runs; cut back 16 MiB at a time with 5 ms between slices,
-/// 4–12 ms in five of seven and 29 and 61 ms in the others
-/// (`scripts/remove-stall.py`; 8 MiB slices were no better). In the
-/// server at a million allocations, the worst report at a fixed 10,000/s
-/// went from 157 to 11 ms. A file that has another name is
-/// only unlinked: its blocks are not this name's to free (a checkpoint that
-/// stopped between linking the old snapshot and renaming the new one
+/// behind (the replaced snapshot, the folded segments). Freeing blocks is
+/// journaled, and on ext4 mounted with `discard` the journal commit that
+/// frees them also trims them: a large file unlinked at once holds the
+/// log's concurrent `fdatasync`s far longer than one cut back in slices
+/// with a pause between (measured: see BENCHMARKS.md;
+/// `scripts/remove-stall.py`). A file that has another name is only
+/// unlinked: its blocks are not this name's to free (a checkpoint that
+/// stopped between linking the replaced snapshot and renaming the new one
 /// leaves the current snapshot under both names). Sleeps: call it from a
 /// background thread.
 pub fn remove_gently(fs: &dyn Fs, path: &Path) -> io::Result<()> {
@@ -836,7 +833,6 @@ pub fn remove_gently(fs: &dyn Fs, path: &Path) -> io::Result<()> {
     }
 }
 
-#[cfg(test)]
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -907,17 +903,6 @@ mod tests {
             .map(|(id, i)| (id.as_str(), i, Some(&record[..])))
             .collect();
         segment_in(dir, 1, &changes, per_append)
-    }
-
-    /// Where each frame of `bytes` (segment 1) starts, and the end.
-    fn boundaries(bytes: &[u8]) -> Vec<usize> {
-        let mut at = HEADER;
-        let mut all = vec![at];
-        while at < bytes.len() {
-            at += HEAD + Head::read(&bytes[at..]).len;
-            all.push(at);
-        }
-        all
     }
 
     #[test]
@@ -1038,7 +1023,7 @@ mod tests {
         assert!(good.len() > 3 * 4096);
         // A 4 KiB block zeroed in the middle: appends follow it, whether
         // the block starts in a payload or takes a head with it.
-        for from in [4096, boundaries(&good)[10] / 512 * 512] {
+        for from in [4096, frame_starts(&good)[10] / 512 * 512] {
             let mut bad = good.clone();
             bad[from..from + 4096].fill(0);
             let r = replay(&bad, 1, &mut Overlay::default()).unwrap();
@@ -1052,7 +1037,7 @@ mod tests {
         let r = replay(&good, 1, &mut Overlay::default()).unwrap();
         assert!(r.bad.is_none());
         assert_eq!(r.spare, 0);
-        let last = *boundaries(&good).iter().rev().nth(1).unwrap();
+        let last = *frame_starts(&good).last().unwrap();
         let inside = (last + HEAD).next_multiple_of(512);
         assert!(inside < good.len());
         let mut bad = good.clone();
@@ -1094,8 +1079,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         // Ten appends of four ~600-byte changes: each spans several sectors.
         let good = many(dir.path(), 40, 600, 4);
-        let frames = boundaries(&good);
-        let last = frames[frames.len() - 2];
+        let frames = frame_starts(&good);
+        let last = *frames.last().unwrap();
         assert!(good.len() - last > 4 * 512);
         let sectors = |from: usize, to: usize| {
             (from / 512..to.div_ceil(512))
@@ -1118,7 +1103,7 @@ mod tests {
         }
         // The same sectors lost in the append before the last: a whole
         // append follows, so it is damage.
-        let before = frames[frames.len() - 3];
+        let before = frames[frames.len() - 2];
         for sector in sectors(before + 512, last - 512) {
             let mut bad = good.clone();
             bad[sector..sector + 512].fill(0);
@@ -1140,8 +1125,8 @@ mod tests {
     fn any_sectors_of_the_last_append_lost_and_any_cut_is_torn() {
         let dir = tempfile::tempdir().unwrap();
         let good = many(dir.path(), 12, 500, 4);
-        let frames = boundaries(&good);
-        let last = frames[frames.len() - 2];
+        let frames = frame_starts(&good);
+        let last = *frames.last().unwrap();
         let mut rng = fastrand::Rng::with_seed(7);
         for _ in 0..2000 {
             let cut = rng.usize(last + 1..=good.len());
@@ -1299,7 +1284,7 @@ mod tests {
         let good = many(dir.path(), 40, 300, 1);
         // From the head of frame 10 (its sector as a lost sector reads,
         // the end of frame 9 kept) over the next 4 KiB.
-        let from = boundaries(&good)[10];
+        let from = frame_starts(&good)[10];
         let to = from.next_multiple_of(512) + 4096;
         let mut bad = good.clone();
         bad[from..to].fill(0);
@@ -1324,7 +1309,7 @@ mod tests {
     fn salvage_reads_the_appends_after_a_zeroed_block_with_zeros_written_ahead() {
         let dir = tempfile::tempdir().unwrap();
         let good = many(dir.path(), 40, 300, 1);
-        let from = boundaries(&good)[10];
+        let from = frame_starts(&good)[10];
         let to = from.next_multiple_of(512) + 4096;
         let mut bad = good.clone();
         bad[from..to].fill(0);

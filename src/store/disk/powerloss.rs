@@ -25,26 +25,15 @@ use super::{
         Fs,
         sim::{self, SimFs},
     },
+    tests::spec,
 };
 use crate::{
-    lifecycle::{AllocId, AllocSpec, Allocation, Limits, TaskName, TaskSpec},
+    lifecycle::{AllocId, Allocation},
     store::{Op, Store, StoreError, StoreHealth},
 };
 
 fn dir() -> PathBuf {
     PathBuf::from("/sim/data")
-}
-
-fn spec() -> Arc<AllocSpec> {
-    let task = TaskSpec {
-        name: TaskName::parse("web").unwrap(),
-        lifecycle: None,
-        leader: false,
-        readiness: false,
-        liveness: None,
-        depends_on: Vec::new(),
-    };
-    Arc::new(AllocSpec::new(vec![task], &Limits::default()).unwrap())
 }
 
 fn open(fs: &SimFs, log_limit: u64) -> Result<DiskStore, StoreError> {
@@ -86,7 +75,12 @@ fn step() -> impl Strategy<Value = Step> {
 
 fn alloc(key: u8, index: u64, size: usize) -> Allocation {
     let id = AllocId::parse(&format!("key-{key}")).unwrap();
-    let mut a = Allocation::register(id, spec(), index, time::OffsetDateTime::UNIX_EPOCH);
+    let mut a = Allocation::register(
+        id,
+        Arc::new(spec()),
+        index,
+        time::OffsetDateTime::UNIX_EPOCH,
+    );
     // Records of different sizes, so appends cross sector boundaries.
     let report = crate::lifecycle::TaskReport {
         state: crate::lifecycle::RunState::Running,
@@ -579,7 +573,7 @@ fn a_full_commit_queue_refuses_the_next_change_instead_of_growing() {
     }
 }
 
-/// Audit: sealing a segment fails (its `set_len`, or its `sync_all` after
+/// Sealing a segment fails (its `set_len`, or its `sync_all` after
 /// the cut), the writer goes on appending to it (a failed rollover), then
 /// the machine crashes at a random later moment: every acknowledged
 /// change is there.

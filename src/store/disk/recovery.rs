@@ -548,7 +548,7 @@ pub fn read_only(dir: &Path) -> Result<Loaded, StoreError> {
 
 /// Decodes loaded records in chunks on every core while the records
 /// after them are read: decoding is most of a recovery, and reading the
-/// files (one thread) no longer waits for it, nor it for the reading.
+/// files (one thread) does not wait for it, nor it for the reading.
 pub(super) struct Loader<'a> {
     path: &'a Path,
     raw: Raw,

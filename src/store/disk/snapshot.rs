@@ -4,12 +4,11 @@
 //! A checkpoint reads the current snapshot front to back, merges the log's
 //! changes in (sorted by ID), writes the result to `taskgate.snapshot.new`,
 //! makes it durable and renames it over `taskgate.snapshot`: a crash at any
-//! moment leaves the old snapshot or the new one, whole, and the log
+//! moment leaves the replaced snapshot or the new one, whole, and the log
 //! segments are removed only after the rename is durable. Every byte is
-//! read and written sequentially; a B-tree (redb, before) rewrote a 4 KiB
-//! page for nearly every record a checkpoint changed once the records no
-//! longer shared pages, which made checkpoints cost 3–4 times as much CPU
-//! per change at a million allocations.
+//! read and written sequentially: a B-tree rewrites a page for nearly
+//! every record a checkpoint changes once the records no longer share
+//! pages (measured: see BENCHMARKS.md).
 //!
 //! This build writes and reads format 2 (integers little-endian):
 //!
@@ -68,14 +67,10 @@ const HEADER: usize = 40;
 const TRAILER: usize = 24;
 const IO_BUFFER: usize = 1 << 20;
 /// A checkpoint makes what it wrote durable every this many bytes instead
-/// of all at the end: a snapshot of a million records is ~780 MB, and
-/// flushed in one go it held the disk (and every log append's fsync
-/// behind it) for over a second. At a million allocations, 16 MiB chunks
-/// still left reports' p99 at 11 ms against 4 ms at a thousand; 4 MiB,
-/// 5.3–5.8 ms. With compact records (a snapshot of ~130 MB), 4 MiB chunks
-/// still put 3.0–6.7% of the log's commits over 0.5 ms in windows with
-/// two checkpoints (2.5% with none); 1 MiB, 1.4–2.2%; 256 KiB, 3.2%, and
-/// the checkpoints took longer (BENCHMARKS.md, "Older results").
+/// of all at the end: a large snapshot flushed in one go holds the disk,
+/// and every log append's fsync behind it. Larger steps delay the log's
+/// commits more, smaller ones make checkpoints longer (measured: see
+/// BENCHMARKS.md, "Older results").
 const SYNC_EVERY: u64 = 1 << 20;
 
 /// A snapshot's header and trailer, read and checked.

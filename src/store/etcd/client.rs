@@ -1,8 +1,8 @@
 //! A client for etcd's v3 gRPC API (tonic over HTTP/2, one connection per
 //! member), with the few messages we use written by hand (`proto.rs`): no
-//! generated code, no `protoc`, no build script. It replaced a client of
-//! etcd's JSON gateway, which cost more CPU per request (BENCHMARKS.md,
-//! "Older results": the diary's "Replicas over etcd").
+//! generated code, no `protoc`, no build script. gRPC, not etcd's JSON
+//! gateway: less CPU per request (measured: see BENCHMARKS.md, "Older
+//! results").
 //!
 //! Every call has a deadline (`request_timeout`), the watch's opening
 //! included: a member that stops answering (paused, cut off without a

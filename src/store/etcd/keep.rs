@@ -2,8 +2,8 @@
 //! carrying every renewal the replica sends (`ReplicatedStore::keep_alive`).
 //! A renewal is served by etcd's leader from memory: no raft write, no
 //! revision (etcd's lessor; lease checkpoints, off by default, would add
-//! one per lease per checkpoint interval). How often each
-//! lease is renewed is the registry's business (`registry/keep.rs`); this
+//! one per lease per checkpoint interval). How often each lease is renewed
+//! is the registry's business (`registry/lives.rs`); this
 //! only carries them and moves to the next member when the one it is on
 //! breaks the stream or leaves a renewal unanswered for `DEADLINE` (less
 //! with short leases).
@@ -98,12 +98,12 @@ impl Unanswered {
 
     /// How long a renewal may wait for its answer: `DEADLINE`, or a third
     /// of the shortest lease seen if that is less. A renewal is sent at
-    /// most a third of a TTL after the last one answered (`registry/keep.rs`
+    /// most a third of a TTL after the last one answered (`registry/lives.rs`
     /// sends one per third while a task is heard), so one that waited this
     /// long and is then sent on another member still arrives a third of a
-    /// TTL before its lease would run out. A fixed second did not: a 1 s
-    /// lease, renewed a third of a second after its last answer, ran out
-    /// on a stopped member before the stream moved.
+    /// TTL before its lease would run out. A fixed deadline longer than
+    /// that lets a short lease run out on a stopped member before the
+    /// stream moves.
     fn deadline(&self) -> Duration {
         self.shortest
             .map_or(DEADLINE, |ttl| (ttl / 3).min(DEADLINE))
@@ -248,9 +248,7 @@ mod tests {
     }
 
     /// A lease renewed twice before the first answer came: the second
-    /// renewal is still waited for. (Before: the first answer took the
-    /// lease off the list, and a member that stopped after it left the
-    /// second unanswered unnoticed, and unsent on the next member.)
+    /// renewal is still waited for once the first is answered.
     #[test]
     fn each_renewal_of_a_lease_is_waited_for() {
         let mut u = Unanswered::default();

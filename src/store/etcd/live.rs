@@ -13,8 +13,8 @@
 //! a mark without its live key is a run whose agent fell silent for the
 //! lease's TTL, as etcd measured it, and no replica's clock or memory is
 //! needed to tell. A running task with no mark for its run (it started
-//! before its TTL applied: a default turned on later, a record written by
-//! an older build) is not taken for a silent one: a replica marks it then
+//! before its TTL applied: a default turned on later) is not taken for a
+//! silent one: a replica marks it then
 //! (`ReplicatedStore::mark`). Neither allocation IDs nor task names may hold
 //! a `/`, so the two keys of a task never meet another task's.
 

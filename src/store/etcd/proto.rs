@@ -79,31 +79,28 @@ pub struct DeleteRangeRequest {
     pub range_end: Vec<u8>,
 }
 
-/// `etcdserverpb.Compare`, for `mod_revision` and `create_revision`.
+/// `etcdserverpb.Compare`, for `mod_revision`.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct Compare {
     /// `CompareResult`: 0 EQUAL.
     #[prost(int32, tag = "1")]
     pub result: i32,
-    /// `CompareTarget`: 1 CREATE, 2 MOD.
+    /// `CompareTarget`: 2 MOD.
     #[prost(int32, tag = "2")]
     pub target: i32,
     #[prost(bytes = "vec", tag = "3")]
     pub key: Vec<u8>,
-    #[prost(oneof = "CompareUnion", tags = "5, 6")]
+    #[prost(oneof = "CompareUnion", tags = "6")]
     pub target_union: Option<CompareUnion>,
 }
 
 #[derive(Clone, PartialEq, prost::Oneof)]
 pub enum CompareUnion {
-    #[prost(int64, tag = "5")]
-    CreateRevision(i64),
     #[prost(int64, tag = "6")]
     ModRevision(i64),
 }
 
 pub const COMPARE_EQUAL: i32 = 0;
-pub const TARGET_CREATE: i32 = 1;
 pub const TARGET_MOD: i32 = 2;
 
 /// `etcdserverpb.RequestOp`.
