@@ -1,5 +1,5 @@
 //! Lease keep-alives: one stream per replica, on one member at a time,
-//! carrying every renewal the replica sends (`ReplicatedStore::keep_alive`).
+//! carrying every renewal the replica sends (`Leases::keep_alive`).
 //! A renewal is served by etcd's leader from memory: no raft write, no
 //! revision (etcd's lessor; lease checkpoints, off by default, would add
 //! one per lease per checkpoint interval). How often each lease is renewed

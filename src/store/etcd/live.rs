@@ -15,7 +15,7 @@
 //! needed to tell. A running task with no mark for its run (it started
 //! before its TTL applied: a default turned on later) is not taken for a
 //! silent one: a replica marks it then
-//! (`ReplicatedStore::mark`). Neither allocation IDs nor task names may hold
+//! (`Leases::mark`). Neither allocation IDs nor task names may hold
 //! a `/`, so the two keys of a task never meet another task's.
 
 use std::time::Duration;

@@ -9,7 +9,7 @@
 //! etcd deletes; their revisions keep the index going up.
 //!
 //! Writes are compare-and-swap transactions on `mod_revision`
-//! (`ReplicatedStore::swap`). Reads come from the replica's view: the prefix
+//! (`Store::append`). Reads come from the replica's view: the prefix
 //! listed once, then one prefix watch from the revision after the listing
 //! (`follow`), which publishes every change in revision order. A watch
 //! canceled by a compaction lists the prefix again (`Follower::resync`).
