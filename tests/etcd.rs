@@ -1024,13 +1024,13 @@ async fn stalled_pair(
     (stall, a, b)
 }
 
-/// Issue 33's first fault: a replica's compare-and-swap commits, its answer
+/// A replica's compare-and-swap commits, its answer
 /// does not come back within the deadline (the member paused on the way
 /// back), another replica writes the same allocation meanwhile, and the
 /// replica sends the transaction to the next member, whose compare fails.
 /// The record's write marks say the change that moved the key was its own:
-/// it answers with it and never decides again on top of it (before, the
-/// report was decided again and its event appended twice).
+/// it answers with it and never decides again on top of it (the report's
+/// event is in the record once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_whose_answer_was_lost_is_applied_once() {
     if !available("a_write_whose_answer_was_lost_is_applied_once") {
@@ -1137,11 +1137,10 @@ async fn a_lost_answer_past_what_the_record_remembers_is_unavailable_not_doubled
     assert!(b.get("w1").is_err());
 }
 
-/// Issue 33's fourth fault on a real cluster: a record this build cannot
-/// read (here, a record version from the future) wedged its allocation and
-/// stopped a replica from starting. Now: health names it, its requests are
-/// 503 `store_failed` at once, the other allocations are served, a replica
-/// starts, and DELETE removes it.
+/// A record this build cannot read (here, a record version from the
+/// future): health names it, its requests are 503 `store_failed` at once,
+/// the other allocations are served, a replica starts, and DELETE removes
+/// it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreadable_record_is_named_refused_and_does_not_stop_a_start() {
     if !available("an_unreadable_record_is_named_refused_and_does_not_stop_a_start") {
@@ -1200,10 +1199,9 @@ async fn an_unreadable_record_is_named_refused_and_does_not_stop_a_start() {
     ));
 }
 
-/// Issue 33's second fault: the watch was opened with no deadline, so a
-/// replica whose member was paused (or cut off without a reset) never
-/// tried the healthy ones. A replica whose first member is paused starts,
-/// writes, and follows another replica's writes through the others.
+/// A replica whose first member is paused (or cut off without a reset)
+/// starts, writes, and follows another replica's writes through the
+/// others: the watch is opened with a deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_first_member_is_left_for_the_healthy_ones() {
     if !available("a_paused_first_member_is_left_for_the_healthy_ones") {
@@ -1288,7 +1286,7 @@ async fn run_timed(r: &Registry, alloc: &str, ttl: Duration) -> u64 {
 /// silent: the task is lost within its TTL and etcd's expiry check (its
 /// lease expires; every replica's watch sees the live key go; one of them
 /// wins the write), with exactly one `Agent Lost` event, the same on all
-/// three replicas. (Before: a TTL was refused with --store etcd.)
+/// three replicas.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_agent_s_task_is_lost_once_within_its_ttl_on_every_replica() {
     if !available("a_silent_agent_s_task_is_lost_once_within_its_ttl_on_every_replica") {
@@ -1333,8 +1331,7 @@ async fn a_silent_agent_s_task_is_lost_once_within_its_ttl_on_every_replica() {
 
 /// Signs of life sent only to replica B keep alive a task that replica A
 /// made running and would otherwise time out; once they stop, it is lost
-/// on both. (Before: refused; and a replica's memory alone would have
-/// timed it out on A.)
+/// on both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn signs_of_life_through_one_replica_keep_a_task_alive_on_all() {
     if !available("signs_of_life_through_one_replica_keep_a_task_alive_on_all") {
@@ -1382,8 +1379,8 @@ async fn signs_of_life_through_one_replica_keep_a_task_alive_on_all() {
 /// A replica restarted while a task's agent is silent does not restart
 /// its clock: the task is lost one TTL after its last sign of life, not
 /// one TTL after the restart, even when the replica that heard the agent
-/// is gone too and only replicas started since are left. (Before: refused;
-/// on the disk store a restart gives every task a full TTL.)
+/// is gone too and only replicas started since are left (unlike the disk
+/// store, where a restart gives every task a full TTL).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_restarted_during_a_ttl_does_not_restart_its_clock() {
     if !available("a_replica_restarted_during_a_ttl_does_not_restart_its_clock") {
@@ -1429,9 +1426,8 @@ async fn a_replica_restarted_during_a_ttl_does_not_restart_its_clock() {
 /// (SIGSTOP; a follower, so etcd's leader keeps counting the leases down)
 /// while its agent gives signs of life at its own pace, three a TTL: the
 /// replica moves its renewals to another member before the lease runs
-/// out, and the task is never lost. (Before: a renewal was waited for a
-/// whole second whatever the TTL, and a 1 s lease ran out first.) Tried
-/// three times, on a fresh replica each: where the stream moves after the
+/// out (a renewal waits at most a third of the shortest TTL for its
+/// answer), and the task is never lost. Tried three times, on a fresh replica each: where the stream moves after the
 /// TTL, a lease expires in most tries, as etcd's expiry check falls.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_keep_alive_member_loses_no_live_task() {

@@ -348,8 +348,7 @@ proptest! {
 }
 
 /// 64 writers on one allocation share the store's commits: all 64 changes
-/// are handed to the store before the first is durable (before, each
-/// waited for the one before it to be durable).
+/// are handed to the store before the first is durable.
 #[tokio::test]
 async fn writers_on_one_allocation_do_not_wait_for_each_others_commit() {
     let (store, r) = registered().await;

@@ -229,10 +229,9 @@ fn open() -> (Arc<Held>, Registry) {
     (store, registry)
 }
 
-/// Issue 33's third fault: a registration acknowledged while this
-/// replica's view had not reached it left the handle `Creating`, and the
-/// same replica answered 404 to reads and reports of it (which an agent
-/// takes for a deletion). Now the store is asked: 503 while the view is
+/// A registration acknowledged while this replica's view has not reached
+/// it is never answered 404 (which an agent takes for a deletion): the
+/// store's quorum is asked, and the answer is 503 while the view is
 /// behind, the allocation once it caught up.
 #[tokio::test(start_paused = true)]
 async fn an_acknowledged_registration_is_never_404_on_a_lagging_view() {
@@ -278,10 +277,8 @@ async fn an_acknowledged_registration_is_never_404_on_a_lagging_view() {
     assert_eq!(reported.tasks[0].state, RunState::Running);
 }
 
-/// Issue 33's fourth fault: a record this build cannot read wedged its
-/// allocation (16 conflicts, then 503 `timeout`, health ok). Now its
-/// requests are 503 `store_failed` at once, health names it, the others
-/// are served, and DELETE removes it.
+/// A record this build cannot read: its requests are 503 `store_failed` at
+/// once, health names it, the others are served, and DELETE removes it.
 #[tokio::test(start_paused = true)]
 async fn an_unreadable_record_is_refused_named_and_deletable() {
     let (store, r) = open();
@@ -524,9 +521,8 @@ fn another_run(store: &Held, started: Timestamp) -> Lease {
 /// A sign of life heard while this replica's view still holds the run
 /// that another replica has since ended and started again renews the old
 /// run's lease, which nobody needs: once the view sees the new run's live
-/// key, its lease is renewed for that sign too. (Before: the sign was
-/// spent on the old lease, and the new one ran out a TTL after it was
-/// granted, not a TTL after the agent's sign: a task lost early.)
+/// key, its lease is renewed for that sign too, so the new lease runs a
+/// TTL after the agent's sign, not after it was granted.
 #[tokio::test(start_paused = true)]
 async fn a_sign_heard_on_a_view_behind_a_new_run_renews_the_new_run_s_lease() {
     let (store, r) = open();
@@ -551,8 +547,7 @@ async fn a_sign_heard_on_a_view_behind_a_new_run_renews_the_new_run_s_lease() {
 
 /// A stored mark whose TTL is too long for the calendar (damage, or a
 /// hostile write to the prefix) panics nothing: when its live key goes,
-/// the task is lost as any other. (Before, `gone_at - ttl` panicked inside
-/// the watch's task, which nobody watched: the view froze.)
+/// the task is lost as any other.
 #[tokio::test(start_paused = true)]
 async fn a_mark_with_a_ttl_past_the_calendar_panics_nothing() {
     let (store, r) = open();

@@ -443,9 +443,8 @@ async fn a_client_that_goes_away_mid_commit_does_not_cancel_the_publication() {
 /// A long-poll resolves its task by name in the very record it reads: with
 /// the allocation deleted and registered again with other tasks in
 /// between, it answers about the task it was asked about (or 404), never
-/// another task's gate, and never indexes past the tasks (the old code
-/// took the position from one copy and read it in another: a panic after
-/// ~1,400 tries).
+/// another task's gate, and never reads a position taken from another
+/// copy of the record.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_polls_answer_about_their_own_task_while_the_allocation_is_replaced() {
     let (r, _) = registry();
@@ -590,7 +589,7 @@ async fn a_quota_counts_each_allocation_once_across_overlapping_prefixes() {
     assert!(err.to_string().contains("holds 3"), "{err}");
 }
 
-mod third_edition {
+mod timed {
     //! Liveness, deadlines and idempotency keys through the registry, on
     //! tokio's paused clock: time moves only when the test says.
 

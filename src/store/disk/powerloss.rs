@@ -626,9 +626,9 @@ fn a_failed_seal_then_more_appends_then_a_crash_keeps_every_acknowledged_change(
 /// sync failed (having made the name durable all the same), and whose
 /// removal failed too: the writer goes on appending to the segment before
 /// it, and the unused segment stays. After a crash, the start removes the
-/// unused segment and holds every acknowledged change. (Before, the start
-/// refused with "must be restored from a backup": the unused segment's
-/// header said the log before it ended where the writer had sealed it.)
+/// unused segment and holds every acknowledged change: it is not taken for
+/// damage, though its header says the log before it ended where the writer
+/// had sealed it.
 #[test]
 fn a_rollover_whose_directory_sync_failed_then_a_crash_keeps_every_acknowledged_change() {
     for seed in 0..20u64 {

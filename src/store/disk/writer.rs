@@ -88,8 +88,8 @@ impl Trouble {
 
 /// How long the writer waits before trying a failed checkpoint or
 /// rollover again, at first and at most (doubling in between): a
-/// checkpoint reads the whole unfolded log back, and tried after every
-/// commit, failing ones cut throughput threefold.
+/// checkpoint reads the whole unfolded log back, so failing ones tried
+/// after every commit would take most of the disk's time.
 pub(super) const RETRY_FIRST: Duration = Duration::from_secs(1);
 
 pub(super) const RETRY_MAX: Duration = Duration::from_secs(60);
