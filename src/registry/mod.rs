@@ -152,13 +152,14 @@ pub struct Registry {
 /// 4. the allocation map (`allocs`, a std `RwLock`): held only to look up,
 ///    insert or remove handles, and by the follower while it publishes a
 ///    batch, which takes the locks below under it.
-/// 5. a handle's slot `RwLock` (the published record) and its timeline
+/// 5. the due-time heap (`time.rs`): it holds handles only as weak
+///    references, and its sweep reads their slots under its lock.
+/// 6. a handle's slot `RwLock` (the published record) and its timeline
 ///    `Mutex`, each taken and let go on its own (publishing extends the
 ///    timeline, lets it go, then writes the slot).
-/// 6. leaves, none held while another lock is taken: the spec interner
+/// 7. leaves, none held while another lock is taken: the spec interner
 ///    (`specs`), the reverse dependency index and the judges in flight
-///    (`judge.rs`), the due-time heap (`time.rs`; it holds handles only as
-///    weak references), a task's liveness keys (`lives.rs`), a handle's
+///    (`judge.rs`), a task's liveness keys (`signs.rs`), a handle's
 ///    pending version, the feed (`feed.rs`).
 struct Inner {
     /// Allocation ID → handle, sorted for listing. Inserted by a
