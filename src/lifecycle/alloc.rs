@@ -56,6 +56,35 @@ pub enum RestartError {
     TaskNotRunning(TaskName),
 }
 
+/// Why a report, a heartbeat or a restore is refused for a task
+/// (SEMANTICS, "Runs"). A refused request changes nothing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The task was declared lost (its agent gave no sign of life within
+    /// its TTL).
+    Lost { at: Timestamp },
+    /// The request names a run that is not the task's current one (`None`:
+    /// it has none): its agent is a leftover and must stop its process.
+    Superseded { current: Option<u64> },
+    /// A `running` report that does not name the task's current run, for a
+    /// task already running under it: another agent runs it.
+    Claimed { run: u64 },
+    /// The task is `dead`, and no order since its death lets it leave.
+    Dead { finished_at: Option<Timestamp> },
+    /// `ready: true` for a task that declares no readiness.
+    NoReadiness,
+}
+
+/// Why an operator's stop was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StopError {
+    #[error(
+        "every task of the allocation is dead: nothing is left to stop; delete it, or \
+         register a new allocation to run the group again"
+    )]
+    AllocationFinished,
+}
+
 /// The event recorded on each task told to restart.
 pub const RESTART_EVENT: &str = "Restart Signaled";
 
@@ -319,6 +348,11 @@ impl Allocation {
                 *index = to;
             }
         }
+        for t in &mut self.tasks {
+            if t.run == Some(from) {
+                t.run = Some(to);
+            }
+        }
     }
 
     /// Position of a task by name.
@@ -364,7 +398,13 @@ impl Allocation {
             .filter(|(i, (s, t))| !s.is_poststop() && (t.failed || overdue.contains(i)))
             .map(|(_, (s, _))| s.name.clone())
             .collect();
-        let outcome = if failed.is_empty() {
+        let stopped = self
+            .order
+            .reason()
+            .is_some_and(|r| r.kind == StopKind::StoppedByOperator);
+        let outcome = if stopped {
+            Outcome::Stopped
+        } else if failed.is_empty() {
             Outcome::Succeeded
         } else {
             Outcome::Failed
@@ -398,6 +438,47 @@ impl Allocation {
         positions
             .into_iter()
             .find_map(|i| self.tasks[i].lost_at().map(|at| (i, at)))
+    }
+
+    /// Whether a report for task `i` may be applied, `run` being the run
+    /// its agent names (`Taskgate-Run`), if any (SEMANTICS, "Runs").
+    pub fn check_report(
+        &self,
+        i: usize,
+        report: &TaskReport,
+        run: Option<u64>,
+    ) -> Result<(), Refusal> {
+        let t = &self.tasks[i];
+        self.check_run(i, run)?;
+        if run.is_none()
+            && report.state == RunState::Running
+            && t.state == RunState::Running
+            && let Some(current) = t.run
+        {
+            return Err(Refusal::Claimed { run: current });
+        }
+        if t.state == RunState::Dead && report.state != RunState::Dead && !t.may_leave_dead() {
+            return Err(Refusal::Dead {
+                finished_at: t.finished_at,
+            });
+        }
+        if report.ready == Some(true) && !self.spec.tasks()[i].readiness {
+            return Err(Refusal::NoReadiness);
+        }
+        Ok(())
+    }
+
+    /// Whether a sign of life (a heartbeat) for task `i` naming `run`, if
+    /// any, is the current run's.
+    pub fn check_run(&self, i: usize, run: Option<u64>) -> Result<(), Refusal> {
+        let t = &self.tasks[i];
+        if let Some(at) = t.lost_at() {
+            return Err(Refusal::Lost { at });
+        }
+        match run {
+            Some(r) if t.run != Some(r) => Err(Refusal::Superseded { current: t.run }),
+            _ => Ok(()),
+        }
     }
 
     /// What the keys kept on the allocation's tasks say of `key`: a retry
@@ -658,9 +739,10 @@ impl Allocation {
                 StopKind::LeaderTaskDead => tasks().any(|s| s.leader && s.is_poststop()),
                 // A restart clears deadlines that passed; a loss is never
                 // the allocation's order.
-                StopKind::SiblingTaskFailed | StopKind::DeadlineExceeded | StopKind::AgentLost => {
-                    false
-                }
+                StopKind::SiblingTaskFailed
+                | StopKind::DeadlineExceeded
+                | StopKind::AgentLost
+                | StopKind::StoppedByOperator => false,
                 StopKind::MainTasksDead => tasks().all(|s| s.is_poststop() || s.is_sidecar()),
             };
             if !explained {
@@ -725,8 +807,11 @@ impl Allocation {
         self.apply_reports(reports, None, now, next_index)
     }
 
-    /// Restore: jump to `prestart`, apply the reports, evaluate; the stop
-    /// order is computed afresh from the restored states.
+    /// Restore (an operator's): jump to `prestart`, apply the reports,
+    /// evaluate; every loss and the stop order are cleared (the order is
+    /// computed afresh from the restored states), the deadline's clock
+    /// starts again, and a dead task the restore does not name may leave
+    /// `dead` on a later report.
     pub fn restore(
         &self,
         reports: &[(usize, TaskReport)],
@@ -734,6 +819,24 @@ impl Allocation {
         next_index: impl FnOnce() -> u64,
     ) -> Option<Self> {
         self.apply_reports(reports, Some(CoordState::Prestart), now, next_index)
+    }
+
+    /// An agent's restore: a resume, not an order. The states are applied
+    /// and the coordinator evaluated from `prestart`, but no loss and no
+    /// stop order is cleared and no deadline's clock starts again (the
+    /// caller refuses a report for a lost task).
+    pub fn resume(
+        &self,
+        reports: &[(usize, TaskReport)],
+        now: Timestamp,
+        next_index: impl FnOnce() -> u64,
+    ) -> Option<Self> {
+        let mut next = self.clone();
+        for (i, r) in reports {
+            next.tasks[*i].apply(r, now);
+        }
+        next.state = evaluate(CoordState::Prestart, &next.spec, &next.tasks);
+        next.settle(self, now, false, next_index)
     }
 
     /// Applies reports, then evaluates from `from` (default: the current
@@ -749,14 +852,18 @@ impl Allocation {
         let restore = from.is_some();
         if restore {
             // A restore clears every loss: a task it names takes the
-            // given state, one it does not waits for a new agent.
+            // given state, one it does not waits for a new agent. A dead
+            // task it does not name may leave `dead` again.
             for (i, t) in next.tasks.iter_mut().enumerate() {
+                let named = reports.iter().any(|(r, _)| *r == i);
                 if t.lost() {
-                    if reports.iter().any(|(r, _)| *r == i) {
+                    if named {
                         t.forget_loss();
                     } else {
                         t.revive(now);
                     }
+                } else if !named && t.state == RunState::Dead {
+                    t.reopened = true;
                 }
             }
         }
@@ -769,6 +876,23 @@ impl Allocation {
         }
         next.state = evaluate(from.unwrap_or(next.state), &next.spec, &next.tasks);
         next.settle(self, now, restore, next_index)
+    }
+
+    /// An operator's stop: the allocation gets the sticky stop order
+    /// "Stopped By Operator". Every task not yet dead is told to stop
+    /// (poststop tasks still run, as the cleanup), and the allocation ends
+    /// `stopped`. An all-tasks restart clears it, as any order.
+    pub fn stop(
+        &self,
+        now: Timestamp,
+        next_index: impl FnOnce() -> u64,
+    ) -> Result<Option<Self>, StopError> {
+        if self.tasks.iter().all(|t| t.state == RunState::Dead) {
+            return Err(StopError::AllocationFinished);
+        }
+        let mut next = self.clone();
+        next.order = Desired::Stop(StopReason::bare(StopKind::StoppedByOperator));
+        Ok(next.settle(self, now, false, next_index))
     }
 
     /// `report`, for a write that carries an idempotency key: the key is
@@ -892,7 +1016,15 @@ impl Allocation {
         }
         let index = next_index();
         for i in touched {
-            self.tasks[i].modify_index = index;
+            let (was, t) = (&prev.tasks[i], &mut self.tasks[i]);
+            t.modify_index = index;
+            // A run begins each time the task becomes `running`, and ends
+            // when it leaves.
+            if t.state != RunState::Running {
+                t.run = None;
+            } else if was.state != RunState::Running || was.started_at != t.started_at {
+                t.run = Some(index);
+            }
         }
         self.modify_index = index;
         self.modified_at = now;

@@ -15,6 +15,8 @@ named_enum! {
         /// The task's own order once it was declared lost: its agent
         /// gave no sign of life within its TTL.
         AgentLost = "Agent Lost",
+        /// An operator stopped the allocation (`POST .../stop`).
+        StoppedByOperator = "Stopped By Operator",
     }
 }
 
@@ -23,6 +25,8 @@ named_enum! {
     pub enum Outcome ("outcome") {
         Succeeded = "succeeded",
         Failed = "failed",
+        /// An operator stopped it.
+        Stopped = "stopped",
     }
 }
 
@@ -299,7 +303,8 @@ mod tests {
                 "Sibling Task Failed",
                 "Main Tasks Dead",
                 "Deadline Exceeded",
-                "Agent Lost"
+                "Agent Lost",
+                "Stopped By Operator"
             ]
         );
     }

@@ -493,6 +493,14 @@ pub struct TaskStatus {
     pub stale: bool,
     /// Global index of the last change that touched this task.
     pub modify_index: u64,
+    /// The current run, while `running`: the index of the change that made
+    /// the task `running`. Never reused, since indexes only go up, across
+    /// deletions and restarts too.
+    pub run: Option<u64>,
+    /// An operator's restore was made after the task died: a report may
+    /// take it out of `dead` (as after an all-tasks restart, which leaves
+    /// it `stale`). Cleared when it leaves `dead` or dies again.
+    pub reopened: bool,
     /// What few tasks carry (a loss, idempotency keys), out of line: the
     /// others pay one pointer for it, and a new version of the record
     /// copies one pointer.
@@ -555,8 +563,17 @@ impl TaskStatus {
             ready_at: None,
             stale: false,
             modify_index: index,
+            run: None,
+            reopened: false,
             extra: None,
         }
+    }
+
+    /// Whether a report may take the task out of `dead`: an all-tasks
+    /// restart (it is `stale`) or an operator's restore (`reopened`) came
+    /// after it died.
+    pub fn may_leave_dead(&self) -> bool {
+        self.stale || self.reopened
     }
 
     /// When the task was declared lost, if it was (and not revived since).
@@ -630,6 +647,7 @@ impl TaskStatus {
         self.failed = true;
         self.ready = false;
         self.stale = false;
+        self.reopened = false;
         if self.finished_at.is_none() {
             self.finished_at = Some(now);
         }
@@ -688,6 +706,9 @@ impl TaskStatus {
         }
         let from = self.state;
         let to = report.state;
+        if from != to && (from == RunState::Dead || to == RunState::Dead) {
+            self.reopened = false;
+        }
         if from != to {
             match to {
                 RunState::Running => self.started_at = Some(now),

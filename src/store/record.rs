@@ -14,6 +14,7 @@
 //!        | reason: u8 (1 Leader Task Dead, 2 Sibling Task Failed, 3 Main Tasks Dead)
 //!          | named task: varint (0 none, else position + 1)
 //!        | 4 (Deadline Exceeded) | stage: u8 (a coordinator state)
+//!        | 5 (Stopped By Operator)
 //! task   = name: str | kind: u8 | state: u8 | flags: u8 | restarts
 //!        | restart_generation | modify_index
 //!        | [started_at: time] | [finished_at: time] | [last_restart: time]
@@ -21,7 +22,7 @@
 //! kind   = hook (0 none: a main task, 1 prestart, 2 poststart, 3 poststop)
 //!        | 0x10 sidecar | 0x20 leader | 0x40 readiness
 //! flags  = 0x01 failed | 0x02 started_at | 0x04 finished_at | 0x08 last_restart
-//!        | 0x10 ready | 0x20 ready_at | 0x40 stale
+//!        | 0x10 ready | 0x20 ready_at | 0x40 stale | 0x80 reopened
 //! event  = 0 | type: str | message: str | details: varint | (key: str | value: str)*
 //!            | time                           (a body not written before)
 //!        | number: varint | time              (1 ≤ number ≤ bodies written so far)
@@ -42,6 +43,7 @@
 //!                  4 depends_on    = count | (allocation: str (empty: this
 //!                                    one) | task: str | condition: u8)*
 //!                  5 verdicts      = count | verdict*, one per dependency
+//!                  6 run           = the current run: varint
 //! verdict = 0 (holds) | why: u8 (1 not_registered, 2 pending, 3 running,
 //!           4 dead, 5 failed, 6 not_ready) | 7 (cycle) | count | str*
 //! condition = 0 running | 1 ready | 2 succeeded | 3 dead
@@ -91,6 +93,7 @@ const STOP: [StopKind; 3] = [
     StopKind::MainTasksDead,
 ];
 const STOP_DEADLINE: u8 = 4;
+const STOP_OPERATOR: u8 = 5;
 
 const EXT_DEADLINES: u8 = 1;
 const EXT_DEADLINE_AT: u8 = 2;
@@ -102,6 +105,7 @@ const EXT_LOST_AT: u8 = 2;
 const EXT_KEYS: u8 = 3;
 const EXT_DEPENDS_ON: u8 = 4;
 const EXT_VERDICTS: u8 = 5;
+const EXT_RUN: u8 = 6;
 
 /// Codes of a dependency's condition.
 const CONDITION: [Condition; 4] = [
@@ -131,6 +135,7 @@ const LAST_RESTART: u8 = 0x08;
 const READY: u8 = 0x10;
 const READY_AT: u8 = 0x20;
 const STALE: u8 = 0x40;
+const REOPENED: u8 = 0x80;
 
 fn code<T: PartialEq + Copy>(table: &[T], value: T) -> u8 {
     table
@@ -319,6 +324,10 @@ fn put_task_ext(buf: &mut Vec<u8>, spec: &TaskSpec, status: &TaskStatus) {
     if !status.deps().is_empty() {
         entries.push((EXT_VERDICTS, &write_verdicts));
     }
+    let write_run = |b: &mut Vec<u8>| put_varint(b, status.run.expect("checked"));
+    if status.run.is_some() {
+        entries.push((EXT_RUN, &write_run));
+    }
     put_ext(buf, &entries);
 }
 
@@ -342,6 +351,10 @@ pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
             buf.push(STOP_DEADLINE);
             buf.push(code(&COORD, stage.unwrap_or(CoordState::Init)));
         }
+        Desired::Stop(StopReason {
+            kind: StopKind::StoppedByOperator,
+            ..
+        }) => buf.push(STOP_OPERATOR),
         Desired::Stop(reason) => {
             buf.push(1 + code(&STOP, reason.kind));
             let named = reason.task.as_ref().and_then(|t| a.position(t.as_str()));
@@ -380,6 +393,7 @@ pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
             (FAILED, status.failed),
             (READY, status.ready),
             (STALE, status.stale),
+            (REOPENED, status.reopened),
         ];
         let flags = times
             .iter()
@@ -727,7 +741,12 @@ impl AllocExt<'_> {
 
 /// What a task's extension block holds: its TTL and
 /// dependencies (spec), and its status's out-of-line part.
-type TaskExt = (Option<Duration>, Vec<Dependency>, Option<Arc<TaskExtra>>);
+type TaskExt = (
+    Option<Duration>,
+    Vec<Dependency>,
+    Option<Arc<TaskExtra>>,
+    Option<u64>,
+);
 
 fn dependency(p: &mut Reader<'_>) -> Result<Dependency, String> {
     let alloc = p.str("a dependency's allocation")?;
@@ -764,7 +783,7 @@ fn verdict(p: &mut Reader<'_>) -> Result<DepState, String> {
 }
 
 fn task_ext(r: &mut Reader<'_>) -> Result<TaskExt, String> {
-    let (mut ttl, mut deps, mut extra) = (None, Vec::new(), TaskExtra::default());
+    let (mut ttl, mut deps, mut extra, mut run) = (None, Vec::new(), TaskExtra::default(), None);
     for (tag, mut p) in r.ext("a task's extensions")? {
         match tag {
             EXT_TTL => {
@@ -797,6 +816,10 @@ fn task_ext(r: &mut Reader<'_>) -> Result<TaskExt, String> {
                 extra.deps = (0..n).map(|_| verdict(&mut p)).collect::<Result<_, _>>()?;
                 p.done("the dependencies' verdicts")?;
             }
+            EXT_RUN => {
+                run = Some(p.varint("the run")?);
+                p.done("the run")?;
+            }
             other => return Err(format!("unknown task extension {other}")),
         }
     }
@@ -808,13 +831,14 @@ fn task_ext(r: &mut Reader<'_>) -> Result<TaskExt, String> {
         ));
     }
     let extra = (extra != TaskExtra::default()).then(|| Arc::new(extra));
-    Ok((ttl, deps, extra))
+    Ok((ttl, deps, extra, run))
 }
 
 /// Reads a record, after its version byte.
 fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
     let kind_bits = 0x0f | SIDECAR | LEADER | READINESS;
-    let flag_bits = FAILED | STARTED | FINISHED | LAST_RESTART | READY | READY_AT | STALE;
+    let flag_bits =
+        FAILED | STARTED | FINISHED | LAST_RESTART | READY | READY_AT | STALE | REOPENED;
     let mut r = Reader { bytes };
     let id = AllocId::parse(r.str("the allocation ID")?)
         .map_err(|e| format!("bad allocation ID: {e}"))?;
@@ -831,6 +855,7 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
             deadline_stage = Some(r.code(&COORD, "the stop order's stage")?);
             Some((StopKind::DeadlineExceeded, 0))
         }
+        STOP_OPERATOR => Some((StopKind::StoppedByOperator, 0)),
         c => {
             let kind = *STOP
                 .get(usize::from(c) - 1)
@@ -918,7 +943,7 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
             };
             events.push(event_of(body, r.time_parts("an event time")?)?);
         }
-        let (liveness, depends_on, extra) = task_ext(&mut r)?;
+        let (liveness, depends_on, extra, task_run) = task_ext(&mut r)?;
         specs.push(TaskSpec {
             name,
             lifecycle,
@@ -940,6 +965,8 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
             ready_at,
             stale: flags & STALE != 0,
             modify_index: task_index,
+            run: task_run,
+            reopened: flags & REOPENED != 0,
             extra,
         });
     }
@@ -1104,6 +1131,8 @@ mod tests {
             ready_at: None,
             stale: true,
             modify_index: 300,
+            run: None,
+            reopened: true,
             extra: Some(Arc::new(TaskExtra {
                 lost_at: Some(old),
                 keys: vec![
@@ -1123,6 +1152,7 @@ mod tests {
         tasks[1].ready = true;
         tasks[1].ready_at = Some(east);
         tasks[2].state = RunState::Running;
+        tasks[2].run = Some(u64::MAX);
         tasks[2].started_at = Some(datetime!(-9999-01-01 00:00:00 UTC));
         tasks[2].ready_at = Some(old);
         tasks[2].set_deps(vec![
