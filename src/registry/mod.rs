@@ -468,6 +468,8 @@ impl Registry {
 }
 
 #[cfg(test)]
+mod audit_tests;
+#[cfg(test)]
 mod pipeline_tests;
 #[cfg(test)]
 mod replicated_tests;

@@ -51,6 +51,8 @@
 //! One process at a time: the store holds an exclusive lock on
 //! `taskgate.lock` in the data directory while it is open.
 
+#[cfg(test)]
+mod audit_tests;
 mod checkpoint;
 mod frame;
 pub mod fs;
