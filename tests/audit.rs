@@ -1,7 +1,5 @@
-//! An outside audit, through the public API only: what a client sees of
-//! the write path's failures. Tests that fail on the code as audited are
-//! marked `#[ignore = "FINDING: ..."]`; run them with
-//! `cargo test --test audit -- --include-ignored`.
+//! Through the public API only: what a client sees of the write path's
+//! failures.
 
 use std::sync::Arc;
 
@@ -22,7 +20,6 @@ use tower::ServiceExt;
 /// says ("Later appends fail with `Closed`"). The write path panics on the
 /// closed store's answer (`record: None`); the client gets a 500.
 #[tokio::test]
-#[ignore = "FINDING: a write after the disk store closed panics in registry/write.rs (expect \"a put's record\"); the client gets 500 internal, not 503 shutting_down"]
 async fn a_report_after_the_store_closed_is_answered_503_shutting_down() {
     let dir = tempfile::tempdir().unwrap();
     let store: Arc<dyn Store> =

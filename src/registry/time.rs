@@ -129,6 +129,8 @@ pub(super) struct Timers {
     driving: AtomicBool,
     /// The registry was dropped: the driver ends.
     closed: AtomicBool,
+    /// Places for looks running at once.
+    looking: Arc<tokio::sync::Semaphore>,
     /// A test's way to make the driver panic once.
     #[cfg(test)]
     pub(super) panic_once: AtomicBool,
@@ -167,6 +169,7 @@ impl Timers {
             earlier: Notify::new(),
             driving: AtomicBool::new(false),
             closed: AtomicBool::new(false),
+            looking: Arc::new(tokio::sync::Semaphore::new(MAX_LOOKING)),
             #[cfg(test)]
             panic_once: AtomicBool::new(false),
         }
@@ -333,11 +336,11 @@ impl Inner {
 }
 
 /// Runs what comes due, until the registry is dropped. Holds the heap,
-/// not the registry, while it waits.
+/// not the registry, while it waits. Each look runs in a task of its own
+/// (at most `MAX_LOOKING` at once), so a driver that panics and is started
+/// again loses none that it took out of the heap.
 async fn drive(me: Weak<Inner>, timers: Arc<Timers>) {
-    let mut looking = tokio::task::JoinSet::new();
     loop {
-        while looking.try_join_next().is_some() {}
         let earlier = timers.earlier.notified();
         let mut earlier = std::pin::pin!(earlier);
         // Registered before the heap is read: a push after the read wakes
@@ -352,19 +355,33 @@ async fn drive(me: Weak<Inner>, timers: Arc<Timers>) {
             if timers.panic_once.swap(false, Ordering::SeqCst) {
                 panic!("a test's panic in the timer driver");
             }
-            let (due, next) = timers.due(MAX_LOOKING);
+            // Places for looks first: an entry is taken out of the heap
+            // only once its look can start.
+            let places = timers.looking.available_permits().min(MAX_LOOKING);
+            if places == 0 {
+                drop(inner);
+                let place = timers.looking.clone().acquire_owned().await;
+                drop(place);
+                continue;
+            }
+            let (due, next) = timers.due(places);
             let more = !due.is_empty();
             for (handle, what) in due {
                 match what {
                     Due::Renew(i) => inner.renewal_due(&handle, i),
                     Due::Look => {
-                        while looking.len() >= MAX_LOOKING {
-                            looking.join_next().await;
-                        }
+                        let place = timers
+                            .looking
+                            .clone()
+                            .try_acquire_owned()
+                            .expect("counted above");
                         let r = Registry {
                             inner: inner.clone(),
                         };
-                        looking.spawn(async move { r.look_at(handle).await });
+                        tokio::spawn(async move {
+                            r.look_at(handle).await;
+                            drop(place);
+                        });
                     }
                 }
             }

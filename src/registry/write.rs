@@ -79,6 +79,13 @@ fn parent_failed() -> RegistryError {
     ))
 }
 
+/// A store that gave no record for a put broke the `Store` contract.
+fn no_record() -> RegistryError {
+    RegistryError::Store(StoreError::Io(
+        "the store gave back no record for a change it took".into(),
+    ))
+}
+
 fn contended(id: &str) -> RegistryError {
     RegistryError::Contended(format!(
         "allocation \"{id}\" kept changing through other replicas while this change was \
@@ -107,13 +114,19 @@ impl Registry {
             self.readable(id)?;
             if let Ok(handle) = self.handle(id) {
                 let write = handle.lock_write().await;
-                // The pending version first, then the slot: a pending one
-                // is cleared only after it is published.
-                if let Some(p) = handle.pending() {
-                    return Ok((write, handle, Base::Pending(p)));
-                }
+                // The pending version is cleared only after it is
+                // published, so it is the newest while it is above the
+                // published one; a deletion published since ends the
+                // allocation whatever is still pending.
+                let pending = handle.pending();
                 match handle.slot_now() {
-                    Slot::Live(a) => return Ok((write, handle, Base::Live(a))),
+                    Slot::Live(a) => {
+                        let base = match pending {
+                            Some(p) if p.record.modify_index > a.modify_index => Base::Pending(p),
+                            _ => Base::Live(a),
+                        };
+                        return Ok((write, handle, base));
+                    }
                     Slot::Deleted => continue,
                     Slot::Creating => {}
                 }
@@ -185,6 +198,7 @@ impl Registry {
         appended: Appended,
         write: Option<WriteGuard>,
         pending: Option<(Arc<Handle>, Arc<Pending>)>,
+        creating: Option<(AllocId, Arc<Handle>)>,
         admitted: Admitted,
         after: impl FnOnce(&Registry, u64) + Send + 'static,
     ) -> Ended {
@@ -201,6 +215,16 @@ impl Registry {
             if let Some((handle, p)) = pending {
                 p.finish(matches!(ended, Ended::Done(_)));
                 handle.clear_pending(&p);
+            }
+            // A registration that did not take leaves no handle behind
+            // (registered through another replica: once the view has it).
+            if let Some((id, handle)) = creating {
+                if let Ended::Conflict(seen) = ended {
+                    registry.reach(seen).await;
+                }
+                if !matches!(ended, Ended::Done(_)) {
+                    registry.inner.forget_creating(&id, &handle);
+                }
             }
             drop(write);
             drop(admitted);
@@ -274,9 +298,9 @@ impl Registry {
             let stamp = current.modify_index + 1;
             let (next, out) = match decide(&current, &|| stamp) {
                 Ok((Some(next), out)) => (next, out),
-                // An answer that changes nothing (or refuses a restart)
-                // holds only on the newest version.
-                decided @ (Ok((None, _)) | Err(RegistryError::RestartRefused { .. })) => {
+                // An answer that changes nothing, or a refusal, holds only
+                // on the newest version, and only once it is durable.
+                decided => {
                     drop(write);
                     if !self.holds(&handle, &base).await? {
                         continue;
@@ -285,7 +309,6 @@ impl Registry {
                     count(&self.inner.config.metrics);
                     return Ok((current, out));
                 }
-                Err(e) => return Err(e),
             };
             let live = self
                 .live_ops(&handle, &current, &next, &mut granted)
@@ -295,10 +318,10 @@ impl Registry {
                 expect: current.modify_index,
                 live,
             });
-            let (record, stamped) = (
-                appended.record.clone().expect("a put's record"),
-                appended.stamped,
-            );
+            let Some(record) = appended.record.clone() else {
+                return Err(no_record());
+            };
+            let stamped = appended.stamped;
             let (write, pending) = if stamped {
                 let p = Arc::new(Pending::new(record.clone()));
                 handle.set_pending(p.clone());
@@ -314,6 +337,7 @@ impl Registry {
                     appended,
                     write,
                     pending,
+                    None,
                     admitted.take().expect("admitted once"),
                     move |registry, index| {
                         let (current, record, handle) = observed;
@@ -389,22 +413,40 @@ impl Registry {
         spec: AllocSpec,
         quota: Option<Quota<'_>>,
     ) -> Result<(Arc<Allocation>, bool), RegistryError> {
-        let _serial = if spec.reaches_out() {
-            Some(self.inner.registering.lock().await)
-        } else {
-            None
-        };
-        let registered = self.register_once(id, spec, quota).await?;
-        if registered.1 && registered.0.spec.reaches_out() {
-            // What its targets did between the verdicts it was registered
-            // with and its publication (when it joined the reverse index)
-            // is judged now: nothing of it is missed.
-            self.resolve(registered.0.id.as_str()).await;
-            if let Ok(now) = self.get(registered.0.id.as_str()) {
-                return Ok((now, true));
-            }
+        if !spec.reaches_out() {
+            return self.register_once(id, spec, quota).await;
         }
-        Ok(registered)
+        // A registration with dependencies on other allocations runs in a
+        // task of its own, holding the registrations' lock from its check
+        // to its publication, and then judges what its targets did
+        // between the verdicts it was registered with and its publication
+        // (when it joined the reverse index): a client that goes away
+        // leaves none of it half done.
+        let owned = quota.map(|q| (q.name.to_owned(), q.prefixes.to_vec(), q.max));
+        let registry = self.clone();
+        let task = tokio::spawn(async move {
+            let _serial = registry.inner.registering.clone().lock_owned().await;
+            let quota = owned.as_ref().map(|(name, prefixes, max)| Quota {
+                name,
+                prefixes,
+                max: *max,
+            });
+            let registered = registry.register_once(id, spec, quota).await?;
+            if !registered.1 {
+                return Ok(registered);
+            }
+            let id = registered.0.id.clone();
+            registry.resolve(id.as_str()).await;
+            Ok(match registry.get(id.as_str()) {
+                Ok(now) => (now, true),
+                Err(_) => registered,
+            })
+        });
+        task.await.unwrap_or_else(|e| {
+            Err(RegistryError::Store(StoreError::Io(format!(
+                "the registration's task failed: {e}"
+            ))))
+        })
     }
 
     async fn register_once(
@@ -455,15 +497,18 @@ impl Registry {
                 expect: 0,
                 live: Vec::new(),
             });
-            let (record, stamped) = (
-                appended.record.clone().expect("a put's record"),
-                appended.stamped,
-            );
+            let Some(record) = appended.record.clone() else {
+                drop(write);
+                self.inner.forget_creating(&id, &handle);
+                return Err(no_record());
+            };
+            let stamped = appended.stamped;
             // Logged and counted with the publication, so a client that
             // goes away mid-commit loses neither.
             let logged = (record.clone(), handle.clone());
+            let creating = Some((id.clone(), handle.clone()));
             let ended = self
-                .finish(appended, Some(write), None, admitted, move |registry, index| {
+                .finish(appended, Some(write), None, creating, admitted, move |registry, index| {
                     let (record, handle) = logged;
                     let a = Self::published(&handle, record, stamped, index);
                     tracing::info!(alloc = %a.id, state = %a.state, tasks = a.tasks.len(), index, "allocation registered");
@@ -486,16 +531,10 @@ impl Registry {
                     };
                     return Ok((a, true));
                 }
-                // Registered through another replica: once the view has
-                // it, the next round compares the specs.
-                Ended::Conflict(seen) => {
-                    self.reach(seen).await;
-                    self.inner.forget_creating(&id, &handle);
-                }
-                Ended::Failed(e) => {
-                    self.inner.forget_creating(&id, &handle);
-                    return Err(e.into());
-                }
+                // Registered through another replica: the view has it
+                // now, and the next round compares the specs.
+                Ended::Conflict(_) => {}
+                Ended::Failed(e) => return Err(e.into()),
             }
         }
         Err(contended(id.as_str()))
@@ -579,7 +618,10 @@ impl Registry {
                     expect: u.index,
                     live: Vec::new(),
                 });
-                match self.finish(appended, None, None, admitted, |_, _| {}).await {
+                match self
+                    .finish(appended, None, None, None, admitted, |_, _| {})
+                    .await
+                {
                     Ended::Done(index) => {
                         tracing::info!(alloc = %id, index, "an unreadable allocation deleted");
                         return Ok(index);
@@ -600,9 +642,16 @@ impl Registry {
             });
             let logged = id.to_owned();
             let ended = self
-                .finish(appended, Some(write), None, admitted, move |_, index| {
-                    tracing::info!(alloc = %logged, index, "allocation deleted");
-                })
+                .finish(
+                    appended,
+                    Some(write),
+                    None,
+                    None,
+                    admitted,
+                    move |_, index| {
+                        tracing::info!(alloc = %logged, index, "allocation deleted");
+                    },
+                )
                 .await;
             match ended {
                 Ended::Done(index) => return Ok(index),

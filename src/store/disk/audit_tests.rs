@@ -1,9 +1,5 @@
-//! An outside audit of the disk store's promises (the `Store` contract in
-//! `store/mod.rs`, "Supervised tasks" in `docs/architecture.md`).
-//!
-//! Tests that fail on the code as audited are marked
-//! `#[ignore = "FINDING: ..."]`; run them with
-//! `cargo test --lib store::disk::audit_tests -- --include-ignored`.
+//! Tests that try to break the disk store's promises (the `Store` contract
+//! in `store/mod.rs`, "Supervised tasks" in `docs/architecture.md`).
 
 use std::{
     path::PathBuf,
@@ -75,7 +71,6 @@ async fn within(bound: Duration, check: impl Fn() -> bool) -> bool {
 /// present after the restart. A change told refused must not be there (or
 /// the answer must say it may be).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "FINDING: writer.rs drops the acks of a durable batch when the follower panics; its writers get Closed ('refused, not failed') though the change survives the restart"]
 async fn p1_a_change_answered_closed_is_not_present_after_a_restart() {
     struct Panics;
     impl Follower for Panics {
@@ -110,7 +105,6 @@ async fn p1_a_change_answered_closed_is_not_present_after_a_restart() {
 /// thread only in `maintain`, after a commit (or while retrying a failure
 /// it knows of), so an idle store says nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "FINDING (minor): writer.rs notices a dead checkpoint thread only after the next commit; an idle store's health never names it"]
 async fn p7_a_checkpoint_thread_that_panics_on_an_idle_store_is_named_by_health() {
     let (fs, dir) = sim();
     let panicked = Arc::new(AtomicBool::new(false));

@@ -71,6 +71,11 @@ impl Checkpointer {
         })
     }
 
+    /// Whether the thread still runs.
+    pub(super) fn alive(&self) -> bool {
+        !self.thread.is_finished()
+    }
+
     /// Ends the thread after the job it is on, and waits for it; whether
     /// it ended without a panic.
     pub(super) fn stop(self) -> bool {

@@ -513,8 +513,9 @@ impl Store for DiskStore {
         };
         let sent = queue.tx.as_ref().is_some_and(|tx| tx.send(msg).is_ok());
         if !sent {
+            // Never queued: refused, nothing of it written.
             return Appended {
-                record: None,
+                record,
                 stamped: false,
                 done: Box::pin(async { Err(AppendError::Store(StoreError::Closed)) }),
             };
@@ -525,8 +526,15 @@ impl Store for DiskStore {
             record,
             stamped: true,
             done: Box::pin(async move {
-                done.await
-                    .unwrap_or(Err(AppendError::Store(StoreError::Closed)))
+                // Queued, and its answer gone with the writer (it
+                // panicked): the change may be durable.
+                done.await.unwrap_or_else(|_| {
+                    Err(AppendError::Store(StoreError::Uncertain(
+                        "the store's writer stopped before it answered; the change may have \
+                         been made durable: read it back after the restart"
+                            .into(),
+                    )))
+                })
             }),
         }
     }

@@ -94,6 +94,9 @@ pub(super) const RETRY_FIRST: Duration = Duration::from_secs(1);
 
 pub(super) const RETRY_MAX: Duration = Duration::from_secs(60);
 
+/// How often the writer, idle, looks at its checkpoint thread.
+pub(super) const CHECK_EVERY: Duration = Duration::from_secs(1);
+
 /// How often the writer, idle, looks for the answer of a checkpoint that
 /// tries again.
 pub(super) const RETRY_POLL: Duration = Duration::from_millis(10);
@@ -144,12 +147,8 @@ impl Writer {
         loop {
             // While something failed, wake up to try it again (and to
             // collect the try's answer) even if no change comes.
-            let first = match self.wake_at() {
-                None => queue
-                    .recv()
-                    .map_err(|_| mpsc::RecvTimeoutError::Disconnected),
-                Some(at) => queue.recv_timeout(at.saturating_duration_since(Instant::now())),
-            };
+            let at = self.wake_at();
+            let first = queue.recv_timeout(at.saturating_duration_since(Instant::now()));
             let first = match first {
                 Ok(msg) => msg,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
@@ -237,13 +236,17 @@ impl Writer {
 
     /// When to look at the background work without a change to commit:
     /// the next try of what failed, or soon after a try is in flight.
-    fn wake_at(&self) -> Option<Instant> {
-        if self.retry_at.is_some() {
-            return self.retry_at;
+    fn wake_at(&self) -> Instant {
+        if let Some(at) = self.retry_at {
+            return at;
         }
         let t = self.trouble();
         let retrying = t.checkpoint.is_some() || t.rollover.is_some() || t.full;
-        (retrying && self.in_flight).then(|| Instant::now() + RETRY_POLL)
+        if retrying && self.in_flight {
+            return Instant::now() + RETRY_POLL;
+        }
+        // Idle, it still looks at its checkpoint thread now and then.
+        Instant::now() + CHECK_EVERY
     }
 
     fn trouble(&self) -> std::sync::MutexGuard<'_, Trouble> {
@@ -307,6 +310,9 @@ impl Writer {
     /// what recovery replays). A failed checkpoint or rollover is tried
     /// again after a wait that doubles with each failure.
     fn maintain(&mut self) {
+        if self.checkpointer.as_ref().is_some_and(|c| !c.alive()) {
+            return self.checkpointer_gone();
+        }
         if self.in_flight {
             let Some(c) = &self.checkpointer else {
                 return self.checkpointer_gone();
