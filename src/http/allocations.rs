@@ -14,7 +14,7 @@ use super::{
     AppState, NEXT_TOKEN_HEADER,
     dto::{BatchBody, RegisterBody, RestartBody},
     error::{ApiError, Problem},
-    extract::{AllocPath, ApiJson, ApiJsonOrEmpty, ApiQuery, IdempotencyKey, NoParams},
+    extract::{AllocPath, ApiJson, ApiJsonOrEmpty, ApiQuery, IdempotencyKey, NoParams, RunHeader},
     indexed,
     params::{BlockingParams, ListParams},
     prefer::{MinimalView, Prefer, WriteView, minimal, written},
@@ -291,6 +291,7 @@ pub async fn report_batch(
     _: ApiQuery<NoParams>,
     prefer: Prefer,
     key: IdempotencyKey,
+    RunHeader(run): RunHeader,
     ApiJson(body): ApiJson<BatchBody>,
 ) -> Result<Response, ApiError> {
     let reports = batch(&s, body)?;
@@ -301,7 +302,7 @@ pub async fn report_batch(
             r.fingerprint_into(request);
         }
     });
-    let a = s.registry.report_keyed(id.as_str(), reports, key).await?;
+    let a = s.registry.report_as(id.as_str(), reports, key, run).await?;
     Ok(written(StatusCode::OK, &a, prefer, None, &s.registry))
 }
 
@@ -331,13 +332,51 @@ fn batch(
 )]
 pub async fn restore(
     State(s): State<AppState>,
+    caller: Option<axum::Extension<super::auth::Caller>>,
     AllocPath(id): AllocPath,
     _: ApiQuery<NoParams>,
     prefer: Prefer,
     ApiJson(body): ApiJson<BatchBody>,
 ) -> Result<Response, ApiError> {
     let reports = batch(&s, body)?;
-    let a = s.registry.restore(id.as_str(), reports).await?;
+    // An agent's restore is a resume; an operator's (or any caller's on a
+    // server without tokens) an order.
+    let agent = caller
+        .as_ref()
+        .is_some_and(|c| c.0.0.role == super::auth::Role::Agent);
+    let a = if agent {
+        s.registry.resume(id.as_str(), reports).await?
+    } else {
+        s.registry.restore(id.as_str(), reports).await?
+    };
+    Ok(written(StatusCode::OK, &a, prefer, None, &s.registry))
+}
+
+/// Stop the allocation (operator; no body).
+///
+/// Gives the allocation the sticky stop order "Stopped By Operator": every
+/// task not yet dead is told to stop (a pending task reports `dead`
+/// without starting), the coordinator reaches `poststop` as usual and the
+/// poststop tasks run, as the cleanup; the allocation ends with outcome
+/// `stopped`. An all-tasks restart clears the order, as it clears any.
+#[utoipa::path(
+    post, path = "/v1/allocations/{alloc_id}/stop", operation_id = "stopAllocation", tag = "allocations",
+    params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
+           ("Prefer" = Option<String>, Header, description = "`return=minimal` (RFC 7240): answer only the index and the coordinator state, with `Preference-Applied: return=minimal`")),
+    responses(
+        (status = 200, description = "The allocation after the order", body = WriteView,
+         headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
+        (status = 404, description = "`allocation_not_found`", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`allocation_finished`: every task is dead, nothing is left to stop", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn stop(
+    State(s): State<AppState>,
+    AllocPath(id): AllocPath,
+    _: ApiQuery<NoParams>,
+    prefer: Prefer,
+) -> Result<Response, ApiError> {
+    let a = s.registry.stop(id.as_str()).await?;
     Ok(written(StatusCode::OK, &a, prefer, None, &s.registry))
 }
 

@@ -82,12 +82,27 @@ pub const CODES: &[(&str, u16, &str)] = &[
     (
         "allocation_finished",
         409,
-        "The coordinator is in `poststop`: nothing is left to restart. Register a new allocation to run the group again.",
+        "The allocation has finished: a restart once the coordinator is in `poststop` (nothing is left to restart), or a stop once every task is dead (nothing is left to stop). Register a new allocation to run the group again.",
     ),
     (
         "task_lost",
         409,
         "The task was declared lost: it ran under a liveness TTL and its agent gave no sign of life (a report, a parked start-condition or task query, a heartbeat) within it. It is dead and failed for good (`lost_at` says when); its agent must stop its process. An all-tasks restart or a restore runs it again, with a new agent.",
+    ),
+    (
+        "run_superseded",
+        409,
+        "The request names a run (`Taskgate-Run`) that is not the task's current one (`current_run` says which is, or `null`: none): the agent that sent it is a leftover of an earlier run, of an earlier registration of the allocation, or of a run a restart order replaced. It must stop its process and report nothing more for it.",
+    ),
+    (
+        "task_claimed",
+        409,
+        "A `running` report that does not name the task's current run, for a task another agent runs (`run` names that run, `last_seen` its latest sign of life): a second agent never starts a second copy. Wait until that run ends or is lost (watch the start condition), then start.",
+    ),
+    (
+        "task_dead",
+        409,
+        "The task is dead (`finished_at` says since when), and a report may take it out of `dead` only after an operator's all-tasks restart or restore made after it died. An agent that finds its task dead reports nothing and exits; an operator restarts every task (`POST .../restart` with `{\"all_tasks\": true}`) or restores the allocation to run it again.",
     ),
     (
         "idempotency_key_reused",
@@ -198,6 +213,23 @@ pub struct Problem {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(example = "2026-11-25T10:00:30Z")]
     pub lost_at: Option<String>,
+    /// `run_superseded`: the task's current run, or `null` (it runs none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>, example = "1234")]
+    pub current_run: Option<Option<String>>,
+    /// `task_claimed`: the run another agent runs the task under.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(example = "1234")]
+    pub run: Option<String>,
+    /// `task_claimed`: that run's latest sign of life (RFC 3339), or
+    /// `null` when this server has seen none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>, example = "2026-11-25T10:00:30Z")]
+    pub last_seen: Option<Option<String>>,
+    /// `task_dead`: since when the task is dead (RFC 3339).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(example = "2026-11-25T10:00:30Z")]
+    pub finished_at: Option<String>,
     /// `dependency_cycle`: the cycle, as `alloc/task` steps from a task of
     /// the registration back to it; a step in an allocation the caller's
     /// token may not read is "(an allocation outside this token's
@@ -257,6 +289,13 @@ pub struct Extra {
     pub lost_at: Option<String>,
     /// `dependency_cycle`: the cycle's steps.
     pub path: Option<Vec<String>>,
+    /// `run_superseded`: the task's current run (`Some(None)`: none).
+    pub current_run: Option<Option<String>>,
+    /// `task_claimed`: the run, and its latest sign of life.
+    pub run: Option<String>,
+    pub last_seen: Option<Option<String>>,
+    /// `task_dead`: since when.
+    pub finished_at: Option<String>,
 }
 
 impl ApiError {
@@ -364,6 +403,43 @@ impl From<RegistryError> for ApiError {
                     ..Extra::default()
                 }));
                 e
+            }
+            RegistryError::RunSuperseded { current, index, .. } => {
+                let mut e =
+                    Self::new(StatusCode::CONFLICT, "run_superseded", detail).with_index(index);
+                e.extra = Some(Box::new(Extra {
+                    current_run: Some(current.map(|r| r.to_string())),
+                    ..Extra::default()
+                }));
+                e
+            }
+            RegistryError::TaskClaimed {
+                run,
+                last_seen,
+                index,
+                ..
+            } => {
+                let mut e =
+                    Self::new(StatusCode::CONFLICT, "task_claimed", detail).with_index(index);
+                e.extra = Some(Box::new(Extra {
+                    run: Some(run.to_string()),
+                    last_seen: Some(last_seen),
+                    ..Extra::default()
+                }));
+                e
+            }
+            RegistryError::TaskDead {
+                finished_at, index, ..
+            } => {
+                let mut e = Self::new(StatusCode::CONFLICT, "task_dead", detail).with_index(index);
+                e.extra = Some(Box::new(Extra {
+                    finished_at,
+                    ..Extra::default()
+                }));
+                e
+            }
+            RegistryError::StopRefused { index, .. } => {
+                Self::new(StatusCode::CONFLICT, "allocation_finished", detail).with_index(index)
             }
             RegistryError::KeyReused { index } => Self::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
@@ -494,6 +570,10 @@ impl ApiError {
             errors: self.errors,
             errors_omitted: self.errors_omitted,
             lost_at: self.extra.as_ref().and_then(|x| x.lost_at.clone()),
+            current_run: self.extra.as_ref().and_then(|x| x.current_run.clone()),
+            run: self.extra.as_ref().and_then(|x| x.run.clone()),
+            last_seen: self.extra.as_ref().and_then(|x| x.last_seen.clone()),
+            finished_at: self.extra.as_ref().and_then(|x| x.finished_at.clone()),
             path: self.extra.and_then(|x| x.path),
         };
         serde_json::to_vec(&problem).unwrap_or_default()

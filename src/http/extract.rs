@@ -230,6 +230,41 @@ impl<S: Send + Sync> FromRequestParts<S> for AllocPath {
     }
 }
 
+/// The run an agent names (`Taskgate-Run`, SEMANTICS "Runs"): the value
+/// the server gave it, which no other run has. One that is not a run the
+/// server could have given (not a number) names no current run.
+pub struct RunHeader(pub Option<u64>);
+
+/// The header's name.
+pub const RUN_HEADER: &str = "taskgate-run";
+
+impl<S: Send + Sync> FromRequestParts<S> for RunHeader {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
+        let mut values = parts.headers.get_all(RUN_HEADER).iter();
+        let Some(value) = values.next() else {
+            return Ok(Self(None));
+        };
+        if values.next().is_some() {
+            return Err(ApiError::invalid(
+                "the Taskgate-Run header is not valid",
+                vec![crate::lifecycle::FieldError::new(
+                    "Taskgate-Run",
+                    "give one Taskgate-Run, not several",
+                )],
+            ));
+        }
+        // Index 0 is never a run: a value that is not a number names none.
+        let run = value
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        Ok(Self(Some(run)))
+    }
+}
+
 /// A write's `Idempotency-Key` (IETF httpapi draft): 1 to 255 printable
 /// ASCII characters, as a bare token or a quoted string.
 pub struct IdempotencyKey(pub Option<String>);

@@ -200,6 +200,7 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
             "/v1/allocations/{alloc_id}/restore",
             post(allocations::restore),
         )
+        .route("/v1/allocations/{alloc_id}/stop", post(allocations::stop))
         .route("/v1/allocations/{alloc_id}/tasks/{task}", get(tasks::get))
         .route(
             "/v1/allocations/{alloc_id}/tasks/{task}/state",

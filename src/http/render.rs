@@ -177,6 +177,15 @@ fn task(out: &mut Vec<u8>, a: &Allocation, i: usize, live: &Liveness) -> Result 
     number(out, t.restart_generation)?;
     out.extend_from_slice(b",\"modify_index\":");
     number(out, t.modify_index)?;
+    out.extend_from_slice(b",\"run\":");
+    match t.run {
+        Some(run) => {
+            out.push(b'"');
+            number(out, run)?;
+            out.push(b'"');
+        }
+        None => null(out),
+    }
     out.extend_from_slice(b",\"liveness\":");
     match live.ttl(a, i) {
         Some(ttl) => {

@@ -7,23 +7,37 @@ use axum::{
     response::{IntoResponse, Response},
 };
 
+use crate::registry::Querier;
+
 use super::{
     AppState,
     dto::ReportBody,
     error::{ApiError, Problem},
-    extract::{ApiJson, ApiQuery, IdempotencyKey, NoParams, TaskPath},
+    extract::{ApiJson, ApiQuery, IdempotencyKey, NoParams, RunHeader, TaskPath},
     indexed,
     params::{BlockingParams, WaitParams},
     prefer::{Prefer, WriteView, written},
     views::{StartConditionView, TaskDetailView},
 };
 
-/// Whether a task query by `caller` is a sign of life for the task: from
-/// a caller that may act for it (an agent or operator token covering the
-/// allocation, or any caller on a server without tokens), not from a
-/// reader's dashboard.
-fn sign_of_life(caller: &Option<axum::Extension<super::auth::Caller>>, alloc: &str) -> bool {
-    caller.as_ref().is_none_or(|c| c.0.0.may_act(alloc))
+/// Whether a task query is a sign of life for the task (SEMANTICS,
+/// "Runs"): from a caller that may act for it (an agent or operator token
+/// covering the allocation, or any caller on a server without tokens) that
+/// names the task's current run; or, naming no run, from a token that may
+/// act for it. On a server without tokens a query that names no run is no
+/// sign of life: a page of another site cannot keep a task alive.
+fn querier(
+    caller: &Option<axum::Extension<super::auth::Caller>>,
+    alloc: &str,
+    run: Option<u64>,
+) -> Querier {
+    let may_act = caller.as_ref().is_none_or(|c| c.0.0.may_act(alloc));
+    match (may_act, run, caller) {
+        (false, _, _) => Querier::Watcher,
+        (true, Some(r), _) => Querier::Run(r),
+        (true, None, Some(_)) => Querier::Agent,
+        (true, None, None) => Querier::Watcher,
+    }
 }
 
 /// Read one task (blocking query).
@@ -52,6 +66,7 @@ pub async fn get(
     State(s): State<AppState>,
     caller: Option<axum::Extension<super::auth::Caller>>,
     TaskPath(id, task): TaskPath,
+    RunHeader(run): RunHeader,
     ApiQuery(q): ApiQuery<BlockingParams>,
 ) -> Result<Response, ApiError> {
     let (a, i) = if q.index == 0 {
@@ -66,7 +81,7 @@ pub async fn get(
                 task.as_str(),
                 q.index,
                 s.wait_time(q.wait),
-                sign_of_life(&caller, id.as_str()),
+                querier(&caller, id.as_str(), run),
             )
             .await?
     };
@@ -105,6 +120,7 @@ pub async fn report(
     _: ApiQuery<NoParams>,
     prefer: Prefer,
     key: IdempotencyKey,
+    RunHeader(run): RunHeader,
     ApiJson(body): ApiJson<ReportBody>,
 ) -> Result<Response, ApiError> {
     let report = body
@@ -118,7 +134,7 @@ pub async fn report(
     });
     let a = s
         .registry
-        .report_keyed(id.as_str(), vec![(task.clone(), report)], key)
+        .report_as(id.as_str(), vec![(task.clone(), report)], key, run)
         .await?;
     let i = a.position(task.as_str());
     Ok(written(StatusCode::OK, &a, prefer, i, &s.registry))
@@ -149,12 +165,13 @@ pub async fn start_condition(
     State(s): State<AppState>,
     caller: Option<axum::Extension<super::auth::Caller>>,
     TaskPath(id, task): TaskPath,
+    RunHeader(run): RunHeader,
     ApiQuery(q): ApiQuery<WaitParams>,
 ) -> Result<Response, ApiError> {
-    let alive = sign_of_life(&caller, id.as_str());
+    let querier = querier(&caller, id.as_str(), run);
     let (a, i) = s
         .registry
-        .wait_start(id.as_str(), task.as_str(), s.wait_time(q.wait), alive)
+        .wait_start(id.as_str(), task.as_str(), s.wait_time(q.wait), querier)
         .await?;
     Ok(indexed(
         StatusCode::OK,
@@ -184,9 +201,10 @@ pub async fn start_condition(
 pub async fn heartbeat(
     State(s): State<AppState>,
     TaskPath(id, task): TaskPath,
+    RunHeader(run): RunHeader,
     _: ApiQuery<NoParams>,
 ) -> Result<Response, ApiError> {
-    let a = s.registry.heartbeat(id.as_str(), task.as_str())?;
+    let a = s.registry.heartbeat_as(id.as_str(), task.as_str(), run)?;
     let mut res = StatusCode::NO_CONTENT.into_response();
     res.headers_mut().insert(
         super::INDEX_HEADER,

@@ -188,6 +188,11 @@ pub struct TaskView {
     /// Restart orders given to this task; only goes up.
     pub restart_generation: u64,
     pub modify_index: u64,
+    /// The task's current run, while it is `running` (else `null`): an
+    /// opaque ID, never reused, that its agent sends back in the
+    /// `Taskgate-Run` header with every later report, heartbeat and query.
+    #[schema(example = "1234")]
+    pub run: Option<String>,
     /// The TTL the task runs under; `null` when none.
     pub liveness: Option<LivenessView>,
     /// Declared lost: its agent gave no sign of life within its TTL while
@@ -333,6 +338,14 @@ pub struct StartConditionView {
     /// The dependencies that do not hold now: while any is listed the task
     /// may not start.
     pub blocked_by: Vec<BlockedView>,
+    /// The task's state, and its current run while it is `running` (else
+    /// `null`): what an agent that restarts finds.
+    pub state: RunState,
+    #[schema(example = "1234")]
+    pub run: Option<String>,
+    /// The allocation's `create_index`: an agent tells its own
+    /// registration from a new one under the same ID by it.
+    pub create_index: u64,
     /// The allocation's `modify_index`.
     pub index: u64,
 }
@@ -444,6 +457,7 @@ impl TaskView {
             stop_reason: desired.reason().map(StopReasonView::from),
             restart_generation: t.restart_generation,
             modify_index: t.modify_index,
+            run: t.run.map(|r| r.to_string()),
             liveness: live.ttl(a, i).map(|ttl| LivenessView { ttl: Shown(ttl) }),
             lost: t.lost(),
             last_seen: live.last_seen(a, i),
@@ -523,6 +537,9 @@ impl StartConditionView {
             failed_tasks,
             depends_on,
             blocked_by,
+            state: a.tasks[i].state,
+            run: a.tasks[i].run.map(|r| r.to_string()),
+            create_index: a.create_index,
             index: a.modify_index,
         }
     }

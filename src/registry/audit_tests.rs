@@ -781,11 +781,9 @@ async fn p4_pipelined_writers_and_a_failed_disk_write_fail_stop() {
     for n in 0..50usize {
         let r = r.clone();
         let alloc = if n % 5 == 4 { "b" } else { "a" };
-        let state = if n % 2 == 0 {
-            RunState::Running
-        } else {
-            RunState::Pending
-        };
+        // Pending, with a note each: a change every time (a second
+        // header-less `running` would be `task_claimed`).
+        let state = RunState::Pending;
         writers.spawn(async move {
             (
                 alloc,

@@ -1,7 +1,7 @@
 //! What the registry refuses, and why.
 
 use crate::{
-    lifecycle::{AllocId, Allocation, RestartError, TaskName, Timestamp},
+    lifecycle::{AllocId, Allocation, Refusal, RestartError, TaskName, Timestamp},
     store::StoreError,
 };
 
@@ -57,6 +57,53 @@ pub enum RegistryError {
          same request, and a new request needs a new key"
     )]
     KeyReused { index: u64 },
+    /// The request names a run of the task that is not its current one.
+    #[error(
+        "run {sent} of task \"{task}\" of allocation \"{alloc}\" is over ({}): the agent that \
+         sent this is a leftover of an earlier run or registration and must stop its process",
+        match current { Some(r) => format!("the current run is {r}"), None => "the task runs no run now".to_owned() }
+    )]
+    RunSuperseded {
+        alloc: String,
+        task: String,
+        sent: u64,
+        current: Option<u64>,
+        index: u64,
+    },
+    /// Another agent runs the task.
+    #[error(
+        "task \"{task}\" of allocation \"{alloc}\" is running under run {run}{}: another agent \
+         runs it. Do not start a second copy; wait until its run ends or is lost",
+        match last_seen { Some(t) => format!(" (last sign of life {t})"), None => String::new() }
+    )]
+    TaskClaimed {
+        alloc: String,
+        task: String,
+        run: u64,
+        /// RFC 3339, if the server knows one.
+        last_seen: Option<String>,
+        index: u64,
+    },
+    /// The task is dead, and no order since lets it leave `dead`.
+    #[error(
+        "task \"{task}\" of allocation \"{alloc}\" is dead{}: it stays dead until an \
+         operator's all-tasks restart or restore; an agent that finds its task dead reports \
+         nothing and exits",
+        match finished_at { Some(t) => format!(" (since {t})"), None => String::new() }
+    )]
+    TaskDead {
+        alloc: String,
+        task: String,
+        /// RFC 3339.
+        finished_at: Option<String>,
+        index: u64,
+    },
+    /// An operator's stop of an allocation whose tasks are all dead.
+    #[error("{error}")]
+    StopRefused {
+        error: crate::lifecycle::StopError,
+        index: u64,
+    },
     #[error("allocation \"{0}\" was deleted")]
     Deleted(String),
     #[error("too many requests are waiting; retry later")]
@@ -108,6 +155,52 @@ impl RegistryError {
                 .format(&time::format_description::well_known::Rfc3339)
                 .unwrap_or_default(),
             index: a.modify_index,
+        }
+    }
+
+    /// The error of `refusal` for task `i` of `a` (`last_seen`: the task's
+    /// latest sign of life, if the server knows one).
+    pub fn refused(
+        a: &Allocation,
+        i: usize,
+        refusal: Refusal,
+        sent: Option<u64>,
+        last_seen: Option<Timestamp>,
+    ) -> Self {
+        let rfc3339 = |t: Timestamp| {
+            t.format(&time::format_description::well_known::Rfc3339)
+                .unwrap_or_default()
+        };
+        let (alloc, task, index) = (a.id.to_string(), a.task_name(i).to_string(), a.modify_index);
+        match refusal {
+            Refusal::Lost { at } => Self::task_lost(a, i, at),
+            Refusal::Superseded { current } => Self::RunSuperseded {
+                alloc,
+                task,
+                sent: sent.unwrap_or_default(),
+                current,
+                index,
+            },
+            Refusal::Claimed { run } => Self::TaskClaimed {
+                alloc,
+                task,
+                run,
+                last_seen: last_seen.map(rfc3339),
+                index,
+            },
+            Refusal::Dead { finished_at } => Self::TaskDead {
+                alloc,
+                task,
+                finished_at: finished_at.map(rfc3339),
+                index,
+            },
+            Refusal::NoReadiness => Self::Invalid(vec![crate::lifecycle::FieldError::new(
+                "ready",
+                format!(
+                    "task \"{task}\" declares no readiness, so it cannot be ready (declare \
+                     `readiness` on it)"
+                ),
+            )]),
         }
     }
 

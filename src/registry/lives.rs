@@ -326,8 +326,14 @@ impl Inner {
 
 impl Registry {
     /// A sign of life for tasks of an allocation (a report): each task
-    /// under a TTL is alive now.
-    pub(super) fn signs_of_life<'a>(&self, id: &str, tasks: impl IntoIterator<Item = &'a str>) {
+    /// under a TTL is alive now, unless the report names a run (`run`)
+    /// that is not the task's current one.
+    pub(super) fn signs_of_life<'a>(
+        &self,
+        id: &str,
+        tasks: impl IntoIterator<Item = &'a str>,
+        run: Option<u64>,
+    ) {
         let Ok(handle) = self.handle(id) else { return };
         let Some(a) = handle.current() else { return };
         let default = self.inner.config.default_liveness_ttl;
@@ -339,7 +345,9 @@ impl Registry {
         }
         let now = self.now();
         for name in tasks {
-            if let Some(i) = a.position(name) {
+            if let Some(i) = a.position(name)
+                && run.is_none_or(|r| a.tasks[i].run == Some(r))
+            {
                 if a.spec.ttl(i, default).is_some() {
                     handle.lives().touch(a.tasks.len(), i, now);
                 }
@@ -352,14 +360,24 @@ impl Registry {
     /// nothing and wakes nobody. Returns the record it was checked
     /// against (for its index).
     pub fn heartbeat(&self, id: &str, task: &str) -> Result<Arc<Allocation>, RegistryError> {
+        self.heartbeat_as(id, task, None)
+    }
+
+    /// `heartbeat`, from an agent that names its run: refused 409
+    /// `run_superseded` unless it is the task's current run.
+    pub fn heartbeat_as(
+        &self,
+        id: &str,
+        task: &str,
+        run: Option<u64>,
+    ) -> Result<Arc<Allocation>, RegistryError> {
         let handle = self.handle(id)?;
         let a = handle
             .current()
             .ok_or_else(|| RegistryError::AllocationNotFound(id.to_owned()))?;
         let i = self.task_position(&a, task)?;
-        if let Some(lost_at) = a.tasks[i].lost_at() {
-            return Err(RegistryError::task_lost(&a, i, lost_at));
-        }
+        a.check_run(i, run)
+            .map_err(|why| RegistryError::refused(&a, i, why, run, None))?;
         if a.spec
             .ttl(i, self.inner.config.default_liveness_ttl)
             .is_some()

@@ -45,7 +45,7 @@ pub use clock::Clock;
 pub use error::{Quota, RegistryError, RestartTarget};
 pub use judge::MAX_REACH;
 pub use lives::Signs;
-pub use wait::Subscription;
+pub use wait::{Querier, Subscription};
 
 use std::sync::{
     Arc, Mutex, PoisonError, RwLock,

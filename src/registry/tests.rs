@@ -750,7 +750,8 @@ mod timed {
         let index = r.get("a").unwrap().modify_index;
         // A report that changes nothing is one too.
         tokio::time::advance(TTL / 2).await;
-        r.report("a", report("web", RunState::Running))
+        let run = r.get("a").unwrap().tasks[1].run;
+        r.report_as("a", report("web", RunState::Running), None, run)
             .await
             .unwrap();
         assert_eq!(r.get("a").unwrap().modify_index, index);
@@ -899,8 +900,12 @@ mod timed {
             .await
             .unwrap_err();
         assert!(matches!(err, RegistryError::KeyReused { .. }), "{err:?}");
+        // A new key applies (from the agent of the run: a header-less
+        // `running` would be another agent's claim).
+        let run = first.tasks[1].run;
+        assert!(run.is_some());
         let next = r
-            .report_keyed("a", with_event(), Some(IdemKey { key: 8, request: 1 }))
+            .report_as("a", with_event(), Some(IdemKey { key: 8, request: 1 }), run)
             .await
             .unwrap();
         assert_eq!(next.tasks[1].events.len(), 2);

@@ -14,6 +14,31 @@ use std::{
 use super::{Inner, Registry, RegistryError, handle::Slot, lives::Sign};
 use crate::lifecycle::Allocation;
 
+/// Who asks a task query: whether it is a sign of life for the task
+/// (SEMANTICS, "Runs").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Querier {
+    /// A reader (a dashboard, a page): no sign of life.
+    Watcher,
+    /// An agent that names no run, with a token that may act for the
+    /// allocation: a sign of life.
+    Agent,
+    /// An agent that names its run: a sign of life while that run is the
+    /// task's current one.
+    Run(u64),
+}
+
+impl From<bool> for Querier {
+    /// `true`: an agent's query; `false`: a reader's.
+    fn from(alive: bool) -> Self {
+        if alive {
+            Querier::Agent
+        } else {
+            Querier::Watcher
+        }
+    }
+}
+
 /// Counts one parked request while it lives.
 struct Parked(Arc<Inner>);
 
@@ -49,12 +74,13 @@ impl Registry {
         self.wait_for_task(id, None, timeout, done).await
     }
 
-    /// `wait_until`, asked by (or for) `task`'s agent: a sign of life for
-    /// the task when it comes, and for as long as it is parked.
+    /// `wait_until`, asked about `task` by `querier`: a sign of life for
+    /// the task when it comes, and for as long as it is parked, if the
+    /// querier is its agent.
     async fn wait_for_task(
         &self,
         id: &str,
-        task: Option<&str>,
+        task: Option<(&str, Querier)>,
         timeout: Duration,
         done: impl Fn(&Allocation) -> bool,
     ) -> Result<Arc<Allocation>, RegistryError> {
@@ -66,7 +92,14 @@ impl Registry {
                 return Err(RegistryError::AllocationNotFound(id.to_owned()));
             }
         };
-        let life = task.and_then(|t| current.position(t));
+        let life = task.and_then(|(t, querier)| {
+            let i = current.position(t)?;
+            match querier {
+                Querier::Watcher => None,
+                Querier::Agent => Some(i),
+                Querier::Run(r) => (current.tasks[i].run == Some(r)).then_some(i),
+            }
+        });
         if done(&current) || timeout.is_zero() {
             if let Some(i) = life
                 && self.ttl(&current, i).is_some()
@@ -117,18 +150,17 @@ impl Registry {
     /// The task is looked up by name in every record checked, never by a
     /// position taken from an earlier copy: between two copies the
     /// allocation can be deleted and registered again with other tasks.
-    /// `alive`: the query is a sign of life for the task (its agent's, not
-    /// a dashboard's: the caller may act for the task).
+    /// `querier`: whether the query is a sign of life for the task.
     pub async fn wait_task(
         &self,
         id: &str,
         task: &str,
         index: u64,
         timeout: Duration,
-        alive: bool,
+        querier: impl Into<Querier>,
     ) -> Result<(Arc<Allocation>, usize), RegistryError> {
         let a = self
-            .wait_for_task(id, alive.then_some(task), timeout, |a| {
+            .wait_for_task(id, Some((task, querier.into())), timeout, |a| {
                 a.position(task)
                     .is_none_or(|i| a.tasks[i].modify_index > index)
             })
@@ -145,10 +177,10 @@ impl Registry {
         id: &str,
         task: &str,
         timeout: Duration,
-        alive: bool,
+        querier: impl Into<Querier>,
     ) -> Result<(Arc<Allocation>, usize), RegistryError> {
         let a = self
-            .wait_for_task(id, alive.then_some(task), timeout, |a| {
+            .wait_for_task(id, Some((task, querier.into())), timeout, |a| {
                 a.position(task)
                     .is_none_or(|i| a.allowed(i) || a.desired(i).is_stop())
             })

@@ -34,8 +34,8 @@ use super::{
 };
 use crate::{
     lifecycle::{
-        AllocId, AllocSpec, Allocation, CoordState, IdemKey, KeySeen, RestartMode, TaskName,
-        TaskReport,
+        AllocId, AllocSpec, Allocation, CoordState, IdemKey, KeySeen, Refusal, RestartMode,
+        TaskName, TaskReport,
     },
     metrics::Metrics,
     store::{Admitted, Append, AppendError, Appended, Op, StoreError},
@@ -67,9 +67,13 @@ impl Base {
 /// What a batch of reports is applied as.
 #[derive(Clone, Copy)]
 enum Apply {
-    /// Reports, maybe keyed (`Idempotency-Key`).
-    Report(Option<IdemKey>),
+    /// Reports, maybe keyed (`Idempotency-Key`), maybe naming the run of
+    /// their agent (`Taskgate-Run`).
+    Report(Option<IdemKey>, Option<u64>),
+    /// An operator's restore: an order.
     Restore,
+    /// An agent's restore: a resume.
+    Resume,
 }
 
 /// The answer of a write decided on a version whose append failed.
@@ -681,17 +685,64 @@ impl Registry {
         reports: Vec<(TaskName, TaskReport)>,
         key: Option<IdemKey>,
     ) -> Result<Arc<Allocation>, RegistryError> {
-        self.apply_reports(id, reports, Apply::Report(key)).await
+        self.report_as(id, reports, key, None).await
     }
 
-    /// Restore: the coordinator goes to `prestart`, the states are applied,
-    /// and it evaluates until stable.
+    /// `report_keyed`, from an agent that names its run (`Taskgate-Run`):
+    /// refused 409 `run_superseded` unless it is every named task's
+    /// current run (SEMANTICS, "Runs").
+    pub async fn report_as(
+        &self,
+        id: &str,
+        reports: Vec<(TaskName, TaskReport)>,
+        key: Option<IdemKey>,
+        run: Option<u64>,
+    ) -> Result<Arc<Allocation>, RegistryError> {
+        self.apply_reports(id, reports, Apply::Report(key, run))
+            .await
+    }
+
+    /// An operator's restore: the coordinator goes to `prestart`, the
+    /// states are applied, and it evaluates until stable; losses and stop
+    /// orders are cleared and the deadline's clock starts again.
     pub async fn restore(
         &self,
         id: &str,
         reports: Vec<(TaskName, TaskReport)>,
     ) -> Result<Arc<Allocation>, RegistryError> {
         self.apply_reports(id, reports, Apply::Restore).await
+    }
+
+    /// An agent's restore: a resume, not an order. It clears no loss and no
+    /// stop order and starts no deadline's clock again; a lost task is 409
+    /// `task_lost`, a dead one that no order reopened 409 `task_dead`.
+    pub async fn resume(
+        &self,
+        id: &str,
+        reports: Vec<(TaskName, TaskReport)>,
+    ) -> Result<Arc<Allocation>, RegistryError> {
+        self.apply_reports(id, reports, Apply::Resume).await
+    }
+
+    /// An operator's stop: the sticky stop order "Stopped By Operator";
+    /// 409 `allocation_finished` once every task is dead.
+    pub async fn stop(&self, id: &str) -> Result<Arc<Allocation>, RegistryError> {
+        let (a, ()) = self
+            .write(
+                id,
+                |a, next_index| {
+                    let next = a.stop(self.now(), next_index).map_err(|error| {
+                        RegistryError::StopRefused {
+                            error,
+                            index: a.modify_index,
+                        }
+                    })?;
+                    Ok((next, ()))
+                },
+                |_| {},
+            )
+            .await?;
+        Ok(a)
     }
 
     async fn apply_reports(
@@ -701,9 +752,14 @@ impl Registry {
         apply: Apply,
     ) -> Result<Arc<Allocation>, RegistryError> {
         let count = reports.len();
-        // A report is a sign of life, from the moment it arrives: a task
-        // whose TTL ends while its report waits for the lock is not lost.
-        self.signs_of_life(id, reports.iter().map(|(name, _)| name.as_str()));
+        // A report is a sign of life, from the moment it arrives (a task
+        // whose TTL ends while its report waits for the lock is not lost),
+        // unless it names a run that is over.
+        let run = match apply {
+            Apply::Report(_, run) => run,
+            Apply::Restore | Apply::Resume => None,
+        };
+        self.signs_of_life(id, reports.iter().map(|(name, _)| name.as_str()), run);
         let reports = Reports::new(reports);
         let (a, ()) = self
             .write(
@@ -711,13 +767,37 @@ impl Registry {
                 |a, next_index| {
                     reports.with(a, |reports| {
                         let now = self.now();
+                        let refused = |i: usize, why| {
+                            let seen = self.signs(a).and_then(|s| s.last_seen(i));
+                            RegistryError::refused(a, i, why, run, seen)
+                        };
+                        if let Some((i, at)) = a.lost_among(reports.iter().map(|(i, _)| *i))
+                            && !matches!(apply, Apply::Restore)
+                        {
+                            return Err(RegistryError::task_lost(a, i, at));
+                        }
                         let next = match apply {
-                            Apply::Restore => a.restore(reports, now, next_index),
-                            Apply::Report(key) => {
-                                if let Some((i, at)) = a.lost_among(reports.iter().map(|(i, _)| *i))
-                                {
-                                    return Err(RegistryError::task_lost(a, i, at));
+                            Apply::Restore => {
+                                for (i, r) in reports {
+                                    if r.ready == Some(true) && !a.spec.tasks()[*i].readiness {
+                                        return Err(refused(*i, Refusal::NoReadiness));
+                                    }
                                 }
+                                a.restore(reports, now, next_index)
+                            }
+                            Apply::Resume => {
+                                for (i, r) in reports {
+                                    a.check_report(*i, r, None)
+                                        .or_else(|why| match why {
+                                            // A resume sets states: it claims no run.
+                                            Refusal::Claimed { .. } => Ok(()),
+                                            why => Err(why),
+                                        })
+                                        .map_err(|why| refused(*i, why))?;
+                                }
+                                a.resume(reports, now, next_index)
+                            }
+                            Apply::Report(key, run) => {
                                 if let Some(key) = key {
                                     match a.key_seen(key) {
                                         KeySeen::New => {}
@@ -728,6 +808,9 @@ impl Registry {
                                             });
                                         }
                                     }
+                                }
+                                for (i, r) in reports {
+                                    a.check_report(*i, r, run).map_err(|why| refused(*i, why))?;
                                 }
                                 a.report_keyed(reports, key, now, next_index)
                             }

@@ -223,8 +223,8 @@ async fn allocation_views_are_written_as_serde_json_writes_them() {
             same_as_serde(&r, &a);
         }
         let steps = [
-            serde_json::json!({"tasks": {"init": {"state": "dead"}, "proxy": {"state": "running", "ready": true}}}),
             serde_json::json!({"tasks": {"init": {"state": "running", "event": {"type": "Started", "time": "2026-11-26T15:17:25.120+02:00"}}}}),
+            serde_json::json!({"tasks": {"proxy": {"state": "running", "ready": true}}}),
             serde_json::json!({"tasks": {"init": {"state": "dead"}}}),
         ];
         for step in steps {
