@@ -168,41 +168,59 @@ fn deleting_the_allocation_takes_escaped_processes_along() {
 fn every_terminating_signal_stops_the_task_and_reports_it_dead() {
     let server = Server::start(&["--in-memory"]);
     for sig in ["HUP", "QUIT", "USR1", "USR2"] {
-        let dir = tempfile::tempdir().unwrap();
-        let d = dir.path();
-        let spec = web_only(d);
-        let alloc = format!("sig-{}", sig.to_lowercase());
-        let cmd = format!(
-            "echo $$ >> {}/leader; {} {} wait",
-            d.display(),
-            background(d, "bg"),
-            escaped(d, "esc")
-        );
-        let task: &'static str = "web";
-        let mut web = agent(&server.base, &alloc, task, &spec, &[], &cmd);
-        let leader = read_pids(&d.join("leader"), 1)[0];
-        let bg = read_pids(&d.join("bg"), 1)[0];
-        let esc = read_pids(&d.join("esc"), 1)[0];
-        wait_state(&server.base, &alloc, "web", "running");
-        send_signal(web.child.id(), sig);
-        assert_eq!(
-            exits(std::slice::from_mut(&mut web)),
-            [("web", 0)],
-            "SIG{sig} ends the agent cleanly"
-        );
-        for (pid, what) in [
-            (leader, "task"),
-            (bg, "background process"),
-            (esc, "escaped process"),
-        ] {
-            assert!(!runs(pid), "SIG{sig}: the {what} {pid} outlived the agent");
-        }
-        let t = get(&server.base, &format!("/v1/allocations/{alloc}/tasks/web"));
-        assert_eq!(t["state"], "dead", "SIG{sig}: {t}");
-        let last = t["events"].as_array().unwrap().last().unwrap().clone();
-        assert_eq!(last["type"], "Killed", "SIG{sig}: {t}");
-        assert_eq!(last["message"], "the agent is stopping", "SIG{sig}: {t}");
+        a_signal_stops_everything(&server, sig);
     }
+}
+
+/// SIGSTKFLT and the real-time signals (here SIGRTMIN, and SIGRTMAX as its
+/// number, 64, which `kill` has no name for), whose default action ends a
+/// process without a word, end the agent as TERM does: no process of the
+/// workload is left behind.
+#[test]
+fn sigstkflt_and_the_real_time_signals_leave_no_workload_process() {
+    let server = Server::start(&["--in-memory"]);
+    for sig in ["STKFLT", "RTMIN", "64"] {
+        a_signal_stops_everything(&server, sig);
+    }
+}
+
+/// Sends `sig` to an agent whose task runs with a process in the
+/// background and one that left its group: the agent exits 0, none of the
+/// three runs any more, and the task is reported dead.
+fn a_signal_stops_everything(server: &Server, sig: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let spec = web_only(d);
+    let alloc = format!("sig-{}", sig.to_lowercase());
+    let cmd = format!(
+        "echo $$ >> {}/leader; {} {} wait",
+        d.display(),
+        background(d, "bg"),
+        escaped(d, "esc")
+    );
+    let mut web = agent(&server.base, &alloc, "web", &spec, &[], &cmd);
+    let leader = read_pids(&d.join("leader"), 1)[0];
+    let bg = read_pids(&d.join("bg"), 1)[0];
+    let esc = read_pids(&d.join("esc"), 1)[0];
+    wait_state(&server.base, &alloc, "web", "running");
+    send_signal(web.child.id(), sig);
+    assert_eq!(
+        exits(std::slice::from_mut(&mut web)),
+        [("web", 0)],
+        "SIG{sig} ends the agent cleanly"
+    );
+    for (pid, what) in [
+        (leader, "task"),
+        (bg, "background process"),
+        (esc, "escaped process"),
+    ] {
+        assert!(!runs(pid), "SIG{sig}: the {what} {pid} outlived the agent");
+    }
+    let t = get(&server.base, &format!("/v1/allocations/{alloc}/tasks/web"));
+    assert_eq!(t["state"], "dead", "SIG{sig}: {t}");
+    let last = t["events"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(last["type"], "Killed", "SIG{sig}: {t}");
+    assert_eq!(last["message"], "the agent is stopping", "SIG{sig}: {t}");
 }
 
 /// A second signal ends the agent at once, and everything its task

@@ -15,8 +15,9 @@
 //! SIGKILL after `--kill-timeout`, and reaps them, before it reports the
 //! task dead (`process.rs`). Readiness commands run in groups of their own
 //! and are killed with them when their check ends. Every terminating
-//! signal (HUP, INT, QUIT, TERM, USR1, USR2, ALRM, ...; `signals.rs`) stops
-//! the task and reports it dead; a second one kills everything and exits.
+//! signal a process may catch (HUP, INT, QUIT, TERM, USR1, USR2, ALRM,
+//! STKFLT, the real-time signals, ...; `signals.rs`) stops the task and
+//! reports it dead; a second one kills everything and exits.
 //!
 //! **SIGKILL of the agent** leaves it no chance to do any of that. The
 //! command's first process gets SIGKILL from the kernel (its parent-death
@@ -44,6 +45,7 @@ mod launch;
 mod policy;
 mod process;
 mod readiness;
+mod signals;
 mod spec_diff;
 
 use std::{path::PathBuf, time::Duration};
@@ -681,7 +683,7 @@ pub async fn run(config: AgentConfig) -> i32 {
     // Before anything is started: the handlers, so that no terminating
     // signal ends the agent without a word; the subreaper flag, so that no
     // orphan of the task escapes to init.
-    let mut signals = crate::signals::Terminating::listen();
+    let mut signals = signals::Terminating::listen();
     if let Err(e) = process::become_subreaper() {
         tracing::warn!(
             error = %e,
