@@ -1125,3 +1125,87 @@ fn registering_a_different_spec_exits_2_naming_the_difference() {
     let t = get(&server.base, "/v1/allocations/x1/tasks/web");
     assert_eq!(t["state"], "pending", "nothing ran: {t}");
 }
+
+/// A request the agent waits on never holds up what it must do at once.
+/// With the server stopped (SIGSTOP) while each agent's heartbeat waits for
+/// its answer, SIGTERM ends one agent's workload within --kill-timeout, and
+/// the other's workload, which exits, is noticed well within the ten
+/// seconds its heartbeat may take (a third of the 30 s TTL).
+#[test]
+fn a_stopped_server_holds_up_neither_sigterm_nor_a_workloads_exit() {
+    use common::proxy::Proxy;
+    let server = Server::start(&["--in-memory"]);
+    let proxy = Proxy::start(server.addr());
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let spec = web_only(dir.path());
+    let spec = spec.to_str().unwrap();
+    let args = |alloc| {
+        [
+            "--server",
+            &proxy.base,
+            "--alloc",
+            alloc,
+            "--task",
+            "web",
+            "--register",
+            spec,
+            "--liveness-ttl",
+            "30s",
+            "--kill-timeout",
+            "5s",
+        ]
+        .map(str::to_owned)
+    };
+    let term_args = args("hs-term");
+    let term = agent_with_stderr(
+        &term_args.each_ref().map(String::as_str),
+        &format!("echo $$ > {d}/pid.tmp; mv {d}/pid.tmp {d}/pid; exec sleep 300"),
+    );
+    let term = Agent {
+        child: term,
+        task: "web",
+    };
+    let exit_args = args("hs-exit");
+    let mut exit = agent_with_stderr(
+        &exit_args.each_ref().map(String::as_str),
+        &format!("for i in $(seq 1 6000); do [ -e {d}/finish ] && exit 0; sleep 0.02; done"),
+    );
+    let exit_lines = stderr_lines(&mut exit);
+    let _exit = Agent {
+        child: exit,
+        task: "web",
+    };
+    wait_state(&server.base, "hs-term", "web", "running");
+    wait_state(&server.base, "hs-exit", "web", "running");
+    let pid = read_pids(&dir.path().join("pid"), 1)[0];
+    send_signal(server.child.id(), "STOP");
+    proxy.watch("/heartbeat");
+    // Both first heartbeats (a third of the TTL after the start) are on
+    // their way to the stopped server, and wait.
+    let deadline = Instant::now() + BOUND;
+    while proxy.seen() < 2 {
+        assert!(Instant::now() < deadline, "no heartbeats were sent");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let signalled = Instant::now();
+    send_signal(term.child.id(), "TERM");
+    std::fs::write(dir.path().join("finish"), "").unwrap();
+    while runs(pid) {
+        assert!(
+            signalled.elapsed() < Duration::from_secs(5),
+            "the workload still runs past --kill-timeout after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let lines = wait_lines(&exit_lines, "noticed the exit", |lines| {
+        lines.iter().any(|l| l.contains(" exited"))
+    });
+    assert!(
+        signalled.elapsed() < Duration::from_secs(5),
+        "the exit was noticed only after {:?}: {lines:#?}",
+        signalled.elapsed()
+    );
+    send_signal(server.child.id(), "CONT");
+}
+

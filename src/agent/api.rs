@@ -602,22 +602,16 @@ impl Api {
             .map(|_| ())
     }
 
-    /// A sign of life for the task, tried once: a heartbeat that does not
-    /// get through is replaced by the next (and the parked long-poll is
-    /// one meanwhile). Only a lost task is an error.
-    pub async fn heartbeat(&self) -> Result<(), ApiError> {
+    /// A sign of life for the task, tried once and for at most `within`
+    /// (a third of the TTL): a heartbeat that does not get through is
+    /// replaced by the next (and the parked long-poll is one meanwhile).
+    /// Only a lost task is an error.
+    pub async fn heartbeat(&self, within: Duration) -> Result<(), ApiError> {
         use std::sync::atomic::Ordering;
         let at = self.current.load(Ordering::Relaxed) % self.endpoints.len();
         let path = format!("{}/heartbeat", self.task_path());
         let reply = self.endpoints[at]
-            .send(
-                "PUT",
-                &path,
-                self.token.as_deref(),
-                None,
-                &[],
-                REQUEST_TIMEOUT,
-            )
+            .send("PUT", &path, self.token.as_deref(), None, &[], within)
             .await;
         match reply {
             Ok(r) if r.status == 409 => {

@@ -48,7 +48,7 @@ mod readiness;
 mod signals;
 mod spec_diff;
 
-use std::{path::PathBuf, time::Duration};
+use std::{future::Future, path::PathBuf, pin::Pin, sync::Arc, time::Duration};
 
 use clap::Args;
 use serde_json::{Value, json};
@@ -163,6 +163,45 @@ fn event(kind: &str, message: impl Into<String>, details: Value) -> Value {
     json!({"type": kind, "message": message.into(), "details": details})
 }
 
+/// Reports the task's state (with an event, if any).
+async fn report(
+    api: &Api,
+    state: &str,
+    failed: bool,
+    event: Option<Value>,
+) -> Result<(), ApiError> {
+    let mut body = json!({"state": state, "failed": failed});
+    if let Some(e) = event {
+        body["event"] = e;
+    }
+    api.report(&body).await
+}
+
+/// A request the loop of a run keeps in flight beside the child, the
+/// signals and the orders, none of which waits for it.
+type Request = Pin<Box<dyn Future<Output = Result<(), ApiError>>>>;
+
+/// Completes with the request in `slot`, which it empties; never while the
+/// slot is empty. Cancel-safe: the request stays in the slot until it has
+/// completed.
+async fn settle(slot: &mut Option<Request>) -> Result<(), ApiError> {
+    let result = match slot.as_mut() {
+        Some(request) => request.await,
+        None => std::future::pending().await,
+    };
+    *slot = None;
+    result
+}
+
+/// Waits for a request that must land before the next report (the
+/// `running` one before the report of how the run ended), if any.
+async fn landed(request: Option<Request>) -> Result<(), ApiError> {
+    match request {
+        Some(request) => request.await,
+        None => Ok(()),
+    }
+}
+
 /// What ended a run of the command.
 enum Ended {
     Exited(Exit),
@@ -180,7 +219,9 @@ enum AfterDeath {
 }
 
 struct Agent {
-    api: Api,
+    /// Shared with the requests the loop of a run keeps in flight beside
+    /// it.
+    api: Arc<Api>,
     config: AgentConfig,
     /// Stage of the task (`main`, `poststop`, ...), from the server.
     stage: String,
@@ -226,16 +267,12 @@ impl Agent {
     }
 
     async fn report(
-        &mut self,
+        &self,
         state: &str,
         failed: bool,
         event: Option<Value>,
     ) -> Result<(), ApiError> {
-        let mut body = json!({"state": state, "failed": failed});
-        if let Some(e) = event {
-            body["event"] = e;
-        }
-        self.api.report(&body).await
+        report(&self.api, state, failed, event).await
     }
 
     /// The whole life of the agent; returns its exit code.
@@ -327,6 +364,12 @@ impl Agent {
     }
 
     /// Runs the command once and handles how it ends.
+    ///
+    /// While the command runs, every request the agent makes (the
+    /// `running` report, readiness reports, heartbeats, the long-poll on
+    /// the task) is in flight beside the loop, which never waits for one:
+    /// the command's exit, a signal to the agent and an order of the server
+    /// are acted on at once, in that order when they come together.
     async fn run_once(&mut self) -> Result<AfterDeath, ApiError> {
         // A poststop task learns how the allocation ended.
         let env: Vec<(&str, String)> = match &self.outcome {
@@ -357,17 +400,21 @@ impl Agent {
         self.running
             .store(pid, std::sync::atomic::Ordering::Relaxed);
         tracing::info!(task = %self.config.task, pid, "started");
-        self.report(
-            "running",
-            false,
-            Some(event("Started", "", json!({"pid": pid.to_string()}))),
-        )
-        .await?;
+        let kill_timeout = self.config.kill_timeout;
+        let api = self.api.clone();
+        // Until the `running` report has landed no readiness is reported:
+        // it would reach the server first.
+        let mut started: Option<Request> = Some(Box::pin({
+            let api = api.clone();
+            let started = event("Started", "", json!({"pid": pid.to_string()}));
+            async move { report(&api, "running", false, Some(started)).await }
+        }));
         let mut probe = self
             .probe
             .clone()
             .map(|p| p.spawn(self.config.ready_interval));
-        let mut ready = false;
+        // The probe's last answer, and the last one reported.
+        let (mut ready, mut reported_ready) = (false, false);
         // --ready-timeout bounds the first readiness only: a task that was
         // ready once and loses it is reported, not killed.
         let mut ever_ready = false;
@@ -376,91 +423,101 @@ impl Agent {
             .ready_timeout
             .filter(|_| probe.is_some())
             .map(|t| tokio::time::Instant::now() + t);
-        let ended = {
-            // One long-poll of the task at a time, kept across the loop's
-            // turns and made anew only once it has answered: a readiness
-            // answer must neither cut it (a dropped connection each time)
-            // nor restart the backoff of its retries while the server is
-            // down. It borrows only `self.api`, so the loop may change the
-            // other fields.
-            let api = &self.api;
-            let mut poll = std::pin::pin!(api.task(self.index));
-            // Well within the TTL: three heartbeats a TTL, so one lost on
-            // the way is not a loss of the task.
-            let beat = self.ttl.map_or(Duration::from_secs(3600), |t| {
-                (t / 3).max(Duration::from_millis(100))
-            });
-            let mut heartbeats = tokio::time::interval_at(tokio::time::Instant::now() + beat, beat);
-            heartbeats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                let probed = async {
-                    match probe.as_mut() {
-                        Some(p) => p.rx.recv().await,
-                        None => std::future::pending().await,
-                    }
+        let mut readiness: Option<Request> = None;
+        // Three heartbeats a TTL, so one lost on the way is not a loss of
+        // the task; each may take a third of the TTL, then the next one
+        // goes.
+        let beat = self.ttl.map_or(Duration::from_secs(3600), |t| {
+            (t / 3).max(Duration::from_millis(100))
+        });
+        let mut heartbeats = tokio::time::interval_at(tokio::time::Instant::now() + beat, beat);
+        heartbeats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut heartbeat: Option<Request> = None;
+        // One long-poll of the task at a time, kept across the loop's
+        // turns and made anew only once it has answered: a readiness
+        // answer must neither cut it (a dropped connection each time) nor
+        // restart the backoff of its retries while the server is down.
+        let watch = |index| {
+            let api = api.clone();
+            Box::pin(async move { api.task(index).await })
+        };
+        let mut poll = watch(self.index);
+        let ended = loop {
+            if started.is_none() && readiness.is_none() && ready != reported_ready {
+                reported_ready = ready;
+                let (kind, message) = if ready {
+                    ("Ready", "the readiness probe succeeded")
+                } else {
+                    ("Not Ready", "the readiness probe failed")
                 };
-                let late = async {
-                    match ready_by {
-                        Some(at) if !ever_ready => tokio::time::sleep_until(at).await,
-                        _ => std::future::pending().await,
-                    }
-                };
-                tokio::select! {
-                    exit = child.wait() => break Ended::Exited(exit),
-                    Some(now_ready) = probed => {
-                        if now_ready != ready {
-                            ready = now_ready;
-                            ever_ready |= ready;
-                            let (kind, message) = if ready {
-                                ("Ready", "the readiness probe succeeded")
-                            } else {
-                                ("Not Ready", "the readiness probe failed")
-                            };
-                            tracing::info!(task = %self.config.task, ready, "readiness changed");
-                            let body = json!({"state": "running", "ready": ready,
-                                              "event": event(kind, message, json!({}))});
-                            if let Err(e) = api.report(&body).await {
-                                child.stop(self.config.kill_timeout).await;
-                                return Err(e);
-                            }
-                        }
-                    }
-                    _ = heartbeats.tick(), if self.ttl.is_some() => {
-                        if let Err(e) = api.heartbeat().await {
-                            child.stop(self.config.kill_timeout).await;
-                            return Err(e);
-                        }
-                    }
-                    () = late => break Ended::NotReadyInTime,
-                    t = &mut poll => {
-                        let t = match t {
-                            Ok(t) => t,
-                            Err(e) => {
-                                // Deleted allocation or a fatal answer:
-                                // everything the task started goes too.
-                                child.stop(self.config.kill_timeout).await;
-                                return Err(e);
-                            }
-                        };
+                let api = api.clone();
+                let body = json!({"state": "running", "ready": ready,
+                                  "event": event(kind, message, json!({}))});
+                readiness = Some(Box::pin(async move { api.report(&body).await }));
+            }
+            let probed = async {
+                match probe.as_mut() {
+                    Some(p) => p.rx.recv().await,
+                    None => std::future::pending().await,
+                }
+            };
+            let late = async {
+                match ready_by {
+                    Some(at) if !ever_ready => tokio::time::sleep_until(at).await,
+                    _ => std::future::pending().await,
+                }
+            };
+            let failed = tokio::select! {
+                biased;
+                exit = child.wait() => break Ended::Exited(exit),
+                () = self.stopped() => break Ended::AgentStopping,
+                t = &mut poll => match t {
+                    Ok(t) => {
                         self.index = self.index.max(t.modify_index);
                         if t.desired == "stop" && t.stop_reason.as_deref() == Some(api::AGENT_LOST) {
-                            child.stop(self.config.kill_timeout).await;
-                            return Err(ApiError::Lost { lost_at: None });
-                        }
-                        if t.desired == "stop" {
+                            Err(ApiError::Lost { lost_at: None })
+                        } else if t.desired == "stop" {
                             break Ended::StopOrder(t.stop_reason.unwrap_or_default());
-                        }
-                        if t.restart_generation > self.generation {
+                        } else if t.restart_generation > self.generation {
                             self.generation = t.restart_generation;
                             break Ended::RestartOrder;
+                        } else {
+                            poll = watch(self.index);
+                            Ok(())
                         }
-                        poll.set(api.task(self.index));
                     }
-                    () = self.stopped() => break Ended::AgentStopping,
+                    // A deleted allocation, a lost task or a fatal answer:
+                    // everything the task started goes too.
+                    Err(e) => Err(e),
+                },
+                r = settle(&mut started) => r,
+                r = settle(&mut readiness) => r,
+                r = settle(&mut heartbeat) => r,
+                _ = heartbeats.tick(), if self.ttl.is_some() && heartbeat.is_none() => {
+                    let api = api.clone();
+                    heartbeat = Some(Box::pin(async move { api.heartbeat(beat).await }));
+                    Ok(())
                 }
+                () = late => break Ended::NotReadyInTime,
+                Some(now_ready) = probed => {
+                    if now_ready != ready {
+                        ready = now_ready;
+                        ever_ready |= ready;
+                        tracing::info!(task = %self.config.task, ready, "readiness changed");
+                    }
+                    Ok(())
+                }
+            };
+            if let Err(e) = failed {
+                drop(probe);
+                child.stop(kill_timeout).await;
+                return Err(e);
             }
         };
-        drop(probe);
+        // A readiness check in flight ends with the run; so do a readiness
+        // report and a heartbeat still in flight, which the report of how
+        // the run ended makes moot.
+        drop((probe, readiness, heartbeat, poll));
         match &ended {
             Ended::Exited(exit) => {
                 tracing::info!(task = %self.config.task, pid, how = %exit.describe(), "exited");
@@ -478,49 +535,54 @@ impl Agent {
                 tracing::info!(task = %self.config.task, pid, "the agent is stopping: stopping the task");
             }
         }
-        match ended {
+        // In every case the task is stopped first (all it started; after
+        // a natural exit, what it left running), and reported after.
+        let outcome = match ended {
             Ended::Exited(exit) => {
-                // The first process has ended; what it left running (in
-                // its group or out of it) goes now, before the task is
-                // reported dead.
-                child.stop(self.config.kill_timeout).await;
+                child.stop(kill_timeout).await;
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
+                landed(started).await?;
                 self.exited(exit).await
             }
             Ended::NotReadyInTime => {
                 let timeout = self.config.ready_timeout.unwrap_or_default();
                 let shown = format!("{}ms", timeout.as_millis());
                 let message = format!("not ready {shown} after it started");
-                self.report(
-                    "running",
-                    false,
-                    Some(event("Killing", message.clone(), json!({}))),
-                )
-                .await?;
-                let exit = child.stop(self.config.kill_timeout).await;
+                let killing = event("Killing", message.clone(), json!({}));
+                let (reported, exit) = tokio::join!(
+                    async {
+                        landed(started).await?;
+                        report(&api, "running", false, Some(killing)).await
+                    },
+                    child.stop(kill_timeout)
+                );
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
+                reported?;
                 let mut details = exit.details();
                 details["readiness_timeout"] = json!(shown);
                 self.failed_run(exit.code(), event("Readiness Timeout", message, details))
                     .await
             }
             Ended::StopOrder(reason) => {
-                self.report(
-                    "running",
-                    false,
-                    Some(event("Killing", reason.clone(), json!({}))),
-                )
-                .await?;
-                let exit = child.stop(self.config.kill_timeout).await;
+                let killing = event("Killing", reason.clone(), json!({}));
+                let (reported, exit) = tokio::join!(
+                    async {
+                        landed(started).await?;
+                        report(&api, "running", false, Some(killing)).await
+                    },
+                    child.stop(kill_timeout)
+                );
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
+                reported?;
                 self.exit_code = 0;
                 self.report("dead", false, Some(event("Killed", reason, exit.details())))
                     .await?;
                 self.after_death().await
             }
             Ended::RestartOrder => {
-                child.stop(self.config.kill_timeout).await;
+                child.stop(kill_timeout).await;
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
+                landed(started).await?;
                 self.report(
                     "pending",
                     false,
@@ -534,8 +596,9 @@ impl Agent {
                 Ok(AfterDeath::Restart)
             }
             Ended::AgentStopping => {
-                let exit = child.stop(self.config.kill_timeout).await;
+                let exit = child.stop(kill_timeout).await;
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
+                landed(started).await?;
                 self.report(
                     "dead",
                     false,
@@ -544,7 +607,8 @@ impl Agent {
                 .await?;
                 Ok(AfterDeath::Exit)
             }
-        }
+        };
+        outcome
     }
 
     /// The command ended on its own: restart it or report it dead.
@@ -745,7 +809,7 @@ pub async fn run(config: AgentConfig) -> i32 {
         history: Default::default(),
     };
     let mut agent = Agent {
-        api,
+        api: Arc::new(api),
         config,
         stage: String::new(),
         generation: 0,
