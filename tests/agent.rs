@@ -1126,6 +1126,80 @@ fn registering_a_different_spec_exits_2_naming_the_difference() {
     assert_eq!(t["state"], "pending", "nothing ran: {t}");
 }
 
+/// How many requests the server holds parked (`taskgate_waiters`).
+fn parked(base: &str) -> u64 {
+    let out = Command::new("curl")
+        .args(["-s", &format!("{base}/metrics")])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("taskgate_waiters "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Waits (bounded) until the server holds `n` requests parked.
+#[track_caller]
+fn wait_parked(base: &str, n: u64) {
+    let deadline = Instant::now() + BOUND;
+    while parked(base) < n {
+        assert!(Instant::now() < deadline, "{n} requests never parked");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// An agent stopped while its task waits at a closed gate reports nothing:
+/// the task stays `pending`, without an event, and the allocation is not
+/// decided by the agent's shutdown (here the leader's: reporting it dead
+/// would end the allocation). The agent exits 0 and says so.
+#[test]
+fn an_agent_stopped_at_a_closed_gate_reports_nothing_and_exits_0() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let spec = spec_file(
+        dir.path(),
+        &json!({"tasks": [
+            {"name": "init", "lifecycle": {"hook": "prestart"}},
+            {"name": "web", "leader": true}
+        ]}),
+    );
+    let child = agent_with_stderr(
+        &[
+            "--server",
+            &server.base,
+            "--alloc",
+            "g1",
+            "--task",
+            "web",
+            "--register",
+            spec.to_str().unwrap(),
+        ],
+        &format!("echo ran >> {d}/log"),
+    );
+    // The agent's start-condition query is parked: it waits at the gate.
+    wait_parked(&server.base, 1);
+    signal(&child, "-TERM");
+    let (code, stderr) = ended(child);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(
+        stderr
+            .lines()
+            .filter(|l| l.contains("before its task ran"))
+            .count(),
+        1,
+        "one line says it: {stderr}"
+    );
+    let web = get(&server.base, "/v1/allocations/g1/tasks/web");
+    assert_eq!(web["state"], "pending", "{web}");
+    assert_eq!(web["events"], json!([]), "nothing reported: {web}");
+    let a = get(&server.base, "/v1/allocations/g1");
+    assert_eq!(a["coordinator_state"], "prestart", "{a}");
+    assert_eq!(a["outcome"], Value::Null, "{a}");
+    assert!(log_lines(dir.path()).is_empty(), "the command never ran");
+}
+
 /// A request the agent waits on never holds up what it must do at once.
 /// With the server stopped (SIGSTOP) while each agent's heartbeat waits for
 /// its answer, SIGTERM ends one agent's workload within --kill-timeout, and

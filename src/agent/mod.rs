@@ -212,6 +212,16 @@ enum Ended {
     AgentStopping,
 }
 
+/// What the start condition said.
+enum Gate {
+    /// The task may start.
+    Open,
+    /// The task must not start (`desired: stop`).
+    Stop,
+    /// The agent was told to stop while it waited.
+    AgentStopping,
+}
+
 /// What to do after the task is dead.
 enum AfterDeath {
     Restart,
@@ -246,6 +256,8 @@ struct Agent {
     ttl: Option<Duration>,
     /// How commands are started.
     launch: Launch,
+    /// Whether the task has run under this agent.
+    ran: bool,
 }
 
 impl Agent {
@@ -277,6 +289,54 @@ impl Agent {
 
     /// The whole life of the agent; returns its exit code.
     async fn run(&mut self) -> Result<i32, ApiError> {
+        // Until the task runs, a signal ends the agent at once: it has
+        // nothing to stop, and reports nothing (not even a `pending`
+        // still in flight).
+        let stopped = self.stopped();
+        tokio::select! {
+            prepared = self.prepare() => prepared?,
+            () = stopped => return Ok(self.stopped_at_the_gate()),
+        }
+        loop {
+            let stopped = self.stopped();
+            let gate = tokio::select! {
+                reported = self.report("pending", false, None) => {
+                    reported?;
+                    self.wait_for_gate().await?
+                }
+                () = stopped => Gate::AgentStopping,
+            };
+            match gate {
+                Gate::Open => {}
+                Gate::AgentStopping => return Ok(self.stopped_at_the_gate()),
+                Gate::Stop => {
+                    self.report(
+                        "dead",
+                        false,
+                        Some(event(
+                            "Not Restarting",
+                            "told to stop before starting",
+                            json!({}),
+                        )),
+                    )
+                    .await?;
+                    match self.after_death().await? {
+                        AfterDeath::Restart => continue,
+                        AfterDeath::Exit => return Ok(self.exit_code),
+                    }
+                }
+            }
+            self.ran = true;
+            match self.run_once().await? {
+                AfterDeath::Restart => continue,
+                AfterDeath::Exit => return Ok(self.exit_code),
+            }
+        }
+    }
+
+    /// What comes before the first `pending` report: the registration,
+    /// the task's view, and the checks of the flags against it.
+    async fn prepare(&mut self) -> Result<(), ApiError> {
         if let Some(file) = self.config.register.clone() {
             self.api.register(&file, self.config.liveness_ttl).await?;
         }
@@ -308,57 +368,53 @@ impl Agent {
         self.generation = info.restart_generation;
         self.ttl = info.ttl;
         self.learn(&info);
-        loop {
-            self.report("pending", false, None).await?;
-            if !self.wait_for_gate().await? {
-                // Told to stop before starting, or the agent is stopping.
-                let why = if self.is_stopping() {
-                    "the agent is stopping"
-                } else {
-                    "told to stop before starting"
-                };
-                self.report("dead", false, Some(event("Not Restarting", why, json!({}))))
-                    .await?;
-                if self.is_stopping() {
-                    return Ok(self.exit_code);
-                }
-                match self.after_death().await? {
-                    AfterDeath::Restart => continue,
-                    AfterDeath::Exit => return Ok(self.exit_code),
-                }
-            }
-            match self.run_once().await? {
-                AfterDeath::Restart => continue,
-                AfterDeath::Exit => return Ok(self.exit_code),
-            }
-        }
+        Ok(())
     }
 
-    /// Long-polls until the task may start (true) or must not (false).
-    async fn wait_for_gate(&mut self) -> Result<bool, ApiError> {
+    /// The agent was stopped while its task waited to run (at its gate,
+    /// or before the agent got there): the task stays as the server has
+    /// it, so the agent's own shutdown decides nothing of the allocation
+    /// (a liveness TTL or a deadline bounds the wait). Says so; exit 0.
+    fn stopped_at_the_gate(&self) -> i32 {
+        let when = if self.ran {
+            "while its task waited at its gate to run again"
+        } else {
+            "before its task ran"
+        };
+        tracing::info!(
+            task = %self.config.task,
+            "stopped {when}: nothing was reported for the task, which stays as the server \
+             shows it; this agent's shutdown decides nothing of the allocation"
+        );
+        0
+    }
+
+    /// Long-polls until the task may start, or must not.
+    async fn wait_for_gate(&mut self) -> Result<Gate, ApiError> {
+        tracing::info!(task = %self.config.task, "waiting for the task's gate to open");
         loop {
             if self.is_stopping() {
-                return Ok(false);
+                return Ok(Gate::AgentStopping);
             }
             let sc = tokio::select! {
                 sc = self.api.start_condition() => sc?,
-                () = self.stopped() => return Ok(false),
+                () = self.stopped() => return Ok(Gate::AgentStopping),
             };
             if sc.lost() {
                 return Err(ApiError::Lost { lost_at: None });
             }
             if sc.desired == "stop" {
-                return Ok(false);
+                return Ok(Gate::Stop);
             }
             if sc.allowed {
                 tracing::info!(task = %self.config.task, coordinator_state = %sc.coordinator_state, "the gate is open");
                 self.outcome = sc.outcome.map(|o| (o, sc.failed_tasks));
-                return Ok(true);
+                return Ok(Gate::Open);
             }
-            tracing::info!(
+            tracing::debug!(
                 task = %self.config.task,
                 coordinator_state = %sc.coordinator_state,
-                "waiting for the task's gate to open"
+                "the gate is still closed"
             );
         }
     }
@@ -532,7 +588,12 @@ impl Agent {
                 tracing::info!(task = %self.config.task, pid, "told to restart: stopping it");
             }
             Ended::AgentStopping => {
-                tracing::info!(task = %self.config.task, pid, "the agent is stopping: stopping the task");
+                let within = self.config.shutdown_timeout;
+                tracing::info!(
+                    task = %self.config.task,
+                    pid,
+                    "the agent is stopping: stopping the task, then reporting it dead (for at most {within:?})"
+                );
             }
         }
         // In every case the task is stopped first (all it started; after
@@ -789,11 +850,7 @@ pub async fn run(config: AgentConfig) -> i32 {
     let group = running.clone();
     tokio::spawn(async move {
         let signal = signals.recv().await;
-        tracing::info!(
-            signal,
-            "stopping: the task is stopped now and reported dead (for at most {shutdown_timeout:?}); \
-             a second signal exits at once"
-        );
+        tracing::info!(signal, "stopping; a second signal exits at once");
         let _ = give_up_at.set(tokio::time::Instant::now() + shutdown_timeout);
         let _ = stop_tx.send(true);
         let signal = signals.recv().await;
@@ -822,6 +879,7 @@ pub async fn run(config: AgentConfig) -> i32 {
         running,
         launch,
         ttl: None,
+        ran: false,
     };
     let code = match agent.run().await {
         Ok(code) => code,
