@@ -11,6 +11,17 @@ use std::{
 use common::{agents::*, process::Server};
 use serde_json::{Value, json};
 
+/// How the agents of the five-task allocation end when it has run to its
+/// end: the sidecar (proxy) is stopped by an order (122), the others exit
+/// with their task's code.
+const FIVE_ENDED: [(&str, i32); 5] = [
+    ("init", 0),
+    ("proxy", 122),
+    ("web", 0),
+    ("announce", 0),
+    ("cleanup", 0),
+];
+
 #[test]
 fn the_five_task_allocation_runs_in_nomads_order_and_every_agent_exits() {
     let server = Server::start(&["--in-memory"]);
@@ -19,7 +30,10 @@ fn the_five_task_allocation_runs_in_nomads_order_and_every_agent_exits() {
     wait_log(dir.path(), "announce", 1);
     std::fs::write(dir.path().join("finish"), "").unwrap();
     let codes = exits(&mut agents);
-    assert!(codes.iter().all(|(_, c)| *c == 0), "{codes:?}");
+    assert_eq!(
+        codes, FIVE_ENDED,
+        "the sidecar's agent ends stopped by an order, the others with their task's code"
+    );
 
     let log = log_lines(dir.path());
     assert!(
@@ -88,7 +102,7 @@ fn an_all_tasks_restart_replays_the_order() {
     wait_log(dir.path(), "announce", 2);
     std::fs::write(dir.path().join("finish"), "").unwrap();
     let codes = exits(&mut agents);
-    assert!(codes.iter().all(|(_, c)| *c == 0), "{codes:?}");
+    assert_eq!(codes, FIVE_ENDED);
 
     let log = log_lines(dir.path());
     let nth = |what: &str, n: usize| {
@@ -174,7 +188,16 @@ fn a_failing_prestart_stops_its_siblings_and_runs_poststop() {
         ("init", 3),
         "the agent exits with the task's code: {codes:?}"
     );
-    assert!(codes[1..].iter().all(|(_, c)| *c == 0), "{codes:?}");
+    assert_eq!(
+        codes[1..],
+        [
+            ("proxy", 122),
+            ("web", 122),
+            ("announce", 122),
+            ("cleanup", 0)
+        ],
+        "the tasks told to stop, running or not, end their agents with 122"
+    );
     let log = log_lines(dir.path());
     assert!(
         !log.contains(&"web-start".to_owned()),
@@ -397,7 +420,7 @@ fn deleting_the_allocation_ends_the_agent_and_its_task() {
         .unwrap();
     assert_eq!(String::from_utf8_lossy(&deleted.stdout), "204");
     let codes = exits(std::slice::from_mut(&mut web));
-    assert_eq!(codes.len(), 1);
+    assert_eq!(codes, [("web", 123)], "deleted while it ran");
     let alive = Command::new("kill")
         .args(["-0", &pid])
         .stderr(Stdio::null())
@@ -532,7 +555,7 @@ fn main_starts_only_once_the_sidecar_s_port_accepts_connections() {
         ),
     ];
     let codes = exits(&mut agents);
-    assert!(codes.iter().all(|(_, c)| *c == 0), "{codes:?}");
+    assert_eq!(codes, [("db", 122), ("web", 0)], "the sidecar is stopped");
     assert_eq!(log_lines(dir.path()), ["db-start", "web-port-open"]);
     let db = task_events(&server.base, "r1", "db");
     assert!(db.contains(&"Ready".to_owned()), "{db:?}");
@@ -565,7 +588,7 @@ fn a_readiness_task_without_a_probe_is_refused() {
         .args(["--", "true"])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(out.status.code(), Some(125));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--ready-cmd"), "{stderr}");
     let t = get(&server.base, "/v1/allocations/r2/tasks/web");
@@ -629,7 +652,7 @@ fn a_task_not_ready_in_time_is_killed_as_a_failure() {
         &format!("echo run >> {d}/log; exec sleep 300"),
     );
     let codes = exits(std::slice::from_mut(&mut web));
-    assert_eq!(codes.len(), 1);
+    assert_eq!(codes, [("web", 124)], "not ready in time, not run again");
     assert_eq!(log_lines(dir.path()), ["run"]);
     let t = get(&server.base, "/v1/allocations/t1/tasks/web");
     assert_eq!(t["state"], "dead");
@@ -722,14 +745,15 @@ fn signal(child: &std::process::Child, sig: &str) {
 }
 
 /// SIGTERM while the server is unreachable: the task is stopped at once,
-/// the agent tries to report for --shutdown-timeout and exits, saying so.
+/// the agent tries to report for --shutdown-timeout and exits with the
+/// code for "could not reach the server", saying so.
 #[test]
-fn sigterm_with_the_server_gone_stops_the_task_and_exits_after_the_shutdown_timeout() {
+fn sigterm_with_the_server_gone_stops_the_task_and_exits_120_after_the_shutdown_timeout() {
     let (agent, pid, _dir) = running_then_server_gone(&["--shutdown-timeout", "1s"]);
     assert!(alive(&pid));
     signal(&agent, "-TERM");
     let (code, stderr) = ended(agent);
-    assert_eq!(code, Some(2), "{stderr}");
+    assert_eq!(code, Some(120), "{stderr}");
     assert!(stderr.contains("--shutdown-timeout"), "{stderr}");
     assert!(!alive(&pid), "the task was stopped");
 }
@@ -751,8 +775,8 @@ fn a_second_signal_exits_at_once() {
     assert!(stderr.contains("second signal"), "{stderr}");
 }
 
-/// An --alloc the server does not know is an error, not "deleted": a
-/// supervisor must not read a typo as success.
+/// An --alloc the server does not know is a configuration error (125), not
+/// "deleted": a supervisor must not read a typo as success.
 #[test]
 fn an_unknown_allocation_is_an_error_that_names_the_fix() {
     let server = Server::start(&["--in-memory"]);
@@ -768,12 +792,12 @@ fn an_unknown_allocation_is_an_error_that_names_the_fix() {
         "true",
     );
     let (code, stderr) = ended(agent);
-    assert_eq!(code, Some(2), "{stderr}");
+    assert_eq!(code, Some(125), "{stderr}");
     assert!(stderr.contains("--register"), "{stderr}");
     assert!(stderr.contains("no-such"), "{stderr}");
 }
 
-/// A token the server refuses names the flags that give one.
+/// A token the server refuses names the flags that give one (exit 125).
 #[test]
 fn a_refused_token_names_the_flag_to_fix() {
     let dir = tempfile::tempdir().unwrap();
@@ -803,7 +827,7 @@ fn a_refused_token_names_the_flag_to_fix() {
         "true",
     );
     let (code, stderr) = ended(agent);
-    assert_eq!(code, Some(2), "{stderr}");
+    assert_eq!(code, Some(125), "{stderr}");
     assert!(stderr.contains("401"), "{stderr}");
     assert!(stderr.contains("--token"), "{stderr}");
     assert!(
@@ -1074,9 +1098,10 @@ fn repeated_connection_failures_say_once_what_to_check() {
 }
 
 /// `--register` with a spec other than the one the allocation was
-/// registered with is an error (exit 2) that names what differs.
+/// registered with is a configuration error (exit 125) that names what
+/// differs.
 #[test]
-fn registering_a_different_spec_exits_2_naming_the_difference() {
+fn registering_a_different_spec_exits_125_naming_the_difference() {
     let server = Server::start(&["--in-memory"]);
     let dir = tempfile::tempdir().unwrap();
     let stored = json!({"tasks": [
@@ -1118,7 +1143,7 @@ fn registering_a_different_spec_exits_2_naming_the_difference() {
         "true",
     );
     let (code, stderr) = ended(child);
-    assert_eq!(code, Some(2), "{stderr}");
+    assert_eq!(code, Some(125), "{stderr}");
     for what in ["x1", "init", "sidecar", "extra", "gone", "spec.json"] {
         assert!(stderr.contains(what), "names {what}: {stderr}");
     }
@@ -1281,5 +1306,110 @@ fn a_stopped_server_holds_up_neither_sigterm_nor_a_workloads_exit() {
         signalled.elapsed()
     );
     send_signal(server.child.id(), "CONT");
+}
+
+/// The exit codes `taskgate agent --help` lists are those of the table in
+/// docs/agent-protocol.md.
+#[test]
+fn the_help_lists_the_exit_codes_of_the_documented_table() {
+    let out = Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        .args(["agent", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    let doc = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/docs/agent-protocol.md"
+    ))
+    .unwrap();
+    let table: Vec<&str> = doc
+        .split("## Exit codes")
+        .nth(1)
+        .expect("the protocol page has an exit code table")
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `")?.split('`').next())
+        .collect();
+    assert!(table.len() >= 8, "{table:?}");
+    let listed: Vec<&str> = help
+        .split("Exit codes")
+        .nth(1)
+        .expect("the help has an exit code table")
+        .lines()
+        .filter_map(|l| l.trim_start().split_whitespace().next())
+        .filter(|w| w.chars().next().is_some_and(|c| c.is_ascii_digit()))
+        .collect();
+    assert_eq!(listed, table, "{help}");
+}
+
+/// A task stopped by an order of the server (here: its leader finished)
+/// ends its agent with the code for "stopped by an order", not with the
+/// code its process happened to exit with.
+#[test]
+fn an_agent_whose_task_is_stopped_by_an_order_exits_122() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let spec = spec_file(
+        dir.path(),
+        &json!({"tasks": [{"name": "web", "leader": true}, {"name": "side"}]}),
+    );
+    let side = agent(&server.base, "o1", "side", &spec, &[], "exec sleep 300");
+    let web = agent(
+        &server.base,
+        "o1",
+        "web",
+        &spec,
+        &[],
+        &format!("for i in $(seq 1 3000); do [ -e {d}/finish ] && exit 0; sleep 0.02; done"),
+    );
+    wait_state(&server.base, "o1", "side", "running");
+    wait_state(&server.base, "o1", "web", "running");
+    std::fs::write(dir.path().join("finish"), "").unwrap();
+    let mut agents = [web, side];
+    assert_eq!(exits(&mut agents), [("web", 0), ("side", 122)]);
+    let side = task_events(&server.base, "o1", "side");
+    assert!(
+        side.ends_with(&["Killing".to_owned(), "Killed".to_owned()]),
+        "{side:?}"
+    );
+}
+
+/// A command that is not there exits 127, one that is there but cannot be
+/// run 126, and the log names it; the task is reported a driver failure.
+#[test]
+fn a_command_that_cannot_run_is_named_and_exits_127_or_126() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = web_only(dir.path());
+    let plain = dir.path().join("not-executable");
+    std::fs::write(&plain, "#!/bin/sh\nexit 0\n").unwrap();
+    let plain = plain.to_str().unwrap().to_owned();
+    for (alloc, program, code) in [
+        ("m1", "/nonexistent/program-of-taskgate", 127),
+        ("m2", plain.as_str(), 126),
+    ] {
+        let child = Command::new(env!("CARGO_BIN_EXE_taskgate"))
+            .args(["agent", "--server", &server.base, "--alloc", alloc])
+            .args(["--task", "web", "--register"])
+            .arg(&spec)
+            .args(["--", program, "arg"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (exit, stderr) = ended(child);
+        assert_eq!(exit, Some(code), "{program}: {stderr}");
+        assert!(
+            stderr
+                .lines()
+                .any(|l| l.contains("ERROR") && l.contains(program)),
+            "the log names {program}: {stderr}"
+        );
+        assert_eq!(
+            task_events(&server.base, alloc, "web"),
+            ["Driver Failure"],
+            "{program}"
+        );
+    }
 }
 

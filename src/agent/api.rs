@@ -38,6 +38,10 @@ pub enum ApiError {
     /// A request the server will never accept (bad token, bad spec, ...).
     #[error("{0}")]
     Fatal(String),
+    /// No server took a request within `--shutdown-timeout` after the
+    /// agent was told to stop.
+    #[error("{0}")]
+    Unreachable(String),
 }
 
 /// What the agent reads of its task view.
@@ -320,9 +324,9 @@ impl Api {
                 .get()
                 .map(|at| at.saturating_duration_since(tokio::time::Instant::now()));
             if left == Some(Duration::ZERO) {
-                return Err(ApiError::Fatal(format!(
-                    "{method} {path}: the server did not take it within --shutdown-timeout; \
-                     the task is stopped, but the server may still show it running"
+                return Err(ApiError::Unreachable(format!(
+                    "{method} {path}: no server took it within --shutdown-timeout; the task \
+                     is stopped, but the server may still show it running"
                 )));
             }
             let timeout = left.map_or(REQUEST_TIMEOUT, |l| l.min(REQUEST_TIMEOUT));

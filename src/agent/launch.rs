@@ -19,7 +19,7 @@
 //! runs on a single-threaded runtime (`main.rs`), so that thread lives as
 //! long as the agent.
 
-use std::{io, os::unix::process::CommandExt, path::Path};
+use std::{io, os::unix::process::CommandExt};
 
 use rustix::process::Signal;
 
@@ -82,30 +82,40 @@ impl Launch {
 }
 
 /// Whether `program` names an executable file, looked up in `PATH` as
-/// exec looks it up when it has no `/`.
+/// exec looks it up when it has no `/`: `NotFound` if there is no such
+/// file, `PermissionDenied` if there is one that cannot be run (as exec
+/// fails with ENOENT and EACCES).
 fn runnable(program: &str) -> io::Result<()> {
     use std::os::unix::fs::PermissionsExt;
-    let executable = |p: &Path| {
-        p.metadata()
-            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-    };
-    let found = if program.contains('/') {
-        executable(Path::new(program))
+    let candidates: Vec<std::path::PathBuf> = if program.contains('/') {
+        vec![program.into()]
     } else {
         // Unset, exec's search path is the C library's default.
         let path = std::env::var_os("PATH").unwrap_or_else(|| "/bin:/usr/bin".into());
-        std::env::split_paths(&path).any(|dir| executable(&dir.join(program)))
+        std::env::split_paths(&path)
+            .map(|dir| dir.join(program))
+            .collect()
     };
-    if found {
-        Ok(())
-    } else {
-        Err(io::Error::new(
-            io::ErrorKind::NotFound,
-            format!(
-                "{program:?}: no such executable file (PATH is searched for a name without '/')"
-            ),
-        ))
+    let mut unrunnable = None;
+    for candidate in candidates {
+        match candidate.metadata() {
+            Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => return Ok(()),
+            Ok(_) => {
+                unrunnable.get_or_insert(candidate);
+            }
+            Err(_) => {}
+        }
     }
+    Err(match unrunnable {
+        Some(found) => io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("{program:?}: {} is not an executable file", found.display()),
+        ),
+        None => io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("{program:?}: no such file (PATH is searched for a name without '/')"),
+        ),
+    })
 }
 
 /// `taskgate agent-exec`: how `taskgate agent` starts a command.
@@ -159,7 +169,18 @@ mod tests {
         let err = runnable("no-such-program-of-taskgate").unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::NotFound);
         assert!(err.to_string().contains("no-such-program-of-taskgate"));
-        assert!(runnable("/nonexistent/sh").is_err());
-        assert!(runnable("/tmp").is_err(), "a directory is not a program");
+        let err = runnable("/nonexistent/sh").unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::NotFound);
+        let err = runnable("/tmp").unwrap_err();
+        assert_eq!(
+            err.kind(),
+            io::ErrorKind::PermissionDenied,
+            "a directory is not a program"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let plain = dir.path().join("plain");
+        std::fs::write(&plain, "#!/bin/sh\n").unwrap();
+        let err = runnable(plain.to_str().unwrap()).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::PermissionDenied, "{err}");
     }
 }

@@ -41,6 +41,7 @@
 //! it from that, and root can read anything.
 
 mod api;
+pub mod exit;
 mod launch;
 mod policy;
 mod process;
@@ -63,6 +64,7 @@ use process::Exit;
 use readiness::Probe;
 
 #[derive(Debug, Clone, Args)]
+#[command(after_help = exit::TABLE)]
 pub struct AgentConfig {
     /// The server's base URL; several, comma-separated, for replicas of one
     /// deployment (`--store etcd`): a request that finds one unreachable
@@ -242,8 +244,10 @@ struct Agent {
     /// Turns true on SIGTERM/SIGINT to the agent.
     stopping: watch::Receiver<bool>,
     policy: RestartPolicy,
-    /// The exit code the agent ends with: the task's last one.
-    exit_code: i32,
+    /// The exit code the agent ends with, once a run (or the wait for
+    /// one) has ended: the task's own code after a run that ended by
+    /// itself, else one of `exit`'s.
+    exit_code: Option<i32>,
     /// The readiness probe, if one was given.
     probe: Option<Probe>,
     /// What the last start condition said of how the allocation ended, for
@@ -310,6 +314,7 @@ impl Agent {
                 Gate::Open => {}
                 Gate::AgentStopping => return Ok(self.stopped_at_the_gate()),
                 Gate::Stop => {
+                    self.exit_code = Some(exit::STOP_ORDER);
                     self.report(
                         "dead",
                         false,
@@ -322,14 +327,14 @@ impl Agent {
                     .await?;
                     match self.after_death().await? {
                         AfterDeath::Restart => continue,
-                        AfterDeath::Exit => return Ok(self.exit_code),
+                        AfterDeath::Exit => return Ok(self.exit_code.unwrap_or(0)),
                     }
                 }
             }
             self.ran = true;
             match self.run_once().await? {
                 AfterDeath::Restart => continue,
-                AfterDeath::Exit => return Ok(self.exit_code),
+                AfterDeath::Exit => return Ok(self.exit_code.unwrap_or(0)),
             }
         }
     }
@@ -439,10 +444,21 @@ impl Agent {
             .launch
             .command(&self.config.command)
             .and_then(|cmd| process::spawn(cmd, &env));
+        self.exit_code = None;
         let mut child = match spawned {
             Ok(c) => c,
             Err(e) => {
-                self.exit_code = 127;
+                let not_found = e.kind() == std::io::ErrorKind::NotFound;
+                tracing::error!(
+                    task = %self.config.task,
+                    command = ?self.config.command,
+                    "cannot run the command: {e}"
+                );
+                self.exit_code = Some(if not_found {
+                    exit::NOT_FOUND
+                } else {
+                    exit::CANNOT_RUN
+                });
                 self.report(
                     "dead",
                     true,
@@ -621,8 +637,11 @@ impl Agent {
                 reported?;
                 let mut details = exit.details();
                 details["readiness_timeout"] = json!(shown);
-                self.failed_run(exit.code(), event("Readiness Timeout", message, details))
-                    .await
+                self.failed_run(
+                    exit::NOT_READY,
+                    event("Readiness Timeout", message, details),
+                )
+                .await
             }
             Ended::StopOrder(reason) => {
                 let killing = event("Killing", reason.clone(), json!({}));
@@ -635,7 +654,7 @@ impl Agent {
                 );
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
                 reported?;
-                self.exit_code = 0;
+                self.exit_code = Some(exit::STOP_ORDER);
                 self.report("dead", false, Some(event("Killed", reason, exit.details())))
                     .await?;
                 self.after_death().await
@@ -657,6 +676,7 @@ impl Agent {
                 Ok(AfterDeath::Restart)
             }
             Ended::AgentStopping => {
+                self.exit_code = Some(0);
                 let exit = child.stop(kill_timeout).await;
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
                 landed(started).await?;
@@ -699,7 +719,7 @@ impl Agent {
         failed: bool,
         terminated: Value,
     ) -> Result<AfterDeath, ApiError> {
-        self.exit_code = code;
+        self.exit_code = Some(code);
         let ephemeral = matches!(
             self.stage.as_str(),
             "prestart_ephemeral" | "poststart_ephemeral" | "poststop"
@@ -800,9 +820,6 @@ fn token_on_command_line() -> bool {
         .any(|a| a == "--token" || a.starts_with("--token="))
 }
 
-/// The agent's exit code when the server declared its task lost.
-pub const LOST_EXIT: i32 = 3;
-
 /// Runs the agent until it is done; returns the process exit code.
 pub async fn run(config: AgentConfig) -> i32 {
     // Before anything is started: the handlers, so that no terminating
@@ -827,7 +844,7 @@ pub async fn run(config: AgentConfig) -> i32 {
         Ok(api) => api,
         Err(e) => {
             eprintln!("taskgate agent: {e}");
-            return 2;
+            return exit::CONFIG;
         }
     };
     let launch = Launch::for_agent();
@@ -840,7 +857,7 @@ pub async fn run(config: AgentConfig) -> i32 {
         Ok(p) => p,
         Err(e) => {
             eprintln!("taskgate agent: {e}");
-            return 2;
+            return exit::CONFIG;
         }
     };
     let (stop_tx, stopping) = watch::channel(false);
@@ -856,7 +873,7 @@ pub async fn run(config: AgentConfig) -> i32 {
         let signal = signals.recv().await;
         process::kill_everything(group.load(std::sync::atomic::Ordering::Relaxed)).await;
         eprintln!("taskgate agent: a second signal ({signal}): exiting now");
-        std::process::exit(130);
+        std::process::exit(exit::SECOND_SIGNAL);
     });
     let policy = RestartPolicy {
         attempts: config.restart_attempts,
@@ -873,7 +890,7 @@ pub async fn run(config: AgentConfig) -> i32 {
         index: 0,
         stopping,
         policy,
-        exit_code: 0,
+        exit_code: None,
         probe,
         outcome: None,
         running,
@@ -884,8 +901,11 @@ pub async fn run(config: AgentConfig) -> i32 {
     let code = match agent.run().await {
         Ok(code) => code,
         Err(ApiError::Gone) => {
-            tracing::info!("the allocation was deleted");
-            agent.exit_code
+            // After a run that ended by itself, the task's own code: the
+            // deletion only ended the wait for the allocation's end.
+            let code = agent.exit_code.unwrap_or(exit::DELETED);
+            tracing::info!(code, "the allocation was deleted");
+            code
         }
         Err(e @ ApiError::Lost { .. }) => {
             eprintln!(
@@ -893,11 +913,15 @@ pub async fn run(config: AgentConfig) -> i32 {
                  task's process is stopped, and the server takes no report of it; an all-tasks \
                  restart or a restore runs it again, with a new agent"
             );
-            LOST_EXIT
+            exit::LOST
+        }
+        Err(ApiError::Unreachable(e)) => {
+            eprintln!("taskgate agent: {e}");
+            exit::UNREACHABLE
         }
         Err(ApiError::Fatal(e)) => {
             eprintln!("taskgate agent: {e}");
-            2
+            exit::CONFIG
         }
     };
     // Each run stopped its own; this is for what a readiness command may
