@@ -51,8 +51,12 @@ fn main() -> ExitCode {
             // can read neither the token in the agent's environment nor
             // its memory.
             let hidden = taskgate::agent::forbid_inspection();
+            let filter = EnvFilter::try_new(&config.log).unwrap_or_else(|e| {
+                eprintln!("taskgate agent: bad --log filter {:?}: {e}", config.log);
+                std::process::exit(taskgate::agent::exit::CONFIG)
+            });
             tracing_subscriber::fmt()
-                .with_env_filter(EnvFilter::new("info"))
+                .with_env_filter(filter)
                 .with_writer(std::io::stderr)
                 .with_ansi(std::io::stderr().is_terminal())
                 .init();

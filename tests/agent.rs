@@ -1028,6 +1028,8 @@ fn the_backoff_keeps_growing_while_the_probe_answers() {
             "true",
             "--ready-interval",
             "50ms",
+            "--log",
+            "info,taskgate=debug",
         ],
         "exec sleep 300",
     );
@@ -1054,8 +1056,9 @@ fn the_backoff_keeps_growing_while_the_probe_answers() {
     });
 }
 
-/// After repeated failures to reach the server the agent says, once, what
-/// to check; here an https URL given for a plain-HTTP server.
+/// When the server does not answer the agent says, once, what to check;
+/// here an https URL given for a plain-HTTP server, which never answers:
+/// its retries (debug lines) add no warning.
 #[test]
 fn repeated_connection_failures_say_once_what_to_check() {
     let server = Server::start(&["--in-memory"]);
@@ -1072,12 +1075,14 @@ fn repeated_connection_failures_say_once_what_to_check() {
             "web",
             "--register",
             spec.to_str().unwrap(),
+            "--log",
+            "info,taskgate=debug",
         ],
         "true",
     );
     let lines = stderr_lines(&mut child);
     let _agent = Agent { child, task: "web" };
-    let is_hint = |l: &String| l.contains("could not reach");
+    let is_hint = |l: &String| l.contains("WARN") && l.contains("stopped answering");
     let seen = wait_lines(&lines, "said what to check", |lines| {
         lines.iter().any(is_hint)
     });
@@ -1091,9 +1096,9 @@ fn repeated_connection_failures_say_once_what_to_check() {
         retries(lines) >= so_far + 3
     });
     assert_eq!(
-        seen.iter().filter(|l| is_hint(l)).count(),
+        seen.iter().filter(|l| l.contains("WARN")).count(),
         1,
-        "once per episode: {seen:#?}"
+        "one warning for the outage: {seen:#?}"
     );
 }
 
@@ -1413,3 +1418,41 @@ fn a_command_that_cannot_run_is_named_and_exits_127_or_126() {
     }
 }
 
+/// An outage is one warning when the server stops answering, with what to
+/// check, and one line when it answers again (here to a heartbeat, a third
+/// of the TTL after the last): not a line per retry.
+#[test]
+fn an_outage_is_one_warning_and_one_line_when_it_ends() {
+    use common::proxy::Proxy;
+    let server = Server::start(&["--in-memory"]);
+    let proxy = Proxy::start(server.addr());
+    let dir = tempfile::tempdir().unwrap();
+    let spec = web_only(dir.path());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        .args(["agent", "--server", &proxy.base, "--alloc", "o2"])
+        .args(["--task", "web", "--register"])
+        .arg(&spec)
+        .args(["--liveness-ttl", "10s", "--log", "info,taskgate=debug"])
+        .args(["--", "sleep", "300"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = stderr_lines(&mut child);
+    let _agent = Agent { child, task: "web" };
+    wait_state(&server.base, "o2", "web", "running");
+    proxy.cut();
+    let retries = |lines: &[String]| lines.iter().filter(|l| l.contains("retrying")).count();
+    wait_lines(&lines, "retried six times", |lines| retries(lines) >= 6);
+    proxy.heal();
+    let is_back = |l: &String| l.contains("INFO") && l.contains("answers again");
+    let seen = wait_lines(&lines, "said the server is back", |lines| {
+        lines.iter().any(is_back)
+    });
+    let warnings: Vec<&String> = seen.iter().filter(|l| l.contains("WARN")).collect();
+    assert_eq!(warnings.len(), 1, "one warning for the outage: {seen:#?}");
+    for what in [proxy.base.as_str(), "running", "--ca-cert"] {
+        assert!(warnings[0].contains(what), "names {what}: {}", warnings[0]);
+    }
+    assert_eq!(seen.iter().filter(|l| is_back(l)).count(), 1, "{seen:#?}");
+}
