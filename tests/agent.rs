@@ -1418,6 +1418,42 @@ fn a_command_that_cannot_run_is_named_and_exits_127_or_126() {
     }
 }
 
+/// `--token-file` on the command line is warned about as `--token` is: the
+/// file's path shows in every user's process list, and a workload of the
+/// same user that finds the file may read it.
+#[test]
+fn a_token_file_named_on_the_command_line_is_warned_about() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = web_only(dir.path());
+    let token = dir.path().join("token");
+    std::fs::write(&token, "a-token-of-enough-length-0123456789\n").unwrap();
+    let child = agent_with_stderr(
+        &[
+            "--server",
+            &server.base,
+            "--alloc",
+            "tf1",
+            "--task",
+            "web",
+            "--register",
+            spec.to_str().unwrap(),
+            "--token-file",
+            token.to_str().unwrap(),
+        ],
+        "true",
+    );
+    let (code, stderr) = ended(child);
+    assert_eq!(code, Some(0), "{stderr}");
+    let warning = stderr
+        .lines()
+        .find(|l| l.contains("WARN") && l.contains("--token-file"))
+        .unwrap_or_else(|| panic!("no warning about --token-file: {stderr}"));
+    for what in ["process list", "TASKGATE_TOKEN_FILE"] {
+        assert!(warning.contains(what), "names {what}: {warning}");
+    }
+}
+
 /// An outage is one warning when the server stops answering, with what to
 /// check, and one line when it answers again (here to a heartbeat, a third
 /// of the TTL after the last): not a line per retry.

@@ -97,7 +97,8 @@ pub struct AgentConfig {
     )]
     pub token: Option<Secret>,
     /// Read the token from this file (its first line), so the secret need
-    /// not sit in any process's environment.
+    /// not sit in any process's environment. On the command line its path
+    /// shows in every user's process list: prefer TASKGATE_TOKEN_FILE.
     #[arg(long, env = "TASKGATE_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
     /// Register the allocation from this spec file first (idempotent: every
@@ -815,13 +816,13 @@ pub fn forbid_inspection() -> std::io::Result<()> {
         .map_err(Into::into)
 }
 
-/// Whether `--token` was given on the command line (before the command's
-/// own `--`), where every user of the host sees it.
-fn token_on_command_line() -> bool {
+/// Whether `flag` was given on the command line (before the command's own
+/// `--`), where every user of the host sees it.
+fn on_command_line(flag: &str) -> bool {
     std::env::args()
         .skip(1)
         .take_while(|a| a != "--")
-        .any(|a| a == "--token" || a.starts_with("--token="))
+        .any(|a| a == flag || a.strip_prefix(flag).is_some_and(|v| v.starts_with('=')))
 }
 
 /// Runs the agent until it is done; returns the process exit code.
@@ -838,10 +839,19 @@ pub async fn run(config: AgentConfig) -> i32 {
         );
     }
     tokio::spawn(process::reap_forever(REAP_PAUSE));
-    if token_on_command_line() {
+    if on_command_line("--token") {
         tracing::warn!(
             "--token on the command line shows in every user's process list \
-             (/proc/<pid>/cmdline); give it in TASKGATE_TOKEN or a file named by --token-file"
+             (/proc/<pid>/cmdline); give it in TASKGATE_TOKEN or a file named by \
+             TASKGATE_TOKEN_FILE"
+        );
+    }
+    if on_command_line("--token-file") {
+        tracing::warn!(
+            "--token-file on the command line shows the file's path in every user's process \
+             list (/proc/<pid>/cmdline), and the workload, if it runs as the file's owner, may \
+             read the file: name it in TASKGATE_TOKEN_FILE (the agent's environment is hidden \
+             from other processes), and keep it unreadable to the workload's user"
         );
     }
     let api = match Api::new(&config) {
