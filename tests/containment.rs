@@ -312,6 +312,45 @@ fn a_hanging_readiness_command_is_killed_with_its_group() {
     }
 }
 
+/// What a readiness command starts is gone once its check has ended, also
+/// a daemon that left the command's process group and session (`setsid`)
+/// and one whose parent exited (a double fork): checks pile up no
+/// processes while the task runs on.
+#[test]
+fn a_readiness_commands_daemons_are_gone_after_its_check() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let spec = web_only(d);
+    let dd = d.display();
+    // Each check starts two daemons, waits until both have written their
+    // pids, and answers ready.
+    let probe = format!(
+        "n=$(cat {dd}/daemons 2>/dev/null | wc -l); \
+         setsid sh -c 'echo $$ >> {dd}/daemons; exec sleep 300' & \
+         (sh -c 'echo $$ >> {dd}/daemons; exec sleep 300' &); \
+         for i in $(seq 1 3000); do \
+           [ $(cat {dd}/daemons | wc -l) -ge $((n + 2)) ] && exit 0; sleep 0.01; \
+         done; exit 1"
+    );
+    let _web = agent(
+        &server.base,
+        "p2",
+        "web",
+        &spec,
+        &["--ready-cmd", &probe, "--ready-interval", "500ms"],
+        &format!("echo $$ > {dd}/leader; exec sleep 300"),
+    );
+    // Once a third check has started its daemons, the first two checks
+    // have ended.
+    let daemons = read_pids(&d.join("daemons"), 6);
+    for pid in &daemons[..4] {
+        wait_gone(*pid, "a daemon of an ended readiness check");
+    }
+    let leader = read_pids(&d.join("leader"), 1)[0];
+    assert!(runs(leader), "the task runs on");
+}
+
 /// The agent's token is out of reach of what it runs: not in the
 /// environment of the task or of a readiness command, and not in the
 /// agent's own `/proc/<pid>/environ` or memory, which a process of the

@@ -55,6 +55,18 @@ impl Launch {
 
     /// A command that runs `argv`.
     pub fn command(self, argv: &[String]) -> io::Result<tokio::process::Command> {
+        self.make(argv, false)
+    }
+
+    /// A command that runs `argv` for a readiness check: through
+    /// `agent-exec --reap`, which ends all `argv` started once it has
+    /// ended, or on SIGTERM (directly where the agent cannot start its own
+    /// binary).
+    pub fn check(self, argv: &[String]) -> io::Result<tokio::process::Command> {
+        self.make(argv, true)
+    }
+
+    fn make(self, argv: &[String], reap: bool) -> io::Result<tokio::process::Command> {
         let program = argv
             .first()
             .ok_or_else(|| io::Error::other("no command given"))?;
@@ -72,9 +84,11 @@ impl Launch {
                 runnable(program)?;
                 let mut cmd = tokio::process::Command::new(SELF);
                 cmd.args(["agent-exec", "--parent"])
-                    .arg(rustix::process::getpid().as_raw_nonzero().to_string())
-                    .arg("--")
-                    .args(argv);
+                    .arg(rustix::process::getpid().as_raw_nonzero().to_string());
+                if reap {
+                    cmd.arg("--reap");
+                }
+                cmd.arg("--").args(argv);
                 Ok(cmd)
             }
         }
@@ -125,6 +139,11 @@ pub struct ExecArgs {
     /// is gone and the command does not start.
     #[arg(long)]
     pub parent: i32,
+    /// Run the command as a child, a child subreaper of it, and end all it
+    /// started (SIGKILL) once it has ended or on SIGTERM; exit with its
+    /// code (128 + 15 after SIGTERM). For readiness checks.
+    #[arg(long)]
+    pub reap: bool,
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true, num_args = 1..)]
     pub command: Vec<String>,
@@ -149,6 +168,9 @@ pub fn exec(args: &ExecArgs) -> u8 {
     let Some((program, rest)) = args.command.split_first() else {
         return 127;
     };
+    if args.reap {
+        return reap(&args.command);
+    }
     let error = std::process::Command::new(program).args(rest).exec();
     eprintln!("taskgate agent: cannot run {program:?}: {error}");
     if error.kind() == io::ErrorKind::NotFound {
@@ -156,6 +178,57 @@ pub fn exec(args: &ExecArgs) -> u8 {
     } else {
         126
     }
+}
+
+/// `agent-exec --reap`: runs `argv` and ends all it started. The reaper is
+/// the child subreaper of the command, so a process the command leaves
+/// behind (a daemon that called `setsid`, the child of a double fork) is
+/// re-parented to it, not to the agent, and ended with the check: a
+/// readiness check that starts a daemon leaves nothing once it has ended.
+/// The command runs through `agent-exec` in its turn, so that it dies if
+/// the reaper is killed.
+fn reap(argv: &[String]) -> u8 {
+    use tokio::signal::unix::{SignalKind, signal};
+    // Without it the command's orphans go to the agent, which ends them
+    // with the task: worth running still.
+    let _ = super::process::become_subreaper();
+    let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    else {
+        return 126;
+    };
+    runtime.block_on(async {
+        let mut terminate = signal(SignalKind::terminate()).ok();
+        let spawned = Launch::DiesWithAgent
+            .command(argv)
+            .and_then(super::process::spawn_check);
+        let mut child = match spawned {
+            Ok(child) => child,
+            Err(e) => {
+                eprintln!("taskgate agent: cannot run {argv:?}: {e}");
+                return if e.kind() == io::ErrorKind::NotFound {
+                    127
+                } else {
+                    126
+                };
+            }
+        };
+        let told = async {
+            match terminate.as_mut() {
+                Some(t) => t.recv().await,
+                None => std::future::pending().await,
+            }
+        };
+        let code = tokio::select! {
+            exit = child.wait() => exit.code(),
+            _ = told => 128 + Signal::TERM.as_raw(),
+        };
+        // All it started, in its group or not, at once: a check has no
+        // grace period.
+        child.stop(std::time::Duration::ZERO).await;
+        u8::try_from(code).unwrap_or(1)
+    })
 }
 
 #[cfg(test)]

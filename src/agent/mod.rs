@@ -13,8 +13,8 @@
 //! allocation, the agent stopping on a signal or an error — the agent
 //! sends SIGTERM to the task's process group and to every such stray,
 //! SIGKILL after `--kill-timeout`, and reaps them, before it reports the
-//! task dead (`process.rs`). Readiness commands run in groups of their own
-//! and are killed with them when their check ends. Every terminating
+//! task dead (`process.rs`). Readiness commands run under a reaper of
+//! their own, which ends all they started when their check ends. Every terminating
 //! signal a process may catch (HUP, INT, QUIT, TERM, USR1, USR2, ALRM,
 //! STKFLT, the real-time signals, ...; `signals.rs`) stops the task and
 //! reports it dead; a second one kills everything and exits.

@@ -253,6 +253,20 @@ impl Child {
         self.exit.unwrap_or(Exit(None))
     }
 
+    /// Asks the command to end (SIGTERM to its process group), and kills
+    /// the group if its first process has not ended within `within`;
+    /// returns how that process ended. What left the group is not looked
+    /// for: a readiness check's reaper ends what its command started.
+    pub async fn end(&mut self, within: Duration) -> Exit {
+        if !self.done {
+            signal_group(self.pid, Signal::TERM);
+        }
+        match tokio::time::timeout(within, self.wait()).await {
+            Ok(exit) => exit,
+            Err(_) => self.kill_now().await,
+        }
+    }
+
     /// Ends the command at once: SIGKILL to its process group, and its
     /// first process reaped. What left the group is for the task's stop.
     pub async fn kill_now(&mut self) -> Exit {
