@@ -351,6 +351,74 @@ fn a_readiness_commands_daemons_are_gone_after_its_check() {
     assert!(runs(leader), "the task runs on");
 }
 
+/// Where the agent may create a cgroup (cgroup v2, and root here), its task
+/// runs in a cgroup of its own, with all it starts (also a process that
+/// left the task's process group); the cgroup is gone once the agent has
+/// stopped the task and exited.
+#[test]
+fn the_task_runs_in_a_cgroup_of_its_own_removed_with_the_agent() {
+    let Some(mount) = cgroup2_mount() else {
+        eprintln!("no cgroup v2 on this machine: the agent falls back, nothing to test");
+        return;
+    };
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("not root: the agent may not create a cgroup here, nothing to test");
+        return;
+    }
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let spec = web_only(d);
+    let cmd = format!(
+        "echo $$ >> {}/leader; {} wait",
+        d.display(),
+        escaped(d, "esc")
+    );
+    let mut web = agent(&server.base, "cg1", "web", &spec, &[], &cmd);
+    let leader = read_pids(&d.join("leader"), 1)[0];
+    let esc = read_pids(&d.join("esc"), 1)[0];
+    let own = cgroup_of(leader);
+    assert!(
+        own.rsplit('/')
+            .next()
+            .is_some_and(|name| name.starts_with("taskgate-")),
+        "the task runs in {own:?}"
+    );
+    assert_ne!(own, cgroup_of(std::process::id().cast_signed()));
+    assert_eq!(cgroup_of(esc), own, "the escaped process is in it too");
+    let path = mount.join(own.trim_start_matches('/'));
+    assert!(path.join("cgroup.kill").exists(), "{}", path.display());
+    wait_state(&server.base, "cg1", "web", "running");
+    send_signal(web.child.id(), "TERM");
+    assert_eq!(exits(std::slice::from_mut(&mut web)), [("web", 0)]);
+    assert!(!runs(leader) && !runs(esc));
+    assert!(!path.exists(), "{} outlived the agent", path.display());
+}
+
+/// Where cgroup v2 is mounted (the `cgroup2` line of mountinfo).
+fn cgroup2_mount() -> Option<std::path::PathBuf> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .ok()?
+        .lines()
+        .find(|l| {
+            l.split(" - ")
+                .nth(1)
+                .is_some_and(|f| f.starts_with("cgroup2 "))
+        })
+        .and_then(|l| l.split(' ').nth(4))
+        .map(Into::into)
+}
+
+/// The cgroup v2 path of `pid` (its `0::` line).
+fn cgroup_of(pid: i32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .unwrap_or_default()
+        .to_owned()
+}
+
 /// The agent's token is out of reach of what it runs: not in the
 /// environment of the task or of a readiness command, and not in the
 /// agent's own `/proc/<pid>/environ` or memory, which a process of the

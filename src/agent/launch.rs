@@ -19,7 +19,7 @@
 //! runs on a single-threaded runtime (`main.rs`), so that thread lives as
 //! long as the agent.
 
-use std::{io, os::unix::process::CommandExt};
+use std::{io, os::unix::process::CommandExt, path::Path};
 
 use rustix::process::Signal;
 
@@ -55,7 +55,18 @@ impl Launch {
 
     /// A command that runs `argv`.
     pub fn command(self, argv: &[String]) -> io::Result<tokio::process::Command> {
-        self.make(argv, false)
+        self.make(argv, false, None)
+    }
+
+    /// A command that runs the task's `argv`, in the cgroup `cgroup` if
+    /// there is one (`agent-exec` moves itself into it before it execs
+    /// the task, so that nothing of the task runs outside it).
+    pub fn task(
+        self,
+        argv: &[String],
+        cgroup: Option<&Path>,
+    ) -> io::Result<tokio::process::Command> {
+        self.make(argv, false, cgroup)
     }
 
     /// A command that runs `argv` for a readiness check: through
@@ -63,10 +74,15 @@ impl Launch {
     /// ended, or on SIGTERM (directly where the agent cannot start its own
     /// binary).
     pub fn check(self, argv: &[String]) -> io::Result<tokio::process::Command> {
-        self.make(argv, true)
+        self.make(argv, true, None)
     }
 
-    fn make(self, argv: &[String], reap: bool) -> io::Result<tokio::process::Command> {
+    fn make(
+        self,
+        argv: &[String],
+        reap: bool,
+        cgroup: Option<&Path>,
+    ) -> io::Result<tokio::process::Command> {
         let program = argv
             .first()
             .ok_or_else(|| io::Error::other("no command given"))?;
@@ -87,6 +103,9 @@ impl Launch {
                     .arg(rustix::process::getpid().as_raw_nonzero().to_string());
                 if reap {
                     cmd.arg("--reap");
+                }
+                if let Some(cgroup) = cgroup {
+                    cmd.arg("--cgroup").arg(cgroup);
                 }
                 cmd.arg("--").args(argv);
                 Ok(cmd)
@@ -144,6 +163,9 @@ pub struct ExecArgs {
     /// code (128 + 15 after SIGTERM). For readiness checks.
     #[arg(long)]
     pub reap: bool,
+    /// Move into this cgroup (its directory) before running the command.
+    #[arg(long)]
+    pub cgroup: Option<std::path::PathBuf>,
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true, num_args = 1..)]
     pub command: Vec<String>,
@@ -168,6 +190,19 @@ pub fn exec(args: &ExecArgs) -> u8 {
     let Some((program, rest)) = args.command.split_first() else {
         return 127;
     };
+    if let Some(cgroup) = &args.cgroup {
+        // Before the task runs: all it starts is born in the cgroup.
+        let me = rustix::process::getpid().as_raw_nonzero().get();
+        if let Err(e) = std::fs::write(cgroup.join("cgroup.procs"), me.to_string()) {
+            // Without it the task is still contained by its process group
+            // and the agent's subreaper: worth running still.
+            eprintln!(
+                "taskgate agent: cannot move the task into its cgroup {}: {e}; it runs \
+                 without one",
+                cgroup.display()
+            );
+        }
+    }
     if args.reap {
         return reap(&args.command);
     }

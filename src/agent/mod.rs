@@ -5,30 +5,39 @@
 //! while the command runs, and reports what happened when it ends.
 //! Reports are retried with backoff until the server takes them.
 //!
-//! **Containment.** Nothing the task starts outlives the task. The agent is
-//! a child subreaper, so a process that leaves the task's group (`setsid`)
-//! or loses its parent (a double fork) is re-parented to the agent, not to
-//! init. Whenever a run
+//! **Containment.** Nothing the task starts outlives the task. Where the
+//! agent may create a cgroup (cgroup v2, as root or in a delegated
+//! subtree), each run of the task starts in a cgroup of its own, which
+//! holds all it starts, and SIGKILL reaches all of it at once through
+//! `cgroup.kill` (`cgroup.rs`); elsewhere the agent says so once and falls
+//! back to what it also does with a cgroup: it is a child subreaper, so a
+//! process that leaves the task's group (`setsid`) or loses its parent (a
+//! double fork) is re-parented to the agent, not to init. Whenever a run
 //! ends — the command exits on its own, a stop or restart order, a deleted
 //! allocation, the agent stopping on a signal or an error — the agent
-//! sends SIGTERM to the task's process group and to every such stray,
-//! SIGKILL after `--kill-timeout`, and reaps them, before it reports the
-//! task dead (`process.rs`). Readiness commands run under a reaper of
-//! their own, which ends all they started when their check ends. Every terminating
-//! signal a process may catch (HUP, INT, QUIT, TERM, USR1, USR2, ALRM,
-//! STKFLT, the real-time signals, ...; `signals.rs`) stops the task and
-//! reports it dead; a second one kills everything and exits.
+//! sends SIGTERM to the task's process group, to every such stray and to
+//! every process of the cgroup, SIGKILL after `--kill-timeout`, and reaps
+//! them, before it reports the task dead (`process.rs`). Readiness
+//! commands run under a reaper of their own, which ends all they started
+//! when their check ends. Every terminating signal a process may catch
+//! (HUP, INT, QUIT, TERM, USR1, USR2, ALRM, STKFLT, the real-time signals,
+//! ...; `signals.rs`) stops the task and reports it dead; a second one
+//! kills everything and exits.
 //!
-//! **SIGKILL of the agent** leaves it no chance to do any of that. The
-//! command's first process gets SIGKILL from the kernel (its parent-death
-//! signal, set by `launch.rs`), and so does a running readiness command's;
-//! processes they started live on, re-parented to init (or to the
-//! agent's own supervisor if it is a subreaper): a supervisor that runs
-//! the agent in a cgroup (systemd's `KillMode=control-group`, a container)
-//! takes them along. The server still shows the task `running`: a task
-//! with a liveness TTL (`liveness.ttl`) whose agent gives no sign of life
-//! within it is declared lost by the server (dead, failed, `Agent Lost`),
-//! and its siblings are told to stop.
+//! **SIGKILL of the agent** (or a signal the C library keeps for itself,
+//! 32 and 33 under glibc, which it lets no program handle) leaves it no
+//! chance to do any of that. The command's first process gets SIGKILL
+//! from the kernel (its parent-death signal, set by `launch.rs`), and so
+//! does a running readiness command; processes they started live on,
+//! re-parented to init (or to the agent's own supervisor if it is a
+//! subreaper), in the run's cgroup if it had one, which stays (the next
+//! agent removes it once it is empty). A supervisor that runs the agent in
+//! a cgroup (systemd's `KillMode=control-group`, a container) takes them
+//! along, the run's cgroup with them, since it is below the agent's. The
+//! server still shows the task `running`: a task with a liveness TTL
+//! (`liveness.ttl`) whose agent gives no sign of life within it is
+//! declared lost by the server (dead, failed, `Agent Lost`), and its
+//! siblings are told to stop.
 //!
 //! **The token.** The agent marks itself non-dumpable first thing
 //! ([`forbid_inspection`]): its `/proc/<pid>/` files belong to root from
@@ -41,6 +50,7 @@
 //! it from that, and root can read anything.
 
 mod api;
+mod cgroup;
 pub mod exit;
 mod launch;
 mod policy;
@@ -267,6 +277,9 @@ struct Agent {
     launch: Launch,
     /// Whether the task has run under this agent.
     ran: bool,
+    /// Where each run of the task gets a cgroup of its own, if the agent
+    /// may create one.
+    place: Option<cgroup::Place>,
 }
 
 impl Agent {
@@ -445,10 +458,25 @@ impl Agent {
             ],
             _ => Vec::new(),
         };
-        let spawned = self
-            .launch
-            .command(&self.config.command)
-            .and_then(|cmd| process::spawn(cmd, &env));
+        let cgroup = self.place.as_ref().and_then(|place| {
+            place
+                .create()
+                .map_err(|e| tracing::warn!("the task runs without a cgroup of its own: {e}"))
+                .ok()
+        });
+        let command = self.launch.task(
+            &self.config.command,
+            cgroup.as_ref().map(cgroup::Cgroup::path),
+        );
+        let spawned = match command {
+            Ok(cmd) => process::spawn(cmd, &env, cgroup),
+            Err(e) => {
+                if let Some(cgroup) = cgroup {
+                    cgroup.remove();
+                }
+                Err(e)
+            }
+        };
         self.exit_code = None;
         let mut child = match spawned {
             Ok(c) => c,
@@ -803,6 +831,10 @@ impl Agent {
     }
 }
 
+/// How long the agent's last sweep tries to empty and remove the task's
+/// cgroup.
+const KILLED_WITHIN: Duration = Duration::from_secs(10);
+
 /// How often at most the agent looks for ended strays to reap while a task
 /// runs (each look reads every process's `/proc/<pid>/stat`).
 const REAP_PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
@@ -862,6 +894,7 @@ pub async fn run(config: AgentConfig) -> i32 {
         }
     };
     let launch = Launch::for_agent();
+    let place = contain(&config, launch);
     let probe = match Probe::from_flags(
         config.ready_cmd.as_deref(),
         config.ready_http.as_deref(),
@@ -879,13 +912,15 @@ pub async fn run(config: AgentConfig) -> i32 {
     let give_up_at = api.give_up_at.clone();
     let shutdown_timeout = config.shutdown_timeout;
     let group = running.clone();
+    let cgroup_of_run = place.clone();
     tokio::spawn(async move {
         let signal = signals.recv().await;
         tracing::info!(signal, "stopping; a second signal exits at once");
         let _ = give_up_at.set(tokio::time::Instant::now() + shutdown_timeout);
         let _ = stop_tx.send(true);
         let signal = signals.recv().await;
-        process::kill_everything(group.load(std::sync::atomic::Ordering::Relaxed)).await;
+        let pgid = group.load(std::sync::atomic::Ordering::Relaxed);
+        process::kill_everything(pgid, cgroup_of_run.as_ref().map(cgroup::Place::current)).await;
         eprintln!("taskgate agent: a second signal ({signal}): exiting now");
         std::process::exit(exit::SECOND_SIGNAL);
     });
@@ -911,6 +946,7 @@ pub async fn run(config: AgentConfig) -> i32 {
         launch,
         ttl: None,
         ran: false,
+        place: place.clone(),
     };
     let code = match agent.run().await {
         Ok(code) => code,
@@ -942,5 +978,34 @@ pub async fn run(config: AgentConfig) -> i32 {
     // have left after the last run, and for the error paths.
     drop(agent);
     process::sweep().await;
+    if let Some(place) = place {
+        place.current().kill_and_remove(KILLED_WITHIN).await;
+    }
     code
+}
+
+/// How the task is contained here: in a cgroup of its own for each run,
+/// where the agent may create one, else by its process group and the
+/// agent's child subreaper only. Says which, once.
+fn contain(config: &AgentConfig, launch: Launch) -> Option<cgroup::Place> {
+    let found = match launch {
+        Launch::DiesWithAgent => cgroup::Place::find(&config.alloc, &config.task),
+        Launch::Direct => Err("the agent cannot start its own binary to move the task".into()),
+    };
+    match found {
+        Ok(place) => {
+            tracing::info!(
+                parent = %place.parent().display(),
+                "each run of the task goes in a cgroup of its own, ended with cgroup.kill"
+            );
+            Some(place)
+        }
+        Err(why) => {
+            tracing::info!(
+                "no cgroup for the task ({why}): the agent falls back to process groups and \
+                 its child subreaper"
+            );
+            None
+        }
+    }
 }
