@@ -1340,7 +1340,7 @@ fn the_help_lists_the_exit_codes_of_the_documented_table() {
         .nth(1)
         .expect("the help has an exit code table")
         .lines()
-        .filter_map(|l| l.trim_start().split_whitespace().next())
+        .filter_map(|l| l.split_whitespace().next())
         .filter(|w| w.chars().next().is_some_and(|c| c.is_ascii_digit()))
         .collect();
     assert_eq!(listed, table, "{help}");

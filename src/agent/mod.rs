@@ -647,7 +647,7 @@ impl Agent {
         }
         // In every case the task is stopped first (all it started; after
         // a natural exit, what it left running), and reported after.
-        let outcome = match ended {
+        match ended {
             Ended::Exited(exit) => {
                 child.stop(kill_timeout).await;
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
@@ -721,8 +721,7 @@ impl Agent {
                 .await?;
                 Ok(AfterDeath::Exit)
             }
-        };
-        outcome
+        }
     }
 
     /// The command ended on its own: restart it or report it dead.
