@@ -1492,3 +1492,52 @@ fn an_outage_is_one_warning_and_one_line_when_it_ends() {
     }
     assert_eq!(seen.iter().filter(|l| is_back(l)).count(), 1, "{seen:#?}");
 }
+
+/// An agent that never reached the server, told to stop, has nothing to
+/// stop and nothing to report: it exits 0 at once, saying so, instead of
+/// trying to report for --shutdown-timeout.
+#[test]
+fn an_agent_that_never_reached_the_server_stops_at_once_and_exits_0() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut child = agent_with_stderr(
+        &[
+            "--server",
+            &format!("http://127.0.0.1:{port}"),
+            "--alloc",
+            "n1",
+            "--task",
+            "web",
+            "--shutdown-timeout",
+            "30s",
+        ],
+        "true",
+    );
+    let lines = stderr_lines(&mut child);
+    let mut agent = Agent { child, task: "web" };
+    wait_lines(&lines, "tried the server", |lines| {
+        lines.iter().any(|l| l.contains("stopped answering"))
+    });
+    let signalled = Instant::now();
+    signal(&agent.child, "-TERM");
+    let deadline = signalled + BOUND;
+    let status = loop {
+        if let Some(status) = agent.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the agent did not exit");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        signalled.elapsed() < Duration::from_secs(10),
+        "it waited {:?}, as if for --shutdown-timeout",
+        signalled.elapsed()
+    );
+    let said = wait_lines(&lines, "said why", |lines| {
+        lines.iter().any(|l| l.contains("before its task ran"))
+    });
+    assert_eq!(status.code(), Some(0), "{said:#?}");
+}
