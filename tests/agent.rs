@@ -1179,6 +1179,20 @@ fn wait_parked(base: &str, n: u64) {
     }
 }
 
+/// `--server BASE --alloc ALLOC --task web --register SPEC`, then `extra`.
+fn web_flags<'a>(
+    base: &'a str,
+    alloc: &'a str,
+    spec: &'a std::path::Path,
+    extra: &[&'a str],
+) -> Vec<&'a str> {
+    let spec = spec.to_str().unwrap();
+    let mut flags = vec!["--server", base, "--alloc", alloc, "--task", "web"];
+    flags.extend(["--register", spec]);
+    flags.extend(extra);
+    flags
+}
+
 /// An agent stopped while its task waits at a closed gate reports nothing:
 /// the task stays `pending`, without an event, and the allocation is not
 /// decided by the agent's shutdown (here the leader's: reporting it dead
@@ -1196,16 +1210,7 @@ fn an_agent_stopped_at_a_closed_gate_reports_nothing_and_exits_0() {
         ]}),
     );
     let child = agent_with_stderr(
-        &[
-            "--server",
-            &server.base,
-            "--alloc",
-            "g1",
-            "--task",
-            "web",
-            "--register",
-            spec.to_str().unwrap(),
-        ],
+        &web_flags(&server.base, "g1", &spec, &[]),
         &format!("echo ran >> {d}/log"),
     );
     // The agent's start-condition query is parked: it waits at the gate.
@@ -1243,36 +1248,17 @@ fn a_stopped_server_holds_up_neither_sigterm_nor_a_workloads_exit() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().display();
     let spec = web_only(dir.path());
-    let spec = spec.to_str().unwrap();
-    let args = |alloc| {
-        [
-            "--server",
-            &proxy.base,
-            "--alloc",
-            alloc,
-            "--task",
-            "web",
-            "--register",
-            spec,
-            "--liveness-ttl",
-            "30s",
-            "--kill-timeout",
-            "5s",
-        ]
-        .map(str::to_owned)
-    };
-    let term_args = args("hs-term");
+    let extra = ["--liveness-ttl", "30s", "--kill-timeout", "5s"];
     let term = agent_with_stderr(
-        &term_args.each_ref().map(String::as_str),
+        &web_flags(&proxy.base, "hs-term", &spec, &extra),
         &format!("echo $$ > {d}/pid.tmp; mv {d}/pid.tmp {d}/pid; exec sleep 300"),
     );
     let term = Agent {
         child: term,
         task: "web",
     };
-    let exit_args = args("hs-exit");
     let mut exit = agent_with_stderr(
-        &exit_args.each_ref().map(String::as_str),
+        &web_flags(&proxy.base, "hs-exit", &spec, &extra),
         &format!("for i in $(seq 1 6000); do [ -e {d}/finish ] && exit 0; sleep 0.02; done"),
     );
     let exit_lines = stderr_lines(&mut exit);
@@ -1394,10 +1380,13 @@ fn a_command_that_cannot_run_is_named_and_exits_127_or_126() {
         ("m2", plain.as_str(), 126),
     ] {
         let child = Command::new(env!("CARGO_BIN_EXE_taskgate"))
-            .args(["agent", "--server", &server.base, "--alloc", alloc])
-            .args(["--task", "web", "--register"])
-            .arg(&spec)
-            .args(["--", program, "arg"])
+            .arg("agent")
+            .args(web_flags(
+                &server.base,
+                alloc,
+                &spec,
+                &["--", program, "arg"],
+            ))
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -1428,19 +1417,9 @@ fn a_token_file_named_on_the_command_line_is_warned_about() {
     let spec = web_only(dir.path());
     let token = dir.path().join("token");
     std::fs::write(&token, "a-token-of-enough-length-0123456789\n").unwrap();
+    let token = token.to_str().unwrap();
     let child = agent_with_stderr(
-        &[
-            "--server",
-            &server.base,
-            "--alloc",
-            "tf1",
-            "--task",
-            "web",
-            "--register",
-            spec.to_str().unwrap(),
-            "--token-file",
-            token.to_str().unwrap(),
-        ],
+        &web_flags(&server.base, "tf1", &spec, &["--token-file", token]),
         "true",
     );
     let (code, stderr) = ended(child);
@@ -1464,11 +1443,10 @@ fn an_outage_is_one_warning_and_one_line_when_it_ends() {
     let proxy = Proxy::start(server.addr());
     let dir = tempfile::tempdir().unwrap();
     let spec = web_only(dir.path());
+    let extra = ["--liveness-ttl", "10s", "--log", "info,taskgate=debug"];
     let mut child = Command::new(env!("CARGO_BIN_EXE_taskgate"))
-        .args(["agent", "--server", &proxy.base, "--alloc", "o2"])
-        .args(["--task", "web", "--register"])
-        .arg(&spec)
-        .args(["--liveness-ttl", "10s", "--log", "info,taskgate=debug"])
+        .arg("agent")
+        .args(web_flags(&proxy.base, "o2", &spec, &extra))
         .args(["--", "sleep", "300"])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())

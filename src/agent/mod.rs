@@ -659,15 +659,7 @@ impl Agent {
                 let shown = format!("{}ms", timeout.as_millis());
                 let message = format!("not ready {shown} after it started");
                 let killing = event("Killing", message.clone(), json!({}));
-                let (reported, exit) = tokio::join!(
-                    async {
-                        landed(started).await?;
-                        report(&api, "running", false, Some(killing)).await
-                    },
-                    child.stop(kill_timeout)
-                );
-                self.running.store(0, std::sync::atomic::Ordering::Relaxed);
-                reported?;
+                let exit = self.kill(&mut child, started, killing).await?;
                 let mut details = exit.details();
                 details["readiness_timeout"] = json!(shown);
                 self.failed_run(
@@ -678,15 +670,7 @@ impl Agent {
             }
             Ended::StopOrder(reason) => {
                 let killing = event("Killing", reason.clone(), json!({}));
-                let (reported, exit) = tokio::join!(
-                    async {
-                        landed(started).await?;
-                        report(&api, "running", false, Some(killing)).await
-                    },
-                    child.stop(kill_timeout)
-                );
-                self.running.store(0, std::sync::atomic::Ordering::Relaxed);
-                reported?;
+                let exit = self.kill(&mut child, started, killing).await?;
                 self.exit_code = Some(exit::STOP_ORDER);
                 self.report("dead", false, Some(event("Killed", reason, exit.details())))
                     .await?;
@@ -722,6 +706,26 @@ impl Agent {
                 Ok(AfterDeath::Exit)
             }
         }
+    }
+
+    /// Stops the task while its `Killing` event goes to the server (after
+    /// the `running` report, if that is still in flight): the stop does
+    /// not wait for the server.
+    async fn kill(
+        &self,
+        child: &mut process::Child,
+        started: Option<Request>,
+        killing: Value,
+    ) -> Result<process::Exit, ApiError> {
+        let (reported, exit) = tokio::join!(
+            async {
+                landed(started).await?;
+                self.report("running", false, Some(killing)).await
+            },
+            child.stop(self.config.kill_timeout)
+        );
+        self.running.store(0, std::sync::atomic::Ordering::Relaxed);
+        reported.map(|()| exit)
     }
 
     /// The command ended on its own: restart it or report it dead.
