@@ -1313,10 +1313,14 @@ fn the_help_lists_the_exit_codes_of_the_documented_table() {
         "/docs/agent-protocol.md"
     ))
     .unwrap();
-    let table: Vec<&str> = doc
-        .split("## Exit codes")
+    let section = doc
+        .split("\n## Exit codes")
         .nth(1)
-        .expect("the protocol page has an exit code table")
+        .expect("the protocol page has an exit code table");
+    let table: Vec<&str> = section
+        .split("\n## ")
+        .next()
+        .unwrap_or_default()
         .lines()
         .filter_map(|l| l.strip_prefix("| `")?.split('`').next())
         .collect();
