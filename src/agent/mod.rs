@@ -164,13 +164,13 @@ pub struct AgentConfig {
     /// started).
     #[arg(long, env = "TASKGATE_SHUTDOWN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub shutdown_timeout: Duration,
+    /// After SIGTERM to the task's process group, wait this long before SIGKILL.
+    #[arg(long, env = "TASKGATE_KILL_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub kill_timeout: Duration,
     /// Log filter, as RUST_LOG: `info`; `info,taskgate=debug` also shows
     /// each retry of a request while the server does not answer.
     #[arg(long, env = "TASKGATE_LOG", default_value = "info")]
     pub log: String,
-    /// After SIGTERM to the task's process group, wait this long before SIGKILL.
-    #[arg(long, env = "TASKGATE_KILL_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
-    pub kill_timeout: Duration,
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true, num_args = 1..)]
     pub command: Vec<String>,
