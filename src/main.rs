@@ -12,7 +12,15 @@ use taskgate::{
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::try_parse().unwrap_or_else(|e| {
+        // `taskgate agent` ends a usage error with its code for a
+        // configuration error, as every other one (its exit code table).
+        if e.use_stderr() && std::env::args_os().nth(1).is_some_and(|a| a == "agent") {
+            let _ = e.print();
+            std::process::exit(taskgate::agent::exit::CONFIG);
+        }
+        e.exit()
+    });
     match cli.command {
         Command::Openapi => {
             print!("{}", taskgate::http::openapi::document());
@@ -43,8 +51,12 @@ fn main() -> ExitCode {
             // can read neither the token in the agent's environment nor
             // its memory.
             let hidden = taskgate::agent::forbid_inspection();
+            let filter = EnvFilter::try_new(&config.log).unwrap_or_else(|e| {
+                eprintln!("taskgate agent: bad --log filter {:?}: {e}", config.log);
+                std::process::exit(taskgate::agent::exit::CONFIG)
+            });
             tracing_subscriber::fmt()
-                .with_env_filter(EnvFilter::new("info"))
+                .with_env_filter(filter)
                 .with_writer(std::io::stderr)
                 .with_ansi(std::io::stderr().is_terminal())
                 .init();

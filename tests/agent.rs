@@ -11,6 +11,17 @@ use std::{
 use common::{agents::*, process::Server};
 use serde_json::{Value, json};
 
+/// How the agents of the five-task allocation end when it has run to its
+/// end: the sidecar (proxy) is stopped by an order (122), the others exit
+/// with their task's code.
+const FIVE_ENDED: [(&str, i32); 5] = [
+    ("init", 0),
+    ("proxy", 122),
+    ("web", 0),
+    ("announce", 0),
+    ("cleanup", 0),
+];
+
 #[test]
 fn the_five_task_allocation_runs_in_nomads_order_and_every_agent_exits() {
     let server = Server::start(&["--in-memory"]);
@@ -19,7 +30,10 @@ fn the_five_task_allocation_runs_in_nomads_order_and_every_agent_exits() {
     wait_log(dir.path(), "announce", 1);
     std::fs::write(dir.path().join("finish"), "").unwrap();
     let codes = exits(&mut agents);
-    assert!(codes.iter().all(|(_, c)| *c == 0), "{codes:?}");
+    assert_eq!(
+        codes, FIVE_ENDED,
+        "the sidecar's agent ends stopped by an order, the others with their task's code"
+    );
 
     let log = log_lines(dir.path());
     assert!(
@@ -88,7 +102,7 @@ fn an_all_tasks_restart_replays_the_order() {
     wait_log(dir.path(), "announce", 2);
     std::fs::write(dir.path().join("finish"), "").unwrap();
     let codes = exits(&mut agents);
-    assert!(codes.iter().all(|(_, c)| *c == 0), "{codes:?}");
+    assert_eq!(codes, FIVE_ENDED);
 
     let log = log_lines(dir.path());
     let nth = |what: &str, n: usize| {
@@ -174,7 +188,16 @@ fn a_failing_prestart_stops_its_siblings_and_runs_poststop() {
         ("init", 3),
         "the agent exits with the task's code: {codes:?}"
     );
-    assert!(codes[1..].iter().all(|(_, c)| *c == 0), "{codes:?}");
+    assert_eq!(
+        codes[1..],
+        [
+            ("proxy", 122),
+            ("web", 122),
+            ("announce", 122),
+            ("cleanup", 0)
+        ],
+        "the tasks told to stop, running or not, end their agents with 122"
+    );
     let log = log_lines(dir.path());
     assert!(
         !log.contains(&"web-start".to_owned()),
@@ -397,7 +420,7 @@ fn deleting_the_allocation_ends_the_agent_and_its_task() {
         .unwrap();
     assert_eq!(String::from_utf8_lossy(&deleted.stdout), "204");
     let codes = exits(std::slice::from_mut(&mut web));
-    assert_eq!(codes.len(), 1);
+    assert_eq!(codes, [("web", 123)], "deleted while it ran");
     let alive = Command::new("kill")
         .args(["-0", &pid])
         .stderr(Stdio::null())
@@ -532,7 +555,7 @@ fn main_starts_only_once_the_sidecar_s_port_accepts_connections() {
         ),
     ];
     let codes = exits(&mut agents);
-    assert!(codes.iter().all(|(_, c)| *c == 0), "{codes:?}");
+    assert_eq!(codes, [("db", 122), ("web", 0)], "the sidecar is stopped");
     assert_eq!(log_lines(dir.path()), ["db-start", "web-port-open"]);
     let db = task_events(&server.base, "r1", "db");
     assert!(db.contains(&"Ready".to_owned()), "{db:?}");
@@ -565,7 +588,7 @@ fn a_readiness_task_without_a_probe_is_refused() {
         .args(["--", "true"])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(out.status.code(), Some(125));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--ready-cmd"), "{stderr}");
     let t = get(&server.base, "/v1/allocations/r2/tasks/web");
@@ -629,7 +652,7 @@ fn a_task_not_ready_in_time_is_killed_as_a_failure() {
         &format!("echo run >> {d}/log; exec sleep 300"),
     );
     let codes = exits(std::slice::from_mut(&mut web));
-    assert_eq!(codes.len(), 1);
+    assert_eq!(codes, [("web", 124)], "not ready in time, not run again");
     assert_eq!(log_lines(dir.path()), ["run"]);
     let t = get(&server.base, "/v1/allocations/t1/tasks/web");
     assert_eq!(t["state"], "dead");
@@ -722,14 +745,15 @@ fn signal(child: &std::process::Child, sig: &str) {
 }
 
 /// SIGTERM while the server is unreachable: the task is stopped at once,
-/// the agent tries to report for --shutdown-timeout and exits, saying so.
+/// the agent tries to report for --shutdown-timeout and exits with the
+/// code for "could not reach the server", saying so.
 #[test]
-fn sigterm_with_the_server_gone_stops_the_task_and_exits_after_the_shutdown_timeout() {
+fn sigterm_with_the_server_gone_stops_the_task_and_exits_120_after_the_shutdown_timeout() {
     let (agent, pid, _dir) = running_then_server_gone(&["--shutdown-timeout", "1s"]);
     assert!(alive(&pid));
     signal(&agent, "-TERM");
     let (code, stderr) = ended(agent);
-    assert_eq!(code, Some(2), "{stderr}");
+    assert_eq!(code, Some(120), "{stderr}");
     assert!(stderr.contains("--shutdown-timeout"), "{stderr}");
     assert!(!alive(&pid), "the task was stopped");
 }
@@ -751,8 +775,8 @@ fn a_second_signal_exits_at_once() {
     assert!(stderr.contains("second signal"), "{stderr}");
 }
 
-/// An --alloc the server does not know is an error, not "deleted": a
-/// supervisor must not read a typo as success.
+/// An --alloc the server does not know is a configuration error (125), not
+/// "deleted": a supervisor must not read a typo as success.
 #[test]
 fn an_unknown_allocation_is_an_error_that_names_the_fix() {
     let server = Server::start(&["--in-memory"]);
@@ -768,12 +792,12 @@ fn an_unknown_allocation_is_an_error_that_names_the_fix() {
         "true",
     );
     let (code, stderr) = ended(agent);
-    assert_eq!(code, Some(2), "{stderr}");
+    assert_eq!(code, Some(125), "{stderr}");
     assert!(stderr.contains("--register"), "{stderr}");
     assert!(stderr.contains("no-such"), "{stderr}");
 }
 
-/// A token the server refuses names the flags that give one.
+/// A token the server refuses names the flags that give one (exit 125).
 #[test]
 fn a_refused_token_names_the_flag_to_fix() {
     let dir = tempfile::tempdir().unwrap();
@@ -803,7 +827,7 @@ fn a_refused_token_names_the_flag_to_fix() {
         "true",
     );
     let (code, stderr) = ended(agent);
-    assert_eq!(code, Some(2), "{stderr}");
+    assert_eq!(code, Some(125), "{stderr}");
     assert!(stderr.contains("401"), "{stderr}");
     assert!(stderr.contains("--token"), "{stderr}");
     assert!(
@@ -1004,6 +1028,8 @@ fn the_backoff_keeps_growing_while_the_probe_answers() {
             "true",
             "--ready-interval",
             "50ms",
+            "--log",
+            "info,taskgate=debug",
         ],
         "exec sleep 300",
     );
@@ -1030,8 +1056,9 @@ fn the_backoff_keeps_growing_while_the_probe_answers() {
     });
 }
 
-/// After repeated failures to reach the server the agent says, once, what
-/// to check; here an https URL given for a plain-HTTP server.
+/// When the server does not answer the agent says, once, what to check;
+/// here an https URL given for a plain-HTTP server, which never answers:
+/// its retries (debug lines) add no warning.
 #[test]
 fn repeated_connection_failures_say_once_what_to_check() {
     let server = Server::start(&["--in-memory"]);
@@ -1048,12 +1075,14 @@ fn repeated_connection_failures_say_once_what_to_check() {
             "web",
             "--register",
             spec.to_str().unwrap(),
+            "--log",
+            "info,taskgate=debug",
         ],
         "true",
     );
     let lines = stderr_lines(&mut child);
     let _agent = Agent { child, task: "web" };
-    let is_hint = |l: &String| l.contains("could not reach");
+    let is_hint = |l: &String| l.contains("WARN") && l.contains("stopped answering");
     let seen = wait_lines(&lines, "said what to check", |lines| {
         lines.iter().any(is_hint)
     });
@@ -1067,16 +1096,17 @@ fn repeated_connection_failures_say_once_what_to_check() {
         retries(lines) >= so_far + 3
     });
     assert_eq!(
-        seen.iter().filter(|l| is_hint(l)).count(),
+        seen.iter().filter(|l| l.contains("WARN")).count(),
         1,
-        "once per episode: {seen:#?}"
+        "one warning for the outage: {seen:#?}"
     );
 }
 
 /// `--register` with a spec other than the one the allocation was
-/// registered with is an error (exit 2) that names what differs.
+/// registered with is a configuration error (exit 125) that names what
+/// differs.
 #[test]
-fn registering_a_different_spec_exits_2_naming_the_difference() {
+fn registering_a_different_spec_exits_125_naming_the_difference() {
     let server = Server::start(&["--in-memory"]);
     let dir = tempfile::tempdir().unwrap();
     let stored = json!({"tasks": [
@@ -1118,10 +1148,378 @@ fn registering_a_different_spec_exits_2_naming_the_difference() {
         "true",
     );
     let (code, stderr) = ended(child);
-    assert_eq!(code, Some(2), "{stderr}");
+    assert_eq!(code, Some(125), "{stderr}");
     for what in ["x1", "init", "sidecar", "extra", "gone", "spec.json"] {
         assert!(stderr.contains(what), "names {what}: {stderr}");
     }
     let t = get(&server.base, "/v1/allocations/x1/tasks/web");
     assert_eq!(t["state"], "pending", "nothing ran: {t}");
+}
+
+/// How many requests the server holds parked (`taskgate_waiters`).
+fn parked(base: &str) -> u64 {
+    let out = Command::new("curl")
+        .args(["-s", &format!("{base}/metrics")])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("taskgate_waiters "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Waits (bounded) until the server holds `n` requests parked.
+#[track_caller]
+fn wait_parked(base: &str, n: u64) {
+    let deadline = Instant::now() + BOUND;
+    while parked(base) < n {
+        assert!(Instant::now() < deadline, "{n} requests never parked");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `--server BASE --alloc ALLOC --task web --register SPEC`, then `extra`.
+fn web_flags<'a>(
+    base: &'a str,
+    alloc: &'a str,
+    spec: &'a std::path::Path,
+    extra: &[&'a str],
+) -> Vec<&'a str> {
+    let spec = spec.to_str().unwrap();
+    let mut flags = vec!["--server", base, "--alloc", alloc, "--task", "web"];
+    flags.extend(["--register", spec]);
+    flags.extend(extra);
+    flags
+}
+
+/// An agent stopped while its task waits at a closed gate reports nothing:
+/// the task stays `pending`, without an event, and the allocation is not
+/// decided by the agent's shutdown (here the leader's: reporting it dead
+/// would end the allocation). The agent exits 0 and says so.
+#[test]
+fn an_agent_stopped_at_a_closed_gate_reports_nothing_and_exits_0() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let spec = spec_file(
+        dir.path(),
+        &json!({"tasks": [
+            {"name": "init", "lifecycle": {"hook": "prestart"}},
+            {"name": "web", "leader": true}
+        ]}),
+    );
+    let child = agent_with_stderr(
+        &web_flags(&server.base, "g1", &spec, &[]),
+        &format!("echo ran >> {d}/log"),
+    );
+    // The agent's start-condition query is parked: it waits at the gate.
+    wait_parked(&server.base, 1);
+    signal(&child, "-TERM");
+    let (code, stderr) = ended(child);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(
+        stderr
+            .lines()
+            .filter(|l| l.contains("before its task ran"))
+            .count(),
+        1,
+        "one line says it: {stderr}"
+    );
+    let web = get(&server.base, "/v1/allocations/g1/tasks/web");
+    assert_eq!(web["state"], "pending", "{web}");
+    assert_eq!(web["events"], json!([]), "nothing reported: {web}");
+    let a = get(&server.base, "/v1/allocations/g1");
+    assert_eq!(a["coordinator_state"], "prestart", "{a}");
+    assert_eq!(a["outcome"], Value::Null, "{a}");
+    assert!(log_lines(dir.path()).is_empty(), "the command never ran");
+}
+
+/// A request the agent waits on never holds up what it must do at once.
+/// With the server stopped (SIGSTOP) while each agent's heartbeat waits for
+/// its answer, SIGTERM ends one agent's workload within --kill-timeout, and
+/// the other's workload, which exits, is noticed well within the ten
+/// seconds its heartbeat may take (a third of the 30 s TTL).
+#[test]
+fn a_stopped_server_holds_up_neither_sigterm_nor_a_workloads_exit() {
+    use common::proxy::Proxy;
+    let server = Server::start(&["--in-memory"]);
+    let proxy = Proxy::start(server.addr());
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let spec = web_only(dir.path());
+    let extra = ["--liveness-ttl", "30s", "--kill-timeout", "5s"];
+    let term = agent_with_stderr(
+        &web_flags(&proxy.base, "hs-term", &spec, &extra),
+        &format!("echo $$ > {d}/pid.tmp; mv {d}/pid.tmp {d}/pid; exec sleep 300"),
+    );
+    let term = Agent {
+        child: term,
+        task: "web",
+    };
+    let mut exit = agent_with_stderr(
+        &web_flags(&proxy.base, "hs-exit", &spec, &extra),
+        &format!("for i in $(seq 1 6000); do [ -e {d}/finish ] && exit 0; sleep 0.02; done"),
+    );
+    let exit_lines = stderr_lines(&mut exit);
+    let _exit = Agent {
+        child: exit,
+        task: "web",
+    };
+    wait_state(&server.base, "hs-term", "web", "running");
+    wait_state(&server.base, "hs-exit", "web", "running");
+    let pid = read_pids(&dir.path().join("pid"), 1)[0];
+    send_signal(server.child.id(), "STOP");
+    proxy.watch("/heartbeat");
+    // Both first heartbeats (a third of the TTL after the start) are on
+    // their way to the stopped server, and wait.
+    let deadline = Instant::now() + BOUND;
+    while proxy.seen() < 2 {
+        assert!(Instant::now() < deadline, "no heartbeats were sent");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let signalled = Instant::now();
+    send_signal(term.child.id(), "TERM");
+    std::fs::write(dir.path().join("finish"), "").unwrap();
+    while runs(pid) {
+        assert!(
+            signalled.elapsed() < Duration::from_secs(5),
+            "the workload still runs past --kill-timeout after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let lines = wait_lines(&exit_lines, "noticed the exit", |lines| {
+        lines.iter().any(|l| l.contains(" exited"))
+    });
+    assert!(
+        signalled.elapsed() < Duration::from_secs(5),
+        "the exit was noticed only after {:?}: {lines:#?}",
+        signalled.elapsed()
+    );
+    send_signal(server.child.id(), "CONT");
+}
+
+/// The exit codes `taskgate agent --help` lists are those of the table in
+/// docs/agent-protocol.md.
+#[test]
+fn the_help_lists_the_exit_codes_of_the_documented_table() {
+    let out = Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        .args(["agent", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    let doc = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/docs/agent-protocol.md"
+    ))
+    .unwrap();
+    let section = doc
+        .split("\n## Exit codes")
+        .nth(1)
+        .expect("the protocol page has an exit code table");
+    let table: Vec<&str> = section
+        .split("\n## ")
+        .next()
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `")?.split('`').next())
+        .collect();
+    assert!(table.len() >= 8, "{table:?}");
+    let listed: Vec<&str> = help
+        .split("Exit codes")
+        .nth(1)
+        .expect("the help has an exit code table")
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|w| w.chars().next().is_some_and(|c| c.is_ascii_digit()))
+        .collect();
+    assert_eq!(listed, table, "{help}");
+}
+
+/// A task stopped by an order of the server (here: its leader finished)
+/// ends its agent with the code for "stopped by an order", not with the
+/// code its process happened to exit with.
+#[test]
+fn an_agent_whose_task_is_stopped_by_an_order_exits_122() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let spec = spec_file(
+        dir.path(),
+        &json!({"tasks": [{"name": "web", "leader": true}, {"name": "side"}]}),
+    );
+    let side = agent(&server.base, "o1", "side", &spec, &[], "exec sleep 300");
+    let web = agent(
+        &server.base,
+        "o1",
+        "web",
+        &spec,
+        &[],
+        &format!("for i in $(seq 1 3000); do [ -e {d}/finish ] && exit 0; sleep 0.02; done"),
+    );
+    wait_state(&server.base, "o1", "side", "running");
+    wait_state(&server.base, "o1", "web", "running");
+    std::fs::write(dir.path().join("finish"), "").unwrap();
+    let mut agents = [web, side];
+    assert_eq!(exits(&mut agents), [("web", 0), ("side", 122)]);
+    let side = task_events(&server.base, "o1", "side");
+    assert!(
+        side.ends_with(&["Killing".to_owned(), "Killed".to_owned()]),
+        "{side:?}"
+    );
+}
+
+/// A command that is not there exits 127, one that is there but cannot be
+/// run 126, and the log names it; the task is reported a driver failure.
+#[test]
+fn a_command_that_cannot_run_is_named_and_exits_127_or_126() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = web_only(dir.path());
+    let plain = dir.path().join("not-executable");
+    std::fs::write(&plain, "#!/bin/sh\nexit 0\n").unwrap();
+    let plain = plain.to_str().unwrap().to_owned();
+    for (alloc, program, code) in [
+        ("m1", "/nonexistent/program-of-taskgate", 127),
+        ("m2", plain.as_str(), 126),
+    ] {
+        let child = Command::new(env!("CARGO_BIN_EXE_taskgate"))
+            .arg("agent")
+            .args(web_flags(
+                &server.base,
+                alloc,
+                &spec,
+                &["--", program, "arg"],
+            ))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (exit, stderr) = ended(child);
+        assert_eq!(exit, Some(code), "{program}: {stderr}");
+        assert!(
+            stderr
+                .lines()
+                .any(|l| l.contains("ERROR") && l.contains(program)),
+            "the log names {program}: {stderr}"
+        );
+        assert_eq!(
+            task_events(&server.base, alloc, "web"),
+            ["Driver Failure"],
+            "{program}"
+        );
+    }
+}
+
+/// `--token-file` on the command line is warned about as `--token` is: the
+/// file's path shows in every user's process list, and a workload of the
+/// same user that finds the file may read it.
+#[test]
+fn a_token_file_named_on_the_command_line_is_warned_about() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = web_only(dir.path());
+    let token = dir.path().join("token");
+    std::fs::write(&token, "a-token-of-enough-length-0123456789\n").unwrap();
+    let token = token.to_str().unwrap();
+    let child = agent_with_stderr(
+        &web_flags(&server.base, "tf1", &spec, &["--token-file", token]),
+        "true",
+    );
+    let (code, stderr) = ended(child);
+    assert_eq!(code, Some(0), "{stderr}");
+    let warning = stderr
+        .lines()
+        .find(|l| l.contains("WARN") && l.contains("--token-file"))
+        .unwrap_or_else(|| panic!("no warning about --token-file: {stderr}"));
+    for what in ["process list", "TASKGATE_TOKEN_FILE"] {
+        assert!(warning.contains(what), "names {what}: {warning}");
+    }
+}
+
+/// An outage is one warning when the server stops answering, with what to
+/// check, and one line when it answers again (here to a heartbeat, a third
+/// of the TTL after the last): not a line per retry.
+#[test]
+fn an_outage_is_one_warning_and_one_line_when_it_ends() {
+    use common::proxy::Proxy;
+    let server = Server::start(&["--in-memory"]);
+    let proxy = Proxy::start(server.addr());
+    let dir = tempfile::tempdir().unwrap();
+    let spec = web_only(dir.path());
+    let extra = ["--liveness-ttl", "10s", "--log", "info,taskgate=debug"];
+    let mut child = Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        .arg("agent")
+        .args(web_flags(&proxy.base, "o2", &spec, &extra))
+        .args(["--", "sleep", "300"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = stderr_lines(&mut child);
+    let _agent = Agent { child, task: "web" };
+    wait_state(&server.base, "o2", "web", "running");
+    proxy.cut();
+    let retries = |lines: &[String]| lines.iter().filter(|l| l.contains("retrying")).count();
+    wait_lines(&lines, "retried six times", |lines| retries(lines) >= 6);
+    proxy.heal();
+    let is_back = |l: &String| l.contains("INFO") && l.contains("answers again");
+    let seen = wait_lines(&lines, "said the server is back", |lines| {
+        lines.iter().any(is_back)
+    });
+    let warnings: Vec<&String> = seen.iter().filter(|l| l.contains("WARN")).collect();
+    assert_eq!(warnings.len(), 1, "one warning for the outage: {seen:#?}");
+    for what in [proxy.base.as_str(), "running", "--ca-cert"] {
+        assert!(warnings[0].contains(what), "names {what}: {}", warnings[0]);
+    }
+    assert_eq!(seen.iter().filter(|l| is_back(l)).count(), 1, "{seen:#?}");
+}
+
+/// An agent that never reached the server, told to stop, has nothing to
+/// stop and nothing to report: it exits 0 at once, saying so, instead of
+/// trying to report for --shutdown-timeout.
+#[test]
+fn an_agent_that_never_reached_the_server_stops_at_once_and_exits_0() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut child = agent_with_stderr(
+        &[
+            "--server",
+            &format!("http://127.0.0.1:{port}"),
+            "--alloc",
+            "n1",
+            "--task",
+            "web",
+            "--shutdown-timeout",
+            "30s",
+        ],
+        "true",
+    );
+    let lines = stderr_lines(&mut child);
+    let mut agent = Agent { child, task: "web" };
+    wait_lines(&lines, "tried the server", |lines| {
+        lines.iter().any(|l| l.contains("stopped answering"))
+    });
+    let signalled = Instant::now();
+    signal(&agent.child, "-TERM");
+    let deadline = signalled + BOUND;
+    let status = loop {
+        if let Some(status) = agent.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the agent did not exit");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        signalled.elapsed() < Duration::from_secs(10),
+        "it waited {:?}, as if for --shutdown-timeout",
+        signalled.elapsed()
+    );
+    let said = wait_lines(&lines, "said why", |lines| {
+        lines.iter().any(|l| l.contains("before its task ran"))
+    });
+    assert_eq!(status.code(), Some(0), "{said:#?}");
 }

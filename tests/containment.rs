@@ -168,41 +168,59 @@ fn deleting_the_allocation_takes_escaped_processes_along() {
 fn every_terminating_signal_stops_the_task_and_reports_it_dead() {
     let server = Server::start(&["--in-memory"]);
     for sig in ["HUP", "QUIT", "USR1", "USR2"] {
-        let dir = tempfile::tempdir().unwrap();
-        let d = dir.path();
-        let spec = web_only(d);
-        let alloc = format!("sig-{}", sig.to_lowercase());
-        let cmd = format!(
-            "echo $$ >> {}/leader; {} {} wait",
-            d.display(),
-            background(d, "bg"),
-            escaped(d, "esc")
-        );
-        let task: &'static str = "web";
-        let mut web = agent(&server.base, &alloc, task, &spec, &[], &cmd);
-        let leader = read_pids(&d.join("leader"), 1)[0];
-        let bg = read_pids(&d.join("bg"), 1)[0];
-        let esc = read_pids(&d.join("esc"), 1)[0];
-        wait_state(&server.base, &alloc, "web", "running");
-        send_signal(web.child.id(), sig);
-        assert_eq!(
-            exits(std::slice::from_mut(&mut web)),
-            [("web", 0)],
-            "SIG{sig} ends the agent cleanly"
-        );
-        for (pid, what) in [
-            (leader, "task"),
-            (bg, "background process"),
-            (esc, "escaped process"),
-        ] {
-            assert!(!runs(pid), "SIG{sig}: the {what} {pid} outlived the agent");
-        }
-        let t = get(&server.base, &format!("/v1/allocations/{alloc}/tasks/web"));
-        assert_eq!(t["state"], "dead", "SIG{sig}: {t}");
-        let last = t["events"].as_array().unwrap().last().unwrap().clone();
-        assert_eq!(last["type"], "Killed", "SIG{sig}: {t}");
-        assert_eq!(last["message"], "the agent is stopping", "SIG{sig}: {t}");
+        a_signal_stops_everything(&server, sig);
     }
+}
+
+/// SIGSTKFLT and the real-time signals (here SIGRTMIN, and SIGRTMAX as its
+/// number, 64, which `kill` has no name for), whose default action ends a
+/// process without a word, end the agent as TERM does: no process of the
+/// workload is left behind.
+#[test]
+fn sigstkflt_and_the_real_time_signals_leave_no_workload_process() {
+    let server = Server::start(&["--in-memory"]);
+    for sig in ["STKFLT", "RTMIN", "64"] {
+        a_signal_stops_everything(&server, sig);
+    }
+}
+
+/// Sends `sig` to an agent whose task runs with a process in the
+/// background and one that left its group: the agent exits 0, none of the
+/// three runs any more, and the task is reported dead.
+fn a_signal_stops_everything(server: &Server, sig: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let spec = web_only(d);
+    let alloc = format!("sig-{}", sig.to_lowercase());
+    let cmd = format!(
+        "echo $$ >> {}/leader; {} {} wait",
+        d.display(),
+        background(d, "bg"),
+        escaped(d, "esc")
+    );
+    let mut web = agent(&server.base, &alloc, "web", &spec, &[], &cmd);
+    let leader = read_pids(&d.join("leader"), 1)[0];
+    let bg = read_pids(&d.join("bg"), 1)[0];
+    let esc = read_pids(&d.join("esc"), 1)[0];
+    wait_state(&server.base, &alloc, "web", "running");
+    send_signal(web.child.id(), sig);
+    assert_eq!(
+        exits(std::slice::from_mut(&mut web)),
+        [("web", 0)],
+        "SIG{sig} ends the agent cleanly"
+    );
+    for (pid, what) in [
+        (leader, "task"),
+        (bg, "background process"),
+        (esc, "escaped process"),
+    ] {
+        assert!(!runs(pid), "SIG{sig}: the {what} {pid} outlived the agent");
+    }
+    let t = get(&server.base, &format!("/v1/allocations/{alloc}/tasks/web"));
+    assert_eq!(t["state"], "dead", "SIG{sig}: {t}");
+    let last = t["events"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(last["type"], "Killed", "SIG{sig}: {t}");
+    assert_eq!(last["message"], "the agent is stopping", "SIG{sig}: {t}");
 }
 
 /// A second signal ends the agent at once, and everything its task
@@ -292,6 +310,113 @@ fn a_hanging_readiness_command_is_killed_with_its_group() {
     for pid in &probes[..4] {
         wait_gone(*pid, "a timed-out readiness check's process");
     }
+}
+
+/// What a readiness command starts is gone once its check has ended, also
+/// a daemon that left the command's process group and session (`setsid`)
+/// and one whose parent exited (a double fork): checks pile up no
+/// processes while the task runs on.
+#[test]
+fn a_readiness_commands_daemons_are_gone_after_its_check() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let spec = web_only(d);
+    let dd = d.display();
+    // Each check starts two daemons, waits until both have written their
+    // pids, and answers ready.
+    let probe = format!(
+        "n=$(cat {dd}/daemons 2>/dev/null | wc -l); \
+         setsid sh -c 'echo $$ >> {dd}/daemons; exec sleep 300' & \
+         (sh -c 'echo $$ >> {dd}/daemons; exec sleep 300' &); \
+         for i in $(seq 1 3000); do \
+           [ $(cat {dd}/daemons | wc -l) -ge $((n + 2)) ] && exit 0; sleep 0.01; \
+         done; exit 1"
+    );
+    let _web = agent(
+        &server.base,
+        "p2",
+        "web",
+        &spec,
+        &["--ready-cmd", &probe, "--ready-interval", "500ms"],
+        &format!("echo $$ > {dd}/leader; exec sleep 300"),
+    );
+    // Once a third check has started its daemons, the first two checks
+    // have ended.
+    let daemons = read_pids(&d.join("daemons"), 6);
+    for pid in &daemons[..4] {
+        wait_gone(*pid, "a daemon of an ended readiness check");
+    }
+    let leader = read_pids(&d.join("leader"), 1)[0];
+    assert!(runs(leader), "the task runs on");
+}
+
+/// Where the agent may create a cgroup (cgroup v2, and root here), its task
+/// runs in a cgroup of its own, with all it starts (also a process that
+/// left the task's process group); the cgroup is gone once the agent has
+/// stopped the task and exited.
+#[test]
+fn the_task_runs_in_a_cgroup_of_its_own_removed_with_the_agent() {
+    let Some(mount) = cgroup2_mount() else {
+        eprintln!("no cgroup v2 on this machine: the agent falls back, nothing to test");
+        return;
+    };
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("not root: the agent may not create a cgroup here, nothing to test");
+        return;
+    }
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let spec = web_only(d);
+    let cmd = format!(
+        "echo $$ >> {}/leader; {} wait",
+        d.display(),
+        escaped(d, "esc")
+    );
+    let mut web = agent(&server.base, "cg1", "web", &spec, &[], &cmd);
+    let leader = read_pids(&d.join("leader"), 1)[0];
+    let esc = read_pids(&d.join("esc"), 1)[0];
+    let own = cgroup_of(leader);
+    assert!(
+        own.rsplit('/')
+            .next()
+            .is_some_and(|name| name.starts_with("taskgate-")),
+        "the task runs in {own:?}"
+    );
+    assert_ne!(own, cgroup_of(std::process::id().cast_signed()));
+    assert_eq!(cgroup_of(esc), own, "the escaped process is in it too");
+    let path = mount.join(own.trim_start_matches('/'));
+    assert!(path.join("cgroup.kill").exists(), "{}", path.display());
+    wait_state(&server.base, "cg1", "web", "running");
+    send_signal(web.child.id(), "TERM");
+    assert_eq!(exits(std::slice::from_mut(&mut web)), [("web", 0)]);
+    assert!(!runs(leader) && !runs(esc));
+    assert!(!path.exists(), "{} outlived the agent", path.display());
+}
+
+/// Where cgroup v2 is mounted (the `cgroup2` line of mountinfo).
+fn cgroup2_mount() -> Option<std::path::PathBuf> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .ok()?
+        .lines()
+        .find(|l| {
+            l.split(" - ")
+                .nth(1)
+                .is_some_and(|f| f.starts_with("cgroup2 "))
+        })
+        .and_then(|l| l.split(' ').nth(4))
+        .map(Into::into)
+}
+
+/// The cgroup v2 path of `pid` (its `0::` line).
+fn cgroup_of(pid: i32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .unwrap_or_default()
+        .to_owned()
 }
 
 /// The agent's token is out of reach of what it runs: not in the

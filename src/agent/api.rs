@@ -19,12 +19,17 @@ use crate::client::Endpoint;
 const POLL_WAIT: &str = "60s";
 /// How long a request may take before it is retried: the poll plus slack.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(90);
+/// Retries wait 20 ms, doubling up to 10 s; each wait is a random time
+/// between half its step and the whole step, so that agents that lost the
+/// server together do not come back together, and none waits longer than
+/// the cap.
 const BACKOFF_START: Duration = Duration::from_millis(20);
 const BACKOFF_CAP: Duration = Duration::from_secs(10);
-/// Failures to reach any server in a row, or for how long, before the log
-/// says what to check.
-const HINT_AFTER_FAILURES: u32 = 5;
-const HINT_AFTER: Duration = Duration::from_secs(30);
+
+/// The wait before a retry at backoff step `step`, for `r` in [0, 1).
+fn backoff_wait(step: Duration, r: f64) -> Duration {
+    step.min(BACKOFF_CAP).mul_f64(0.5 + 0.5 * r)
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -38,6 +43,10 @@ pub enum ApiError {
     /// A request the server will never accept (bad token, bad spec, ...).
     #[error("{0}")]
     Fatal(String),
+    /// No server took a request within `--shutdown-timeout` after the
+    /// agent was told to stop.
+    #[error("{0}")]
+    Unreachable(String),
 }
 
 /// What the agent reads of its task view.
@@ -89,31 +98,29 @@ enum Answer {
     Refused { code: String, detail: String },
 }
 
-/// Failures to reach any server, counted to say once per episode what to
-/// check (an episode ends when a server answers anything).
+/// Requests that got no answer in a row (a network error, a timeout, a
+/// 5xx), from every call: an outage, said once when it begins and once
+/// when a server answers again.
 #[derive(Debug, Default)]
-struct Unreachable {
+struct Outage {
     failures: u32,
     since: Option<std::time::Instant>,
-    said: bool,
 }
 
-impl Unreachable {
-    /// A request got no answer at `now`: the failures so far, when it is
-    /// time to say what to check (once an episode).
-    fn failed(&mut self, now: std::time::Instant) -> Option<u32> {
+impl Outage {
+    /// A request got no answer at `now`: whether an outage begins with it.
+    fn failed(&mut self, now: std::time::Instant) -> bool {
         self.failures += 1;
-        let since = *self.since.get_or_insert(now);
-        let due = self.failures >= HINT_AFTER_FAILURES || now - since >= HINT_AFTER;
-        if due && !self.said {
-            self.said = true;
-            return Some(self.failures);
-        }
-        None
+        let begins = self.since.is_none();
+        self.since.get_or_insert(now);
+        begins
     }
 
-    fn reached(&mut self) {
-        *self = Self::default();
+    /// A server answered at `now`: the failed requests and how long the
+    /// outage lasted, if one has ended.
+    fn answered(&mut self, now: std::time::Instant) -> Option<(u32, Duration)> {
+        let since = self.since.take()?;
+        Some((std::mem::take(&mut self.failures), now - since))
     }
 }
 
@@ -128,8 +135,8 @@ pub struct Api {
     endpoints: Vec<Endpoint>,
     current: std::sync::atomic::AtomicUsize,
     /// The requests that got no answer in a row, from every call (the
-    /// long-poll and a report may fail side by side).
-    unreachable: std::sync::Mutex<Unreachable>,
+    /// long-poll, a report and a heartbeat may fail side by side).
+    outage: std::sync::Mutex<Outage>,
     token: Option<String>,
     alloc: String,
     task: String,
@@ -262,7 +269,7 @@ impl Api {
                 .map(|url| Endpoint::new(url, config.ca_cert.as_deref()))
                 .collect::<Result<_, _>>()?,
             current: Default::default(),
-            unreachable: Default::default(),
+            outage: Default::default(),
             token,
             alloc: config.alloc.clone(),
             task: config.task.clone(),
@@ -272,7 +279,7 @@ impl Api {
 
     /// Sends until the server answers something final. Network errors, 5xx
     /// (503 included) and 429 are retried with exponential backoff and
-    /// jitter (20 ms doubling to 10 s), after a network error or a 5xx at
+    /// jitter (`backoff_wait`), after a network error or a 5xx at
     /// the next server of the list; other 4xx are fatal (a 409 too: a
     /// dependency cycle or a spec conflict is not fixed by waiting), except
     /// a missing or deleted allocation, which ends the agent quietly, and a
@@ -320,9 +327,9 @@ impl Api {
                 .get()
                 .map(|at| at.saturating_duration_since(tokio::time::Instant::now()));
             if left == Some(Duration::ZERO) {
-                return Err(ApiError::Fatal(format!(
-                    "{method} {path}: the server did not take it within --shutdown-timeout; \
-                     the task is stopped, but the server may still show it running"
+                return Err(ApiError::Unreachable(format!(
+                    "{method} {path}: no server took it within --shutdown-timeout; the task \
+                     is stopped, but the server may still show it running"
                 )));
             }
             let timeout = left.map_or(REQUEST_TIMEOUT, |l| l.min(REQUEST_TIMEOUT));
@@ -347,7 +354,7 @@ impl Api {
             }
             let problem = match answer {
                 Ok(reply) if reply.status < 300 => {
-                    self.reached();
+                    self.answered(at);
                     if path.starts_with(&self.alloc_path()) {
                         self.saw(&reply);
                     }
@@ -355,8 +362,20 @@ impl Api {
                         serde_json::from_slice(&reply.body).unwrap_or(Value::Null),
                     ));
                 }
+                Ok(reply) if reply.status >= 500 => {
+                    let problem = format!(
+                        "{} {}",
+                        reply.status,
+                        text(
+                            &serde_json::from_slice(&reply.body).unwrap_or(Value::Null),
+                            "code"
+                        )
+                    );
+                    self.unanswered(at, &problem);
+                    problem
+                }
                 Ok(reply) => {
-                    self.reached();
+                    self.answered(at);
                     let status = reply.status;
                     let v: Value = serde_json::from_slice(&reply.body).unwrap_or(Value::Null);
                     let code = text(&v, "code");
@@ -403,15 +422,17 @@ impl Api {
                     }
                 }
                 Err(e) => {
-                    self.unreached(&e);
+                    self.unanswered(at, &e);
                     e
                 }
             };
-            let mut sleep = backoff.mul_f64(0.5 + fastrand::f64());
+            let mut sleep = backoff_wait(backoff, fastrand::f64());
             if let Some(at) = self.give_up_at.get() {
                 sleep = sleep.min(at.saturating_duration_since(tokio::time::Instant::now()));
             }
-            tracing::warn!(%problem, retry_in = ?sleep, "{method} {path} did not go through; retrying");
+            // An outage is said once, when it begins: a line per retry
+            // would fill the log while the server is down.
+            tracing::debug!(%problem, retry_in = ?sleep, "{method} {path} did not go through; retrying");
             tokio::time::sleep(sleep).await;
             backoff = (backoff * 2).min(BACKOFF_CAP);
         }
@@ -512,32 +533,43 @@ impl Api {
         reply.header(INDEX_HEADER)?.parse().ok()
     }
 
-    /// A server answered: an episode of failures, if any, is over.
-    fn reached(&self) {
-        self.unreachable
+    /// Server `at` answered: an outage, if there was one, is over (said
+    /// once).
+    fn answered(&self, at: usize) {
+        let ended = self
+            .outage
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .reached();
+            .answered(std::time::Instant::now());
+        if let Some((failures, lasted)) = ended {
+            tracing::info!(
+                "the server at {} answers again: {failures} tries got no answer over {lasted:.1?}",
+                self.endpoints[at].url
+            );
+        }
     }
 
-    /// A request got no answer; says once an episode what to check.
-    fn unreached(&self, problem: &str) {
-        let failures = self
-            .unreachable
+    /// A request to server `at` got no answer, or a 5xx: an outage begins
+    /// with the first, which says what to check.
+    fn unanswered(&self, at: usize, problem: &str) {
+        let begins = self
+            .outage
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .failed(std::time::Instant::now());
-        let Some(failures) = failures else {
+        if !begins {
             return;
-        };
+        }
         let urls: Vec<&str> = self.endpoints.iter().map(|e| e.url.as_str()).collect();
         tracing::warn!(
-            "could not reach the server at {}: {failures} tries in a row got no answer (the last: \
-             {problem}). Check that the server is running and listens there; that the URL is \
-             right, its scheme included: an https:// URL for a plain-HTTP server fails in the TLS \
-             handshake, an http:// URL for a TLS server gets no HTTP answer; and for https, that \
-             --ca-cert names the CA that signed the server's certificate. The agent keeps trying \
-             and says this again only after it has reached the server.",
+            "the server stopped answering: {} got no answer from {} ({problem}). Check that \
+             the server is running and listens there; that the URL is right, its scheme \
+             included: an https:// URL for a plain-HTTP server fails in the TLS handshake, an \
+             http:// URL for a TLS server gets no HTTP answer; and for https, that --ca-cert \
+             names the CA that signed the server's certificate. The agent keeps trying (the \
+             next server, if there are several; waits of up to {BACKOFF_CAP:?}) and says when \
+             a server answers again.",
+            self.endpoints[at].url,
             urls.join(", ")
         );
     }
@@ -602,23 +634,22 @@ impl Api {
             .map(|_| ())
     }
 
-    /// A sign of life for the task, tried once: a heartbeat that does not
-    /// get through is replaced by the next (and the parked long-poll is
-    /// one meanwhile). Only a lost task is an error.
-    pub async fn heartbeat(&self) -> Result<(), ApiError> {
+    /// A sign of life for the task, tried once and for at most `within`
+    /// (a third of the TTL): a heartbeat that does not get through is
+    /// replaced by the next (and the parked long-poll is one meanwhile).
+    /// Only a lost task is an error.
+    pub async fn heartbeat(&self, within: Duration) -> Result<(), ApiError> {
         use std::sync::atomic::Ordering;
         let at = self.current.load(Ordering::Relaxed) % self.endpoints.len();
         let path = format!("{}/heartbeat", self.task_path());
         let reply = self.endpoints[at]
-            .send(
-                "PUT",
-                &path,
-                self.token.as_deref(),
-                None,
-                &[],
-                REQUEST_TIMEOUT,
-            )
+            .send("PUT", &path, self.token.as_deref(), None, &[], within)
             .await;
+        match &reply {
+            Ok(r) if r.status < 500 => self.answered(at),
+            Ok(r) => self.unanswered(at, &r.status.to_string()),
+            Err(e) => self.unanswered(at, e),
+        }
         match reply {
             Ok(r) if r.status == 409 => {
                 let v: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
@@ -687,23 +718,37 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    /// What to check is said after five failures in a row or thirty
-    /// seconds of them, once, and again only after a server answered.
+    /// An outage is said when its first request gets no answer, and its
+    /// end once, with how many tries failed over how long; the next one
+    /// is said again.
     #[test]
-    fn what_to_check_is_said_once_an_episode() {
+    fn an_outage_is_said_when_it_begins_and_when_it_ends() {
         let t0 = std::time::Instant::now();
-        let mut u = Unreachable::default();
-        let said: Vec<_> = (0..8).map(|_| u.failed(t0)).collect();
-        assert_eq!(said.iter().flatten().collect::<Vec<_>>(), [&5], "{said:?}");
-        assert_eq!(said.iter().position(Option::is_some), Some(4));
-        u.reached();
-        assert_eq!(u.failed(t0), None, "a new episode starts from none");
-        assert_eq!(
-            u.failed(t0 + HINT_AFTER),
-            Some(2),
-            "or after thirty seconds"
-        );
-        assert_eq!(u.failed(t0 + HINT_AFTER * 2), None);
+        let mut o = Outage::default();
+        assert_eq!(o.answered(t0), None, "no outage, nothing to say");
+        let begins: Vec<bool> = (0..5).map(|_| o.failed(t0)).collect();
+        assert_eq!(begins, [true, false, false, false, false]);
+        let later = t0 + Duration::from_secs(7);
+        assert_eq!(o.answered(later), Some((5, Duration::from_secs(7))));
+        assert_eq!(o.answered(later), None, "said once");
+        assert!(o.failed(later), "the next outage is said again");
+    }
+
+    /// The waits double from 20 ms, each between half its step and the
+    /// step, and none is longer than the 10 s the documentation names.
+    #[test]
+    fn backoff_waits_stay_within_their_step_and_the_cap() {
+        let mut step = BACKOFF_START;
+        for _ in 0..20 {
+            for r in [0.0, 0.5, 0.999_999] {
+                let wait = backoff_wait(step, r);
+                assert!(wait >= step.min(BACKOFF_CAP) / 2, "{wait:?} at {step:?}");
+                assert!(wait <= step.min(BACKOFF_CAP), "{wait:?} at {step:?}");
+            }
+            step = (step * 2).min(BACKOFF_CAP);
+        }
+        assert_eq!(step, Duration::from_secs(10));
+        assert!(backoff_wait(step, 0.999_999) <= Duration::from_secs(10));
     }
 
     /// An answer that lacks a field the agent acts on (here `desired`,

@@ -55,6 +55,34 @@ impl Launch {
 
     /// A command that runs `argv`.
     pub fn command(self, argv: &[String]) -> io::Result<tokio::process::Command> {
+        self.make(argv, false, None)
+    }
+
+    /// A command that runs the task's `argv`, in the cgroup `cgroup` if
+    /// there is one (`agent-exec` moves itself into it before it execs
+    /// the task, so that nothing of the task runs outside it).
+    pub fn task(
+        self,
+        argv: &[String],
+        cgroup: Option<&Path>,
+    ) -> io::Result<tokio::process::Command> {
+        self.make(argv, false, cgroup)
+    }
+
+    /// A command that runs `argv` for a readiness check: through
+    /// `agent-exec --reap`, which ends all `argv` started once it has
+    /// ended, or on SIGTERM (directly where the agent cannot start its own
+    /// binary).
+    pub fn check(self, argv: &[String]) -> io::Result<tokio::process::Command> {
+        self.make(argv, true, None)
+    }
+
+    fn make(
+        self,
+        argv: &[String],
+        reap: bool,
+        cgroup: Option<&Path>,
+    ) -> io::Result<tokio::process::Command> {
         let program = argv
             .first()
             .ok_or_else(|| io::Error::other("no command given"))?;
@@ -72,9 +100,14 @@ impl Launch {
                 runnable(program)?;
                 let mut cmd = tokio::process::Command::new(SELF);
                 cmd.args(["agent-exec", "--parent"])
-                    .arg(rustix::process::getpid().as_raw_nonzero().to_string())
-                    .arg("--")
-                    .args(argv);
+                    .arg(rustix::process::getpid().as_raw_nonzero().to_string());
+                if reap {
+                    cmd.arg("--reap");
+                }
+                if let Some(cgroup) = cgroup {
+                    cmd.arg("--cgroup").arg(cgroup);
+                }
+                cmd.arg("--").args(argv);
                 Ok(cmd)
             }
         }
@@ -82,30 +115,40 @@ impl Launch {
 }
 
 /// Whether `program` names an executable file, looked up in `PATH` as
-/// exec looks it up when it has no `/`.
+/// exec looks it up when it has no `/`: `NotFound` if there is no such
+/// file, `PermissionDenied` if there is one that cannot be run (as exec
+/// fails with ENOENT and EACCES).
 fn runnable(program: &str) -> io::Result<()> {
     use std::os::unix::fs::PermissionsExt;
-    let executable = |p: &Path| {
-        p.metadata()
-            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-    };
-    let found = if program.contains('/') {
-        executable(Path::new(program))
+    let candidates: Vec<std::path::PathBuf> = if program.contains('/') {
+        vec![program.into()]
     } else {
         // Unset, exec's search path is the C library's default.
         let path = std::env::var_os("PATH").unwrap_or_else(|| "/bin:/usr/bin".into());
-        std::env::split_paths(&path).any(|dir| executable(&dir.join(program)))
+        std::env::split_paths(&path)
+            .map(|dir| dir.join(program))
+            .collect()
     };
-    if found {
-        Ok(())
-    } else {
-        Err(io::Error::new(
-            io::ErrorKind::NotFound,
-            format!(
-                "{program:?}: no such executable file (PATH is searched for a name without '/')"
-            ),
-        ))
+    let mut unrunnable = None;
+    for candidate in candidates {
+        match candidate.metadata() {
+            Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => return Ok(()),
+            Ok(_) => {
+                unrunnable.get_or_insert(candidate);
+            }
+            Err(_) => {}
+        }
     }
+    Err(match unrunnable {
+        Some(found) => io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("{program:?}: {} is not an executable file", found.display()),
+        ),
+        None => io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("{program:?}: no such file (PATH is searched for a name without '/')"),
+        ),
+    })
 }
 
 /// `taskgate agent-exec`: how `taskgate agent` starts a command.
@@ -115,6 +158,14 @@ pub struct ExecArgs {
     /// is gone and the command does not start.
     #[arg(long)]
     pub parent: i32,
+    /// Run the command as a child, a child subreaper of it, and end all it
+    /// started (SIGKILL) once it has ended or on SIGTERM; exit with its
+    /// code (128 + 15 after SIGTERM). For readiness checks.
+    #[arg(long)]
+    pub reap: bool,
+    /// Move into this cgroup (its directory) before running the command.
+    #[arg(long)]
+    pub cgroup: Option<std::path::PathBuf>,
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true, num_args = 1..)]
     pub command: Vec<String>,
@@ -139,6 +190,22 @@ pub fn exec(args: &ExecArgs) -> u8 {
     let Some((program, rest)) = args.command.split_first() else {
         return 127;
     };
+    if let Some(cgroup) = &args.cgroup {
+        // Before the task runs: all it starts is born in the cgroup.
+        let me = rustix::process::getpid().as_raw_nonzero().get();
+        if let Err(e) = std::fs::write(cgroup.join("cgroup.procs"), me.to_string()) {
+            // Without it the task is still contained by its process group
+            // and the agent's subreaper: worth running still.
+            eprintln!(
+                "taskgate agent: cannot move the task into its cgroup {}: {e}; it runs \
+                 without one",
+                cgroup.display()
+            );
+        }
+    }
+    if args.reap {
+        return reap(&args.command);
+    }
     let error = std::process::Command::new(program).args(rest).exec();
     eprintln!("taskgate agent: cannot run {program:?}: {error}");
     if error.kind() == io::ErrorKind::NotFound {
@@ -146,6 +213,57 @@ pub fn exec(args: &ExecArgs) -> u8 {
     } else {
         126
     }
+}
+
+/// `agent-exec --reap`: runs `argv` and ends all it started. The reaper is
+/// the child subreaper of the command, so a process the command leaves
+/// behind (a daemon that called `setsid`, the child of a double fork) is
+/// re-parented to it, not to the agent, and ended with the check: a
+/// readiness check that starts a daemon leaves nothing once it has ended.
+/// The command runs through `agent-exec` in its turn, so that it dies if
+/// the reaper is killed.
+fn reap(argv: &[String]) -> u8 {
+    use tokio::signal::unix::{SignalKind, signal};
+    // Without it the command's orphans go to the agent, which ends them
+    // with the task: worth running still.
+    let _ = super::process::become_subreaper();
+    let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    else {
+        return 126;
+    };
+    runtime.block_on(async {
+        let mut terminate = signal(SignalKind::terminate()).ok();
+        let spawned = Launch::DiesWithAgent
+            .command(argv)
+            .and_then(super::process::spawn_check);
+        let mut child = match spawned {
+            Ok(child) => child,
+            Err(e) => {
+                eprintln!("taskgate agent: cannot run {argv:?}: {e}");
+                return if e.kind() == io::ErrorKind::NotFound {
+                    127
+                } else {
+                    126
+                };
+            }
+        };
+        let told = async {
+            match terminate.as_mut() {
+                Some(t) => t.recv().await,
+                None => std::future::pending().await,
+            }
+        };
+        let code = tokio::select! {
+            exit = child.wait() => exit.code(),
+            _ = told => 128 + Signal::TERM.as_raw(),
+        };
+        // All it started, in its group or not, at once: a check has no
+        // grace period.
+        child.stop(std::time::Duration::ZERO).await;
+        u8::try_from(code).unwrap_or(1)
+    })
 }
 
 #[cfg(test)]
@@ -159,7 +277,18 @@ mod tests {
         let err = runnable("no-such-program-of-taskgate").unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::NotFound);
         assert!(err.to_string().contains("no-such-program-of-taskgate"));
-        assert!(runnable("/nonexistent/sh").is_err());
-        assert!(runnable("/tmp").is_err(), "a directory is not a program");
+        let err = runnable("/nonexistent/sh").unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::NotFound);
+        let err = runnable("/tmp").unwrap_err();
+        assert_eq!(
+            err.kind(),
+            io::ErrorKind::PermissionDenied,
+            "a directory is not a program"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let plain = dir.path().join("plain");
+        std::fs::write(&plain, "#!/bin/sh\n").unwrap();
+        let err = runnable(plain.to_str().unwrap()).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::PermissionDenied, "{err}");
     }
 }

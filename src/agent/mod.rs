@@ -5,29 +5,39 @@
 //! while the command runs, and reports what happened when it ends.
 //! Reports are retried with backoff until the server takes them.
 //!
-//! **Containment.** Nothing the task starts outlives the task. The agent is
-//! a child subreaper, so a process that leaves the task's group (`setsid`)
-//! or loses its parent (a double fork) is re-parented to the agent, not to
-//! init. Whenever a run
+//! **Containment.** Nothing the task starts outlives the task. Where the
+//! agent may create a cgroup (cgroup v2, as root or in a delegated
+//! subtree), each run of the task starts in a cgroup of its own, which
+//! holds all it starts, and SIGKILL reaches all of it at once through
+//! `cgroup.kill` (`cgroup.rs`); elsewhere the agent says so once and falls
+//! back to what it also does with a cgroup: it is a child subreaper, so a
+//! process that leaves the task's group (`setsid`) or loses its parent (a
+//! double fork) is re-parented to the agent, not to init. Whenever a run
 //! ends — the command exits on its own, a stop or restart order, a deleted
 //! allocation, the agent stopping on a signal or an error — the agent
-//! sends SIGTERM to the task's process group and to every such stray,
-//! SIGKILL after `--kill-timeout`, and reaps them, before it reports the
-//! task dead (`process.rs`). Readiness commands run in groups of their own
-//! and are killed with them when their check ends. Every terminating
-//! signal (HUP, INT, QUIT, TERM, USR1, USR2, ALRM, ...; `signals.rs`) stops
-//! the task and reports it dead; a second one kills everything and exits.
+//! sends SIGTERM to the task's process group, to every such stray and to
+//! every process of the cgroup, SIGKILL after `--kill-timeout`, and reaps
+//! them, before it reports the task dead (`process.rs`). Readiness
+//! commands run under a reaper of their own, which ends all they started
+//! when their check ends. Every terminating signal a process may catch
+//! (HUP, INT, QUIT, TERM, USR1, USR2, ALRM, STKFLT, the real-time signals,
+//! ...; `signals.rs`) stops the task and reports it dead; a second one
+//! kills everything and exits.
 //!
-//! **SIGKILL of the agent** leaves it no chance to do any of that. The
-//! command's first process gets SIGKILL from the kernel (its parent-death
-//! signal, set by `launch.rs`), and so does a running readiness command's;
-//! processes they started live on, re-parented to init (or to the
-//! agent's own supervisor if it is a subreaper): a supervisor that runs
-//! the agent in a cgroup (systemd's `KillMode=control-group`, a container)
-//! takes them along. The server still shows the task `running`: a task
-//! with a liveness TTL (`liveness.ttl`) whose agent gives no sign of life
-//! within it is declared lost by the server (dead, failed, `Agent Lost`),
-//! and its siblings are told to stop.
+//! **SIGKILL of the agent** (or a signal the C library keeps for itself,
+//! 32 and 33 under glibc, which it lets no program handle) leaves it no
+//! chance to do any of that. The command's first process gets SIGKILL
+//! from the kernel (its parent-death signal, set by `launch.rs`), and so
+//! does a running readiness command; processes they started live on,
+//! re-parented to init (or to the agent's own supervisor if it is a
+//! subreaper), in the run's cgroup if it had one, which stays (the next
+//! agent removes it once it is empty). A supervisor that runs the agent in
+//! a cgroup (systemd's `KillMode=control-group`, a container) takes them
+//! along, the run's cgroup with them, since it is below the agent's. The
+//! server still shows the task `running`: a task with a liveness TTL
+//! (`liveness.ttl`) whose agent gives no sign of life within it is
+//! declared lost by the server (dead, failed, `Agent Lost`), and its
+//! siblings are told to stop.
 //!
 //! **The token.** The agent marks itself non-dumpable first thing
 //! ([`forbid_inspection`]): its `/proc/<pid>/` files belong to root from
@@ -40,13 +50,16 @@
 //! it from that, and root can read anything.
 
 mod api;
+mod cgroup;
+pub mod exit;
 mod launch;
 mod policy;
 mod process;
 mod readiness;
+mod signals;
 mod spec_diff;
 
-use std::{path::PathBuf, time::Duration};
+use std::{future::Future, path::PathBuf, pin::Pin, sync::Arc, time::Duration};
 
 use clap::Args;
 use serde_json::{Value, json};
@@ -61,6 +74,7 @@ use process::Exit;
 use readiness::Probe;
 
 #[derive(Debug, Clone, Args)]
+#[command(after_help = exit::TABLE)]
 pub struct AgentConfig {
     /// The server's base URL; several, comma-separated, for replicas of one
     /// deployment (`--store etcd`): a request that finds one unreachable
@@ -93,7 +107,8 @@ pub struct AgentConfig {
     )]
     pub token: Option<Secret>,
     /// Read the token from this file (its first line), so the secret need
-    /// not sit in any process's environment.
+    /// not sit in any process's environment. On the command line its path
+    /// shows in every user's process list: prefer TASKGATE_TOKEN_FILE.
     #[arg(long, env = "TASKGATE_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
     /// Register the allocation from this spec file first (idempotent: every
@@ -152,6 +167,10 @@ pub struct AgentConfig {
     /// After SIGTERM to the task's process group, wait this long before SIGKILL.
     #[arg(long, env = "TASKGATE_KILL_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub kill_timeout: Duration,
+    /// Log filter, as RUST_LOG: `info`; `info,taskgate=debug` also shows
+    /// each retry of a request while the server does not answer.
+    #[arg(long, env = "TASKGATE_LOG", default_value = "info")]
+    pub log: String,
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true, num_args = 1..)]
     pub command: Vec<String>,
@@ -159,6 +178,45 @@ pub struct AgentConfig {
 
 fn event(kind: &str, message: impl Into<String>, details: Value) -> Value {
     json!({"type": kind, "message": message.into(), "details": details})
+}
+
+/// Reports the task's state (with an event, if any).
+async fn report(
+    api: &Api,
+    state: &str,
+    failed: bool,
+    event: Option<Value>,
+) -> Result<(), ApiError> {
+    let mut body = json!({"state": state, "failed": failed});
+    if let Some(e) = event {
+        body["event"] = e;
+    }
+    api.report(&body).await
+}
+
+/// A request the loop of a run keeps in flight beside the child, the
+/// signals and the orders, none of which waits for it.
+type Request = Pin<Box<dyn Future<Output = Result<(), ApiError>>>>;
+
+/// Completes with the request in `slot`, which it empties; never while the
+/// slot is empty. Cancel-safe: the request stays in the slot until it has
+/// completed.
+async fn settle(slot: &mut Option<Request>) -> Result<(), ApiError> {
+    let result = match slot.as_mut() {
+        Some(request) => request.await,
+        None => std::future::pending().await,
+    };
+    *slot = None;
+    result
+}
+
+/// Waits for a request that must land before the next report (the
+/// `running` one before the report of how the run ended), if any.
+async fn landed(request: Option<Request>) -> Result<(), ApiError> {
+    match request {
+        Some(request) => request.await,
+        None => Ok(()),
+    }
 }
 
 /// What ended a run of the command.
@@ -171,6 +229,16 @@ enum Ended {
     AgentStopping,
 }
 
+/// What the start condition said.
+enum Gate {
+    /// The task may start.
+    Open,
+    /// The task must not start (`desired: stop`).
+    Stop,
+    /// The agent was told to stop while it waited.
+    AgentStopping,
+}
+
 /// What to do after the task is dead.
 enum AfterDeath {
     Restart,
@@ -178,7 +246,9 @@ enum AfterDeath {
 }
 
 struct Agent {
-    api: Api,
+    /// Shared with the requests the loop of a run keeps in flight beside
+    /// it.
+    api: Arc<Api>,
     config: AgentConfig,
     /// Stage of the task (`main`, `poststop`, ...), from the server.
     stage: String,
@@ -189,8 +259,10 @@ struct Agent {
     /// Turns true on SIGTERM/SIGINT to the agent.
     stopping: watch::Receiver<bool>,
     policy: RestartPolicy,
-    /// The exit code the agent ends with: the task's last one.
-    exit_code: i32,
+    /// The exit code the agent ends with, once a run (or the wait for
+    /// one) has ended: the task's own code after a run that ended by
+    /// itself, else one of `exit`'s.
+    exit_code: Option<i32>,
     /// The readiness probe, if one was given.
     probe: Option<Probe>,
     /// What the last start condition said of how the allocation ended, for
@@ -203,6 +275,11 @@ struct Agent {
     ttl: Option<Duration>,
     /// How commands are started.
     launch: Launch,
+    /// Whether the task has run under this agent.
+    ran: bool,
+    /// Where each run of the task gets a cgroup of its own, if the agent
+    /// may create one.
+    place: Option<cgroup::Place>,
 }
 
 impl Agent {
@@ -224,20 +301,65 @@ impl Agent {
     }
 
     async fn report(
-        &mut self,
+        &self,
         state: &str,
         failed: bool,
         event: Option<Value>,
     ) -> Result<(), ApiError> {
-        let mut body = json!({"state": state, "failed": failed});
-        if let Some(e) = event {
-            body["event"] = e;
-        }
-        self.api.report(&body).await
+        report(&self.api, state, failed, event).await
     }
 
     /// The whole life of the agent; returns its exit code.
     async fn run(&mut self) -> Result<i32, ApiError> {
+        // Until the task runs, a signal ends the agent at once: it has
+        // nothing to stop, and reports nothing (not even a `pending`
+        // still in flight).
+        let stopped = self.stopped();
+        tokio::select! {
+            prepared = self.prepare() => prepared?,
+            () = stopped => return Ok(self.stopped_at_the_gate()),
+        }
+        loop {
+            let stopped = self.stopped();
+            let gate = tokio::select! {
+                reported = self.report("pending", false, None) => {
+                    reported?;
+                    self.wait_for_gate().await?
+                }
+                () = stopped => Gate::AgentStopping,
+            };
+            match gate {
+                Gate::Open => {}
+                Gate::AgentStopping => return Ok(self.stopped_at_the_gate()),
+                Gate::Stop => {
+                    self.exit_code = Some(exit::STOP_ORDER);
+                    self.report(
+                        "dead",
+                        false,
+                        Some(event(
+                            "Not Restarting",
+                            "told to stop before starting",
+                            json!({}),
+                        )),
+                    )
+                    .await?;
+                    match self.after_death().await? {
+                        AfterDeath::Restart => continue,
+                        AfterDeath::Exit => return Ok(self.exit_code.unwrap_or(0)),
+                    }
+                }
+            }
+            self.ran = true;
+            match self.run_once().await? {
+                AfterDeath::Restart => continue,
+                AfterDeath::Exit => return Ok(self.exit_code.unwrap_or(0)),
+            }
+        }
+    }
+
+    /// What comes before the first `pending` report: the registration,
+    /// the task's view, and the checks of the flags against it.
+    async fn prepare(&mut self) -> Result<(), ApiError> {
         if let Some(file) = self.config.register.clone() {
             self.api.register(&file, self.config.liveness_ttl).await?;
         }
@@ -269,62 +391,64 @@ impl Agent {
         self.generation = info.restart_generation;
         self.ttl = info.ttl;
         self.learn(&info);
-        loop {
-            self.report("pending", false, None).await?;
-            if !self.wait_for_gate().await? {
-                // Told to stop before starting, or the agent is stopping.
-                let why = if self.is_stopping() {
-                    "the agent is stopping"
-                } else {
-                    "told to stop before starting"
-                };
-                self.report("dead", false, Some(event("Not Restarting", why, json!({}))))
-                    .await?;
-                if self.is_stopping() {
-                    return Ok(self.exit_code);
-                }
-                match self.after_death().await? {
-                    AfterDeath::Restart => continue,
-                    AfterDeath::Exit => return Ok(self.exit_code),
-                }
-            }
-            match self.run_once().await? {
-                AfterDeath::Restart => continue,
-                AfterDeath::Exit => return Ok(self.exit_code),
-            }
-        }
+        Ok(())
     }
 
-    /// Long-polls until the task may start (true) or must not (false).
-    async fn wait_for_gate(&mut self) -> Result<bool, ApiError> {
+    /// The agent was stopped while its task waited to run (at its gate,
+    /// or before the agent got there): the task stays as the server has
+    /// it, so the agent's own shutdown decides nothing of the allocation
+    /// (a liveness TTL or a deadline bounds the wait). Says so; exit 0.
+    fn stopped_at_the_gate(&self) -> i32 {
+        let when = if self.ran {
+            "while its task waited at its gate to run again"
+        } else {
+            "before its task ran"
+        };
+        tracing::info!(
+            task = %self.config.task,
+            "stopped {when}: nothing was reported for the task, which stays as the server \
+             shows it; this agent's shutdown decides nothing of the allocation"
+        );
+        0
+    }
+
+    /// Long-polls until the task may start, or must not.
+    async fn wait_for_gate(&mut self) -> Result<Gate, ApiError> {
+        tracing::info!(task = %self.config.task, "waiting for the task's gate to open");
         loop {
             if self.is_stopping() {
-                return Ok(false);
+                return Ok(Gate::AgentStopping);
             }
             let sc = tokio::select! {
                 sc = self.api.start_condition() => sc?,
-                () = self.stopped() => return Ok(false),
+                () = self.stopped() => return Ok(Gate::AgentStopping),
             };
             if sc.lost() {
                 return Err(ApiError::Lost { lost_at: None });
             }
             if sc.desired == "stop" {
-                return Ok(false);
+                return Ok(Gate::Stop);
             }
             if sc.allowed {
                 tracing::info!(task = %self.config.task, coordinator_state = %sc.coordinator_state, "the gate is open");
                 self.outcome = sc.outcome.map(|o| (o, sc.failed_tasks));
-                return Ok(true);
+                return Ok(Gate::Open);
             }
-            tracing::info!(
+            tracing::debug!(
                 task = %self.config.task,
                 coordinator_state = %sc.coordinator_state,
-                "waiting for the task's gate to open"
+                "the gate is still closed"
             );
         }
     }
 
     /// Runs the command once and handles how it ends.
+    ///
+    /// While the command runs, every request the agent makes (the
+    /// `running` report, readiness reports, heartbeats, the long-poll on
+    /// the task) is in flight beside the loop, which never waits for one:
+    /// the command's exit, a signal to the agent and an order of the server
+    /// are acted on at once, in that order when they come together.
     async fn run_once(&mut self) -> Result<AfterDeath, ApiError> {
         // A poststop task learns how the allocation ended.
         let env: Vec<(&str, String)> = match &self.outcome {
@@ -334,14 +458,40 @@ impl Agent {
             ],
             _ => Vec::new(),
         };
-        let spawned = self
-            .launch
-            .command(&self.config.command)
-            .and_then(|cmd| process::spawn(cmd, &env));
+        let cgroup = self.place.as_ref().and_then(|place| {
+            place
+                .create()
+                .map_err(|e| tracing::warn!("the task runs without a cgroup of its own: {e}"))
+                .ok()
+        });
+        let command = self.launch.task(
+            &self.config.command,
+            cgroup.as_ref().map(cgroup::Cgroup::path),
+        );
+        let spawned = match command {
+            Ok(cmd) => process::spawn(cmd, &env, cgroup),
+            Err(e) => {
+                if let Some(cgroup) = cgroup {
+                    cgroup.remove();
+                }
+                Err(e)
+            }
+        };
+        self.exit_code = None;
         let mut child = match spawned {
             Ok(c) => c,
             Err(e) => {
-                self.exit_code = 127;
+                let not_found = e.kind() == std::io::ErrorKind::NotFound;
+                tracing::error!(
+                    task = %self.config.task,
+                    command = ?self.config.command,
+                    "cannot run the command: {e}"
+                );
+                self.exit_code = Some(if not_found {
+                    exit::NOT_FOUND
+                } else {
+                    exit::CANNOT_RUN
+                });
                 self.report(
                     "dead",
                     true,
@@ -355,17 +505,21 @@ impl Agent {
         self.running
             .store(pid, std::sync::atomic::Ordering::Relaxed);
         tracing::info!(task = %self.config.task, pid, "started");
-        self.report(
-            "running",
-            false,
-            Some(event("Started", "", json!({"pid": pid.to_string()}))),
-        )
-        .await?;
+        let kill_timeout = self.config.kill_timeout;
+        let api = self.api.clone();
+        // Until the `running` report has landed no readiness is reported:
+        // it would reach the server first.
+        let mut started: Option<Request> = Some(Box::pin({
+            let api = api.clone();
+            let started = event("Started", "", json!({"pid": pid.to_string()}));
+            async move { report(&api, "running", false, Some(started)).await }
+        }));
         let mut probe = self
             .probe
             .clone()
             .map(|p| p.spawn(self.config.ready_interval));
-        let mut ready = false;
+        // The probe's last answer, and the last one reported.
+        let (mut ready, mut reported_ready) = (false, false);
         // --ready-timeout bounds the first readiness only: a task that was
         // ready once and loses it is reported, not killed.
         let mut ever_ready = false;
@@ -374,91 +528,101 @@ impl Agent {
             .ready_timeout
             .filter(|_| probe.is_some())
             .map(|t| tokio::time::Instant::now() + t);
-        let ended = {
-            // One long-poll of the task at a time, kept across the loop's
-            // turns and made anew only once it has answered: a readiness
-            // answer must neither cut it (a dropped connection each time)
-            // nor restart the backoff of its retries while the server is
-            // down. It borrows only `self.api`, so the loop may change the
-            // other fields.
-            let api = &self.api;
-            let mut poll = std::pin::pin!(api.task(self.index));
-            // Well within the TTL: three heartbeats a TTL, so one lost on
-            // the way is not a loss of the task.
-            let beat = self.ttl.map_or(Duration::from_secs(3600), |t| {
-                (t / 3).max(Duration::from_millis(100))
-            });
-            let mut heartbeats = tokio::time::interval_at(tokio::time::Instant::now() + beat, beat);
-            heartbeats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                let probed = async {
-                    match probe.as_mut() {
-                        Some(p) => p.rx.recv().await,
-                        None => std::future::pending().await,
-                    }
+        let mut readiness: Option<Request> = None;
+        // Three heartbeats a TTL, so one lost on the way is not a loss of
+        // the task; each may take a third of the TTL, then the next one
+        // goes.
+        let beat = self.ttl.map_or(Duration::from_secs(3600), |t| {
+            (t / 3).max(Duration::from_millis(100))
+        });
+        let mut heartbeats = tokio::time::interval_at(tokio::time::Instant::now() + beat, beat);
+        heartbeats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut heartbeat: Option<Request> = None;
+        // One long-poll of the task at a time, kept across the loop's
+        // turns and made anew only once it has answered: a readiness
+        // answer must neither cut it (a dropped connection each time) nor
+        // restart the backoff of its retries while the server is down.
+        let watch = |index| {
+            let api = api.clone();
+            Box::pin(async move { api.task(index).await })
+        };
+        let mut poll = watch(self.index);
+        let ended = loop {
+            if started.is_none() && readiness.is_none() && ready != reported_ready {
+                reported_ready = ready;
+                let (kind, message) = if ready {
+                    ("Ready", "the readiness probe succeeded")
+                } else {
+                    ("Not Ready", "the readiness probe failed")
                 };
-                let late = async {
-                    match ready_by {
-                        Some(at) if !ever_ready => tokio::time::sleep_until(at).await,
-                        _ => std::future::pending().await,
-                    }
-                };
-                tokio::select! {
-                    exit = child.wait() => break Ended::Exited(exit),
-                    Some(now_ready) = probed => {
-                        if now_ready != ready {
-                            ready = now_ready;
-                            ever_ready |= ready;
-                            let (kind, message) = if ready {
-                                ("Ready", "the readiness probe succeeded")
-                            } else {
-                                ("Not Ready", "the readiness probe failed")
-                            };
-                            tracing::info!(task = %self.config.task, ready, "readiness changed");
-                            let body = json!({"state": "running", "ready": ready,
-                                              "event": event(kind, message, json!({}))});
-                            if let Err(e) = api.report(&body).await {
-                                child.stop(self.config.kill_timeout).await;
-                                return Err(e);
-                            }
-                        }
-                    }
-                    _ = heartbeats.tick(), if self.ttl.is_some() => {
-                        if let Err(e) = api.heartbeat().await {
-                            child.stop(self.config.kill_timeout).await;
-                            return Err(e);
-                        }
-                    }
-                    () = late => break Ended::NotReadyInTime,
-                    t = &mut poll => {
-                        let t = match t {
-                            Ok(t) => t,
-                            Err(e) => {
-                                // Deleted allocation or a fatal answer:
-                                // everything the task started goes too.
-                                child.stop(self.config.kill_timeout).await;
-                                return Err(e);
-                            }
-                        };
+                let api = api.clone();
+                let body = json!({"state": "running", "ready": ready,
+                                  "event": event(kind, message, json!({}))});
+                readiness = Some(Box::pin(async move { api.report(&body).await }));
+            }
+            let probed = async {
+                match probe.as_mut() {
+                    Some(p) => p.rx.recv().await,
+                    None => std::future::pending().await,
+                }
+            };
+            let late = async {
+                match ready_by {
+                    Some(at) if !ever_ready => tokio::time::sleep_until(at).await,
+                    _ => std::future::pending().await,
+                }
+            };
+            let failed = tokio::select! {
+                biased;
+                exit = child.wait() => break Ended::Exited(exit),
+                () = self.stopped() => break Ended::AgentStopping,
+                t = &mut poll => match t {
+                    Ok(t) => {
                         self.index = self.index.max(t.modify_index);
                         if t.desired == "stop" && t.stop_reason.as_deref() == Some(api::AGENT_LOST) {
-                            child.stop(self.config.kill_timeout).await;
-                            return Err(ApiError::Lost { lost_at: None });
-                        }
-                        if t.desired == "stop" {
+                            Err(ApiError::Lost { lost_at: None })
+                        } else if t.desired == "stop" {
                             break Ended::StopOrder(t.stop_reason.unwrap_or_default());
-                        }
-                        if t.restart_generation > self.generation {
+                        } else if t.restart_generation > self.generation {
                             self.generation = t.restart_generation;
                             break Ended::RestartOrder;
+                        } else {
+                            poll = watch(self.index);
+                            Ok(())
                         }
-                        poll.set(api.task(self.index));
                     }
-                    () = self.stopped() => break Ended::AgentStopping,
+                    // A deleted allocation, a lost task or a fatal answer:
+                    // everything the task started goes too.
+                    Err(e) => Err(e),
+                },
+                r = settle(&mut started) => r,
+                r = settle(&mut readiness) => r,
+                r = settle(&mut heartbeat) => r,
+                _ = heartbeats.tick(), if self.ttl.is_some() && heartbeat.is_none() => {
+                    let api = api.clone();
+                    heartbeat = Some(Box::pin(async move { api.heartbeat(beat).await }));
+                    Ok(())
                 }
+                () = late => break Ended::NotReadyInTime,
+                Some(now_ready) = probed => {
+                    if now_ready != ready {
+                        ready = now_ready;
+                        ever_ready |= ready;
+                        tracing::info!(task = %self.config.task, ready, "readiness changed");
+                    }
+                    Ok(())
+                }
+            };
+            if let Err(e) = failed {
+                drop(probe);
+                child.stop(kill_timeout).await;
+                return Err(e);
             }
         };
-        drop(probe);
+        // A readiness check in flight ends with the run; so do a readiness
+        // report and a heartbeat still in flight, which the report of how
+        // the run ended makes moot.
+        drop((probe, readiness, heartbeat, poll));
         match &ended {
             Ended::Exited(exit) => {
                 tracing::info!(task = %self.config.task, pid, how = %exit.describe(), "exited");
@@ -473,52 +637,49 @@ impl Agent {
                 tracing::info!(task = %self.config.task, pid, "told to restart: stopping it");
             }
             Ended::AgentStopping => {
-                tracing::info!(task = %self.config.task, pid, "the agent is stopping: stopping the task");
+                let within = self.config.shutdown_timeout;
+                tracing::info!(
+                    task = %self.config.task,
+                    pid,
+                    "the agent is stopping: stopping the task, then reporting it dead (for at most {within:?})"
+                );
             }
         }
+        // In every case the task is stopped first (all it started; after
+        // a natural exit, what it left running), and reported after.
         match ended {
             Ended::Exited(exit) => {
-                // The first process has ended; what it left running (in
-                // its group or out of it) goes now, before the task is
-                // reported dead.
-                child.stop(self.config.kill_timeout).await;
+                child.stop(kill_timeout).await;
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
+                landed(started).await?;
                 self.exited(exit).await
             }
             Ended::NotReadyInTime => {
                 let timeout = self.config.ready_timeout.unwrap_or_default();
                 let shown = format!("{}ms", timeout.as_millis());
                 let message = format!("not ready {shown} after it started");
-                self.report(
-                    "running",
-                    false,
-                    Some(event("Killing", message.clone(), json!({}))),
-                )
-                .await?;
-                let exit = child.stop(self.config.kill_timeout).await;
-                self.running.store(0, std::sync::atomic::Ordering::Relaxed);
+                let killing = event("Killing", message.clone(), json!({}));
+                let exit = self.kill(&mut child, started, killing).await?;
                 let mut details = exit.details();
                 details["readiness_timeout"] = json!(shown);
-                self.failed_run(exit.code(), event("Readiness Timeout", message, details))
-                    .await
+                self.failed_run(
+                    exit::NOT_READY,
+                    event("Readiness Timeout", message, details),
+                )
+                .await
             }
             Ended::StopOrder(reason) => {
-                self.report(
-                    "running",
-                    false,
-                    Some(event("Killing", reason.clone(), json!({}))),
-                )
-                .await?;
-                let exit = child.stop(self.config.kill_timeout).await;
-                self.running.store(0, std::sync::atomic::Ordering::Relaxed);
-                self.exit_code = 0;
+                let killing = event("Killing", reason.clone(), json!({}));
+                let exit = self.kill(&mut child, started, killing).await?;
+                self.exit_code = Some(exit::STOP_ORDER);
                 self.report("dead", false, Some(event("Killed", reason, exit.details())))
                     .await?;
                 self.after_death().await
             }
             Ended::RestartOrder => {
-                child.stop(self.config.kill_timeout).await;
+                child.stop(kill_timeout).await;
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
+                landed(started).await?;
                 self.report(
                     "pending",
                     false,
@@ -532,8 +693,10 @@ impl Agent {
                 Ok(AfterDeath::Restart)
             }
             Ended::AgentStopping => {
-                let exit = child.stop(self.config.kill_timeout).await;
+                self.exit_code = Some(0);
+                let exit = child.stop(kill_timeout).await;
                 self.running.store(0, std::sync::atomic::Ordering::Relaxed);
+                landed(started).await?;
                 self.report(
                     "dead",
                     false,
@@ -543,6 +706,26 @@ impl Agent {
                 Ok(AfterDeath::Exit)
             }
         }
+    }
+
+    /// Stops the task while its `Killing` event goes to the server (after
+    /// the `running` report, if that is still in flight): the stop does
+    /// not wait for the server.
+    async fn kill(
+        &self,
+        child: &mut process::Child,
+        started: Option<Request>,
+        killing: Value,
+    ) -> Result<process::Exit, ApiError> {
+        let (reported, exit) = tokio::join!(
+            async {
+                landed(started).await?;
+                self.report("running", false, Some(killing)).await
+            },
+            child.stop(self.config.kill_timeout)
+        );
+        self.running.store(0, std::sync::atomic::Ordering::Relaxed);
+        reported.map(|()| exit)
     }
 
     /// The command ended on its own: restart it or report it dead.
@@ -572,7 +755,7 @@ impl Agent {
         failed: bool,
         terminated: Value,
     ) -> Result<AfterDeath, ApiError> {
-        self.exit_code = code;
+        self.exit_code = Some(code);
         let ephemeral = matches!(
             self.stage.as_str(),
             "prestart_ephemeral" | "poststart_ephemeral" | "poststop"
@@ -651,6 +834,10 @@ impl Agent {
     }
 }
 
+/// How long the agent's last sweep tries to empty and remove the task's
+/// cgroup.
+const KILLED_WITHIN: Duration = Duration::from_secs(10);
+
 /// How often at most the agent looks for ended strays to reap while a task
 /// runs (each look reads every process's `/proc/<pid>/stat`).
 const REAP_PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
@@ -664,24 +851,21 @@ pub fn forbid_inspection() -> std::io::Result<()> {
         .map_err(Into::into)
 }
 
-/// Whether `--token` was given on the command line (before the command's
-/// own `--`), where every user of the host sees it.
-fn token_on_command_line() -> bool {
+/// Whether `flag` was given on the command line (before the command's own
+/// `--`), where every user of the host sees it.
+fn on_command_line(flag: &str) -> bool {
     std::env::args()
         .skip(1)
         .take_while(|a| a != "--")
-        .any(|a| a == "--token" || a.starts_with("--token="))
+        .any(|a| a == flag || a.strip_prefix(flag).is_some_and(|v| v.starts_with('=')))
 }
-
-/// The agent's exit code when the server declared its task lost.
-pub const LOST_EXIT: i32 = 3;
 
 /// Runs the agent until it is done; returns the process exit code.
 pub async fn run(config: AgentConfig) -> i32 {
     // Before anything is started: the handlers, so that no terminating
     // signal ends the agent without a word; the subreaper flag, so that no
     // orphan of the task escapes to init.
-    let mut signals = crate::signals::Terminating::listen();
+    let mut signals = signals::Terminating::listen();
     if let Err(e) = process::become_subreaper() {
         tracing::warn!(
             error = %e,
@@ -690,20 +874,30 @@ pub async fn run(config: AgentConfig) -> i32 {
         );
     }
     tokio::spawn(process::reap_forever(REAP_PAUSE));
-    if token_on_command_line() {
+    if on_command_line("--token") {
         tracing::warn!(
             "--token on the command line shows in every user's process list \
-             (/proc/<pid>/cmdline); give it in TASKGATE_TOKEN or a file named by --token-file"
+             (/proc/<pid>/cmdline); give it in TASKGATE_TOKEN or a file named by \
+             TASKGATE_TOKEN_FILE"
+        );
+    }
+    if on_command_line("--token-file") {
+        tracing::warn!(
+            "--token-file on the command line shows the file's path in every user's process \
+             list (/proc/<pid>/cmdline), and the workload, if it runs as the file's owner, may \
+             read the file: name it in TASKGATE_TOKEN_FILE (the agent's environment is hidden \
+             from other processes), and keep it unreadable to the workload's user"
         );
     }
     let api = match Api::new(&config) {
         Ok(api) => api,
         Err(e) => {
             eprintln!("taskgate agent: {e}");
-            return 2;
+            return exit::CONFIG;
         }
     };
     let launch = Launch::for_agent();
+    let place = contain(&config, launch);
     let probe = match Probe::from_flags(
         config.ready_cmd.as_deref(),
         config.ready_http.as_deref(),
@@ -713,7 +907,7 @@ pub async fn run(config: AgentConfig) -> i32 {
         Ok(p) => p,
         Err(e) => {
             eprintln!("taskgate agent: {e}");
-            return 2;
+            return exit::CONFIG;
         }
     };
     let (stop_tx, stopping) = watch::channel(false);
@@ -721,19 +915,17 @@ pub async fn run(config: AgentConfig) -> i32 {
     let give_up_at = api.give_up_at.clone();
     let shutdown_timeout = config.shutdown_timeout;
     let group = running.clone();
+    let cgroup_of_run = place.clone();
     tokio::spawn(async move {
         let signal = signals.recv().await;
-        tracing::info!(
-            signal,
-            "stopping: the task is stopped now and reported dead (for at most {shutdown_timeout:?}); \
-             a second signal exits at once"
-        );
+        tracing::info!(signal, "stopping; a second signal exits at once");
         let _ = give_up_at.set(tokio::time::Instant::now() + shutdown_timeout);
         let _ = stop_tx.send(true);
         let signal = signals.recv().await;
-        process::kill_everything(group.load(std::sync::atomic::Ordering::Relaxed)).await;
+        let pgid = group.load(std::sync::atomic::Ordering::Relaxed);
+        process::kill_everything(pgid, cgroup_of_run.as_ref().map(cgroup::Place::current)).await;
         eprintln!("taskgate agent: a second signal ({signal}): exiting now");
-        std::process::exit(130);
+        std::process::exit(exit::SECOND_SIGNAL);
     });
     let policy = RestartPolicy {
         attempts: config.restart_attempts,
@@ -743,25 +935,30 @@ pub async fn run(config: AgentConfig) -> i32 {
         history: Default::default(),
     };
     let mut agent = Agent {
-        api,
+        api: Arc::new(api),
         config,
         stage: String::new(),
         generation: 0,
         index: 0,
         stopping,
         policy,
-        exit_code: 0,
+        exit_code: None,
         probe,
         outcome: None,
         running,
         launch,
         ttl: None,
+        ran: false,
+        place: place.clone(),
     };
     let code = match agent.run().await {
         Ok(code) => code,
         Err(ApiError::Gone) => {
-            tracing::info!("the allocation was deleted");
-            agent.exit_code
+            // After a run that ended by itself, the task's own code: the
+            // deletion only ended the wait for the allocation's end.
+            let code = agent.exit_code.unwrap_or(exit::DELETED);
+            tracing::info!(code, "the allocation was deleted");
+            code
         }
         Err(e @ ApiError::Lost { .. }) => {
             eprintln!(
@@ -769,16 +966,49 @@ pub async fn run(config: AgentConfig) -> i32 {
                  task's process is stopped, and the server takes no report of it; an all-tasks \
                  restart or a restore runs it again, with a new agent"
             );
-            LOST_EXIT
+            exit::LOST
+        }
+        Err(ApiError::Unreachable(e)) => {
+            eprintln!("taskgate agent: {e}");
+            exit::UNREACHABLE
         }
         Err(ApiError::Fatal(e)) => {
             eprintln!("taskgate agent: {e}");
-            2
+            exit::CONFIG
         }
     };
     // Each run stopped its own; this is for what a readiness command may
     // have left after the last run, and for the error paths.
     drop(agent);
     process::sweep().await;
+    if let Some(place) = place {
+        place.current().kill_and_remove(KILLED_WITHIN).await;
+    }
     code
+}
+
+/// How the task is contained here: in a cgroup of its own for each run,
+/// where the agent may create one, else by its process group and the
+/// agent's child subreaper only. Says which, once.
+fn contain(config: &AgentConfig, launch: Launch) -> Option<cgroup::Place> {
+    let found = match launch {
+        Launch::DiesWithAgent => cgroup::Place::find(&config.alloc, &config.task),
+        Launch::Direct => Err("the agent cannot start its own binary to move the task".into()),
+    };
+    match found {
+        Ok(place) => {
+            tracing::info!(
+                parent = %place.parent().display(),
+                "each run of the task goes in a cgroup of its own, ended with cgroup.kill"
+            );
+            Some(place)
+        }
+        Err(why) => {
+            tracing::info!(
+                "no cgroup for the task ({why}): the agent falls back to process groups and \
+                 its child subreaper"
+            );
+            None
+        }
+    }
 }

@@ -15,9 +15,10 @@
 //! process can change. Parenthood is read from `/proc/<pid>/stat` of every
 //! process, not from `/proc/self/task/*/children`, which exists only on
 //! kernels built with `CONFIG_PROC_CHILDREN` (not this project's CI
-//! machines). Escapes that are not descendants (a service manager asked
-//! to start something, `at`, ssh to localhost) need a cgroup, which the
-//! agent does not create.
+//! machines). Where the task runs in a cgroup of its own (`cgroup.rs`),
+//! its processes are also signalled through it, SIGKILL to all at once.
+//! Not contained either way: what the task asks another process to start
+//! (a service manager, `at`, ssh to localhost), which runs outside it.
 
 use std::{
     collections::BTreeSet,
@@ -31,6 +32,8 @@ use std::{
 };
 
 use rustix::process::{Pid, Signal, WaitOptions};
+
+use super::cgroup::Cgroup;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
@@ -134,12 +137,22 @@ pub struct Child {
     /// Set once a stop has seen nothing of the command left: its group ID
     /// may then belong to someone else and is never signalled again.
     done: bool,
+    /// The task's cgroup, where it runs in one: all it started is in it,
+    /// and is ended with it.
+    cgroup: Option<Cgroup>,
 }
 
 /// Starts the task's command `cmd` in a process group of its own, with
-/// `env` added to the agent's environment less its secrets.
-pub fn spawn(cmd: tokio::process::Command, env: &[(&str, String)]) -> std::io::Result<Child> {
-    start(cmd, env, true)
+/// `env` added to the agent's environment less its secrets; `cgroup` is
+/// the one `cmd` moves into before it runs the task, if any.
+pub fn spawn(
+    cmd: tokio::process::Command,
+    env: &[(&str, String)],
+    cgroup: Option<Cgroup>,
+) -> std::io::Result<Child> {
+    let mut child = start(cmd, env, true)?;
+    child.cgroup = cgroup;
+    Ok(child)
 }
 
 /// Starts a readiness command as `spawn` starts the task's.
@@ -170,6 +183,7 @@ fn start(
         owns_strays,
         exit: None,
         done: false,
+        cgroup: None,
     })
 }
 
@@ -181,11 +195,19 @@ impl Drop for Child {
     fn drop(&mut self) {
         if !self.done {
             signal_group(self.pid, Signal::KILL);
+            if let Some(cgroup) = &self.cgroup {
+                cgroup.kill();
+            }
             if self.owns_strays {
                 for stray in reap_strays() {
                     stray.signal(Signal::KILL);
                 }
             }
+        }
+        // Refused while the killed processes are still in it: the agent's
+        // last sweep removes it then.
+        if let Some(cgroup) = &self.cgroup {
+            cgroup.remove();
         }
         owned().remove(&self.pid);
     }
@@ -212,10 +234,12 @@ impl Child {
     }
 
     /// Stops everything the command started, whether its first process
-    /// still runs or has ended: SIGTERM to its process group and to every
-    /// stray, SIGKILL to what is left after `grace`. Returns how the first
-    /// process ended once nothing is left, or after SIGKILL could not end
-    /// everything within `KILLED_WITHIN` (logged).
+    /// still runs or has ended: SIGTERM to its process group, to every
+    /// stray and to every process in its cgroup, SIGKILL to what is left
+    /// after `grace` (the whole cgroup at once, with `cgroup.kill`).
+    /// Returns how the first process ended once nothing is left (and its
+    /// cgroup is removed), or after SIGKILL could not end everything
+    /// within `KILLED_WITHIN` (logged).
     pub async fn stop(&mut self, grace: Duration) -> Exit {
         // Listening before the first look: no end between a look and the
         // wait that follows it goes unnoticed.
@@ -235,6 +259,9 @@ impl Child {
         while left {
             // Again each time: a process still in the group may fork.
             signal_group(self.pid, Signal::KILL);
+            if let Some(cgroup) = &self.cgroup {
+                cgroup.kill();
+            }
             left = self.left(&mut sent, Signal::KILL);
             if !left {
                 break;
@@ -243,6 +270,7 @@ impl Child {
                 tracing::warn!(
                     pid = self.pid,
                     strays = ?reap_strays().iter().map(|s| s.pid).collect::<Vec<_>>(),
+                    cgroup = ?self.cgroup.as_ref().map(|c| (c.path().to_owned(), c.pids())),
                     "processes of the command survived SIGKILL for {KILLED_WITHIN:?}; leaving them"
                 );
                 return self.exit.unwrap_or(Exit(None));
@@ -250,7 +278,24 @@ impl Child {
             wake.until(hard).await;
         }
         self.done = true;
+        if let Some(cgroup) = &self.cgroup {
+            cgroup.remove();
+        }
         self.exit.unwrap_or(Exit(None))
+    }
+
+    /// Asks the command to end (SIGTERM to its process group), and kills
+    /// the group if its first process has not ended within `within`;
+    /// returns how that process ended. What left the group is not looked
+    /// for: a readiness check's reaper ends what its command started.
+    pub async fn end(&mut self, within: Duration) -> Exit {
+        if !self.done {
+            signal_group(self.pid, Signal::TERM);
+        }
+        match tokio::time::timeout(within, self.wait()).await {
+            Ok(exit) => exit,
+            Err(_) => self.kill_now().await,
+        }
     }
 
     /// Ends the command at once: SIGKILL to its process group, and its
@@ -265,8 +310,8 @@ impl Child {
     }
 
     /// Whether anything of the command is left. Reaps the first process
-    /// and the strays that have ended, and sends `sig` to each stray not
-    /// sent it yet (`sent`).
+    /// and the strays that have ended, and sends `sig` to each stray and
+    /// each process of its cgroup not sent it yet (`sent`).
     fn left(&mut self, sent: &mut BTreeSet<i32>, sig: Signal) -> bool {
         if self.exit.is_none()
             && let Ok(Some(status)) = self.child.try_wait()
@@ -279,7 +324,21 @@ impl Child {
                 stray.signal(sig);
             }
         }
-        self.exit.is_none() || !strays.is_empty() || (!self.done && group_exists(self.pid))
+        let mut in_cgroup = false;
+        if let Some(cgroup) = &self.cgroup {
+            for pid in cgroup.pids() {
+                if sent.insert(pid)
+                    && let Some(pid) = Pid::from_raw(pid)
+                {
+                    let _ = rustix::process::kill_process(pid, sig);
+                }
+            }
+            in_cgroup = cgroup.populated();
+        }
+        self.exit.is_none()
+            || !strays.is_empty()
+            || in_cgroup
+            || (!self.done && group_exists(self.pid))
     }
 }
 
@@ -313,21 +372,26 @@ fn group_exists(pgid: i32) -> bool {
 }
 
 /// The agent's way out on a second signal: SIGKILL to the process group
-/// `pgid` (0: none) and to every child of the agent, strays and its own,
-/// again until none of them runs (bounded by `KILLED_WITHIN`). Again,
-/// because a process whose parent was killed with the group becomes the
-/// agent's child only once that parent has died.
-pub async fn kill_everything(pgid: u32) {
+/// `pgid` (0: none), to the task's cgroup (if any), and to every child of
+/// the agent, strays and its own, again until none of them runs (bounded
+/// by `KILLED_WITHIN`). Again, because a process whose parent was killed
+/// with the group becomes the agent's child only once that parent has
+/// died.
+pub async fn kill_everything(pgid: u32, cgroup: Option<Cgroup>) {
     let pgid = i32::try_from(pgid).unwrap_or(0);
     let me = rustix::process::getpid().as_raw_nonzero().get();
     let mut wake = Wakeup::new();
     let hard = Instant::now() + KILLED_WITHIN;
     loop {
         signal_group(pgid, Signal::KILL);
+        if let Some(cgroup) = &cgroup {
+            cgroup.kill();
+        }
         let running: Vec<Stat> = processes()
             .filter(|p| !p.zombie && (p.ppid == me || (pgid > 1 && p.pgid == pgid)))
             .collect();
-        if running.is_empty() || Instant::now() >= hard {
+        let in_cgroup = cgroup.as_ref().is_some_and(Cgroup::populated);
+        if (running.is_empty() && !in_cgroup) || Instant::now() >= hard {
             return;
         }
         for p in running.iter().filter(|p| p.ppid == me) {
@@ -517,7 +581,7 @@ mod tests {
     fn sh(script: String) -> Child {
         let mut cmd = tokio::process::Command::new("sh");
         cmd.args(["-c", &script]);
-        spawn(cmd, &[]).unwrap()
+        spawn(cmd, &[], None).unwrap()
     }
 
     async fn read_pid(file: &std::path::Path) -> i32 {

@@ -5,8 +5,10 @@
 //!
 //! A readiness command runs as the task's command does: in a process group
 //! of its own, without the agent's secrets in its environment, started so
-//! that it dies with the agent. When its check ends, in time or not, its
-//! whole group is killed, so a hung check leaves no process behind.
+//! that it dies with the agent; and under a reaper of its own (`agent-exec
+//! --reap`, a child subreaper), so that when its check ends, in time or
+//! not, all it started is gone, also a daemon that left its group: checks
+//! leave no process behind.
 
 use std::{
     sync::{
@@ -19,6 +21,10 @@ use std::{
 use tokio::sync::mpsc;
 
 use super::{launch::Launch, process};
+
+/// How long a check's reaper, told to end, may take to end what the check
+/// started before it is killed.
+const REAPED_WITHIN: Duration = Duration::from_secs(5);
 
 /// One way to ask whether the task is ready.
 #[derive(Debug, Clone)]
@@ -101,11 +107,13 @@ impl Probe {
 }
 
 /// Runs a readiness command for at most `within`; true if it exited 0.
-/// Its process group is killed when it ends, in time or not, and is in
+/// It runs under a reaper of its own (`agent-exec --reap`), which ends all
+/// the command started when the command ends, and is told to (SIGTERM)
+/// when the check runs out of time; the reaper's process group is in
 /// `group` while it may still be running.
 async fn run_command(script: &str, launch: Launch, within: Duration, group: &AtomicI32) -> bool {
     let argv = ["sh".to_owned(), "-c".to_owned(), script.to_owned()];
-    let Ok(mut cmd) = launch.command(&argv) else {
+    let Ok(mut cmd) = launch.check(&argv) else {
         return false;
     };
     cmd.stdin(std::process::Stdio::null())
@@ -116,6 +124,9 @@ async fn run_command(script: &str, launch: Launch, within: Duration, group: &Ato
     };
     group.store(child.pid().cast_signed(), Ordering::Relaxed);
     let exit = tokio::time::timeout(within, child.wait()).await;
+    if exit.is_err() {
+        child.end(REAPED_WITHIN).await;
+    }
     group.store(0, Ordering::Relaxed);
     child.kill_now().await;
     exit.is_ok_and(|e| e.success())
