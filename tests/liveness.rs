@@ -123,7 +123,7 @@ fn assert_lost_once(base: &str, id: &str, task: &str) {
 /// An agent cut off from the server: its task is declared lost; when it
 /// reaches the server again it learns so, kills its workload and exits 3.
 #[test]
-fn a_partitioned_agent_learns_its_task_was_lost_kills_it_and_exits_3() {
+fn a_partitioned_agent_learns_its_task_was_lost_kills_it_and_exits_121() {
     let server = Server::start(&["--in-memory"]);
     let proxy = Proxy::start(server.addr());
     let dir = tempfile::tempdir().unwrap();
@@ -156,7 +156,7 @@ fn a_partitioned_agent_learns_its_task_was_lost_kills_it_and_exits_3() {
         );
         std::thread::sleep(Duration::from_millis(20));
     };
-    assert_eq!(code, Some(3), "the agent of a lost task exits 3");
+    assert_eq!(code, Some(121), "the agent of a lost task exits 121");
     wait_gone(pid, "the lost task's workload");
 }
 
@@ -385,7 +385,7 @@ fn a_real_deletion_still_ends_the_agent_and_its_workload() {
 /// `dependency_cycle` is fatal (exit 2, naming the cycle), not retried
 /// forever (it was: every 409 was taken for a conflict that passes).
 #[test]
-fn registering_a_spec_that_closes_a_cycle_exits_2() {
+fn registering_a_spec_that_closes_a_cycle_exits_125() {
     let server = Server::start(&["--in-memory"]);
     let put = Command::new("curl")
         .args(["-sf", "-X", "PUT", "-H", "Content-Type: application/json", "-d"])
@@ -428,7 +428,7 @@ fn registering_a_spec_that_closes_a_cycle_exits_2() {
         );
         std::thread::sleep(Duration::from_millis(20));
     };
-    assert_eq!(status.code(), Some(2));
+    assert_eq!(status.code(), Some(125), "a permanent refusal");
     let err = stderr_of(child);
     assert!(
         err.contains("dependency_cycle") && err.contains("b/db"),
