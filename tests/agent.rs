@@ -930,7 +930,7 @@ fn readiness_checks_do_not_cut_the_long_poll() {
     let proxy = CountingProxy::start(server.addr());
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().display();
-    let spec = web_only(dir.path());
+    let spec = web_ready(dir.path());
     let checks = dir.path().join("checks");
     let probe = format!("echo $$ >> {d}/checks");
     let _web = agent(
@@ -1013,7 +1013,7 @@ fn retry_in_ms(line: &str) -> Option<f64> {
 fn the_backoff_keeps_growing_while_the_probe_answers() {
     let server = Server::start(&["--in-memory"]);
     let dir = tempfile::tempdir().unwrap();
-    let spec = web_only(dir.path());
+    let spec = web_ready(dir.path());
     let mut child = agent_with_stderr(
         &[
             "--server",
@@ -1522,4 +1522,153 @@ fn an_agent_that_never_reached_the_server_stops_at_once_and_exits_0() {
         lines.iter().any(|l| l.contains("before its task ran"))
     });
     assert_eq!(status.code(), Some(0), "{said:#?}");
+}
+
+/// `agent` with the agent's stderr kept, line by line.
+fn agent_logged(
+    base: &str,
+    alloc: &str,
+    task: &'static str,
+    spec: &std::path::Path,
+    cmd: &str,
+) -> (Agent, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    let mut child = agent_with_stderr(
+        &[
+            "--server",
+            base,
+            "--alloc",
+            alloc,
+            "--task",
+            task,
+            "--register",
+            spec.to_str().unwrap(),
+            "--kill-timeout",
+            "2s",
+        ],
+        cmd,
+    );
+    let lines = stderr_lines(&mut child);
+    (Agent { child, task }, lines)
+}
+
+/// A command that appends its pid to `dir/runs`, then waits (bounded) for
+/// `dir/finish`.
+fn counted_run(dir: &std::path::Path) -> String {
+    let d = dir.display();
+    format!(
+        "echo $$ >> {d}/runs; for i in $(seq 1 600); do [ -f {d}/finish ] && break; \
+         sleep 0.05; done"
+    )
+}
+
+/// Runs: a second agent for a task another agent runs starts no second
+/// copy. It says it waits, and once the first run has ended (the task is
+/// dead) it runs nothing, waits for the allocation's end and exits 122.
+#[test]
+fn a_second_agent_for_a_running_task_waits_and_never_starts_a_copy() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = web_only(dir.path());
+    let (first, _) = agent_logged(&server.base, "r1", "web", &spec, &counted_run(dir.path()));
+    read_pids(&dir.path().join("runs"), 1);
+    let (second, lines) = agent_logged(&server.base, "r1", "web", &spec, &counted_run(dir.path()));
+    wait_lines(&lines, "the second agent waiting", |l| {
+        l.iter().any(|l| l.contains("another agent runs the task"))
+    });
+    std::fs::write(dir.path().join("finish"), "").unwrap();
+    let mut agents = [first, second];
+    let codes = exits(&mut agents);
+    assert_eq!(codes, [("web", 0), ("web", 122)]);
+    let runs = std::fs::read_to_string(dir.path().join("runs")).unwrap();
+    assert_eq!(runs.lines().count(), 1, "one run only: {runs}");
+    let a = get(&server.base, "/v1/allocations/r1");
+    assert_eq!(a["outcome"], "succeeded", "{a}");
+    let seen = lines.lock().unwrap().join("\n");
+    assert!(
+        seen.contains("task_dead") || seen.contains("is dead"),
+        "{seen}"
+    );
+}
+
+/// Runs: an agent restarted after its prestart task finished does not
+/// revive it (the third edition's agent reported `pending` and the
+/// allocation stuck in `prestart` for good): it runs nothing, the
+/// allocation goes on to its end, and the agent exits 122 there.
+#[test]
+fn a_restarted_agent_does_not_revive_a_finished_prestart_task() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let spec = spec_file(
+        dir.path(),
+        &json!({"tasks": [
+            {"name": "init", "lifecycle": {"hook": "prestart"}},
+            {"name": "web"}
+        ]}),
+    );
+    let init_cmd = format!("echo init >> {d}/log");
+    let mut init = agent(&server.base, "r2", "init", &spec, &[], &init_cmd);
+    let web = agent(
+        &server.base,
+        "r2",
+        "web",
+        &spec,
+        &[],
+        &counted_run(dir.path()),
+    );
+    read_pids(&dir.path().join("runs"), 1);
+    wait_state(&server.base, "r2", "init", "dead");
+    // The init agent again, as after a reboot: the first one (waiting for
+    // the allocation's end) dies without a word.
+    init.child.kill().unwrap();
+    init.child.wait().unwrap();
+    let (again, lines) = agent_logged(&server.base, "r2", "init", &spec, &init_cmd);
+    wait_lines(&lines, "the agent finding its task dead", |l| {
+        l.iter().any(|l| l.contains("not running the task"))
+    });
+    let a = get(&server.base, "/v1/allocations/r2");
+    assert_eq!(a["coordinator_state"], "wait_alloc", "{a:#}");
+    assert_eq!(a["tasks"][0]["state"], "dead", "init stays dead: {a:#}");
+    std::fs::write(dir.path().join("finish"), "").unwrap();
+    let mut agents = [web, again];
+    assert_eq!(exits(&mut agents), [("web", 0), ("init", 122)]);
+    assert_eq!(log_lines(dir.path()), ["init"], "init ran once");
+    let a = get(&server.base, "/v1/allocations/r2");
+    assert_eq!(a["outcome"], "succeeded", "{a}");
+}
+
+/// Runs: an agent whose run an operator replaced (a restore that made
+/// the task `pending`) stops its process, reports nothing more (the task
+/// stays as the operator left it) and exits 122.
+#[test]
+fn an_agent_whose_run_was_replaced_stops_its_process_and_exits_122() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = web_only(dir.path());
+    let (web, lines) = agent_logged(&server.base, "r3", "web", &spec, &counted_run(dir.path()));
+    let pid = read_pids(&dir.path().join("runs"), 1)[0];
+    let run = wait_state(&server.base, "r3", "web", "running")["run"].clone();
+    assert!(run.is_string(), "{run}");
+    let out = Command::new("curl")
+        .args([
+            "-s",
+            "-X",
+            "POST",
+            "-H",
+            "content-type: application/json",
+            "-d",
+            r#"{"tasks": {"web": {"state": "pending"}}}"#,
+            &format!("{}/v1/allocations/r3/restore", server.base),
+        ])
+        .output()
+        .unwrap();
+    let restored: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(restored["tasks"][0]["run"], Value::Null, "{restored}");
+    let mut agents = [web];
+    assert_eq!(exits(&mut agents), [("web", 122)]);
+    wait_gone(pid, "the replaced run's process");
+    let t = get(&server.base, "/v1/allocations/r3/tasks/web");
+    assert_eq!(t["state"], "pending", "nothing reported after: {t}");
+    let seen = lines.lock().unwrap().join("\n");
+    assert!(seen.contains("no longer has this agent's run"), "{seen}");
 }

@@ -97,7 +97,7 @@ fn an_escaped_process_gets_sigterm_first() {
     let server = Server::start(&["--in-memory"]);
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let spec = web_only(d);
+    let spec = web_ready(d);
     let dd = d.display();
     let daemon = format!(
         "trap 'sleep 0.5; echo term >> {dd}/term; exit 0' TERM; echo $$ >> {dd}/esc; \
@@ -294,7 +294,7 @@ fn a_hanging_readiness_command_is_killed_with_its_group() {
     let server = Server::start(&["--in-memory"]);
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let spec = web_only(d);
+    let spec = web_ready(d);
     let probe = format!("sleep 1000 & echo $! >> {}/probes; wait", d.display());
     let _web = agent(
         &server.base,
@@ -321,7 +321,7 @@ fn a_readiness_commands_daemons_are_gone_after_its_check() {
     let server = Server::start(&["--in-memory"]);
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let spec = web_only(d);
+    let spec = web_ready(d);
     let dd = d.display();
     // Each check starts two daemons, waits until both have written their
     // pids, and answers ready.
@@ -439,7 +439,7 @@ fn the_workload_and_its_probe_cannot_read_the_agents_token() {
     )
     .unwrap();
     let server = Server::start(&["--in-memory", "--token-file", tokens.to_str().unwrap()]);
-    let spec = web_only(d);
+    let spec = web_ready(d);
     let dd = d.display();
     let probe = format!(
         "env > {dd}/probe.env.tmp; mv {dd}/probe.env.tmp {dd}/probe.env; \

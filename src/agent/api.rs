@@ -47,6 +47,41 @@ pub enum ApiError {
     /// agent was told to stop.
     #[error("{0}")]
     Unreachable(String),
+    /// The run this agent names is not the task's current one (409
+    /// `run_superseded`): a restart order, a deletion and registration, or
+    /// an operator replaced it. Its process must stop; nothing more is
+    /// reported.
+    #[error("the server no longer has this agent's run as the task's current one (current run: {})", .current.as_deref().unwrap_or("none"))]
+    Superseded { current: Option<String> },
+    /// Another agent runs the task (409 `task_claimed`).
+    #[error("another agent runs the task, under run {run} (last sign of life: {})", .last_seen.as_deref().unwrap_or("none seen by the server"))]
+    Claimed {
+        run: String,
+        last_seen: Option<String>,
+    },
+    /// The task is dead, and no order has reopened it (409 `task_dead`).
+    #[error("the task is dead{} and no order has reopened it", .finished_at.as_deref().map(|t| format!(" since {t}")).unwrap_or_default())]
+    Dead { finished_at: Option<String> },
+}
+
+impl ApiError {
+    /// The refusals of SEMANTICS "Runs", read from a 409's problem.
+    fn of_run(code: &str, v: &Value) -> Option<Self> {
+        let field = |k: &str| v[k].as_str().map(str::to_owned);
+        match code {
+            "run_superseded" => Some(Self::Superseded {
+                current: field("current_run"),
+            }),
+            "task_claimed" => Some(Self::Claimed {
+                run: field("run").unwrap_or_default(),
+                last_seen: field("last_seen"),
+            }),
+            "task_dead" => Some(Self::Dead {
+                finished_at: field("finished_at"),
+            }),
+            _ => None,
+        }
+    }
 }
 
 /// What the agent reads of its task view.
@@ -62,6 +97,8 @@ pub struct TaskInfo {
     pub coordinator_state: String,
     /// The liveness TTL the task runs under, if any.
     pub ttl: Option<Duration>,
+    /// The task's current run.
+    pub run: Option<String>,
 }
 
 /// The stop reason of a lost task.
@@ -74,6 +111,13 @@ pub struct StartCondition {
     pub allowed: bool,
     pub desired: String,
     pub coordinator_state: String,
+    /// The task's state and current run: a task `running` under a run
+    /// that is not this agent's is another agent's.
+    pub state: String,
+    pub run: Option<String>,
+    /// The allocation's registration: another than the one the agent
+    /// first saw means it was deleted and registered again.
+    pub create_index: u64,
     /// `succeeded` or `failed` once the allocation is in `poststop`.
     pub outcome: Option<String>,
     pub failed_tasks: Vec<String>,
@@ -144,6 +188,13 @@ pub struct Api {
     /// highest index seen of it: a 404 is a deletion only from that store,
     /// at that index or later.
     seen: std::sync::Mutex<Seen>,
+    /// The task's current run under this agent (from the answer to the
+    /// report that started it), sent as `Taskgate-Run` on every request
+    /// about the task until a report ends it.
+    run: std::sync::Mutex<Option<Run>>,
+    /// The registration of the allocation the agent first saw
+    /// (`create_index`).
+    registration: std::sync::OnceLock<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -155,9 +206,20 @@ struct Seen {
     astray_said: bool,
 }
 
+/// A run of the task under this agent: its ID, and the index of the
+/// change that began it (a view at that index or later shows the run, or
+/// that it ended).
+#[derive(Debug, Clone)]
+struct Run {
+    id: String,
+    since: u64,
+}
+
 /// The store's ID on every answer.
 const STORE_HEADER: &str = "x-taskgate-store";
 const INDEX_HEADER: &str = "x-taskgate-index";
+/// The run an agent names on every request about its task.
+const RUN_HEADER: &str = "taskgate-run";
 
 fn text(v: &Value, key: &str) -> String {
     v[key].as_str().unwrap_or_default().to_owned()
@@ -176,6 +238,7 @@ struct TaskWire {
     stop_reason: Option<StopReasonWire>,
     restart_generation: u64,
     modify_index: u64,
+    run: Option<String>,
     /// Missing or `null`: the task runs under no TTL.
     #[serde(default)]
     liveness: Option<LivenessWire>,
@@ -202,6 +265,7 @@ struct TaskDetailWire {
 #[derive(Debug, serde::Deserialize)]
 struct AllocationWire {
     modify_index: u64,
+    create_index: u64,
     coordinator_state: String,
     tasks: Vec<TaskWire>,
 }
@@ -220,6 +284,7 @@ impl TaskWire {
             ttl: self
                 .liveness
                 .and_then(|l| crate::units::parse_duration(&l.ttl).ok()),
+            run: self.run,
         }
     }
 }
@@ -274,6 +339,8 @@ impl Api {
             alloc: config.alloc.clone(),
             task: config.task.clone(),
             seen: Default::default(),
+            run: Default::default(),
+            registration: Default::default(),
         })
     }
 
@@ -343,6 +410,10 @@ impl Api {
             if let Some(key) = key {
                 headers.push(("idempotency-key", key));
             }
+            let run = self.run().filter(|_| path.starts_with(&self.task_path()));
+            if let Some(run) = &run {
+                headers.push((RUN_HEADER, run));
+            }
             let answer = self.endpoints[at]
                 .send(method, path, self.token.as_deref(), body, &headers, timeout)
                 .await;
@@ -383,6 +454,9 @@ impl Api {
                         return Err(ApiError::Lost {
                             lost_at: v["lost_at"].as_str().map(str::to_owned),
                         });
+                    }
+                    if let Some(refusal) = ApiError::of_run(&code, &v) {
+                        return Err(refusal);
                     }
                     if status == 410 {
                         return Err(ApiError::Gone);
@@ -629,9 +703,54 @@ impl Api {
     pub async fn report(&self, body: &Value) -> Result<(), ApiError> {
         let key = format!("{:032x}", fastrand::u128(..));
         let path = format!("{}/state", self.task_path());
-        self.call_keyed("PUT", &path, Some(body), Some(&key))
-            .await
-            .map(|_| ())
+        let answer = self
+            .call_keyed("PUT", &path, Some(body), Some(&key))
+            .await?;
+        // The answer names the task's run (`null` once it left `running`):
+        // the agent sends it from now on. An answer without one (a server
+        // of the third edition) leaves the agent sending none.
+        if let Some(run) = answer.get("run") {
+            let mut mine = self
+                .run
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            *mine = run.as_str().map(|id| Run {
+                id: id.to_owned(),
+                since: match &*mine {
+                    Some(r) if r.id == id => r.since,
+                    _ => answer["index"].as_u64().unwrap_or(0),
+                },
+            });
+        }
+        Ok(())
+    }
+
+    /// The run this agent runs the task under, if any.
+    pub fn run(&self) -> Option<String> {
+        self.run
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .map(|r| r.id.clone())
+    }
+
+    /// Whether view `t` shows this agent's run ended by someone else: a
+    /// view at or after the change that began it, which names another run
+    /// or none. (An older view, from a replica behind, says nothing.)
+    pub fn superseded(&self, t: &TaskInfo) -> bool {
+        let mine = self
+            .run
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        mine.as_ref()
+            .is_some_and(|r| t.modify_index >= r.since && t.run.as_deref() != Some(&r.id))
+    }
+
+    /// Whether `create_index` is the registration the agent first saw (the
+    /// first one seen is): another means the allocation was deleted and
+    /// registered again, which is not the agent's.
+    fn same_registration(&self, create_index: u64) -> bool {
+        *self.registration.get_or_init(|| create_index) == create_index
     }
 
     /// A sign of life for the task, tried once and for at most `within`
@@ -642,8 +761,10 @@ impl Api {
         use std::sync::atomic::Ordering;
         let at = self.current.load(Ordering::Relaxed) % self.endpoints.len();
         let path = format!("{}/heartbeat", self.task_path());
+        let run = self.run();
+        let headers: Vec<(&str, &str)> = run.iter().map(|r| (RUN_HEADER, r.as_str())).collect();
         let reply = self.endpoints[at]
-            .send("PUT", &path, self.token.as_deref(), None, &[], within)
+            .send("PUT", &path, self.token.as_deref(), None, &headers, within)
             .await;
         match &reply {
             Ok(r) if r.status < 500 => self.answered(at),
@@ -653,10 +774,14 @@ impl Api {
         match reply {
             Ok(r) if r.status == 409 => {
                 let v: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
-                if text(&v, "code") == "task_lost" {
+                let code = text(&v, "code");
+                if code == "task_lost" {
                     return Err(ApiError::Lost {
                         lost_at: v["lost_at"].as_str().map(str::to_owned),
                     });
+                }
+                if let Some(refusal) = ApiError::of_run(&code, &v) {
+                    return Err(refusal);
                 }
                 Ok(())
             }
@@ -696,6 +821,9 @@ impl Api {
         };
         let v = self.call("GET", &path, None).await?;
         let a: AllocationWire = decode(&path, v)?;
+        if !self.same_registration(a.create_index) {
+            return Err(self.registered_again());
+        }
         let task = a
             .tasks
             .into_iter()
@@ -709,7 +837,22 @@ impl Api {
     pub async fn start_condition(&self) -> Result<StartCondition, ApiError> {
         let path = format!("{}/start-condition?wait={POLL_WAIT}", self.task_path());
         let v = self.call("GET", &path, None).await?;
-        decode(&path, v)
+        let sc: StartCondition = decode(&path, v)?;
+        if !self.same_registration(sc.create_index) {
+            return Err(self.registered_again());
+        }
+        Ok(sc)
+    }
+
+    /// The allocation was deleted and registered again (another
+    /// `create_index`): this agent's task was the earlier registration's.
+    fn registered_again(&self) -> ApiError {
+        tracing::info!(
+            alloc = %self.alloc,
+            "the allocation was deleted and registered again: this agent's task was the \
+             earlier registration's"
+        );
+        ApiError::Gone
     }
 }
 

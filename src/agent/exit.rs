@@ -13,7 +13,9 @@ pub const UNREACHABLE: i32 = 120;
 /// report of it is taken.
 pub const LOST: i32 = 121;
 /// The server told the task to stop (`desired: stop`): it was stopped and
-/// reported dead, or never started.
+/// reported dead, or never started. Also: the server ended this agent's
+/// run (`run_superseded`: the task was stopped, nothing more reported),
+/// or found the task dead with no order to run it again (`task_dead`).
 pub const STOP_ORDER: i32 = 122;
 /// The allocation was deleted while the task ran (it was stopped) or
 /// before it ran.
@@ -42,8 +44,9 @@ Exit codes:
        nothing was reported)
   120  no server took the report of the task's end within --shutdown-timeout
   121  the server declared the task lost; it was stopped, nothing reported
-  122  stopped by an order of the server (desired: stop), or told to stop
-       before it started
+  122  stopped by the server: an order (desired: stop), before or while it
+       ran; its run ended by the server (run_superseded); or the task was
+       dead with no order to run it again (task_dead)
   123  the allocation was deleted while the task ran, or before it ran
   124  not ready within --ready-timeout: killed, and not run again
   125  the configuration, or a request the server refuses for good (a flag,

@@ -237,6 +237,8 @@ enum Gate {
     Stop,
     /// The agent was told to stop while it waited.
     AgentStopping,
+    /// Another agent runs the task.
+    Claimed,
 }
 
 /// What to do after the task is dead.
@@ -322,14 +324,23 @@ impl Agent {
         loop {
             let stopped = self.stopped();
             let gate = tokio::select! {
-                reported = self.report("pending", false, None) => {
-                    reported?;
-                    self.wait_for_gate().await?
-                }
+                reported = self.announce() => match reported? {
+                    true => self.wait_for_gate().await?,
+                    false => {
+                        // Dead, and no order reopened it: nothing to run
+                        // until one does.
+                        self.exit_code = Some(exit::STOP_ORDER);
+                        match self.after_death().await? {
+                            AfterDeath::Restart => continue,
+                            AfterDeath::Exit => return Ok(exit::STOP_ORDER),
+                        }
+                    }
+                },
                 () = stopped => Gate::AgentStopping,
             };
             match gate {
                 Gate::Open => {}
+                Gate::Claimed => continue,
                 Gate::AgentStopping => return Ok(self.stopped_at_the_gate()),
                 Gate::Stop => {
                     self.exit_code = Some(exit::STOP_ORDER);
@@ -348,6 +359,17 @@ impl Agent {
                         AfterDeath::Exit => return Ok(self.exit_code.unwrap_or(0)),
                     }
                 }
+            }
+            // The run is claimed before the command starts: of two agents
+            // let through together, the second learns so before it starts
+            // a second copy.
+            match self.report("running", false, None).await {
+                Ok(()) => {}
+                Err(e @ ApiError::Claimed { .. }) => {
+                    tracing::info!(task = %self.config.task, "not starting the task: {e}");
+                    continue;
+                }
+                Err(e) => return Err(e),
             }
             self.ran = true;
             match self.run_once().await? {
@@ -381,17 +403,55 @@ impl Agent {
             )));
         }
         if !info.readiness && self.probe.is_some() {
-            tracing::warn!(
-                task = %self.config.task,
-                "a readiness probe was given but the task does not declare readiness: \
-                 its answers are reported, and no stage waits for them"
-            );
+            // The server refuses `ready: true` for it (400): the probe
+            // would end the run at its first answer.
+            return Err(ApiError::Fatal(format!(
+                "task {} declares no readiness, so the server takes no readiness report of \
+                 it: drop the probe, or declare `\"readiness\": true` on the task in the \
+                 allocation's spec",
+                self.config.task
+            )));
         }
         self.stage = info.stage.clone();
         self.generation = info.restart_generation;
         self.ttl = info.ttl;
         self.learn(&info);
         Ok(())
+    }
+
+    /// Reports the task `pending`, once no other agent runs it (SEMANTICS
+    /// "Runs": a second agent waits, visibly, until the first one's run
+    /// ends or is lost, and takes nothing from it). False if the task is
+    /// dead and no order has reopened it (409 `task_dead`).
+    async fn announce(&mut self) -> Result<bool, ApiError> {
+        if self.api.run().is_none() {
+            let mut t = self.api.task(0).await?;
+            let mut said = false;
+            while t.state == "running" {
+                if !said {
+                    said = true;
+                    tracing::info!(
+                        task = %self.config.task,
+                        "another agent runs the task (the server shows it running under a run \
+                         that is not this agent's): waiting until that run ends or is lost"
+                    );
+                }
+                t = self.api.task(t.modify_index).await?;
+            }
+            self.learn(&t);
+        }
+        match self.report("pending", false, None).await {
+            Ok(()) => Ok(true),
+            Err(e @ ApiError::Dead { .. }) => {
+                tracing::info!(
+                    task = %self.config.task,
+                    "not running the task: {e}; an operator's all-tasks restart or restore \
+                     runs it again, and this agent waits for one until the allocation ends"
+                );
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// The agent was stopped while its task waited to run (at its gate,
@@ -428,6 +488,10 @@ impl Agent {
             }
             if sc.desired == "stop" {
                 return Ok(Gate::Stop);
+            }
+            if sc.allowed && sc.state == "running" && sc.run != self.api.run() {
+                // Another agent's run began meanwhile: wait for its end.
+                return Ok(Gate::Claimed);
             }
             if sc.allowed {
                 tracing::info!(task = %self.config.task, coordinator_state = %sc.coordinator_state, "the gate is open");
@@ -581,6 +645,8 @@ impl Agent {
                         self.index = self.index.max(t.modify_index);
                         if t.desired == "stop" && t.stop_reason.as_deref() == Some(api::AGENT_LOST) {
                             Err(ApiError::Lost { lost_at: None })
+                        } else if api.superseded(&t) {
+                            Err(ApiError::Superseded { current: t.run })
                         } else if t.desired == "stop" {
                             break Ended::StopOrder(t.stop_reason.unwrap_or_default());
                         } else if t.restart_generation > self.generation {
@@ -975,6 +1041,15 @@ pub async fn run(config: AgentConfig) -> i32 {
         Err(ApiError::Fatal(e)) => {
             eprintln!("taskgate agent: {e}");
             exit::CONFIG
+        }
+        Err(
+            e @ (ApiError::Superseded { .. } | ApiError::Claimed { .. } | ApiError::Dead { .. }),
+        ) => {
+            eprintln!(
+                "taskgate agent: {e}: the task's process is stopped, and nothing more is \
+                 reported for this run"
+            );
+            exit::STOP_ORDER
         }
     };
     // Each run stopped its own; this is for what a readiness command may

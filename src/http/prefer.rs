@@ -73,6 +73,12 @@ pub struct MinimalView {
     pub stop_reason: Option<Option<StopReasonView>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub restart_generation: Option<u64>,
+    /// The task's current run (`null` unless `running`), present exactly
+    /// when `task` is: the answer to the report that started a run names
+    /// it, for the agent to send as `Taskgate-Run` from then on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>, example = "1234")]
+    pub run: Option<Option<String>>,
 }
 
 /// A write's answer: the allocation view, or the minimal answer when the
@@ -94,6 +100,7 @@ impl MinimalView {
             desired: None,
             stop_reason: None,
             restart_generation: None,
+            run: None,
         };
         if let Some(i) = task {
             let desired = a.desired(i);
@@ -102,6 +109,7 @@ impl MinimalView {
             view.desired = Some(desired.kind());
             view.stop_reason = Some(desired.reason().map(StopReasonView::from));
             view.restart_generation = Some(a.tasks[i].restart_generation);
+            view.run = Some(a.tasks[i].run.map(|r| r.to_string()));
         }
         view
     }

@@ -23,6 +23,11 @@ pub fn web_only(dir: &Path) -> PathBuf {
     spec_file(dir, &json!({"tasks": [{"name": "web"}]}))
 }
 
+/// One task, `web`, that declares readiness (for agents given a probe).
+pub fn web_ready(dir: &Path) -> PathBuf {
+    spec_file(dir, &json!({"tasks": [{"name": "web", "readiness": true}]}))
+}
+
 pub fn five_spec(dir: &Path) -> PathBuf {
     spec_file(dir, &super::five_tasks())
 }
