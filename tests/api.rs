@@ -56,6 +56,7 @@ async fn register_answers_201_with_location_index_and_the_full_view() {
         "stop_reason",
         "restart_generation",
         "modify_index",
+        "run",
         "liveness",
         "lost",
         "last_seen",
@@ -78,6 +79,7 @@ async fn register_answers_201_with_location_index_and_the_full_view() {
     assert_eq!(init["desired"], "run");
     assert_eq!(init["stop_reason"], json!(null));
     assert_eq!(init["started_at"], json!(null));
+    assert_eq!(init["run"], json!(null), "a pending task runs no run");
     assert_eq!(a.task("web")["lifecycle"], json!(null));
     assert_eq!(a.task("web")["leader"], true);
     assert_eq!(a.task("web")["allowed"], false);
@@ -525,11 +527,22 @@ async fn a_noop_report_changes_no_index() {
     let app = test_app().await;
     app.register_five("a1").await;
     let first = app.report("a1", "init", json!({"state": "running"})).await;
+    let run = first.run("init");
     let same = app
-        .report("a1", "init", json!({"state": "running", "failed": false}))
+        .report_in(
+            "a1",
+            "init",
+            &run,
+            json!({"state": "running", "failed": false}),
+        )
         .await;
     assert_eq!(same.index(), first.index());
     assert_eq!(same.body, first.body);
+    // Without the run it is another agent's claim, refused: no index moves.
+    let claim = app.report("a1", "init", json!({"state": "running"})).await;
+    claim.assert_problem(409, "task_claimed");
+    assert_eq!(claim.body["run"], json!(run));
+    assert_eq!(claim.index(), first.index());
 }
 
 #[tokio::test]
@@ -666,7 +679,7 @@ async fn a_batch_with_one_bad_entry_applies_nothing() {
 #[tokio::test]
 async fn start_condition_answers_at_once_when_allowed() {
     let app = test_app().await;
-    app.register_five("a1").await;
+    let reg = app.register_five("a1").await;
     let a = app
         .get("/v1/allocations/a1/tasks/init/start-condition")
         .await;
@@ -677,6 +690,7 @@ async fn start_condition_answers_at_once_when_allowed() {
                "stop_reason": null,
                "coordinator_state": "prestart", "waiting_on": ["init", "proxy"],
                "outcome": null, "failed_tasks": [], "depends_on": [], "blocked_by": [],
+               "state": "pending", "run": null, "create_index": reg.body["create_index"],
                "index": a.index()})
     );
 }
@@ -1712,7 +1726,11 @@ async fn readiness_holds_the_next_stage_until_the_task_is_ready() {
     assert_eq!(a.body["waiting_on"], json!(["db"]));
     assert_eq!(a.body["waiting"], json!(["ready"]));
     assert_eq!(a.task("web")["allowed"], false);
-    let a = report(&app, "r1", "db", json!({"state": "running", "ready": true})).await;
+    // Readiness is said by the agent of the run (`Taskgate-Run`).
+    let db = a.run("db");
+    let a = app
+        .report_in("r1", "db", &db, json!({"state": "running", "ready": true}))
+        .await;
     assert_eq!(a.body["coordinator_state"], "main");
     assert_eq!(a.task("db")["ready"], true);
     assert!(a.task("db")["ready_at"].is_string());
@@ -1722,27 +1740,27 @@ async fn readiness_holds_the_next_stage_until_the_task_is_ready() {
     let a = report(&app, "r1", "web", json!({"state": "running"})).await;
     assert_eq!(a.body["coordinator_state"], "main");
     assert_eq!(a.task("announce")["allowed"], false);
+    let web = a.run("web");
     // Losing readiness closes no gate.
-    let a = report(
-        &app,
-        "r1",
-        "db",
-        json!({"state": "running", "ready": false}),
-    )
-    .await;
+    let a = app
+        .report_in("r1", "db", &db, json!({"state": "running", "ready": false}))
+        .await;
     assert_eq!(a.body["coordinator_state"], "main");
     assert_eq!(a.task("db")["ready"], false);
-    let a = report(
-        &app,
-        "r1",
-        "web",
-        json!({"state": "running", "ready": true}),
-    )
-    .await;
+    let a = app
+        .report_in(
+            "r1",
+            "web",
+            &web,
+            json!({"state": "running", "ready": true}),
+        )
+        .await;
     assert_eq!(a.body["coordinator_state"], "poststart");
     assert_eq!(a.body["waiting"], json!(["dead"]));
     // A report that changes nothing is still a no-op.
-    let again = report(&app, "r1", "web", json!({"state": "running"})).await;
+    let again = app
+        .report_in("r1", "web", &web, json!({"state": "running"}))
+        .await;
     assert_eq!(again.index(), a.index());
 }
 
@@ -2289,15 +2307,16 @@ async fn concurrent_writes_reach_the_stream_in_index_order() {
             tokio::spawn(async move {
                 let id = format!("w{w}");
                 let mut indexes = vec![app.register_five(&id).await.index()];
+                let mut run: Option<String> = None;
                 for i in 0..25 {
-                    let r = app
-                        .report(
-                            &id,
-                            "init",
-                            json!({"state": "running", "event": {"type": "Heartbeat", "message": format!("{i}")}}),
-                        )
-                        .await;
+                    let body = json!({"state": "running", "event": {"type": "Heartbeat", "message": format!("{i}")}});
+                    // The first report starts the run; its agent names it after.
+                    let r = match &run {
+                        None => app.report(&id, "init", body).await,
+                        Some(run) => app.report_in(&id, "init", run, body).await,
+                    };
                     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+                    run.get_or_insert_with(|| r.run("init"));
                     indexes.push(r.index());
                 }
                 indexes
@@ -2569,8 +2588,10 @@ async fn a_retried_report_with_its_idempotency_key_is_applied_once() {
         .send(keyed("r-1", json!({"state": "dead", "failed": true})))
         .await;
     other.assert_problem(422, "idempotency_key_reused");
-    // Without a key, the same report again appends its event (as before).
-    let plain = app.report("k1", "init", started.clone()).await;
+    // Without a key, the same report again from the run's agent appends
+    // its event (as before).
+    let run = first.run("init");
+    let plain = app.report_in("k1", "init", &run, started.clone()).await;
     assert_eq!(plain.task("init")["events"].as_array().unwrap().len(), 2);
     // Batches take keys too.
     let batch = |key: &str| {
@@ -2900,14 +2921,24 @@ async fn a_dependency_on_another_allocation_opens_a_parked_start_condition_when_
         json!({"tasks": [{"name": "db", "readiness": true}]}),
     )
     .await;
-    app.report("data", "db", json!({"state": "running"})).await;
+    let db = app
+        .report("data", "db", json!({"state": "running"}))
+        .await
+        .run("db");
     wait_for(&app, "app", |a| {
         a.task("migrate")["blocked_by"][0]["why"] == "not_ready"
     })
     .await;
     assert!(!poll.is_finished(), "still waiting");
-    app.report("data", "db", json!({"state": "running", "ready": true}))
+    let ready = app
+        .report_in(
+            "data",
+            "db",
+            &db,
+            json!({"state": "running", "ready": true}),
+        )
         .await;
+    assert_eq!(ready.status, StatusCode::OK, "{}", ready.body);
     let sc = tokio::time::timeout(Duration::from_secs(30), poll)
         .await
         .expect("answered when the dependency held")

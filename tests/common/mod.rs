@@ -93,6 +93,17 @@ impl Answer {
             .unwrap_or_default()
     }
 
+    /// The run of task `name` in an allocation view (the answer to the
+    /// report that made it `running`): what its agent sends back as
+    /// `Taskgate-Run`.
+    #[track_caller]
+    pub fn run(&self, name: &str) -> String {
+        self.task(name)["run"]
+            .as_str()
+            .unwrap_or_else(|| panic!("task {name} runs no run in {}", self.body))
+            .to_owned()
+    }
+
     /// A task view by name from an allocation view.
     pub fn task(&self, name: &str) -> &Value {
         self.body["tasks"]
@@ -233,6 +244,17 @@ impl TestApp {
             Some(body),
         )
         .await
+    }
+
+    /// `report`, from the agent of run `run` (`Taskgate-Run`): a task
+    /// that is `running` is reported again by the agent that runs it.
+    pub async fn report_in(&self, id: &str, task: &str, run: &str, body: Value) -> Answer {
+        let req = Request::put(format!("/v1/allocations/{id}/tasks/{task}/state"))
+            .header(header::CONTENT_TYPE, "application/json")
+            .header("taskgate-run", run)
+            .body(Body::from(body.to_string()))
+            .unwrap();
+        self.send(req).await
     }
 
     /// Opens `GET uri` as a stream (the event stream): its status and
