@@ -74,6 +74,14 @@ fn report(state: RunState, message: &str) -> TaskReport {
     }
 }
 
+/// A report that makes a task `running`, with no event.
+fn running() -> TaskReport {
+    TaskReport {
+        event: None,
+        ..report(RunState::Running, "")
+    }
+}
+
 fn id(s: &str) -> AllocId {
     AllocId::parse(s).unwrap()
 }
@@ -179,7 +187,20 @@ async fn concurrent_writers_on_three_replicas_lose_nothing_and_apply_nothing_twi
     const PER_TASK: usize = 10; // MAX_EVENTS: every event stays in view
     let names: Vec<String> = (0..TASKS).map(|t| format!("t{t}")).collect();
     let s = spec(names.iter().map(|n| task(n, None)).collect());
-    let (first, _) = replicas[0].register(id("race"), s).await.unwrap();
+    replicas[0].register(id("race"), s).await.unwrap();
+    // Every task starts running (one run each, no event): the senders
+    // below report under its run, as its agent does.
+    let started = replicas[0]
+        .report(
+            "race",
+            names
+                .iter()
+                .map(|n| (TaskName::parse(n).unwrap(), running()))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    let first = &started;
 
     // Two senders per task, on different replicas, five reports each.
     let mut senders = Vec::new();
@@ -187,15 +208,19 @@ async fn concurrent_writers_on_three_replicas_lose_nothing_and_apply_nothing_twi
         for half in 0..2 {
             let r = replicas[(t + half) % 3].clone();
             let name = TaskName::parse(name).unwrap();
+            let run = started.tasks[t].run;
+            assert!(run.is_some(), "{name} runs");
             senders.push(tokio::spawn(async move {
                 let mut indexes = Vec::new();
                 for k in 0..PER_TASK / 2 {
                     let message = format!("{name}/{half}/{k}");
                     loop {
                         match r
-                            .report(
+                            .report_as(
                                 "race",
                                 vec![(name.clone(), report(RunState::Running, &message))],
+                                None,
+                                run,
                             )
                             .await
                         {
@@ -604,16 +629,23 @@ async fn the_etcd_leader_killed_under_load_loses_no_acknowledged_change() {
     }
     let s = spec(vec![task("web", None)]);
     const ALLOCS: usize = 12;
+    let web = TaskName::parse("web").unwrap();
+    // Each web runs (one run, no event) before the load: the writers
+    // report under its run, as its agent does.
+    let mut runs = Vec::new();
     for n in 0..ALLOCS {
-        replicas[n % 3]
-            .register(id(&format!("k{n}")), s.clone())
+        let r = &replicas[n % 3];
+        r.register(id(&format!("k{n}")), s.clone()).await.unwrap();
+        let a = r
+            .report(&format!("k{n}"), vec![(web.clone(), running())])
             .await
             .unwrap();
+        runs.push(a.tasks[0].run.expect("web runs"));
     }
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut writers = Vec::new();
     for n in 0..ALLOCS {
-        let (r, stop) = (replicas[n % 3].clone(), stop.clone());
+        let (r, stop, run) = (replicas[n % 3].clone(), stop.clone(), runs[n]);
         writers.push(tokio::spawn(async move {
             // (message, index) of every acknowledged report, in order, and
             // the reports tried after the last acknowledged one.
@@ -624,9 +656,11 @@ async fn the_etcd_leader_killed_under_load_loses_no_acknowledged_change() {
             while !stop.load(std::sync::atomic::Ordering::SeqCst) {
                 let message = format!("k{n}/{k}");
                 match r
-                    .report(
+                    .report_as(
                         &format!("k{n}"),
                         vec![(web.clone(), report(RunState::Running, &message))],
+                        None,
+                        Some(run),
                     )
                     .await
                 {
@@ -763,6 +797,9 @@ async fn a_replica_killed_under_load_loses_no_acknowledged_report() {
     let bases = [dies.as_ref().unwrap().base.clone(), stays.base.clone()];
     let http = common::http();
     const WRITERS: usize = 8;
+    // Each web runs (one run, no event) before the load: the writers
+    // report under its run (`Taskgate-Run`), as its agent does.
+    let mut runs = Vec::new();
     for w in 0..WRITERS {
         let spec = serde_json::json!({"tasks": [{"name": "web"}]});
         let put = http
@@ -772,17 +809,27 @@ async fn a_replica_killed_under_load_loses_no_acknowledged_report() {
             .await
             .unwrap();
         assert_eq!(put.status(), 201);
+        let started = http
+            .put(format!("{}/v1/allocations/w{w}/tasks/web/state", bases[0]))
+            .json(&serde_json::json!({"state": "running"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(started.status(), 200);
+        let v: serde_json::Value = started.json().await.unwrap();
+        runs.push(v["tasks"][0]["run"].as_str().expect("web runs").to_owned());
     }
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Reports acknowledged so far, by all writers.
     let acked_total = Arc::new(tokio::sync::watch::Sender::new(0usize));
     let mut writers = Vec::new();
     for w in 0..WRITERS {
-        let (http, bases, stop, total) = (
+        let (http, bases, stop, total, run) = (
             http.clone(),
             bases.clone(),
             stop.clone(),
             acked_total.clone(),
+            runs[w].clone(),
         );
         writers.push(tokio::spawn(async move {
             let (mut at, mut k) = (w % 2, 0);
@@ -793,6 +840,7 @@ async fn a_replica_killed_under_load_loses_no_acknowledged_report() {
                 let body = serde_json::json!({"state": "running", "event": {"type": "Note", "message": message}});
                 let sent = http
                     .put(format!("{}/v1/allocations/w{w}/tasks/web/state", bases[at]))
+                    .header("taskgate-run", &run)
                     .json(&body)
                     .timeout(Duration::from_secs(10))
                     .send()
@@ -958,17 +1006,22 @@ async fn a_dependency_on_another_allocation_holds_across_replicas() {
     };
     common::parked(&b, 1).await;
     let db_name = TaskName::parse("db").unwrap();
-    a.report(
-        "data",
-        vec![(db_name.clone(), report(RunState::Running, "up"))],
-    )
-    .await
-    .unwrap();
+    let up = a
+        .report(
+            "data",
+            vec![(db_name.clone(), report(RunState::Running, "up"))],
+        )
+        .await
+        .unwrap();
+    // db's agent says it is ready, under its run.
     let ready = TaskReport {
         ready: Some(true),
         ..report(RunState::Running, "ready")
     };
-    let done = a.report("data", vec![(db_name, ready)]).await.unwrap();
+    let done = a
+        .report_as("data", vec![(db_name, ready)], None, up.tasks[0].run)
+        .await
+        .unwrap();
     let (seen, i) = tokio::time::timeout(SETTLE, parked)
         .await
         .expect("the waiter on B is woken once data/db is ready")
@@ -1061,12 +1114,17 @@ async fn a_write_whose_answer_was_lost_is_applied_once() {
         })
     };
     // A's transaction is applied (B sees it) while A waits for the answer;
-    // B writes on top of it before A's deadline passes.
+    // B writes on top of it, a report of the run A's report started,
+    // before A's deadline passes.
     assert!(b.wait_view(seen + 1, SETTLE).await);
     assert_eq!(messages(&b, "w1", 0), ["once"]);
-    b.report(
+    let run = b.get("w1").unwrap().tasks[0].run;
+    assert!(run.is_some(), "A's report started a run");
+    b.report_as(
         "w1",
         vec![(web.clone(), report(RunState::Running, "from B"))],
+        None,
+        run,
     )
     .await
     .unwrap();
@@ -1110,11 +1168,19 @@ async fn a_lost_answer_past_what_the_record_remembers_is_unavailable_not_doubled
         })
     };
     assert!(b.wait_view(seen + 1, SETTLE).await);
+    // Reports of the run A's report started, through B.
+    let run = b.get("w1").unwrap().tasks[0].run;
+    assert!(run.is_some(), "A's report started a run");
     for k in 0..9 {
         let m = format!("B{k}");
-        b.report("w1", vec![(web.clone(), report(RunState::Running, &m))])
-            .await
-            .unwrap();
+        b.report_as(
+            "w1",
+            vec![(web.clone(), report(RunState::Running, &m))],
+            None,
+            run,
+        )
+        .await
+        .unwrap();
     }
     let refused = sent.await.unwrap().expect_err("cannot be told");
     assert!(
