@@ -5,7 +5,9 @@
 //! address), and with the `taskgate` this build made first on the PATH
 //! (where the README's `cargo install --locked --path .` puts the
 //! reader's). Each `# expect:` line must be in the output of the command
-//! before it.
+//! before it. A line `NAME=$(curl ...)` (or `$(taskgate ...)`) sets a
+//! shell variable, as it does in the reader's shell when the block is
+//! pasted: its value must not be empty, and the commands after it see it.
 
 mod common;
 
@@ -15,6 +17,20 @@ use std::process::Command;
 struct Step {
     command: String,
     expect: Vec<String>,
+    /// The variable the command sets (`NAME=$(...)`), if it sets one.
+    sets: Option<String>,
+}
+
+/// The variable a line sets from the output of a `curl` or `taskgate`
+/// command (`NAME=$(curl ...`), if it is such a line.
+fn assignment(line: &str) -> Option<String> {
+    let (name, rest) = line.split_once("=$(")?;
+    let is_name = name.starts_with(|c: char| c.is_ascii_uppercase())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
+    (is_name && (rest.starts_with("curl ") || rest.starts_with("taskgate ")))
+        .then(|| name.to_owned())
 }
 
 /// The marked walkthrough of a page of the repository.
@@ -38,7 +54,10 @@ fn walkthrough(page: &str) -> Vec<Step> {
                 .expect
                 .push(expect.to_owned());
             continue;
-        } else if line.starts_with("curl ") || line.starts_with("taskgate ") {
+        } else if line.starts_with("curl ")
+            || line.starts_with("taskgate ")
+            || assignment(line).is_some()
+        {
             open = Some(line.to_owned());
         } else {
             continue;
@@ -47,8 +66,10 @@ fn walkthrough(page: &str) -> Vec<Step> {
         // A command goes on while a quote is open or the line ends in `\`.
         let quotes_open = cmd.matches('\'').count() % 2 == 1;
         if !quotes_open && !cmd.ends_with('\\') {
+            let command = open.take().unwrap();
             steps.push(Step {
-                command: open.take().unwrap(),
+                sets: assignment(&command),
+                command,
                 expect: Vec::new(),
             });
         }
@@ -83,7 +104,9 @@ async fn run(steps: Vec<Step>, at_least: usize) {
         steps.len()
     );
     assert!(
-        steps.iter().all(|s| !s.expect.is_empty()),
+        steps
+            .iter()
+            .all(|s| s.sets.is_some() || !s.expect.is_empty()),
         "every command checks its output"
     );
     let server = common::spawn_server().await;
@@ -105,17 +128,29 @@ async fn run(steps: Vec<Step>, at_least: usize) {
         String::from_utf8_lossy(&found.stdout).trim(),
         bin.to_str().unwrap()
     );
+    // The variables set so far, as the reader's shell holds them.
+    let mut vars: Vec<(String, String)> = Vec::new();
     for step in steps {
         let mut command = step.command.replace("localhost:8080", &addr);
-        if command.starts_with("curl ") {
-            // A bound on each request, so a hung server fails the test.
-            command.push_str(" --max-time 30");
+        // A bound on each request, so a hung server fails the test: the
+        // step's own curl (a `NAME=$(curl ...)` one's too) gets one.
+        let curl = match &step.sets {
+            Some(name) => format!("{name}=$(curl "),
+            None => "curl ".to_owned(),
+        };
+        if let Some(rest) = command.strip_prefix(&curl) {
+            command = format!("{curl}--max-time 30 {rest}");
         }
-        let (base, path) = (base.clone(), path.clone());
+        if let Some(name) = &step.sets {
+            // Its output is the value it set.
+            command.push_str(&format!("\nprintf '%s' \"${name}\""));
+        }
+        let (base, path, env) = (base.clone(), path.clone(), vars.clone());
         let out = tokio::task::spawn_blocking(move || {
             Command::new("sh")
                 .arg("-c")
                 .arg(command)
+                .envs(env)
                 .env("PATH", path)
                 .env("TASKGATE_SERVER", base)
                 .env("NO_COLOR", "1")
@@ -131,6 +166,14 @@ async fn run(steps: Vec<Step>, at_least: usize) {
             step.command,
             String::from_utf8_lossy(&out.stderr)
         );
+        if let Some(name) = step.sets {
+            assert!(
+                !stdout.is_empty(),
+                "{}\nset {name} to nothing",
+                step.command
+            );
+            vars.push((name, stdout.to_string()));
+        }
         for expect in &step.expect {
             assert!(
                 stdout.contains(expect.as_str()),
