@@ -1925,11 +1925,12 @@ async fn a_report_that_prefers_minimal_gets_the_small_answer() {
     .await;
     assert_eq!(a.status, StatusCode::OK);
     assert_eq!(a.header("preference-applied"), Some("return=minimal"));
+    let run = a.body["run"].as_str().expect("the run the report began");
     assert_eq!(
         a.body,
         json!({"index": a.index(), "coordinator_state": "prestart", "task": "init",
                "allowed": true, "desired": "run", "stop_reason": null,
-               "restart_generation": 0})
+               "restart_generation": 0, "run": run})
     );
     // A stop order shows in it.
     let a = minimal(

@@ -33,15 +33,26 @@ fn start(extra: &[&str]) -> (Server, SocketAddr) {
     (server, addr)
 }
 
-/// Another client gets a report acknowledged and a read answered, each
-/// within `limit`.
+/// Another client gets a read answered and a report acknowledged, each
+/// within `limit`. The report moves proxy to the state it is not in
+/// (`pending` ↔ `running`): a change each time, and never a second
+/// `running` report, which would be another agent's claim on its run.
 #[track_caller]
 fn others_are_served(addr: SocketAddr, limit: Duration) {
     let started = Instant::now();
-    let state = if fastrand::bool() {
-        "running"
-    } else {
+    let answer = exchange(addr, &request("GET", "/v1/allocations/a1", None, b""));
+    assert_eq!(answer.status, 200);
+    let view = answer.json();
+    let proxy = view["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "proxy")
+        .expect("a1 has proxy");
+    let state = if proxy["state"] == "running" {
         "pending"
+    } else {
+        "running"
     };
     let body = format!(r#"{{"state": "{state}"}}"#);
     let answer = exchange(
@@ -52,9 +63,12 @@ fn others_are_served(addr: SocketAddr, limit: Duration) {
             body.as_bytes(),
         ),
     );
-    assert_eq!(answer.status, 200);
-    let answer = exchange(addr, &request("GET", "/v1/allocations/a1", None, b""));
-    assert_eq!(answer.status, 200);
+    assert_eq!(
+        answer.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&answer.body)
+    );
     assert!(
         started.elapsed() < limit,
         "another client waited {:?}",
