@@ -900,7 +900,7 @@ mod tests {
     fn answers_are_read_whole_or_refused() {
         let task = json!({"name": "web", "stage": "main", "readiness": false, "state": "running",
             "desired": "stop", "stop_reason": {"type": "Leader Task Dead", "task": null},
-            "restart_generation": 2, "modify_index": 9, "allowed": true});
+            "restart_generation": 2, "modify_index": 9, "allowed": true, "run": "12"});
         let detail = {
             let mut d = task.clone();
             d["coordinator_state"] = json!("main");
@@ -920,7 +920,8 @@ mod tests {
         };
         assert!(e.contains("desired"), "{e}");
         let start = json!({"allowed": "yes", "desired": "run", "coordinator_state": "main",
-            "outcome": null, "failed_tasks": []});
+            "outcome": null, "failed_tasks": [], "state": "pending", "run": null,
+            "create_index": 3});
         assert!(decode::<StartCondition>("GET start-condition", start.clone()).is_err());
         let mut whole = start;
         whole["allowed"] = json!(true);
@@ -929,9 +930,11 @@ mod tests {
         // A task's readiness is read, never assumed absent.
         let mut without = task.clone();
         without.as_object_mut().unwrap().remove("readiness");
-        let alloc = json!({"modify_index": 4, "coordinator_state": "main", "tasks": [without]});
+        let alloc = json!({"modify_index": 4, "create_index": 3, "coordinator_state": "main",
+            "tasks": [without]});
         assert!(decode::<AllocationWire>("GET allocation", alloc).is_err());
-        let alloc = json!({"modify_index": 4, "coordinator_state": "main", "tasks": [task]});
+        let alloc = json!({"modify_index": 4, "create_index": 3, "coordinator_state": "main",
+            "tasks": [task]});
         let a: AllocationWire = decode("GET allocation", alloc).unwrap();
         assert_eq!(a.tasks[0].name, "web");
     }
