@@ -2825,6 +2825,54 @@ async fn ready_on_a_held_target_without_readiness_is_400() {
     assert_eq!(app.get("/v1/allocations/app").await.status, 404);
 }
 
+/// Runs, "what an agent may claim": a dependency on a task that a held
+/// allocation does not have (a misspelling) is 400 naming the missing task
+/// and the tasks it has, and nothing is registered; a target registered
+/// later without that task shows `why: no_such_task`, not
+/// `not_registered`.
+#[tokio::test]
+async fn a_dependency_on_a_task_a_held_allocation_lacks_is_400_or_no_such_task() {
+    let app = test_app().await;
+    registered(&app, "db-8", json!({"tasks": [{"name": "db"}]})).await;
+    let on = |task: &str| {
+        json!({"tasks": [{"name": "web", "depends_on": [
+            {"task": task, "allocation": "db-8", "condition": "running"}]}]})
+    };
+    let a = app
+        .call("PUT", "/v1/allocations/app-8", Some(on("dbb")))
+        .await;
+    a.assert_problem(400, "invalid_request");
+    assert_eq!(
+        a.error_fields(),
+        ["tasks[0].depends_on[0].task"],
+        "{}",
+        a.body
+    );
+    let says = a.body["errors"][0]["message"].as_str().unwrap();
+    assert!(
+        says.contains("no task \"dbb\"") && says.contains("its tasks: db"),
+        "{says}"
+    );
+    assert_eq!(app.get("/v1/allocations/app-8").await.status, 404);
+    // The target goes away, the dependent registers (nothing to check),
+    // and the target comes back without the task.
+    assert_eq!(
+        app.call("DELETE", "/v1/allocations/db-8", None)
+            .await
+            .status,
+        204
+    );
+    registered(&app, "app-8", on("dbb")).await;
+    let blocked = |a: &common::Answer| a.body["tasks"][0]["blocked_by"][0]["why"].clone();
+    assert_eq!(
+        blocked(&app.get("/v1/allocations/app-8").await),
+        "not_registered"
+    );
+    registered(&app, "db-8", json!({"tasks": [{"name": "db"}]})).await;
+    let view = app.get("/v1/allocations/app-8").await;
+    assert_eq!(blocked(&view), "no_such_task", "{}", view.body);
+}
+
 /// A registration whose dependencies reach more than `MAX_REACH` tasks
 /// through held allocations is 400, so no cycle hides behind a graph too
 /// large to search; every layer within the limit registers.

@@ -354,7 +354,7 @@ function dependencyList(a, t) {
         ? h(
             "span",
             { class: "blocked" },
-            ` — not yet: ${blocked.why.replace("_", " ")}${blocked.path ? ` (${blocked.path.join(" → ")})` : ""}`,
+            ` — not yet: ${blocked.why.replaceAll("_", " ")}${blocked.path ? ` (${blocked.path.join(" → ")})` : ""}`,
           )
         : h("span", { class: "holds" }, " — holds");
       return h("li", {}, target, ` ${d.condition}`, how);

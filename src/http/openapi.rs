@@ -42,7 +42,7 @@ name_schema! {
     DesiredKind => "What a task should be doing.",
     WaitFor => "What a task in `waiting_on` is waited on for: `pending` (after an all-tasks restart), `success` (a prestart task), `running` (a prestart sidecar; a main task to start), `ready` (a task that declares readiness), `dead`, `dependency` (its gate is open but a dependency does not hold).",
     Condition => "What a dependency waits for its target task to be: `running`, `ready` (running and ready), `succeeded` (dead, not failed), `dead` (failed or not).",
-    Why => "Why a dependency does not hold: its target is `not_registered` (no such allocation or task), `pending`, `running`, `dead`, `failed`, `not_ready`, or the dependency leads back to its own task (`cycle`).",
+    Why => "Why a dependency does not hold: its target is `not_registered` (no such allocation), `no_such_task` (the allocation is held and has no task of that name), `pending`, `running`, `dead`, `failed`, `not_ready`, or the dependency leads back to its own task (`cycle`).",
     Outcome => "How the allocation ended: `failed` when a non-poststop task failed, else `succeeded`.",
 }
 

@@ -43,6 +43,7 @@ named_enum! {
         Failed = "failed",
         NotReady = "not_ready",
         Cycle = "cycle",
+        NoSuchTask = "no_such_task",
     }
 }
 
@@ -86,16 +87,20 @@ impl DepState {
 /// What a dependency finds of its target.
 #[derive(Clone, Copy, Debug)]
 pub enum Target<'a> {
-    /// No such allocation, or no such task in it.
+    /// No such allocation.
     Missing,
+    /// The allocation is held, and has no task of that name.
+    NoSuchTask,
     /// The target task's status.
     Task(&'a TaskStatus),
 }
 
 /// Whether `condition` holds for `target`, and if not, why.
 pub fn judge(condition: Condition, target: Target<'_>) -> DepState {
-    let Target::Task(t) = target else {
-        return DepState::Blocked(Why::NotRegistered);
+    let t = match target {
+        Target::Missing => return DepState::Blocked(Why::NotRegistered),
+        Target::NoSuchTask => return DepState::Blocked(Why::NoSuchTask),
+        Target::Task(t) => t,
     };
     // Told to restart and not heard from since: it is going back to
     // `pending` (an all-tasks restart makes its tasks pending), so what it
@@ -475,7 +480,8 @@ mod tests {
                 "dead",
                 "failed",
                 "not_ready",
-                "cycle"
+                "cycle",
+                "no_such_task"
             ]
         );
     }

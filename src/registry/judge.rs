@@ -204,10 +204,13 @@ impl Registry {
             return DepState::Holds;
         };
         let target = self.record(target_alloc.as_str());
-        let status = target
-            .as_ref()
-            .and_then(|t| t.position(d.task.as_str()).map(|p| &t.tasks[p]));
-        let verdict = judge_dependency(d.condition, status.map_or(Target::Missing, Target::Task));
+        let status = match &target {
+            None => Target::Missing,
+            Some(t) => t
+                .position(d.task.as_str())
+                .map_or(Target::NoSuchTask, |p| Target::Task(&t.tasks[p])),
+        };
+        let verdict = judge_dependency(d.condition, status);
         if verdict.holds() {
             return verdict;
         }
@@ -236,9 +239,9 @@ impl Registry {
 
     /// The checks of a registration's dependencies the registry can make:
     /// no cycle among its own tasks (400), none through the allocations
-    /// held (409), no more than `MAX_REACH` tasks reachable (400), and a
-    /// `ready` dependency only on a task that declares readiness, where the
-    /// target is held (400).
+    /// held (409), no more than `MAX_REACH` tasks reachable (400), and,
+    /// where the target allocation is held, a task of that name in it and
+    /// a `ready` dependency only on one that declares readiness (400).
     pub(super) fn check_dependencies(&self, a: &Allocation) -> Result<(), RegistryError> {
         let roots = || {
             a.spec
@@ -284,9 +287,29 @@ impl Registry {
                 else {
                     continue;
                 };
-                let readiness = target
-                    .position(d.task.as_str())
-                    .map(|p| target.spec.tasks()[p].readiness);
+                let Some(p) = target.position(d.task.as_str()) else {
+                    let names: Vec<&str> = target
+                        .spec
+                        .tasks()
+                        .iter()
+                        .map(|t| t.name.as_str())
+                        .collect();
+                    errors.push(FieldError::new(
+                        format!("tasks[{i}].depends_on[{j}].task"),
+                        format!(
+                            "\"{}\" depends on {}/{}, but allocation {} has no task \"{}\" \
+                             (its tasks: {})",
+                            t.name,
+                            target.id,
+                            d.task,
+                            target.id,
+                            d.task,
+                            names.join(", ")
+                        ),
+                    ));
+                    continue;
+                };
+                let readiness = Some(target.spec.tasks()[p].readiness);
                 if d.condition == crate::lifecycle::Condition::Ready && readiness == Some(false) {
                     errors.push(FieldError::new(
                         format!("tasks[{i}].depends_on[{j}]"),

@@ -46,6 +46,7 @@
 //!                  6 run           = the current run: varint
 //! verdict = 0 (holds) | why: u8 (1 not_registered, 2 pending, 3 running,
 //!           4 dead, 5 failed, 6 not_ready) | 7 (cycle) | count | str*
+//!           | 8 (no_such_task)
 //! condition = 0 running | 1 ready | 2 succeeded | 3 dead
 //! ```
 //!
@@ -124,6 +125,7 @@ const WHY: [Why; 6] = [
     Why::NotReady,
 ];
 const VERDICT_CYCLE: u8 = 7;
+const VERDICT_NO_SUCH_TASK: u8 = 8;
 
 const SIDECAR: u8 = 0x10;
 const LEADER: u8 = 0x20;
@@ -310,6 +312,7 @@ fn put_task_ext(buf: &mut Vec<u8>, spec: &TaskSpec, status: &TaskStatus) {
                     b.push(VERDICT_CYCLE);
                     put_varint(b, 0);
                 }
+                DepState::Blocked(Why::NoSuchTask) => b.push(VERDICT_NO_SUCH_TASK),
                 DepState::Blocked(why) => b.push(1 + code(&WHY, *why)),
                 DepState::Cycle(path) => {
                     b.push(VERDICT_CYCLE);
@@ -775,6 +778,7 @@ fn verdict(p: &mut Reader<'_>) -> Result<DepState, String> {
                 .collect::<Result<_, _>>()?;
             DepState::Cycle(path.into())
         }
+        VERDICT_NO_SUCH_TASK => DepState::Blocked(Why::NoSuchTask),
         c => DepState::Blocked(
             *WHY.get(usize::from(c) - 1)
                 .ok_or_else(|| format!("unknown dependency verdict {c}"))?,
