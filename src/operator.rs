@@ -85,6 +85,13 @@ pub enum AllocCommand {
         #[arg(long)]
         reason: Option<String>,
     },
+    /// Stop the allocation: every task not yet dead is told to stop, the
+    /// poststop tasks run as the cleanup, and the allocation ends
+    /// `stopped` (an all-tasks restart runs it again).
+    Stop {
+        /// The allocation's ID.
+        id: String,
+    },
     /// Restore the coordinator from known task states (a batch-report JSON
     /// file: `{"tasks": {"web": {"state": "running"}}}`).
     Restore {
@@ -338,6 +345,23 @@ async fn command(
                     "{id}: {what}; coordinator {} (index {})",
                     r["coordinator_state"].as_str().unwrap_or("?"),
                     r["index"]
+                );
+            }
+            Ok(())
+        }
+        AllocCommand::Stop { id } => {
+            let a = client
+                .call("POST", &format!("/v1/allocations/{}/stop", enc(id)), None)
+                .await?;
+            if args.json {
+                let _ = writeln!(out, "{a}");
+            } else {
+                let _ = writeln!(
+                    out,
+                    "{id}: told to stop (Stopped By Operator); coordinator {} (index {}); \
+                     poststop tasks run as the cleanup",
+                    a["coordinator_state"].as_str().unwrap_or("?"),
+                    a["modify_index"]
                 );
             }
             Ok(())
