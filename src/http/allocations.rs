@@ -281,7 +281,7 @@ pub async fn delete(
         (status = 200, description = "The allocation after the reports", body = WriteView,
          headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
         (status = 404, description = "`allocation_not_found` or `task_not_found`", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "`task_lost`: a named task was declared lost (`lost_at` says when); its agent must stop its process", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`task_lost`: a named task was declared lost (`lost_at` says when); its agent must stop its process. `run_superseded`, `task_claimed`, `task_dead`: as for a one-task report (the problem names the task)", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "`idempotency_key_reused`: the key came before with another request", body = Problem, content_type = "application/problem+json"),
     )
 )]
@@ -328,6 +328,7 @@ fn batch(
         (status = 200, description = "The restored allocation", body = WriteView,
          headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
         (status = 404, description = "`allocation_not_found` or `task_not_found`", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "An agent's restore (a resume, SEMANTICS \"Runs\") only: `task_lost` for a named task that was declared lost, `task_dead` for a dead task no order reopened", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn restore(
