@@ -823,13 +823,12 @@ async fn a_replica_killed_under_load_loses_no_acknowledged_report() {
     // Reports acknowledged so far, by all writers.
     let acked_total = Arc::new(tokio::sync::watch::Sender::new(0usize));
     let mut writers = Vec::new();
-    for w in 0..WRITERS {
-        let (http, bases, stop, total, run) = (
+    for (w, run) in runs.into_iter().enumerate() {
+        let (http, bases, stop, total) = (
             http.clone(),
             bases.clone(),
             stop.clone(),
             acked_total.clone(),
-            runs[w].clone(),
         );
         writers.push(tokio::spawn(async move {
             let (mut at, mut k) = (w % 2, 0);

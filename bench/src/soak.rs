@@ -28,7 +28,8 @@ use crate::scenarios::{Conn, FIVE_TASKS};
 use taskgate::{
     http::dto::RegisterBody,
     lifecycle::{
-        AllocId, AllocSpec, Allocation, Limits, RestartError, RestartMode, RunState, TaskReport,
+        AllocId, AllocSpec, Allocation, Limits, Refusal, RestartError, RestartMode, RunState,
+        TaskReport,
     },
 };
 
@@ -232,9 +233,23 @@ fn expect(model: &Allocation, op: &Op, next_index: &AtomicU64) -> Verdict {
         code: Some(code),
         restarted: Vec::new(),
     };
+    // A header-less report is refused as the server refuses it (SEMANTICS,
+    // "Runs"): `running` again for a running task is another agent's
+    // claim; leaving `dead` needs an order.
+    let judged = |rs: &[(usize, TaskReport)]| {
+        let refusal = rs
+            .iter()
+            .find_map(|(i, r)| model.check_report(*i, r, None).err());
+        match refusal {
+            None => changed(model.report(rs, now, idx)),
+            Some(Refusal::Claimed { .. }) => refused("task_claimed"),
+            Some(Refusal::Dead { .. }) => refused("task_dead"),
+            Some(other) => panic!("the soak's reports meet no {other:?}"),
+        }
+    };
     match op {
-        Op::Report(i, r) => changed(model.report(&[(*i, r.clone())], now, idx)),
-        Op::Batch(rs) => changed(model.report(rs, now, idx)),
+        Op::Report(i, r) => judged(&[(*i, r.clone())]),
+        Op::Batch(rs) => judged(rs),
         Op::Restore(rs) => changed(model.restore(rs, now, idx)),
         Op::Restart(mode) => match model.restart(*mode, "soak", now, idx) {
             Ok((next, chosen)) => Verdict {

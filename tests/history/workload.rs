@@ -176,6 +176,16 @@ pub fn spec(workers: usize) -> Value {
     json!({ "tasks": tasks })
 }
 
+/// The run of `task` in an allocation view, if it has one.
+fn run_of(alloc: &Value, task: &str) -> Option<String> {
+    alloc["tasks"]
+        .as_array()?
+        .iter()
+        .find(|t| t["name"] == task)?["run"]
+        .as_str()
+        .map(str::to_owned)
+}
+
 /// A response, read whole.
 struct Answer {
     status: u16,
@@ -258,6 +268,10 @@ pub struct Worker {
     shared: Arc<Shared>,
     /// Events sent so far (the next one's number).
     sent: u64,
+    /// The run of this worker's task in the allocation it reports to, once
+    /// an answer named it: every later report names it (`Taskgate-Run`),
+    /// as an agent's does (SEMANTICS, "Runs").
+    run: Option<String>,
     rec: Recorded,
 }
 
@@ -269,6 +283,7 @@ impl Worker {
             rng: fastrand::Rng::with_seed(seed),
             shared,
             sent: 0,
+            run: None,
             rec: Recorded::default(),
         }
     }
@@ -283,6 +298,7 @@ impl Worker {
                 break;
             }
             let alloc = format!("h{k}");
+            self.run = None;
             if !self.register(&alloc).await {
                 break;
             }
@@ -380,7 +396,12 @@ impl Worker {
         let mut completed = None;
         let mut timed_out = false;
         let mut last = None;
-        for _ in 0..tries {
+        let mut attempt_no = 0;
+        // Whether a refusal taught this report its run (that attempt
+        // landed nothing).
+        let mut learnt = false;
+        while attempt_no < tries {
+            attempt_no += 1;
             let r = self.pick(last);
             last = Some(r);
             let url = self.shared.url(r);
@@ -391,6 +412,9 @@ impl Worker {
                 .json(&body);
             if let Some(key) = &key {
                 req = req.header("idempotency-key", key);
+            }
+            if let Some(run) = &self.run {
+                req = req.header("taskgate-run", run);
             }
             let sent = self.shared.now();
             let answer = send(req).await;
@@ -404,6 +428,9 @@ impl Worker {
             };
             match answer {
                 Sent::Answer(a) if (200..300).contains(&a.status) => {
+                    if self.run.is_none() {
+                        self.run = run_of(&a.body, task);
+                    }
                     let index = a.index.unwrap_or(0);
                     attempt.result = format!("{} index={index}", a.status);
                     attempts.push(attempt);
@@ -423,6 +450,21 @@ impl Worker {
                     completed = Some(done);
                     break;
                 }
+                // The task runs under a run an earlier report of this
+                // worker began, whose answer was lost: the refusal names
+                // it and changed nothing; this report goes again under it.
+                Sent::Answer(a)
+                    if a.status == 409
+                        && a.body["code"] == "task_claimed"
+                        && self.run.is_none()
+                        && a.body["run"].is_string() =>
+                {
+                    self.run = a.body["run"].as_str().map(str::to_owned);
+                    attempt.result = "409 task_claimed (the run learnt)".to_owned();
+                    attempts.push(attempt);
+                    attempt_no -= 1;
+                    learnt = true;
+                }
                 Sent::Answer(a) if a.status < 500 => {
                     let code = a.body["code"].as_str().unwrap_or_default().to_owned();
                     attempt.result = format!("{} {code}", a.status);
@@ -433,7 +475,7 @@ impl Worker {
                     ));
                     // After an attempt that may have landed, a refusal
                     // does not say the event is absent.
-                    if attempts.len() == 1 {
+                    if attempts.len() - usize::from(learnt) == 1 {
                         outcome = Outcome::Failed {
                             status: a.status,
                             code,
