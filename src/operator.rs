@@ -589,8 +589,8 @@ fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime,
         out,
         "{}",
         paint.bold(&format!(
-            "{:<10}{:<20}{:<8}{:<10}{:<7}{:<9}{}",
-            "Task", "Stage", "Gate", "State", "Ready", "Desired", "Restarts"
+            "{:<10}{:<20}{:<8}{:<10}{:<7}{:<9}{:<9}{}",
+            "Task", "Stage", "Gate", "State", "Ready", "Desired", "Restarts", "Run"
         ))
     );
     for t in a["tasks"].as_array().into_iter().flatten() {
@@ -616,7 +616,7 @@ fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime,
         };
         let _ = writeln!(
             out,
-            "{:<10}{:<20}{:<8}{}{:<7}{:<9}{}",
+            "{:<10}{:<20}{:<8}{}{:<7}{:<9}{:<9}{}",
             fit(&s(&t["name"]), 9),
             fit(&stage, 19),
             if t["allowed"] == true {
@@ -628,7 +628,8 @@ fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime,
             paint.state(&format!("{st:<10}"), failed),
             ready,
             desired,
-            t["restarts"]
+            t["restarts"].to_string(),
+            t["run"].as_str().unwrap_or("-")
         );
     }
     // The allocation's order (its non-poststop tasks share it); a lost
@@ -932,6 +933,20 @@ mod tests {
         );
         assert!(lines.iter().all(|l| l.chars().count() <= 80), "{out}");
         assert!(!out.contains('\x1b'), "no color off a terminal");
+        // A running task shows its run.
+        let mut running = a.clone();
+        running["tasks"][1]["state"] = json!("running");
+        running["tasks"][1]["run"] = json!("1234567");
+        let mut out = String::new();
+        status(&running, &t, &Paint(false), now, &mut out);
+        assert!(out.contains("Restarts Run"), "{out}");
+        assert!(
+            out.contains(
+                "web       main (leader)       open    running   -      run      1        1234567"
+            ),
+            "{out}"
+        );
+        assert!(out.lines().all(|l| l.chars().count() <= 80), "{out}");
     }
 
     #[test]

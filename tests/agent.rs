@@ -1672,3 +1672,58 @@ fn an_agent_whose_run_was_replaced_stops_its_process_and_exits_122() {
     let seen = lines.lock().unwrap().join("\n");
     assert!(seen.contains("no longer has this agent's run"), "{seen}");
 }
+
+/// Runs: an agent cut off (frozen, SIGSTOP) while its allocation was
+/// deleted and registered again under the same ID does not adopt the new
+/// one: once it runs again it stops its old workload and exits (123
+/// deleted, or 122 if it first hears of its run being superseded), and
+/// the new allocation's task is left as it was: pending, with no run.
+#[test]
+fn an_agent_cut_off_across_a_new_registration_stops_its_old_workload() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = web_only(dir.path());
+    let (mut web, _lines) =
+        agent_logged(&server.base, "r4", "web", &spec, &counted_run(dir.path()));
+    let pid = read_pids(&dir.path().join("runs"), 1)[0];
+    wait_state(&server.base, "r4", "web", "running");
+    signal(&web.child, "-STOP");
+    let curl = |args: &[&str]| {
+        let out = Command::new("curl").args(args).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let url = format!("{}/v1/allocations/r4", server.base);
+    assert_eq!(
+        curl(&[
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "-X",
+            "DELETE",
+            &url
+        ]),
+        "204"
+    );
+    let spec_body = std::fs::read_to_string(&spec).unwrap();
+    let put = ["-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "PUT"];
+    let mut args = put.to_vec();
+    args.extend([
+        "-H",
+        "content-type: application/json",
+        "-d",
+        &spec_body,
+        &url,
+    ]);
+    assert_eq!(curl(&args), "201");
+    signal(&web.child, "-CONT");
+    let code = exits(std::slice::from_mut(&mut web))[0].1;
+    assert!(code == 123 || code == 122, "exit {code}");
+    wait_gone(pid, "the old registration's workload");
+    let t = get(&server.base, "/v1/allocations/r4/tasks/web");
+    assert_eq!(t["state"], "pending", "the new task is untouched: {t}");
+    assert_eq!(t["run"], Value::Null, "{t}");
+    let runs = std::fs::read_to_string(dir.path().join("runs")).unwrap();
+    assert_eq!(runs.lines().count(), 1, "no second start: {runs}");
+}

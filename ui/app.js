@@ -309,6 +309,7 @@ function taskCard(a, t, act) {
         { class: `state${t.failed ? " failed" : ""}` },
         t.lost ? "lost (no sign of life within its TTL)" : t.state + (t.failed ? " (failed)" : ""),
       ),
+      t.run ? [h("dt", {}, "Run"), h("dd", { class: "run" }, t.run)] : null,
       t.readiness ? [h("dt", {}, "Ready"), h("dd", { class: "ready" }, t.ready ? "ready" : "not ready")] : null,
       t.depends_on && t.depends_on.length
         ? [h("dt", {}, "Depends on"), h("dd", { class: "depends" }, dependencyList(a, t))]

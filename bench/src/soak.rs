@@ -236,9 +236,13 @@ fn expect(model: &Allocation, op: &Op, next_index: &AtomicU64) -> Verdict {
     // A header-less report is refused as the server refuses it (SEMANTICS,
     // "Runs"): `running` again for a running task is another agent's
     // claim; leaving `dead` needs an order.
+    // The server judges a batch's entries in the body's order, the order
+    // its JSON object's keys are sent in.
     let judged = |rs: &[(usize, TaskReport)]| {
-        let refusal = rs
-            .iter()
+        let body = reports_json(rs);
+        let sent = body["tasks"].as_object().expect("an object").keys();
+        let refusal = sent
+            .filter_map(|name| rs.iter().find(|(i, _)| TASKS[*i] == name))
             .find_map(|(i, r)| model.check_report(*i, r, None).err());
         match refusal {
             None => changed(model.report(rs, now, idx)),

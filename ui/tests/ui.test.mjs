@@ -241,6 +241,10 @@ test("a report made with curl appears in an open page within a second", async ()
   await page.locator('.task[data-task="init"] .state', { hasText: "running" }).waitFor({ timeout: 1000 });
   const took = Date.now() - sent;
   assert.ok(took < 1000, `shown after ${took} ms`);
+  // The run the report began is shown with it.
+  const run = (await call("GET", "/v1/allocations/live-1/tasks/init")).body.run;
+  assert.ok(run, "the task runs under a run");
+  assert.equal(await page.locator('.task[data-task="init"] .run').textContent(), run);
   await page.close();
 });
 
