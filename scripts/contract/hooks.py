@@ -7,8 +7,10 @@ rejected"; this hook keeps such bodies out of generation:
 - the task names of a registration are unique (tests/hostile.rs covers
   duplicate names);
 - `readiness` only on a prestart sidecar or a main task, and `ready: true`
-  only with `state: running` (docs/lifecycle.md, Readiness; tests/api.rs
-  covers both 400s);
+  only with `state: running` for a task that declares readiness
+  (docs/lifecycle.md, Readiness and Runs; tests/api.rs and tests/runs.rs
+  cover the 400s): a generated report never says `ready: true`, since
+  whether the task it lands on declares readiness is not in the report;
 - a duration (a stage deadline, a liveness TTL) is a number with a unit
   within its range, which the schema's `string` cannot say
   (tests/api.rs covers the 400s);
@@ -100,10 +102,9 @@ def readiness_fits(task):
 
 
 def ready_fits(report):
-    """`ready: true` goes with `running` only."""
-    if not isinstance(report, dict) or report.get("ready") is not True:
-        return True
-    return report.get("state") == "running"
+    """`ready: true` is refused for a task without readiness, which a
+    generated report cannot know: none is generated."""
+    return not isinstance(report, dict) or report.get("ready") is not True
 
 
 def readiness_rules_hold(body):
