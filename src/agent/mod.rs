@@ -425,7 +425,11 @@ impl Agent {
     /// dead and no order has reopened it (409 `task_dead`).
     async fn announce(&mut self) -> Result<bool, ApiError> {
         if self.api.run().is_none() {
-            let mut t = self.api.task(0).await?;
+            // Waited on through the allocation's view: a query on the task
+            // by an agent that names no run may count as a sign of life
+            // for the run it waits on, which would keep a dead agent's run
+            // from ever being declared lost.
+            let (mut t, mut index) = self.api.task_in_allocation(0).await?;
             let mut said = false;
             while t.state == "running" {
                 if !said {
@@ -436,7 +440,7 @@ impl Agent {
                          that is not this agent's): waiting until that run ends or is lost"
                     );
                 }
-                t = self.api.task(t.modify_index).await?;
+                (t, index) = self.api.task_in_allocation(index).await?;
             }
             self.learn(&t);
         }

@@ -359,7 +359,9 @@ pub async fn restore(
 /// task not yet dead is told to stop (a pending task reports `dead`
 /// without starting), the coordinator reaches `poststop` as usual and the
 /// poststop tasks run, as the cleanup; the allocation ends with outcome
-/// `stopped`. An all-tasks restart clears the order, as it clears any.
+/// `stopped`. A stop order already in force (its root cause) stays, and
+/// the request changes nothing. An all-tasks restart clears the order, as
+/// it clears any.
 #[utoipa::path(
     post, path = "/v1/allocations/{alloc_id}/stop", operation_id = "stopAllocation", tag = "allocations",
     params(("alloc_id" = String, Path, description = "Allocation ID", min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$"),
@@ -368,7 +370,7 @@ pub async fn restore(
         (status = 200, description = "The allocation after the order", body = WriteView,
          headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
         (status = 404, description = "`allocation_not_found`", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "`allocation_finished`: every task is dead, nothing is left to stop", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`allocation_finished`: the coordinator is in `poststop` (every task but the cleanup is dead), nothing is left to stop", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn stop(

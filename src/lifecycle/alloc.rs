@@ -79,8 +79,9 @@ pub enum Refusal {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum StopError {
     #[error(
-        "every task of the allocation is dead: nothing is left to stop; delete it, or \
-         register a new allocation to run the group again"
+        "the allocation has finished (its coordinator is in poststop: every other task is \
+         dead and its cleanup runs or ran): nothing is left to stop; delete it, or register \
+         a new allocation to run the group again"
     )]
     AllocationFinished,
 }
@@ -887,8 +888,15 @@ impl Allocation {
         now: Timestamp,
         next_index: impl FnOnce() -> u64,
     ) -> Result<Option<Self>, StopError> {
-        if self.tasks.iter().all(|t| t.state == RunState::Dead) {
+        if self.state == CoordState::Poststop
+            || self.tasks.iter().all(|t| t.state == RunState::Dead)
+        {
             return Err(StopError::AllocationFinished);
+        }
+        // A stop order in force stays (sticky: it names the root cause);
+        // its tasks are already told to stop.
+        if self.order.is_stop() {
+            return Ok(None);
         }
         let mut next = self.clone();
         next.order = Desired::Stop(StopReason::bare(StopKind::StoppedByOperator));
@@ -1019,12 +1027,21 @@ impl Allocation {
             let (was, t) = (&prev.tasks[i], &mut self.tasks[i]);
             t.modify_index = index;
             // A run begins each time the task becomes `running`, and ends
-            // when it leaves.
-            if t.state != RunState::Running {
-                t.run = None;
+            // when it leaves. The keys kept go with the run they were
+            // written in: a retry of a report from before is judged anew
+            // (a claim whose answer was lost, retried after the run
+            // changed hands, is another agent's claim, not a retry).
+            let run = if t.state != RunState::Running {
+                None
             } else if was.state != RunState::Running || was.started_at != t.started_at {
-                t.run = Some(index);
+                Some(index)
+            } else {
+                t.run
+            };
+            if run != was.run {
+                t.forget_keys();
             }
+            t.run = run;
         }
         self.modify_index = index;
         self.modified_at = now;

@@ -639,6 +639,15 @@ impl TaskStatus {
         keys.push(key);
     }
 
+    /// Forgets the idempotency keys kept (the run they were written in is
+    /// over).
+    pub fn forget_keys(&mut self) {
+        if !self.keys().is_empty() {
+            self.extra_mut().keys.clear();
+            self.trim_extra();
+        }
+    }
+
     /// The task's agent gave no sign of life within `ttl` (the last one
     /// at `last_seen`): it is dead, failed and lost, as one change.
     pub fn lose(&mut self, now: Timestamp, ttl: std::time::Duration, last_seen: Timestamp) {

@@ -44,7 +44,7 @@ use super::{
     signs::{END_GAP, NEVER, ParkedLife},
 };
 use crate::{
-    lifecycle::{Allocation, RunState, Timestamp, UNTIL_TOLD},
+    lifecycle::{Allocation, RunState, TaskName, TaskReport, Timestamp, UNTIL_TOLD},
     store::{AppendError, Lease, Leases, LiveOp, Liveness as Key, Mark, Store},
 };
 
@@ -326,13 +326,13 @@ impl Inner {
 
 impl Registry {
     /// A sign of life for tasks of an allocation (a report): each task
-    /// under a TTL is alive now, unless the report names a run (`run`)
-    /// that is not the task's current one.
-    pub(super) fn signs_of_life<'a>(
+    /// under a TTL whose report the current record would take (`taken`)
+    /// is alive now.
+    pub(super) fn signs_of_life(
         &self,
         id: &str,
-        tasks: impl IntoIterator<Item = &'a str>,
-        run: Option<u64>,
+        reports: &[(TaskName, TaskReport)],
+        taken: impl Fn(&Allocation, usize, &TaskReport) -> bool,
     ) {
         let Ok(handle) = self.handle(id) else { return };
         let Some(a) = handle.current() else { return };
@@ -344,9 +344,9 @@ impl Registry {
             return;
         }
         let now = self.now();
-        for name in tasks {
-            if let Some(i) = a.position(name)
-                && run.is_none_or(|r| a.tasks[i].run == Some(r))
+        for (name, report) in reports {
+            if let Some(i) = a.position(name.as_str())
+                && taken(&a, i, report)
             {
                 if a.spec.ttl(i, default).is_some() {
                     handle.lives().touch(a.tasks.len(), i, now);

@@ -754,12 +754,19 @@ impl Registry {
         let count = reports.len();
         // A report is a sign of life, from the moment it arrives (a task
         // whose TTL ends while its report waits for the lock is not lost),
-        // unless it names a run that is over.
+        // unless the record it arrives at refuses it: one naming a run
+        // that is over, or another agent's claim (which would otherwise
+        // keep the run it is refused by alive).
         let run = match apply {
             Apply::Report(_, run) => run,
             Apply::Restore | Apply::Resume => None,
         };
-        self.signs_of_life(id, reports.iter().map(|(name, _)| name.as_str()), run);
+        match apply {
+            Apply::Report(..) => {
+                self.signs_of_life(id, &reports, |a, i, r| a.check_report(i, r, run).is_ok())
+            }
+            Apply::Restore | Apply::Resume => self.signs_of_life(id, &reports, |_, _, _| true),
+        }
         let reports = Reports::new(reports);
         let (a, ()) = self
             .write(
