@@ -3,13 +3,10 @@
 
 mod common;
 
-use axum::{
-    body::Body,
-    http::{Request, StatusCode, header},
-};
-use common::{Answer, TestApp, test_app, test_app_auth};
+use axum::http::StatusCode;
+use common::{Answer, TestApp, test_app};
 use serde_json::{Value, json};
-use taskgate::{http::HttpConfig, http::auth::Auth, registry::RegistryConfig};
+use taskgate::{http::HttpConfig, registry::RegistryConfig};
 
 async fn with_run(
     app: &TestApp,
@@ -18,15 +15,8 @@ async fn with_run(
     run: &str,
     body: Option<Value>,
 ) -> Answer {
-    let mut req = Request::builder()
-        .method(method)
-        .uri(uri)
-        .header("taskgate-run", run);
-    if body.is_some() {
-        req = req.header(header::CONTENT_TYPE, "application/json");
-    }
-    let body = body.map_or_else(Body::empty, |b| Body::from(b.to_string()));
-    app.send(req.body(body).unwrap()).await
+    app.call_with(method, uri, &[("taskgate-run", run)], body)
+        .await
 }
 
 async fn heartbeat(app: &TestApp, id: &str, task: &str, run: &str) -> Answer {
@@ -287,23 +277,6 @@ async fn the_start_condition_names_state_run_and_registration() {
     assert!(again > created, "{again} after {created}");
 }
 
-async fn with_tokens() -> TestApp {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("tokens.json");
-    let sha = |s: &str| {
-        use sha2::Digest;
-        sha2::Sha256::digest(s.as_bytes())
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<String>()
-    };
-    let tokens =
-        json!({"tokens": [{"name": "agent", "role": "agent", "sha256": sha("agent-secret")}]});
-    std::fs::write(&file, tokens.to_string()).unwrap();
-    let auth = Auth::load(Some(&file), Some("operator-secret")).unwrap();
-    test_app_auth(RegistryConfig::default(), HttpConfig::default(), auth).await
-}
-
 async fn as_who(
     app: &TestApp,
     token: &str,
@@ -311,15 +284,9 @@ async fn as_who(
     uri: &str,
     body: Option<Value>,
 ) -> Answer {
-    let mut req = Request::builder()
-        .method(method)
-        .uri(uri)
-        .header(header::AUTHORIZATION, format!("Bearer {token}"));
-    if body.is_some() {
-        req = req.header(header::CONTENT_TYPE, "application/json");
-    }
-    let body = body.map_or_else(Body::empty, |b| Body::from(b.to_string()));
-    app.send(req.body(body).unwrap()).await
+    let bearer = format!("Bearer {token}");
+    app.call_with(method, uri, &[("authorization", &bearer)], body)
+        .await
 }
 
 /// An agent's restore is a resume: it sets states but clears no stop
@@ -328,9 +295,8 @@ async fn as_who(
 /// agent's token is 403.
 #[tokio::test]
 async fn an_agent_s_restore_is_a_resume_and_only_an_operator_stops() {
-    let app = with_tokens().await;
-    let agent = "agent-secret";
-    let op = "operator-secret";
+    let app = common::with_tokens(RegistryConfig::default()).await;
+    let (agent, op) = (common::AGENT, common::OPERATOR);
     let five = common::five_tasks();
     assert_eq!(
         as_who(&app, agent, "PUT", "/v1/allocations/r7", Some(five))
@@ -459,13 +425,6 @@ async fn an_operator_stop_ends_the_allocation_stopped_and_a_restart_clears_it() 
     );
 }
 
-/// Lets the registry's timers and follower run until they park again.
-async fn settle() {
-    for _ in 0..64 {
-        tokio::task::yield_now().await;
-    }
-}
-
 /// Signs of life belong to a run: on a server without tokens, a
 /// start-condition query naming no run (a page of another site polling it
 /// as an `<img>`) keeps nothing alive; one naming the current run does.
@@ -474,11 +433,7 @@ async fn only_a_query_naming_the_current_run_is_a_sign_of_life_without_tokens() 
     if common::on_etcd("signs of life per run", "it runs on tokio's paused clock") {
         return;
     }
-    let config = RegistryConfig {
-        clock: taskgate::registry::Clock::tokio(),
-        ..RegistryConfig::default()
-    };
-    let app = common::test_app_with(config, HttpConfig::default()).await;
+    let app = common::test_app_with(common::paused_clock(), HttpConfig::default()).await;
     let spec = json!({"tasks": [{"name": "web", "liveness": {"ttl": "10s"}}]});
     for id in ["anon", "named"] {
         let a = app
@@ -493,7 +448,7 @@ async fn only_a_query_naming_the_current_run_is_a_sign_of_life_without_tokens() 
         .run("web");
     for _ in 0..4 {
         tokio::time::advance(std::time::Duration::from_secs(4)).await;
-        settle().await;
+        common::settle().await;
         let q = app
             .get("/v1/allocations/anon/tasks/web/start-condition")
             .await;

@@ -11,17 +11,11 @@ use axum::{
     body::Body,
     http::{Request, StatusCode, header},
 };
-use common::{Answer, TestApp, test_app, test_app_auth};
-use serde_json::{Value, json};
-use taskgate::{
-    http::HttpConfig,
-    http::auth::Auth,
-    registry::{Clock, RegistryConfig},
+use common::{
+    AGENT, Answer, OPERATOR, READER, TestApp, paused_clock, settle, test_app, with_tokens,
 };
-
-const AGENT: &str = "agent-secret";
-const OPERATOR: &str = "operator-secret";
-const READER: &str = "reader-secret";
+use serde_json::{Value, json};
+use taskgate::http::HttpConfig;
 
 /// A request with any headers and a JSON body (if any).
 async fn send(
@@ -31,15 +25,7 @@ async fn send(
     headers: &[(&str, &str)],
     body: Option<Value>,
 ) -> Answer {
-    let mut req = Request::builder().method(method).uri(uri);
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    if body.is_some() {
-        req = req.header(header::CONTENT_TYPE, "application/json");
-    }
-    let body = body.map_or_else(Body::empty, |b| Body::from(b.to_string()));
-    app.send(req.body(body).unwrap()).await
+    app.call_with(method, uri, headers, body).await
 }
 
 fn state_uri(id: &str, task: &str) -> String {
@@ -48,33 +34,6 @@ fn state_uri(id: &str, task: &str) -> String {
 
 fn heartbeat_uri(id: &str, task: &str) -> String {
     format!("/v1/allocations/{id}/tasks/{task}/heartbeat")
-}
-
-fn paused_clock() -> RegistryConfig {
-    RegistryConfig {
-        clock: Clock::tokio(),
-        ..RegistryConfig::default()
-    }
-}
-
-/// A server with tokens: an agent, a reader, and the operator.
-async fn with_tokens(config: RegistryConfig) -> TestApp {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("tokens.json");
-    let sha = |s: &str| {
-        use sha2::Digest;
-        sha2::Sha256::digest(s.as_bytes())
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<String>()
-    };
-    let tokens = json!({"tokens": [
-        {"name": "agent", "role": "agent", "sha256": sha(AGENT)},
-        {"name": "reader", "role": "reader", "sha256": sha(READER)},
-    ]});
-    std::fs::write(&file, tokens.to_string()).unwrap();
-    let auth = Auth::load(Some(&file), Some(OPERATOR)).unwrap();
-    test_app_auth(config, HttpConfig::default(), auth).await
 }
 
 fn bearer(token: &str) -> String {
@@ -97,13 +56,6 @@ async fn register(app: &TestApp, id: &str, spec: Value, token: Option<&str>) {
 
 async fn web_only(app: &TestApp, id: &str) {
     register(app, id, json!({"tasks": [{"name": "web"}]}), None).await;
-}
-
-/// Lets the registry's timers and follower run until they park again.
-async fn settle() {
-    for _ in 0..64 {
-        tokio::task::yield_now().await;
-    }
 }
 
 async fn advance(secs: u64) {

@@ -123,6 +123,47 @@ pub async fn test_app_with(registry: RegistryConfig, http: HttpConfig) -> TestAp
     test_app_auth(registry, http, Auth::default()).await
 }
 
+/// The secrets of `with_tokens`' agent, reader and operator.
+pub const AGENT: &str = "agent-secret";
+pub const READER: &str = "reader-secret";
+pub const OPERATOR: &str = "operator-secret";
+
+/// A router whose server has tokens: an agent's and a reader's (both for
+/// every allocation), and the operator's (`AGENT`, `READER`, `OPERATOR`).
+pub async fn with_tokens(config: RegistryConfig) -> TestApp {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tokens.json");
+    let sha = |s: &str| {
+        use sha2::Digest;
+        sha2::Sha256::digest(s.as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    };
+    let tokens = serde_json::json!({"tokens": [
+        {"name": "agent", "role": "agent", "sha256": sha(AGENT)},
+        {"name": "reader", "role": "reader", "sha256": sha(READER)},
+    ]});
+    std::fs::write(&file, tokens.to_string()).unwrap();
+    let auth = Auth::load(Some(&file), Some(OPERATOR)).unwrap();
+    test_app_auth(config, HttpConfig::default(), auth).await
+}
+
+/// A registry whose wall clock follows tokio's (tests on paused time).
+pub fn paused_clock() -> RegistryConfig {
+    RegistryConfig {
+        clock: taskgate::registry::Clock::tokio(),
+        ..RegistryConfig::default()
+    }
+}
+
+/// Lets the registry's timers and follower run until they park again.
+pub async fn settle() {
+    for _ in 0..64 {
+        tokio::task::yield_now().await;
+    }
+}
+
 /// The etcd endpoints the suites run against instead of the memory store
 /// (`TASKGATE_TEST_ETCD=http://127.0.0.1:2379,...`; `.ci/run` sets it for a
 /// second run of the API suites).
@@ -194,9 +235,23 @@ impl TestApp {
 
     /// A request with a JSON body (if any).
     pub async fn call(&self, method: &str, uri: &str, body: Option<Value>) -> Answer {
+        self.call_with(method, uri, &[], body).await
+    }
+
+    /// `call`, with more headers (`Taskgate-Run`, `Authorization`, ...).
+    pub async fn call_with(
+        &self,
+        method: &str,
+        uri: &str,
+        headers: &[(&str, &str)],
+        body: Option<Value>,
+    ) -> Answer {
         let mut req = Request::builder()
             .method(Method::from_bytes(method.as_bytes()).unwrap())
             .uri(uri);
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
         let body = match body {
             Some(v) => {
                 req = req.header(header::CONTENT_TYPE, "application/json");
