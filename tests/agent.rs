@@ -1186,8 +1186,19 @@ fn web_flags<'a>(
     spec: &'a std::path::Path,
     extra: &[&'a str],
 ) -> Vec<&'a str> {
+    task_flags(base, alloc, "web", spec, extra)
+}
+
+/// `--server BASE --alloc ALLOC --task TASK --register SPEC`, then `extra`.
+fn task_flags<'a>(
+    base: &'a str,
+    alloc: &'a str,
+    task: &'a str,
+    spec: &'a std::path::Path,
+    extra: &[&'a str],
+) -> Vec<&'a str> {
     let spec = spec.to_str().unwrap();
-    let mut flags = vec!["--server", base, "--alloc", alloc, "--task", "web"];
+    let mut flags = vec!["--server", base, "--alloc", alloc, "--task", task];
     flags.extend(["--register", spec]);
     flags.extend(extra);
     flags
@@ -1533,18 +1544,7 @@ fn agent_logged(
     cmd: &str,
 ) -> (Agent, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
     let mut child = agent_with_stderr(
-        &[
-            "--server",
-            base,
-            "--alloc",
-            alloc,
-            "--task",
-            task,
-            "--register",
-            spec.to_str().unwrap(),
-            "--kill-timeout",
-            "2s",
-        ],
+        &task_flags(base, alloc, task, spec, &["--kill-timeout", "2s"]),
         cmd,
     );
     let lines = stderr_lines(&mut child);
