@@ -405,20 +405,8 @@ fn deleting_the_allocation_ends_the_agent_and_its_task() {
         .unwrap()
         .trim()
         .to_owned();
-    let deleted = Command::new("curl")
-        .args([
-            "-s",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code}",
-            "-X",
-            "DELETE",
-        ])
-        .arg(format!("{}/v1/allocations/a7", server.base))
-        .output()
-        .unwrap();
-    assert_eq!(String::from_utf8_lossy(&deleted.stdout), "204");
+    let url = format!("{}/v1/allocations/a7", server.base);
+    assert_eq!(curl_status("DELETE", &url, None), "204");
     let codes = exits(std::slice::from_mut(&mut web));
     assert_eq!(codes, [("web", 123)], "deleted while it ran");
     let alive = Command::new("kill")
@@ -1114,18 +1102,8 @@ fn registering_a_different_spec_exits_125_naming_the_difference() {
         {"name": "web", "leader": true},
         {"name": "gone"}
     ]});
-    let put = Command::new("curl")
-        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "PUT"])
-        .args([
-            "-H",
-            "Content-Type: application/json",
-            "-d",
-            &stored.to_string(),
-        ])
-        .arg(format!("{}/v1/allocations/x1", server.base))
-        .output()
-        .unwrap();
-    assert_eq!(String::from_utf8_lossy(&put.stdout), "201");
+    let url = format!("{}/v1/allocations/x1", server.base);
+    assert_eq!(curl_status("PUT", &url, Some(&stored.to_string())), "201");
     let spec = spec_file(
         dir.path(),
         &json!({"tasks": [
@@ -1688,35 +1666,10 @@ fn an_agent_cut_off_across_a_new_registration_stops_its_old_workload() {
     let pid = read_pids(&dir.path().join("runs"), 1)[0];
     wait_state(&server.base, "r4", "web", "running");
     signal(&web.child, "-STOP");
-    let curl = |args: &[&str]| {
-        let out = Command::new("curl").args(args).output().unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
     let url = format!("{}/v1/allocations/r4", server.base);
-    assert_eq!(
-        curl(&[
-            "-s",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code}",
-            "-X",
-            "DELETE",
-            &url
-        ]),
-        "204"
-    );
+    assert_eq!(curl_status("DELETE", &url, None), "204");
     let spec_body = std::fs::read_to_string(&spec).unwrap();
-    let put = ["-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "PUT"];
-    let mut args = put.to_vec();
-    args.extend([
-        "-H",
-        "content-type: application/json",
-        "-d",
-        &spec_body,
-        &url,
-    ]);
-    assert_eq!(curl(&args), "201");
+    assert_eq!(curl_status("PUT", &url, Some(&spec_body)), "201");
     signal(&web.child, "-CONT");
     let code = exits(std::slice::from_mut(&mut web))[0].1;
     assert!(code == 123 || code == 122, "exit {code}");

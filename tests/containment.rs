@@ -64,18 +64,8 @@ fn a_restart_order_takes_the_runs_escaped_processes_along() {
     let bg = read_pids(&d.join("bg"), 1)[0];
     let esc = read_pids(&d.join("esc"), 1)[0];
     wait_state(&server.base, "r1", "web", "running");
-    let restart = Command::new("curl")
-        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST"])
-        .args([
-            "-H",
-            "Content-Type: application/json",
-            "-d",
-            r#"{"task": "web"}"#,
-        ])
-        .arg(format!("{}/v1/allocations/r1/restart", server.base))
-        .output()
-        .unwrap();
-    assert_eq!(String::from_utf8_lossy(&restart.stdout), "200");
+    let url = format!("{}/v1/allocations/r1/restart", server.base);
+    assert_eq!(curl_status("POST", &url, Some(r#"{"task": "web"}"#)), "200");
     let leaders = read_pids(&d.join("leaders"), 2);
     assert!(!runs(leaders[0]), "the first run still runs");
     assert!(
@@ -137,20 +127,8 @@ fn deleting_the_allocation_takes_escaped_processes_along() {
     let bg = read_pids(&d.join("bg"), 1)[0];
     let esc = read_pids(&d.join("esc"), 1)[0];
     wait_state(&server.base, "d1", "web", "running");
-    let deleted = Command::new("curl")
-        .args([
-            "-s",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code}",
-            "-X",
-            "DELETE",
-        ])
-        .arg(format!("{}/v1/allocations/d1", server.base))
-        .output()
-        .unwrap();
-    assert_eq!(String::from_utf8_lossy(&deleted.stdout), "204");
+    let url = format!("{}/v1/allocations/d1", server.base);
+    assert_eq!(curl_status("DELETE", &url, None), "204");
     exits(std::slice::from_mut(&mut web));
     assert!(
         !runs(bg),

@@ -197,6 +197,18 @@ pub fn start_five(base: &str, dir: &Path, alloc: &str) -> Vec<Agent> {
         .collect()
 }
 
+/// The HTTP status of `METHOD url` sent with curl (as an operator types
+/// it), with a JSON body if any.
+pub fn curl_status(method: &str, url: &str, json: Option<&str>) -> String {
+    let mut curl = Command::new("curl");
+    curl.args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", method]);
+    if let Some(body) = json {
+        curl.args(["-H", "Content-Type: application/json", "-d", body]);
+    }
+    let out = curl.arg(url).output().expect("curl runs");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// Whether `pid` is a process that still runs (not gone, not a zombie).
 pub fn runs(pid: i32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
