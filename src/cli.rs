@@ -23,6 +23,12 @@ pub enum Command {
     /// Run one task of an allocation under its gate: `taskgate agent
     /// --alloc ID --task NAME -- CMD ARGS...`.
     Agent(crate::agent::AgentConfig),
+    /// Check an agent against the protocol (docs/agent-protocol.md):
+    /// `taskgate agent-check -- COMMAND...` starts a server of its own,
+    /// runs the agent through each scenario and prints a PASS or FAIL line
+    /// per rule (exit 0 when all pass).
+    #[command(name = "agent-check")]
+    AgentCheck(crate::agent_check::CheckConfig),
     /// How `taskgate agent` starts a command: sets the parent-death signal
     /// (SIGKILL), then execs the command in its place.
     #[command(name = "agent-exec", hide = true)]

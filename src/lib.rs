@@ -4,6 +4,7 @@
 //! state and waiting), `store` (durability), `http` (axum and OpenAPI).
 
 pub mod agent;
+pub mod agent_check;
 pub mod app;
 pub mod cli;
 pub mod client;

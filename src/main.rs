@@ -45,6 +45,14 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         }
+        Command::AgentCheck(config) => {
+            let code = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .map(|rt| rt.block_on(taskgate::agent_check::run(config)))
+                .unwrap_or(2);
+            ExitCode::from(u8::try_from(code).unwrap_or(1))
+        }
         Command::AgentExec(args) => ExitCode::from(taskgate::agent::exec(&args)),
         Command::Agent(config) => {
             // First: from here on a process of the same user (the task)
