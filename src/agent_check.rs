@@ -20,7 +20,7 @@ use std::{
 use clap::Args;
 use serde_json::{Value, json};
 
-use crate::{app::Application, client::Endpoint, config::ServeConfig};
+use crate::{agent::runs, app::Application, client::Endpoint, config::ServeConfig};
 
 #[derive(Debug, Clone, Args)]
 pub struct CheckConfig {
@@ -663,12 +663,4 @@ impl Scenario {
 
 fn pid_of(id: u32) -> Option<rustix::process::Pid> {
     rustix::process::Pid::from_raw(i32::try_from(id).ok()?)
-}
-
-/// Whether `pid` runs (not gone, not a zombie).
-fn runs(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| s.rsplit(')').next().map(|r| r.trim_start().to_owned()))
-        .is_some_and(|rest| !rest.starts_with('Z') && !rest.starts_with('X'))
 }

@@ -55,6 +55,7 @@ pub mod exit;
 mod launch;
 mod policy;
 mod process;
+pub use process::runs;
 mod readiness;
 mod signals;
 mod spec_diff;

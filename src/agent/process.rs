@@ -524,6 +524,14 @@ fn processes() -> impl Iterator<Item = Stat> {
         })
 }
 
+/// Whether `pid` is a process that still runs (not gone, not a zombie).
+pub fn runs(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|line| stat(pid, &line))
+        .is_some_and(|s| !s.zombie)
+}
+
 /// Reads a `/proc/<pid>/stat` line: `pid (comm) state ppid pgrp ...`,
 /// where `comm` may hold spaces and parentheses, so the fields are counted
 /// from its last `)`.
@@ -565,18 +573,6 @@ impl Wakeup {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Whether `pid` is still a process that runs (not gone, not a zombie).
-    fn runs(pid: i32) -> bool {
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .ok()
-            .and_then(|s| {
-                s.rsplit(')')
-                    .next()
-                    .map(|rest| rest.trim_start().to_owned())
-            })
-            .is_some_and(|rest| !rest.starts_with('Z') && !rest.starts_with('X'))
-    }
 
     fn sh(script: String) -> Child {
         let mut cmd = tokio::process::Command::new("sh");

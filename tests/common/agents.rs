@@ -209,13 +209,7 @@ pub fn curl_status(method: &str, url: &str, json: Option<&str>) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// Whether `pid` is a process that still runs (not gone, not a zombie).
-pub fn runs(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| s.rsplit(')').next().map(|r| r.trim_start().to_owned()))
-        .is_some_and(|rest| !rest.starts_with('Z') && !rest.starts_with('X'))
-}
+pub use taskgate::agent::runs;
 
 /// Waits (bounded) until `pid` no longer runs.
 #[track_caller]
