@@ -38,6 +38,26 @@ fn taskgate_agent_passes_every_rule() {
     assert!(text.contains("17 of 17 rules pass"), "{text}");
 }
 
+/// The docs' example agent (examples/minimal_agent.py) passes too.
+#[test]
+fn the_docs_example_agent_passes_every_rule() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/minimal_agent.py");
+    let (out, text) = check(
+        "20s",
+        &[
+            "python3",
+            example,
+            "{server}",
+            "{alloc}",
+            "{task}",
+            "--",
+            "{workload}",
+        ],
+    );
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("17 of 17 rules pass"), "{text}");
+}
+
 /// An agent that claims its task at once, runs it, and never asks the
 /// server anything again: the check fails it, naming each rule it breaks,
 /// and exits 1.
