@@ -1,6 +1,6 @@
 //! Audit of the "Runs" and "Operator stop" promises (SEMANTICS, fourth
 //! edition; docs/lifecycle.md), through the HTTP API: each test tries to
-//! break one promise. The breaks found are fixed; the three known gaps left
+//! break one promise. The breaks found are fixed; the two known gaps left
 //! are `#[ignore]`d with the reason.
 
 mod common;
@@ -545,7 +545,6 @@ async fn a_lost_task_s_old_run_is_task_lost_then_superseded_after_a_restart() {
 /// evaluated from `prestart`, goes back to `prestart`; the sidecar reports
 /// `running` and `main` is entered again, with a fresh 60 s.
 #[tokio::test(start_paused = true)]
-#[ignore = "known gap: an agent's restore that moves the coordinator back and forth restarts the next state's deadline clock (no per-state entry time is kept)"]
 async fn an_agent_s_restore_does_not_restart_the_deadline_s_clock() {
     if common::on_etcd("deadline", "paused clock") {
         return;

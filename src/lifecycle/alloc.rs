@@ -163,10 +163,19 @@ pub struct Allocation {
     pub deadline_at: Option<Timestamp>,
     /// Deadlines that passed (out of line: most allocations have none).
     overdue: Option<Arc<Overdue>>,
+    /// The deadline each stage got when the coordinator first entered it
+    /// since the last order (the registration, an all-tasks restart, an
+    /// operator's restore), as `Deadlines::STATES`: a stage entered again
+    /// (after an agent's resume moved the coordinator back) keeps its
+    /// clock. `None` for an allocation without deadlines.
+    clocks: Option<Arc<StageClocks>>,
     /// The last writes that made this record, oldest first (on a store
     /// several replicas write; empty on any other).
     writes: Option<Arc<Vec<WriteMark>>>,
 }
+
+/// The deadline each stage got on first entry (`Deadlines::STATES`).
+pub type StageClocks = [Option<Timestamp>; 4];
 
 /// One write of a record on a store several replicas write: an ID the
 /// writer drew and the index of the record it was decided on (0: a
@@ -188,7 +197,7 @@ impl Allocation {
         let tasks = vec![TaskStatus::new(index); spec.tasks().len()];
         let state = evaluate(CoordState::Init, &spec, &tasks);
         let mut a = Self::from_parts(id, spec, state, tasks, None, index, index, now, now);
-        a.deadline_at = a.deadline_from(now);
+        a.deadline_at = a.clock(now);
         // Dependencies on other allocations start as not registered; the
         // registry judges them before the registration commits.
         for i in 0..a.tasks.len() {
@@ -277,6 +286,17 @@ impl Allocation {
         self
     }
 
+    /// Sets the stored stage clocks.
+    pub fn with_clocks(mut self, clocks: StageClocks) -> Self {
+        self.clocks = (clocks != StageClocks::default()).then(|| Arc::new(clocks));
+        self
+    }
+
+    /// The deadline each stage got on first entry (none: all `None`).
+    pub fn clocks(&self) -> StageClocks {
+        self.clocks.as_deref().copied().unwrap_or_default()
+    }
+
     /// The deadlines that passed, if any did.
     pub fn overdue(&self) -> Option<&Overdue> {
         self.overdue.as_deref()
@@ -311,6 +331,7 @@ impl Allocation {
             order,
             deadline_at: None,
             overdue: None,
+            clocks: None,
             writes: None,
         }
     }
@@ -506,6 +527,18 @@ impl Allocation {
             return None;
         }
         Some(later(now, d))
+    }
+
+    /// The deadline of the state the coordinator enters now: the one it
+    /// got when it first entered it since the last order, else one from
+    /// `now` (kept for a later entry).
+    fn clock(&mut self, now: Timestamp) -> Option<Timestamp> {
+        let at = self.deadline_from(now)?;
+        let stage = super::Deadlines::STATES
+            .iter()
+            .position(|&s| s == self.state)?;
+        let clocks = Arc::make_mut(self.clocks.get_or_insert_with(Default::default));
+        Some(*clocks[stage].get_or_insert(at))
     }
 
     /// Whether a poststop task is still pending or running.
@@ -1002,8 +1035,11 @@ impl Allocation {
         if !self.order.is_stop() {
             self.order = stop_order(&self.spec, &self.tasks);
         }
+        if reset {
+            self.clocks = None;
+        }
         if reset || self.state != prev.state {
-            self.deadline_at = self.deadline_from(now);
+            self.deadline_at = self.clock(now);
         } else if self.state == CoordState::Poststop && !self.poststop_going() {
             // Every poststop task ended: nothing is left to bound.
             self.deadline_at = None;

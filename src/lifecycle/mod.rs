@@ -37,8 +37,8 @@ mod spec;
 mod task;
 
 pub use alloc::{
-    Allocation, LapsedAt, Overdue, RESTART_EVENT, Refusal, RestartError, RestartMode, SeenAt, Step,
-    StopError, UNTIL_TOLD, WRITE_MARKS, WriteMark,
+    Allocation, LapsedAt, Overdue, RESTART_EVENT, Refusal, RestartError, RestartMode, SeenAt,
+    StageClocks, Step, StopError, UNTIL_TOLD, WRITE_MARKS, WriteMark,
 };
 pub use coordinator::{
     CoordState, WaitFor, evaluate, gates, next_state, wait_for, waiting, waiting_on,

@@ -37,6 +37,9 @@
 //!                  4 poststop told = count | position*
 //!                  5 writes        = count | (id: u64 LE | parent: varint)*
 //!                                    (at most 8, oldest first; replicas)
+//!                  6 stage clocks  = set: u8 (bits as deadlines)
+//!                                    | time per set bit (the deadline each
+//!                                    stage got when first entered)
 //! task tags:       1 liveness ttl  = milliseconds: varint
 //!                  2 lost_at       = time
 //!                  3 keys          = count | (key: u64 LE | request: u64 LE)*
@@ -101,6 +104,7 @@ const EXT_DEADLINE_AT: u8 = 2;
 const EXT_STAGE_OVERDUE: u8 = 3;
 const EXT_POSTSTOP_TOLD: u8 = 4;
 const EXT_WRITES: u8 = 5;
+const EXT_STAGE_CLOCKS: u8 = 6;
 const EXT_TTL: u8 = 1;
 const EXT_LOST_AT: u8 = 2;
 const EXT_KEYS: u8 = 3;
@@ -265,6 +269,21 @@ fn put_alloc_ext(buf: &mut Vec<u8>, a: &Allocation) {
     };
     if !a.writes().is_empty() {
         entries.push((EXT_WRITES, &write_marks));
+    }
+    let clocks = a.clocks();
+    let write_clocks = |b: &mut Vec<u8>| {
+        b.push(
+            clocks
+                .iter()
+                .enumerate()
+                .fold(0, |m, (bit, c)| m | u8::from(c.is_some()) << bit),
+        );
+        for at in clocks.iter().flatten() {
+            put_time(b, *at);
+        }
+    };
+    if clocks.iter().any(Option::is_some) {
+        entries.push((EXT_STAGE_CLOCKS, &write_clocks));
     }
     put_ext(buf, &entries);
 }
@@ -647,6 +666,7 @@ struct AllocExt<'a> {
     stage_overdue: Option<Reader<'a>>,
     poststop_told: Option<Reader<'a>>,
     writes: Vec<WriteMark>,
+    clocks: crate::lifecycle::StageClocks,
 }
 
 /// The time written as `secs`, `nanos`, `offset` (`put_time`).
@@ -718,6 +738,18 @@ fn alloc_ext<'a>(r: &mut Reader<'a>) -> Result<AllocExt<'a>, String> {
                     ext.writes.push(WriteMark { id, parent });
                 }
                 p.done("the write marks")?;
+            }
+            EXT_STAGE_CLOCKS => {
+                let set = p.byte("the stage clocks")?;
+                if set & !0x0f != 0 || set == 0 {
+                    return Err(format!("unknown stage clocks {set:#x}"));
+                }
+                for (bit, clock) in ext.clocks.iter_mut().enumerate() {
+                    if set & (1 << bit) != 0 {
+                        *clock = Some(p.time("a stage clock")?);
+                    }
+                }
+                p.done("the stage clocks")?;
             }
             other => return Err(format!("unknown allocation extension {other}")),
         }
@@ -1020,6 +1052,7 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
         modified_at,
     );
     Ok(a.with_deadlines(ext.deadline_at, overdue)
+        .with_clocks(ext.clocks)
         .with_writes(ext.writes))
 }
 
