@@ -140,8 +140,14 @@ pub struct ServeConfig {
     pub data_dir: PathBuf,
 
     /// Keep everything in memory instead: nothing survives a restart. For
-    /// tests and experiments.
-    #[arg(help_heading = "Storage", long, env = "TASKGATE_IN_MEMORY")]
+    /// tests and experiments. Refused beside `--store` or
+    /// `--etcd-endpoints` (`--data-dir`, which images set, is ignored).
+    #[arg(
+        help_heading = "Storage",
+        long,
+        env = "TASKGATE_IN_MEMORY",
+        conflicts_with_all = ["store", "etcd_endpoints"]
+    )]
     pub in_memory: bool,
 
     /// Where records live: `disk` (the data directory) or `etcd` (an etcd

@@ -316,3 +316,60 @@ fn exit_codes_say_what_happened() {
     let o = alloc(&format!("http://127.0.0.1:{port}"), &["list"]);
     assert_eq!(o.status.code(), Some(3));
 }
+
+/// Store flags that contradict each other stop `serve` before it starts,
+/// with exit 2, naming both (`--in-memory --store etcd` used to start in
+/// memory without a word), whether given as flags or variables.
+#[test]
+fn conflicting_store_flags_exit_2_naming_both() {
+    let serve = |args: &[&str], env: &[(&str, &str)]| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_taskgate"))
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .env_remove("TASKGATE_IN_MEMORY")
+            .env_remove("TASKGATE_STORE")
+            .envs(env.iter().copied())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("taskgate serve runs");
+        // One that started serving instead would never exit: ended after
+        // a while, and the test fails on its exit status.
+        let pid = child.id();
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let guard = std::thread::spawn(move || {
+            if rx.recv_timeout(std::time::Duration::from_secs(30)).is_err() {
+                let _ = Command::new("kill").arg(pid.to_string()).status();
+            }
+        });
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+        let status = child.wait().unwrap();
+        let _ = tx.send(());
+        guard.join().unwrap();
+        (status, err)
+    };
+    for (args, env, names) in [
+        (
+            &["--in-memory", "--store", "etcd"][..],
+            &[][..],
+            ["--in-memory", "--store"],
+        ),
+        (
+            &["--in-memory"],
+            &[("TASKGATE_STORE", "etcd")],
+            ["--in-memory", "--store"],
+        ),
+        (
+            &["--in-memory", "--etcd-endpoints", "http://127.0.0.1:1"],
+            &[],
+            ["--in-memory", "--etcd-endpoints"],
+        ),
+    ] {
+        let (status, err) = serve(args, env);
+        assert_eq!(status.code(), Some(2), "{args:?} {env:?}: {err}");
+        for name in names {
+            assert!(err.contains(name), "{args:?}: names {name}: {err}");
+        }
+    }
+}

@@ -153,15 +153,20 @@ fn segment(dir: &Path, seq: u64) -> PathBuf {
     dir.join(format!("taskgate.wal.{seq:020}"))
 }
 
-/// Where each append of a log segment starts: after its 32-byte header,
-/// each frame's length is its first 4 bytes, then an 12-byte head in all
-/// (docs/storage-format.md).
+/// Where each append of a log segment starts, and where the last ends:
+/// after its 32-byte header, each frame's length is its first 4 bytes,
+/// then an 12-byte head in all (docs/storage-format.md); zeros written
+/// ahead follow the last.
 fn append_starts(bytes: &[u8]) -> Vec<usize> {
     let mut at = 32;
     let mut starts = Vec::new();
     while at + 12 <= bytes.len() {
         starts.push(at);
-        at += 12 + u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+        let len = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+        if len == 0 {
+            break;
+        }
+        at += 12 + len;
     }
     starts
 }
@@ -653,4 +658,198 @@ async fn a_file_of_another_format_is_refused() {
     let server = start(dir.path(), "64MiB");
     healthy(&server.base).await;
     verify(&server.base, &acked).await;
+}
+
+/// Every file of a data directory but its lock, by name.
+fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap() != "taskgate.lock")
+        .map(|p| {
+            let name = p.file_name().unwrap().to_str().unwrap().to_owned();
+            (name, std::fs::read(&p).unwrap())
+        })
+        .collect()
+}
+
+fn put_files(dir: &Path, files: &BTreeMap<String, Vec<u8>>) {
+    for (name, bytes) in files {
+        std::fs::write(dir.join(name), bytes).unwrap();
+    }
+}
+
+/// A snapshot and three segments after it, the newest left by a SIGKILL
+/// (zeros written ahead of its appends): what every damage case below
+/// starts from.
+async fn snapshot_and_log(dir: &Path, acked: &mut Acked) -> BTreeMap<String, Vec<u8>> {
+    checkpoint(dir, "folded", acked).await;
+    for round in ["a", "b", "c"] {
+        let mut server = start(dir, "64MiB");
+        healthy(&server.base).await;
+        register(&server.base, &ids(round, 8), acked).await;
+        server.child.kill().unwrap();
+        server.child.wait().unwrap();
+    }
+    files(dir)
+}
+
+/// The newest segment's name among `files`.
+fn newest_segment(files: &BTreeMap<String, Vec<u8>>) -> String {
+    files
+        .keys()
+        .filter(|n| n.starts_with("taskgate.wal.") && n.len() == "taskgate.wal.".len() + 20)
+        .max()
+        .unwrap()
+        .clone()
+}
+
+/// Damage that takes acknowledged changes away without leaving a frame
+/// that fails its checks — a header naming an older format, removed
+/// files, the newest segment cut short — is refused, naming what is
+/// missing, and a refused start changes no byte of the directory (it
+/// used to start healthy with the changes gone, or cut the newest
+/// segment before refusing a damaged store ID). Put back, every
+/// acknowledged change is there; a torn last append (what a crash
+/// leaves) is still cut off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn damage_that_removes_acknowledged_changes_is_refused_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut acked = Acked::new();
+    let whole = snapshot_and_log(dir.path(), &mut acked).await;
+    let newest = newest_segment(&whole);
+    let log_bytes = &whole[&newest];
+    let starts = append_starts(log_bytes);
+    let zeros_from = *starts.last().unwrap();
+    assert!(
+        log_bytes[zeros_from..].iter().all(|&b| b == 0),
+        "zeros ahead"
+    );
+    let appends = &starts[..starts.len() - 1];
+    assert_eq!(appends.len(), 8, "one append per registration");
+    let segments: Vec<String> = whole
+        .keys()
+        .filter(|n| n.starts_with("taskgate.wal.0"))
+        .cloned()
+        .collect();
+    // A torn last append (a crash during it): its head's sector never
+    // written, a later one of its payload written.
+    let mut torn = log_bytes.clone();
+    let later = (zeros_from + 12).next_multiple_of(512);
+    torn[later..later + 9].copy_from_slice(b"torn torn");
+    type Damage = Box<dyn Fn(&mut BTreeMap<String, Vec<u8>>)>;
+    let cut = |at: usize| -> Damage {
+        let newest = newest.clone();
+        Box::new(move |f| {
+            f.get_mut(&newest).unwrap().truncate(at);
+        })
+    };
+    let remove = |names: Vec<String>| -> Damage {
+        Box::new(move |f| {
+            for n in &names {
+                f.remove(n).unwrap();
+            }
+        })
+    };
+    let mut all_files: Vec<String> = segments.clone();
+    all_files.push("taskgate.snapshot".into());
+    let cases: Vec<(&str, Damage, String)> = vec![
+        (
+            "header says format 1",
+            Box::new({
+                let newest = newest.clone();
+                move |f| f.get_mut(&newest).unwrap()[7] = 1
+            }),
+            newest.clone(),
+        ),
+        (
+            "newest removed",
+            remove(vec![newest.clone()]),
+            newest.clone(),
+        ),
+        (
+            "every segment removed",
+            remove(segments.clone()),
+            newest.clone(),
+        ),
+        (
+            "snapshot and segments removed",
+            remove(all_files.clone()),
+            "taskgate.snapshot".into(),
+        ),
+        (
+            "everything but the store ID removed",
+            Box::new({
+                let all = all_files.clone();
+                move |f| f.retain(|n, _| n == "store-id" && !all.contains(n))
+            }),
+            "store-id".into(),
+        ),
+        (
+            "cut at an append in its middle",
+            cut(appends[4]),
+            newest.clone(),
+        ),
+        (
+            "cut inside an append in its middle",
+            cut(appends[4] + 30),
+            newest.clone(),
+        ),
+        ("cut to its bare header", cut(32), newest.clone()),
+        (
+            "cut at its last append's end",
+            cut(zeros_from),
+            newest.clone(),
+        ),
+        (
+            "a torn tail and a damaged store ID",
+            Box::new({
+                let (newest, torn) = (newest.clone(), torn.clone());
+                move |f| {
+                    f.insert(newest.clone(), torn.clone());
+                    f.insert("store-id".into(), b"damaged\n".to_vec());
+                }
+            }),
+            "store-id".into(),
+        ),
+    ];
+    for (case, damage, named) in cases {
+        let copy = tempfile::tempdir().unwrap();
+        let mut damaged = whole.clone();
+        damage(&mut damaged);
+        put_files(copy.path(), &damaged);
+        let said = refused(copy.path());
+        let named = copy.path().join(&named).display().to_string();
+        assert!(said.contains(&named), "{case}: names {named}: {said}");
+        assert_eq!(files(copy.path()), damaged, "{case}: the directory changed");
+    }
+    // What a crash leaves starts, the torn append cut off.
+    let copy = tempfile::tempdir().unwrap();
+    let mut crashed = whole.clone();
+    crashed.insert(newest.clone(), torn);
+    put_files(copy.path(), &crashed);
+    let server = start(copy.path(), "64MiB");
+    healthy(&server.base).await;
+    verify(&server.base, &acked).await;
+    drop(server);
+    let server = start(dir.path(), "64MiB");
+    healthy(&server.base).await;
+    verify(&server.base, &acked).await;
+}
+
+/// Salvage of a directory whose newest segment was removed says so and
+/// exits non-zero: it did not read everything acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn salvage_says_when_a_segment_is_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut acked = Acked::new();
+    let whole = snapshot_and_log(dir.path(), &mut acked).await;
+    let newest = newest_segment(&whole);
+    std::fs::remove_file(dir.path().join(&newest)).unwrap();
+    let to = tempfile::tempdir().unwrap();
+    let to = to.path().join("salvaged");
+    let (code, said) = salvage(dir.path(), &to);
+    assert_ne!(code, 0, "{said}");
+    assert!(said.contains(&newest), "{said}");
+    assert!(said.contains("missing"), "{said}");
 }

@@ -29,27 +29,40 @@ pub fn is_id(s: &str) -> bool {
     s.len() == 32 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
-/// The data directory's ID, written first (durably: the file, then the
-/// directory entry) if the directory has none.
-pub(crate) fn ensure(fs: &dyn Fs, dir: &Path) -> Result<String, StoreError> {
+/// The data directory's ID, if it has one; an error if its file is
+/// damaged.
+pub(crate) fn read(fs: &dyn Fs, dir: &Path) -> Result<Option<String>, StoreError> {
     let path = dir.join(STORE_ID_FILE);
-    if fs.exists(&path) {
-        let bytes = fs
-            .read(&path)
-            .map_err(|e| StoreError::Unusable(format!("cannot read {}: {e}", path.display())))?;
-        let text = std::str::from_utf8(&bytes).unwrap_or_default();
-        let id = text.strip_suffix('\n').unwrap_or(text);
-        if !is_id(id) {
-            return Err(StoreError::Unusable(format!(
-                "{} is damaged: it should hold the directory's store ID (32 hex digits), \
-                 got {} bytes; restore it from a backup of the directory, or remove it to \
-                 give the directory a new ID (clients then take this for another store)",
-                path.display(),
-                bytes.len()
-            )));
-        }
-        return Ok(id.to_owned());
+    if !fs.exists(&path) {
+        return Ok(None);
     }
+    let bytes = fs
+        .read(&path)
+        .map_err(|e| StoreError::Unusable(format!("cannot read {}: {e}", path.display())))?;
+    let text = std::str::from_utf8(&bytes).unwrap_or_default();
+    let id = text.strip_suffix('\n').unwrap_or(text);
+    if !is_id(id) {
+        let bad = bytes
+            .iter()
+            .position(|&b| !matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+            .filter(|&at| at < 32)
+            .unwrap_or(32);
+        return Err(StoreError::Unusable(format!(
+            "{} is damaged at byte {bad}: it should hold the directory's store ID (32 hex \
+             digits and a newline), got {} bytes. Nothing was changed. Restore it from a \
+             backup of the directory, or remove it to give the directory a new ID (clients \
+             then take this for another store)",
+            path.display(),
+            bytes.len()
+        )));
+    }
+    Ok(Some(id.to_owned()))
+}
+
+/// Gives the data directory a new ID, durably (the file, then the
+/// directory entry).
+pub(crate) fn create(fs: &dyn Fs, dir: &Path) -> Result<String, StoreError> {
+    let path = dir.join(STORE_ID_FILE);
     let id = new_id();
     let tmp = dir.join(format!("{STORE_ID_FILE}.tmp"));
     let write = || -> std::io::Result<()> {
@@ -80,14 +93,19 @@ mod tests {
     #[test]
     fn a_directory_keeps_the_id_it_was_given_and_a_damaged_one_is_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let id = ensure(&RealFs, dir.path()).unwrap();
+        assert_eq!(read(&RealFs, dir.path()).unwrap(), None);
+        let id = create(&RealFs, dir.path()).unwrap();
         assert!(is_id(&id), "{id}");
-        assert_eq!(ensure(&RealFs, dir.path()).unwrap(), id, "read back");
+        assert_eq!(
+            read(&RealFs, dir.path()).unwrap(),
+            Some(id.clone()),
+            "read back"
+        );
         let other = tempfile::tempdir().unwrap();
-        assert_ne!(ensure(&RealFs, other.path()).unwrap(), id);
-        std::fs::write(dir.path().join(STORE_ID_FILE), b"not an id\n").unwrap();
-        let err = ensure(&RealFs, dir.path()).unwrap_err().to_string();
-        assert!(err.contains("store-id is damaged"), "{err}");
+        assert_ne!(create(&RealFs, other.path()).unwrap(), id);
+        std::fs::write(dir.path().join(STORE_ID_FILE), b"0123not an id\n").unwrap();
+        let err = read(&RealFs, dir.path()).unwrap_err().to_string();
+        assert!(err.contains("store-id is damaged at byte 4"), "{err}");
         assert!(!dir.path().join("store-id.tmp").exists());
     }
 }

@@ -165,20 +165,11 @@ pub(super) fn checkpoint(
             last_index = last_index.max(index);
         })
         .map_err(damaged)?;
-        if let Some(bad) = replayed.bad {
-            return Err(damaged(format!(
-                "sealed, but damaged at byte {}: the frame there {}",
-                bad.at, bad.what
-            )));
-        }
-        if replayed.spare > 0 {
-            return Err(damaged(format!(
-                "sealed, but the {} bytes from byte {} on read as zeros",
-                replayed.spare, replayed.valid_len
-            )));
-        }
-        // A checkpoint never folds a log whose parts do not vouch for
-        // each other: what it wrote would hide that for good.
+        // What follows the last good frame (zeros a seal did not cut, a
+        // torn tail a start did not) holds nothing, if the header after
+        // it vouches for that end: a checkpoint never folds a log whose
+        // parts do not vouch for each other (what it wrote would hide that
+        // for good).
         if let Some(why) = log::mismatch(replayed.previous, before) {
             return Err(damaged(why));
         }

@@ -46,11 +46,16 @@ pub fn magic(bytes: &[u8], magic: &[u8; 8], what: &str) -> Result<(), String> {
     match bytes.get(..magic.len()) {
         Some(m) if m == magic => Ok(()),
         Some(m) if m.starts_with(name) => Err(format!(
-            "its header says {what} format {}, but this taskgate reads format {} only",
+            "its header says {what} format {}, but this taskgate reads format {} only (the \
+             format is byte {})",
             m[name.len()],
-            format[0]
+            format[0],
+            name.len()
         )),
-        _ => Err(format!("it does not start like a taskgate {what}")),
+        _ => Err(format!(
+            "it does not start like a taskgate {what} (bytes 0 to {})",
+            magic.len() - 1
+        )),
     }
 }
 

@@ -252,11 +252,15 @@ pub fn read_header(bytes: &[u8], seq: u64) -> Result<Header, String> {
     let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8"));
     let seed = crc32fast::hash(&bytes[..28]);
     if u32_at(28) != seed {
-        return Err("its header is damaged".into());
+        return Err(
+            "its header is damaged: bytes 0 to 27 do not match their checksum (at byte 28)".into(),
+        );
     }
     let stated = u64_at(8);
     if stated != seq {
-        return Err(format!("its header says segment {stated}"));
+        return Err(format!(
+            "its header says segment {stated} (at byte 8), but its name says {seq}"
+        ));
     }
     Ok(Header {
         seed,
@@ -272,6 +276,8 @@ pub fn read_header(bytes: &[u8], seq: u64) -> Result<Header, String> {
 pub struct Replayed {
     /// Bytes up to the end of the last good frame.
     pub valid_len: u64,
+    /// Where the last good frame starts (the header's end if none).
+    pub last: u64,
     pub frames: u64,
     /// The first frame that did not read back, if any: everything from it
     /// on was not replayed.
@@ -343,6 +349,7 @@ pub fn replay_with<'a>(
     let mut pos = HEADER;
     let mut previous = header.seed;
     let mut frames = 0;
+    let mut last = HEADER;
     let bad = loop {
         let rest = &bytes[pos..];
         if rest.iter().all(|&b| b == 0) {
@@ -374,11 +381,13 @@ pub fn replay_with<'a>(
         changes(payload, &mut each)
             .map_err(|e| format!("the append at byte {pos} is damaged: {e}"))?;
         previous = h.chain;
+        last = pos;
         pos += HEAD + h.len;
         frames += 1;
     };
     Ok(Replayed {
         valid_len: pos as u64,
+        last: last as u64,
         frames,
         spare: if bad.is_none() {
             (bytes.len() - pos) as u64
@@ -391,27 +400,17 @@ pub fn replay_with<'a>(
     })
 }
 
-/// Whether a frame of segment `seq` (its whole content `bytes`) ends at
-/// `at` with that chain: where a seal of the segment cut it.
-pub fn ends_at(bytes: &[u8], seq: u64, at: End) -> bool {
-    let Ok(header) = read_header(bytes, seq) else {
-        return false;
-    };
-    let (mut pos, mut previous) = (HEADER, header.seed);
-    while (pos as u64) < at.len {
-        let Some(h) = bytes.get(pos..pos + HEAD).map(Head::read) else {
-            return false;
-        };
-        let fits = bytes
-            .get(pos + HEAD..pos + HEAD + h.len)
-            .is_some_and(|payload| h.fits(payload));
-        if !h.links(previous) || h.len > frame::MAX_PAYLOAD || !fits {
-            return false;
+/// Where the append holding byte `at` of a segment (`bytes`) starts.
+pub fn append_of(bytes: &[u8], at: u64) -> u64 {
+    let mut pos = HEADER;
+    while let Some(h) = bytes.get(pos..pos + HEAD).map(Head::read) {
+        let end = pos + HEAD + h.len;
+        if at < end as u64 || h.len == 0 {
+            break;
         }
-        previous = h.chain;
-        pos += HEAD + h.len;
+        pos = end;
     }
-    pos as u64 == at.len && previous == at.chain
+    pos as u64
 }
 
 /// Hands each change of a frame's payload to `each`.
@@ -581,28 +580,32 @@ pub fn one_append(id: &str, index: u64, record: Option<&[u8]>) -> Vec<u8> {
 }
 
 /// Appends to segment `path` what a crash in the middle of appending the
-/// changes in `changes` (built by `change`) may leave: its frame's first
-/// `keep` bytes (less than all of it), then `zeros` zero bytes (sectors
-/// the append was given that never reached the disk: with zeros, `keep`
-/// is taken back to a sector boundary of the file or to the frame's
-/// start).
+/// changes in `changes` (built by `change`) may leave: after its last
+/// frame, its frame's first `keep` bytes (less than all of it), then
+/// `zeros` zero bytes (sectors the append was given that never reached
+/// the disk); the file no shorter than it was (the zeros written ahead).
+/// With zeros, or inside the file, `keep` is taken back to a sector
+/// boundary of the file or to the frame's start.
 #[cfg(test)]
 pub fn append_unfinished(path: &Path, changes: &[u8], keep: usize, zeros: usize) {
     let mut bytes = std::fs::read(path).unwrap();
     let seq = u64::from_le_bytes(bytes[8..16].try_into().unwrap());
     let r = replay_with(&bytes, seq, |_, _, _| {}).unwrap();
     assert!(r.bad.is_none(), "appended after a whole segment");
+    let was = bytes.len();
+    bytes.truncate(r.valid_len as usize);
     let mut frame = Vec::new();
     begin(&mut frame);
     frame.extend_from_slice(changes);
     frame::seal(&mut frame, r.chain);
     let mut keep = keep.min(frame.len() - 1);
-    if zeros > 0 {
+    // Into zeros written ahead, or with sectors lost: whole sectors.
+    if zeros > 0 || bytes.len() + keep < was {
         let end = (bytes.len() + keep) / frame::SECTOR * frame::SECTOR;
         keep = end.saturating_sub(bytes.len()).min(keep);
     }
     bytes.extend_from_slice(&frame[..keep]);
-    bytes.resize(bytes.len() + zeros, 0);
+    bytes.resize((bytes.len() + zeros).max(was), 0);
     std::fs::write(path, bytes).unwrap();
 }
 
@@ -619,18 +622,30 @@ pub struct Segment {
     file_len: u64,
     /// How far ahead (`WRITE_AHEAD` unless set).
     ahead: u64,
-    /// Zeros written ahead failed part way: the file may be longer than
-    /// `file_len` says, so `seal` cuts it whatever it says.
-    tail_unknown: bool,
 }
 
 /// How far ahead of the appends a segment's file is written with zeros.
 /// An `fdatasync` of a file that grew must write its inode too, a second
 /// I/O waited on per commit; into blocks already written it need not
 /// (measured: see BENCHMARKS.md, "The disk path with events, and record
-/// format 5"). The zeros go with the append that first passes the written
-/// end, in its own `fdatasync`.
+/// format 5"). A segment is created with zeros up to the first multiple
+/// of it past its header; the append that reaches the written end writes
+/// zeros up to the multiple past the next, in its own `fdatasync`.
+///
+/// So the file is always longer than its last acknowledged append, by
+/// zeros, up to a multiple of it (`written_ahead`): a crash can only tear
+/// the append that was writing past that end, and a segment shorter than
+/// that was cut by something else (`recovery::scan_log` refuses it).
 pub const WRITE_AHEAD: u64 = 1 << 20;
+
+/// How long the writer, writing zeros `ahead`, had made a segment whose
+/// appends end at `end` (the end of the last, or of its header): the
+/// least length the newest segment has after a crash, if the append
+/// after `end` is the one the crash tore (or the one that, whole, was
+/// never acknowledged).
+pub fn written_ahead(end: u64, ahead: u64) -> u64 {
+    (end + 1).next_multiple_of(ahead.max(1))
+}
 
 /// Zeros to write ahead from.
 static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
@@ -640,16 +655,37 @@ impl Segment {
     pub const HEADER_LEN: u64 = HEADER as u64;
 
     /// Creates segment `seq` in `dir`, following a segment that ended at
-    /// `previous`: written under `SEGMENT_TEMP` with its header, made
-    /// durable, renamed to its name, the directory made durable. A crash at
-    /// any point leaves no segment or a whole header.
-    pub fn create(fs: &dyn Fs, dir: &Path, seq: u64, previous: End) -> io::Result<Self> {
+    /// `previous`, writing zeros `ahead` of its appends: written under
+    /// `SEGMENT_TEMP` with its header and zeros up to `written_ahead`,
+    /// made durable, renamed to its name, the directory made durable. A
+    /// crash at any point leaves no segment or all of that.
+    pub fn create(
+        fs: &dyn Fs,
+        dir: &Path,
+        seq: u64,
+        previous: End,
+        ahead: u64,
+    ) -> io::Result<Self> {
         let temp = dir.join(SEGMENT_TEMP);
-        let mut file = fs.open(&temp, Open::Truncate)?;
+        let file = fs.open(&temp, Open::Truncate)?;
         let header = header(seq, previous);
-        let written = file
+        let ahead = ahead.max(1);
+        let mut segment = Self {
+            file,
+            seq,
+            len: Self::HEADER_LEN,
+            chain: u32::from_le_bytes(header[28..32].try_into().expect("4 bytes")),
+            file_len: Self::HEADER_LEN,
+            ahead,
+        };
+        let to = written_ahead(Self::HEADER_LEN, ahead);
+        let written = segment
+            .file
             .write_all(&header)
-            .and_then(|()| file.sync_all())
+            .and_then(|()| segment.write_zeros(to))
+            .and_then(|()| segment.file.sync_all())
+            .and_then(|()| segment.file.seek(io::SeekFrom::Start(Self::HEADER_LEN)))
+            .map(drop)
             .and_then(|()| fs.rename(&temp, &segment_path(dir, seq)))
             .and_then(|()| fs.sync_dir(dir));
         if let Err(e) = written {
@@ -661,15 +697,8 @@ impl Segment {
             let _ = fs.remove_file(&segment_path(dir, seq));
             return Err(e);
         }
-        Ok(Self {
-            file,
-            seq,
-            len: Self::HEADER_LEN,
-            chain: u32::from_le_bytes(header[28..32].try_into().expect("4 bytes")),
-            file_len: Self::HEADER_LEN,
-            ahead: WRITE_AHEAD,
-            tail_unknown: false,
-        })
+        segment.file_len = to;
+        Ok(segment)
     }
 
     /// Segment `seq` in `dir` opened for reading only, so appends fail.
@@ -684,14 +713,7 @@ impl Segment {
             chain: 0,
             file_len: len,
             ahead: WRITE_AHEAD,
-            tail_unknown: false,
         })
-    }
-
-    /// Writes zeros `ahead` bytes (at least 1) ahead of the appends.
-    pub fn writing_ahead(mut self, ahead: u64) -> Self {
-        self.ahead = ahead.max(1);
-        self
     }
 
     /// How far ahead of the appends it writes zeros.
@@ -713,23 +735,20 @@ impl Segment {
     pub fn append(&mut self, frame: &mut [u8]) -> io::Result<()> {
         let chain = frame::seal(frame, self.chain);
         let end = self.len + frame.len() as u64;
-        if end > self.file_len {
-            // Zeros past this append's end, written ahead: the appends
-            // after it land in blocks already written. Only a help: if
-            // they cannot be written (a full disk), the append goes as it
-            // would without them, and fails only if it fails itself.
-            let to = end.next_multiple_of(self.ahead) + self.ahead;
-            (self.file_len, self.tail_unknown) = match self.write_zeros(to) {
-                // Past whatever a failed try left.
-                Ok(()) => (to, false),
-                Err(_) => (self.len, true),
-            };
+        if end >= self.file_len {
+            // Zeros past this append's end, written ahead, in the same
+            // `fdatasync`: the appends after it land in blocks already
+            // written, and the file stays longer than its last append
+            // (what recovery holds it to). If they cannot be written (a
+            // full disk), the append fails: the file's end is not known.
+            let to = written_ahead(end, self.ahead) + self.ahead;
+            self.write_zeros(to)?;
+            self.file_len = to;
             self.file.seek(io::SeekFrom::Start(self.len))?;
         }
         self.file.write_all(frame)?;
         self.file.sync_data()?;
         self.len = end;
-        self.file_len = self.file_len.max(end);
         self.chain = chain;
         Ok(())
     }
@@ -751,21 +770,21 @@ impl Segment {
     /// (whose header vouches for this one's length) and the checkpoint
     /// reads it.
     pub fn seal(&mut self) -> io::Result<()> {
-        if self.file_len > self.len || self.tail_unknown {
+        if self.file_len > self.len {
             self.file.set_len(self.len)?;
             self.file.sync_all()?;
             self.file_len = self.len;
-            self.tail_unknown = false;
         }
         Ok(())
     }
 }
 
-/// Cuts segment `path` back to its first `len` bytes, durably, after
-/// copying what is cut, up to its last byte that is not zero, to a file
-/// of its own beside it (`BROKEN_SUFFIX`), durably too. Returns that
-/// file's path.
-pub fn cut(fs: &dyn Fs, path: &Path, len: u64) -> io::Result<PathBuf> {
+/// Copies what follows the first `len` bytes of segment `path`, up to
+/// its last byte that is not zero, to a file of its own beside it
+/// (`BROKEN_SUFFIX`), durably. Returns that file's path. The segment is
+/// not changed: it is cut (`cut`) once a newer segment vouches for where
+/// it ends.
+pub fn keep_aside(fs: &dyn Fs, path: &Path, len: u64) -> io::Result<PathBuf> {
     let bytes = fs.read(path)?;
     let tail = bytes.get(len as usize..).unwrap_or_default();
     // Zeros after the last byte that is not, written ahead of the appends
@@ -790,10 +809,14 @@ pub fn cut(fs: &dyn Fs, path: &Path, len: u64) -> io::Result<PathBuf> {
     if let Some(dir) = path.parent() {
         fs.sync_dir(dir)?;
     }
+    Ok(aside)
+}
+
+/// Cuts segment `path` back to its first `len` bytes, durably.
+pub fn cut(fs: &dyn Fs, path: &Path, len: u64) -> io::Result<()> {
     let mut file = fs.open(path, Open::Append)?;
     file.set_len(len)?;
-    file.sync_all()?;
-    Ok(aside)
+    file.sync_all()
 }
 
 /// How much of a file `remove_gently` frees at a time, and its pause
@@ -869,7 +892,7 @@ mod tests {
     /// Segment `seq` in `dir` holding `changes`, appended in batches of
     /// `per_append` (one frame each); returns its bytes.
     fn segment_in(dir: &Path, seq: u64, changes: &[Change<'_>], per_append: usize) -> Vec<u8> {
-        let mut s = Segment::create(&RealFs, dir, seq, End::NONE).unwrap();
+        let mut s = Segment::create(&RealFs, dir, seq, End::NONE, WRITE_AHEAD).unwrap();
         for batch in changes.chunks(per_append.max(1)) {
             let mut buf = Vec::new();
             begin(&mut buf);
@@ -880,7 +903,7 @@ mod tests {
         }
         // Zeros written ahead of the appends, cut off by sealing.
         let ahead = std::fs::read(segment_path(dir, seq)).unwrap();
-        assert_eq!(ahead.len() as u64 > s.len, !changes.is_empty());
+        assert!(ahead.len() as u64 > s.len);
         assert!(ahead[s.len as usize..].iter().all(|&b| b == 0));
         s.seal().unwrap();
         let bytes = std::fs::read(segment_path(dir, seq)).unwrap();
@@ -946,7 +969,7 @@ mod tests {
         let first = segment(dir.path(), 1, &[("a", 1, Some(b"x"))]);
         let end = replay(&first, 1, &mut Overlay::default()).unwrap().end();
         assert_eq!(end.len, first.len() as u64);
-        let second = Segment::create(&RealFs, dir.path(), 2, end).unwrap();
+        let second = Segment::create(&RealFs, dir.path(), 2, end, WRITE_AHEAD).unwrap();
         assert_eq!(second.end().len, Segment::HEADER_LEN);
         let bytes = std::fs::read(segment_path(dir.path(), 2)).unwrap();
         let r = replay(&bytes, 2, &mut Overlay::default()).unwrap();
@@ -1251,15 +1274,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let bytes = segment(dir.path(), 1, &[("a", 1, Some(b"x")), ("b", 2, Some(b"y"))]);
         let path = segment_path(dir.path(), 1);
-        let aside = cut(&RealFs, &path, 30).unwrap();
+        let aside = keep_aside(&RealFs, &path, 30).unwrap();
         assert_eq!(
             aside,
             dir.path().join(format!("{SEGMENT_PREFIX}{:020}.broken", 1))
         );
         assert_eq!(std::fs::read(&aside).unwrap(), &bytes[30..]);
+        assert_eq!(std::fs::read(&path).unwrap(), bytes, "kept aside, not cut");
+        cut(&RealFs, &path, 30).unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), &bytes[..30]);
-        // Cut again (a start that failed after cutting): the first copy stays.
-        let again = cut(&RealFs, &path, 28).unwrap();
+        // Kept aside again (a start that failed after it): the first copy stays.
+        let again = keep_aside(&RealFs, &path, 28).unwrap();
         assert_ne!(again, aside);
         assert_eq!(std::fs::read(&again).unwrap(), &bytes[28..30]);
         assert_eq!(std::fs::read(&aside).unwrap(), &bytes[30..]);
@@ -1336,9 +1361,7 @@ mod tests {
         let fs = SimFs::new();
         let dir = Path::new("/d");
         fs.create_dir_all(dir).unwrap();
-        let mut s = Segment::create(&fs, dir, 1, End::NONE)
-            .unwrap()
-            .writing_ahead(256 * 1024);
+        let mut s = Segment::create(&fs, dir, 1, End::NONE, 256 * 1024).unwrap();
         let mut writes = 0;
         fs.fail_with(move |op, _: &Path| {
             if op == sim::Op::Write {

@@ -57,6 +57,7 @@ mod checkpoint;
 mod frame;
 pub mod fs;
 mod log;
+mod manifest;
 #[cfg(test)]
 mod powerloss;
 #[cfg(test)]
@@ -87,7 +88,7 @@ use super::{
 use crate::metrics::Metrics;
 use checkpoint::Checkpointer;
 use fs::{DirLock, Fs, LockError, Open, RealFs};
-use recovery::{load_with, mend, refuse_pre_release, scan_log, snapshot_folded};
+use recovery::{load_with, mend, refuse_pre_release, scan};
 use writer::RETRY_FIRST;
 use writer::{Trouble, Writer};
 
@@ -280,28 +281,35 @@ impl DiskStore {
         let lock = lock(fs, &config.dir)?;
         refuse_pre_release(&config.dir)?;
         let path = config.dir.join(SNAPSHOT_FILE);
-        let folded = snapshot_folded(fs, &config.dir)?;
+        let (folded, recovery) = scan(fs, &config.dir, config.write_ahead)?;
         let snapshot_bytes = fs
             .open(&path, Open::Read)
             .and_then(|f| f.len())
             .unwrap_or(0);
-        let recovery = scan_log(fs, &config.dir, folded)?;
         let loaded = load_with(fs, &config.dir, &recovery.overlay)?;
+        let id = super::identity::read(fs, &config.dir)?;
         // Everything read back: only now is anything changed.
         recovery.apply(fs, &config.dir)?;
-        let id = super::identity::ensure(fs, &config.dir)?;
         let (log_bytes, next_seq, previous) = (recovery.log_bytes, recovery.next_seq, recovery.end);
+        let cannot = |what: &Path, e: std::io::Error| {
+            StoreError::Unusable(format!(
+                "cannot create {}: {e}. {}; the directory holds every acknowledged change.",
+                what.display(),
+                mend(&e)
+            ))
+        };
+        let segment = log::Segment::create(fs, &config.dir, next_seq, previous, config.write_ahead)
+            .map_err(|e| cannot(&log::segment_path(&config.dir, next_seq), e))?;
+        manifest::write(fs, &config.dir, next_seq)
+            .map_err(|e| cannot(&config.dir.join(manifest::MANIFEST_FILE), e))?;
+        recovery.cut_older(fs);
         drop(recovery);
-        let segment = log::Segment::create(fs, &config.dir, next_seq, previous)
-            .map(|s| s.writing_ahead(config.write_ahead))
-            .map_err(|e| {
-                StoreError::Unusable(format!(
-                    "cannot create the store log segment {}: {e}. {}; the directory holds every \
-                 acknowledged change.",
-                    log::segment_path(&config.dir, next_seq).display(),
-                    mend(&e)
-                ))
-            })?;
+        // A new directory gets its ID once it holds a store: an ID without
+        // a manifest is one whose data was removed.
+        let id = match id {
+            Some(id) => id,
+            None => super::identity::create(fs, &config.dir)?,
+        };
         let stats = Arc::new(Mutex::new(StoreStats::default()));
         let unstarted = |name: &str, e: std::io::Error| {
             StoreError::Unusable(format!("cannot start the {name} thread: {e}"))

@@ -1,11 +1,14 @@
 //! Recovery: what a start reads, checks and only then tidies.
 //!
-//! A start reads the snapshot and every log segment it has not folded,
-//! decodes every record, and refuses the directory, naming the file and
-//! the byte, if anything does not read back. Only once all of it has been
-//! read does it change anything: the torn tail of the newest segment is
-//! cut off (kept beside it as `<segment>.broken`), segments the snapshot
-//! already folded and unfinished temporary files are removed.
+//! A start reads the snapshot, the manifest and every log segment the
+//! snapshot has not folded, up to the newest the manifest names, decodes
+//! every record, and refuses the directory, naming the file and the byte
+//! (or the file that is missing), if anything does not read back. Only
+//! once all of it has been read does it change anything: the torn tail of
+//! the newest segment is kept beside it (as `<segment>.broken`), segments
+//! the snapshot already folded, segments never used and unfinished
+//! temporary files are removed; once the next segment is started, what
+//! follows the last append of the ones before it is cut off.
 
 use std::{
     path::{Path, PathBuf},
@@ -18,14 +21,15 @@ use std::{
 
 use super::{
     LOCK_FILE,
-    fs::{Fs, Open, RealFs},
+    fs::{Fs, RealFs},
     log::{self, Overlay},
+    manifest::{self, MANIFEST_FILE, MANIFEST_TEMP},
     snapshot::{self, NEXT_FILE, OLD_FILE, SNAPSHOT_FILE, Snapshot},
     unusable, unusable_log,
 };
 use crate::{
     lifecycle::Allocation,
-    store::{Loaded, StoreError, record},
+    store::{Loaded, StoreError, identity::STORE_ID_FILE, record},
 };
 
 /// The file of the pre-release store (redb), which no release reads.
@@ -83,7 +87,8 @@ pub(super) struct Folded {
 }
 
 /// What the log holds, read without changing anything, and what a start
-/// must then tidy (`apply`).
+/// must then tidy (`apply`, then `cut_older` once the next segment is
+/// started).
 pub(super) struct Recovery {
     pub(super) overlay: Overlay,
     /// Bytes of the live segments, up to their last good frame.
@@ -95,27 +100,47 @@ pub(super) struct Recovery {
     pub(super) folded: Vec<PathBuf>,
     /// The newest segment's torn tail: the segment and where to cut it.
     pub(super) torn: Option<(PathBuf, log::Bad, u64)>,
-    /// Segments ending in zeros after their last frame (`Replayed::spare`:
-    /// written ahead of appends), and where to cut them.
-    pub(super) spare: Vec<(PathBuf, u64)>,
+    /// Segments with bytes after their last good frame that no history
+    /// holds (zeros written ahead, a torn tail, the rest of a cut a start
+    /// did not finish), and where to cut them: once a newer segment's
+    /// header vouches for that end.
+    pub(super) leftovers: Vec<(PathBuf, u64)>,
     /// Where the log ends once the torn tail is cut: what the next
     /// segment's header records.
     pub(super) end: log::End,
-    /// A newest segment the writer never used (its rollover failed after
-    /// the segment was named: the writer went on in the one before it),
-    /// removed.
-    pub(super) unused: Option<PathBuf>,
+    /// Segments newer than the manifest names: started, never used (a
+    /// crash or a failure before the manifest named them), removed.
+    pub(super) unused: Vec<PathBuf>,
+}
+
+/// A segment before the newest whose end, where its last good frame ends,
+/// the next segment's header has yet to vouch for.
+struct Unvouched {
+    path: PathBuf,
+    end: log::End,
+    /// What follows that end: a bad frame, or zeros (their count).
+    bad: Option<log::Bad>,
+    spare: u64,
 }
 
 /// Replays the log segments `folded` does not cover into an overlay. They
-/// must run on from `folded + 1` with no gap, each read back whole, each
+/// must run on from `folded + 1` with no gap to the newest the manifest
+/// names (`manifest`: segments after it never took an append), each
 /// beginning where its header says the one before it ended (the first:
 /// where the snapshot says the log it folded ended), so a sealed segment
-/// that lost appends at its end, even cut at a frame boundary, is found;
-/// only the newest may end in a torn append (`log.rs` says what counts as
-/// torn), which `Recovery::apply` then cuts off. Anything else stops the
-/// start, naming the file and the offset.
-pub(super) fn scan_log(fs: &dyn Fs, dir: &Path, folded: Folded) -> Result<Recovery, StoreError> {
+/// that lost appends at its end, even cut at a frame boundary, is found.
+/// The newest may end in a torn append (`log.rs` says what counts as
+/// torn), and must be as long as the writer made it, zeros written
+/// `ahead` included (`log::written_ahead`), so a newest segment cut
+/// short is found too. Anything else stops the start, naming the file
+/// and the offset.
+pub(super) fn scan_log(
+    fs: &dyn Fs,
+    dir: &Path,
+    folded: Folded,
+    manifest: Option<u64>,
+    ahead: u64,
+) -> Result<Recovery, StoreError> {
     let snapshot_end = folded.end;
     let folded = folded.seq;
     let dir_error = |e: std::io::Error| {
@@ -130,21 +155,95 @@ pub(super) fn scan_log(fs: &dyn Fs, dir: &Path, folded: Folded) -> Result<Recove
         next_seq: folded + 1,
         folded: Vec::new(),
         torn: None,
-        spare: Vec::new(),
+        leftovers: Vec::new(),
         end: snapshot_end,
-        unused: None,
+        unused: Vec::new(),
     };
+    let manifest_path = dir.join(MANIFEST_FILE);
+    if manifest.is_none() {
+        let held = [dir.join(SNAPSHOT_FILE), dir.join(STORE_ID_FILE)]
+            .into_iter()
+            .find(|p| fs.exists(p));
+        if let Some(held) = held {
+            return Err(StoreError::Unusable(format!(
+                "{}: it is missing, but {} is there. The manifest names the store log's \
+                 newest segment: without it, whether segments were removed cannot be told. \
+                 Nothing was changed. Restore the data directory from a backup as a whole, or \
+                 copy what can be read with `taskgate dump --salvage`",
+                manifest_path.display(),
+                held.display()
+            )));
+        }
+    }
+    if let Some(m) = manifest.filter(|&m| m <= folded) {
+        return Err(unusable(
+            &dir.join(SNAPSHOT_FILE),
+            format!(
+                "it says it folded the log up to segment {folded}, but the manifest {} names \
+                 segment {m} as the newest: the two are not of one history",
+                manifest_path.display()
+            ),
+        ));
+    }
     let (done, mut live): (Vec<_>, Vec<_>) = log::list_segments(fs, dir)
         .map_err(dir_error)?
         .into_iter()
         .partition(|(seq, _)| *seq <= folded);
     recovery.folded = done.into_iter().map(|(_, path)| path).collect();
-    if unused_rollover(fs, &live) {
-        recovery.unused = live.pop().map(|(_, path)| path);
+    // The manifest names a segment before anything is appended to it.
+    let named = manifest.unwrap_or(0);
+    while let Some((seq, path)) = live.last().filter(|(seq, _)| *seq > named) {
+        if !never_used(fs, path, *seq) {
+            return Err(match manifest {
+                Some(m) => unusable_log(
+                    path,
+                    format!(
+                        "it holds appends, but the manifest {} names segment {m} as the \
+                         newest: a segment takes appends only once the manifest names it",
+                        manifest_path.display()
+                    ),
+                ),
+                None => StoreError::Unusable(format!(
+                    "{}: it is missing, but the store log holds appends ({}). The manifest \
+                     names the log's newest segment: without it, whether segments were \
+                     removed cannot be told. Nothing was changed. Restore the data directory \
+                     from a backup as a whole, or copy what can be read with `taskgate dump \
+                     --salvage`",
+                    manifest_path.display(),
+                    path.display()
+                )),
+            });
+        }
+        recovery.unused.push(path.clone());
+        live.pop();
+    }
+    // The newest the manifest names is there (and the others, below).
+    let newest_seq = live.last().map_or(folded, |(seq, _)| *seq);
+    if let Some(m) = manifest.filter(|&m| newest_seq < m) {
+        let from = newest_seq + 1;
+        let mut why = if from == m {
+            format!(
+                "it is missing, and the manifest {} names it as the log's newest segment",
+                manifest_path.display()
+            )
+        } else {
+            format!(
+                "it is missing, with segments {from} to {}, and the manifest {} names it as \
+                 the log's newest segment",
+                m - 1,
+                manifest_path.display()
+            )
+        };
+        if folded == 0 && from == 1 && m > 1 {
+            why.push_str(&format!(
+                "; the snapshot {} that folded the segments before is missing too",
+                dir.join(SNAPSHOT_FILE).display()
+            ));
+        }
+        return Err(unusable_log(&log::segment_path(dir, m), why));
     }
     let count = live.len();
-    // The segment before this one, and where it ended.
-    let mut before: Option<(PathBuf, log::End)> = None;
+    let mut before: Option<Unvouched> = None;
     for (i, (seq, path)) in live.into_iter().enumerate() {
         if seq != recovery.next_seq {
             let why = if folded == 0 && i == 0 {
@@ -166,98 +265,105 @@ pub(super) fn scan_log(fs: &dyn Fs, dir: &Path, folded: Folded) -> Result<Recove
             .map_err(|e| unusable_log(&path, format!("cannot be read: {e}")))?;
         let r = log::replay(&content, seq, &mut recovery.overlay)
             .map_err(|e| unusable_log(&path, e))?;
-        match &before {
+        match before.take() {
             None => follows_snapshot(dir, &path, r.previous, snapshot_end)?,
-            Some(before) => follows(before, &path, r.previous)?,
+            Some(before) => {
+                follows(&before, &path, r.previous)?;
+                if before.bad.is_some() || before.spare > 0 {
+                    recovery.leftovers.push((before.path, before.end.len));
+                }
+            }
         }
         recovery.next_seq = seq + 1;
         recovery.log_bytes += r.valid_len;
         recovery.end = r.end();
-        before = Some((path.clone(), recovery.end));
-        let newest = i + 1 == count;
+        if i + 1 < count {
+            before = Some(Unvouched {
+                path,
+                end: r.end(),
+                bad: r.bad,
+                spare: r.spare,
+            });
+            continue;
+        }
+        // The newest: what the writer made durable is all there, but for
+        // its last append (torn, or whole and never acknowledged: one is
+        // in flight at a time).
+        let last = if r.bad.is_some() { r.valid_len } else { r.last };
+        let need = log::written_ahead(last, ahead);
+        if (content.len() as u64) < need {
+            return Err(unusable_log(
+                &path,
+                format!(
+                    "it is {} bytes long, but its writer had written it out to byte {need} \
+                     (zeros ahead of its appends) before the appends up to byte {last} were \
+                     acknowledged: it was cut short at byte {}, and acknowledged appends from \
+                     there on may be missing. `taskgate dump --salvage` copies what can be \
+                     read to a new directory",
+                    content.len(),
+                    content.len(),
+                ),
+            ));
+        }
         if r.spare > 0 {
-            // A sealed segment was cut at its last frame: zeros after it
-            // are appends lost (the next header may not say so, if they
-            // were the only ones after a checkpoint's fold).
-            if !newest {
-                return Err(unusable_log(
-                    &path,
-                    format!(
-                        "it is damaged at byte {}: the {} bytes from there on read as zeros, \
-                         and newer segments follow it. `taskgate dump --salvage` copies what \
-                         can be read to a new directory",
-                        r.valid_len, r.spare
-                    ),
-                ));
-            }
-            recovery.spare.push((path.clone(), r.valid_len));
+            recovery.leftovers.push((path.clone(), r.valid_len));
         }
         let Some(bad) = r.bad else { continue };
-        if !(newest && bad.torn) {
-            let mut why = format!(
-                "it is damaged at byte {}: the frame there {}; the {} bytes from there on \
-                 cannot be read",
-                bad.at, bad.what, bad.bytes
-            );
-            if !newest {
-                why.push_str(", and newer segments follow it");
-            }
-            why.push_str(". `taskgate dump --salvage` copies what can be read to a new directory");
-            return Err(unusable_log(&path, why));
+        if !bad.torn {
+            return Err(unusable_log(&path, damaged_at(&bad, false)));
         }
+        recovery.leftovers.push((path.clone(), r.valid_len));
         recovery.torn = Some((path, bad, r.valid_len));
     }
     Ok(recovery)
 }
 
-/// Whether the newest of `live` is a segment the writer never used: it
-/// holds no frame, and the one before it goes on past where its header
-/// says that one ended — at a frame boundary with that very chain, where
-/// the writer sealed it before the rollover failed (the new segment's name
-/// not made durable) and went on appending to it. No acknowledged change
-/// is in the newest, and the one before holds every one.
-fn unused_rollover(fs: &dyn Fs, live: &[(u64, PathBuf)]) -> bool {
-    let [.., (before_seq, before), (seq, newest)] = live else {
-        return false;
-    };
-    let Ok(content) = fs.read(newest) else {
-        return false;
-    };
-    let Ok(r) = log::replay_with(&content, *seq, |_, _, _| {}) else {
-        return false;
-    };
-    if r.frames > 0 || r.bad.is_some() {
-        return false;
-    }
-    let Ok(content) = fs.read(before) else {
-        return false;
-    };
-    let longer = log::replay_with(&content, *before_seq, |_, _, _| {})
-        .is_ok_and(|b| b.valid_len > r.previous.len);
-    if longer && log::ends_at(&content, *before_seq, r.previous) {
-        tracing::warn!(
-            segment = %newest.display(),
-            "a store log segment was made but never written to (its rollover failed; the log \
-             went on in the segment before it): removed"
-        );
-        return true;
-    }
-    false
+/// Why a segment is refused for the bad frame `bad`.
+fn damaged_at(bad: &log::Bad, newer_follow: bool) -> String {
+    format!(
+        "it is damaged at byte {}: the frame there {}; the {} bytes from there on cannot be \
+         read{}. `taskgate dump --salvage` copies what can be read to a new directory",
+        bad.at,
+        bad.what,
+        bad.bytes,
+        if newer_follow {
+            ", and newer segments follow it"
+        } else {
+            ""
+        }
+    )
+}
+
+/// Whether segment `seq` at `path` holds no frame (and nothing damaged):
+/// one started and never used.
+fn never_used(fs: &dyn Fs, path: &Path, seq: u64) -> bool {
+    fs.read(path).is_ok_and(|content| {
+        log::replay_with(&content, seq, |_, _, _| {})
+            .is_ok_and(|r| r.frames == 0 && r.bad.is_none())
+    })
 }
 
 /// Checks that segment `path`, whose header says the log before it ended
-/// at `stated`, follows the segment `before` that ended where it says.
-/// Damage, if any, is at the end of that segment: it is the one named.
-fn follows(
-    (before, end): &(PathBuf, log::End),
-    path: &Path,
-    stated: log::End,
-) -> Result<(), StoreError> {
-    if stated == *end {
+/// at `stated`, follows the segment `before` that ended where it says
+/// (what lies after that end in `before`, zeros or a torn append, is not
+/// in the history). Damage, if any, is at the end of that segment: it is
+/// the one named.
+fn follows(before: &Unvouched, path: &Path, stated: log::End) -> Result<(), StoreError> {
+    let end = before.end;
+    if stated == end {
         return Ok(());
     }
     let next = path.display();
-    let why = if end.len < stated.len {
+    let why = if let Some(bad) = &before.bad {
+        damaged_at(bad, true)
+    } else if before.spare > 0 && end.len < stated.len {
+        format!(
+            "it is damaged at byte {}: the {} bytes from there on read as zeros, and newer \
+             segments follow it. `taskgate dump --salvage` copies what can be read to a new \
+             directory",
+            end.len, before.spare
+        )
+    } else if end.len < stated.len {
         format!(
             "it ends at byte {}, but the segment after it ({next}) says it ended at byte {}: \
              the {} bytes of acknowledged appends from byte {} on are missing (a sealed \
@@ -281,7 +387,7 @@ fn follows(
             end.len
         )
     };
-    Err(unusable_log(before, why))
+    Err(unusable_log(&before.path, why))
 }
 
 /// Checks that the first segment the snapshot has not folded, `path`,
@@ -314,56 +420,37 @@ fn follows_snapshot(
 }
 
 impl Recovery {
-    /// Tidies the data directory once everything in it has been read: cuts
-    /// the torn tail off the newest segment (kept beside it as
-    /// `<segment>.broken`), and removes the segments already folded, an
-    /// unfinished snapshot and an unfinished segment.
+    /// Tidies the data directory once everything in it has been read:
+    /// keeps the newest segment's torn tail beside it (as
+    /// `<segment>.broken`), and removes the segments already folded,
+    /// segments started and never used, an unfinished snapshot, segment
+    /// and manifest. No segment is cut here: a segment shorter than what
+    /// its writer made durable is refused (`scan_log`), so it is cut
+    /// (`cut_older`) only once a newer segment vouches for where it ends.
     pub(super) fn apply(&self, fs: &dyn Fs, dir: &Path) -> Result<(), StoreError> {
         if let Some((path, bad, len)) = &self.torn {
             let names_before = fs.list(dir).unwrap_or_default();
-            let aside = log::cut(fs, path, *len)
-                .map_err(|e| cut_failed(fs, dir, path, *len, &names_before, e))?;
+            let aside = log::keep_aside(fs, path, *len)
+                .map_err(|e| aside_failed(fs, dir, path, &names_before, e))?;
             tracing::warn!(
                 segment = %path.display(),
                 at = bad.at,
                 bytes = bad.bytes,
                 kept_in = %aside.display(),
-                "cut off an unfinished append at the end of the store log (the frame there {}; \
-                 it was never acknowledged)",
+                "an unfinished append at the end of the store log (the frame there {}; it was \
+                 never acknowledged) is kept aside and cut off",
                 bad.what
             );
         }
-        // Zeros written ahead of the appends hold nothing: cut off without
-        // a copy, so a sealed segment ends at its last frame.
-        for (path, len) in &self.spare {
-            fs.open(path, Open::Append)
-                .and_then(|mut f| f.set_len(*len).and_then(|()| f.sync_all()))
-                .map_err(|e| {
-                    unusable_log(
-                        path,
-                        format!("cannot cut the zeros after its last append at byte {len}: {e}"),
-                    )
-                })?;
-            tracing::info!(
-                segment = %path.display(),
-                at = len,
-                "cut off the zeros written ahead of the store log's appends (a stop without closing it)"
-            );
-        }
         let mut removed = false;
-        if let Some(path) = &self.unused {
+        for path in self.unused.iter().chain(&self.folded) {
             fs.remove_file(path)
                 .map_err(|e| unusable_log(path, format!("cannot remove it: {e}")))?;
             removed = true;
         }
-        for path in &self.folded {
-            fs.remove_file(path)
-                .map_err(|e| unusable_log(path, format!("cannot remove it: {e}")))?;
-            removed = true;
-        }
-        // A checkpoint that stopped before its rename, a segment creation
-        // that stopped before its rename: incomplete, never used.
-        for name in [NEXT_FILE, log::SEGMENT_TEMP] {
+        // A checkpoint, a segment's or the manifest's creation that stopped
+        // before its rename: incomplete, never used.
+        for name in [NEXT_FILE, log::SEGMENT_TEMP, MANIFEST_TEMP] {
             let path = dir.join(name);
             match fs.remove_file(&path) {
                 Ok(()) => removed = true,
@@ -386,6 +473,18 @@ impl Recovery {
         }
         Ok(())
     }
+
+    /// Cuts what no history holds off the segments before the one just
+    /// started (whose header vouches for where the newest of them ends):
+    /// zeros written ahead, a torn tail. Only tidying: a segment left
+    /// uncut reads the same.
+    pub(super) fn cut_older(&self, fs: &dyn Fs) {
+        for (path, len) in &self.leftovers {
+            if let Err(e) = log::cut(fs, path, *len) {
+                tracing::warn!(segment = %path.display(), at = len, error = %e, "cannot cut what follows the last append of a store log segment; the next start tries again");
+            }
+        }
+    }
 }
 
 /// What an operator does about a file system error that stopped a start
@@ -398,44 +497,25 @@ pub(super) fn mend(e: &std::io::Error) -> &'static str {
     }
 }
 
-/// Why a start could not cut the torn tail off segment `path` (back to
-/// `len` bytes). The log is not damaged: what stopped the start is the
-/// file system (full, read-only, failing), so the answer says to mend that
-/// and start again, not to restore a backup. While the segment is still
-/// whole, the start has changed nothing, and a `.broken` file the cut
-/// began (empty or partial) is removed so that this stays true.
-pub(super) fn cut_failed(
+/// Why a start could not keep the torn tail of segment `path` aside. The
+/// log is not damaged: what stopped the start is the file system (full,
+/// read-only, failing), so the answer says to mend that and start again,
+/// not to restore a backup. A `.broken` file the copy began (empty or
+/// partial) is removed, so the start has changed nothing.
+fn aside_failed(
     fs: &dyn Fs,
     dir: &Path,
     path: &Path,
-    len: u64,
     names_before: &[std::ffi::OsString],
     e: std::io::Error,
 ) -> StoreError {
     let what = format!(
         "store log segment {}: it ends in an unfinished append (never acknowledged), which a \
-         start keeps aside in a `{}` file and then cuts off; that failed ({e}). {}",
+         start keeps aside in a `{}` file before cutting it off; that failed ({e}). {}",
         path.display(),
         log::BROKEN_SUFFIX,
         mend(&e)
     );
-    match fs.open(path, Open::Read).and_then(|f| f.len()) {
-        Ok(n) if n > len => {}
-        // The tail was made durable in its `.broken` file before the cut
-        // began, so whether or not the cut happened, nothing is lost.
-        Ok(_) => {
-            return StoreError::Unusable(format!(
-                "{what}; the segment was cut back and its tail kept beside it. Nothing \
-                 acknowledged is lost."
-            ));
-        }
-        Err(_) => {
-            return StoreError::Unusable(format!(
-                "{what}; whether the segment was cut back cannot be read. Nothing acknowledged \
-                 is lost (the tail is kept aside before any cut)."
-            ));
-        }
-    }
     let mut prefix = path.file_name().unwrap_or_default().to_owned();
     prefix.push(log::BROKEN_SUFFIX);
     let prefix = prefix.to_string_lossy().into_owned();
@@ -479,7 +559,11 @@ pub(super) fn load_with(fs: &dyn Fs, dir: &Path, overlay: &Overlay) -> Result<Lo
     // drops it.
     let changes = snapshot::sorted(overlay);
     let stored = base.as_ref().map_or(0, Snapshot::records);
+    let folded = base.as_ref().map_or(0, |b| b.folded);
     let mut loader = Loader::new(&path, usize::try_from(stored).unwrap_or(0) + changes.len());
+    loader.logged = Some(Box::new(move |key| {
+        locate(fs, dir, folded, key).filter(|_| overlay.changes.contains_key(key))
+    }));
     let mut failed = None;
     let read = snapshot::load(base.as_mut(), &changes, |id, record| {
         loader.push(id.to_owned(), record.to_vec()).map_err(|e| {
@@ -500,6 +584,31 @@ pub(super) fn load_with(fs: &dyn Fs, dir: &Path, overlay: &Overlay) -> Result<Lo
         last_index: stored_index.max(overlay.last_index),
         ..Default::default()
     })
+}
+
+/// Where the newest record of allocation `key` lies in the log segments
+/// after `folded`: the segment, and the byte its append starts at. Only
+/// for naming a bad record: it reads the log again.
+fn locate(fs: &dyn Fs, dir: &Path, folded: u64, key: &str) -> Option<(PathBuf, u64)> {
+    let mut found = None;
+    for (seq, path) in log::list_segments(fs, dir).ok()? {
+        let Ok(bytes) = fs.read(&path) else { continue };
+        if seq <= folded {
+            continue;
+        }
+        let start = bytes.as_ptr() as usize;
+        let mut at = None;
+        let _ = log::replay_with(&bytes, seq, |id, _, record| {
+            if id == key {
+                // Where in the file: the record is a slice of it.
+                at = record.map(|r| (r.as_ptr() as usize - start) as u64);
+            }
+        });
+        if let Some(at) = at {
+            found = Some((path, log::append_of(&bytes, at)));
+        }
+    }
+    found
 }
 
 /// A shared lock on `dir`, held while reading it from outside a store: a
@@ -542,8 +651,22 @@ pub(in crate::store) fn lock_shared(dir: &Path) -> Result<Option<std::fs::File>,
 pub fn read_only(dir: &Path) -> Result<Loaded, StoreError> {
     let _lock = lock_shared(dir)?;
     refuse_pre_release(dir)?;
-    let recovery = scan_log(&RealFs, dir, snapshot_folded(&RealFs, dir)?)?;
+    let (_, recovery) = scan(&RealFs, dir, log::WRITE_AHEAD)?;
     load_with(&RealFs, dir, &recovery.overlay)
+}
+
+/// What the snapshot says it folded, and the log read against it and the
+/// manifest (`scan_log`), with segments written `ahead`.
+pub(super) fn scan(fs: &dyn Fs, dir: &Path, ahead: u64) -> Result<(Folded, Recovery), StoreError> {
+    let folded = snapshot_folded(fs, dir)?;
+    let manifest = manifest::read(fs, dir).map_err(|e| {
+        StoreError::Unusable(format!(
+            "{}: {e}. Nothing was changed. The data directory must be restored from a backup \
+             as a whole, or what can be read copied with `taskgate dump --salvage`",
+            dir.join(MANIFEST_FILE).display()
+        ))
+    })?;
+    Ok((folded, scan_log(fs, dir, folded, manifest, ahead)?))
 }
 
 /// Decodes loaded records in chunks on every core while the records
@@ -551,6 +674,9 @@ pub fn read_only(dir: &Path) -> Result<Loaded, StoreError> {
 /// files (one thread) does not wait for it, nor it for the reading.
 pub(super) struct Loader<'a> {
     path: &'a Path,
+    /// Where a record the log holds lies (the segment, the byte of its
+    /// append), to name that and not the snapshot when it is bad.
+    logged: Option<Locate<'a>>,
     raw: Raw,
     allocations: Vec<Allocation>,
     specs: crate::lifecycle::SpecInterner,
@@ -572,6 +698,9 @@ pub(super) struct Loader<'a> {
 
 /// A chunk of records as read, each with its key.
 type Raw = Vec<(String, Vec<u8>)>;
+
+/// Where the log holds the record of an allocation, if it does.
+type Locate<'a> = Box<dyn Fn(&str) -> Option<(PathBuf, u64)> + 'a>;
 
 /// A chunk's records decoded, each with its key.
 type Decoded = Vec<(String, Result<Allocation, String>)>;
@@ -622,6 +751,7 @@ impl<'a> Loader<'a> {
             .collect();
         Self {
             path,
+            logged: None,
             raw: Vec::with_capacity(Self::CHUNK),
             allocations: Vec::with_capacity(capacity),
             specs: Default::default(),
@@ -664,17 +794,22 @@ impl<'a> Loader<'a> {
         self.early.insert(n, decoded);
         while let Some(decoded) = self.early.remove(&self.taken) {
             for (key, result) in decoded {
+                let bad = |what: String| match self.logged.as_ref().and_then(|at| at(&key)) {
+                    Some((segment, at)) => {
+                        unusable_log(&segment, format!("in the append at byte {at}, {what}"))
+                    }
+                    None => unusable(self.path, what),
+                };
                 let mut a = result.map_err(|e| {
-                    unusable(
-                        self.path,
-                        format!("the record of allocation {key:?} is unreadable: {e}"),
-                    )
+                    bad(format!(
+                        "the record of allocation {key:?} is unreadable: {e}"
+                    ))
                 })?;
                 if a.id.as_str() != key {
-                    return Err(unusable(
-                        self.path,
-                        format!("the record under {key:?} is for allocation {:?}", a.id),
-                    ));
+                    return Err(bad(format!(
+                        "the record under {key:?} is for allocation {:?}",
+                        a.id
+                    )));
                 }
                 a.spec = self.specs.share(a.spec);
                 self.allocations.push(a);

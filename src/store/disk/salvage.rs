@@ -32,7 +32,7 @@ use std::{collections::BTreeMap, path::Path};
 use super::{
     frame,
     fs::RealFs,
-    log, recovery,
+    log, manifest, recovery,
     snapshot::{self, SNAPSHOT_FILE, SnapshotWriter},
 };
 use crate::store::{StoreError, record};
@@ -210,6 +210,51 @@ pub fn salvage(from: &Path, to: &Path) -> Result<SalvageReport, StoreError> {
         }
     }
 
+    // The segments after the last one read that the manifest names: lost
+    // whole (a start refuses the directory for them).
+    let last_read = segments.last().map(|(seq, _, _)| *seq);
+    match manifest::read(&RealFs, from) {
+        Ok(Some(m)) => {
+            let next = last_read.or(folded).unwrap_or(0) + 1;
+            if next <= m {
+                let named = log::segment_path(from, m).display().to_string();
+                let which = if next == m {
+                    format!("log segment {named} is")
+                } else {
+                    format!(
+                        "log segments {} to {named} are",
+                        log::segment_path(from, next).display()
+                    )
+                };
+                report.lost.push(format!(
+                    "{which} missing ({} names segment {m} as the newest): their changes \
+                     are lost",
+                    from.join(manifest::MANIFEST_FILE).display()
+                ));
+                lost_at.push((next, 0));
+                lost_log_bytes += (m + 1 - next) * MISSING_SEGMENT_BYTES;
+            }
+        }
+        Ok(None) if last_read.is_some() || folded.is_some_and(|f| f > 0) => {
+            report.lost.push(format!(
+                "{} is missing: whether newer log segments were removed with it cannot be \
+                 told, and their changes would be lost",
+                from.join(manifest::MANIFEST_FILE).display()
+            ));
+            lost_at.push((last_read.unwrap_or(0) + 1, 0));
+            lost_log_bytes += MISSING_SEGMENT_BYTES;
+        }
+        Ok(None) => {}
+        Err(e) => {
+            report.lost.push(format!(
+                "{}: {e}: whether newer log segments were removed cannot be told",
+                from.join(manifest::MANIFEST_FILE).display()
+            ));
+            lost_at.push((last_read.unwrap_or(0) + 1, 0));
+            lost_log_bytes += MISSING_SEGMENT_BYTES;
+        }
+    }
+
     // 3. Judge: nothing lost may lie after an allocation's newest version.
     let last_lost = lost_at.iter().max().copied();
     let mut kept = Vec::new();
@@ -279,8 +324,18 @@ pub fn salvage(from: &Path, to: &Path) -> Result<SalvageReport, StoreError> {
         report.allocations += 1;
     }
     out.finish().map_err(|e| io(to, "write a snapshot in", e))?;
+    // The first segment, following the snapshot, named in the manifest:
+    // a directory as a first start leaves it.
+    log::Segment::create(&RealFs, to, 1, start, log::WRITE_AHEAD)
+        .and_then(|_| manifest::write(&RealFs, to, 1))
+        .map_err(|e| io(to, "start the log in", e))?;
     Ok(report)
 }
+
+/// The log bytes a missing segment may have held, for the indexes its
+/// changes may have used: more than a segment grows to (the log's
+/// ceiling is 1 GiB by default).
+const MISSING_SEGMENT_BYTES: u64 = 1 << 32;
 
 /// Checks that `to` is a new place (not `from`, absent or empty) and
 /// creates it.

@@ -108,10 +108,15 @@ fn bounds(header: &[u8], trailer: &[u8], len: u64) -> Result<Bounds, String> {
         ));
     }
     if crc32fast::hash(&header[..36]) != u32_at(header, 36) {
-        return Err("its header is damaged".into());
+        return Err(
+            "its header is damaged: bytes 0 to 35 do not match their checksum (at byte 36)".into(),
+        );
     }
     if trailer[..8] != END {
-        return Err("it does not end with a trailer (was it cut short?)".into());
+        return Err(format!(
+            "it does not end with a trailer (at byte {}): was it cut short?",
+            len - TRAILER as u64
+        ));
     }
     if crc32fast::hash(&trailer[..20]) != u32_at(trailer, 20) {
         return Err(format!(

@@ -95,6 +95,45 @@ fn segments(dir: &Path) -> Vec<(u64, u64)> {
         .collect()
 }
 
+/// Leaves in segment `path` what a crash in an append of a 2 KB change
+/// may: its first sectors, in the zeros written ahead; returns them.
+fn torn_append(path: &Path) -> Vec<u8> {
+    let seq = log::list_segments(&RealFs, path.parent().unwrap())
+        .unwrap()
+        .into_iter()
+        .find(|(_, p)| p == path)
+        .unwrap()
+        .0;
+    let len = valid_end(path, seq) as usize;
+    let mut change = Vec::new();
+    log::change(&mut change, "torn", 1 << 40, Some(&[7; 2000]));
+    log::append_unfinished(path, &change, 1000, 0);
+    let bytes = std::fs::read(path).unwrap();
+    let kept = &bytes[len..];
+    kept[..kept.iter().rposition(|&b| b != 0).unwrap() + 1].to_vec()
+}
+
+/// Where segment `seq`'s last good frame ends.
+fn valid_end(path: &Path, seq: u64) -> u64 {
+    log::replay_with(&std::fs::read(path).unwrap(), seq, |_, _, _| {})
+        .unwrap()
+        .valid_len
+}
+
+/// Where each frame of a segment starts (after its 32-byte header).
+fn log_appends(bytes: &[u8]) -> Vec<usize> {
+    let (mut at, mut starts) = (32, Vec::new());
+    while at + 12 <= bytes.len() {
+        let len = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+        if len == 0 {
+            break;
+        }
+        starts.push(at);
+        at += 12 + len;
+    }
+    starts
+}
+
 /// Records, last index and last folded segment of the snapshot.
 fn snapshot_facts(dir: &Path) -> (u64, u64, u64) {
     let s = Snapshot::open(&RealFs, dir).unwrap().expect("a snapshot");
@@ -218,43 +257,36 @@ fn holds_exactly<'a>(dir: &Path, views: impl Iterator<Item = &'a Arc<Allocation>
 async fn an_unfinished_append_at_the_end_of_the_log_is_cut_off() {
     let dir = tempfile::tempdir().unwrap();
     let (views, _, _) = register(dir.path(), DEFAULT_LOG_LIMIT, &ids("a", 5)).await;
-    let (seq, len) = *segments(dir.path()).last().unwrap();
+    let (seq, _) = *segments(dir.path()).last().unwrap();
     let path = log::segment_path(dir.path(), seq);
-    // A frame head promising more than follows: the crash came mid-append.
-    let mut torn = std::fs::read(&path).unwrap();
-    torn.extend_from_slice(&[200, 0, 0, 0, 1, 2, 3, 4, b'{']);
-    std::fs::write(&path, &torn).unwrap();
+    let len = valid_end(&path, seq) as usize;
+    // The first sectors of an append, in the zeros written ahead: the
+    // crash came mid-append.
+    let head = torn_append(&path);
     let (more, _, _) = register(dir.path(), DEFAULT_LOG_LIMIT, &ids("b", 5)).await;
-    assert_eq!(std::fs::metadata(&path).unwrap().len(), len, "cut back");
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().len(),
+        len as u64,
+        "cut back"
+    );
     let mut aside = path.clone().into_os_string();
     aside.push(".broken");
-    assert_eq!(
-        std::fs::read(aside).unwrap(),
-        &torn[len as usize..],
-        "kept aside"
-    );
+    assert_eq!(std::fs::read(aside).unwrap(), head, "kept aside");
     holds_exactly(dir.path(), views.iter().chain(&more));
 }
 
-/// A segment's appends land in zeros written ahead of them; a crash
-/// leaves those zeros after its last frame (a clean close cuts them):
-/// the next start reads every acknowledged change, cuts the zeros off
-/// without keeping a copy, and the log goes on from there.
+/// A segment's appends land in zeros written ahead of them, and the
+/// newest keeps them, closed cleanly or not (a start holds it to them):
+/// the next start reads every acknowledged change, and once it has
+/// started the next segment cuts the zeros off without keeping a copy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zeros_written_ahead_of_the_appends_are_cut_off_by_the_next_start() {
     let dir = tempfile::tempdir().unwrap();
     let (views, _, _) = register(dir.path(), DEFAULT_LOG_LIMIT, &ids("a", 5)).await;
-    let (seq, len) = *segments(dir.path()).last().unwrap();
+    let (seq, file_len) = *segments(dir.path()).last().unwrap();
     let path = log::segment_path(dir.path(), seq);
-    assert_eq!(
-        std::fs::metadata(&path).unwrap().len(),
-        len,
-        "a clean close ends the log at its last frame"
-    );
-    // As a crash leaves it: the zeros written ahead still there.
-    let mut ahead = std::fs::read(&path).unwrap();
-    ahead.resize(len as usize + log::WRITE_AHEAD as usize, 0);
-    std::fs::write(&path, &ahead).unwrap();
+    let len = valid_end(&path, seq);
+    assert_eq!(file_len, log::WRITE_AHEAD, "a clean close keeps the zeros");
     let (more, _, _) = register(dir.path(), DEFAULT_LOG_LIMIT, &ids("b", 5)).await;
     assert_eq!(std::fs::metadata(&path).unwrap().len(), len, "cut back");
     let names: Vec<_> = std::fs::read_dir(dir.path())
@@ -265,20 +297,24 @@ async fn zeros_written_ahead_of_the_appends_are_cut_off_by_the_next_start() {
     holds_exactly(dir.path(), views.iter().chain(&more));
 }
 
-/// A sealed segment is cut at its last frame before the next is started:
-/// zeros after it were not written ahead by this store, so a start
-/// refuses them as damage (naming the segment and the byte) and changes
-/// nothing.
+/// Zeros after a sealed segment's last frame where the next segment's
+/// header says it ended further on are appends lost: a start refuses
+/// them (naming the segment and the byte) and changes nothing. Zeros
+/// after the end that header names (a seal the writer did not finish)
+/// hold nothing: the start goes on and cuts them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zeros_after_a_sealed_segment_s_last_frame_stop_the_open() {
     let dir = tempfile::tempdir().unwrap();
-    register(dir.path(), DEFAULT_LOG_LIMIT, &ids("a", 5)).await;
-    register(dir.path(), DEFAULT_LOG_LIMIT, &ids("b", 5)).await;
+    let (views, _, _) = register(dir.path(), DEFAULT_LOG_LIMIT, &ids("a", 5)).await;
+    let (second, _, _) = register(dir.path(), DEFAULT_LOG_LIMIT, &ids("b", 5)).await;
     let all = segments(dir.path());
     assert_eq!(all.len(), 2, "{all:?}");
     let (seq, len) = all[0];
     let older = log::segment_path(dir.path(), seq);
-    let mut bytes = std::fs::read(&older).unwrap();
+    let sealed = std::fs::read(&older).unwrap();
+    let last = *log_appends(&sealed).last().unwrap();
+    let mut bytes = sealed.clone();
+    bytes[last..].fill(0);
     bytes.resize(len as usize + 4096, 0);
     std::fs::write(&older, &bytes).unwrap();
     let e = DiskStore::open(config(dir.path(), 64, DEFAULT_LOG_LIMIT))
@@ -286,9 +322,15 @@ async fn zeros_after_a_sealed_segment_s_last_frame_stop_the_open() {
         .expect("refused")
         .to_string();
     assert!(e.contains(&older.display().to_string()), "{e}");
-    assert!(e.contains(&format!("at byte {len}")), "{e}");
+    assert!(e.contains(&format!("at byte {last}")), "{e}");
     assert!(e.contains("read as zeros"), "{e}");
     assert_eq!(std::fs::read(&older).unwrap(), bytes, "unchanged");
+    let mut bytes = sealed.clone();
+    bytes.resize(len as usize + 4096, 0);
+    std::fs::write(&older, &bytes).unwrap();
+    let (more, _, _) = register(dir.path(), DEFAULT_LOG_LIMIT, &ids("c", 5)).await;
+    assert_eq!(std::fs::read(&older).unwrap(), sealed, "cut back");
+    holds_exactly(dir.path(), views.iter().chain(&second).chain(&more));
 }
 
 /// While it is written, a segment's file runs ahead of its appends in
@@ -297,7 +339,8 @@ async fn zeros_after_a_sealed_segment_s_last_frame_stop_the_open() {
 #[test]
 fn a_segment_is_written_ahead_in_zeros_and_sealed_at_its_last_frame() {
     let dir = tempfile::tempdir().unwrap();
-    let mut s = log::Segment::create(&RealFs, dir.path(), 1, log::End::NONE).unwrap();
+    let mut s =
+        log::Segment::create(&RealFs, dir.path(), 1, log::End::NONE, log::WRITE_AHEAD).unwrap();
     let path = log::segment_path(dir.path(), 1);
     let mut lens = Vec::new();
     for i in 0..300 {
@@ -336,7 +379,8 @@ async fn damage_anywhere_stops_the_open_naming_it_and_changes_nothing() {
     assert_eq!(all.len(), 2, "{all:?}");
     let older = log::segment_path(good.path(), all[0].0);
     let newest = log::segment_path(good.path(), all[1].0);
-    let newest_len = all[1].1 as usize;
+    // Where its appends end (zeros written ahead follow).
+    let newest_len = valid_end(&newest, all[1].0) as usize;
     type Damage = Box<dyn Fn(&Path)>;
     type Edit = Box<dyn Fn(&mut Vec<u8>)>;
     let edit = |path: PathBuf, f: Edit| -> Damage {
@@ -351,24 +395,12 @@ async fn damage_anywhere_stops_the_open_naming_it_and_changes_nothing() {
     let cases: Vec<(&str, Damage, String)> = vec![
         (
             "a flipped byte in the newest segment",
-            edit(
-                newest.clone(),
-                Box::new(|b| {
-                    let at = b.len() / 2;
-                    b[at] ^= 0x04
-                }),
-            ),
+            edit(newest.clone(), Box::new(move |b| b[newest_len / 2] ^= 0x04)),
             "damaged at byte".into(),
         ),
         (
             "a flipped byte in the newest segment's last frame",
-            edit(
-                newest.clone(),
-                Box::new(|b| {
-                    let at = b.len() - 3;
-                    b[at] ^= 0x01
-                }),
-            ),
+            edit(newest.clone(), Box::new(move |b| b[newest_len - 3] ^= 0x01)),
             "damaged at byte".into(),
         ),
         (
@@ -729,11 +761,12 @@ async fn a_start_on_a_full_disk_says_to_free_space_and_changes_nothing() {
         store.close().unwrap();
         drop(store);
         let (_, path) = log::list_segments(&fs, &dir).unwrap().pop().unwrap();
-        let mut torn = fs.contents(&path).unwrap();
-        let len = torn.len();
-        // A frame head promising more than follows: a crash mid-append.
-        torn.extend_from_slice(&[200, 0, 0, 0, 1, 2, 3, 4, b'{']);
-        fs.put(&path, torn.clone());
+        // A crash mid-append (made on a real file, put back).
+        let real = tempfile::tempdir().unwrap();
+        let copy = real.path().join(path.file_name().unwrap());
+        std::fs::write(&copy, fs.contents(&path).unwrap()).unwrap();
+        let head = torn_append(&copy);
+        fs.put(&path, std::fs::read(&copy).unwrap());
         let everything = |fs: &SimFs| {
             let mut names = fs.list(&dir).unwrap();
             names.sort();
@@ -772,7 +805,7 @@ async fn a_start_on_a_full_disk_says_to_free_space_and_changes_nothing() {
         assert_eq!(store.load().unwrap().allocations.len(), 3);
         let mut aside = path.clone().into_os_string();
         aside.push(log::BROKEN_SUFFIX);
-        assert_eq!(fs.contents(Path::new(&aside)).unwrap(), &torn[len..]);
+        assert_eq!(fs.contents(Path::new(&aside)).unwrap(), head);
     }
 }
 
@@ -852,7 +885,7 @@ fn a_second_store_on_the_same_directory_is_refused() {
 #[test]
 fn a_failed_append_stops_the_log_until_a_restart_and_says_why() {
     let dir = tempfile::tempdir().unwrap();
-    drop(log::Segment::create(&RealFs, dir.path(), 1, log::End::NONE).unwrap());
+    drop(log::Segment::create(&RealFs, dir.path(), 1, log::End::NONE, log::WRITE_AHEAD).unwrap());
     let trouble = Arc::new(Mutex::new(Trouble::default()));
     let mut writer = Writer {
         fs: Arc::new(RealFs),
@@ -893,7 +926,7 @@ fn a_failed_append_stops_the_log_until_a_restart_and_says_why() {
     let len = std::fs::metadata(log::segment_path(dir.path(), 1))
         .unwrap()
         .len();
-    assert_eq!(len, log::Segment::HEADER_LEN);
+    assert_eq!(len, log::WRITE_AHEAD, "as created: a header and zeros");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1008,7 +1041,9 @@ fn a_corrupt_record_stops_the_open_naming_the_allocation_and_changes_nothing() {
     w.put("broken", b"{not json").unwrap();
     w.finish().unwrap();
     // A torn append the open would cut, and names it would drop.
-    let mut s = log::Segment::create(&RealFs, dir.path(), 1, log::End::NONE).unwrap();
+    let mut s =
+        log::Segment::create(&RealFs, dir.path(), 1, log::End::NONE, log::WRITE_AHEAD).unwrap();
+    super::manifest::write(&RealFs, dir.path(), 1).unwrap();
     let mut frame = log::one_append("fine", 1, Some(b"{}"));
     s.append(&mut frame).unwrap();
     drop(s);
@@ -1096,10 +1131,6 @@ async fn a_snapshot_that_does_not_fit_the_log_stops_the_open() {
 /// first rollover leaves.
 async fn fold_first_segment(dir: &Path, prefix: &str) {
     register_with(dir, DEFAULT_LOG_LIMIT, &ids(prefix, 5), false).await;
-    // Folded by hand, as the checkpoint thread does it, then removed.
-    let (written, _) = super::checkpoint::checkpoint(&RealFs, dir, 0, 1, None).unwrap();
-    assert_eq!(written.records, 5);
-    std::fs::remove_file(log::segment_path(dir, 1)).unwrap();
     register_with(
         dir,
         DEFAULT_LOG_LIMIT,
@@ -1107,6 +1138,10 @@ async fn fold_first_segment(dir: &Path, prefix: &str) {
         false,
     )
     .await;
+    // Folded by hand, as the checkpoint thread does it, then removed.
+    let (written, _) = super::checkpoint::checkpoint(&RealFs, dir, 0, 1, None).unwrap();
+    assert_eq!(written.records, 5);
+    std::fs::remove_file(log::segment_path(dir, 1)).unwrap();
 }
 
 /// A checkpoint never folds a log whose segments do not vouch for each
@@ -1145,7 +1180,9 @@ fn salvage_keeps_the_newest_version_wherever_it_lies() {
         a
     };
     let (old, new) = (version(7), version(88));
-    let mut s = log::Segment::create(&RealFs, dir.path(), 1, log::End::NONE).unwrap();
+    let mut s =
+        log::Segment::create(&RealFs, dir.path(), 1, log::End::NONE, log::WRITE_AHEAD).unwrap();
+    super::manifest::write(&RealFs, dir.path(), 1).unwrap();
     let mut frame = log::one_append("x", 7, Some(&record::encode(&old)));
     s.append(&mut frame).unwrap();
     drop(s);
@@ -1299,16 +1336,16 @@ async fn checkpoint_last_sealed(cut: bool) {
 async fn salvage_of_a_crashed_directory_does_not_count_the_zeros_written_ahead_as_lost() {
     let dir = tempfile::tempdir().unwrap();
     let (_, last, _) = register_with(dir.path(), DEFAULT_LOG_LIMIT, &ids("a", 5), false).await;
-    let (seq, len) = *segments(dir.path()).last().unwrap();
+    let (seq, _) = *segments(dir.path()).last().unwrap();
     let path = log::segment_path(dir.path(), seq);
+    let len = valid_end(&path, seq);
     let mut changes = Vec::new();
     log::change(&mut changes, "torn", last + 1, Some(&[0x5a; 3000]));
     log::append_unfinished(&path, &changes, usize::MAX, 0);
     let mut bytes = std::fs::read(&path).unwrap();
-    let torn = bytes.len() as u64 - len;
+    let torn = bytes[len as usize..].iter().rposition(|&b| b != 0).unwrap() as u64 + 1;
     let head_sector_end = (len as usize + 12).next_multiple_of(512);
     bytes[len as usize..head_sector_end].fill(0);
-    bytes.resize(bytes.len() + log::WRITE_AHEAD as usize, 0);
     std::fs::write(&path, &bytes).unwrap();
     let out = tempfile::tempdir().unwrap();
     let report = super::salvage(dir.path(), &out.path().join("s")).unwrap();
@@ -1538,4 +1575,35 @@ async fn a_panic_on_the_writer_thread_stops_the_server() {
         ["p1"],
         "durable before the follower was handed it"
     );
+}
+
+/// A record in the log that passes its append's checks but does not
+/// decode is blamed on the segment and the byte of its append (it used to
+/// be blamed on the snapshot, which may not even exist).
+#[test]
+fn a_bad_record_in_the_log_names_its_segment_and_append() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s =
+        log::Segment::create(&RealFs, dir.path(), 1, log::End::NONE, log::WRITE_AHEAD).unwrap();
+    super::manifest::write(&RealFs, dir.path(), 1).unwrap();
+    s.append(&mut log::one_append("gone", 1, None)).unwrap();
+    let second = s.len;
+    s.append(&mut log::one_append("broken", 2, Some(b"{not json")))
+        .unwrap();
+    drop(s);
+    std::fs::write(dir.path().join(LOCK_FILE), b"").unwrap();
+    let before = files(dir.path());
+    let err = DiskStore::open(config(dir.path(), 1, DEFAULT_LOG_LIMIT))
+        .err()
+        .unwrap()
+        .to_string();
+    let segment = log::segment_path(dir.path(), 1).display().to_string();
+    assert!(err.contains(&segment), "{err}");
+    assert!(
+        err.contains(&format!("in the append at byte {second}")),
+        "{err}"
+    );
+    assert!(err.contains("\"broken\""), "{err}");
+    assert!(!err.contains(SNAPSHOT_FILE), "{err}");
+    assert_eq!(files(dir.path()), before, "nothing changed");
 }

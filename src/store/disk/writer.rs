@@ -14,7 +14,7 @@ use super::{
     LOG_SLACK, Msg, SNAPSHOT_RATIO, StoreStats,
     checkpoint::{Checkpointer, Job},
     fs::Fs,
-    log,
+    log, manifest,
 };
 use crate::{
     metrics::Metrics,
@@ -212,13 +212,9 @@ impl Writer {
                 self.maintain();
             }
             if let Some(closed) = closing {
-                // A log closed cleanly ends at its last frame; after a
-                // crash the next start cuts the zeros written ahead.
-                if self.trouble().write.is_none()
-                    && let Err(e) = self.segment.seal()
-                {
-                    tracing::warn!(error = %e, "cannot cut the zeros written ahead off the store log; the next start does");
-                }
+                // The newest segment keeps its zeros written ahead, closed
+                // cleanly or not: the next start holds it to them, and cuts
+                // them once it has started the next segment.
                 let _ = closed.send(());
                 return;
             }
@@ -351,14 +347,25 @@ impl Writer {
         if self.trouble().write.is_some() {
             return;
         }
-        // Seal the current segment (unless it is empty: a retry of a
-        // failed checkpoint alone), then fold everything sealed.
+        // Start the next segment (unless this one is empty: a retry of a
+        // failed checkpoint alone), which vouches for where this one ends,
+        // and name it in the manifest; only then cut this one's zeros
+        // (sealed), and fold everything sealed.
         if self.log_bytes > log::Segment::HEADER_LEN {
             let end = self.segment.end();
-            let next = match self.segment.seal().and_then(|()| {
-                log::Segment::create(&*self.fs, &self.dir, self.segment.seq + 1, end)
-                    .map(|s| s.writing_ahead(self.segment.ahead()))
-            }) {
+            let seq = self.segment.seq + 1;
+            let next = log::Segment::create(&*self.fs, &self.dir, seq, end, self.segment.ahead())
+                .and_then(|next| match manifest::write(&*self.fs, &self.dir, seq) {
+                    Ok(()) => Ok(next),
+                    Err(e) => {
+                        // Never named, so never used: a start removes it
+                        // if it comes back.
+                        drop(next);
+                        let _ = self.fs.remove_file(&log::segment_path(&self.dir, seq));
+                        Err(e)
+                    }
+                });
+            let next = match next {
                 Ok(next) => next,
                 Err(e) => {
                     let e = e.to_string();
@@ -372,7 +379,10 @@ impl Writer {
             if self.trouble().rollover.take().is_some() {
                 tracing::info!("store log segments can be started again");
             }
-            let sealed = std::mem::replace(&mut self.segment, next);
+            let mut sealed = std::mem::replace(&mut self.segment, next);
+            if let Err(e) = sealed.seal() {
+                tracing::warn!(error = %e, "cannot cut the zeros written ahead off a sealed store log segment; the next start does");
+            }
             self.sealed.push((sealed.seq, self.log_bytes, end));
             self.log_bytes = self.segment.len;
         }
