@@ -194,7 +194,7 @@ fn a_report_whose_answer_was_lost_is_applied_once() {
     assert_eq!(started(&t2), 1, "{t2}");
     assert_eq!(
         t2["modify_index"], t["modify_index"],
-        "the retry changed nothing"
+        "the retry changed nothing: {t} then {t2}"
     );
 }
 
