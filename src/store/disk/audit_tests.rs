@@ -203,9 +203,10 @@ async fn p7_a_checkpoint_thread_that_keeps_panicking_stops_the_server() {
 //      a refused start or a lost acknowledged change;
 //  (C) a refused start changes no byte of the data directory.
 //
-// Tests named `audit_broken_*` fail on the commit they were written
-// against: each shows one promise broken (the cause is in its comment).
-// Tests named `audit_held_*` are attacks that did not succeed.
+// The tests marked "was broken, fixed" failed on the commit they were
+// written against (the manifest's), each showing one promise broken (the
+// cause and the fix are in its comment); "held" marks attacks that did
+// not succeed.
 // ---------------------------------------------------------------------
 
 use std::{collections::BTreeMap, path::Path};
@@ -327,7 +328,7 @@ fn eio() -> std::io::Error {
     std::io::Error::from_raw_os_error(5)
 }
 
-/// (A) BROKEN. The newest segment cut at a multiple of the zeros written
+/// (A) Was broken, fixed. The newest segment cut at a multiple of the zeros written
 /// ahead (1 MiB, the production value) that lies inside its appends
 /// starts healthy, without the acknowledged changes after the cut.
 ///
@@ -357,7 +358,7 @@ fn eio() -> std::io::Error {
 /// short by the end of the file, and hold a whole last frame to
 /// `written_ahead(its end)`.
 #[test]
-fn audit_broken_a_newest_segment_cut_at_a_whole_mib_inside_its_appends_is_refused() {
+fn a_newest_segment_cut_at_a_whole_mib_inside_its_appends_is_refused() {
     let (fs, dir) = sim();
     let store = audit_open(&fs, 1 << 40, wal::WRITE_AHEAD, Duration::from_secs(600)).unwrap();
     let rt = rt();
@@ -400,13 +401,12 @@ fn audit_broken_a_newest_segment_cut_at_a_whole_mib_inside_its_appends_is_refuse
     );
 }
 
-/// (A) BROKEN, the same cause as above, every multiple of the zeros
+/// (A) Was broken, fixed, the same cause as above, every multiple of the zeros
 /// written ahead (2 KiB here) inside the newest segment's appends, and
 /// the cut anywhere from a multiple to the end of the frame that crosses
 /// it: each one starts healthy with less.
 #[test]
-fn audit_broken_a_newest_segment_cut_between_a_multiple_and_the_end_of_the_frame_across_it_is_refused()
- {
+fn a_newest_segment_cut_between_a_multiple_and_the_end_of_the_frame_across_it_is_refused() {
     let (fs, _dir) = sim();
     let store = audit_open(&fs, 1 << 40, AUDIT_AHEAD, Duration::from_secs(600)).unwrap();
     let rt = rt();
@@ -493,7 +493,7 @@ fn rollover_with_failed_manifest_sync(fs: &SimFs, removal_fails: bool) -> (DiskS
     (store, acked)
 }
 
-/// (B) BROKEN. One failed directory sync (EIO) right after the manifest
+/// (B) Was broken, fixed. One failed directory sync (EIO) right after the manifest
 /// is renamed in a rollover, then a plain restart (no power loss: the
 /// process stopped, or was killed): the start is refused, "segment N+1
 /// is missing, and the manifest names it as the log's newest segment".
@@ -516,7 +516,7 @@ fn rollover_with_failed_manifest_sync(fs: &SimFs, removal_fails: bool) -> (DiskS
 /// N+1 and name it again, and append to it only once `manifest::write`
 /// has succeeded.
 #[test]
-fn audit_broken_a_failed_directory_sync_after_the_manifest_rename_then_a_restart_is_not_refused() {
+fn a_failed_directory_sync_after_the_manifest_rename_then_a_restart_is_not_refused() {
     let (fs, _dir) = sim();
     let (store, acked) = rollover_with_failed_manifest_sync(&fs, false);
     store.close().unwrap();
@@ -530,13 +530,12 @@ fn audit_broken_a_failed_directory_sync_after_the_manifest_rename_then_a_restart
     }
 }
 
-/// (B) BROKEN, the same cause, with a power loss: the failed directory
+/// (B) Was broken, fixed, the same cause, with a power loss: the failed directory
 /// sync had made the names durable (as the existing
 /// `a_rollover_whose_directory_sync_failed_then_a_crash_...` test models
 /// it), then more changes are acknowledged and the power goes.
 #[test]
-fn audit_broken_a_failed_manifest_directory_sync_that_made_its_names_durable_then_a_crash_is_not_refused()
- {
+fn a_failed_manifest_directory_sync_that_made_its_names_durable_then_a_crash_is_not_refused() {
     let (fs, _dir) = sim();
     let (store, mut acked) = rollover_with_failed_manifest_sync(&fs, false);
     // The failed sync made the rename (and the new segment's removal)
@@ -558,7 +557,7 @@ fn audit_broken_a_failed_manifest_directory_sync_that_made_its_names_durable_the
     }
 }
 
-/// (B) BROKEN, the same cause, when the removal of the new segment fails
+/// (B) Was broken, fixed, the same cause, when the removal of the new segment fails
 /// too (the documented case "a new segment that stays all the same
 /// (its removal failed too ...) ... a start removes it, as a segment the
 /// writer never used" — true only while the manifest does not name it).
@@ -566,8 +565,7 @@ fn audit_broken_a_failed_manifest_directory_sync_that_made_its_names_durable_the
 /// and N, which went on past where N+1's header says it ended, is refused:
 /// "the bytes from byte X on were never part of it".
 #[test]
-fn audit_broken_a_failed_manifest_directory_sync_and_a_failed_removal_then_a_restart_is_not_refused()
- {
+fn a_failed_manifest_directory_sync_and_a_failed_removal_then_a_restart_is_not_refused() {
     let (fs, _dir) = sim();
     let (store, acked) = rollover_with_failed_manifest_sync(&fs, true);
     store.close().unwrap();
@@ -593,7 +591,7 @@ fn tear_newest(fs: &SimFs, path: &Path) {
     fs.put(path, std::fs::read(&copy).unwrap());
 }
 
-/// (C) BROKEN (a start refused by a failing disk, not by its data). A
+/// (C) Was broken, fixed (a start refused by a failing disk, not by its data). A
 /// start whose newest segment ends in a torn append, and which finds a
 /// segment the writer never used (newer than the manifest names) whose
 /// removal fails (EIO, EROFS): it is refused, and
@@ -616,8 +614,7 @@ fn tear_newest(fs: &SimFs, path: &Path) {
 /// the removals before `keep_aside` (they are as safe first), and say
 /// what was changed.
 #[test]
-fn audit_broken_a_start_refused_by_a_failed_removal_changes_nothing_and_does_not_send_to_a_backup()
-{
+fn a_start_refused_by_a_failed_removal_changes_nothing_and_does_not_send_to_a_backup() {
     let (fs, dir) = sim();
     let store = audit_open(&fs, 1 << 40, AUDIT_AHEAD, Duration::from_secs(600)).unwrap();
     let rt = rt();
@@ -716,7 +713,7 @@ fn holds(fs: &SimFs, out: &Outcome) -> Result<(), String> {
 /// (`TASKGATE_AUDIT_SEEDS`, `TASKGATE_AUDIT_STRIDE` for more). Every start
 /// after starts and holds every acknowledged change.
 #[test]
-fn audit_held_a_power_loss_at_every_operation_and_again_at_every_operation_of_the_recovery() {
+fn a_power_loss_at_every_operation_and_again_at_every_operation_of_the_recovery() {
     let mut failures = Vec::new();
     let mut points = 0;
     let mut nested = 0;
@@ -735,7 +732,7 @@ fn audit_held_a_power_loss_at_every_operation_and_again_at_every_operation_of_th
             if let Err(e) = holds(&after, &out) {
                 failures.push(format!("seed {seed}, crash at op {at}: {e}"));
             }
-            if at % stride == 0 {
+            if at.is_multiple_of(stride) {
                 let mut k = 1;
                 loop {
                     let during = SimFs::from_image(&image);
@@ -768,7 +765,7 @@ fn audit_held_a_power_loss_at_every_operation_and_again_at_every_operation_of_th
     );
 }
 
-/// (B) BROKEN. A failed operation (EIO) at every operation of a run —
+/// (B) Was broken, fixed. A failed operation (EIO) at every operation of a run —
 /// that one alone, or (a disk gone bad) every one from it on — with
 /// failed rollovers tried again after 10 minutes (so a restart comes
 /// first, as it may in production within the 1 s default); then a
@@ -779,7 +776,7 @@ fn audit_held_a_power_loss_at_every_operation_and_again_at_every_operation_of_th
 /// then a restart (`audit_broken_a_failed_directory_sync_after_the_...`);
 /// everything else held.
 #[test]
-fn audit_broken_one_failed_operation_at_any_point_then_a_restart_or_a_power_loss() {
+fn one_failed_operation_at_any_point_then_a_restart_or_a_power_loss() {
     let mut failures: BTreeMap<String, Vec<u64>> = BTreeMap::new();
     let mut points = 0;
     // The one operation fails, or (a disk gone bad, a file system
@@ -844,7 +841,7 @@ fn audit_broken_one_failed_operation_at_any_point_then_a_restart_or_a_power_loss
 /// segment files (newest, newer than the manifest, older), the manifest
 /// removed: each start is refused, naming the file, and changes nothing.
 #[test]
-fn audit_held_hostile_files_are_refused_naming_them_and_change_nothing() {
+fn hostile_files_are_refused_naming_them_and_change_nothing() {
     let (fs, dir) = sim();
     let store = audit_open(&fs, 1 << 40, AUDIT_AHEAD, Duration::from_secs(600)).unwrap();
     let rt = rt();
@@ -982,7 +979,7 @@ fn audit_held_hostile_files_are_refused_naming_them_and_change_nothing() {
 /// panics in a debug build (wraps in release, and is then refused). A
 /// start should refuse it, naming the snapshot.
 #[test]
-fn audit_broken_minor_a_snapshot_folding_up_to_u64_max_is_refused_not_a_panic() {
+fn a_snapshot_folding_up_to_u64_max_is_refused_not_a_panic() {
     let (fs, dir) = sim();
     super::snapshot::fold(&fs, &dir, &wal::Overlay::default(), u64::MAX, End::NONE).unwrap();
     super::manifest::write(&fs, &dir, u64::MAX).unwrap();
@@ -1039,7 +1036,7 @@ fn messy_directory() -> (sim::Image, Outcome) {
 /// then a second power loss at every operation of the next start. Every
 /// start after starts and holds every acknowledged change.
 #[test]
-fn audit_held_a_power_loss_at_every_operation_of_a_start_that_tidies_everything() {
+fn a_power_loss_at_every_operation_of_a_start_that_tidies_everything() {
     let (image, out) = messy_directory();
     let first = SimFs::from_image(&image);
     holds(&first, &out).expect("the messy directory itself starts");
@@ -1085,7 +1082,7 @@ fn audit_held_a_power_loss_at_every_operation_of_a_start_that_tidies_everything(
     );
 }
 
-/// (B) held, (C) BROKEN. A single failed operation (EIO) at every
+/// (B) held, (C) was broken, fixed. A single failed operation (EIO) at every
 /// operation of a start that tidies a messy directory, then a start
 /// (healed): it starts and holds every acknowledged change (held). But
 /// where the failing start is refused because a write-side operation
@@ -1094,7 +1091,7 @@ fn audit_held_a_power_loss_at_every_operation_of_a_start_that_tidies_everything(
 /// changed (a `.broken` copy): the cause of
 /// `audit_broken_a_start_refused_by_a_failed_removal_...`.
 #[test]
-fn audit_broken_one_failed_operation_in_a_start_that_tidies_everything() {
+fn one_failed_operation_in_a_start_that_tidies_everything() {
     let (image, out) = messy_directory();
     let mut failures: BTreeMap<String, Vec<u64>> = BTreeMap::new();
     let mut k = 1u64;

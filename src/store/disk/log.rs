@@ -39,7 +39,6 @@
 //! ```text
 //!   ... | frame n: acknowledged, whole   | frame n+1: the append a crash cut            |EOF
 //!       | head | payload ............... | head | payload ............................ |
-//!   cut short:                           | head | payl|                                   the file ends inside it
 //!   sectors lost (in any order):         | head | pay 000000000000000 ad .. 00000000|     a sector reads as zeros
 //!   its head's sector lost:              |0000000000000000| payload .............. |
 //! ```
@@ -53,9 +52,9 @@
 //! An append is acknowledged only after its `fdatasync`, so only the last
 //! frame of the newest segment can be unfinished, and the disk may have
 //! written any of its sectors and not others, in no promised order (as
-//! etcd's WAL assumes). A bad frame is torn when it is cut short by the end
-//! of the file, or when it touches a sector of zeros and nothing
-//! acknowledged can follow it (`frame::torn_at` says exactly what that
+//! etcd's WAL assumes); the zeros after it were durable before it was
+//! written, so the file never ends inside it. A bad frame is torn when it
+//! touches a sector of zeros and nothing acknowledged can follow it (`frame::torn_at` says exactly what that
 //! means). Any other bad frame is damage to acknowledged changes, and the
 //! store refuses to start (`recovery.rs`).
 //!
@@ -276,8 +275,6 @@ pub fn read_header(bytes: &[u8], seq: u64) -> Result<Header, String> {
 pub struct Replayed {
     /// Bytes up to the end of the last good frame.
     pub valid_len: u64,
-    /// Where the last good frame starts (the header's end if none).
-    pub last: u64,
     pub frames: u64,
     /// The first frame that did not read back, if any: everything from it
     /// on was not replayed.
@@ -318,6 +315,10 @@ pub struct Bad {
     /// documentation); only at the end of the newest segment is that what
     /// it is.
     pub torn: bool,
+    /// The end of the file cuts it short (its head, or the payload its
+    /// head states): not what a crash leaves in a segment written ahead
+    /// (`Segment::append`).
+    pub cut: bool,
 }
 
 #[cfg(test)]
@@ -349,7 +350,6 @@ pub fn replay_with<'a>(
     let mut pos = HEADER;
     let mut previous = header.seed;
     let mut frames = 0;
-    let mut last = HEADER;
     let bad = loop {
         let rest = &bytes[pos..];
         if rest.iter().all(|&b| b == 0) {
@@ -360,9 +360,13 @@ pub fn replay_with<'a>(
             bytes: rest.len() as u64,
             what: what.into(),
             torn: frame::torn_at(bytes, pos, previous),
+            cut: false,
         };
         let Some(h) = rest.get(..HEAD).map(Head::read) else {
-            break Some(bad("is cut short in its head"));
+            break Some(Bad {
+                cut: true,
+                ..bad("is cut short in its head")
+            });
         };
         if !h.links(previous) {
             break Some(bad(
@@ -373,7 +377,10 @@ pub fn replay_with<'a>(
             break Some(bad("has an impossible length"));
         }
         let Some(payload) = rest.get(HEAD..HEAD + h.len) else {
-            break Some(bad("is cut short"));
+            break Some(Bad {
+                cut: true,
+                ..bad("is cut short")
+            });
         };
         if !h.fits(payload) {
             break Some(bad("fails its checksum"));
@@ -381,13 +388,11 @@ pub fn replay_with<'a>(
         changes(payload, &mut each)
             .map_err(|e| format!("the append at byte {pos} is damaged: {e}"))?;
         previous = h.chain;
-        last = pos;
         pos += HEAD + h.len;
         frames += 1;
     };
     Ok(Replayed {
         valid_len: pos as u64,
-        last: last as u64,
         frames,
         spare: if bad.is_none() {
             (bytes.len() - pos) as u64
@@ -581,11 +586,10 @@ pub fn one_append(id: &str, index: u64, record: Option<&[u8]>) -> Vec<u8> {
 
 /// Appends to segment `path` what a crash in the middle of appending the
 /// changes in `changes` (built by `change`) may leave: after its last
-/// frame, its frame's first `keep` bytes (less than all of it), then
-/// `zeros` zero bytes (sectors the append was given that never reached
-/// the disk); the file no shorter than it was (the zeros written ahead).
-/// With zeros, or inside the file, `keep` is taken back to a sector
-/// boundary of the file or to the frame's start.
+/// frame, its frame's first `keep` bytes (less than all of it, taken back
+/// to a sector boundary of the file or to the frame's start), then
+/// `zeros` zero bytes; the file no shorter than it was nor than the
+/// frame's end (the zeros written ahead of it).
 #[cfg(test)]
 pub fn append_unfinished(path: &Path, changes: &[u8], keep: usize, zeros: usize) {
     let mut bytes = std::fs::read(path).unwrap();
@@ -598,14 +602,14 @@ pub fn append_unfinished(path: &Path, changes: &[u8], keep: usize, zeros: usize)
     begin(&mut frame);
     frame.extend_from_slice(changes);
     frame::seal(&mut frame, r.chain);
-    let mut keep = keep.min(frame.len() - 1);
-    // Into zeros written ahead, or with sectors lost: whole sectors.
-    if zeros > 0 || bytes.len() + keep < was {
-        let end = (bytes.len() + keep) / frame::SECTOR * frame::SECTOR;
-        keep = end.saturating_sub(bytes.len()).min(keep);
-    }
-    bytes.extend_from_slice(&frame[..keep]);
-    bytes.resize((bytes.len() + zeros).max(was), 0);
+    // Into zeros written ahead (durable before the append is written, past
+    // its end): whole sectors of it reached the disk, the rest reads as
+    // zeros.
+    let start = bytes.len();
+    let end = (start + keep.min(frame.len() - 1)) / frame::SECTOR * frame::SECTOR;
+    bytes.extend_from_slice(&frame[..end.saturating_sub(start)]);
+    let len = (bytes.len() + zeros).max(was).max(start + frame.len() + 1);
+    bytes.resize(len, 0);
     std::fs::write(path, bytes).unwrap();
 }
 
@@ -638,11 +642,10 @@ pub struct Segment {
 /// that was cut by something else (`recovery::scan_log` refuses it).
 pub const WRITE_AHEAD: u64 = 1 << 20;
 
-/// How long the writer, writing zeros `ahead`, had made a segment whose
-/// appends end at `end` (the end of the last, or of its header): the
-/// least length the newest segment has after a crash, if the append
-/// after `end` is the one the crash tore (or the one that, whole, was
-/// never acknowledged).
+/// How long the writer, writing zeros `ahead`, had made a segment holding
+/// an append that ends at `end` (or its header, if it ends there) before
+/// writing that append: the least length the newest segment has after a
+/// crash, whatever the crash tore.
 pub fn written_ahead(end: u64, ahead: u64) -> u64 {
     (end + 1).next_multiple_of(ahead.max(1))
 }
@@ -736,13 +739,15 @@ impl Segment {
         let chain = frame::seal(frame, self.chain);
         let end = self.len + frame.len() as u64;
         if end >= self.file_len {
-            // Zeros past this append's end, written ahead, in the same
-            // `fdatasync`: the appends after it land in blocks already
-            // written, and the file stays longer than its last append
-            // (what recovery holds it to). If they cannot be written (a
-            // full disk), the append fails: the file's end is not known.
+            // Zeros past this append's end, written ahead and made durable
+            // before the append is written into them: the appends after it
+            // land in blocks already written, and the file is always
+            // longer than any append in it, whole or torn (what recovery
+            // holds it to). If they cannot be written (a full disk), the
+            // append fails: the file's end is not known.
             let to = written_ahead(end, self.ahead) + self.ahead;
             self.write_zeros(to)?;
+            self.file.sync_data()?;
             self.file_len = to;
             self.file.seek(io::SeekFrom::Start(self.len))?;
         }

@@ -143,6 +143,12 @@ pub(super) fn scan_log(
 ) -> Result<Recovery, StoreError> {
     let snapshot_end = folded.end;
     let folded = folded.seq;
+    if folded == u64::MAX {
+        return Err(unusable(
+            &dir.join(SNAPSHOT_FILE),
+            "it says it folded the log up to the last segment number there can be",
+        ));
+    }
     let dir_error = |e: std::io::Error| {
         StoreError::Unusable(format!(
             "cannot read the store log in {}: {e}",
@@ -193,7 +199,10 @@ pub(super) fn scan_log(
     // The manifest names a segment before anything is appended to it.
     let named = manifest.unwrap_or(0);
     while let Some((seq, path)) = live.last().filter(|(seq, _)| *seq > named) {
-        if !never_used(fs, path, *seq) {
+        let content = fs
+            .read(path)
+            .map_err(|e| unusable_log(path, format!("cannot be read: {e}")))?;
+        if !never_used(&content, *seq) {
             return Err(match manifest {
                 Some(m) => unusable_log(
                     path,
@@ -286,22 +295,26 @@ pub(super) fn scan_log(
             });
             continue;
         }
-        // The newest: what the writer made durable is all there, but for
-        // its last append (torn, or whole and never acknowledged: one is
-        // in flight at a time).
-        let last = if r.bad.is_some() { r.valid_len } else { r.last };
-        let need = log::written_ahead(last, ahead);
-        if (content.len() as u64) < need {
+        // The newest: its writer made it longer than any append in it
+        // before writing that append (zeros ahead), so a crash leaves it
+        // at least that long, and no append of it cut short by its end.
+        let need = log::written_ahead(r.valid_len, ahead);
+        let cut = r.bad.as_ref().is_some_and(|b| b.cut);
+        if (content.len() as u64) < need || cut {
             return Err(unusable_log(
                 &path,
                 format!(
-                    "it is {} bytes long, but its writer had written it out to byte {need} \
-                     (zeros ahead of its appends) before the appends up to byte {last} were \
-                     acknowledged: it was cut short at byte {}, and acknowledged appends from \
-                     there on may be missing. `taskgate dump --salvage` copies what can be \
-                     read to a new directory",
+                    "it is {} bytes long, but its writer had written it out to at least byte \
+                     {need} (zeros ahead of its appends) before writing {}: it was cut short, \
+                     and acknowledged appends from byte {} on may be missing. `taskgate dump \
+                     --salvage` copies what can be read to a new directory",
                     content.len(),
-                    content.len(),
+                    if cut {
+                        "the append it ends inside"
+                    } else {
+                        "its appends"
+                    },
+                    r.valid_len,
                 ),
             ));
         }
@@ -334,13 +347,10 @@ fn damaged_at(bad: &log::Bad, newer_follow: bool) -> String {
     )
 }
 
-/// Whether segment `seq` at `path` holds no frame (and nothing damaged):
-/// one started and never used.
-fn never_used(fs: &dyn Fs, path: &Path, seq: u64) -> bool {
-    fs.read(path).is_ok_and(|content| {
-        log::replay_with(&content, seq, |_, _, _| {})
-            .is_ok_and(|r| r.frames == 0 && r.bad.is_none())
-    })
+/// Whether segment `seq` (its bytes) holds no frame (and nothing
+/// damaged): one started and never used.
+fn never_used(content: &[u8], seq: u64) -> bool {
+    log::replay_with(content, seq, |_, _, _| {}).is_ok_and(|r| r.frames == 0 && r.bad.is_none())
 }
 
 /// Checks that segment `path`, whose header says the log before it ended
@@ -428,24 +438,50 @@ impl Recovery {
     /// its writer made durable is refused (`scan_log`), so it is cut
     /// (`cut_older`) only once a newer segment vouches for where it ends.
     pub(super) fn apply(&self, fs: &dyn Fs, dir: &Path) -> Result<(), StoreError> {
+        let mut aside = None;
         if let Some((path, bad, len)) = &self.torn {
             let names_before = fs.list(dir).unwrap_or_default();
-            let aside = log::keep_aside(fs, path, *len)
+            let kept = log::keep_aside(fs, path, *len)
                 .map_err(|e| aside_failed(fs, dir, path, &names_before, e))?;
             tracing::warn!(
                 segment = %path.display(),
                 at = bad.at,
                 bytes = bad.bytes,
-                kept_in = %aside.display(),
+                kept_in = %kept.display(),
                 "an unfinished append at the end of the store log (the frame there {}; it was \
                  never acknowledged) is kept aside and cut off",
                 bad.what
             );
+            aside = Some(kept);
         }
+        self.remove(fs, dir).inspect_err(|_| {
+            // Refused after all: the copy goes too (the segment still
+            // holds what it copied), so the start changed nothing it
+            // needed to.
+            if let Some(kept) = &aside
+                && fs.remove_file(kept).is_ok()
+            {
+                let _ = fs.sync_dir(dir);
+            }
+        })
+    }
+
+    /// Removes the segments already folded, segments started and never
+    /// used, and unfinished `.new` files.
+    fn remove(&self, fs: &dyn Fs, dir: &Path) -> Result<(), StoreError> {
+        // What is removed holds nothing the store needs: a failure here is
+        // the file system's (mend it), not damage.
+        let cannot = |path: &Path, e: std::io::Error| {
+            StoreError::Unusable(format!(
+                "cannot remove {}, which holds nothing the store needs: {e}. {}; the \
+                 directory holds every acknowledged change",
+                path.display(),
+                mend(&e)
+            ))
+        };
         let mut removed = false;
         for path in self.unused.iter().chain(&self.folded) {
-            fs.remove_file(path)
-                .map_err(|e| unusable_log(path, format!("cannot remove it: {e}")))?;
+            fs.remove_file(path).map_err(|e| cannot(path, e))?;
             removed = true;
         }
         // A checkpoint, a segment's or the manifest's creation that stopped
@@ -455,19 +491,16 @@ impl Recovery {
             match fs.remove_file(&path) {
                 Ok(()) => removed = true,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => {
-                    return Err(StoreError::Unusable(format!(
-                        "cannot remove the unfinished {}: {e}",
-                        path.display()
-                    )));
-                }
+                Err(e) => return Err(cannot(&path, e)),
             }
         }
         if removed {
             fs.sync_dir(dir).map_err(|e| {
                 StoreError::Unusable(format!(
-                    "cannot sync the data directory {}: {e}",
-                    dir.display()
+                    "cannot sync the data directory {}: {e}. {}; the directory holds every \
+                     acknowledged change",
+                    dir.display(),
+                    mend(&e)
                 ))
             })?;
         }

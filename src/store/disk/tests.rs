@@ -1048,8 +1048,8 @@ fn a_corrupt_record_stops_the_open_naming_the_allocation_and_changes_nothing() {
     s.append(&mut frame).unwrap();
     drop(s);
     let mut torn = Vec::new();
-    log::change(&mut torn, "torn", 2, Some(&[1; 100]));
-    log::append_unfinished(&log::segment_path(dir.path(), 1), &torn, 50, 0);
+    log::change(&mut torn, "torn", 2, Some(&[1; 1000]));
+    log::append_unfinished(&log::segment_path(dir.path(), 1), &torn, 600, 0);
     std::fs::write(dir.path().join(NEXT_FILE), b"unfinished").unwrap();
     std::fs::write(dir.path().join(LOCK_FILE), b"").unwrap();
     let before = files(dir.path());

@@ -358,10 +358,26 @@ impl Writer {
                 .and_then(|next| match manifest::write(&*self.fs, &self.dir, seq) {
                     Ok(()) => Ok(next),
                     Err(e) => {
-                        // Never named, so never used: a start removes it
-                        // if it comes back.
+                        // The manifest may name the new segment all the
+                        // same (renamed, its directory's sync failed): it
+                        // names this one again, durably, before the new one
+                        // goes and this one takes appends again. If that
+                        // fails too, the log takes nothing more until a
+                        // restart, which finds the new segment unused.
                         drop(next);
-                        let _ = self.fs.remove_file(&log::segment_path(&self.dir, seq));
+                        match manifest::write(&*self.fs, &self.dir, self.segment.seq) {
+                            Ok(()) => {
+                                let _ = self.fs.remove_file(&log::segment_path(&self.dir, seq));
+                            }
+                            Err(again) => {
+                                let why = format!(
+                                    "naming the store log's newest segment failed ({again}); \
+                                     no change is accepted until taskgate is restarted"
+                                );
+                                tracing::error!(error = %again, "store manifest write failed; the store takes no more changes");
+                                self.trouble().write = Some(why);
+                            }
+                        }
                         Err(e)
                     }
                 });
