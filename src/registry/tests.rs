@@ -574,7 +574,8 @@ async fn a_quota_counts_each_allocation_once_across_overlapping_prefixes() {
         Some(Quota {
             name: "team",
             prefixes: &prefixes,
-            max: 3,
+            max_allocations: Some(3),
+            max_dependencies: None,
         })
     };
     for id_ in ["web-eu-1", "web-eu-2", "web-us-1"] {
