@@ -54,6 +54,13 @@ pub(super) struct Judges {
     /// Allocation → the cycles through its dependencies on others, as of
     /// a generation of the index.
     cycles: Mutex<HashMap<AllocId, Known>>,
+    /// Registrations this server checked (no cycle through them), from
+    /// their check until the follower publishes them: the spec each was
+    /// checked with.
+    checked: Mutex<HashMap<AllocId, Arc<AllocSpec>>>,
+    /// Cycle searches made (the tests count them).
+    #[cfg(test)]
+    searches: std::sync::atomic::AtomicU64,
     /// The index of a published change → its dependents' judging, while
     /// it runs: a writer answers once the judging its change started is
     /// done, so that whoever it answers sees the dependents' new verdicts
@@ -71,9 +78,16 @@ struct Index {
     /// Every allocation with dependencies on others → how many it
     /// declares; in ID order, so that a token's are counted by prefix.
     declared: BTreeMap<AllocId, usize>,
-    /// Counts the changes of the two: a cycle search made in one
-    /// generation holds until the next.
-    generation: u64,
+    /// The generation of the graph, in two counts. `added`: allocations
+    /// with dependencies on others that appeared without this server's
+    /// check (another replica's registrations, what was loaded or listed
+    /// again); only they can close a cycle, since a registration checked
+    /// here closes none. `removed`: allocations that went; they can only
+    /// break a cycle, or bring one into reach. A search that found no
+    /// cycle holds until `added` moves; one that found some (or was cut
+    /// short) also until `removed` does.
+    added: u64,
+    removed: u64,
 }
 
 /// The dependents of one target.
@@ -88,9 +102,11 @@ struct Onto {
 /// The cycles through one allocation's dependencies, found in one
 /// generation of the index for one spec.
 struct Known {
-    generation: u64,
+    generation: (u64, u64),
     spec: Arc<AllocSpec>,
     paths: Arc<Paths>,
+    /// Whether it holds only until `removed` moves too.
+    fragile: bool,
 }
 
 /// (task position, dependency position) → the cycle it is on, as shown.
@@ -121,11 +137,22 @@ impl Judges {
             return;
         }
         let targets = Self::targets(&a.spec);
+        let checked = present && {
+            let mut checked = self.checked.lock().unwrap_or_else(PoisonError::into_inner);
+            let ours = checked.get(&a.id).is_some_and(|spec| *spec == a.spec);
+            if ours {
+                checked.remove(&a.id);
+            }
+            ours
+        };
         let mut guard = self.index.write().unwrap_or_else(PoisonError::into_inner);
         let index = &mut *guard;
         if present {
             if index.declared.contains_key(&a.id) {
                 return;
+            }
+            if !checked {
+                index.added += 1;
             }
             index.declared.insert(a.id.clone(), targets.values().sum());
             for (t, n) in targets {
@@ -137,6 +164,7 @@ impl Judges {
             if index.declared.remove(&a.id).is_none() {
                 return;
             }
+            index.removed += 1;
             for t in targets.into_keys() {
                 if let Some(onto) = index.dependents.get_mut(t) {
                     onto.edges -= onto.by.remove(&a.id).unwrap_or(0);
@@ -146,7 +174,6 @@ impl Judges {
                 }
             }
         }
-        index.generation += 1;
         drop(guard);
         if !present {
             self.cycles
@@ -195,20 +222,55 @@ impl Judges {
         n
     }
 
-    /// The cycles known for `a`'s spec in the index's generation now, or
-    /// the generation to search in.
-    fn known(&self, a: &Allocation) -> Result<Arc<Paths>, u64> {
-        let generation = self.read().generation;
+    /// Cycle searches made so far.
+    #[cfg(test)]
+    pub(super) fn searches(&self) -> u64 {
+        self.searches.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// A registration this server checked: no cycle runs through it (so
+    /// its publication leaves every search made before it standing).
+    pub(super) fn checked(&self, a: &Allocation) {
+        if a.spec.reaches_out() {
+            self.checked
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(a.id.clone(), a.spec.clone());
+        }
+    }
+
+    /// A checked registration that was not published.
+    pub(super) fn unchecked(&self, a: &Allocation) {
+        let mut checked = self.checked.lock().unwrap_or_else(PoisonError::into_inner);
+        if checked
+            .get(&a.id)
+            .is_some_and(|spec| Arc::ptr_eq(spec, &a.spec))
+        {
+            checked.remove(&a.id);
+        }
+    }
+
+    /// The cycles known for `a`'s spec that still hold, or the generation
+    /// to search in.
+    fn known(&self, a: &Allocation) -> Result<Arc<Paths>, (u64, u64)> {
+        let generation = {
+            let index = self.read();
+            (index.added, index.removed)
+        };
         let known = self.cycles.lock().unwrap_or_else(PoisonError::into_inner);
         match known.get(&a.id) {
-            Some(k) if k.generation == generation && Arc::ptr_eq(&k.spec, &a.spec) => {
+            Some(k)
+                if Arc::ptr_eq(&k.spec, &a.spec)
+                    && k.generation.0 == generation.0
+                    && (!k.fragile || k.generation.1 == generation.1) =>
+            {
                 Ok(k.paths.clone())
             }
             _ => Err(generation),
         }
     }
 
-    fn keep(&self, a: &Allocation, generation: u64, paths: Arc<Paths>) {
+    fn keep(&self, a: &Allocation, generation: (u64, u64), paths: Arc<Paths>, fragile: bool) {
         // A record that went meanwhile is not kept (its entry would stay).
         if !self.read().declared.contains_key(&a.id) {
             return;
@@ -222,6 +284,7 @@ impl Judges {
                     generation,
                     spec: a.spec.clone(),
                     paths,
+                    fragile,
                 },
             );
     }
@@ -361,15 +424,23 @@ impl Registry {
     }
 
     /// The cycles through `a`'s dependencies on others: kept from the
-    /// last search while the graph has not changed since, else searched
-    /// for once (past the reach registrations keep, replicas racing, no
-    /// cycle is claimed).
+    /// last search while no change of the graph since could have changed
+    /// them, else searched for once (past the reach registrations keep,
+    /// replicas racing, no cycle is claimed). On one server that is one
+    /// search per dependent: only records this server did not check can
+    /// close a cycle.
     fn cycles_of(&self, a: &Allocation) -> Arc<Paths> {
         let generation = match self.inner.judges.known(a) {
             Ok(paths) => return paths,
             Err(generation) => generation,
         };
+        #[cfg(test)]
+        self.inner
+            .judges
+            .searches
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let found = cycles(&a.id, self.spec_of(a), MAX_REACH + a.tasks.len());
+        let fragile = found.too_far || !found.paths.is_empty();
         let paths: Arc<Paths> = Arc::new(
             found
                 .paths
@@ -377,7 +448,9 @@ impl Registry {
                 .map(|(at, path)| (at, show(&path).into()))
                 .collect(),
         );
-        self.inner.judges.keep(a, generation, paths.clone());
+        self.inner
+            .judges
+            .keep(a, generation, paths.clone(), fragile);
         paths
     }
 

@@ -163,8 +163,8 @@ pub struct Registry {
 ///    `Mutex`, each taken and let go on its own (publishing extends the
 ///    timeline, lets it go, then writes the slot).
 /// 7. leaves, none held while another lock is taken: the spec interner
-///    (`specs`), the reverse dependency index, the cycles found and the
-///    judges in flight (`judge.rs`), a task's liveness keys (`signs.rs`),
+///    (`specs`), the reverse dependency index, the cycles found, the
+///    registrations checked and the judges in flight (`judge.rs`), a task's liveness keys (`signs.rs`),
 ///    a handle's pending version, the feed (`feed.rs`).
 struct Inner {
     /// Allocation ID → handle, sorted for listing. Inserted by a

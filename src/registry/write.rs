@@ -517,14 +517,17 @@ impl Registry {
                 return Err(e);
             }
             self.verdicts(&mut a);
+            let a = Arc::new(a);
+            self.inner.judges.checked(&a);
             let appended = self.inner.store.append(Append {
-                op: Op::Put(Arc::new(a)),
+                op: Op::Put(a.clone()),
                 expect: 0,
                 live: Vec::new(),
             });
             let Some(record) = appended.record.clone() else {
                 drop(write);
                 self.inner.forget_creating(&id, &handle);
+                self.inner.judges.unchecked(&a);
                 return Err(no_record());
             };
             let stamped = appended.stamped;
@@ -558,8 +561,11 @@ impl Registry {
                 }
                 // Registered through another replica: the view has it
                 // now, and the next round compares the specs.
-                Ended::Conflict(_) => {}
-                Ended::Failed(e) => return Err(e.into()),
+                Ended::Conflict(_) => self.inner.judges.unchecked(&a),
+                Ended::Failed(e) => {
+                    self.inner.judges.unchecked(&a);
+                    return Err(e.into());
+                }
             }
         }
         Err(contended(id.as_str()))
