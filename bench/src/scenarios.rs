@@ -149,8 +149,9 @@ pub struct BenchConfig {
     #[arg(long, default_value_t = 100)]
     pub dependency_targets: usize,
     /// Reports on the target's tasks the dependencies-hostile scenario
-    /// sends once its graph is registered.
-    #[arg(long, default_value_t = 4)]
+    /// sends at least once its graph is registered, one after another (and
+    /// more until `--duration` has passed since the first registration).
+    #[arg(long, default_value_t = 2)]
     pub hostile_reports: usize,
     /// Event-stream readers (`GET /v1/events`, never read) the streams
     /// scenario holds open in its windows with readers.

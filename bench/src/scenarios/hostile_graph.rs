@@ -3,9 +3,10 @@
 //! to its own prefix registers the audit's dependency graph
 //! (`taskgate_testkit::graph::Shape::FULL`: a chain of 960 tasks, a target
 //! depending on its head, 8 allocations of 256 tasks with 16 dependencies
-//! each on the target) and then reports on the target's tasks
-//! (`--hostile-reports`), while another token's allocation takes paced
-//! reports and `GET /v1/health` is asked, paced too. What is measured is
+//! each on the target) and then reports on the target's tasks, one after
+//! another (at least `--hostile-reports`, and until `--duration` has
+//! passed), while another token's allocations take paced reports and
+//! `GET /v1/health` is asked, paced too. What is measured is
 //! what the other tenant sees meanwhile: p50, p99 and max of its reports
 //! and of health (target: p99 ≤ 50 ms), timed from when each request was
 //! due, so a stall is charged to every request that queued behind it.
@@ -31,9 +32,14 @@ const TENANT_SHA256: &str = "2d432613b3c38589963d1b64c0fa73c810add396e3558cdaefb
 const OTHER: &str = "Authorization: Bearer bench-other-tenant\r\n";
 const OTHER_SHA256: &str = "179e8b5e14d1cbb8ec46e1160a29d47a93bbfa8c63c5c656dc1c5a4e4ffa2fdb";
 
-/// The hostile tenant's prefix, and the other's allocation.
+/// The hostile tenant's prefix, and the other's.
 const PREFIX: &str = "evil-";
-const GOOD: &str = "good-0";
+const GOOD: &str = "good-";
+
+/// The other tenant's connections for its reports, each to an allocation
+/// of its own (`good-{c}`, one agent each), and for health.
+const REPORTERS: usize = 4;
+const CHECKERS: usize = 2;
 
 /// Paced load of the other tenant: reports per second (over 4
 /// connections) and health checks per second (over 2).
@@ -93,17 +99,14 @@ async fn side(
     let addr = server.addr;
     let mut good = Conn::open(addr).await?;
     good.extra_headers = OTHER;
-    let status = good
-        .call(
-            "PUT",
-            &format!("/v1/allocations/{GOOD}"),
-            FIVE_TASKS.as_bytes(),
-        )
-        .await?;
-    if status != 201 {
-        return Err(std::io::Error::other(format!(
-            "{GOOD}'s registration answered {status}"
-        )));
+    for c in 0..REPORTERS {
+        let path = format!("/v1/allocations/{GOOD}{c}");
+        let status = good.call("PUT", &path, FIVE_TASKS.as_bytes()).await?;
+        if status != 201 {
+            return Err(std::io::Error::other(format!(
+                "{GOOD}{c}'s registration answered {status}"
+            )));
+        }
     }
 
     // Every request due before the hostile tenant is done is sent and
@@ -115,20 +118,25 @@ async fn side(
     };
     let report = |c: usize, n: u64| {
         let (method, _, body) = flip_web(c, n);
-        let path = format!("/v1/allocations/{GOOD}/tasks/web/state");
+        let path = format!("/v1/allocations/{GOOD}{c}/tasks/web/state");
         (method, path, body)
     };
     let reports = tokio::spawn(paced_while(
         addr,
-        4,
+        REPORTERS,
         REPORT_RATE,
         OTHER,
         more.clone(),
         report,
     ));
-    let health = tokio::spawn(paced_while(addr, 2, HEALTH_RATE, "", more, |_, _| {
-        ("GET", "/v1/health".to_owned(), Vec::new())
-    }));
+    let health = tokio::spawn(paced_while(
+        addr,
+        CHECKERS,
+        HEALTH_RATE,
+        "",
+        more,
+        |_, _| ("GET", "/v1/health".to_owned(), Vec::new()),
+    ));
 
     // The hostile tenant, on one connection.
     let started = Instant::now();
@@ -148,9 +156,14 @@ async fn side(
         }
         registered.push((id, status, t.elapsed()));
     }
+    // Then reports on the target, one after another: at least
+    // `--hostile-reports`, and more until `--duration` has passed.
     let mut target_reports = Vec::new();
     let target = Shape::target_id(PREFIX);
-    for r in 0..config.hostile_reports {
+    for r in 0.. {
+        if r >= config.hostile_reports && started.elapsed() >= config.duration {
+            break;
+        }
         let task = r % Shape::FULL.target_tasks;
         // Running, then pending again once every task ran: each report
         // changes a verdict of every dependent task.
@@ -259,8 +272,9 @@ pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<String> {
     Ok(format!(
         "dependencies-hostile: one agent token registers the audit's graph (a chain of {} \
          tasks, a target of {} tasks on its head, {} dependents of {} tasks with {} \
-         dependencies each on the target) and reports {} times on the target, while another \
-         token's allocation takes {REPORT_RATE} reports/s and health is asked {HEALTH_RATE} \
+         dependencies each on the target) and reports on the target, one report after \
+         another, at least {} times and for {:?} from its first registration, while another \
+         token's allocations take {REPORT_RATE} reports/s and health is asked {HEALTH_RATE} \
          times/s (target: p99 ≤ 50 ms); durable servers:\n- {}",
         Shape::FULL.chain * Shape::FULL.chain_tasks,
         Shape::FULL.target_tasks,
@@ -268,6 +282,7 @@ pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<String> {
         Shape::FULL.dependent_tasks,
         Shape::FULL.target_tasks,
         config.hostile_reports,
+        config.duration,
         lines.join("\n- ")
     ))
 }
