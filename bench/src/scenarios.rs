@@ -227,6 +227,14 @@ impl Proc {
         }
     }
 
+    /// Bytes the server has written to storage (`/proc/PID/io`).
+    fn written_bytes(&self) -> Option<u64> {
+        let io = std::fs::read_to_string(format!("/proc/{}/io", self.child.id())).ok()?;
+        io.lines()
+            .find_map(|l| l.strip_prefix("write_bytes:"))
+            .and_then(|v| v.trim().parse().ok())
+    }
+
     fn rss_kib(&self) -> Option<u64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).ok()?;
         status

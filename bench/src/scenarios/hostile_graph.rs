@@ -12,9 +12,10 @@
 //! due, so a stall is charged to every request that queued behind it.
 //!
 //! Sides, each on a fresh durable server: `--base-server-bin` (if given),
-//! this build with its dependency limits raised so that the whole graph is
-//! held (the cost of judging it), and this build with its default limits
-//! (which refuse most of it).
+//! this build with its default limits (which refuse most of the graph),
+//! and this build with its dependency limits raised so that the whole
+//! graph is held (the cost of judging it), also `--in-memory` (the same
+//! without writing each dependent's new versions to a disk).
 
 use std::{
     sync::{Arc, OnceLock},
@@ -66,6 +67,8 @@ struct Side {
     target_reports: Vec<(u16, Duration)>,
     /// From the first hostile registration to the last report's answer.
     hostile: Duration,
+    /// Bytes the server wrote to its disk meanwhile.
+    written: u64,
 }
 
 fn token_file(dir: &std::path::Path) -> std::io::Result<std::path::PathBuf> {
@@ -193,6 +196,7 @@ async fn side(
     let _ = stop.set(Instant::now());
     let (reports, report_errors) = reports.await.map_err(std::io::Error::other)??;
     let (health, health_errors) = health.await.map_err(std::io::Error::other)??;
+    let written = server.written_bytes().unwrap_or(0);
     drop(server);
     Ok(Side {
         what: what.to_owned(),
@@ -202,6 +206,7 @@ async fn side(
         registered,
         target_reports,
         hostile,
+        written,
     })
 }
 
@@ -219,7 +224,7 @@ impl Side {
              sent); GET /v1/health p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} sent); {} not \
              2xx. The hostile tenant: {} registrations ({} refused 429), the slowest {:.0} ms; \
              {} reports on the target ({} timed out, 503), p50 {:.0} ms, max {:.0} ms; {:.1} s \
-             in all",
+             in all; the server wrote {} MiB to its disk",
             self.what,
             ms(&self.reports, 0.5),
             ms(&self.reports, 0.99),
@@ -238,6 +243,7 @@ impl Side {
             ms(&own, 0.5),
             ms(&own, 1.0),
             self.hostile.as_secs_f64(),
+            self.written >> 20,
         )
     }
 }
@@ -266,6 +272,18 @@ pub(super) async fn scenario(config: &BenchConfig) -> std::io::Result<String> {
         &this,
         RAISED,
         "this build, limits raised (the whole graph held)",
+    )
+    .await?;
+    eprintln!("bench: {}", s.describe());
+    lines.push(s.describe());
+    // The same without a disk: what judging costs, apart from writing
+    // each dependent's new version (whole, its spec included).
+    let in_memory: Vec<&str> = RAISED.iter().copied().chain(["--in-memory"]).collect();
+    let s = side(
+        config,
+        &this,
+        &in_memory,
+        "this build, limits raised, --in-memory",
     )
     .await?;
     lines.push(s.describe());
