@@ -130,6 +130,7 @@ fn auth_for(config: &ServeConfig) -> Result<Arc<Auth>, StartError> {
         Auth::load(config.token_file.as_deref(), operator).map_err(StartError::Config)?;
     auth.public_metrics = config.public_metrics;
     auth.max_waiters_per_token = config.max_waiters_per_token;
+    auth.set_max_dependencies_per_token(config.max_dependencies_per_token);
     if !auth.enabled() && !config.listen.ip().is_loopback() && !config.insecure_no_auth {
         return Err(StartError::Config(format!(
             "refusing to listen on {} without authentication: give tokens with --token-file or \
@@ -369,6 +370,7 @@ fn registry_config(
         limits: Limits::default(),
         max_waiters: config.max_waiters,
         max_allocations: config.max_allocations,
+        max_dependents: config.max_dependents,
         metrics,
         timeline_events: config.timeline_events,
         event_buffer: config.event_buffer,

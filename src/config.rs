@@ -245,6 +245,21 @@ pub struct ServeConfig {
     #[arg(help_heading = "Limits", long, env = "TASKGATE_MAX_ALLOCATIONS", default_value_t = crate::registry::DEFAULT_MAX_ALLOCATIONS)]
     pub max_allocations: usize,
 
+    /// Dependencies on one allocation's tasks that the tasks of other
+    /// allocations may declare together: a registration that would pass it
+    /// is 429 `quota_exceeded`. It bounds what one change of an allocation
+    /// makes the server judge.
+    #[arg(help_heading = "Limits", long, env = "TASKGATE_MAX_DEPENDENTS", default_value_t = crate::registry::DEFAULT_MAX_DEPENDENTS)]
+    pub max_dependents: usize,
+
+    /// Dependencies on other allocations that the allocations within one
+    /// agent token's prefixes may declare together (a token file entry's
+    /// `max_dependencies` overrides it, for any role); a registration that
+    /// would pass it is 429 `quota_exceeded`, so one tenant cannot make
+    /// the graph every change is judged on as large as it likes.
+    #[arg(help_heading = "Limits", long, env = "TASKGATE_MAX_DEPENDENCIES_PER_TOKEN", default_value_t = crate::http::auth::DEFAULT_MAX_DEPENDENCIES_PER_TOKEN)]
+    pub max_dependencies_per_token: usize,
+
     /// Entries each allocation's timeline keeps in memory (its server's
     /// decisions and its agents' events; `GET .../events`); 0 keeps none.
     #[arg(help_heading = "Limits", long, env = "TASKGATE_TIMELINE_EVENTS", default_value_t = crate::registry::DEFAULT_TIMELINE_EVENTS)]
@@ -384,6 +399,8 @@ impl ServeConfig {
             max_waiters: 100_000,
             max_waiters_per_token: crate::http::auth::DEFAULT_MAX_WAITERS_PER_TOKEN,
             max_allocations: crate::registry::DEFAULT_MAX_ALLOCATIONS,
+            max_dependents: crate::registry::DEFAULT_MAX_DEPENDENTS,
+            max_dependencies_per_token: crate::http::auth::DEFAULT_MAX_DEPENDENCIES_PER_TOKEN,
             timeline_events: crate::registry::DEFAULT_TIMELINE_EVENTS,
             event_buffer: crate::registry::DEFAULT_EVENT_BUFFER,
             event_buffer_bytes: crate::registry::DEFAULT_EVENT_BUFFER_BYTES as u64,

@@ -20,6 +20,7 @@ use clap::Args;
 
 mod dependencies;
 mod etcd;
+mod hostile_graph;
 mod instructions;
 mod liveness;
 mod pipeline;
@@ -52,7 +53,10 @@ pub struct BenchConfig {
     /// the PATH; liveness (what TTLs cost: liveness-ttl,
     /// liveness-heartbeats, liveness-scale, and liveness-base with
     /// --base-server-bin), dependencies (dependencies-wake, and
-    /// dependencies-base with --base-server-bin) and instructions (the
+    /// dependencies-base with --base-server-bin), dependencies-hostile (one
+    /// token's hostile dependency graph against another token's reports
+    /// and health; this build, and --base-server-bin if given) and
+    /// instructions (the
     /// server's instructions per request under callgrind, this build with
     /// and without TTLs and --base-server-bin; needs valgrind), pipeline
     /// (`--clients` writers on one allocation and on one each, against
@@ -144,6 +148,11 @@ pub struct BenchConfig {
     /// depends on one target's task).
     #[arg(long, default_value_t = 100)]
     pub dependency_targets: usize,
+    /// Reports on the target's tasks the dependencies-hostile scenario
+    /// sends at least once its graph is registered, one after another (and
+    /// more until `--duration` has passed since the first registration).
+    #[arg(long, default_value_t = 2)]
+    pub hostile_reports: usize,
     /// Event-stream readers (`GET /v1/events`, never read) the streams
     /// scenario holds open in its windows with readers.
     #[arg(long, default_value_t = 300)]
@@ -216,6 +225,14 @@ impl Proc {
                 Err(std::io::Error::other(why))
             }
         }
+    }
+
+    /// Bytes the server has written to storage (`/proc/PID/io`).
+    fn written_bytes(&self) -> Option<u64> {
+        let io = std::fs::read_to_string(format!("/proc/{}/io", self.child.id())).ok()?;
+        io.lines()
+            .find_map(|l| l.strip_prefix("write_bytes:"))
+            .and_then(|v| v.trim().parse().ok())
     }
 
     fn rss_kib(&self) -> Option<u64> {
@@ -507,21 +524,39 @@ async fn paced<F>(
 where
     F: Fn(usize, u64) -> (&'static str, String, Vec<u8>) + Send + Sync + Clone + 'static,
 {
+    let end = Instant::now() + duration;
+    paced_while(addr, conns, rate, "", move |due| due < end, request).await
+}
+
+/// `paced`, each request with the header lines `headers` (each ending in
+/// CRLF), for as long as `more(due)` says a request due then is sent.
+pub(super) async fn paced_while<F, M>(
+    addr: SocketAddr,
+    conns: usize,
+    rate: f64,
+    headers: &'static str,
+    more: M,
+    request: F,
+) -> std::io::Result<(Vec<Duration>, u64)>
+where
+    F: Fn(usize, u64) -> (&'static str, String, Vec<u8>) + Send + Sync + Clone + 'static,
+    M: Fn(Instant) -> bool + Send + Sync + Clone + 'static,
+{
     let every = Duration::from_secs_f64(conns as f64 / rate);
     let start = Instant::now();
-    let end = start + duration;
     let mut tasks = Vec::with_capacity(conns);
     for c in 0..conns {
-        let request = request.clone();
+        let (request, more) = (request.clone(), more.clone());
         tasks.push(tokio::spawn(async move {
             let mut conn = Conn::open(addr).await?;
+            conn.extra_headers = headers;
             let mut lat = Vec::new();
             let mut errors = 0u64;
             // Connections start spread over one interval, not all at once.
             let mut due = start + every.mul_f64(c as f64 / conns as f64);
             let mut n = 0u64;
             let mut free = start;
-            while due < end {
+            while more(due) {
                 tokio::time::sleep_until(due.into()).await;
                 let from = if free > due { due } else { Instant::now() };
                 let (method, path, body) = request(c, n);
@@ -940,6 +975,7 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
                 outcomes.extend(rows);
                 notes.push(note);
             }
+            "dependencies-hostile" => notes.push(hostile_graph::scenario(&config).await?),
             "dependencies" | "dependencies-wake" | "dependencies-base" => {
                 if scenario != "dependencies-base" {
                     notes.push(dependencies::wake(&config).await?);

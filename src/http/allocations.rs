@@ -45,7 +45,7 @@ pub const DEFAULT_RESTART_REASON: &str = "Restart requested through the API";
          headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
         (status = 409, description = "`allocation_exists`: registered with a different spec",
          body = Problem, content_type = "application/problem+json"),
-        (status = 429, description = "`quota_exceeded`: the server's allocation limit (`--max-allocations`) or the token's (`max_allocations` in the token file) is reached",
+        (status = 429, description = "`quota_exceeded`: the server's allocation limit (`--max-allocations`) or the token's (`max_allocations` in the token file) is reached, or the dependencies on other allocations would pass a target's limit (`--max-dependents`) or the token's (`max_dependencies`, `--max-dependencies-per-token`)",
          body = Problem, content_type = "application/problem+json"),
     )
 )]

@@ -61,6 +61,11 @@ struct TokenEntry {
     /// Waits it may hold at once (else `--max-waiters-per-token`).
     #[serde(default)]
     max_waiters: Option<usize>,
+    /// Dependencies on other allocations its allocations (within its
+    /// prefixes) may declare together (else, for an agent token,
+    /// `--max-dependencies-per-token`).
+    #[serde(default)]
+    max_dependencies: Option<usize>,
 }
 
 /// One known token.
@@ -73,6 +78,12 @@ pub struct Token {
     pub alloc_prefixes: Vec<String>,
     /// Its own limit on registered allocations within its prefixes.
     pub max_allocations: Option<usize>,
+    /// Its limit on the dependencies on other allocations that the
+    /// allocations within its prefixes declare together: its entry's, else
+    /// for an agent token the server's default.
+    pub max_dependencies: Option<usize>,
+    /// Whether `max_dependencies` is its entry's own.
+    own_max_dependencies: bool,
     max_waiters: Option<usize>,
     /// Its waits in progress.
     waiting: AtomicUsize,
@@ -86,6 +97,8 @@ impl Token {
             hash,
             alloc_prefixes,
             max_allocations: None,
+            max_dependencies: (role == Role::Agent).then_some(DEFAULT_MAX_DEPENDENCIES_PER_TOKEN),
+            own_max_dependencies: false,
             max_waiters: None,
             waiting: AtomicUsize::new(0),
         }
@@ -108,10 +121,14 @@ impl Token {
     }
 
     pub fn quota(&self) -> Option<crate::registry::Quota<'_>> {
-        self.max_allocations.map(|max| crate::registry::Quota {
+        if self.max_allocations.is_none() && self.max_dependencies.is_none() {
+            return None;
+        }
+        Some(crate::registry::Quota {
             name: &self.name,
             prefixes: &self.alloc_prefixes,
-            max,
+            max_allocations: self.max_allocations,
+            max_dependencies: self.max_dependencies,
         })
     }
 }
@@ -132,6 +149,12 @@ impl Drop for WaitSlot {
 
 /// Waits one token may hold at once, unless configured otherwise.
 pub const DEFAULT_MAX_WAITERS_PER_TOKEN: usize = 10_000;
+
+/// Dependencies on other allocations that the allocations within an agent
+/// token's prefixes may declare together, unless configured otherwise:
+/// four allocations of 256 tasks, each task with the most dependencies a
+/// task may declare (16).
+pub const DEFAULT_MAX_DEPENDENCIES_PER_TOKEN: usize = 16_384;
 
 /// The configured tokens. No tokens at all means authentication is off.
 #[derive(Debug)]
@@ -208,6 +231,10 @@ impl Auth {
                 let mut token = Token::new(t.name, t.role, hash, t.alloc_prefixes);
                 token.max_allocations = t.max_allocations;
                 token.max_waiters = t.max_waiters;
+                if let Some(max) = t.max_dependencies {
+                    token.max_dependencies = Some(max);
+                    token.own_max_dependencies = true;
+                }
                 tokens.push(Arc::new(token));
             }
         }
@@ -223,6 +250,20 @@ impl Auth {
             tokens,
             ..Self::default()
         })
+    }
+
+    /// Sets the limit on dependencies of every agent token whose entry
+    /// gives none (`--max-dependencies-per-token`). Before the tokens are
+    /// shared (at start).
+    pub fn set_max_dependencies_per_token(&mut self, max: usize) {
+        for token in &mut self.tokens {
+            if let Some(t) = Arc::get_mut(token)
+                && t.role == Role::Agent
+                && !t.own_max_dependencies
+            {
+                t.max_dependencies = Some(max);
+            }
+        }
     }
 
     /// A wait slot of `token`, or `None` if it holds all it may.

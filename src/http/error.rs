@@ -137,7 +137,7 @@ pub const CODES: &[(&str, u16, &str)] = &[
     (
         "quota_exceeded",
         429,
-        "A limit on the caller is reached: the server's `--max-allocations`, or the token's `max_allocations` or `max_waiters`. Delete allocations, or wait for waits to end (`Retry-After`).",
+        "A limit on the caller is reached: the server's `--max-allocations` or `--max-dependents` (dependencies on one allocation's tasks from other allocations, together), or the token's `max_allocations`, `max_dependencies` (dependencies on other allocations its allocations declare together; `--max-dependencies-per-token` for an agent token by default) or `max_waiters`. `detail` names the limit. Delete allocations (or their dependencies), or wait for waits to end (`Retry-After`).",
     ),
     (
         "internal",

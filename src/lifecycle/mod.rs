@@ -44,8 +44,8 @@ pub use coordinator::{
     CoordState, WaitFor, evaluate, gates, next_state, wait_for, waiting, waiting_on,
 };
 pub use deps::{
-    Condition, DepState, Dependency, MAX_DEPENDENCIES, Node, Target, Walk, Why,
-    judge as judge_dependency, walk,
+    Condition, Cycles, DepState, Dependency, MAX_DEPENDENCIES, Node, Positions, Target, Walk, Why,
+    cycles, judge as judge_dependency, walk,
 };
 pub use ids::{AllocId, IdError, TaskName};
 pub use intern::{EventBody, Sym};

@@ -5,13 +5,36 @@ use crate::{
     store::StoreError,
 };
 
-/// A caller's own limit on registered allocations: at most `max` whose IDs
-/// start with one of `prefixes` (any ID, if there are none).
+/// A caller's own limits on what the allocations whose IDs start with one
+/// of `prefixes` (any ID, if there are none) may hold together.
 #[derive(Clone, Copy, Debug)]
 pub struct Quota<'a> {
     pub name: &'a str,
     pub prefixes: &'a [String],
-    pub max: usize,
+    /// Registered allocations (`None`: no limit of the caller's own).
+    pub max_allocations: Option<usize>,
+    /// Dependencies on other allocations, declared by its allocations
+    /// together (`None`: no limit of the caller's own).
+    pub max_dependencies: Option<usize>,
+}
+
+impl Quota<'_> {
+    /// The prefixes to count under, each ID once: a prefix inside another
+    /// of the list (or given twice) is the other's count already.
+    pub fn distinct_prefixes(&self) -> Vec<&str> {
+        let covered = |i: usize, p: &String| {
+            self.prefixes
+                .iter()
+                .enumerate()
+                .any(|(j, o)| j != i && p.starts_with(o.as_str()) && (o.len() < p.len() || j < i))
+        };
+        self.prefixes
+            .iter()
+            .enumerate()
+            .filter(|&(i, p)| !covered(i, p))
+            .map(|(_, p)| p.as_str())
+            .collect()
+    }
 }
 
 /// Which tasks a restart request names.

@@ -43,7 +43,7 @@ mod write;
 
 pub use clock::Clock;
 pub use error::{Quota, RegistryError, RestartTarget};
-pub use judge::MAX_REACH;
+pub use judge::{DEFAULT_MAX_DEPENDENTS, MAX_REACH};
 pub use lives::Signs;
 pub use wait::{Querier, Subscription};
 
@@ -71,6 +71,10 @@ pub struct RegistryConfig {
     /// Allocations registered at once; registering one more is
     /// `QuotaExceeded`.
     pub max_allocations: usize,
+    /// Dependencies on one allocation's tasks that other allocations'
+    /// tasks may declare together; a registration that would declare
+    /// more is `QuotaExceeded`.
+    pub max_dependents: usize,
     /// Where transitions, reports, restarts and stop orders are counted.
     pub metrics: Arc<Metrics>,
     /// Entries each allocation's timeline keeps (0: none).
@@ -98,6 +102,7 @@ impl Default for RegistryConfig {
             limits: Limits::default(),
             max_waiters: 100_000,
             max_allocations: DEFAULT_MAX_ALLOCATIONS,
+            max_dependents: DEFAULT_MAX_DEPENDENTS,
             metrics: Arc::new(Metrics::new()),
             timeline_events: DEFAULT_TIMELINE_EVENTS,
             event_buffer: DEFAULT_EVENT_BUFFER,
@@ -136,7 +141,7 @@ pub struct Registry {
 /// in this list, never one below it:
 /// 1. `registering`: a registration with dependencies on other allocations
 ///    holds it from its check to its publication (tokio's; held across
-///    `.await`).
+///    `.await`), and lets it go before any dependent is judged.
 /// 2. a handle's write lock (`handle.rs`): one allocation's decisions, in
 ///    order; tokio's, held across `.await` by a registration or a deletion
 ///    until its change is published, and by any write on a store that
@@ -158,9 +163,9 @@ pub struct Registry {
 ///    `Mutex`, each taken and let go on its own (publishing extends the
 ///    timeline, lets it go, then writes the slot).
 /// 7. leaves, none held while another lock is taken: the spec interner
-///    (`specs`), the reverse dependency index and the judges in flight
-///    (`judge.rs`), a task's liveness keys (`signs.rs`), a handle's
-///    pending version, the feed (`feed.rs`).
+///    (`specs`), the reverse dependency index, the cycles found, the
+///    registrations checked and the judges in flight (`judge.rs`), a task's liveness keys (`signs.rs`),
+///    a handle's pending version, the feed (`feed.rs`).
 struct Inner {
     /// Allocation ID → handle, sorted for listing. Inserted by a
     /// registration (a handle being created) or the follower, removed by
@@ -194,8 +199,9 @@ struct Inner {
     judges: judge::Judges,
     /// Held by a registration with dependencies on other allocations from
     /// its check to its publication: two of them racing could otherwise
-    /// close a cycle neither sees. Registrations without such dependencies
-    /// never take it.
+    /// close a cycle neither sees, or pass a limit together. Registrations
+    /// without such dependencies never take it, and nobody judges
+    /// dependents under it.
     registering: Arc<tokio::sync::Mutex<()>>,
     /// Where the registry's tasks run: the follower may publish from a
     /// thread outside the runtime (the disk store's writer).

@@ -574,7 +574,8 @@ async fn a_quota_counts_each_allocation_once_across_overlapping_prefixes() {
         Some(Quota {
             name: "team",
             prefixes: &prefixes,
-            max: 3,
+            max_allocations: Some(3),
+            max_dependencies: None,
         })
     };
     for id_ in ["web-eu-1", "web-eu-2", "web-us-1"] {
@@ -994,6 +995,47 @@ mod dependencies {
         assert_eq!(path.to_vec(), ["app/web", "data/db", "app/web"]);
         assert_eq!(data.tasks[0].deps()[0].why(), Some(Why::Cycle));
         assert!(!app.allowed(0) && !data.allowed(0));
+    }
+
+    /// Judging a dependent searches the graph for cycles once for as long
+    /// as only registrations this server checked change the graph (none of
+    /// them closes a cycle): a target's reports, and other dependents'
+    /// registrations in between, cost no search of a dependent already
+    /// searched. A record this server did not check (another replica's,
+    /// here written to the store around the registry) makes the next
+    /// judging search again.
+    #[tokio::test]
+    async fn a_dependent_is_searched_for_cycles_once_while_only_checked_registrations_change_the_graph()
+     {
+        let (r, store) = registry();
+        r.register(id("data"), spec(&[("db", None)])).await.unwrap();
+        let searches = || r.inner.judges.searches();
+        let mut dependents = 0;
+        for k in 0..6 {
+            r.register(id(&format!("app-{k}")), depends("web", "data", "db"))
+                .await
+                .unwrap();
+            dependents += 1;
+            for state in [RunState::Running, RunState::Pending] {
+                r.report("data", report("db", state)).await.unwrap();
+                let why = |a: &Allocation| a.tasks[0].deps()[0].why();
+                let want = (state == RunState::Pending).then_some(Why::Pending);
+                until(&r, "app-0", |a| why(a) == want).await;
+            }
+        }
+        assert_eq!(searches(), dependents, "one search per dependent");
+        let now = ::time::OffsetDateTime::now_utc();
+        let other =
+            Allocation::register(id("app-x"), Arc::new(depends("web", "data", "db")), 1, now);
+        commit(&*store, Op::Put(Arc::new(other))).await.unwrap();
+        until(&r, "app-x", |_| true).await;
+        r.report("data", report("db", RunState::Running))
+            .await
+            .unwrap();
+        r.report("data", report("db", RunState::Pending))
+            .await
+            .unwrap();
+        assert!(searches() > dependents, "searched again: {}", searches());
     }
 
     /// A target's change reaches its dependents' verdicts: registered,

@@ -234,7 +234,6 @@ impl Registry {
             drop(admitted);
             if let Ended::Done(index) = ended {
                 after(&registry, index);
-                registry.judged(index).await;
             }
             ended
         });
@@ -359,6 +358,7 @@ impl Registry {
                 .await;
             match ended {
                 Ended::Done(index) => {
+                    self.judged(index).await;
                     return Ok((Self::published(&handle, record, stamped, index), out));
                 }
                 Ended::Conflict(seen) => {
@@ -408,9 +408,10 @@ impl Registry {
         self.register_within(id, spec, None).await
     }
 
-    /// `register`, counting a new allocation against the server's limit and
-    /// the caller's `quota` (an idempotent re-registration counts against
-    /// neither).
+    /// `register`, counting a new allocation against the server's limits
+    /// and the caller's `quota` (an idempotent re-registration counts
+    /// against none). Answers once the dependents its change started
+    /// judging are judged.
     pub async fn register_within(
         &self,
         id: AllocId,
@@ -418,32 +419,50 @@ impl Registry {
         quota: Option<Quota<'_>>,
     ) -> Result<(Arc<Allocation>, bool), RegistryError> {
         if !spec.reaches_out() {
-            return self.register_once(id, spec, quota).await;
+            let (a, created) = self.register_once(id, spec, quota).await?;
+            if let Some(index) = created {
+                self.judged(index).await;
+            }
+            return Ok((a, created.is_some()));
         }
         // A registration with dependencies on other allocations runs in a
         // task of its own, holding the registrations' lock from its check
-        // to its publication, and then judges what its targets did
-        // between the verdicts it was registered with and its publication
-        // (when it joined the reverse index): a client that goes away
-        // leaves none of it half done.
-        let owned = quota.map(|q| (q.name.to_owned(), q.prefixes.to_vec(), q.max));
+        // to its publication (and no longer: no judging runs under it),
+        // and then judges what its targets did between the verdicts it
+        // was registered with and its publication (when it joined the
+        // reverse index): a client that goes away leaves none of it half
+        // done.
+        let owned = quota.map(|q| {
+            (
+                q.name.to_owned(),
+                q.prefixes.to_vec(),
+                q.max_allocations,
+                q.max_dependencies,
+            )
+        });
         let registry = self.clone();
         let task = tokio::spawn(async move {
-            let _serial = registry.inner.registering.clone().lock_owned().await;
-            let quota = owned.as_ref().map(|(name, prefixes, max)| Quota {
-                name,
-                prefixes,
-                max: *max,
-            });
-            let registered = registry.register_once(id, spec, quota).await?;
-            if !registered.1 {
-                return Ok(registered);
-            }
-            let id = registered.0.id.clone();
+            let serial = registry.inner.registering.clone().lock_owned().await;
+            let quota = owned
+                .as_ref()
+                .map(|(name, prefixes, allocations, deps)| Quota {
+                    name,
+                    prefixes,
+                    max_allocations: *allocations,
+                    max_dependencies: *deps,
+                });
+            let registered = registry.register_once(id, spec, quota).await;
+            drop(serial);
+            let (a, created) = registered?;
+            let Some(index) = created else {
+                return Ok((a, false));
+            };
+            registry.judged(index).await;
+            let id = a.id.clone();
             registry.resolve(id.as_str()).await;
             Ok(match registry.get(id.as_str()) {
                 Ok(now) => (now, true),
-                Err(_) => registered,
+                Err(_) => (a, true),
             })
         });
         task.await.unwrap_or_else(|e| {
@@ -453,12 +472,14 @@ impl Registry {
         })
     }
 
+    /// Registers once: the record, and the index it was registered at
+    /// (`None`: the same spec was registered already).
     async fn register_once(
         &self,
         id: AllocId,
         spec: AllocSpec,
         quota: Option<Quota<'_>>,
-    ) -> Result<(Arc<Allocation>, bool), RegistryError> {
+    ) -> Result<(Arc<Allocation>, Option<u64>), RegistryError> {
         let spec = self.inner.share_spec(Arc::new(spec));
         for _ in 0..MAX_ROUNDS {
             // A handle found here may be deleted before its lock is ours;
@@ -470,7 +491,7 @@ impl Registry {
                 None => handle.lock_write().await,
             };
             match handle.slot_now() {
-                Slot::Live(a) if a.spec == spec => return Ok((a, false)),
+                Slot::Live(a) if a.spec == spec => return Ok((a, None)),
                 Slot::Live(a) => {
                     return Err(RegistryError::AllocationExists {
                         id,
@@ -490,20 +511,23 @@ impl Registry {
             };
             const STAMP: u64 = 1;
             let mut a = Allocation::register(id.clone(), spec.clone(), STAMP, self.now());
-            if let Err(e) = self.check_dependencies(&a) {
+            if let Err(e) = self.check_dependencies(&a, quota) {
                 drop(write);
                 self.inner.forget_creating(&id, &handle);
                 return Err(e);
             }
             self.verdicts(&mut a);
+            let a = Arc::new(a);
+            self.inner.judges.checked(&a);
             let appended = self.inner.store.append(Append {
-                op: Op::Put(Arc::new(a)),
+                op: Op::Put(a.clone()),
                 expect: 0,
                 live: Vec::new(),
             });
             let Some(record) = appended.record.clone() else {
                 drop(write);
                 self.inner.forget_creating(&id, &handle);
+                self.inner.judges.unchecked(&a);
                 return Err(no_record());
             };
             let stamped = appended.stamped;
@@ -533,12 +557,15 @@ impl Registry {
                         Some(now) if now.spec == spec => now,
                         _ => Self::published(&handle, record, stamped, index),
                     };
-                    return Ok((a, true));
+                    return Ok((a, Some(index)));
                 }
                 // Registered through another replica: the view has it
                 // now, and the next round compares the specs.
-                Ended::Conflict(_) => {}
-                Ended::Failed(e) => return Err(e.into()),
+                Ended::Conflict(_) => self.inner.judges.unchecked(&a),
+                Ended::Failed(e) => {
+                    self.inner.judges.unchecked(&a);
+                    return Err(e.into());
+                }
             }
         }
         Err(contended(id.as_str()))
@@ -566,29 +593,20 @@ impl Registry {
                 "the server holds {max} allocations, its limit (--max-allocations)"
             )));
         }
-        if let Some(q) = quota {
+        if let Some((q, max)) = quota.and_then(|q| Some((q, q.max_allocations?))) {
             let held = if q.prefixes.is_empty() {
                 map.len()
             } else {
-                // Each ID once: a prefix inside another of the list (or
-                // given twice) is the other's count already.
-                let covered = |i: usize, p: &String| {
-                    q.prefixes.iter().enumerate().any(|(j, o)| {
-                        j != i && p.starts_with(o.as_str()) && (o.len() < p.len() || j < i)
-                    })
-                };
-                q.prefixes
-                    .iter()
-                    .enumerate()
-                    .filter(|&(i, p)| !covered(i, p))
-                    .map(|(_, p)| map.count_prefix(p, q.max))
+                q.distinct_prefixes()
+                    .into_iter()
+                    .map(|p| map.count_prefix(p, max))
                     .sum()
             };
-            if held >= q.max {
+            if held >= max {
                 return Err(RegistryError::QuotaExceeded(format!(
                     "token {:?} may hold {} allocations{}, and holds {held}",
                     q.name,
-                    q.max,
+                    max,
                     if q.prefixes.is_empty() {
                         String::new()
                     } else {
@@ -628,6 +646,7 @@ impl Registry {
                 {
                     Ended::Done(index) => {
                         tracing::info!(alloc = %id, index, "an unreadable allocation deleted");
+                        self.judged(index).await;
                         return Ok(index);
                     }
                     Ended::Conflict(seen) => {
@@ -658,7 +677,10 @@ impl Registry {
                 )
                 .await;
             match ended {
-                Ended::Done(index) => return Ok(index),
+                Ended::Done(index) => {
+                    self.judged(index).await;
+                    return Ok(index);
+                }
                 Ended::Conflict(seen) => self.catch_up(&handle, expect, seen).await,
                 Ended::Failed(e) => return Err(e.into()),
             }

@@ -3,6 +3,7 @@
 //! library carries none of it.
 
 pub mod cluster;
+pub mod graph;
 
 pub use tempfile_dir::TempDir;
 
