@@ -28,10 +28,7 @@ use common::{
 use taskgate::{
     lifecycle::{AllocId, AllocSpec, Limits, RunState, TaskName, TaskReport, TaskSpec},
     registry::{Registry, RegistryConfig, RegistryError},
-    store::{
-        StoreError,
-        etcd::{EtcdConfig, EtcdStore, client::Client, prefix_end},
-    },
+    store::etcd::{EtcdConfig, EtcdStore, client::Client, prefix_end},
 };
 use tokio::time::Instant;
 
@@ -125,7 +122,7 @@ impl Agents {
         for id in which {
             let beat = match r.heartbeat(id, "web") {
                 Ok(_) => Beat::Taken,
-                Err(RegistryError::Store(StoreError::Unavailable(_))) => Beat::Unavailable,
+                Err(RegistryError::Unrenewed { .. }) => Beat::Unavailable,
                 // Checked by the caller, with the others.
                 Err(RegistryError::TaskLost { .. }) => Beat::Lost,
                 Err(e) => panic!("{id}: a heartbeat was answered {e}"),

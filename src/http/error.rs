@@ -490,7 +490,7 @@ impl From<RegistryError> for ApiError {
                      one; see docs/replicas.md)"
                 ),
             ),
-            RegistryError::Behind { .. } => {
+            RegistryError::Behind { .. } | RegistryError::Unrenewed { .. } => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", detail)
                     .retry_later()
             }
@@ -645,6 +645,16 @@ mod tests {
         assert_eq!((io.status.as_u16(), io.code), (503, "store_failed"));
         assert!(io.retry_after);
         assert!(!io.detail.contains("EIO"), "{}", io.detail);
+        // A heartbeat while etcd acknowledges no lease renewal.
+        let unrenewed = ApiError::from(RegistryError::Unrenewed {
+            alloc: "a".into(),
+            task: "web".into(),
+        });
+        assert_eq!(
+            (unrenewed.status.as_u16(), unrenewed.code),
+            (503, "store_unavailable")
+        );
+        assert!(unrenewed.retry_after);
     }
 
     /// The disk store after a failed write (here: EIO on the log's fsync)
