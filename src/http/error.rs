@@ -172,7 +172,7 @@ pub const CODES: &[(&str, u16, &str)] = &[
     (
         "store_unavailable",
         503,
-        "The store takes no writes for now: an etcd replica without a quorum, or a disk store whose log is at its ceiling or whose commit queue is full. It recovers by itself; `GET /v1/health` says why. Reads still work. Also: a replica whose view has not yet reached an allocation etcd holds (try again), and a write etcd did not confirm, which may have been applied (the detail says so: read the allocation before sending it again, or resend a report with the same `Idempotency-Key`).",
+        "The store takes no writes for now: an etcd replica without a quorum, or a disk store whose log is at its ceiling or whose commit queue is full. It recovers by itself; `GET /v1/health` says why. Reads still work. Also: a replica whose view has not yet reached an allocation etcd holds (try again), and a write etcd did not confirm, which may have been applied (the detail says so: read the allocation before sending it again, or resend a report with the same `Idempotency-Key`); and a heartbeat while etcd acknowledges no lease renewal (the sign of life was heard but cannot be kept for the TTL: send the next one as usual).",
     ),
     (
         "store_failed",
