@@ -2,15 +2,21 @@
 //! --store etcd` replicas on a real three-member etcd, clients sending
 //! reports with unique events through random replicas, and faults on a
 //! schedule drawn from a seed — SIGKILL and SIGSTOP of replicas and of
-//! members, lost quorum, compaction, a member's answers to a replica held
-//! back past its deadline (writes that commit unanswered). At the end,
-//! with everything healed and every replica's view at etcd's revision, the
-//! history is checked (`history/check.rs`): nothing acknowledged lost,
-//! nothing twice, nothing that no one sent, real-time order kept, the
-//! replicas identical and equal to etcd's revisions, read-your-writes as
-//! docs/replicas.md promises.
+//! members, lost quorum (killed, or paused with the leader for longer than
+//! a TTL), the leader paused past a TTL, compaction, a member's answers to
+//! a replica held back past its deadline (writes that commit unanswered).
+//! Beside them, liveness agents heartbeat tasks under a 3 s TTL through
+//! random replicas, some falling silent (`history/liveness.rs`). At the
+//! end, with everything healed and every replica's view at etcd's
+//! revision, the history is checked (`history/check.rs`): nothing
+//! acknowledged lost, nothing twice, nothing that no one sent, real-time
+//! order kept, the replicas identical and equal to etcd's revisions,
+//! read-your-writes as docs/replicas.md promises; and liveness: no task
+//! lost within its TTL after an answered heartbeat (outside the documented
+//! slack), every silent task lost in time, `Agent Lost` once per run on
+//! every replica.
 //!
-//! A tier of its own in `.ci/run` (about two minutes):
+//! A tier of its own in `.ci/run` (about three minutes):
 //! `cargo test --locked --test history -- --ignored`. The seed is printed;
 //! `TASKGATE_HISTORY_SEED=<seed>` replays the same schedule and the same
 //! client choices (the timings, and so the interleavings, differ). On a
@@ -23,11 +29,13 @@ mod check;
 mod common;
 #[path = "history/faults.rs"]
 mod faults;
+#[path = "history/liveness.rs"]
+mod liveness;
 #[path = "history/workload.rs"]
 mod workload;
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     io::Write,
     path::PathBuf,
     process::{Command, Stdio},
@@ -55,6 +63,10 @@ const ROUNDS: usize = 3;
 const CONVERGE: Duration = Duration::from_secs(60);
 
 const REPLICAS: usize = 3;
+
+/// Liveness agents (`liveness.rs`), and how many of them fall silent.
+const LIVE_AGENTS: usize = 6;
+const SILENT: usize = 2;
 
 /// Says `line` where a reader of `cargo test`'s output sees it, passing or
 /// not (`eprintln!` in a test is captured).
@@ -101,6 +113,7 @@ async fn replicas_under_faults_keep_a_history_that_checks() {
         urls: Mutex::new(servers.iter().map(|s| s.base.clone()).collect()),
         stop: AtomicBool::new(false),
         start: Instant::now(),
+        wall: time::OffsetDateTime::now_utc(),
         http: common::http(),
     });
     let mut rig = Rig {
@@ -117,6 +130,22 @@ async fn replicas_under_faults_keep_a_history_that_checks() {
 
     let workers: Vec<_> = (0..WORKERS)
         .map(|w| tokio::spawn(Worker::new(w, WORKERS, rng.u64(..), shared.clone()).run()))
+        .collect();
+    // Liveness agents: heartbeats every 0.5 s through random replicas,
+    // to the end (past the final read), or until a moment drawn from the
+    // seed for the first `SILENT`.
+    let live_stop = Arc::new(AtomicBool::new(false));
+    let agents: Vec<_> = (0..LIVE_AGENTS)
+        .map(|k| {
+            let silent = (k < SILENT).then(|| Duration::from_secs(rng.u64(15..=75)));
+            tokio::spawn(liveness::agent(
+                k,
+                rng.u64(..),
+                silent,
+                shared.clone(),
+                live_stop.clone(),
+            ))
+        })
         .collect();
     // Load before the first fault, as between the others.
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -159,6 +188,10 @@ async fn replicas_under_faults_keep_a_history_that_checks() {
         ));
     }
 
+    // The silent agents' tasks lost (bounded: the check says whether in
+    // time) before the final read.
+    let silent: Vec<String> = (0..SILENT).map(|k| format!("live{k}")).collect();
+    all_lost(&rig, &silent, CONVERGE).await;
     let fin = match converge(&rig).await {
         Ok(fin) => fin,
         Err(why) => {
@@ -168,12 +201,20 @@ async fn replicas_under_faults_keep_a_history_that_checks() {
             check::Final::default()
         }
     };
+    live_stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut lives = Vec::new();
+    for a in agents {
+        lives.push(a.await.expect("a liveness agent panicked"));
+    }
+    let live_ids: BTreeSet<String> = lives.iter().map(|a| a.alloc.clone()).collect();
     if !fin.replicas.is_empty() {
         violations.extend(check::check(
             &recorded.reports,
             &recorded.registrations,
             &fin,
+            &live_ids,
         ));
+        violations.extend(liveness::check(&lives, &done, &fin.replicas, shared.wall));
     }
 
     let count =
@@ -213,6 +254,30 @@ async fn replicas_under_faults_keep_a_history_that_checks() {
         lines("a write whose answer was lost had been applied"),
         landed_unknown(&recorded, &fin),
     ));
+    let beats: Vec<&liveness::Beat> = lives.iter().flat_map(|a| &a.beats).collect();
+    // Heartbeats by how they were answered (`204`, `503`, `timeout`, ...).
+    let mut answers: BTreeMap<&str, usize> = BTreeMap::new();
+    for b in &beats {
+        let how = b.result.split([' ', ':']).next().unwrap_or_default();
+        *answers.entry(how).or_default() += 1;
+    }
+    let lost_tasks = fin.replicas.first().map_or(0, |allocs| {
+        live_ids
+            .iter()
+            .filter(|id| {
+                allocs
+                    .get(*id)
+                    .is_some_and(|a| a["tasks"][0]["lost"] == true)
+            })
+            .count()
+    });
+    say(&format!(
+        "history: liveness: {} heartbeats, answered {answers:?}; {lost_tasks} of {LIVE_AGENTS} \
+         tasks lost ({SILENT} fell silent); runs marked again after their lease ended early, by \
+         replica: {:?}",
+        beats.len(),
+        lines("the lease of a run ended while this replica heard its agent"),
+    ));
     let reads = &recorded.reads;
     say(&format!(
         "history: read-your-writes: {} held on the acknowledging replica, {} on another \
@@ -230,7 +295,7 @@ async fn replicas_under_faults_keep_a_history_that_checks() {
     ));
 
     if !violations.is_empty() {
-        let dir = dump(seed, &rig, &recorded, &done, &fin, &violations);
+        let dir = dump(seed, &rig, &recorded, &lives, &done, &fin, &violations);
         let shown: Vec<&String> = violations.iter().take(30).collect();
         panic!(
             "{} violations (seed {seed}; the history, the final state and the logs are in {}):\n{}",
@@ -242,6 +307,22 @@ async fn replicas_under_faults_keep_a_history_that_checks() {
                 .collect::<Vec<_>>()
                 .join("\n")
         );
+    }
+}
+
+/// Waits (bounded) until replica 0 holds each of `ids` lost.
+async fn all_lost(rig: &Rig, ids: &[String], within: Duration) {
+    let until = Instant::now() + within;
+    for id in ids {
+        while Instant::now() < until {
+            let url = format!("{}/v1/allocations/{id}", rig.shared.url(0));
+            if let Ok((200, _, body)) = get(rig, &url).await
+                && body["tasks"][0]["lost"] == true
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
 }
 
@@ -430,6 +511,7 @@ fn dump(
     seed: u64,
     rig: &Rig,
     recorded: &Recorded,
+    lives: &[liveness::Agent],
     done: &[faults::Done],
     fin: &check::Final,
     violations: &[String],
@@ -451,6 +533,7 @@ fn dump(
         "reads": recorded.reads,
         "registrations": recorded.registrations,
         "reports": reports,
+        "liveness": lives,
     });
     write(
         "history.json",

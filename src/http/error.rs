@@ -172,7 +172,7 @@ pub const CODES: &[(&str, u16, &str)] = &[
     (
         "store_unavailable",
         503,
-        "The store takes no writes for now: an etcd replica without a quorum, or a disk store whose log is at its ceiling or whose commit queue is full. It recovers by itself; `GET /v1/health` says why. Reads still work. Also: a replica whose view has not yet reached an allocation etcd holds (try again), and a write etcd did not confirm, which may have been applied (the detail says so: read the allocation before sending it again, or resend a report with the same `Idempotency-Key`).",
+        "The store takes no writes for now: an etcd replica without a quorum, or a disk store whose log is at its ceiling or whose commit queue is full. It recovers by itself; `GET /v1/health` says why. Reads still work. Also: a replica whose view has not yet reached an allocation etcd holds (try again), and a write etcd did not confirm, which may have been applied (the detail says so: read the allocation before sending it again, or resend a report with the same `Idempotency-Key`); and a heartbeat while etcd acknowledges no lease renewal (the sign of life was heard but cannot be kept for the TTL: send the next one as usual).",
     ),
     (
         "store_failed",
@@ -490,7 +490,7 @@ impl From<RegistryError> for ApiError {
                      one; see docs/replicas.md)"
                 ),
             ),
-            RegistryError::Behind { .. } => {
+            RegistryError::Behind { .. } | RegistryError::Unrenewed { .. } => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", detail)
                     .retry_later()
             }
@@ -645,6 +645,16 @@ mod tests {
         assert_eq!((io.status.as_u16(), io.code), (503, "store_failed"));
         assert!(io.retry_after);
         assert!(!io.detail.contains("EIO"), "{}", io.detail);
+        // A heartbeat while etcd acknowledges no lease renewal.
+        let unrenewed = ApiError::from(RegistryError::Unrenewed {
+            alloc: "a".into(),
+            task: "web".into(),
+        });
+        assert_eq!(
+            (unrenewed.status.as_u16(), unrenewed.code),
+            (503, "store_unavailable")
+        );
+        assert!(unrenewed.retry_after);
     }
 
     /// The disk store after a failed write (here: EIO on the log's fsync)

@@ -147,8 +147,10 @@ impl Modify for CommonResponses {
                 (&mut item.post, true),
                 (&mut item.delete, true),
             ];
-            // A heartbeat commits nothing: no store failure reaches it.
-            let commits = !path.ends_with("/heartbeat");
+            // A heartbeat commits nothing: no store failure reaches it,
+            // but a lease renewal etcd does not acknowledge does.
+            let heartbeat = path.ends_with("/heartbeat");
+            let commits = !heartbeat;
             for (op, changes) in ops {
                 let Some(op) = op else { continue };
                 let writes = changes && commits;
@@ -218,6 +220,12 @@ impl Modify for CommonResponses {
                          been applied); `store_unavailable`: the store takes no writes for now; \
                          `store_failed`: the store failed this write (it may or may not be kept) \
                          or refuses writes after a failed one until a restart; all with \
+                         `Retry-After`"
+                    } else if heartbeat && changes {
+                        "`starting`: the store is still loading; `timeout`: a request that does \
+                         not wait took longer than the request timeout; `store_unavailable`: \
+                         (`--store etcd`) etcd acknowledges no lease renewal now, so the sign of \
+                         life was heard but cannot be kept for the TTL: send it again; all with \
                          `Retry-After`"
                     } else {
                         "`starting`: the store is still loading; `timeout`: a request that does \

@@ -184,7 +184,9 @@ pub async fn start_condition(
 ///
 /// For a task under a liveness TTL: its agent is alive now. Writes
 /// nothing, moves no index and wakes nobody; accepted (and ignored) for a
-/// task that is not running or has no TTL.
+/// task that is not running or has no TTL. With `--store etcd`, answered
+/// 503 `store_unavailable` while etcd acknowledges no lease renewal (the
+/// sign was heard; send it again).
 #[utoipa::path(
     put, path = "/v1/allocations/{alloc_id}/tasks/{task}/heartbeat", operation_id = "heartbeatTask", tag = "tasks",
     params(

@@ -164,6 +164,14 @@ pub enum RegistryError {
          index {index}, this replica's view is at {view}); try again"
     )]
     Behind { id: String, index: u64, view: u64 },
+    /// A sign of life heard while etcd acknowledges no lease renewal
+    /// (docs/replicas.md, "Liveness"): no lease can carry it for now.
+    #[error(
+        "the sign of life for task \"{task}\" of allocation \"{alloc}\" was heard, but etcd \
+         acknowledges no lease renewal now (one has waited past the renewal deadline), so it \
+         cannot be kept for the task's TTL; send it again"
+    )]
+    Unrenewed { alloc: String, task: String },
     #[error(transparent)]
     Store(#[from] StoreError),
 }

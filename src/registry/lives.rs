@@ -44,12 +44,52 @@ use super::{
     signs::{END_GAP, NEVER, ParkedLife},
 };
 use crate::{
-    lifecycle::{Allocation, RunState, TaskName, TaskReport, Timestamp, UNTIL_TOLD},
+    lifecycle::{Allocation, RunState, TTL_RANGE, TaskName, TaskReport, Timestamp, UNTIL_TOLD},
     store::{AppendError, Lease, Leases, LiveOp, Liveness as Key, Mark, Store},
 };
 
 /// After a mark that could not be written, the next try.
 const RETRY: Duration = Duration::from_secs(1);
+
+/// After a mark again that could not be written, the next try (sooner: the
+/// other replicas decide the run lost `GRACE` after its live key went).
+const REMARK_RETRY: Duration = Duration::from_millis(250);
+
+/// How long a replica that heard no sign of life of a run within its TTL
+/// waits, once its view saw the run's live key go, before it declares the
+/// run lost: the time a replica that did hear the agent has to mark the
+/// run again (`mark_again`; its view sees the key go when this one does,
+/// and a grant and a transaction take milliseconds on a healthy etcd).
+/// Part of the slack of a lost decision (docs/replicas.md, "Liveness").
+pub const GRACE: Duration = Duration::from_secs(1);
+
+/// `t + d`, or the end of time where that is past it.
+fn plus(t: Timestamp, d: Duration) -> Timestamp {
+    time::Duration::try_from(d)
+        .ok()
+        .and_then(|d| t.checked_add(d))
+        .unwrap_or(time::PrimitiveDateTime::MAX.assume_utc())
+}
+
+/// What the view holds of a run whose live key is gone (`Inner::lease_gone`).
+struct Gone {
+    /// The run's mark.
+    mark: Mark,
+    /// Its TTL, within `TTL_RANGE`.
+    ttl: Duration,
+    /// When this replica's view saw the key go.
+    at: Option<Timestamp>,
+    /// The latest sign of life of the run this replica heard (a parked
+    /// query is one now).
+    heard: Option<Timestamp>,
+}
+
+impl Gone {
+    /// Whether this replica heard the run's agent less than a TTL ago.
+    fn heard_within(&self, now: Timestamp) -> bool {
+        self.heard.is_some_and(|h| plus(h, self.ttl) > now)
+    }
+}
 
 /// Who measures a task's silence (see the module's comment).
 pub(super) enum Liveness {
@@ -111,7 +151,7 @@ pub(super) fn keep_liveness(
     let life = handle.lives().life_made(a.tasks.len(), i)?;
     let written = match l {
         Key::Mark { mark, .. } => {
-            life.kept.set_mark(*mark);
+            life.kept.set_mark(*mark, now);
             false
         }
         Key::Live { lease, .. } => life.kept.set_live(*lease, now),
@@ -138,11 +178,9 @@ impl Inner {
         }
     }
 
-    /// Leased: task `i` of `a` runs under a TTL, its run is marked, and
-    /// its live key is gone: its lease expired. `Some(the latest sign of
-    /// life known)`: this replica's own, or the moment the lease was last
-    /// renewed as its expiry tells, whichever is later.
-    pub(super) fn lapsed(&self, handle: &Handle, a: &Allocation, i: usize) -> Option<Timestamp> {
+    /// Leased: task `i` of `a` runs, the view holds all of `a`, the run is
+    /// marked, and its live key is gone: its lease ended.
+    fn lease_gone(&self, handle: &Handle, a: &Allocation, i: usize) -> Option<Gone> {
         self.lives.leases()?;
         let t = &a.tasks[i];
         if t.state != RunState::Running || !self.view_holds(a) {
@@ -154,12 +192,40 @@ impl Inner {
         if keys.live || Some(mark.run) != t.started_at.map(nanos) {
             return None;
         }
+        let now = self.config.clock.now();
+        let (min, max) = TTL_RANGE;
+        Some(Gone {
+            mark,
+            // A stored TTL out of every task's range (damage) counts as
+            // the nearest in it.
+            ttl: mark.ttl.clamp(min, max),
+            at: keys.gone_at,
+            // After the run began: the report that began it is no sign
+            // of the run's life since.
+            heard: handle
+                .lives()
+                .seen(i, now)
+                .filter(|&h| t.started_at.is_some_and(|s| h > s)),
+        })
+    }
+
+    /// Leased: task `i` of `a` is to be declared lost now: its run's live
+    /// key is gone, this replica heard no sign of life of it within its
+    /// TTL (else it marks the run again: `mark_again`), and the key went
+    /// `GRACE` ago or more (the time a replica that heard the agent has to
+    /// mark it again first). `Some(the latest sign of life known)`: this
+    /// replica's own, or the moment the lease was last renewed as its
+    /// expiry tells, whichever is later.
+    pub(super) fn lapsed(&self, handle: &Handle, a: &Allocation, i: usize) -> Option<Timestamp> {
+        let g = self.lease_gone(handle, a, i)?;
+        let now = self.config.clock.now();
+        if g.heard_within(now) || g.at.is_some_and(|at| plus(at, GRACE) > now) {
+            return None;
+        }
         // A stored TTL too long for the calendar renews nothing knowable.
-        let renewed = keys
-            .gone_at
-            .and_then(|at| at.checked_sub(mark.ttl.try_into().ok()?));
-        let heard = life.last_seen().filter(|&h| Some(h) >= t.started_at);
-        renewed.max(heard).or(t.started_at)
+        let renewed =
+            g.at.and_then(|at| at.checked_sub(g.mark.ttl.try_into().ok()?));
+        renewed.max(g.heard).or(a.tasks[i].started_at)
     }
 
     /// Leased: task `i` of `a` runs under a TTL (this replica's) and the
@@ -182,19 +248,97 @@ impl Inner {
         keys.mark.is_none_or(|m| Some(m.run) != run)
     }
 
-    /// What leases say of `a` now: due at once (a task lapsed), after
-    /// marking the runs that have no mark, or nothing. Local: nothing.
-    pub(super) fn lease_due(&self, handle: &Arc<Handle>, a: &Allocation) -> bool {
-        if self.lives.leases().is_none() {
-            return false;
+    /// When leases say `a` must be looked at next: at once (a task
+    /// lapsed), when a run whose live key went is to be declared lost
+    /// (its grace over, or the sign this replica heard a TTL old), or
+    /// never. Marks the runs that have no mark, and marks again those
+    /// whose live key went while this replica heard their agent within
+    /// their TTL. Local: never.
+    pub(super) fn lease_due(&self, handle: &Arc<Handle>, a: &Allocation) -> Option<Timestamp> {
+        self.lives.leases()?;
+        let now = self.config.clock.now();
+        let mut next: Option<Timestamp> = None;
+        let mut again = false;
+        for i in 0..a.tasks.len() {
+            let Some(g) = self.lease_gone(handle, a, i) else {
+                continue;
+            };
+            let at = match g.heard {
+                Some(heard) if g.heard_within(now) => {
+                    again = true;
+                    plus(heard, g.ttl)
+                }
+                _ => g.at.map_or(now, |at| plus(at, GRACE)),
+            };
+            next = Some(next.map_or(at, |n| n.min(at)));
         }
-        if (0..a.tasks.len()).any(|i| self.lapsed(handle, a, i).is_some()) {
-            return true;
+        if again {
+            self.mark_again(handle);
         }
         if (0..a.tasks.len()).any(|i| self.unmarked(handle, a, i)) {
             self.mark_runs(handle);
         }
-        false
+        next
+    }
+
+    /// Marks again the runs of `handle`'s allocation whose live key went
+    /// while this replica heard their agent within their TTL: a lease
+    /// etcd ended early (revoked by a leader that resumed from a pause,
+    /// etcd issues #12528 and #15247; counted down while etcd had no
+    /// quorum; its renewal lost with a replica), so the agent is alive as
+    /// far as this replica knows. The same run, a new lease, written only
+    /// while the live key is still gone and the record unchanged. In a
+    /// task of its own; a failure is tried again while the sign heard is
+    /// within the TTL (`lease_due` looks again then).
+    fn mark_again(&self, handle: &Arc<Handle>) {
+        let Some(registry) = self.registry() else {
+            return;
+        };
+        let Some(a) = handle.current() else { return };
+        let now = self.config.clock.now();
+        let todo: Vec<(usize, Mark)> = (0..a.tasks.len())
+            .filter_map(|i| {
+                let g = self.lease_gone(handle, &a, i)?;
+                g.heard_within(now).then_some((
+                    i,
+                    Mark {
+                        ttl: g.ttl,
+                        ..g.mark
+                    },
+                ))
+            })
+            .filter(|&(i, _)| {
+                handle
+                    .lives()
+                    .life(i)
+                    .is_some_and(|l| !l.kept.marking.swap(true, Ordering::SeqCst))
+            })
+            .collect();
+        if todo.is_empty() {
+            return;
+        }
+        let handle = handle.clone();
+        self.spawn(async move {
+            let outcome = registry.mark_again_now(&a, &todo).await;
+            for &(i, _) in &todo {
+                if let Some(l) = handle.lives().life(i) {
+                    l.kept.marking.store(false, Ordering::SeqCst);
+                }
+            }
+            match outcome {
+                Ok(true) => {}
+                // Not written (the record or a live key moved on): looked
+                // at again once the view holds that, not at once.
+                Ok(false) => tokio::time::sleep(REMARK_RETRY).await,
+                Err(e) => {
+                    tracing::warn!(alloc = %a.id, error = %e, "a run whose lease ended while its agent was heard could not be marked again; trying again");
+                    tokio::time::sleep(REMARK_RETRY).await;
+                }
+            }
+            if let Some(now) = handle.current() {
+                registry.inner.reschedule(&handle, &now);
+            }
+        });
     }
 
     /// Marks the runs of `handle`'s allocation that run under a TTL without
@@ -385,6 +529,15 @@ impl Registry {
             handle.lives().touch(a.tasks.len(), i, self.now());
         }
         self.inner.renew(&handle, i, Sign::Came);
+        // Heard (a replica that heard a run's agent within its TTL marks
+        // it again if its lease ends), but not acknowledged while no
+        // lease renewal is: the agent tries again.
+        if self.inner.unrenewed(&handle, &a, i) {
+            return Err(RegistryError::Unrenewed {
+                alloc: id.to_owned(),
+                task: task.to_owned(),
+            });
+        }
         Ok(a)
     }
 
@@ -484,6 +637,43 @@ impl Registry {
         }
     }
 
+    /// Writes new leases for the runs `todo` of `a` whose live key went
+    /// while this replica heard their agent (see `Inner::mark_again`):
+    /// each the same run under the TTL of its mark, if the store still
+    /// holds `a` and the live keys are still gone.
+    async fn mark_again_now(
+        &self,
+        a: &Allocation,
+        todo: &[(usize, Mark)],
+    ) -> Result<bool, RegistryError> {
+        let Some(leases) = self.inner.lives.leases() else {
+            return Ok(true);
+        };
+        let mut ops = Vec::new();
+        for &(i, mark) in todo {
+            let lease = leases.grant(mark.ttl).await?;
+            ops.push(LiveOp::Start {
+                task: a.task_name(i).clone(),
+                mark: Mark { lease, ..mark },
+            });
+        }
+        match leases.mark(&a.id, a.modify_index, ops).await {
+            Ok(index) => {
+                let tasks: Vec<&str> = todo.iter().map(|&(i, _)| a.task_name(i).as_str()).collect();
+                tracing::warn!(alloc = %a.id, ?tasks, index, "the lease of a run ended while this replica heard its agent within the TTL (etcd ended it early: a leader that resumed from a pause, or a quorum lost for longer than the TTL); the run is marked again with a new lease, not declared lost");
+                self.wait_view(index, Duration::from_secs(10)).await;
+                Ok(true)
+            }
+            // The record moved on, or another replica marked the run
+            // again: once the view holds that, the next look decides.
+            Err(AppendError::Conflict { seen } | AppendError::Landed { seen }) => {
+                self.wait_view(seen, Duration::from_secs(10)).await;
+                Ok(false)
+            }
+            Err(AppendError::Store(e)) => Err(e.into()),
+        }
+    }
+
     /// Leased: what `decided` (the next record, decided on `current`) does
     /// to its tasks' liveness keys: a run under a TTL that starts gets its
     /// mark and live key (under a lease from `granted`, granted on first
@@ -533,7 +723,19 @@ impl Registry {
                     });
                 }
                 _ if ran && (new_run || !runs) && (kept || ttl.is_some()) => {
-                    ops.push(LiveOp::End { task: task() });
+                    // Declared lost because its live key is gone: only
+                    // while it still is (a replica that heard the agent
+                    // may have marked the run again).
+                    let lapsed = !runs
+                        && now.lost()
+                        && handle.lives().life(i).is_some_and(|l| {
+                            let keys = l.kept.keys();
+                            keys.mark.is_some() && !keys.live
+                        });
+                    ops.push(LiveOp::End {
+                        task: task(),
+                        lapsed,
+                    });
                 }
                 _ => {}
             }
@@ -558,6 +760,18 @@ impl Signs {
 }
 
 impl Inner {
+    /// Leased: whether a sign of life for task `i` of `a` (running, its
+    /// lease renewed by this replica) comes while etcd acknowledges no
+    /// renewal.
+    fn unrenewed(&self, handle: &Handle, a: &Allocation, i: usize) -> bool {
+        let Some(leases) = self.lives.leases() else {
+            return false;
+        };
+        a.tasks[i].state == RunState::Running
+            && (a.spec.ttl(i, self.config.default_liveness_ttl).is_some() || handle.lives().made())
+            && !leases.renewing()
+    }
+
     /// Whether the store measures silences (`Liveness::Leased`).
     pub(super) fn lives_leased(&self) -> bool {
         self.lives.leases().is_some()

@@ -44,7 +44,7 @@ mod write;
 pub use clock::Clock;
 pub use error::{Quota, RegistryError, RestartTarget};
 pub use judge::{DEFAULT_MAX_DEPENDENTS, MAX_REACH};
-pub use lives::Signs;
+pub use lives::{GRACE, Signs};
 pub use wait::{Querier, Subscription};
 
 use std::sync::{

@@ -8,7 +8,7 @@ use std::{
     sync::{Arc, Mutex, Weak},
 };
 
-use super::*;
+use super::{lives::GRACE, *};
 use crate::{
     lifecycle::{AllocSpec, RunState, TaskName, TaskReport, TaskSpec, Timestamp},
     store::{
@@ -34,9 +34,27 @@ struct State {
     leases: Lease,
     /// Every renewal asked for, in order.
     renewals: Vec<Lease>,
+    /// Renewals go unacknowledged (`Leases::renewing` is false).
+    unrenewed: bool,
+    /// Changes refused because a live key they needed gone was there.
+    refused_live: usize,
 }
 
 impl State {
+    /// Whether a live key of `id` that `ops` need absent is there (as
+    /// etcd's compare: a run declared lost, or marked again, only while
+    /// its live key is gone).
+    fn live_present(&self, id: &AllocId, ops: &[LiveOp], starts: bool) -> bool {
+        ops.iter().any(|op| {
+            let task = match op {
+                LiveOp::End { task, lapsed: true } => task,
+                LiveOp::Start { task, .. } if starts => task,
+                _ => return false,
+            };
+            self.live.contains_key(&(id.to_string(), task.to_string()))
+        })
+    }
+
     /// Applies liveness ops on `id`'s keys, holding the changes.
     fn apply_live(&mut self, id: &AllocId, ops: Vec<LiveOp>) {
         for op in ops {
@@ -57,7 +75,7 @@ impl State {
                         },
                     ]
                 }
-                LiveOp::End { task } => {
+                LiveOp::End { task, .. } => {
                     self.live.remove(&(id.to_string(), task.to_string()));
                     vec![
                         Liveness::Live {
@@ -123,6 +141,10 @@ impl Store for Held {
         let now = now.or(s.unreadable.get(&id).map(|u| u.index));
         let done: Pending<Result<u64, AppendError>> = if now.unwrap_or(0) != expect {
             let seen = now.unwrap_or(s.revision);
+            Box::pin(async move { Err(AppendError::Conflict { seen }) })
+        } else if s.live_present(op.id(), &live, false) {
+            s.refused_live += 1;
+            let seen = s.revision;
             Box::pin(async move { Err(AppendError::Conflict { seen }) })
         } else {
             s.revision += 1;
@@ -192,6 +214,10 @@ impl Leases for HeldLeases {
         if now != expect {
             return Box::pin(async move { Err(AppendError::Conflict { seen: now }) });
         }
+        if s.live_present(id, &live, true) {
+            let seen = s.revision;
+            return Box::pin(async move { Err(AppendError::Conflict { seen }) });
+        }
         s.revision += 1;
         let index = s.revision;
         s.apply_live(id, live);
@@ -200,6 +226,10 @@ impl Leases for HeldLeases {
 
     fn keep_alive(&self, lease: Lease) {
         self.0.lock().unwrap().renewals.push(lease);
+    }
+
+    fn renewing(&self) -> bool {
+        !self.0.lock().unwrap().unrenewed
     }
 }
 
@@ -223,9 +253,14 @@ fn running() -> Vec<(TaskName, TaskReport)> {
     )]
 }
 
+/// A replica on a `Held` store, its wall clock on tokio's (paused).
 fn open() -> (Arc<Held>, Registry) {
     let store = Arc::new(Held::default());
-    let registry = Registry::open(store.clone(), RegistryConfig::default()).unwrap();
+    let config = RegistryConfig {
+        clock: super::clock::Clock::tokio(),
+        ..RegistryConfig::default()
+    };
+    let registry = Registry::open(store.clone(), config).unwrap();
     (store, registry)
 }
 
@@ -497,7 +532,10 @@ fn another_run(store: &Held, started: Timestamp) -> Lease {
         next.tasks[0].modify_index = index;
         next.modify_index = index;
         let ops = match live {
-            None => vec![LiveOp::End { task: web.clone() }],
+            None => vec![LiveOp::End {
+                task: web.clone(),
+                lapsed: false,
+            }],
             Some(started) => {
                 next.tasks[0].started_at = Some(started);
                 s.leases += 1;
@@ -567,6 +605,8 @@ async fn a_mark_with_a_ttl_past_the_calendar_panics_nothing() {
                 lease: 1,
             }),
         }));
+        // Its lease expires.
+        s.live.clear();
         s.revision += 1;
         s.held.push(Change::Liveness(Liveness::Live {
             id,
@@ -580,4 +620,145 @@ async fn a_mark_with_a_ttl_past_the_calendar_panics_nothing() {
         store.deliver();
         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
+}
+
+/// The store ends `t1`'s web lease: its live key goes (as etcd's expiry,
+/// or a revocation, does).
+fn lease_ends(store: &Held) {
+    let mut s = store.0.lock().unwrap();
+    s.live.clear();
+    s.revision += 1;
+    s.held.push(Change::Liveness(Liveness::Live {
+        id: AllocId::parse("t1").unwrap(),
+        task: TaskName::parse("web").unwrap(),
+        lease: None,
+    }));
+}
+
+/// Hands the held changes over and lets the registry run for `span` of
+/// (paused) time, a millisecond at a time.
+async fn run_for(store: &Held, span: std::time::Duration) {
+    let until = tokio::time::Instant::now() + span;
+    while tokio::time::Instant::now() < until {
+        store.deliver();
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    store.deliver();
+}
+
+/// web's live key in the store: its lease.
+fn live_lease(store: &Held) -> Option<Lease> {
+    let s = store.0.lock().unwrap();
+    s.live.get(&("t1".to_string(), "web".to_string())).copied()
+}
+
+/// A lease that ends while this replica heard the run's agent within its
+/// TTL (etcd ended it early: a leader resumed from a pause, a quorum lost
+/// for longer than the TTL) does not make the task lost: the replica
+/// marks the same run again under a new lease, and renews that one.
+#[tokio::test(start_paused = true)]
+async fn a_lease_that_ends_while_its_agent_is_heard_here_is_marked_again() {
+    let (store, r) = open();
+    timed_running(&store, &r).await;
+    tokio::time::sleep(TTL / 2).await;
+    r.heartbeat("t1", "web").unwrap();
+    let heard = r.get("t1").unwrap().modify_index;
+    lease_ends(&store);
+    run_for(&store, GRACE * 3).await;
+    let a = r.get("t1").unwrap();
+    assert!(!a.tasks[0].lost(), "lost while its agent was heard");
+    assert_eq!(a.modify_index, heard, "the record did not change");
+    let new = live_lease(&store).expect("the run's live key written again");
+    assert_ne!(new, 1, "under a new lease");
+    let handle = r.handle("t1").unwrap();
+    let keys = handle.lives().life(0).unwrap().kept.keys();
+    assert!(keys.live);
+    assert_eq!(keys.mark.map(|m| (m.lease, m.ttl)), Some((new, TTL)));
+    assert_eq!(
+        renewals(&store).last(),
+        Some(&new),
+        "the sign heard renews the new lease"
+    );
+    // Silent from here: the new lease ends a TTL later, and nothing was
+    // heard within it: lost, once.
+    tokio::time::sleep(TTL).await;
+    lease_ends(&store);
+    run_for(&store, GRACE * 3).await;
+    let a = r.get("t1").unwrap();
+    assert!(a.tasks[0].lost());
+    let lost = a.tasks[0]
+        .events
+        .iter()
+        .filter(|e| e.kind == crate::lifecycle::LOST_EVENT)
+        .count();
+    assert_eq!(lost, 1);
+}
+
+/// A replica that heard nothing of a run waits `GRACE` after its live key
+/// went before it declares the run lost; a replica that heard the agent
+/// and marked the run again meanwhile wins, even where this replica's
+/// view has not seen that yet: the lost decision is written only while
+/// the live key is still gone.
+#[tokio::test(start_paused = true)]
+async fn a_lost_decision_waits_its_grace_and_loses_to_a_run_marked_again() {
+    let (store, r) = open();
+    timed_running(&store, &r).await;
+    tokio::time::sleep(TTL * 2).await;
+    lease_ends(&store);
+    run_for(&store, GRACE - std::time::Duration::from_millis(50)).await;
+    assert!(!r.get("t1").unwrap().tasks[0].lost(), "within its grace");
+    // Another replica, which heard the agent, marks the run again; this
+    // view does not see it before its grace is over.
+    {
+        let mut s = store.0.lock().unwrap();
+        let (_, a) = s.records.get("t1").unwrap().clone();
+        let run = super::clock::nanos(a.tasks[0].started_at.unwrap());
+        s.leases += 1;
+        let lease = s.leases;
+        s.revision += 1;
+        s.apply_live(
+            &a.id,
+            vec![LiveOp::Start {
+                task: TaskName::parse("web").unwrap(),
+                mark: crate::store::Mark {
+                    run,
+                    ttl: TTL,
+                    lease,
+                },
+            }],
+        );
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    {
+        // Its decision was tried, and refused: the live key is there.
+        let s = store.0.lock().unwrap();
+        assert_eq!(s.refused_live, 1);
+        assert!(!s.records.get("t1").unwrap().1.tasks[0].lost());
+    }
+    // Once the view holds the run marked again, it stays running.
+    run_for(&store, GRACE * 3).await;
+    assert!(!r.get("t1").unwrap().tasks[0].lost());
+    let handle = r.handle("t1").unwrap();
+    assert!(handle.lives().life(0).unwrap().kept.keys().live);
+}
+
+/// A heartbeat that comes while etcd acknowledges no lease renewal is
+/// heard (its renewal queued) and answered 503 `store_unavailable`: no
+/// lease carries it for now. Taken again once renewals are.
+#[tokio::test(start_paused = true)]
+async fn a_heartbeat_is_unavailable_while_renewals_are_unacknowledged() {
+    let (store, r) = open();
+    timed_running(&store, &r).await;
+    r.heartbeat("t1", "web").unwrap();
+    store.0.lock().unwrap().unrenewed = true;
+    tokio::time::sleep(TTL).await;
+    let before = renewals(&store).len();
+    let refused = r.heartbeat("t1", "web").unwrap_err();
+    assert!(
+        matches!(refused, RegistryError::Unrenewed { .. }),
+        "{refused:?}"
+    );
+    assert_eq!(renewals(&store).len(), before + 1, "its renewal still sent");
+    store.0.lock().unwrap().unrenewed = false;
+    r.heartbeat("t1", "web").unwrap();
 }

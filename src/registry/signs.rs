@@ -129,15 +129,6 @@ impl Life {
     pub(crate) fn is_parked(&self) -> bool {
         self.parked.load(Ordering::Relaxed) > 0
     }
-
-    /// The latest sign of life stored (a parked query not counted as one
-    /// now).
-    pub(crate) fn last_seen(&self) -> Option<Timestamp> {
-        match self.seen.load(Ordering::Relaxed) {
-            NEVER_SEEN => None,
-            n => Some(from_nanos(n)),
-        }
-    }
 }
 
 /// A query parked for a task (see `Lives::park`).
@@ -181,7 +172,8 @@ pub(crate) struct Keys {
     pub mark: Option<Mark>,
     /// Whether the run's live key is there.
     pub live: bool,
-    /// When this replica's view saw the live key go (its clock).
+    /// When this replica's view saw the live key go (its clock), or found
+    /// the run's mark without it (a listing).
     pub gone_at: Option<Timestamp>,
 }
 
@@ -234,17 +226,20 @@ impl Kept {
             .clone()
     }
 
-    /// The store wrote (`Some`) or removed the run's mark.
-    pub(crate) fn set_mark(&self, mark: Option<Mark>) {
+    /// The store wrote (`Some`) or removed the run's mark, seen at `now`.
+    /// A mark without its live key (listed after the key went) counts as
+    /// the key gone now: the view learns it then.
+    pub(crate) fn set_mark(&self, mark: Option<Mark>, now: Timestamp) {
         if let Some(m) = &mark {
             let every = (m.ttl / 3).max(Duration::from_millis(1));
             self.every_ms
                 .store(every.as_millis() as u64, Ordering::Relaxed);
         }
-        self.keys
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .mark = mark;
+        let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        if mark.is_some() && !keys.live && keys.gone_at.is_none() {
+            keys.gone_at = Some(now);
+        }
+        keys.mark = mark;
     }
 
     /// The store wrote the live key under `lease` (`Some`), or it went at

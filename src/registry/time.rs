@@ -283,13 +283,10 @@ impl Inner {
             return;
         }
         let now = self.config.clock.now();
-        if self.lease_due(handle, a) {
-            return self.schedule(handle, now);
-        }
+        let leases = self.lease_due(handle, a);
         let seen = self.seen(handle, now);
-        if let Some(at) = a.wake_at(&seen, default)
-            && at != UNTIL_TOLD
-        {
+        let time = a.wake_at(&seen, default).filter(|&at| at != UNTIL_TOLD);
+        if let Some(at) = [leases, time].into_iter().flatten().min() {
             self.schedule(handle, at);
         }
     }

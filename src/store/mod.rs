@@ -185,6 +185,11 @@ pub enum LiveOp {
     },
     End {
         task: crate::lifecycle::TaskName,
+        /// The run ends because its live key is gone (it is declared
+        /// lost): the change holds only while the live key is still gone,
+        /// so that a replica that heard the agent and marked the run again
+        /// meanwhile wins (docs/replicas.md, "Liveness").
+        lapsed: bool,
     },
 }
 
@@ -321,9 +326,11 @@ pub trait Leases: Send + Sync {
         ttl: std::time::Duration,
     ) -> Pin<Box<dyn Future<Output = Result<Lease, StoreError>> + Send>>;
 
-    /// Writes liveness keys alone (`LiveOp::Start` of runs that have none:
-    /// runs that began before their TTL applied), if the allocation's
-    /// record is still the one at `expect`. Resolves to the index it took.
+    /// Writes liveness keys alone (`LiveOp::Start` of runs whose live key
+    /// is gone: runs that began before their TTL applied, and runs whose
+    /// lease ended while this replica heard their agent), if the
+    /// allocation's record is still the one at `expect` and none of those
+    /// live keys exists. Resolves to the index it took.
     fn mark(
         &self,
         id: &AllocId,
@@ -334,6 +341,13 @@ pub trait Leases: Send + Sync {
     /// Renews `lease` (queued; a failure is retried on another member).
     /// Whoever calls it bounds how often.
     fn keep_alive(&self, lease: Lease);
+
+    /// Whether renewals are acknowledged now: false while one has gone
+    /// unanswered past the renewal deadline (a sign of life heard then is
+    /// answered 503: no lease can carry it for now).
+    fn renewing(&self) -> bool {
+        true
+    }
 }
 
 /// A record this build cannot read: why, and the index that wrote it (a

@@ -74,8 +74,16 @@ fn differ(a: &Value, b: &Value, path: &str) -> Option<String> {
     }
 }
 
-/// Every violation the final state and the history show.
-pub fn check(reports: &[Report], registrations: &[Registration], fin: &Final) -> Vec<String> {
+/// Every violation the final state and the history show. The
+/// allocations of `others` (the liveness agents', `liveness.rs`) are
+/// checked as every allocation is (the same on every replica, as etcd
+/// holds them), not against the reports.
+pub fn check(
+    reports: &[Report],
+    registrations: &[Registration],
+    fin: &Final,
+    others: &std::collections::BTreeSet<String>,
+) -> Vec<String> {
     let mut out = Vec::new();
     same_everywhere(fin, &mut out);
     as_etcd_holds(fin, &mut out);
@@ -87,7 +95,12 @@ pub fn check(reports: &[Report], registrations: &[Registration], fin: &Final) ->
     let mut seen: Vec<(String, Vec<usize>)> = Vec::new();
     for (r, allocs) in fin.replicas.iter().enumerate() {
         let mut mine = Vec::new();
-        events(reports, registrations, allocs, &mut mine);
+        let allocs: BTreeMap<String, Value> = allocs
+            .iter()
+            .filter(|(id, _)| !others.contains(*id))
+            .map(|(id, a)| (id.clone(), a.clone()))
+            .collect();
+        events(reports, registrations, &allocs, &mut mine);
         for v in mine {
             match seen.iter_mut().find(|(s, _)| *s == v) {
                 Some((_, on)) => on.push(r),
@@ -474,35 +487,60 @@ mod tests {
 
     #[test]
     fn a_clean_history_passes() {
-        let v = check(&history(), &[], &fin(&["w0/0", "w0/1", "w0/2"], 5));
+        let v = check(
+            &history(),
+            &[],
+            &fin(&["w0/0", "w0/1", "w0/2"], 5),
+            &Default::default(),
+        );
         assert!(v.is_empty(), "{v:#?}");
         // An unknown report may be absent too.
-        let v = check(&history(), &[], &fin(&["w0/0", "w0/2"], 5));
+        let v = check(
+            &history(),
+            &[],
+            &fin(&["w0/0", "w0/2"], 5),
+            &Default::default(),
+        );
         assert!(v.is_empty(), "{v:#?}");
     }
 
     #[test]
     fn a_duplicate_is_named() {
-        let v = check(&history(), &[], &fin(&["w0/0", "w0/2", "w0/2"], 5));
+        let v = check(
+            &history(),
+            &[],
+            &fin(&["w0/0", "w0/2", "w0/2"], 5),
+            &Default::default(),
+        );
         assert_eq!(v.len(), 1, "{v:#?}");
         assert!(
             v[0].contains("event w0/2 appears 2 times (positions [1, 2])"),
             "{v:#?}"
         );
-        let v = check(&history(), &[], &fin(&["w0/0", "w0/1", "w0/1", "w0/2"], 5));
+        let v = check(
+            &history(),
+            &[],
+            &fin(&["w0/0", "w0/1", "w0/1", "w0/2"], 5),
+            &Default::default(),
+        );
         assert!(v[0].contains("event w0/1 appears 2 times"), "{v:#?}");
     }
 
     #[test]
     fn a_lost_acknowledged_event_is_named() {
-        let v = check(&history(), &[], &fin(&["w0/2"], 5));
+        let v = check(&history(), &[], &fin(&["w0/2"], 5), &Default::default());
         assert_eq!(v.len(), 1, "{v:#?}");
         assert!(v[0].contains("event w0/0 is lost"), "{v:#?}");
     }
 
     #[test]
     fn an_event_no_one_sent_is_named() {
-        let v = check(&history(), &[], &fin(&["w0/0", "w9/9", "w0/2"], 5));
+        let v = check(
+            &history(),
+            &[],
+            &fin(&["w0/0", "w9/9", "w0/2"], 5),
+            &Default::default(),
+        );
         assert_eq!(v.len(), 1, "{v:#?}");
         assert!(
             v[0].contains("\"w9/9\" (position 1) was never sent"),
@@ -512,12 +550,17 @@ mod tests {
 
     #[test]
     fn real_time_order_is_checked_in_the_history_and_the_indexes() {
-        let v = check(&history(), &[], &fin(&["w0/2", "w0/0"], 5));
+        let v = check(
+            &history(),
+            &[],
+            &fin(&["w0/2", "w0/0"], 5),
+            &Default::default(),
+        );
         assert_eq!(v.len(), 1, "{v:#?}");
         assert!(v[0].contains("w0/0 (acknowledged at"), "{v:#?}");
         let mut h = history();
         h[2].outcome = ok(2);
-        let v = check(&h, &[], &fin(&["w0/0", "w0/2"], 5));
+        let v = check(&h, &[], &fin(&["w0/0", "w0/2"], 5), &Default::default());
         assert_eq!(v.len(), 1, "{v:#?}");
         assert!(v[0].starts_with("real-time order: w0/0"), "{v:#?}");
     }
@@ -526,7 +569,7 @@ mod tests {
     fn replicas_that_differ_or_disagree_with_etcd_are_named() {
         let mut f = fin(&["w0/0", "w0/2"], 5);
         f.replicas[2] = [("h0".to_owned(), alloc(&["w0/0"], 4))].into();
-        let v = check(&history(), &[], &f);
+        let v = check(&history(), &[], &f, &Default::default());
         assert!(
             v.iter()
                 .any(|v| v.starts_with("replicas 0 and 2 answer allocation h0 differently")),
@@ -565,6 +608,7 @@ mod tests {
             &h,
             &[g(201), g(201), g(200)],
             &fin(&["w0/0", "w0/1", "w0/2"], 5),
+            &Default::default(),
         );
         assert_eq!(v.len(), 2, "{v:#?}");
         assert!(v[0].contains("answered 201 (created) 2 times"), "{v:#?}");

@@ -56,6 +56,15 @@ pub enum Fault {
     /// replica finds its revision compacted when its watch moves to
     /// another member, and lists again.
     CompactBehindPausedMember { replica: usize },
+    /// SIGSTOP etcd's leader for longer than the liveness tasks' TTL, then
+    /// SIGCONT: another member leads meanwhile, and the one that resumes
+    /// may revoke every lease it counted down (etcd before 3.4.31 and
+    /// 3.5.13: issues #12528, #15247).
+    PauseLeader,
+    /// SIGSTOP the leader and a follower for longer than the TTL: no
+    /// quorum, no renewal acknowledged; when they resume, the leader
+    /// revokes every lease whose TTL passed.
+    LoseQuorumLeaderPaused,
 }
 
 /// One entry of the schedule: the fault, how long it lasts, how long the
@@ -107,6 +116,8 @@ pub fn schedule(
             Fault::CompactBehindPausedMember {
                 replica: rng.usize(..replicas),
             },
+            Fault::PauseLeader,
+            Fault::LoseQuorumLeaderPaused,
         ]);
     }
     rng.shuffle(&mut faults);
@@ -117,6 +128,9 @@ pub fn schedule(
             hold_ms: match fault {
                 // Past the replica's `--etcd-timeout` (5 s by default).
                 Fault::StallAnswers { .. } => rng.u64(6_000..=7_500),
+                // Past the liveness tasks' TTL (3 s), so that every lease
+                // runs out on the paused leader's clock.
+                Fault::PauseLeader | Fault::LoseQuorumLeaderPaused => rng.u64(3_500..=5_000),
                 _ => rng.u64(1_500..=3_500),
             },
             calm_ms: rng.u64(1_000..=2_500),
@@ -319,6 +333,29 @@ impl Rig {
                     self.cluster.restart(other);
                 });
                 format!("members {l} (the leader) and {other} killed and restarted")
+            }
+            Fault::PauseLeader => {
+                let leader = blocking(|| self.cluster.leader());
+                blocking(|| self.cluster.pause(leader));
+                tokio::time::sleep(hold).await;
+                blocking(|| self.cluster.resume(leader));
+                format!("member {leader} (the leader) paused")
+            }
+            Fault::LoseQuorumLeaderPaused => {
+                let (l, other) = blocking(|| {
+                    let l = self.cluster.leader();
+                    (l, (l + 1) % 3)
+                });
+                blocking(|| {
+                    self.cluster.pause(l);
+                    self.cluster.pause(other);
+                });
+                tokio::time::sleep(hold).await;
+                blocking(|| {
+                    self.cluster.resume(l);
+                    self.cluster.resume(other);
+                });
+                format!("members {l} (the leader) and {other} paused: no quorum")
             }
             Fault::CompactBehindPausedMember { replica } => {
                 let member = self.watched(replica);

@@ -51,6 +51,9 @@ pub struct Shared {
     pub stop: AtomicBool,
     /// Time zero of every recorded time.
     pub start: Instant,
+    /// The wall time at `start` (the servers' times, `lost_at`, are wall
+    /// times of the same machine).
+    pub wall: time::OffsetDateTime,
     pub http: reqwest::Client,
 }
 
@@ -177,7 +180,7 @@ pub fn spec(workers: usize) -> Value {
 }
 
 /// The run of `task` in an allocation view, if it has one.
-fn run_of(alloc: &Value, task: &str) -> Option<String> {
+pub fn run_of(alloc: &Value, task: &str) -> Option<String> {
     alloc["tasks"]
         .as_array()?
         .iter()
@@ -187,14 +190,14 @@ fn run_of(alloc: &Value, task: &str) -> Option<String> {
 }
 
 /// A response, read whole.
-struct Answer {
-    status: u16,
-    index: Option<u64>,
-    retry_after: Option<u64>,
-    body: Value,
+pub struct Answer {
+    pub status: u16,
+    pub index: Option<u64>,
+    pub retry_after: Option<u64>,
+    pub body: Value,
 }
 
-enum Sent {
+pub enum Sent {
     Answer(Answer),
     /// No answer: the connection failed, or the timeout passed.
     Lost {
@@ -203,8 +206,13 @@ enum Sent {
     },
 }
 
-async fn send(req: reqwest::RequestBuilder) -> Sent {
-    let res = match req.timeout(REQUEST_TIMEOUT).send().await {
+pub async fn send(req: reqwest::RequestBuilder) -> Sent {
+    send_within(req, REQUEST_TIMEOUT).await
+}
+
+/// `send`, given at most `within` to answer.
+pub async fn send_within(req: reqwest::RequestBuilder, within: Duration) -> Sent {
+    let res = match req.timeout(within).send().await {
         Ok(res) => res,
         Err(e) => {
             return Sent::Lost {

@@ -218,9 +218,10 @@ pub struct Client {
     /// The member tried first (the last that answered).
     current: AtomicUsize,
     credentials: Option<(String, String)>,
-    /// The auth token of the member that gave it (tokens are per member
-    /// when etcd's simple tokens are used).
-    token: Mutex<Option<(usize, String)>>,
+    /// Each member's auth token (tokens are per member when etcd's simple
+    /// tokens are used), by member: several members are asked at once
+    /// when the keep-alive stream moves.
+    tokens: Mutex<Vec<Option<String>>>,
     timeout: Duration,
 }
 
@@ -314,17 +315,14 @@ impl Client {
             members,
             current: AtomicUsize::new(0),
             credentials,
-            token: Mutex::new(None),
+            tokens: Mutex::new(vec![None; config.endpoints.len()]),
             timeout: config.request_timeout,
         })
     }
 
     fn token_for(&self, member: usize) -> Option<String> {
-        let token = self.token.lock().unwrap_or_else(PoisonError::into_inner);
-        token
-            .as_ref()
-            .filter(|(m, _)| *m == member)
-            .map(|(_, t)| t.clone())
+        let tokens = self.tokens.lock().unwrap_or_else(PoisonError::into_inner);
+        tokens.get(member).cloned().flatten()
     }
 
     /// A request with the deadline, the auth token and etcd's
@@ -400,7 +398,14 @@ impl Client {
             password: password.clone(),
         };
         let res: proto::AuthenticateResponse = self.unary_once(member, AUTHENTICATE, req).await?;
-        *self.token.lock().unwrap_or_else(PoisonError::into_inner) = Some((member, res.token));
+        if let Some(t) = self
+            .tokens
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_mut(member)
+        {
+            *t = Some(res.token);
+        }
         Ok(())
     }
 
@@ -502,16 +507,19 @@ impl Client {
         value: Option<&[u8]>,
         expect: u64,
     ) -> Result<Swapped, CallError> {
-        self.swap_with(key, value, expect, Vec::new()).await
+        self.swap_with(key, value, expect, &[], Vec::new()).await
     }
 
     /// `swap`, with `also` applied in the same transaction when it
-    /// succeeds (a task's liveness keys with its record).
+    /// succeeds (a task's liveness keys with its record), and only while
+    /// each key of `absent` does not exist (a run declared lost only while
+    /// its live key is gone).
     pub async fn swap_with(
         &self,
         key: &[u8],
         value: Option<&[u8]>,
         expect: u64,
+        absent: &[Vec<u8>],
         also: Vec<Request>,
     ) -> Result<Swapped, CallError> {
         let then = match value {
@@ -527,26 +535,37 @@ impl Client {
         };
         let mut ops = vec![then];
         ops.extend(also);
-        self.when_at(key, expect, ops).await
+        self.when_at(key, expect, absent, ops).await
     }
 
     /// Applies `ops` in one transaction if `key`'s `mod_revision` is
-    /// `expect` (0: the key is absent), else reads `key` (as `swap`).
+    /// `expect` (0: the key is absent) and no key of `absent` exists, else
+    /// reads `key` (as `swap`: a conflict with `key` at `expect` is one of
+    /// `absent` that exists).
     pub async fn when_at(
         &self,
         key: &[u8],
         expect: u64,
+        absent: &[Vec<u8>],
         ops: Vec<Request>,
     ) -> Result<Swapped, CallError> {
+        let mut compare = vec![proto::Compare {
+            result: proto::COMPARE_EQUAL,
+            target: proto::TARGET_MOD,
+            key: key.to_vec(),
+            target_union: Some(CompareUnion::ModRevision(
+                i64::try_from(expect).unwrap_or(i64::MAX),
+            )),
+        }];
+        // A key that does not exist has version 0.
+        compare.extend(absent.iter().map(|k| proto::Compare {
+            result: proto::COMPARE_EQUAL,
+            target: proto::TARGET_VERSION,
+            key: k.clone(),
+            target_union: Some(CompareUnion::Version(0)),
+        }));
         let req = proto::TxnRequest {
-            compare: vec![proto::Compare {
-                result: proto::COMPARE_EQUAL,
-                target: proto::TARGET_MOD,
-                key: key.to_vec(),
-                target_union: Some(CompareUnion::ModRevision(
-                    i64::try_from(expect).unwrap_or(i64::MAX),
-                )),
-            }],
+            compare,
             success: ops
                 .into_iter()
                 .map(|request| RequestOp {
@@ -780,32 +799,26 @@ impl Client {
         }
     }
 
-    /// Opens a stream of lease keep-alives on the member that answered
-    /// last (then the others), sending `first` on it (at least one: etcd
-    /// answers the opening with the first renewal). Only the opening has a
-    /// deadline; the stream lives until it breaks.
-    pub async fn lease_stream(&self, first: &[i64]) -> Result<LeaseStream, CallError> {
-        let n = self.members.len();
-        let start = self.current.load(Ordering::Relaxed);
-        let mut last = String::new();
-        for i in 0..n {
-            let at = (start + i) % n;
-            match self.lease_stream_on(at, first).await {
-                Ok(s) => return Ok(s),
-                Err(e) => last = e.to_string(),
-            }
-        }
-        Err(CallError::Unreachable(last))
+    /// How many members the client knows.
+    pub fn members(&self) -> usize {
+        self.members.len()
     }
 
-    async fn lease_stream_on(
+    /// The member whose client URL is `endpoint`.
+    pub fn member_at(&self, endpoint: &str) -> Option<usize> {
+        self.members.iter().position(|m| m.url == endpoint)
+    }
+
+    /// Opens a stream of lease keep-alives on `member`, sending `first` on
+    /// it (at least one: etcd answers the opening with the first renewal),
+    /// within `within`, authentication included. Only the opening has a
+    /// deadline; the stream lives until it breaks.
+    pub async fn lease_stream_on(
         &self,
         member: usize,
         first: &[i64],
+        within: Duration,
     ) -> Result<LeaseStream, CallError> {
-        if self.credentials.is_some() && self.token_for(member).is_none() {
-            self.authenticate(member).await?;
-        }
         let m = &self.members[member];
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         for &id in first {
@@ -813,10 +826,13 @@ impl Client {
                 .map_err(|_| CallError::Unreachable("the keep-alive stream closed".into()))?;
         }
         let open = async {
+            if self.credentials.is_some() && self.token_for(member).is_none() {
+                self.authenticate(member).await?;
+            }
             self.open_stream::<_, proto::LeaseKeepAliveResponse>(member, rx, LEASE_KEEP_ALIVE)
                 .await
         };
-        match tokio::time::timeout(self.timeout, open).await {
+        match tokio::time::timeout(within, open).await {
             Ok(Ok(stream)) => Ok(LeaseStream {
                 endpoint: m.url.clone(),
                 tx,
@@ -824,8 +840,8 @@ impl Client {
             }),
             Ok(Err(e)) => Err(e),
             Err(_) => Err(CallError::Unreachable(format!(
-                "{}: the keep-alive stream was not opened within {:?}",
-                m.url, self.timeout
+                "{}: the keep-alive stream was not opened within {within:?}",
+                m.url
             ))),
         }
     }

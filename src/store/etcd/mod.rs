@@ -201,7 +201,7 @@ impl Keys {
                         lease: 0,
                     }));
                 }
-                LiveOp::End { task } => {
+                LiveOp::End { task, .. } => {
                     for key in [
                         live::live_key(&self.live, id, &task),
                         live::mark_key(&self.live, id, &task),
@@ -215,6 +215,22 @@ impl Keys {
             }
         }
         out
+    }
+}
+
+impl Keys {
+    /// The live keys a change of `id` must find absent: those of the runs
+    /// it declares lost (`LiveOp::End` with `lapsed`) or marks again
+    /// (`LiveOp::Start`, `Leases::mark`).
+    fn absent(&self, id: &AllocId, ops: &[LiveOp], starts: bool) -> Vec<Vec<u8>> {
+        ops.iter()
+            .filter_map(|op| match op {
+                LiveOp::End { task, lapsed: true } => Some(task),
+                LiveOp::Start { task, .. } if starts => Some(task),
+                LiveOp::Start { .. } | LiveOp::End { .. } => None,
+            })
+            .map(|task| live::live_key(&self.live, id, task))
+            .collect()
     }
 }
 
@@ -397,6 +413,12 @@ fn settle(
         )))
     };
     match op {
+        // The record is still the one decided on: what failed is a live
+        // key that had to be absent (a replica that heard the agent marked
+        // its run again). Nothing was applied, this attempt's or an
+        // earlier one's (it would have moved the record): decided again
+        // once the view holds what etcd held then.
+        Op::Put(_) if expect != 0 && now == expect => AppendError::Conflict { seen: read },
         Op::Put(a) => {
             let Some(ours) = a.writes().last() else {
                 return AppendError::Conflict { seen: now };
@@ -460,7 +482,7 @@ impl Store for EtcdStore {
     fn append(&self, append: Append) -> Appended {
         let Append { op, expect, live } = append;
         let k = &self.keys;
-        let (op, key, value, also) = match op {
+        let (op, key, value, absent, also) = match op {
             Op::Put(mut a) => {
                 // Marked, so that an attempt whose answer is lost can be
                 // told from another's write (`settle`).
@@ -469,8 +491,9 @@ impl Store for EtcdStore {
                     parent: expect,
                 });
                 let (key, value) = (k.key(&a.id), Some(record::encode(&a)));
+                let absent = k.absent(&a.id, &live, false);
                 let also = k.live_requests(&a.id, live);
-                (Op::Put(a), key, value, also)
+                (Op::Put(a), key, value, absent, also)
             }
             // Every liveness key of the allocation goes with it.
             Op::Delete(id) => {
@@ -481,6 +504,7 @@ impl Store for EtcdStore {
                     Op::Delete(id),
                     key,
                     None,
+                    Vec::new(),
                     vec![proto::Request::DeleteRange(proto::DeleteRangeRequest {
                         key: keys,
                         range_end,
@@ -494,7 +518,10 @@ impl Store for EtcdStore {
             Op::Delete(_) => None,
         };
         let done = Box::pin(async move {
-            match client.swap_with(&key, value.as_deref(), expect, also).await {
+            match client
+                .swap_with(&key, value.as_deref(), expect, &absent, also)
+                .await
+            {
                 Ok(Swapped::Done(index)) => Ok(index),
                 Ok(Swapped::Conflict {
                     now,
@@ -623,13 +650,16 @@ impl Leases for EtcdLeases {
         live: Vec<LiveOp>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<u64, AppendError>> + Send>> {
         let key = self.keys.key(id);
+        let absent = self.keys.absent(id, &live, true);
         let ops = self.keys.live_requests(id, live);
         let client = self.keys.client.clone();
         Box::pin(async move {
-            match client.when_at(&key, expect, ops).await {
+            match client.when_at(&key, expect, &absent, ops).await {
                 Ok(Swapped::Done(index)) => Ok(index),
+                // Absent, or still at `expect` (a live key that had to be
+                // absent is there): what etcd held when it refused.
                 Ok(Swapped::Conflict { now, read, .. }) => Err(AppendError::Conflict {
-                    seen: if now == 0 { read } else { now },
+                    seen: if now == 0 || now == expect { read } else { now },
                 }),
                 Err(e) => Err(AppendError::Store(unavailable(e))),
             }
@@ -638,6 +668,10 @@ impl Leases for EtcdLeases {
 
     fn keep_alive(&self, lease: Lease) {
         self.keep.renew(lease);
+    }
+
+    fn renewing(&self) -> bool {
+        self.keep.renewing()
     }
 }
 

@@ -85,22 +85,27 @@ pub struct Compare {
     /// `CompareResult`: 0 EQUAL.
     #[prost(int32, tag = "1")]
     pub result: i32,
-    /// `CompareTarget`: 2 MOD.
+    /// `CompareTarget`: 0 VERSION, 2 MOD.
     #[prost(int32, tag = "2")]
     pub target: i32,
     #[prost(bytes = "vec", tag = "3")]
     pub key: Vec<u8>,
-    #[prost(oneof = "CompareUnion", tags = "6")]
+    #[prost(oneof = "CompareUnion", tags = "4, 6")]
     pub target_union: Option<CompareUnion>,
 }
 
 #[derive(Clone, PartialEq, prost::Oneof)]
 pub enum CompareUnion {
+    /// How many times the key was written since it was created (0: it
+    /// does not exist).
+    #[prost(int64, tag = "4")]
+    Version(i64),
     #[prost(int64, tag = "6")]
     ModRevision(i64),
 }
 
 pub const COMPARE_EQUAL: i32 = 0;
+pub const TARGET_VERSION: i32 = 0;
 pub const TARGET_MOD: i32 = 2;
 
 /// `etcdserverpb.RequestOp`.
@@ -329,6 +334,16 @@ mod tests {
         };
         // 2: 2, 3: "k", 6: 7 (result 0 is the default, not written).
         assert_eq!(c.encode_to_vec(), [0x10, 2, 0x1a, 1, b'k', 0x30, 7]);
+        // A key absent: target VERSION (0, not written), 4: 0 — a oneof's
+        // value is written even when it is the default, or etcd would
+        // compare against nothing.
+        let absent = Compare {
+            result: COMPARE_EQUAL,
+            target: TARGET_VERSION,
+            key: b"k".to_vec(),
+            target_union: Some(CompareUnion::Version(0)),
+        };
+        assert_eq!(absent.encode_to_vec(), [0x1a, 1, b'k', 0x20, 0]);
         let e = Event::decode(&[0x08, 1, 0x12, 4, 0x0a, 2, b'a', b'b'][..]).unwrap();
         assert_eq!(e.kind, EVENT_DELETE);
         assert_eq!(e.kv.unwrap().key, b"ab");
