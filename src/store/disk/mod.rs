@@ -10,6 +10,7 @@
 //!                                                   where the segment before it ended
 //!            (both made of)           frame.rs      len | crc | chain | payload, and what
 //!                                                   a torn append looks like
+//!            taskgate.manifest        manifest.rs   which segment is the newest
 //!            taskgate.lock, store-id               one process at a time; the store's ID
 //!
 //!   start:      recovery.rs    read and check all of it, then repair (cut a torn tail)
@@ -29,8 +30,9 @@
 //! in it. A failed append fails every change in the batch, and the log
 //! takes nothing more until a restart recovers from it (fail-stop).
 //!
-//! Once the log holds `log_limit` bytes, the writer seals its segment,
-//! starts the next, and hands the newest record of every allocation changed
+//! Once the log holds `log_limit` bytes, the writer starts the next
+//! segment (its header vouching for where this one ends), names it in the
+//! manifest (`manifest.rs`), seals this one, and hands the newest record of every allocation changed
 //! since the last checkpoint to the checkpoint thread, which writes the next
 //! snapshot (`snapshot.rs`: the current one merged with those changes,
 //! sequentially, renamed into place), recording in it which segment it
