@@ -170,12 +170,20 @@ fn a_report_whose_answer_was_lost_is_applied_once() {
     proxy.lose_answers("\"Started\"", 1);
     let dir = tempfile::tempdir().unwrap();
     let spec = web_only(dir.path());
-    proxy.watch("/tasks/web/state");
     let _web = agent(&proxy.base, "i1", "web", &spec, &[], "exec sleep 300");
-    let t = wait_state(&server.base, "i1", "web", "running");
-    // pending, running (lost answer), running again (the retry).
+    wait_state(&server.base, "i1", "web", "running");
+    // The report of the `Started` event, applied (its answer lost).
     let deadline = Instant::now() + BOUND;
-    while proxy.seen() < 3 {
+    while proxy.answered() < 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the agent never reported Started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let t = get(&server.base, "/v1/allocations/i1/tasks/web");
+    // Its retry, answered by the server.
+    while proxy.answered() < 2 {
         assert!(
             Instant::now() < deadline,
             "the agent never retried its report"

@@ -23,6 +23,8 @@ struct State {
     /// Requests that contain this (head or body) lose their answer, for
     /// `times` of them: the server handles them, the client gets a 503.
     lose: Mutex<Option<(String, usize)>>,
+    /// Requests that contain it, answered by the server.
+    answered: AtomicUsize,
     /// Requests whose first line contains the watched text, forwarded.
     watched: Mutex<Option<String>>,
     seen: AtomicUsize,
@@ -35,6 +37,7 @@ impl State {
             cut: AtomicBool::new(false),
             open: Mutex::default(),
             lose: Mutex::default(),
+            answered: AtomicUsize::new(0),
             watched: Mutex::default(),
             seen: AtomicUsize::new(0),
         }
@@ -127,6 +130,12 @@ impl Proxy {
             let text = String::from_utf8_lossy(&request);
             let lose = {
                 let mut lose = st.lose.lock().unwrap();
+                if lose
+                    .as_ref()
+                    .is_some_and(|(what, _)| text.contains(what.as_str()))
+                {
+                    st.answered.fetch_add(1, Ordering::SeqCst);
+                }
                 match lose.as_mut() {
                     Some((what, left)) if *left > 0 && text.contains(what.as_str()) => {
                         *left -= 1;
@@ -184,5 +193,11 @@ impl Proxy {
 
     pub fn seen(&self) -> usize {
         self.state.seen.load(Ordering::SeqCst)
+    }
+
+    /// How many requests that contain what `lose_answers` names the
+    /// server has answered (whether their answer was then lost or not).
+    pub fn answered(&self) -> usize {
+        self.state.answered.load(Ordering::SeqCst)
     }
 }
