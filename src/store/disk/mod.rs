@@ -32,8 +32,9 @@
 //!
 //! Once the log holds `log_limit` bytes, the writer starts the next
 //! segment (its header vouching for where this one ends), names it in the
-//! manifest (`manifest.rs`), seals this one, and hands the newest record of every allocation changed
-//! since the last checkpoint to the checkpoint thread, which writes the next
+//! manifest (`manifest.rs`), seals this one, and hands the newest record
+//! of every allocation changed since the last checkpoint to the
+//! checkpoint thread, which writes the next
 //! snapshot (`snapshot.rs`: the current one merged with those changes,
 //! sequentially, renamed into place), recording in it which segment it
 //! folded and where that segment ended, and then removes the folded
