@@ -134,6 +134,16 @@ pub(super) enum Sign {
     Ended,
 }
 
+/// The runs `tasks` of `handle`'s allocation may be marked again: the
+/// marking that claimed them is done.
+fn marking_done(handle: &Handle, tasks: impl IntoIterator<Item = usize>) {
+    for i in tasks {
+        if let Some(l) = handle.lives().life(i) {
+            l.kept.marking.store(false, Ordering::SeqCst);
+        }
+    }
+}
+
 /// Applies a liveness key the store listed or changed to the handle of its
 /// allocation in `map` (if the view holds it, with that task). Returns the
 /// handle, and whether a live key was written (its lease is new).
@@ -320,11 +330,7 @@ impl Inner {
         let handle = handle.clone();
         self.spawn(async move {
             let outcome = registry.mark_again_now(&a, &todo).await;
-            for &(i, _) in &todo {
-                if let Some(l) = handle.lives().life(i) {
-                    l.kept.marking.store(false, Ordering::SeqCst);
-                }
-            }
+            marking_done(&handle, todo.iter().map(|&(i, _)| i));
             match outcome {
                 Ok(true) => {}
                 // Not written (the record or a live key moved on): looked
@@ -367,11 +373,7 @@ impl Inner {
         let handle = handle.clone();
         self.spawn(async move {
             let outcome = registry.mark_unmarked(&a, &todo).await;
-            for &i in &todo {
-                if let Some(l) = handle.lives().life(i) {
-                    l.kept.marking.store(false, Ordering::SeqCst);
-                }
-            }
+            marking_done(&handle, todo.iter().copied());
             if let Err(e) = outcome {
                 tracing::warn!(alloc = %a.id, error = %e, "a running task's TTL could not be given to the store; trying again");
                 tokio::time::sleep(RETRY).await;

@@ -446,16 +446,7 @@ async fn a_task_is_lost_when_its_live_key_goes_not_by_this_replica_s_clock() {
     );
 
     // The lease expires: the store removes the live key.
-    {
-        let mut s = store.0.lock().unwrap();
-        s.live.clear();
-        s.revision += 1;
-        s.held.push(Change::Liveness(Liveness::Live {
-            id: AllocId::parse("t1").unwrap(),
-            task: TaskName::parse("web").unwrap(),
-            lease: None,
-        }));
-    }
+    lease_ends(&store);
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
     while !r.get("t1").unwrap().tasks[0].lost() {
         assert!(tokio::time::Instant::now() < deadline, "never lost");

@@ -243,30 +243,19 @@ fn audit_open(
 /// A put of allocation `k{n}` whose record carries `size` bytes of event
 /// message (so appends come in many sizes and cross sectors).
 fn sized(n: u32, size: usize) -> Op {
-    let id = AllocId::parse(&format!("k{n}")).unwrap();
-    let mut a = Allocation::register(
-        id,
-        Arc::new(super::tests::spec()),
-        u64::from(n) + 1,
-        time::OffsetDateTime::UNIX_EPOCH,
-    );
-    let report = crate::lifecycle::TaskReport {
-        state: crate::lifecycle::RunState::Running,
-        failed: false,
-        event: Some(crate::lifecycle::EventInput {
-            kind: "Started".into(),
-            time: None,
-            message: "x".repeat(size),
-            details: Default::default(),
-        }),
-        ready: None,
-    };
-    if let Some(next) = a.report(&[(0, report)], time::OffsetDateTime::UNIX_EPOCH, || {
-        u64::from(n) + 1
-    }) {
-        a = next;
-    }
+    let a = super::powerloss::sized_alloc(&format!("k{n}"), u64::from(n) + 1, size);
     Op::Put(Arc::new(a))
+}
+
+/// A start on `image` that loses power after `n` operations: what the
+/// disk then holds, or `None` if the start ended first.
+fn crash_in_start(image: &sim::Image, n: u64, seed: u64) -> Option<sim::Image> {
+    let fs = SimFs::from_image(image);
+    fs.crash_after(n, seed);
+    if let Ok(store) = audit_open(&fs, 300, AUDIT_AHEAD, Duration::from_millis(1)) {
+        drop(store);
+    }
+    fs.image()
 }
 
 fn rt() -> tokio::runtime::Runtime {
@@ -734,15 +723,7 @@ fn a_power_loss_at_every_operation_and_again_at_every_operation_of_the_recovery(
             }
             if at.is_multiple_of(stride) {
                 let mut k = 1;
-                loop {
-                    let during = SimFs::from_image(&image);
-                    during.crash_after(k, seed ^ k);
-                    if let Ok(store) =
-                        audit_open(&during, 300, AUDIT_AHEAD, Duration::from_millis(1))
-                    {
-                        drop(store);
-                    }
-                    let Some(second) = during.image() else { break };
+                while let Some(second) = crash_in_start(&image, k, seed ^ k) {
                     nested += 1;
                     let after = SimFs::from_image(&second);
                     if let Err(e) = holds(&after, &out) {
@@ -1044,25 +1025,13 @@ fn a_power_loss_at_every_operation_of_a_start_that_tidies_everything() {
     let mut points = 0;
     for seed in 0..env_or("TASKGATE_AUDIT_SEEDS", 3) {
         let mut k = 1;
-        loop {
-            let during = SimFs::from_image(&image);
-            during.crash_after(k, seed * 7919 + k);
-            if let Ok(store) = audit_open(&during, 300, AUDIT_AHEAD, Duration::from_millis(1)) {
-                drop(store);
-            }
-            let Some(crashed) = during.image() else { break };
+        while let Some(crashed) = crash_in_start(&image, k, seed * 7919 + k) {
             points += 1;
             if let Err(e) = holds(&SimFs::from_image(&crashed), &out) {
                 failures.push(format!("seed {seed}, crash at op {k} of the start: {e}"));
             }
             let mut j = 1;
-            loop {
-                let again = SimFs::from_image(&crashed);
-                again.crash_after(j, seed ^ (k << 8) ^ j);
-                if let Ok(store) = audit_open(&again, 300, AUDIT_AHEAD, Duration::from_millis(1)) {
-                    drop(store);
-                }
-                let Some(twice) = again.image() else { break };
+            while let Some(twice) = crash_in_start(&crashed, j, seed ^ (k << 8) ^ j) {
                 if let Err(e) = holds(&SimFs::from_image(&twice), &out) {
                     failures.push(format!(
                         "seed {seed}, crash at op {k} of the start, then at op {j} of the next: {e}"

@@ -74,7 +74,13 @@ fn step() -> impl Strategy<Value = Step> {
 }
 
 fn alloc(key: u8, index: u64, size: usize) -> Allocation {
-    let id = AllocId::parse(&format!("key-{key}")).unwrap();
+    sized_alloc(&format!("key-{key}"), index, size)
+}
+
+/// Allocation `id` at `index` whose record carries `size` bytes of event
+/// message.
+pub(super) fn sized_alloc(id: &str, index: u64, size: usize) -> Allocation {
+    let id = AllocId::parse(id).unwrap();
     let mut a = Allocation::register(
         id,
         Arc::new(spec()),
