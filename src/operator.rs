@@ -49,11 +49,16 @@ pub struct AllocArgs {
 
 #[derive(Debug, Clone, Subcommand)]
 pub enum AllocCommand {
-    /// One line per allocation: ID, state, tasks by state, waiting on.
+    /// One line per allocation: ID, state, trouble, tasks by state,
+    /// waiting on.
     List {
         /// Only IDs that start with this.
         #[arg(long, default_value = "")]
         prefix: String,
+        /// Only allocations in one of these states (comma-separated):
+        /// running, finished, failed, lost, blocked.
+        #[arg(long, value_delimiter = ',', value_parser = ["running", "finished", "failed", "lost", "blocked"])]
+        state: Vec<String>,
     },
     /// What the allocation is doing and why, its tasks and its recent
     /// timeline.
@@ -287,7 +292,9 @@ async fn command(
     out: &mut String,
 ) -> Result<(), Failure> {
     match &args.command {
-        AllocCommand::List { prefix } => list(client, prefix, args.json, out).await,
+        AllocCommand::List { prefix, state } => {
+            list(client, prefix, state, args.json, paint, out).await
+        }
         AllocCommand::Status { id } => {
             let a = client
                 .call("GET", &format!("/v1/allocations/{}", enc(id)), None)
@@ -409,13 +416,18 @@ async fn command(
 async fn list(
     client: &Client,
     prefix: &str,
+    state: &[String],
     as_json: bool,
+    paint: &Paint,
     out: &mut String,
 ) -> Result<(), Failure> {
     let mut items = Vec::new();
     let mut next = String::new();
     loop {
         let mut path = format!("/v1/allocations?per_page=1000&prefix={}", enc(prefix));
+        if !state.is_empty() {
+            let _ = write!(path, "&state={}", enc(&state.join(",")));
+        }
         if !next.is_empty() {
             let _ = write!(path, "&next_token={}", enc(&next));
         }
@@ -440,8 +452,8 @@ async fn list(
     }
     let _ = writeln!(
         out,
-        "{:<20}  {:<10}  {:<28}  Waiting on",
-        "ID", "State", "Tasks"
+        "{:<20}  {:<10}  {:<13}  {:<28}  Waiting on",
+        "ID", "State", "Trouble", "Tasks"
     );
     for v in &items {
         let by_state: Vec<String> = ["running", "pending", "dead"]
@@ -456,16 +468,45 @@ async fn list(
             .flatten()
             .filter_map(Value::as_str)
             .collect();
-        let line = format!(
-            "{:<20}  {:<10}  {:<28}  {}",
-            fit(v["id"].as_str().unwrap_or(""), 20),
-            v["coordinator_state"].as_str().unwrap_or(""),
-            by_state.join(", "),
-            waiting.join(", ")
-        );
-        let _ = writeln!(out, "{}", fit(&line, 80));
+        let trouble: Vec<&str> = v["trouble"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|t| t["kind"].as_str())
+            .collect();
+        let state = match v["finished"].as_bool() {
+            Some(true) => "finished",
+            _ => v["coordinator_state"].as_str().unwrap_or(""),
+        };
+        let (id, trouble) = (fit(v["id"].as_str().unwrap_or(""), 20), trouble.join(","));
+        let rest = format!("{:<28}  {}", by_state.join(", "), waiting.join(", "));
+        // Coloured after padding, so the escape codes take no width.
+        let shown = if trouble.is_empty() {
+            format!("{:<13}", "-")
+        } else {
+            paint.wrap("31", &format!("{:<13}", fit(&trouble, 13)))
+        };
+        let _ = writeln!(out, "{id:<20}  {state:<10}  {shown}  {}", fit(&rest, 70));
     }
     Ok(())
+}
+
+/// `s` in lines of at most `width` characters, broken at spaces (a word
+/// longer than that is a line of its own).
+fn wrap(s: &str, width: usize) -> Vec<String> {
+    let mut lines = vec![String::new()];
+    for word in s.split_whitespace() {
+        let last = lines.last_mut().expect("one line at least");
+        if last.is_empty() {
+            last.push_str(word);
+        } else if last.chars().count() + 1 + word.chars().count() > width {
+            lines.push(word.to_owned());
+        } else {
+            last.push(' ');
+            last.push_str(word);
+        }
+    }
+    lines
 }
 
 /// `s` cut to `width` characters, with `…` when cut.
@@ -575,6 +616,17 @@ fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime,
         ago(&s(&a["modified_at"]), now),
         a["modify_index"]
     );
+    for t in a["trouble"].as_array().into_iter().flatten() {
+        let said = format!("{}: {}", s(&t["kind"]), s(&t["message"]));
+        for (i, line) in wrap(&said, 70).iter().enumerate() {
+            let label = if i == 0 { "Trouble " } else { "        " };
+            let _ = writeln!(out, "{}  {}", paint.bold(label), paint.wrap("31", line));
+        }
+        // What to do, under it.
+        for (i, line) in wrap(&s(&t["next_step"]), 68).iter().enumerate() {
+            let _ = writeln!(out, "          {} {line}", if i == 0 { "→" } else { " " });
+        }
+    }
     if let Some(at) = a["deadline_at"].as_str() {
         let _ = writeln!(
             out,

@@ -448,6 +448,9 @@ async fn list_filters_by_prefix_and_pages_with_a_token() {
         "next_token=..",
         "prefix=web/",
         "page=2",
+        "state=broken",
+        "state=failed,",
+        "state=",
     ] {
         app.get(&format!("/v1/allocations?{q}"))
             .await

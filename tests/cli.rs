@@ -122,6 +122,86 @@ fn list_events_and_actions_print_one_line_each() {
     assert_eq!(text(&alloc(&server.base, &["list"])), "no allocations\n");
 }
 
+/// A failed allocation is shown failed: in the list's trouble column,
+/// under `--state failed` and not `--state running` once it ended, and
+/// with what to do in `status`.
+#[test]
+fn the_list_shows_a_failed_allocation_as_failed_and_filters_by_state() {
+    let server = seeded();
+    send(
+        &server.base,
+        "PUT",
+        "/v1/allocations/bad-1",
+        common::five_tasks(),
+    );
+    // init fails: every other task is told to stop; they end, poststop
+    // runs and ends.
+    send(
+        &server.base,
+        "POST",
+        "/v1/allocations/bad-1/task-states",
+        json!({"tasks": {"init": {"state": "dead", "failed": true}, "proxy": {"state": "dead"},
+            "web": {"state": "dead"}, "announce": {"state": "dead"}}}),
+    );
+    send(
+        &server.base,
+        "PUT",
+        "/v1/allocations/bad-1/tasks/cleanup/state",
+        json!({"state": "dead"}),
+    );
+    let out = text(&alloc(&server.base, &["list"]));
+    let line = |id: &str| {
+        out.lines()
+            .find(|l| l.starts_with(id))
+            .unwrap_or_else(|| panic!("{id} in {out}"))
+            .to_owned()
+    };
+    assert!(out.lines().next().unwrap().contains("Trouble"), "{out}");
+    assert!(line("bad-1").contains("finished    failed"), "{out}");
+    assert!(line("web-42").contains("main        -"), "{out}");
+    let only = |state: &str| -> Vec<String> {
+        let o = alloc(&server.base, &["list", "--state", state]);
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        text(&o)
+            .lines()
+            .skip(1)
+            .map(|l| l.split(' ').next().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(only("failed"), ["bad-1"]);
+    assert_eq!(only("finished"), ["bad-1"]);
+    assert_eq!(only("running"), ["web-42"]);
+    assert_eq!(only("lost,blocked"), Vec::<String>::new());
+    assert_eq!(only("failed,running"), ["bad-1", "web-42"]);
+    let o = alloc(&server.base, &["list", "--state", "broken"]);
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "an unknown state is a usage error"
+    );
+    let out = text(&alloc(&server.base, &["status", "bad-1"]));
+    assert!(out.contains("Trouble   failed: init ended failed"), "{out}");
+    assert!(out.contains("→ Read the task's events"), "{out}");
+    assert!(
+        out.contains("delete the allocation and register it anew"),
+        "{out}"
+    );
+    assert!(out.lines().all(|l| l.chars().count() <= 80), "{out}");
+    assert!(!text(&alloc(&server.base, &["status", "web-42"])).contains("Trouble"));
+    let j: Value = serde_json::from_slice(
+        &alloc(&server.base, &["list", "--json", "--state", "failed"]).stdout,
+    )
+    .unwrap();
+    assert_eq!(j[0]["trouble"][0]["kind"], "failed");
+    assert_eq!(j[0]["trouble"][0]["tasks"], json!(["init"]));
+    assert_eq!(j[0]["finished"], true);
+}
+
 /// `alloc list` reads the listing and nothing else: one request per
 /// page, not one per allocation.
 #[test]

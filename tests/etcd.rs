@@ -334,7 +334,7 @@ async fn a_replica_behind_a_compaction_lists_again_and_holds_what_etcd_holds() {
     let b = Registry::open(Arc::new(b_store), RegistryConfig::default()).unwrap();
     assert!(b.wait_view(compacted, SETTLE).await, "listed again");
     let ids = |r: &Registry| {
-        r.list("", None, 100)
+        r.list("", None, 100, |_| true)
             .0
             .iter()
             .map(|a| a.id.to_string())

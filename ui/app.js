@@ -168,12 +168,28 @@ function waitingText(a) {
 
 // ---------------------------------------------------------------- the list
 
+/** The trouble kinds each list filter selects (the server's `state=`). */
+const TROUBLE_OF = { failed: ["lost", "failed", "past_deadline"], lost: ["lost"], blocked: ["stuck", "blocked"] };
+const LIST_STATES = ["running", "finished", "failed", "lost", "blocked"];
+const finishedAll = (a) => a.tasks.every((t) => t.state === "dead");
+
+/** Whether `a` is in the list filter `state` (empty: every allocation),
+ * as the server decides it: so a change joins a filtered page live. */
+function inState(a, state) {
+  if (!state) return true;
+  return state.split(",").some((s) =>
+    s === "running" ? !finishedAll(a) : s === "finished" ? finishedAll(a) : a.trouble.some((t) => (TROUBLE_OF[s] || []).includes(t.kind)),
+  );
+}
+
 function listRow(a) {
+  const trouble = a.trouble.map((t) => t.kind);
   return h(
     "tr",
-    { "data-id": a.id },
+    { "data-id": a.id, "data-trouble": trouble[0] },
     h("td", {}, h("a", { href: `/ui/allocations/${encodeURIComponent(a.id)}` }, a.id)),
-    h("td", { class: "state" }, a.coordinator_state),
+    h("td", { class: "state" }, finishedAll(a) ? "finished" : a.coordinator_state),
+    h("td", { class: "trouble" }, trouble.length ? trouble.join(", ") : "—"),
     h("td", { class: "tasks" }, byState(a.tasks)),
     h("td", { class: "waiting" }, waitingText(a)),
     h("td", { class: "num" }, `${when(a.modified_at)} (index ${a.modify_index})`),
@@ -183,20 +199,35 @@ function listRow(a) {
 async function listPage(page, signal) {
   const params = new URLSearchParams(location.search);
   const prefix = params.get("prefix") || "";
+  const state = params.get("state") || "";
   const from = params.get("next_token") || "";
   const q = new URLSearchParams({ per_page: String(PER_PAGE) });
   if (prefix) q.set("prefix", prefix);
+  if (state) q.set("state", state);
   if (from) q.set("next_token", from);
+  /** The list's address with these parameters (empty ones left out). */
+  const listUrl = (more = {}) => {
+    const n = new URLSearchParams();
+    for (const [k, v] of Object.entries({ prefix, state, ...more })) if (v) n.set(k, v);
+    return `/ui${n.size ? `?${n}` : ""}`;
+  };
 
   const filter = h(
     "form",
     { role: "search", onsubmit: (e) => {
       e.preventDefault();
-      const p = new FormData(e.target).get("prefix");
-      navigate(`/ui${p ? `?prefix=${encodeURIComponent(p)}` : ""}`);
+      const f = new FormData(e.target);
+      navigate(listUrl({ prefix: f.get("prefix"), state: f.get("state") }));
     } },
     h("label", { for: "prefix" }, "ID prefix"),
     h("input", { id: "prefix", name: "prefix", value: prefix, spellcheck: "false" }),
+    h("label", { for: "state-filter" }, "State"),
+    h(
+      "select",
+      { id: "state-filter", name: "state" },
+      h("option", { value: "" }, "any"),
+      LIST_STATES.map((s) => h("option", { value: s, selected: s === state }, s)),
+    ),
     h("button", { type: "submit" }, "Filter"),
   );
   const body = h("tbody");
@@ -207,7 +238,7 @@ async function listPage(page, signal) {
     h(
       "table",
       { "aria-label": "Allocations" },
-      h("thead", {}, h("tr", {}, ["ID", "Coordinator", "Tasks", "Waiting on", "Last change"].map((c) => h("th", { scope: "col" }, c)))),
+      h("thead", {}, h("tr", {}, ["ID", "Coordinator", "Trouble", "Tasks", "Waiting on", "Last change"].map((c) => h("th", { scope: "col" }, c)))),
       body,
     ),
   );
@@ -229,19 +260,17 @@ async function listPage(page, signal) {
   // page's first: a new allocation in that range joins it live.
   const first = from || (listed.data[0] ? listed.data[0].id : prefix);
   const inPage = (id) => id >= first && (!next || id < next) && id.startsWith(prefix);
+  // A filtered page keeps what it shows, and takes in what comes to match.
+  const joins = (a) => views.has(a.id) || (inPage(a.id) && inState(a, state));
   const render = () => {
     const ids = [...views.keys()].sort();
     body.replaceChildren(...ids.map((id) => listRow(views.get(id))));
-    if (!ids.length) body.append(h("tr", {}, h("td", { colspan: 5 }, "No allocations.")));
+    if (!ids.length) body.append(h("tr", {}, h("td", { colspan: 6 }, next ? "None on this page: see the next." : "No allocations.")));
   };
   render();
   const pager = h("nav", { class: "pager", "aria-label": "Pages" });
-  if (from) pager.append(h("a", { href: `/ui${prefix ? `?prefix=${encodeURIComponent(prefix)}` : ""}` }, "First page"));
-  if (next) {
-    const n = new URLSearchParams({ next_token: next });
-    if (prefix) n.set("prefix", prefix);
-    pager.append(h("a", { href: `/ui?${n}` }, "Next page"));
-  }
+  if (from) pager.append(h("a", { href: listUrl() }, "First page"));
+  if (next) pager.append(h("a", { href: listUrl({ next_token: next }) }, "Next page"));
   page.append(pager);
   say(`${views.size} shown; following changes live.`);
 
@@ -254,7 +283,7 @@ async function listPage(page, signal) {
           throw new Resync();
         }
         if (line.index) index = line.index;
-        if (line.type === "Allocation" && (views.has(line.alloc_id) || inPage(line.alloc_id))) {
+        if (line.type === "Allocation" && joins(line.allocation)) {
           views.set(line.alloc_id, line.allocation);
           render();
           say(`Updated ${line.alloc_id} (index ${line.index}).`);
@@ -287,6 +316,27 @@ function reconnectDelay(signal) {
 }
 
 // ---------------------------------------------------------- one allocation
+
+/** Text whose `quoted` parts are commands, with those parts as code. */
+const withCode = (s) => s.split("`").map((part, i) => (i % 2 ? h("code", {}, part) : part));
+
+/** What is wrong and what to do, above everything else; nothing when
+ * nothing is. */
+function banner(a) {
+  if (!a.trouble.length) return null;
+  return h(
+    "section",
+    { id: "trouble", class: "banner", "data-kind": a.trouble[0].kind, "aria-label": "Trouble" },
+    a.trouble.map((t) =>
+      h(
+        "div",
+        { "data-kind": t.kind },
+        h("p", {}, h("strong", {}, t.kind.replace("_", " ")), `: ${t.message}.`),
+        h("p", { class: "next" }, "What to do: ", withCode(t.next_step), "."),
+      ),
+    ),
+  );
+}
 
 function taskCard(a, t, act) {
   const r = t.stop_reason;
@@ -424,17 +474,25 @@ async function allocationPage(page, id, signal) {
     const why = reason.value.trim();
     const body = what === "task" ? { task } : what === "all" ? { all_tasks: true } : {};
     if (why) body.reason = why;
-    const label =
-      what === "task" ? `Restart task ${task}?` : what === "all" ? "Restart all tasks?" : what === "running" ? "Restart the running tasks?" : `Delete allocation ${id}?`;
-    const text =
-      what === "delete"
-        ? "Its agents are told it is gone and every wait on it ends."
-        : "The tasks are told to stop and start again; the coordinator follows.";
+    const label = {
+      task: `Restart task ${task}?`,
+      all: "Restart all tasks?",
+      running: "Restart the running tasks?",
+      stop: `Stop allocation ${id}?`,
+      delete: `Delete allocation ${id}?`,
+    }[what];
+    const text = {
+      delete: "Its agents are told it is gone and every wait on it ends.",
+      stop: "Every task not yet dead is told to stop; the poststop tasks run as the cleanup, and it ends stopped.",
+    }[what] || "The tasks are told to stop and start again; the coordinator follows.";
     if (!(await confirmed(label, text))) return;
     try {
       if (what === "delete") {
         await api(path, { method: "DELETE", signal });
         say(`${id} was deleted.`);
+      } else if (what === "stop") {
+        await api(`${path}/stop`, { method: "POST", signal });
+        say(`${id} was told to stop.`);
       } else {
         const r = await api(`${path}/restart`, { method: "POST", body, signal });
         say(`Told to restart: ${r.data.restarted.join(", ") || "no task"}.`);
@@ -477,11 +535,14 @@ async function allocationPage(page, id, signal) {
               h("button", { type: "button", id: "restart-running", onclick: () => act("running") }, "Restart running tasks"),
               h("button", { type: "button", id: "restart-all", onclick: () => act("all") }, "Restart all tasks"),
             ],
+        // Stopping, while a task is not dead.
+        finishedAll(a) ? null : h("button", { type: "button", id: "stop", class: "danger", onclick: () => act("stop") }, "Stop allocation"),
         h("button", { type: "button", id: "delete", class: "danger", onclick: () => act("delete") }, "Delete allocation"),
       ),
     );
     page.replaceChildren(
       h("h1", {}, `Allocation ${a.id}`),
+      banner(a),
       summary,
       h("h2", {}, "Stages"),
       lanes(a, act),

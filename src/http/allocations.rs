@@ -211,14 +211,15 @@ pub async fn timeline(
 
 /// List allocations.
 ///
-/// IDs in sorted order, filtered by prefix, paged with `per_page` and the
-/// token from `X-Taskgate-NextToken`.
+/// IDs in sorted order, filtered by prefix and state, paged with
+/// `per_page` and the token from `X-Taskgate-NextToken`.
 #[utoipa::path(
     get, path = "/v1/allocations", operation_id = "listAllocations", tag = "allocations",
     params(
         ("prefix" = Option<String>, Query, description = "Only IDs starting with this"),
         ("per_page" = Option<usize>, Query, minimum = 1, maximum = 1000, description = "1 to 1000, default 100"),
         ("next_token" = Option<String>, Query, min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$", description = "The X-Taskgate-NextToken of the previous page"),
+        ("state" = Option<String>, Query, example = "failed,lost", pattern = "^(running|finished|failed|lost|blocked)(,(running|finished|failed|lost|blocked))*$", description = "Only allocations in one of these, comma-separated: `running`, `finished`, `failed`, `lost`, `blocked` (the `ListState` values). A filtered page passes over at most 10,000 allocations left out: it may be short, or empty, and still have a next page."),
     ),
     responses(
         (status = 200, description = "One page of allocations", body = Vec<ListItem>,
@@ -232,12 +233,26 @@ pub async fn list(
 ) -> Result<Response, ApiError> {
     // Read before the listing: every change up to it is in what follows.
     let index = s.registry.stream_index();
+    // Each allocation's troubles are read once: to filter, then to show.
+    let mut troubles = Vec::new();
     let (page, next) = s.registry.list(
         &q.prefix,
         q.next_token.as_ref().map(|t| t.as_str()),
         q.per_page,
+        |a| {
+            let t = a.troubles();
+            let keep = q.state.is_empty() || q.state.iter().any(|&s| a.is_in(s, &t));
+            if keep {
+                troubles.push(t);
+            }
+            keep
+        },
     );
-    let items: Vec<ListItem> = page.iter().map(|a| ListItem::new(a)).collect();
+    let items: Vec<ListItem> = page
+        .iter()
+        .zip(&troubles)
+        .map(|(a, t)| ListItem::new(a, t))
+        .collect();
     let mut res = super::indexed(StatusCode::OK, index, &items);
     if let Some(next) = next.and_then(|n| HeaderValue::from_str(n.as_str()).ok()) {
         res.headers_mut().insert(NEXT_TOKEN_HEADER, next);

@@ -13,7 +13,8 @@ use utoipa::{
 
 use super::{allocations, error, events, service, tasks, views};
 use crate::lifecycle::{
-    Condition, CoordState, DesiredKind, Hook, Outcome, RunState, Stage, StopKind, WaitFor, Why,
+    Condition, CoordState, DesiredKind, Hook, ListState, Outcome, RunState, Stage, StopKind,
+    TroubleKind, WaitFor, Why,
 };
 
 /// String-enum schemas for the lifecycle enums, with their values taken
@@ -44,6 +45,8 @@ name_schema! {
     Condition => "What a dependency waits for its target task to be: `running`, `ready` (running and ready), `succeeded` (dead, not failed), `dead` (failed or not).",
     Why => "Why a dependency does not hold: its target is `not_registered` (no such allocation), `no_such_task` (the allocation is held and has no task of that name), `pending`, `running`, `dead`, `failed`, `not_ready`, or the dependency leads back to its own task (`cycle`).",
     Outcome => "How the allocation ended: `failed` when a non-poststop task failed, else `succeeded`.",
+    TroubleKind => "What needs an operator's eye, most severe first: `lost` (a task's agent fell silent past its TTL), `failed` (a task ended failed), `past_deadline` (a stage's deadline passed), `stuck` (a task may start but for a dependency that will not hold by itself: its target ended or failed, has no such task, or the dependencies form a cycle), `blocked` (a task may start but for a dependency on another allocation that does not hold yet).",
+    ListState => "Which allocations a list shows: `running` (some task not dead), `finished` (every task dead), `failed` (a task failed or was lost, or a deadline passed), `lost` (a task was lost), `blocked` (a task is held by a dependency: `blocked` or `stuck`).",
 }
 
 #[derive(OpenApi)]

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use super::extract::{Pairs, QueryParams};
-use crate::lifecycle::{AllocId, FieldError};
+use crate::lifecycle::{AllocId, FieldError, ListState};
 use crate::units::parse_duration;
 
 fn parse_wait(pairs: &Pairs, errors: &mut Vec<FieldError>) -> Option<Duration> {
@@ -120,16 +120,18 @@ impl QueryParams for StreamParams {
 pub const MAX_PER_PAGE: usize = 1000;
 pub const DEFAULT_PER_PAGE: usize = 100;
 
-/// `?prefix=&per_page=&next_token=` of the allocation list.
+/// `?prefix=&per_page=&next_token=&state=` of the allocation list.
 #[derive(Debug, PartialEq, Eq)]
 pub struct ListParams {
     pub prefix: String,
     pub per_page: usize,
     pub next_token: Option<AllocId>,
+    /// Only allocations in one of these (comma-separated); empty: all.
+    pub state: Vec<ListState>,
 }
 
 impl QueryParams for ListParams {
-    const NAMES: &'static [&'static str] = &["prefix", "per_page", "next_token"];
+    const NAMES: &'static [&'static str] = &["prefix", "per_page", "next_token", "state"];
 
     fn from_pairs(pairs: &Pairs) -> Result<Self, Vec<FieldError>> {
         let mut errors = Vec::new();
@@ -158,11 +160,24 @@ impl QueryParams for ListParams {
                     None
                 }
             });
+        let mut state = Vec::new();
+        for raw in pairs
+            .get("state")
+            .into_iter()
+            .flat_map(|raw| raw.split(','))
+        {
+            match raw.parse::<ListState>() {
+                Ok(s) if !state.contains(&s) => state.push(s),
+                Ok(_) => {}
+                Err(e) => errors.push(FieldError::new("state", e.to_string())),
+            }
+        }
         if errors.is_empty() {
             Ok(Self {
                 prefix,
                 per_page,
                 next_token,
+                state,
             })
         } else {
             Err(errors)

@@ -19,7 +19,7 @@
 use serde::Serializer as _;
 use time::{OffsetDateTime, format_description::well_known::Rfc3339};
 
-use super::views::Liveness;
+use super::views::{Liveness, TroubleView};
 use crate::lifecycle::{Allocation, DepState, StopReason};
 
 type Result = std::result::Result<(), serde_json::Error>;
@@ -77,6 +77,9 @@ pub fn allocation(out: &mut Vec<u8>, a: &Allocation, live: &Liveness) -> Result 
     }
     out.extend_from_slice(b",\"deadline_at\":");
     optional_time(out, a.deadline_at)?;
+    out.extend_from_slice(b",\"trouble\":");
+    // Rare, and words made for people: serde writes it.
+    serde_json::to_writer(&mut *out, &TroubleView::all(a, &a.troubles()))?;
     out.extend_from_slice(b",\"tasks\":[");
     for i in 0..a.tasks.len() {
         comma(out, i);

@@ -7,7 +7,8 @@ use utoipa::ToSchema;
 use crate::{
     lifecycle::{
         Allocation, Condition, CoordState, Deadlines, DepState, DesiredKind, Details, Event,
-        Events, Hook, Outcome, RunState, Stage, StopKind, Timestamp, WaitFor, Why,
+        Events, Hook, Outcome, RunState, Stage, StopKind, Timestamp, Trouble, TroubleKind, WaitFor,
+        Why,
     },
     units::{Shown, format_duration},
 };
@@ -90,8 +91,105 @@ pub struct AllocationView {
     /// the poststop tasks still going); `null` when none runs.
     #[serde(with = "time::serde::rfc3339::option")]
     pub deadline_at: Option<OffsetDateTime>,
+    /// What needs an operator's eye, most severe first; empty when
+    /// nothing does.
+    pub trouble: Vec<TroubleView>,
     /// In registration order.
     pub tasks: Vec<TaskView>,
+}
+
+/// One kind of trouble, the tasks it concerns, and what to do.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(example = json!({"kind": "lost", "tasks": ["web"],
+    "message": "web was declared lost: its agent gave no sign of life within its TTL",
+    "next_step": "Find out why the agent fell silent (its host, its network), then restart every task (`taskgate alloc restart ID --all-tasks`), or stop the allocation (`taskgate alloc stop ID`)"}))]
+pub struct TroubleView {
+    pub kind: TroubleKind,
+    /// The tasks it concerns (registration order).
+    pub tasks: Vec<String>,
+    /// What is wrong, in a sentence.
+    pub message: String,
+    /// What an operator can do about it.
+    pub next_step: &'static str,
+}
+
+impl TroubleView {
+    pub fn all(a: &Allocation, troubles: &[Trouble]) -> Vec<Self> {
+        troubles.iter().map(|t| Self::new(a, t)).collect()
+    }
+
+    fn new(a: &Allocation, t: &Trouble) -> Self {
+        let tasks = t.tasks.iter().map(ToString::to_string).collect::<Vec<_>>();
+        let (one, many) = (tasks.len() == 1, tasks.join(", "));
+        let was = if one { "was" } else { "were" };
+        // A finished allocation (poststop) restarts no task: the group
+        // runs again only as a new registration.
+        let ended = a.state == CoordState::Poststop;
+        let again = |restart: &'static str, anew: &'static str| if ended { anew } else { restart };
+        let (message, next_step) = match t.kind {
+            TroubleKind::Lost => (
+                format!(
+                    "{many} {was} declared lost: no sign of life from the agent within the TTL"
+                ),
+                again(
+                    "Find out why the agent fell silent (its host, its network), then restart every \
+                     task (`taskgate alloc restart ID --all-tasks`) or stop the allocation \
+                     (`taskgate alloc stop ID`)",
+                    "Find out why the agent fell silent (its host, its network); to run the group \
+                     again, delete the allocation and register it anew",
+                ),
+            ),
+            TroubleKind::Failed => (
+                format!("{many} ended failed"),
+                again(
+                    "Read the task's events for why (`taskgate alloc status ID`); once the cause \
+                     is fixed, restart every task (`taskgate alloc restart ID --all-tasks`)",
+                    "Read the task's events for why (`taskgate alloc status ID`); once the cause \
+                     is fixed, delete the allocation and register it anew",
+                ),
+            ),
+            TroubleKind::PastDeadline => (
+                match a.order().reason().and_then(|r| r.stage) {
+                    Some(stage) if !tasks.is_empty() => {
+                        format!("the {stage} deadline passed while it waited on {many}")
+                    }
+                    _ if !tasks.is_empty() => {
+                        format!("a deadline passed while it waited on {many}")
+                    }
+                    _ => "a stage's deadline passed".to_owned(),
+                },
+                again(
+                    "See what the stage waited on in the timeline; fix the slow task or register \
+                     a longer deadline, then restart every task \
+                     (`taskgate alloc restart ID --all-tasks`)",
+                    "See what the stage waited on in the timeline; fix the slow task or register \
+                     the allocation anew with a longer deadline",
+                ),
+            ),
+            TroubleKind::Stuck => (
+                format!(
+                    "{many} may start but for a dependency that will not hold by itself \
+                     (see its blocked_by)"
+                ),
+                "Restart or register the allocation it depends on, or register this one anew \
+                 without that dependency",
+            ),
+            TroubleKind::Blocked => (
+                format!(
+                    "{many} {} for a dependency on another allocation (see its blocked_by)",
+                    if one { "waits" } else { "wait" }
+                ),
+                "Nothing, if the other allocation is on its way; else see why it does not get \
+                 there (`taskgate alloc status` on it)",
+            ),
+        };
+        Self {
+            kind: t.kind,
+            tasks,
+            message,
+            next_step,
+        }
+    }
 }
 
 /// Stage deadlines, as durations (`10m`); each `null` when not set.
@@ -374,6 +472,11 @@ pub struct ListItem {
     /// As in the allocation view: the tasks (registration order) whose
     /// state holds the coordinator where it is.
     pub waiting_on: Vec<String>,
+    /// Every task is dead: nothing more happens until an order.
+    pub finished: bool,
+    /// As in the allocation view: what needs an operator's eye, most
+    /// severe first.
+    pub trouble: Vec<TroubleView>,
 }
 
 /// Tasks by state.
@@ -504,6 +607,7 @@ impl AllocationView {
             modified_at: a.modified_at,
             deadlines: DeadlinesView::new(a.spec.deadlines()),
             deadline_at: a.deadline_at,
+            trouble: TroubleView::all(a, &a.troubles()),
             tasks: (0..a.tasks.len())
                 .map(|i| TaskView::new(a, i, &live))
                 .collect(),
@@ -546,7 +650,8 @@ impl StartConditionView {
 }
 
 impl ListItem {
-    pub fn new(a: &Allocation) -> Self {
+    /// `troubles` as `a.troubles()` gave them.
+    pub fn new(a: &Allocation, troubles: &[Trouble]) -> Self {
         let mut task_states = TaskStateCounts::default();
         for t in &a.tasks {
             match t.state {
@@ -563,6 +668,8 @@ impl ListItem {
             task_count: a.tasks.len(),
             task_states,
             waiting_on: names(a),
+            finished: a.finished(),
+            trouble: TroubleView::all(a, troubles),
         }
     }
 }

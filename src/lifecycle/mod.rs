@@ -35,6 +35,7 @@ mod intern;
 mod orders;
 mod spec;
 mod task;
+mod trouble;
 
 pub use alloc::{
     Allocation, LapsedAt, Overdue, RESTART_EVENT, Refusal, RestartError, RestartMode, SeenAt,
@@ -58,6 +59,7 @@ pub use task::{
     Details, Event, EventInput, Events, IdemKey, KeySeen, LOST_EVENT, MAX_KEYS, RunState,
     TaskExtra, TaskReport, TaskStatus,
 };
+pub use trouble::{ListState, Trouble, TroubleKind};
 
 /// Where in a request a rule was broken, and how. The `field` is a path into
 /// the request body (`tasks[1].name`, `tasks.web.event.message`).

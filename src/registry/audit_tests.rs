@@ -1002,7 +1002,7 @@ async fn p5_register_delete_reregister_report_and_wait_race_on_one_id() {
         .iter()
         .map(|a| a.id.to_string())
         .collect();
-    let (listed, _) = r.list("", None, 100);
+    let (listed, _) = r.list("", None, 100, |_| true);
     let in_view: Vec<String> = listed.iter().map(|a| a.id.to_string()).collect();
     assert_eq!(in_view, in_store, "the view and the store agree");
     assert_eq!(r.len(), in_store.len(), "no handle but the live ones");

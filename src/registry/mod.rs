@@ -122,6 +122,10 @@ pub const DEFAULT_EVENT_BUFFER: usize = 4_096;
 /// Bytes of rendered changes the event stream keeps by default.
 pub const DEFAULT_EVENT_BUFFER_BYTES: usize = 64 << 20;
 
+/// Allocations a filtered list page passes over at most before it
+/// answers (`Registry::list`).
+pub const MAX_SCANNED: usize = 10_000;
+
 /// The largest global index: indexes are 0 to 2^63 - 1 in the API.
 pub const MAX_INDEX: u64 = i64::MAX as u64;
 
@@ -437,13 +441,18 @@ impl Registry {
         entries
     }
 
-    /// One page of allocations whose ID starts with `prefix`, in ID order,
-    /// from `start` (inclusive) on. Returns the ID that starts the next page.
+    /// One page of allocations whose ID starts with `prefix` and that
+    /// `keep` keeps, in ID order, from `start` (inclusive) on. Returns the
+    /// ID that starts the next page. A page looks at no more than
+    /// `per_page` allocations kept and `MAX_SCANNED` left out, so a rare
+    /// filter among many allocations answers in bounded time: its page
+    /// may then be short, or empty, with a next page.
     pub fn list(
         &self,
         prefix: &str,
         start: Option<&str>,
         per_page: usize,
+        mut keep: impl FnMut(&Allocation) -> bool,
     ) -> (Vec<Arc<Allocation>>, Option<AllocId>) {
         // A page starts at the token or at the prefix, whichever is later:
         // a token from another listing still gives a well-defined page.
@@ -453,15 +462,20 @@ impl Registry {
         };
         let map = self.read_map();
         let mut page = Vec::new();
+        let mut left_out = 0;
         for (id, handle) in map.range_from(from) {
             if !id.as_str().starts_with(prefix) {
                 break;
             }
             if let Some(a) = handle.current() {
-                if page.len() == per_page {
+                if page.len() == per_page || left_out == MAX_SCANNED {
                     return (page, Some(id.clone()));
                 }
-                page.push(a);
+                if keep(&a) {
+                    page.push(a);
+                } else {
+                    left_out += 1;
+                }
             }
         }
         (page, None)

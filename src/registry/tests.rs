@@ -304,16 +304,44 @@ async fn listing_pages_through_a_prefix_in_id_order() {
     for name in ["web-3", "db-1", "web-1", "web-2", "webby"] {
         r.register(id(name), two_stage()).await.unwrap();
     }
-    let (page, next) = r.list("web-", None, 2);
+    let (page, next) = r.list("web-", None, 2, |_| true);
     let ids: Vec<_> = page.iter().map(|a| a.id.as_str()).collect();
     assert_eq!(ids, ["web-1", "web-2"]);
     let next = next.unwrap();
     assert_eq!(next.as_str(), "web-3");
-    let (page, next) = r.list("web-", Some(next.as_str()), 2);
+    let (page, next) = r.list("web-", Some(next.as_str()), 2, |_| true);
     assert_eq!(page.len(), 1);
     assert!(next.is_none());
-    let (all, _) = r.list("", None, 100);
+    let (all, _) = r.list("", None, 100, |_| true);
     assert_eq!(all.len(), 5);
+}
+
+/// A filter that keeps little among many answers after passing over
+/// `MAX_SCANNED` allocations, with a next page where it stopped: no page
+/// walks the whole map.
+#[tokio::test]
+async fn a_filtered_page_passes_over_a_bounded_number() {
+    let (r, _) = registry();
+    let n = super::MAX_SCANNED + 5;
+    for i in 0..n {
+        r.register(id(&format!("a{i:06}")), two_stage())
+            .await
+            .unwrap();
+    }
+    let wanted = |a: &Allocation| a.id.as_str() >= "a010003";
+    let mut looked = 0;
+    let (page, next) = r.list("", None, 100, |a| {
+        looked += 1;
+        wanted(a)
+    });
+    assert!(page.is_empty());
+    assert_eq!(looked, super::MAX_SCANNED);
+    let next = next.expect("a next page where it stopped");
+    assert_eq!(next.as_str(), "a010000");
+    let (page, next) = r.list("", Some(next.as_str()), 100, wanted);
+    let ids: Vec<_> = page.iter().map(|a| a.id.as_str()).collect();
+    assert_eq!(ids, ["a010003", "a010004"]);
+    assert!(next.is_none());
 }
 
 #[tokio::test]
@@ -555,7 +583,7 @@ async fn a_panic_while_the_map_is_written_leaves_it_whole_for_the_next_user() {
     };
     assert!(half.join().is_err());
     assert!(r.inner.allocs.is_poisoned());
-    let (page, _) = r.list("", None, 10);
+    let (page, _) = r.list("", None, 10, |_| true);
     let ids: Vec<_> = page.iter().map(|a| a.id.to_string()).collect();
     assert_eq!(ids, ["a1"], "the creating handle is listed by nobody");
     assert!(!r.inner.allocs.is_poisoned());

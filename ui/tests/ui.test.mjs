@@ -330,10 +330,58 @@ test("a task's dependencies link to the other allocation and say whether they ho
   await page.close();
 });
 
+test("a failed allocation is shown failed: in the list, its filter and a banner saying what to do", async () => {
+  await call("PUT", "/v1/allocations/tr-ok", FIVE, TOKENS.agent);
+  await call("PUT", "/v1/allocations/tr-bad", FIVE, TOKENS.agent);
+  const list = await open("/ui?prefix=tr-", TOKENS.reader);
+  await list.locator('tr[data-id="tr-bad"]').waitFor();
+  assert.equal(await list.locator('tr[data-id="tr-bad"] .trouble').textContent(), "—");
+  // init fails: the row turns to failed live, marked, and the healthy one does not.
+  await report("tr-bad", { init: { state: "dead", failed: true } });
+  const bad = list.locator('tr[data-id="tr-bad"]');
+  await bad.locator(".trouble", { hasText: "failed" }).waitFor({ timeout: 2000 });
+  assert.equal(await bad.getAttribute("data-trouble"), "failed");
+  assert.equal(await list.locator('tr[data-id="tr-ok"] .trouble').textContent(), "—");
+  await shot(list, "list-trouble");
+  // The filter asks the server for failed ones only.
+  await list.getByLabel("State").selectOption("failed");
+  await list.getByRole("button", { name: "Filter" }).click();
+  await list.getByRole("status").getByText(/following changes live/i).waitFor();
+  await list.locator('tr[data-id="tr-bad"]').waitFor();
+  assert.deepEqual(await list.$$eval("tbody tr", (rows) => rows.map((r) => r.dataset.id)), ["tr-bad"]);
+  assert.match(list.url(), /state=failed/);
+  await list.close();
+  // The page says what is wrong and what to do, above everything else.
+  const page = await open("/ui/allocations/tr-bad", TOKENS.operator);
+  const banner = page.getByRole("region", { name: "Trouble" });
+  await banner.getByText("init ended failed").waitFor();
+  assert.match(await banner.textContent(), /What to do: Read the task's events/);
+  await shot(page, "detail-trouble");
+  await page.close();
+  // A healthy one has no banner; stopped, its poststop runs and it ends
+  // stopped, which is no trouble.
+  const ok = await open("/ui/allocations/tr-ok", TOKENS.operator);
+  await coordinator(ok, "prestart");
+  assert.equal(await ok.getByRole("region", { name: "Trouble" }).count(), 0);
+  await ok.getByRole("button", { name: "Stop allocation" }).click();
+  await ok.getByRole("dialog").getByRole("button", { name: "Confirm" }).click();
+  await ok.locator('.task[data-task="web"] .desired', { hasText: "stop: Stopped By Operator" }).waitFor({ timeout: 2000 });
+  await report("tr-ok", { init: { state: "dead" }, proxy: { state: "dead" }, web: { state: "dead" }, announce: { state: "dead" } });
+  await report("tr-ok", { cleanup: { state: "dead" } });
+  await ok.locator('.task[data-task="cleanup"] .state', { hasText: "dead" }).waitFor({ timeout: 2000 });
+  await ok.locator("dd", { hasText: /^stopped$/ }).waitFor({ timeout: 2000 });
+  assert.equal(await ok.getByRole("button", { name: "Stop allocation" }).count(), 0, "nothing left to stop");
+  assert.equal(await ok.getByRole("region", { name: "Trouble" }).count(), 0);
+  await ok.close();
+});
+
 test("both pages pass axe's accessibility rules (WCAG 2.1 A and AA)", async () => {
   await call("PUT", "/v1/allocations/ax-1", FIVE, TOKENS.agent);
   await report("ax-1", { init: { state: "dead" }, proxy: { state: "running" }, web: { state: "running" } });
-  for (const path of ["/ui?prefix=ax-", "/ui/allocations/ax-1"]) {
+  // One in trouble, for the list's marks and the page's banner.
+  await call("PUT", "/v1/allocations/ax-2", FIVE, TOKENS.agent);
+  await report("ax-2", { init: { state: "dead", failed: true } });
+  for (const path of ["/ui?prefix=ax-", "/ui/allocations/ax-1", "/ui/allocations/ax-2"]) {
     for (const viewport of [{ width: 1366, height: 900 }, { width: 390, height: 844 }]) {
       const page = await open(path, TOKENS.reader, viewport);
       // Run through the browser's debugging protocol: the page's own
