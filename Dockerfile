@@ -59,8 +59,8 @@ RUN groupadd --system --gid 10001 taskgate \
     && mkdir -p /data && chown taskgate:taskgate /data
 COPY --from=build /taskgate /usr/local/bin/taskgate
 USER taskgate:taskgate
-# PATH too: a base image made with debootstrap sets none, and not every
-# runtime supplies one (`podman kube play` does not).
+# PATH too: a base image made with debootstrap sets none, and without it
+# `podman kube play` finds no command given by name (`sh`, `id`).
 ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     TASKGATE_LISTEN=0.0.0.0:8080 \
     TASKGATE_DATA_DIR=/data \
