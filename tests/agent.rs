@@ -492,6 +492,74 @@ fn the_workload_never_sees_the_agents_secret() {
     }
 }
 
+/// The token file is read again before each request: a token replaced in
+/// it while the task runs (Kubernetes renews a pod's projected
+/// service-account token before it expires) is the one the agent sends from
+/// then on, with no restart of the agent or its task.
+#[test]
+fn a_token_replaced_in_the_token_file_is_sent_from_then_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let secrets = [
+        ("first", "the-first-agent-secret-0123456789abcdef"),
+        ("second", "the-second-agent-secret-0123456789abcdef"),
+    ];
+    let tokens: Vec<Value> = secrets
+        .iter()
+        .map(|(name, secret)| {
+            use sha2::Digest;
+            let hash: String = sha2::Sha256::digest(secret.as_bytes())
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            json!({"name": name, "role": "agent", "sha256": hash})
+        })
+        .collect();
+    let token_list = dir.path().join("tokens.json");
+    std::fs::write(&token_list, json!({"tokens": tokens}).to_string()).unwrap();
+    let server = Server::start(&["--in-memory", "--token-file", token_list.to_str().unwrap()]);
+    let spec = web_only(dir.path());
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, format!("{}\n", secrets[0].1)).unwrap();
+    let d = dir.path().display();
+    // The task says it runs, then waits (bounded) for the test's go.
+    let child = Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        .args(["agent", "--server", &server.base, "--alloc", "rot-1"])
+        .args(["--task", "web", "--register"])
+        .arg(&spec)
+        .env("TASKGATE_TOKEN_FILE", &token_file)
+        .args(["--", "sh", "-c"])
+        .arg(format!(
+            "echo running >> {d}/log; {} exit 0",
+            await_file(dir.path(), "go")
+        ))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut web = Agent { child, task: "web" };
+    wait_log(dir.path(), "running", 1);
+    // Replaced as the kubelet does: written beside it, renamed over it.
+    let next = dir.path().join("token.next");
+    std::fs::write(&next, format!("{}\n", secrets[1].1)).unwrap();
+    std::fs::rename(&next, &token_file).unwrap();
+    std::fs::write(dir.path().join("go"), "go").unwrap();
+    assert_eq!(exits(std::slice::from_mut(&mut web)), [("web", 0)]);
+    let (_, log) = server.stop();
+    let writes_by = |name: &str| {
+        log.iter()
+            .filter(|l| l.contains("write by token") && l.contains(&format!("token={name}")))
+            .count()
+    };
+    assert!(
+        writes_by("first") > 0,
+        "the first token registered: {log:#?}"
+    );
+    assert!(
+        writes_by("second") > 0,
+        "the task's end was reported with the token that replaced the first: {log:#?}"
+    );
+}
+
 /// A main task waits for its sidecar's readiness probe, not only for the
 /// sidecar to run: the sidecar (a real server) opens its port a while
 /// after it starts, and main must not start before the port takes

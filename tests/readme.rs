@@ -1,13 +1,14 @@
 //! Runs the README's walkthrough against a real server, so it cannot rot:
 //! each command of the marked block runs in `sh` as written, with the
-//! server's address in place of `localhost:8080` and `TASKGATE_SERVER` set
-//! to it (as a reader's `taskgate` finds the server at its default
-//! address), and with the `taskgate` this build made first on the PATH
-//! (where the README's `cargo install --locked --path .` puts the
-//! reader's). Each `# expect:` line must be in the output of the command
-//! before it. A line `NAME=$(curl ...)` (or `$(taskgate ...)`) sets a
-//! shell variable, as it does in the reader's shell when the block is
-//! pasted: its value must not be empty, and the commands after it see it.
+//! `taskgate` this build made first on the PATH (where the README's `cargo
+//! install --locked --path .` puts the reader's). The block's first line
+//! sets `TASKGATE_SERVER`, the one place that names the server's address;
+//! here the test's own server stands in for it, and every command takes
+//! the address from that variable (as the reader's do). Each `# expect:`
+//! line must be in the output of the command before it. A line
+//! `NAME=$(curl ...)` (or `$(taskgate ...)`) sets a shell variable, as it
+//! does in the reader's shell when the block is pasted: its value must not
+//! be empty, and the commands after it see it.
 
 mod common;
 
@@ -33,6 +34,10 @@ fn assignment(line: &str) -> Option<String> {
         .then(|| name.to_owned())
 }
 
+/// The line that opens every walkthrough: the server's address, which
+/// every command takes from `TASKGATE_SERVER` (the CLI reads it too).
+const SERVER_LINE: &str = "export TASKGATE_SERVER=http://127.0.0.1:8080";
+
 /// The marked walkthrough of a page of the repository.
 fn walkthrough(page: &str) -> Vec<Step> {
     let readme = std::fs::read_to_string(format!("{}/{page}", env!("CARGO_MANIFEST_DIR"))).unwrap();
@@ -41,6 +46,24 @@ fn walkthrough(page: &str) -> Vec<Step> {
         .nth(1)
         .and_then(|rest| rest.split("<!-- walkthrough:end -->").next())
         .expect("README has a walkthrough block");
+    // The address is in one place: the first command sets it, no other
+    // line names it.
+    let first = block
+        .lines()
+        .find(|l| !l.is_empty() && !l.starts_with('#') && !l.starts_with("```"));
+    assert_eq!(
+        first,
+        Some(SERVER_LINE),
+        "{page}: the walkthrough's first command says where the server is"
+    );
+    for line in block.lines().filter(|&l| l != SERVER_LINE) {
+        assert!(
+            !["127.0.0.1:8080", "localhost:8080"]
+                .iter()
+                .any(|a| line.contains(a)),
+            "{page}: only the first line names the server's address; use \"$TASKGATE_SERVER/...\" in:\n{line}"
+        );
+    }
     let mut steps: Vec<Step> = Vec::new();
     let mut open: Option<String> = None;
     for line in block.lines() {
@@ -75,18 +98,26 @@ fn walkthrough(page: &str) -> Vec<Step> {
         }
     }
     assert!(open.is_none(), "unterminated command in the walkthrough");
+    for step in steps.iter().filter(|s| s.command.contains("curl ")) {
+        assert!(
+            step.command.contains("\"$TASKGATE_SERVER/"),
+            "{page}: a request that does not go to \"$TASKGATE_SERVER/...\":\n{}",
+            step.command
+        );
+    }
     steps
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_readme_walkthrough_runs_as_written() {
-    // The walkthrough's `taskgate` is the one the README installs first.
+    // The walkthrough's `taskgate` is the one the README's run command
+    // installs (and runs the server with).
     let readme =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
     let before = readme.split("<!-- walkthrough:start -->").next().unwrap();
     assert!(
-        before.contains("```sh\ncargo install --locked --path .\n```"),
-        "the README installs taskgate before its walkthrough"
+        before.contains("```sh\ncargo install --locked --path . && taskgate serve\n```"),
+        "the README installs taskgate and serves with it before its walkthrough"
     );
     run(walkthrough("README.md"), 15).await;
 }
@@ -110,7 +141,7 @@ async fn run(steps: Vec<Step>, at_least: usize) {
         "every command checks its output"
     );
     let server = common::spawn_server().await;
-    let addr = server.base.trim_start_matches("http://").to_owned();
+    // In place of the walkthrough's first line: this server's address.
     let base = server.base.clone();
     // The binary under test is the `taskgate` the shell finds.
     let bin = std::path::Path::new(env!("CARGO_BIN_EXE_taskgate"));
@@ -131,7 +162,7 @@ async fn run(steps: Vec<Step>, at_least: usize) {
     // The variables set so far, as the reader's shell holds them.
     let mut vars: Vec<(String, String)> = Vec::new();
     for step in steps {
-        let mut command = step.command.replace("localhost:8080", &addr);
+        let mut command = step.command.clone();
         // A bound on each request, so a hung server fails the test: the
         // step's own curl (a `NAME=$(curl ...)` one's too) gets one.
         let curl = match &step.sets {

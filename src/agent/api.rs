@@ -171,6 +171,76 @@ impl Outage {
 /// `Prefer: return=minimal` (RFC 7240) on writes.
 const MINIMAL: &[(&str, &str)] = &[("prefer", "return=minimal")];
 
+/// The agent's token: given, or read from `--token-file` again before each
+/// request, so that a token replaced in the file is sent from the next
+/// request on (Kubernetes replaces a pod's projected service-account token
+/// before it expires; a rotation script may do the same).
+enum Token {
+    None,
+    Given(String),
+    File {
+        path: std::path::PathBuf,
+        /// The last token read, sent while the file cannot be read, and
+        /// whether reading it is failing (said once, not per request).
+        last: std::sync::Mutex<(String, bool)>,
+    },
+}
+
+/// The token in a token file: its first line, trimmed.
+fn read_token(path: &Path) -> Result<String, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read the token file {}: {e}", path.display()))?;
+    let secret = text.lines().next().unwrap_or_default().trim().to_owned();
+    if secret.is_empty() {
+        return Err(format!("the token file {} is empty", path.display()));
+    }
+    Ok(secret)
+}
+
+impl Token {
+    /// A token file must hold a token at start: the agent stops otherwise.
+    fn new(config: &AgentConfig) -> Result<Self, String> {
+        Ok(match (&config.token_file, &config.token) {
+            (Some(path), _) => Token::File {
+                last: std::sync::Mutex::new((read_token(path)?, false)),
+                path: path.clone(),
+            },
+            (None, Some(token)) => Token::Given(token.0.clone()),
+            (None, None) => Token::None,
+        })
+    }
+
+    /// The token to send now. A file that cannot be read any more (being
+    /// replaced by hand, say) leaves the last token it held in use; the log
+    /// says so once, and once more when it can be read again.
+    fn current(&self) -> Option<String> {
+        match self {
+            Token::None => None,
+            Token::Given(token) => Some(token.clone()),
+            Token::File { path, last } => {
+                let read = read_token(path);
+                let mut last = last
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                match read {
+                    Ok(token) => {
+                        if std::mem::take(&mut last.1) {
+                            tracing::info!(file = %path.display(), "the token file can be read again");
+                        }
+                        last.0 = token;
+                    }
+                    Err(e) if !last.1 => {
+                        last.1 = true;
+                        tracing::warn!("{e}: the token read from it before is sent meanwhile");
+                    }
+                    Err(_) => {}
+                }
+                Some(last.0.clone())
+            }
+        }
+    }
+}
+
 pub struct Api {
     /// Set when the agent is told to stop: calls give up at this instant
     /// (`--shutdown-timeout` after the signal) instead of retrying on.
@@ -181,7 +251,7 @@ pub struct Api {
     /// The requests that got no answer in a row, from every call (the
     /// long-poll, a report and a heartbeat may fail side by side).
     outage: std::sync::Mutex<Outage>,
-    token: Option<String>,
+    token: Token,
     alloc: String,
     task: String,
     /// The store the allocation was seen in (`X-Taskgate-Store`), and the
@@ -314,18 +384,7 @@ fn decode<T: serde::de::DeserializeOwned>(what: &str, v: Value) -> Result<T, Api
 
 impl Api {
     pub fn new(config: &AgentConfig) -> Result<Self, String> {
-        let token = match &config.token_file {
-            Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .map_err(|e| format!("cannot read the token file {}: {e}", path.display()))?;
-                let secret = text.lines().next().unwrap_or_default().trim().to_owned();
-                if secret.is_empty() {
-                    return Err(format!("the token file {} is empty", path.display()));
-                }
-                Some(secret)
-            }
-            None => config.token.as_ref().map(|t| t.0.clone()),
-        };
+        let token = Token::new(config)?;
         Ok(Self {
             give_up_at: Default::default(),
             endpoints: config
@@ -415,7 +474,14 @@ impl Api {
                 headers.push((RUN_HEADER, run));
             }
             let answer = self.endpoints[at]
-                .send(method, path, self.token.as_deref(), body, &headers, timeout)
+                .send(
+                    method,
+                    path,
+                    self.token.current().as_deref(),
+                    body,
+                    &headers,
+                    timeout,
+                )
                 .await;
             // Unreachable or unavailable (5xx): the next try goes to the
             // next server, if there are several.
@@ -594,7 +660,7 @@ impl Api {
             .send(
                 "GET",
                 &path,
-                self.token.as_deref(),
+                self.token.current().as_deref(),
                 None,
                 &[],
                 REQUEST_TIMEOUT,
@@ -764,7 +830,14 @@ impl Api {
         let run = self.run();
         let headers: Vec<(&str, &str)> = run.iter().map(|r| (RUN_HEADER, r.as_str())).collect();
         let reply = self.endpoints[at]
-            .send("PUT", &path, self.token.as_deref(), None, &headers, within)
+            .send(
+                "PUT",
+                &path,
+                self.token.current().as_deref(),
+                None,
+                &headers,
+                within,
+            )
             .await;
         match &reply {
             Ok(r) if r.status < 500 => self.answered(at),

@@ -108,8 +108,10 @@ pub struct AgentConfig {
     )]
     pub token: Option<Secret>,
     /// Read the token from this file (its first line), so the secret need
-    /// not sit in any process's environment. On the command line its path
-    /// shows in every user's process list: prefer TASKGATE_TOKEN_FILE.
+    /// not sit in any process's environment; read again before each
+    /// request, so a token replaced in it is sent from then on. On the
+    /// command line its path shows in every user's process list: prefer
+    /// TASKGATE_TOKEN_FILE.
     #[arg(long, env = "TASKGATE_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
     /// Register the allocation from this spec file first (idempotent: every
