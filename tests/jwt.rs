@@ -105,7 +105,10 @@ impl Key {
 
     /// A token of these claims, signed by this key and naming it.
     fn sign(&self, claims: &Value) -> String {
-        self.sign_with(json!({"alg": self.alg(), "typ": "JWT", "kid": self.kid()}), claims)
+        self.sign_with(
+            json!({"alg": self.alg(), "typ": "JWT", "kid": self.kid()}),
+            claims,
+        )
     }
 
     /// A token with this header, signed by this key.
@@ -117,11 +120,20 @@ impl Key {
         );
         let rng = SystemRandom::new();
         let sig = match self {
-            Key::Es256(pair, _) => pair.sign(&rng, message.as_bytes()).unwrap().as_ref().to_vec(),
+            Key::Es256(pair, _) => pair
+                .sign(&rng, message.as_bytes())
+                .unwrap()
+                .as_ref()
+                .to_vec(),
             Key::Rs256(pair, _) => {
                 let mut sig = vec![0; pair.public().modulus_len()];
-                pair.sign(&signature::RSA_PKCS1_SHA256, &rng, message.as_bytes(), &mut sig)
-                    .unwrap();
+                pair.sign(
+                    &signature::RSA_PKCS1_SHA256,
+                    &rng,
+                    message.as_bytes(),
+                    &mut sig,
+                )
+                .unwrap();
                 sig
             }
         };
@@ -303,7 +315,13 @@ async fn jwts_are_verified_and_scoped_by_their_claims() {
     );
     // Made for another audience.
     refused(
-        &call(&app, &key.sign(&with(json!({"aud": ["vault"]}))), "GET", uri).await,
+        &call(
+            &app,
+            &key.sign(&with(json!({"aud": ["vault"]}))),
+            "GET",
+            uri,
+        )
+        .await,
         "audience",
     );
     // From an issuer the server does not trust.
@@ -340,13 +358,15 @@ async fn jwts_are_verified_and_scoped_by_their_claims() {
         let unsigned = format!("{}.{claims}.", b64(header.to_string().as_bytes()));
         refused(&call(&app, &unsigned, "GET", uri).await, "unsigned");
     }
-    let hs = key.sign_with(
-        json!({"alg": "HS256", "kid": "k1"}),
-        &k8s_claims("team-a"),
+    let hs = key.sign_with(json!({"alg": "HS256", "kid": "k1"}), &k8s_claims("team-a"));
+    refused(
+        &call(&app, &hs, "GET", uri).await,
+        "\"HS256\" is not accepted",
     );
-    refused(&call(&app, &hs, "GET", uri).await, "\"HS256\" is not accepted");
     // A token without the claim that scopes it may use no allocation.
-    let no_ns = key.sign(&with(json!({"kubernetes.io": {"serviceaccount": {"name": "x"}}})));
+    let no_ns = key.sign(&with(
+        json!({"kubernetes.io": {"serviceaccount": {"name": "x"}}}),
+    ));
     let a = call(&app, &no_ns, "GET", uri).await;
     a.assert_problem(403, "forbidden");
     assert!(
@@ -426,7 +446,10 @@ async fn a_rotated_key_file_is_read_again_without_a_restart() {
     let a = call(&app, &new.sign(&k8s_claims("team-a")), "GET", uri).await;
     assert_eq!(a.status, 200, "{}", a.body);
     // The old key is gone: its token, verified before, is judged again.
-    refused(&call(&app, &before, "GET", uri).await, "no key \"2026-old\"");
+    refused(
+        &call(&app, &before, "GET", uri).await,
+        "no key \"2026-old\"",
+    );
 }
 
 /// Keys served at a URL: fetched at start, fetched again for a new key
@@ -536,7 +559,10 @@ fn a_bad_issuers_file_is_refused_at_start() {
             with(json!({"alloc_prefixes_claim": "ns", "alloc_prefix_suffix": "/"})),
             "alloc_prefix_suffix \"/\"",
         ),
-        (with(json!({"audience": ""})), "`audience` must not be empty"),
+        (
+            with(json!({"audience": ""})),
+            "`audience` must not be empty",
+        ),
         (
             json!({"issuers": [base.clone(), base.clone()]}),
             "named twice",
@@ -559,5 +585,51 @@ fn a_bad_issuers_file_is_refused_at_start() {
             err.contains("JWT issuers file") && err.contains(says),
             "{says:?} in {err}"
         );
+    }
+}
+
+/// What a JWT costs a request (run by hand, in release:
+/// `cargo test --release --test jwt -- --ignored --nocapture`): a read
+/// with the static secret, with one JWT again and again (kept after its
+/// first verification), and with a new JWT each time (each verified).
+#[tokio::test]
+#[ignore = "a measurement, not a check"]
+async fn what_a_jwt_costs_a_request() {
+    const N: usize = 2000;
+    let dir = tempfile::tempdir().unwrap();
+    let (es, rs) = (Key::es256("es"), Key::rs256("rs"));
+    let file = write(dir.path(), "jwks.json", &jwks(&[&es, &rs]));
+    let app = server(
+        dir.path(),
+        json!({"issuers": [{"issuer": K8S, "jwks_file": file, "audience": "taskgate",
+                            "role": "agent"}]}),
+    )
+    .await;
+    let uri = "/v1/allocations/web-1";
+    call(&app, OPERATOR, "PUT", uri).await;
+    let distinct = |key: &Key| -> Vec<String> {
+        (0..N)
+            .map(|i| {
+                let mut claims = k8s_claims("team-a");
+                claims["jti"] = json!(i);
+                key.sign(&claims)
+            })
+            .collect()
+    };
+    let same = vec![es.sign(&k8s_claims("team-a")); N];
+    let cases = [
+        ("static secret", vec![OPERATOR.to_owned(); N]),
+        ("one ES256 JWT, kept", same),
+        ("a new ES256 JWT each", distinct(&es)),
+        ("a new RS256 JWT each", distinct(&rs)),
+    ];
+    for (what, tokens) in cases {
+        let started = std::time::Instant::now();
+        for token in &tokens {
+            let a = call(&app, token, "GET", uri).await;
+            assert_eq!(a.status, 200, "{}", a.body);
+        }
+        let each = started.elapsed() / N as u32;
+        println!("{what:24} {each:>10.1?} per request");
     }
 }

@@ -1022,3 +1022,180 @@ impl JwtVerifier for RingVerifier {
         self.alg
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ring::signature::KeyPair;
+    use serde_json::json;
+
+    fn b64(bytes: &[u8]) -> String {
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
+    }
+
+    /// A public P-256 JWK made here.
+    fn ec_jwk(kid: &str) -> Value {
+        let rng = ring::rand::SystemRandom::new();
+        let alg = &ring::signature::ECDSA_P256_SHA256_FIXED_SIGNING;
+        let pkcs8 = ring::signature::EcdsaKeyPair::generate_pkcs8(alg, &rng).unwrap();
+        let pair = ring::signature::EcdsaKeyPair::from_pkcs8(alg, pkcs8.as_ref(), &rng).unwrap();
+        let point = pair.public_key().as_ref();
+        json!({"kty": "EC", "crv": "P-256", "kid": kid, "x": b64(&point[1..33]), "y": b64(&point[33..])})
+    }
+
+    /// Issuers of one entry (`entry` completed with an issuer, an
+    /// audience, a role and a key file).
+    fn issuers(entry: Value) -> (tempfile::TempDir, Result<Issuers, String>) {
+        let dir = tempfile::tempdir().unwrap();
+        let keys = dir.path().join("jwks.json");
+        std::fs::write(&keys, json!({"keys": [ec_jwk("k1")]}).to_string()).unwrap();
+        let mut full = json!({"issuer": "https://iss", "audience": "taskgate", "role": "agent",
+                              "jwks_file": keys});
+        for (k, v) in entry.as_object().unwrap() {
+            full[k] = v.clone();
+        }
+        let file = dir.path().join("issuers.json");
+        std::fs::write(&file, json!({"issuers": [full]}).to_string()).unwrap();
+        let loaded = Issuers::load(&file);
+        (dir, loaded)
+    }
+
+    #[test]
+    fn only_rs256_and_es256_signing_keys_are_kept() {
+        let mut small_rsa =
+            json!({"kty": "RSA", "kid": "small", "n": b64(&[0xc5; 128]), "e": "AQAB"});
+        let big_rsa = json!({"kty": "RSA", "kid": "big", "n": b64(&[0xc5; 256]), "e": "AQAB"});
+        let mut enc = ec_jwk("enc");
+        enc["use"] = json!("enc");
+        let mut rs384 = big_rsa.clone();
+        rs384["kid"] = json!("rs384");
+        rs384["alg"] = json!("RS384");
+        let p384 = json!({"kty": "EC", "crv": "P-384", "kid": "p384", "x": b64(&[1; 48]), "y": b64(&[2; 48])});
+        let hmac = json!({"kty": "oct", "kid": "hmac", "k": b64(b"secret")});
+        let odd = json!({"kty": "OKP", "crv": "X448", "kid": "odd", "x": "AA"});
+        let mut twin = ec_jwk("ec");
+        twin["alg"] = json!("ES256");
+        let set = json!({"keys": [small_rsa.clone(), big_rsa, enc, rs384, p384, hmac, odd,
+                                  ec_jwk("ec"), twin]});
+        let keys = parse_jwks(set.to_string().as_bytes(), "t").unwrap();
+        let kept: Vec<_> = keys
+            .iter()
+            .map(|k| (k.kid.as_deref().unwrap(), k.alg))
+            .collect();
+        assert_eq!(kept, [("big", Algorithm::RS256), ("ec", Algorithm::ES256)]);
+
+        small_rsa["alg"] = json!("RS256");
+        let err = parse_jwks(json!({"keys": [small_rsa]}).to_string().as_bytes(), "t")
+            .err()
+            .unwrap();
+        assert!(
+            err.contains("no RS256 or ES256") && err.contains("1024 bits"),
+            "{err}"
+        );
+        let err = parse_jwks(b"[]", "t").err().unwrap();
+        assert!(err.contains("not a JWKS"), "{err}");
+    }
+
+    #[test]
+    fn prefixes_come_from_a_claim_or_a_pointer_into_one() {
+        let (_dir, by_pointer) =
+            issuers(json!({"alloc_prefixes_claim": "/kubernetes.io/namespace",
+                                                "alloc_prefix_suffix": "."}));
+        let by_pointer = by_pointer.unwrap();
+        let issuer = &by_pointer.issuers[0];
+        let claims = json!({"kubernetes.io": {"namespace": "team-a"}});
+        assert_eq!(issuer.prefixes(&claims).unwrap(), ["team-a."]);
+        for (claims, why) in [
+            (json!({}), "has no claim"),
+            (
+                json!({"kubernetes.io": {"namespace": 7}}),
+                "neither a string",
+            ),
+            (
+                json!({"kubernetes.io": {"namespace": "a/b"}}),
+                "can start an allocation ID",
+            ),
+        ] {
+            let err = issuer.prefixes(&claims).unwrap_err();
+            assert!(
+                err.contains(why) && err.contains("may use no allocation"),
+                "{err}"
+            );
+        }
+
+        let (_dir, by_name) = issuers(json!({"alloc_prefixes_claim": "groups"}));
+        let by_name = by_name.unwrap();
+        let issuer = &by_name.issuers[0];
+        // Values that cannot start an ID are left out; the others kept.
+        let claims = json!({"groups": ["web-", "not/one", 3, "db-"]});
+        assert_eq!(issuer.prefixes(&claims).unwrap(), ["web-", "db-"]);
+        let many: Vec<String> = (0..=MAX_CLAIM_PREFIXES).map(|i| format!("p{i}")).collect();
+        assert!(
+            issuer
+                .prefixes(&json!({"groups": many}))
+                .unwrap_err()
+                .contains("at most")
+        );
+
+        let (_dir, every) = issuers(json!({}));
+        assert!(
+            every.unwrap().issuers[0]
+                .prefixes(&json!({}))
+                .unwrap()
+                .is_empty()
+        );
+    }
+
+    /// A kept token is judged again once it expires (past the leeway) or
+    /// its issuer's keys change.
+    #[test]
+    fn a_kept_token_lasts_until_it_expires_or_the_keys_change() {
+        let (_dir, loaded) = issuers(json!({}));
+        let jwt = loaded.unwrap();
+        let token = jwt.identity(0, Vec::new());
+        let kept = |exp| Verified {
+            token: token.clone(),
+            subject: "s".into(),
+            issuer: 0,
+            generation: jwt.issuers[0].generation.load(Ordering::Acquire),
+            exp,
+        };
+        let leeway = LEEWAY.as_secs();
+        jwt.keep([1; 32], kept(1000), 900);
+        assert!(matches!(
+            jwt.known(&[1; 32], 1000 + leeway),
+            Some(Judged::Known(..))
+        ));
+        assert!(jwt.known(&[1; 32], 1001 + leeway).is_none());
+        assert!(
+            jwt.known(&[1; 32], 900).is_none(),
+            "an expired one is forgotten"
+        );
+
+        jwt.keep([2; 32], kept(1000), 900);
+        jwt.issuers[0].replace_keys(Vec::new());
+        assert!(jwt.known(&[2; 32], 900).is_none());
+    }
+
+    /// Identities of one issuer and prefix set are one token while held
+    /// (their waits count together); a new one once none holds it.
+    #[test]
+    fn identities_are_shared_while_held() {
+        let (_dir, loaded) = issuers(json!({"alloc_prefixes_claim": "ns", "max_waiters": 3}));
+        let jwt = loaded.unwrap();
+        let a = jwt.identity(0, vec!["team-a".into()]);
+        let again = jwt.identity(0, vec!["team-a".into()]);
+        assert!(Arc::ptr_eq(&a, &again));
+        let b = jwt.identity(0, vec!["team-b".into()]);
+        assert!(!Arc::ptr_eq(&a, &b));
+        assert_eq!(a.role, Role::Agent);
+        assert_eq!(a.name, "jwt:https://iss");
+        assert_eq!(
+            a.max_dependencies,
+            Some(super::super::auth::DEFAULT_MAX_DEPENDENCIES_PER_TOKEN)
+        );
+        let held = Arc::downgrade(&a);
+        drop((a, again));
+        assert!(held.upgrade().is_none(), "the map keeps no identity alive");
+    }
+}
