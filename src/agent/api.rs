@@ -168,6 +168,71 @@ impl Outage {
     }
 }
 
+/// The agent's token: given, or read from a file, and read again when the
+/// file changes, so a token the platform renews in place (a Kubernetes
+/// projected service-account token, a Nomad workload identity file: JWTs
+/// that expire) is sent as renewed.
+enum TokenSource {
+    Given(Option<std::sync::Arc<str>>),
+    File {
+        path: std::path::PathBuf,
+        /// The file as last looked at (modification time, inode, length;
+        /// `None`: it could not be), and the token last read from it.
+        read: std::sync::Mutex<(Option<FileStamp>, std::sync::Arc<str>)>,
+    },
+}
+
+type FileStamp = (Option<std::time::SystemTime>, u64, u64);
+
+fn stamp(meta: &std::fs::Metadata) -> FileStamp {
+    use std::os::unix::fs::MetadataExt;
+    (meta.modified().ok(), meta.ino(), meta.len())
+}
+
+/// A token file's token: its first line, trimmed.
+fn read_token(path: &Path) -> Result<std::sync::Arc<str>, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read the token file {}: {e}", path.display()))?;
+    let secret = text.lines().next().unwrap_or_default().trim();
+    if secret.is_empty() {
+        return Err(format!("the token file {} is empty", path.display()));
+    }
+    Ok(secret.into())
+}
+
+impl TokenSource {
+    fn file(path: &Path) -> Result<Self, String> {
+        let seen = std::fs::metadata(path).ok().map(|m| stamp(&m));
+        Ok(Self::File {
+            path: path.to_owned(),
+            read: std::sync::Mutex::new((seen, read_token(path)?)),
+        })
+    }
+
+    /// The token to send now. A file that changed is read again; one that
+    /// cannot be read (or is empty) leaves the last token in use, said
+    /// once at warn.
+    fn current(&self) -> Option<std::sync::Arc<str>> {
+        let (path, read) = match self {
+            Self::Given(token) => return token.clone(),
+            Self::File { path, read } => (path, read),
+        };
+        let mut read = read.lock().expect("token lock");
+        let now = std::fs::metadata(path).ok().map(|m| stamp(&m));
+        if now != read.0 {
+            read.0 = now;
+            match read_token(path) {
+                Ok(token) => {
+                    tracing::debug!(file = %path.display(), "read the token file again");
+                    read.1 = token;
+                }
+                Err(e) => tracing::warn!("{e}; sending the token read before"),
+            }
+        }
+        Some(read.1.clone())
+    }
+}
+
 /// `Prefer: return=minimal` (RFC 7240) on writes.
 const MINIMAL: &[(&str, &str)] = &[("prefer", "return=minimal")];
 
@@ -181,7 +246,7 @@ pub struct Api {
     /// The requests that got no answer in a row, from every call (the
     /// long-poll, a report and a heartbeat may fail side by side).
     outage: std::sync::Mutex<Outage>,
-    token: Option<String>,
+    token: TokenSource,
     alloc: String,
     task: String,
     /// The store the allocation was seen in (`X-Taskgate-Store`), and the
@@ -315,16 +380,8 @@ fn decode<T: serde::de::DeserializeOwned>(what: &str, v: Value) -> Result<T, Api
 impl Api {
     pub fn new(config: &AgentConfig) -> Result<Self, String> {
         let token = match &config.token_file {
-            Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .map_err(|e| format!("cannot read the token file {}: {e}", path.display()))?;
-                let secret = text.lines().next().unwrap_or_default().trim().to_owned();
-                if secret.is_empty() {
-                    return Err(format!("the token file {} is empty", path.display()));
-                }
-                Some(secret)
-            }
-            None => config.token.as_ref().map(|t| t.0.clone()),
+            Some(path) => TokenSource::file(path)?,
+            None => TokenSource::Given(config.token.as_ref().map(|t| t.0.as_str().into())),
         };
         Ok(Self {
             give_up_at: Default::default(),
@@ -415,7 +472,14 @@ impl Api {
                 headers.push((RUN_HEADER, run));
             }
             let answer = self.endpoints[at]
-                .send(method, path, self.token.as_deref(), body, &headers, timeout)
+                .send(
+                    method,
+                    path,
+                    self.token.current().as_deref(),
+                    body,
+                    &headers,
+                    timeout,
+                )
                 .await;
             // Unreachable or unavailable (5xx): the next try goes to the
             // next server, if there are several.
@@ -594,7 +658,7 @@ impl Api {
             .send(
                 "GET",
                 &path,
-                self.token.as_deref(),
+                self.token.current().as_deref(),
                 None,
                 &[],
                 REQUEST_TIMEOUT,
@@ -764,7 +828,14 @@ impl Api {
         let run = self.run();
         let headers: Vec<(&str, &str)> = run.iter().map(|r| (RUN_HEADER, r.as_str())).collect();
         let reply = self.endpoints[at]
-            .send("PUT", &path, self.token.as_deref(), None, &headers, within)
+            .send(
+                "PUT",
+                &path,
+                self.token.current().as_deref(),
+                None,
+                &headers,
+                within,
+            )
             .await;
         match &reply {
             Ok(r) if r.status < 500 => self.answered(at),
@@ -860,6 +931,32 @@ impl Api {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// A token file that changes is read again (a platform renewing a
+    /// workload identity); one that goes away or is emptied leaves the
+    /// last token in use.
+    #[test]
+    fn a_changed_token_file_is_read_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("token");
+        let replace = |text: &str| {
+            let tmp = dir.path().join("token.tmp");
+            std::fs::write(&tmp, text).unwrap();
+            std::fs::rename(&tmp, &path).unwrap();
+        };
+        replace("first\n");
+        let source = TokenSource::file(&path).unwrap();
+        assert_eq!(source.current().as_deref(), Some("first"));
+        replace("second\n");
+        assert_eq!(source.current().as_deref(), Some("second"));
+        replace("");
+        assert_eq!(source.current().as_deref(), Some("second"));
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(source.current().as_deref(), Some("second"));
+        replace("third");
+        assert_eq!(source.current().as_deref(), Some("third"));
+        assert!(TokenSource::file(&dir.path().join("none")).is_err());
+    }
 
     /// An outage is said when its first request gets no answer, and its
     /// end once, with how many tries failed over how long; the next one
