@@ -758,4 +758,59 @@ mod tests {
         let (text, _) = logged(&auth, "GET", "/v1/allocations/web-1", Some("agent-secret"));
         assert!(text.is_empty(), "reads are not logged at info: {text}");
     }
+
+    /// A JWT's writes and refusals are logged with its identity and
+    /// subject, and why; the token never.
+    #[test]
+    fn a_jwt_leaves_the_same_trail_without_the_token() {
+        use super::super::jwt::testing::issuers;
+        let (_dir, key, jwt) = issuers(serde_json::json!({"name": "k8s",
+                                                          "alloc_prefixes": ["web-"]}));
+        let mut auth = Auth::default();
+        auth.set_jwt_issuers(jwt.unwrap());
+        let now = jsonwebtoken::get_current_timestamp();
+        let claims = |exp: u64| {
+            serde_json::json!({"iss": "https://iss", "aud": "taskgate", "exp": exp,
+                               "sub": "system:serviceaccount:web:agent"})
+        };
+        let valid = key.sign(&claims(now + 600));
+        let expired = key.sign(&claims(now - 600));
+        let cases = [
+            (
+                "PUT",
+                "/v1/allocations/web-1",
+                &valid,
+                200,
+                "write by token",
+            ),
+            (
+                "PUT",
+                "/v1/allocations/db-1",
+                &valid,
+                403,
+                "outside the token's prefixes",
+            ),
+            (
+                "PUT",
+                "/v1/allocations/web-1",
+                &expired,
+                401,
+                "the JWT expired",
+            ),
+        ];
+        for (method, uri, token, status, says) in cases {
+            let (text, got) = logged(&auth, method, uri, Some(token));
+            assert_eq!(got, status, "{method} {uri}: {text}");
+            assert!(text.contains(" INFO ") && text.contains(says), "{text}");
+            if status != 401 {
+                assert!(
+                    text.contains("jwt:k8s") && text.contains("system:serviceaccount:web:agent"),
+                    "{text}"
+                );
+            }
+            for part in token.split('.') {
+                assert!(!text.contains(part), "{text}");
+            }
+        }
+    }
 }

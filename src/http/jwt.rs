@@ -1023,32 +1023,59 @@ impl JwtVerifier for RingVerifier {
     }
 }
 
+/// A P-256 key made for a test, and issuers that trust it.
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use ring::signature::KeyPair;
-    use serde_json::json;
+pub(super) mod testing {
+    use base64::Engine;
+    use ring::signature::{ECDSA_P256_SHA256_FIXED_SIGNING, EcdsaKeyPair, KeyPair};
+    use serde_json::{Value, json};
 
-    fn b64(bytes: &[u8]) -> String {
+    use super::Issuers;
+
+    pub fn b64(bytes: &[u8]) -> String {
         base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
     }
 
-    /// A public P-256 JWK made here.
-    fn ec_jwk(kid: &str) -> Value {
-        let rng = ring::rand::SystemRandom::new();
-        let alg = &ring::signature::ECDSA_P256_SHA256_FIXED_SIGNING;
-        let pkcs8 = ring::signature::EcdsaKeyPair::generate_pkcs8(alg, &rng).unwrap();
-        let pair = ring::signature::EcdsaKeyPair::from_pkcs8(alg, pkcs8.as_ref(), &rng).unwrap();
-        let point = pair.public_key().as_ref();
-        json!({"kty": "EC", "crv": "P-256", "kid": kid, "x": b64(&point[1..33]), "y": b64(&point[33..])})
+    pub struct TestKey(EcdsaKeyPair, String);
+
+    impl TestKey {
+        pub fn new(kid: &str) -> Self {
+            let rng = ring::rand::SystemRandom::new();
+            let alg = &ECDSA_P256_SHA256_FIXED_SIGNING;
+            let pkcs8 = EcdsaKeyPair::generate_pkcs8(alg, &rng).unwrap();
+            let pair = EcdsaKeyPair::from_pkcs8(alg, pkcs8.as_ref(), &rng).unwrap();
+            Self(pair, kid.into())
+        }
+
+        /// Its public JWK.
+        pub fn jwk(&self) -> Value {
+            let point = self.0.public_key().as_ref();
+            json!({"kty": "EC", "crv": "P-256", "kid": self.1,
+                   "x": b64(&point[1..33]), "y": b64(&point[33..])})
+        }
+
+        /// An ES256 JWT of these claims, naming this key.
+        pub fn sign(&self, claims: &Value) -> String {
+            let header = json!({"alg": "ES256", "kid": self.1});
+            let message = format!(
+                "{}.{}",
+                b64(header.to_string().as_bytes()),
+                b64(claims.to_string().as_bytes())
+            );
+            let rng = ring::rand::SystemRandom::new();
+            let sig = self.0.sign(&rng, message.as_bytes()).unwrap();
+            format!("{message}.{}", b64(sig.as_ref()))
+        }
     }
 
-    /// Issuers of one entry (`entry` completed with an issuer, an
-    /// audience, a role and a key file).
-    fn issuers(entry: Value) -> (tempfile::TempDir, Result<Issuers, String>) {
+    /// Issuers of one entry: `entry` completed with the issuer
+    /// `https://iss`, the audience `taskgate`, the role agent and a key
+    /// file holding the key returned.
+    pub fn issuers(entry: Value) -> (tempfile::TempDir, TestKey, Result<Issuers, String>) {
         let dir = tempfile::tempdir().unwrap();
+        let key = TestKey::new("k1");
         let keys = dir.path().join("jwks.json");
-        std::fs::write(&keys, json!({"keys": [ec_jwk("k1")]}).to_string()).unwrap();
+        std::fs::write(&keys, json!({"keys": [key.jwk()]}).to_string()).unwrap();
         let mut full = json!({"issuer": "https://iss", "audience": "taskgate", "role": "agent",
                               "jwks_file": keys});
         for (k, v) in entry.as_object().unwrap() {
@@ -1057,7 +1084,20 @@ mod tests {
         let file = dir.path().join("issuers.json");
         std::fs::write(&file, json!({"issuers": [full]}).to_string()).unwrap();
         let loaded = Issuers::load(&file);
-        (dir, loaded)
+        (dir, key, loaded)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{
+        testing::{TestKey, b64, issuers},
+        *,
+    };
+    use serde_json::json;
+
+    fn ec_jwk(kid: &str) -> Value {
+        TestKey::new(kid).jwk()
     }
 
     #[test]
@@ -1098,7 +1138,7 @@ mod tests {
 
     #[test]
     fn prefixes_come_from_a_claim_or_a_pointer_into_one() {
-        let (_dir, by_pointer) =
+        let (_dir, _, by_pointer) =
             issuers(json!({"alloc_prefixes_claim": "/kubernetes.io/namespace",
                                                 "alloc_prefix_suffix": "."}));
         let by_pointer = by_pointer.unwrap();
@@ -1123,7 +1163,7 @@ mod tests {
             );
         }
 
-        let (_dir, by_name) = issuers(json!({"alloc_prefixes_claim": "groups"}));
+        let (_dir, _, by_name) = issuers(json!({"alloc_prefixes_claim": "groups"}));
         let by_name = by_name.unwrap();
         let issuer = &by_name.issuers[0];
         // Values that cannot start an ID are left out; the others kept.
@@ -1137,7 +1177,7 @@ mod tests {
                 .contains("at most")
         );
 
-        let (_dir, every) = issuers(json!({}));
+        let (_dir, _, every) = issuers(json!({}));
         assert!(
             every.unwrap().issuers[0]
                 .prefixes(&json!({}))
@@ -1150,7 +1190,7 @@ mod tests {
     /// its issuer's keys change.
     #[test]
     fn a_kept_token_lasts_until_it_expires_or_the_keys_change() {
-        let (_dir, loaded) = issuers(json!({}));
+        let (_dir, _, loaded) = issuers(json!({}));
         let jwt = loaded.unwrap();
         let token = jwt.identity(0, Vec::new());
         let kept = |exp| Verified {
@@ -1181,7 +1221,7 @@ mod tests {
     /// (their waits count together); a new one once none holds it.
     #[test]
     fn identities_are_shared_while_held() {
-        let (_dir, loaded) = issuers(json!({"alloc_prefixes_claim": "ns", "max_waiters": 3}));
+        let (_dir, _, loaded) = issuers(json!({"alloc_prefixes_claim": "ns", "max_waiters": 3}));
         let jwt = loaded.unwrap();
         let a = jwt.identity(0, vec!["team-a".into()]);
         let again = jwt.identity(0, vec!["team-a".into()]);
