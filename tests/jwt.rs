@@ -588,6 +588,79 @@ fn a_bad_issuers_file_is_refused_at_start() {
     }
 }
 
+/// End to end: the server binary with `--jwt-issuers`, and a real agent
+/// whose token file holds a JWT. Its task renews the identity mid-run, as
+/// a platform does (a token of a new key, the issuer's keys rotated, a
+/// request with the new token, which makes the server read them and so
+/// refuse the old token); the agent's reports after it are taken, so it
+/// sent the renewed token.
+#[test]
+fn an_agent_runs_on_a_workload_identity_and_follows_its_renewal() {
+    let dir = tempfile::tempdir().unwrap();
+    let (k1, k2) = (Key::es256("k1"), Key::es256("k2"));
+    let keys = write(dir.path(), "jwks.json", &jwks(&[&k1]));
+    let rotated = write(dir.path(), "rotated.json", &jwks(&[&k2]));
+    let issuers = write(
+        dir.path(),
+        "issuers.json",
+        &json!({"issuers": [k8s_issuer(&keys)]}).to_string(),
+    );
+    let server = common::process::Server::start(&[
+        "--in-memory",
+        "--jwt-issuers",
+        issuers.to_str().unwrap(),
+    ]);
+    let first = k1.sign(&k8s_claims("team-a"));
+    let token = write(dir.path(), "token", &format!("{first}\n"));
+    let renewed = write(dir.path(), "renewed", &k2.sign(&k8s_claims("team-a")));
+    let alloc = "team-a.job-1";
+    let (t, r, rot, k, base) = (
+        token.display(),
+        renewed.display(),
+        rotated.display(),
+        keys.display(),
+        &server.base,
+    );
+    let renew = format!(
+        "cp {r} {t}.new && mv {t}.new {t} && cp {rot} {k}.new && mv {k}.new {k} && \
+         curl -sf -o /dev/null -H \"Authorization: Bearer $(cat {r})\" {base}/v1/allocations/{alloc}"
+    );
+    let spec = common::agents::web_only(dir.path());
+    let mut agent = common::agents::Agent {
+        child: std::process::Command::new(env!("CARGO_BIN_EXE_taskgate"))
+            .args(["agent", "--server", base, "--alloc", alloc, "--task", "web"])
+            .arg("--register")
+            .arg(&spec)
+            .env("TASKGATE_TOKEN_FILE", &token)
+            .args(["--", "sh", "-c", &renew])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+        task: "web",
+    };
+    assert_eq!(
+        common::agents::exits(std::slice::from_mut(&mut agent)),
+        [("web", 0)]
+    );
+    let get = |token: &str| -> Value {
+        let out = std::process::Command::new("curl")
+            .args(["-s", "-H", &format!("Authorization: Bearer {token}")])
+            .arg(format!("{base}/v1/allocations/{alloc}/tasks/web"))
+            .output()
+            .unwrap();
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let renewed = std::fs::read_to_string(&renewed).unwrap();
+    let web = get(&renewed);
+    assert_eq!(web["state"], "dead", "{web}");
+    assert_eq!(web["failed"], false, "the task's renewal worked: {web}");
+    // The first token is refused now: only the renewed one can have sent
+    // the agent's last report.
+    let old = get(&first);
+    assert_eq!(old["code"], "unauthorized", "{old}");
+}
+
 /// What a JWT costs a request (run by hand, in release:
 /// `cargo test --release --test jwt -- --ignored --nocapture`): a read
 /// with the static secret, with one JWT again and again (kept after its
