@@ -128,13 +128,17 @@ fn auth_for(config: &ServeConfig) -> Result<Arc<Auth>, StartError> {
     }
     let mut auth =
         Auth::load(config.token_file.as_deref(), operator).map_err(StartError::Config)?;
+    if let Some(path) = &config.jwt_issuers {
+        auth.set_jwt_issuers(crate::http::jwt::Issuers::load(path).map_err(StartError::Config)?);
+    }
     auth.public_metrics = config.public_metrics;
     auth.max_waiters_per_token = config.max_waiters_per_token;
     auth.set_max_dependencies_per_token(config.max_dependencies_per_token);
     if !auth.enabled() && !config.listen.ip().is_loopback() && !config.insecure_no_auth {
         return Err(StartError::Config(format!(
             "refusing to listen on {} without authentication: give tokens with --token-file or \
-             TASKGATE_OPERATOR_TOKEN, or pass --insecure-no-auth if the network is trusted",
+             TASKGATE_OPERATOR_TOKEN (or trusted JWT issuers with --jwt-issuers), or pass \
+             --insecure-no-auth if the network is trusted",
             config.listen
         )));
     }
@@ -224,6 +228,11 @@ impl Application {
             TcpListener::from_std(listener.try_clone().map_err(bind_err)?).map_err(bind_err)?;
         let listener = TcpListener::from_std(listener).map_err(bind_err)?;
         let (stop_interim, stopped) = tokio::sync::oneshot::channel::<()>();
+        // JWT issuers' keys served at a URL are fetched meanwhile; one that
+        // cannot be is said, and fetched again when a token needs it.
+        if let Some(fetch) = auth.fetch_jwt_keys() {
+            tokio::spawn(fetch);
+        }
         let metrics = Arc::new(Metrics::new());
         let options = serve_options(&config, metrics.clone())?;
         let mut interim = tokio::spawn(crate::server::serve(

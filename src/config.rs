@@ -186,6 +186,15 @@ pub struct ServeConfig {
     #[arg(help_heading = "Security", long, env = "TASKGATE_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
 
+    /// JSON file of trusted JWT issuers (workload identities: Kubernetes
+    /// service-account tokens, Nomad workload identities, ...): `{"issuers":
+    /// [{"issuer": "<iss>", "jwks_file" or "jwks_url": "...", "audience":
+    /// "taskgate", "role": "agent", "alloc_prefixes_claim":
+    /// "/kubernetes.io/namespace"}]}`. A bearer token that is a JWT of one of
+    /// them is verified against its keys (docs/operations.md).
+    #[arg(help_heading = "Security", long, env = "TASKGATE_JWT_ISSUERS")]
+    pub jwt_issuers: Option<PathBuf>,
+
     /// One operator secret (prefer the environment variable: a flag shows
     /// in the process list).
     #[arg(
@@ -388,6 +397,7 @@ impl ServeConfig {
             store_log_limit: crate::store::DEFAULT_LOG_LIMIT,
             store_log_ceiling: crate::store::DEFAULT_LOG_CEILING,
             token_file: None,
+            jwt_issuers: None,
             operator_token: None,
             insecure_no_auth: false,
             allowed_hosts: Vec::new(),

@@ -168,78 +168,73 @@ impl Outage {
     }
 }
 
-/// `Prefer: return=minimal` (RFC 7240) on writes.
-const MINIMAL: &[(&str, &str)] = &[("prefer", "return=minimal")];
-
-/// The agent's token: given, or read from `--token-file` again before each
-/// request, so that a token replaced in the file is sent from the next
-/// request on (Kubernetes replaces a pod's projected service-account token
-/// before it expires; a rotation script may do the same).
-enum Token {
-    None,
-    Given(String),
+/// The agent's token: given, or read from a file, and read again when the
+/// file changes, so a token the platform renews in place (a Kubernetes
+/// projected service-account token, a Nomad workload identity file: JWTs
+/// that expire) is sent as renewed.
+enum TokenSource {
+    Given(Option<std::sync::Arc<str>>),
     File {
         path: std::path::PathBuf,
-        /// The last token read, sent while the file cannot be read, and
-        /// whether reading it is failing (said once, not per request).
-        last: std::sync::Mutex<(String, bool)>,
+        /// The file as last looked at (modification time, inode, length;
+        /// `None`: it could not be), and the token last read from it.
+        read: std::sync::Mutex<(Option<FileStamp>, std::sync::Arc<str>)>,
     },
 }
 
-/// The token in a token file: its first line, trimmed.
-fn read_token(path: &Path) -> Result<String, String> {
+type FileStamp = (Option<std::time::SystemTime>, u64, u64);
+
+fn stamp(meta: &std::fs::Metadata) -> FileStamp {
+    use std::os::unix::fs::MetadataExt;
+    (meta.modified().ok(), meta.ino(), meta.len())
+}
+
+/// A token file's token: its first line, trimmed.
+fn read_token(path: &Path) -> Result<std::sync::Arc<str>, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read the token file {}: {e}", path.display()))?;
-    let secret = text.lines().next().unwrap_or_default().trim().to_owned();
+    let secret = text.lines().next().unwrap_or_default().trim();
     if secret.is_empty() {
         return Err(format!("the token file {} is empty", path.display()));
     }
-    Ok(secret)
+    Ok(secret.into())
 }
 
-impl Token {
-    /// A token file must hold a token at start: the agent stops otherwise.
-    fn new(config: &AgentConfig) -> Result<Self, String> {
-        Ok(match (&config.token_file, &config.token) {
-            (Some(path), _) => Token::File {
-                last: std::sync::Mutex::new((read_token(path)?, false)),
-                path: path.clone(),
-            },
-            (None, Some(token)) => Token::Given(token.0.clone()),
-            (None, None) => Token::None,
+impl TokenSource {
+    fn file(path: &Path) -> Result<Self, String> {
+        let seen = std::fs::metadata(path).ok().map(|m| stamp(&m));
+        Ok(Self::File {
+            path: path.to_owned(),
+            read: std::sync::Mutex::new((seen, read_token(path)?)),
         })
     }
 
-    /// The token to send now. A file that cannot be read any more (being
-    /// replaced by hand, say) leaves the last token it held in use; the log
-    /// says so once, and once more when it can be read again.
-    fn current(&self) -> Option<String> {
-        match self {
-            Token::None => None,
-            Token::Given(token) => Some(token.clone()),
-            Token::File { path, last } => {
-                let read = read_token(path);
-                let mut last = last
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                match read {
-                    Ok(token) => {
-                        if std::mem::take(&mut last.1) {
-                            tracing::info!(file = %path.display(), "the token file can be read again");
-                        }
-                        last.0 = token;
-                    }
-                    Err(e) if !last.1 => {
-                        last.1 = true;
-                        tracing::warn!("{e}: the token read from it before is sent meanwhile");
-                    }
-                    Err(_) => {}
+    /// The token to send now. A file that changed is read again; one that
+    /// cannot be read (or is empty) leaves the last token in use, said
+    /// once at warn.
+    fn current(&self) -> Option<std::sync::Arc<str>> {
+        let (path, read) = match self {
+            Self::Given(token) => return token.clone(),
+            Self::File { path, read } => (path, read),
+        };
+        let mut read = read.lock().expect("token lock");
+        let now = std::fs::metadata(path).ok().map(|m| stamp(&m));
+        if now != read.0 {
+            read.0 = now;
+            match read_token(path) {
+                Ok(token) => {
+                    tracing::debug!(file = %path.display(), "read the token file again");
+                    read.1 = token;
                 }
-                Some(last.0.clone())
+                Err(e) => tracing::warn!("{e}; sending the token read before"),
             }
         }
+        Some(read.1.clone())
     }
 }
+
+/// `Prefer: return=minimal` (RFC 7240) on writes.
+const MINIMAL: &[(&str, &str)] = &[("prefer", "return=minimal")];
 
 pub struct Api {
     /// Set when the agent is told to stop: calls give up at this instant
@@ -251,7 +246,7 @@ pub struct Api {
     /// The requests that got no answer in a row, from every call (the
     /// long-poll, a report and a heartbeat may fail side by side).
     outage: std::sync::Mutex<Outage>,
-    token: Token,
+    token: TokenSource,
     alloc: String,
     task: String,
     /// The store the allocation was seen in (`X-Taskgate-Store`), and the
@@ -384,7 +379,10 @@ fn decode<T: serde::de::DeserializeOwned>(what: &str, v: Value) -> Result<T, Api
 
 impl Api {
     pub fn new(config: &AgentConfig) -> Result<Self, String> {
-        let token = Token::new(config)?;
+        let token = match &config.token_file {
+            Some(path) => TokenSource::file(path)?,
+            None => TokenSource::Given(config.token.as_ref().map(|t| t.0.as_str().into())),
+        };
         Ok(Self {
             give_up_at: Default::default(),
             endpoints: config
@@ -933,6 +931,32 @@ impl Api {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// A token file that changes is read again (a platform renewing a
+    /// workload identity); one that goes away or is emptied leaves the
+    /// last token in use.
+    #[test]
+    fn a_changed_token_file_is_read_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("token");
+        let replace = |text: &str| {
+            let tmp = dir.path().join("token.tmp");
+            std::fs::write(&tmp, text).unwrap();
+            std::fs::rename(&tmp, &path).unwrap();
+        };
+        replace("first\n");
+        let source = TokenSource::file(&path).unwrap();
+        assert_eq!(source.current().as_deref(), Some("first"));
+        replace("second\n");
+        assert_eq!(source.current().as_deref(), Some("second"));
+        replace("");
+        assert_eq!(source.current().as_deref(), Some("second"));
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(source.current().as_deref(), Some("second"));
+        replace("third");
+        assert_eq!(source.current().as_deref(), Some("third"));
+        assert!(TokenSource::file(&dir.path().join("none")).is_err());
+    }
 
     /// An outage is said when its first request gets no answer, and its
     /// end once, with how many tries failed over how long; the next one

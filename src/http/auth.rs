@@ -7,6 +7,10 @@
 //!   optionally only for allocation IDs with given prefixes;
 //! - `reader`: GET only (optionally scoped the same way).
 //!
+//! A bearer token that is none of the configured secrets may be a JWT of a
+//! trusted issuer (`--jwt-issuers`, `jwt.rs`): an identity with its
+//! issuer's role and the prefixes its claims give.
+//!
 //! `/` (a pointer to `/ui`), `/v1/health`, `/openapi.json`, `/errors`,
 //! `/docs` and the web view's files never need a token; `/metrics`
 //! needs one unless `--public-metrics`.
@@ -27,7 +31,11 @@ use axum::{
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use super::{error::ApiError, query::query_pairs};
+use super::{
+    error::ApiError,
+    jwt::{Issuers, Judged},
+    query::query_pairs,
+};
 
 /// The event stream, whose answer lasts as long as its client reads.
 pub(crate) const STREAM_ROUTE: &str = "/v1/events";
@@ -104,7 +112,25 @@ impl Token {
         }
     }
 
-    /// The registry's quota for this token's registrations, if it has one.
+    /// The identity of a trusted issuer's JWTs (`jwt.rs`), with the limits
+    /// its issuer gives. It has no secret: it is never looked up by one.
+    pub(super) fn identity(
+        name: String,
+        role: Role,
+        alloc_prefixes: Vec<String>,
+        max_allocations: Option<usize>,
+        max_dependencies: Option<usize>,
+        max_waiters: Option<usize>,
+    ) -> Self {
+        Self {
+            max_allocations,
+            max_dependencies,
+            own_max_dependencies: true,
+            max_waiters,
+            ..Self::new(name, role, [0; 32], alloc_prefixes)
+        }
+    }
+
     /// Whether the token may act for a task of allocation `id` (report
     /// it): an agent or operator token whose prefixes cover it.
     pub fn may_act(&self, id: &str) -> bool {
@@ -120,6 +146,7 @@ impl Token {
                 .any(|p| id.starts_with(p.as_str()))
     }
 
+    /// The registry's quota for this token's registrations, if it has one.
     pub fn quota(&self) -> Option<crate::registry::Quota<'_>> {
         if self.max_allocations.is_none() && self.max_dependencies.is_none() {
             return None;
@@ -156,10 +183,13 @@ pub const DEFAULT_MAX_WAITERS_PER_TOKEN: usize = 10_000;
 /// task may declare (16).
 pub const DEFAULT_MAX_DEPENDENCIES_PER_TOKEN: usize = 16_384;
 
-/// The configured tokens. No tokens at all means authentication is off.
+/// The configured tokens and JWT issuers. Neither means authentication is
+/// off.
 #[derive(Debug)]
 pub struct Auth {
     tokens: Vec<Arc<Token>>,
+    /// The trusted issuers of JWTs (`--jwt-issuers`).
+    jwt: Option<Arc<Issuers>>,
     /// `/metrics` without a token.
     pub public_metrics: bool,
     /// Waits a token may hold at once, unless its entry says otherwise.
@@ -170,6 +200,7 @@ impl Default for Auth {
     fn default() -> Self {
         Self {
             tokens: Vec::new(),
+            jwt: None,
             public_metrics: false,
             max_waiters_per_token: DEFAULT_MAX_WAITERS_PER_TOKEN,
         }
@@ -252,10 +283,25 @@ impl Auth {
         })
     }
 
+    /// Trusts the JWTs of these issuers besides the tokens.
+    pub fn set_jwt_issuers(&mut self, issuers: Issuers) {
+        self.jwt = Some(Arc::new(issuers));
+    }
+
+    /// Fetches the keys of the issuers that serve them at a URL (at start,
+    /// in the background; `None` without any).
+    pub fn fetch_jwt_keys(&self) -> Option<impl Future<Output = ()> + Send + 'static> {
+        self.jwt.as_ref().map(|jwt| jwt.fetch_keys())
+    }
+
     /// Sets the limit on dependencies of every agent token whose entry
-    /// gives none (`--max-dependencies-per-token`). Before the tokens are
-    /// shared (at start).
+    /// gives none (`--max-dependencies-per-token`), and of agent JWT
+    /// identities whose issuer gives none. Before the tokens are shared
+    /// (at start).
     pub fn set_max_dependencies_per_token(&mut self, max: usize) {
+        if let Some(jwt) = &self.jwt {
+            jwt.set_default_max_dependencies(max);
+        }
         for token in &mut self.tokens {
             if let Some(t) = Arc::get_mut(token)
                 && t.role == Role::Agent
@@ -274,18 +320,18 @@ impl Auth {
         (before < max).then_some(slot)
     }
 
-    /// Whether any token is configured (else authentication is off).
+    /// Whether any token or issuer is configured (else authentication is
+    /// off).
     pub fn enabled(&self) -> bool {
-        !self.tokens.is_empty()
+        !self.tokens.is_empty() || self.jwt.is_some()
     }
 
     /// The token a secret belongs to. Every token is compared, match or
     /// not, so the time taken does not tell which one matched.
-    fn identify(&self, secret: &str) -> Option<&Arc<Token>> {
-        let hash = sha256(secret.as_bytes());
+    fn identify(&self, hash: &[u8; 32]) -> Option<&Arc<Token>> {
         let mut found = None;
         for t in &self.tokens {
-            if same(&t.hash, &hash) && found.is_none() {
+            if same(&t.hash, hash) && found.is_none() {
                 found = Some(t);
             }
         }
@@ -377,17 +423,61 @@ fn forbidden(detail: String) -> Response {
     ApiError::new(StatusCode::FORBIDDEN, "forbidden", detail).into_response()
 }
 
+/// Why `decide` let a request not through.
+enum Refusal {
+    /// The 401 or 403 to answer.
+    Answer(Box<Response>),
+    /// A JWT's issuer lacks the key it names: re-read the issuer's keys,
+    /// then decide again.
+    Reread { issuer: usize, generation: u64 },
+}
+
+/// Whether a bearer token is shaped as a JWT (three dot-separated parts).
+fn jwt_shaped(secret: &str) -> bool {
+    secret.bytes().filter(|b| *b == b'.').count() == 2
+}
+
 impl Auth {
     /// Decides a request: `Ok` lets it through, with the token it was made
     /// with (none when authentication is off or the route needs none);
     /// `Err` is the 401 or 403 to answer. `route` is the matched route;
     /// unknown routes pass (they answer 404 whoever asks: nothing is
-    /// behind them).
-    pub fn check(
+    /// behind them). The request is taken and given back because a JWT's
+    /// keys may have to be re-read first, and a borrowed request cannot
+    /// wait (its body is not `Sync`).
+    pub async fn check(
+        &self,
+        req: Request,
+        route: Option<&str>,
+    ) -> (Request, Result<Option<Arc<Token>>, Box<Response>>) {
+        let decided = match self.decide(&req, route, false) {
+            Err(Refusal::Reread { issuer, generation }) => {
+                if let Some(jwt) = &self.jwt {
+                    jwt.reread(issuer, generation).await;
+                }
+                self.decide(&req, route, true)
+            }
+            decided => decided,
+        };
+        let decided = decided.map_err(|refusal| match refusal {
+            Refusal::Answer(res) => res,
+            // A decision after a re-read asks for none.
+            Refusal::Reread { .. } => {
+                Box::new(unauthorized("the keys of the JWT's issuer lack its key"))
+            }
+        });
+        (req, decided)
+    }
+
+    /// `check`'s decision; `reread`: the keys of a JWT's issuer were just
+    /// re-read for it.
+    fn decide(
         &self,
         req: &Request,
         route: Option<&str>,
-    ) -> Result<Option<Arc<Token>>, Box<Response>> {
+        reread: bool,
+    ) -> Result<Option<Arc<Token>>, Refusal> {
+        let answer = |res: Response| Refusal::Answer(Box::new(res));
         if !self.enabled() {
             return Ok(None);
         }
@@ -409,11 +499,35 @@ impl Auth {
                          X-Taskgate-Token)"
                     .to_owned(),
             };
-            return Err(Box::new(unauthorized(&detail)));
+            return Err(answer(unauthorized(&detail)));
         };
-        let Some(token) = self.identify(secret) else {
-            tracing::info!(%route, method = %req.method(), "refused (401): unknown token");
-            return Err(Box::new(unauthorized("the token is not known")));
+        let hash = sha256(secret.as_bytes());
+        let (token, subject) = match (self.identify(&hash), &self.jwt) {
+            (Some(token), _) => (token.clone(), None),
+            (None, Some(jwt)) if jwt_shaped(secret) => match jwt.judge(secret, &hash, reread) {
+                Judged::Known(token, subject) => (token, Some(subject)),
+                Judged::Reread { issuer, generation } => {
+                    return Err(Refusal::Reread { issuer, generation });
+                }
+                Judged::Unauthorized(why) => {
+                    tracing::info!(%route, method = %req.method(), "refused (401): JWT: {why}");
+                    return Err(answer(unauthorized(&why)));
+                }
+                Judged::Forbidden(why) => {
+                    tracing::info!(%route, method = %req.method(), "refused (403): JWT: {why}");
+                    return Err(answer(forbidden(why)));
+                }
+            },
+            (None, _) => {
+                tracing::info!(%route, method = %req.method(), "refused (401): unknown token");
+                return Err(answer(unauthorized("the token is not known")));
+            }
+        };
+        // A JWT's subject is named beside its identity.
+        let subject = subject.as_deref();
+        let who = || match subject {
+            Some(sub) => format!("{:?} (subject {sub:?})", token.name),
+            None => format!("{:?}", token.name),
         };
         let allowed = match (need, token.role) {
             (Need::Nothing | Need::AnyToken, _) => true,
@@ -425,10 +539,10 @@ impl Auth {
             }
         };
         if !allowed {
-            tracing::info!(token = %token.name, role = ?token.role, %route, method = %req.method(), "refused (403): the role does not allow it");
-            return Err(Box::new(forbidden(format!(
-                "token {:?} ({:?}) may not {} {route}",
-                token.name,
+            tracing::info!(token = %token.name, subject, role = ?token.role, %route, method = %req.method(), "refused (403): the role does not allow it");
+            return Err(answer(forbidden(format!(
+                "token {} ({:?}) may not {} {route}",
+                who(),
                 token.role,
                 req.method()
             ))));
@@ -447,17 +561,18 @@ impl Auth {
                 } else {
                     format!("use allocation {target:?}, outside")
                 };
-                tracing::info!(token = %token.name, %route, method = %req.method(), target = %target, "refused (403): outside the token's prefixes");
-                return Err(Box::new(forbidden(format!(
-                    "token {:?} may only {what} its prefixes {:?}",
-                    token.name, token.alloc_prefixes
+                tracing::info!(token = %token.name, subject, %route, method = %req.method(), target = %target, "refused (403): outside the token's prefixes");
+                return Err(answer(forbidden(format!(
+                    "token {} may only {what} its prefixes {:?}",
+                    who(),
+                    token.alloc_prefixes
                 ))));
             }
         }
         if need != Need::Read && need != Need::AnyToken {
-            tracing::info!(token = %token.name, %route, method = %req.method(), "write by token");
+            tracing::info!(token = %token.name, subject, %route, method = %req.method(), "write by token");
         }
-        Ok(Some(token.clone()))
+        Ok(Some(token))
     }
 }
 
@@ -496,7 +611,7 @@ mod tests {
         )
         .unwrap();
         let auth = Auth::load(Some(&file), Some("op")).unwrap();
-        assert_eq!(auth.identify("s3cret").unwrap().name, "ci");
+        assert_eq!(auth.identify(&sha256(b"s3cret")).unwrap().name, "ci");
         // A prefix is the start of an ID: an empty one, or one with a
         // character no ID holds, is refused (it would mean every ID, or
         // none).
@@ -515,8 +630,8 @@ mod tests {
             );
             assert!(err.contains(&format!("{prefix:?}")), "{err}");
         }
-        assert_eq!(auth.identify("op").unwrap().role, Role::Operator);
-        assert!(auth.identify("nope").is_none());
+        assert_eq!(auth.identify(&sha256(b"op")).unwrap().role, Role::Operator);
+        assert!(auth.identify(&sha256(b"nope")).is_none());
         std::fs::remove_dir_all(dir).unwrap();
     }
 
@@ -573,8 +688,11 @@ mod tests {
             req = req.header(header::AUTHORIZATION, format!("Bearer {s}"));
         }
         let req = req.body(axum::body::Body::empty()).unwrap();
-        let answer = tracing::subscriber::with_default(subscriber, || {
-            auth.check(&req, Some("/v1/allocations/{alloc_id}"))
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (_, answer) = tracing::subscriber::with_default(subscriber, || {
+            runtime.block_on(auth.check(req, Some("/v1/allocations/{alloc_id}")))
         });
         let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
         (text, answer.map_or_else(|r| r.status().as_u16(), |_| 200))
@@ -639,5 +757,60 @@ mod tests {
         }
         let (text, _) = logged(&auth, "GET", "/v1/allocations/web-1", Some("agent-secret"));
         assert!(text.is_empty(), "reads are not logged at info: {text}");
+    }
+
+    /// A JWT's writes and refusals are logged with its identity and
+    /// subject, and why; the token never.
+    #[test]
+    fn a_jwt_leaves_the_same_trail_without_the_token() {
+        use super::super::jwt::testing::issuers;
+        let (_dir, key, jwt) = issuers(serde_json::json!({"name": "k8s",
+                                                          "alloc_prefixes": ["web-"]}));
+        let mut auth = Auth::default();
+        auth.set_jwt_issuers(jwt.unwrap());
+        let now = jsonwebtoken::get_current_timestamp();
+        let claims = |exp: u64| {
+            serde_json::json!({"iss": "https://iss", "aud": "taskgate", "exp": exp,
+                               "sub": "system:serviceaccount:web:agent"})
+        };
+        let valid = key.sign(&claims(now + 600));
+        let expired = key.sign(&claims(now - 600));
+        let cases = [
+            (
+                "PUT",
+                "/v1/allocations/web-1",
+                &valid,
+                200,
+                "write by token",
+            ),
+            (
+                "PUT",
+                "/v1/allocations/db-1",
+                &valid,
+                403,
+                "outside the token's prefixes",
+            ),
+            (
+                "PUT",
+                "/v1/allocations/web-1",
+                &expired,
+                401,
+                "the JWT expired",
+            ),
+        ];
+        for (method, uri, token, status, says) in cases {
+            let (text, got) = logged(&auth, method, uri, Some(token));
+            assert_eq!(got, status, "{method} {uri}: {text}");
+            assert!(text.contains(" INFO ") && text.contains(says), "{text}");
+            if status != 401 {
+                assert!(
+                    text.contains("jwt:k8s") && text.contains("system:serviceaccount:web:agent"),
+                    "{text}"
+                );
+            }
+            for part in token.split('.') {
+                assert!(!text.contains(part), "{text}");
+            }
+        }
     }
 }

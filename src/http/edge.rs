@@ -133,7 +133,9 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
             );
             return refused.answer.into_response();
         }
-        let caller = match edge.auth.check(&req, route) {
+        let (checked, decided) = edge.auth.check(req, route).await;
+        req = checked;
+        let caller = match decided {
             Ok(caller) => caller,
             Err(denied) => return *denied,
         };

@@ -11,6 +11,7 @@ mod edge;
 pub mod error;
 mod events;
 pub mod extract;
+pub mod jwt;
 pub mod openapi;
 pub mod params;
 pub mod prefer;

@@ -136,7 +136,11 @@ impl Modify for CommonResponses {
         let mut scheme = Http::new(HttpAuthScheme::Bearer);
         scheme.description = Some(
             "A token of role operator, agent or reader, as `Authorization: Bearer <token>` \
-             (or `X-Taskgate-Token: <token>`). Needed when the server has tokens configured."
+             (or `X-Taskgate-Token: <token>`): a configured secret, or a JWT (RS256 or ES256) \
+             of an issuer the server trusts (`--jwt-issuers`: a Kubernetes service-account \
+             token, a Nomad workload identity), verified against the issuer's keys and given \
+             the issuer's role and the allocation prefixes its claims name. Needed when the \
+             server has tokens or issuers configured."
                 .into(),
         );
         doc.components
@@ -184,7 +188,12 @@ impl Modify for CommonResponses {
                         "token",
                         Vec::<String>::new(),
                     )]);
-                    add(op, "401", "`unauthorized`: the token is missing or unknown");
+                    add(
+                        op,
+                        "401",
+                        "`unauthorized`: the token is missing or unknown, or a JWT that does \
+                         not verify (its detail says why)",
+                    );
                     add(
                         op,
                         "403",
