@@ -458,6 +458,57 @@ async fn list_filters_by_prefix_and_pages_with_a_token() {
     }
 }
 
+/// A listing filtered by state pages through every allocation that
+/// matches, each once, while allocations are deleted and registered
+/// between its pages: the one the next token names among them.
+#[tokio::test]
+async fn a_filtered_listing_pages_through_each_match_once_as_allocations_come_and_go() {
+    let app = test_app().await;
+    let fail = |id: String| {
+        let app = &app;
+        async move {
+            app.register_five(&id).await;
+            app.report(&id, "init", json!({"state": "dead", "failed": true}))
+                .await;
+        }
+    };
+    for i in 0..6 {
+        fail(format!("f-{i}")).await;
+        app.register_five(&format!("h-{i}")).await;
+    }
+    let (mut seen, mut token) = (Vec::new(), None::<String>);
+    for round in 0..20 {
+        let mut uri = "/v1/allocations?state=failed&per_page=2".to_owned();
+        if let Some(t) = &token {
+            uri.push_str(&format!("&next_token={t}"));
+        }
+        let page = app.get(&uri).await;
+        assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+        for item in page.body.as_array().unwrap() {
+            assert_eq!(item["trouble"][0]["kind"], "failed", "{item}");
+            seen.push(item["id"].as_str().unwrap().to_owned());
+        }
+        token = page.header("x-taskgate-nexttoken").map(str::to_owned);
+        let Some(next) = &token else { break };
+        // Between pages: the allocation the token names goes, one that
+        // the listing has passed and one ahead of it come.
+        if round == 0 {
+            let gone = app
+                .call("DELETE", &format!("/v1/allocations/{next}"), None)
+                .await;
+            assert_eq!(gone.status, StatusCode::NO_CONTENT);
+            fail("a-late".to_owned()).await;
+            fail("z-late".to_owned()).await;
+        }
+    }
+    assert!(token.is_none(), "the listing ended");
+    assert_eq!(
+        seen,
+        ["f-0", "f-1", "f-3", "f-4", "f-5", "z-late"],
+        "f-2 was deleted before its page, a-late registered behind it"
+    );
+}
+
 /// What a trouble's next step tells an operator to do can be done in the
 /// state it is given in: a stop it names changes the allocation, a
 /// restart of every task it names is accepted, and where it says to
