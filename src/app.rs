@@ -114,7 +114,9 @@ const MIN_OPERATOR_SECRET: usize = 32;
 /// Tokens from the configuration; refuses an open server on a
 /// non-loopback address unless told it is meant.
 fn auth_for(config: &ServeConfig) -> Result<Arc<Auth>, StartError> {
-    let operator = config.operator_token.as_ref().map(|s| s.0.as_str());
+    // Without the whitespace around it, which no presented token can
+    // carry: a secret handed over from a file comes with its newline.
+    let operator = config.operator_token.as_ref().map(|s| s.0.trim());
     if let Some(secret) = operator.filter(|s| !s.is_empty())
         && secret.len() < MIN_OPERATOR_SECRET
         && !config.listen.ip().is_loopback()

@@ -130,7 +130,9 @@ impl Endpoint {
             .request(method, format!("{}{path}", self.base))
             .timeout(timeout);
         if let Some(t) = token {
-            req = req.bearer_auth(t);
+            // A token from a file or a Kubernetes Secret may end with a
+            // newline, which no header value can carry.
+            req = req.bearer_auth(t.trim());
         }
         for (name, value) in headers {
             req = req.header(*name, *value);

@@ -450,60 +450,88 @@ async fn list(
         let _ = writeln!(out, "no allocations");
         return Ok(());
     }
-    let _ = writeln!(
-        out,
-        "{:<20}  {:<10}  {:<13}  {:<28}  Waiting on",
-        "ID", "State", "Trouble", "Tasks"
-    );
-    for v in &items {
-        let by_state: Vec<String> = ["running", "pending", "dead"]
-            .iter()
-            .map(|s| (s, v["task_states"][s].as_u64().unwrap_or(0)))
-            .filter(|(_, n)| *n > 0)
-            .map(|(s, n)| format!("{n} {s}"))
-            .collect();
-        let waiting: Vec<&str> = v["waiting_on"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(Value::as_str)
-            .collect();
-        let trouble: Vec<&str> = v["trouble"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|t| t["kind"].as_str())
-            .collect();
-        let state = match v["finished"].as_bool() {
-            Some(true) => "finished",
-            _ => v["coordinator_state"].as_str().unwrap_or(""),
-        };
-        let (id, trouble) = (fit(v["id"].as_str().unwrap_or(""), 20), trouble.join(","));
-        let rest = format!("{:<28}  {}", by_state.join(", "), waiting.join(", "));
-        // Coloured after padding, so the escape codes take no width.
-        let shown = if trouble.is_empty() {
-            format!("{:<13}", "-")
-        } else {
-            paint.wrap("31", &format!("{:<13}", fit(&trouble, 13)))
-        };
-        let _ = writeln!(out, "{id:<20}  {state:<10}  {shown}  {}", fit(&rest, 70));
+    // ID, state, trouble, tasks by state, waiting on.
+    let rows: Vec<[String; 5]> = items
+        .iter()
+        .map(|v| {
+            let by_state: Vec<String> = ["running", "pending", "dead"]
+                .iter()
+                .map(|s| (s, v["task_states"][s].as_u64().unwrap_or(0)))
+                .filter(|(_, n)| *n > 0)
+                .map(|(s, n)| format!("{n} {s}"))
+                .collect();
+            let words = |key: &str, field: &dyn Fn(&Value) -> Option<&str>| -> Vec<String> {
+                let all = v[key].as_array().into_iter().flatten();
+                all.filter_map(field).map(str::to_owned).collect()
+            };
+            let waiting = words("waiting_on", &Value::as_str);
+            let trouble = words("trouble", &|t| t["kind"].as_str());
+            let state = match v["finished"].as_bool() {
+                Some(true) => "finished",
+                _ => v["coordinator_state"].as_str().unwrap_or(""),
+            };
+            [
+                v["id"].as_str().unwrap_or("").to_owned(),
+                state.to_owned(),
+                if trouble.is_empty() {
+                    "-".to_owned()
+                } else {
+                    trouble.join(",")
+                },
+                by_state.join(", "),
+                waiting.join(", "),
+            ]
+        })
+        .collect();
+    // Each column as wide as its widest cell, up to a cap, so that a line
+    // keeps to 80 columns and leaves what it waits on the most room.
+    const HEADER: [&str; 5] = ["ID", "State", "Trouble", "Tasks", "Waiting on"];
+    const CAPS: [usize; 4] = [20, 10, 13, 28];
+    let widths: Vec<usize> = (0..CAPS.len())
+        .map(|c| {
+            let widest = rows.iter().map(|r| r[c].chars().count());
+            widest.fold(HEADER[c].len(), usize::max).min(CAPS[c])
+        })
+        .collect();
+    let room = 80 - widths.iter().map(|w| w + 2).sum::<usize>();
+    let line = |cells: [&str; 5], troubled: bool| {
+        let mut line = String::new();
+        for (c, &w) in widths.iter().enumerate() {
+            let cell = format!("{:<w$}", fit(cells[c], w));
+            // Coloured after padding, so the escape codes take no width.
+            let cell = if c == 2 && troubled {
+                paint.wrap("31", &cell)
+            } else {
+                cell
+            };
+            let _ = write!(line, "{cell}  ");
+        }
+        line.push_str(&fit(cells[4], room));
+        line.trim_end().to_owned()
+    };
+    let _ = writeln!(out, "{}", line(HEADER, false));
+    for r in &rows {
+        let cells = [&r[0], &r[1], &r[2], &r[3], &r[4]].map(String::as_str);
+        let _ = writeln!(out, "{}", line(cells, r[2] != "-"));
     }
     Ok(())
 }
 
 /// `s` in lines of at most `width` characters, broken at spaces (a word
-/// longer than that is a line of its own).
+/// longer than that, such as a long task name, is broken across lines).
 fn wrap(s: &str, width: usize) -> Vec<String> {
     let mut lines = vec![String::new()];
     for word in s.split_whitespace() {
-        let last = lines.last_mut().expect("one line at least");
-        if last.is_empty() {
-            last.push_str(word);
-        } else if last.chars().count() + 1 + word.chars().count() > width {
-            lines.push(word.to_owned());
-        } else {
-            last.push(' ');
-            last.push_str(word);
+        let chars: Vec<char> = word.chars().collect();
+        for piece in chars.chunks(width.max(1)) {
+            let last = lines.last_mut().expect("one line at least");
+            let used = last.chars().count();
+            if used > 0 && used + 1 + piece.len() > width {
+                lines.push(String::new());
+            } else if used > 0 {
+                last.push(' ');
+            }
+            lines.last_mut().expect("one line at least").extend(piece);
         }
     }
     lines
@@ -607,7 +635,11 @@ fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime,
     } else {
         format!("{state} — waiting for {waiting}")
     };
-    let _ = writeln!(out, "{}  {}", paint.bold("ID      "), s(&a["id"]));
+    // An ID of up to 128 characters: whole, over as many lines as it takes.
+    for (i, line) in wrap(&s(&a["id"]), 70).iter().enumerate() {
+        let label = if i == 0 { "ID      " } else { "        " };
+        let _ = writeln!(out, "{}  {line}", paint.bold(label));
+    }
     let _ = writeln!(out, "{}  {}", paint.bold("State   "), fit(&headline, 70));
     let _ = writeln!(
         out,
@@ -700,11 +732,11 @@ fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime,
             .or_else(|| reason.get("stage").and_then(Value::as_str))
             .map(|t| format!(" ({t})"))
             .unwrap_or_default();
-        let _ = writeln!(
-            out,
-            "\nStop order: {}{named}",
+        let order = format!(
+            "Stop order: {}{named}",
             reason.get("type").and_then(Value::as_str).unwrap_or("")
         );
+        let _ = writeln!(out, "\n{}", fit(&order, 80));
         said = true;
     }
     // What each task waits on besides its gate: its dependencies that do
@@ -745,12 +777,8 @@ fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime,
         } else {
             continue;
         };
-        let _ = writeln!(
-            out,
-            "{}{}: {why}",
-            if said { "" } else { "\n" },
-            s(&t["name"])
-        );
+        let line = format!("{}: {why}", s(&t["name"]));
+        let _ = writeln!(out, "{}{}", if said { "" } else { "\n" }, fit(&line, 80));
         said = true;
     }
     let entries = timeline["events"].as_array().cloned().unwrap_or_default();

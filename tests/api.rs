@@ -458,6 +458,171 @@ async fn list_filters_by_prefix_and_pages_with_a_token() {
     }
 }
 
+/// A listing filtered by state pages through every allocation that
+/// matches, each once, while allocations are deleted and registered
+/// between its pages: the one the next token names among them.
+#[tokio::test]
+async fn a_filtered_listing_pages_through_each_match_once_as_allocations_come_and_go() {
+    let app = test_app().await;
+    let fail = |id: String| {
+        let app = &app;
+        async move {
+            app.register_five(&id).await;
+            app.report(&id, "init", json!({"state": "dead", "failed": true}))
+                .await;
+        }
+    };
+    for i in 0..6 {
+        fail(format!("f-{i}")).await;
+        app.register_five(&format!("h-{i}")).await;
+    }
+    let (mut seen, mut token) = (Vec::new(), None::<String>);
+    for round in 0..20 {
+        let mut uri = "/v1/allocations?state=failed&per_page=2".to_owned();
+        if let Some(t) = &token {
+            uri.push_str(&format!("&next_token={t}"));
+        }
+        let page = app.get(&uri).await;
+        assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+        for item in page.body.as_array().unwrap() {
+            assert_eq!(item["trouble"][0]["kind"], "failed", "{item}");
+            seen.push(item["id"].as_str().unwrap().to_owned());
+        }
+        token = page.header("x-taskgate-nexttoken").map(str::to_owned);
+        let Some(next) = &token else { break };
+        // Between pages: the allocation the token names goes, one that
+        // the listing has passed and one ahead of it come.
+        if round == 0 {
+            let gone = app
+                .call("DELETE", &format!("/v1/allocations/{next}"), None)
+                .await;
+            assert_eq!(gone.status, StatusCode::NO_CONTENT);
+            fail("a-late".to_owned()).await;
+            fail("z-late".to_owned()).await;
+        }
+    }
+    assert!(token.is_none(), "the listing ended");
+    assert_eq!(
+        seen,
+        ["f-0", "f-1", "f-3", "f-4", "f-5", "z-late"],
+        "f-2 was deleted before its page, a-late registered behind it"
+    );
+}
+
+/// What a trouble's next step tells an operator to do can be done in the
+/// state it is given in: a stop it names changes the allocation, a
+/// restart of every task it names is accepted, and where it says to
+/// register an allocation again it says to delete it first (a held ID
+/// registered with another spec is refused).
+#[tokio::test(start_paused = true)]
+async fn a_trouble_s_next_step_can_be_taken_where_it_is_given() {
+    if on_etcd(
+        "a_trouble_s_next_step_can_be_taken_where_it_is_given",
+        "runs on paused time",
+    ) {
+        return;
+    }
+    let app = test_app_with(common::paused_clock(), HttpConfig::default()).await;
+    let put = |id: &'static str, spec: Value| {
+        let app = &app;
+        async move {
+            let a = app
+                .call("PUT", &format!("/v1/allocations/{id}"), Some(spec))
+                .await;
+            assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+        }
+    };
+    // lost: web's agent falls silent while api runs.
+    put(
+        "lost-1",
+        json!({"tasks": [{"name": "web", "liveness": {"ttl": "1s"}}, {"name": "api"}]}),
+    )
+    .await;
+    app.call(
+        "POST",
+        "/v1/allocations/lost-1/task-states",
+        Some(json!({"tasks": {"web": {"state": "running"}, "api": {"state": "running"}}})),
+    )
+    .await;
+    // past_deadline: main may last a second.
+    put(
+        "late-1",
+        json!({"deadlines": {"main": "1s"}, "tasks": [{"name": "web"}, {"name": "api"}]}),
+    )
+    .await;
+    tokio::time::advance(Duration::from_secs(2)).await;
+    common::settle().await;
+    // failed: a prestart task fails.
+    app.register_five("failed-1").await;
+    app.report("failed-1", "init", json!({"state": "dead", "failed": true}))
+        .await;
+    // stuck: api needs db to succeed; db failed, and its allocation has
+    // finished (a restart of it is refused).
+    put("db-1", json!({"tasks": [{"name": "db"}]})).await;
+    app.report("db-1", "db", json!({"state": "dead", "failed": true}))
+        .await;
+    let needs_db = json!({"tasks": [{"name": "api", "depends_on": [
+        {"allocation": "db-1", "task": "db", "condition": "succeeded"}]}]});
+    put("stuck-1", needs_db).await;
+
+    for (id, kind) in [
+        ("lost-1", "lost"),
+        ("late-1", "past_deadline"),
+        ("failed-1", "failed"),
+        ("stuck-1", "stuck"),
+    ] {
+        let view = app.get(&format!("/v1/allocations/{id}")).await;
+        let trouble = view.body["trouble"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["kind"] == kind)
+            .unwrap_or_else(|| panic!("{id} shows no {kind}: {}", view.body))
+            .clone();
+        let step = trouble["next_step"].as_str().unwrap().to_owned();
+        if step.contains("alloc stop") {
+            let stopped = app
+                .call("POST", &format!("/v1/allocations/{id}/stop"), None)
+                .await;
+            assert_eq!(stopped.status, StatusCode::OK, "{}", stopped.body);
+            assert!(
+                stopped.index() > view.index(),
+                "{id} ({kind}): the next step names a stop that changes nothing: {step}"
+            );
+        }
+        if step.contains("register") {
+            assert!(
+                step.contains("delete"),
+                "{id} ({kind}): a held ID is registered again only once deleted: {step}"
+            );
+        }
+        if step.contains("--all-tasks") && kind != "stuck" {
+            let restarted = app
+                .call(
+                    "POST",
+                    &format!("/v1/allocations/{id}/restart"),
+                    Some(json!({"all_tasks": true})),
+                )
+                .await;
+            assert_eq!(restarted.status, StatusCode::OK, "{id}: {}", restarted.body);
+        }
+    }
+    // The stuck one's target has finished: it cannot be restarted, and
+    // neither allocation can be registered again as it is.
+    app.call(
+        "POST",
+        "/v1/allocations/db-1/restart",
+        Some(json!({"all_tasks": true})),
+    )
+    .await
+    .assert_problem(409, "allocation_finished");
+    let other = json!({"tasks": [{"name": "api"}]});
+    let again = app
+        .call("PUT", "/v1/allocations/stuck-1", Some(other))
+        .await;
+    assert_eq!(again.status, StatusCode::CONFLICT, "{}", again.body);
+}
+
 // ---- delete ----
 
 #[tokio::test]

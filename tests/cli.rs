@@ -157,8 +157,13 @@ fn the_list_shows_a_failed_allocation_as_failed_and_filters_by_state() {
             .to_owned()
     };
     assert!(out.lines().next().unwrap().contains("Trouble"), "{out}");
-    assert!(line("bad-1").contains("finished    failed"), "{out}");
-    assert!(line("web-42").contains("main        -"), "{out}");
+    let cells = |id: &str| -> Vec<String> {
+        let line = line(id);
+        line.split_whitespace().take(3).map(str::to_owned).collect()
+    };
+    assert_eq!(cells("bad-1"), ["bad-1", "finished", "failed"], "{out}");
+    assert_eq!(cells("web-42"), ["web-42", "main", "-"], "{out}");
+    assert!(out.lines().all(|l| l.chars().count() <= 80), "{out}");
     let only = |state: &str| -> Vec<String> {
         let o = alloc(&server.base, &["list", "--state", state]);
         assert_eq!(
@@ -200,6 +205,36 @@ fn the_list_shows_a_failed_allocation_as_failed_and_filters_by_state() {
     assert_eq!(j[0]["trouble"][0]["kind"], "failed");
     assert_eq!(j[0]["trouble"][0]["tasks"], json!(["init"]));
     assert_eq!(j[0]["finished"], true);
+}
+
+/// The longest ID and task name an allocation may have (128 characters
+/// each) keep `list` and `status` within 80 columns, their Trouble lines
+/// included.
+#[test]
+fn list_and_status_keep_to_80_columns_with_the_longest_names() {
+    let server = Server::start(&["--in-memory"]);
+    let (id, task) = ("a".repeat(128), "t".repeat(128));
+    let path = format!("/v1/allocations/{id}");
+    send(
+        &server.base,
+        "PUT",
+        &path,
+        json!({"tasks": [{"name": task}, {"name": "web"}]}),
+    );
+    send(
+        &server.base,
+        "POST",
+        &format!("{path}/task-states"),
+        json!({"tasks": {task.as_str(): {"state": "dead", "failed": true}}}),
+    );
+    for args in [vec!["list"], vec!["status", id.as_str()]] {
+        let o = alloc(&server.base, &args);
+        assert_eq!(o.status.code(), Some(0), "{args:?}");
+        let out = text(&o);
+        assert!(out.contains("failed"), "{args:?}: {out}");
+        let wide: Vec<&str> = out.lines().filter(|l| l.chars().count() > 80).collect();
+        assert!(wide.is_empty(), "{args:?}: wider than 80: {wide:#?}");
+    }
 }
 
 /// `alloc list` reads the listing and nothing else: one request per

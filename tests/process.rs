@@ -325,3 +325,49 @@ fn a_busy_port_and_missing_tokens_are_both_said_address_first() {
     assert!(err.contains("another process listens"), "{err}");
     drop(held);
 }
+
+/// An operator secret as a Kubernetes Secret made from a file hands it
+/// over (`openssl rand -hex 32 > operator.token`, then `secretKeyRef`):
+/// with the file's newline. The operator presents it without one
+/// (`TASKGATE_TOKEN="$(cat operator.token)"`, and no header value keeps
+/// one), and is let in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_secret_with_its_file_s_newline_lets_the_operator_in() {
+    let secret = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+    let server = Server::start_env(
+        &["--in-memory"],
+        &[("TASKGATE_OPERATOR_TOKEN", &format!("{secret}\n"))],
+    );
+    let reg = common::http()
+        .put(format!("{}/v1/allocations/a1", server.base))
+        .bearer_auth(secret)
+        .json(&five_tasks())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reg.status(), 201, "{}", reg.text().await.unwrap());
+}
+
+/// The same secret, with its newline, given to `taskgate alloc` (as
+/// `TASKGATE_TOKEN=$TASKGATE_OPERATOR_TOKEN` inside the server's pod
+/// does): sent without it, not refused as a header it cannot make.
+#[test]
+fn a_token_with_a_newline_is_sent_without_it() {
+    let secret = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+    let with_newline = format!("{secret}\n");
+    let server = Server::start_env(
+        &["--in-memory"],
+        &[("TASKGATE_OPERATOR_TOKEN", &with_newline)],
+    );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        .args(["alloc", "--server", &server.base, "list"])
+        .env("TASKGATE_TOKEN", &with_newline)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -172,6 +172,9 @@ function waitingText(a) {
 const TROUBLE_OF = { failed: ["lost", "failed", "past_deadline"], lost: ["lost"], blocked: ["stuck", "blocked"] };
 const LIST_STATES = ["running", "finished", "failed", "lost", "blocked"];
 const finishedAll = (a) => a.tasks.every((t) => t.state === "dead");
+/** Whether the allocation's stop order is in force: its tasks but the
+ * poststop ones are told to stop (a lost task's own "Agent Lost" aside). */
+const stopOrdered = (a) => a.tasks.some((t) => t.stage !== "poststop" && !t.lost && t.desired === "stop");
 
 /** Whether `a` is in the list filter `state` (empty: every allocation),
  * as the server decides it: so a change joins a filtered page live. */
@@ -256,9 +259,11 @@ async function listPage(page, signal) {
     }),
   );
   const next = listed.next;
-  // The page shows the IDs from its first (or `from`) up to the next
-  // page's first: a new allocation in that range joins it live.
-  const first = from || (listed.data[0] ? listed.data[0].id : prefix);
+  // The page shows the IDs from where the server started it (`from`, or
+  // the prefix on the first page) up to the next page's first: a new
+  // allocation in that range, or one there that comes to match the
+  // filter, joins it live.
+  const first = from || prefix;
   const inPage = (id) => id >= first && (!next || id < next) && id.startsWith(prefix);
   // A filtered page keeps what it shows, and takes in what comes to match.
   const joins = (a) => views.has(a.id) || (inPage(a.id) && inState(a, state));
@@ -535,8 +540,12 @@ async function allocationPage(page, id, signal) {
               h("button", { type: "button", id: "restart-running", onclick: () => act("running") }, "Restart running tasks"),
               h("button", { type: "button", id: "restart-all", onclick: () => act("all") }, "Restart all tasks"),
             ],
-        // Stopping, while a task is not dead.
-        finishedAll(a) ? null : h("button", { type: "button", id: "stop", class: "danger", onclick: () => act("stop") }, "Stop allocation"),
+        // Stopping, while it would change something: the server refuses
+        // it in poststop, and a stop order in force (its non-poststop
+        // tasks told to stop) stays as it is.
+        a.coordinator_state === "poststop" || stopOrdered(a)
+          ? null
+          : h("button", { type: "button", id: "stop", class: "danger", onclick: () => act("stop") }, "Stop allocation"),
         h("button", { type: "button", id: "delete", class: "danger", onclick: () => act("delete") }, "Delete allocation"),
       ),
     );

@@ -101,8 +101,8 @@ pub struct AllocationView {
 /// One kind of trouble, the tasks it concerns, and what to do.
 #[derive(Debug, Serialize, ToSchema)]
 #[schema(example = json!({"kind": "lost", "tasks": ["web"],
-    "message": "web was declared lost: its agent gave no sign of life within its TTL",
-    "next_step": "Find out why the agent fell silent (its host, its network), then restart every task (`taskgate alloc restart ID --all-tasks`), or stop the allocation (`taskgate alloc stop ID`)"}))]
+    "message": "web was declared lost: no sign of life from the agent within the TTL",
+    "next_step": "Find out why the agent fell silent (its host, its network); the other tasks are told to stop already. To run the group again, restart every task (`taskgate alloc restart ID --all-tasks`)"}))]
 pub struct TroubleView {
     pub kind: TroubleKind,
     /// The tasks it concerns (registration order).
@@ -131,10 +131,12 @@ impl TroubleView {
                 format!(
                     "{many} {was} declared lost: no sign of life from the agent within the TTL"
                 ),
+                // A lost task is a failed one: its siblings are told to
+                // stop already (an operator's stop would change nothing).
                 again(
-                    "Find out why the agent fell silent (its host, its network), then restart every \
-                     task (`taskgate alloc restart ID --all-tasks`) or stop the allocation \
-                     (`taskgate alloc stop ID`)",
+                    "Find out why the agent fell silent (its host, its network); the other tasks \
+                     are told to stop already. To run the group again, restart every task \
+                     (`taskgate alloc restart ID --all-tasks`)",
                     "Find out why the agent fell silent (its host, its network); to run the group \
                      again, delete the allocation and register it anew",
                 ),
@@ -149,21 +151,16 @@ impl TroubleView {
                 ),
             ),
             TroubleKind::PastDeadline => (
-                match a.order().reason().and_then(|r| r.stage) {
-                    Some(stage) if !tasks.is_empty() => {
-                        format!("the {stage} deadline passed while it waited on {many}")
-                    }
-                    _ if !tasks.is_empty() => {
-                        format!("a deadline passed while it waited on {many}")
-                    }
-                    _ => "a stage's deadline passed".to_owned(),
-                },
+                past_deadlines(a),
+                // A restart keeps the spec: a longer deadline takes a new
+                // registration, so the allocation is deleted first.
                 again(
-                    "See what the stage waited on in the timeline; fix the slow task or register \
-                     a longer deadline, then restart every task \
-                     (`taskgate alloc restart ID --all-tasks`)",
-                    "See what the stage waited on in the timeline; fix the slow task or register \
-                     the allocation anew with a longer deadline",
+                    "See what the stage waited on in the timeline and fix the slow task, then \
+                     restart every task (`taskgate alloc restart ID --all-tasks`); for a longer \
+                     deadline, delete the allocation and register it anew with one",
+                    "See what the stage waited on in the timeline and fix the slow task; to run \
+                     the group again, delete the allocation and register it anew (with a longer \
+                     deadline if it needs one)",
                 ),
             ),
             TroubleKind::Stuck => (
@@ -171,8 +168,12 @@ impl TroubleView {
                     "{many} may start but for a dependency that will not hold by itself \
                      (see its blocked_by)"
                 ),
-                "Restart or register the allocation it depends on, or register this one anew \
-                 without that dependency",
+                // A finished allocation refuses restarts, and a held ID
+                // takes no other spec.
+                "Restart the allocation it depends on (`taskgate alloc restart` on it, with \
+                 `--all-tasks`); if that one has finished, lacks the task or closes a cycle, \
+                 delete it and register it again as it should be, or delete this one and \
+                 register it without that dependency",
             ),
             TroubleKind::Blocked => (
                 format!(
@@ -190,6 +191,36 @@ impl TroubleView {
             next_step,
         }
     }
+}
+
+/// What passed of `a`'s deadlines, with the tasks each named: a stage's
+/// (the tasks it waited on) and the poststop one's (the poststop tasks
+/// still going then), as `Allocation::overdue` keeps them.
+fn past_deadlines(a: &Allocation) -> String {
+    let names = |tasks: &[usize]| {
+        let names: Vec<&str> = tasks.iter().map(|&i| a.task_name(i).as_str()).collect();
+        names.join(", ")
+    };
+    let overdue = a.overdue();
+    let mut said = Vec::new();
+    if let Some((stage, tasks)) = overdue.and_then(|o| o.stage.as_ref()) {
+        said.push(if tasks.is_empty() {
+            format!("the {stage} deadline passed")
+        } else {
+            format!(
+                "the {stage} deadline passed while it waited on {}",
+                names(tasks)
+            )
+        });
+    }
+    if let Some(tasks) = overdue.and_then(|o| o.poststop.as_ref()) {
+        said.push(if tasks.is_empty() {
+            "the poststop deadline passed".to_owned()
+        } else {
+            format!("the poststop deadline passed before {} ended", names(tasks))
+        });
+    }
+    said.join("; ")
 }
 
 /// Stage deadlines, as durations (`10m`); each `null` when not set.
@@ -889,5 +920,55 @@ impl StreamLine {
                 alloc_id,
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::{
+        http::dto::RegisterBody,
+        lifecycle::{AllocId, Limits, Overdue},
+    };
+
+    /// A past deadline names each deadline that passed with its own
+    /// tasks, whatever the stop order is: the tasks a poststop deadline
+    /// told to stop are not what an earlier stage waited on.
+    #[test]
+    fn a_past_deadline_says_which_deadline_passed_on_which_tasks() {
+        let id = AllocId::parse("a1").unwrap();
+        let body: RegisterBody = serde_json::from_str(
+            r#"{"tasks": [{"name": "web"}, {"name": "cleanup", "lifecycle": {"hook": "poststop"}}],
+                "deadlines": {"main": "1m", "poststop": "1m"}}"#,
+        )
+        .unwrap();
+        let spec = Arc::new(body.into_spec(&Limits::default(), &id).unwrap());
+        let a = Allocation::register(id, spec, 1, OffsetDateTime::UNIX_EPOCH);
+        let late = |stage, poststop| {
+            let a = a
+                .clone()
+                .with_deadlines(None, Some(Overdue { stage, poststop }));
+            let shown = TroubleView::all(&a, &a.troubles());
+            assert_eq!(shown.len(), 1, "{shown:?}");
+            assert_eq!(shown[0].kind, TroubleKind::PastDeadline);
+            shown[0].message.clone()
+        };
+        assert_eq!(
+            late(Some((CoordState::Main, vec![0])), Some(vec![1])),
+            "the main deadline passed while it waited on web; \
+             the poststop deadline passed before cleanup ended"
+        );
+        // No stop order names the stage here (the allocation runs): the
+        // stage comes from what passed.
+        assert_eq!(
+            late(Some((CoordState::Main, vec![0])), None),
+            "the main deadline passed while it waited on web"
+        );
+        assert_eq!(
+            late(None, Some(vec![1])),
+            "the poststop deadline passed before cleanup ended"
+        );
     }
 }

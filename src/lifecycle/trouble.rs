@@ -10,7 +10,8 @@ named_enum! {
     pub enum TroubleKind ("trouble") {
         /// A task was declared lost: its agent fell silent past its TTL.
         Lost = "lost",
-        /// A task ended failed.
+        /// A task ended failed (and no all-tasks restart was ordered
+        /// since).
         Failed = "failed",
         /// A stage's deadline passed.
         PastDeadline = "past_deadline",
@@ -62,9 +63,12 @@ impl Allocation {
         let late_poststop = overdue.and_then(|o| o.poststop.as_ref());
         for (i, (s, t)) in specs.iter().zip(&self.tasks).enumerate() {
             let mut add = |kind: TroubleKind| found[kind as usize].push(s.name.clone());
+            // A failure an all-tasks restart has answered (its state is
+            // stale until the task reports again) is no longer trouble,
+            // as it is no reason for a stop order.
             if t.lost() {
                 add(TroubleKind::Lost);
-            } else if t.state == RunState::Dead && t.failed {
+            } else if t.state == RunState::Dead && t.failed && !t.stale {
                 add(TroubleKind::Failed);
             }
             if late_stage.is_some_and(|l| l.contains(&i))
@@ -255,6 +259,31 @@ mod tests {
         let a = report(&a, &[("api", RunState::Dead, false)]);
         assert!(a.finished());
         assert_eq!(states(&a), vec![ListState::Finished, ListState::Failed]);
+    }
+
+    /// An all-tasks restart is what a failure's next step asks for: once
+    /// it is ordered, the failure it answers is no longer shown (its state
+    /// is stale, as the stop orders take it), and a new one is.
+    #[test]
+    fn a_failure_an_all_tasks_restart_answered_is_no_trouble() {
+        use crate::lifecycle::RestartMode;
+        let a = report(
+            &in_main(),
+            &[
+                ("web", RunState::Dead, true),
+                ("api", RunState::Running, false),
+            ],
+        );
+        assert_eq!(kinds(&a), vec![(TroubleKind::Failed, vec!["web"])]);
+        let (a, _) = a
+            .restart(RestartMode::AllTasks, "fixed", NOW, || a.modify_index + 1)
+            .unwrap();
+        let a = a.expect("the restart changes the allocation");
+        assert_eq!(kinds(&a), vec![], "the restart is ordered");
+        assert!(!states(&a).contains(&ListState::Failed));
+        let a = report(&a, &[("web", RunState::Pending, false)]);
+        let a = report(&a, &[("web", RunState::Dead, true)]);
+        assert_eq!(kinds(&a), vec![(TroubleKind::Failed, vec!["web"])]);
     }
 
     #[test]

@@ -375,6 +375,40 @@ test("a failed allocation is shown failed: in the list, its filter and a banner 
   await ok.close();
 });
 
+test("a filtered first page takes in, live, an allocation before its first row that comes to match", async () => {
+  // Both in the first page's range; only tf-b is failed when it is listed.
+  await call("PUT", "/v1/allocations/tf-a", FIVE, TOKENS.agent);
+  await call("PUT", "/v1/allocations/tf-b", FIVE, TOKENS.agent);
+  await report("tf-b", { init: { state: "dead", failed: true } });
+  const list = await open("/ui?prefix=tf-&state=failed", TOKENS.reader);
+  await list.locator('tr[data-id="tf-b"]').waitFor();
+  assert.deepEqual(await list.$$eval("tbody tr", (rows) => rows.map((r) => r.dataset.id)), ["tf-b"]);
+  // tf-a fails: the server would list it on this page now, so it joins.
+  await report("tf-a", { init: { state: "dead", failed: true } });
+  await list.locator('tr[data-id="tf-a"]').waitFor({ timeout: 2000 });
+  assert.deepEqual(await list.$$eval("tbody tr", (rows) => rows.map((r) => r.dataset.id)), ["tf-a", "tf-b"]);
+  await list.close();
+});
+
+test("Stop is offered only where it does something: not in poststop, not under a stop order", async () => {
+  await call("PUT", "/v1/allocations/st-1", FIVE, TOKENS.agent);
+  const page = await open("/ui/allocations/st-1", TOKENS.operator);
+  await coordinator(page, "prestart");
+  const stop = page.getByRole("button", { name: "Stop allocation" });
+  assert.equal(await stop.count(), 1, "a running allocation can be stopped");
+  // init fails: every other task is told to stop already, and a stop
+  // would change nothing.
+  await report("st-1", { init: { state: "dead", failed: true } });
+  await page.locator('.task[data-task="web"] .desired', { hasText: "stop" }).waitFor({ timeout: 2000 });
+  assert.equal(await stop.count(), 0, "no Stop under a stop order");
+  // In poststop with its cleanup still to run, the server refuses a stop.
+  await report("st-1", { proxy: { state: "dead" }, web: { state: "dead" }, announce: { state: "dead" } });
+  await coordinator(page, "poststop");
+  assert.equal((await call("POST", "/v1/allocations/st-1/stop")).body.code, "allocation_finished");
+  assert.equal(await stop.count(), 0, "no Stop in poststop");
+  await page.close();
+});
+
 test("both pages pass axe's accessibility rules (WCAG 2.1 A and AA)", async () => {
   await call("PUT", "/v1/allocations/ax-1", FIVE, TOKENS.agent);
   await report("ax-1", { init: { state: "dead" }, proxy: { state: "running" }, web: { state: "running" } });
