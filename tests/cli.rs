@@ -192,6 +192,8 @@ fn the_list_shows_a_failed_allocation_as_failed_and_filters_by_state() {
     let out = text(&alloc(&server.base, &["status", "bad-1"]));
     assert!(out.contains("Trouble   failed: init ended failed"), "{out}");
     assert!(out.contains("→ Read the task's events"), "{out}");
+    // Its commands name this allocation, ready to paste.
+    assert!(out.contains("`taskgate alloc status bad-1`"), "{out}");
     assert!(
         out.contains("delete the allocation and register it anew"),
         "{out}"

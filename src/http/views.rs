@@ -102,15 +102,15 @@ pub struct AllocationView {
 #[derive(Debug, Serialize, ToSchema)]
 #[schema(example = json!({"kind": "lost", "tasks": ["web"],
     "message": "web was declared lost: no sign of life from the agent within the TTL",
-    "next_step": "Find out why the agent fell silent (its host, its network); the other tasks are told to stop already. To run the group again, restart every task (`taskgate alloc restart ID --all-tasks`)"}))]
+    "next_step": "Find out why the agent fell silent (its host, its network); the other tasks are told to stop already. To run the group again, restart every task (`taskgate alloc restart a1 --all-tasks`)"}))]
 pub struct TroubleView {
     pub kind: TroubleKind,
     /// The tasks it concerns (registration order).
     pub tasks: Vec<String>,
     /// What is wrong, in a sentence.
     pub message: String,
-    /// What an operator can do about it.
-    pub next_step: &'static str,
+    /// What an operator can do about it: commands name this allocation.
+    pub next_step: String,
 }
 
 impl TroubleView {
@@ -188,7 +188,10 @@ impl TroubleView {
             kind: t.kind,
             tasks,
             message,
-            next_step,
+            // The commands name this allocation (IDs need no quoting).
+            next_step: next_step
+                .replace(" ID ", &format!(" {} ", a.id))
+                .replace(" ID`", &format!(" {}`", a.id)),
         }
     }
 }
