@@ -14,7 +14,7 @@ use axum::{
     middleware::Next,
     response::{IntoResponse, Response},
 };
-use tracing::Instrument;
+use tracing::{Instrument, field::Empty};
 
 use super::{
     auth::{Auth, STREAM_ROUTE, Token},
@@ -48,6 +48,10 @@ pub struct Edge {
     pub body_limit: usize,
     /// The store's ID, on every answer (`X-Taskgate-Store`).
     pub store_id: HeaderValue,
+    /// Whether traces are on: then the request's span gets a name, its
+    /// allocation, task and status (`traced`), which cost nothing
+    /// otherwise.
+    pub traces: bool,
 }
 
 /// The store's ID, on every answer: a client tells "deleted" from "not
@@ -102,7 +106,16 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
         method = %method,
         route = route.unwrap_or("unmatched"),
         request_id = request_id.to_str().unwrap_or_default(),
+        "otel.name" = Empty,
+        "otel.kind" = Empty,
+        "taskgate.alloc_id" = Empty,
+        "taskgate.task" = Empty,
+        "http.response.status_code" = Empty,
+        "otel.status_code" = Empty,
     );
+    if edge.traces {
+        traced(&span, &method, route, req.uri().path());
+    }
     let pretty = req.uri().query().is_some_and(|q| {
         query_pairs(Some(q)).is_some_and(|pairs| {
             pairs
@@ -189,6 +202,12 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
     // a cost every request would pay even when nothing is logged.
     let latency = started.elapsed();
     let status = res.status().as_u16();
+    if edge.traces {
+        span.record("http.response.status_code", status);
+        if status >= 500 {
+            span.record("otel.status_code", "error");
+        }
+    }
     let latency_ms = latency.as_secs_f64() * 1000.0;
     // A parked wait answered 503 `shutting_down` is the shutdown working
     // as designed (every parked request gets one), not a failure.
@@ -211,6 +230,28 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
     res.headers_mut()
         .insert(STORE_HEADER, edge.store_id.clone());
     res
+}
+
+/// With traces on, the request's span as OpenTelemetry names it (`PUT
+/// /v1/allocations/{alloc_id}`, a server span) with the allocation and
+/// task of its path (percent-decoded).
+fn traced(span: &tracing::Span, method: &Method, route: Option<&str>, path: &str) {
+    let Some(route) = route else {
+        span.record("otel.name", format_args!("{method}"));
+        span.record("otel.kind", "server");
+        return;
+    };
+    span.record("otel.name", format_args!("{method} {route}"));
+    span.record("otel.kind", "server");
+    for (param, value) in route.split('/').zip(path.split('/')) {
+        let field = match param {
+            "{alloc_id}" => "taskgate.alloc_id",
+            "{task}" => "taskgate.task",
+            _ => continue,
+        };
+        let value = percent_encoding::percent_decode_str(value).decode_utf8_lossy();
+        span.record(field, value.as_ref());
+    }
 }
 
 /// 429 for a token that holds as many waits as it may.

@@ -1,0 +1,671 @@
+//! Each allocation's trace (docs/operations.md, "Traces"): a span per
+//! stage the coordinator went through and a span per wait of a task
+//! before it could start, under one root span, the allocation's.
+//!
+//! Built by the follower from the changes it publishes, only when traces
+//! are on (`RegistryConfig::traces`; with them off nothing here runs):
+//!
+//! - **One trace per allocation.** Its ID is a hash of the store's ID, the
+//!   allocation's ID and its `create_index`, so every replica and every
+//!   restart puts the allocation's spans in the same trace, and an
+//!   allocation deleted and registered again gets a new one. Span IDs are
+//!   hashes too (of the trace and the index of the change that ended the
+//!   span), so a span is the same span wherever it is made.
+//! - **Timestamps from the records**: a span ends at the `modified_at` of
+//!   the change that ended it and starts at that of the change that began
+//!   it, as this replica's follower saw them. A start this replica did not
+//!   see (the server started, or listed the store again, since) is the
+//!   earliest time the records it has vouch for, and the span says
+//!   `taskgate.start_exact = false`.
+//! - **Emitted once, by the replica whose write made the change.** Every
+//!   replica follows every change and keeps the open stages (so any of
+//!   them can end one), but only the writer's follower emits: on a store
+//!   this process alone writes, that is every change; on a shared store
+//!   (etcd), the write path claims its own writes (`Claim`) before they
+//!   can be published, by the write mark the store puts in the record (or
+//!   the allocation ID of a deletion), and the follower takes the claim
+//!   when it publishes the change. A replica that dies between its commit
+//!   and its publication leaves that change's spans unsent.
+//!
+//! What a task waits on is a `Wait`: its stage's gate, or one of its
+//! dependencies. Semaphores and barriers (not built yet) are two more
+//! kinds, each with its own start (when the task first had to wait) and
+//! end (when it was let through).
+//!
+//! The open state of each allocation is a leaf lock (`open`), taken by the
+//! follower under the allocation map; spans go to the exporter's queue
+//! (a bounded channel that drops when full, never waits) after the map is
+//! let go.
+
+use std::{
+    borrow::Cow,
+    collections::{HashMap, HashSet},
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    time::SystemTime,
+};
+
+use opentelemetry::{
+    InstrumentationScope, KeyValue, StringValue, Value,
+    trace::{Event, SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceId, TraceState},
+};
+use opentelemetry_sdk::trace::{
+    Sampler, SamplingDecision, ShouldSample, SpanData, SpanEvents, SpanLinks, SpanProcessor,
+};
+use sha2::{Digest, Sha256};
+
+use crate::lifecycle::{
+    AllocId, Allocation, CoordState, Dependency, Outcome, RunState, Stage, Timestamp, gates,
+};
+
+/// Where an allocation's spans go, and which traces are sampled.
+pub struct Traces {
+    /// The exporter's queue (the batch span processor the request spans
+    /// go through too).
+    sink: Arc<dyn SpanProcessor>,
+    /// The configured sampler (`OTEL_TRACES_SAMPLER`), asked about each
+    /// allocation's trace as about a root span of it: the decision depends
+    /// on the trace ID alone, so every span of a trace gets the same.
+    sampler: Sampler,
+    scope: InstrumentationScope,
+    /// Allocation → what is open in its trace.
+    open: Mutex<HashMap<AllocId, Open, foldhash::fast::RandomState>>,
+    /// This replica's writes in flight on a shared store (`Claim`).
+    own: Mutex<HashSet<Own, foldhash::fast::RandomState>>,
+}
+
+impl std::fmt::Debug for Traces {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Traces")
+            .field("sampler", &self.sampler)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A time the trace knows something began, and whether this replica saw
+/// it begin (`exact`) or only found it begun.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Since {
+    at: SystemTime,
+    exact: bool,
+}
+
+impl Since {
+    fn exact(at: Timestamp) -> Self {
+        Self {
+            at: at.into(),
+            exact: true,
+        }
+    }
+
+    /// Begun no later than `a`'s change: the earliest time this replica
+    /// can vouch for.
+    fn found(a: &Allocation) -> Self {
+        Self {
+            at: a.modified_at.into(),
+            exact: false,
+        }
+    }
+
+    /// A wait's start: the later of when its cause began (`self`) and
+    /// when the task became pending (`pending`, from the record: exact).
+    fn or_later(self, pending: SystemTime) -> Self {
+        if pending >= self.at {
+            Self {
+                at: pending,
+                exact: true,
+            }
+        } else {
+            self
+        }
+    }
+}
+
+/// What is open in one allocation's trace.
+#[derive(Debug)]
+struct Open {
+    create_index: u64,
+    /// The last change seen (a listing keeps the entry only if it is
+    /// still the allocation's record).
+    seen: u64,
+    /// When the coordinator entered its state.
+    entered: Since,
+    /// Since when each stage's gate has been closed (`Stage::column`
+    /// order; `None`: open).
+    closed: [Option<Since>; 6],
+    /// The dependencies that do not hold: (task, dependency), since when.
+    blocked: Vec<(usize, usize, Since)>,
+    /// What happened during the current stage: its span's events.
+    notes: Vec<Event>,
+}
+
+impl Open {
+    /// A new allocation: everything begins at its registration.
+    fn registered(a: &Allocation) -> Self {
+        let at = Since::exact(a.created_at);
+        Self::with(a, at, Since::exact(a.modified_at))
+    }
+
+    /// An allocation this replica did not see begin (loaded at start, or
+    /// listed again).
+    fn found(a: &Allocation) -> Self {
+        Self::with(a, Since::found(a), Since::found(a))
+    }
+
+    fn with(a: &Allocation, since: Since, entered: Since) -> Self {
+        let open = gates(a.state);
+        let blocked = a
+            .tasks
+            .iter()
+            .enumerate()
+            .flat_map(|(i, t)| {
+                t.deps()
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, d)| !d.holds())
+                    .map(move |(j, _)| (i, j, since))
+            })
+            .collect();
+        Self {
+            create_index: a.create_index,
+            seen: a.modify_index,
+            entered,
+            closed: open.map(|o| (!o).then_some(since)),
+            blocked,
+            notes: Vec::new(),
+        }
+    }
+
+    /// Task `task`'s dependency `dep` holds now: since when it did not.
+    fn unblocked(&mut self, task: usize, dep: usize) -> Option<Since> {
+        let at = self
+            .blocked
+            .iter()
+            .position(|&(t, d, _)| (t, d) == (task, dep))?;
+        Some(self.blocked.swap_remove(at).2)
+    }
+}
+
+/// What a task waited on before it could start.
+enum Wait<'a> {
+    /// Its stage's gate: the coordinator's state.
+    Gate(Stage),
+    /// Its dependency `depends_on[.0]`.
+    Dependency(usize, &'a Dependency),
+}
+
+impl Wait<'_> {
+    fn kind(&self) -> &'static str {
+        match self {
+            Wait::Gate(_) => "gate",
+            Wait::Dependency(..) => "dependency",
+        }
+    }
+
+    fn attributes(&self, out: &mut Vec<KeyValue>) {
+        match self {
+            Wait::Gate(stage) => out.push(KeyValue::new("taskgate.gate", stage.as_str())),
+            Wait::Dependency(j, d) => {
+                let target = match &d.allocation {
+                    Some(alloc) => format!("{alloc}/{}", d.task),
+                    None => d.task.to_string(),
+                };
+                out.push(KeyValue::new("taskgate.dependency", target));
+                out.push(KeyValue::new(
+                    "taskgate.dependency.condition",
+                    d.condition.as_str(),
+                ));
+                out.push(KeyValue::new("taskgate.dependency.index", *j as i64));
+            }
+        }
+    }
+}
+
+/// A write of this replica, as the follower will see it published.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(super) enum Own {
+    /// A put, by the write mark the store gave its record.
+    Put(u64),
+    /// A deletion of this allocation.
+    Delete(AllocId),
+}
+
+/// A write of this replica in flight, claimed before it can be published;
+/// forgotten when dropped, if the follower did not take it (the write
+/// failed, or lost to another replica's).
+pub(super) struct Claim {
+    traces: Arc<Traces>,
+    own: Own,
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.traces.own().remove(&self.own);
+    }
+}
+
+/// The IDs of one allocation's trace.
+struct Trace {
+    id: TraceId,
+    root: SpanId,
+}
+
+impl Trace {
+    fn of(store: &str, a: &Allocation) -> Self {
+        let mut h = Sha256::new();
+        for part in [b"taskgate allocation trace".as_slice(), store.as_bytes()] {
+            h.update((part.len() as u64).to_le_bytes());
+            h.update(part);
+        }
+        h.update(a.id.as_str().as_bytes());
+        h.update(a.create_index.to_le_bytes());
+        let digest = h.finalize();
+        let mut id = [0; 16];
+        id.copy_from_slice(&digest[..16]);
+        // All zeros is the invalid trace ID.
+        id[15] |= u8::from(id == [0; 16]);
+        let id = TraceId::from_bytes(id);
+        Self {
+            root: span_id(id, b"allocation", 0, 0),
+            id,
+        }
+    }
+}
+
+/// A span's ID: a hash of its trace, its kind and two numbers that tell it
+/// from the trace's other spans of that kind.
+fn span_id(trace: TraceId, kind: &[u8], a: u64, b: u64) -> SpanId {
+    let mut h = Sha256::new();
+    h.update(trace.to_bytes());
+    h.update(kind);
+    h.update(a.to_le_bytes());
+    h.update(b.to_le_bytes());
+    let digest = h.finalize();
+    let mut id = [0; 8];
+    id.copy_from_slice(&digest[..8]);
+    id[7] |= u8::from(id == [0; 8]);
+    SpanId::from_bytes(id)
+}
+
+/// Whether every task has ended after the coordinator reached poststop:
+/// nothing is left to wait for.
+fn finished(a: &Allocation) -> bool {
+    a.state == CoordState::Poststop && a.tasks.iter().all(|t| t.state == RunState::Dead)
+}
+
+/// When task `i` last became pending: at registration, or when it last
+/// went back to pending.
+fn pending_since(a: &Allocation, i: usize) -> SystemTime {
+    a.tasks[i]
+        .last_restart
+        .filter(|r| *r > a.created_at)
+        .unwrap_or(a.created_at)
+        .into()
+}
+
+impl Traces {
+    pub fn new(sink: Arc<dyn SpanProcessor>, sampler: Sampler) -> Self {
+        Self {
+            sink,
+            sampler,
+            scope: InstrumentationScope::builder("taskgate")
+                .with_version(env!("CARGO_PKG_VERSION"))
+                .build(),
+            open: Mutex::default(),
+            own: Mutex::default(),
+        }
+    }
+
+    fn open(&self) -> MutexGuard<'_, HashMap<AllocId, Open, foldhash::fast::RandomState>> {
+        self.open.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn own(&self) -> MutexGuard<'_, HashSet<Own, foldhash::fast::RandomState>> {
+        self.own.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Claims a write of this replica before it can be published.
+    pub(super) fn claim(self: &Arc<Self>, own: Own) -> Claim {
+        self.own().insert(own.clone());
+        Claim {
+            traces: self.clone(),
+            own,
+        }
+    }
+
+    /// Whether `own` is a write of this replica (taking its claim).
+    pub(super) fn owns(&self, own: &Own) -> bool {
+        self.own().remove(own)
+    }
+
+    /// The allocation's trace if it is sampled.
+    fn sampled(&self, store: &str, a: &Allocation) -> Option<Trace> {
+        let trace = Trace::of(store, a);
+        let decision = self
+            .sampler
+            .should_sample(None, trace.id, "allocation", &SpanKind::Internal, &[], &[])
+            .decision;
+        (decision == SamplingDecision::RecordAndSample).then_some(trace)
+    }
+
+    /// A change published: `prev` is the version before (`None`: a
+    /// registration), `next` the one published. Keeps what is open in the
+    /// trace, and if `own`, adds the spans the change ends to `out`.
+    pub(super) fn put(
+        &self,
+        store: &str,
+        prev: Option<&Allocation>,
+        next: &Allocation,
+        own: bool,
+        out: &mut Vec<SpanData>,
+    ) {
+        let mut open = self.open();
+        let Some(prev) = prev.filter(|p| p.create_index == next.create_index) else {
+            open.insert(next.id.clone(), Open::registered(next));
+            return;
+        };
+        let entry = open
+            .entry(next.id.clone())
+            .or_insert_with(|| Open::found(prev));
+        if entry.create_index != next.create_index {
+            *entry = Open::found(prev);
+        }
+        entry.seen = next.modify_index;
+        let trace = if own { self.sampled(store, next) } else { None };
+        let at = Since::exact(next.modified_at);
+        self.note(entry, prev, next, at.at);
+        self.gates(entry, prev, next, at, trace.as_ref(), out);
+        self.dependencies(entry, prev, next, at, trace.as_ref(), out);
+        if prev.state != next.state {
+            if let Some(trace) = &trace
+                && !finished(prev)
+            {
+                out.push(self.stage(trace, prev, entry, at.at, next.state.as_str(), next));
+            }
+            entry.entered = at;
+            entry.notes.clear();
+        }
+        if finished(next) && !finished(prev) {
+            if let Some(trace) = &trace {
+                if entry.entered.at < at.at {
+                    out.push(self.stage(trace, next, entry, at.at, "finished", next));
+                }
+                out.push(self.root(trace, next, at.at, false));
+            }
+            open.remove(&next.id);
+        }
+    }
+
+    /// `last` deleted at `at` (the follower's clock: a deletion's record
+    /// has no time): its trace ends, if it had not.
+    pub(super) fn deleted(
+        &self,
+        store: &str,
+        last: &Allocation,
+        at: Timestamp,
+        own: bool,
+        out: &mut Vec<SpanData>,
+    ) {
+        let entry = self.open().remove(&last.id);
+        if !own || finished(last) {
+            return;
+        }
+        let Some(trace) = self.sampled(store, last) else {
+            return;
+        };
+        let entry = entry
+            .filter(|e| e.create_index == last.create_index)
+            .unwrap_or_else(|| Open::found(last));
+        // Another replica's clock may be behind the record's.
+        let at = SystemTime::from(at).max(entry.entered.at);
+        out.push(self.stage(&trace, last, &entry, at, "deleted", last));
+        out.push(self.root(&trace, last, at, true));
+    }
+
+    /// After the view was listed again: what is open is kept for the
+    /// allocations whose record is the one last seen; the others' changes
+    /// in between were not seen.
+    pub(super) fn listed(&self, now: &HashMap<&str, u64>) {
+        self.open()
+            .retain(|id, e| now.get(id.as_str()) == Some(&e.seen));
+    }
+
+    /// Hands spans to the exporter's queue.
+    pub(super) fn emit(&self, spans: Vec<SpanData>) {
+        for span in spans {
+            self.sink.on_end(span);
+        }
+    }
+
+    /// What happened during the stage: a deadline that passed, a task
+    /// declared lost.
+    fn note(&self, entry: &mut Open, prev: &Allocation, next: &Allocation, at: SystemTime) {
+        let stage = |a: &Allocation| a.overdue().and_then(|o| o.stage.as_ref().map(|s| s.0));
+        if let Some(overdue) = stage(next)
+            && stage(prev) != Some(overdue)
+        {
+            entry.notes.push(Event::new(
+                "deadline exceeded",
+                at,
+                vec![KeyValue::new("taskgate.stage", overdue.as_str())],
+                0,
+            ));
+        }
+        for (i, (p, n)) in prev.tasks.iter().zip(&next.tasks).enumerate() {
+            if n.lost() && !p.lost() {
+                entry.notes.push(Event::new(
+                    "task lost",
+                    at,
+                    vec![KeyValue::new(
+                        "taskgate.task",
+                        next.task_name(i).as_str().to_owned(),
+                    )],
+                    0,
+                ));
+            }
+        }
+    }
+
+    /// Gates the change opened end the waits of the pending tasks behind
+    /// them; gates it closed start their clocks.
+    fn gates(
+        &self,
+        entry: &mut Open,
+        prev: &Allocation,
+        next: &Allocation,
+        at: Since,
+        trace: Option<&Trace>,
+        out: &mut Vec<SpanData>,
+    ) {
+        let (was, is) = (gates(prev.state), gates(next.state));
+        for column in 0..was.len() {
+            match (was[column], is[column]) {
+                (false, true) => {
+                    let since = entry.closed[column].take().unwrap_or(Since::found(prev));
+                    let Some(trace) = trace else { continue };
+                    for (i, spec) in next.spec.tasks().iter().enumerate() {
+                        let stage = spec.stage();
+                        if stage.column() == column && next.tasks[i].state == RunState::Pending {
+                            let start = since.or_later(pending_since(next, i));
+                            if start.at < at.at {
+                                out.push(self.wait(trace, next, i, &Wait::Gate(stage), start, at));
+                            }
+                        }
+                    }
+                }
+                (true, false) => entry.closed[column] = Some(at),
+                _ => {}
+            }
+        }
+    }
+
+    /// Dependencies that came to hold end the waits of the pending tasks
+    /// that declared them; those that stopped holding start their clocks.
+    fn dependencies(
+        &self,
+        entry: &mut Open,
+        prev: &Allocation,
+        next: &Allocation,
+        at: Since,
+        trace: Option<&Trace>,
+        out: &mut Vec<SpanData>,
+    ) {
+        for (i, (p, n)) in prev.tasks.iter().zip(&next.tasks).enumerate() {
+            for (j, dep) in n.deps().iter().enumerate() {
+                let held = p.deps().get(j).is_some_and(|d| d.holds());
+                match (held, dep.holds()) {
+                    (false, true) => {
+                        let since = entry.unblocked(i, j).unwrap_or(Since::found(prev));
+                        let Some(trace) = trace else { continue };
+                        let start = since.or_later(pending_since(next, i));
+                        if n.state == RunState::Pending
+                            && start.at < at.at
+                            && let Some(d) = next.spec.tasks()[i].depends_on.get(j)
+                        {
+                            let wait = Wait::Dependency(j, d);
+                            out.push(self.wait(trace, next, i, &wait, start, at));
+                        }
+                    }
+                    (true, false) => entry.blocked.push((i, j, at)),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// The span of stage `a.state`, from when it was entered to `end`;
+    /// `then` says what came next (a state, `finished` or `deleted`),
+    /// `at` is the record that ended it.
+    fn stage(
+        &self,
+        trace: &Trace,
+        a: &Allocation,
+        entry: &Open,
+        end: SystemTime,
+        then: &'static str,
+        at: &Allocation,
+    ) -> SpanData {
+        let waited: Vec<StringValue> = a
+            .waiting_on()
+            .iter()
+            .map(|t| t.as_str().to_owned().into())
+            .collect();
+        let attributes = vec![
+            KeyValue::new("taskgate.alloc_id", a.id.as_str().to_owned()),
+            KeyValue::new("taskgate.stage", a.state.as_str()),
+            KeyValue::new("taskgate.stage.next", then),
+            KeyValue::new("taskgate.waited_on", Value::Array(waited.into())),
+            KeyValue::new("taskgate.index", at.modify_index as i64),
+            KeyValue::new("taskgate.start_exact", entry.entered.exact),
+        ];
+        let mut span = self.span(
+            trace,
+            span_id(trace.id, b"stage", at.modify_index, 0),
+            format!("stage {}", a.state).into(),
+            entry.entered.at,
+            end,
+            attributes,
+        );
+        span.events.events = entry.notes.clone();
+        span
+    }
+
+    /// The span of task `i`'s wait on `wait`, which change `next` ended.
+    fn wait(
+        &self,
+        trace: &Trace,
+        next: &Allocation,
+        i: usize,
+        wait: &Wait<'_>,
+        start: Since,
+        end: Since,
+    ) -> SpanData {
+        let mut attributes = vec![
+            KeyValue::new("taskgate.alloc_id", next.id.as_str().to_owned()),
+            KeyValue::new("taskgate.task", next.task_name(i).as_str().to_owned()),
+            KeyValue::new("taskgate.wait", wait.kind()),
+        ];
+        wait.attributes(&mut attributes);
+        attributes.push(KeyValue::new("taskgate.index", next.modify_index as i64));
+        attributes.push(KeyValue::new("taskgate.start_exact", start.exact));
+        let which = match wait {
+            Wait::Gate(_) => 0,
+            Wait::Dependency(j, _) => *j as u64 + 1,
+        };
+        self.span(
+            trace,
+            span_id(
+                trace.id,
+                b"wait",
+                next.modify_index,
+                (i as u64) << 32 | which,
+            ),
+            format!("wait {}", wait.kind()).into(),
+            start.at,
+            end.at,
+            attributes,
+        )
+    }
+
+    /// The allocation's own span: from its registration to `end`, when it
+    /// finished or was deleted.
+    fn root(&self, trace: &Trace, a: &Allocation, end: SystemTime, deleted: bool) -> SpanData {
+        let mut attributes = vec![
+            KeyValue::new("taskgate.alloc_id", a.id.as_str().to_owned()),
+            KeyValue::new("taskgate.create_index", a.create_index as i64),
+            KeyValue::new("taskgate.tasks", a.tasks.len() as i64),
+            KeyValue::new("taskgate.deleted", deleted),
+        ];
+        let mut status = Status::Unset;
+        if let Some((outcome, failed)) = a.outcome().filter(|_| finished(a)) {
+            attributes.push(KeyValue::new("taskgate.outcome", outcome.as_str()));
+            if outcome == Outcome::Failed {
+                let names: Vec<&str> = failed.iter().map(|t| t.as_str()).collect();
+                status = Status::error(format!("failed: {}", names.join(", ")));
+            }
+        }
+        let mut span = self.span(
+            trace,
+            trace.root,
+            "allocation".into(),
+            a.created_at.into(),
+            end,
+            attributes,
+        );
+        span.parent_span_id = SpanId::INVALID;
+        span.status = status;
+        span
+    }
+
+    /// A span of `trace` under its root.
+    fn span(
+        &self,
+        trace: &Trace,
+        id: SpanId,
+        name: Cow<'static, str>,
+        start: SystemTime,
+        end: SystemTime,
+        attributes: Vec<KeyValue>,
+    ) -> SpanData {
+        SpanData {
+            span_context: SpanContext::new(
+                trace.id,
+                id,
+                TraceFlags::SAMPLED,
+                false,
+                TraceState::default(),
+            ),
+            parent_span_id: trace.root,
+            parent_span_is_remote: false,
+            span_kind: SpanKind::Internal,
+            name,
+            start_time: start,
+            end_time: end.max(start),
+            attributes,
+            dropped_attributes_count: 0,
+            events: SpanEvents::default(),
+            links: SpanLinks::default(),
+            status: Status::Unset,
+            instrumentation_scope: self.scope.clone(),
+        }
+    }
+}
