@@ -360,7 +360,14 @@ impl Traces {
     ) {
         let mut open = self.open();
         let Some(prev) = prev.filter(|p| p.create_index == next.create_index) else {
-            open.insert(next.id.clone(), Open::registered(next));
+            // A registration; or (never seen before, its registration
+            // unseen) a record whose history here begins now.
+            let begins = if next.modify_index == next.create_index {
+                Open::registered(next)
+            } else {
+                Open::found(next)
+            };
+            open.insert(next.id.clone(), begins);
             return;
         };
         let entry = open
@@ -667,5 +674,390 @@ impl Traces {
             status: Status::Unset,
             instrumentation_scope: self.scope.clone(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use opentelemetry_sdk::{error::OTelSdkResult, trace::Span};
+    use time::macros::datetime;
+
+    use super::*;
+    use crate::lifecycle::{
+        AllocSpec, Hook, Lifecycle, Limits, RestartMode, TaskName, TaskReport, TaskSpec,
+    };
+
+    const T: Timestamp = datetime!(2026-11-24 10:00 UTC);
+
+    /// Keeps the spans it is handed.
+    #[derive(Debug, Default)]
+    struct Kept(Mutex<Vec<SpanData>>);
+
+    impl SpanProcessor for Kept {
+        fn on_start(&self, _: &mut Span, _: &opentelemetry::Context) {}
+        fn on_end(&self, span: SpanData) {
+            self.0.lock().unwrap().push(span);
+        }
+        fn force_flush(&self) -> OTelSdkResult {
+            Ok(())
+        }
+        fn shutdown_with_timeout(&self, _: Duration) -> OTelSdkResult {
+            Ok(())
+        }
+    }
+
+    /// Traces that keep what they emit, with `sampler`.
+    fn traces(sampler: Sampler) -> (Arc<Kept>, Traces) {
+        let kept = Arc::new(Kept::default());
+        (kept.clone(), Traces::new(kept, sampler))
+    }
+
+    fn at(seconds: i64) -> Timestamp {
+        T + time::Duration::seconds(seconds)
+    }
+
+    fn five(id: &str) -> Allocation {
+        let task = |name: &str, hook: Option<(Hook, bool)>| TaskSpec {
+            name: TaskName::parse(name).unwrap(),
+            lifecycle: hook.map(|(hook, sidecar)| Lifecycle { hook, sidecar }),
+            leader: name == "web",
+            readiness: false,
+            liveness: None,
+            depends_on: Vec::new(),
+        };
+        let tasks = vec![
+            task("init", Some((Hook::Prestart, false))),
+            task("proxy", Some((Hook::Prestart, true))),
+            task("web", None),
+            task("announce", Some((Hook::Poststart, false))),
+            task("cleanup", Some((Hook::Poststop, false))),
+        ];
+        let spec = AllocSpec::new(tasks, &Limits::default()).unwrap();
+        Allocation::register(AllocId::parse(id).unwrap(), Arc::new(spec), 1, T)
+    }
+
+    /// `a` with task `i` reported `state` at `at(seconds)`.
+    fn report(a: &Allocation, i: usize, state: RunState, seconds: i64) -> Allocation {
+        let r = TaskReport {
+            state,
+            failed: false,
+            ready: None,
+            event: None,
+        };
+        a.report(&[(i, r)], at(seconds), || a.modify_index + 1)
+            .expect("a change")
+    }
+
+    /// The five-task allocation from registration to its end, one task's
+    /// report a second.
+    fn run_through(id: &str) -> Vec<Allocation> {
+        let mut versions = vec![five(id)];
+        let steps = [
+            (0, RunState::Running),
+            (1, RunState::Running),
+            (0, RunState::Dead),
+            (2, RunState::Running),
+            (3, RunState::Dead),
+            (2, RunState::Dead),
+            (1, RunState::Dead),
+            (4, RunState::Dead),
+        ];
+        for (n, (task, state)) in (1..).zip(steps) {
+            let next = report(versions.last().unwrap(), task, state, n);
+            versions.push(next);
+        }
+        versions
+    }
+
+    /// Publishes `versions` in order, each written by this replica if
+    /// `own(n)` says so; the spans emitted.
+    fn publish(
+        traces: &Traces,
+        versions: &[Allocation],
+        own: impl Fn(usize) -> bool,
+    ) -> Vec<SpanData> {
+        let mut out = Vec::new();
+        traces.put("store", None, &versions[0], own(0), &mut out);
+        for (n, pair) in versions.windows(2).enumerate() {
+            traces.put("store", Some(&pair[0]), &pair[1], own(n + 1), &mut out);
+        }
+        out
+    }
+
+    fn attr(span: &SpanData, key: &str) -> Option<Value> {
+        span.attributes
+            .iter()
+            .find(|kv| kv.key.as_str() == key)
+            .map(|kv| kv.value.clone())
+    }
+
+    fn named<'a>(spans: &'a [SpanData], name: &str) -> Vec<&'a SpanData> {
+        spans.iter().filter(|s| s.name == name).collect()
+    }
+
+    fn time(seconds: i64) -> SystemTime {
+        at(seconds).into()
+    }
+
+    #[test]
+    fn stages_and_waits_take_their_times_from_the_records() {
+        let (_, traces) = traces(Sampler::AlwaysOn);
+        let spans = publish(&traces, &run_through("a1"), |_| true);
+        let stages: Vec<(String, SystemTime, SystemTime)> = spans
+            .iter()
+            .filter(|s| s.name.starts_with("stage "))
+            .map(|s| (s.name.to_string(), s.start_time, s.end_time))
+            .collect();
+        assert_eq!(
+            stages,
+            [
+                ("stage prestart".into(), time(0), time(3)),
+                ("stage main".into(), time(3), time(4)),
+                ("stage poststart".into(), time(4), time(5)),
+                ("stage wait_alloc".into(), time(5), time(7)),
+                ("stage poststop".into(), time(7), time(8)),
+            ]
+        );
+        let waits: Vec<(Option<Value>, SystemTime, SystemTime)> = named(&spans, "wait gate")
+            .iter()
+            .map(|s| (attr(s, "taskgate.task"), s.start_time, s.end_time))
+            .collect();
+        assert_eq!(
+            waits,
+            [
+                (Some("web".into()), time(0), time(3)),
+                (Some("announce".into()), time(0), time(4)),
+                (Some("cleanup".into()), time(0), time(7)),
+            ]
+        );
+        let root = named(&spans, "allocation")[0];
+        assert_eq!((root.start_time, root.end_time), (time(0), time(8)));
+        assert_eq!(root.parent_span_id, SpanId::INVALID);
+        assert!(
+            spans
+                .iter()
+                .all(|s| s.span_context.trace_id() == root.span_context.trace_id())
+        );
+        assert!(
+            spans
+                .iter()
+                .filter(|s| s.name != "allocation")
+                .all(|s| s.parent_span_id == root.span_context.span_id())
+        );
+        assert!(
+            spans
+                .iter()
+                .filter_map(|s| attr(s, "taskgate.start_exact"))
+                .all(|e| e == Value::Bool(true))
+        );
+        assert!(
+            traces.open().is_empty(),
+            "a finished allocation keeps nothing"
+        );
+    }
+
+    /// Any replica can end a stage another replica's write began, and
+    /// emits only what its own writes end; the IDs are the same wherever
+    /// the spans are made.
+    #[test]
+    fn a_replica_emits_what_its_own_writes_end_and_no_more() {
+        let versions = run_through("a1");
+        let (_, everything) = traces(Sampler::AlwaysOn);
+        let all = publish(&everything, &versions, |_| true);
+        // This replica wrote every other change.
+        let (_, half) = traces(Sampler::AlwaysOn);
+        let mine = publish(&half, &versions, |n| n % 2 == 0);
+        let (_, rest) = traces(Sampler::AlwaysOn);
+        let theirs = publish(&rest, &versions, |n| n % 2 == 1);
+        let ids = |spans: &[SpanData]| {
+            let mut ids: Vec<([u8; 8], SystemTime, SystemTime)> = spans
+                .iter()
+                .map(|s| {
+                    (
+                        s.span_context.span_id().to_bytes(),
+                        s.start_time,
+                        s.end_time,
+                    )
+                })
+                .collect();
+            ids.sort();
+            ids
+        };
+        let mut both = mine.clone();
+        both.extend(theirs);
+        assert_eq!(
+            ids(&both),
+            ids(&all),
+            "each span once, with its exact start"
+        );
+        assert!(!mine.is_empty() && mine.len() < all.len());
+    }
+
+    /// A stage this replica did not see begin (it started since) starts
+    /// at the last change it knows of, and says it is not exact.
+    #[test]
+    fn a_start_this_replica_did_not_see_says_so() {
+        let versions = run_through("a1");
+        let (_, traces) = traces(Sampler::AlwaysOn);
+        // Seen from the change after proxy's running report (second 2)
+        // on: as a replica started since, or a record first seen then.
+        let mut spans = Vec::new();
+        traces.put("store", Some(&versions[2]), &versions[3], true, &mut spans);
+        for pair in versions[3..].windows(2) {
+            traces.put("store", Some(&pair[0]), &pair[1], true, &mut spans);
+        }
+        let (_, unseen) = self::traces(Sampler::AlwaysOn);
+        let mut first_seen = Vec::new();
+        unseen.put("store", None, &versions[2], true, &mut first_seen);
+        for pair in versions[2..].windows(2) {
+            unseen.put("store", Some(&pair[0]), &pair[1], true, &mut first_seen);
+        }
+        let times = |spans: &[SpanData]| {
+            spans
+                .iter()
+                .map(|s| (s.name.clone(), s.start_time, s.end_time))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(times(&spans), times(&first_seen));
+        let prestart = named(&spans, "stage prestart")[0];
+        assert_eq!((prestart.start_time, prestart.end_time), (time(2), time(3)));
+        assert_eq!(
+            attr(prestart, "taskgate.start_exact"),
+            Some(Value::Bool(false))
+        );
+        let main = named(&spans, "stage main")[0];
+        assert_eq!(attr(main, "taskgate.start_exact"), Some(Value::Bool(true)));
+        // web was pending since registration, but when its gate closed
+        // this replica did not see: the wait is as inexact.
+        let web = named(&spans, "wait gate")[0];
+        assert_eq!((web.start_time, web.end_time), (time(2), time(3)));
+        assert_eq!(attr(web, "taskgate.start_exact"), Some(Value::Bool(false)));
+    }
+
+    /// An all-tasks restart closes every gate and replays the stages:
+    /// each visit is a span of its own, the tasks wait again from when
+    /// they reported pending.
+    #[test]
+    fn an_all_tasks_restart_replays_the_stages_each_its_own_span() {
+        let versions = run_through("a1");
+        let running = &versions[4]; // main, web running (second 4)
+        let (restarted, _) = running
+            .restart(RestartMode::AllTasks, "again", at(10), || 6)
+            .unwrap();
+        let mut v = versions[..5].to_vec();
+        v.push(restarted.unwrap());
+        for (n, task) in [0, 1, 2].into_iter().enumerate() {
+            let next = report(v.last().unwrap(), task, RunState::Pending, 11 + n as i64);
+            v.push(next);
+        }
+        assert_eq!(v.last().unwrap().state, CoordState::Prestart);
+        let next = report(v.last().unwrap(), 0, RunState::Dead, 20);
+        let next = report(&next, 1, RunState::Running, 21);
+        v.push(next);
+        assert_eq!(v.last().unwrap().state, CoordState::Main);
+        let (_, traces) = traces(Sampler::AlwaysOn);
+        let spans = publish(&traces, &v, |_| true);
+        let stages: Vec<(String, SystemTime, SystemTime)> = spans
+            .iter()
+            .filter(|s| s.name.starts_with("stage "))
+            .map(|s| (s.name.to_string(), s.start_time, s.end_time))
+            .collect();
+        assert_eq!(
+            stages,
+            [
+                ("stage prestart".into(), time(0), time(3)),
+                ("stage main".into(), time(3), time(4)),
+                ("stage poststart".into(), time(4), time(10)),
+                ("stage init".into(), time(10), time(13)),
+                ("stage prestart".into(), time(13), time(21)),
+            ]
+        );
+        let mut ids: Vec<[u8; 8]> = spans
+            .iter()
+            .map(|s| s.span_context.span_id().to_bytes())
+            .collect();
+        ids.sort();
+        ids.dedup();
+        assert_eq!(ids.len(), spans.len(), "distinct spans");
+        // web reported pending at second 13 and waited for main from then.
+        let web = named(&spans, "wait gate")
+            .into_iter()
+            .filter(|s| attr(s, "taskgate.task") == Some("web".into()))
+            .map(|s| (s.start_time, s.end_time))
+            .collect::<Vec<_>>();
+        assert_eq!(web, [(time(0), time(3)), (time(13), time(21))]);
+    }
+
+    #[test]
+    fn a_deletion_ends_the_open_stage_and_the_allocation() {
+        let versions = run_through("a1");
+        let (_, traces) = traces(Sampler::AlwaysOn);
+        let mut spans = publish(&traces, &versions[..5], |_| true);
+        traces.deleted("store", &versions[4], at(30), true, &mut spans);
+        let last = spans.last().unwrap();
+        assert_eq!(last.name, "allocation");
+        assert_eq!(attr(last, "taskgate.deleted"), Some(Value::Bool(true)));
+        assert_eq!((last.start_time, last.end_time), (time(0), time(30)));
+        let cut = named(&spans, "stage poststart")[0];
+        assert_eq!((cut.start_time, cut.end_time), (time(4), time(30)));
+        assert_eq!(attr(cut, "taskgate.stage.next"), Some("deleted".into()));
+        assert!(traces.open().is_empty());
+        // A finished allocation's trace ended with it: its deletion adds
+        // nothing.
+        let (_, traces) = self::traces(Sampler::AlwaysOn);
+        let mut spans = publish(&traces, &versions, |_| true);
+        let n = spans.len();
+        traces.deleted("store", versions.last().unwrap(), at(30), true, &mut spans);
+        assert_eq!(spans.len(), n);
+    }
+
+    /// The sampler decides per trace: all of an allocation's spans or
+    /// none, the same on every replica.
+    #[test]
+    fn the_sampler_keeps_or_drops_whole_traces() {
+        let (_, off) = traces(Sampler::AlwaysOff);
+        assert!(publish(&off, &run_through("a1"), |_| true).is_empty());
+        let ratio = || Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(0.5)));
+        let (_, one) = traces(ratio());
+        let (_, two) = traces(ratio());
+        let mut kept = 0;
+        for n in 0..64 {
+            let versions = run_through(&format!("alloc-{n}"));
+            let spans = publish(&one, &versions, |_| true);
+            assert!(spans.is_empty() || spans.len() == 9, "{}", spans.len());
+            assert_eq!(spans.len(), publish(&two, &versions, |_| true).len());
+            kept += usize::from(!spans.is_empty());
+        }
+        assert!((8..=56).contains(&kept), "{kept} of 64 kept at 0.5");
+    }
+
+    /// Two stores' allocations of one ID are two traces; an allocation
+    /// registered again is a new one.
+    #[test]
+    fn the_trace_is_the_store_s_the_allocation_s_and_its_registration_s() {
+        let a = five("a1");
+        let id = |store: &str, a: &Allocation| Trace::of(store, a).id;
+        assert_eq!(id("s1", &a), id("s1", &a));
+        assert_ne!(id("s1", &a), id("s2", &a));
+        let again = Allocation::register(a.id.clone(), a.spec.clone(), 7, T);
+        assert_ne!(id("s1", &a), id("s1", &again));
+    }
+
+    /// A claim is taken once by the follower, and forgotten if the write
+    /// never got there.
+    #[test]
+    fn a_claim_is_taken_once_or_forgotten() {
+        let (_, traces) = traces(Sampler::AlwaysOn);
+        let traces = Arc::new(traces);
+        let claim = traces.claim(Own::Put(7));
+        assert!(traces.owns(&Own::Put(7)));
+        assert!(!traces.owns(&Own::Put(7)), "taken");
+        drop(claim);
+        let lost = traces.claim(Own::Delete(AllocId::parse("a1").unwrap()));
+        drop(lost);
+        assert!(!traces.owns(&Own::Delete(AllocId::parse("a1").unwrap())));
+        assert!(traces.own().is_empty());
     }
 }
