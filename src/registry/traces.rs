@@ -1013,6 +1013,66 @@ mod tests {
         assert_eq!(spans.len(), n);
     }
 
+    /// A deadline that passed and a task declared lost during a stage are
+    /// events of its span, at the times of their changes.
+    #[test]
+    fn a_stage_s_deadline_and_lost_tasks_are_its_events() {
+        let versions = run_through("a1");
+        // Prestart, proxy running (second 2): its deadline passes at 2.5,
+        // then the running tasks are lost at 2.75 (a TTL of 1 s).
+        let mut late = versions[2].clone();
+        late.modify_index += 1;
+        late.modified_at = at(2) + time::Duration::milliseconds(500);
+        let late = late.with_deadlines(
+            None,
+            Some(crate::lifecycle::Overdue {
+                stage: Some((CoordState::Prestart, vec![0])),
+                poststop: None,
+            }),
+        );
+        let lost_at = at(2) + time::Duration::milliseconds(750);
+        let lost = late
+            .tick_lapsed(
+                lost_at,
+                &|_| None,
+                &|i| (i == 1).then_some(at(2)),
+                Some(Duration::from_secs(1)),
+                || late.modify_index + 1,
+            )
+            .expect("proxy lost");
+        assert_eq!(lost.state, CoordState::Prestart);
+        let (_, traces) = traces(Sampler::AlwaysOn);
+        let mut spans = publish(
+            &traces,
+            &[&versions[..3], &[late, lost.clone()]].concat(),
+            |_| true,
+        );
+        // Deleted while still in prestart: the stage's span ends there.
+        traces.deleted("store", &lost, at(3), true, &mut spans);
+        let prestart = named(&spans, "stage prestart")[0];
+        let events: Vec<(&str, SystemTime, Option<Value>)> = prestart
+            .events
+            .iter()
+            .map(|e| {
+                let what = e.attributes.first().map(|kv| kv.value.clone());
+                (e.name.as_ref(), e.timestamp, what)
+            })
+            .collect();
+        assert_eq!(
+            events,
+            [
+                (
+                    "deadline exceeded",
+                    (at(2) + time::Duration::milliseconds(500)).into(),
+                    Some("prestart".into())
+                ),
+                // init, running since second 1, outlived the TTL too.
+                ("task lost", lost_at.into(), Some("init".into())),
+                ("task lost", lost_at.into(), Some("proxy".into())),
+            ]
+        );
+    }
+
     /// The sampler decides per trace: all of an allocation's spans or
     /// none, the same on every replica.
     #[test]
