@@ -176,6 +176,8 @@ fn with_traces(telemetry: &Telemetry, filter: EnvFilter, format: LogFormat) {
         .with_location(false)
         .with_threads(false)
         .with_tracked_inactivity(false)
+        // Nothing in a request makes OpenTelemetry spans of its own.
+        .with_context_activation(false)
         .with_filter(filter_fn(|m| {
             m.is_span() && m.name() == "request" && m.target().starts_with("taskgate")
         }));

@@ -101,21 +101,16 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
         HeaderValue::from_str(&format!("{:032x}", fastrand::u128(..)))
             .expect("hex is a valid header value")
     });
-    let span = tracing::info_span!(
-        "request",
-        method = %method,
-        route = route.unwrap_or("unmatched"),
-        request_id = request_id.to_str().unwrap_or_default(),
-        "otel.name" = Empty,
-        "otel.kind" = Empty,
-        "taskgate.alloc_id" = Empty,
-        "taskgate.task" = Empty,
-        "http.response.status_code" = Empty,
-        "otel.status_code" = Empty,
-    );
-    if edge.traces {
-        traced(&span, &method, route, req.uri().path());
-    }
+    let span = if edge.traces {
+        traced(&method, route, &request_id, req.uri().path())
+    } else {
+        tracing::info_span!(
+            "request",
+            method = %method,
+            route = route.unwrap_or("unmatched"),
+            request_id = request_id.to_str().unwrap_or_default(),
+        )
+    };
     let pretty = req.uri().query().is_some_and(|q| {
         query_pairs(Some(q)).is_some_and(|pairs| {
             pairs
@@ -232,26 +227,40 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
     res
 }
 
-/// With traces on, the request's span as OpenTelemetry names it (`PUT
-/// /v1/allocations/{alloc_id}`, a server span) with the allocation and
-/// task of its path (percent-decoded).
-fn traced(span: &tracing::Span, method: &Method, route: Option<&str>, path: &str) {
-    let Some(route) = route else {
-        span.record("otel.name", format_args!("{method}"));
-        span.record("otel.kind", "server");
-        return;
-    };
-    span.record("otel.name", format_args!("{method} {route}"));
-    span.record("otel.kind", "server");
-    for (param, value) in route.split('/').zip(path.split('/')) {
+/// With traces on, the request's span: as without them, and as
+/// OpenTelemetry names it (`PUT /v1/allocations/{alloc_id}`, a server
+/// span) with the allocation and task of its path (percent-decoded); its
+/// status is recorded once answered. A callsite of its own, its values
+/// given at once (each record renders the span's fields again): without
+/// traces the span has none of these fields, which every request would
+/// pay for.
+fn traced(
+    method: &Method,
+    route: Option<&str>,
+    request_id: &HeaderValue,
+    path: &str,
+) -> tracing::Span {
+    let (mut alloc, mut task) = (None, None);
+    for (param, value) in route.unwrap_or_default().split('/').zip(path.split('/')) {
         let field = match param {
-            "{alloc_id}" => "taskgate.alloc_id",
-            "{task}" => "taskgate.task",
+            "{alloc_id}" => &mut alloc,
+            "{task}" => &mut task,
             _ => continue,
         };
-        let value = percent_encoding::percent_decode_str(value).decode_utf8_lossy();
-        span.record(field, value.as_ref());
+        *field = Some(percent_encoding::percent_decode_str(value).decode_utf8_lossy());
     }
+    tracing::info_span!(
+        "request",
+        method = %method,
+        route = route.unwrap_or("unmatched"),
+        request_id = request_id.to_str().unwrap_or_default(),
+        "otel.name" = %format_args!("{method} {}", route.unwrap_or("unmatched")),
+        "otel.kind" = "server",
+        "taskgate.alloc_id" = alloc.as_deref(),
+        "taskgate.task" = task.as_deref(),
+        "http.response.status_code" = Empty,
+        "otel.status_code" = Empty,
+    )
 }
 
 /// 429 for a token that holds as many waits as it may.

@@ -231,15 +231,14 @@ pub(super) enum Own {
 
 /// A write of this replica in flight, claimed before it can be published;
 /// forgotten when dropped, if the follower did not take it (the write
-/// failed, or lost to another replica's).
-pub(super) struct Claim {
-    traces: Arc<Traces>,
-    own: Own,
-}
+/// failed, or lost to another replica's). One pointer: it rides in every
+/// commit's task, which traces off should not make larger.
+pub(super) struct Claim(Box<(Arc<Traces>, Own)>);
 
 impl Drop for Claim {
     fn drop(&mut self) {
-        self.traces.own().remove(&self.own);
+        let (traces, own) = &*self.0;
+        traces.own().remove(own);
     }
 }
 
@@ -268,6 +267,33 @@ impl Trace {
             root: span_id(id, b"allocation", 0, 0),
             id,
         }
+    }
+}
+
+/// A change's trace, hashed and sampled only once the change is found to
+/// end a span (most changes end none), and only for this replica's own.
+struct Lazy<'a> {
+    /// The store and the record, if the change is this replica's.
+    of: Option<(&'a str, &'a Allocation)>,
+    /// `None` until asked; then the trace if sampled.
+    trace: Option<Option<Trace>>,
+}
+
+impl<'a> Lazy<'a> {
+    fn new(of: Option<(&'a str, &'a Allocation)>) -> Self {
+        Self { of, trace: None }
+    }
+
+    /// Whether spans of this change may be sent at all.
+    fn wanted(&self) -> bool {
+        self.of.is_some() && !matches!(self.trace, Some(None))
+    }
+
+    fn get(&mut self, traces: &Traces) -> Option<&Trace> {
+        let (store, a) = self.of?;
+        self.trace
+            .get_or_insert_with(|| traces.sampled(store, a))
+            .as_ref()
     }
 }
 
@@ -326,10 +352,7 @@ impl Traces {
     /// Claims a write of this replica before it can be published.
     pub(super) fn claim(self: &Arc<Self>, own: Own) -> Claim {
         self.own().insert(own.clone());
-        Claim {
-            traces: self.clone(),
-            own,
-        }
+        Claim(Box::new((self.clone(), own)))
     }
 
     /// Whether `own` is a write of this replica (taking its claim).
@@ -377,14 +400,14 @@ impl Traces {
             *entry = Open::found(prev);
         }
         entry.seen = next.modify_index;
-        let trace = if own { self.sampled(store, next) } else { None };
+        let mut trace = Lazy::new(own.then_some((store, next)));
         let at = Since::exact(next.modified_at);
         self.note(entry, prev, next, at.at);
-        self.gates(entry, prev, next, at, trace.as_ref(), out);
-        self.dependencies(entry, prev, next, at, trace.as_ref(), out);
+        self.gates(entry, prev, next, at, &mut trace, out);
+        self.dependencies(entry, prev, next, at, &mut trace, out);
         if prev.state != next.state {
-            if let Some(trace) = &trace
-                && !finished(prev)
+            if !finished(prev)
+                && let Some(trace) = trace.get(self)
             {
                 out.push(self.stage(trace, prev, entry, at.at, next.state.as_str(), next));
             }
@@ -392,7 +415,7 @@ impl Traces {
             entry.notes.clear();
         }
         if finished(next) && !finished(prev) {
-            if let Some(trace) = &trace {
+            if let Some(trace) = trace.get(self) {
                 if entry.entered.at < at.at {
                     out.push(self.stage(trace, next, entry, at.at, "finished", next));
                 }
@@ -480,7 +503,7 @@ impl Traces {
         prev: &Allocation,
         next: &Allocation,
         at: Since,
-        trace: Option<&Trace>,
+        trace: &mut Lazy<'_>,
         out: &mut Vec<SpanData>,
     ) {
         let (was, is) = (gates(prev.state), gates(next.state));
@@ -488,12 +511,16 @@ impl Traces {
             match (was[column], is[column]) {
                 (false, true) => {
                     let since = entry.closed[column].take().unwrap_or(Since::found(prev));
-                    let Some(trace) = trace else { continue };
+                    if !trace.wanted() {
+                        continue;
+                    }
                     for (i, spec) in next.spec.tasks().iter().enumerate() {
                         let stage = spec.stage();
                         if stage.column() == column && next.tasks[i].state == RunState::Pending {
                             let start = since.or_later(pending_since(next, i));
-                            if start.at < at.at {
+                            if start.at < at.at
+                                && let Some(trace) = trace.get(self)
+                            {
                                 out.push(self.wait(trace, next, i, &Wait::Gate(stage), start, at));
                             }
                         }
@@ -513,7 +540,7 @@ impl Traces {
         prev: &Allocation,
         next: &Allocation,
         at: Since,
-        trace: Option<&Trace>,
+        trace: &mut Lazy<'_>,
         out: &mut Vec<SpanData>,
     ) {
         for (i, (p, n)) in prev.tasks.iter().zip(&next.tasks).enumerate() {
@@ -522,11 +549,11 @@ impl Traces {
                 match (held, dep.holds()) {
                     (false, true) => {
                         let since = entry.unblocked(i, j).unwrap_or(Since::found(prev));
-                        let Some(trace) = trace else { continue };
                         let start = since.or_later(pending_since(next, i));
                         if n.state == RunState::Pending
                             && start.at < at.at
                             && let Some(d) = next.spec.tasks()[i].depends_on.get(j)
+                            && let Some(trace) = trace.get(self)
                         {
                             let wait = Wait::Dependency(j, d);
                             out.push(self.wait(trace, next, i, &wait, start, at));
