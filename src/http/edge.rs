@@ -14,7 +14,8 @@ use axum::{
     middleware::Next,
     response::{IntoResponse, Response},
 };
-use tracing::{Instrument, field::Empty};
+use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use super::{
     auth::{Auth, STREAM_ROUTE, Token},
@@ -198,10 +199,7 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
     let latency = started.elapsed();
     let status = res.status().as_u16();
     if edge.traces {
-        span.record("http.response.status_code", status);
-        if status >= 500 {
-            span.record("otel.status_code", "error");
-        }
+        answered(&span, status);
     }
     let latency_ms = latency.as_secs_f64() * 1000.0;
     // A parked wait answered 503 `shutting_down` is the shutdown working
@@ -227,40 +225,45 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
     res
 }
 
-/// With traces on, the request's span: as without them, and as
+/// With traces on, the request's span: as without them, named as
 /// OpenTelemetry names it (`PUT /v1/allocations/{alloc_id}`, a server
-/// span) with the allocation and task of its path (percent-decoded); its
-/// status is recorded once answered. A callsite of its own, its values
-/// given at once (each record renders the span's fields again): without
-/// traces the span has none of these fields, which every request would
-/// pay for.
+/// span), with the allocation and task of its path (percent-decoded) as
+/// OpenTelemetry attributes; its status is set once answered (`answered`).
+/// A callsite of its own: without traces the span has none of this, which
+/// every request would pay for. The attributes go to OpenTelemetry alone,
+/// not into the span's fields, which the log layer renders.
 fn traced(
     method: &Method,
     route: Option<&str>,
     request_id: &HeaderValue,
     path: &str,
 ) -> tracing::Span {
-    let (mut alloc, mut task) = (None, None);
-    for (param, value) in route.unwrap_or_default().split('/').zip(path.split('/')) {
-        let field = match param {
-            "{alloc_id}" => &mut alloc,
-            "{task}" => &mut task,
-            _ => continue,
-        };
-        *field = Some(percent_encoding::percent_decode_str(value).decode_utf8_lossy());
-    }
-    tracing::info_span!(
+    let span = tracing::info_span!(
         "request",
         method = %method,
         route = route.unwrap_or("unmatched"),
         request_id = request_id.to_str().unwrap_or_default(),
         "otel.name" = %format_args!("{method} {}", route.unwrap_or("unmatched")),
         "otel.kind" = "server",
-        "taskgate.alloc_id" = alloc.as_deref(),
-        "taskgate.task" = task.as_deref(),
-        "http.response.status_code" = Empty,
-        "otel.status_code" = Empty,
-    )
+    );
+    for (param, value) in route.unwrap_or_default().split('/').zip(path.split('/')) {
+        let key = match param {
+            "{alloc_id}" => "taskgate.alloc_id",
+            "{task}" => "taskgate.task",
+            _ => continue,
+        };
+        let value = percent_encoding::percent_decode_str(value).decode_utf8_lossy();
+        span.set_attribute(key, value.into_owned());
+    }
+    span
+}
+
+/// With traces on, the request's status on its span (an error for a 5xx).
+fn answered(span: &tracing::Span, status: u16) {
+    span.set_attribute("http.response.status_code", i64::from(status));
+    if status >= 500 {
+        span.set_status(opentelemetry::trace::Status::error(""));
+    }
 }
 
 /// 429 for a token that holds as many waits as it may.
