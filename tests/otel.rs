@@ -600,12 +600,29 @@ async fn replicas_emit_each_allocation_span_once() {
         let peer = format!("{}/v1/allocations/e1?index={}&wait=10s", at(i), index - 1);
         send(reqwest::Method::GET, peer, None).await;
     }
+    // Registered through one replica, deleted in prestart through the
+    // other: its trace ends there, sent by the deleting replica alone.
+    let e2 = |base: &str| format!("{base}/v1/allocations/e2");
+    send(reqwest::Method::PUT, e2(&a), Some(common::five_tasks())).await;
+    send(reqwest::Method::DELETE, e2(&b), None).await;
     receiver
-        .wait_for("trace of e1", |spans| !trace_of(spans, "e1").is_empty())
+        .wait_for("traces of e1 and e2", |spans| {
+            !trace_of(spans, "e1").is_empty() && !trace_of(spans, "e2").is_empty()
+        })
         .await;
     stop(one).await;
     stop(two).await;
     let spans = receiver.spans();
+    let mut deleted: Vec<(&str, &str)> = trace_of(&spans, "e2")
+        .iter()
+        .map(|s| (s.name.as_str(), s.attr("taskgate.deleted")))
+        .collect();
+    deleted.sort_unstable();
+    assert_eq!(
+        deleted,
+        [("allocation", "true"), ("stage prestart", "")],
+        "{spans:#?}"
+    );
     let trace = trace_of(&spans, "e1");
     let count = |name: &str| trace.iter().filter(|s| s.name == name).count();
     for stage in ["prestart", "main", "poststart", "wait_alloc", "poststop"] {

@@ -1132,6 +1132,45 @@ mod tests {
         assert_ne!(id("s1", &a), id("s1", &again));
     }
 
+    /// A listing after a gap keeps what is open only for the allocations
+    /// whose record is still the one last seen: the others' starts were
+    /// not seen, and say so.
+    #[test]
+    fn a_listing_keeps_only_what_it_still_vouches_for() {
+        let versions = run_through("a1");
+        let other = run_through("a2");
+        let (_, traces) = traces(Sampler::AlwaysOn);
+        publish(&traces, &versions[..4], |_| true);
+        publish(&traces, &other[..4], |_| true);
+        // a1 moved on unseen (index 5 is listed); a2 did not; a3 is gone.
+        let listed = HashMap::from([
+            ("a1", versions[4].modify_index),
+            ("a2", other[3].modify_index),
+        ]);
+        traces.listed(&listed);
+        let mut spans = Vec::new();
+        traces.put("store", Some(&versions[4]), &versions[5], true, &mut spans);
+        traces.put("store", Some(&other[3]), &other[4], true, &mut spans);
+        let exact: Vec<(Option<Value>, Option<Value>)> = named(&spans, "stage main")
+            .iter()
+            .chain(&named(&spans, "stage poststart"))
+            .map(|s| {
+                (
+                    attr(s, "taskgate.alloc_id"),
+                    attr(s, "taskgate.start_exact"),
+                )
+            })
+            .collect();
+        assert!(
+            exact.contains(&(Some("a2".into()), Some(Value::Bool(true)))),
+            "{exact:?}"
+        );
+        assert!(
+            exact.contains(&(Some("a1".into()), Some(Value::Bool(false)))),
+            "{exact:?}"
+        );
+    }
+
     /// A claim is taken once by the follower, and forgotten if the write
     /// never got there.
     #[test]
