@@ -292,6 +292,7 @@ impl Application {
                     config.listen.ip().to_canonical().is_loopback(),
                     config.allowed_hosts.clone(),
                 )),
+                traces: config.traces.is_some(),
                 ..HttpConfig::default()
             },
             auth,
@@ -388,6 +389,7 @@ fn registry_config(
         event_buffer_bytes: usize::try_from(config.event_buffer_bytes).unwrap_or(usize::MAX),
         default_liveness_ttl: config.default_liveness_ttl,
         clock: crate::registry::Clock::system(),
+        traces: config.traces.clone(),
     }
 }
 

@@ -377,6 +377,11 @@ pub struct ServeConfig {
     /// pipelines.
     #[arg(help_heading = "Logging", long, env = "TASKGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+
+    /// Where each allocation's trace goes: set from the `OTEL_*`
+    /// variables (`telemetry.rs`), never a flag; `None`: traces are off.
+    #[arg(skip)]
+    pub traces: Option<std::sync::Arc<crate::registry::Traces>>,
 }
 
 impl ServeConfig {
@@ -424,6 +429,7 @@ impl ServeConfig {
             header_timeout: Duration::from_secs(10),
             write_timeout: Duration::from_secs(30),
             request_timeout: Duration::from_secs(30),
+            traces: None,
         }
     }
 }

@@ -22,4 +22,5 @@ pub mod server;
 pub mod signals;
 pub mod store;
 pub mod supervise;
+pub mod telemetry;
 pub mod units;

@@ -8,6 +8,7 @@ use taskgate::{
     app::Application,
     cli::{Cli, Command},
     config::LogFormat,
+    telemetry::Telemetry,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -102,7 +103,7 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Serve(config) => {
+        Command::Serve(mut config) => {
             // Before the heap grows: the setting holds for pages touched
             // from now on.
             let huge_pages = if config.transparent_huge_pages {
@@ -117,10 +118,28 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            let logs = tracing_subscriber::fmt().with_env_filter(filter);
-            match config.log_format {
-                LogFormat::Text => logs.with_ansi(std::io::stdout().is_terminal()).init(),
-                LogFormat::Json => logs.json().with_current_span(true).init(),
+            let telemetry = match Telemetry::from_env() {
+                Ok(t) => t,
+                Err(e) => {
+                    eprintln!("taskgate: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match &telemetry {
+                // Without traces, logs as before: nothing of them is in
+                // the subscriber.
+                None => {
+                    let logs = tracing_subscriber::fmt().with_env_filter(filter);
+                    match config.log_format {
+                        LogFormat::Text => logs.with_ansi(std::io::stdout().is_terminal()).init(),
+                        LogFormat::Json => logs.json().with_current_span(true).init(),
+                    }
+                }
+                Some(t) => with_traces(t, filter, config.log_format),
+            }
+            if let Some(t) = &telemetry {
+                config.traces = Some(t.traces.clone());
+                tracing::info!(endpoint = %t.endpoint, "traces on: exporting spans over OTLP/HTTP");
             }
             if let Err(e) = huge_pages {
                 tracing::warn!(error = %e, "cannot turn transparent huge pages off; memory per connection will be higher");
@@ -132,8 +151,53 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            runtime.block_on(serve(config))
+            let code = runtime.block_on(serve(config));
+            // After the store is closed: every span of a committed change
+            // is queued by now.
+            if let Some(t) = telemetry
+                && let Err(e) = t.shutdown()
+            {
+                tracing::warn!(error = %e, "the last spans could not be exported");
+            }
+            code
         }
+    }
+}
+
+/// The subscriber with traces on: the logs as without them (their filter
+/// is `--log`'s alone), and the request spans (whatever `--log` says) to
+/// OpenTelemetry.
+fn with_traces(telemetry: &Telemetry, filter: EnvFilter, format: LogFormat) {
+    use tracing_subscriber::{
+        Layer, filter::filter_fn, layer::SubscriberExt, util::SubscriberInitExt,
+    };
+    let spans = tracing_opentelemetry::layer()
+        .with_tracer(telemetry.tracer())
+        .with_location(false)
+        .with_threads(false)
+        .with_tracked_inactivity(false)
+        // Nothing in a request makes OpenTelemetry spans of its own.
+        .with_context_activation(false)
+        .with_filter(filter_fn(|m| {
+            m.is_span() && m.name() == "request" && m.target().starts_with("taskgate")
+        }));
+    let registry = tracing_subscriber::registry().with(spans);
+    match format {
+        LogFormat::Text => registry
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_ansi(std::io::stdout().is_terminal())
+                    .with_filter(filter),
+            )
+            .init(),
+        LogFormat::Json => registry
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .json()
+                    .with_current_span(true)
+                    .with_filter(filter),
+            )
+            .init(),
     }
 }
 

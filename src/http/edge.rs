@@ -15,6 +15,7 @@ use axum::{
     response::{IntoResponse, Response},
 };
 use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use super::{
     auth::{Auth, STREAM_ROUTE, Token},
@@ -48,6 +49,10 @@ pub struct Edge {
     pub body_limit: usize,
     /// The store's ID, on every answer (`X-Taskgate-Store`).
     pub store_id: HeaderValue,
+    /// Whether traces are on: then the request's span gets a name, its
+    /// allocation, task and status (`traced`), which cost nothing
+    /// otherwise.
+    pub traces: bool,
 }
 
 /// The store's ID, on every answer: a client tells "deleted" from "not
@@ -97,12 +102,16 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
         HeaderValue::from_str(&format!("{:032x}", fastrand::u128(..)))
             .expect("hex is a valid header value")
     });
-    let span = tracing::info_span!(
-        "request",
-        method = %method,
-        route = route.unwrap_or("unmatched"),
-        request_id = request_id.to_str().unwrap_or_default(),
-    );
+    let span = if edge.traces {
+        traced(&method, route, &request_id, req.uri().path())
+    } else {
+        tracing::info_span!(
+            "request",
+            method = %method,
+            route = route.unwrap_or("unmatched"),
+            request_id = request_id.to_str().unwrap_or_default(),
+        )
+    };
     let pretty = req.uri().query().is_some_and(|q| {
         query_pairs(Some(q)).is_some_and(|pairs| {
             pairs
@@ -191,6 +200,9 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
     // a cost every request would pay even when nothing is logged.
     let latency = started.elapsed();
     let status = res.status().as_u16();
+    if edge.traces {
+        answered(&span, status);
+    }
     let latency_ms = latency.as_secs_f64() * 1000.0;
     // A parked wait answered 503 `shutting_down` is the shutdown working
     // as designed (every parked request gets one), not a failure.
@@ -213,6 +225,47 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
     res.headers_mut()
         .insert(STORE_HEADER, edge.store_id.clone());
     res
+}
+
+/// With traces on, the request's span: as without them, named as
+/// OpenTelemetry names it (`PUT /v1/allocations/{alloc_id}`, a server
+/// span), with the allocation and task of its path (percent-decoded) as
+/// OpenTelemetry attributes; its status is set once answered (`answered`).
+/// A callsite of its own: without traces the span has none of this, which
+/// every request would pay for. The attributes go to OpenTelemetry alone,
+/// not into the span's fields, which the log layer renders.
+fn traced(
+    method: &Method,
+    route: Option<&str>,
+    request_id: &HeaderValue,
+    path: &str,
+) -> tracing::Span {
+    let span = tracing::info_span!(
+        "request",
+        method = %method,
+        route = route.unwrap_or("unmatched"),
+        request_id = request_id.to_str().unwrap_or_default(),
+        "otel.name" = %format_args!("{method} {}", route.unwrap_or("unmatched")),
+        "otel.kind" = "server",
+    );
+    for (param, value) in route.unwrap_or_default().split('/').zip(path.split('/')) {
+        let key = match param {
+            "{alloc_id}" => "taskgate.alloc_id",
+            "{task}" => "taskgate.task",
+            _ => continue,
+        };
+        let value = percent_encoding::percent_decode_str(value).decode_utf8_lossy();
+        span.set_attribute(key, value.into_owned());
+    }
+    span
+}
+
+/// With traces on, the request's status on its span (an error for a 5xx).
+fn answered(span: &tracing::Span, status: u16) {
+    span.set_attribute("http.response.status_code", i64::from(status));
+    if status >= 500 {
+        span.set_status(opentelemetry::trace::Status::error(""));
+    }
 }
 
 /// 429 for a token that holds as many waits as it may.

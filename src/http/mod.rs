@@ -60,6 +60,9 @@ pub struct HttpConfig {
     pub site: Arc<site::Site>,
     /// Event streams open at once (`GET /v1/events`).
     pub max_streams: usize,
+    /// Whether traces are on: then each request's span gets its
+    /// allocation, task and status (`edge.rs`).
+    pub traces: bool,
 }
 
 impl Default for HttpConfig {
@@ -71,6 +74,7 @@ impl Default for HttpConfig {
             request_timeout: Duration::from_secs(30),
             site: Arc::default(),
             max_streams: DEFAULT_MAX_STREAMS,
+            traces: false,
         }
     }
 }
@@ -171,6 +175,7 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
         site: config.site.clone(),
         request_timeout: config.request_timeout,
         body_limit: config.body_limit,
+        traces: config.traces,
         store_id: HeaderValue::from_str(store_id.as_str())
             .unwrap_or_else(|_| HeaderValue::from_static("unidentified")),
     };

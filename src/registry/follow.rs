@@ -21,6 +21,7 @@ use super::{
     handle::{Handle, Slot},
     lives::keep_liveness,
     map::AllocMap,
+    traces,
 };
 use crate::{
     lifecycle::{AllocId, Allocation},
@@ -64,13 +65,14 @@ impl Map<'_> {
 impl Inner {
     /// Publishes a committed record (`recorded`: a change followed one by
     /// one, whose timeline entries are kept; not a listing). Returns its
-    /// handle, if the record was new to this view.
+    /// handle and the version it replaced, if the record was new to this
+    /// view.
     fn put(
         &self,
         map: &mut Map<'_>,
         mut a: Arc<Allocation>,
         recorded: bool,
-    ) -> Option<Arc<Handle>> {
+    ) -> Option<(Arc<Handle>, Option<Arc<Allocation>>)> {
         let limit = if recorded {
             self.config.timeline_events
         } else {
@@ -110,7 +112,7 @@ impl Inner {
         };
         self.judges.index(&a, true);
         handle.publish_live(now.as_deref(), a, limit);
-        Some(handle)
+        Some((handle, now))
     }
 
     /// Removes `id` from the view; whether it held it.
@@ -175,6 +177,8 @@ impl Follower for Inner {
         let mut events = Vec::with_capacity(changes.len());
         let mut judge = Vec::new();
         let mut timed: Vec<Arc<Handle>> = Vec::new();
+        let traces = self.config.traces.as_deref();
+        let mut spans = Vec::new();
         if !changes.is_empty() {
             let now = self.config.clock.now();
             let read = self.read_map();
@@ -192,14 +196,28 @@ impl Follower for Inner {
             for change in changes {
                 match change {
                     Change::Put(a) => {
-                        if let Some(handle) = self.put(&mut map, a, true) {
+                        if let Some((handle, prev)) = self.put(&mut map, a, true) {
                             let a = handle.current().expect("just published");
+                            if let Some(traces) = traces {
+                                let own = !self.shared
+                                    || a.writes()
+                                        .last()
+                                        .is_some_and(|m| traces.owns(&traces::Own::Put(m.id)));
+                                let store = self.store.id();
+                                traces.put(store, prev.as_deref(), &a, own, &mut spans);
+                            }
                             judge.push((a.id.clone(), a.modify_index));
                             events.push(Event::put(a));
                             timed.push(handle);
                         }
                     }
                     Change::Delete { id, index } => {
+                        if let Some(traces) = traces
+                            && let Some(last) = map.get(id.as_str()).and_then(|h| h.current())
+                        {
+                            let own = !self.shared || traces.owns(&traces::Own::Delete(id.clone()));
+                            traces.deleted(self.store.id(), &last, now, own, &mut spans);
+                        }
                         if self.gone(map.write(), id.as_str()) {
                             judge.push((id.clone(), index));
                             events.push(Event::deleted(id, index));
@@ -219,6 +237,13 @@ impl Follower for Inner {
                     }
                 }
             }
+        }
+        // Outside the map's lock; before the writers answer, so that a
+        // graceful stop after their answers exports the spans.
+        if let Some(traces) = traces
+            && !spans.is_empty()
+        {
+            traces.emit(spans);
         }
         // Before the writers waiting for `index` answer: whoever they tell
         // finds the change in the stream, and the judging it started
@@ -243,6 +268,14 @@ impl Follower for Inner {
             self.gone(map.write(), id.as_str());
         }
         let changed = loaded.allocations.len();
+        if let Some(traces) = &self.config.traces {
+            let now = loaded
+                .allocations
+                .iter()
+                .map(|a| (a.id.as_str(), a.modify_index))
+                .collect();
+            traces.listed(&now);
+        }
         for a in loaded.allocations {
             self.put(&mut map, Arc::new(a), false);
         }

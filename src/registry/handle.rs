@@ -314,6 +314,13 @@ impl Handle {
 /// the task that commits, and gives the permit back when dropped.
 pub(crate) struct WriteGuard(Arc<Handle>);
 
+impl WriteGuard {
+    /// The handle whose lock this is.
+    pub(crate) fn handle(&self) -> &Arc<Handle> {
+        &self.0
+    }
+}
+
 impl Drop for WriteGuard {
     fn drop(&mut self) {
         self.0.write.add_permits(1);

@@ -23,6 +23,7 @@
 //! | `judge.rs` | dependencies between allocations, and the graph walk |
 //! | `wait.rs` | long-polls, blocking queries, the event stream's readers |
 //! | `feed.rs`, `timeline.rs` | the event stream's changes; each allocation's history |
+//! | `traces.rs` | each allocation's trace (OpenTelemetry), when traces are on |
 //!
 //! This module must not know HTTP: it speaks allocations, task names and
 //! durations.
@@ -38,6 +39,7 @@ mod map;
 mod signs;
 mod time;
 pub mod timeline;
+mod traces;
 mod wait;
 mod write;
 
@@ -45,6 +47,7 @@ pub use clock::Clock;
 pub use error::{Quota, RegistryError, RestartTarget};
 pub use judge::{DEFAULT_MAX_DEPENDENTS, MAX_REACH};
 pub use lives::{GRACE, Signs};
+pub use traces::Traces;
 pub use wait::{Querier, Subscription};
 
 use std::sync::{
@@ -91,6 +94,9 @@ pub struct RegistryConfig {
     /// Restarts the registry's long-lived task (the due-time heap's
     /// driver) if it panics, and tells health.
     pub supervisor: crate::supervise::Supervisor,
+    /// Where each allocation's trace goes (`None`: traces are off, and
+    /// nothing of them runs).
+    pub traces: Option<Arc<Traces>>,
 }
 
 /// Entries an allocation's timeline keeps by default.
@@ -110,6 +116,7 @@ impl Default for RegistryConfig {
             default_liveness_ttl: None,
             clock: Clock::system(),
             supervisor: crate::supervise::Supervisor::default(),
+            traces: None,
         }
     }
 }
@@ -169,7 +176,8 @@ pub struct Registry {
 /// 7. leaves, none held while another lock is taken: the spec interner
 ///    (`specs`), the reverse dependency index, the cycles found, the
 ///    registrations checked and the judges in flight (`judge.rs`), a task's liveness keys (`signs.rs`),
-///    a handle's pending version, the feed (`feed.rs`).
+///    a handle's pending version, the feed (`feed.rs`), the open traces
+///    and the writes claimed for them (`traces.rs`).
 struct Inner {
     /// Allocation ID → handle, sorted for listing. Inserted by a
     /// registration (a handle being created) or the follower, removed by

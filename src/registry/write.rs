@@ -31,6 +31,7 @@ use super::{
     Quota, Registry, RegistryError, RestartTarget,
     follow::REACH_TIMEOUT,
     handle::{Handle, Pending, Slot, WriteGuard},
+    traces,
 };
 use crate::{
     lifecycle::{
@@ -207,6 +208,7 @@ impl Registry {
         after: impl FnOnce(&Registry, u64) + Send + 'static,
     ) -> Ended {
         let registry = self.clone();
+        let claim = self.claim(&appended, write.as_ref());
         let task = tokio::spawn(async move {
             let ended = match appended.done.await {
                 Ok(index) | Err(AppendError::Landed { seen: index }) => {
@@ -216,6 +218,7 @@ impl Registry {
                 Err(AppendError::Conflict { seen }) => Ended::Conflict(seen),
                 Err(AppendError::Store(e)) => Ended::Failed(e),
             };
+            drop(claim);
             if let Some((handle, p)) = pending {
                 p.finish(matches!(ended, Ended::Done(_)));
                 handle.clear_pending(&p);
@@ -240,6 +243,26 @@ impl Registry {
         task.await.unwrap_or_else(|e| {
             Ended::Failed(StoreError::Io(format!("the commit task failed: {e}")))
         })
+    }
+
+    /// On a store other replicas write, with traces on: claims the append
+    /// as this replica's before it can be published, so that this
+    /// replica's follower, and no other, emits the spans it ends
+    /// (`traces.rs`). A put is known by the write mark the store gave its
+    /// record; a deletion (which has no record) by its allocation, whose
+    /// write lock it holds.
+    fn claim(&self, appended: &Appended, write: Option<&WriteGuard>) -> Option<traces::Claim> {
+        let traces = self
+            .inner
+            .config
+            .traces
+            .as_ref()
+            .filter(|_| self.inner.shared)?;
+        let own = match &appended.record {
+            Some(a) => traces::Own::Put(a.writes().last()?.id),
+            None => traces::Own::Delete(write?.handle().id_owned()),
+        };
+        Some(traces.claim(own))
     }
 
     /// The record a write answers with, once its change is published at

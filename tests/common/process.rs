@@ -53,9 +53,16 @@ impl Server {
         Self::start_env(args, &[])
     }
 
-    /// `start` with variables added to the server's environment.
+    /// `start` with variables added to the server's environment. The
+    /// test's own `OTEL_*` variables are not passed on: traces are on only
+    /// where a test turns them on.
     pub fn start_env(args: &[&str], env: &[(&str, &str)]) -> Server {
         let mut command = Command::new(taskgate_bin());
+        for (name, _) in std::env::vars_os() {
+            if name.to_string_lossy().starts_with("OTEL_") {
+                command.env_remove(name);
+            }
+        }
         command
             .args(["serve", "--log", "info"])
             .envs(env.iter().copied());
