@@ -813,4 +813,47 @@ mod tests {
             }
         }
     }
+
+    /// What a caller writes into a JWT's header or claims reaches the log
+    /// and the answer only quoted (one log line, whatever it holds) and
+    /// cut short (a 40 KB `iss` is not logged whole).
+    #[test]
+    fn a_jwt_s_contents_cannot_forge_or_flood_the_log() {
+        use super::super::jwt::testing::issuers;
+        let (_dir, _, jwt) = issuers(serde_json::json!({}));
+        let mut auth = Auth::default();
+        auth.set_jwt_issuers(jwt.unwrap());
+        // Anyone's key: the header is read before the signature is checked.
+        let key = super::super::jwt::testing::TestKey::new("k1");
+        let now = jsonwebtoken::get_current_timestamp();
+        let claims = serde_json::json!({"iss": "https://iss", "aud": "taskgate", "exp": now + 600});
+        let forged = "\n2030-01-01T00:00:00Z  INFO write by token token=\"admin\"";
+        let long = "x".repeat(40_000);
+        let mut long_iss = claims.clone();
+        long_iss["iss"] = serde_json::json!(long);
+        let tokens = [
+            // Header fields the JWT library reads itself (its error quotes
+            // what it could not read).
+            key.sign_with(
+                &serde_json::json!({"alg": "ES256", "kid": "k1", "jwk": {"kty": forged}}),
+                &claims,
+            ),
+            key.sign_with(
+                &serde_json::json!({"alg": "ES256", "kid": "k1", "x5c": long}),
+                &claims,
+            ),
+            key.sign_with(&serde_json::json!({"alg": forged, "kid": "k1"}), &claims),
+            key.sign_with(&serde_json::json!({"alg": "ES256", "kid": forged}), &claims),
+            key.sign_with(&serde_json::json!({"alg": long, "kid": "k1"}), &claims),
+            key.sign_with(&serde_json::json!({"alg": "ES256", "kid": long}), &claims),
+            key.sign(&long_iss),
+        ];
+        for token in &tokens {
+            let (text, status) = logged(&auth, "PUT", "/v1/allocations/web-1", Some(token));
+            assert_eq!(status, 401, "{text}");
+            assert!(!text.contains("\n2030"), "a line of the caller's: {text}");
+            let refusal = text.lines().find(|l| l.contains("refused (401)")).unwrap();
+            assert!(refusal.len() < 1_000, "{} bytes logged", refusal.len());
+        }
+    }
 }

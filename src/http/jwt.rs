@@ -317,8 +317,8 @@ impl Issuers {
             }
             other => {
                 return Judged::Unauthorized(format!(
-                    "the JWT's algorithm {other:?} is not accepted; taskgate accepts RS256 and \
-                     ES256"
+                    "the JWT's algorithm {} is not accepted; taskgate accepts RS256 and ES256",
+                    quoted(other)
                 ));
             }
         };
@@ -329,7 +329,8 @@ impl Issuers {
         };
         let Some(index) = self.issuers.iter().position(|i| i.issuer == iss) else {
             return Judged::Unauthorized(format!(
-                "the JWT's issuer {iss:?} is not one this server trusts (--jwt-issuers)"
+                "the JWT's issuer {} is not one this server trusts (--jwt-issuers)",
+                quoted(iss)
             ));
         };
         let issuer = &self.issuers[index];
@@ -643,7 +644,7 @@ impl Issuer {
     fn no_key(&self, kid: Option<&str>, generation: u64) -> String {
         let reads = self.reads.lock().expect("reads lock");
         let key = match kid {
-            Some(kid) => format!("no key {kid:?}"),
+            Some(kid) => format!("no key {}", quoted(kid)),
             None => "no key of the JWT's algorithm".to_owned(),
         };
         if generation == 0 {
@@ -936,7 +937,19 @@ fn refusal(e: &JwtError, issuer: &Issuer, claims: &Value, now: u64) -> String {
         ErrorKind::InvalidClaimFormat(claim) => {
             format!("the JWT's `{claim}` claim is not of the type it must be")
         }
-        _ => format!("the JWT cannot be verified: {e}"),
+        _ => format!("the JWT cannot be verified: {}", quoted(&e.to_string())),
+    }
+}
+
+/// What a caller wrote (a claim, a header field, or an error quoting one),
+/// for an answer and the log: quoted, so a log line stays one line, and
+/// cut short, so a token the size of the request's head is not logged
+/// whole.
+fn quoted(s: &str) -> String {
+    const MAX_CHARS: usize = 100;
+    match s.char_indices().nth(MAX_CHARS) {
+        None => format!("{s:?}"),
+        Some((end, _)) => format!("{:?}… (cut)", &s[..end]),
     }
 }
 
@@ -1056,7 +1069,11 @@ pub(super) mod testing {
 
         /// An ES256 JWT of these claims, naming this key.
         pub fn sign(&self, claims: &Value) -> String {
-            let header = json!({"alg": "ES256", "kid": self.1});
+            self.sign_with(&json!({"alg": "ES256", "kid": self.1}), claims)
+        }
+
+        /// A JWT of this header and these claims, signed with this key.
+        pub fn sign_with(&self, header: &Value, claims: &Value) -> String {
             let message = format!(
                 "{}.{}",
                 b64(header.to_string().as_bytes()),
