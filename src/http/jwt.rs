@@ -708,11 +708,25 @@ impl Issuer {
                 values.len()
             ));
         }
-        let prefixes: Vec<String> = values
+        let mut usable: Vec<String> = values
             .into_iter()
             .map(|v| format!("{v}{suffix}"))
             .filter(|p| crate::lifecycle::AllocId::parse(p).is_ok())
             .collect();
+        // One list for one set of allocations, whatever the claim's order,
+        // so tokens that may use the same allocations are one identity:
+        // sorted, each prefix inside another (or given twice) left out
+        // (sorted, what starts with a prefix follows it).
+        usable.sort();
+        let mut prefixes: Vec<String> = Vec::with_capacity(usable.len());
+        for p in usable {
+            if !prefixes
+                .last()
+                .is_some_and(|kept| p.starts_with(kept.as_str()))
+            {
+                prefixes.push(p);
+            }
+        }
         if prefixes.is_empty() {
             return Err(none(&format!(
                 "has no value in claim {path:?} that can start an allocation ID (A-Z a-z 0-9 . \
@@ -1183,9 +1197,10 @@ mod tests {
         let (_dir, _, by_name) = issuers(json!({"alloc_prefixes_claim": "groups"}));
         let by_name = by_name.unwrap();
         let issuer = &by_name.issuers[0];
-        // Values that cannot start an ID are left out; the others kept.
+        // Values that cannot start an ID are left out; the others kept
+        // (sorted).
         let claims = json!({"groups": ["web-", "not/one", 3, "db-"]});
-        assert_eq!(issuer.prefixes(&claims).unwrap(), ["web-", "db-"]);
+        assert_eq!(issuer.prefixes(&claims).unwrap(), ["db-", "web-"]);
         let many: Vec<String> = (0..=MAX_CLAIM_PREFIXES).map(|i| format!("p{i}")).collect();
         assert!(
             issuer
@@ -1254,5 +1269,196 @@ mod tests {
         let held = Arc::downgrade(&a);
         drop((a, again));
         assert!(held.upgrade().is_none(), "the map keeps no identity alive");
+    }
+
+    /// How `judge` answers a token (after a re-read if it asks for one):
+    /// `Ok` with the identity, or the refusal's text.
+    fn judged(jwt: &Issuers, token: &str) -> Result<Arc<Token>, String> {
+        use sha2::Digest;
+        let hash: [u8; 32] = sha2::Sha256::digest(token.as_bytes()).into();
+        let mut reread = false;
+        loop {
+            match jwt.judge(token, &hash, reread) {
+                Judged::Known(token, _) => return Ok(token),
+                Judged::Unauthorized(why) => return Err(format!("401 {why}")),
+                Judged::Forbidden(why) => return Err(format!("403 {why}")),
+                Judged::Reread { issuer, generation } => {
+                    assert!(!reread, "a second re-read");
+                    tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .unwrap()
+                        .block_on(jwt.reread(issuer, generation));
+                    reread = true;
+                }
+            }
+        }
+    }
+
+    fn claims() -> Value {
+        json!({"iss": "https://iss", "aud": "taskgate",
+               "exp": jsonwebtoken::get_current_timestamp() + 600})
+    }
+
+    /// Headers that try to choose the key or the algorithm: keys the token
+    /// carries or points to are never used; only RS256 and ES256, spelled
+    /// exactly, on a key of that kind.
+    #[test]
+    fn a_token_cannot_bring_its_own_key_or_algorithm() {
+        let (_dir, key, loaded) = issuers(json!({}));
+        let jwt = loaded.unwrap();
+        assert!(judged(&jwt, &key.sign(&claims())).is_ok());
+        let forger = TestKey::new("k1");
+        for header in [
+            json!({"alg": "ES256", "jwk": forger.jwk()}),
+            json!({"alg": "ES256", "kid": "k1", "jwk": forger.jwk()}),
+            json!({"alg": "ES256", "kid": "k1", "jku": "http://127.0.0.1:1/jwks"}),
+            json!({"alg": "ES256", "kid": "k1", "x5u": "http://127.0.0.1:1/cert"}),
+        ] {
+            let err = judged(&jwt, &forger.sign_with(&header, &claims())).unwrap_err();
+            assert!(err.contains("signature does not verify"), "{header}: {err}");
+        }
+        for alg in [
+            "es256", "ES256 ", " ES256", "HS256", "ES384", "PS256", "EdDSA", "RS256",
+        ] {
+            let header = json!({"alg": alg, "kid": "k1"});
+            let err = judged(&jwt, &key.sign_with(&header, &claims())).unwrap_err();
+            assert!(err.starts_with("401"), "{alg}: {err}");
+        }
+        // An extension the token says must be understood is not.
+        let crit = json!({"alg": "ES256", "kid": "k1", "crit": ["exp"]});
+        assert!(judged(&jwt, &key.sign_with(&crit, &claims())).is_err());
+        // A signature of zeros (the "psychic signature" of some ECDSA
+        // verifiers).
+        let good = key.sign(&claims());
+        let (message, _) = good.rsplit_once('.').unwrap();
+        let zeros = format!("{message}.{}", b64(&[0; 64]));
+        assert!(
+            judged(&jwt, &zeros)
+                .unwrap_err()
+                .contains("does not verify")
+        );
+    }
+
+    /// `exp` and `nbf` of other types than a number of seconds, and `iss`
+    /// and `aud` in their other shapes.
+    #[test]
+    fn claims_of_odd_types_are_refused() {
+        let (_dir, key, loaded) = issuers(json!({}));
+        let jwt = loaded.unwrap();
+        let now = jsonwebtoken::get_current_timestamp();
+        let with = |k: &str, v: Value| {
+            let mut c = claims();
+            c[k] = v;
+            key.sign(&c)
+        };
+        for (k, v) in [
+            ("exp", json!((now + 600).to_string())),
+            ("exp", json!(-1)),
+            ("exp", json!(1e300)),
+            ("exp", json!(true)),
+            ("exp", json!(null)),
+            ("nbf", json!((now - 10).to_string())),
+            ("nbf", json!(now + 600)),
+            ("iss", json!(["https://iss"])),
+            ("iss", json!("https://iss/")),
+            ("aud", json!([])),
+            ("aud", json!("taskgatex")),
+            ("aud", json!(["taskgat"])),
+        ] {
+            let err = judged(&jwt, &with(k, v.clone())).unwrap_err();
+            assert!(err.starts_with("401"), "{k}: {v}: {err}");
+        }
+        for (k, v) in [
+            ("aud", json!(["vault", "taskgate"])),
+            ("exp", json!(now as f64 + 600.5)),
+        ] {
+            assert!(judged(&jwt, &with(k, v.clone())).is_ok(), "{k}: {v}");
+        }
+    }
+
+    /// Two issuers whose keys share a `kid`, or where one names the
+    /// other's: a token is checked with its own issuer's keys only.
+    #[test]
+    fn an_issuer_s_token_is_checked_with_its_keys_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a1, b1, b2) = (
+            TestKey::new("k1"),
+            TestKey::new("k1"),
+            TestKey::new("only-b"),
+        );
+        let (fa, fb) = (dir.path().join("a.json"), dir.path().join("b.json"));
+        std::fs::write(&fa, json!({"keys": [a1.jwk()]}).to_string()).unwrap();
+        std::fs::write(&fb, json!({"keys": [b1.jwk(), b2.jwk()]}).to_string()).unwrap();
+        let file = dir.path().join("issuers.json");
+        std::fs::write(
+            &file,
+            json!({"issuers": [
+            {"issuer": "https://a", "audience": "taskgate", "role": "agent", "jwks_file": fa,
+             "alloc_prefixes": ["a-"]},
+            {"issuer": "https://b", "audience": "taskgate", "role": "operator", "jwks_file": fb}]})
+            .to_string(),
+        )
+        .unwrap();
+        let jwt = Issuers::load(&file).unwrap();
+        let mut claims = claims();
+        claims["iss"] = json!("https://b");
+        assert_eq!(
+            judged(&jwt, &b1.sign(&claims)).unwrap().role,
+            Role::Operator
+        );
+        assert_eq!(
+            judged(&jwt, &b2.sign(&claims)).unwrap().role,
+            Role::Operator
+        );
+        // A's key cannot make an operator of B.
+        assert!(
+            judged(&jwt, &a1.sign(&claims))
+                .unwrap_err()
+                .contains("does not verify")
+        );
+        claims["iss"] = json!("https://a");
+        assert_eq!(
+            judged(&jwt, &a1.sign(&claims)).unwrap().alloc_prefixes,
+            ["a-"]
+        );
+        // B's keys do not vouch for A's tokens.
+        assert!(
+            judged(&jwt, &b1.sign(&claims))
+                .unwrap_err()
+                .contains("does not verify")
+        );
+        assert!(
+            judged(&jwt, &b2.sign(&claims))
+                .unwrap_err()
+                .contains("no key \"only-b\"")
+        );
+    }
+
+    /// Tokens whose claim gives the same prefixes, in another order, with
+    /// one twice or with one inside another, are one identity (their waits
+    /// count together).
+    #[test]
+    fn the_same_prefixes_in_any_order_are_one_identity() {
+        let (_dir, key, loaded) = issuers(json!({"alloc_prefixes_claim": "groups"}));
+        let jwt = loaded.unwrap();
+        let with = |groups: Value| {
+            let mut c = claims();
+            c["groups"] = groups;
+            judged(&jwt, &key.sign(&c)).unwrap()
+        };
+        let one = with(json!(["a-", "b-"]));
+        for other in [
+            json!(["b-", "a-"]),
+            json!(["a-", "b-", "a-"]),
+            json!(["b-", "a-x", "a-", "not/one", "b-"]),
+        ] {
+            let again = with(other.clone());
+            assert!(
+                Arc::ptr_eq(&one, &again),
+                "{other}: {:?}",
+                again.alloc_prefixes
+            );
+        }
     }
 }
