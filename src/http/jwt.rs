@@ -213,9 +213,27 @@ pub(super) enum Judged {
     Unauthorized(String),
     /// 403: verified, but it may use no allocation.
     Forbidden(String),
+    /// 503: the issuer's keys lack the token's key, and could not be read
+    /// again for it (they never could be, the read failed, or the last was
+    /// less than `MIN_REREAD` ago): the key may be new, so the token may be
+    /// good once they are. Saying why.
+    Unavailable(String),
     /// The issuer's keys lack the token's key: re-read them (see
     /// `Issuers::reread`) and judge it again.
     Reread { issuer: usize, generation: u64 },
+}
+
+/// Whether an issuer's keys were read again for a token they lacked the key
+/// of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Reread {
+    /// Not asked yet: a key the issuer lacks asks for a re-read.
+    NotYet,
+    /// They were read after the token was first judged: a key they lack
+    /// is not the issuer's (401).
+    Read,
+    /// They could not be (see `Judged::Unavailable`).
+    NotRead,
 }
 
 impl Issuers {
@@ -294,9 +312,8 @@ impl Issuers {
     }
 
     /// Judges a bearer token shaped as a JWT. `hash` is its SHA-256;
-    /// `reread` says its issuer's keys were just re-read for it (so an
-    /// unknown key is final).
-    pub(super) fn judge(&self, token: &str, hash: &[u8; 32], reread: bool) -> Judged {
+    /// `reread` says whether its issuer's keys were re-read for it.
+    pub(super) fn judge(&self, token: &str, hash: &[u8; 32], reread: Reread) -> Judged {
         let now = jsonwebtoken::get_current_timestamp();
         if let Some(known) = self.known(hash, now) {
             return known;
@@ -353,13 +370,18 @@ impl Issuers {
             }
         };
         let Some(key) = key else {
-            if !reread {
-                return Judged::Reread {
+            let why = || issuer.no_key(header.kid.as_deref(), generation);
+            return match reread {
+                Reread::NotYet => Judged::Reread {
                     issuer: index,
                     generation,
-                };
-            }
-            return Judged::Unauthorized(issuer.no_key(header.kid.as_deref(), generation));
+                },
+                Reread::Read => Judged::Unauthorized(why()),
+                Reread::NotRead => Judged::Unavailable(format!(
+                    "{}; the key may be newer than the keys read: retry",
+                    why()
+                )),
+            };
         };
         if key.alg != alg {
             return Judged::Unauthorized(format!(
@@ -460,8 +482,9 @@ impl Issuers {
     /// Re-reads an issuer's keys for a token whose key it lacked (when it
     /// looked, at key `generation`), unless they changed since or were
     /// re-read less than `MIN_REREAD` ago. Runs apart from the request, so
-    /// a client that goes away does not cut it short.
-    pub(super) async fn reread(&self, index: usize, generation: u64) {
+    /// a client that goes away does not cut it short. `Read` if the keys
+    /// were read (by it or another) since the token was first judged.
+    pub(super) async fn reread(&self, index: usize, generation: u64) -> Reread {
         let issuer = self.issuers[index].clone();
         let work = tokio::spawn(async move {
             let _reading = issuer.reading.lock().await;
@@ -481,6 +504,11 @@ impl Issuers {
             issuer.read().await;
         });
         let _ = work.await;
+        if self.issuers[index].generation.load(Ordering::Acquire) == generation {
+            Reread::NotRead
+        } else {
+            Reread::Read
+        }
     }
 }
 
@@ -650,7 +678,7 @@ impl Issuer {
         if generation == 0 {
             return format!(
                 "the keys of issuer {} are not available (they could not be read; the server's \
-                 log says why), so its tokens cannot be verified; retry later",
+                 log says why), so its tokens cannot be verified",
                 self.label
             );
         }
@@ -1276,20 +1304,20 @@ mod tests {
     fn judged(jwt: &Issuers, token: &str) -> Result<Arc<Token>, String> {
         use sha2::Digest;
         let hash: [u8; 32] = sha2::Sha256::digest(token.as_bytes()).into();
-        let mut reread = false;
+        let mut reread = Reread::NotYet;
         loop {
             match jwt.judge(token, &hash, reread) {
                 Judged::Known(token, _) => return Ok(token),
                 Judged::Unauthorized(why) => return Err(format!("401 {why}")),
                 Judged::Forbidden(why) => return Err(format!("403 {why}")),
+                Judged::Unavailable(why) => return Err(format!("503 {why}")),
                 Judged::Reread { issuer, generation } => {
-                    assert!(!reread, "a second re-read");
-                    tokio::runtime::Builder::new_current_thread()
+                    assert_eq!(reread, Reread::NotYet, "a second re-read");
+                    reread = tokio::runtime::Builder::new_current_thread()
                         .enable_all()
                         .build()
                         .unwrap()
                         .block_on(jwt.reread(issuer, generation));
-                    reread = true;
                 }
             }
         }
