@@ -565,6 +565,42 @@ async fn a_key_the_issuer_lacks_after_a_read_is_a_401() {
     assert_eq!(jwks_server.fetches(), 2, "read again for it");
 }
 
+/// A 503 `jwt_keys_unavailable` is a refusal (said at info), not a failure
+/// of the server: anyone can get one with a made-up `kid`, so it is not
+/// logged at warn as a request that failed.
+#[tokio::test]
+async fn an_unknown_key_is_not_logged_as_a_failure() {
+    #[derive(Clone, Default)]
+    struct Buf(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(dir.path(), "jwks.json", &jwks(&[&Key::es256("k1")]));
+    let app = server(dir.path(), json!({"issuers": [k8s_issuer(&file)]})).await;
+    let buf = Buf::default();
+    let writer = buf.clone();
+    let _logs = tracing::subscriber::set_default(
+        tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish(),
+    );
+    let made_up = Key::es256("made-up").sign(&k8s_claims("team-a"));
+    let uri = "/v1/allocations/team-a.web-1";
+    refused(&call(&app, &made_up, "GET", uri).await, "no key");
+    unavailable(&call(&app, &made_up, "GET", uri).await, "no key");
+    let logs = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+    assert!(logs.contains("refused (503)"), "{logs}");
+    assert!(!logs.contains("WARN"), "{logs}");
+}
+
 /// A bad issuers file stops the start with a message naming the entry and
 /// what is wrong, and the exit code of every configuration error.
 #[test]
