@@ -643,6 +643,10 @@ fn a_bad_issuers_file_is_refused_at_start() {
             json!({"issuers": [base.clone(), base.clone()]}),
             "named twice",
         ),
+        (
+            with(json!({"jwks_file": null, "jwks_url": "https://taskgate:s3cret@k8s/jwks"})),
+            "no user or password",
+        ),
     ];
     for (file, says) in cases {
         let path = dir.path().join("issuers.json");
@@ -661,6 +665,7 @@ fn a_bad_issuers_file_is_refused_at_start() {
             err.contains("JWT issuers file") && err.contains(says),
             "{says:?} in {err}"
         );
+        assert!(!err.contains("s3cret"), "{err}");
     }
 }
 

@@ -530,11 +530,22 @@ impl Issuer {
                 }
                 Source::File(file)
             }
-            (None, Some(url)) => Source::Url {
-                client: jwks_client(&url, e.jwks_ca_file.as_deref())
-                    .map_err(|why| format!("{at}: jwks_url {url:?}: {why}"))?,
-                url,
-            },
+            (None, Some(url)) => {
+                // Said without the URL: it would show the password.
+                if reqwest::Url::parse(&url)
+                    .is_ok_and(|u| !u.username().is_empty() || u.password().is_some())
+                {
+                    return Err(format!(
+                        "{at}: jwks_url must hold no user or password (`user:password@`): \
+                         taskgate fetches the keys anonymously, and logs the URL"
+                    ));
+                }
+                Source::Url {
+                    client: jwks_client(&url, e.jwks_ca_file.as_deref())
+                        .map_err(|why| format!("{at}: jwks_url {url:?}: {why}"))?,
+                    url,
+                }
+            }
             _ => {
                 return Err(format!(
                     "{at}: give exactly one of jwks_file (a JWKS saved to a file) and jwks_url \
