@@ -651,14 +651,25 @@ fn a_bad_issuers_file_is_refused_at_start() {
     for (file, says) in cases {
         let path = dir.path().join("issuers.json");
         std::fs::write(&path, file.to_string()).unwrap();
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        let mut server = std::process::Command::new(env!("CARGO_BIN_EXE_taskgate"))
             .args(["serve", "--in-memory", "--listen", "127.0.0.1:0"])
             .arg("--jwt-issuers")
             .arg(&path)
             .env_remove("TASKGATE_OPERATOR_TOKEN")
             .env_remove("TASKGATE_TOKEN_FILE")
-            .output()
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
             .unwrap();
+        // A server that starts is this case's failure, not a hang.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while server.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        if server.try_wait().unwrap().is_none() {
+            server.kill().unwrap();
+        }
+        let out = server.wait_with_output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{says}: {err}");
         assert!(
