@@ -1749,6 +1749,7 @@ async fn the_openapi_document_names_every_error_code_of_the_contract() {
         "forbidden",
         "starting",
         "timeout",
+        "jwt_keys_unavailable",
     ] {
         assert!(
             doc.contains(&format!("`{code}`")),

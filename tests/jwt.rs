@@ -246,6 +246,19 @@ fn refused(a: &Answer, why: &str) {
     assert!(detail.contains(why), "{why:?} in {detail:?}");
 }
 
+/// Asserts a 503 `jwt_keys_unavailable` (with `Retry-After`: an agent
+/// retries it, where it takes a 401 as final) whose detail says `why`.
+#[track_caller]
+fn unavailable(a: &Answer, why: &str) {
+    a.assert_problem(503, "jwt_keys_unavailable");
+    assert!(
+        a.header("retry-after").is_some(),
+        "a 503 says when to retry"
+    );
+    let detail = a.body["detail"].as_str().unwrap();
+    assert!(detail.contains(why), "{why:?} in {detail:?}");
+}
+
 fn k8s_issuer(jwks_file: &Path) -> Value {
     json!({"issuer": K8S, "name": "k8s", "jwks_file": jwks_file, "audience": "taskgate",
            "role": "agent", "alloc_prefixes_claim": "/kubernetes.io/namespace",
@@ -445,8 +458,10 @@ async fn a_rotated_key_file_is_read_again_without_a_restart() {
     write(dir.path(), "jwks.json", &jwks(&[&new]));
     let a = call(&app, &new.sign(&k8s_claims("team-a")), "GET", uri).await;
     assert_eq!(a.status, 200, "{}", a.body);
-    // The old key is gone: its token, verified before, is judged again.
-    refused(
+    // The old key is gone: its token, verified before, is judged again,
+    // and refused (503 until the keys may be read again: a key missing
+    // from keys read for another token may be newer than them).
+    unavailable(
         &call(&app, &before, "GET", uri).await,
         "no key \"2026-old\"",
     );
@@ -477,20 +492,21 @@ async fn keys_at_a_url_are_fetched_again_for_a_new_key_at_most_every_30s() {
     assert_eq!(a.status, 200, "{}", a.body);
     assert_eq!(jwks_server.fetches(), 2, "the new key was fetched");
 
-    // Another unknown key right after: not fetched again.
+    // Another unknown key right after: not fetched again, and not the
+    // token's fault (its key may be new): retry.
     jwks_server.serve(StatusCode::OK, jwks(&[&k1, &k2, &k3]));
     let third = k3.sign(&k8s_claims("team-a"));
     for _ in 0..3 {
-        refused(&call(&app, &third, "GET", uri).await, "at most every 30s");
+        unavailable(&call(&app, &third, "GET", uri).await, "at most every 30s");
     }
     assert_eq!(jwks_server.fetches(), 2, "re-reads are rate-limited");
     // The keys it has still verify.
     assert_eq!(call(&app, &first, "GET", uri).await.status, 200);
 }
 
-/// An issuer whose JWKS server fails keeps the keys it had; one that
-/// could not be reached at start refuses its tokens with a 401 that says
-/// its keys are not available.
+/// An issuer whose JWKS server fails keeps the keys it had; while its keys
+/// cannot be read (at start, or for a new key), its tokens are answered 503
+/// (retry), not 401: an agent takes a 401 as final, and stops its task.
 #[tokio::test]
 async fn an_unreachable_issuer_keeps_its_last_keys() {
     let dir = tempfile::tempdir().unwrap();
@@ -509,7 +525,7 @@ async fn an_unreachable_issuer_keeps_its_last_keys() {
     .await;
     let uri = "/v1/allocations/web-1";
     up.serve(StatusCode::SERVICE_UNAVAILABLE, "down".into());
-    refused(
+    unavailable(
         &call(&app, &k2.sign(&k8s_claims("team-a")), "GET", uri).await,
         "the last re-read failed",
     );
@@ -519,10 +535,70 @@ async fn an_unreachable_issuer_keeps_its_last_keys() {
 
     let mut nomad = k8s_claims("team-a");
     nomad["iss"] = json!(NOMAD);
-    refused(
+    unavailable(
         &call(&app, &k1.sign(&nomad), "GET", uri).await,
         "are not available",
     );
+}
+
+/// A key the issuer lacks once its keys were read for the token is the
+/// token's fault: 401.
+#[tokio::test]
+async fn a_key_the_issuer_lacks_after_a_read_is_a_401() {
+    let dir = tempfile::tempdir().unwrap();
+    let (k1, stranger) = (Key::es256("k1"), Key::es256("stranger"));
+    let jwks_server = JwksServer::start(jwks(&[&k1])).await;
+    let app = server(
+        dir.path(),
+        json!({"issuers": [{"issuer": K8S, "jwks_url": jwks_server.url, "audience": "taskgate",
+                            "role": "agent"}]}),
+    )
+    .await;
+    let a = call(
+        &app,
+        &stranger.sign(&k8s_claims("team-a")),
+        "GET",
+        "/v1/allocations/x",
+    )
+    .await;
+    refused(&a, "no key \"stranger\"");
+    assert_eq!(jwks_server.fetches(), 2, "read again for it");
+}
+
+/// A 503 `jwt_keys_unavailable` is a refusal (said at info), not a failure
+/// of the server: anyone can get one with a made-up `kid`, so it is not
+/// logged at warn as a request that failed.
+#[tokio::test]
+async fn an_unknown_key_is_not_logged_as_a_failure() {
+    #[derive(Clone, Default)]
+    struct Buf(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(dir.path(), "jwks.json", &jwks(&[&Key::es256("k1")]));
+    let app = server(dir.path(), json!({"issuers": [k8s_issuer(&file)]})).await;
+    let buf = Buf::default();
+    let writer = buf.clone();
+    let _logs = tracing::subscriber::set_default(
+        tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish(),
+    );
+    let made_up = Key::es256("made-up").sign(&k8s_claims("team-a"));
+    let uri = "/v1/allocations/team-a.web-1";
+    refused(&call(&app, &made_up, "GET", uri).await, "no key");
+    unavailable(&call(&app, &made_up, "GET", uri).await, "no key");
+    let logs = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+    assert!(logs.contains("refused (503)"), "{logs}");
+    assert!(!logs.contains("WARN"), "{logs}");
 }
 
 /// A bad issuers file stops the start with a message naming the entry and
@@ -567,24 +643,40 @@ fn a_bad_issuers_file_is_refused_at_start() {
             json!({"issuers": [base.clone(), base.clone()]}),
             "named twice",
         ),
+        (
+            with(json!({"jwks_file": null, "jwks_url": "https://taskgate:s3cret@k8s/jwks"})),
+            "no user or password",
+        ),
     ];
     for (file, says) in cases {
         let path = dir.path().join("issuers.json");
         std::fs::write(&path, file.to_string()).unwrap();
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        let mut server = std::process::Command::new(env!("CARGO_BIN_EXE_taskgate"))
             .args(["serve", "--in-memory", "--listen", "127.0.0.1:0"])
             .arg("--jwt-issuers")
             .arg(&path)
             .env_remove("TASKGATE_OPERATOR_TOKEN")
             .env_remove("TASKGATE_TOKEN_FILE")
-            .output()
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
             .unwrap();
+        // A server that starts is this case's failure, not a hang.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while server.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        if server.try_wait().unwrap().is_none() {
+            server.kill().unwrap();
+        }
+        let out = server.wait_with_output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{says}: {err}");
         assert!(
             err.contains("JWT issuers file") && err.contains(says),
             "{says:?} in {err}"
         );
+        assert!(!err.contains("s3cret"), "{err}");
     }
 }
 
@@ -658,7 +750,7 @@ fn an_agent_runs_on_a_workload_identity_and_follows_its_renewal() {
     // The first token is refused now: only the renewed one can have sent
     // the agent's last report.
     let old = get(&first);
-    assert_eq!(old["code"], "unauthorized", "{old}");
+    assert_eq!(old["code"], "jwt_keys_unavailable", "{old}");
 }
 
 /// What a JWT costs a request (run by hand, in release:

@@ -168,68 +168,65 @@ impl Outage {
     }
 }
 
-/// The agent's token: given, or read from a file, and read again when the
-/// file changes, so a token the platform renews in place (a Kubernetes
-/// projected service-account token, a Nomad workload identity file: JWTs
-/// that expire) is sent as renewed.
+/// The agent's token: given, or read from a file at each request, so a
+/// token the platform renews in place (a Kubernetes projected
+/// service-account token, a Nomad workload identity file: JWTs that expire)
+/// is sent as renewed. The file is read rather than its metadata compared:
+/// a renewal of the same length within one tick of the file system's clock,
+/// or one whose modification time is set back (`cp -p`), changes nothing a
+/// `stat` shows, and a token file is a few hundred bytes.
 enum TokenSource {
     Given(Option<std::sync::Arc<str>>),
     File {
         path: std::path::PathBuf,
-        /// The file as last looked at (modification time, inode, length;
-        /// `None`: it could not be), and the token last read from it.
-        read: std::sync::Mutex<(Option<FileStamp>, std::sync::Arc<str>)>,
+        /// The token last read from it, and whether the last read failed
+        /// (said once at warn, until one succeeds).
+        read: std::sync::Mutex<(std::sync::Arc<str>, bool)>,
     },
 }
 
-type FileStamp = (Option<std::time::SystemTime>, u64, u64);
-
-fn stamp(meta: &std::fs::Metadata) -> FileStamp {
-    use std::os::unix::fs::MetadataExt;
-    (meta.modified().ok(), meta.ino(), meta.len())
-}
-
 /// A token file's token: its first line, trimmed.
-fn read_token(path: &Path) -> Result<std::sync::Arc<str>, String> {
+fn read_token(path: &Path) -> Result<String, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read the token file {}: {e}", path.display()))?;
     let secret = text.lines().next().unwrap_or_default().trim();
     if secret.is_empty() {
         return Err(format!("the token file {} is empty", path.display()));
     }
-    Ok(secret.into())
+    Ok(secret.to_owned())
 }
 
 impl TokenSource {
     fn file(path: &Path) -> Result<Self, String> {
-        let seen = std::fs::metadata(path).ok().map(|m| stamp(&m));
         Ok(Self::File {
             path: path.to_owned(),
-            read: std::sync::Mutex::new((seen, read_token(path)?)),
+            read: std::sync::Mutex::new((read_token(path)?.into(), false)),
         })
     }
 
-    /// The token to send now. A file that changed is read again; one that
-    /// cannot be read (or is empty) leaves the last token in use, said
-    /// once at warn.
+    /// The token to send now: the file's. One that cannot be read (or is
+    /// empty) leaves the last token in use, said once at warn.
     fn current(&self) -> Option<std::sync::Arc<str>> {
         let (path, read) = match self {
             Self::Given(token) => return token.clone(),
             Self::File { path, read } => (path, read),
         };
         let mut read = read.lock().expect("token lock");
-        let now = std::fs::metadata(path).ok().map(|m| stamp(&m));
-        if now != read.0 {
-            read.0 = now;
-            match read_token(path) {
-                Ok(token) => {
-                    tracing::debug!(file = %path.display(), "read the token file again");
-                    read.1 = token;
+        match read_token(path) {
+            Ok(token) => {
+                if *token != *read.0 {
+                    tracing::debug!(file = %path.display(), "the token file holds a new token");
+                    read.0 = token.into();
                 }
-                Err(e) => tracing::warn!("{e}; sending the token read before"),
+                read.1 = false;
             }
+            Err(e) if !read.1 => {
+                tracing::warn!("{e}; sending the token read before");
+                read.1 = true;
+            }
+            Err(_) => {}
         }
-        Some(read.1.clone())
+        Some(read.0.clone())
     }
 }
 
@@ -956,6 +953,27 @@ mod tests {
         replace("third");
         assert_eq!(source.current().as_deref(), Some("third"));
         assert!(TokenSource::file(&dir.path().join("none")).is_err());
+    }
+
+    /// A token rewritten in place with one of the same length, its
+    /// modification time set back (as `cp -p`, `rsync -t` or `touch -r`
+    /// do, or a file system whose clock ticks coarsely), is read again.
+    #[test]
+    fn a_token_rewritten_in_place_with_its_old_mtime_is_read_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("token");
+        std::fs::write(&path, "first-token\n").unwrap();
+        let mtime = std::fs::metadata(&path).unwrap().modified().unwrap();
+        let source = TokenSource::file(&path).unwrap();
+        assert_eq!(source.current().as_deref(), Some("first-token"));
+        std::fs::write(&path, "renewed-tok\n").unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
+        assert_eq!(source.current().as_deref(), Some("renewed-tok"));
     }
 
     /// An outage is said when its first request gets no answer, and its

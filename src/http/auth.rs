@@ -33,7 +33,7 @@ use sha2::{Digest, Sha256};
 
 use super::{
     error::ApiError,
-    jwt::{Issuers, Judged},
+    jwt::{Issuers, Judged, Reread},
     query::query_pairs,
 };
 
@@ -450,12 +450,13 @@ impl Auth {
         req: Request,
         route: Option<&str>,
     ) -> (Request, Result<Option<Arc<Token>>, Box<Response>>) {
-        let decided = match self.decide(&req, route, false) {
+        let decided = match self.decide(&req, route, Reread::NotYet) {
             Err(Refusal::Reread { issuer, generation }) => {
-                if let Some(jwt) = &self.jwt {
-                    jwt.reread(issuer, generation).await;
-                }
-                self.decide(&req, route, true)
+                let reread = match &self.jwt {
+                    Some(jwt) => jwt.reread(issuer, generation).await,
+                    None => Reread::NotRead,
+                };
+                self.decide(&req, route, reread)
             }
             decided => decided,
         };
@@ -469,13 +470,13 @@ impl Auth {
         (req, decided)
     }
 
-    /// `check`'s decision; `reread`: the keys of a JWT's issuer were just
-    /// re-read for it.
+    /// `check`'s decision; `reread`: whether the keys of a JWT's issuer
+    /// were re-read for it.
     fn decide(
         &self,
         req: &Request,
         route: Option<&str>,
-        reread: bool,
+        reread: Reread,
     ) -> Result<Option<Arc<Token>>, Refusal> {
         let answer = |res: Response| Refusal::Answer(Box::new(res));
         if !self.enabled() {
@@ -516,6 +517,14 @@ impl Auth {
                 Judged::Forbidden(why) => {
                     tracing::info!(%route, method = %req.method(), "refused (403): JWT: {why}");
                     return Err(answer(forbidden(why)));
+                }
+                Judged::Unavailable(why) => {
+                    tracing::info!(%route, method = %req.method(), "refused (503): JWT: {why}");
+                    return Err(answer(
+                        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "jwt_keys_unavailable", why)
+                            .retry_later()
+                            .into_response(),
+                    ));
                 }
             },
             (None, _) => {
@@ -811,6 +820,50 @@ mod tests {
             for part in token.split('.') {
                 assert!(!text.contains(part), "{text}");
             }
+        }
+    }
+
+    /// What a caller writes into a JWT's header or claims reaches the log
+    /// and the answer only quoted (one log line, whatever it holds) and
+    /// cut short (a 40 KB `iss` is not logged whole).
+    #[test]
+    fn a_jwt_s_contents_cannot_forge_or_flood_the_log() {
+        use super::super::jwt::testing::issuers;
+        let (_dir, _, jwt) = issuers(serde_json::json!({}));
+        let mut auth = Auth::default();
+        auth.set_jwt_issuers(jwt.unwrap());
+        // Anyone's key: the header is read before the signature is checked.
+        let key = super::super::jwt::testing::TestKey::new("k1");
+        let now = jsonwebtoken::get_current_timestamp();
+        let claims = serde_json::json!({"iss": "https://iss", "aud": "taskgate", "exp": now + 600});
+        let forged = "\n2030-01-01T00:00:00Z  INFO write by token token=\"admin\"";
+        let long = "x".repeat(40_000);
+        let mut long_iss = claims.clone();
+        long_iss["iss"] = serde_json::json!(long);
+        let tokens = [
+            // Header fields the JWT library reads itself (its error quotes
+            // what it could not read).
+            key.sign_with(
+                &serde_json::json!({"alg": "ES256", "kid": "k1", "jwk": {"kty": forged}}),
+                &claims,
+            ),
+            key.sign_with(
+                &serde_json::json!({"alg": "ES256", "kid": "k1", "x5c": long}),
+                &claims,
+            ),
+            key.sign_with(&serde_json::json!({"alg": forged, "kid": "k1"}), &claims),
+            key.sign_with(&serde_json::json!({"alg": "ES256", "kid": forged}), &claims),
+            key.sign_with(&serde_json::json!({"alg": long, "kid": "k1"}), &claims),
+            key.sign_with(&serde_json::json!({"alg": "ES256", "kid": long}), &claims),
+            key.sign(&long_iss),
+        ];
+        for token in &tokens {
+            let (text, status) = logged(&auth, "PUT", "/v1/allocations/web-1", Some(token));
+            // 503 for a key unknown while the keys may not be read again.
+            assert!(status == 401 || status == 503, "{text}");
+            assert!(!text.contains("\n2030"), "a line of the caller's: {text}");
+            let refusal = text.lines().find(|l| l.contains("refused (")).unwrap();
+            assert!(refusal.len() < 1_000, "{} bytes logged", refusal.len());
         }
     }
 }

@@ -205,11 +205,13 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
     }
     let latency_ms = latency.as_secs_f64() * 1000.0;
     // A parked wait answered 503 `shutting_down` is the shutdown working
-    // as designed (every parked request gets one), not a failure.
+    // as designed (every parked request gets one), not a failure; a 503
+    // `jwt_keys_unavailable` is a refusal, logged at info (anyone can get
+    // one with a made-up `kid`).
     let by_design = res
         .extensions()
         .get::<super::error::ProblemCode>()
-        .is_some_and(|c| c.0 == "shutting_down");
+        .is_some_and(|c| c.0 == "shutting_down" || c.0 == "jwt_keys_unavailable");
     if status >= 500 && !by_design {
         tracing::warn!(parent: &span, status, latency_ms, "request failed");
     } else {

@@ -165,6 +165,11 @@ pub const CODES: &[(&str, u16, &str)] = &[
         "The server has as many connections open as it may (`--max-connections`). Retry after `Retry-After`.",
     ),
     (
+        "jwt_keys_unavailable",
+        503,
+        "The token is a JWT whose key its issuer's keys (`--jwt-issuers`) lack, and they could not be read again for it: they never could be (the issuer's JWKS URL unreachable since the start), the read failed, or they were read less than 30 s ago. The key may be newer than them: retry after `Retry-After`. Once they were read for the token and still lack its key, the answer is `unauthorized`.",
+    ),
+    (
         "timeout",
         503,
         "The change kept losing to concurrent changes of the same allocation and was not made. Retry after `Retry-After`.",

@@ -213,9 +213,27 @@ pub(super) enum Judged {
     Unauthorized(String),
     /// 403: verified, but it may use no allocation.
     Forbidden(String),
+    /// 503: the issuer's keys lack the token's key, and could not be read
+    /// again for it (they never could be, the read failed, or the last was
+    /// less than `MIN_REREAD` ago): the key may be new, so the token may be
+    /// good once they are. Saying why.
+    Unavailable(String),
     /// The issuer's keys lack the token's key: re-read them (see
     /// `Issuers::reread`) and judge it again.
     Reread { issuer: usize, generation: u64 },
+}
+
+/// Whether an issuer's keys were read again for a token they lacked the key
+/// of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Reread {
+    /// Not asked yet: a key the issuer lacks asks for a re-read.
+    NotYet,
+    /// They were read after the token was first judged: a key they lack
+    /// is not the issuer's (401).
+    Read,
+    /// They could not be (see `Judged::Unavailable`).
+    NotRead,
 }
 
 impl Issuers {
@@ -294,9 +312,8 @@ impl Issuers {
     }
 
     /// Judges a bearer token shaped as a JWT. `hash` is its SHA-256;
-    /// `reread` says its issuer's keys were just re-read for it (so an
-    /// unknown key is final).
-    pub(super) fn judge(&self, token: &str, hash: &[u8; 32], reread: bool) -> Judged {
+    /// `reread` says whether its issuer's keys were re-read for it.
+    pub(super) fn judge(&self, token: &str, hash: &[u8; 32], reread: Reread) -> Judged {
         let now = jsonwebtoken::get_current_timestamp();
         if let Some(known) = self.known(hash, now) {
             return known;
@@ -317,8 +334,8 @@ impl Issuers {
             }
             other => {
                 return Judged::Unauthorized(format!(
-                    "the JWT's algorithm {other:?} is not accepted; taskgate accepts RS256 and \
-                     ES256"
+                    "the JWT's algorithm {} is not accepted; taskgate accepts RS256 and ES256",
+                    quoted(other)
                 ));
             }
         };
@@ -329,7 +346,8 @@ impl Issuers {
         };
         let Some(index) = self.issuers.iter().position(|i| i.issuer == iss) else {
             return Judged::Unauthorized(format!(
-                "the JWT's issuer {iss:?} is not one this server trusts (--jwt-issuers)"
+                "the JWT's issuer {} is not one this server trusts (--jwt-issuers)",
+                quoted(iss)
             ));
         };
         let issuer = &self.issuers[index];
@@ -352,13 +370,18 @@ impl Issuers {
             }
         };
         let Some(key) = key else {
-            if !reread {
-                return Judged::Reread {
+            let why = || issuer.no_key(header.kid.as_deref(), generation);
+            return match reread {
+                Reread::NotYet => Judged::Reread {
                     issuer: index,
                     generation,
-                };
-            }
-            return Judged::Unauthorized(issuer.no_key(header.kid.as_deref(), generation));
+                },
+                Reread::Read => Judged::Unauthorized(why()),
+                Reread::NotRead => Judged::Unavailable(format!(
+                    "{}; the key may be newer than the keys read: retry",
+                    why()
+                )),
+            };
         };
         if key.alg != alg {
             return Judged::Unauthorized(format!(
@@ -459,8 +482,9 @@ impl Issuers {
     /// Re-reads an issuer's keys for a token whose key it lacked (when it
     /// looked, at key `generation`), unless they changed since or were
     /// re-read less than `MIN_REREAD` ago. Runs apart from the request, so
-    /// a client that goes away does not cut it short.
-    pub(super) async fn reread(&self, index: usize, generation: u64) {
+    /// a client that goes away does not cut it short. `Read` if the keys
+    /// were read (by it or another) since the token was first judged.
+    pub(super) async fn reread(&self, index: usize, generation: u64) -> Reread {
         let issuer = self.issuers[index].clone();
         let work = tokio::spawn(async move {
             let _reading = issuer.reading.lock().await;
@@ -480,6 +504,11 @@ impl Issuers {
             issuer.read().await;
         });
         let _ = work.await;
+        if self.issuers[index].generation.load(Ordering::Acquire) == generation {
+            Reread::NotRead
+        } else {
+            Reread::Read
+        }
     }
 }
 
@@ -501,11 +530,22 @@ impl Issuer {
                 }
                 Source::File(file)
             }
-            (None, Some(url)) => Source::Url {
-                client: jwks_client(&url, e.jwks_ca_file.as_deref())
-                    .map_err(|why| format!("{at}: jwks_url {url:?}: {why}"))?,
-                url,
-            },
+            (None, Some(url)) => {
+                // Said without the URL: it would show the password.
+                if reqwest::Url::parse(&url)
+                    .is_ok_and(|u| !u.username().is_empty() || u.password().is_some())
+                {
+                    return Err(format!(
+                        "{at}: jwks_url must hold no user or password (`user:password@`): \
+                         taskgate fetches the keys anonymously, and logs the URL"
+                    ));
+                }
+                Source::Url {
+                    client: jwks_client(&url, e.jwks_ca_file.as_deref())
+                        .map_err(|why| format!("{at}: jwks_url {url:?}: {why}"))?,
+                    url,
+                }
+            }
             _ => {
                 return Err(format!(
                     "{at}: give exactly one of jwks_file (a JWKS saved to a file) and jwks_url \
@@ -643,13 +683,13 @@ impl Issuer {
     fn no_key(&self, kid: Option<&str>, generation: u64) -> String {
         let reads = self.reads.lock().expect("reads lock");
         let key = match kid {
-            Some(kid) => format!("no key {kid:?}"),
+            Some(kid) => format!("no key {}", quoted(kid)),
             None => "no key of the JWT's algorithm".to_owned(),
         };
         if generation == 0 {
             return format!(
                 "the keys of issuer {} are not available (they could not be read; the server's \
-                 log says why), so its tokens cannot be verified; retry later",
+                 log says why), so its tokens cannot be verified",
                 self.label
             );
         }
@@ -707,11 +747,25 @@ impl Issuer {
                 values.len()
             ));
         }
-        let prefixes: Vec<String> = values
+        let mut usable: Vec<String> = values
             .into_iter()
             .map(|v| format!("{v}{suffix}"))
             .filter(|p| crate::lifecycle::AllocId::parse(p).is_ok())
             .collect();
+        // One list for one set of allocations, whatever the claim's order,
+        // so tokens that may use the same allocations are one identity:
+        // sorted, each prefix inside another (or given twice) left out
+        // (sorted, what starts with a prefix follows it).
+        usable.sort();
+        let mut prefixes: Vec<String> = Vec::with_capacity(usable.len());
+        for p in usable {
+            if !prefixes
+                .last()
+                .is_some_and(|kept| p.starts_with(kept.as_str()))
+            {
+                prefixes.push(p);
+            }
+        }
         if prefixes.is_empty() {
             return Err(none(&format!(
                 "has no value in claim {path:?} that can start an allocation ID (A-Z a-z 0-9 . \
@@ -936,7 +990,19 @@ fn refusal(e: &JwtError, issuer: &Issuer, claims: &Value, now: u64) -> String {
         ErrorKind::InvalidClaimFormat(claim) => {
             format!("the JWT's `{claim}` claim is not of the type it must be")
         }
-        _ => format!("the JWT cannot be verified: {e}"),
+        _ => format!("the JWT cannot be verified: {}", quoted(&e.to_string())),
+    }
+}
+
+/// What a caller wrote (a claim, a header field, or an error quoting one),
+/// for an answer and the log: quoted, so a log line stays one line, and
+/// cut short, so a token the size of the request's head is not logged
+/// whole.
+fn quoted(s: &str) -> String {
+    const MAX_CHARS: usize = 100;
+    match s.char_indices().nth(MAX_CHARS) {
+        None => format!("{s:?}"),
+        Some((end, _)) => format!("{:?}… (cut)", &s[..end]),
     }
 }
 
@@ -1056,7 +1122,11 @@ pub(super) mod testing {
 
         /// An ES256 JWT of these claims, naming this key.
         pub fn sign(&self, claims: &Value) -> String {
-            let header = json!({"alg": "ES256", "kid": self.1});
+            self.sign_with(&json!({"alg": "ES256", "kid": self.1}), claims)
+        }
+
+        /// A JWT of this header and these claims, signed with this key.
+        pub fn sign_with(&self, header: &Value, claims: &Value) -> String {
             let message = format!(
                 "{}.{}",
                 b64(header.to_string().as_bytes()),
@@ -1166,9 +1236,10 @@ mod tests {
         let (_dir, _, by_name) = issuers(json!({"alloc_prefixes_claim": "groups"}));
         let by_name = by_name.unwrap();
         let issuer = &by_name.issuers[0];
-        // Values that cannot start an ID are left out; the others kept.
+        // Values that cannot start an ID are left out; the others kept
+        // (sorted).
         let claims = json!({"groups": ["web-", "not/one", 3, "db-"]});
-        assert_eq!(issuer.prefixes(&claims).unwrap(), ["web-", "db-"]);
+        assert_eq!(issuer.prefixes(&claims).unwrap(), ["db-", "web-"]);
         let many: Vec<String> = (0..=MAX_CLAIM_PREFIXES).map(|i| format!("p{i}")).collect();
         assert!(
             issuer
@@ -1237,5 +1308,196 @@ mod tests {
         let held = Arc::downgrade(&a);
         drop((a, again));
         assert!(held.upgrade().is_none(), "the map keeps no identity alive");
+    }
+
+    /// How `judge` answers a token (after a re-read if it asks for one):
+    /// `Ok` with the identity, or the refusal's text.
+    fn judged(jwt: &Issuers, token: &str) -> Result<Arc<Token>, String> {
+        use sha2::Digest;
+        let hash: [u8; 32] = sha2::Sha256::digest(token.as_bytes()).into();
+        let mut reread = Reread::NotYet;
+        loop {
+            match jwt.judge(token, &hash, reread) {
+                Judged::Known(token, _) => return Ok(token),
+                Judged::Unauthorized(why) => return Err(format!("401 {why}")),
+                Judged::Forbidden(why) => return Err(format!("403 {why}")),
+                Judged::Unavailable(why) => return Err(format!("503 {why}")),
+                Judged::Reread { issuer, generation } => {
+                    assert_eq!(reread, Reread::NotYet, "a second re-read");
+                    reread = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .unwrap()
+                        .block_on(jwt.reread(issuer, generation));
+                }
+            }
+        }
+    }
+
+    fn claims() -> Value {
+        json!({"iss": "https://iss", "aud": "taskgate",
+               "exp": jsonwebtoken::get_current_timestamp() + 600})
+    }
+
+    /// Headers that try to choose the key or the algorithm: keys the token
+    /// carries or points to are never used; only RS256 and ES256, spelled
+    /// exactly, on a key of that kind.
+    #[test]
+    fn a_token_cannot_bring_its_own_key_or_algorithm() {
+        let (_dir, key, loaded) = issuers(json!({}));
+        let jwt = loaded.unwrap();
+        assert!(judged(&jwt, &key.sign(&claims())).is_ok());
+        let forger = TestKey::new("k1");
+        for header in [
+            json!({"alg": "ES256", "jwk": forger.jwk()}),
+            json!({"alg": "ES256", "kid": "k1", "jwk": forger.jwk()}),
+            json!({"alg": "ES256", "kid": "k1", "jku": "http://127.0.0.1:1/jwks"}),
+            json!({"alg": "ES256", "kid": "k1", "x5u": "http://127.0.0.1:1/cert"}),
+        ] {
+            let err = judged(&jwt, &forger.sign_with(&header, &claims())).unwrap_err();
+            assert!(err.contains("signature does not verify"), "{header}: {err}");
+        }
+        for alg in [
+            "es256", "ES256 ", " ES256", "HS256", "ES384", "PS256", "EdDSA", "RS256",
+        ] {
+            let header = json!({"alg": alg, "kid": "k1"});
+            let err = judged(&jwt, &key.sign_with(&header, &claims())).unwrap_err();
+            assert!(err.starts_with("401"), "{alg}: {err}");
+        }
+        // An extension the token says must be understood is not.
+        let crit = json!({"alg": "ES256", "kid": "k1", "crit": ["exp"]});
+        assert!(judged(&jwt, &key.sign_with(&crit, &claims())).is_err());
+        // A signature of zeros (the "psychic signature" of some ECDSA
+        // verifiers).
+        let good = key.sign(&claims());
+        let (message, _) = good.rsplit_once('.').unwrap();
+        let zeros = format!("{message}.{}", b64(&[0; 64]));
+        assert!(
+            judged(&jwt, &zeros)
+                .unwrap_err()
+                .contains("does not verify")
+        );
+    }
+
+    /// `exp` and `nbf` of other types than a number of seconds, and `iss`
+    /// and `aud` in their other shapes.
+    #[test]
+    fn claims_of_odd_types_are_refused() {
+        let (_dir, key, loaded) = issuers(json!({}));
+        let jwt = loaded.unwrap();
+        let now = jsonwebtoken::get_current_timestamp();
+        let with = |k: &str, v: Value| {
+            let mut c = claims();
+            c[k] = v;
+            key.sign(&c)
+        };
+        for (k, v) in [
+            ("exp", json!((now + 600).to_string())),
+            ("exp", json!(-1)),
+            ("exp", json!(1e300)),
+            ("exp", json!(true)),
+            ("exp", json!(null)),
+            ("nbf", json!((now - 10).to_string())),
+            ("nbf", json!(now + 600)),
+            ("iss", json!(["https://iss"])),
+            ("iss", json!("https://iss/")),
+            ("aud", json!([])),
+            ("aud", json!("taskgatex")),
+            ("aud", json!(["taskgat"])),
+        ] {
+            let err = judged(&jwt, &with(k, v.clone())).unwrap_err();
+            assert!(err.starts_with("401"), "{k}: {v}: {err}");
+        }
+        for (k, v) in [
+            ("aud", json!(["vault", "taskgate"])),
+            ("exp", json!(now as f64 + 600.5)),
+        ] {
+            assert!(judged(&jwt, &with(k, v.clone())).is_ok(), "{k}: {v}");
+        }
+    }
+
+    /// Two issuers whose keys share a `kid`, or where one names the
+    /// other's: a token is checked with its own issuer's keys only.
+    #[test]
+    fn an_issuer_s_token_is_checked_with_its_keys_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a1, b1, b2) = (
+            TestKey::new("k1"),
+            TestKey::new("k1"),
+            TestKey::new("only-b"),
+        );
+        let (fa, fb) = (dir.path().join("a.json"), dir.path().join("b.json"));
+        std::fs::write(&fa, json!({"keys": [a1.jwk()]}).to_string()).unwrap();
+        std::fs::write(&fb, json!({"keys": [b1.jwk(), b2.jwk()]}).to_string()).unwrap();
+        let file = dir.path().join("issuers.json");
+        std::fs::write(
+            &file,
+            json!({"issuers": [
+            {"issuer": "https://a", "audience": "taskgate", "role": "agent", "jwks_file": fa,
+             "alloc_prefixes": ["a-"]},
+            {"issuer": "https://b", "audience": "taskgate", "role": "operator", "jwks_file": fb}]})
+            .to_string(),
+        )
+        .unwrap();
+        let jwt = Issuers::load(&file).unwrap();
+        let mut claims = claims();
+        claims["iss"] = json!("https://b");
+        assert_eq!(
+            judged(&jwt, &b1.sign(&claims)).unwrap().role,
+            Role::Operator
+        );
+        assert_eq!(
+            judged(&jwt, &b2.sign(&claims)).unwrap().role,
+            Role::Operator
+        );
+        // A's key cannot make an operator of B.
+        assert!(
+            judged(&jwt, &a1.sign(&claims))
+                .unwrap_err()
+                .contains("does not verify")
+        );
+        claims["iss"] = json!("https://a");
+        assert_eq!(
+            judged(&jwt, &a1.sign(&claims)).unwrap().alloc_prefixes,
+            ["a-"]
+        );
+        // B's keys do not vouch for A's tokens.
+        assert!(
+            judged(&jwt, &b1.sign(&claims))
+                .unwrap_err()
+                .contains("does not verify")
+        );
+        assert!(
+            judged(&jwt, &b2.sign(&claims))
+                .unwrap_err()
+                .contains("no key \"only-b\"")
+        );
+    }
+
+    /// Tokens whose claim gives the same prefixes, in another order, with
+    /// one twice or with one inside another, are one identity (their waits
+    /// count together).
+    #[test]
+    fn the_same_prefixes_in_any_order_are_one_identity() {
+        let (_dir, key, loaded) = issuers(json!({"alloc_prefixes_claim": "groups"}));
+        let jwt = loaded.unwrap();
+        let with = |groups: Value| {
+            let mut c = claims();
+            c["groups"] = groups;
+            judged(&jwt, &key.sign(&c)).unwrap()
+        };
+        let one = with(json!(["a-", "b-"]));
+        for other in [
+            json!(["b-", "a-"]),
+            json!(["a-", "b-", "a-"]),
+            json!(["b-", "a-x", "a-", "not/one", "b-"]),
+        ] {
+            let again = with(other.clone());
+            assert!(
+                Arc::ptr_eq(&one, &again),
+                "{other}: {:?}",
+                again.alloc_prefixes
+            );
+        }
     }
 }

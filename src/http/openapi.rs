@@ -245,6 +245,15 @@ impl Modify for CommonResponses {
                          been applied); both with `Retry-After`"
                     },
                 );
+                if !public {
+                    add_case(
+                        op,
+                        "503",
+                        "`jwt_keys_unavailable`: a JWT whose key its issuer's keys lack, while \
+                         they cannot be read again for it (its key may be newer); with \
+                         `Retry-After`",
+                    );
+                }
             }
         }
     }
