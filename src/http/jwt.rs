@@ -100,12 +100,27 @@ struct IssuerEntry {
     /// The same prefixes for every token of the issuer.
     #[serde(default)]
     alloc_prefixes: Option<Vec<String>>,
+    /// Claims a token must carry with exactly these values (a claim's name,
+    /// or a JSON pointer into one, → a string): which of the issuer's
+    /// workloads are taskgate's (`repository_owner` of a CI issuer, the
+    /// `/kubernetes.io/serviceaccount/name` of a cluster).
+    #[serde(default)]
+    required_claims: std::collections::BTreeMap<String, String>,
     #[serde(default)]
     max_allocations: Option<usize>,
     #[serde(default)]
     max_waiters: Option<usize>,
     #[serde(default)]
     max_dependencies: Option<usize>,
+}
+
+/// A claim by its name, or a JSON pointer into the claims (`/a/b`).
+fn claim_at<'a>(claims: &'a Value, path: &str) -> Option<&'a Value> {
+    if path.starts_with('/') {
+        claims.pointer(path)
+    } else {
+        claims.get(path)
+    }
 }
 
 /// Which allocations an issuer's tokens may use.
@@ -158,6 +173,8 @@ struct Issuer {
     audience: String,
     role: Role,
     scope: Scope,
+    /// (claim or pointer, the value it must hold), in name order.
+    required: Vec<(String, String)>,
     max_allocations: Option<usize>,
     max_waiters: Option<usize>,
     max_dependencies: Option<usize>,
@@ -399,6 +416,9 @@ impl Issuers {
         if let Err(e) = jsonwebtoken::decode::<Value>(token, &key.decoding, validation) {
             return Judged::Unauthorized(refusal(&e, issuer, &claims, now));
         }
+        if let Err(why) = issuer.required(&claims) {
+            return Judged::Forbidden(why);
+        }
         let prefixes = match issuer.prefixes(&claims) {
             Ok(prefixes) => prefixes,
             Err(why) => return Judged::Forbidden(why),
@@ -608,6 +628,15 @@ impl Issuer {
             }
             (None, None) => Scope::Every,
         };
+        for (claim, value) in &e.required_claims {
+            if claim.is_empty() || claim == "/" || value.is_empty() {
+                return Err(format!(
+                    "{at}: required_claims {claim:?}: {value:?}: name a claim (or point into \
+                     one) and the non-empty value it must hold"
+                ));
+            }
+        }
+        let required: Vec<(String, String)> = e.required_claims.into_iter().collect();
         let validation = |alg| {
             let mut v = Validation::new(alg);
             v.leeway = LEEWAY.as_secs();
@@ -625,6 +654,7 @@ impl Issuer {
             audience: e.audience,
             role: e.role,
             scope,
+            required,
             max_allocations: e.max_allocations,
             max_waiters: e.max_waiters,
             max_dependencies: e.max_dependencies,
@@ -710,6 +740,20 @@ impl Issuer {
         format!("issuer {} has {key} ({when}{failed})", self.label)
     }
 
+    /// Whether a verified token's claims hold every required value.
+    fn required(&self, claims: &Value) -> Result<(), String> {
+        for (claim, value) in &self.required {
+            if claim_at(claims, claim).and_then(Value::as_str) != Some(value.as_str()) {
+                return Err(format!(
+                    "the token of issuer {} does not have {claim:?} = {value:?} (the issuer's \
+                     required_claims): it is not one of the workloads this server trusts",
+                    self.label
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// The allocation prefixes of a verified token's claims.
     fn prefixes(&self, claims: &Value) -> Result<Vec<String>, String> {
         let (path, suffix) = match &self.scope {
@@ -717,11 +761,7 @@ impl Issuer {
             Scope::Fixed(prefixes) => return Ok(prefixes.clone()),
             Scope::Claim { path, suffix } => (path, suffix),
         };
-        let value = if path.starts_with('/') {
-            claims.pointer(path)
-        } else {
-            claims.get(path)
-        };
+        let value = claim_at(claims, path);
         let none = |what: &str| {
             format!(
                 "the token of issuer {} {what}, so it may use no allocation (the issuer's \
@@ -1337,6 +1377,43 @@ mod tests {
     fn claims() -> Value {
         json!({"iss": "https://iss", "aud": "taskgate",
                "exp": jsonwebtoken::get_current_timestamp() + 600})
+    }
+
+    /// An issuer that vouches for every workload of a platform (a CI's,
+    /// a cluster's) is narrowed to taskgate's by claims its tokens must
+    /// hold: a token of the same issuer and audience without them is
+    /// refused (403), one with them taken.
+    #[test]
+    fn required_claims_narrow_an_issuer_to_its_workloads() {
+        let (_dir, key, loaded) = issuers(json!({"required_claims": {
+            "repository_owner": "our-org",
+            "/kubernetes.io/serviceaccount/name": "taskgate-agent"}}));
+        let jwt = loaded.unwrap();
+        let with = |owner: &str, sa: Value| {
+            let mut c = claims();
+            c["repository_owner"] = json!(owner);
+            c["kubernetes.io"] = json!({"serviceaccount": {"name": sa}});
+            judged(&jwt, &key.sign(&c))
+        };
+        assert!(with("our-org", json!("taskgate-agent")).is_ok());
+        for (owner, sa) in [
+            ("their-org", json!("taskgate-agent")),
+            ("our-org", json!("default")),
+            ("our-org", json!(["taskgate-agent"])),
+            ("our-org", Value::Null),
+        ] {
+            let err = with(owner, sa.clone()).unwrap_err();
+            assert!(
+                err.starts_with("403 ") && err.contains("required_claims"),
+                "{owner} {sa}: {err}"
+            );
+        }
+        // A required claim with no value, or no name, refuses the file.
+        for bad in [json!({"": "x"}), json!({"a": ""}), json!({"/": "x"})] {
+            let (_dir, _, loaded) = issuers(json!({"required_claims": bad}));
+            let err = loaded.unwrap_err();
+            assert!(err.contains("required_claims"), "{err}");
+        }
     }
 
     /// Headers that try to choose the key or the algorithm: keys the token
