@@ -779,8 +779,12 @@ async fn reports_with_events(
 }
 
 /// Gives every task of the five-task allocations `{prefix}-{i}`, `i` in
-/// `ids`, a full history (`MAX_EVENTS` events each, every task reported
-/// running with each), in batch reports over `clients` connections.
+/// `ids`, a full history (`MAX_EVENTS` events each, and one more), in
+/// batch reports over `clients` connections: every task reported running,
+/// pending (restarting), running and so on, ending running. Each report
+/// is a change: a second `running` of a running task without its run
+/// would be refused (`task_claimed`), and with it is a retry that records
+/// nothing.
 pub(super) async fn fill_histories(
     addr: SocketAddr,
     prefix: &str,
@@ -795,13 +799,18 @@ pub(super) async fn fill_histories(
         fill.push(tokio::spawn(async move {
             let mut conn = Conn::open(addr).await?;
             for i in (ids.start + c..ids.end).step_by(clients) {
-                for n in 0..MAX_EVENTS as u64 {
+                for n in 0..=MAX_EVENTS as u64 {
+                    let (state, kind) = if n % 2 == 0 {
+                        ("running", "Started")
+                    } else {
+                        ("pending", "Restarting")
+                    };
                     let tasks: Vec<String> = ["init", "proxy", "web", "announce", "cleanup"]
                         .iter()
                         .map(|t| {
                             format!(
-                                r#""{t}": {{"state": "running", "event": {}}}"#,
-                                event_json("Started", n)
+                                r#""{t}": {{"state": "{state}", "event": {}}}"#,
+                                event_json(kind, n)
                             )
                         })
                         .collect();
