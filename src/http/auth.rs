@@ -701,9 +701,6 @@ mod tests {
             .build()
             .unwrap();
         let (_, answer) = tracing::subscriber::with_default(subscriber, || {
-            // A log line another test's thread reached first, with no
-            // subscriber of its own, may have been cached as never wanted.
-            tracing::callsite::rebuild_interest_cache();
             runtime.block_on(auth.check(req, Some("/v1/allocations/{alloc_id}")))
         });
         let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
