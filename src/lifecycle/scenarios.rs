@@ -29,7 +29,8 @@ pub(super) fn alloc(tasks: &[(&str, &str, bool)]) -> Allocation {
     Allocation::register(AllocId::parse("a1").unwrap(), Arc::new(spec), 1, NOW)
 }
 
-fn reports(a: &Allocation, states: &[(&str, &str)]) -> Vec<(usize, TaskReport)> {
+/// Reports in the notation of `report` (`failed`: dead and failed).
+pub(super) fn reports(a: &Allocation, states: &[(&str, &str)]) -> Vec<(usize, TaskReport)> {
     states
         .iter()
         .map(|(name, st)| {

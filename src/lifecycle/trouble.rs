@@ -139,8 +139,7 @@ mod tests {
 
     use super::*;
     use crate::lifecycle::{
-        AllocId, AllocSpec, Condition, CoordState, Dependency, Limits, Overdue, TaskReport,
-        TaskSpec,
+        AllocId, AllocSpec, Condition, CoordState, Dependency, Limits, Overdue, TaskSpec,
     };
 
     const NOW: crate::lifecycle::Timestamp = datetime!(2026-11-29 10:00 UTC);
@@ -175,19 +174,10 @@ mod tests {
         Allocation::register(AllocId::parse("a1").unwrap(), Arc::new(spec), 1, NOW)
     }
 
-    fn report(a: &Allocation, states: &[(&str, RunState, bool)]) -> Allocation {
-        let r: Vec<(usize, TaskReport)> = states
-            .iter()
-            .map(|&(name, state, failed)| {
-                let report = TaskReport {
-                    state,
-                    failed,
-                    event: None,
-                    ready: None,
-                };
-                (a.position(name).unwrap(), report)
-            })
-            .collect();
+    /// The next version after a batch report in the scenarios' notation
+    /// (`failed`: dead and failed).
+    fn report(a: &Allocation, states: &[(&str, &str)]) -> Allocation {
+        let r = crate::lifecycle::scenarios::reports(a, states);
         a.report(&r, NOW, || a.modify_index + 1)
             .expect("the report changes the allocation")
     }
@@ -216,7 +206,7 @@ mod tests {
     }
 
     fn in_main() -> Allocation {
-        report(&alloc(), &[("init", RunState::Dead, false)])
+        report(&alloc(), &[("init", "dead")])
     }
 
     #[test]
@@ -253,10 +243,10 @@ mod tests {
 
     #[test]
     fn a_failed_task_fails_the_allocation_and_finishes_it_once_all_are_dead() {
-        let a = report(&in_main(), &[("web", RunState::Dead, true)]);
+        let a = report(&in_main(), &[("web", "failed")]);
         assert_eq!(kinds(&a), vec![(TroubleKind::Failed, vec!["web"])]);
         assert_eq!(states(&a), vec![ListState::Running, ListState::Failed]);
-        let a = report(&a, &[("api", RunState::Dead, false)]);
+        let a = report(&a, &[("api", "dead")]);
         assert!(a.finished());
         assert_eq!(states(&a), vec![ListState::Finished, ListState::Failed]);
     }
@@ -267,13 +257,7 @@ mod tests {
     #[test]
     fn a_failure_an_all_tasks_restart_answered_is_no_trouble() {
         use crate::lifecycle::RestartMode;
-        let a = report(
-            &in_main(),
-            &[
-                ("web", RunState::Dead, true),
-                ("api", RunState::Running, false),
-            ],
-        );
+        let a = report(&in_main(), &[("web", "failed"), ("api", "running")]);
         assert_eq!(kinds(&a), vec![(TroubleKind::Failed, vec!["web"])]);
         let (a, _) = a
             .restart(RestartMode::AllTasks, "fixed", NOW, || a.modify_index + 1)
@@ -281,14 +265,14 @@ mod tests {
         let a = a.expect("the restart changes the allocation");
         assert_eq!(kinds(&a), vec![], "the restart is ordered");
         assert!(!states(&a).contains(&ListState::Failed));
-        let a = report(&a, &[("web", RunState::Pending, false)]);
-        let a = report(&a, &[("web", RunState::Dead, true)]);
+        let a = report(&a, &[("web", "pending")]);
+        let a = report(&a, &[("web", "failed")]);
         assert_eq!(kinds(&a), vec![(TroubleKind::Failed, vec!["web"])]);
     }
 
     #[test]
     fn a_lost_task_is_lost_and_failed() {
-        let a = report(&in_main(), &[("web", RunState::Running, false)]);
+        let a = report(&in_main(), &[("web", "running")]);
         let later = NOW + Duration::from_secs(11);
         let a = a
             .tick(later, &|_| None, None, || a.modify_index + 1)
