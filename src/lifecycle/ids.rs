@@ -95,6 +95,10 @@ id_type!(
     /// A task name, with the same syntax as an allocation ID.
     TaskName
 );
+id_type!(
+    /// A semaphore's name, with the same syntax as an allocation ID.
+    SemName
+);
 
 #[cfg(test)]
 mod tests {

@@ -33,6 +33,7 @@ mod deps;
 mod ids;
 mod intern;
 mod orders;
+mod semaphore;
 mod spec;
 mod task;
 mod trouble;
@@ -48,10 +49,13 @@ pub use deps::{
     Condition, Cycles, DepState, Dependency, MAX_DEPENDENCIES, Node, Positions, Target, Walk, Why,
     cycles, judge as judge_dependency, walk,
 };
-pub use ids::{AllocId, IdError, TaskName};
+pub use ids::{AllocId, IdError, SemName, TaskName};
 pub use intern::{EventBody, Sym};
 pub use names::UnknownName;
 pub use orders::{Desired, DesiredKind, Outcome, StopKind, StopReason, desired_states};
+pub use semaphore::{
+    DEFAULT_GRANT_TIMEOUT, GRANT_TIMEOUT_RANGE, Hold, LIMIT_RANGE, MAX_ACQUIRE, Semaphore,
+};
 pub use spec::{
     AllocSpec, DEADLINE_RANGE, Deadlines, Hook, Lifecycle, SpecInterner, Stage, TTL_RANGE, TaskSpec,
 };

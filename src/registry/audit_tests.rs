@@ -165,7 +165,9 @@ impl Gate {
                     Change::Delete { id, .. } => {
                         s.durable.remove(id);
                     }
-                    Change::Liveness(_) => {}
+                    Change::Liveness(_)
+                    | Change::PutSemaphore(_)
+                    | Change::DeleteSemaphore { .. } => {}
                 }
                 s.durable_last = index;
                 s.delivered.push(index);
@@ -244,6 +246,12 @@ impl Store for Gate {
                 (Change::Put(a.clone()), Some(a))
             }
             Op::Delete(id) => (Change::Delete { id, index }, None),
+            Op::PutSemaphore(mut sem) => {
+                let placeholder = sem.modify_index;
+                Arc::make_mut(&mut sem).restamp(placeholder, index);
+                (Change::PutSemaphore(sem), None)
+            }
+            Op::DeleteSemaphore(name) => (Change::DeleteSemaphore { name, index }, None),
         };
         if self.fail_stop && s.failed {
             let _ = ack.send(Err(AppendError::Store(StoreError::Closed)));

@@ -185,7 +185,9 @@ impl Follower for Inner {
             let adds = changes.iter().any(|c| match c {
                 Change::Put(a) => read.get(a.id.as_str()).is_none(),
                 Change::Delete { .. } => true,
-                Change::Liveness(_) => false,
+                Change::Liveness(_) | Change::PutSemaphore(_) | Change::DeleteSemaphore { .. } => {
+                    false
+                }
             });
             let mut map = if adds {
                 drop(read);
@@ -235,6 +237,7 @@ impl Follower for Inner {
                             timed.push(handle);
                         }
                     }
+                    Change::PutSemaphore(_) | Change::DeleteSemaphore { .. } => {}
                 }
             }
         }

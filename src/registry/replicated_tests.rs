@@ -10,7 +10,7 @@ use std::{
 
 use super::{lives::GRACE, *};
 use crate::{
-    lifecycle::{AllocSpec, RunState, TaskName, TaskReport, TaskSpec, Timestamp},
+    lifecycle::{AllocSpec, RunState, Semaphore, TaskName, TaskReport, TaskSpec, Timestamp},
     store::{
         Append, AppendError, Appended, Change, Follower, Lease, Leases, LiveOp, Liveness, Loaded,
         Op, QuorumRead, Store, StoreError, Unreadable,
@@ -38,6 +38,8 @@ struct State {
     unrenewed: bool,
     /// Changes refused because a live key they needed gone was there.
     refused_live: usize,
+    /// The semaphores, by name: the revision that wrote each.
+    semaphores: BTreeMap<String, (u64, Arc<Semaphore>)>,
 }
 
 impl State {
@@ -130,19 +132,46 @@ impl Store for Held {
     }
 
     fn append(&self, append: Append) -> Appended {
-        let Append { op, expect, live } = append;
+        let Append {
+            op,
+            expect,
+            live,
+            grants,
+        } = append;
         let record = match &op {
             Op::Put(a) => Some(a.clone()),
-            Op::Delete(_) => None,
+            _ => None,
         };
         let mut s = self.0.lock().unwrap();
-        let id = op.id().to_string();
-        let now = s.records.get(&id).map(|r| r.0);
-        let now = now.or(s.unreadable.get(&id).map(|u| u.index));
-        let done: Pending<Result<u64, AppendError>> = if now.unwrap_or(0) != expect {
-            let seen = now.unwrap_or(s.revision);
+        let (id, now) = match &op {
+            Op::Put(_) | Op::Delete(_) => {
+                let id = op.alloc_id().unwrap().to_string();
+                let now = s.records.get(&id).map(|r| r.0);
+                (id.clone(), now.or(s.unreadable.get(&id).map(|u| u.index)))
+            }
+            Op::PutSemaphore(sem) => (
+                String::new(),
+                s.semaphores.get(sem.name.as_str()).map(|r| r.0),
+            ),
+            Op::DeleteSemaphore(name) => {
+                (String::new(), s.semaphores.get(name.as_str()).map(|r| r.0))
+            }
+        };
+        // As etcd's compare of each granted semaphore's key.
+        let moved = grants
+            .iter()
+            .any(|g| s.semaphores.get(g.name.as_str()).map(|r| r.0) != Some(g.modify_index));
+        let done: Pending<Result<u64, AppendError>> = if now.unwrap_or(0) != expect || moved {
+            let seen = if moved {
+                s.revision
+            } else {
+                now.unwrap_or(s.revision)
+            };
             Box::pin(async move { Err(AppendError::Conflict { seen }) })
-        } else if s.live_present(op.id(), &live, false) {
+        } else if op
+            .alloc_id()
+            .is_some_and(|id| s.live_present(id, &live, false))
+        {
             s.refused_live += 1;
             let seen = s.revision;
             Box::pin(async move { Err(AppendError::Conflict { seen }) })
@@ -150,6 +179,13 @@ impl Store for Held {
             s.revision += 1;
             let index = s.revision;
             s.unreadable.remove(&id);
+            for g in grants {
+                let mut g = Arc::unwrap_or_clone(g);
+                g.modify_index = index;
+                let g = Arc::new(g);
+                s.semaphores.insert(g.name.to_string(), (index, g.clone()));
+                s.held.push(Change::PutSemaphore(g));
+            }
             match op {
                 Op::Put(a) => {
                     let mut a = Arc::unwrap_or_clone(a);
@@ -163,6 +199,19 @@ impl Store for Held {
                 Op::Delete(alloc) => {
                     s.records.remove(&id);
                     s.held.push(Change::Delete { id: alloc, index });
+                }
+                Op::PutSemaphore(sem) => {
+                    let mut sem = Arc::unwrap_or_clone(sem);
+                    let placeholder = sem.modify_index;
+                    sem.restamp(placeholder, index);
+                    let sem = Arc::new(sem);
+                    s.semaphores
+                        .insert(sem.name.to_string(), (index, sem.clone()));
+                    s.held.push(Change::PutSemaphore(sem));
+                }
+                Op::DeleteSemaphore(name) => {
+                    s.semaphores.remove(name.as_str());
+                    s.held.push(Change::DeleteSemaphore { name, index });
                 }
             }
             Box::pin(async move { Ok(index) })

@@ -404,7 +404,7 @@ impl Store for SlowStore {
         let inner = self.inner.clone();
         let record = match &append.op {
             Op::Put(a) => Some(a.clone()),
-            Op::Delete(_) => None,
+            _ => None,
         };
         Appended {
             record,

@@ -343,6 +343,7 @@ impl Registry {
                 op: Op::Put(Arc::new(next)),
                 expect: current.modify_index,
                 live,
+                grants: Vec::new(),
             });
             let Some(record) = appended.record.clone() else {
                 return Err(no_record());
@@ -546,6 +547,7 @@ impl Registry {
                 op: Op::Put(a.clone()),
                 expect: 0,
                 live: Vec::new(),
+                grants: Vec::new(),
             });
             let Some(record) = appended.record.clone() else {
                 drop(write);
@@ -662,6 +664,7 @@ impl Registry {
                     op: Op::Delete(alloc),
                     expect: u.index,
                     live: Vec::new(),
+                    grants: Vec::new(),
                 });
                 match self
                     .finish(appended, None, None, None, admitted, |_, _| {})
@@ -685,6 +688,7 @@ impl Registry {
                 op: Op::Delete(base.record().id.clone()),
                 expect,
                 live: Vec::new(),
+                grants: Vec::new(),
             });
             let logged = id.to_owned();
             let ended = self

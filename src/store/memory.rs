@@ -19,7 +19,7 @@ use std::{
 use super::{
     Admitted, Append, AppendError, Appended, Change, Follower, Loaded, Op, Store, StoreError,
 };
-use crate::lifecycle::{AllocId, Allocation};
+use crate::lifecycle::{AllocId, Allocation, SemName, Semaphore};
 
 pub struct MemoryStore {
     /// A new ID per store: nothing of it outlives the process.
@@ -41,6 +41,8 @@ struct State {
     last_index: u64,
     /// Committed records, when `retain`.
     records: HashMap<AllocId, Arc<Allocation>>,
+    /// Committed semaphores, when `retain`.
+    semaphores: std::collections::BTreeMap<SemName, Arc<Semaphore>>,
     follower: Option<Weak<dyn Follower>>,
 }
 
@@ -100,6 +102,7 @@ impl Store for MemoryStore {
         Ok(Loaded {
             allocations,
             last_index: state.last_index,
+            semaphores: state.semaphores.values().map(|s| (**s).clone()).collect(),
             ..Default::default()
         })
     }
@@ -121,7 +124,7 @@ impl Store for MemoryStore {
         if self.stall.load(Ordering::SeqCst) {
             let record = match append.op {
                 Op::Put(a) => Some(a),
-                Op::Delete(_) => None,
+                _ => None,
             };
             return Appended {
                 record,
@@ -144,6 +147,18 @@ impl Store for MemoryStore {
             Op::Delete(id) => {
                 state.records.remove(&id);
                 (Change::Delete { id, index }, None)
+            }
+            Op::PutSemaphore(mut s) => {
+                let placeholder = s.modify_index;
+                Arc::make_mut(&mut s).restamp(placeholder, index);
+                if self.retain {
+                    state.semaphores.insert(s.name.clone(), s.clone());
+                }
+                (Change::PutSemaphore(s), None)
+            }
+            Op::DeleteSemaphore(name) => {
+                state.semaphores.remove(&name);
+                (Change::DeleteSemaphore { name, index }, None)
             }
         };
         if let Some(follower) = state.follower.as_ref().and_then(Weak::upgrade) {

@@ -20,7 +20,7 @@ pub use disk::{
 };
 pub use memory::MemoryStore;
 
-use crate::lifecycle::{AllocId, Allocation};
+use crate::lifecycle::{AllocId, Allocation, SemName, Semaphore};
 
 /// One change, as the registry decides it.
 #[derive(Clone, Debug)]
@@ -31,14 +31,21 @@ pub enum Op {
     Put(Arc<Allocation>),
     /// Remove an allocation.
     Delete(AllocId),
+    /// Create or change a semaphore. `expect` compares its
+    /// `modify_index`; the store stamps the index the change takes over
+    /// it (and over `create_index` when that holds the same placeholder).
+    PutSemaphore(Arc<Semaphore>),
+    /// Remove a semaphore.
+    DeleteSemaphore(SemName),
 }
 
 impl Op {
-    /// The allocation it changes.
-    pub fn id(&self) -> &AllocId {
+    /// The allocation it changes, if it changes one.
+    pub fn alloc_id(&self) -> Option<&AllocId> {
         match self {
-            Op::Put(a) => &a.id,
-            Op::Delete(id) => id,
+            Op::Put(a) => Some(&a.id),
+            Op::Delete(id) => Some(id),
+            Op::PutSemaphore(_) | Op::DeleteSemaphore(_) => None,
         }
     }
 }
@@ -55,6 +62,13 @@ pub struct Append {
     /// What the change does to its tasks' liveness keys (`Leases`), in the
     /// same transaction; a deletion removes all of them.
     pub live: Vec<LiveOp>,
+    /// The semaphores a put grants (each as the grant was decided on). A
+    /// store other processes write takes the change only while each is
+    /// still at its `modify_index`, and writes each again in the same
+    /// transaction, so that two grants decided on one view of a semaphore
+    /// cannot both take. A store this process alone writes ignores them
+    /// (the registry decides one semaphore's grants one at a time).
+    pub grants: Vec<Arc<Semaphore>>,
 }
 
 /// An append in flight.
@@ -133,6 +147,8 @@ pub struct Loaded {
     /// A store with `Leases`: the liveness keys it holds at `last_index`
     /// (each written, none removed). Empty for the others.
     pub liveness: Vec<Liveness>,
+    /// Every semaphore, in name order.
+    pub semaphores: Vec<Semaphore>,
 }
 
 /// A lease (etcd's lease ID): a key written under it goes when it
@@ -369,6 +385,13 @@ pub enum Change {
     },
     /// A task's liveness key written or gone.
     Liveness(Liveness),
+    /// A semaphore as committed, stamped with its index (also written
+    /// again by a grant, on a store several replicas write).
+    PutSemaphore(Arc<Semaphore>),
+    DeleteSemaphore {
+        name: SemName,
+        index: u64,
+    },
 }
 
 /// Where a store delivers the changes it follows (the registry).
@@ -390,6 +413,7 @@ pub async fn commit(store: &dyn Store, op: Op) -> Result<u64, AppendError> {
         op,
         expect: 0,
         live: Vec::new(),
+        grants: Vec::new(),
     });
     appended.done.await
 }

@@ -447,6 +447,7 @@ impl DiskStore {
             op,
             expect: 0,
             live: Vec::new(),
+            grants: Vec::new(),
         });
         Box::pin(async move {
             let done = appended.done.await;
@@ -514,6 +515,18 @@ impl Store for DiskStore {
             Op::Delete(id) => {
                 log::change(&mut bytes, id.as_str(), index, None);
                 (Change::Delete { id, index }, None)
+            }
+            Op::PutSemaphore(_) | Op::DeleteSemaphore(_) => {
+                // TODO(semaphores): stored by the disk store.
+                return Appended {
+                    record: None,
+                    stamped: false,
+                    done: Box::pin(async {
+                        Err(AppendError::Store(StoreError::Io(
+                            "semaphores are not stored yet".into(),
+                        )))
+                    }),
+                };
             }
         };
         let msg = Msg::Change {

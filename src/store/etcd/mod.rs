@@ -291,6 +291,7 @@ async fn list(
             allocations,
             last_index: at,
             liveness,
+            semaphores: Vec::new(),
         },
         unreadable,
     ))
@@ -455,7 +456,7 @@ fn settle(
         Op::Delete(_) if uncertain && (now == 0 || created > expect) => AppendError::Landed {
             seen: if now == 0 { read } else { now },
         },
-        Op::Delete(_) => AppendError::Conflict {
+        Op::Delete(_) | Op::PutSemaphore(_) | Op::DeleteSemaphore(_) => AppendError::Conflict {
             seen: if now == 0 { read } else { now },
         },
     }
@@ -480,7 +481,12 @@ impl Store for EtcdStore {
     }
 
     fn append(&self, append: Append) -> Appended {
-        let Append { op, expect, live } = append;
+        let Append {
+            op,
+            expect,
+            live,
+            grants: _,
+        } = append;
         let k = &self.keys;
         let (op, key, value, absent, also) = match op {
             Op::Put(mut a) => {
@@ -511,11 +517,23 @@ impl Store for EtcdStore {
                     })],
                 )
             }
+            Op::PutSemaphore(_) | Op::DeleteSemaphore(_) => {
+                // TODO(semaphores): stored by the etcd store.
+                return Appended {
+                    record: None,
+                    stamped: false,
+                    done: Box::pin(async {
+                        Err(AppendError::Store(StoreError::Io(
+                            "semaphores are not stored yet".into(),
+                        )))
+                    }),
+                };
+            }
         };
         let client = k.client.clone();
         let record = match &op {
             Op::Put(a) => Some(a.clone()),
-            Op::Delete(_) => None,
+            _ => None,
         };
         let done = Box::pin(async move {
             match client

@@ -69,7 +69,7 @@ impl Store for Gated {
                 Some((alloc, sem)) if a.id.as_str() == alloc => (a.clone(), sem.clone()),
                 _ => return self.inner.append(append),
             },
-            Op::Delete(_) => return self.inner.append(append),
+            _ => return self.inner.append(append),
         };
         self.held.fetch_add(1, Ordering::SeqCst);
         let inner = self.inner.clone();
