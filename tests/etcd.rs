@@ -53,6 +53,7 @@ fn task(name: &str, hook: Option<Hook>) -> TaskSpec {
         readiness: false,
         liveness: None,
         depends_on: Vec::new(),
+        acquire: Vec::new(),
     }
 }
 

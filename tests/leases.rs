@@ -58,6 +58,7 @@ fn timed() -> AllocSpec {
         readiness: false,
         liveness: Some(TTL),
         depends_on: Vec::new(),
+        acquire: Vec::new(),
     };
     AllocSpec::new(vec![web], &Limits::default()).unwrap()
 }

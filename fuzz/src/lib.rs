@@ -247,6 +247,7 @@ pub fn lifecycle(data: &[u8]) {
                 readiness: stage_takes_readiness && b & 0x20 != 0,
                 liveness: (b & 0x10 != 0).then(|| std::time::Duration::from_secs(10)),
                 depends_on: Vec::new(),
+                acquire: Vec::new(),
             }
         })
         .collect();

@@ -15,7 +15,7 @@ use utoipa::ToSchema;
 
 use crate::lifecycle::{
     AllocId, AllocSpec, Condition, Deadlines, Dependency, EventInput, FieldError, Hook, Lifecycle,
-    Limits, MAX_EVENT_DETAILS, RunState, TaskName, TaskReport, TaskSpec,
+    Limits, MAX_EVENT_DETAILS, RunState, SemName, TaskName, TaskReport, TaskSpec,
 };
 
 /// A JSON object whose keys must be unique, kept in the order sent, of at
@@ -162,6 +162,14 @@ pub struct TaskSpecBody {
     #[serde(default)]
     #[schema(max_items = 16)]
     pub depends_on: Vec<DependencyBody>,
+    /// Semaphores the task must hold a slot of to start (at most 4,
+    /// distinct; names as allocation IDs): once it is otherwise allowed
+    /// it queues, and it is granted all of them at once, first come first
+    /// served (`grants` on the task says with which fences). The caller's
+    /// token must cover each name (`semaphore_prefixes`).
+    #[serde(default)]
+    #[schema(max_items = 4, example = json!(["db-migrations"]))]
+    pub acquire: Vec<String>,
 }
 
 /// A start condition on another task.
@@ -280,6 +288,16 @@ impl RegisterBody {
                     });
                 }
             }
+            let mut acquire = Vec::with_capacity(t.acquire.len());
+            for (k, name) in t.acquire.iter().enumerate() {
+                match SemName::parse(name) {
+                    Ok(n) => acquire.push(n),
+                    Err(e) => errors.push(FieldError::new(
+                        format!("tasks[{i}].acquire[{k}]"),
+                        format!("{name:?} {e}"),
+                    )),
+                }
+            }
             match TaskName::parse(&t.name) {
                 Ok(name) => tasks.push(TaskSpec {
                     name,
@@ -291,6 +309,7 @@ impl RegisterBody {
                     readiness: t.readiness,
                     liveness,
                     depends_on,
+                    acquire,
                 }),
                 Err(e) => errors.push(FieldError::new(
                     format!("tasks[{i}].name"),

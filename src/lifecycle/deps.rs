@@ -623,6 +623,7 @@ mod tests {
                         condition: Condition::Dead,
                     })
                     .collect(),
+                acquire: Vec::new(),
             })
             .collect();
         Arc::new(AllocSpec::new(tasks, limits).unwrap())

@@ -49,6 +49,7 @@ fn arb_alloc() -> impl Strategy<Value = Allocation> {
                         readiness: false,
                         liveness: ttl,
                         depends_on: Vec::new(),
+                        acquire: Vec::new(),
                     };
                     t.readiness =
                         readiness && matches!(t.stage(), Stage::PrestartSidecar | Stage::Main);

@@ -23,6 +23,7 @@ pub(super) fn alloc(tasks: &[(&str, &str, bool)]) -> Allocation {
             readiness: false,
             liveness: None,
             depends_on: Vec::new(),
+            acquire: Vec::new(),
         })
         .collect();
     let spec = AllocSpec::new(specs, &Limits::default()).unwrap();

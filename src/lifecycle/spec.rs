@@ -69,6 +69,9 @@ pub struct TaskSpec {
     /// Start conditions on other tasks (of this allocation or another
     /// one), at most `MAX_DEPENDENCIES`.
     pub depends_on: Vec<Dependency>,
+    /// The semaphores the task must hold a slot of to start, at most
+    /// `MAX_ACQUIRE`, distinct.
+    pub acquire: Vec<super::SemName>,
 }
 
 impl TaskSpec {
@@ -103,6 +106,7 @@ impl TaskSpec {
             readiness: false,
             liveness: None,
             depends_on: Vec::new(),
+            acquire: Vec::new(),
         }
     }
 }
@@ -192,6 +196,28 @@ fn check_range(
                 format_duration(d)
             ),
         ));
+    }
+}
+
+/// How many semaphores task `i` acquires, and that each is named once.
+fn check_acquire(errors: &mut Vec<FieldError>, task: &TaskSpec, i: usize) {
+    if task.acquire.len() > super::MAX_ACQUIRE {
+        errors.push(FieldError::new(
+            format!("tasks[{i}].acquire"),
+            format!(
+                "at most {} semaphores per task, got {}",
+                super::MAX_ACQUIRE,
+                task.acquire.len()
+            ),
+        ));
+    }
+    for (k, name) in task.acquire.iter().enumerate() {
+        if task.acquire[..k].contains(name) {
+            errors.push(FieldError::new(
+                format!("tasks[{i}].acquire[{k}]"),
+                format!("semaphore {name:?} is named twice; a task holds one slot of each"),
+            ));
+        }
     }
 }
 
@@ -317,6 +343,7 @@ impl AllocSpec {
                 TTL_RANGE,
             );
             check_dependencies(&mut errors, &tasks, i);
+            check_acquire(&mut errors, &tasks[i], i);
         }
         for state in Deadlines::STATES {
             check_range(

@@ -526,6 +526,9 @@ pub struct TaskExtra {
     /// Whether each of the task's dependencies holds, parallel to its
     /// spec's `depends_on` (empty when it has none).
     pub deps: Vec<super::DepState>,
+    /// Where it stands with the semaphores its spec acquires (none: not
+    /// in line).
+    pub hold: Option<super::Hold>,
 }
 
 /// A write's `Idempotency-Key` and the request it came with, each as a
@@ -600,6 +603,27 @@ impl TaskStatus {
     pub fn set_deps(&mut self, deps: Vec<super::DepState>) {
         if self.deps() != deps.as_slice() {
             self.extra_mut().deps = deps;
+            self.trim_extra();
+        }
+    }
+
+    /// Where the task stands with its semaphores.
+    pub fn hold(&self) -> Option<super::Hold> {
+        self.extra.as_deref().and_then(|e| e.hold)
+    }
+
+    /// The fence of its grant, while it holds its semaphores.
+    pub fn fence(&self) -> Option<u64> {
+        match self.hold() {
+            Some(super::Hold::Granted { fence, .. }) => Some(fence),
+            _ => None,
+        }
+    }
+
+    /// Sets where the task stands with its semaphores.
+    pub fn set_hold(&mut self, hold: Option<super::Hold>) {
+        if self.hold() != hold {
+            self.extra_mut().hold = hold;
             self.trim_extra();
         }
     }

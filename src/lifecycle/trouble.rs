@@ -157,6 +157,7 @@ mod tests {
             readiness: false,
             liveness: None,
             depends_on: Vec::new(),
+            acquire: Vec::new(),
         };
         let mut web = task("web", None);
         web.liveness = Some(Duration::from_secs(10));

@@ -371,6 +371,7 @@ mod tests {
                 readiness: false,
                 liveness: None,
                 depends_on: Vec::new(),
+                acquire: Vec::new(),
             };
             AllocSpec::new(vec![task], &Limits::default()).unwrap()
         };

@@ -23,6 +23,7 @@ fn spec(tasks: &[(&str, Option<Hook>)]) -> AllocSpec {
             readiness: false,
             liveness: None,
             depends_on: Vec::new(),
+            acquire: Vec::new(),
         })
         .collect();
     AllocSpec::new(tasks, &Limits::default()).unwrap()

@@ -753,6 +753,7 @@ mod tests {
             readiness: false,
             liveness: None,
             depends_on: Vec::new(),
+            acquire: Vec::new(),
         };
         let tasks = vec![
             task("init", Some((Hook::Prestart, false))),

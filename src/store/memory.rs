@@ -187,6 +187,7 @@ mod tests {
             readiness: false,
             liveness: None,
             depends_on: Vec::new(),
+            acquire: Vec::new(),
         };
         let spec = AllocSpec::new(vec![task], &Limits::default()).unwrap();
         Arc::new(Allocation::register(

@@ -47,6 +47,9 @@
 //!                                    one) | task: str | condition: u8)*
 //!                  5 verdicts      = count | verdict*, one per dependency
 //!                  6 run           = the current run: varint
+//!                  7 acquire       = count | semaphore: str*
+//!                  8 hold          = 0 (queued) | since: varint
+//!                                  | 1 (granted) | fence: varint | at: time
 //! verdict = 0 (holds) | why: u8 (1 not_registered, 2 pending, 3 running,
 //!           4 dead, 5 failed, 6 not_ready) | 7 (cycle) | count | str*
 //!           | 8 (no_such_task)
@@ -71,8 +74,9 @@ use std::{sync::Arc, time::Duration};
 
 use crate::lifecycle::{
     AllocId, AllocSpec, Allocation, Condition, CoordState, Deadlines, DepState, Dependency,
-    Desired, Event, EventBody, Hook, IdemKey, Lifecycle, Limits, Overdue, RunState, StopKind,
-    StopReason, TaskExtra, TaskName, TaskSpec, TaskStatus, Timestamp, WRITE_MARKS, Why, WriteMark,
+    Desired, Event, EventBody, Hold, Hook, IdemKey, Lifecycle, Limits, Overdue, RunState, SemName,
+    StopKind, StopReason, TaskExtra, TaskName, TaskSpec, TaskStatus, Timestamp, WRITE_MARKS, Why,
+    WriteMark,
 };
 
 /// The record format this build writes and reads.
@@ -111,6 +115,8 @@ const EXT_KEYS: u8 = 3;
 const EXT_DEPENDS_ON: u8 = 4;
 const EXT_VERDICTS: u8 = 5;
 const EXT_RUN: u8 = 6;
+const EXT_ACQUIRE: u8 = 7;
+const EXT_HOLD: u8 = 8;
 
 /// Codes of a dependency's condition.
 const CONDITION: [Condition; 4] = [
@@ -349,6 +355,29 @@ fn put_task_ext(buf: &mut Vec<u8>, spec: &TaskSpec, status: &TaskStatus) {
     let write_run = |b: &mut Vec<u8>| put_varint(b, status.run.expect("checked"));
     if status.run.is_some() {
         entries.push((EXT_RUN, &write_run));
+    }
+    let write_acquire = |b: &mut Vec<u8>| {
+        put_varint(b, spec.acquire.len() as u64);
+        for name in &spec.acquire {
+            put_str(b, name.as_str());
+        }
+    };
+    if !spec.acquire.is_empty() {
+        entries.push((EXT_ACQUIRE, &write_acquire));
+    }
+    let write_hold = |b: &mut Vec<u8>| match status.hold().expect("checked") {
+        Hold::Queued { since } => {
+            b.push(0);
+            put_varint(b, since);
+        }
+        Hold::Granted { fence, at } => {
+            b.push(1);
+            put_varint(b, fence);
+            put_time(b, at);
+        }
+    };
+    if status.hold().is_some() {
+        entries.push((EXT_HOLD, &write_hold));
     }
     put_ext(buf, &entries);
 }
@@ -775,12 +804,14 @@ impl AllocExt<'_> {
 }
 
 /// What a task's extension block holds: its TTL and
-/// dependencies (spec), and its status's out-of-line part.
+/// dependencies (spec), its status's out-of-line part, its run, and the
+/// semaphores it acquires (spec).
 type TaskExt = (
     Option<Duration>,
     Vec<Dependency>,
     Option<Arc<TaskExtra>>,
     Option<u64>,
+    Vec<SemName>,
 );
 
 fn dependency(p: &mut Reader<'_>) -> Result<Dependency, String> {
@@ -820,6 +851,7 @@ fn verdict(p: &mut Reader<'_>) -> Result<DepState, String> {
 
 fn task_ext(r: &mut Reader<'_>) -> Result<TaskExt, String> {
     let (mut ttl, mut deps, mut extra, mut run) = (None, Vec::new(), TaskExtra::default(), None);
+    let mut acquire = Vec::new();
     for (tag, mut p) in r.ext("a task's extensions")? {
         match tag {
             EXT_TTL => {
@@ -856,6 +888,30 @@ fn task_ext(r: &mut Reader<'_>) -> Result<TaskExt, String> {
                 run = Some(p.varint("the run")?);
                 p.done("the run")?;
             }
+            EXT_ACQUIRE => {
+                // A name takes at least 2 bytes.
+                let n = p.count("the semaphores acquired", 2)?;
+                for _ in 0..n {
+                    let name = p.str("a semaphore's name")?;
+                    acquire.push(
+                        SemName::parse(name).map_err(|e| format!("bad semaphore name: {e}"))?,
+                    );
+                }
+                p.done("the semaphores acquired")?;
+            }
+            EXT_HOLD => {
+                extra.hold = Some(match p.byte("a hold")? {
+                    0 => Hold::Queued {
+                        since: p.varint("a hold's place")?,
+                    },
+                    1 => Hold::Granted {
+                        fence: p.varint("a grant's fence")?,
+                        at: p.time("a grant's time")?,
+                    },
+                    c => return Err(format!("unknown hold {c}")),
+                });
+                p.done("a hold")?;
+            }
             other => return Err(format!("unknown task extension {other}")),
         }
     }
@@ -867,7 +923,7 @@ fn task_ext(r: &mut Reader<'_>) -> Result<TaskExt, String> {
         ));
     }
     let extra = (extra != TaskExtra::default()).then(|| Arc::new(extra));
-    Ok((ttl, deps, extra, run))
+    Ok((ttl, deps, extra, run, acquire))
 }
 
 /// Reads a record, after its version byte.
@@ -979,7 +1035,7 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
             };
             events.push(event_of(body, r.time_parts("an event time")?)?);
         }
-        let (liveness, depends_on, extra, task_run) = task_ext(&mut r)?;
+        let (liveness, depends_on, extra, task_run, acquire) = task_ext(&mut r)?;
         specs.push(TaskSpec {
             name,
             lifecycle,
@@ -987,6 +1043,7 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
             readiness: kind & READINESS != 0,
             liveness,
             depends_on,
+            acquire,
         });
         statuses.push(TaskStatus {
             state: run,

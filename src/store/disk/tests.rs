@@ -39,6 +39,7 @@ pub(super) fn spec() -> AllocSpec {
         readiness: false,
         liveness: None,
         depends_on: Vec::new(),
+        acquire: Vec::new(),
     };
     AllocSpec::new(vec![task], &Limits::default()).unwrap()
 }

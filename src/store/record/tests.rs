@@ -10,6 +10,7 @@ fn task(name: &str, hook: Option<Hook>, sidecar: bool, leader: bool) -> TaskSpec
         readiness: false,
         liveness: None,
         depends_on: Vec::new(),
+        acquire: Vec::new(),
     }
 }
 
@@ -69,6 +70,10 @@ fn full() -> Allocation {
                         condition: Condition::Dead,
                     },
                 ],
+                acquire: vec![
+                    SemName::parse("db-migrations").unwrap(),
+                    SemName::parse("x").unwrap(),
+                ],
                 ..task("web", None, false, true)
             },
             task("announce", Some(Hook::Poststart), false, false),
@@ -123,6 +128,10 @@ fn full() -> Allocation {
                 },
             ],
             deps: Vec::new(),
+            hold: Some(Hold::Granted {
+                fence: u64::MAX,
+                at: old,
+            }),
         })),
     };
     tasks[1].state = RunState::Running;
@@ -132,6 +141,7 @@ fn full() -> Allocation {
     tasks[2].run = Some(u64::MAX);
     tasks[2].started_at = Some(datetime!(-9999-01-01 00:00:00 UTC));
     tasks[2].ready_at = Some(old);
+    tasks[2].set_hold(Some(Hold::Queued { since: 1 << 40 }));
     tasks[2].set_deps(vec![
         DepState::Holds,
         DepState::Blocked(Why::NotReady),
@@ -259,11 +269,11 @@ fn unknown_or_unordered_extensions_are_damage() {
     // A task's block: the record's last byte.
     let mut task = bytes;
     let end = task.len() - 1;
-    task.splice(end.., [1, 7, 0]);
+    task.splice(end.., [1, 9, 0]);
     assert!(
         decode(&task)
             .unwrap_err()
-            .contains("unknown task extension 7")
+            .contains("unknown task extension 9")
     );
 }
 
