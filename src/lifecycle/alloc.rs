@@ -5,8 +5,8 @@
 use std::{sync::Arc, time::Duration};
 
 use super::{
-    AllocId, AllocSpec, CoordState, DepState, Desired, Details, Event, IdemKey, KeySeen, RunState,
-    Stage, StopReason, TaskName, TaskReport, TaskStatus, Timestamp, Why,
+    AllocId, AllocSpec, CoordState, DepState, Desired, Details, Event, Hold, IdemKey, KeySeen,
+    RunState, Stage, StopReason, TaskName, TaskReport, TaskStatus, Timestamp, Why,
     coordinator::{WaitFor, evaluate, gates, is_open, waiting, waiting_on},
     deps::{Target, judge},
     orders::{Outcome, RUN, StopKind, stop_order},
@@ -209,7 +209,21 @@ impl Allocation {
             a.tasks[i].set_deps(deps);
         }
         a.judge_own();
+        a.join_lines();
         a
+    }
+
+    /// A registration's tasks that want their semaphores queue, in the
+    /// registration's change.
+    fn join_lines(&mut self) {
+        if self.spec.acquires() {
+            let before = self.clone();
+            for i in self.keep_holds(&before) {
+                self.tasks[i].set_hold(Some(Hold::Queued {
+                    since: self.modify_index,
+                }));
+            }
+        }
     }
 
     /// Judges every dependency on a task of this allocation, from the
@@ -266,6 +280,7 @@ impl Allocation {
             }
             self.tasks[i].set_deps(deps);
         }
+        self.join_lines();
     }
 
     /// The dependencies of task `i` that do not hold: (position in its
@@ -374,6 +389,15 @@ impl Allocation {
             if t.run == Some(from) {
                 t.run = Some(to);
             }
+            match t.hold() {
+                Some(Hold::Queued { since }) if since == from => {
+                    t.set_hold(Some(Hold::Queued { since: to }));
+                }
+                Some(Hold::Granted { fence, at }) if fence == from => {
+                    t.set_hold(Some(Hold::Granted { fence: to, at }));
+                }
+                _ => {}
+            }
         }
     }
 
@@ -387,10 +411,106 @@ impl Allocation {
     }
 
     /// Whether task `i` may start: its gate is open, every dependency
-    /// holds, and it is not lost.
+    /// holds, it is not lost, and it holds a slot of every semaphore it
+    /// acquires.
     pub fn allowed(&self, i: usize) -> bool {
+        self.otherwise_allowed(i)
+            && (self.spec.tasks()[i].acquire.is_empty()
+                || matches!(self.tasks[i].hold(), Some(Hold::Granted { .. })))
+    }
+
+    /// `allowed`, semaphores aside.
+    fn otherwise_allowed(&self, i: usize) -> bool {
         let t = &self.tasks[i];
         is_open(self.state, self.spec.tasks()[i].stage()) && !t.lost() && t.unblocked()
+    }
+
+    /// Whether task `i` is in line for (or holds) its semaphores: it
+    /// acquires some, is `pending`, told to run, and otherwise allowed.
+    pub fn wants_slots(&self, i: usize) -> bool {
+        !self.spec.tasks()[i].acquire.is_empty()
+            && self.tasks[i].state == RunState::Pending
+            && !self.desired(i).is_stop()
+            && self.otherwise_allowed(i)
+    }
+
+    /// The next version, with task `i` granted its semaphores by the
+    /// change it is (the change's index is the grant's fence); `None`
+    /// unless the task is queued.
+    pub fn grant(
+        &self,
+        i: usize,
+        now: Timestamp,
+        next_index: impl FnOnce() -> u64,
+    ) -> Option<Self> {
+        if !matches!(self.tasks.get(i)?.hold(), Some(Hold::Queued { .. })) {
+            return None;
+        }
+        let index = next_index();
+        let mut next = self.clone();
+        next.tasks[i].set_hold(Some(Hold::Granted {
+            fence: index,
+            at: now,
+        }));
+        next.settle(self, now, false, || index)
+    }
+
+    /// The next version, with the grant of task `i` lapsed (it did not
+    /// become `running` in time): it queues again, at the back. `None`
+    /// unless the task holds a grant and is still `pending`.
+    pub fn expire_grant(
+        &self,
+        i: usize,
+        now: Timestamp,
+        next_index: impl FnOnce() -> u64,
+    ) -> Option<Self> {
+        let t = self.tasks.get(i)?;
+        if t.state != RunState::Pending || !matches!(t.hold(), Some(Hold::Granted { .. })) {
+            return None;
+        }
+        let index = next_index();
+        let mut next = self.clone();
+        next.tasks[i].set_hold(Some(Hold::Queued { since: index }));
+        next.settle(self, now, false, || index)
+    }
+
+    /// Where each task that acquires semaphores stands after a change
+    /// (`prev` before it): a dead task holds nothing (a loss included); a
+    /// running one keeps its grant (one that started without a grant is
+    /// in no line); a pending one that wants its slots keeps its grant or
+    /// its place, unless it went back to `pending` (a restart: it queues
+    /// again, at the back); one that no longer wants them leaves. Tasks
+    /// that join a line are returned: their place is the change's index,
+    /// known only once the change is.
+    fn keep_holds(&mut self, prev: &Self) -> Vec<usize> {
+        let mut joining = Vec::new();
+        for i in 0..self.tasks.len() {
+            if self.spec.tasks()[i].acquire.is_empty() {
+                continue;
+            }
+            let hold = self.tasks[i].hold();
+            let next = match self.tasks[i].state {
+                RunState::Dead => None,
+                RunState::Running => hold.filter(|h| matches!(h, Hold::Granted { .. })),
+                RunState::Pending if !self.wants_slots(i) => None,
+                RunState::Pending => {
+                    let went_back = prev.tasks[i].state != RunState::Pending;
+                    match hold {
+                        Some(Hold::Granted { .. }) if went_back => None,
+                        Some(h) => Some(h),
+                        None => None,
+                    }
+                }
+            };
+            if next.is_none() && self.wants_slots(i) {
+                joining.push(i);
+                // Marked as changed until the index is known.
+                self.tasks[i].set_hold(Some(Hold::Queued { since: u64::MAX }));
+            } else {
+                self.tasks[i].set_hold(next);
+            }
+        }
+        joining
     }
 
     /// The allocation's stop order, as stored (poststop tasks ignore it).
@@ -1044,6 +1164,11 @@ impl Allocation {
             // Every poststop task ended: nothing is left to bound.
             self.deadline_at = None;
         }
+        let joining = if self.spec.acquires() {
+            self.keep_holds(prev)
+        } else {
+            Vec::new()
+        };
         let touched: Vec<usize> = (0..self.tasks.len())
             .filter(|&i| {
                 self.tasks[i] != prev.tasks[i]
@@ -1059,6 +1184,9 @@ impl Allocation {
             return None;
         }
         let index = next_index();
+        for i in joining {
+            self.tasks[i].set_hold(Some(Hold::Queued { since: index }));
+        }
         for i in touched {
             let (was, t) = (&prev.tasks[i], &mut self.tasks[i]);
             t.modify_index = index;

@@ -272,6 +272,11 @@ fn check_dependencies(errors: &mut Vec<FieldError>, tasks: &[TaskSpec], i: usize
 }
 
 impl AllocSpec {
+    /// Whether a task acquires semaphores.
+    pub fn acquires(&self) -> bool {
+        self.tasks().iter().any(|t| !t.acquire.is_empty())
+    }
+
     /// Checks the cross-task rules. Every broken rule is reported, each
     /// with the path `tasks[i]...` of the offending field.
     pub fn new(tasks: Vec<TaskSpec>, limits: &Limits) -> Result<Self, Vec<FieldError>> {

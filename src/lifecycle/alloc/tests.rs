@@ -571,3 +571,107 @@ mod dependencies {
         b.check_invariants().unwrap();
     }
 }
+
+/// The rules of a task's place with its semaphores (SEMANTICS, "Semaphores").
+mod semaphores {
+    use time::macros::datetime;
+
+    use super::super::*;
+    use crate::lifecycle::{Hook, Lifecycle, Limits, SemName, TaskName, TaskSpec};
+
+    const T0: Timestamp = datetime!(2026-11-29 10:00 UTC);
+
+    /// `migrate` (prestart, acquires `db`) and `web` (main).
+    fn alloc() -> Allocation {
+        let migrate = TaskSpec {
+            lifecycle: Some(Lifecycle {
+                hook: Hook::Prestart,
+                sidecar: false,
+            }),
+            acquire: vec![SemName::parse("db").unwrap()],
+            ..TaskSpec::named(TaskName::parse("migrate").unwrap())
+        };
+        let web = TaskSpec::named(TaskName::parse("web").unwrap());
+        let spec = AllocSpec::new(vec![migrate, web], &Limits::default()).unwrap();
+        Allocation::register(AllocId::parse("a").unwrap(), Arc::new(spec), 5, T0)
+    }
+
+    fn report(a: &Allocation, i: usize, state: RunState) -> Allocation {
+        let r = TaskReport {
+            state,
+            failed: false,
+            event: None,
+            ready: None,
+        };
+        let index = a.modify_index + 1;
+        a.report(&[(i, r)], T0, || index).expect("a change")
+    }
+
+    #[test]
+    fn a_task_whose_gate_opens_queues_and_waits_for_its_grant() {
+        let a = alloc();
+        assert_eq!(a.tasks[0].hold(), Some(Hold::Queued { since: 5 }));
+        assert!(!a.allowed(0), "queued, not granted");
+        let g = a.grant(0, T0, || 6).expect("a change");
+        assert_eq!(g.tasks[0].hold(), Some(Hold::Granted { fence: 6, at: T0 }));
+        assert!(g.allowed(0));
+        assert_eq!(g.modify_index, 6);
+        assert!(g.grant(0, T0, || 7).is_none(), "granted once");
+    }
+
+    #[test]
+    fn dying_frees_the_slot_and_a_restart_queues_at_the_back() {
+        let g = alloc().grant(0, T0, || 6).unwrap();
+        let running = report(&g, 0, RunState::Running);
+        assert_eq!(running.tasks[0].fence(), Some(6), "held while running");
+        let dead = report(&running, 0, RunState::Dead);
+        assert_eq!(dead.tasks[0].hold(), None, "dead holds nothing");
+        let ordered = running
+            .restart(RestartMode::Running, "test", T0, || 20)
+            .expect("a restart")
+            .0
+            .expect("a change");
+        assert_eq!(ordered.tasks[0].fence(), Some(6), "held until it stops");
+        let restarted = report(&ordered, 0, RunState::Pending);
+        assert_eq!(
+            restarted.tasks[0].hold(),
+            Some(Hold::Queued { since: 21 }),
+            "back to pending: in line again, behind everyone queued before"
+        );
+    }
+
+    #[test]
+    fn a_lapsed_grant_goes_to_the_back_and_a_stop_order_leaves_the_line() {
+        let g = alloc().grant(0, T0, || 6).unwrap();
+        let expired = g.expire_grant(0, T0, || 9).expect("a change");
+        assert_eq!(expired.tasks[0].hold(), Some(Hold::Queued { since: 9 }));
+        assert!(expired.expire_grant(0, T0, || 10).is_none());
+        let running = report(&g, 0, RunState::Running);
+        assert!(
+            running.expire_grant(0, T0, || 10).is_none(),
+            "it started in time"
+        );
+        // `web` fails: the allocation is told to stop, and the prestart
+        // task waiting for its slot leaves the line.
+        let a = alloc();
+        let failed = TaskReport {
+            state: RunState::Dead,
+            failed: true,
+            event: None,
+            ready: None,
+        };
+        let stopped = a.report(&[(1, failed)], T0, || 6).unwrap();
+        assert!(stopped.desired(0).is_stop());
+        assert_eq!(stopped.tasks[0].hold(), None);
+    }
+
+    #[test]
+    fn the_placeholder_index_of_a_place_or_a_fence_is_restamped() {
+        let mut a = alloc();
+        a.restamp(5, 50);
+        assert_eq!(a.tasks[0].hold(), Some(Hold::Queued { since: 50 }));
+        let mut g = a.grant(0, T0, || 51).unwrap();
+        g.restamp(51, 70);
+        assert_eq!(g.tasks[0].fence(), Some(70));
+    }
+}
