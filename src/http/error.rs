@@ -391,6 +391,9 @@ impl From<RegistryError> for ApiError {
             RegistryError::TaskNotFound { .. } => {
                 Self::new(StatusCode::NOT_FOUND, "task_not_found", detail)
             }
+            RegistryError::SemaphoreNotFound(_) => {
+                Self::new(StatusCode::NOT_FOUND, "semaphore_not_found", detail)
+            }
             RegistryError::AllocationExists { index, .. } => {
                 Self::new(StatusCode::CONFLICT, "allocation_exists", detail).with_index(index)
             }

@@ -129,6 +129,8 @@ pub enum RegistryError {
     },
     #[error("allocation \"{0}\" was deleted")]
     Deleted(String),
+    #[error("semaphore \"{0}\" not found")]
+    SemaphoreNotFound(String),
     #[error("too many requests are waiting; retry later")]
     TooManyWaiters,
     #[error("the server is shutting down")]

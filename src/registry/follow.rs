@@ -111,17 +111,19 @@ impl Inner {
             }
         };
         self.judges.index(&a, true);
+        self.gates.index(now.as_deref(), Some(&a), a.modify_index);
         handle.publish_live(now.as_deref(), a, limit);
         Some((handle, now))
     }
 
-    /// Removes `id` from the view; whether it held it.
-    fn gone(&self, map: &mut AllocMap, id: &str) -> bool {
+    /// Removes `id` from the view (deleted at `index`); whether it held it.
+    fn gone(&self, map: &mut AllocMap, id: &str, index: u64) -> bool {
         let Some(handle) = map.get(id).cloned() else {
             return false;
         };
         if let Some(a) = handle.current() {
             self.judges.index(&a, false);
+            self.gates.index(Some(&a), None, index);
         }
         handle.publish(Slot::Deleted);
         map.remove(id);
@@ -220,7 +222,7 @@ impl Follower for Inner {
                             let own = !self.shared || traces.owns(&traces::Own::Delete(id.clone()));
                             traces.deleted(self.store.id(), &last, now, own, &mut spans);
                         }
-                        if self.gone(map.write(), id.as_str()) {
+                        if self.gone(map.write(), id.as_str(), index) {
                             judge.push((id.clone(), index));
                             events.push(Event::deleted(id, index));
                         }
@@ -237,7 +239,13 @@ impl Follower for Inner {
                             timed.push(handle);
                         }
                     }
-                    Change::PutSemaphore(_) | Change::DeleteSemaphore { .. } => {}
+                    Change::PutSemaphore(s) => {
+                        let (name, index) = (s.name.clone(), s.modify_index);
+                        self.gates.define(&name, Some(s), index);
+                    }
+                    Change::DeleteSemaphore { name, index } => {
+                        self.gates.define(&name, None, index);
+                    }
                 }
             }
         }
@@ -253,6 +261,7 @@ impl Follower for Inner {
         // registered.
         self.feed.append(events, index);
         self.judge(judge);
+        self.judge_gates();
         self.reached(index);
         self.look_again(timed);
     }
@@ -268,7 +277,7 @@ impl Follower for Inner {
             .map(|(id, _)| id.clone())
             .collect();
         for id in stale {
-            self.gone(map.write(), id.as_str());
+            self.gone(map.write(), id.as_str(), loaded.last_index);
         }
         let changed = loaded.allocations.len();
         if let Some(traces) = &self.config.traces {
@@ -282,6 +291,7 @@ impl Follower for Inner {
         for a in loaded.allocations {
             self.put(&mut map, Arc::new(a), false);
         }
+        self.gates.define_all(loaded.semaphores, loaded.last_index);
         // Liveness keys as listed: whatever is not listed is gone (a live
         // key expired while the watch was behind).
         let map = map.write();

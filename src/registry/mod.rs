@@ -21,6 +21,7 @@
 //! | `signs.rs` | each task's signs of life, as its handle keeps them |
 //! | `lives.rs` | how a task's silence is measured, and lease renewals |
 //! | `judge.rs` | dependencies between allocations, and the graph walk |
+//! | `gates.rs` | semaphores: their lines and the grants |
 //! | `wait.rs` | long-polls, blocking queries, the event stream's readers |
 //! | `feed.rs`, `timeline.rs` | the event stream's changes; each allocation's history |
 //! | `traces.rs` | each allocation's trace (OpenTelemetry), when traces are on |
@@ -32,6 +33,7 @@ mod clock;
 mod error;
 pub mod feed;
 mod follow;
+mod gates;
 mod handle;
 mod judge;
 mod lives;
@@ -45,6 +47,7 @@ mod write;
 
 pub use clock::Clock;
 pub use error::{Quota, RegistryError, RestartTarget};
+pub use gates::{Holder, Place, SemaphoreState, Waiting};
 pub use judge::{DEFAULT_MAX_DEPENDENTS, MAX_REACH};
 pub use lives::{GRACE, Signs};
 pub use traces::Traces;
@@ -175,7 +178,8 @@ pub struct Registry {
 ///    timeline, lets it go, then writes the slot).
 /// 7. leaves, none held while another lock is taken: the spec interner
 ///    (`specs`), the reverse dependency index, the cycles found, the
-///    registrations checked and the judges in flight (`judge.rs`), a task's liveness keys (`signs.rs`),
+///    registrations checked and the judges in flight (`judge.rs`), the
+///    semaphores and their lines (`gates.rs`), a task's liveness keys (`signs.rs`),
 ///    a handle's pending version, the feed (`feed.rs`), the open traces
 ///    and the writes claimed for them (`traces.rs`).
 struct Inner {
@@ -209,6 +213,8 @@ struct Inner {
     /// Target allocation → the allocations that depend on its tasks, and
     /// the judges in flight (`judge.rs`).
     judges: judge::Judges,
+    /// The semaphores, their lines and their judge (`gates.rs`).
+    gates: gates::Gates,
     /// Held by a registration with dependencies on other allocations from
     /// its check to its publication: two of them racing could otherwise
     /// close a cycle neither sees, or pass a limit together. Registrations
@@ -327,6 +333,7 @@ impl Registry {
                 lives,
                 shared,
                 judges: judge::Judges::default(),
+                gates: gates::Gates::default(),
                 registering: Arc::default(),
                 runtime: tokio::runtime::Handle::try_current().ok(),
                 me: me.clone(),
@@ -340,8 +347,11 @@ impl Registry {
         for handle in &handles {
             if let Some(a) = handle.current() {
                 registry.inner.judges.index(&a, true);
+                registry.inner.gates.index(None, Some(&a), a.modify_index);
             }
         }
+        registry.inner.gates.define_all(loaded.semaphores, last);
+        registry.inner.judge_gates();
         registry.resolve_all();
         // A deadline that passed while the server was down fires as soon
         // as the timers run.
@@ -497,6 +507,8 @@ impl Registry {
 
 #[cfg(test)]
 mod audit_tests;
+#[cfg(test)]
+mod gates_tests;
 #[cfg(test)]
 mod pipeline_tests;
 #[cfg(test)]

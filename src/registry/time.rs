@@ -273,7 +273,7 @@ impl Inner {
     /// uses no TTL and no deadline (one check of its spec).
     pub(super) fn reschedule(&self, handle: &Arc<Handle>, a: &Allocation) {
         let default = self.config.default_liveness_ttl;
-        if !a.spec.timed(default) {
+        if !a.spec.timed(default) && !a.spec.acquires() {
             return;
         }
         // Leased, the view decides only once it holds all of `a` (the
@@ -286,7 +286,8 @@ impl Inner {
         let leases = self.lease_due(handle, a);
         let seen = self.seen(handle, now);
         let time = a.wake_at(&seen, default).filter(|&at| at != UNTIL_TOLD);
-        if let Some(at) = [leases, time].into_iter().flatten().min() {
+        let grants = self.gates.lapses_at(a);
+        if let Some(at) = [leases, time, grants].into_iter().flatten().min() {
             self.schedule(handle, at);
         }
     }
@@ -438,6 +439,14 @@ impl Registry {
                     return;
                 }
             }
+        }
+        if let Some(a) = handle.current()
+            && inner.gates.lapses_at(&a).is_some_and(|at| at <= self.now())
+            && let Err(e) = self.lapse_grants(handle.id()).await
+        {
+            tracing::warn!(alloc = %handle.id(), error = %e, "a semaphore's grant that lapsed could not be recorded; trying again");
+            self.inner.schedule(&handle, self.now() + RETRY);
+            return;
         }
         if let Some(a) = handle.current() {
             self.inner.reschedule(&handle, &a);

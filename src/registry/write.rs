@@ -45,7 +45,7 @@ use crate::{
 /// Decisions tried on newer copies before a write gives up (503 with
 /// `Retry-After`): each retry needs another replica's change to the same
 /// allocation in the moment between reading and appending.
-const MAX_ROUNDS: usize = 16;
+pub(super) const MAX_ROUNDS: usize = 16;
 
 /// The version a change is decided on.
 #[derive(Clone)]
@@ -339,11 +339,16 @@ impl Registry {
             let live = self
                 .live_ops(&handle, &current, &next, &mut granted)
                 .await?;
+            let grants = if self.inner.shared {
+                self.inner.gates.granted(&current, &next)
+            } else {
+                Vec::new()
+            };
             let appended = self.inner.store.append(Append {
                 op: Op::Put(Arc::new(next)),
                 expect: current.modify_index,
                 live,
-                grants: Vec::new(),
+                grants,
             });
             let Some(record) = appended.record.clone() else {
                 return Err(no_record());

@@ -1,0 +1,270 @@
+//! Semaphores through the registry (`gates.rs`): grants, releases, the
+//! order, limits, lapses and deletions, on one server and on replicas.
+
+use std::{sync::Arc, time::Duration};
+
+use super::*;
+use crate::{
+    lifecycle::{
+        AllocSpec, Hold, Hook, Lifecycle, RunState, SemName, TaskName, TaskReport, TaskSpec,
+    },
+    store::MemoryStore,
+};
+
+const LONG: Duration = Duration::from_secs(60);
+
+fn name(s: &str) -> SemName {
+    SemName::parse(s).unwrap()
+}
+
+/// One prestart task `migrate` acquiring `sems`, and a main task `web`.
+fn spec(sems: &[&str]) -> AllocSpec {
+    let migrate = TaskSpec {
+        lifecycle: Some(Lifecycle {
+            hook: Hook::Prestart,
+            sidecar: false,
+        }),
+        acquire: sems.iter().map(|s| name(s)).collect(),
+        ..TaskSpec::named(TaskName::parse("migrate").unwrap())
+    };
+    let web = TaskSpec::named(TaskName::parse("web").unwrap());
+    AllocSpec::new(vec![migrate, web], &Limits::default()).unwrap()
+}
+
+/// On tokio's clock (paused in these tests), so that a grant timeout
+/// passes when the test's time does.
+fn config() -> RegistryConfig {
+    RegistryConfig {
+        clock: Clock::tokio(),
+        ..RegistryConfig::default()
+    }
+}
+
+fn registry() -> Registry {
+    Registry::open(Arc::new(MemoryStore::new()), config()).unwrap()
+}
+
+async fn report(r: &Registry, id: &str, state: RunState) -> Arc<Allocation> {
+    let report = TaskReport {
+        state,
+        failed: false,
+        event: None,
+        ready: None,
+    };
+    r.report(id, vec![(TaskName::parse("migrate").unwrap(), report)])
+        .await
+        .unwrap()
+}
+
+/// Waits (bounded) until `migrate` of `id` is granted.
+async fn granted(r: &Registry, id: &str) -> u64 {
+    let a = r
+        .wait_until(id, LONG, |a| a.tasks[0].fence().is_some())
+        .await
+        .unwrap();
+    a.tasks[0]
+        .fence()
+        .unwrap_or_else(|| panic!("{id} was never granted"))
+}
+
+fn holders(r: &Registry, sem: &str) -> Vec<String> {
+    r.semaphore(sem)
+        .unwrap()
+        .holders
+        .iter()
+        .map(|(id, _, _)| id.to_string())
+        .collect()
+}
+
+/// Waits (bounded) until the judge has nothing left to do.
+async fn settle(r: &Registry) {
+    tokio::time::timeout(LONG, r.gates_idle())
+        .await
+        .expect("the judge settles");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slot_goes_to_the_first_in_line_and_passes_on_when_its_holder_dies() {
+    let r = registry();
+    r.put_semaphore(name("db"), 1, Duration::from_secs(60))
+        .await
+        .unwrap();
+    for id in ["a", "b", "c"] {
+        r.register(AllocId::parse(id).unwrap(), spec(&["db"]))
+            .await
+            .unwrap();
+    }
+    let fence_a = granted(&r, "a").await;
+    settle(&r).await;
+    assert_eq!(holders(&r, "db"), ["a"]);
+    let b = r.get("b").unwrap();
+    assert!(!b.allowed(0), "b waits");
+    assert_eq!(
+        r.waiting_on_semaphores(&b, 0),
+        [(name("db"), Waiting::Queued { position: 1 })],
+        "a holds (and left the queue); b is first in line, c second"
+    );
+    let c = r.get("c").unwrap();
+    assert_eq!(
+        r.waiting_on_semaphores(&c, 0),
+        [(name("db"), Waiting::Queued { position: 2 })]
+    );
+    report(&r, "a", RunState::Running).await;
+    report(&r, "a", RunState::Dead).await;
+    let fence_b = granted(&r, "b").await;
+    assert!(fence_b > fence_a, "fences only grow");
+    settle(&r).await;
+    assert_eq!(holders(&r, "db"), ["b"], "c still waits");
+    assert!(r.get("c").unwrap().tasks[0].fence().is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn raising_the_limit_grants_at_once_and_lowering_it_revokes_nothing() {
+    let r = registry();
+    r.put_semaphore(name("db"), 1, Duration::from_secs(60))
+        .await
+        .unwrap();
+    for id in ["a", "b", "c", "d"] {
+        r.register(AllocId::parse(id).unwrap(), spec(&["db"]))
+            .await
+            .unwrap();
+    }
+    granted(&r, "a").await;
+    r.put_semaphore(name("db"), 3, Duration::from_secs(60))
+        .await
+        .unwrap();
+    granted(&r, "b").await;
+    granted(&r, "c").await;
+    settle(&r).await;
+    assert_eq!(holders(&r, "db"), ["a", "b", "c"]);
+    r.put_semaphore(name("db"), 1, Duration::from_secs(60))
+        .await
+        .unwrap();
+    report(&r, "a", RunState::Running).await;
+    report(&r, "a", RunState::Dead).await;
+    settle(&r).await;
+    assert_eq!(holders(&r, "db"), ["b", "c"], "no new grant over the limit");
+    assert!(r.get("d").unwrap().tasks[0].fence().is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_task_is_granted_all_of_its_semaphores_or_none_and_nobody_passes_it() {
+    let r = registry();
+    for s in ["x", "y"] {
+        r.put_semaphore(name(s), 1, Duration::from_secs(60))
+            .await
+            .unwrap();
+    }
+    // `hold` takes y; `both` (x and y) waits for y; `x-only` comes after
+    // `both` and must not pass it, though x is free.
+    r.register(AllocId::parse("hold").unwrap(), spec(&["y"]))
+        .await
+        .unwrap();
+    granted(&r, "hold").await;
+    r.register(AllocId::parse("both").unwrap(), spec(&["x", "y"]))
+        .await
+        .unwrap();
+    r.register(AllocId::parse("x-only").unwrap(), spec(&["x"]))
+        .await
+        .unwrap();
+    settle(&r).await;
+    assert!(
+        holders(&r, "x").is_empty(),
+        "no partial hold of x by `both`"
+    );
+    assert!(
+        r.get("x-only").unwrap().tasks[0].fence().is_none(),
+        "a later task never jumps ahead"
+    );
+    report(&r, "hold", RunState::Running).await;
+    report(&r, "hold", RunState::Dead).await;
+    granted(&r, "both").await;
+    settle(&r).await;
+    assert_eq!(holders(&r, "x"), ["both"]);
+    assert_eq!(holders(&r, "y"), ["both"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_grant_not_taken_up_in_time_goes_to_the_back() {
+    let r = registry();
+    r.put_semaphore(name("db"), 1, Duration::from_secs(5))
+        .await
+        .unwrap();
+    for id in ["a", "b"] {
+        r.register(AllocId::parse(id).unwrap(), spec(&["db"]))
+            .await
+            .unwrap();
+    }
+    granted(&r, "a").await;
+    // a never starts: after 5 s its grant lapses and b's turn comes.
+    granted(&r, "b").await;
+    let a = r.get("a").unwrap();
+    assert!(
+        matches!(a.tasks[0].hold(), Some(Hold::Queued { .. })),
+        "a queues again: {:?}",
+        a.tasks[0].hold()
+    );
+    assert_eq!(
+        r.waiting_on_semaphores(&a, 0),
+        [(name("db"), Waiting::Queued { position: 1 })]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_deleted_semaphore_blocks_its_waiters_visibly_and_revokes_nothing() {
+    let r = registry();
+    r.put_semaphore(name("db"), 1, Duration::from_secs(60))
+        .await
+        .unwrap();
+    for id in ["a", "b"] {
+        r.register(AllocId::parse(id).unwrap(), spec(&["db"]))
+            .await
+            .unwrap();
+    }
+    granted(&r, "a").await;
+    r.delete_semaphore(&name("db")).await.unwrap();
+    assert!(r.get("a").unwrap().allowed(0), "the holder keeps its slot");
+    let b = r.get("b").unwrap();
+    assert_eq!(
+        r.waiting_on_semaphores(&b, 0),
+        [(name("db"), Waiting::NotRegistered)]
+    );
+    assert!(matches!(
+        r.delete_semaphore(&name("db")).await,
+        Err(RegistryError::SemaphoreNotFound(_))
+    ));
+    // Created again: the line is still there, and the holder still counts.
+    r.put_semaphore(name("db"), 1, Duration::from_secs(60))
+        .await
+        .unwrap();
+    settle(&r).await;
+    assert_eq!(holders(&r, "db"), ["a"]);
+    assert!(r.get("b").unwrap().tasks[0].fence().is_none());
+    r.delete("a").await.unwrap();
+    granted(&r, "b").await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn grants_survive_a_restart_and_the_line_is_rebuilt_from_the_records() {
+    let store = Arc::new(MemoryStore::new());
+    let r = Registry::open(store.clone(), config()).unwrap();
+    r.put_semaphore(name("db"), 1, Duration::from_secs(60))
+        .await
+        .unwrap();
+    for id in ["a", "b"] {
+        r.register(AllocId::parse(id).unwrap(), spec(&["db"]))
+            .await
+            .unwrap();
+    }
+    let fence = granted(&r, "a").await;
+    settle(&r).await;
+    drop(r);
+    let r = Registry::open(store, config()).unwrap();
+    settle(&r).await;
+    assert_eq!(r.get("a").unwrap().tasks[0].fence(), Some(fence));
+    assert_eq!(holders(&r, "db"), ["a"]);
+    assert_eq!(r.semaphore("db").unwrap().queue.len(), 1, "b still waits");
+    report(&r, "a", RunState::Running).await;
+    report(&r, "a", RunState::Dead).await;
+    assert!(granted(&r, "b").await > fence);
+}
