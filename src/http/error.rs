@@ -65,6 +65,11 @@ pub const CODES: &[(&str, u16, &str)] = &[
         "The allocation has no task of this name; `detail` lists the tasks it has.",
     ),
     (
+        "semaphore_not_found",
+        404,
+        "No semaphore has this name. `GET /v1/semaphores` lists them; an operator creates one with `PUT /v1/semaphores/{name}` (tasks that acquire a missing semaphore wait for it, `why: not_registered`).",
+    ),
+    (
         "method_not_allowed",
         405,
         "The route exists but not with this method; the `Allow` header lists the methods it takes.",

@@ -230,6 +230,22 @@ impl<S: Send + Sync> FromRequestParts<S> for AllocPath {
     }
 }
 
+/// `/v1/semaphores/{name}`.
+pub struct SemaphorePath(pub crate::lifecycle::SemName);
+
+impl<S: Send + Sync> FromRequestParts<S> for SemaphorePath {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        let Path(raw) = Path::<String>::from_request_parts(parts, state)
+            .await
+            .map_err(path_rejected)?;
+        parse_id("name", &raw, crate::lifecycle::SemName::parse)
+            .map(SemaphorePath)
+            .map_err(|e| ApiError::invalid("invalid semaphore name", vec![e]))
+    }
+}
+
 /// The run an agent names (`Taskgate-Run`, SEMANTICS "Runs"): the value
 /// the server gave it, which no other run has. One that is not a run the
 /// server could have given (not a number) names no current run.

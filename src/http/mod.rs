@@ -17,6 +17,7 @@ pub mod params;
 pub mod prefer;
 pub mod query;
 pub mod render;
+mod semaphores;
 mod service;
 pub mod site;
 mod tasks;
@@ -219,6 +220,13 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
         .route(
             "/v1/allocations/{alloc_id}/tasks/{task}/heartbeat",
             put(tasks::heartbeat),
+        )
+        .route("/v1/semaphores", get(semaphores::list))
+        .route(
+            "/v1/semaphores/{name}",
+            put(semaphores::put)
+                .get(semaphores::get)
+                .delete(semaphores::delete),
         )
         .route("/", get(service::root))
         .route("/v1/health", get(service::health))

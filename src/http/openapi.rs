@@ -11,7 +11,7 @@ use utoipa::{
     },
 };
 
-use super::{allocations, error, events, service, tasks, views};
+use super::{allocations, error, events, semaphores, service, tasks, views};
 use crate::lifecycle::{
     Condition, CoordState, DesiredKind, Hook, ListState, Outcome, RunState, Stage, StopKind,
     TroubleKind, WaitFor, Why,
@@ -72,6 +72,10 @@ Errors are RFC 9457 problem documents with a stable `code`.",
         tasks::report,
         tasks::start_condition,
         tasks::heartbeat,
+        semaphores::list,
+        semaphores::put,
+        semaphores::get,
+        semaphores::delete,
         service::root,
         service::health,
         service::metrics,
@@ -83,6 +87,7 @@ Errors are RFC 9457 problem documents with a stable `code`.",
     tags(
         (name = "allocations", description = "Register, read, list, restart, restore, stop and delete allocations"),
         (name = "tasks", description = "Task views, state reports and the start-condition long-poll"),
+        (name = "semaphores", description = "At most N tasks at once, across allocations: create, read, list and delete semaphores"),
         (name = "service", description = "Health, metrics and this document"),
     )
 )]

@@ -247,6 +247,33 @@ fn task(out: &mut Vec<u8>, a: &Allocation, i: usize, live: &Liveness) -> Result 
         }
         out.push(b'}');
     }
+    for b in super::views::semaphores_blocking(live, i) {
+        comma(out, n);
+        n += 1;
+        out.extend_from_slice(b"{\"semaphore\":");
+        string(out, &b.semaphore);
+        out.extend_from_slice(b",\"why\":");
+        string(out, b.why.as_str());
+        if let Some(p) = b.position {
+            out.extend_from_slice(b",\"position\":");
+            number(out, p as u64)?;
+        }
+        out.push(b'}');
+    }
+    out.extend_from_slice(b"],\"acquire\":[");
+    for (n, s) in spec.acquire.iter().enumerate() {
+        comma(out, n);
+        string(out, s.as_str());
+    }
+    out.extend_from_slice(b"],\"grants\":[");
+    for (n, g) in super::views::grants(a, i).iter().enumerate() {
+        comma(out, n);
+        out.extend_from_slice(b"{\"semaphore\":");
+        string(out, &g.semaphore);
+        out.extend_from_slice(b",\"fence\":");
+        number(out, g.fence)?;
+        out.push(b'}');
+    }
     out.extend_from_slice(b"]}");
     Ok(())
 }

@@ -176,7 +176,7 @@ pub async fn start_condition(
     Ok(indexed(
         StatusCode::OK,
         a.modify_index,
-        &StartConditionView::new(&a, i),
+        &StartConditionView::new(&a, i, &s.registry),
     ))
 }
 

@@ -10,6 +10,7 @@ use crate::{
         Events, Hook, Outcome, RunState, Stage, StopKind, Timestamp, Trouble, TroubleKind, WaitFor,
         Why,
     },
+    registry::Waiting,
     units::{Shown, format_duration},
 };
 
@@ -22,10 +23,13 @@ pub trait Live {
     fn of(&self, a: &Allocation) -> Liveness;
 }
 
-/// The liveness of one allocation's tasks, as one view shows them.
+/// The liveness of one allocation's tasks, as one view shows them, and
+/// where its queued tasks stand in their semaphores' lines.
 pub struct Liveness {
     default_ttl: Option<std::time::Duration>,
     signs: Option<crate::registry::Signs>,
+    /// By task (empty: no task is queued, or no registry to ask).
+    lines: Vec<Vec<(crate::lifecycle::SemName, Waiting)>>,
 }
 
 impl Liveness {
@@ -39,13 +43,62 @@ impl Liveness {
         self.ttl(a, i)?;
         self.signs.as_ref()?.last_seen(i)
     }
+
+    /// Why task `i` waits on its semaphores (none while it holds them or
+    /// is in no line).
+    pub fn waiting(&self, i: usize) -> &[(crate::lifecycle::SemName, Waiting)] {
+        self.lines.get(i).map_or(&[], Vec::as_slice)
+    }
+}
+
+/// The semaphore entries of a task's `blocked_by`.
+pub fn semaphores_blocking(live: &Liveness, i: usize) -> Vec<SemaphoreBlockedView> {
+    live.waiting(i)
+        .iter()
+        .map(|(name, why)| match why {
+            Waiting::Queued { position } => SemaphoreBlockedView {
+                semaphore: name.to_string(),
+                why: SemaphoreWhy::Queued,
+                position: Some(*position),
+            },
+            Waiting::NotRegistered => SemaphoreBlockedView {
+                semaphore: name.to_string(),
+                why: SemaphoreWhy::NotRegistered,
+                position: None,
+            },
+        })
+        .collect()
+}
+
+/// The grants task `i` holds, one per semaphore (all with its grant's
+/// fence).
+pub fn grants(a: &Allocation, i: usize) -> Vec<GrantView> {
+    let Some(fence) = a.tasks[i].fence() else {
+        return Vec::new();
+    };
+    a.spec.tasks()[i]
+        .acquire
+        .iter()
+        .map(|s| GrantView {
+            semaphore: s.to_string(),
+            fence,
+        })
+        .collect()
 }
 
 impl Live for crate::registry::Registry {
     fn of(&self, a: &Allocation) -> Liveness {
+        let lines = if a.spec.acquires() {
+            (0..a.tasks.len())
+                .map(|i| self.waiting_on_semaphores(a, i))
+                .collect()
+        } else {
+            Vec::new()
+        };
         Liveness {
             default_ttl: self.default_liveness_ttl(),
             signs: self.signs(a),
+            lines,
         }
     }
 }
@@ -59,6 +112,7 @@ impl Live for RecordOnly {
         Liveness {
             default_ttl: None,
             signs: None,
+            lines: Vec::new(),
         }
     }
 }
@@ -245,7 +299,7 @@ pub struct DeadlinesView {
 }
 
 /// A duration as text (`30s`), written without a `String` of its own.
-fn shown<S: serde::Serializer>(d: &Shown, s: S) -> Result<S::Ok, S::Error> {
+pub(crate) fn shown<S: serde::Serializer>(d: &Shown, s: S) -> Result<S::Ok, S::Error> {
     s.collect_str(d)
 }
 
@@ -338,8 +392,64 @@ pub struct TaskView {
     pub last_seen: Option<OffsetDateTime>,
     /// Start conditions on other tasks, as registered.
     pub depends_on: Vec<DependencyView>,
-    /// The dependencies that do not hold now (empty when every one holds).
-    pub blocked_by: Vec<BlockedView>,
+    /// The dependencies that do not hold now, and the semaphores the task
+    /// waits for (empty when nothing holds it back but its gate).
+    pub blocked_by: Vec<Blocked>,
+    /// The semaphores it acquires, as registered.
+    #[schema(example = json!(["db-migrations"]))]
+    pub acquire: Vec<String>,
+    /// Its slots, while it holds them: one per semaphore, each with the
+    /// grant's fence.
+    pub grants: Vec<GrantView>,
+}
+
+/// A slot of a semaphore a task holds.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(example = json!({"semaphore": "db-migrations", "fence": 1042}))]
+pub struct GrantView {
+    pub semaphore: String,
+    /// Grows with every grant of the semaphore and is never reused: the
+    /// workload can pass it to what the semaphore protects, which refuses
+    /// a fence lower than one it has seen.
+    pub fence: u64,
+}
+
+/// Why a task does not start yet: a dependency that does not hold, or a
+/// semaphore it waits for.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum Blocked {
+    Dependency(BlockedView),
+    Semaphore(SemaphoreBlockedView),
+}
+
+/// A semaphore a task waits for.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(example = json!({"semaphore": "db-migrations", "why": "queued", "position": 3}))]
+pub struct SemaphoreBlockedView {
+    pub semaphore: String,
+    pub why: SemaphoreWhy,
+    /// For `why: queued`: its place in the queue (1 is first in line).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub position: Option<usize>,
+}
+
+/// `queued`: in the semaphore's queue; `not_registered`: no semaphore of
+/// that name exists (an operator creates it with `PUT /v1/semaphores/{name}`).
+#[derive(Clone, Copy, Debug, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum SemaphoreWhy {
+    Queued,
+    NotRegistered,
+}
+
+impl SemaphoreWhy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::NotRegistered => "not_registered",
+        }
+    }
 }
 
 /// A dependency as registered.
@@ -367,7 +477,9 @@ pub struct BlockedView {
     pub path: Option<Vec<String>>,
 }
 
-fn dependencies(a: &Allocation, i: usize) -> (Vec<DependencyView>, Vec<BlockedView>) {
+/// A task's dependencies as registered, and what holds it back (its
+/// dependencies that do not hold, then the semaphores it waits for).
+fn dependencies(a: &Allocation, i: usize, live: &Liveness) -> (Vec<DependencyView>, Vec<Blocked>) {
     let spec = &a.spec.tasks()[i];
     let depends_on = spec
         .depends_on
@@ -394,6 +506,12 @@ fn dependencies(a: &Allocation, i: usize) -> (Vec<DependencyView>, Vec<BlockedVi
                 },
             })
         })
+        .map(Blocked::Dependency)
+        .chain(
+            semaphores_blocking(live, i)
+                .into_iter()
+                .map(Blocked::Semaphore),
+        )
         .collect();
     (depends_on, blocked_by)
 }
@@ -467,9 +585,12 @@ pub struct StartConditionView {
     pub failed_tasks: Vec<String>,
     /// The task's dependencies, as registered.
     pub depends_on: Vec<DependencyView>,
-    /// The dependencies that do not hold now: while any is listed the task
-    /// may not start.
-    pub blocked_by: Vec<BlockedView>,
+    /// The dependencies that do not hold now and the semaphores the task
+    /// waits for: while any is listed the task may not start.
+    pub blocked_by: Vec<Blocked>,
+    /// Its semaphores' slots, while it holds them (the fences to pass on
+    /// to what they protect).
+    pub grants: Vec<GrantView>,
     /// The task's state, and its current run while it is `running` (else
     /// `null`): what an agent that restarts finds.
     pub state: RunState,
@@ -570,7 +691,7 @@ impl TaskView {
         let spec = &a.spec.tasks()[i];
         let t = &a.tasks[i];
         let desired = a.desired(i);
-        let (depends_on, blocked_by) = dependencies(a, i);
+        let (depends_on, blocked_by) = dependencies(a, i, live);
         Self {
             name: spec.name.to_string(),
             lifecycle: spec.lifecycle.map(|l| LifecycleView {
@@ -600,6 +721,8 @@ impl TaskView {
             last_seen: live.last_seen(a, i),
             depends_on,
             blocked_by,
+            acquire: spec.acquire.iter().map(ToString::to_string).collect(),
+            grants: grants(a, i),
         }
     }
 }
@@ -660,9 +783,9 @@ impl TaskDetailView {
 }
 
 impl StartConditionView {
-    pub fn new(a: &Allocation, i: usize) -> Self {
+    pub fn new(a: &Allocation, i: usize, live: &dyn Live) -> Self {
         let (outcome, failed_tasks) = outcome(a);
-        let (depends_on, blocked_by) = dependencies(a, i);
+        let (depends_on, blocked_by) = dependencies(a, i, &live.of(a));
         Self {
             alloc_id: a.id.to_string(),
             task: a.task_name(i).to_string(),
@@ -679,6 +802,7 @@ impl StartConditionView {
             run: a.tasks[i].run.map(|r| r.to_string()),
             create_index: a.create_index,
             index: a.modify_index,
+            grants: grants(a, i),
         }
     }
 }

@@ -221,6 +221,7 @@ impl Allocation {
             for i in self.keep_holds(&before) {
                 self.tasks[i].set_hold(Some(Hold::Queued {
                     since: self.modify_index,
+                    at: self.modified_at,
                 }));
             }
         }
@@ -390,8 +391,8 @@ impl Allocation {
                 t.run = Some(to);
             }
             match t.hold() {
-                Some(Hold::Queued { since }) if since == from => {
-                    t.set_hold(Some(Hold::Queued { since: to }));
+                Some(Hold::Queued { since, at }) if since == from => {
+                    t.set_hold(Some(Hold::Queued { since: to, at }));
                 }
                 Some(Hold::Granted { fence, at }) if fence == from => {
                     t.set_hold(Some(Hold::Granted { fence: to, at }));
@@ -470,7 +471,10 @@ impl Allocation {
         }
         let index = next_index();
         let mut next = self.clone();
-        next.tasks[i].set_hold(Some(Hold::Queued { since: index }));
+        next.tasks[i].set_hold(Some(Hold::Queued {
+            since: index,
+            at: now,
+        }));
         next.settle(self, now, false, || index)
     }
 
@@ -505,7 +509,10 @@ impl Allocation {
             if next.is_none() && self.wants_slots(i) {
                 joining.push(i);
                 // Marked as changed until the index is known.
-                self.tasks[i].set_hold(Some(Hold::Queued { since: u64::MAX }));
+                self.tasks[i].set_hold(Some(Hold::Queued {
+                    since: u64::MAX,
+                    at: self.modified_at,
+                }));
             } else {
                 self.tasks[i].set_hold(next);
             }
@@ -1185,7 +1192,10 @@ impl Allocation {
         }
         let index = next_index();
         for i in joining {
-            self.tasks[i].set_hold(Some(Hold::Queued { since: index }));
+            self.tasks[i].set_hold(Some(Hold::Queued {
+                since: index,
+                at: now,
+            }));
         }
         for i in touched {
             let (was, t) = (&prev.tasks[i], &mut self.tasks[i]);

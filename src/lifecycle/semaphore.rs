@@ -55,10 +55,10 @@ impl Semaphore {
 /// record; none for a task that is not in line).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Hold {
-    /// Otherwise allowed since the change at index `since`: in line for
-    /// every semaphore it names. The queues are ordered by `since`, the
-    /// same order in every semaphore.
-    Queued { since: u64 },
+    /// Otherwise allowed since the change at index `since` (made at
+    /// `at`): in line for every semaphore it names. The queues are ordered
+    /// by `since`, the same order in every semaphore.
+    Queued { since: u64, at: Timestamp },
     /// Granted all of its semaphores by the change at index `fence` (each
     /// semaphore's fence for this grant: the store's index grows with every
     /// change and is never reused), at `at`.

@@ -126,7 +126,7 @@ impl State {
             for name in &spec.acquire {
                 let line = self.line(name);
                 match hold {
-                    Hold::Queued { since } => {
+                    Hold::Queued { since, .. } => {
                         let place = (since, a.id.clone(), i);
                         if add {
                             line.queue.insert(place);
@@ -338,7 +338,7 @@ impl Gates {
     /// Why task `i` of `a` is held back by its semaphores, by semaphore (a
     /// task that holds them, or is in no line, is held back by none).
     pub(super) fn waiting(&self, a: &Allocation, i: usize) -> Vec<(SemName, Waiting)> {
-        let Some(Hold::Queued { since }) = a.tasks[i].hold() else {
+        let Some(Hold::Queued { since, .. }) = a.tasks[i].hold() else {
             return Vec::new();
         };
         let place = (since, a.id.clone(), i);
@@ -476,7 +476,7 @@ impl Registry {
                 id.as_str(),
                 |a, next_index| {
                     let queued =
-                        a.tasks.get(i).and_then(|t| t.hold()) == Some(Hold::Queued { since });
+                        matches!(a.tasks.get(i).and_then(|t| t.hold()), Some(Hold::Queued { since: s, .. }) if s == since);
                     if !queued || !self.inner.gates.state().may_grant(a, i, since) {
                         return Ok((None, ()));
                     }

@@ -48,7 +48,7 @@
 //!                  5 verdicts      = count | verdict*, one per dependency
 //!                  6 run           = the current run: varint
 //!                  7 acquire       = count | semaphore: str*
-//!                  8 hold          = 0 (queued) | since: varint
+//!                  8 hold          = 0 (queued) | since: varint | at: time
 //!                                  | 1 (granted) | fence: varint | at: time
 //! verdict = 0 (holds) | why: u8 (1 not_registered, 2 pending, 3 running,
 //!           4 dead, 5 failed, 6 not_ready) | 7 (cycle) | count | str*
@@ -366,9 +366,10 @@ fn put_task_ext(buf: &mut Vec<u8>, spec: &TaskSpec, status: &TaskStatus) {
         entries.push((EXT_ACQUIRE, &write_acquire));
     }
     let write_hold = |b: &mut Vec<u8>| match status.hold().expect("checked") {
-        Hold::Queued { since } => {
+        Hold::Queued { since, at } => {
             b.push(0);
             put_varint(b, since);
+            put_time(b, at);
         }
         Hold::Granted { fence, at } => {
             b.push(1);
@@ -903,6 +904,7 @@ fn task_ext(r: &mut Reader<'_>) -> Result<TaskExt, String> {
                 extra.hold = Some(match p.byte("a hold")? {
                     0 => Hold::Queued {
                         since: p.varint("a hold's place")?,
+                        at: p.time("a hold's time")?,
                     },
                     1 => Hold::Granted {
                         fence: p.varint("a grant's fence")?,

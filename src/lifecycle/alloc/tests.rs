@@ -610,7 +610,7 @@ mod semaphores {
     #[test]
     fn a_task_whose_gate_opens_queues_and_waits_for_its_grant() {
         let a = alloc();
-        assert_eq!(a.tasks[0].hold(), Some(Hold::Queued { since: 5 }));
+        assert_eq!(a.tasks[0].hold(), Some(Hold::Queued { since: 5, at: T0 }));
         assert!(!a.allowed(0), "queued, not granted");
         let g = a.grant(0, T0, || 6).expect("a change");
         assert_eq!(g.tasks[0].hold(), Some(Hold::Granted { fence: 6, at: T0 }));
@@ -635,7 +635,7 @@ mod semaphores {
         let restarted = report(&ordered, 0, RunState::Pending);
         assert_eq!(
             restarted.tasks[0].hold(),
-            Some(Hold::Queued { since: 21 }),
+            Some(Hold::Queued { since: 21, at: T0 }),
             "back to pending: in line again, behind everyone queued before"
         );
     }
@@ -644,7 +644,10 @@ mod semaphores {
     fn a_lapsed_grant_goes_to_the_back_and_a_stop_order_leaves_the_line() {
         let g = alloc().grant(0, T0, || 6).unwrap();
         let expired = g.expire_grant(0, T0, || 9).expect("a change");
-        assert_eq!(expired.tasks[0].hold(), Some(Hold::Queued { since: 9 }));
+        assert_eq!(
+            expired.tasks[0].hold(),
+            Some(Hold::Queued { since: 9, at: T0 })
+        );
         assert!(expired.expire_grant(0, T0, || 10).is_none());
         let running = report(&g, 0, RunState::Running);
         assert!(
@@ -669,7 +672,7 @@ mod semaphores {
     fn the_placeholder_index_of_a_place_or_a_fence_is_restamped() {
         let mut a = alloc();
         a.restamp(5, 50);
-        assert_eq!(a.tasks[0].hold(), Some(Hold::Queued { since: 50 }));
+        assert_eq!(a.tasks[0].hold(), Some(Hold::Queued { since: 50, at: T0 }));
         let mut g = a.grant(0, T0, || 51).unwrap();
         g.restamp(51, 70);
         assert_eq!(g.tasks[0].fence(), Some(70));

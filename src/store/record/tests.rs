@@ -141,7 +141,10 @@ fn full() -> Allocation {
     tasks[2].run = Some(u64::MAX);
     tasks[2].started_at = Some(datetime!(-9999-01-01 00:00:00 UTC));
     tasks[2].ready_at = Some(old);
-    tasks[2].set_hold(Some(Hold::Queued { since: 1 << 40 }));
+    tasks[2].set_hold(Some(Hold::Queued {
+        since: 1 << 40,
+        at: east,
+    }));
     tasks[2].set_deps(vec![
         DepState::Holds,
         DepState::Blocked(Why::NotReady),
