@@ -1,0 +1,227 @@
+//! Semaphores over HTTP (SEMANTICS "Semaphores", API "Additions of the
+//! fourth edition"): the routes, the task view's `acquire`, `grants` and
+//! `blocked_by` entries, and a slot passing from one allocation to the
+//! next.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{TestApp, test_app};
+use serde_json::{Value, json};
+
+async fn register(app: &TestApp, id: &str, acquire: Value) -> common::Answer {
+    app.call(
+        "PUT",
+        &format!("/v1/allocations/{id}"),
+        Some(json!({"tasks": [
+            {"name": "migrate", "lifecycle": {"hook": "prestart"}, "acquire": acquire},
+            {"name": "web"}
+        ]})),
+    )
+    .await
+}
+
+/// The start condition; with `wait`, parked until the task is allowed
+/// (or told to stop) or the wait ends.
+async fn start_condition(app: &TestApp, id: &str, wait: &str) -> common::Answer {
+    app.call(
+        "GET",
+        &format!("/v1/allocations/{id}/tasks/migrate/start-condition?wait={wait}"),
+        None,
+    )
+    .await
+}
+
+async fn state(app: &TestApp, id: &str, state: &str, run: Option<&str>) -> common::Answer {
+    let headers: Vec<(&str, &str)> = run.map(|r| ("taskgate-run", r)).into_iter().collect();
+    app.call_with(
+        "PUT",
+        &format!("/v1/allocations/{id}/tasks/migrate/state"),
+        &headers,
+        Some(json!({"state": state})),
+    )
+    .await
+}
+
+/// Polls the start condition until `allowed` (bounded by its own wait).
+async fn allowed(app: &TestApp, id: &str) -> Value {
+    for _ in 0..20 {
+        let a = start_condition(app, id, "30s").await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        if a.body["allowed"] == true {
+            return a.body;
+        }
+    }
+    panic!("{id} was never allowed");
+}
+
+#[tokio::test]
+async fn a_slot_passes_from_allocation_to_allocation_in_order() {
+    let app = test_app().await;
+    let made = app
+        .call(
+            "PUT",
+            "/v1/semaphores/db-migrations",
+            Some(json!({"limit": 1})),
+        )
+        .await;
+    assert_eq!(made.status, 201, "{}", made.body);
+    assert_eq!(made.body["limit"], 1);
+    assert_eq!(made.body["grant_timeout"], "1m");
+    let again = app
+        .call(
+            "PUT",
+            "/v1/semaphores/db-migrations",
+            Some(json!({"limit": 1})),
+        )
+        .await;
+    assert_eq!(again.status, 200, "the same again is no creation");
+
+    for id in ["app-1", "app-2", "app-3"] {
+        let a = register(&app, id, json!(["db-migrations"])).await;
+        assert_eq!(a.status, 201, "{}", a.body);
+        assert_eq!(a.task("migrate")["acquire"], json!(["db-migrations"]));
+    }
+    let first = allowed(&app, "app-1").await;
+    let fence = first["grants"][0]["fence"].as_u64().unwrap();
+    assert_eq!(
+        first["grants"],
+        json!([{"semaphore": "db-migrations", "fence": fence}])
+    );
+    assert_eq!(first["blocked_by"], json!([]));
+
+    let second = start_condition(&app, "app-2", "0s").await;
+    assert_eq!(second.body["allowed"], false);
+    assert_eq!(second.body["grants"], json!([]));
+    assert_eq!(
+        second.body["blocked_by"],
+        json!([{"semaphore": "db-migrations", "why": "queued", "position": 1}])
+    );
+    let third = app.call("GET", "/v1/allocations/app-3", None).await;
+    assert_eq!(
+        third.task("migrate")["blocked_by"],
+        json!([{"semaphore": "db-migrations", "why": "queued", "position": 2}])
+    );
+
+    let sem = app.call("GET", "/v1/semaphores/db-migrations", None).await;
+    assert_eq!(sem.status, 200);
+    assert_eq!(sem.body["holders"][0]["allocation"], "app-1");
+    assert_eq!(sem.body["holders"][0]["fence"], fence);
+    assert_eq!(
+        sem.body["holders"][0]["run"],
+        Value::Null,
+        "granted, not started"
+    );
+    let queue: Vec<&str> = sem.body["queue"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| q["allocation"].as_str().unwrap())
+        .collect();
+    assert_eq!(queue, ["app-2", "app-3"]);
+    assert!(sem.body["next_fence"].as_u64().unwrap() > fence);
+
+    let running = state(&app, "app-1", "running", None).await;
+    let run = running.run("migrate");
+    state(&app, "app-1", "dead", Some(&run)).await;
+    let next = allowed(&app, "app-2").await;
+    assert!(
+        next["grants"][0]["fence"].as_u64().unwrap() > fence,
+        "fences grow"
+    );
+    let third = start_condition(&app, "app-3", "0s").await;
+    assert_eq!(third.body["allowed"], false);
+    assert_eq!(third.body["blocked_by"][0]["position"], 1);
+}
+
+#[tokio::test]
+async fn semaphore_routes_refuse_what_is_wrong_and_name_it() {
+    let app = test_app().await;
+    for (body, field) in [
+        (json!({"limit": 0}), "limit"),
+        (json!({"limit": 10001}), "limit"),
+        (json!({"limit": 2, "grant_timeout": "0s"}), "grant_timeout"),
+        (json!({"limit": 2, "grant_timeout": "25h"}), "grant_timeout"),
+        (
+            json!({"limit": 2, "grant_timeout": "soon"}),
+            "grant_timeout",
+        ),
+    ] {
+        let a = app
+            .call("PUT", "/v1/semaphores/s", Some(body.clone()))
+            .await;
+        a.assert_problem(400, "invalid_request");
+        assert_eq!(a.error_fields(), [field], "{body}");
+    }
+    let a = app
+        .call(
+            "PUT",
+            "/v1/semaphores/s",
+            Some(json!({"limit": 2, "size": 3})),
+        )
+        .await;
+    assert_eq!(a.status, 400, "unknown field: {}", a.body);
+    app.call("GET", "/v1/semaphores/none", None)
+        .await
+        .assert_problem(404, "semaphore_not_found");
+    app.call("DELETE", "/v1/semaphores/none", None)
+        .await
+        .assert_problem(404, "semaphore_not_found");
+    app.call("PUT", "/v1/semaphores/-bad", Some(json!({"limit": 1})))
+        .await
+        .assert_problem(400, "invalid_request");
+    let too_many = register(&app, "x", json!(["a", "b", "c", "d", "e"])).await;
+    too_many.assert_problem(400, "invalid_request");
+    assert_eq!(too_many.error_fields(), ["tasks[0].acquire"]);
+    let twice = register(&app, "x", json!(["a", "a"])).await;
+    assert_eq!(twice.error_fields(), ["tasks[0].acquire[1]"]);
+}
+
+#[tokio::test]
+async fn a_missing_semaphore_blocks_visibly_and_listing_pages_by_name() {
+    let app = test_app().await;
+    register(&app, "app-1", json!(["later"])).await;
+    let a = start_condition(&app, "app-1", "0s").await;
+    assert_eq!(
+        a.body["blocked_by"],
+        json!([{"semaphore": "later", "why": "not_registered"}])
+    );
+    for name in ["a", "b", "later"] {
+        app.call(
+            "PUT",
+            &format!("/v1/semaphores/{name}"),
+            Some(json!({"limit": 5})),
+        )
+        .await;
+    }
+    allowed(&app, "app-1").await;
+    let page = app.call("GET", "/v1/semaphores?per_page=2", None).await;
+    let names: Vec<&str> = page
+        .body
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["a", "b"]);
+    let next = page.header("x-taskgate-nexttoken").unwrap().to_owned();
+    let rest = app
+        .call(
+            "GET",
+            &format!("/v1/semaphores?per_page=2&next_token={next}"),
+            None,
+        )
+        .await;
+    assert_eq!(rest.body[0]["name"], "later");
+    assert_eq!(rest.body[0]["holders"][0]["allocation"], "app-1");
+    assert!(rest.header("x-taskgate-nexttoken").is_none());
+    let deleted = app.call("DELETE", "/v1/semaphores/later", None).await;
+    assert_eq!(deleted.status, 204);
+    let a = app.call("GET", "/v1/allocations/app-1", None).await;
+    assert_eq!(
+        a.task("migrate")["allowed"],
+        true,
+        "a holder keeps its slot"
+    );
+}
