@@ -213,7 +213,10 @@ mod tests {
         let mut report = Vec::new();
         assert_eq!(salvage(&config(""), &to, &mut report), Ok(true));
         let report = String::from_utf8(report).unwrap();
-        assert!(report.starts_with("salvaged 3 allocations"), "{report}");
+        assert!(
+            report.starts_with("salvaged 3 allocations and 0 semaphores"),
+            "{report}"
+        );
         assert!(report.contains("everything was read"), "{report}");
         let copy = DumpConfig {
             data_dir: to,
@@ -222,6 +225,75 @@ mod tests {
         let mut again = Vec::new();
         assert_eq!(run(&copy, &mut again), Ok(3));
         assert_eq!(again, all);
+    }
+
+    /// Semaphores come after the allocations, in name order, each as its
+    /// stored fields; the prefix picks them by name; salvage counts them.
+    #[tokio::test]
+    async fn prints_semaphores_after_the_allocations_and_salvages_them() {
+        use crate::lifecycle::{SemName, Semaphore};
+        use crate::store::{Op, commit};
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = DiskStore::open(DiskStoreConfig::new(dir.path().to_owned())).unwrap();
+        let spec: crate::http::dto::RegisterBody =
+            serde_json::from_str(taskgate_testkit::FIVE_TASKS).unwrap();
+        let id = AllocId::parse("web-1").unwrap();
+        let spec = spec
+            .into_spec(&crate::lifecycle::Limits::default(), &id)
+            .unwrap();
+        let a = crate::lifecycle::Allocation::register(
+            id,
+            Arc::new(spec),
+            u64::MAX,
+            time::OffsetDateTime::UNIX_EPOCH,
+        );
+        commit(&store, Op::Put(Arc::new(a))).await.unwrap();
+        for (name, limit, ms) in [("web-db", 3, 90_500), ("gpu", 1, 1_000)] {
+            let s = Semaphore {
+                name: SemName::parse(name).unwrap(),
+                limit,
+                grant_timeout: std::time::Duration::from_millis(ms),
+                create_index: u64::MAX,
+                modify_index: u64::MAX,
+            };
+            commit(&store, Op::PutSemaphore(Arc::new(s))).await.unwrap();
+        }
+        store.close().unwrap();
+        drop(store);
+
+        let config = |prefix: &str| DumpConfig {
+            data_dir: dir.path().to_owned(),
+            prefix: prefix.to_owned(),
+            salvage: None,
+        };
+        let mut out = Vec::new();
+        assert_eq!(run(&config(""), &mut out), Ok(3));
+        let lines: Vec<&str> = std::str::from_utf8(&out).unwrap().lines().collect();
+        assert!(lines[0].starts_with("{\"id\":\"web-1\""), "{lines:?}");
+        assert_eq!(
+            lines[1..],
+            [
+                r#"{"semaphore":{"name":"gpu","limit":1,"grant_timeout":"1s","create_index":3,"modify_index":3}}"#,
+                r#"{"semaphore":{"name":"web-db","limit":3,"grant_timeout":"1m30.5s","create_index":2,"modify_index":2}}"#,
+            ]
+        );
+        let mut out = Vec::new();
+        assert_eq!(run(&config("web-"), &mut out), Ok(2));
+        let lines: Vec<&str> = std::str::from_utf8(&out).unwrap().lines().collect();
+        assert!(lines[1].contains(r#""name":"web-db""#), "{lines:?}");
+
+        let to = tempfile::tempdir().unwrap();
+        let mut report = Vec::new();
+        assert_eq!(
+            salvage(&config(""), &to.path().join("copy"), &mut report),
+            Ok(true)
+        );
+        let report = String::from_utf8(report).unwrap();
+        assert!(
+            report.starts_with("salvaged 1 allocations and 2 semaphores (last index 3)"),
+            "{report}"
+        );
     }
 
     #[test]
