@@ -1899,16 +1899,37 @@ mod semaphores {
             semaphore("db", 1, created, again)
         );
 
-        // A semaphore deleted since the grant was decided: refused too.
-        let latest = put_semaphore(b.next_semaphore().await);
-        let deleted = a
+        // The record, then the semaphore, changed since a grant was
+        // decided on both: the conflict's index shows the semaphore too.
+        let y_granted = b.next_put().await;
+        assert_eq!(y_granted.modify_index, again);
+        let y_moved = a.append(next(&y_granted), again, Vec::new()).await.unwrap();
+        let sem_moved = a
             .append(
-                Op::DeleteSemaphore(SemName::parse("db").unwrap()),
-                latest.modify_index,
+                Op::PutSemaphore(Arc::new(semaphore("db", 2, created, PLACEHOLDER))),
+                again,
                 Vec::new(),
             )
             .await
             .unwrap();
+        assert!(sem_moved > y_moved);
+        let stale = Arc::new(semaphore("db", 1, created, again));
+        let refused = b.append(next(&y_granted), again, vec![stale]).await;
+        assert!(
+            matches!(refused, Err(AppendError::Conflict { seen }) if seen >= sem_moved),
+            "{refused:?}"
+        );
+
+        // A semaphore deleted since the grant was decided: refused too.
+        let deleted = a
+            .append(
+                Op::DeleteSemaphore(SemName::parse("db").unwrap()),
+                sem_moved,
+                Vec::new(),
+            )
+            .await
+            .unwrap();
+        let latest = Arc::new(semaphore("db", 2, created, sem_moved));
         let refused = a
             .append(next(&x_granted), x_granted.modify_index, vec![latest])
             .await;
