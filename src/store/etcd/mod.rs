@@ -1115,3 +1115,88 @@ impl Follow {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn db(limit: u32, create_index: u64, modify_index: u64) -> Semaphore {
+        Semaphore {
+            name: SemName::parse("db").unwrap(),
+            limit,
+            grant_timeout: Duration::from_secs(60),
+            create_index,
+            modify_index,
+        }
+    }
+
+    /// What a failed compare of a semaphore's put or deletion settles to:
+    /// a conflict unless an attempt got no answer; then landed where the
+    /// key says so (deleted, or as the put would leave it), else unknown,
+    /// never decided again on top of what may be its own write.
+    #[test]
+    fn a_semaphore_write_whose_answer_was_lost_is_settled_by_what_etcd_holds() {
+        let put = Op::PutSemaphore(Arc::new(db(3, 10, u64::MAX)));
+        let ours = record::encode_semaphore(&db(3, 10, 21));
+        let theirs = record::encode_semaphore(&db(4, 10, 21));
+        let settled =
+            |now, value: &[u8], uncertain| settle(&put, 10, now, value, 10, 30, uncertain);
+        assert!(matches!(
+            settled(21, &theirs, false),
+            AppendError::Conflict { seen: 21 }
+        ));
+        assert!(matches!(
+            settled(0, &[], false),
+            AppendError::Conflict { seen: 30 }
+        ));
+        assert!(matches!(
+            settled(21, &ours, true),
+            AppendError::Landed { seen: 21 }
+        ));
+        for (now, value) in [(21, &theirs[..]), (0, &[][..]), (21, &[0x82, 1][..])] {
+            match settled(now, value, true) {
+                AppendError::Store(StoreError::Uncertain(why)) => {
+                    assert!(why.contains("write of semaphore db"), "{why}");
+                    assert!(why.contains("read the semaphore before"), "{why}");
+                }
+                other => panic!("{now}: {other:?}"),
+            }
+        }
+        // A creation whose answer was lost, the key still absent.
+        let create = Op::PutSemaphore(Arc::new(db(3, u64::MAX, u64::MAX)));
+        assert!(matches!(
+            settle(&create, 0, 0, &[], 0, 30, true),
+            AppendError::Conflict { seen: 30 }
+        ));
+
+        let delete = Op::DeleteSemaphore(SemName::parse("db").unwrap());
+        assert!(matches!(
+            settle(&delete, 10, 0, &[], 0, 30, true),
+            AppendError::Landed { seen: 30 }
+        ));
+        assert!(matches!(
+            settle(&delete, 10, 25, &ours, 25, 30, true),
+            AppendError::Landed { seen: 25 }
+        ));
+        assert!(matches!(
+            settle(&delete, 10, 21, &ours, 10, 30, true),
+            AppendError::Conflict { seen: 21 }
+        ));
+        assert!(matches!(
+            settle(&delete, 10, 0, &[], 0, 30, false),
+            AppendError::Conflict { seen: 30 }
+        ));
+    }
+
+    /// A grant writes the semaphore again with a placeholder above its
+    /// `create_index`: read back, only its `modify_index` moves.
+    #[test]
+    fn a_granted_semaphore_reads_back_with_its_creation_and_the_grant_s_revision() {
+        for g in [db(2, 7, 7), db(2, 7, 12)] {
+            let mut read = record::decode_semaphore(&granted_again(&g)).unwrap();
+            let placeholder = read.modify_index;
+            read.restamp(placeholder, 40);
+            assert_eq!(read, db(2, 7, 40));
+        }
+    }
+}
