@@ -144,3 +144,44 @@ fn every_cut_and_changed_byte_of_a_semaphore_record_is_refused_or_one_encoding()
         }
     }
 }
+
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// Decoding never panics, and whatever decodes is the one encoding
+        /// of its semaphore.
+        #[test]
+        fn random_bytes_after_the_semaphore_format_byte(
+            tail in prop::collection::vec(any::<u8>(), 0..64)
+        ) {
+            let mut bytes = vec![SEMAPHORE_VERSION];
+            bytes.extend(tail);
+            if let Ok(s) = decode_semaphore(&bytes) {
+                prop_assert_eq!(encode_semaphore(&s), bytes);
+            }
+        }
+
+        /// Every semaphore the API can make round-trips exactly.
+        #[test]
+        fn any_semaphore_round_trips(
+            name in "[a-z0-9][a-z0-9._-]{0,127}",
+            limit in LIMIT_RANGE.0..=LIMIT_RANGE.1,
+            nanos in GRANT_TIMEOUT_RANGE.0.as_nanos() as u64..=GRANT_TIMEOUT_RANGE.1.as_nanos() as u64,
+            create_index in any::<u64>(),
+            later in any::<u64>(),
+        ) {
+            let s = Semaphore {
+                name: SemName::parse(&name).unwrap(),
+                limit,
+                grant_timeout: Duration::from_nanos(nanos),
+                create_index,
+                modify_index: create_index.saturating_add(later),
+            };
+            prop_assert_eq!(decode_semaphore(&encode_semaphore(&s)), Ok(s));
+        }
+    }
+}
