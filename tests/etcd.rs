@@ -1,7 +1,8 @@
 //! Replicas over a real etcd cluster (`tests/common/etcd.rs`): writes
 //! through one replica seen and waited on through another, concurrent
-//! writers against one allocation through three replicas, compaction, and
-//! etcd failures.
+//! writers against one allocation through three replicas, compaction,
+//! etcd failures, and semaphores in the store (`mod semaphores`: watched
+//! and listed across replicas, compare-and-swap, grants on a stale view).
 
 mod common;
 
