@@ -2,8 +2,10 @@
 //!
 //! The store keeps records in a compact binary form (`store/record.rs`);
 //! this prints each allocation as the API shows it, one JSON object per
-//! line in ID order, from the snapshot and the log exactly as a start
-//! would load them, without changing a byte of the directory.
+//! line in ID order, then each semaphore as `{"semaphore": {...}}` (its
+//! stored fields), one per line in name order, from the snapshot and the
+//! log exactly as a start would load them, without changing a byte of the
+//! directory.
 
 use std::{io::Write, path::PathBuf};
 
@@ -17,14 +19,15 @@ pub struct DumpConfig {
     #[arg(long, env = "TASKGATE_DATA_DIR", default_value = "./taskgate-data")]
     pub data_dir: PathBuf,
 
-    /// Only allocations whose ID starts with this.
+    /// Only allocations whose ID, and semaphores whose name, starts with
+    /// this.
     #[arg(long, default_value = "")]
     pub prefix: String,
 
     /// Instead of printing, copy everything that can still be read from a
     /// damaged data directory into this new one (absent or empty), the
-    /// newest version of each allocation, and say exactly what could not
-    /// be read and which allocations' last changes may be lost. The
+    /// newest version of each allocation and semaphore, and say exactly
+    /// what could not be read and which ones' last changes may be lost. The
     /// damaged directory is never changed. Exits 0 if everything was read,
     /// 3 if something was lost.
     #[arg(long, value_name = "NEW_DIR")]
@@ -49,8 +52,9 @@ pub fn salvage(
         }
         writeln!(
             out,
-            "salvaged {} allocations (last index {}) from {} into {}; {}",
+            "salvaged {} allocations and {} semaphores (last index {}) from {} into {}; {}",
             report.allocations,
+            report.semaphores,
             report.last_index,
             config.data_dir.display(),
             to.display(),
@@ -58,7 +62,7 @@ pub fn salvage(
                 "everything was read".to_owned()
             } else {
                 format!(
-                    "{} things could not be read and {} allocations' last index could not be \
+                    "{} things could not be read and the last index of {} could not be \
                      proven (listed above)",
                     report.lost.len(),
                     report.unproven.len()
@@ -70,30 +74,71 @@ pub fn salvage(
     Ok(report.whole())
 }
 
-/// Writes the allocations to `out`; returns how many. A reader that goes
-/// away (`taskgate dump | head`) ends it quietly.
+/// A semaphore as `dump` prints it: what its record holds.
+#[derive(serde::Serialize)]
+struct SemaphoreLine<'a> {
+    semaphore: SemaphoreFields<'a>,
+}
+
+#[derive(serde::Serialize)]
+struct SemaphoreFields<'a> {
+    name: &'a str,
+    limit: u32,
+    /// As the API writes durations (`units::format_duration`).
+    grant_timeout: String,
+    create_index: u64,
+    modify_index: u64,
+}
+
+/// Writes the allocations, then the semaphores, to `out`; returns how
+/// many lines. A reader that goes away (`taskgate dump | head`) ends it
+/// quietly.
 pub fn run(config: &DumpConfig, out: &mut impl Write) -> Result<usize, String> {
     let loaded = store::read_only(&config.data_dir).map_err(|e| e.to_string())?;
     let mut out = std::io::BufWriter::new(out);
     let mut written = 0;
-    let result = loaded
-        .allocations
-        .iter()
-        .filter(|a| a.id.as_str().starts_with(&config.prefix))
-        .try_for_each(|a| {
-            serde_json::to_writer(
-                &mut out,
-                &AllocationView::new(a, &crate::http::views::RecordOnly),
-            )?;
-            out.write_all(b"\n")?;
-            written += 1;
-            Ok::<_, std::io::Error>(())
-        })
-        .and_then(|()| out.flush());
+    let result = write_lines(&loaded, &config.prefix, &mut out, &mut written);
     match result {
         Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(format!("cannot write: {e}")),
         _ => Ok(written),
     }
+}
+
+/// `run`'s lines: the allocations, then the semaphores, under `prefix`,
+/// each counted in `written` once written.
+fn write_lines(
+    loaded: &store::Loaded,
+    prefix: &str,
+    out: &mut impl Write,
+    written: &mut usize,
+) -> std::io::Result<()> {
+    fn line(out: &mut impl Write, value: &impl serde::Serialize) -> std::io::Result<()> {
+        serde_json::to_writer(&mut *out, value)?;
+        out.write_all(b"\n")
+    }
+    for a in &loaded.allocations {
+        if a.id.as_str().starts_with(prefix) {
+            line(
+                out,
+                &AllocationView::new(a, &crate::http::views::RecordOnly),
+            )?;
+            *written += 1;
+        }
+    }
+    for s in &loaded.semaphores {
+        if s.name.as_str().starts_with(prefix) {
+            let fields = SemaphoreFields {
+                name: s.name.as_str(),
+                limit: s.limit,
+                grant_timeout: crate::units::format_duration(s.grant_timeout),
+                create_index: s.create_index,
+                modify_index: s.modify_index,
+            };
+            line(out, &SemaphoreLine { semaphore: fields })?;
+            *written += 1;
+        }
+    }
+    out.flush()
 }
 
 #[cfg(test)]
@@ -168,7 +213,10 @@ mod tests {
         let mut report = Vec::new();
         assert_eq!(salvage(&config(""), &to, &mut report), Ok(true));
         let report = String::from_utf8(report).unwrap();
-        assert!(report.starts_with("salvaged 3 allocations"), "{report}");
+        assert!(
+            report.starts_with("salvaged 3 allocations and 0 semaphores"),
+            "{report}"
+        );
         assert!(report.contains("everything was read"), "{report}");
         let copy = DumpConfig {
             data_dir: to,
@@ -177,6 +225,75 @@ mod tests {
         let mut again = Vec::new();
         assert_eq!(run(&copy, &mut again), Ok(3));
         assert_eq!(again, all);
+    }
+
+    /// Semaphores come after the allocations, in name order, each as its
+    /// stored fields; the prefix picks them by name; salvage counts them.
+    #[tokio::test]
+    async fn prints_semaphores_after_the_allocations_and_salvages_them() {
+        use crate::lifecycle::{SemName, Semaphore};
+        use crate::store::{Op, commit};
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = DiskStore::open(DiskStoreConfig::new(dir.path().to_owned())).unwrap();
+        let spec: crate::http::dto::RegisterBody =
+            serde_json::from_str(taskgate_testkit::FIVE_TASKS).unwrap();
+        let id = AllocId::parse("web-1").unwrap();
+        let spec = spec
+            .into_spec(&crate::lifecycle::Limits::default(), &id)
+            .unwrap();
+        let a = crate::lifecycle::Allocation::register(
+            id,
+            Arc::new(spec),
+            u64::MAX,
+            time::OffsetDateTime::UNIX_EPOCH,
+        );
+        commit(&store, Op::Put(Arc::new(a))).await.unwrap();
+        for (name, limit, ms) in [("web-db", 3, 90_500), ("gpu", 1, 1_000)] {
+            let s = Semaphore {
+                name: SemName::parse(name).unwrap(),
+                limit,
+                grant_timeout: std::time::Duration::from_millis(ms),
+                create_index: u64::MAX,
+                modify_index: u64::MAX,
+            };
+            commit(&store, Op::PutSemaphore(Arc::new(s))).await.unwrap();
+        }
+        store.close().unwrap();
+        drop(store);
+
+        let config = |prefix: &str| DumpConfig {
+            data_dir: dir.path().to_owned(),
+            prefix: prefix.to_owned(),
+            salvage: None,
+        };
+        let mut out = Vec::new();
+        assert_eq!(run(&config(""), &mut out), Ok(3));
+        let lines: Vec<&str> = std::str::from_utf8(&out).unwrap().lines().collect();
+        assert!(lines[0].starts_with("{\"id\":\"web-1\""), "{lines:?}");
+        assert_eq!(
+            lines[1..],
+            [
+                r#"{"semaphore":{"name":"gpu","limit":1,"grant_timeout":"1s","create_index":3,"modify_index":3}}"#,
+                r#"{"semaphore":{"name":"web-db","limit":3,"grant_timeout":"1m30.5s","create_index":2,"modify_index":2}}"#,
+            ]
+        );
+        let mut out = Vec::new();
+        assert_eq!(run(&config("web-"), &mut out), Ok(2));
+        let lines: Vec<&str> = std::str::from_utf8(&out).unwrap().lines().collect();
+        assert!(lines[1].contains(r#""name":"web-db""#), "{lines:?}");
+
+        let to = tempfile::tempdir().unwrap();
+        let mut report = Vec::new();
+        assert_eq!(
+            salvage(&config(""), &to.path().join("copy"), &mut report),
+            Ok(true)
+        );
+        let report = String::from_utf8(report).unwrap();
+        assert!(
+            report.starts_with("salvaged 1 allocations and 2 semaphores (last index 3)"),
+            "{report}"
+        );
     }
 
     #[test]

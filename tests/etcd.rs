@@ -1,7 +1,8 @@
 //! Replicas over a real etcd cluster (`tests/common/etcd.rs`): writes
 //! through one replica seen and waited on through another, concurrent
-//! writers against one allocation through three replicas, compaction, and
-//! etcd failures.
+//! writers against one allocation through three replicas, compaction,
+//! etcd failures, and semaphores in the store (`mod semaphores`: watched
+//! and listed across replicas, compare-and-swap, grants on a stale view).
 
 mod common;
 
@@ -1637,4 +1638,428 @@ async fn a_watch_that_panics_is_started_again_from_where_it_was() {
     }
     assert_eq!(follower.0.lock().unwrap().1, ["a1"]);
     assert_eq!(supervisor.problems(), ["follower_restarted"]);
+}
+
+// ---- semaphores in the etcd store ----
+
+mod semaphores {
+    use super::*;
+    use taskgate::{
+        lifecycle::{Allocation, SemName, Semaphore},
+        store::{Append, AppendError, Change, Follower, Loaded, Op, Store, commit},
+    };
+    use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+
+    /// The index a change is decided with: above every other in it.
+    const PLACEHOLDER: u64 = u64::MAX;
+
+    /// Sends every change it is handed down a channel.
+    struct Changes(UnboundedSender<Change>);
+
+    impl Follower for Changes {
+        fn changed(&self, changes: Vec<Change>, _: u64) {
+            for c in changes {
+                let _ = self.0.send(c);
+            }
+        }
+        fn resync(&self, _: Loaded) {}
+    }
+
+    /// A replica's store on `prefix`, what it listed, and the changes its
+    /// watch hands over (the follower kept alive with them).
+    struct Replica {
+        store: EtcdStore,
+        listed: Loaded,
+        changes: UnboundedReceiver<Change>,
+        /// Changes handed over that no `next` took yet, in order.
+        kept: std::collections::VecDeque<Change>,
+        _follower: Arc<Changes>,
+    }
+
+    async fn connect(endpoints: Vec<String>, prefix: &str) -> Replica {
+        let config = EtcdConfig {
+            prefix: prefix.into(),
+            ..EtcdConfig::new(endpoints)
+        };
+        let store = EtcdStore::connect(&config).await.expect("connects");
+        let listed = store.load().unwrap();
+        let (tx, changes) = unbounded_channel();
+        let follower = Arc::new(Changes(tx));
+        let weak: std::sync::Weak<dyn Follower> =
+            Arc::downgrade(&(follower.clone() as Arc<dyn Follower>));
+        store.follow(listed.last_index, weak);
+        Replica {
+            store,
+            listed,
+            changes,
+            kept: Default::default(),
+            _follower: follower,
+        }
+    }
+
+    impl Replica {
+        /// The first change its watch handed over that `pick` takes and no
+        /// earlier call took (the others are kept for later calls).
+        async fn next(&mut self, pick: impl Fn(&Change) -> bool) -> Change {
+            if let Some(at) = self.kept.iter().position(&pick) {
+                return self.kept.remove(at).unwrap();
+            }
+            tokio::time::timeout(SETTLE, async {
+                loop {
+                    let c = self.changes.recv().await.expect("the watch runs");
+                    if pick(&c) {
+                        return c;
+                    }
+                    self.kept.push_back(c);
+                }
+            })
+            .await
+            .expect("the change within SETTLE")
+        }
+
+        /// The next change of a semaphore its watch hands over.
+        async fn next_semaphore(&mut self) -> Change {
+            self.next(|c| matches!(c, Change::PutSemaphore(_) | Change::DeleteSemaphore { .. }))
+                .await
+        }
+
+        /// The next allocation its watch hands over.
+        async fn next_put(&mut self) -> Arc<Allocation> {
+            match self.next(|c| matches!(c, Change::Put(_))).await {
+                Change::Put(a) => a,
+                _ => unreachable!("picked a put"),
+            }
+        }
+
+        async fn append(
+            &self,
+            op: Op,
+            expect: u64,
+            grants: Vec<Arc<Semaphore>>,
+        ) -> Result<u64, AppendError> {
+            self.store
+                .append(Append {
+                    op,
+                    expect,
+                    live: Vec::new(),
+                    grants,
+                })
+                .done
+                .await
+        }
+    }
+
+    fn semaphore(name: &str, limit: u32, create_index: u64, modify_index: u64) -> Semaphore {
+        Semaphore {
+            name: SemName::parse(name).unwrap(),
+            limit,
+            grant_timeout: Duration::from_secs(45),
+            create_index,
+            modify_index,
+        }
+    }
+
+    fn create(name: &str, limit: u32) -> Op {
+        Op::PutSemaphore(Arc::new(semaphore(name, limit, PLACEHOLDER, PLACEHOLDER)))
+    }
+
+    fn put_semaphore(change: Change) -> Arc<Semaphore> {
+        match change {
+            Change::PutSemaphore(s) => s,
+            other => panic!("not a semaphore's put: {other:?}"),
+        }
+    }
+
+    /// A registered allocation, as its registration is appended.
+    fn registration(alloc: &str) -> Op {
+        Op::Put(Arc::new(Allocation::register(
+            id(alloc),
+            Arc::new(spec(vec![task("web", None)])),
+            PLACEHOLDER,
+            time::OffsetDateTime::now_utc(),
+        )))
+    }
+
+    /// The next version of `a`, as a change decided on it is appended.
+    fn next(a: &Allocation) -> Op {
+        let mut a = a.clone();
+        a.modify_index = PLACEHOLDER;
+        Op::Put(Arc::new(a))
+    }
+
+    /// Created on one replica, changed on another, deleted on the first:
+    /// each watched by the other with its revision, and listed by a
+    /// replica that starts after it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_semaphore_put_on_one_replica_is_watched_and_listed_by_another() {
+        if !available("a_semaphore_put_on_one_replica_is_watched_and_listed_by_another") {
+            return;
+        }
+        let cluster = Cluster::start(1);
+        let mut a = connect(cluster.endpoints(), "/s1/").await;
+        let mut b = connect(cluster.endpoints(), "/s1/").await;
+        assert!(a.listed.semaphores.is_empty());
+
+        let created = commit(&a.store, create("db", 2)).await.unwrap();
+        let seen = put_semaphore(b.next_semaphore().await);
+        assert_eq!(*seen, semaphore("db", 2, created, created));
+        assert_eq!(*put_semaphore(a.next_semaphore().await), *seen);
+        let c = connect(cluster.endpoints(), "/s1/").await;
+        assert_eq!(c.listed.semaphores, [semaphore("db", 2, created, created)]);
+        assert!(c.listed.last_index >= created);
+
+        let changed = b
+            .append(
+                Op::PutSemaphore(Arc::new(semaphore("db", 5, created, PLACEHOLDER))),
+                created,
+                Vec::new(),
+            )
+            .await
+            .unwrap();
+        assert!(changed > created);
+        let seen = put_semaphore(a.next_semaphore().await);
+        assert_eq!(*seen, semaphore("db", 5, created, changed));
+
+        let name = SemName::parse("db").unwrap();
+        let deleted = a
+            .append(Op::DeleteSemaphore(name.clone()), changed, Vec::new())
+            .await
+            .unwrap();
+        b.next_semaphore().await; // the change
+        match b.next_semaphore().await {
+            Change::DeleteSemaphore { name: n, index } => {
+                assert_eq!((n, index), (name, deleted));
+            }
+            other => panic!("not the deletion: {other:?}"),
+        }
+        let d = connect(cluster.endpoints(), "/s1/").await;
+        assert!(d.listed.semaphores.is_empty());
+        assert!(d.listed.last_index >= deleted);
+    }
+
+    /// A put of an allocation that grants a semaphore commits only while
+    /// the semaphore is at the revision the grant was decided on, and
+    /// moves it: a second grant decided on the same view (another
+    /// replica's) is refused as a conflict whose index shows the moved
+    /// semaphore, and one decided on its current revision commits.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_grant_decided_on_a_stale_semaphore_conflicts_one_on_its_current_revision_commits() {
+        if !available(
+            "a_grant_decided_on_a_stale_semaphore_conflicts_one_on_its_current_revision_commits",
+        ) {
+            return;
+        }
+        let cluster = Cluster::start(1);
+        let mut endpoints = cluster.endpoints();
+        let mut a = connect(endpoints.clone(), "/s2/").await;
+        endpoints.reverse();
+        let mut b = connect(endpoints, "/s2/").await;
+        let created = commit(&a.store, create("db", 1)).await.unwrap();
+        commit(&a.store, registration("x")).await.unwrap();
+        commit(&a.store, registration("y")).await.unwrap();
+        let view = put_semaphore(b.next_semaphore().await);
+        assert_eq!(view.modify_index, created);
+        let (x, y) = (b.next_put().await, b.next_put().await);
+        a.next_semaphore().await;
+
+        // Both replicas grant the one slot, each on the same view of it.
+        let granted = a
+            .append(next(&x), x.modify_index, vec![view.clone()])
+            .await
+            .unwrap();
+        let refused = b.append(next(&y), y.modify_index, vec![view.clone()]).await;
+        let Err(AppendError::Conflict { seen }) = refused else {
+            panic!("the second grant on one view took: {refused:?}");
+        };
+        assert!(seen >= granted, "{seen} < {granted}");
+
+        // The grant wrote the semaphore again: unchanged but for its
+        // revision, which a replica's view follows up to `seen`.
+        let moved = put_semaphore(b.next_semaphore().await);
+        assert_eq!(*moved, semaphore("db", 1, created, granted));
+        let x_granted = b.next_put().await;
+        assert_eq!(x_granted.modify_index, granted, "x's grant");
+        assert_eq!(*put_semaphore(a.next_semaphore().await), *moved);
+        let c = connect(cluster.endpoints(), "/s2/").await;
+        assert_eq!(c.listed.semaphores, [(*moved).clone()]);
+        let y_now = c.listed.allocations.iter().find(|a| a.id.as_str() == "y");
+        assert_eq!(
+            y_now.unwrap().modify_index,
+            y.modify_index,
+            "the refused grant wrote nothing"
+        );
+
+        // Decided again on the semaphore as it is now: it commits, and
+        // moves it again.
+        let again = b
+            .append(next(&y), y.modify_index, vec![moved.clone()])
+            .await
+            .unwrap();
+        assert!(again > granted);
+        assert_eq!(
+            *put_semaphore(a.next_semaphore().await),
+            semaphore("db", 1, created, again)
+        );
+
+        // The record, then the semaphore, changed since a grant was
+        // decided on both: the conflict's index shows the semaphore too.
+        let y_granted = b.next_put().await;
+        assert_eq!(y_granted.modify_index, again);
+        let y_moved = a.append(next(&y_granted), again, Vec::new()).await.unwrap();
+        let sem_moved = a
+            .append(
+                Op::PutSemaphore(Arc::new(semaphore("db", 2, created, PLACEHOLDER))),
+                again,
+                Vec::new(),
+            )
+            .await
+            .unwrap();
+        assert!(sem_moved > y_moved);
+        let stale = Arc::new(semaphore("db", 1, created, again));
+        let refused = b.append(next(&y_granted), again, vec![stale]).await;
+        assert!(
+            matches!(refused, Err(AppendError::Conflict { seen }) if seen >= sem_moved),
+            "{refused:?}"
+        );
+
+        // A semaphore deleted since the grant was decided: refused too.
+        let deleted = a
+            .append(
+                Op::DeleteSemaphore(SemName::parse("db").unwrap()),
+                sem_moved,
+                Vec::new(),
+            )
+            .await
+            .unwrap();
+        let latest = Arc::new(semaphore("db", 2, created, sem_moved));
+        let refused = a
+            .append(next(&x_granted), x_granted.modify_index, vec![latest])
+            .await;
+        assert!(
+            matches!(refused, Err(AppendError::Conflict { seen }) if seen >= deleted),
+            "{refused:?}"
+        );
+    }
+
+    /// Semaphores are written by compare-and-swap on their revision: a
+    /// second creation of one conflicts (at the first's revision), and so
+    /// do a change and a deletion decided on a revision it is no longer at.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_semaphore_created_twice_or_changed_on_a_stale_revision_conflicts() {
+        if !available("a_semaphore_created_twice_or_changed_on_a_stale_revision_conflicts") {
+            return;
+        }
+        let cluster = Cluster::start(1);
+        let mut a = connect(cluster.endpoints(), "/s3/").await;
+        let b = connect(cluster.endpoints(), "/s3/").await;
+        let first = commit(&a.store, create("db", 2)).await.unwrap();
+        let second = commit(&b.store, create("db", 3)).await;
+        assert!(
+            matches!(second, Err(AppendError::Conflict { seen }) if seen == first),
+            "{second:?}"
+        );
+        let changed = b
+            .append(
+                Op::PutSemaphore(Arc::new(semaphore("db", 4, first, PLACEHOLDER))),
+                first,
+                Vec::new(),
+            )
+            .await
+            .unwrap();
+        let stale = a
+            .append(
+                Op::PutSemaphore(Arc::new(semaphore("db", 9, first, PLACEHOLDER))),
+                first,
+                Vec::new(),
+            )
+            .await;
+        assert!(
+            matches!(stale, Err(AppendError::Conflict { seen }) if seen == changed),
+            "{stale:?}"
+        );
+        let name = SemName::parse("db").unwrap();
+        let stale = a
+            .append(Op::DeleteSemaphore(name.clone()), first, Vec::new())
+            .await;
+        assert!(
+            matches!(stale, Err(AppendError::Conflict { seen }) if seen == changed),
+            "{stale:?}"
+        );
+        // Only the first creation and the change took.
+        assert_eq!(
+            *put_semaphore(a.next_semaphore().await),
+            semaphore("db", 2, first, first)
+        );
+        assert_eq!(
+            *put_semaphore(a.next_semaphore().await),
+            semaphore("db", 4, first, changed)
+        );
+        let deleted = a
+            .append(Op::DeleteSemaphore(name.clone()), changed, Vec::new())
+            .await
+            .unwrap();
+        // Gone: a deletion decided on it conflicts, at a revision past it.
+        let again = b
+            .append(Op::DeleteSemaphore(name), changed, Vec::new())
+            .await;
+        assert!(
+            matches!(again, Err(AppendError::Conflict { seen }) if seen >= deleted),
+            "{again:?}"
+        );
+    }
+
+    /// A semaphore's record this build cannot read (here, of a format from
+    /// the future) degrades health and is kept out of the view, listed or
+    /// watched (handed over as a deletion); a readable record written
+    /// over it (compared on the unreadable one's revision) clears both.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unreadable_semaphore_record_is_left_out_of_the_view_and_degrades_health() {
+        if !available("an_unreadable_semaphore_record_is_left_out_of_the_view_and_degrades_health")
+        {
+            return;
+        }
+        let cluster = Cluster::start(1);
+        let endpoints = cluster.endpoints();
+        let mut a = connect(endpoints.clone(), "/s4/").await;
+        let made = commit(&a.store, create("db", 2)).await.unwrap();
+        a.next_semaphore().await;
+        let raw = Client::new(&EtcdConfig::new(endpoints.clone())).unwrap();
+        let Swapped::Done(spoiled) = raw
+            .swap(b"/s4/sem/db", Some(&[0x82, 1, 2, 3]), made)
+            .await
+            .unwrap()
+        else {
+            panic!("the record moved")
+        };
+        match a.next_semaphore().await {
+            Change::DeleteSemaphore { name, index } => {
+                assert_eq!((name.as_str(), index), ("db", spoiled));
+            }
+            other => panic!("not left out of the view: {other:?}"),
+        }
+        assert_eq!(
+            a.store.health(),
+            StoreHealth::Degraded(vec!["records_unreadable"])
+        );
+        let b = connect(endpoints, "/s4/").await;
+        assert!(b.listed.semaphores.is_empty());
+        assert_eq!(
+            b.store.health(),
+            StoreHealth::Degraded(vec!["records_unreadable"])
+        );
+
+        let mended = a
+            .append(
+                Op::PutSemaphore(Arc::new(semaphore("db", 7, made, PLACEHOLDER))),
+                spoiled,
+                Vec::new(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            *put_semaphore(a.next_semaphore().await),
+            semaphore("db", 7, made, mended)
+        );
+        assert_eq!(a.store.health(), StoreHealth::Ok);
+    }
 }

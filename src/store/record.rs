@@ -1,4 +1,4 @@
-//! The stored form of an allocation record, versioned on its own so the
+//! The stored form of allocation and semaphore records, versioned on their own so the
 //! files outlive changes to the in-memory types. The snapshot
 //! (`disk/snapshot.rs`) and the log (`disk/log.rs`) carry these bytes as they are.
 //!
@@ -69,6 +69,23 @@
 //! Details keys are strictly increasing. Anything else — an unknown code,
 //! flag or tag, a length past the end, bytes left over — is damage. A
 //! record whose first byte is another version is refused, naming it.
+//!
+//! A semaphore's record (`encode_semaphore`) is versioned on its own.
+//! Its first byte, `SEMAPHORE_VERSION` (0x81: semaphore format 1, the
+//! high bit set), is no allocation record's version, so a build that
+//! takes it for an allocation's refuses it instead of misreading it. The
+//! stores keep it under a key no allocation ID can be (the disk store's
+//! `~s/<name>`, the etcd store's `<prefix>sem/<name>`):
+//!
+//! ```text
+//! semaphore = 0x81 | name: str | limit: varint | grant_timeout: nanoseconds
+//!           | create_index | modify_index | ext (as above; no tag is defined
+//!             yet, so any is damage)
+//! ```
+//!
+//! `limit` and `grant_timeout` must lie in `LIMIT_RANGE` and
+//! `GRANT_TIMEOUT_RANGE`, the name be a valid one and `create_index` not
+//! above `modify_index`: a record that breaks any of that is damage too.
 
 use std::{sync::Arc, time::Duration};
 
@@ -1115,5 +1132,86 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
         .with_writes(ext.writes))
 }
 
+// ---- semaphores ----
+
+use crate::lifecycle::{GRANT_TIMEOUT_RANGE, LIMIT_RANGE, SemName, Semaphore};
+
+/// The first byte of a semaphore's record: its format (1), with the high
+/// bit set so that it is no allocation record's version.
+pub const SEMAPHORE_VERSION: u8 = 0x81;
+
+/// Appends the record of semaphore `s` to `buf`.
+pub fn encode_semaphore_into(s: &Semaphore, buf: &mut Vec<u8>) {
+    buf.push(SEMAPHORE_VERSION);
+    put_str(buf, s.name.as_str());
+    put_varint(buf, u64::from(s.limit));
+    put_varint(
+        buf,
+        u64::try_from(s.grant_timeout.as_nanos()).unwrap_or(u64::MAX),
+    );
+    put_varint(buf, s.create_index);
+    put_varint(buf, s.modify_index);
+    put_ext(buf, &[]);
+}
+
+pub fn encode_semaphore(s: &Semaphore) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(32);
+    encode_semaphore_into(s, &mut buf);
+    buf
+}
+
+/// Decodes a stored semaphore record exactly as it was.
+pub fn decode_semaphore(bytes: &[u8]) -> Result<Semaphore, String> {
+    let rest = match bytes.split_first() {
+        Some((&SEMAPHORE_VERSION, rest)) => rest,
+        Some((&v, _)) => {
+            return Err(format!(
+                "a semaphore record of format byte {v:#04x}, but this taskgate reads \
+                 semaphore records of format 1 (byte {SEMAPHORE_VERSION:#04x}) only"
+            ));
+        }
+        None => return Err("an empty record".to_owned()),
+    };
+    let mut r = Reader { bytes: rest };
+    let name = r.str("the semaphore's name")?;
+    let name = SemName::parse(name).map_err(|e| format!("bad semaphore name {name:?}: {e}"))?;
+    let limit = r.varint("limit")?;
+    let (least, most) = LIMIT_RANGE;
+    let limit = u32::try_from(limit)
+        .ok()
+        .filter(|l| (least..=most).contains(l))
+        .ok_or_else(|| format!("limit {limit} is outside {least} to {most}"))?;
+    let nanos = r.varint("grant_timeout")?;
+    let grant_timeout = Duration::from_nanos(nanos);
+    let (shortest, longest) = GRANT_TIMEOUT_RANGE;
+    if !(shortest..=longest).contains(&grant_timeout) {
+        return Err(format!(
+            "grant_timeout {grant_timeout:?} is outside {shortest:?} to {longest:?}"
+        ));
+    }
+    let create_index = r.varint("create_index")?;
+    let modify_index = r.varint("modify_index")?;
+    if create_index > modify_index {
+        return Err(format!(
+            "create_index {create_index} is above modify_index {modify_index}"
+        ));
+    }
+    if let Some((tag, _)) = r.ext("the semaphore's extensions")?.first() {
+        return Err(format!("unknown semaphore extension {tag}"));
+    }
+    if !r.bytes.is_empty() {
+        return Err(format!("{} bytes after the record's end", r.bytes.len()));
+    }
+    Ok(Semaphore {
+        name,
+        limit,
+        grant_timeout,
+        create_index,
+        modify_index,
+    })
+}
+
+#[cfg(test)]
+mod semaphore_tests;
 #[cfg(test)]
 mod tests;

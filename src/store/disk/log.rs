@@ -23,6 +23,9 @@
 //!         | id_len: u8 | id | record (put only: record.rs, as the snapshot holds it)
 //! ```
 //!
+//! `id` is the allocation's ID, or for a semaphore `~s/<name>` (its record
+//! then a semaphore's: `record::encode_semaphore`).
+//!
 //! `previous_len` and `previous_chain` say where the segment before ended:
 //! its length and its last frame's chain (its header's crc32 if it has
 //! none) — or, after a checkpoint folded it, what the snapshot says it

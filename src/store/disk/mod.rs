@@ -20,6 +20,12 @@
 //!   tests:      fs.rs          the file system seam; fs/sim.rs crashes it (powerloss.rs)
 //! ```
 //!
+//! Semaphores (`Op::PutSemaphore`, `Op::DeleteSemaphore`) go the same
+//! way as allocations, through the same queue, log, checkpoints, recovery
+//! and salvage: a semaphore's record (`record::encode_semaphore`) is kept
+//! under the key `~s/<name>` where an allocation's is under its ID
+//! (`SEMAPHORE_KEY`), and a start hands it to `Loaded::semaphores`.
+//!
 //! An append is admitted first (a place in the writer's queue, refused
 //! while the queue is full, the log is at its ceiling or a write failed),
 //! then stamped with the next index and serialized on the requester's
@@ -67,6 +73,8 @@ mod powerloss;
 mod properties;
 mod recovery;
 mod salvage;
+#[cfg(test)]
+mod semaphore_tests;
 mod snapshot;
 #[cfg(test)]
 mod tests;
@@ -88,7 +96,7 @@ use super::{
     Admitted, Append, AppendError, Appended, Change, Follower, LoadOnce, Loaded, Op, Store,
     StoreError, record,
 };
-use crate::metrics::Metrics;
+use crate::{lifecycle::SemName, metrics::Metrics};
 use checkpoint::Checkpointer;
 use fs::{DirLock, Fs, LockError, Open, RealFs};
 use recovery::{load_with, mend, refuse_pre_release, scan};
@@ -107,6 +115,26 @@ pub fn log_segments(dir: &Path) -> std::io::Result<Vec<(u64, PathBuf)>> {
 
 /// The lock file's name inside the data directory.
 pub const LOCK_FILE: &str = "taskgate.lock";
+
+/// What the key of a semaphore's record starts with, in the log and the
+/// snapshot, where the other keys are allocation IDs: those start with a
+/// letter or digit, so no allocation ID is a semaphore's key, and `~`
+/// sorts after every one of them (the snapshot holds the semaphores after
+/// the allocations, in name order).
+const SEMAPHORE_KEY: &str = "~s/";
+
+/// The key of semaphore `name`'s record: `~s/<name>`.
+fn semaphore_key(name: &SemName) -> String {
+    let mut key = String::with_capacity(SEMAPHORE_KEY.len() + name.as_str().len());
+    key.push_str(SEMAPHORE_KEY);
+    key.push_str(name.as_str());
+    key
+}
+
+/// The semaphore's name a key holds, if it is a semaphore's key.
+fn semaphore_name(key: &str) -> Option<&str> {
+    key.strip_prefix(SEMAPHORE_KEY)
+}
 
 #[derive(Clone)]
 pub struct DiskStoreConfig {
@@ -369,6 +397,7 @@ impl DiskStore {
             .allocations
             .iter()
             .map(|a| a.modify_index)
+            .chain(loaded.semaphores.iter().map(|s| s.modify_index))
             .fold(loaded.last_index, u64::max);
         Ok(Self {
             _lock: lock,
@@ -497,6 +526,11 @@ impl Store for DiskStore {
         }
     }
 
+    /// Takes `expect` as given (the registry's locks keep it true: this
+    /// process alone writes the directory), for semaphores as for
+    /// allocations, and ignores `grants` for the same reason: the registry
+    /// decides one semaphore's grants one at a time, so no two grants can
+    /// be decided on one view of it.
     fn append(&self, append: Append) -> Appended {
         let (ack, done) = oneshot::channel();
         // Sized for a typical record, so encoding it rarely reallocates.
@@ -516,17 +550,17 @@ impl Store for DiskStore {
                 log::change(&mut bytes, id.as_str(), index, None);
                 (Change::Delete { id, index }, None)
             }
-            Op::PutSemaphore(_) | Op::DeleteSemaphore(_) => {
-                // TODO(semaphores): stored by the disk store.
-                return Appended {
-                    record: None,
-                    stamped: false,
-                    done: Box::pin(async {
-                        Err(AppendError::Store(StoreError::Io(
-                            "semaphores are not stored yet".into(),
-                        )))
-                    }),
-                };
+            Op::PutSemaphore(mut s) => {
+                let placeholder = s.modify_index;
+                Arc::make_mut(&mut s).restamp(placeholder, index);
+                log::change_with(&mut bytes, &semaphore_key(&s.name), index, true, |buf| {
+                    record::encode_semaphore_into(&s, buf);
+                });
+                (Change::PutSemaphore(s), None)
+            }
+            Op::DeleteSemaphore(name) => {
+                log::change(&mut bytes, &semaphore_key(&name), index, None);
+                (Change::DeleteSemaphore { name, index }, None)
             }
         };
         let msg = Msg::Change {

@@ -24,6 +24,7 @@ use super::{
     fs::{Fs, RealFs},
     log::{self, Overlay},
     manifest::{self, MANIFEST_FILE, MANIFEST_TEMP},
+    semaphore_name,
     snapshot::{self, NEXT_FILE, OLD_FILE, SNAPSHOT_FILE, Snapshot},
     unusable, unusable_log,
 };
@@ -598,7 +599,15 @@ pub(super) fn load_with(fs: &dyn Fs, dir: &Path, overlay: &Overlay) -> Result<Lo
         locate(fs, dir, folded, key).filter(|_| overlay.changes.contains_key(key))
     }));
     let mut failed = None;
+    // The semaphores' records, kept apart from the allocations' and
+    // decoded here (a few): their keys sort after every allocation's, so
+    // a bad allocation record is still the first one named.
+    let mut semaphores = Vec::new();
     let read = snapshot::load(base.as_mut(), &changes, |id, record| {
+        if let Some(name) = semaphore_name(id) {
+            semaphores.push((id.to_owned(), name.to_owned(), record.to_vec()));
+            return Ok(());
+        }
         loader.push(id.to_owned(), record.to_vec()).map_err(|e| {
             failed = Some(e);
             std::io::Error::other("a record did not decode")
@@ -612,9 +621,36 @@ pub(super) fn load_with(fs: &dyn Fs, dir: &Path, overlay: &Overlay) -> Result<Lo
             .or_else(|| loader.finish().err())
             .unwrap_or_else(|| io(e)));
     }
+    let allocations = loader.finish()?;
+    let semaphores = semaphores
+        .into_iter()
+        .map(|(key, name, bytes)| {
+            let bad = |what: String| match locate(fs, dir, folded, &key)
+                .filter(|_| overlay.changes.contains_key(&key))
+            {
+                Some((segment, at)) => {
+                    unusable_log(&segment, format!("in the append at byte {at}, {what}"))
+                }
+                None => unusable(&path, what),
+            };
+            let s = record::decode_semaphore(&bytes).map_err(|e| {
+                bad(format!(
+                    "the record of semaphore {name:?} is unreadable: {e}"
+                ))
+            })?;
+            if s.name.as_str() != name {
+                return Err(bad(format!(
+                    "the record under {key:?} is for semaphore {:?}",
+                    s.name
+                )));
+            }
+            Ok(s)
+        })
+        .collect::<Result<_, _>>()?;
     Ok(Loaded {
-        allocations: loader.finish()?,
+        allocations,
         last_index: stored_index.max(overlay.last_index),
+        semaphores,
         ..Default::default()
     })
 }

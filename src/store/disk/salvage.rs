@@ -11,9 +11,10 @@
 //!    neighbour vouches for (the next segment's header, the snapshot's
 //!    trailer). A frame that lies inside another's payload — an agent can
 //!    write one in an event message — is never taken.
-//! 2. **Merge by index**: the newest version of each allocation wins,
-//!    wherever it lies (snapshot, any segment, even one the snapshot
-//!    folded), a deletion included.
+//! 2. **Merge by index**: the newest version of each allocation (and of
+//!    each semaphore, under its key `~s/<name>`) wins, wherever it lies
+//!    (snapshot, any segment, even one the snapshot folded), a deletion
+//!    included.
 //! 3. **Judge**: an allocation's last index is proven only if nothing was
 //!    lost after its newest version (one allocation's changes are written
 //!    in index order, so anything lost after it could have been newer).
@@ -32,7 +33,7 @@ use std::{collections::BTreeMap, path::Path};
 use super::{
     frame,
     fs::RealFs,
-    log, manifest, recovery,
+    log, manifest, recovery, semaphore_name,
     snapshot::{self, SNAPSHOT_FILE, SnapshotWriter},
 };
 use crate::store::{StoreError, record};
@@ -42,14 +43,16 @@ use crate::store::{StoreError, record};
 pub struct SalvageReport {
     /// Allocations written to the new directory.
     pub allocations: usize,
+    /// Semaphores written to the new directory.
+    pub semaphores: usize,
     /// The highest global index seen (the new directory goes on from it).
     pub last_index: u64,
     /// One line per thing that could not be read, naming the file and the
-    /// bytes, or the allocation.
+    /// bytes, or the allocation or semaphore.
     pub lost: Vec<String>,
-    /// One line per allocation whose last index could not be proven: its
-    /// newest version salvaged (or its deletion) may be older than what
-    /// it had, because something after it was lost.
+    /// One line per allocation (or semaphore) whose last index could not
+    /// be proven: its newest version salvaged (or its deletion) may be
+    /// older than what it had, because something after it was lost.
     pub unproven: Vec<String>,
 }
 
@@ -69,7 +72,45 @@ fn io(path: &Path, what: &str, e: std::io::Error) -> StoreError {
 /// (For a snapshot whose header is lost: before every segment.)
 type Position = (u64, u64);
 
-/// The newest version of one allocation found so far.
+/// What a record's key names.
+enum Named<'a> {
+    Allocation(&'a str),
+    Semaphore(&'a str),
+}
+
+impl<'a> Named<'a> {
+    fn of(key: &'a str) -> Self {
+        semaphore_name(key).map_or(Self::Allocation(key), Self::Semaphore)
+    }
+
+    /// The index of the record `bytes` under this key, or what is wrong
+    /// with it (said after "its record").
+    fn index_of(&self, bytes: &[u8]) -> Result<u64, String> {
+        match *self {
+            Self::Allocation(id) => match record::decode(bytes) {
+                Ok(a) if a.id.as_str() == id => Ok(a.modify_index),
+                Ok(a) => Err(format!("is for allocation {:?}", a.id)),
+                Err(e) => Err(format!("is unreadable: {e}")),
+            },
+            Self::Semaphore(name) => match record::decode_semaphore(bytes) {
+                Ok(s) if s.name.as_str() == name => Ok(s.modify_index),
+                Ok(s) => Err(format!("is for semaphore {:?}", s.name)),
+                Err(e) => Err(format!("is unreadable: {e}")),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Named<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Allocation(id) => write!(f, "allocation {id:?}"),
+            Self::Semaphore(name) => write!(f, "semaphore {name:?}"),
+        }
+    }
+}
+
+/// The newest version of one allocation (or semaphore) found so far.
 struct Version {
     index: u64,
     /// Its record, or `None`: deleted.
@@ -119,23 +160,20 @@ pub fn salvage(from: &Path, to: &Path) -> Result<SalvageReport, StoreError> {
             report.last_index = s.last_index;
             let at = (folded.unwrap_or(0), u64::MAX);
             for (_, id, bytes) in s.records {
-                match record::decode(bytes) {
-                    Ok(a) if a.id.as_str() == id => keep(
+                let named = Named::of(id);
+                match named.index_of(bytes) {
+                    Ok(index) => keep(
                         &mut newest,
                         id,
                         Version {
-                            index: a.modify_index,
+                            index,
                             record: Some(bytes.to_vec()),
                             at,
                         },
                     ),
-                    Ok(a) => report.lost.push(format!(
-                        "allocation {id:?}: its record in the snapshot is for allocation {:?}",
-                        a.id
-                    )),
-                    Err(e) => report.lost.push(format!(
-                        "allocation {id:?}: its record in the snapshot is unreadable: {e}"
-                    )),
+                    Err(why) => report
+                        .lost
+                        .push(format!("{named}: its record in the snapshot {why}")),
                 }
             }
         }
@@ -255,42 +293,43 @@ pub fn salvage(from: &Path, to: &Path) -> Result<SalvageReport, StoreError> {
         }
     }
 
-    // 3. Judge: nothing lost may lie after an allocation's newest version.
+    // 3. Judge: nothing lost may lie after an allocation's (or a
+    // semaphore's) newest version.
     let last_lost = lost_at.iter().max().copied();
     let mut kept = Vec::new();
     for (id, v) in &newest {
+        let named = Named::of(id);
         if last_lost.is_some_and(|l| l > v.at) {
             report.unproven.push(match v.record {
                 Some(_) => format!(
-                    "allocation {id:?}: salvaged at index {}, but what was lost after it may \
-                     have held newer changes",
+                    "{named}: salvaged at index {}, but what was lost after it may have held \
+                     newer changes",
                     v.index
                 ),
                 None => format!(
-                    "allocation {id:?}: deleted at index {}, but what was lost after it may \
-                     have registered it again",
-                    v.index
+                    "{named}: deleted at index {}, but what was lost after it may have {} it \
+                     again",
+                    v.index,
+                    match named {
+                        Named::Allocation(_) => "registered",
+                        Named::Semaphore(_) => "created",
+                    }
                 ),
             });
         }
         let Some(record) = &v.record else { continue };
-        match record::decode(record) {
-            Ok(a) if a.id.as_str() == id => {
-                report.last_index = report.last_index.max(a.modify_index);
-                kept.push((id, record));
+        match named.index_of(record) {
+            Ok(index) => {
+                report.last_index = report.last_index.max(index);
+                kept.push((id, record, matches!(named, Named::Semaphore(_))));
             }
-            Ok(a) => report.lost.push(format!(
-                "allocation {id:?}: its record is for allocation {:?}",
-                a.id
-            )),
-            Err(e) => report
-                .lost
-                .push(format!("allocation {id:?}: its record is unreadable: {e}")),
+            Err(why) => report.lost.push(format!("{named}: its record {why}")),
         }
     }
     if last_lost.is_some() {
         report.unproven.push(
-            "and any allocation whose changes all lay in what was lost: its ID cannot be read"
+            "and any allocation or semaphore whose changes all lay in what was lost: its ID \
+             or name cannot be read"
                 .into(),
         );
     }
@@ -318,10 +357,14 @@ pub fn salvage(from: &Path, to: &Path) -> Result<SalvageReport, StoreError> {
     };
     let mut out = SnapshotWriter::create(&RealFs, to, 0, report.last_index, start)
         .map_err(|e| io(to, "write a snapshot in", e))?;
-    for (id, record) in kept {
+    for (id, record, semaphore) in kept {
         out.put(id, record)
             .map_err(|e| io(to, "write a snapshot in", e))?;
-        report.allocations += 1;
+        if semaphore {
+            report.semaphores += 1;
+        } else {
+            report.allocations += 1;
+        }
     }
     out.finish().map_err(|e| io(to, "write a snapshot in", e))?;
     // The first segment, following the snapshot, named in the manifest:
@@ -366,22 +409,23 @@ fn prepare(from: &Path, to: &Path) -> Result<(), StoreError> {
 }
 
 /// Which allocations a lost stretch of the snapshot can have held: the
-/// records are in ID order, so only those whose IDs sort between the
-/// records around it.
+/// records are in key order, so only those whose keys sort between the
+/// records around it (semaphores' keys, `~s/<name>`, after every
+/// allocation's).
 fn describe_ids(lost: &mut Vec<String>, s: &snapshot::Salvaged<'_>) {
     // The header's own stretch (from byte 0) held no record.
     for u in s.unread.iter().filter(|u| u.from > 0) {
         let before = s.records.iter().rev().find(|r| (r.0 as u64) < u.from);
         let after = s.records.iter().find(|r| r.0 as u64 >= u.to);
         let which = match (before, after) {
-            (Some(b), Some(a)) => format!("whose IDs sort after {:?} and before {:?}", b.1, a.1),
-            (Some(b), None) => format!("whose IDs sort after {:?}", b.1),
-            (None, Some(a)) => format!("whose IDs sort before {:?}", a.1),
+            (Some(b), Some(a)) => format!("whose keys sort after {:?} and before {:?}", b.1, a.1),
+            (Some(b), None) => format!("whose keys sort after {:?}", b.1),
+            (None, Some(a)) => format!("whose keys sort before {:?}", a.1),
             (None, None) => "of any ID".into(),
         };
         lost.push(format!(
-            "snapshot bytes {} to {}: they may have held the records of allocations {which}, \
-             which are lost unless the log holds them",
+            "snapshot bytes {} to {}: they may have held the records of allocations (or \
+             semaphores) {which}, which are lost unless the log holds them",
             u.from, u.to
         ));
     }

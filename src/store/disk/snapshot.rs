@@ -17,7 +17,8 @@
 //! header   = magic "TGSNAP\0\x02" | folded: u64 | last_index: u64
 //!          | log_len: u64 | log_chain: u32 | crc32(the 36 bytes before): u32
 //! record   = frame (frame.rs: len | crc | chain | payload), chained from the header's crc32
-//! payload  = id_len: u8 | id | record (record.rs)
+//! payload  = id_len: u8 | id | record (record.rs; a semaphore's under the
+//!            id `~s/<name>`, after every allocation's)
 //! trailer  = "TGSNAPND" | records: u64 | chain: u32 (the last record's; the header's
 //!            crc32 if there is none) | crc32(the 20 bytes before): u32
 //! ```

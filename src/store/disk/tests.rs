@@ -544,9 +544,9 @@ async fn salvage_copies_what_can_be_read_and_names_what_cannot() {
         lost[1].starts_with(&format!("{snapshot}: its trailer counts ")),
         "{lost:?}"
     );
-    // Which records it can have been: the snapshot is in ID order.
+    // Which records it can have been: the snapshot is in key order.
     assert!(
-        lost[2].contains(r#"IDs sort after "s1" and before "s11""#),
+        lost[2].contains(r#"keys sort after "s1" and before "s11""#),
         "{lost:?}"
     );
     assert!(

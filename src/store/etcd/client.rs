@@ -152,6 +152,18 @@ pub enum Swapped {
     },
 }
 
+/// What a transaction holds to besides its key's revision
+/// (`Client::when_at`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Guards<'a> {
+    /// Keys that must not exist (a run declared lost only while its live
+    /// key is gone).
+    pub absent: &'a [Vec<u8>],
+    /// Keys that must still be at these `mod_revision`s (the semaphores
+    /// a put grants, each as the grant was decided on).
+    pub at: &'a [(Vec<u8>, u64)],
+}
+
 /// A transaction's answer as a swap's outcome.
 fn swapped(res: proto::TxnResponse, uncertain: bool) -> Swapped {
     let read = revision_of(&res.header);
@@ -507,19 +519,19 @@ impl Client {
         value: Option<&[u8]>,
         expect: u64,
     ) -> Result<Swapped, CallError> {
-        self.swap_with(key, value, expect, &[], Vec::new()).await
+        self.swap_with(key, value, expect, Guards::default(), Vec::new())
+            .await
     }
 
     /// `swap`, with `also` applied in the same transaction when it
     /// succeeds (a task's liveness keys with its record), and only while
-    /// each key of `absent` does not exist (a run declared lost only while
-    /// its live key is gone).
+    /// `guards` hold.
     pub async fn swap_with(
         &self,
         key: &[u8],
         value: Option<&[u8]>,
         expect: u64,
-        absent: &[Vec<u8>],
+        guards: Guards<'_>,
         also: Vec<Request>,
     ) -> Result<Swapped, CallError> {
         let then = match value {
@@ -535,18 +547,18 @@ impl Client {
         };
         let mut ops = vec![then];
         ops.extend(also);
-        self.when_at(key, expect, absent, ops).await
+        self.when_at(key, expect, guards, ops).await
     }
 
     /// Applies `ops` in one transaction if `key`'s `mod_revision` is
-    /// `expect` (0: the key is absent) and no key of `absent` exists, else
-    /// reads `key` (as `swap`: a conflict with `key` at `expect` is one of
-    /// `absent` that exists).
+    /// `expect` (0: the key is absent) and `guards` hold, else reads `key`
+    /// (as `swap`: a conflict with `key` at `expect` is a guard that
+    /// failed).
     pub async fn when_at(
         &self,
         key: &[u8],
         expect: u64,
-        absent: &[Vec<u8>],
+        guards: Guards<'_>,
         ops: Vec<Request>,
     ) -> Result<Swapped, CallError> {
         let mut compare = vec![proto::Compare {
@@ -558,11 +570,20 @@ impl Client {
             )),
         }];
         // A key that does not exist has version 0.
-        compare.extend(absent.iter().map(|k| proto::Compare {
+        compare.extend(guards.absent.iter().map(|k| proto::Compare {
             result: proto::COMPARE_EQUAL,
             target: proto::TARGET_VERSION,
             key: k.clone(),
             target_union: Some(CompareUnion::Version(0)),
+        }));
+        // And `mod_revision` 0, so a guard at a revision fails on it.
+        compare.extend(guards.at.iter().map(|(k, revision)| proto::Compare {
+            result: proto::COMPARE_EQUAL,
+            target: proto::TARGET_MOD,
+            key: k.clone(),
+            target_union: Some(CompareUnion::ModRevision(
+                i64::try_from(*revision).unwrap_or(i64::MAX),
+            )),
         }));
         let req = proto::TxnRequest {
             compare,

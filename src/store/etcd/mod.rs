@@ -21,6 +21,18 @@
 //! (`<prefix>live/`, `live.rs`), under leases the replicas renew
 //! (`keep.rs`): the same listing and the same watch carry them, so a
 //! replica's view holds them in revision order with the records.
+//!
+//! Semaphores have a key each, `<prefix>sem/<name>`, their value the
+//! semaphore's record (`record::encode_semaphore`) written and read back
+//! as an allocation's is (a placeholder index, stamped with the key's
+//! `mod_revision`). The listing reads them too, and the one watch runs
+//! from `<prefix>a/` to the end of `<prefix>sem/`, which holds `live/`
+//! between them (and not `<prefix>store-id`, which sorts after `sem0`).
+//! A put of an allocation that grants semaphores (`Append::grants`) holds
+//! only while each is still at the revision the grant was decided on,
+//! and writes each again in the same transaction, so its revision moves:
+//! two replicas' grants decided on one view of a semaphore cannot both
+//! commit.
 
 pub mod client;
 mod keep;
@@ -36,7 +48,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use client::{CallError, Client, Swapped};
+use client::{CallError, Client, Guards, Swapped};
 pub use client::{EtcdConfig, prefix_end};
 use tokio::sync::watch;
 
@@ -45,7 +57,7 @@ use super::{
     QuorumRead, Store, StoreError, StoreHealth, Unreadable, record,
 };
 use crate::{
-    lifecycle::{AllocId, Allocation, WriteMark},
+    lifecycle::{AllocId, Allocation, SemName, Semaphore, WriteMark},
     supervise::Supervisor,
 };
 
@@ -84,6 +96,8 @@ struct Keys {
     keys: Vec<u8>,
     /// `<prefix>live/`: the tasks' liveness keys (`live.rs`).
     live: Vec<u8>,
+    /// `<prefix>sem/`: the semaphores' keys.
+    sems: Vec<u8>,
 }
 
 /// The `Leases` of an etcd prefix.
@@ -109,6 +123,10 @@ struct Link {
     /// and everything else is served. A readable record (or a deletion)
     /// of the allocation takes it off.
     unreadable: BTreeMap<String, Unreadable>,
+    /// Semaphores whose record in etcd this build cannot read, with why:
+    /// kept out of the view (as if deleted), and health is degraded. A
+    /// readable record (or a deletion) of the semaphore takes it off.
+    unreadable_semaphores: BTreeMap<String, String>,
 }
 
 impl EtcdStore {
@@ -133,13 +151,15 @@ impl EtcdStore {
         keys.extend_from_slice(b"a/");
         let mut live = config.prefix.as_bytes().to_vec();
         live.extend_from_slice(b"live/");
+        let mut sems = config.prefix.as_bytes().to_vec();
+        sems.extend_from_slice(b"sem/");
         // etcd may come up after the replica (a whole deployment started
         // at once): unreachable members are waited for a while, the server
         // answering 503 `starting` meanwhile.
         let started = Instant::now();
         let mut backoff = RETRY_FIRST;
-        let (loaded, unreadable) = loop {
-            match list(&client, &keys, &live).await {
+        let listed = loop {
+            match list(&client, &keys, &live, &sems).await {
                 Ok(listed) => break listed,
                 Err(CallError::Unreachable(e)) if started.elapsed() < CONNECT_PATIENCE => {
                     tracing::warn!(error = %e, retry_in = ?backoff, "etcd is not reachable yet");
@@ -157,7 +177,12 @@ impl EtcdStore {
         let id = identify(&client, config.prefix.as_bytes()).await?;
         let client = Arc::new(client);
         let closed = watch::Sender::new(false);
-        let keys = Arc::new(Keys { client, keys, live });
+        let keys = Arc::new(Keys {
+            client,
+            keys,
+            live,
+            sems,
+        });
         Ok(Self {
             id,
             leases: Arc::new(EtcdLeases {
@@ -166,9 +191,10 @@ impl EtcdStore {
                 raised: Arc::default(),
             }),
             keys,
-            loaded: LoadOnce::new(loaded),
+            loaded: LoadOnce::new(listed.loaded),
             link: Arc::new(Mutex::new(Link {
-                unreadable,
+                unreadable: listed.unreadable,
+                unreadable_semaphores: listed.unreadable_semaphores,
                 ..Link::default()
             })),
             closed,
@@ -181,6 +207,13 @@ impl Keys {
     fn key(&self, id: &AllocId) -> Vec<u8> {
         let mut key = self.keys.clone();
         key.extend_from_slice(id.as_str().as_bytes());
+        key
+    }
+
+    /// `<prefix>sem/<name>`.
+    fn sem_key(&self, name: &SemName) -> Vec<u8> {
+        let mut key = self.sems.clone();
+        key.extend_from_slice(name.as_str().as_bytes());
         key
     }
 
@@ -260,14 +293,20 @@ async fn identify(client: &Client, prefix: &[u8]) -> Result<String, StoreError> 
     }
 }
 
+/// The prefix as listed at one revision.
+struct Listed {
+    loaded: Loaded,
+    /// The allocations whose records this build cannot read, with why.
+    unreadable: BTreeMap<String, Unreadable>,
+    /// The semaphores whose records this build cannot read, with why.
+    unreadable_semaphores: BTreeMap<String, String>,
+}
+
 /// The whole prefix at one revision, page by page, and the records in it
-/// this build cannot read (by allocation, with why): the allocations under
-/// `keys`, then the liveness keys under `live` at the same revision.
-async fn list(
-    client: &Client,
-    keys: &[u8],
-    live: &[u8],
-) -> Result<(Loaded, BTreeMap<String, Unreadable>), CallError> {
+/// this build cannot read: the allocations under `keys`, then the
+/// liveness keys under `live` and the semaphores under `sems` at the same
+/// revision.
+async fn list(client: &Client, keys: &[u8], live: &[u8], sems: &[u8]) -> Result<Listed, CallError> {
     let mut unreadable = BTreeMap::new();
     let mut at = 0;
     let mut allocations = Vec::new();
@@ -286,15 +325,28 @@ async fn list(
         }
     })
     .await?;
-    Ok((
-        Loaded {
+    let mut semaphores = Vec::new();
+    let mut unreadable_semaphores = BTreeMap::new();
+    each_key(client, sems, &mut at, |kv| {
+        match read_semaphore(sems, &kv) {
+            Some(Ok(s)) => semaphores.push(s),
+            Some(Err((name, why))) => {
+                unreadable_semaphores.insert(name.as_str().to_owned(), why);
+            }
+            None => {}
+        }
+    })
+    .await?;
+    Ok(Listed {
+        loaded: Loaded {
             allocations,
             last_index: at,
             liveness,
-            semaphores: Vec::new(),
+            semaphores,
         },
         unreadable,
-    ))
+        unreadable_semaphores,
+    })
 }
 
 /// Every key under `prefix` at revision `at` (0: now, which sets `at`),
@@ -390,6 +442,60 @@ fn decode(keys: &[u8], key: &[u8], value: &[u8], revision: u64) -> Result<Alloca
     Ok(a)
 }
 
+/// The semaphore a key under `sems` names, if it names one.
+fn sem_named(sems: &[u8], key: &[u8]) -> Option<SemName> {
+    let name = std::str::from_utf8(key.get(sems.len()..)?).ok()?;
+    SemName::parse(name).ok()
+}
+
+/// A semaphore's key-value as read, stamped with the revision that wrote
+/// it; or, if this build cannot read it, its name and why (logged). `None`
+/// for a key that names no semaphore (logged, ignored).
+fn read_semaphore(
+    sems: &[u8],
+    kv: &client::KeyValue,
+) -> Option<Result<Semaphore, (SemName, String)>> {
+    let key = String::from_utf8_lossy(&kv.key);
+    let Some(name) = sem_named(sems, &kv.key) else {
+        tracing::warn!(%key, "a key under the semaphores' prefix names no semaphore; ignored");
+        return None;
+    };
+    let read = record::decode_semaphore(&kv.value)
+        .map_err(|e| format!("the record at {key} is damaged: {e}"))
+        .and_then(|s| {
+            if s.name == name {
+                Ok(s)
+            } else {
+                Err(format!(
+                    "the record at {key} belongs to semaphore {:?}",
+                    s.name.as_str()
+                ))
+            }
+        });
+    Some(match read {
+        Ok(mut s) => {
+            let placeholder = s.modify_index;
+            s.restamp(placeholder, kv.mod_revision);
+            Ok(s)
+        }
+        Err(why) => {
+            tracing::error!(semaphore = %name, error = %why, "a semaphore's record in etcd cannot be read by this build; it is left out of the view (its waiters see it as not registered)");
+            Err((name, why))
+        }
+    })
+}
+
+/// The record of `g` written again by a put that grants it: the same
+/// semaphore, with a placeholder index above its `create_index` (so that
+/// it reads back with its `create_index`, and its `modify_index` the
+/// grant's revision).
+fn granted_again(g: &Semaphore) -> Vec<u8> {
+    record::encode_semaphore(&Semaphore {
+        modify_index: g.create_index.max(g.modify_index).saturating_add(1),
+        ..g.clone()
+    })
+}
+
 /// What a failed compare tells about a swap of `op` on the record at
 /// `expect`: the key is at revision `now` (0: absent) holding `value`,
 /// created at `created`, read at `read`. A write that follows a record
@@ -453,9 +559,34 @@ fn settle(
         }
         // A deletion that may have landed: the key gone, or created again
         // since, means the record it was decided on is deleted.
-        Op::Delete(_) if uncertain && (now == 0 || created > expect) => AppendError::Landed {
-            seen: if now == 0 { read } else { now },
-        },
+        Op::Delete(_) | Op::DeleteSemaphore(_) if uncertain && (now == 0 || created > expect) => {
+            AppendError::Landed {
+                seen: if now == 0 { read } else { now },
+            }
+        }
+        // A semaphore's record carries no write marks: a put that may have
+        // landed, the key moved since, has landed if the semaphore is as
+        // it would leave it (whoever wrote that, deciding again would
+        // change nothing); else whether it did cannot be told, and it is
+        // not decided again on top of what may be its own write.
+        Op::PutSemaphore(ours) if uncertain && now != expect => {
+            match record::decode_semaphore(value) {
+                Ok(held)
+                    if now != 0
+                        && held.name == ours.name
+                        && held.limit == ours.limit
+                        && held.grant_timeout == ours.grant_timeout =>
+                {
+                    AppendError::Landed { seen: now }
+                }
+                _ => AppendError::Store(StoreError::Uncertain(format!(
+                    "etcd did not answer a write of semaphore {} and it changed since, so \
+                     whether the write was applied cannot be told; read the semaphore before \
+                     sending the request again",
+                    ours.name
+                ))),
+            }
+        }
         Op::Delete(_) | Op::PutSemaphore(_) | Op::DeleteSemaphore(_) => AppendError::Conflict {
             seen: if now == 0 { read } else { now },
         },
@@ -485,10 +616,10 @@ impl Store for EtcdStore {
             op,
             expect,
             live,
-            grants: _,
+            grants,
         } = append;
         let k = &self.keys;
-        let (op, key, value, absent, also) = match op {
+        let (op, key, value, absent, mut also) = match op {
             Op::Put(mut a) => {
                 // Marked, so that an attempt whose answer is lost can be
                 // told from another's write (`settle`).
@@ -517,27 +648,45 @@ impl Store for EtcdStore {
                     })],
                 )
             }
-            Op::PutSemaphore(_) | Op::DeleteSemaphore(_) => {
-                // TODO(semaphores): stored by the etcd store.
-                return Appended {
-                    record: None,
-                    stamped: false,
-                    done: Box::pin(async {
-                        Err(AppendError::Store(StoreError::Io(
-                            "semaphores are not stored yet".into(),
-                        )))
-                    }),
-                };
+            // Written with its placeholder index, stamped when read back.
+            Op::PutSemaphore(s) => {
+                let (key, value) = (k.sem_key(&s.name), Some(record::encode_semaphore(&s)));
+                (Op::PutSemaphore(s), key, value, Vec::new(), Vec::new())
+            }
+            Op::DeleteSemaphore(name) => {
+                let key = k.sem_key(&name);
+                (Op::DeleteSemaphore(name), key, None, Vec::new(), Vec::new())
             }
         };
+        // Each granted semaphore still at the revision the grant was
+        // decided on, and written again (its revision moves with the
+        // grant). At most `MAX_ACQUIRE` (4) compares and puts: with the
+        // record's put and its liveness keys' requests, a transaction
+        // stays far below etcd's limit of operations per transaction
+        // (`--max-txn-ops`, 128 by default).
+        let granted: Vec<(Vec<u8>, u64)> = grants
+            .iter()
+            .map(|g| (k.sem_key(&g.name), g.modify_index))
+            .collect();
+        also.extend(grants.iter().map(|g| {
+            proto::Request::Put(proto::PutRequest {
+                key: k.sem_key(&g.name),
+                value: granted_again(g),
+                lease: 0,
+            })
+        }));
         let client = k.client.clone();
         let record = match &op {
             Op::Put(a) => Some(a.clone()),
             _ => None,
         };
         let done = Box::pin(async move {
+            let guards = Guards {
+                absent: &absent,
+                at: &granted,
+            };
             match client
-                .swap_with(&key, value.as_deref(), expect, &absent, also)
+                .swap_with(&key, value.as_deref(), expect, guards, also)
                 .await
             {
                 Ok(Swapped::Done(index)) => Ok(index),
@@ -547,7 +696,18 @@ impl Store for EtcdStore {
                     created,
                     read,
                     uncertain,
-                }) => Err(settle(&op, expect, now, &value, created, read, uncertain)),
+                }) => Err(
+                    match settle(&op, expect, now, &value, created, read, uncertain) {
+                        // A granted semaphore may be what moved, after the
+                        // record did: everything is visible at the read.
+                        AppendError::Conflict { seen } if !granted.is_empty() => {
+                            AppendError::Conflict {
+                                seen: seen.max(read),
+                            }
+                        }
+                        other => other,
+                    },
+                ),
                 Err(CallError::Ambiguous(m)) => Err(AppendError::Store(StoreError::Uncertain(
                     format!("no etcd member confirmed a write, which may have been applied: {m}"),
                 ))),
@@ -608,6 +768,7 @@ impl Store for EtcdStore {
                 client: keys.client.clone(),
                 keys: keys.keys.clone(),
                 live: keys.live.clone(),
+                sems: keys.sems.clone(),
                 link: link.clone(),
                 follower: follower.clone(),
                 applied: applied.clone(),
@@ -621,7 +782,7 @@ impl Store for EtcdStore {
         // of the watch that follows it until a member takes it again.
         let link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
         match &link.trouble {
-            None if !link.unreadable.is_empty() => {
+            None if !link.unreadable.is_empty() || !link.unreadable_semaphores.is_empty() => {
                 StoreHealth::Degraded(vec!["records_unreadable"])
             }
             None => StoreHealth::Ok,
@@ -672,7 +833,11 @@ impl Leases for EtcdLeases {
         let ops = self.keys.live_requests(id, live);
         let client = self.keys.client.clone();
         Box::pin(async move {
-            match client.when_at(&key, expect, &absent, ops).await {
+            let guards = Guards {
+                absent: &absent,
+                at: &[],
+            };
+            match client.when_at(&key, expect, guards, ops).await {
                 Ok(Swapped::Done(index)) => Ok(index),
                 // Absent, or still at `expect` (a live key that had to be
                 // absent is there): what etcd held when it refused.
@@ -698,10 +863,11 @@ impl Leases for EtcdLeases {
 struct Follow {
     client: Arc<Client>,
     keys: Vec<u8>,
-    /// `<prefix>live/`, watched with `keys` in one range (`a/` to
-    /// `live/`'s end), so the records and the liveness keys arrive in one
-    /// revision order.
+    /// `<prefix>live/` and `<prefix>sem/`, watched with `keys` in one
+    /// range (`a/` to `sem/`'s end), so the records, the liveness keys and
+    /// the semaphores arrive in one revision order.
     live: Vec<u8>,
+    sems: Vec<u8>,
     link: Arc<Mutex<Link>>,
     follower: Weak<dyn Follower>,
     /// Every change up to this revision is handed to the follower (shared
@@ -730,20 +896,21 @@ impl Follow {
                 Ended::Stop => return,
                 Ended::Compacted => {
                     let relisted = tokio::select! {
-                        r = list(&self.client, &self.keys, &self.live) => r,
+                        r = list(&self.client, &self.keys, &self.live, &self.sems) => r,
                         _ = closed.wait_for(|c| *c) => return,
                     };
                     match relisted {
-                        Ok((loaded, unreadable)) => {
+                        Ok(listed) => {
                             let Some(follower) = self.follower.upgrade() else {
                                 return;
                             };
-                            self.link
-                                .lock()
-                                .unwrap_or_else(PoisonError::into_inner)
-                                .unreadable = unreadable;
-                            self.applied.store(loaded.last_index, Ordering::SeqCst);
-                            follower.resync(loaded);
+                            let mut link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
+                            link.unreadable = listed.unreadable;
+                            link.unreadable_semaphores = listed.unreadable_semaphores;
+                            drop(link);
+                            self.applied
+                                .store(listed.loaded.last_index, Ordering::SeqCst);
+                            follower.resync(listed.loaded);
                             backoff = RETRY_FIRST;
                             continue;
                         }
@@ -782,7 +949,7 @@ impl Follow {
 
     /// One watch, from the revision after `applied`, until it ends.
     async fn watch(&mut self) -> Ended {
-        let end = prefix_end(&self.live);
+        let end = prefix_end(&self.sems);
         let from = self.applied.load(Ordering::SeqCst) + 1;
         let mut watch = match self.client.watch(&self.keys, &end, from).await {
             Ok(w) => w,
@@ -861,12 +1028,37 @@ impl Follow {
             let mut changes = Vec::with_capacity(response.events.len());
             // Each allocation changed, in order: unreadable (with why) or not.
             let mut read: Vec<(String, Option<Unreadable>)> = Vec::new();
+            // The same of each semaphore changed.
+            let mut read_sems: Vec<(String, Option<String>)> = Vec::new();
             for e in response.events {
                 reached = reached.max(e.kv.mod_revision);
                 if e.kv.key.starts_with(&self.live) {
                     match live::read(&self.live, &e.kv, e.deleted) {
                         Some(l) => changes.push(Change::Liveness(l)),
                         None => unnamed_live_key(&e.kv.key),
+                    }
+                    continue;
+                }
+                if e.kv.key.starts_with(&self.sems) {
+                    let index = e.kv.mod_revision;
+                    if e.deleted {
+                        if let Some(name) = sem_named(&self.sems, &e.kv.key) {
+                            read_sems.push((name.as_str().to_owned(), None));
+                            changes.push(Change::DeleteSemaphore { name, index });
+                        }
+                        continue;
+                    }
+                    match read_semaphore(&self.sems, &e.kv) {
+                        Some(Ok(s)) => {
+                            read_sems.push((s.name.as_str().to_owned(), None));
+                            changes.push(Change::PutSemaphore(Arc::new(s)));
+                        }
+                        // Out of the view, as a listing leaves it.
+                        Some(Err((name, why))) => {
+                            read_sems.push((name.as_str().to_owned(), Some(why)));
+                            changes.push(Change::DeleteSemaphore { name, index });
+                        }
+                        None => {}
                     }
                     continue;
                 }
@@ -909,10 +1101,102 @@ impl Follow {
                     None => link.unreadable.remove(&id),
                 };
             }
+            for (name, why) in read_sems {
+                match why {
+                    Some(why) => link.unreadable_semaphores.insert(name, why),
+                    None if link.unreadable_semaphores.is_empty() => continue,
+                    None => link.unreadable_semaphores.remove(&name),
+                };
+            }
             drop(link);
             let reached = reached.max(applied);
             follower.changed(changes, reached);
             self.applied.store(reached, Ordering::SeqCst);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn db(limit: u32, create_index: u64, modify_index: u64) -> Semaphore {
+        Semaphore {
+            name: SemName::parse("db").unwrap(),
+            limit,
+            grant_timeout: Duration::from_secs(60),
+            create_index,
+            modify_index,
+        }
+    }
+
+    /// What a failed compare of a semaphore's put or deletion settles to:
+    /// a conflict unless an attempt got no answer; then landed where the
+    /// key says so (deleted, or as the put would leave it), else unknown,
+    /// never decided again on top of what may be its own write.
+    #[test]
+    fn a_semaphore_write_whose_answer_was_lost_is_settled_by_what_etcd_holds() {
+        let put = Op::PutSemaphore(Arc::new(db(3, 10, u64::MAX)));
+        let ours = record::encode_semaphore(&db(3, 10, 21));
+        let theirs = record::encode_semaphore(&db(4, 10, 21));
+        let settled =
+            |now, value: &[u8], uncertain| settle(&put, 10, now, value, 10, 30, uncertain);
+        assert!(matches!(
+            settled(21, &theirs, false),
+            AppendError::Conflict { seen: 21 }
+        ));
+        assert!(matches!(
+            settled(0, &[], false),
+            AppendError::Conflict { seen: 30 }
+        ));
+        assert!(matches!(
+            settled(21, &ours, true),
+            AppendError::Landed { seen: 21 }
+        ));
+        for (now, value) in [(21, &theirs[..]), (0, &[][..]), (21, &[0x82, 1][..])] {
+            match settled(now, value, true) {
+                AppendError::Store(StoreError::Uncertain(why)) => {
+                    assert!(why.contains("write of semaphore db"), "{why}");
+                    assert!(why.contains("read the semaphore before"), "{why}");
+                }
+                other => panic!("{now}: {other:?}"),
+            }
+        }
+        // A creation whose answer was lost, the key still absent.
+        let create = Op::PutSemaphore(Arc::new(db(3, u64::MAX, u64::MAX)));
+        assert!(matches!(
+            settle(&create, 0, 0, &[], 0, 30, true),
+            AppendError::Conflict { seen: 30 }
+        ));
+
+        let delete = Op::DeleteSemaphore(SemName::parse("db").unwrap());
+        assert!(matches!(
+            settle(&delete, 10, 0, &[], 0, 30, true),
+            AppendError::Landed { seen: 30 }
+        ));
+        assert!(matches!(
+            settle(&delete, 10, 25, &ours, 25, 30, true),
+            AppendError::Landed { seen: 25 }
+        ));
+        assert!(matches!(
+            settle(&delete, 10, 21, &ours, 10, 30, true),
+            AppendError::Conflict { seen: 21 }
+        ));
+        assert!(matches!(
+            settle(&delete, 10, 0, &[], 0, 30, false),
+            AppendError::Conflict { seen: 30 }
+        ));
+    }
+
+    /// A grant writes the semaphore again with a placeholder above its
+    /// `create_index`: read back, only its `modify_index` moves.
+    #[test]
+    fn a_granted_semaphore_reads_back_with_its_creation_and_the_grant_s_revision() {
+        for g in [db(2, 7, 7), db(2, 7, 12)] {
+            let mut read = record::decode_semaphore(&granted_again(&g)).unwrap();
+            let placeholder = read.modify_index;
+            read.restamp(placeholder, 40);
+            assert_eq!(read, db(2, 7, 40));
         }
     }
 }
