@@ -5,8 +5,6 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::{TestApp, test_app};
 use serde_json::{Value, json};
 

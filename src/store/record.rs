@@ -1134,7 +1134,7 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
 
 // ---- semaphores ----
 
-use crate::lifecycle::{GRANT_TIMEOUT_RANGE, LIMIT_RANGE, SemName, Semaphore};
+use crate::lifecycle::{GRANT_TIMEOUT_RANGE, LIMIT_RANGE, Semaphore};
 
 /// The first byte of a semaphore's record: its format (1), with the high
 /// bit set so that it is no allocation record's version.
