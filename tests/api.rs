@@ -62,6 +62,8 @@ async fn register_answers_201_with_location_index_and_the_full_view() {
         "last_seen",
         "depends_on",
         "blocked_by",
+        "acquire",
+        "grants",
     ]
     .map(String::from)
     .to_vec();
@@ -858,6 +860,7 @@ async fn start_condition_answers_at_once_when_allowed() {
                "stop_reason": null,
                "coordinator_state": "prestart", "waiting_on": ["init", "proxy"],
                "outcome": null, "failed_tasks": [], "depends_on": [], "blocked_by": [],
+               "grants": [],
                "state": "pending", "run": null, "create_index": reg.body["create_index"],
                "index": a.index()})
     );
