@@ -141,9 +141,12 @@ def within(text, low, high):
 
 
 def durations_fit(body):
-    """Stage deadlines within 1 s to 7 days, liveness TTLs within 1 s to 24 h."""
+    """Stage deadlines within 1 s to 7 days, liveness TTLs and a semaphore's
+    grant timeout within 1 s to 24 h."""
     if not isinstance(body, dict):
         return True
+    if body.get("grant_timeout") is not None and not within(body["grant_timeout"], 1, 86400):
+        return False
     deadlines = body.get("deadlines")
     if isinstance(deadlines, dict):
         for value in deadlines.values():
@@ -177,6 +180,11 @@ def body_fits(body):
         names = [n for n in names if isinstance(n, str)]
         if len(names) != len(set(names)):
             return False
+        # A task names each semaphore it acquires once.
+        for t in body["tasks"]:
+            acquire = t.get("acquire") if isinstance(t, dict) else None
+            if isinstance(acquire, list) and len(acquire) != len(set(map(str, acquire))):
+                return False
     return (
         readiness_rules_hold(body)
         and events_fit(body)

@@ -168,8 +168,30 @@ pub struct TaskSpecBody {
     /// served (`grants` on the task says with which fences). The caller's
     /// token must cover each name (`semaphore_prefixes`).
     #[serde(default)]
-    #[schema(max_items = 4, example = json!(["db-migrations"]))]
+    #[schema(max_items = 4, example = json!(["db-migrations"]), value_type = Vec<SemaphoreNameBody>)]
     pub acquire: Vec<String>,
+}
+
+/// A semaphore's name in a task's `acquire` (the schema only: names are
+/// parsed as `SemName`).
+pub struct SemaphoreNameBody;
+
+impl utoipa::PartialSchema for SemaphoreNameBody {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        utoipa::openapi::ObjectBuilder::new()
+            .schema_type(utoipa::openapi::schema::Type::String)
+            .description(Some("A semaphore's name: as an allocation ID"))
+            .min_length(Some(1))
+            .max_length(Some(128))
+            .pattern(Some("^[A-Za-z0-9][A-Za-z0-9._-]*$"))
+            .into()
+    }
+}
+
+impl ToSchema for SemaphoreNameBody {
+    fn name() -> std::borrow::Cow<'static, str> {
+        std::borrow::Cow::Borrowed("SemaphoreName")
+    }
 }
 
 /// A start condition on another task.

@@ -82,7 +82,12 @@ Errors are RFC 9457 problem documents with a stable `code`.",
         service::openapi_json,
         service::errors,
     ),
-    components(schemas(error::Problem, error::ProblemField, views::HealthView)),
+    components(schemas(
+        error::Problem,
+        error::ProblemField,
+        views::HealthView,
+        super::dto::SemaphoreNameBody
+    )),
     modifiers(&CommonResponses),
     tags(
         (name = "allocations", description = "Register, read, list, restart, restore, stop and delete allocations"),

@@ -31,8 +31,8 @@ pub struct SemaphoreBody {
     /// How many tasks may hold it at once: 1 to 10,000. Raised, the tasks
     /// first in line are granted at once; lowered, no holder loses its
     /// slot (no grant is made until fewer hold it than the limit).
-    #[schema(minimum = 1, maximum = 10000)]
-    pub limit: u64,
+    #[schema(value_type = u64, minimum = 1, maximum = 10000)]
+    pub limit: serde_json::Number,
     /// How long a granted task may take to become `running` (1s to 24h,
     /// with a unit; default 1m): past it the grant lapses and the task
     /// goes to the back of the queue.
@@ -172,8 +172,15 @@ pub async fn put(
 ) -> Result<Response, ApiError> {
     let mut errors = Vec::new();
     let (min, max) = LIMIT_RANGE;
-    let limit = match u32::try_from(body.limit) {
-        Ok(n) if (min..=max).contains(&n) => n,
+    // JSON has one kind of number: `2.0` is the integer 2.
+    let whole = body.limit.as_u64().or_else(|| {
+        body.limit
+            .as_f64()
+            .filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f <= f64::from(u32::MAX))
+            .map(|f| f as u64)
+    });
+    let limit = match whole.and_then(|n| u32::try_from(n).ok()) {
+        Some(n) if (min..=max).contains(&n) => n,
         _ => {
             errors.push(FieldError::new(
                 "limit",
@@ -271,7 +278,7 @@ pub async fn get(
 #[utoipa::path(
     get, path = "/v1/semaphores", operation_id = "listSemaphores", tag = "semaphores",
     params(
-        ("prefix" = Option<String>, Query, description = "Only names starting with this"),
+        ("prefix" = Option<String>, Query, pattern = "^[A-Za-z0-9._-]*$", description = "Only names starting with this"),
         ("per_page" = Option<usize>, Query, minimum = 1, maximum = 1000, description = "1 to 1000, default 100"),
         ("next_token" = Option<String>, Query, min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$", description = "The X-Taskgate-NextToken of the previous page"),
     ),
