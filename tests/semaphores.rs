@@ -123,6 +123,27 @@ async fn a_slot_passes_from_allocation_to_allocation_in_order() {
     let running = state(&app, "app-1", "running", None).await;
     let run = running.run("migrate");
     state(&app, "app-1", "dead", Some(&run)).await;
+    let timeline = app.call("GET", "/v1/allocations/app-1/events", None).await;
+    let slots: Vec<(Value, Value)> = timeline.body["events"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{}", timeline.body))
+        .iter()
+        .filter(|e| e["type"] == "Acquired" || e["type"] == "Released")
+        .map(|e| (e["type"].clone(), e["details"].clone()))
+        .collect();
+    assert_eq!(
+        slots,
+        [
+            (
+                json!("Acquired"),
+                json!({"semaphore": "db-migrations", "fence": fence.to_string()})
+            ),
+            (
+                json!("Released"),
+                json!({"semaphore": "db-migrations", "why": "dead"})
+            ),
+        ]
+    );
     let next = allowed(&app, "app-2").await;
     assert!(
         next["grants"][0]["fence"].as_u64().unwrap() > fence,

@@ -860,7 +860,7 @@ pub struct TimelineEventView {
 
 impl TimelineView {
     pub fn new(a: &Allocation, entries: &[crate::registry::timeline::Entry]) -> Self {
-        use crate::registry::timeline::What;
+        use crate::registry::timeline::{SlotChange, What};
         let name = |i: u16| {
             a.spec
                 .tasks()
@@ -978,6 +978,40 @@ impl TimelineView {
                             None,
                             format!("told to restart: {}", names.join(", ")),
                         )
+                    }
+                    What::Slot { task, sem, change } => {
+                        let semaphore = a
+                            .spec
+                            .tasks()
+                            .get(usize::from(*task))
+                            .and_then(|t| t.acquire.get(usize::from(*sem)))
+                            .map_or_else(String::new, ToString::to_string);
+                        let who = name(*task).unwrap_or_default();
+                        details.insert("semaphore".to_owned(), semaphore.clone());
+                        let (kind, message) = match change {
+                            SlotChange::Acquired => {
+                                let fence = e.index;
+                                details.insert("fence".to_owned(), fence.to_string());
+                                (
+                                    "Acquired",
+                                    format!("{who} holds a slot of {semaphore} (fence {fence})"),
+                                )
+                            }
+                            SlotChange::Released(why) => {
+                                details.insert("why".to_owned(), why.as_str().to_owned());
+                                (
+                                    "Released",
+                                    format!("{who} gave back its slot of {semaphore} ({})", why.as_str()),
+                                )
+                            }
+                            SlotChange::GrantExpired => (
+                                "Grant Expired",
+                                format!(
+                                    "{who} did not start within {semaphore}'s grant timeout: back in the queue"
+                                ),
+                            ),
+                        };
+                        (kind.to_owned(), name(*task), message)
                     }
                     What::Restored => (
                         "Restored".to_owned(),

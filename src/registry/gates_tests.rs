@@ -3,7 +3,10 @@
 
 use std::{sync::Arc, time::Duration};
 
-use super::*;
+use super::{
+    timeline::{Release, SlotChange},
+    *,
+};
 use crate::{
     lifecycle::{
         AllocSpec, Hold, Hook, Lifecycle, RunState, SemName, TaskName, TaskReport, TaskSpec,
@@ -76,6 +79,18 @@ fn holders(r: &Registry, sem: &str) -> Vec<String> {
         .collect()
 }
 
+/// The slot changes on `id`'s timeline, oldest first, with their indexes.
+fn slots(r: &Registry, id: &str) -> Vec<(u64, SlotChange)> {
+    let a = r.get(id).unwrap();
+    r.timeline(&a)
+        .iter()
+        .filter_map(|e| match &e.what {
+            timeline::What::Slot { change, .. } => Some((e.index, *change)),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Waits (bounded) until the judge has nothing left to do.
 async fn settle(r: &Registry) {
     tokio::time::timeout(LONG, r.gates_idle())
@@ -110,9 +125,22 @@ async fn a_slot_goes_to_the_first_in_line_and_passes_on_when_its_holder_dies() {
         [(name("db"), Waiting::Queued { position: 2 })]
     );
     report(&r, "a", RunState::Running).await;
-    report(&r, "a", RunState::Dead).await;
+    let dead = report(&r, "a", RunState::Dead).await;
     let fence_b = granted(&r, "b").await;
     assert!(fence_b > fence_a, "fences only grow");
+    assert_eq!(
+        slots(&r, "a"),
+        [
+            (fence_a, SlotChange::Acquired),
+            (dead.modify_index, SlotChange::Released(Release::Dead))
+        ],
+        "the timeline says when the slot came and went"
+    );
+    assert_eq!(
+        slots(&r, "b"),
+        [(fence_b, SlotChange::Acquired)],
+        "at its fence"
+    );
     settle(&r).await;
     assert_eq!(holders(&r, "db"), ["b"], "c still waits");
     assert!(r.get("c").unwrap().tasks[0].fence().is_none());
@@ -199,6 +227,10 @@ async fn a_grant_not_taken_up_in_time_goes_to_the_back() {
     // a never starts: after 5 s its grant lapses and b's turn comes.
     granted(&r, "b").await;
     let a = r.get("a").unwrap();
+    assert_eq!(
+        slots(&r, "a").last().map(|s| s.1),
+        Some(SlotChange::GrantExpired)
+    );
     assert!(
         matches!(a.tasks[0].hold(), Some(Hold::Queued { .. })),
         "a queues again: {:?}",

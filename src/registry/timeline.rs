@@ -58,11 +58,53 @@ pub enum What {
     /// 32 bytes.
     RestartOrder(Box<RestartOrder>),
     Restored,
+    /// A semaphore slot of `task` (`sem`: the position of the semaphore in
+    /// its `acquire`) changed hands.
+    Slot {
+        task: u16,
+        sem: u16,
+        change: SlotChange,
+    },
     /// An event the task's agent sent.
     Agent {
         task: u16,
         event: Arc<EventBody>,
     },
+}
+
+/// What happened to a task's slot of a semaphore.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotChange {
+    /// Granted (the entry's index, the grant's change, is its fence).
+    Acquired,
+    /// Given back: why.
+    Released(Release),
+    /// Granted, not taken up within the grant timeout: back in the queue.
+    GrantExpired,
+}
+
+/// Why a slot was given back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Release {
+    Dead,
+    Lost,
+    /// Back to `pending` (a restart): the task queues again.
+    Restarted,
+    /// Told to stop, or a dependency stopped holding, before it started.
+    NotAllowed,
+}
+
+impl Release {
+    const ALL: [Self; 4] = [Self::Dead, Self::Lost, Self::Restarted, Self::NotAllowed];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Dead => "dead",
+            Self::Lost => "lost",
+            Self::Restarted => "restarted",
+            Self::NotAllowed => "not_allowed",
+        }
+    }
 }
 
 /// Tasks told to restart, by position; the "Restart Signaled" event
@@ -138,6 +180,7 @@ const DEPENDENCY: u8 = 6;
 const RESTART_ORDER: u8 = 7;
 const RESTORED: u8 = 8;
 const AGENT: u8 = 9;
+const SLOT: u8 = 10;
 /// Header bits: the entry's index, or its time, differs from the one
 /// before (the difference follows).
 const NEW_INDEX: u8 = 0x10;
@@ -185,6 +228,7 @@ impl Timeline {
             What::RestartOrder(_) => RESTART_ORDER,
             What::Restored => RESTORED,
             What::Agent { .. } => AGENT,
+            What::Slot { .. } => SLOT,
         };
         if at.index != before.index {
             head |= NEW_INDEX;
@@ -233,6 +277,15 @@ impl Timeline {
                 out.unsigned(task.into());
                 out.unsigned(dep.into());
                 out.byte(u8::from(holds));
+            }
+            What::Slot { task, sem, change } => {
+                out.unsigned(task.into());
+                out.unsigned(sem.into());
+                out.byte(match change {
+                    SlotChange::Acquired => 0,
+                    SlotChange::Released(why) => 1 + why as u8,
+                    SlotChange::GrantExpired => 0xff,
+                });
             }
             What::RestartOrder(order) => {
                 let RestartOrder { tasks, event } = *order;
@@ -403,7 +456,7 @@ impl Cursor<'_> {
                 self.body += 1;
             }
             DEADLINE => self.at += 1,
-            DEPENDENCY => {
+            DEPENDENCY | SLOT => {
                 self.unsigned();
                 self.unsigned();
                 self.at += 1;
@@ -483,6 +536,15 @@ impl Iterator for Cursor<'_> {
                 dep: self.task(),
                 holds: self.byte() != 0,
             },
+            SLOT => {
+                let (task, sem) = (self.task(), self.task());
+                let change = match self.byte() {
+                    0 => SlotChange::Acquired,
+                    0xff => SlotChange::GrantExpired,
+                    why => SlotChange::Released(nth(&Release::ALL, why - 1)),
+                };
+                What::Slot { task, sem, change }
+            }
             RESTART_ORDER => {
                 let n = self.unsigned() as usize;
                 let tasks = (0..n).map(|_| self.task()).collect();
@@ -498,6 +560,43 @@ impl Iterator for Cursor<'_> {
             nanos: self.base.nanos,
             what,
         })
+    }
+}
+
+/// The slot entries of task `i` between two versions (`p`, `n`): one per
+/// semaphore it acquires.
+fn slots(
+    a: &Allocation,
+    i: usize,
+    p: &crate::lifecycle::TaskStatus,
+    n: &crate::lifecycle::TaskStatus,
+    out: &mut dyn FnMut(What),
+) {
+    let (was, is) = (p.fence(), n.fence());
+    let change = match (was, is) {
+        (_, Some(_)) if was != is => SlotChange::Acquired,
+        (Some(_), None) => {
+            let requeued = matches!(n.hold(), Some(crate::lifecycle::Hold::Queued { .. }));
+            if n.lost() {
+                SlotChange::Released(Release::Lost)
+            } else if n.state == RunState::Dead {
+                SlotChange::Released(Release::Dead)
+            } else if p.state != RunState::Pending && n.state == RunState::Pending {
+                SlotChange::Released(Release::Restarted)
+            } else if requeued {
+                SlotChange::GrantExpired
+            } else {
+                SlotChange::Released(Release::NotAllowed)
+            }
+        }
+        _ => return,
+    };
+    for sem in 0..a.spec.tasks()[i].acquire.len() {
+        out(What::Slot {
+            task: pos(i),
+            sem: pos(sem),
+            change,
+        });
     }
 }
 
@@ -582,6 +681,7 @@ pub fn entries(prev: Option<&Allocation>, next: &Allocation) -> Vec<Entry> {
                 ));
             }
         }
+        slots(next, i, p, n, &mut |what| out.push(at(what)));
         for (j, now) in n.deps().iter().enumerate() {
             let before = p.deps().get(j).is_some_and(|d| d.holds());
             if now.holds() != before || (j >= p.deps().len() && now.holds()) {
@@ -677,6 +777,7 @@ mod tests {
                 What::Lost { task, .. } => format!("Agent Lost {task}"),
                 What::DeadlineExceeded { stage } => format!("Deadline Exceeded {stage}"),
                 What::Dependency { task, dep, holds } => format!("Dependency {task} {dep} {holds}"),
+                What::Slot { task, sem, change } => format!("Slot {task} {sem} {change:?}"),
             })
             .collect()
     }
@@ -877,6 +978,14 @@ mod tests {
             coord.prop_map(|stage| What::DeadlineExceeded { stage }),
             (task.clone(), task.clone(), any::<bool>())
                 .prop_map(|(task, dep, holds)| What::Dependency { task, dep, holds }),
+            (task.clone(), task.clone(), 0u8..6).prop_map(|(task, sem, c)| {
+                let change = match c {
+                    0 => SlotChange::Acquired,
+                    5 => SlotChange::GrantExpired,
+                    why => SlotChange::Released(Release::ALL[usize::from(why) - 1]),
+                };
+                What::Slot { task, sem, change }
+            }),
             (proptest::collection::vec(task, 0..40), body()).prop_map(|(tasks, event)| {
                 What::RestartOrder(Box::new(RestartOrder {
                     tasks: tasks.into_boxed_slice(),
