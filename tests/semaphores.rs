@@ -244,3 +244,141 @@ async fn a_missing_semaphore_blocks_visibly_and_listing_pages_by_name() {
         "a holder keeps its slot"
     );
 }
+
+/// `semaphore_prefixes` (API "Semaphores"): a token reads and acquires only
+/// the semaphores within them (none without them); an operator's, every
+/// one; a token's `alloc_prefixes` do not cover semaphores.
+#[tokio::test]
+async fn tokens_read_and_acquire_only_the_semaphores_within_their_prefixes() {
+    use taskgate::http::{HttpConfig, auth::Auth};
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tokens.json");
+    let sha = |s: &str| {
+        use sha2::Digest;
+        sha2::Sha256::digest(s.as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    };
+    let tokens = json!({"tokens": [
+        {"name": "team-a", "role": "agent", "sha256": sha("a-secret"),
+         "alloc_prefixes": ["team-a-"], "semaphore_prefixes": ["team-a-"]},
+        {"name": "plain", "role": "agent", "sha256": sha("plain-secret")},
+        {"name": "ops-reader", "role": "reader", "sha256": sha("r-secret"),
+         "semaphore_prefixes": ["team-"]},
+    ]});
+    std::fs::write(&file, tokens.to_string()).unwrap();
+    let auth = Auth::load(Some(&file), Some("op-secret")).unwrap();
+    let app = common::test_app_auth(Default::default(), HttpConfig::default(), auth).await;
+    let as_ = |secret: &'static str| [("authorization", format!("Bearer {secret}"))];
+    let call = |secret: &'static str, method: &'static str, uri: String, body: Option<Value>| {
+        let app = &app;
+        async move {
+            let h = as_(secret);
+            let headers: Vec<(&str, &str)> = h.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            app.call_with(method, &uri, &headers, body).await
+        }
+    };
+    for name in ["team-a-db", "team-b-db"] {
+        let made = call(
+            "op-secret",
+            "PUT",
+            format!("/v1/semaphores/{name}"),
+            Some(json!({"limit": 1})),
+        )
+        .await;
+        assert_eq!(made.status, 201, "{}", made.body);
+    }
+    let spec = |sem: &str| {
+        json!({"tasks": [{"name": "migrate", "lifecycle": {"hook": "prestart"}, "acquire": [sem]},
+                         {"name": "web"}]})
+    };
+    let ok = call(
+        "a-secret",
+        "PUT",
+        "/v1/allocations/team-a-1".into(),
+        Some(spec("team-a-db")),
+    )
+    .await;
+    assert_eq!(ok.status, 201, "{}", ok.body);
+    let other = call(
+        "a-secret",
+        "PUT",
+        "/v1/allocations/team-a-2".into(),
+        Some(spec("team-b-db")),
+    )
+    .await;
+    other.assert_problem(403, "forbidden");
+    assert!(
+        other.body["detail"].as_str().unwrap().contains("team-b-db"),
+        "{}",
+        other.body
+    );
+    let none = call(
+        "plain-secret",
+        "PUT",
+        "/v1/allocations/p-1".into(),
+        Some(spec("team-a-db")),
+    )
+    .await;
+    none.assert_problem(403, "forbidden");
+
+    // Reading: within the prefixes only; alloc_prefixes give none.
+    assert_eq!(
+        call("a-secret", "GET", "/v1/semaphores/team-a-db".into(), None)
+            .await
+            .status,
+        200
+    );
+    call("a-secret", "GET", "/v1/semaphores/team-b-db".into(), None)
+        .await
+        .assert_problem(403, "forbidden");
+    call("plain-secret", "GET", "/v1/semaphores".into(), None)
+        .await
+        .assert_problem(403, "forbidden");
+    let listed = call(
+        "r-secret",
+        "GET",
+        "/v1/semaphores?prefix=team-".into(),
+        None,
+    )
+    .await;
+    assert_eq!(listed.status, 200);
+    assert_eq!(listed.body.as_array().unwrap().len(), 2);
+    call("r-secret", "GET", "/v1/semaphores".into(), None)
+        .await
+        .assert_problem(403, "forbidden");
+    // Changes are the operator's.
+    call(
+        "a-secret",
+        "PUT",
+        "/v1/semaphores/team-a-db".into(),
+        Some(json!({"limit": 5})),
+    )
+    .await
+    .assert_problem(403, "forbidden");
+    call(
+        "r-secret",
+        "DELETE",
+        "/v1/semaphores/team-a-db".into(),
+        None,
+    )
+    .await
+    .assert_problem(403, "forbidden");
+    assert_eq!(
+        call("op-secret", "GET", "/v1/semaphores".into(), None)
+            .await
+            .status,
+        200
+    );
+    // A token file's prefix must read as the start of a name.
+    std::fs::write(
+        &file,
+        json!({"tokens": [{"name": "x", "role": "agent", "sha256": sha("x"),
+                           "semaphore_prefixes": ["-bad"]}]})
+        .to_string(),
+    )
+    .unwrap();
+    let err = Auth::load(Some(&file), None).unwrap_err();
+    assert!(err.contains("semaphore_prefixes entry \"-bad\""), "{err}");
+}

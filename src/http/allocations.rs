@@ -83,6 +83,29 @@ pub async fn register(
             ));
         }
     }
+    // A task that acquires a semaphore holds it against other tenants'
+    // tasks: a token may name only the semaphores within its
+    // `semaphore_prefixes`.
+    if let Some(token) = caller.as_ref().map(|c| &c.0.0) {
+        let outside = spec
+            .tasks()
+            .iter()
+            .flat_map(|t| t.acquire.iter())
+            .find(|name| !token.may_use_semaphore(name.as_str()));
+        if let Some(name) = outside {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                format!(
+                    "token {:?} may not acquire semaphore {:?}: it is outside its \
+                     semaphore_prefixes {:?}",
+                    token.name,
+                    name.as_str(),
+                    token.semaphore_prefixes
+                ),
+            ));
+        }
+    }
     let quota = caller.as_ref().and_then(|c| c.0.0.quota());
     let (a, created) = match s.registry.register_within(id, spec, quota).await {
         // A cycle through held allocations may pass through ones this

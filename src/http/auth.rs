@@ -63,6 +63,10 @@ struct TokenEntry {
     sha256: String,
     #[serde(default)]
     alloc_prefixes: Vec<String>,
+    /// The semaphores it may read and acquire (none by default; an
+    /// operator token, every one).
+    #[serde(default)]
+    semaphore_prefixes: Vec<String>,
     /// Allocations within its prefixes it may register up to.
     #[serde(default)]
     max_allocations: Option<usize>,
@@ -84,6 +88,9 @@ pub struct Token {
     hash: [u8; 32],
     /// Empty: every allocation.
     pub alloc_prefixes: Vec<String>,
+    /// The semaphores it may read and acquire. Empty: none, unless it is
+    /// an operator's (every one).
+    pub semaphore_prefixes: Vec<String>,
     /// Its own limit on registered allocations within its prefixes.
     pub max_allocations: Option<usize>,
     /// Its limit on the dependencies on other allocations that the
@@ -104,6 +111,7 @@ impl Token {
             role,
             hash,
             alloc_prefixes,
+            semaphore_prefixes: Vec::new(),
             max_allocations: None,
             max_dependencies: (role == Role::Agent).then_some(DEFAULT_MAX_DEPENDENCIES_PER_TOKEN),
             own_max_dependencies: false,
@@ -144,6 +152,15 @@ impl Token {
                 .alloc_prefixes
                 .iter()
                 .any(|p| id.starts_with(p.as_str()))
+    }
+
+    /// Whether the token may read and acquire semaphore `name`.
+    pub fn may_use_semaphore(&self, name: &str) -> bool {
+        self.role == Role::Operator
+            || self
+                .semaphore_prefixes
+                .iter()
+                .any(|p| name.starts_with(p.as_str()))
     }
 
     /// The registry's quota for this token's registrations, if it has one.
@@ -259,7 +276,16 @@ impl Auth {
                         ));
                     }
                 }
+                for p in &t.semaphore_prefixes {
+                    if let Err(e) = crate::lifecycle::SemName::parse(p) {
+                        return Err(format!(
+                            "{at}: semaphore_prefixes entry {p:?} {e}; a prefix is the start of \
+                             a semaphore's name"
+                        ));
+                    }
+                }
                 let mut token = Token::new(t.name, t.role, hash, t.alloc_prefixes);
+                token.semaphore_prefixes = t.semaphore_prefixes;
                 token.max_allocations = t.max_allocations;
                 token.max_waiters = t.max_waiters;
                 if let Some(max) = t.max_dependencies {
@@ -391,7 +417,7 @@ fn other_scheme(req: &Request) -> Option<String> {
 
 /// The allocation ID (or, for the list, the `prefix`) a request concerns.
 fn scope_target(req: &Request, route: &str) -> Option<String> {
-    if route == "/v1/allocations" || route == STREAM_ROUTE {
+    if route == "/v1/allocations" || route == "/v1/semaphores" || route == STREAM_ROUTE {
         let pairs = query_pairs(req.uri().query())?;
         return Some(
             pairs
@@ -556,7 +582,24 @@ impl Auth {
                 req.method()
             ))));
         }
-        if !token.alloc_prefixes.is_empty() && need != Need::AnyToken {
+        if route == "/v1/semaphores" || route == "/v1/semaphores/{name}" {
+            let target = scope_target(req, route).unwrap_or_default();
+            let within = token.may_use_semaphore(&target)
+                || (target.is_empty() && token.role == Role::Operator);
+            if !within {
+                let what = if route == "/v1/semaphores" {
+                    "list semaphores with a `prefix` within".to_owned()
+                } else {
+                    format!("use semaphore {target:?}, outside")
+                };
+                tracing::info!(token = %token.name, subject, %route, method = %req.method(), target = %target, "refused (403): outside the token's semaphore prefixes");
+                return Err(answer(forbidden(format!(
+                    "token {} may only {what} its semaphore_prefixes {:?}",
+                    who(),
+                    token.semaphore_prefixes
+                ))));
+            }
+        } else if !token.alloc_prefixes.is_empty() && need != Need::AnyToken {
             let target = scope_target(req, route).unwrap_or_default();
             if !token
                 .alloc_prefixes

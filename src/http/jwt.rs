@@ -100,6 +100,10 @@ struct IssuerEntry {
     /// The same prefixes for every token of the issuer.
     #[serde(default)]
     alloc_prefixes: Option<Vec<String>>,
+    /// The semaphores every token of the issuer may read and acquire
+    /// (none by default).
+    #[serde(default)]
+    semaphore_prefixes: Vec<String>,
     /// Claims a token must carry with exactly these values (a claim's name,
     /// or a JSON pointer into one, → a string): which of the issuer's
     /// workloads are taskgate's (`repository_owner` of a CI issuer, the
@@ -175,6 +179,7 @@ struct Issuer {
     scope: Scope,
     /// (claim or pointer, the value it must hold), in name order.
     required: Vec<(String, String)>,
+    semaphore_prefixes: Vec<String>,
     max_allocations: Option<usize>,
     max_waiters: Option<usize>,
     max_dependencies: Option<usize>,
@@ -484,14 +489,16 @@ impl Issuers {
             (issuer.role == Role::Agent)
                 .then(|| self.default_max_dependencies.load(Ordering::Relaxed))
         });
-        let token = Arc::new(Token::identity(
+        let mut token = Token::identity(
             issuer.label.clone(),
             issuer.role,
             key.1.clone(),
             issuer.max_allocations,
             max_dependencies,
             issuer.max_waiters,
-        ));
+        );
+        token.semaphore_prefixes = issuer.semaphore_prefixes.clone();
+        let token = Arc::new(token);
         if identities.len() >= MAX_VERIFIED {
             identities.retain(|_, t| t.strong_count() > 0);
         }
@@ -578,6 +585,14 @@ impl Issuer {
                 "{at}: alloc_prefix_suffix goes with alloc_prefixes_claim"
             ));
         }
+        for p in &e.semaphore_prefixes {
+            if let Err(err) = crate::lifecycle::SemName::parse(p) {
+                return Err(format!(
+                    "{at}: semaphore_prefixes entry {p:?} {err}; a prefix is the start of a \
+                     semaphore's name"
+                ));
+            }
+        }
         let scoped = e.alloc_prefixes_claim.is_some() || e.alloc_prefixes.is_some();
         if e.role == Role::Operator && scoped {
             return Err(format!(
@@ -655,6 +670,7 @@ impl Issuer {
             role: e.role,
             scope,
             required,
+            semaphore_prefixes: e.semaphore_prefixes,
             max_allocations: e.max_allocations,
             max_waiters: e.max_waiters,
             max_dependencies: e.max_dependencies,

@@ -278,7 +278,7 @@ pub async fn get(
 #[utoipa::path(
     get, path = "/v1/semaphores", operation_id = "listSemaphores", tag = "semaphores",
     params(
-        ("prefix" = Option<String>, Query, pattern = "^[A-Za-z0-9._-]*$", description = "Only names starting with this"),
+        ("prefix" = Option<String>, Query, pattern = "^([A-Za-z0-9][A-Za-z0-9._-]*)?$", description = "Only names starting with this"),
         ("per_page" = Option<usize>, Query, minimum = 1, maximum = 1000, description = "1 to 1000, default 100"),
         ("next_token" = Option<String>, Query, min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9][A-Za-z0-9._-]*$", description = "The X-Taskgate-NextToken of the previous page"),
     ),
