@@ -1051,6 +1051,113 @@ async fn a_dependency_on_another_allocation_holds_across_replicas() {
     assert_eq!(holds, 1, "the verdict was written once");
 }
 
+/// Semaphores through three replicas (SEMANTICS "Semaphores": one grant is
+/// made once whichever replica sees the change): twelve allocations, each
+/// with a task acquiring `db` of limit 2, registered and ended through
+/// different replicas while every replica's judge plans the grants. Each
+/// task is granted once, in registration order, and the history every
+/// replica publishes never has more than two holders at any index.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grants_through_three_replicas_never_pass_the_limit_and_are_made_once() {
+    if !available("grants_through_three_replicas_never_pass_the_limit_and_are_made_once") {
+        return;
+    }
+    use taskgate::{
+        lifecycle::SemName,
+        registry::timeline::{SlotChange, What},
+    };
+    let cluster = Cluster::start(3);
+    let mut replicas = Vec::new();
+    for _ in 0..3 {
+        replicas.push(replica(cluster.endpoints(), "/sem/").await);
+    }
+    let (made, _) = replicas[0]
+        .put_semaphore(SemName::parse("db").unwrap(), 2, Duration::from_secs(600))
+        .await
+        .unwrap();
+    for r in &replicas[1..] {
+        assert!(r.wait_view(made.modify_index, SETTLE).await);
+    }
+    const JOBS: usize = 12;
+    let job = TaskSpec {
+        acquire: vec![SemName::parse("db").unwrap()],
+        ..task("job", None)
+    };
+    for k in 0..JOBS {
+        replicas[k % 3]
+            .register(id(&format!("job-{k:02}")), spec(vec![job.clone()]))
+            .await
+            .unwrap();
+    }
+    let name = TaskName::parse("job").unwrap();
+    let mut fences = Vec::new();
+    for k in 0..JOBS {
+        let alloc = format!("job-{k:02}");
+        let granted = replicas[(k + 1) % 3]
+            .wait_until(&alloc, SETTLE, |a| a.tasks[0].fence().is_some())
+            .await
+            .unwrap();
+        let fence = granted.tasks[0]
+            .fence()
+            .unwrap_or_else(|| panic!("{alloc} was never granted"));
+        fences.push(fence);
+        let ending = &replicas[(k + 2) % 3];
+        assert!(ending.wait_view(granted.modify_index, SETTLE).await);
+        ending
+            .report(&alloc, vec![(name.clone(), running())])
+            .await
+            .unwrap();
+        ending
+            .report(&alloc, vec![(name.clone(), report(RunState::Dead, "done"))])
+            .await
+            .unwrap();
+    }
+    assert!(
+        fences.windows(2).all(|w| w[0] < w[1]),
+        "granted in registration order, fences growing: {fences:?}"
+    );
+    let last = replicas[0]
+        .last_index()
+        .max(replicas[1].last_index())
+        .max(replicas[2].last_index());
+    for (n, r) in replicas.iter().enumerate() {
+        assert!(r.wait_view(last, SETTLE).await);
+        // Each task's slot, as [acquired, released) in indexes.
+        let mut held = Vec::new();
+        for k in 0..JOBS {
+            let a = r.get(&format!("job-{k:02}")).unwrap();
+            let slots: Vec<(u64, SlotChange)> = r
+                .timeline(&a)
+                .iter()
+                .filter_map(|e| match &e.what {
+                    What::Slot { change, .. } => Some((e.index, *change)),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(
+                slots.iter().filter(|s| s.1 == SlotChange::Acquired).count(),
+                1,
+                "replica {n}: job-{k:02} was granted once: {slots:?}"
+            );
+            assert_eq!(
+                slots[0].0, fences[k],
+                "replica {n}: the fence is the grant's index"
+            );
+            held.push((slots[0].0, slots.get(1).map_or(u64::MAX, |s| s.0)));
+        }
+        for &(at, _) in &held {
+            let holders = held
+                .iter()
+                .filter(|&&(from, to)| from <= at && at < to)
+                .count();
+            assert!(
+                holders <= 2,
+                "replica {n}: {holders} holders at index {at}: {held:?}"
+            );
+        }
+    }
+}
+
 /// The messages of a task's events, in order.
 fn messages(r: &Registry, alloc: &str, task: usize) -> Vec<String> {
     r.get(alloc).unwrap().tasks[task]

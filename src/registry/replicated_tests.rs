@@ -24,9 +24,10 @@ struct State {
     /// The records, by ID: the revision that wrote each.
     records: BTreeMap<String, (u64, Allocation)>,
     revision: u64,
-    /// Committed, not yet handed to the follower.
-    held: Vec<Change>,
-    follower: Option<Weak<dyn Follower>>,
+    /// Every committed change, with its index (the revision that made it).
+    held: Vec<(u64, Change)>,
+    /// Each replica's follower, and how many of `held` it was handed.
+    followers: Vec<(Weak<dyn Follower>, usize)>,
     unreadable: BTreeMap<String, Unreadable>,
     /// Live keys by (allocation, task): their lease.
     live: BTreeMap<(String, String), Lease>,
@@ -40,9 +41,16 @@ struct State {
     refused_live: usize,
     /// The semaphores, by name: the revision that wrote each.
     semaphores: BTreeMap<String, (u64, Arc<Semaphore>)>,
+    /// Grants refused because a semaphore they were decided on moved.
+    refused_grants: usize,
 }
 
 impl State {
+    /// Keeps a committed change, at the current revision.
+    fn hold(&mut self, change: Change) {
+        self.held.push((self.revision, change));
+    }
+
     /// Whether a live key of `id` that `ops` need absent is there (as
     /// etcd's compare: a run declared lost, or marked again, only while
     /// its live key is gone).
@@ -93,7 +101,9 @@ impl State {
                     ]
                 }
             };
-            self.held.extend(change.into_iter().map(Change::Liveness));
+            for c in change {
+                self.hold(Change::Liveness(c));
+            }
         }
     }
 }
@@ -102,14 +112,34 @@ impl State {
 struct Held(Arc<Mutex<State>>);
 
 impl Held {
-    /// Hands every held change to the follower.
+    /// Hands every held change to every follower.
     fn deliver(&self) {
-        let (changes, revision, follower) = {
-            let mut s = self.0.lock().unwrap();
-            (std::mem::take(&mut s.held), s.revision, s.follower.clone())
+        let (n, revision) = {
+            let s = self.0.lock().unwrap();
+            (s.followers.len(), s.revision)
         };
-        if let Some(f) = follower.and_then(|f| f.upgrade()) {
-            f.changed(changes, revision);
+        for f in 0..n {
+            self.deliver_to(f, revision);
+        }
+    }
+
+    /// Hands follower `f` (in the order they followed) the changes up to
+    /// index `upto` it was not handed yet: a replica whose view lags.
+    fn deliver_to(&self, f: usize, upto: u64) {
+        let (changes, follower) = {
+            let mut s = self.0.lock().unwrap();
+            let from = s.followers[f].1;
+            let to = from
+                + s.held[from..]
+                    .iter()
+                    .take_while(|(i, _)| *i <= upto)
+                    .count();
+            s.followers[f].1 = to;
+            let changes: Vec<Change> = s.held[from..to].iter().map(|(_, c)| c.clone()).collect();
+            (changes, s.followers[f].0.clone())
+        };
+        if let Some(f) = follower.upgrade() {
+            f.changed(changes, upto);
         }
     }
 }
@@ -128,7 +158,9 @@ impl Store for Held {
     }
 
     fn follow(&self, _: u64, follower: Weak<dyn Follower>) {
-        self.0.lock().unwrap().follower = Some(follower);
+        let mut s = self.0.lock().unwrap();
+        let delivered = s.held.len();
+        s.followers.push((follower, delivered));
     }
 
     fn append(&self, append: Append) -> Appended {
@@ -161,6 +193,9 @@ impl Store for Held {
         let moved = grants
             .iter()
             .any(|g| s.semaphores.get(g.name.as_str()).map(|r| r.0) != Some(g.modify_index));
+        if moved && now.unwrap_or(0) == expect {
+            s.refused_grants += 1;
+        }
         let done: Pending<Result<u64, AppendError>> = if now.unwrap_or(0) != expect || moved {
             let seen = if moved {
                 s.revision
@@ -184,7 +219,7 @@ impl Store for Held {
                 g.modify_index = index;
                 let g = Arc::new(g);
                 s.semaphores.insert(g.name.to_string(), (index, g.clone()));
-                s.held.push(Change::PutSemaphore(g));
+                s.hold(Change::PutSemaphore(g));
             }
             match op {
                 Op::Put(a) => {
@@ -193,12 +228,12 @@ impl Store for Held {
                     a.restamp(placeholder, index);
                     s.records.insert(id, (index, a.clone()));
                     let alloc = a.id.clone();
-                    s.held.push(Change::Put(Arc::new(a)));
+                    s.hold(Change::Put(Arc::new(a)));
                     s.apply_live(&alloc, live);
                 }
                 Op::Delete(alloc) => {
                     s.records.remove(&id);
-                    s.held.push(Change::Delete { id: alloc, index });
+                    s.hold(Change::Delete { id: alloc, index });
                 }
                 Op::PutSemaphore(sem) => {
                     let mut sem = Arc::unwrap_or_clone(sem);
@@ -207,11 +242,11 @@ impl Store for Held {
                     let sem = Arc::new(sem);
                     s.semaphores
                         .insert(sem.name.to_string(), (index, sem.clone()));
-                    s.held.push(Change::PutSemaphore(sem));
+                    s.hold(Change::PutSemaphore(sem));
                 }
                 Op::DeleteSemaphore(name) => {
                     s.semaphores.remove(name.as_str());
-                    s.held.push(Change::DeleteSemaphore { name, index });
+                    s.hold(Change::DeleteSemaphore { name, index });
                 }
             }
             Box::pin(async move { Ok(index) })
@@ -590,7 +625,7 @@ fn another_run(store: &Held, started: Timestamp) -> Lease {
             }
         };
         s.records.insert("t1".into(), (index, next.clone()));
-        s.held.push(Change::Put(Arc::new(next.clone())));
+        s.hold(Change::Put(Arc::new(next.clone())));
         s.apply_live(&id, ops);
     }
     s.leases
@@ -636,7 +671,7 @@ async fn a_mark_with_a_ttl_past_the_calendar_panics_nothing() {
         let run = super::clock::nanos(a.tasks[0].started_at.unwrap());
         let (id, task) = (a.id.clone(), TaskName::parse("web").unwrap());
         s.revision += 1;
-        s.held.push(Change::Liveness(Liveness::Mark {
+        s.hold(Change::Liveness(Liveness::Mark {
             id: id.clone(),
             task: task.clone(),
             mark: Some(crate::store::Mark {
@@ -648,7 +683,7 @@ async fn a_mark_with_a_ttl_past_the_calendar_panics_nothing() {
         // Its lease expires.
         s.live.clear();
         s.revision += 1;
-        s.held.push(Change::Liveness(Liveness::Live {
+        s.hold(Change::Liveness(Liveness::Live {
             id,
             task,
             lease: None,
@@ -668,7 +703,7 @@ fn lease_ends(store: &Held) {
     let mut s = store.0.lock().unwrap();
     s.live.clear();
     s.revision += 1;
-    s.held.push(Change::Liveness(Liveness::Live {
+    s.hold(Change::Liveness(Liveness::Live {
         id: AllocId::parse("t1").unwrap(),
         task: TaskName::parse("web").unwrap(),
         lease: None,
@@ -801,4 +836,134 @@ async fn a_heartbeat_is_unavailable_while_renewals_are_unacknowledged() {
     assert_eq!(renewals(&store).len(), before + 1, "its renewal still sent");
     store.0.lock().unwrap().unrenewed = false;
     r.heartbeat("t1", "web").unwrap();
+}
+
+/// A grant decided on a replica's view that lags a change of the
+/// semaphore is refused by the store (`Append::grants`), and decided again
+/// on the newer view: here B saw a holder end while the limit was 2, but
+/// not that A lowered it to 1 right after; its grant of the next task would
+/// make two holders of a semaphore of limit 1.
+#[tokio::test(start_paused = true)]
+async fn a_grant_decided_on_a_view_that_missed_a_lower_limit_is_refused() {
+    use crate::lifecycle::{Hold, SemName};
+    let store = Arc::new(Held::default());
+    let config = || RegistryConfig {
+        clock: super::clock::Clock::tokio(),
+        ..RegistryConfig::default()
+    };
+    let a = Registry::open(store.clone(), config()).unwrap();
+    let b = Registry::open(store.clone(), config()).unwrap();
+    fn db() -> SemName {
+        SemName::parse("db").unwrap()
+    }
+    let job = || {
+        AllocSpec::new(
+            vec![TaskSpec {
+                acquire: vec![db()],
+                ..TaskSpec::named(TaskName::parse("web").unwrap())
+            }],
+            &Limits::default(),
+        )
+        .unwrap()
+    };
+    {
+        let a = a.clone();
+        let made = tokio::spawn(async move {
+            a.put_semaphore(db(), 2, std::time::Duration::from_secs(600))
+                .await
+                .unwrap();
+            for id in ["h", "t1", "t2"] {
+                a.register(AllocId::parse(id).unwrap(), job())
+                    .await
+                    .unwrap();
+            }
+        });
+        while !made.is_finished() {
+            run_for(&store, std::time::Duration::from_millis(1)).await;
+        }
+    }
+    let fence = |r: &Registry, id: &str| r.get(id).unwrap().tasks[0].fence();
+    for _ in 0..1_000 {
+        if fence(&a, "t1").is_some() && fence(&b, "t1").is_some() {
+            break;
+        }
+        run_for(&store, std::time::Duration::from_millis(1)).await;
+    }
+    assert!(
+        fence(&a, "h").is_some() && fence(&a, "t1").is_some(),
+        "two holders of 2"
+    );
+    assert!(matches!(
+        a.get("t2").unwrap().tasks[0].hold(),
+        Some(Hold::Queued { .. })
+    ));
+    // h runs and ends, and A lowers the limit to 1: both committed, and
+    // neither seen by either replica yet.
+    let revision = |store: &Held| store.0.lock().unwrap().revision;
+    let before = revision(&store);
+    let ending = {
+        let a = a.clone();
+        tokio::spawn(async move {
+            a.report("h", running()).await.unwrap();
+        })
+    };
+    while revision(&store) == before {
+        tokio::task::yield_now().await;
+    }
+    store.deliver();
+    while !ending.is_finished() {
+        tokio::task::yield_now().await;
+    }
+    let dead = {
+        let a = a.clone();
+        tokio::spawn(async move {
+            let mut r = running();
+            r[0].1.state = RunState::Dead;
+            a.report("h", r).await.unwrap();
+        })
+    };
+    let before = revision(&store);
+    while revision(&store) == before {
+        tokio::task::yield_now().await;
+    }
+    let h_dead = revision(&store);
+    let lowered = {
+        let a = a.clone();
+        tokio::spawn(async move {
+            a.put_semaphore(db(), 1, std::time::Duration::from_secs(600))
+                .await
+                .unwrap();
+        })
+    };
+    while revision(&store) == h_dead {
+        tokio::task::yield_now().await;
+    }
+    // B sees h end, not the lower limit: its judge grants t2.
+    store.deliver_to(1, h_dead);
+    for _ in 0..10_000 {
+        let s = store.0.lock().unwrap();
+        let t2 = s.records.get("t2").map(|r| r.1.tasks[0].fence());
+        if s.refused_grants > 0 || t2.flatten().is_some() {
+            break;
+        }
+        drop(s);
+        tokio::task::yield_now().await;
+    }
+    // Every replica sees everything, and settles.
+    while !(dead.is_finished() && lowered.is_finished()) {
+        run_for(&store, std::time::Duration::from_millis(1)).await;
+    }
+    run_for(&store, std::time::Duration::from_millis(50)).await;
+    for r in [&a, &b] {
+        assert_eq!(fence(r, "t2"), None, "limit 1, and t1 holds it");
+        assert_eq!(
+            r.semaphore("db").unwrap().holders.len(),
+            1,
+            "one holder of a semaphore of limit 1"
+        );
+    }
+    assert!(
+        store.0.lock().unwrap().refused_grants > 0,
+        "the stale grant was refused"
+    );
 }

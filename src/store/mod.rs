@@ -375,7 +375,7 @@ pub struct Unreadable {
 }
 
 /// One committed change, as a store hands it to its follower.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub enum Change {
     /// The record as committed, stamped with its index.
     Put(Arc<Allocation>),
