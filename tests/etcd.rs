@@ -1124,7 +1124,7 @@ async fn grants_through_three_replicas_never_pass_the_limit_and_are_made_once() 
         assert!(r.wait_view(last, SETTLE).await);
         // Each task's slot, as [acquired, released) in indexes.
         let mut held = Vec::new();
-        for k in 0..JOBS {
+        for (k, &fence) in fences.iter().enumerate() {
             let a = r.get(&format!("job-{k:02}")).unwrap();
             let slots: Vec<(u64, SlotChange)> = r
                 .timeline(&a)
