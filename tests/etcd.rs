@@ -1140,7 +1140,7 @@ async fn grants_through_three_replicas_never_pass_the_limit_and_are_made_once() 
                 "replica {n}: job-{k:02} was granted once: {slots:?}"
             );
             assert_eq!(
-                slots[0].0, fences[k],
+                slots[0].0, fence,
                 "replica {n}: the fence is the grant's index"
             );
             held.push((slots[0].0, slots.get(1).map_or(u64::MAX, |s| s.0)));

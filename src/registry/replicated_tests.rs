@@ -940,13 +940,15 @@ async fn a_grant_decided_on_a_view_that_missed_a_lower_limit_is_refused() {
     }
     // B sees h end, not the lower limit: its judge grants t2.
     store.deliver_to(1, h_dead);
-    for _ in 0..10_000 {
+    let decided = |store: &Held| {
         let s = store.0.lock().unwrap();
-        let t2 = s.records.get("t2").map(|r| r.1.tasks[0].fence());
-        if s.refused_grants > 0 || t2.flatten().is_some() {
+        let t2 = s.records.get("t2").and_then(|r| r.1.tasks[0].fence());
+        s.refused_grants > 0 || t2.is_some()
+    };
+    for _ in 0..10_000 {
+        if decided(&store) {
             break;
         }
-        drop(s);
         tokio::task::yield_now().await;
     }
     // Every replica sees everything, and settles.
