@@ -79,6 +79,7 @@ fn walkthrough(page: &str) -> Vec<Step> {
             continue;
         } else if line.starts_with("curl ")
             || line.starts_with("taskgate ")
+            || line.starts_with("for ")
             || assignment(line).is_some()
         {
             open = Some(line.to_owned());
@@ -126,6 +127,12 @@ async fn the_readme_walkthrough_runs_as_written() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dependencies_walkthrough_runs_as_written() {
     run(walkthrough("docs/dependencies.md"), 12).await;
+}
+
+/// docs/semaphores.md: ten applications whose migrations take turns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_semaphores_walkthrough_runs_as_written() {
+    run(walkthrough("docs/semaphores.md"), 14).await;
 }
 
 async fn run(steps: Vec<Step>, at_least: usize) {
