@@ -42,7 +42,7 @@ pub const CODES: &[(&str, u16, &str)] = &[
     (
         "forbidden",
         403,
-        "The token's role or prefixes do not allow this: readers read, agents report within their prefixes, operators do everything. Use a token whose role and prefixes cover the allocation.",
+        "The token's role or prefixes do not allow this: readers read, agents report within their prefixes, operators do everything; semaphores are read and acquired only within a token's `semaphore_prefixes`. Use a token whose role and prefixes cover the allocation (or the semaphore).",
     ),
     (
         "cross_site_request",

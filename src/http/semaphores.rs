@@ -69,6 +69,8 @@ pub struct SemaphoreView {
 
 /// A task holding a slot.
 #[derive(Debug, Serialize, ToSchema)]
+#[schema(example = json!({"allocation": "app-3", "task": "migrate", "run": "1043", "fence": 1040,
+                          "since": "2026-11-29T10:00:00Z"}))]
 pub struct HolderView {
     pub allocation: String,
     pub task: String,
@@ -84,6 +86,7 @@ pub struct HolderView {
 
 /// A task in the queue.
 #[derive(Debug, Serialize, ToSchema)]
+#[schema(example = json!({"allocation": "app-4", "task": "migrate", "since": "2026-11-29T09:59:58Z"}))]
 pub struct QueuedView {
     pub allocation: String,
     pub task: String,
