@@ -37,6 +37,10 @@ pub enum Command {
     /// `events [--follow]`, `restart`, `restore`, `delete` (`--json` for
     /// scripts).
     Alloc(crate::operator::AllocArgs),
+    /// Semaphores (at most N tasks at once, across allocations): `taskgate
+    /// semaphore list`, `status NAME`, `set NAME --limit N`, `delete NAME`
+    /// (`--json` for scripts).
+    Semaphore(crate::operator::SemaphoreArgs),
     /// Probe a running server's /v1/health: exit 0 when healthy, 1 otherwise.
     Health(crate::health::HealthConfig),
     /// Print every allocation a stopped server's data directory holds, one
