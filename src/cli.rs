@@ -34,7 +34,7 @@ pub enum Command {
     #[command(name = "agent-exec", hide = true)]
     AgentExec(crate::agent::ExecArgs),
     /// The operator's view and actions: `taskgate alloc status ID`, `list`,
-    /// `events [--follow]`, `restart`, `restore`, `delete` (`--json` for
+    /// `events [--follow]`, `restart`, `stop`, `restore`, `delete` (`--json` for
     /// scripts).
     Alloc(crate::operator::AllocArgs),
     /// Semaphores (at most N tasks at once, across allocations): `taskgate
