@@ -34,9 +34,13 @@ pub enum Command {
     #[command(name = "agent-exec", hide = true)]
     AgentExec(crate::agent::ExecArgs),
     /// The operator's view and actions: `taskgate alloc status ID`, `list`,
-    /// `events [--follow]`, `restart`, `restore`, `delete` (`--json` for
+    /// `events [--follow]`, `restart`, `stop`, `restore`, `delete` (`--json` for
     /// scripts).
     Alloc(crate::operator::AllocArgs),
+    /// Semaphores (at most N tasks at once, across allocations): `taskgate
+    /// semaphore list`, `status NAME`, `set NAME --limit N`, `delete NAME`
+    /// (`--json` for scripts).
+    Semaphore(crate::operator::SemaphoreArgs),
     /// Probe a running server's /v1/health: exit 0 when healthy, 1 otherwise.
     Health(crate::health::HealthConfig),
     /// Print every allocation a stopped server's data directory holds, one

@@ -35,6 +35,14 @@ fn main() -> ExitCode {
                 .unwrap_or(3);
             ExitCode::from(u8::try_from(code).unwrap_or(1))
         }
+        Command::Semaphore(args) => {
+            let code = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map(|rt| rt.block_on(taskgate::operator::semaphores::run(args)))
+                .unwrap_or(3);
+            ExitCode::from(u8::try_from(code).unwrap_or(1))
+        }
         Command::Health(config) => {
             let healthy = tokio::runtime::Builder::new_current_thread()
                 .enable_all()

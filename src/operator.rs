@@ -1,7 +1,8 @@
-//! `taskgate alloc`: the operator's command line. `list`, `status`,
-//! `events [--follow]`, `restart`, `restore`, `delete`; human output for a
-//! person at a terminal (80 columns, color only on a terminal and never
-//! with `NO_COLOR`), `--json` for scripts.
+//! `taskgate alloc` and `taskgate semaphore` (in `semaphores`): the
+//! operator's command line. `alloc list`, `status`, `events [--follow]`,
+//! `restart`, `stop`, `restore`, `delete`; human output for a person at a
+//! terminal (80 columns, color only on a terminal and never with
+//! `NO_COLOR`), `--json` for scripts.
 //!
 //! Exit codes: 0 done; 1 the server refused (its code, detail and where
 //! the code is explained are printed); 2 usage; 3 the server could not be
@@ -19,13 +20,17 @@ use crate::{
     secret::Secret,
 };
 
+pub mod semaphores;
+pub use semaphores::SemaphoreArgs;
+
 /// What `taskgate alloc --help` says last: how it ends.
 const EXIT_CODES: &str = "Exit codes: 0 done; 1 the server refused (its code and what to do are \
 printed); 2 usage; 3 the server cannot be reached; 4 the TLS handshake failed (check --ca-cert)";
 
+/// How the operator's commands (`alloc`, `semaphore`) reach the server
+/// and print its answers.
 #[derive(Debug, Clone, Args)]
-#[command(after_help = EXIT_CODES)]
-pub struct AllocArgs {
+pub struct Connection {
     /// The server's base URL.
     #[arg(
         long,
@@ -34,7 +39,7 @@ pub struct AllocArgs {
         global = true
     )]
     pub server: String,
-    /// A token (reader for list, status and events; operator for the rest).
+    /// A token (a reader's to look, an operator's to change anything).
     #[arg(long, env = "TASKGATE_TOKEN", hide_env_values = true, global = true)]
     pub token: Option<Secret>,
     /// PEM CA certificate(s) to trust for an `https` server.
@@ -43,6 +48,13 @@ pub struct AllocArgs {
     /// Print the server's JSON answer instead of the human summary.
     #[arg(long, global = true)]
     pub json: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+#[command(after_help = EXIT_CODES)]
+pub struct AllocArgs {
+    #[command(flatten)]
+    pub conn: Connection,
     #[command(subcommand)]
     pub command: AllocCommand,
 }
@@ -156,6 +168,20 @@ impl Client {
         body: Option<&Value>,
         read: Option<&str>,
     ) -> Result<(Value, Option<String>), Failure> {
+        self.answer(method, path, body, read)
+            .await
+            .map(|(_, v, header)| (v, header))
+    }
+
+    /// `call`, also returning the answer's status (201 or 200 for a
+    /// creation or a change) and its header `read`.
+    async fn answer(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+        read: Option<&str>,
+    ) -> Result<(u16, Value, Option<String>), Failure> {
         let timeout = if path.contains("wait=") {
             TIMEOUT * 3
         } else {
@@ -181,7 +207,7 @@ impl Client {
             })?;
         let value: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
         if status < 300 {
-            return Ok((value, header));
+            return Ok((status, value, header));
         }
         let text = |k: &str| value[k].as_str().unwrap_or_default().to_owned();
         let mut msg = format!("{status} {}: {}", text("code"), text("detail"));
@@ -245,37 +271,51 @@ impl Paint {
 
 /// Runs `taskgate alloc`; returns the exit code.
 pub async fn run(args: AllocArgs) -> i32 {
-    let endpoint = match Endpoint::new(&args.server, args.ca_cert.as_deref()) {
+    session("alloc", &args.conn, async |client, paint, out| {
+        command(client, &args, paint, out).await
+    })
+    .await
+}
+
+/// Runs one operator command (`taskgate <name> ...`) against the server
+/// `conn` names: prints what `work` wrote, or why it failed; returns the
+/// exit code.
+async fn session(
+    name: &str,
+    conn: &Connection,
+    work: impl AsyncFnOnce(&Client, &Paint, &mut String) -> Result<(), Failure>,
+) -> i32 {
+    let endpoint = match Endpoint::new(&conn.server, conn.ca_cert.as_deref()) {
         Ok(e) => e,
         Err(e) => {
-            eprintln!("taskgate alloc: {e}");
+            eprintln!("taskgate {name}: {e}");
             return 2;
         }
     };
     let client = Client {
         endpoint,
-        token: args.token.as_ref().map(|t| t.0.clone()),
+        token: conn.token.as_ref().map(|t| t.0.clone()),
     };
     let paint = Paint::detect();
     let mut out = String::new();
-    let done = command(&client, &args, &paint, &mut out).await;
+    let done = work(&client, &paint, &mut out).await;
     print!("{out}");
     match done {
         Ok(()) => 0,
         Err(Failure::Refused { message, .. }) => {
-            eprintln!("taskgate alloc: the server refused: {message}");
+            eprintln!("taskgate {name}: the server refused: {message}");
             1
         }
         Err(Failure::Usage(m)) => {
-            eprintln!("taskgate alloc: {m}");
+            eprintln!("taskgate {name}: {m}");
             2
         }
         Err(Failure::Unreachable(m)) => {
-            eprintln!("taskgate alloc: cannot reach the server: {m}");
+            eprintln!("taskgate {name}: cannot reach the server: {m}");
             3
         }
         Err(Failure::Tls(m)) => {
-            eprintln!("taskgate alloc: {m}");
+            eprintln!("taskgate {name}: {m}");
             4
         }
     }
@@ -293,7 +333,7 @@ async fn command(
 ) -> Result<(), Failure> {
     match &args.command {
         AllocCommand::List { prefix, state } => {
-            list(client, prefix, state, args.json, paint, out).await
+            list(client, prefix, state, args.conn.json, paint, out).await
         }
         AllocCommand::Status { id } => {
             let a = client
@@ -302,14 +342,16 @@ async fn command(
             let t = client
                 .call("GET", &format!("/v1/allocations/{}/events", enc(id)), None)
                 .await?;
-            if args.json {
+            if args.conn.json {
                 let _ = writeln!(out, "{}", json!({"allocation": a, "timeline": t}));
             } else {
                 status(&a, &t, paint, time::OffsetDateTime::now_utc(), out);
             }
             Ok(())
         }
-        AllocCommand::Events { id, follow } => events(client, id, *follow, args.json, out).await,
+        AllocCommand::Events { id, follow } => {
+            events(client, id, *follow, args.conn.json, out).await
+        }
         AllocCommand::Restart {
             id,
             task,
@@ -333,7 +375,7 @@ async fn command(
                     Some(&body),
                 )
                 .await?;
-            if args.json {
+            if args.conn.json {
                 let _ = writeln!(out, "{r}");
             } else {
                 let names: Vec<&str> = r["restarted"]
@@ -360,7 +402,7 @@ async fn command(
             let a = client
                 .call("POST", &format!("/v1/allocations/{}/stop", enc(id)), None)
                 .await?;
-            if args.json {
+            if args.conn.json {
                 let _ = writeln!(out, "{a}");
             } else {
                 let _ = writeln!(
@@ -385,7 +427,7 @@ async fn command(
                     Some(&body),
                 )
                 .await?;
-            if args.json {
+            if args.conn.json {
                 let _ = writeln!(out, "{a}");
             } else {
                 let _ = writeln!(
@@ -401,7 +443,7 @@ async fn command(
             client
                 .call("DELETE", &format!("/v1/allocations/{}", enc(id)), None)
                 .await?;
-            if args.json {
+            if args.conn.json {
                 let _ = writeln!(out, "{}", json!({"deleted": id}));
             } else {
                 let _ = writeln!(out, "{id}: deleted");
@@ -740,10 +782,11 @@ fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime,
         said = true;
     }
     // What each task waits on besides its gate: its dependencies that do
-    // not hold.
+    // not hold (its semaphores are said below, with the ones it holds).
     let mut first = true;
     for t in a["tasks"].as_array().into_iter().flatten() {
-        for b in t["blocked_by"].as_array().into_iter().flatten() {
+        let dependencies = t["blocked_by"].as_array().into_iter().flatten();
+        for b in dependencies.filter(|b| b.get("semaphore").is_none()) {
             if first {
                 let _ = writeln!(out, "\n{}", paint.bold("Blocked by"));
                 first = false;
@@ -766,6 +809,7 @@ fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime,
             let _ = writeln!(out, "{}", fit(&line, 80));
         }
     }
+    semaphores::of_tasks(a, paint, out);
     for t in a["tasks"].as_array().into_iter().flatten() {
         let why = if t["lost"] == true {
             let seen = t["last_seen"].as_str().map_or(String::new(), |at| {

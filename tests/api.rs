@@ -2542,6 +2542,8 @@ async fn the_web_view_is_served_from_the_binary() {
         ("/ui", "text/html"),
         ("/ui/", "text/html"),
         ("/ui/allocations/a1", "text/html"),
+        ("/ui/semaphores", "text/html"),
+        ("/ui/semaphores/db-migrations", "text/html"),
         ("/ui/app.js", "text/javascript"),
         ("/ui/app.css", "text/css"),
     ] {

@@ -1,6 +1,8 @@
-//! `taskgate alloc` against a real server: its human output, its `--json`,
-//! its exit codes, `events --follow` across a late registration and a
-//! server restart; and every command's help.
+//! `taskgate alloc` and `taskgate semaphore` against a real server: their
+//! human output, their `--json`, their exit codes, `events --follow` across
+//! a late registration and a server restart, a semaphore's holders and
+//! queue as `semaphore status` and `alloc status` show them; and every
+//! command's help.
 
 mod common;
 
@@ -489,4 +491,348 @@ fn conflicting_store_flags_exit_2_naming_both() {
             assert!(err.contains(name), "{args:?}: names {name}: {err}");
         }
     }
+}
+
+// ------------------------------------------------------------ semaphores
+
+fn semaphore(base: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        .args(["semaphore", "--server", base])
+        .args(args)
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("taskgate semaphore runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Many requests through one curl (one connection): `(method, path, body)`.
+fn send_many(base: &str, requests: &[(&str, String, Value)]) {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("requests");
+    let blocks: Vec<String> = requests
+        .iter()
+        .map(|(method, path, body)| {
+            let body = body.to_string().replace('\\', "\\\\").replace('"', "\\\"");
+            format!(
+                "url = \"{base}{path}\"\nrequest = \"{method}\"\n\
+                 header = \"content-type: application/json\"\ndata = \"{body}\"\n\
+                 output = \"/dev/null\"\nwrite-out = \"%{{http_code}}\\n\"\n"
+            )
+        })
+        .collect();
+    let text = blocks.join("next\n");
+    std::fs::write(&config, text).unwrap();
+    let out = Command::new("curl")
+        .args(["-s", "-K"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    let codes = String::from_utf8_lossy(&out.stdout).into_owned();
+    let answered: Vec<&str> = codes.lines().collect();
+    assert_eq!(answered.len(), requests.len(), "{codes}");
+    assert!(answered.iter().all(|c| c.starts_with('2')), "{codes}");
+}
+
+/// An allocation whose prestart task `migrate` acquires `names`.
+fn acquiring(id: &str, names: &[&str]) -> (&'static str, String, Value) {
+    (
+        "PUT",
+        format!("/v1/allocations/{id}"),
+        json!({"tasks": [
+            {"name": "migrate", "lifecycle": {"hook": "prestart"}, "acquire": names},
+            {"name": "web"}
+        ]}),
+    )
+}
+
+/// Waits (bounded, each wait a blocking query) until `id`'s `migrate`
+/// holds its semaphores.
+fn granted(base: &str, id: &str) -> Value {
+    for _ in 0..10 {
+        let out = Command::new("curl")
+            .args(["-s", "-f"])
+            .arg(format!(
+                "{base}/v1/allocations/{id}/tasks/migrate/start-condition?wait=10s"
+            ))
+            .output()
+            .unwrap();
+        let answer: Value = serde_json::from_slice(&out.stdout).unwrap();
+        if answer["allowed"] == true {
+            return answer;
+        }
+    }
+    panic!("{id} was never granted");
+}
+
+#[test]
+fn semaphore_set_says_whether_it_created_or_changed_and_keeps_the_grant_timeout() {
+    let server = Server::start(&["--in-memory"]);
+    let base = server.base.as_str();
+    let o = semaphore(base, &["set", "db", "--limit", "1"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(
+        text(&o),
+        "db: created: limit 1, grant timeout 1m; 0 held, 0 queued\n"
+    );
+    let o = semaphore(
+        base,
+        &["set", "db", "--limit", "1", "--grant-timeout", "5m"],
+    );
+    assert_eq!(
+        text(&o),
+        "db: changed: limit 1, grant timeout 1m → 5m; 0 held, 0 queued\n"
+    );
+    // The limit alone: the grant timeout stays as it was set.
+    let o = semaphore(base, &["set", "db", "--limit", "2"]);
+    assert_eq!(
+        text(&o),
+        "db: changed: limit 1 → 2, grant timeout 5m; 0 held, 0 queued\n"
+    );
+    let o = semaphore(base, &["set", "db", "--limit", "2"]);
+    assert_eq!(
+        text(&o),
+        "db: unchanged: limit 2, grant timeout 5m; 0 held, 0 queued\n"
+    );
+    // Out of range: the server's refusal, naming the field.
+    let o = semaphore(base, &["set", "db", "--limit", "0"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("400 invalid_request"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("limit: must be 1 to 10000, got 0"),
+        "{}",
+        stderr(&o)
+    );
+    let o = semaphore(
+        base,
+        &["set", "db", "--limit", "2", "--grant-timeout", "2d"],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("grant_timeout: "), "{}", stderr(&o));
+    // Not a number, or no limit: usage.
+    assert_eq!(
+        semaphore(base, &["set", "db", "--limit", "two"])
+            .status
+            .code(),
+        Some(2)
+    );
+    assert_eq!(semaphore(base, &["set", "db"]).status.code(), Some(2));
+    let j: Value =
+        serde_json::from_slice(&semaphore(base, &["set", "db", "--limit", "3", "--json"]).stdout)
+            .unwrap();
+    assert_eq!(j["limit"], 3);
+    assert_eq!(j["grant_timeout"], "5m");
+}
+
+#[test]
+fn semaphore_status_list_and_alloc_status_show_holders_and_the_queue_in_order() {
+    let server = Server::start(&["--in-memory"]);
+    let base = server.base.as_str();
+    assert_eq!(
+        semaphore(base, &["set", "db", "--limit", "1"])
+            .status
+            .code(),
+        Some(0)
+    );
+    send_many(
+        base,
+        &[
+            acquiring("app-1", &["db"]),
+            acquiring("app-2", &["db"]),
+            acquiring("app-3", &["db"]),
+        ],
+    );
+    let fence = granted(base, "app-1")["grants"][0]["fence"]
+        .as_u64()
+        .unwrap();
+
+    let o = semaphore(base, &["status", "db"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = text(&o);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "Name           db", "{out}");
+    assert_eq!(lines[1], "Limit          1: 1 held, 2 queued", "{out}");
+    assert_eq!(lines[2], "Grant timeout  1m", "{out}");
+    assert!(lines[3].starts_with("Next fence     at least "), "{out}");
+    let row = |first: &str| -> Vec<String> {
+        out.lines()
+            .find(|l| l.split_whitespace().next() == Some(first))
+            .unwrap_or_else(|| panic!("a row of {first} in {out}"))
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect()
+    };
+    // Granted, not started: no run yet.
+    let holder = row("app-1");
+    assert_eq!(holder[..4], ["app-1", "migrate", "-", &fence.to_string()]);
+    assert_eq!(row("1")[..3], ["1", "app-2", "migrate"], "{out}");
+    assert_eq!(row("2")[..3], ["2", "app-3", "migrate"], "{out}");
+    assert!(
+        out.find("app-2").unwrap() < out.find("app-3").unwrap(),
+        "{out}"
+    );
+    assert!(out.lines().all(|l| l.chars().count() <= 80), "{out}");
+    let j: Value =
+        serde_json::from_slice(&semaphore(base, &["status", "db", "--json"]).stdout).unwrap();
+    assert_eq!(j["holders"][0]["allocation"], "app-1");
+    assert_eq!(j["queue"][1]["allocation"], "app-3");
+
+    let out = text(&semaphore(base, &["list"]));
+    let lines: Vec<Vec<&str>> = out
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(
+        lines,
+        [
+            vec!["Name", "Limit", "Held", "Queued", "Grant", "timeout"],
+            vec!["db", "1", "1", "2", "1m"]
+        ],
+        "{out}"
+    );
+
+    // Each allocation's status says how its task stands.
+    let standing = |id: &str| -> String {
+        let out = text(&alloc(base, &["status", id]));
+        let at = out
+            .find("\nSemaphores\n")
+            .unwrap_or_else(|| panic!("{out}"));
+        out[at..].lines().nth(2).unwrap().to_owned()
+    };
+    assert_eq!(
+        standing("app-1"),
+        format!("migrate   db                    held, fence {fence}")
+    );
+    assert_eq!(
+        standing("app-2"),
+        "migrate   db                    queued, position 1"
+    );
+    assert_eq!(
+        standing("app-3"),
+        "migrate   db                    queued, position 2"
+    );
+    // The semaphore is not repeated under "Blocked by".
+    assert!(!text(&alloc(base, &["status", "app-3"])).contains("Blocked by"));
+
+    // The holder ends: the next in line holds it, with a higher fence.
+    send(
+        base,
+        "PUT",
+        "/v1/allocations/app-1/tasks/migrate/state",
+        json!({"state": "dead"}),
+    );
+    let next = granted(base, "app-2")["grants"][0]["fence"]
+        .as_u64()
+        .unwrap();
+    assert!(next > fence);
+    let out = text(&semaphore(base, &["status", "db"]));
+    assert!(out.contains("Limit          1: 1 held, 1 queued"), "{out}");
+    assert!(out.contains("\n1  app-3 "), "{out}");
+}
+
+#[test]
+fn a_missing_semaphore_is_named_and_delete_says_what_becomes_of_its_tasks() {
+    let server = Server::start(&["--in-memory"]);
+    let base = server.base.as_str();
+    for args in [&["status", "nope"][..], &["delete", "nope"]] {
+        let o = semaphore(base, args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        let err = stderr(&o);
+        assert!(
+            err.contains("404 semaphore_not_found: semaphore \"nope\" not found"),
+            "{err}"
+        );
+        assert!(err.contains("/errors#semaphore_not_found"), "{err}");
+        assert!(
+            err.contains("`taskgate semaphore list` shows the semaphores there are"),
+            "{err}"
+        );
+    }
+    assert_eq!(text(&semaphore(base, &["list"])), "no semaphores\n");
+
+    // A task acquiring a semaphore nobody created waits for it, visibly.
+    send_many(base, &[acquiring("app-1", &["later"])]);
+    let out = text(&alloc(base, &["status", "app-1"]));
+    assert!(
+        out.contains(
+            "\nSemaphores\nmigrate   later                 \
+             not registered (`semaphore set` creates it)\n"
+        ),
+        "{out}"
+    );
+    semaphore(base, &["set", "later", "--limit", "1"]);
+    granted(base, "app-1");
+    send_many(base, &[acquiring("app-2", &["later"])]);
+    let o = semaphore(base, &["delete", "later"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(
+        text(&o),
+        "later: deleted; its 1 holder keeps its slot until it ends; \
+         the 1 task waiting for it waits until it is created again\n"
+    );
+    assert_eq!(text(&semaphore(base, &["list"])), "no semaphores\n");
+    let o = semaphore(base, &["delete", "later"]);
+    assert_eq!(o.status.code(), Some(1), "deleted already");
+    assert!(stderr(&o).contains("semaphore_not_found"), "{}", stderr(&o));
+    // Unreachable: 3.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let o = semaphore(&format!("http://127.0.0.1:{port}"), &["list"]);
+    assert_eq!(o.status.code(), Some(3));
+    assert!(
+        stderr(&o).contains("cannot reach the server"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+/// `list` pages through every semaphore (1,001: two pages of the
+/// listing), and `status` of a long queue shows its first 20.
+#[test]
+fn semaphore_list_pages_through_all_and_status_bounds_a_long_queue() {
+    let server = Server::start(&["--in-memory"]);
+    let base = server.base.as_str();
+    let made: Vec<(&str, String, Value)> = (0..=1000)
+        .map(|i| {
+            (
+                "PUT",
+                format!("/v1/semaphores/s-{i:04}"),
+                json!({"limit": 1}),
+            )
+        })
+        .collect();
+    send_many(base, &made);
+    let o = semaphore(base, &["list"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = text(&o);
+    assert_eq!(out.lines().count(), 1002, "a header and 1,001 lines");
+    assert!(out.lines().last().unwrap().starts_with("s-1000 "), "{out}");
+    assert_eq!(gets_on(base, "/v1/semaphores"), 2);
+    let out = text(&semaphore(base, &["list", "--prefix", "s-100"]));
+    assert_eq!(out.lines().count(), 2, "{out}");
+
+    let queue: Vec<(&str, String, Value)> = (1..=25)
+        .map(|i| {
+            let (m, p, b) = acquiring(&format!("q-{i:02}"), &["s-0000"]);
+            (m, p, b)
+        })
+        .collect();
+    send_many(base, &queue);
+    granted(base, "q-01");
+    let out = text(&semaphore(base, &["status", "s-0000"]));
+    assert!(out.contains("Limit          1: 1 held, 24 queued"), "{out}");
+    assert!(out.contains("\n20  q-21 "), "{out}");
+    assert!(!out.contains("q-22"), "{out}");
+    assert!(
+        out.ends_with("… and 4 more in line (--json lists every one)\n"),
+        "{out}"
+    );
+    let j: Value =
+        serde_json::from_slice(&semaphore(base, &["status", "s-0000", "--json"]).stdout).unwrap();
+    assert_eq!(j["queue"].as_array().unwrap().len(), 24);
 }

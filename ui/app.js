@@ -1,12 +1,21 @@
-// taskgate web view: the allocation list (/ui) and one allocation
-// (/ui/allocations/{id}), over the same HTTP API as curl and the CLI.
+// taskgate web view: the allocation list (/ui), one allocation
+// (/ui/allocations/{id}), the semaphores (/ui/semaphores) and one semaphore
+// (/ui/semaphores/{name}), over the same HTTP API as curl and the CLI.
 // Pages update live: the list follows the event stream (GET /v1/events),
-// an allocation's page its blocking query; nothing polls on a timer.
-// The token lives in this tab's session storage only.
+// an allocation's page its blocking query (and those of the semaphores its
+// tasks are in line for), a semaphore's page its blocking query; nothing
+// polls on a timer. The semaphore list is read once (no stream carries
+// semaphores). The token lives in this tab's session storage only.
 
 const TOKEN_KEY = "taskgate-token";
 const PER_PAGE = 50;
 const WAIT = "300s";
+/** Semaphores an allocation's page follows at most, besides the
+ * allocation: each is a blocking query held open, and a browser keeps
+ * only six connections to a server. */
+const MAX_FOLLOWED = 3;
+/** Queue entries a semaphore's page shows at most. */
+const QUEUE_SHOWN = 200;
 /** The six stages, in lifecycle order, with the names operators use. */
 const STAGES = [
   ["prestart_ephemeral", "Prestart"],
@@ -369,6 +378,9 @@ function taskCard(a, t, act) {
       t.depends_on && t.depends_on.length
         ? [h("dt", {}, "Depends on"), h("dd", { class: "depends" }, dependencyList(a, t))]
         : null,
+      t.acquire && t.acquire.length
+        ? [h("dt", {}, "Semaphores"), h("dd", { class: "semaphores" }, semaphoreList(t))]
+        : null,
       t.liveness
         ? [
             h("dt", {}, "Liveness"),
@@ -416,6 +428,38 @@ function dependencyList(a, t) {
       return h("li", {}, target, ` ${d.condition}`, how);
     }),
   );
+}
+
+const semaphoreHref = (name) => `/ui/semaphores/${encodeURIComponent(name)}`;
+
+/** How a task stands with each semaphore it acquires: held (with its
+ * grant's fence), in line (its place), or waiting for it to be created. */
+function semaphoreList(t) {
+  return h(
+    "ul",
+    {},
+    t.acquire.map((name) => {
+      const grant = (t.grants || []).find((g) => g.semaphore === name);
+      const waits = (t.blocked_by || []).find((b) => b.semaphore === name);
+      const how = grant
+        ? h("span", { class: "holds" }, ` — held, fence ${grant.fence}`)
+        : waits && waits.why === "queued"
+          ? h("span", { class: "blocked" }, ` — queued, position ${waits.position}`)
+          : waits && waits.why === "not_registered"
+            ? h("span", { class: "blocked" }, " — not registered (an operator creates it)")
+            : waits
+              ? h("span", { class: "blocked" }, ` — ${waits.why.replaceAll("_", " ")}`)
+              : h("span", {}, " — not held");
+      return h("li", { "data-semaphore": name }, h("a", { href: semaphoreHref(name) }, name), how);
+    }),
+  );
+}
+
+/** The semaphores some task of `a` is in line for: their queues move
+ * without a new version of the allocation. */
+function queuedFor(a) {
+  const names = a.tasks.flatMap((t) => (t.blocked_by || []).filter((b) => b.semaphore && b.why === "queued").map((b) => b.semaphore));
+  return [...new Set(names)];
 }
 
 function lanes(a, act) {
@@ -551,7 +595,7 @@ async function allocationPage(page, id, signal) {
     );
     page.replaceChildren(
       h("h1", {}, `Allocation ${a.id}`),
-      banner(a),
+      banner(a) || "",
       summary,
       h("h2", {}, "Stages"),
       lanes(a, act),
@@ -562,10 +606,51 @@ async function allocationPage(page, id, signal) {
   };
   render();
   say("Following changes live.");
-  for (;;) {
-    let next;
+  // A place in a semaphore's queue moves without a new version of the
+  // allocation: the page also waits on the semaphores its tasks are in
+  // line for (their last index seen here), and reads the allocation again
+  // when one moves. One that cannot be read (a token without the right)
+  // is not followed again.
+  const seen = new Map();
+  const unfollowed = new Set();
+  const moved = async (name, round) => {
+    const p = `/v1/semaphores/${encodeURIComponent(name)}`;
     try {
-      next = (await api(`${path}?index=${a.modify_index}&wait=${WAIT}`, { signal })).data;
+      for (;;) {
+        const known = seen.get(name) ?? 0;
+        // With index 0 it answers at once: the queue may have moved since
+        // the allocation was read, so that counts as a move.
+        const s = (await api(`${p}?index=${known}&wait=${WAIT}`, { signal: round })).data;
+        if (s.modify_index !== known) {
+          seen.set(name, s.modify_index);
+          return { semaphore: name, first: known === 0 };
+        }
+      }
+    } catch (e) {
+      if (e.name === "AbortError") throw e;
+      if (e.status === 404) {
+        // Deleted: its waiters now wait for it to be created.
+        seen.delete(name);
+        return { semaphore: name };
+      }
+      // Refused (a token without the right): not asked again. Unreachable:
+      // the allocation's wait fails too, and the next round asks again.
+      if (e instanceof ApiError && e.status < 500) unfollowed.add(name);
+      return new Promise(() => {}); // the allocation's wait ends the round
+    }
+  };
+  for (;;) {
+    let got;
+    const round = new AbortController();
+    const end = () => round.abort();
+    signal.addEventListener("abort", end, { once: true });
+    try {
+      const waits = [api(`${path}?index=${a.modify_index}&wait=${WAIT}`, { signal: round.signal }).then((r) => ({ allocation: r.data }))];
+      for (const name of queuedFor(a).filter((n) => !unfollowed.has(n)).slice(0, MAX_FOLLOWED)) {
+        waits.push(moved(name, round.signal));
+      }
+      got = await Promise.race(waits);
+      if (got.semaphore) got.allocation = (await api(path, { signal })).data;
     } catch (e) {
       if (e.status === 410 || e.status === 404) {
         say(`${id} was deleted.`);
@@ -577,14 +662,202 @@ async function allocationPage(page, id, signal) {
       say("The server is not answering; reconnecting…");
       await reconnectDelay(signal);
       continue;
+    } finally {
+      round.abort();
+      signal.removeEventListener("abort", end);
     }
-    if (next.modify_index === a.modify_index) continue;
+    const next = got.allocation;
+    const changed = next.modify_index !== a.modify_index;
+    if (!changed && !got.semaphore) continue;
     a = next;
-    tl = (await api(`${path}/events`, { signal })).data;
+    if (changed) tl = (await api(`${path}/events`, { signal })).data;
     const focused = document.activeElement && document.activeElement.id;
     render();
     if (focused) document.getElementById(focused)?.focus();
-    say(`Updated (index ${a.modify_index}).`);
+    // The first answer of a semaphore only starts following it.
+    if (changed || !got.first) say(changed ? `Updated (index ${a.modify_index}).` : `Updated (the queue of ${got.semaphore} moved).`);
+  }
+}
+
+// ------------------------------------------------------------ semaphores
+
+function semaphoreRow(s) {
+  return h(
+    "tr",
+    { "data-name": s.name },
+    h("td", {}, h("a", { href: semaphoreHref(s.name) }, s.name)),
+    h("td", { class: "num limit" }, String(s.limit)),
+    h("td", { class: "num held" }, String(s.holders.length)),
+    h("td", { class: "num queued" }, String(s.queue.length)),
+    h("td", { class: "timeout" }, s.grant_timeout),
+  );
+}
+
+/** The semaphores, paged by name. Read once: no stream carries them, and
+ * each semaphore's own page follows it live. */
+async function semaphoreListPage(page, signal) {
+  const params = new URLSearchParams(location.search);
+  const prefix = params.get("prefix") || "";
+  const from = params.get("next_token") || "";
+  const q = new URLSearchParams({ per_page: String(PER_PAGE) });
+  if (prefix) q.set("prefix", prefix);
+  if (from) q.set("next_token", from);
+  const listUrl = (more = {}) => {
+    const n = new URLSearchParams();
+    for (const [k, v] of Object.entries({ prefix, ...more })) if (v) n.set(k, v);
+    return `/ui/semaphores${n.size ? `?${n}` : ""}`;
+  };
+  const filter = h(
+    "form",
+    { role: "search", onsubmit: (e) => {
+      e.preventDefault();
+      navigate(listUrl({ prefix: new FormData(e.target).get("prefix") }));
+    } },
+    h("label", { for: "prefix" }, "Name prefix"),
+    h("input", { id: "prefix", name: "prefix", value: prefix, spellcheck: "false" }),
+    h("button", { type: "submit" }, "Filter"),
+  );
+  const body = h("tbody");
+  page.replaceChildren(
+    h("h1", {}, "Semaphores"),
+    h("p", {}, "At most ", h("em", {}, "limit"), " tasks hold each one at once, across allocations; the others wait in line."),
+    filter,
+    h(
+      "div",
+      { class: "table-wrap", tabindex: 0, role: "region", "aria-label": "Semaphores, scrollable" },
+      h(
+        "table",
+        { "aria-label": "Semaphores" },
+        h("thead", {}, h("tr", {}, ["Name", "Limit", "Held", "Queued", "Grant timeout"].map((c) => h("th", { scope: "col" }, c)))),
+        body,
+      ),
+    ),
+  );
+  const listed = await api(`/v1/semaphores?${q}`, { signal });
+  body.replaceChildren(...listed.data.map(semaphoreRow));
+  if (!listed.data.length) body.append(h("tr", {}, h("td", { colspan: 5 }, "No semaphores.")));
+  const pager = h("nav", { class: "pager", "aria-label": "Pages" });
+  if (from) pager.append(h("a", { href: listUrl() }, "First page"));
+  if (listed.next) pager.append(h("a", { href: listUrl({ next_token: listed.next }) }, "Next page"));
+  page.append(pager);
+  say(`${listed.data.length} shown, as of ${new Date().toLocaleTimeString()}; each semaphore's page follows it live.`);
+}
+
+function holdersTable(s) {
+  if (!s.holders.length) return h("p", { id: "holders" }, "No task holds it.");
+  return h(
+    "div",
+    { class: "table-wrap", tabindex: 0, role: "region", "aria-label": "Holders, scrollable" },
+    h(
+      "table",
+      { id: "holders", "aria-label": "Holders" },
+      h("thead", {}, h("tr", {}, ["Allocation", "Task", "Run", "Fence", "Since"].map((c) => h("th", { scope: "col" }, c)))),
+      h(
+        "tbody",
+        {},
+        s.holders.map((x) =>
+          h(
+            "tr",
+            { "data-allocation": x.allocation, "data-task": x.task },
+            h("td", {}, h("a", { href: `/ui/allocations/${encodeURIComponent(x.allocation)}` }, x.allocation)),
+            h("td", {}, x.task),
+            h("td", { class: "run" }, x.run || "not started"),
+            h("td", { class: "num fence" }, String(x.fence)),
+            h("td", { class: "num" }, when(x.since)),
+          ),
+        ),
+      ),
+    ),
+  );
+}
+
+function queueTable(s) {
+  if (!s.queue.length) return h("p", { id: "queue" }, "No task waits for it.");
+  const more = s.queue.length - QUEUE_SHOWN;
+  return h(
+    "div",
+    {},
+    h(
+      "div",
+      { class: "table-wrap", tabindex: 0, role: "region", "aria-label": "Queue, scrollable" },
+      h(
+        "table",
+        { id: "queue", "aria-label": "Queue, first in line first" },
+        h("thead", {}, h("tr", {}, ["Position", "Allocation", "Task", "In line since"].map((c) => h("th", { scope: "col" }, c)))),
+        h(
+          "tbody",
+          {},
+          s.queue.slice(0, QUEUE_SHOWN).map((x, i) =>
+            h(
+              "tr",
+              { "data-allocation": x.allocation, "data-task": x.task },
+              h("td", { class: "num position" }, String(i + 1)),
+              h("td", {}, h("a", { href: `/ui/allocations/${encodeURIComponent(x.allocation)}` }, x.allocation)),
+              h("td", {}, x.task),
+              h("td", { class: "num" }, when(x.since)),
+            ),
+          ),
+        ),
+      ),
+    ),
+    more > 0 ? h("p", {}, `… and ${more} more in line (GET /v1/semaphores/${s.name} lists every one).`) : null,
+  );
+}
+
+async function semaphorePage(page, name, signal) {
+  const path = `/v1/semaphores/${encodeURIComponent(name)}`;
+  let s = (await api(path, { signal })).data;
+  const render = () => {
+    const over = s.holders.length > s.limit;
+    page.replaceChildren(
+      h("h1", {}, `Semaphore ${s.name}`),
+      h(
+        "dl",
+        { class: "summary" },
+        h("dt", {}, "Limit"),
+        h("dd", { id: "limit" }, String(s.limit)),
+        h("dt", {}, "Held"),
+        h(
+          "dd",
+          { id: "held" },
+          `${s.holders.length} of ${s.limit}`,
+          over ? h("span", { class: "stop" }, " — over the limit: no grant until fewer hold it") : null,
+        ),
+        h("dt", {}, "Queued"),
+        h("dd", { id: "queued" }, String(s.queue.length)),
+        h("dt", {}, "Grant timeout"),
+        h("dd", { id: "grant-timeout" }, `${s.grant_timeout} (a granted task not running by then goes to the back of the line)`),
+        h("dt", {}, "Next fence"),
+        h("dd", { id: "next-fence" }, `at least ${s.next_fence}`),
+        h("dt", {}, "Index"),
+        h("dd", { id: "index" }, String(s.modify_index)),
+      ),
+      h("h2", {}, "Holders"),
+      holdersTable(s),
+      h("h2", {}, "Queue"),
+      queueTable(s),
+    );
+  };
+  render();
+  say("Following changes live.");
+  for (;;) {
+    let next;
+    try {
+      next = (await api(`${path}?index=${s.modify_index}&wait=${WAIT}`, { signal })).data;
+    } catch (e) {
+      if (e.status === 404) {
+        say(`${name} was deleted: its holders keep their slots until they end; its waiters wait until it is created again.`);
+        return;
+      }
+      if (e instanceof ApiError && e.status < 500) throw e;
+      say("The server is not answering; reconnecting…");
+      await reconnectDelay(signal);
+      continue;
+    }
+    if (next.modify_index === s.modify_index) continue;
+    s = next;
+    render();
+    say(`Updated (index ${s.modify_index}).`);
   }
 }
 
@@ -604,9 +877,23 @@ function route() {
   clearError();
   say("");
   const page = $("page");
-  const m = location.pathname.match(/^\/ui\/allocations\/([^/]+)$/);
-  const work = m ? allocationPage(page, decodeURIComponent(m[1]), signal) : listPage(page, signal);
-  document.title = m ? `${decodeURIComponent(m[1])} · taskgate` : "Allocations · taskgate";
+  const path = location.pathname;
+  const alloc = path.match(/^\/ui\/allocations\/([^/]+)$/);
+  const sem = path.match(/^\/ui\/semaphores\/([^/]+)$/);
+  let work;
+  if (alloc) {
+    work = allocationPage(page, decodeURIComponent(alloc[1]), signal);
+    document.title = `${decodeURIComponent(alloc[1])} · taskgate`;
+  } else if (sem) {
+    work = semaphorePage(page, decodeURIComponent(sem[1]), signal);
+    document.title = `Semaphore ${decodeURIComponent(sem[1])} · taskgate`;
+  } else if (/^\/ui\/semaphores\/?$/.test(path)) {
+    work = semaphoreListPage(page, signal);
+    document.title = "Semaphores · taskgate";
+  } else {
+    work = listPage(page, signal);
+    document.title = "Allocations · taskgate";
+  }
   work.catch(fail);
 }
 

@@ -241,6 +241,8 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
         .route("/ui", get(ui::page))
         .route("/ui/", get(ui::page))
         .route("/ui/allocations/{alloc_id}", get(ui::page))
+        .route("/ui/semaphores", get(ui::page))
+        .route("/ui/semaphores/{name}", get(ui::page))
         .route("/ui/app.js", get(ui::script))
         .route("/ui/app.css", get(ui::style))
         .with_state(state);

@@ -34,8 +34,8 @@ fn asset(content_type: &'static str, body: &'static str) -> Response {
     (headers, body).into_response()
 }
 
-/// `/ui`, `/ui/` and `/ui/allocations/{id}`: one page, which reads its
-/// path.
+/// `/ui`, `/ui/`, `/ui/allocations/{id}`, `/ui/semaphores` and
+/// `/ui/semaphores/{name}`: one page, which reads its path.
 pub async fn page() -> Response {
     asset("text/html; charset=utf-8", PAGE)
 }

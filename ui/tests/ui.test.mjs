@@ -91,11 +91,11 @@ after(async () => {
   server?.kill();
 });
 
-/** An API call with a token; the parsed body. */
-async function call(method, path, body, token = TOKENS.operator) {
+/** An API call with a token (and any other headers); the parsed body. */
+async function call(method, path, body, token = TOKENS.operator, extra = {}) {
   const res = await fetch(base + path, {
     method,
-    headers: { Authorization: `Bearer ${token}`, "Content-Type": "application/json" },
+    headers: { Authorization: `Bearer ${token}`, "Content-Type": "application/json", ...extra },
     body: body === undefined ? undefined : JSON.stringify(body),
   });
   const text = await res.text();
@@ -104,21 +104,51 @@ async function call(method, path, body, token = TOKENS.operator) {
 
 const report = (id, tasks) => call("POST", `/v1/allocations/${id}/task-states`, { tasks }, TOKENS.agent);
 
+/** An allocation whose prestart task `migrate` acquires `names`. */
+const acquiring = (names) => ({
+  tasks: [{ name: "migrate", lifecycle: { hook: "prestart" }, acquire: names }, { name: "web" }],
+});
+
+/** Waits (bounded; each wait a long-poll) until `id`'s `migrate` holds
+ *  `semaphore`; its grant's fence. */
+async function grantedFence(id, semaphore) {
+  for (let i = 0; i < 10; i++) {
+    const r = await call("GET", `/v1/allocations/${id}/tasks/migrate/start-condition?wait=10s`, undefined, TOKENS.agent);
+    const grant = (r.body.grants || []).find((g) => g.semaphore === semaphore);
+    if (r.body.allowed && grant) return grant.fence;
+  }
+  assert.fail(`${id} was never granted ${semaphore}`);
+}
+
+/** `id`'s `migrate` runs, then ends: its slot goes to the next in line. */
+async function runAndEnd(id) {
+  const r = await call("PUT", `/v1/allocations/${id}/tasks/migrate/state`, { state: "running" }, TOKENS.agent);
+  assert.equal(r.status, 200);
+  const run = r.body.tasks.find((t) => t.name === "migrate").run;
+  const d = await call("PUT", `/v1/allocations/${id}/tasks/migrate/state`, { state: "dead" }, TOKENS.agent, { "Taskgate-Run": run });
+  assert.equal(d.status, 200);
+}
+
+/** What a page's status line says once it has loaded: it follows changes
+ * (the semaphore list, read once, says how many it shows). */
+const LIVE = /following changes live/i;
+const SEMAPHORES_SHOWN = /shown, as of/;
+
 /** A page with `token` entered in its token form, at `path`. */
-async function open(path, token, viewport = { width: 1366, height: 900 }) {
+async function open(path, token, viewport = { width: 1366, height: 900 }, ready = LIVE) {
   const page = await browser.newPage({ viewport });
   page.on("pageerror", (e) => assert.fail(`a script error in the page: ${e.message}`));
   await page.goto(base + path);
-  await useToken(page, token);
+  await useToken(page, token, ready);
   return page;
 }
 
 /** Enters `token` and waits until the page has loaded again with it (its
- *  status line is cleared, then says it follows changes). */
-async function useToken(page, token) {
+ *  status line is cleared, then says `ready`). */
+async function useToken(page, token, ready = LIVE) {
   await page.getByLabel("Token", { exact: true }).fill(token);
   await page.getByRole("button", { name: "Use" }).click();
-  await page.getByRole("status").getByText(/following changes live/i).waitFor();
+  await page.getByRole("status").getByText(ready).waitFor();
 }
 
 async function shot(page, name) {
@@ -409,15 +439,29 @@ test("Stop is offered only where it does something: not in poststop, not under a
   await page.close();
 });
 
-test("both pages pass axe's accessibility rules (WCAG 2.1 A and AA)", async () => {
+test("every page passes axe's accessibility rules (WCAG 2.1 A and AA)", async () => {
   await call("PUT", "/v1/allocations/ax-1", FIVE, TOKENS.agent);
   await report("ax-1", { init: { state: "dead" }, proxy: { state: "running" }, web: { state: "running" } });
   // One in trouble, for the list's marks and the page's banner.
   await call("PUT", "/v1/allocations/ax-2", FIVE, TOKENS.agent);
   await report("ax-2", { init: { state: "dead", failed: true } });
-  for (const path of ["/ui?prefix=ax-", "/ui/allocations/ax-1", "/ui/allocations/ax-2"]) {
+  // A semaphore with a holder and one in line, and a task waiting for one
+  // not created.
+  await call("PUT", "/v1/semaphores/ax-sem", { limit: 1 });
+  await call("PUT", "/v1/allocations/ax-3", acquiring(["ax-sem"]), TOKENS.agent);
+  await call("PUT", "/v1/allocations/ax-4", acquiring(["ax-sem", "ax-none"]), TOKENS.agent);
+  await grantedFence("ax-3", "ax-sem");
+  const paths = [
+    ["/ui?prefix=ax-", LIVE],
+    ["/ui/allocations/ax-1", LIVE],
+    ["/ui/allocations/ax-2", LIVE],
+    ["/ui/allocations/ax-4", LIVE],
+    ["/ui/semaphores?prefix=ax-", SEMAPHORES_SHOWN],
+    ["/ui/semaphores/ax-sem", LIVE],
+  ];
+  for (const [path, ready] of paths) {
     for (const viewport of [{ width: 1366, height: 900 }, { width: 390, height: 844 }]) {
-      const page = await open(path, TOKENS.reader, viewport);
+      const page = await open(path, TOKENS.reader, viewport, ready);
       // Run through the browser's debugging protocol: the page's own
       // policy admits its own scripts only.
       await page.evaluate(AXE);
@@ -429,4 +473,114 @@ test("both pages pass axe's accessibility rules (WCAG 2.1 A and AA)", async () =
       await page.close();
     }
   }
+});
+
+/** The rows of a holders or queue table: [allocation, ...the other cells]. */
+async function rows(page, table) {
+  return page.$$eval(`${table} tbody tr`, (trs) => trs.map((tr) => [...tr.querySelectorAll("td")].map((td) => td.textContent)));
+}
+
+test("a semaphore's page shows its holder and its queue, and moves the next one to holders live", async () => {
+  assert.equal((await call("PUT", "/v1/semaphores/sp-db", { limit: 1, grant_timeout: "5m" })).status, 201);
+  assert.equal((await call("PUT", "/v1/allocations/sp-1", acquiring(["sp-db"]), TOKENS.agent)).status, 201);
+  assert.equal((await call("PUT", "/v1/allocations/sp-2", acquiring(["sp-db"]), TOKENS.agent)).status, 201);
+  const first = await grantedFence("sp-1", "sp-db");
+  const page = await open("/ui/semaphores/sp-db", TOKENS.reader);
+  assert.equal(await page.locator("#limit").textContent(), "1");
+  assert.equal(await page.locator("#held").textContent(), "1 of 1");
+  assert.match(await page.locator("#grant-timeout").textContent(), /^5m /);
+  assert.match(await page.locator("#next-fence").textContent(), /^at least \d+$/);
+  let holders = await rows(page, "#holders");
+  assert.deepEqual(holders.map((r) => r.slice(0, 4)), [["sp-1", "migrate", "not started", String(first)]]);
+  assert.equal(await page.locator("#holders").getByRole("link", { name: "sp-1" }).getAttribute("href"), "/ui/allocations/sp-1");
+  assert.deepEqual((await rows(page, "#queue")).map((r) => r.slice(0, 3)), [["1", "sp-2", "migrate"]]);
+  await shot(page, "semaphore");
+
+  // The holder runs and ends: the page moves sp-2 to the holders, with a
+  // higher fence, without a reload.
+  await page.evaluate(() => (globalThis.notReloaded = true));
+  await runAndEnd("sp-1");
+  await page.locator('#holders tr[data-allocation="sp-2"]').waitFor({ timeout: 2000 });
+  holders = await rows(page, "#holders");
+  assert.equal(holders.length, 1);
+  assert.equal(holders[0][0], "sp-2");
+  assert.ok(Number(holders[0][3]) > first, `fence ${holders[0][3]} above ${first}`);
+  assert.equal(await page.locator("#queue").textContent(), "No task waits for it.");
+  assert.equal(await page.evaluate(() => globalThis.notReloaded), true, "the same page, not a reload");
+  await shot(page, "semaphore-moved");
+
+  // Deleted: said, and the page stops following.
+  await call("DELETE", "/v1/semaphores/sp-db");
+  await page.getByRole("status").getByText("sp-db was deleted").waitFor({ timeout: 2000 });
+  await page.close();
+});
+
+test("an allocation's page shows each acquired semaphore held with its fence, queued with its place, or not registered", async () => {
+  await call("PUT", "/v1/semaphores/ap-db", { limit: 1 });
+  for (const id of ["ap-1", "ap-2", "ap-3"]) await call("PUT", `/v1/allocations/${id}`, acquiring(["ap-db"]), TOKENS.agent);
+  await call("PUT", "/v1/allocations/ap-4", acquiring(["ap-missing"]), TOKENS.agent);
+  const fence = await grantedFence("ap-1", "ap-db");
+  const standing = (page, name) => page.locator(`.task[data-task="migrate"] .semaphores li[data-semaphore="${name}"]`);
+
+  const holder = await open("/ui/allocations/ap-1", TOKENS.reader);
+  assert.equal(await standing(holder, "ap-db").textContent(), `ap-db — held, fence ${fence}`);
+  assert.equal(await standing(holder, "ap-db").getByRole("link").getAttribute("href"), "/ui/semaphores/ap-db");
+  // Nothing wrong: no banner, and nothing in its place (it once read "null").
+  assert.equal(await holder.getByRole("region", { name: "Trouble" }).count(), 0);
+  assert.doesNotMatch(await holder.locator("#page").innerText(), /null/);
+  await shot(holder, "detail-semaphore-held");
+  await holder.close();
+
+  const missing = await open("/ui/allocations/ap-4", TOKENS.reader);
+  assert.equal(await standing(missing, "ap-missing").textContent(), "ap-missing — not registered (an operator creates it)");
+  await missing.close();
+
+  // The second and third in line; the holder ends: the second is granted
+  // (a new version of its allocation), and the third's place moves up,
+  // which is no new version of its own: both pages follow, live.
+  const second = await open("/ui/allocations/ap-2", TOKENS.reader);
+  const third = await open("/ui/allocations/ap-3", TOKENS.reader);
+  assert.equal(await standing(second, "ap-db").textContent(), "ap-db — queued, position 1");
+  assert.equal(await standing(third, "ap-db").textContent(), "ap-db — queued, position 2");
+  await shot(third, "detail-semaphore-queued");
+  const index = await third.locator("#index").textContent();
+  await runAndEnd("ap-1");
+  const next = await grantedFence("ap-2", "ap-db");
+  assert.ok(next > fence);
+  await standing(second, "ap-db").getByText(`held, fence ${next}`).waitFor({ timeout: 2000 });
+  await standing(third, "ap-db").getByText("queued, position 1").waitFor({ timeout: 2000 });
+  assert.equal(await third.locator("#index").textContent(), index, "the third allocation did not change");
+  await second.close();
+
+  // Its link leads to the semaphore's page, where it is first in line.
+  await standing(third, "ap-db").getByRole("link", { name: "ap-db" }).click();
+  await third.getByRole("heading", { name: "Semaphore ap-db" }).waitFor();
+  await third.locator('#queue tr[data-allocation="ap-3"] .position', { hasText: /^1$/ }).waitFor();
+  assert.match(third.url(), /\/ui\/semaphores\/ap-db$/);
+  await third.close();
+});
+
+test("the semaphore list is reachable from the main page and shows name, limit, held and queued", async () => {
+  await call("PUT", "/v1/semaphores/ls-a", { limit: 2, grant_timeout: "30s" });
+  await call("PUT", "/v1/semaphores/ls-b", { limit: 1 });
+  await call("PUT", "/v1/allocations/ls-1", acquiring(["ls-b"]), TOKENS.agent);
+  await call("PUT", "/v1/allocations/ls-2", acquiring(["ls-b"]), TOKENS.agent);
+  await grantedFence("ls-1", "ls-b");
+  const page = await open("/ui", TOKENS.reader);
+  await page.getByRole("navigation", { name: "Site" }).getByRole("link", { name: "Semaphores" }).click();
+  await page.getByRole("heading", { name: "Semaphores" }).waitFor();
+  await page.getByRole("status").getByText(SEMAPHORES_SHOWN).waitFor();
+  await page.getByLabel("Name prefix").fill("ls-");
+  await page.getByRole("button", { name: "Filter" }).click();
+  await page.locator('tr[data-name="ls-b"]').waitFor();
+  await page.getByRole("status").getByText(SEMAPHORES_SHOWN).waitFor();
+  assert.deepEqual(await rows(page, "table[aria-label='Semaphores']"), [
+    ["ls-a", "2", "0", "0", "30s"],
+    ["ls-b", "1", "1", "1", "1m"],
+  ]);
+  assert.match(page.url(), /\/ui\/semaphores\?prefix=ls-$/);
+  await shot(page, "semaphores");
+  await page.getByRole("link", { name: "ls-b" }).click();
+  await page.getByRole("heading", { name: "Semaphore ls-b" }).waitFor();
+  await page.close();
 });
