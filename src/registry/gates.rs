@@ -69,6 +69,9 @@ struct State {
     /// Semaphores whose line or definition changed since the judge last
     /// planned.
     dirty: BTreeSet<SemName>,
+    /// Each queued task (allocation, position) → the semaphores it waits
+    /// for (its spec's `acquire`, shared with the spec's).
+    wants: HashMap<(AllocId, usize), Arc<[SemName]>>,
 }
 
 /// The semaphores, their lines, and the judge (a leaf lock: `state` is
@@ -123,6 +126,14 @@ impl State {
             let Some(hold) = a.tasks[i].hold() else {
                 continue;
             };
+            if let Hold::Queued { .. } = hold {
+                let key = (a.id.clone(), i);
+                if add {
+                    self.wants.insert(key, spec.acquire.as_slice().into());
+                } else {
+                    self.wants.remove(&key);
+                }
+            }
             for name in &spec.acquire {
                 let line = self.line(name);
                 match hold {
@@ -144,7 +155,14 @@ impl State {
                     }
                 }
                 line.changed = line.changed.max(index);
-                self.dirty.insert(name.clone());
+                // The line of a semaphore that does not exist goes with its
+                // last task.
+                let empty = line.holders.is_empty() && line.queue.is_empty();
+                if empty && !add && !self.defs.contains_key(name) {
+                    self.lines.remove(name);
+                } else {
+                    self.dirty.insert(name.clone());
+                }
             }
         }
     }
@@ -193,28 +211,18 @@ impl State {
                 if grants.contains(&(id.clone(), *i, *since)) {
                     continue;
                 }
-                // The task's other semaphores, found from any of their
-                // lines holding this place.
-                let others_ok = self
-                    .lines
-                    .iter()
-                    .filter(|(n, l)| *n != name && l.queue.contains(place))
-                    .all(|(n, _)| self.within(n, place));
-                let missing = self.missing_for(place);
-                if others_ok && !missing {
+                // Within the free places of every queue it is in (a
+                // semaphore that does not exist has none).
+                let fits = self
+                    .wants
+                    .get(&(id.clone(), *i))
+                    .is_some_and(|sems| sems.iter().all(|n| self.within(n, place)));
+                if fits {
                     grants.insert((id.clone(), *i, *since));
                 }
             }
         }
         grants
-    }
-
-    /// Whether a queued place waits on a semaphore that does not exist
-    /// (its line holds it, its definition is gone).
-    fn missing_for(&self, place: &Place) -> bool {
-        self.lines
-            .iter()
-            .any(|(n, l)| !self.defs.contains_key(n) && l.queue.contains(place))
     }
 }
 
@@ -264,9 +272,17 @@ impl Gates {
         };
         // A grant that only wrote the semaphore again (replicas) changes
         // nothing a line shows.
+        let unused = state
+            .lines
+            .get(name)
+            .is_some_and(|l| l.holders.is_empty() && l.queue.is_empty());
         if before != after {
-            state.line(name).changed = index;
-            state.dirty.insert(name.clone());
+            if after.is_none() && unused {
+                state.lines.remove(name);
+            } else {
+                state.line(name).changed = index;
+                state.dirty.insert(name.clone());
+            }
             self.idle.send_replace(false);
             drop(state);
             self.moved(index);
