@@ -514,4 +514,6 @@ mod pipeline_tests;
 #[cfg(test)]
 mod replicated_tests;
 #[cfg(test)]
+mod sem_audit_tests;
+#[cfg(test)]
 mod tests;
