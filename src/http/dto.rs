@@ -15,7 +15,7 @@ use utoipa::ToSchema;
 
 use crate::lifecycle::{
     AllocId, AllocSpec, Condition, Deadlines, Dependency, EventInput, FieldError, Hook, Lifecycle,
-    Limits, MAX_EVENT_DETAILS, RunState, SemName, TaskName, TaskReport, TaskSpec,
+    Limits, MAX_ACQUIRE, MAX_EVENT_DETAILS, RunState, SemName, TaskName, TaskReport, TaskSpec,
 };
 
 /// A JSON object whose keys must be unique, kept in the order sent, of at
@@ -310,8 +310,19 @@ impl RegisterBody {
                     });
                 }
             }
-            let mut acquire = Vec::with_capacity(t.acquire.len());
-            for (k, name) in t.acquire.iter().enumerate() {
+            let mut acquire = Vec::with_capacity(t.acquire.len().min(MAX_ACQUIRE));
+            if t.acquire.len() > MAX_ACQUIRE {
+                // Refused as a whole: the names of a list too long are not
+                // read, whatever its length.
+                errors.push(FieldError::new(
+                    format!("tasks[{i}].acquire"),
+                    format!(
+                        "at most {MAX_ACQUIRE} semaphores per task, got {}",
+                        t.acquire.len()
+                    ),
+                ));
+            }
+            for (k, name) in t.acquire.iter().enumerate().take(MAX_ACQUIRE) {
                 match SemName::parse(name) {
                     Ok(n) => acquire.push(n),
                     Err(e) => errors.push(FieldError::new(

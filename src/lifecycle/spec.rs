@@ -210,6 +210,8 @@ fn check_acquire(errors: &mut Vec<FieldError>, task: &TaskSpec, i: usize) {
                 task.acquire.len()
             ),
         ));
+        // Not compared name by name: a long list costs nothing more.
+        return;
     }
     for (k, name) in task.acquire.iter().enumerate() {
         if task.acquire[..k].contains(name) {

@@ -177,15 +177,34 @@ impl State {
         (def.limit as usize).saturating_sub(held)
     }
 
+    /// Whether the task at `place` takes a place in its queues: not while
+    /// one of its semaphores does not exist (it cannot be granted then,
+    /// and one tenant's missing semaphore must not hold up the others'
+    /// queues; it counts again, in its old place, once it exists).
+    fn counts(&self, place: &Place) -> bool {
+        self.wants
+            .get(&(place.1.clone(), place.2))
+            .is_some_and(|sems| sems.iter().all(|n| self.defs.contains_key(n)))
+    }
+
+    /// The places ahead of `place` in `name`'s queue that count.
+    fn ahead<'a>(&'a self, name: &SemName, place: &'a Place) -> impl Iterator<Item = &'a Place> {
+        self.lines
+            .get(name)
+            .into_iter()
+            .flat_map(move |l| l.queue.range(..place))
+            .filter(|p| self.counts(p))
+    }
+
     /// Whether `place` is within the first `free` of `name`'s queue.
     fn within(&self, name: &SemName, place: &Place) -> bool {
         let free = self.free(name);
-        let Some(line) = self.lines.get(name) else {
-            return false;
-        };
         free > 0
-            && line.queue.contains(place)
-            && line.queue.range(..place).take(free).count() < free
+            && self
+                .lines
+                .get(name)
+                .is_some_and(|l| l.queue.contains(place))
+            && self.ahead(name, place).take(free).count() < free
     }
 
     /// Whether task `i` of `a`, queued at `since`, may be granted now.
@@ -206,7 +225,7 @@ impl State {
             let Some(line) = self.lines.get(name) else {
                 continue;
             };
-            for place in line.queue.iter().take(free) {
+            for place in line.queue.iter().filter(|p| self.counts(p)).take(free) {
                 let (since, id, i) = place;
                 if grants.contains(&(id.clone(), *i, *since)) {
                     continue;
@@ -261,11 +280,28 @@ impl Gates {
         self.wake.notify_one();
     }
 
-    /// A published definition (`None`: deleted).
-    pub(super) fn define(&self, name: &SemName, def: Option<Arc<Semaphore>>, index: u64) {
+    /// A published definition (`None`: deleted). Returns the allocations
+    /// holding it whose grants' lapse moved (its grant timeout changed, or
+    /// it went): their timers are set again.
+    pub(super) fn define(
+        &self,
+        name: &SemName,
+        def: Option<Arc<Semaphore>>,
+        index: u64,
+    ) -> Vec<AllocId> {
         let mut state = self.state();
         let before = state.defs.get(name).map(|d| (d.limit, d.grant_timeout));
         let after = def.as_ref().map(|d| (d.limit, d.grant_timeout));
+        let timeout_moved = before.map(|b| b.1) != after.map(|a| a.1);
+        let holders: Vec<AllocId> = if timeout_moved {
+            state
+                .lines
+                .get(name)
+                .map(|l| l.holders.keys().map(|(id, _)| id.clone()).collect())
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
         match def {
             Some(d) => state.defs.insert(name.clone(), d),
             None => state.defs.remove(name),
@@ -288,6 +324,7 @@ impl Gates {
             self.moved(index);
             self.wake.notify_one();
         }
+        holders
     }
 
     /// Every definition again (a start, or a listing after a gap).
@@ -366,11 +403,7 @@ impl Gates {
                 let why = if !state.defs.contains_key(name) {
                     Waiting::NotRegistered
                 } else {
-                    let position = state
-                        .lines
-                        .get(name)
-                        .map_or(0, |l| l.queue.range(..&place).count())
-                        + 1;
+                    let position = state.ahead(name, &place).count() + 1;
                     Waiting::Queued { position }
                 };
                 (name.clone(), why)
@@ -387,12 +420,12 @@ fn lapses(state: &State, a: &Allocation, i: usize) -> Option<Timestamp> {
     if a.tasks[i].state != crate::lifecycle::RunState::Pending {
         return None;
     }
+    // A deleted semaphore takes back nothing: its grant has no timeout.
     let timeout = a.spec.tasks()[i]
         .acquire
         .iter()
         .filter_map(|n| state.defs.get(n).map(|d| d.grant_timeout))
-        .min()
-        .unwrap_or(crate::lifecycle::DEFAULT_GRANT_TIMEOUT);
+        .min()?;
     Some(at.saturating_add(time::Duration::try_from(timeout).unwrap_or(time::Duration::MAX)))
 }
 
