@@ -312,6 +312,19 @@ impl Gates {
             .lines
             .get(name)
             .is_some_and(|l| l.holders.is_empty() && l.queue.is_empty());
+        if before.is_some() != after.is_some() {
+            // Its waiters take a place in their other semaphores' queues
+            // only while it exists: those queues moved too.
+            let others: Vec<SemName> = state
+                .lines
+                .get(name)
+                .into_iter()
+                .flat_map(|l| l.queue.iter())
+                .filter_map(|(_, id, i)| state.wants.get(&(id.clone(), *i)))
+                .flat_map(|sems| sems.iter().cloned())
+                .collect();
+            state.dirty.extend(others);
+        }
         if before != after {
             if after.is_none() && unused {
                 state.lines.remove(name);

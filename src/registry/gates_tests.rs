@@ -300,3 +300,36 @@ async fn grants_survive_a_restart_and_the_line_is_rebuilt_from_the_records() {
     report(&r, "a", RunState::Dead).await;
     assert!(granted(&r, "b").await > fence);
 }
+
+/// A semaphore deleted while a task waits on it and another: that task
+/// stops taking a place in the other's queue at once, and the task behind
+/// it there is granted (without waiting for another change of the line).
+#[tokio::test(start_paused = true)]
+async fn deleting_a_semaphore_lets_the_waiters_behind_its_waiter_through_at_once() {
+    let r = registry();
+    for s in ["db", "other"] {
+        r.put_semaphore(name(s), 1, Duration::from_secs(60))
+            .await
+            .unwrap();
+    }
+    r.register(AllocId::parse("h").unwrap(), spec(&["other"]))
+        .await
+        .unwrap();
+    granted(&r, "h").await;
+    // `both` heads db's queue and waits for `other`; `b` waits behind it.
+    r.register(AllocId::parse("both").unwrap(), spec(&["db", "other"]))
+        .await
+        .unwrap();
+    r.register(AllocId::parse("b").unwrap(), spec(&["db"]))
+        .await
+        .unwrap();
+    settle(&r).await;
+    assert!(
+        holders(&r, "db").is_empty(),
+        "b waits behind both (one order)"
+    );
+    r.delete_semaphore(&name("other")).await.unwrap();
+    granted(&r, "b").await;
+    settle(&r).await;
+    assert_eq!(holders(&r, "db"), ["b"]);
+}
