@@ -241,10 +241,12 @@ impl Follower for Inner {
                     }
                     Change::PutSemaphore(s) => {
                         let (name, index) = (s.name.clone(), s.modify_index);
-                        self.gates.define(&name, Some(s), index);
+                        let moved = self.gates.define(&name, Some(s), index);
+                        timed.extend(moved.iter().filter_map(|id| map.get(id.as_str()).cloned()));
                     }
                     Change::DeleteSemaphore { name, index } => {
-                        self.gates.define(&name, None, index);
+                        let moved = self.gates.define(&name, None, index);
+                        timed.extend(moved.iter().filter_map(|id| map.get(id.as_str()).cloned()));
                     }
                 }
             }

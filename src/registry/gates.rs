@@ -253,14 +253,29 @@ impl Gates {
         self.wake.notify_one();
     }
 
-    /// A published definition (`None`: deleted).
-    pub(super) fn define(&self, name: &SemName, def: Option<Arc<Semaphore>>, index: u64) {
+    /// A published definition (`None`: deleted). Returns the allocations
+    /// whose grants of it lapse at another time now (its grant timeout
+    /// changed, or it came or went): their next moment is to be scheduled
+    /// again, as a start would.
+    pub(super) fn define(
+        &self,
+        name: &SemName,
+        def: Option<Arc<Semaphore>>,
+        index: u64,
+    ) -> Vec<AllocId> {
         let mut state = self.state();
         let before = state.defs.get(name).map(|d| (d.limit, d.grant_timeout));
         let after = def.as_ref().map(|d| (d.limit, d.grant_timeout));
         match def {
             Some(d) => state.defs.insert(name.clone(), d),
             None => state.defs.remove(name),
+        };
+        let lapses_moved = if before.map(|b| b.1) == after.map(|a| a.1) {
+            Vec::new()
+        } else {
+            state.lines.get(name).map_or_else(Vec::new, |l| {
+                l.holders.keys().map(|(id, _)| id.clone()).collect()
+            })
         };
         // A grant that only wrote the semaphore again (replicas) changes
         // nothing a line shows.
@@ -272,6 +287,7 @@ impl Gates {
             self.moved(index);
             self.wake.notify_one();
         }
+        lapses_moved
     }
 
     /// Every definition again (a start, or a listing after a gap).

@@ -268,3 +268,33 @@ async fn grants_survive_a_restart_and_the_line_is_rebuilt_from_the_records() {
     report(&r, "a", RunState::Dead).await;
     assert!(granted(&r, "b").await > fence);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_shortened_grant_timeout_lapses_a_grant_already_past_it() {
+    let r = registry();
+    r.put_semaphore(name("db"), 1, Duration::from_secs(60))
+        .await
+        .unwrap();
+    for id in ["a", "b"] {
+        r.register(AllocId::parse(id).unwrap(), spec(&["db"]))
+            .await
+            .unwrap();
+    }
+    granted(&r, "a").await;
+    tokio::time::advance(Duration::from_secs(10)).await;
+    // a has not started for 10 s, past the new 5 s: its grant lapses now,
+    // not 60 s after it was made (as it would after a restart of the
+    // server, which schedules it with the timeout as it is).
+    r.put_semaphore(name("db"), 1, Duration::from_secs(5))
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(1), granted(&r, "b"))
+        .await
+        .expect("b is granted once a's grant lapsed");
+    let a = r.get("a").unwrap();
+    assert!(
+        matches!(a.tasks[0].hold(), Some(Hold::Queued { .. })),
+        "a queues again: {:?}",
+        a.tasks[0].hold()
+    );
+}
