@@ -75,7 +75,11 @@ pub(super) async fn handover(config: &BenchConfig) -> std::io::Result<String> {
     let mut conn = Conn::open(addr).await?;
     let body = format!(r#"{{"limit": {limit}, "grant_timeout": "1h"}}"#);
     let status = conn
-        .call("PUT", &format!("/v1/semaphores/{SEMAPHORE}"), body.as_bytes())
+        .call(
+            "PUT",
+            &format!("/v1/semaphores/{SEMAPHORE}"),
+            body.as_bytes(),
+        )
         .await?;
     if status != 201 {
         return Err(std::io::Error::other(format!(
