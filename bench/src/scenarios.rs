@@ -24,6 +24,7 @@ mod hostile_graph;
 mod instructions;
 mod liveness;
 mod pipeline;
+mod semaphores;
 mod streams;
 mod versus_etcd;
 
@@ -60,8 +61,10 @@ pub struct BenchConfig {
     /// server's instructions per request under callgrind, this build with
     /// and without TTLs and --base-server-bin; needs valgrind), pipeline
     /// (`--clients` writers on one allocation and on one each, against
-    /// --base-server-bin) and streams (`--stream-readers` event streams
-    /// that never read, alternated with none, while writers write).
+    /// --base-server-bin), streams (`--stream-readers` event streams
+    /// that never read, alternated with none, while writers write) and
+    /// semaphores (a slot handed over in a line of `--semaphore-queued`
+    /// parked polls).
     #[arg(
         long,
         value_delimiter = ',',
@@ -161,6 +164,17 @@ pub struct BenchConfig {
     /// (reports per second, over `--clients` connections).
     #[arg(long, default_value_t = 2000.0)]
     pub stream_paced_rate: f64,
+    /// Allocations (one task each) in line for the semaphore of the
+    /// semaphores scenario, each with its start-condition long-poll parked
+    /// (one connection each: mind `ulimit -n`).
+    #[arg(long, default_value_t = 10_000)]
+    pub semaphore_queued: usize,
+    /// Slots of the semaphores scenario's semaphore.
+    #[arg(long, default_value_t = 10)]
+    pub semaphore_limit: usize,
+    /// Hand-overs the semaphores scenario measures, one after another.
+    #[arg(long, default_value_t = 300)]
+    pub semaphore_handovers: usize,
     /// Where the durable scenarios keep their data (a fresh temporary
     /// directory per scenario by default).
     #[arg(long)]
@@ -985,6 +999,7 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
                 notes.push(note);
             }
             "dependencies-hostile" => notes.push(hostile_graph::scenario(&config).await?),
+            "semaphores" => notes.push(semaphores::handover(&config).await?),
             "dependencies" | "dependencies-wake" | "dependencies-base" => {
                 if scenario != "dependencies-base" {
                     notes.push(dependencies::wake(&config).await?);

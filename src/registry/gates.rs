@@ -530,6 +530,13 @@ impl Registry {
         let _ = idle.wait_for(|idle| *idle).await;
     }
 
+    /// Whether the judge has nothing left to do now (`gates_idle`, without
+    /// waiting).
+    #[cfg(test)]
+    pub(super) fn gates_idle_now(&self) -> bool {
+        *self.inner.gates.idle.borrow()
+    }
+
     /// Grants task `i` of `id` its semaphores, if the lines as published
     /// still allow it when its allocation's write decides.
     async fn grant(&self, id: &AllocId, i: usize, since: u64) -> Result<(), RegistryError> {

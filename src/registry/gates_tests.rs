@@ -333,3 +333,33 @@ async fn deleting_a_semaphore_lets_the_waiters_behind_its_waiter_through_at_once
     settle(&r).await;
     assert_eq!(holders(&r, "db"), ["b"]);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_shortened_grant_timeout_lapses_a_grant_already_past_it() {
+    let r = registry();
+    r.put_semaphore(name("db"), 1, Duration::from_secs(60))
+        .await
+        .unwrap();
+    for id in ["a", "b"] {
+        r.register(AllocId::parse(id).unwrap(), spec(&["db"]))
+            .await
+            .unwrap();
+    }
+    granted(&r, "a").await;
+    tokio::time::advance(Duration::from_secs(10)).await;
+    // a has not started for 10 s, past the new 5 s: its grant lapses now,
+    // not 60 s after it was made (as it would after a restart of the
+    // server, which schedules it with the timeout as it is).
+    r.put_semaphore(name("db"), 1, Duration::from_secs(5))
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(1), granted(&r, "b"))
+        .await
+        .expect("b is granted once a's grant lapsed");
+    let a = r.get("a").unwrap();
+    assert!(
+        matches!(a.tasks[0].hold(), Some(Hold::Queued { .. })),
+        "a queues again: {:?}",
+        a.tasks[0].hold()
+    );
+}

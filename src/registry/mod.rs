@@ -508,6 +508,8 @@ impl Registry {
 #[cfg(test)]
 mod audit_tests;
 #[cfg(test)]
+mod gates_properties;
+#[cfg(test)]
 mod gates_tests;
 #[cfg(test)]
 mod pipeline_tests;

@@ -407,6 +407,22 @@ impl Registry {
         self.inner.config.clock.now()
     }
 
+    /// Whether nothing is due on the heap by now and no look runs (a
+    /// test's way to know that time has done all it will until it moves).
+    #[cfg(test)]
+    pub(super) fn timers_idle(&self) -> bool {
+        let timers = &self.inner.timers;
+        let now = timers.now();
+        let due = timers
+            .heap
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entries
+            .iter()
+            .any(|Reverse(e)| e.at <= now && e.current());
+        !due && timers.looking.available_permits() == MAX_LOOKING
+    }
+
     /// An allocation's moment came: what time alone does to it is decided
     /// and written like any change, then its next moment is scheduled.
     async fn look_at(&self, handle: Arc<Handle>) {
