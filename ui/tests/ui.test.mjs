@@ -41,6 +41,8 @@ let browser;
 
 const sha256 = (s) => createHash("sha256").update(s).digest("hex");
 
+const SEMAPHORES = ["ax-", "sp-", "ap-", "ls-"];
+
 before(async () => {
   mkdirSync(SHOTS, { recursive: true });
   const dir = mkdtempSync(join(tmpdir(), "taskgate-ui-"));
@@ -49,8 +51,10 @@ before(async () => {
     file,
     JSON.stringify({
       tokens: [
-        { name: "reader", role: "reader", sha256: sha256(TOKENS.reader) },
-        { name: "agent", role: "agent", sha256: sha256(TOKENS.agent) },
+        // The semaphores the tests make (a token reads and acquires only
+        // those within its semaphore_prefixes).
+        { name: "reader", role: "reader", sha256: sha256(TOKENS.reader), semaphore_prefixes: SEMAPHORES },
+        { name: "agent", role: "agent", sha256: sha256(TOKENS.agent), semaphore_prefixes: SEMAPHORES },
       ],
     }),
   );
@@ -566,7 +570,9 @@ test("the semaphore list is reachable from the main page and shows name, limit, 
   await call("PUT", "/v1/allocations/ls-1", acquiring(["ls-b"]), TOKENS.agent);
   await call("PUT", "/v1/allocations/ls-2", acquiring(["ls-b"]), TOKENS.agent);
   await grantedFence("ls-1", "ls-b");
-  const page = await open("/ui", TOKENS.reader);
+  // The whole list is the operator's: other tokens list semaphores only
+  // with a prefix within their semaphore_prefixes.
+  const page = await open("/ui", TOKENS.operator);
   await page.getByRole("navigation", { name: "Site" }).getByRole("link", { name: "Semaphores" }).click();
   await page.getByRole("heading", { name: "Semaphores" }).waitFor();
   await page.getByRole("status").getByText(SEMAPHORES_SHOWN).waitFor();
