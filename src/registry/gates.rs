@@ -446,29 +446,10 @@ impl Inner {
     /// Starts the judge, once, inside a runtime; the supervisor starts it
     /// again if it panics.
     pub(super) fn judge_gates(&self) {
-        use std::sync::atomic::Ordering;
-        if self.gates.judging.load(Ordering::Acquire) {
-            return;
-        }
-        let Some(runtime) = self
-            .runtime
-            .clone()
-            .or_else(|| tokio::runtime::Handle::try_current().ok())
-        else {
-            return;
-        };
-        if self
-            .gates
-            .judging
-            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-        {
-            let _entered = runtime.enter();
+        self.keep_once(&self.gates.judging, "semaphores", || {
             let me = self.me.clone();
-            self.config
-                .supervisor
-                .keep("semaphores", move || judge(me.clone()));
-        }
+            move || judge(me.clone())
+        });
     }
 }
 

@@ -55,7 +55,7 @@ pub use wait::{Querier, Subscription};
 
 use std::sync::{
     Arc, Mutex, PoisonError, RwLock,
-    atomic::{AtomicUsize, Ordering},
+    atomic::{AtomicBool, AtomicUsize, Ordering},
 };
 
 use tokio::sync::watch;
@@ -272,6 +272,34 @@ impl Inner {
             .clone()
             .or_else(|| tokio::runtime::Handle::try_current().ok())?;
         Some(runtime.spawn(task))
+    }
+
+    /// Starts a long-lived task under the supervisor (which starts it again
+    /// with `make()`'s function if it panics), once: `started` turns true
+    /// then. Outside a runtime nothing starts; the next call inside one
+    /// does. Cheap once started (one atomic load; `make` is not called).
+    fn keep_once<F, Fut>(&self, started: &AtomicBool, name: &'static str, make: impl FnOnce() -> F)
+    where
+        F: Fn() -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        if started.load(Ordering::Acquire) {
+            return;
+        }
+        let Some(runtime) = self
+            .runtime
+            .clone()
+            .or_else(|| tokio::runtime::Handle::try_current().ok())
+        else {
+            return;
+        };
+        if started
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            let _entered = runtime.enter();
+            self.config.supervisor.keep(name, make());
+        }
     }
 
     fn share_spec(

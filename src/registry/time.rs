@@ -307,29 +307,10 @@ impl Inner {
     /// Starts the task that drives the heap, once, inside a runtime; the
     /// supervisor starts it again if it panics.
     pub(super) fn drive(&self) {
-        if self.timers.driving.load(Ordering::Acquire) {
-            return;
-        }
-        let Some(runtime) = self
-            .runtime
-            .clone()
-            .or_else(|| tokio::runtime::Handle::try_current().ok())
-        else {
-            // Outside a runtime: started by the next use inside one.
-            return;
-        };
-        if self
-            .timers
-            .driving
-            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-        {
-            let _entered = runtime.enter();
+        self.keep_once(&self.timers.driving, "timers", || {
             let (me, timers) = (self.me.clone(), self.timers.clone());
-            self.config
-                .supervisor
-                .keep("timers", move || drive(me.clone(), timers.clone()));
-        }
+            move || drive(me.clone(), timers.clone())
+        });
     }
 }
 
