@@ -14,63 +14,106 @@ use crate::{
     store::MemoryStore,
 };
 
-const LONG: Duration = Duration::from_secs(60);
+pub(super) const LONG: Duration = Duration::from_secs(60);
 
-fn name(s: &str) -> SemName {
+pub(super) fn name(s: &str) -> SemName {
     SemName::parse(s).unwrap()
 }
 
-/// One prestart task `migrate` acquiring `sems`, and a main task `web`.
-fn spec(sems: &[&str]) -> AllocSpec {
-    let migrate = TaskSpec {
-        lifecycle: Some(Lifecycle {
-            hook: Hook::Prestart,
+pub(super) fn id(s: &str) -> AllocId {
+    AllocId::parse(s).unwrap()
+}
+
+pub(super) fn task(n: &str, hook: Option<Hook>, sems: &[&str]) -> TaskSpec {
+    TaskSpec {
+        lifecycle: hook.map(|hook| Lifecycle {
+            hook,
             sidecar: false,
         }),
         acquire: sems.iter().map(|s| name(s)).collect(),
-        ..TaskSpec::named(TaskName::parse("migrate").unwrap())
-    };
-    let web = TaskSpec::named(TaskName::parse("web").unwrap());
-    AllocSpec::new(vec![migrate, web], &Limits::default()).unwrap()
+        ..TaskSpec::named(TaskName::parse(n).unwrap())
+    }
+}
+
+/// One prestart task `migrate` acquiring `sems`, and a main task `web`.
+pub(super) fn spec(sems: &[&str]) -> AllocSpec {
+    AllocSpec::new(
+        vec![
+            task("migrate", Some(Hook::Prestart), sems),
+            task("web", None, &[]),
+        ],
+        &Limits::default(),
+    )
+    .unwrap()
+}
+
+/// `spec`, with a second prestart task `other` that acquires nothing.
+pub(super) fn spec_with_other(sems: &[&str]) -> AllocSpec {
+    AllocSpec::new(
+        vec![
+            task("migrate", Some(Hook::Prestart), sems),
+            task("other", Some(Hook::Prestart), &[]),
+            task("web", None, &[]),
+        ],
+        &Limits::default(),
+    )
+    .unwrap()
 }
 
 /// On tokio's clock (paused in these tests), so that a grant timeout
 /// passes when the test's time does.
-fn config() -> RegistryConfig {
+pub(super) fn config() -> RegistryConfig {
     RegistryConfig {
         clock: Clock::tokio(),
         ..RegistryConfig::default()
     }
 }
 
-fn registry() -> Registry {
+pub(super) fn registry() -> Registry {
     Registry::open(Arc::new(MemoryStore::new()), config()).unwrap()
 }
 
-async fn report(r: &Registry, id: &str, state: RunState) -> Arc<Allocation> {
-    let report = TaskReport {
+pub(super) fn rep(state: RunState) -> TaskReport {
+    TaskReport {
         state,
         failed: false,
         event: None,
         ready: None,
-    };
-    r.report(id, vec![(TaskName::parse("migrate").unwrap(), report)])
+    }
+}
+
+pub(super) async fn report_task(
+    r: &Registry,
+    alloc: &str,
+    t: &str,
+    state: RunState,
+) -> Arc<Allocation> {
+    r.report(alloc, vec![(TaskName::parse(t).unwrap(), rep(state))])
         .await
         .unwrap()
 }
 
-/// Waits (bounded) until `migrate` of `id` is granted.
-async fn granted(r: &Registry, id: &str) -> u64 {
-    let a = r
-        .wait_until(id, LONG, |a| a.tasks[0].fence().is_some())
-        .await
-        .unwrap();
-    a.tasks[0]
-        .fence()
-        .unwrap_or_else(|| panic!("{id} was never granted"))
+pub(super) async fn report(r: &Registry, alloc: &str, state: RunState) -> Arc<Allocation> {
+    report_task(r, alloc, "migrate", state).await
 }
 
-fn holders(r: &Registry, sem: &str) -> Vec<String> {
+/// Waits (bounded by `within`) until `migrate` of `alloc` is granted; its
+/// fence, or `None` if it was not granted in time.
+pub(super) async fn granted_within(r: &Registry, alloc: &str, within: Duration) -> Option<u64> {
+    let a = r
+        .wait_until(alloc, within, |a| a.tasks[0].fence().is_some())
+        .await
+        .unwrap();
+    a.tasks[0].fence()
+}
+
+pub(super) async fn granted(r: &Registry, alloc: &str) -> u64 {
+    granted_within(r, alloc, LONG)
+        .await
+        .unwrap_or_else(|| panic!("{alloc} was never granted"))
+}
+
+pub(super) fn holders(r: &Registry, sem: &str) -> Vec<String> {
     r.semaphore(sem)
         .unwrap()
         .holders
@@ -79,9 +122,18 @@ fn holders(r: &Registry, sem: &str) -> Vec<String> {
         .collect()
 }
 
-/// The slot changes on `id`'s timeline, oldest first, with their indexes.
-fn slots(r: &Registry, id: &str) -> Vec<(u64, SlotChange)> {
-    let a = r.get(id).unwrap();
+pub(super) fn queue(r: &Registry, sem: &str) -> Vec<String> {
+    r.semaphore(sem)
+        .unwrap()
+        .queue
+        .iter()
+        .map(|(_, id, _)| id.to_string())
+        .collect()
+}
+
+/// The slot changes on `alloc`'s timeline, oldest first, with their indexes.
+pub(super) fn slots(r: &Registry, alloc: &str) -> Vec<(u64, SlotChange)> {
+    let a = r.get(alloc).unwrap();
     r.timeline(&a)
         .iter()
         .filter_map(|e| match &e.what {
@@ -92,7 +144,7 @@ fn slots(r: &Registry, id: &str) -> Vec<(u64, SlotChange)> {
 }
 
 /// Waits (bounded) until the judge has nothing left to do.
-async fn settle(r: &Registry) {
+pub(super) async fn settle(r: &Registry) {
     tokio::time::timeout(LONG, r.gates_idle())
         .await
         .expect("the judge settles");

@@ -9,139 +9,14 @@ use super::{
     *,
 };
 use crate::{
-    lifecycle::{
-        AllocSpec, Condition, Dependency, Hold, Hook, Lifecycle, RunState, SemName, TaskName,
-        TaskReport, TaskSpec,
-    },
+    lifecycle::{AllocSpec, Condition, Dependency, Hold, Hook, RunState, TaskName},
     store::MemoryStore,
 };
 
-const LONG: Duration = Duration::from_secs(60);
-
-fn name(s: &str) -> SemName {
-    SemName::parse(s).unwrap()
-}
-
-fn id(s: &str) -> AllocId {
-    AllocId::parse(s).unwrap()
-}
-
-fn task(n: &str, hook: Option<Hook>, sems: &[&str]) -> TaskSpec {
-    TaskSpec {
-        lifecycle: hook.map(|hook| Lifecycle {
-            hook,
-            sidecar: false,
-        }),
-        acquire: sems.iter().map(|s| name(s)).collect(),
-        ..TaskSpec::named(TaskName::parse(n).unwrap())
-    }
-}
-
-/// One prestart task `migrate` acquiring `sems`, and a main task `web`.
-fn spec(sems: &[&str]) -> AllocSpec {
-    AllocSpec::new(
-        vec![
-            task("migrate", Some(Hook::Prestart), sems),
-            task("web", None, &[]),
-        ],
-        &Limits::default(),
-    )
-    .unwrap()
-}
-
-/// `spec`, with a second prestart task `other` that acquires nothing.
-fn spec_with_other(sems: &[&str]) -> AllocSpec {
-    AllocSpec::new(
-        vec![
-            task("migrate", Some(Hook::Prestart), sems),
-            task("other", Some(Hook::Prestart), &[]),
-            task("web", None, &[]),
-        ],
-        &Limits::default(),
-    )
-    .unwrap()
-}
-
-fn config() -> RegistryConfig {
-    RegistryConfig {
-        clock: Clock::tokio(),
-        ..RegistryConfig::default()
-    }
-}
-
-fn registry() -> Registry {
-    Registry::open(Arc::new(MemoryStore::new()), config()).unwrap()
-}
-
-fn rep(state: RunState) -> TaskReport {
-    TaskReport {
-        state,
-        failed: false,
-        event: None,
-        ready: None,
-    }
-}
-
-async fn report_task(r: &Registry, alloc: &str, t: &str, state: RunState) -> Arc<Allocation> {
-    r.report(alloc, vec![(TaskName::parse(t).unwrap(), rep(state))])
-        .await
-        .unwrap()
-}
-
-async fn report(r: &Registry, alloc: &str, state: RunState) -> Arc<Allocation> {
-    report_task(r, alloc, "migrate", state).await
-}
-
-/// Waits (bounded by `within`) until `migrate` of `alloc` is granted; its
-/// fence, or `None` if it was not granted in time.
-async fn granted_within(r: &Registry, alloc: &str, within: Duration) -> Option<u64> {
-    let a = r
-        .wait_until(alloc, within, |a| a.tasks[0].fence().is_some())
-        .await
-        .unwrap();
-    a.tasks[0].fence()
-}
-
-async fn granted(r: &Registry, alloc: &str) -> u64 {
-    granted_within(r, alloc, LONG)
-        .await
-        .unwrap_or_else(|| panic!("{alloc} was never granted"))
-}
-
-fn holders(r: &Registry, sem: &str) -> Vec<String> {
-    r.semaphore(sem)
-        .unwrap()
-        .holders
-        .iter()
-        .map(|(id, _, _)| id.to_string())
-        .collect()
-}
-
-fn queue(r: &Registry, sem: &str) -> Vec<String> {
-    r.semaphore(sem)
-        .unwrap()
-        .queue
-        .iter()
-        .map(|(_, id, _)| id.to_string())
-        .collect()
-}
-
-fn slots(r: &Registry, alloc: &str) -> Vec<(u64, SlotChange)> {
-    let a = r.get(alloc).unwrap();
-    r.timeline(&a)
-        .iter()
-        .filter_map(|e| match &e.what {
-            timeline::What::Slot { change, .. } => Some((e.index, *change)),
-            _ => None,
-        })
-        .collect()
-}
-
-async fn settle(r: &Registry) {
-    tokio::time::timeout(LONG, r.gates_idle())
-        .await
-        .expect("the judge settles");
-}
+use super::gates_tests::{
+    LONG, config, granted, granted_within, holders, id, name, queue, registry, report, report_task,
+    settle, slots, spec, spec_with_other, task,
+};
 
 // ---------------------------------------------------------------------
 // Grant timeouts
