@@ -248,6 +248,7 @@ pub fn lifecycle(data: &[u8]) {
                 liveness: (b & 0x10 != 0).then(|| std::time::Duration::from_secs(10)),
                 depends_on: Vec::new(),
                 acquire: Vec::new(),
+                barrier: None,
             }
         })
         .collect();

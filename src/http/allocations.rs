@@ -84,20 +84,24 @@ pub async fn register(
         }
     }
     // A task that acquires a semaphore holds it against other tenants'
-    // tasks: a token may name only the semaphores within its
+    // tasks, and a barrier member can close a barrier to them: a token
+    // may name only the semaphores and barriers within its
     // `semaphore_prefixes`.
     if let Some(token) = caller.as_ref().map(|c| &c.0.0) {
         let outside = spec
             .tasks()
             .iter()
-            .flat_map(|t| t.acquire.iter())
-            .find(|name| !token.may_use_semaphore(name.as_str()));
-        if let Some(name) = outside {
+            .flat_map(|t| {
+                let sems = t.acquire.iter().map(|n| ("acquire semaphore", n));
+                sems.chain(t.barrier.iter().map(|b| ("meet at barrier", &b.name)))
+            })
+            .find(|(_, name)| !token.may_use_semaphore(name.as_str()));
+        if let Some((what, name)) = outside {
             return Err(ApiError::new(
                 StatusCode::FORBIDDEN,
                 "forbidden",
                 format!(
-                    "token {:?} may not acquire semaphore {:?}: it is outside its \
+                    "token {:?} may not {what} {:?}: it is outside its \
                      semaphore_prefixes {:?}",
                     token.name,
                     name.as_str(),

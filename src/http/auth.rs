@@ -582,13 +582,18 @@ impl Auth {
                 req.method()
             ))));
         }
-        if route == "/v1/semaphores" || route == "/v1/semaphores/{name}" {
+        if route == "/v1/semaphores"
+            || route == "/v1/semaphores/{name}"
+            || route == "/v1/barriers/{name}"
+        {
             let target = scope_target(req, route).unwrap_or_default();
             let within = token.may_use_semaphore(&target)
                 || (target.is_empty() && token.role == Role::Operator);
             if !within {
                 let what = if route == "/v1/semaphores" {
                     "list semaphores with a `prefix` within".to_owned()
+                } else if route == "/v1/barriers/{name}" {
+                    format!("use barrier {target:?}, outside")
                 } else {
                     format!("use semaphore {target:?}, outside")
                 };

@@ -14,8 +14,9 @@ use time::OffsetDateTime;
 use utoipa::ToSchema;
 
 use crate::lifecycle::{
-    AllocId, AllocSpec, Condition, Deadlines, Dependency, EventInput, FieldError, Hook, Lifecycle,
-    Limits, MAX_ACQUIRE, MAX_EVENT_DETAILS, RunState, SemName, TaskName, TaskReport, TaskSpec,
+    AllocId, AllocSpec, BarrierSpec, Condition, Deadlines, Dependency, EventInput, FieldError,
+    Hook, Lifecycle, Limits, MAX_ACQUIRE, MAX_EVENT_DETAILS, RunState, SemName, TaskName,
+    TaskReport, TaskSpec,
 };
 
 /// A JSON object whose keys must be unique, kept in the order sent, of at
@@ -97,6 +98,7 @@ objects_only!(
     TaskSpecBody,
     LifecycleBody,
     LivenessBody,
+    BarrierBody,
     DeadlinesBody,
     DependencyBody,
     ReportBody,
@@ -170,6 +172,32 @@ pub struct TaskSpecBody {
     #[serde(default)]
     #[schema(max_items = 4, example = json!(["db-migrations"]), value_type = Vec<SemaphoreNameBody>)]
     pub acquire: Vec<String>,
+    /// A barrier the task starts together at with the other tasks that
+    /// name it, in any allocation: it is allowed only once `size` of them
+    /// are each otherwise allowed at once; then all are released together
+    /// and the barrier stays open. The caller's token must cover the name
+    /// (`semaphore_prefixes`, which cover barriers too).
+    #[serde(default)]
+    pub barrier: Option<BarrierBody>,
+}
+
+/// A task's `barrier`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(remote = "Self", deny_unknown_fields)]
+#[schema(example = json!({"name": "train-42", "size": 4, "timeout": "10m"}))]
+pub struct BarrierBody {
+    /// As an allocation ID.
+    #[schema(value_type = SemaphoreNameBody)]
+    pub name: String,
+    /// How many tasks open it (2 to 1000); every member must say the same.
+    #[schema(minimum = 2, maximum = 1000)]
+    pub size: u64,
+    /// How long it may gather, from its first arrival (1 s to 7 d; every
+    /// member must say the same): then every member's allocation is told
+    /// to stop ("Barrier Timeout") and fails. Absent: no limit.
+    #[serde(default)]
+    #[schema(example = "10m")]
+    pub timeout: Option<String>,
 }
 
 /// A semaphore's name in a task's `acquire` (the schema only: names are
@@ -331,6 +359,28 @@ impl RegisterBody {
                     )),
                 }
             }
+            let barrier = t.barrier.and_then(|b| {
+                let field = |what: &str| format!("tasks[{i}].barrier.{what}");
+                let timeout =
+                    duration_field(&mut errors, || field("timeout"), b.timeout.as_deref());
+                let name = SemName::parse(&b.name)
+                    .map_err(|e| {
+                        errors.push(FieldError::new(field("name"), format!("{:?} {e}", b.name)))
+                    })
+                    .ok()?;
+                let Ok(size) = u16::try_from(b.size) else {
+                    errors.push(FieldError::new(
+                        field("size"),
+                        format!("must be 2 to 1000, got {}", b.size),
+                    ));
+                    return None;
+                };
+                Some(BarrierSpec {
+                    name,
+                    size,
+                    timeout,
+                })
+            });
             match TaskName::parse(&t.name) {
                 Ok(name) => tasks.push(TaskSpec {
                     name,
@@ -343,6 +393,7 @@ impl RegisterBody {
                     liveness,
                     depends_on,
                     acquire,
+                    barrier,
                 }),
                 Err(e) => errors.push(FieldError::new(
                     format!("tasks[{i}].name"),

@@ -70,6 +70,11 @@ pub const CODES: &[(&str, u16, &str)] = &[
         "No semaphore has this name. `GET /v1/semaphores` lists them; an operator creates one with `PUT /v1/semaphores/{name}` (tasks that acquire a missing semaphore wait for it, `why: not_registered`).",
     ),
     (
+        "barrier_not_found",
+        404,
+        "No task of a registered allocation names this barrier: a barrier exists while its members do (it is forgotten with the last one's allocation). Check the name in the tasks' `barrier`.",
+    ),
+    (
         "method_not_allowed",
         405,
         "The route exists but not with this method; the `Allow` header lists the methods it takes.",
@@ -108,6 +113,16 @@ pub const CODES: &[(&str, u16, &str)] = &[
         "task_dead",
         409,
         "The task is dead (`finished_at` says since when), and a report may take it out of `dead` only after an operator's all-tasks restart or restore made after it died. An agent that finds its task dead reports nothing and exits; an operator restarts every task (`POST .../restart` with `{\"all_tasks\": true}`) or restores the allocation to run it again.",
+    ),
+    (
+        "barrier_closed",
+        409,
+        "A task names a barrier that takes no more members: it opened or timed out already (a barrier is met once), or it has its `size` members. `GET /v1/barriers/{name}` shows it; use a new barrier name for a new gathering (a barrier is forgotten once its last member's allocation is deleted).",
+    ),
+    (
+        "barrier_mismatch",
+        409,
+        "A task names a barrier whose members say another `size` or `timeout` (`detail` says which): every member must say the same. Register it with the barrier's size and timeout, or under another barrier name.",
     ),
     (
         "idempotency_key_reused",
@@ -398,6 +413,12 @@ impl From<RegistryError> for ApiError {
             }
             RegistryError::SemaphoreNotFound(_) => {
                 Self::new(StatusCode::NOT_FOUND, "semaphore_not_found", detail)
+            }
+            RegistryError::BarrierClosed { .. } => {
+                Self::new(StatusCode::CONFLICT, "barrier_closed", detail)
+            }
+            RegistryError::BarrierMismatch { .. } => {
+                Self::new(StatusCode::CONFLICT, "barrier_mismatch", detail)
             }
             RegistryError::AllocationExists { index, .. } => {
                 Self::new(StatusCode::CONFLICT, "allocation_exists", detail).with_index(index)

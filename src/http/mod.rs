@@ -6,6 +6,7 @@
 mod allocations;
 pub use allocations::HIDDEN_STEP;
 pub mod auth;
+mod barriers;
 pub mod dto;
 mod edge;
 pub mod error;
@@ -228,6 +229,7 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
                 .get(semaphores::get)
                 .delete(semaphores::delete),
         )
+        .route("/v1/barriers/{name}", get(barriers::get))
         .route("/", get(service::root))
         .route("/v1/health", get(service::health))
         .route("/metrics", get(service::metrics))
@@ -243,6 +245,7 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
         .route("/ui/allocations/{alloc_id}", get(ui::page))
         .route("/ui/semaphores", get(ui::page))
         .route("/ui/semaphores/{name}", get(ui::page))
+        .route("/ui/barriers/{name}", get(ui::page))
         .route("/ui/app.js", get(ui::script))
         .route("/ui/app.css", get(ui::style))
         .with_state(state);

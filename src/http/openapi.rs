@@ -11,7 +11,7 @@ use utoipa::{
     },
 };
 
-use super::{allocations, error, events, semaphores, service, tasks, views};
+use super::{allocations, barriers, error, events, semaphores, service, tasks, views};
 use crate::lifecycle::{
     Condition, CoordState, DesiredKind, Hook, ListState, Outcome, RunState, Stage, StopKind,
     TroubleKind, WaitFor, Why,
@@ -76,6 +76,7 @@ Errors are RFC 9457 problem documents with a stable `code`.",
         semaphores::put,
         semaphores::get,
         semaphores::delete,
+        barriers::get,
         service::root,
         service::health,
         service::metrics,
@@ -93,6 +94,7 @@ Errors are RFC 9457 problem documents with a stable `code`.",
         (name = "allocations", description = "Register, read, list, restart, restore, stop and delete allocations"),
         (name = "tasks", description = "Task views, state reports and the start-condition long-poll"),
         (name = "semaphores", description = "At most N tasks at once, across allocations: create, read, list and delete semaphores"),
+        (name = "barriers", description = "Tasks of several allocations that start together: read a barrier's members"),
         (name = "service", description = "Health, metrics and this document"),
     )
 )]

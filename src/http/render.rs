@@ -260,6 +260,20 @@ fn task(out: &mut Vec<u8>, a: &Allocation, i: usize, live: &Liveness) -> Result 
         }
         out.push(b'}');
     }
+    if let Some(b) = super::views::barrier_blocking(live, i) {
+        comma(out, n);
+        out.extend_from_slice(b"{\"barrier\":");
+        string(out, &b.barrier);
+        out.extend_from_slice(b",\"why\":");
+        string(out, b.why.as_str());
+        if let Some(k) = b.arrived {
+            out.extend_from_slice(b",\"arrived\":");
+            number(out, k as u64)?;
+        }
+        out.extend_from_slice(b",\"size\":");
+        number(out, u64::from(b.size))?;
+        out.push(b'}');
+    }
     out.extend_from_slice(b"],\"acquire\":[");
     for (n, s) in spec.acquire.iter().enumerate() {
         comma(out, n);
@@ -274,7 +288,20 @@ fn task(out: &mut Vec<u8>, a: &Allocation, i: usize, live: &Liveness) -> Result 
         number(out, g.fence)?;
         out.push(b'}');
     }
-    out.extend_from_slice(b"]}");
+    out.extend_from_slice(b"],\"barrier\":");
+    match &spec.barrier {
+        Some(b) => {
+            out.extend_from_slice(b"{\"name\":");
+            string(out, b.name.as_str());
+            out.extend_from_slice(b",\"size\":");
+            number(out, u64::from(b.size))?;
+            out.extend_from_slice(b",\"timeout\":");
+            duration(out, b.timeout);
+            out.push(b'}');
+        }
+        None => null(out),
+    }
+    out.push(b'}');
     Ok(())
 }
 
@@ -289,6 +316,11 @@ fn stop_reason(out: &mut Vec<u8>, r: &StopReason) {
     out.extend_from_slice(b",\"stage\":");
     match r.stage {
         Some(s) => string(out, s.as_str()),
+        None => null(out),
+    }
+    out.extend_from_slice(b",\"barrier\":");
+    match &r.barrier {
+        Some(b) => string(out, b.as_str()),
         None => null(out),
     }
     out.push(b'}');

@@ -10,7 +10,7 @@ use crate::{
         Events, Hook, Outcome, RunState, Stage, StopKind, Timestamp, Trouble, TroubleKind, WaitFor,
         Why,
     },
-    registry::Waiting,
+    registry::{Gathering, Waiting},
     units::{Shown, format_duration},
 };
 
@@ -30,6 +30,8 @@ pub struct Liveness {
     signs: Option<crate::registry::Signs>,
     /// By task (empty: no task is queued, or no registry to ask).
     lines: Vec<Vec<(crate::lifecycle::SemName, Waiting)>>,
+    /// By task: why it waits at its barrier (empty: none does).
+    barriers: Vec<Option<(crate::lifecycle::SemName, Gathering)>>,
 }
 
 impl Liveness {
@@ -49,6 +51,25 @@ impl Liveness {
     pub fn waiting(&self, i: usize) -> &[(crate::lifecycle::SemName, Waiting)] {
         self.lines.get(i).map_or(&[], Vec::as_slice)
     }
+}
+
+/// The barrier entry of a task's `blocked_by`, while it waits at one.
+pub fn barrier_blocking(live: &Liveness, i: usize) -> Option<BarrierBlockedView> {
+    let (name, g) = live.barriers.get(i)?.as_ref()?;
+    Some(match *g {
+        Gathering::Gathering { arrived, size } => BarrierBlockedView {
+            barrier: name.to_string(),
+            why: BarrierWhy::Gathering,
+            arrived: Some(arrived),
+            size,
+        },
+        Gathering::TimedOut { size } => BarrierBlockedView {
+            barrier: name.to_string(),
+            why: BarrierWhy::TimedOut,
+            arrived: None,
+            size,
+        },
+    })
 }
 
 /// The semaphore entries of a task's `blocked_by`.
@@ -95,10 +116,18 @@ impl Live for crate::registry::Registry {
         } else {
             Vec::new()
         };
+        let barriers = if a.spec.gathers() {
+            (0..a.tasks.len())
+                .map(|i| self.waiting_at_barrier(a, i))
+                .collect()
+        } else {
+            Vec::new()
+        };
         Liveness {
             default_ttl: self.default_liveness_ttl(),
             signs: self.signs(a),
             lines,
+            barriers,
         }
     }
 }
@@ -113,6 +142,7 @@ impl Live for RecordOnly {
             default_ttl: None,
             signs: None,
             lines: Vec::new(),
+            barriers: Vec::new(),
         }
     }
 }
@@ -401,6 +431,72 @@ pub struct TaskView {
     /// Its slots, while it holds them: one per semaphore, each with the
     /// grant's fence.
     pub grants: Vec<GrantView>,
+    /// The barrier it starts together at, as registered; `null` when none.
+    pub barrier: Option<BarrierSpecView>,
+}
+
+/// A task's barrier as registered.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(example = json!({"name": "train-42", "size": 4, "timeout": "10m"}))]
+pub struct BarrierSpecView {
+    pub name: String,
+    pub size: u16,
+    /// `null`: it may gather for ever.
+    #[schema(value_type = Option<String>, example = "10m")]
+    #[serde(serialize_with = "shown_opt")]
+    pub timeout: Option<std::time::Duration>,
+}
+
+impl BarrierSpecView {
+    pub fn of(b: &crate::lifecycle::BarrierSpec) -> Self {
+        Self {
+            name: b.name.to_string(),
+            size: b.size,
+            timeout: b.timeout,
+        }
+    }
+}
+
+pub fn shown_opt<S: serde::Serializer>(
+    d: &Option<std::time::Duration>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.collect_str(&Shown(*d)),
+        None => s.serialize_none(),
+    }
+}
+
+/// A barrier a task waits at.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(example = json!({"barrier": "train-42", "why": "gathering", "arrived": 3, "size": 4}))]
+pub struct BarrierBlockedView {
+    pub barrier: String,
+    pub why: BarrierWhy,
+    /// For `why: gathering`: how many of its members are each otherwise
+    /// allowed now (it opens at `size`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub arrived: Option<usize>,
+    pub size: u16,
+}
+
+/// `gathering`: fewer than `size` members are otherwise allowed at once;
+/// `timed_out`: its timeout passed before it opened, and it never will
+/// (a new barrier name is a new gathering).
+#[derive(Clone, Copy, Debug, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum BarrierWhy {
+    Gathering,
+    TimedOut,
+}
+
+impl BarrierWhy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Gathering => "gathering",
+            Self::TimedOut => "timed_out",
+        }
+    }
 }
 
 /// A slot of a semaphore a task holds.
@@ -421,6 +517,7 @@ pub struct GrantView {
 pub enum Blocked {
     Dependency(BlockedView),
     Semaphore(SemaphoreBlockedView),
+    Barrier(BarrierBlockedView),
 }
 
 /// A semaphore a task waits for.
@@ -512,6 +609,7 @@ fn dependencies(a: &Allocation, i: usize, live: &Liveness) -> (Vec<DependencyVie
                 .into_iter()
                 .map(Blocked::Semaphore),
         )
+        .chain(barrier_blocking(live, i).map(Blocked::Barrier))
         .collect();
     (depends_on, blocked_by)
 }
@@ -557,6 +655,8 @@ pub struct StopReasonView {
     /// The state whose deadline passed, for "Deadline Exceeded"; else
     /// `null`.
     pub stage: Option<CoordState>,
+    /// The barrier that timed out, for "Barrier Timeout"; else `null`.
+    pub barrier: Option<String>,
 }
 
 /// `GET .../tasks/{task}`: the task view with its allocation's state.
@@ -682,6 +782,7 @@ impl From<&crate::lifecycle::StopReason> for StopReasonView {
             kind: r.kind,
             task: r.task.as_ref().map(ToString::to_string),
             stage: r.stage,
+            barrier: r.barrier.as_ref().map(ToString::to_string),
         }
     }
 }
@@ -723,6 +824,7 @@ impl TaskView {
             blocked_by,
             acquire: spec.acquire.iter().map(ToString::to_string).collect(),
             grants: grants(a, i),
+            barrier: spec.barrier.as_ref().map(BarrierSpecView::of),
         }
     }
 }
@@ -904,8 +1006,19 @@ impl TimelineView {
                         stage,
                     } => {
                         details.insert("reason".to_owned(), reason.to_string());
-                        let named = named.and_then(name);
-                        if let Some(t) = &named {
+                        // "Barrier Timeout" names the member whose barrier
+                        // timed out: the barrier is what it names.
+                        let barrier = named
+                            .filter(|_| *reason == StopKind::BarrierTimeout)
+                            .and_then(|t| a.spec.tasks().get(usize::from(t))?.barrier.as_ref());
+                        let named = match barrier {
+                            Some(b) => {
+                                details.insert("barrier".to_owned(), b.name.to_string());
+                                Some(b.name.to_string())
+                            }
+                            None => named.and_then(name),
+                        };
+                        if let (Some(t), None) = (&named, barrier) {
                             details.insert("task".to_owned(), t.clone());
                         }
                         if let Some(stage) = stage {
@@ -1012,6 +1125,28 @@ impl TimelineView {
                             ),
                         };
                         (kind.to_owned(), name(*task), message)
+                    }
+                    What::Barrier { task, opened } => {
+                        let who = name(*task).unwrap_or_default();
+                        let b = a.spec.tasks().get(usize::from(*task)).and_then(|t| t.barrier.as_ref());
+                        let (barrier, size) = b.map_or((String::new(), 0), |b| (b.name.to_string(), b.size));
+                        details.insert("barrier".to_owned(), barrier.clone());
+                        details.insert("size".to_owned(), size.to_string());
+                        if *opened {
+                            (
+                                "Barrier Open".to_owned(),
+                                name(*task),
+                                format!("{who} starts together with the {size} members of {barrier}"),
+                            )
+                        } else {
+                            let timeout = b.and_then(|b| b.timeout).map(format_duration).unwrap_or_default();
+                            details.insert("timeout".to_owned(), timeout.clone());
+                            (
+                                "Barrier Timeout".to_owned(),
+                                name(*task),
+                                format!("{barrier} did not gather its {size} members within {timeout}: {who} will not start"),
+                            )
+                        }
                     }
                     What::Restored => (
                         "Restored".to_owned(),

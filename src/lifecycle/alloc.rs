@@ -6,7 +6,7 @@ use std::{sync::Arc, time::Duration};
 
 use super::{
     AllocId, AllocSpec, CoordState, DepState, Desired, Details, Event, Hold, IdemKey, KeySeen,
-    RunState, Stage, StopReason, TaskName, TaskReport, TaskStatus, Timestamp, Why,
+    Meet, RunState, Stage, StopReason, TaskName, TaskReport, TaskStatus, Timestamp, Why,
     coordinator::{WaitFor, evaluate, gates, is_open, waiting, waiting_on},
     deps::{Target, judge},
     orders::{Outcome, RUN, StopKind, stop_order},
@@ -213,9 +213,13 @@ impl Allocation {
         a
     }
 
-    /// A registration's tasks that want their semaphores queue, in the
+    /// A registration's tasks that are otherwise allowed arrive at their
+    /// barriers, and those that want their semaphores queue, in the
     /// registration's change.
     fn join_lines(&mut self) {
+        if self.spec.gathers() {
+            self.keep_meets(self.modified_at);
+        }
         if self.spec.acquires() {
             let before = self.clone();
             for i in self.keep_holds(&before) {
@@ -412,8 +416,8 @@ impl Allocation {
     }
 
     /// Whether task `i` may start: its gate is open, every dependency
-    /// holds, it is not lost, and it holds a slot of every semaphore it
-    /// acquires.
+    /// holds, it is not lost, its barrier opened, and it holds a slot of
+    /// every semaphore it acquires.
     pub fn allowed(&self, i: usize) -> bool {
         self.otherwise_allowed(i)
             && (self.spec.tasks()[i].acquire.is_empty()
@@ -422,8 +426,70 @@ impl Allocation {
 
     /// `allowed`, semaphores aside.
     fn otherwise_allowed(&self, i: usize) -> bool {
+        self.open_to(i)
+            && (self.spec.tasks()[i].barrier.is_none()
+                || matches!(self.tasks[i].meet(), Some(Meet::Passed { .. })))
+    }
+
+    /// `allowed`, barrier and semaphores aside: its gate is open, every
+    /// dependency holds, and it is not lost.
+    fn open_to(&self, i: usize) -> bool {
         let t = &self.tasks[i];
         is_open(self.state, self.spec.tasks()[i].stage()) && !t.lost() && t.unblocked()
+    }
+
+    /// Whether task `i` counts among its barrier's arrived: it names one
+    /// that has not decided for it, is `pending`, told to run, and
+    /// allowed but for the barrier (and its semaphores, which it queues
+    /// for only once past the barrier).
+    pub fn arrived(&self, i: usize) -> bool {
+        self.spec.tasks()[i].barrier.is_some()
+            && !self.tasks[i].meet().is_some_and(Meet::decided)
+            && self.tasks[i].state == RunState::Pending
+            && !self.desired(i).is_stop()
+            && self.open_to(i)
+    }
+
+    /// Where each member of a barrier stands after a change: a decision
+    /// (opened, timed out) stays for good; otherwise it is arrived while
+    /// `arrived` says so (since the change that made it so), else not.
+    fn keep_meets(&mut self, now: Timestamp) {
+        for i in 0..self.tasks.len() {
+            if self.spec.tasks()[i].barrier.is_none() {
+                continue;
+            }
+            let meet = self.tasks[i].meet();
+            let next = match meet {
+                Some(m) if m.decided() => meet,
+                _ if !self.arrived(i) => None,
+                Some(m) => Some(m),
+                None => Some(Meet::Arrived { at: now }),
+            };
+            self.tasks[i].set_meet(next);
+        }
+    }
+
+    /// The next version, with task `i`'s barrier decided for it: opened
+    /// at `at` (`Passed`), or timed out (`Closed`, and the allocation gets
+    /// the stop order "Barrier Timeout" unless one is in force). `None`
+    /// when it was decided already or the task names no barrier.
+    pub fn meet_decided(
+        &self,
+        i: usize,
+        meet: Meet,
+        now: Timestamp,
+        next_index: impl FnOnce() -> u64,
+    ) -> Option<Self> {
+        let barrier = self.spec.tasks().get(i)?.barrier.as_ref()?;
+        if !meet.decided() || self.tasks[i].meet().is_some_and(Meet::decided) {
+            return None;
+        }
+        let mut next = self.clone();
+        next.tasks[i].set_meet(Some(meet));
+        if matches!(meet, Meet::Closed { .. }) && !next.order.is_stop() {
+            next.order = Desired::Stop(StopReason::barrier(barrier.name.clone()));
+        }
+        next.settle(self, now, false, next_index)
     }
 
     /// Whether task `i` is in line for (or holds) its semaphores: it
@@ -544,7 +610,12 @@ impl Allocation {
             .iter()
             .zip(&self.tasks)
             .enumerate()
-            .filter(|(i, (s, t))| !s.is_poststop() && (t.failed || overdue.contains(i)))
+            .filter(|(i, (s, t))| {
+                !s.is_poststop()
+                    && (t.failed
+                        || overdue.contains(i)
+                        || matches!(t.meet(), Some(Meet::Closed { .. })))
+            })
             .map(|(_, (s, _))| s.name.clone())
             .collect();
         let stopped = self
@@ -903,7 +974,8 @@ impl Allocation {
                 StopKind::SiblingTaskFailed
                 | StopKind::DeadlineExceeded
                 | StopKind::AgentLost
-                | StopKind::StoppedByOperator => false,
+                | StopKind::StoppedByOperator
+                | StopKind::BarrierTimeout => false,
                 StopKind::MainTasksDead => tasks().all(|s| s.is_poststop() || s.is_sidecar()),
             };
             if !explained {
@@ -1170,6 +1242,9 @@ impl Allocation {
         } else if self.state == CoordState::Poststop && !self.poststop_going() {
             // Every poststop task ended: nothing is left to bound.
             self.deadline_at = None;
+        }
+        if self.spec.gathers() {
+            self.keep_meets(now);
         }
         let joining = if self.spec.acquires() {
             self.keep_holds(prev)

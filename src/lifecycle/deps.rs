@@ -624,6 +624,7 @@ mod tests {
                     })
                     .collect(),
                 acquire: Vec::new(),
+                barrier: None,
             })
             .collect();
         Arc::new(AllocSpec::new(tasks, limits).unwrap())

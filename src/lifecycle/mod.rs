@@ -28,6 +28,7 @@
 #[macro_use]
 mod names;
 mod alloc;
+mod barrier;
 mod coordinator;
 mod deps;
 mod ids;
@@ -42,6 +43,7 @@ pub use alloc::{
     Allocation, LapsedAt, Overdue, RESTART_EVENT, Refusal, RestartError, RestartMode, SeenAt,
     StageClocks, Step, StopError, UNTIL_TOLD, WRITE_MARKS, WriteMark,
 };
+pub use barrier::{BARRIER_TIMEOUT_RANGE, BarrierSpec, Meet, SIZE_RANGE};
 pub use coordinator::{
     CoordState, WaitFor, evaluate, gates, next_state, wait_for, waiting, waiting_on,
 };

@@ -17,6 +17,9 @@ named_enum! {
         AgentLost = "Agent Lost",
         /// An operator stopped the allocation (`POST .../stop`).
         StoppedByOperator = "Stopped By Operator",
+        /// A barrier of one of the allocation's tasks did not gather in
+        /// time (`barrier` names it).
+        BarrierTimeout = "Barrier Timeout",
     }
 }
 
@@ -39,12 +42,14 @@ named_enum! {
 }
 
 /// A stop order's reason; `task` names the failed sibling, if any;
-/// `stage` the state whose deadline passed ("Deadline Exceeded").
+/// `stage` the state whose deadline passed ("Deadline Exceeded");
+/// `barrier` the barrier that timed out ("Barrier Timeout").
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StopReason {
     pub kind: StopKind,
     pub task: Option<TaskName>,
     pub stage: Option<CoordState>,
+    pub barrier: Option<super::SemName>,
 }
 
 impl StopReason {
@@ -54,6 +59,7 @@ impl StopReason {
             kind,
             task: None,
             stage: None,
+            barrier: None,
         }
     }
 
@@ -63,6 +69,15 @@ impl StopReason {
             kind: StopKind::DeadlineExceeded,
             task: None,
             stage: Some(stage),
+            barrier: None,
+        }
+    }
+
+    /// "Barrier Timeout" of barrier `name`.
+    pub fn barrier(name: super::SemName) -> Self {
+        Self {
+            barrier: Some(name),
+            ..Self::bare(StopKind::BarrierTimeout)
         }
     }
 }
@@ -304,7 +319,8 @@ mod tests {
                 "Main Tasks Dead",
                 "Deadline Exceeded",
                 "Agent Lost",
-                "Stopped By Operator"
+                "Stopped By Operator",
+                "Barrier Timeout"
             ]
         );
     }

@@ -50,6 +50,7 @@ fn arb_alloc() -> impl Strategy<Value = Allocation> {
                         liveness: ttl,
                         depends_on: Vec::new(),
                         acquire: Vec::new(),
+                        barrier: None,
                     };
                     t.readiness =
                         readiness && matches!(t.stage(), Stage::PrestartSidecar | Stage::Main);

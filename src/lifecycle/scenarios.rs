@@ -24,6 +24,7 @@ pub(super) fn alloc(tasks: &[(&str, &str, bool)]) -> Allocation {
             liveness: None,
             depends_on: Vec::new(),
             acquire: Vec::new(),
+            barrier: None,
         })
         .collect();
     let spec = AllocSpec::new(specs, &Limits::default()).unwrap();

@@ -72,6 +72,8 @@ pub struct TaskSpec {
     /// The semaphores the task must hold a slot of to start, at most
     /// `MAX_ACQUIRE`, distinct.
     pub acquire: Vec<super::SemName>,
+    /// The barrier the task starts together with its other members at.
+    pub barrier: Option<super::BarrierSpec>,
 }
 
 impl TaskSpec {
@@ -107,6 +109,7 @@ impl TaskSpec {
             liveness: None,
             depends_on: Vec::new(),
             acquire: Vec::new(),
+            barrier: None,
         }
     }
 }
@@ -279,6 +282,19 @@ impl AllocSpec {
         self.tasks().iter().any(|t| !t.acquire.is_empty())
     }
 
+    /// Whether a task meets others at a barrier.
+    pub fn gathers(&self) -> bool {
+        self.tasks().iter().any(|t| t.barrier.is_some())
+    }
+
+    /// Whether a task waits on something shared across allocations (a
+    /// semaphore or a barrier).
+    pub fn gated(&self) -> bool {
+        self.tasks()
+            .iter()
+            .any(|t| !t.acquire.is_empty() || t.barrier.is_some())
+    }
+
     /// Checks the cross-task rules. Every broken rule is reported, each
     /// with the path `tasks[i]...` of the offending field.
     pub fn new(tasks: Vec<TaskSpec>, limits: &Limits) -> Result<Self, Vec<FieldError>> {
@@ -351,6 +367,21 @@ impl AllocSpec {
             );
             check_dependencies(&mut errors, &tasks, i);
             check_acquire(&mut errors, &tasks[i], i);
+            if let Some(b) = &task.barrier {
+                let (min, max) = super::SIZE_RANGE;
+                if !(min..=max).contains(&b.size) {
+                    errors.push(FieldError::new(
+                        format!("tasks[{i}].barrier.size"),
+                        format!("must be {min} to {max}, got {}", b.size),
+                    ));
+                }
+                check_range(
+                    &mut errors,
+                    format!("tasks[{i}].barrier.timeout"),
+                    b.timeout,
+                    super::BARRIER_TIMEOUT_RANGE,
+                );
+            }
         }
         for state in Deadlines::STATES {
             check_range(

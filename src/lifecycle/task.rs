@@ -529,6 +529,9 @@ pub struct TaskExtra {
     /// Where it stands with the semaphores its spec acquires (none: not
     /// in line).
     pub hold: Option<super::Hold>,
+    /// Where it stands with the barrier its spec names (none: not
+    /// arrived).
+    pub meet: Option<super::Meet>,
 }
 
 /// A write's `Idempotency-Key` and the request it came with, each as a
@@ -624,6 +627,19 @@ impl TaskStatus {
     pub fn set_hold(&mut self, hold: Option<super::Hold>) {
         if self.hold() != hold {
             self.extra_mut().hold = hold;
+            self.trim_extra();
+        }
+    }
+
+    /// Where the task stands with its barrier.
+    pub fn meet(&self) -> Option<super::Meet> {
+        self.extra.as_deref().and_then(|e| e.meet)
+    }
+
+    /// Sets where the task stands with its barrier.
+    pub fn set_meet(&mut self, meet: Option<super::Meet>) {
+        if self.meet() != meet {
+            self.extra_mut().meet = meet;
             self.trim_extra();
         }
     }

@@ -158,6 +158,7 @@ mod tests {
             liveness: None,
             depends_on: Vec::new(),
             acquire: Vec::new(),
+            barrier: None,
         };
         let mut web = task("web", None);
         web.liveness = Some(Duration::from_secs(10));

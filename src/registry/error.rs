@@ -131,6 +131,17 @@ pub enum RegistryError {
     Deleted(String),
     #[error("semaphore \"{0}\" not found")]
     SemaphoreNotFound(String),
+    /// A barrier member registered after the barrier opened or timed
+    /// out, or beyond its size.
+    #[error("barrier \"{name}\" is closed to new members: {why}")]
+    BarrierClosed { name: String, why: String },
+    /// A barrier member whose size or timeout is not its members'.
+    #[error("barrier \"{name}\" has members of size {size}{}; every member must say the same", timeout.map(|t| format!(" and timeout {}", crate::units::format_duration(t))).unwrap_or_else(|| " and no timeout".into()))]
+    BarrierMismatch {
+        name: String,
+        size: u16,
+        timeout: Option<std::time::Duration>,
+    },
     #[error("too many requests are waiting; retry later")]
     TooManyWaiters,
     #[error("the server is shutting down")]

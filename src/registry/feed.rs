@@ -372,6 +372,7 @@ mod tests {
                 liveness: None,
                 depends_on: Vec::new(),
                 acquire: Vec::new(),
+                barrier: None,
             };
             AllocSpec::new(vec![task], &Limits::default()).unwrap()
         };

@@ -63,7 +63,7 @@ struct Line {
 }
 
 #[derive(Default)]
-struct State {
+pub(super) struct State {
     defs: BTreeMap<SemName, Arc<Semaphore>>,
     lines: HashMap<SemName, Line>,
     /// Semaphores whose line or definition changed since the judge last
@@ -72,6 +72,10 @@ struct State {
     /// Each queued task (allocation, position) → the semaphores it waits
     /// for (its spec's `acquire`, shared with the spec's).
     wants: HashMap<(AllocId, usize), Arc<[SemName]>>,
+    /// The barriers, by name (`barriers.rs`).
+    pub(super) barriers: HashMap<SemName, super::barriers::Barrier>,
+    /// Barriers whose members changed since the judge last planned.
+    pub(super) gathering: BTreeSet<SemName>,
 }
 
 /// The semaphores, their lines, and the judge (a leaf lock: `state` is
@@ -81,17 +85,17 @@ pub(super) struct Gates {
     state: Mutex<State>,
     /// Wakes the judge (shared with it: the judge holds no registry while
     /// it waits).
-    wake: Arc<Notify>,
+    pub(super) wake: Arc<Notify>,
     /// Whether the judge runs.
     judging: std::sync::atomic::AtomicBool,
     /// Bumped to the index of every change of a line or a definition
     /// (blocking queries on semaphores wait on it).
-    moved: watch::Sender<u64>,
+    pub(super) moved: watch::Sender<u64>,
     /// One definition write at a time on this server.
     writing: tokio::sync::Mutex<()>,
     /// Whether the judge has nothing left to do (set under `state`'s
     /// lock, with the dirty set it read empty).
-    idle: watch::Sender<bool>,
+    pub(super) idle: watch::Sender<bool>,
 }
 
 /// A semaphore as `GET /v1/semaphores/{name}` shows it.
@@ -246,16 +250,16 @@ impl State {
 }
 
 impl Gates {
-    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+    pub(super) fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Keeps the lines for a published change of an allocation (`prev`
-    /// before it, `next` after it; `None`: absent). Cheap for allocations
-    /// that acquire nothing.
+    /// Keeps the lines and the barriers for a published change of an
+    /// allocation (`prev` before it, `next` after it; `None`: absent).
+    /// Cheap for allocations that acquire nothing and meet at no barrier.
     pub(super) fn index(&self, prev: Option<&Allocation>, next: Option<&Allocation>, index: u64) {
-        let acquires = |a: Option<&Allocation>| a.is_some_and(|a| a.spec.acquires());
-        if !acquires(prev) && !acquires(next) {
+        let gated = |a: Option<&Allocation>| a.is_some_and(|a| a.spec.gated());
+        if !gated(prev) && !gated(next) {
             return;
         }
         if let (Some(p), Some(n)) = (prev, next)
@@ -263,16 +267,18 @@ impl Gates {
             && p.tasks
                 .iter()
                 .zip(&n.tasks)
-                .all(|(a, b)| a.hold() == b.hold())
+                .all(|(a, b)| a.hold() == b.hold() && a.meet() == b.meet())
         {
             return;
         }
         let mut state = self.state();
         if let Some(p) = prev {
             state.index(p, false, index);
+            state.index_members(p, false, index);
         }
         if let Some(n) = next {
             state.index(n, true, index);
+            state.index_members(n, true, index);
         }
         self.idle.send_replace(false);
         drop(state);
@@ -467,18 +473,21 @@ async fn judge(me: std::sync::Weak<Inner>) {
         woken.as_mut().enable();
         let plan = {
             let Some(inner) = me.upgrade() else { return };
+            let now = inner.config.clock.now();
             let mut state = inner.gates.state();
             let dirty = std::mem::take(&mut state.dirty);
-            if dirty.is_empty() {
+            let gathering = std::mem::take(&mut state.gathering);
+            if dirty.is_empty() && gathering.is_empty() {
                 inner.gates.idle.send_replace(true);
                 None
             } else {
                 let grants = state.plan(&dirty);
+                let meets = state.plan_meets(&gathering, now);
                 drop(state);
-                Some((Registry { inner }, grants, dirty))
+                Some((Registry { inner }, grants, meets, dirty, gathering))
             }
         };
-        let Some((registry, grants, dirty)) = plan else {
+        let Some((registry, grants, meets, dirty, gathering)) = plan else {
             woken.await;
             continue;
         };
@@ -487,6 +496,10 @@ async fn judge(me: std::sync::Weak<Inner>) {
             let r = registry.clone();
             all.spawn(async move { r.grant(&id, i, since).await });
         }
+        for (id, i, name) in meets {
+            let r = registry.clone();
+            all.spawn(async move { r.meet(&id, i, &name).await });
+        }
         let mut failed = false;
         while let Some(done) = all.join_next().await {
             failed |= !matches!(done, Ok(Ok(())));
@@ -494,7 +507,11 @@ async fn judge(me: std::sync::Weak<Inner>) {
         if failed {
             // Planned again after a pause: the lines may have moved, and a
             // store that refuses writes is not asked again at once.
-            registry.inner.gates.state().dirty.extend(dirty);
+            {
+                let mut state = registry.inner.gates.state();
+                state.dirty.extend(dirty);
+                state.gathering.extend(gathering);
+            }
             drop(registry);
             tokio::time::sleep(RETRY).await;
         }

@@ -21,7 +21,8 @@
 //! | `signs.rs` | each task's signs of life, as its handle keeps them |
 //! | `lives.rs` | how a task's silence is measured, and lease renewals |
 //! | `judge.rs` | dependencies between allocations, and the graph walk |
-//! | `gates.rs` | semaphores: their lines and the grants |
+//! | `gates.rs` | semaphores: their lines and the grants; the judge |
+//! | `barriers.rs` | barriers: their members and decisions |
 //! | `wait.rs` | long-polls, blocking queries, the event stream's readers |
 //! | `feed.rs`, `timeline.rs` | the event stream's changes; each allocation's history |
 //! | `traces.rs` | each allocation's trace (OpenTelemetry), when traces are on |
@@ -29,6 +30,7 @@
 //! This module must not know HTTP: it speaks allocations, task names and
 //! durations.
 
+mod barriers;
 mod clock;
 mod error;
 pub mod feed;
@@ -45,6 +47,7 @@ mod traces;
 mod wait;
 mod write;
 
+pub use barriers::{BarrierPhase, BarrierState, Gathering};
 pub use clock::Clock;
 pub use error::{Quota, RegistryError, RestartTarget};
 pub use gates::{Holder, Place, SemaphoreState, Waiting};
@@ -535,6 +538,8 @@ impl Registry {
 
 #[cfg(test)]
 mod audit_tests;
+#[cfg(test)]
+mod barrier_tests;
 #[cfg(test)]
 mod gates_properties;
 #[cfg(test)]

@@ -24,6 +24,7 @@ fn spec(tasks: &[(&str, Option<Hook>)]) -> AllocSpec {
             liveness: None,
             depends_on: Vec::new(),
             acquire: Vec::new(),
+            barrier: None,
         })
         .collect();
     AllocSpec::new(tasks, &Limits::default()).unwrap()

@@ -273,7 +273,7 @@ impl Inner {
     /// uses no TTL and no deadline (one check of its spec).
     pub(super) fn reschedule(&self, handle: &Arc<Handle>, a: &Allocation) {
         let default = self.config.default_liveness_ttl;
-        if !a.spec.timed(default) && !a.spec.acquires() {
+        if !a.spec.timed(default) && !a.spec.gated() {
             return;
         }
         // Leased, the view decides only once it holds all of `a` (the
@@ -287,7 +287,8 @@ impl Inner {
         let seen = self.seen(handle, now);
         let time = a.wake_at(&seen, default).filter(|&at| at != UNTIL_TOLD);
         let grants = self.gates.lapses_at(a);
-        if let Some(at) = [leases, time, grants].into_iter().flatten().min() {
+        let barriers = self.gates.barrier_due(a, now);
+        if let Some(at) = [leases, time, grants, barriers].into_iter().flatten().min() {
             self.schedule(handle, at);
         }
     }

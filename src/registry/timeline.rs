@@ -13,8 +13,8 @@
 use std::{collections::VecDeque, sync::Arc};
 
 use crate::lifecycle::{
-    Allocation, CoordState, Desired, EventBody, LOST_EVENT, RESTART_EVENT, RunState, StopKind,
-    Timestamp,
+    Allocation, CoordState, Desired, EventBody, LOST_EVENT, Meet, RESTART_EVENT, RunState,
+    StopKind, Timestamp,
 };
 
 /// What happened, compactly; tasks are positions in the allocation's spec.
@@ -64,6 +64,11 @@ pub enum What {
         task: u16,
         sem: u16,
         change: SlotChange,
+    },
+    /// The barrier of `task` opened (`opened`) or timed out for it.
+    Barrier {
+        task: u16,
+        opened: bool,
     },
     /// An event the task's agent sent.
     Agent {
@@ -181,6 +186,7 @@ const RESTART_ORDER: u8 = 7;
 const RESTORED: u8 = 8;
 const AGENT: u8 = 9;
 const SLOT: u8 = 10;
+const BARRIER: u8 = 11;
 /// Header bits: the entry's index, or its time, differs from the one
 /// before (the difference follows).
 const NEW_INDEX: u8 = 0x10;
@@ -229,6 +235,7 @@ impl Timeline {
             What::Restored => RESTORED,
             What::Agent { .. } => AGENT,
             What::Slot { .. } => SLOT,
+            What::Barrier { .. } => BARRIER,
         };
         if at.index != before.index {
             head |= NEW_INDEX;
@@ -286,6 +293,10 @@ impl Timeline {
                     SlotChange::Released(why) => 1 + why as u8,
                     SlotChange::GrantExpired => 0xff,
                 });
+            }
+            What::Barrier { task, opened } => {
+                out.unsigned(task.into());
+                out.byte(u8::from(opened));
             }
             What::RestartOrder(order) => {
                 let RestartOrder { tasks, event } = *order;
@@ -456,6 +467,10 @@ impl Cursor<'_> {
                 self.body += 1;
             }
             DEADLINE => self.at += 1,
+            BARRIER => {
+                self.unsigned();
+                self.at += 1;
+            }
             DEPENDENCY | SLOT => {
                 self.unsigned();
                 self.unsigned();
@@ -545,6 +560,10 @@ impl Iterator for Cursor<'_> {
                 };
                 What::Slot { task, sem, change }
             }
+            BARRIER => What::Barrier {
+                task: self.task(),
+                opened: self.byte() != 0,
+            },
             RESTART_ORDER => {
                 let n = self.unsigned() as usize;
                 let tasks = (0..n).map(|_| self.task()).collect();
@@ -682,6 +701,14 @@ pub fn entries(prev: Option<&Allocation>, next: &Allocation) -> Vec<Entry> {
             }
         }
         slots(next, i, p, n, &mut |what| out.push(at(what)));
+        if p.meet() != n.meet()
+            && let Some(m @ (Meet::Passed { .. } | Meet::Closed { .. })) = n.meet()
+        {
+            out.push(at(What::Barrier {
+                task: pos(i),
+                opened: matches!(m, Meet::Passed { .. }),
+            }));
+        }
         for (j, now) in n.deps().iter().enumerate() {
             let before = p.deps().get(j).is_some_and(|d| d.holds());
             if now.holds() != before || (j >= p.deps().len() && now.holds()) {
@@ -706,11 +733,16 @@ pub fn entries(prev: Option<&Allocation>, next: &Allocation) -> Vec<Entry> {
     {
         out.push(at(What::StopOrder {
             reason: reason.kind,
-            named: reason
-                .task
-                .as_ref()
-                .and_then(|t| next.position(t.as_str()))
-                .map(pos),
+            // "Barrier Timeout" names the member whose barrier it was.
+            named: match &reason.barrier {
+                Some(b) => next
+                    .spec
+                    .tasks()
+                    .iter()
+                    .position(|t| t.barrier.as_ref().is_some_and(|t| t.name == *b)),
+                None => reason.task.as_ref().and_then(|t| next.position(t.as_str())),
+            }
+            .map(pos),
             stage: reason.stage,
         }));
     }
@@ -751,6 +783,7 @@ mod tests {
             liveness: None,
             depends_on: Vec::new(),
             acquire: Vec::new(),
+            barrier: None,
         };
         let tasks = vec![
             task("init", Some((Hook::Prestart, false)), false),
@@ -778,6 +811,7 @@ mod tests {
                 What::DeadlineExceeded { stage } => format!("Deadline Exceeded {stage}"),
                 What::Dependency { task, dep, holds } => format!("Dependency {task} {dep} {holds}"),
                 What::Slot { task, sem, change } => format!("Slot {task} {sem} {change:?}"),
+                What::Barrier { task, opened } => format!("Barrier {task} {opened}"),
             })
             .collect()
     }
@@ -986,6 +1020,7 @@ mod tests {
                 };
                 What::Slot { task, sem, change }
             }),
+            (task.clone(), any::<bool>()).prop_map(|(task, opened)| What::Barrier { task, opened }),
             (proptest::collection::vec(task, 0..40), body()).prop_map(|(tasks, event)| {
                 What::RestartOrder(Box::new(RestartOrder {
                     tasks: tasks.into_boxed_slice(),

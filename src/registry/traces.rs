@@ -754,6 +754,7 @@ mod tests {
             liveness: None,
             depends_on: Vec::new(),
             acquire: Vec::new(),
+            barrier: None,
         };
         let tasks = vec![
             task("init", Some((Hook::Prestart, false))),

@@ -447,15 +447,16 @@ impl Registry {
         spec: AllocSpec,
         quota: Option<Quota<'_>>,
     ) -> Result<(Arc<Allocation>, bool), RegistryError> {
-        if !spec.reaches_out() {
+        if !spec.reaches_out() && !spec.gathers() {
             let (a, created) = self.register_once(id, spec, quota).await?;
             if let Some(index) = created {
                 self.judged(index).await;
             }
             return Ok((a, created.is_some()));
         }
-        // A registration with dependencies on other allocations runs in a
-        // task of its own, holding the registrations' lock from its check
+        // A registration with dependencies on other allocations (or
+        // barrier members, counted against the members published) runs in
+        // a task of its own, holding the registrations' lock from its check
         // to its publication (and no longer: no judging runs under it),
         // and then judges what its targets did between the verdicts it
         // was registered with and its publication (when it joined the
@@ -540,7 +541,10 @@ impl Registry {
             };
             const STAMP: u64 = 1;
             let mut a = Allocation::register(id.clone(), spec.clone(), STAMP, self.now());
-            if let Err(e) = self.check_dependencies(&a, quota) {
+            if let Err(e) = self
+                .check_dependencies(&a, quota)
+                .and_then(|()| self.check_barriers(&a))
+            {
                 drop(write);
                 self.inner.forget_creating(&id, &handle);
                 return Err(e);

@@ -188,6 +188,7 @@ mod tests {
             liveness: None,
             depends_on: Vec::new(),
             acquire: Vec::new(),
+            barrier: None,
         };
         let spec = AllocSpec::new(vec![task], &Limits::default()).unwrap();
         Arc::new(Allocation::register(

@@ -50,6 +50,10 @@
 //!                  7 acquire       = count | semaphore: str*
 //!                  8 hold          = 0 (queued) | since: varint | at: time
 //!                                  | 1 (granted) | fence: varint | at: time
+//!                  9 barrier       = name: str | size: varint
+//!                                    | timeout milliseconds: varint (0: none)
+//!                 10 meet          = 0 (arrived) | 1 (passed) | 2 (closed)
+//!                                    | at: time
 //! verdict = 0 (holds) | why: u8 (1 not_registered, 2 pending, 3 running,
 //!           4 dead, 5 failed, 6 not_ready) | 7 (cycle) | count | str*
 //!           | 8 (no_such_task)
@@ -90,10 +94,10 @@
 use std::{sync::Arc, time::Duration};
 
 use crate::lifecycle::{
-    AllocId, AllocSpec, Allocation, Condition, CoordState, Deadlines, DepState, Dependency,
-    Desired, Event, EventBody, Hold, Hook, IdemKey, Lifecycle, Limits, Overdue, RunState, SemName,
-    StopKind, StopReason, TaskExtra, TaskName, TaskSpec, TaskStatus, Timestamp, WRITE_MARKS, Why,
-    WriteMark,
+    AllocId, AllocSpec, Allocation, BarrierSpec, Condition, CoordState, Deadlines, DepState,
+    Dependency, Desired, Event, EventBody, Hold, Hook, IdemKey, Lifecycle, Limits, Meet, Overdue,
+    RunState, SIZE_RANGE, SemName, StopKind, StopReason, TaskExtra, TaskName, TaskSpec, TaskStatus,
+    Timestamp, WRITE_MARKS, Why, WriteMark,
 };
 
 /// The record format this build writes and reads.
@@ -119,6 +123,9 @@ const STOP: [StopKind; 3] = [
 ];
 const STOP_DEADLINE: u8 = 4;
 const STOP_OPERATOR: u8 = 5;
+/// "Barrier Timeout": the position (from 1) of the task whose barrier
+/// timed out follows (the barrier's name is its spec's).
+const STOP_BARRIER: u8 = 6;
 
 const EXT_DEADLINES: u8 = 1;
 const EXT_DEADLINE_AT: u8 = 2;
@@ -134,6 +141,8 @@ const EXT_VERDICTS: u8 = 5;
 const EXT_RUN: u8 = 6;
 const EXT_ACQUIRE: u8 = 7;
 const EXT_HOLD: u8 = 8;
+const EXT_BARRIER: u8 = 9;
+const EXT_MEET: u8 = 10;
 
 /// Codes of a dependency's condition.
 const CONDITION: [Condition; 4] = [
@@ -397,6 +406,27 @@ fn put_task_ext(buf: &mut Vec<u8>, spec: &TaskSpec, status: &TaskStatus) {
     if status.hold().is_some() {
         entries.push((EXT_HOLD, &write_hold));
     }
+    let write_barrier = |b: &mut Vec<u8>| {
+        let barrier = spec.barrier.as_ref().expect("checked");
+        put_str(b, barrier.name.as_str());
+        put_varint(b, u64::from(barrier.size));
+        put_varint(b, barrier.timeout.map_or(0, millis));
+    };
+    if spec.barrier.is_some() {
+        entries.push((EXT_BARRIER, &write_barrier));
+    }
+    let write_meet = |b: &mut Vec<u8>| {
+        let (code, at) = match status.meet().expect("checked") {
+            Meet::Arrived { at } => (0, at),
+            Meet::Passed { at } => (1, at),
+            Meet::Closed { at } => (2, at),
+        };
+        b.push(code);
+        put_time(b, at);
+    };
+    if status.meet().is_some() {
+        entries.push((EXT_MEET, &write_meet));
+    }
     put_ext(buf, &entries);
 }
 
@@ -424,6 +454,17 @@ pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
             kind: StopKind::StoppedByOperator,
             ..
         }) => buf.push(STOP_OPERATOR),
+        Desired::Stop(StopReason {
+            kind: StopKind::BarrierTimeout,
+            barrier,
+            ..
+        }) => {
+            buf.push(STOP_BARRIER);
+            let named = specs
+                .iter()
+                .position(|s| s.barrier.as_ref().map(|b| &b.name) == barrier.as_ref());
+            put_varint(buf, named.map_or(0, |i| i as u64 + 1));
+        }
         Desired::Stop(reason) => {
             buf.push(1 + code(&STOP, reason.kind));
             let named = reason.task.as_ref().and_then(|t| a.position(t.as_str()));
@@ -830,6 +871,7 @@ type TaskExt = (
     Option<Arc<TaskExtra>>,
     Option<u64>,
     Vec<SemName>,
+    Option<BarrierSpec>,
 );
 
 fn dependency(p: &mut Reader<'_>) -> Result<Dependency, String> {
@@ -869,7 +911,7 @@ fn verdict(p: &mut Reader<'_>) -> Result<DepState, String> {
 
 fn task_ext(r: &mut Reader<'_>) -> Result<TaskExt, String> {
     let (mut ttl, mut deps, mut extra, mut run) = (None, Vec::new(), TaskExtra::default(), None);
-    let mut acquire = Vec::new();
+    let (mut acquire, mut barrier) = (Vec::new(), None);
     for (tag, mut p) in r.ext("a task's extensions")? {
         match tag {
             EXT_TTL => {
@@ -931,6 +973,41 @@ fn task_ext(r: &mut Reader<'_>) -> Result<TaskExt, String> {
                 });
                 p.done("a hold")?;
             }
+            EXT_BARRIER => {
+                let name = p.str("a barrier's name")?;
+                let name = SemName::parse(name).map_err(|e| format!("bad barrier name: {e}"))?;
+                let size = p.varint("a barrier's size")?;
+                let size = u16::try_from(size)
+                    .ok()
+                    .filter(|s| (SIZE_RANGE.0..=SIZE_RANGE.1).contains(s))
+                    .ok_or_else(|| {
+                        format!(
+                            "barrier size {size} is outside {} to {}",
+                            SIZE_RANGE.0, SIZE_RANGE.1
+                        )
+                    })?;
+                let timeout = match p.millis("a barrier's timeout")? {
+                    d if d.is_zero() => None,
+                    d => Some(d),
+                };
+                barrier = Some(BarrierSpec {
+                    name,
+                    size,
+                    timeout,
+                });
+                p.done("a barrier")?;
+            }
+            EXT_MEET => {
+                let code = p.byte("a barrier's meeting")?;
+                let at = p.time("a barrier's meeting time")?;
+                extra.meet = Some(match code {
+                    0 => Meet::Arrived { at },
+                    1 => Meet::Passed { at },
+                    2 => Meet::Closed { at },
+                    c => return Err(format!("unknown barrier meeting {c}")),
+                });
+                p.done("a barrier's meeting")?;
+            }
             other => return Err(format!("unknown task extension {other}")),
         }
     }
@@ -942,7 +1019,7 @@ fn task_ext(r: &mut Reader<'_>) -> Result<TaskExt, String> {
         ));
     }
     let extra = (extra != TaskExtra::default()).then(|| Arc::new(extra));
-    Ok((ttl, deps, extra, run, acquire))
+    Ok((ttl, deps, extra, run, acquire, barrier))
 }
 
 /// Reads a record, after its version byte.
@@ -967,6 +1044,10 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
             Some((StopKind::DeadlineExceeded, 0))
         }
         STOP_OPERATOR => Some((StopKind::StoppedByOperator, 0)),
+        STOP_BARRIER => Some((
+            StopKind::BarrierTimeout,
+            r.varint("the stop order's barrier")?,
+        )),
         c => {
             let kind = *STOP
                 .get(usize::from(c) - 1)
@@ -1054,7 +1135,7 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
             };
             events.push(event_of(body, r.time_parts("an event time")?)?);
         }
-        let (liveness, depends_on, extra, task_run, acquire) = task_ext(&mut r)?;
+        let (liveness, depends_on, extra, task_run, acquire, barrier) = task_ext(&mut r)?;
         specs.push(TaskSpec {
             name,
             lifecycle,
@@ -1063,6 +1144,7 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
             liveness,
             depends_on,
             acquire,
+            barrier,
         });
         statuses.push(TaskStatus {
             state: run,
@@ -1093,16 +1175,32 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
                 i => Some(
                     specs
                         .get(usize::try_from(i - 1).unwrap_or(usize::MAX))
-                        .ok_or_else(|| format!("the stop order names task {i} of {n}"))?
-                        .name
-                        .clone(),
+                        .ok_or_else(|| format!("the stop order names task {i} of {n}"))?,
                 ),
             };
-            Desired::Stop(StopReason {
-                kind,
-                task,
-                stage: deadline_stage,
-            })
+            if kind == StopKind::BarrierTimeout {
+                let barrier = task
+                    .and_then(|t| t.barrier.as_ref())
+                    .ok_or("a barrier's stop order names no task with a barrier")?;
+                // Written as the first member of the barrier (one encoding).
+                let first = specs
+                    .iter()
+                    .find_map(|t| t.barrier.as_ref().filter(|b| b.name == barrier.name));
+                if !first.is_some_and(|f| std::ptr::eq(f, barrier)) {
+                    return Err(format!(
+                        "a barrier's stop order names a later member of barrier {:?}",
+                        barrier.name.as_str()
+                    ));
+                }
+                Desired::Stop(StopReason::barrier(barrier.name.clone()))
+            } else {
+                Desired::Stop(StopReason {
+                    kind,
+                    task: task.map(|t| t.name.clone()),
+                    stage: deadline_stage,
+                    barrier: None,
+                })
+            }
         }
     };
     let overdue = ext.overdue(n)?;

@@ -40,6 +40,7 @@ pub(super) fn spec() -> AllocSpec {
         liveness: None,
         depends_on: Vec::new(),
         acquire: Vec::new(),
+        barrier: None,
     };
     AllocSpec::new(vec![task], &Limits::default()).unwrap()
 }

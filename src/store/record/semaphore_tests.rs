@@ -70,6 +70,7 @@ fn the_two_kinds_of_record_are_never_taken_for_each_other() {
             liveness: None,
             depends_on: Vec::new(),
             acquire: Vec::new(),
+            barrier: None,
         }],
         &Limits::default(),
     )

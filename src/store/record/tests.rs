@@ -11,6 +11,7 @@ fn task(name: &str, hook: Option<Hook>, sidecar: bool, leader: bool) -> TaskSpec
         liveness: None,
         depends_on: Vec::new(),
         acquire: Vec::new(),
+        barrier: None,
     }
 }
 
@@ -132,6 +133,7 @@ fn full() -> Allocation {
                 fence: u64::MAX,
                 at: old,
             }),
+            meet: None,
         })),
     };
     tasks[1].state = RunState::Running;
@@ -272,11 +274,11 @@ fn unknown_or_unordered_extensions_are_damage() {
     // A task's block: the record's last byte.
     let mut task = bytes;
     let end = task.len() - 1;
-    task.splice(end.., [1, 9, 0]);
+    task.splice(end.., [1, 11, 0]);
     assert!(
         decode(&task)
             .unwrap_err()
-            .contains("unknown task extension 9")
+            .contains("unknown task extension 11")
     );
 }
 
@@ -915,4 +917,68 @@ fn a_record_is_not_reevaluated_on_load() {
     a.state = CoordState::Prestart;
     let back = decode(&encode(&a)).unwrap();
     assert_eq!(back.state, CoordState::Prestart);
+}
+
+/// A barrier member: its spec (name, size, timeout or none), where it
+/// stands, and the stop order of a barrier that timed out, which names
+/// the barrier by its member's position.
+#[test]
+fn barriers_and_their_stop_order_round_trip_and_refuse_damage() {
+    let at = datetime!(2026-11-29 10:00:00.5 +01:00);
+    let member = |n: &str, barrier: &str, timeout: Option<u64>| TaskSpec {
+        barrier: Some(BarrierSpec {
+            name: SemName::parse(barrier).unwrap(),
+            size: 1000,
+            timeout: timeout.map(Duration::from_millis),
+        }),
+        ..task(n, None, false, false)
+    };
+    let spec = AllocSpec::new(
+        vec![
+            task("init", Some(Hook::Prestart), false, false),
+            member("w1", "train-1", Some(600_001)),
+            member("w2", "train-2", None),
+            member("w3", "train-3", Some(1000)),
+        ],
+        &Limits::default(),
+    )
+    .unwrap();
+    let mut tasks = vec![TaskStatus::new(7); 4];
+    tasks[1].set_meet(Some(Meet::Arrived { at }));
+    tasks[2].set_meet(Some(Meet::Passed { at }));
+    tasks[3].set_meet(Some(Meet::Closed { at }));
+    let a = Allocation::from_parts(
+        AllocId::parse("train-a").unwrap(),
+        Arc::new(spec),
+        CoordState::Prestart,
+        tasks,
+        Some(Desired::Stop(StopReason::barrier(
+            SemName::parse("train-3").unwrap(),
+        ))),
+        7,
+        9,
+        at,
+        at,
+    );
+    let bytes = encode(&a);
+    let back = decode(&bytes).unwrap();
+    assert_eq!(back, a);
+    assert_eq!(
+        back.order().reason().unwrap().barrier.as_ref().unwrap().as_str(),
+        "train-3"
+    );
+    cut_or_changed_is_refused_or_one_encoding(&bytes, &[0x01, 0x02, 0x80]);
+    // The order names its member by position: one with no barrier is
+    // damage.
+    let mut bad = bytes.clone();
+    let order = bad
+        .windows(2)
+        .position(|w| w == [6, 4])
+        .expect("Barrier Timeout, task 4");
+    bad[order + 1] = 1;
+    assert!(
+        decode(&bad).unwrap_err().contains("names no task with a barrier"),
+        "{:?}",
+        decode(&bad)
+    );
 }
