@@ -55,6 +55,7 @@ fn task(name: &str, hook: Option<Hook>) -> TaskSpec {
         liveness: None,
         depends_on: Vec::new(),
         acquire: Vec::new(),
+        barrier: None,
     }
 }
 
