@@ -59,6 +59,7 @@ fn timed() -> AllocSpec {
         liveness: Some(TTL),
         depends_on: Vec::new(),
         acquire: Vec::new(),
+        barrier: None,
     };
     AllocSpec::new(vec![web], &Limits::default()).unwrap()
 }
