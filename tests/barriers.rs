@@ -31,6 +31,26 @@ async fn start_condition(app: &TestApp, id: &str, query: &str) -> common::Answer
     .await
 }
 
+/// Reads barrier `name` (blocking reads, bounded) until `done` holds.
+async fn barrier_until(app: &TestApp, name: &str, done: impl Fn(&Value) -> bool) -> common::Answer {
+    let mut index = 0;
+    for _ in 0..20 {
+        let b = app
+            .call(
+                "GET",
+                &format!("/v1/barriers/{name}?index={index}&wait=30s"),
+                None,
+            )
+            .await;
+        assert_eq!(b.status, 200, "{}", b.body);
+        if done(&b.body) {
+            return b;
+        }
+        index = b.index();
+    }
+    panic!("barrier {name} never came to what the test waits for");
+}
+
 #[tokio::test]
 async fn four_members_gather_and_their_parked_polls_are_released_together() {
     let app = test_app().await;
@@ -95,7 +115,16 @@ async fn four_members_gather_and_their_parked_polls_are_released_together() {
         assert_eq!(a.body["allowed"], true, "{}", a.body);
         assert_eq!(a.body["blocked_by"], json!([]));
     }
-    let b = app.call("GET", "/v1/barriers/train-42?index=0", None).await;
+    // The fourth member follows the decision by a write of its own: the
+    // barrier's blocking read sees it.
+    let b = barrier_until(&app, "train-42", |b| {
+        b["members"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|m| m["standing"] == "passed")
+    })
+    .await;
     assert_eq!(b.body["state"], "open", "{}", b.body);
     assert!(b.body["opened_at"].is_string());
     assert!(
