@@ -40,10 +40,15 @@ const SERVER_LINE: &str = "export TASKGATE_SERVER=http://127.0.0.1:8080";
 
 /// The marked walkthrough of a page of the repository.
 fn walkthrough(page: &str) -> Vec<Step> {
+    walkthrough_at(page, 1)
+}
+
+/// The `n`th walkthrough block of `page` (from 1).
+fn walkthrough_at(page: &str, n: usize) -> Vec<Step> {
     let readme = std::fs::read_to_string(format!("{}/{page}", env!("CARGO_MANIFEST_DIR"))).unwrap();
     let block = readme
         .split("<!-- walkthrough:start -->")
-        .nth(1)
+        .nth(n)
         .and_then(|rest| rest.split("<!-- walkthrough:end -->").next())
         .expect("README has a walkthrough block");
     // The address is in one place: the first command sets it, no other
@@ -133,6 +138,12 @@ async fn the_dependencies_walkthrough_runs_as_written() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_semaphores_walkthrough_runs_as_written() {
     run(walkthrough("docs/semaphores.md"), 14).await;
+}
+
+/// docs/semaphores.md: four training workers meet at a barrier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_barriers_walkthrough_runs_as_written() {
+    run(walkthrough_at("docs/semaphores.md", 2), 13).await;
 }
 
 async fn run(steps: Vec<Step>, at_least: usize) {

@@ -318,10 +318,9 @@ fn stop_reason(out: &mut Vec<u8>, r: &StopReason) {
         Some(s) => string(out, s.as_str()),
         None => null(out),
     }
-    out.extend_from_slice(b",\"barrier\":");
-    match &r.barrier {
-        Some(b) => string(out, b.as_str()),
-        None => null(out),
+    if let Some(b) = &r.barrier {
+        out.extend_from_slice(b",\"barrier\":");
+        string(out, b.as_str());
     }
     out.push(b'}');
 }

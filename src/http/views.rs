@@ -655,7 +655,9 @@ pub struct StopReasonView {
     /// The state whose deadline passed, for "Deadline Exceeded"; else
     /// `null`.
     pub stage: Option<CoordState>,
-    /// The barrier that timed out, for "Barrier Timeout"; else `null`.
+    /// The barrier that timed out, for "Barrier Timeout" (absent for the
+    /// other reasons).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub barrier: Option<String>,
 }
 
