@@ -289,3 +289,70 @@ async fn a_cycle_and_its_path_are_written_as_serde_json_writes_them() {
     ));
     same_as_serde(&r, &Arc::new(cyclic));
 }
+
+/// Gates across allocations: a semaphore's queue and grant, a barrier
+/// gathering, opened and timed out (its stop order names the barrier),
+/// each written both ways.
+#[tokio::test(start_paused = true)]
+async fn gates_are_written_as_serde_json_writes_them() {
+    let config = RegistryConfig {
+        clock: crate::registry::Clock::tokio(),
+        ..RegistryConfig::default()
+    };
+    let r = Registry::open(Arc::new(MemoryStore::new()), config).unwrap();
+    r.put_semaphore(
+        crate::lifecycle::SemName::parse("db").unwrap(),
+        1,
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap();
+    let member = |barrier: &str, size: u32| {
+        format!(
+            r#"{{"tasks": [
+                {{"name": "migrate", "lifecycle": {{"hook": "prestart"}}, "acquire": ["db"]}},
+                {{"name": "worker", "barrier": {{"name": "{barrier}", "size": {size}, "timeout": "1s"}}}}
+            ]}}"#
+        )
+    };
+    let ids = ["g-1", "g-2", "t-1"];
+    for (id, spec) in ids
+        .iter()
+        .zip([member("b", 2), member("b", 2), member("t", 3)])
+    {
+        let a = register(&r, id, &spec).await;
+        same_as_serde(&r, &a);
+    }
+    for id in ids {
+        for state in ["running", "dead"] {
+            let body = serde_json::json!({"tasks": {"migrate": {"state": state}}});
+            // The slot passes on; meanwhile the others queue for it.
+            let a = r
+                .wait_until(id, Duration::from_secs(60), |a| a.allowed(0))
+                .await
+                .unwrap();
+            same_as_serde(&r, &a);
+            let a = report(&r, id, body).await;
+            same_as_serde(&r, &a);
+        }
+    }
+    // "b" opens (two members); "t" gathers, then times out.
+    for id in ids {
+        let a = r
+            .wait_until(id, Duration::from_secs(60), |a| {
+                a.allowed(1) || a.order().is_stop()
+            })
+            .await
+            .unwrap();
+        same_as_serde(&r, &a);
+    }
+    let t = r.get("t-1").unwrap();
+    assert_eq!(
+        t.order()
+            .reason()
+            .and_then(|o| o.barrier.as_ref())
+            .map(|b| b.as_str()),
+        Some("t")
+    );
+    assert!(r.get("g-1").unwrap().allowed(1));
+}
