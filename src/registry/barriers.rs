@@ -89,8 +89,13 @@ impl Barrier {
 
     /// When a gathering barrier times out, if it does.
     fn due(&self) -> Option<Timestamp> {
+        self.due_in(self.phase())
+    }
+
+    /// `due`, the phase known.
+    fn due_in(&self, phase: BarrierPhase) -> Option<Timestamp> {
         let (_, spec) = self.anchor()?;
-        match self.phase() {
+        match phase {
             BarrierPhase::Gathering {
                 arrived,
                 first: Some(first),
@@ -107,11 +112,16 @@ impl Barrier {
     /// the opening once `size` members arrived or the timeout once it
     /// passed.
     fn verdict(&self, key: &MemberKey, now: Timestamp) -> Option<Meet> {
+        self.verdict_in(self.phase(), key, now)
+    }
+
+    /// `verdict`, the phase known (it takes a pass over the members).
+    fn verdict_in(&self, phase: BarrierPhase, key: &MemberKey, now: Timestamp) -> Option<Meet> {
         let (_, meet) = self.members.get(key)?;
         if meet.is_some_and(Meet::decided) {
             return None;
         }
-        match self.phase() {
+        match phase {
             BarrierPhase::Open(at) => Some(Meet::Passed { at }),
             BarrierPhase::TimedOut(at) => Some(Meet::Closed { at }),
             BarrierPhase::Gathering { arrived, .. } => {
@@ -120,7 +130,7 @@ impl Barrier {
                     None
                 } else if arrived >= usize::from(spec.size) {
                     Some(Meet::Passed { at: now })
-                } else if self.due().is_some_and(|due| due <= now) {
+                } else if self.due_in(phase).is_some_and(|due| due <= now) {
                     Some(Meet::Closed { at: now })
                 } else {
                     None
@@ -162,8 +172,16 @@ impl State {
             let Some(b) = self.barriers.get(name) else {
                 continue;
             };
-            for key in b.members.keys() {
-                if b.verdict(key, now).is_some() {
+            // One pass for the phase, one for the members: a barrier of a
+            // thousand members planned after each arrival stays linear.
+            let phase = b.phase();
+            let keys: Box<dyn Iterator<Item = &MemberKey>> = match phase {
+                // Only the anchor decides.
+                BarrierPhase::Gathering { .. } => Box::new(b.members.keys().take(1)),
+                _ => Box::new(b.members.keys()),
+            };
+            for key in keys {
+                if b.verdict_in(phase, key, now).is_some() {
                     out.push((key.1.clone(), key.2, name.clone()));
                 }
             }
