@@ -11,7 +11,7 @@ rejected"; this hook keeps such bodies out of generation:
   (docs/lifecycle.md, Readiness and Runs; tests/api.rs and tests/runs.rs
   cover the 400s): a generated report never says `ready: true`, since
   whether the task it lands on declares readiness is not in the report;
-- a duration (a stage deadline, a liveness TTL) is a number with a unit
+- a duration (a stage deadline, a liveness TTL, a barrier's timeout) is a number with a unit
   within its range, which the schema's `string` cannot say
   (tests/api.rs covers the 400s);
 - a dependency on a task of the same allocation (no `allocation`) must
@@ -141,8 +141,8 @@ def within(text, low, high):
 
 
 def durations_fit(body):
-    """Stage deadlines within 1 s to 7 days, liveness TTLs and a semaphore's
-    grant timeout within 1 s to 24 h."""
+    """Stage deadlines and barrier timeouts within 1 s to 7 days, liveness
+    TTLs and a semaphore's grant timeout within 1 s to 24 h."""
     if not isinstance(body, dict):
         return True
     if body.get("grant_timeout") is not None and not within(body["grant_timeout"], 1, 86400):
@@ -157,6 +157,13 @@ def durations_fit(body):
         for t in tasks:
             liveness = t.get("liveness") if isinstance(t, dict) else None
             if isinstance(liveness, dict) and not within(liveness.get("ttl"), 1, 86400):
+                return False
+            barrier = t.get("barrier") if isinstance(t, dict) else None
+            if (
+                isinstance(barrier, dict)
+                and barrier.get("timeout") is not None
+                and not within(barrier["timeout"], 1, 7 * 86400)
+            ):
                 return False
     return True
 

@@ -43,7 +43,7 @@ pub const DEFAULT_RESTART_REASON: &str = "Restart requested through the API";
                  ("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
         (status = 200, description = "Already registered with the same spec", body = WriteView,
          headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
-        (status = 409, description = "`allocation_exists`: registered with a different spec",
+        (status = 409, description = "`allocation_exists`: registered with a different spec; `dependency_cycle`: the dependencies close a cycle through other allocations; `barrier_mismatch`: a task's barrier has members of another size or timeout; `barrier_closed`: a task's barrier opened, timed out or has its `size` members",
          body = Problem, content_type = "application/problem+json"),
         (status = 429, description = "`quota_exceeded`: the server's allocation limit (`--max-allocations`) or the token's (`max_allocations` in the token file) is reached, or the dependencies on other allocations would pass a target's limit (`--max-dependents`) or the token's (`max_dependencies`, `--max-dependencies-per-token`)",
          body = Problem, content_type = "application/problem+json"),
