@@ -41,6 +41,9 @@ pub enum Command {
     /// semaphore list`, `status NAME`, `set NAME --limit N`, `delete NAME`
     /// (`--json` for scripts).
     Semaphore(crate::operator::SemaphoreArgs),
+    /// Barriers (tasks of several allocations that start together):
+    /// `taskgate barrier status NAME` (`--json` for scripts).
+    Barrier(crate::operator::BarrierArgs),
     /// Probe a running server's /v1/health: exit 0 when healthy, 1 otherwise.
     Health(crate::health::HealthConfig),
     /// Print every allocation a stopped server's data directory holds, one

@@ -12,6 +12,17 @@ use taskgate::{
 };
 use tracing_subscriber::EnvFilter;
 
+/// Runs an operator command (`alloc`, `semaphore`, `barrier`) on one
+/// thread; its exit code.
+fn operate(command: impl Future<Output = i32>) -> ExitCode {
+    let code = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map(|rt| rt.block_on(command))
+        .unwrap_or(3);
+    ExitCode::from(u8::try_from(code).unwrap_or(1))
+}
+
 fn main() -> ExitCode {
     let cli = Cli::try_parse().unwrap_or_else(|e| {
         // `taskgate agent` ends a usage error with its code for a
@@ -27,22 +38,9 @@ fn main() -> ExitCode {
             print!("{}", taskgate::http::openapi::document());
             ExitCode::SUCCESS
         }
-        Command::Alloc(args) => {
-            let code = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map(|rt| rt.block_on(taskgate::operator::run(args)))
-                .unwrap_or(3);
-            ExitCode::from(u8::try_from(code).unwrap_or(1))
-        }
-        Command::Semaphore(args) => {
-            let code = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map(|rt| rt.block_on(taskgate::operator::semaphores::run(args)))
-                .unwrap_or(3);
-            ExitCode::from(u8::try_from(code).unwrap_or(1))
-        }
+        Command::Alloc(args) => operate(taskgate::operator::run(args)),
+        Command::Semaphore(args) => operate(taskgate::operator::semaphores::run(args)),
+        Command::Barrier(args) => operate(taskgate::operator::barriers::run(args)),
         Command::Health(config) => {
             let healthy = tokio::runtime::Builder::new_current_thread()
                 .enable_all()

@@ -1,8 +1,8 @@
-//! `taskgate alloc` and `taskgate semaphore` (in `semaphores`): the
-//! operator's command line. `alloc list`, `status`, `events [--follow]`,
-//! `restart`, `stop`, `restore`, `delete`; human output for a person at a
-//! terminal (80 columns, color only on a terminal and never with
-//! `NO_COLOR`), `--json` for scripts.
+//! `taskgate alloc`, `taskgate semaphore` (in `semaphores`) and `taskgate
+//! barrier` (in `barriers`): the operator's command line. `alloc list`,
+//! `status`, `events [--follow]`, `restart`, `stop`, `restore`, `delete`;
+//! human output for a person at a terminal (80 columns, color only on a
+//! terminal and never with `NO_COLOR`), `--json` for scripts.
 //!
 //! Exit codes: 0 done; 1 the server refused (its code, detail and where
 //! the code is explained are printed); 2 usage; 3 the server could not be
@@ -20,7 +20,9 @@ use crate::{
     secret::Secret,
 };
 
+pub mod barriers;
 pub mod semaphores;
+pub use barriers::BarrierArgs;
 pub use semaphores::SemaphoreArgs;
 
 /// What `taskgate alloc --help` says last: how it ends.
@@ -345,7 +347,9 @@ async fn command(
             if args.conn.json {
                 let _ = writeln!(out, "{}", json!({"allocation": a, "timeline": t}));
             } else {
-                status(&a, &t, paint, time::OffsetDateTime::now_utc(), out);
+                let barriers = barriers::read_for(client, &a).await?;
+                let now = time::OffsetDateTime::now_utc();
+                status(&a, &t, &barriers, paint, now, out);
             }
             Ok(())
         }
@@ -589,6 +593,44 @@ fn fit(s: &str, width: usize) -> String {
     cut
 }
 
+/// A field as a cell: a string as it is, `-` for null.
+fn text(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".to_owned(),
+        other => other.to_string(),
+    }
+}
+
+/// Rows under a bold header within 80 columns: each column but the last
+/// as wide as its widest cell up to its cap (cut with `…` past it), the
+/// last in what is left.
+fn table(header: &[&str], rows: &[Vec<String>], caps: &[usize], paint: &Paint) -> Vec<String> {
+    let widths: Vec<usize> = caps
+        .iter()
+        .enumerate()
+        .map(|(c, cap)| {
+            let widest = rows.iter().map(|r| r[c].chars().count());
+            widest.fold(header[c].chars().count(), usize::max).min(*cap)
+        })
+        .collect();
+    let room = 80 - widths.iter().map(|w| w + 2).sum::<usize>();
+    let line = |cells: &[&str]| {
+        let mut line = String::new();
+        for (cell, &w) in cells.iter().zip(&widths) {
+            let _ = write!(line, "{:<w$}  ", fit(cell, w));
+        }
+        line.push_str(&fit(cells[widths.len()], room));
+        line.trim_end().to_owned()
+    };
+    let mut lines = vec![paint.bold(&line(header))];
+    for r in rows {
+        let cells: Vec<&str> = r.iter().map(String::as_str).collect();
+        lines.push(line(&cells));
+    }
+    lines
+}
+
 /// "12s ago", "5m ago", "3h ago", "2d ago".
 fn ago(then: &str, now: time::OffsetDateTime) -> String {
     let Ok(t) = time::OffsetDateTime::parse(then, &time::format_description::well_known::Rfc3339)
@@ -654,8 +696,16 @@ fn until(at: &str, now: time::OffsetDateTime) -> String {
 }
 
 /// The status summary of CLI.md: what it does and why in three lines, the
-/// task table, the recent timeline.
-fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime, out: &mut String) {
+/// task table, the recent timeline (`barriers`: those its tasks name, as
+/// `barriers::read_for` read them).
+fn status(
+    a: &Value,
+    timeline: &Value,
+    barriers: &[Value],
+    paint: &Paint,
+    now: time::OffsetDateTime,
+    out: &mut String,
+) {
     let s = |v: &Value| v.as_str().unwrap_or("").to_owned();
     let waiting = waiting_words(a);
     let state = s(&a["coordinator_state"]);
@@ -768,10 +818,9 @@ fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime,
         .find_map(|t| t["stop_reason"].as_object());
     let mut said = false;
     if let Some(reason) = orders {
-        let named = reason
-            .get("task")
-            .and_then(Value::as_str)
-            .or_else(|| reason.get("stage").and_then(Value::as_str))
+        let named = ["task", "stage", "barrier"]
+            .iter()
+            .find_map(|k| reason.get(*k).and_then(Value::as_str))
             .map(|t| format!(" ({t})"))
             .unwrap_or_default();
         let order = format!(
@@ -782,11 +831,12 @@ fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime,
         said = true;
     }
     // What each task waits on besides its gate: its dependencies that do
-    // not hold (its semaphores are said below, with the ones it holds).
+    // not hold (its semaphores and its barrier are said below, with the
+    // ones it holds or passed).
     let mut first = true;
     for t in a["tasks"].as_array().into_iter().flatten() {
         let dependencies = t["blocked_by"].as_array().into_iter().flatten();
-        for b in dependencies.filter(|b| b.get("semaphore").is_none()) {
+        for b in dependencies.filter(|b| b.get("allocation").is_some()) {
             if first {
                 let _ = writeln!(out, "\n{}", paint.bold("Blocked by"));
                 first = false;
@@ -810,6 +860,7 @@ fn status(a: &Value, timeline: &Value, paint: &Paint, now: time::OffsetDateTime,
         }
     }
     semaphores::of_tasks(a, paint, out);
+    barriers::of_tasks(a, barriers, paint, out);
     for t in a["tasks"].as_array().into_iter().flatten() {
         let why = if t["lost"] == true {
             let seen = t["last_seen"].as_str().map_or(String::new(), |at| {
@@ -1042,7 +1093,7 @@ mod tests {
         ]});
         let mut out = String::new();
         let now = time::macros::datetime!(2026-11-24 12:00:12 UTC);
-        status(&a, &t, &Paint(false), now, &mut out);
+        status(&a, &t, &[], &Paint(false), now, &mut out);
         let lines: Vec<&str> = out.lines().collect();
         assert_eq!(lines[0], "ID        web-42");
         assert_eq!(lines[1], "State     main — waiting for web to be running");
@@ -1062,7 +1113,7 @@ mod tests {
         running["tasks"][1]["state"] = json!("running");
         running["tasks"][1]["run"] = json!("1234567");
         let mut out = String::new();
-        status(&running, &t, &Paint(false), now, &mut out);
+        status(&running, &t, &[], &Paint(false), now, &mut out);
         assert!(out.contains("Restarts Run"), "{out}");
         assert!(
             out.contains(
@@ -1104,7 +1155,14 @@ mod tests {
         });
         let mut out = String::new();
         let now = time::macros::datetime!(2026-11-24 12:00:12 UTC);
-        status(&a, &json!({"events": []}), &Paint(false), now, &mut out);
+        status(
+            &a,
+            &json!({"events": []}),
+            &[],
+            &Paint(false),
+            now,
+            &mut out,
+        );
         let lines: Vec<&str> = out.lines().collect();
         assert_eq!(
             lines[3], "Deadline  main must end in 4m0s (12:04:12)",
@@ -1123,6 +1181,47 @@ mod tests {
             "{out}"
         );
         assert!(lines.iter().all(|l| l.chars().count() <= 80), "{out}");
+    }
+
+    #[test]
+    fn status_names_the_barrier_that_timed_out_and_says_a_barrier_only_under_barriers() {
+        let a = json!({
+            "id": "train-1", "coordinator_state": "main",
+            "waiting_on": ["worker"], "waiting": ["running"],
+            "outcome": null, "failed_tasks": [],
+            "modify_index": 9, "modified_at": "2026-11-24T12:00:00Z",
+            "tasks": [
+                {"name": "worker", "stage": "main", "leader": false, "allowed": false,
+                 "state": "pending", "failed": false, "lost": false, "readiness": false,
+                 "ready": false, "desired": "stop", "restarts": 0,
+                 "stop_reason": {"type": "Barrier Timeout", "task": null, "stage": null,
+                                 "barrier": "train-42"},
+                 "barrier": {"name": "train-42", "size": 4, "timeout": "10m"},
+                 "blocked_by": [{"barrier": "train-42", "why": "timed_out", "size": 4}]}
+            ]
+        });
+        let mut out = String::new();
+        let now = time::macros::datetime!(2026-11-24 12:00:12 UTC);
+        status(
+            &a,
+            &json!({"events": []}),
+            &[],
+            &Paint(false),
+            now,
+            &mut out,
+        );
+        assert!(
+            out.contains("\nStop order: Barrier Timeout (train-42)\n"),
+            "{out}"
+        );
+        assert!(!out.contains("Blocked by"), "{out}");
+        assert!(
+            out.contains(
+                "\nBarriers\nworker    train-42              \
+                 timed out before 4 arrived: it will not start\n"
+            ),
+            "{out}"
+        );
     }
 
     #[test]
@@ -1145,7 +1244,14 @@ mod tests {
         });
         let mut out = String::new();
         let now = time::macros::datetime!(2026-11-24 12:00:12 UTC);
-        status(&a, &json!({"events": []}), &Paint(false), now, &mut out);
+        status(
+            &a,
+            &json!({"events": []}),
+            &[],
+            &Paint(false),
+            now,
+            &mut out,
+        );
         let lines: Vec<&str> = out.lines().collect();
         assert_eq!(
             lines[1],

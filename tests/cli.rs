@@ -1,7 +1,8 @@
-//! `taskgate alloc` and `taskgate semaphore` against a real server: their
-//! human output, their `--json`, their exit codes, `events --follow` across
-//! a late registration and a server restart, a semaphore's holders and
-//! queue as `semaphore status` and `alloc status` show them; and every
+//! `taskgate alloc`, `taskgate semaphore` and `taskgate barrier` against
+//! a real server: their human output, their `--json`, their exit codes,
+//! `events --follow` across a late registration and a server restart, a
+//! semaphore's holders and queue and a barrier's members as `semaphore
+//! status`, `barrier status` and `alloc status` show them; and every
 //! command's help.
 
 mod common;
@@ -835,4 +836,303 @@ fn semaphore_list_pages_through_all_and_status_bounds_a_long_queue() {
     let j: Value =
         serde_json::from_slice(&semaphore(base, &["status", "s-0000", "--json"]).stdout).unwrap();
     assert_eq!(j["queue"].as_array().unwrap().len(), 24);
+}
+
+// -------------------------------------------------------------- barriers
+
+fn barrier(base: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_taskgate"))
+        .args(["barrier", "--server", base])
+        .args(args)
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("taskgate barrier runs")
+}
+
+/// An allocation whose main task `worker` is at barrier `name` (with a
+/// prestart sidecar `side`: the worker arrives once `side` runs).
+fn gathering_at(id: &str, name: &str, size: u16, timeout: &str) -> (&'static str, String, Value) {
+    (
+        "PUT",
+        format!("/v1/allocations/{id}"),
+        json!({"tasks": [
+            {"name": "side", "lifecycle": {"hook": "prestart", "sidecar": true}},
+            {"name": "worker", "barrier": {"name": name, "size": size, "timeout": timeout}}
+        ]}),
+    )
+}
+
+/// `id`'s sidecar runs: its worker arrives at its barrier.
+fn arrive(base: &str, id: &str) {
+    send(
+        base,
+        "PUT",
+        &format!("/v1/allocations/{id}/tasks/side/state"),
+        json!({"state": "running"}),
+    );
+}
+
+/// Waits (bounded, each wait a blocking query) until barrier `name` is
+/// in `state` with `arrived` arrived; the barrier. `curl`: more of its
+/// arguments (a token's header).
+fn barrier_until(base: &str, name: &str, state: &str, arrived: u64, curl: &[&str]) -> Value {
+    let mut index = 0;
+    for _ in 0..10 {
+        let out = Command::new("curl")
+            .args(["-s", "-f"])
+            .args(curl)
+            .arg(format!("{base}/v1/barriers/{name}?index={index}&wait=10s"))
+            .output()
+            .unwrap();
+        let b: Value = serde_json::from_slice(&out.stdout).unwrap();
+        if b["state"] == state && b["arrived"] == arrived {
+            return b;
+        }
+        index = b["modify_index"].as_u64().unwrap();
+    }
+    panic!("barrier {name} never came to {state} with {arrived} arrived");
+}
+
+/// The line under "Barriers" in `alloc status ID` (of its one task at a
+/// barrier).
+fn barrier_line(base: &str, id: &str, extra: &[&str]) -> String {
+    let mut args = vec!["status", id];
+    args.extend_from_slice(extra);
+    let out = text(&alloc(base, &args));
+    let at = out.find("\nBarriers\n").unwrap_or_else(|| panic!("{out}"));
+    out[at..].lines().nth(2).unwrap().to_owned()
+}
+
+#[test]
+fn barrier_status_and_alloc_status_show_members_gathering_then_released() {
+    let server = Server::start(&["--in-memory"]);
+    let base = server.base.as_str();
+    send_many(
+        base,
+        &[
+            gathering_at("train-1", "train-42", 3, "10m"),
+            gathering_at("train-2", "train-42", 3, "10m"),
+            gathering_at("train-3", "train-42", 3, "10m"),
+        ],
+    );
+    arrive(base, "train-1");
+    arrive(base, "train-2");
+    barrier_until(base, "train-42", "gathering", 2, &[]);
+
+    let o = barrier(base, &["status", "train-42"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = text(&o);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "Name      train-42", "{out}");
+    assert_eq!(lines[1], "State     gathering: 2 of 3 arrived", "{out}");
+    assert_eq!(lines[2], "Size      3: 3 registered", "{out}");
+    assert!(
+        lines[3].starts_with("Timeout   10m from the first arrival: times out in 9m"),
+        "{out}"
+    );
+    assert_eq!(lines[4], "Opened    -", "{out}");
+    let row = |first: &str| -> Vec<String> {
+        out.lines()
+            .find(|l| l.split_whitespace().next() == Some(first))
+            .unwrap_or_else(|| panic!("a row of {first} in {out}"))
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect()
+    };
+    assert_eq!(row("train-1")[..3], ["train-1", "worker", "arrived"]);
+    assert_eq!(row("train-2")[..3], ["train-2", "worker", "arrived"]);
+    assert_eq!(row("train-3"), ["train-3", "worker", "not", "arrived", "-"]);
+    assert!(out.lines().all(|l| l.chars().count() <= 80), "{out}");
+    let j: Value =
+        serde_json::from_slice(&barrier(base, &["status", "train-42", "--json"]).stdout).unwrap();
+    assert_eq!(j["arrived"], 2);
+    assert_eq!(j["members"][2]["standing"], "absent");
+
+    // Each member's allocation says where its worker stands, and the
+    // barrier is not said again under "Blocked by".
+    assert_eq!(
+        barrier_line(base, "train-1", &[]),
+        "worker    train-42              gathering: 2 of 3 arrived"
+    );
+    assert_eq!(
+        barrier_line(base, "train-3", &[]),
+        "worker    train-42              not arrived yet (2 of 3 have)"
+    );
+    assert!(!text(&alloc(base, &["status", "train-1"])).contains("Blocked by"));
+
+    // The third arrives: all three are released together, for good.
+    arrive(base, "train-3");
+    let b = barrier_until(base, "train-42", "open", 0, &[]);
+    let out = text(&barrier(base, &["status", "train-42"]));
+    assert!(
+        out.contains("\nState     open: its members were released together\n"),
+        "{out}"
+    );
+    let opened = b["opened_at"].as_str().unwrap();
+    assert!(
+        out.contains(&format!(" ago ({} UTC)\n", opened[..19].replace('T', " "))),
+        "{out}"
+    );
+    for id in ["train-1", "train-2", "train-3"] {
+        assert!(
+            out.contains(&format!("\n{id}     worker  passed    -\n")),
+            "{out}"
+        );
+    }
+    // A member restarted with its whole allocation is held by its gate,
+    // not by the barrier again: still passed.
+    send(
+        base,
+        "POST",
+        "/v1/allocations/train-1/restart",
+        json!({"all_tasks": true}),
+    );
+    let view = Command::new("curl")
+        .args([
+            "-s",
+            "-f",
+            &format!("{base}/v1/allocations/train-1/tasks/worker"),
+        ])
+        .output()
+        .unwrap();
+    let view: Value = serde_json::from_slice(&view.stdout).unwrap();
+    assert_eq!(view["allowed"], false, "its gate closed: {view}");
+    assert_eq!(view["blocked_by"], json!([]), "{view}");
+    assert_eq!(
+        barrier_line(base, "train-1", &[]),
+        "worker    train-42              passed (all 3 released together)"
+    );
+}
+
+#[test]
+fn a_timed_out_barrier_is_said_with_its_stop_order_and_a_missing_one_is_named() {
+    let server = Server::start(&["--in-memory"]);
+    let base = server.base.as_str();
+    send_many(
+        base,
+        &[
+            gathering_at("x-1", "short", 3, "1s"),
+            gathering_at("x-2", "short", 3, "1s"),
+        ],
+    );
+    arrive(base, "x-1");
+    barrier_until(base, "short", "timed_out", 0, &[]);
+    let out = text(&barrier(base, &["status", "short"]));
+    assert!(
+        out.contains(
+            "\nState     timed out: its members' allocations were told to stop\n\
+             Size      3: 2 registered\nTimeout   1s from the first arrival\nOpened    -\n"
+        ),
+        "{out}"
+    );
+    assert!(
+        out.contains("\nx-2         worker  timed out  -\n"),
+        "{out}"
+    );
+    // Both members, the one that never arrived too, are told to stop.
+    for id in ["x-1", "x-2"] {
+        let out = text(&alloc(base, &["status", id]));
+        assert!(
+            out.contains("\nStop order: Barrier Timeout (short)\n"),
+            "{id}: {out}"
+        );
+        assert!(
+            out.contains(
+                "\nBarriers\nworker    short                 \
+                 timed out before 3 arrived: it will not start\n"
+            ),
+            "{id}: {out}"
+        );
+    }
+
+    let o = barrier(base, &["status", "nope"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(
+        err.contains("404 barrier_not_found: no registered task names barrier \"nope\""),
+        "{err}"
+    );
+    assert!(err.contains("/errors#barrier_not_found"), "{err}");
+    assert!(
+        err.contains("`taskgate alloc status ID` shows a task's barrier"),
+        "{err}"
+    );
+    assert_eq!(barrier(base, &["status"]).status.code(), Some(2), "usage");
+}
+
+/// A reader whose token does not cover the barrier: `barrier status` is
+/// refused, and `alloc status` says what the allocation's view says.
+#[test]
+fn without_a_right_to_the_barrier_alloc_status_says_what_the_view_says() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens.json");
+    let sha256 = |s: &str| -> String {
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(s.as_bytes());
+        digest.iter().map(|b| format!("{b:02x}")).collect()
+    };
+    std::fs::write(
+        &tokens,
+        json!({"tokens": [{"name": "reader", "role": "reader", "sha256": sha256("reader-secret")}]})
+            .to_string(),
+    )
+    .unwrap();
+    let server = Server::start_env(
+        &["--in-memory", "--token-file", tokens.to_str().unwrap()],
+        &[("TASKGATE_OPERATOR_TOKEN", "operator-secret")],
+    );
+    let base = server.base.as_str();
+    let operator = ["--token", "operator-secret"];
+    let reader = ["--token", "reader-secret"];
+    for id in ["r-1", "r-2"] {
+        let (_, path, body) = gathering_at(id, "locked", 3, "10m");
+        let o = Command::new("curl")
+            .args(["-s", "-f", "-X", "PUT", &format!("{base}{path}")])
+            .args([
+                "-H",
+                "content-type: application/json",
+                "-d",
+                &body.to_string(),
+            ])
+            .args(["-H", "authorization: Bearer operator-secret"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{id}");
+    }
+    let o = Command::new("curl")
+        .args(["-s", "-f", "-X", "PUT"])
+        .arg(format!("{base}/v1/allocations/r-1/tasks/side/state"))
+        .args([
+            "-H",
+            "content-type: application/json",
+            "-d",
+            r#"{"state": "running"}"#,
+        ])
+        .args(["-H", "authorization: Bearer operator-secret"])
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let auth = ["-H", "authorization: Bearer operator-secret"];
+    barrier_until(base, "locked", "gathering", 1, &auth);
+    let o = barrier(base, &["status", "locked", reader[0], reader[1]]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("403 "), "{}", stderr(&o));
+    assert_eq!(
+        barrier_line(base, "r-1", &operator),
+        "worker    locked                gathering: 1 of 3 arrived"
+    );
+    assert_eq!(
+        barrier_line(base, "r-1", &reader),
+        "worker    locked                gathering: 1 of 3 arrived"
+    );
+    // Not held by it, and its gate closed: the view cannot tell whether
+    // it passed or has not arrived; the barrier, read by the operator, can.
+    assert_eq!(
+        barrier_line(base, "r-2", &reader),
+        "worker    locked                not waiting at it now (size 3)"
+    );
+    assert_eq!(
+        barrier_line(base, "r-2", &operator),
+        "worker    locked                not arrived yet (1 of 3 have)"
+    );
 }

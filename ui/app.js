@@ -1,17 +1,19 @@
 // taskgate web view: the allocation list (/ui), one allocation
-// (/ui/allocations/{id}), the semaphores (/ui/semaphores) and one semaphore
-// (/ui/semaphores/{name}), over the same HTTP API as curl and the CLI.
-// Pages update live: the list follows the event stream (GET /v1/events),
-// an allocation's page its blocking query (and those of the semaphores its
-// tasks are in line for), a semaphore's page its blocking query; nothing
-// polls on a timer. The semaphore list is read once (no stream carries
-// semaphores). The token lives in this tab's session storage only.
+// (/ui/allocations/{id}), the semaphores (/ui/semaphores), one semaphore
+// (/ui/semaphores/{name}) and one barrier (/ui/barriers/{name}), over the
+// same HTTP API as curl and the CLI. Pages update live: the list follows
+// the event stream (GET /v1/events), an allocation's page its blocking
+// query (and those of the semaphores its tasks are in line for and of the
+// barriers they gather at), a semaphore's or a barrier's page its blocking
+// query; nothing polls on a timer. The semaphore list is read once (no
+// stream carries semaphores). The token lives in this tab's session
+// storage only.
 
 const TOKEN_KEY = "taskgate-token";
 const PER_PAGE = 50;
 const WAIT = "300s";
-/** Semaphores an allocation's page follows at most, besides the
- * allocation: each is a blocking query held open, and a browser keeps
+/** Semaphores and barriers an allocation's page follows at most, besides
+ * the allocation: each is a blocking query held open, and a browser keeps
  * only six connections to a server. */
 const MAX_FOLLOWED = 3;
 /** Queue entries a semaphore's page shows at most. */
@@ -352,9 +354,9 @@ function banner(a) {
   );
 }
 
-function taskCard(a, t, act) {
+function taskCard(a, t, act, barriers) {
   const r = t.stop_reason;
-  const named = r && (r.task || r.stage);
+  const named = r && (r.task || r.stage || r.barrier);
   const desired =
     t.desired === "stop"
       ? h("span", { class: "stop" }, `stop: ${r ? r.type : ""}${named ? ` (${named})` : ""}`)
@@ -381,6 +383,7 @@ function taskCard(a, t, act) {
       t.acquire && t.acquire.length
         ? [h("dt", {}, "Semaphores"), h("dd", { class: "semaphores" }, semaphoreList(t))]
         : null,
+      t.barrier ? [h("dt", {}, "Barrier"), h("dd", { class: "barrier" }, barrierStanding(a, t, barriers.get(t.barrier.name)))] : null,
       t.liveness
         ? [
             h("dt", {}, "Liveness"),
@@ -430,6 +433,7 @@ function dependencyList(a, t) {
   );
 }
 
+const semaphorePath = (name) => `/v1/semaphores/${encodeURIComponent(name)}`;
 const semaphoreHref = (name) => `/ui/semaphores/${encodeURIComponent(name)}`;
 
 /** How a task stands with each semaphore it acquires: held (with its
@@ -455,6 +459,38 @@ function semaphoreList(t) {
   );
 }
 
+const barrierPath = (name) => `/v1/barriers/${encodeURIComponent(name)}`;
+const barrierHref = (name) => `/ui/barriers/${encodeURIComponent(name)}`;
+
+/** How task `t` of `a` stands at its barrier. From the barrier as read
+ * (`b`): an open or timed-out barrier decided for every member, a
+ * gathering one says whether this one arrived. Without it (a token that
+ * may not read it), from the task's view alone: its `blocked_by` while it
+ * gathers or timed out, its gate once it passed; otherwise the view
+ * cannot tell a member that passed from one that has not arrived. */
+function barrierStanding(a, t, b) {
+  const { name, size } = t.barrier;
+  const member = b && b.members.find((m) => m.allocation === a.id && m.task === t.name);
+  const blocked = (t.blocked_by || []).find((e) => e.barrier === name);
+  // Its standing in the barrier's words; null when the view cannot tell.
+  let word = null;
+  if (b && b.state !== "gathering") word = b.state === "open" ? "passed" : "timed_out";
+  else if (member) word = member.standing;
+  else if (blocked) word = blocked.why === "gathering" ? "arrived" : blocked.why;
+  else if (t.allowed) word = "passed";
+  const arrived = member ? b.arrived : blocked && blocked.arrived;
+  const how = {
+    passed: ["holds", `passed: all ${size} released together`],
+    arrived: ["blocked", `gathering: ${arrived} of ${size} arrived`],
+    absent: ["blocked", `not arrived yet: ${arrived} of ${size} have`],
+    timed_out: ["stop", `timed out before ${size} arrived: it will not start`],
+  }[word] || ["", `not waiting at it now (size ${size})`];
+  return h("span", { "data-barrier": name }, h("a", { href: barrierHref(name) }, name), h("span", { class: how[0] || null }, ` — ${how[1]}`));
+}
+
+/** The barriers some task of `a` names, each once. */
+const barrierNames = (a) => [...new Set(a.tasks.filter((t) => t.barrier).map((t) => t.barrier.name))];
+
 /** The semaphores some task of `a` is in line for: their queues move
  * without a new version of the allocation. */
 function queuedFor(a) {
@@ -462,7 +498,7 @@ function queuedFor(a) {
   return [...new Set(names)];
 }
 
-function lanes(a, act) {
+function lanes(a, act, barriers) {
   return h(
     "section",
     { class: "lanes", "aria-label": "Stages" },
@@ -480,7 +516,7 @@ function lanes(a, act) {
         { class: "lane", "data-stage": stage, "aria-label": `${title} stage` },
         h("h3", {}, title),
         gate,
-        tasks.map((t) => taskCard(a, t, act)),
+        tasks.map((t) => taskCard(a, t, act, barriers)),
       );
     }),
   );
@@ -516,6 +552,31 @@ async function allocationPage(page, id, signal) {
   const path = `/v1/allocations/${encodeURIComponent(id)}`;
   let a = (await api(path, { signal })).data;
   let tl = (await api(`${path}/events`, { signal })).data;
+  // The semaphores and barriers followed: the last index seen of each
+  // (by its path), and those that could not be read (a token without the
+  // right), not asked again.
+  const seen = new Map();
+  const unfollowed = new Set();
+  const pathOf = { semaphore: semaphorePath, barrier: barrierPath };
+  // The barriers its tasks name, as last read; one that cannot be read is
+  // left out, and its tasks' standing is told from their own view.
+  const readBarriers = async () => {
+    const read = new Map();
+    for (const name of barrierNames(a)) {
+      const p = barrierPath(name);
+      if (unfollowed.has(p)) continue;
+      try {
+        const b = (await api(p, { signal })).data;
+        read.set(name, b);
+        seen.set(p, b.modify_index);
+      } catch (e) {
+        if (!(e instanceof ApiError)) throw e;
+        if (e.status === 401 || e.status === 403) unfollowed.add(p);
+      }
+    }
+    return read;
+  };
+  let barriers = await readBarriers();
   const reason = h("input", { id: "reason", name: "reason", placeholder: "why (recorded with the order)" });
 
   const act = async (what, task) => {
@@ -598,7 +659,7 @@ async function allocationPage(page, id, signal) {
       banner(a) || "",
       summary,
       h("h2", {}, "Stages"),
-      lanes(a, act),
+      lanes(a, act, barriers),
       actions,
       h("h2", {}, "Timeline"),
       timeline(tl),
@@ -606,36 +667,36 @@ async function allocationPage(page, id, signal) {
   };
   render();
   say("Following changes live.");
-  // A place in a semaphore's queue moves without a new version of the
-  // allocation: the page also waits on the semaphores its tasks are in
-  // line for (their last index seen here), and reads the allocation again
-  // when one moves. One that cannot be read (a token without the right)
-  // is not followed again.
-  const seen = new Map();
-  const unfollowed = new Set();
-  const moved = async (name, round) => {
-    const p = `/v1/semaphores/${encodeURIComponent(name)}`;
+  // A place in a semaphore's queue, and the count of a barrier's arrived,
+  // move without a new version of the allocation: the page also waits on
+  // the semaphores its tasks are in line for and the barriers they gather
+  // at (their last index seen here). A semaphore that moves has the
+  // allocation read again (the place is in its view); a barrier that
+  // moves is shown as it is now.
+  const moved = async (kind, name, round) => {
+    const p = pathOf[kind](name);
     try {
       for (;;) {
-        const known = seen.get(name) ?? 0;
+        const known = seen.get(p) ?? 0;
         // With index 0 it answers at once: the queue may have moved since
         // the allocation was read, so that counts as a move.
-        const s = (await api(`${p}?index=${known}&wait=${WAIT}`, { signal: round })).data;
-        if (s.modify_index !== known) {
-          seen.set(name, s.modify_index);
-          return { semaphore: name, first: known === 0 };
+        const v = (await api(`${p}?index=${known}&wait=${WAIT}`, { signal: round })).data;
+        if (v.modify_index !== known) {
+          seen.set(p, v.modify_index);
+          return { kind, name, view: v, first: known === 0 };
         }
       }
     } catch (e) {
       if (e.name === "AbortError") throw e;
       if (e.status === 404) {
-        // Deleted: its waiters now wait for it to be created.
-        seen.delete(name);
-        return { semaphore: name };
+        // A semaphore deleted: its waiters now wait for it to be created.
+        // A barrier forgotten: its last member's allocation is gone.
+        seen.delete(p);
+        return { kind, name };
       }
       // Refused (a token without the right): not asked again. Unreachable:
       // the allocation's wait fails too, and the next round asks again.
-      if (e instanceof ApiError && e.status < 500) unfollowed.add(name);
+      if (e instanceof ApiError && e.status < 500) unfollowed.add(p);
       return new Promise(() => {}); // the allocation's wait ends the round
     }
   };
@@ -646,11 +707,11 @@ async function allocationPage(page, id, signal) {
     signal.addEventListener("abort", end, { once: true });
     try {
       const waits = [api(`${path}?index=${a.modify_index}&wait=${WAIT}`, { signal: round.signal }).then((r) => ({ allocation: r.data }))];
-      for (const name of queuedFor(a).filter((n) => !unfollowed.has(n)).slice(0, MAX_FOLLOWED)) {
-        waits.push(moved(name, round.signal));
-      }
+      const gathering = [...barriers.values()].filter((b) => b.state === "gathering").map((b) => ["barrier", b.name]);
+      const followed = [...queuedFor(a).map((n) => ["semaphore", n]), ...gathering].filter(([k, n]) => !unfollowed.has(pathOf[k](n)));
+      for (const [kind, name] of followed.slice(0, MAX_FOLLOWED)) waits.push(moved(kind, name, round.signal));
       got = await Promise.race(waits);
-      if (got.semaphore) got.allocation = (await api(path, { signal })).data;
+      if (got.kind === "semaphore") got.allocation = (await api(path, { signal })).data;
     } catch (e) {
       if (e.status === 410 || e.status === 404) {
         say(`${id} was deleted.`);
@@ -666,16 +727,23 @@ async function allocationPage(page, id, signal) {
       round.abort();
       signal.removeEventListener("abort", end);
     }
-    const next = got.allocation;
+    const next = got.allocation || a;
     const changed = next.modify_index !== a.modify_index;
-    if (!changed && !got.semaphore) continue;
+    if (!changed && !got.kind) continue;
     a = next;
-    if (changed) tl = (await api(`${path}/events`, { signal })).data;
+    if (changed) {
+      tl = (await api(`${path}/events`, { signal })).data;
+      barriers = await readBarriers();
+    } else if (got.kind === "barrier") {
+      if (got.view) barriers.set(got.name, got.view);
+      else barriers.delete(got.name);
+    }
     const focused = document.activeElement && document.activeElement.id;
     render();
     if (focused) document.getElementById(focused)?.focus();
     // The first answer of a semaphore only starts following it.
-    if (changed || !got.first) say(changed ? `Updated (index ${a.modify_index}).` : `Updated (the queue of ${got.semaphore} moved).`);
+    const what = got.kind === "barrier" ? `barrier ${got.name} changed` : `the queue of ${got.name} moved`;
+    if (changed || !got.first) say(changed ? `Updated (index ${a.modify_index}).` : `Updated (${what}).`);
   }
 }
 
@@ -861,6 +929,111 @@ async function semaphorePage(page, name, signal) {
   }
 }
 
+// -------------------------------------------------------------- barriers
+
+/** Where a member stands, in words, and how it is marked. */
+const MEMBER_STANDING = {
+  absent: ["blocked", "not arrived"],
+  arrived: ["blocked", "arrived"],
+  passed: ["holds", "passed"],
+  timed_out: ["stop", "timed out"],
+};
+
+/** Milliseconds in a duration as the server writes it (`10m`, `1h30m`,
+ * `1.5s`, `500ms`). */
+function durationMs(d) {
+  const unit = { h: 3_600_000, m: 60_000, s: 1000, ms: 1 };
+  return [...d.matchAll(/([\d.]+)(ms|h|m|s)/g)].reduce((ms, [, n, u]) => ms + Number(n) * unit[u], 0);
+}
+
+/** What a barrier has come to, in words; while it gathers with a
+ * timeout, when it times out (`timeout` after the earliest arrival of
+ * those that count now, unless it opens first). */
+function barrierState(b) {
+  if (b.state === "open") return "open: its members were released together";
+  if (b.state === "timed_out") return "timed out: its members' allocations were told to stop";
+  const first = b.members.map((m) => m.arrived_at).filter(Boolean).map((t) => new Date(t).getTime());
+  const due = b.timeout && first.length ? `; times out at ${when(new Date(Math.min(...first) + durationMs(b.timeout)))} unless ${b.size} arrive by then` : "";
+  return `gathering: ${b.arrived} of ${b.size} arrived${due}`;
+}
+
+function membersTable(b) {
+  return h(
+    "div",
+    { class: "table-wrap", tabindex: 0, role: "region", "aria-label": "Members, scrollable" },
+    h(
+      "table",
+      { id: "members", "aria-label": "Members, in registration order" },
+      h("thead", {}, h("tr", {}, ["Allocation", "Task", "Standing", "Arrived"].map((c) => h("th", { scope: "col" }, c)))),
+      h(
+        "tbody",
+        {},
+        b.members.map((m) => {
+          const [mark, words] = MEMBER_STANDING[m.standing] || ["", m.standing];
+          return h(
+            "tr",
+            { "data-allocation": m.allocation, "data-task": m.task },
+            h("td", {}, h("a", { href: `/ui/allocations/${encodeURIComponent(m.allocation)}` }, m.allocation)),
+            h("td", {}, m.task),
+            h("td", { class: `standing ${mark}` }, words),
+            h("td", { class: "num" }, when(m.arrived_at)),
+          );
+        }),
+      ),
+    ),
+  );
+}
+
+/** One barrier: what it has come to, then its members (at most 1,000,
+ * its largest size), live through its blocking query. */
+async function barrierPage(page, name, signal) {
+  const path = barrierPath(name);
+  let b = (await api(path, { signal })).data;
+  const render = () => {
+    page.replaceChildren(
+      h("h1", {}, `Barrier ${b.name}`),
+      h("p", {}, "Its members, tasks of any allocations, start together once ", h("em", {}, "size"), " of them may start at the same time; or not at all, if its timeout passes first."),
+      h(
+        "dl",
+        { class: "summary" },
+        h("dt", {}, "State"),
+        h("dd", { id: "state" }, barrierState(b)),
+        h("dt", {}, "Size"),
+        h("dd", { id: "size" }, `${b.size} (${b.members.length} registered)`),
+        h("dt", {}, "Timeout"),
+        h("dd", { id: "timeout" }, b.timeout ? `${b.timeout} from the first arrival` : "none: it may gather for ever"),
+        h("dt", {}, "Opened"),
+        h("dd", { id: "opened" }, when(b.opened_at)),
+        h("dt", {}, "Index"),
+        h("dd", { id: "index" }, String(b.modify_index)),
+      ),
+      h("h2", {}, "Members"),
+      membersTable(b),
+    );
+  };
+  render();
+  say("Following changes live.");
+  for (;;) {
+    let next;
+    try {
+      next = (await api(`${path}?index=${b.modify_index}&wait=${WAIT}`, { signal })).data;
+    } catch (e) {
+      if (e.status === 404) {
+        say(`${name} is forgotten: no registered task names it any more.`);
+        return;
+      }
+      if (e instanceof ApiError && e.status < 500) throw e;
+      say("The server is not answering; reconnecting…");
+      await reconnectDelay(signal);
+      continue;
+    }
+    if (next.modify_index === b.modify_index) continue;
+    b = next;
+    render();
+    say(`Updated (index ${b.modify_index}).`);
+  }
+}
+
 // ------------------------------------------------------------------ routing
 
 let running = null;
@@ -880,6 +1053,7 @@ function route() {
   const path = location.pathname;
   const alloc = path.match(/^\/ui\/allocations\/([^/]+)$/);
   const sem = path.match(/^\/ui\/semaphores\/([^/]+)$/);
+  const barrier = path.match(/^\/ui\/barriers\/([^/]+)$/);
   let work;
   if (alloc) {
     work = allocationPage(page, decodeURIComponent(alloc[1]), signal);
@@ -887,6 +1061,9 @@ function route() {
   } else if (sem) {
     work = semaphorePage(page, decodeURIComponent(sem[1]), signal);
     document.title = `Semaphore ${decodeURIComponent(sem[1])} · taskgate`;
+  } else if (barrier) {
+    work = barrierPage(page, decodeURIComponent(barrier[1]), signal);
+    document.title = `Barrier ${decodeURIComponent(barrier[1])} · taskgate`;
   } else if (/^\/ui\/semaphores\/?$/.test(path)) {
     work = semaphoreListPage(page, signal);
     document.title = "Semaphores · taskgate";

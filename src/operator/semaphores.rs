@@ -7,7 +7,9 @@ use std::fmt::Write as _;
 use clap::{Args, Subcommand};
 use serde_json::{Value, json};
 
-use super::{Client, Connection, EXIT_CODES, Failure, Paint, ago, enc, fit, session, wrap};
+use super::{
+    Client, Connection, EXIT_CODES, Failure, Paint, ago, enc, fit, session, table, text, wrap,
+};
 
 #[derive(Debug, Clone, Args)]
 #[command(after_help = EXIT_CODES)]
@@ -187,43 +189,6 @@ async fn list_all(client: &Client, prefix: &str) -> Result<Vec<Value>, Failure> 
 
 fn len(v: &Value) -> usize {
     v.as_array().map_or(0, Vec::len)
-}
-
-fn text(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        Value::Null => "-".to_owned(),
-        other => other.to_string(),
-    }
-}
-
-/// Rows under a bold header within 80 columns: each column but the last
-/// as wide as its widest cell up to its cap (cut with `…` past it), the
-/// last in what is left.
-fn table(header: &[&str], rows: &[Vec<String>], caps: &[usize], paint: &Paint) -> Vec<String> {
-    let widths: Vec<usize> = caps
-        .iter()
-        .enumerate()
-        .map(|(c, cap)| {
-            let widest = rows.iter().map(|r| r[c].chars().count());
-            widest.fold(header[c].chars().count(), usize::max).min(*cap)
-        })
-        .collect();
-    let room = 80 - widths.iter().map(|w| w + 2).sum::<usize>();
-    let line = |cells: &[&str]| {
-        let mut line = String::new();
-        for (cell, &w) in cells.iter().zip(&widths) {
-            let _ = write!(line, "{:<w$}  ", fit(cell, w));
-        }
-        line.push_str(&fit(cells[widths.len()], room));
-        line.trim_end().to_owned()
-    };
-    let mut lines = vec![paint.bold(&line(header))];
-    for r in rows {
-        let cells: Vec<&str> = r.iter().map(String::as_str).collect();
-        lines.push(line(&cells));
-    }
-    lines
 }
 
 /// `semaphore list`: one line per semaphore.

@@ -302,3 +302,26 @@ async fn an_opening_survives_a_restart_and_a_barrier_is_forgotten_with_its_membe
         })
     );
 }
+
+/// A blocking query on a barrier answers once the barrier is forgotten
+/// (its last member's allocation deleted), not when its wait runs out.
+#[tokio::test(start_paused = true)]
+async fn a_wait_on_a_barrier_ends_when_the_barrier_is_forgotten() {
+    let r = registry();
+    arrive(&r, "a", 2, None).await;
+    settle(&r).await;
+    let index = r.barrier("train").unwrap().changed;
+    let waiting = tokio::spawn({
+        let r = r.clone();
+        async move {
+            let started = tokio::time::Instant::now();
+            let answer = r.wait_barrier("train", index, LONG).await;
+            (answer.is_none(), started.elapsed())
+        }
+    });
+    tokio::task::yield_now().await;
+    r.delete("a").await.unwrap();
+    let (gone, waited) = waiting.await.unwrap();
+    assert!(gone, "forgotten");
+    assert!(waited < LONG, "answered at once, not after {waited:?}");
+}

@@ -354,8 +354,8 @@ impl Registry {
         })
     }
 
-    /// Waits until barrier `name`'s members changed past `index`, or
-    /// `timeout` passed; the barrier as it is then.
+    /// Waits until barrier `name`'s members changed past `index`, it is
+    /// forgotten, or `timeout` passed; the barrier as it is then.
     pub async fn wait_barrier(
         &self,
         name: &str,
@@ -363,9 +363,10 @@ impl Registry {
         timeout: Duration,
     ) -> Option<BarrierState> {
         let mut moved = self.inner.gates.moved.subscribe();
+        // A barrier forgotten has changed for good: the wait answers at once.
         let changed = |r: &Self| {
             let state = r.inner.gates.state();
-            state.barriers.get(name).map_or(0, |b| b.changed)
+            state.barriers.get(name).map_or(u64::MAX, |b| b.changed)
         };
         let _ = tokio::time::timeout(timeout, async {
             loop {

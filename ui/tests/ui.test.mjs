@@ -41,7 +41,8 @@ let browser;
 
 const sha256 = (s) => createHash("sha256").update(s).digest("hex");
 
-const SEMAPHORES = ["ax-", "sp-", "ap-", "ls-"];
+/** The names of the semaphores and barriers the tests make. */
+const SEMAPHORES = ["ax-", "sp-", "ap-", "ls-", "bp-", "ab-"];
 
 before(async () => {
   mkdirSync(SHOTS, { recursive: true });
@@ -51,8 +52,8 @@ before(async () => {
     file,
     JSON.stringify({
       tokens: [
-        // The semaphores the tests make (a token reads and acquires only
-        // those within its semaphore_prefixes).
+        // The semaphores and barriers the tests make (a token reads,
+        // acquires and joins only those within its semaphore_prefixes).
         { name: "reader", role: "reader", sha256: sha256(TOKENS.reader), semaphore_prefixes: SEMAPHORES },
         { name: "agent", role: "agent", sha256: sha256(TOKENS.agent), semaphore_prefixes: SEMAPHORES },
       ],
@@ -132,6 +133,19 @@ async function runAndEnd(id) {
   const d = await call("PUT", `/v1/allocations/${id}/tasks/migrate/state`, { state: "dead" }, TOKENS.agent, { "Taskgate-Run": run });
   assert.equal(d.status, 200);
 }
+
+/** An allocation whose main task `worker` is at barrier `name`; it
+ *  arrives once its prestart sidecar `side` runs. */
+const gatheringAt = (name, size, timeout = "10m") => ({
+  tasks: [
+    { name: "side", lifecycle: { hook: "prestart", sidecar: true } },
+    { name: "worker", barrier: { name, size, timeout } },
+  ],
+});
+
+/** `id`'s sidecar runs: its worker arrives at its barrier. */
+const arrive = async (id, token = TOKENS.agent) =>
+  assert.equal((await call("PUT", `/v1/allocations/${id}/tasks/side/state`, { state: "running" }, token)).status, 200);
 
 /** What a page's status line says once it has loaded: it follows changes
  * (the semaphore list, read once, says how many it shows). */
@@ -455,6 +469,9 @@ test("every page passes axe's accessibility rules (WCAG 2.1 A and AA)", async ()
   await call("PUT", "/v1/allocations/ax-3", acquiring(["ax-sem"]), TOKENS.agent);
   await call("PUT", "/v1/allocations/ax-4", acquiring(["ax-sem", "ax-none"]), TOKENS.agent);
   await grantedFence("ax-3", "ax-sem");
+  // A barrier gathering: one member arrived, one not.
+  for (const id of ["ax-5", "ax-6"]) await call("PUT", `/v1/allocations/${id}`, gatheringAt("ax-train", 3), TOKENS.agent);
+  await arrive("ax-5");
   const paths = [
     ["/ui?prefix=ax-", LIVE],
     ["/ui/allocations/ax-1", LIVE],
@@ -462,6 +479,8 @@ test("every page passes axe's accessibility rules (WCAG 2.1 A and AA)", async ()
     ["/ui/allocations/ax-4", LIVE],
     ["/ui/semaphores?prefix=ax-", SEMAPHORES_SHOWN],
     ["/ui/semaphores/ax-sem", LIVE],
+    ["/ui/allocations/ax-5", LIVE],
+    ["/ui/barriers/ax-train", LIVE],
   ];
   for (const [path, ready] of paths) {
     for (const viewport of [{ width: 1366, height: 900 }, { width: 390, height: 844 }]) {
@@ -588,5 +607,105 @@ test("the semaphore list is reachable from the main page and shows name, limit, 
   await shot(page, "semaphores");
   await page.getByRole("link", { name: "ls-b" }).click();
   await page.getByRole("heading", { name: "Semaphore ls-b" }).waitFor();
+  await page.close();
+});
+
+test("a barrier's page shows its members and where each stands, and follows them live until it opens", async () => {
+  for (const id of ["bp-1", "bp-2", "bp-3"]) {
+    assert.equal((await call("PUT", `/v1/allocations/${id}`, gatheringAt("bp-train", 3), TOKENS.agent)).status, 201);
+  }
+  await arrive("bp-1");
+  const page = await open("/ui/barriers/bp-train", TOKENS.reader);
+  await page.getByRole("heading", { name: "Barrier bp-train" }).waitFor();
+  assert.match(await page.locator("#state").textContent(), /^gathering: 1 of 3 arrived; times out at .+ unless 3 arrive by then$/);
+  assert.equal(await page.locator("#size").textContent(), "3 (3 registered)");
+  assert.equal(await page.locator("#timeout").textContent(), "10m from the first arrival");
+  assert.equal(await page.locator("#opened").textContent(), "—");
+  let members = await rows(page, "#members");
+  assert.deepEqual(members.map((r) => r.slice(0, 3)), [
+    ["bp-1", "worker", "arrived"],
+    ["bp-2", "worker", "not arrived"],
+    ["bp-3", "worker", "not arrived"],
+  ]);
+  assert.notEqual(members[0][3], "—", "when it arrived");
+  assert.equal(members[1][3], "—");
+  assert.equal(await page.locator("#members").getByRole("link", { name: "bp-2" }).getAttribute("href"), "/ui/allocations/bp-2");
+  await shot(page, "barrier-gathering");
+
+  // The others arrive: the page follows, without a reload, until all
+  // three are released together.
+  await page.evaluate(() => (globalThis.notReloaded = true));
+  await arrive("bp-2");
+  await page.locator("#state", { hasText: /^gathering: 2 of 3 arrived/ }).waitFor({ timeout: 2000 });
+  await arrive("bp-3");
+  await page.locator("#state", { hasText: "open: its members were released together" }).waitFor({ timeout: 2000 });
+  members = await rows(page, "#members");
+  assert.deepEqual(members.map((r) => r.slice(2)), [["passed", "—"], ["passed", "—"], ["passed", "—"]]);
+  assert.notEqual(await page.locator("#opened").textContent(), "—");
+  assert.equal(await page.evaluate(() => globalThis.notReloaded), true, "the same page, not a reload");
+  await shot(page, "barrier-open");
+
+  // Its members' allocations deleted: it is forgotten, and the page says so.
+  for (const id of ["bp-1", "bp-2", "bp-3"]) await call("DELETE", `/v1/allocations/${id}`);
+  await page.getByRole("status").getByText("bp-train is forgotten").waitFor({ timeout: 2000 });
+  await page.close();
+});
+
+test("a task card shows its barrier gathering k of n live, then passed, or timed out, with a link to the barrier", async () => {
+  for (const id of ["ab-1", "ab-2"]) await call("PUT", `/v1/allocations/${id}`, gatheringAt("ab-train", 3), TOKENS.agent);
+  await arrive("ab-1");
+  const standing = (page) => page.locator('.task[data-task="worker"] .barrier');
+  const first = await open("/ui/allocations/ab-1", TOKENS.reader);
+  const second = await open("/ui/allocations/ab-2", TOKENS.reader);
+  assert.equal(await standing(first).textContent(), "ab-train — gathering: 1 of 3 arrived");
+  // ab-2's worker waits for its gate: the barrier says it has not
+  // arrived (its own view alone could not tell that from having passed).
+  assert.equal(await standing(second).textContent(), "ab-train — not arrived yet: 1 of 3 have");
+  assert.equal(await standing(first).getByRole("link").getAttribute("href"), "/ui/barriers/ab-train");
+  await shot(first, "detail-barrier-gathering");
+
+  // ab-2 arrives: the count moves on ab-1's page too, which is no new
+  // version of ab-1.
+  const index = await first.locator("#index").textContent();
+  await arrive("ab-2");
+  await standing(first).getByText("gathering: 2 of 3 arrived").waitFor({ timeout: 2000 });
+  assert.equal(await first.locator("#index").textContent(), index, "ab-1 did not change");
+  await standing(second).getByText("gathering: 2 of 3 arrived").waitFor({ timeout: 2000 });
+
+  // The third arrives: released together.
+  await call("PUT", "/v1/allocations/ab-3", gatheringAt("ab-train", 3), TOKENS.agent);
+  await arrive("ab-3");
+  for (const page of [first, second]) {
+    await standing(page).getByText("passed: all 3 released together").waitFor({ timeout: 2000 });
+    await page.locator('.lane[data-stage="main"] .gate', { hasText: "gate open" }).waitFor({ timeout: 2000 });
+  }
+  await shot(first, "detail-barrier-passed");
+  await second.close();
+
+  // Its link leads to the barrier's page.
+  await standing(first).getByRole("link", { name: "ab-train" }).click();
+  await first.getByRole("heading", { name: "Barrier ab-train" }).waitFor();
+  assert.match(first.url(), /\/ui\/barriers\/ab-train$/);
+  await first.close();
+
+  // A barrier that times out: its member will not start, and its
+  // allocation is told to stop, naming the barrier.
+  await call("PUT", "/v1/allocations/ab-t", gatheringAt("ab-short", 2, "1s"), TOKENS.agent);
+  const late = await open("/ui/allocations/ab-t", TOKENS.reader);
+  await arrive("ab-t");
+  await standing(late).getByText("timed out before 2 arrived: it will not start").waitFor({ timeout: 5000 });
+  await late.locator('.task[data-task="worker"] .desired', { hasText: "stop: Barrier Timeout (ab-short)" }).waitFor({ timeout: 2000 });
+  await shot(late, "detail-barrier-timed-out");
+  await late.close();
+});
+
+test("a task card whose barrier the token may not read tells what the task's view says", async () => {
+  // zz-locked is outside the reader's semaphore_prefixes.
+  await call("PUT", "/v1/allocations/ab-lock", gatheringAt("zz-locked", 2));
+  await arrive("ab-lock", TOKENS.operator);
+  const page = await open("/ui/allocations/ab-lock", TOKENS.reader);
+  const standing = page.locator('.task[data-task="worker"] .barrier');
+  assert.equal(await standing.textContent(), "zz-locked — gathering: 1 of 2 arrived");
+  assert.equal(await page.locator("#error").textContent(), "");
   await page.close();
 });
