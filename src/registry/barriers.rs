@@ -102,16 +102,17 @@ impl Barrier {
         }
     }
 
-    /// What member `key` is to be told now (`None`: nothing): the
-    /// decision once the anchor holds one, else, for the anchor alone,
-    /// the opening once `size` members arrived or the timeout once it
-    /// passed.
-    fn verdict(&self, key: &MemberKey, now: Timestamp) -> Option<Meet> {
+    /// What member `key` is to be told now (`None`: nothing), the
+    /// barrier being in `phase` (`self.phase()`, which the caller reads
+    /// once: it counts every member): the decision once the anchor holds
+    /// one, else, for the anchor alone, the opening once `size` members
+    /// arrived or the timeout once it passed.
+    fn verdict(&self, phase: BarrierPhase, key: &MemberKey, now: Timestamp) -> Option<Meet> {
         let (_, meet) = self.members.get(key)?;
         if meet.is_some_and(Meet::decided) {
             return None;
         }
-        match self.phase() {
+        match phase {
             BarrierPhase::Open(at) => Some(Meet::Passed { at }),
             BarrierPhase::TimedOut(at) => Some(Meet::Closed { at }),
             BarrierPhase::Gathering { arrived, .. } => {
@@ -162,8 +163,9 @@ impl State {
             let Some(b) = self.barriers.get(name) else {
                 continue;
             };
+            let phase = b.phase();
             for key in b.members.keys() {
-                if b.verdict(key, now).is_some() {
+                if b.verdict(phase, key, now).is_some() {
                     out.push((key.1.clone(), key.2, name.clone()));
                 }
             }
@@ -299,7 +301,7 @@ impl Registry {
                         .state()
                         .barriers
                         .get(name)
-                        .and_then(|b| b.verdict(&key, now));
+                        .and_then(|b| b.verdict(b.phase(), &key, now));
                     Ok((
                         verdict.and_then(|m| a.meet_decided(i, m, now, next_index)),
                         (),
