@@ -175,8 +175,9 @@ pub struct TaskSpecBody {
     /// A barrier the task starts together at with the other tasks that
     /// name it, in any allocation: it is allowed only once `size` of them
     /// are each otherwise allowed at once; then all are released together
-    /// and the barrier stays open. The caller's token must cover the name
-    /// (`semaphore_prefixes`, which cover barriers too).
+    /// and the barrier stays open. Not on a poststop task. The caller's
+    /// token must cover the name (`semaphore_prefixes`, which cover
+    /// barriers too).
     #[serde(default)]
     pub barrier: Option<BarrierBody>,
 }

@@ -63,6 +63,42 @@ fn timed_out(r: &Registry, alloc: &str) -> bool {
 }
 
 // ---------------------------------------------------------------------
+// Poststop members
+
+/// lifecycle.md, "Timeout": a barrier that times out gives "every member's
+/// allocation ... the sticky stop order" and "the allocation ends
+/// `failed` naming the member". Poststop tasks ignore stop orders (they
+/// are the cleanup) and never count in `failed_tasks`: a poststop member
+/// whose barrier timed out was held, pending and told to run, for ever,
+/// so its allocation never ended (and its outcome said `succeeded`). A
+/// poststop task is refused a barrier at registration.
+#[test]
+fn a_poststop_task_cannot_meet_at_a_barrier() {
+    let errors = AllocSpec::new(
+        vec![
+            TaskSpec::named(tn("web")),
+            TaskSpec {
+                lifecycle: Some(Lifecycle {
+                    hook: Hook::Poststop,
+                    sidecar: false,
+                }),
+                barrier: Some(barrier(2, Some(10))),
+                ..TaskSpec::named(tn("clean"))
+            },
+        ],
+        &Limits::default(),
+    )
+    .unwrap_err();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(errors[0].field, "tasks[1].barrier");
+    assert!(
+        errors[0].message.contains("poststop") && errors[0].message.contains("\"clean\""),
+        "{}",
+        errors[0].message
+    );
+}
+
+// ---------------------------------------------------------------------
 // Size
 
 /// lifecycle.md: `size` "2 to 1,000". A thousand members register one by
