@@ -508,3 +508,52 @@ async fn racing_registrations_on_one_server_take_exactly_size_places() {
     assert_eq!(b.members.len(), 4);
     assert!(matches!(b.phase, BarrierPhase::Open(_)));
 }
+
+// ---------------------------------------------------------------------
+// Deletions at awkward moments
+
+/// lifecycle.md, "Open, once and for good": once `size` members are
+/// arrived "every member is released ... and is never held by the
+/// barrier again"; "one registered after the barrier opened ... is
+/// refused". The opening is written to the anchor first, then followed by
+/// each other member's own write: the anchor's allocation deleted in
+/// between took the opening with it, so the others gathered again and a
+/// newcomer was let in. (The judge writes the followers at once; here the
+/// server stopped between the two writes, and the deletion is the first
+/// request after its start.)
+#[tokio::test(start_paused = true)]
+async fn an_opening_outlives_its_anchor_deleted_before_the_others_followed() {
+    let store = Arc::new(MemoryStore::new());
+    let cfg = config();
+    let r = Registry::open(store.clone(), cfg.clone()).unwrap();
+    arrive(&r, "a", 2, None).await;
+    r.register(id("b"), spec(2, None)).await.unwrap();
+    let b_arrived = report_task(&r, "b", "side", RunState::Running).await;
+    assert!(allowed_within(&r, "b", LONG).await);
+    settle(&r).await;
+    drop(r);
+    store.append(Append {
+        op: Op::Put(b_arrived),
+        expect: 0,
+        live: Vec::new(),
+        grants: Vec::new(),
+    });
+    let r = Registry::open(store.clone(), cfg).unwrap();
+    let deleted = r.delete("a").await.unwrap();
+    let b = r.wait_until("b", LONG, |b| b.allowed(1)).await.unwrap();
+    assert!(
+        b.allowed(1),
+        "b was released with a: {:?}",
+        b.tasks[1].meet()
+    );
+    assert!(
+        b.tasks[1].modify_index > deleted,
+        "the test deletes a before b followed"
+    );
+    assert!(matches!(
+        r.barrier("train").unwrap().phase,
+        BarrierPhase::Open(_)
+    ));
+    let e = r.register(id("x"), spec(2, None)).await.unwrap_err();
+    assert!(matches!(e, RegistryError::BarrierClosed { .. }), "{e}");
+}

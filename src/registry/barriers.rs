@@ -16,7 +16,10 @@
 //! allocation's compare-and-swap keeps one of them whichever replica
 //! decides. Every other member then follows the anchor's decision, each
 //! by a write of its own allocation: a thousand members never meet in
-//! one transaction.
+//! one transaction. An anchor whose allocation is deleted before the
+//! others followed leaves its decision in the index (`left`), and they
+//! follow it still; only a view rebuilt from the records in that moment
+//! (a start) has lost it, and there they gather again.
 
 use std::{collections::BTreeMap, time::Duration};
 
@@ -32,6 +35,10 @@ pub type MemberKey = (u64, AllocId, usize);
 pub(super) struct Barrier {
     /// Each member's spec and standing.
     members: BTreeMap<MemberKey, (BarrierSpec, Option<Meet>)>,
+    /// The decision of a member taken out (its allocation deleted, or
+    /// changed): the others follow it even once no record holds it, as
+    /// when the anchor's allocation is deleted before they followed.
+    left: Option<Meet>,
     /// The index of the last change of a member.
     changed: u64,
 }
@@ -84,7 +91,11 @@ impl Barrier {
                 None => {}
             }
         }
-        BarrierPhase::Gathering { arrived, first }
+        match self.left {
+            Some(Meet::Passed { at }) => BarrierPhase::Open(at),
+            Some(Meet::Closed { at }) => BarrierPhase::TimedOut(at),
+            _ => BarrierPhase::Gathering { arrived, first },
+        }
     }
 
     /// When a gathering barrier times out, if it does.
@@ -140,8 +151,10 @@ impl State {
             let barrier = self.barriers.entry(b.name.clone()).or_default();
             if add {
                 barrier.members.insert(key, (b.clone(), a.tasks[i].meet()));
-            } else {
-                barrier.members.remove(&key);
+            } else if let Some((_, meet)) = barrier.members.remove(&key)
+                && meet.is_some_and(Meet::decided)
+            {
+                barrier.left = barrier.left.or(meet);
             }
             barrier.changed = barrier.changed.max(index);
             // A barrier exists while it has members.
