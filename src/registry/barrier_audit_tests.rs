@@ -556,4 +556,16 @@ async fn an_opening_outlives_its_anchor_deleted_before_the_others_followed() {
     ));
     let e = r.register(id("x"), spec(2, None)).await.unwrap_err();
     assert!(matches!(e, RegistryError::BarrierClosed { .. }), "{e}");
+    // Forgotten with its last member, decision and all: a new gathering.
+    r.delete("b").await.unwrap();
+    assert!(r.barrier("train").is_none());
+    arrive(&r, "c", 2, None).await;
+    settle(&r).await;
+    assert_eq!(
+        gathering(&r, "c"),
+        Some(Gathering::Gathering {
+            arrived: 1,
+            size: 2
+        })
+    );
 }

@@ -35,9 +35,9 @@ pub type MemberKey = (u64, AllocId, usize);
 pub(super) struct Barrier {
     /// Each member's spec and standing.
     members: BTreeMap<MemberKey, (BarrierSpec, Option<Meet>)>,
-    /// The decision of a member taken out (its allocation deleted, or
-    /// changed): the others follow it even once no record holds it, as
-    /// when the anchor's allocation is deleted before they followed.
+    /// The decision of a member whose allocation was deleted before any
+    /// other member followed it (`State::keep_decisions`): the others
+    /// follow it, though no record holds it any more.
     left: Option<Meet>,
     /// The index of the last change of a member.
     changed: u64,
@@ -151,10 +151,8 @@ impl State {
             let barrier = self.barriers.entry(b.name.clone()).or_default();
             if add {
                 barrier.members.insert(key, (b.clone(), a.tasks[i].meet()));
-            } else if let Some((_, meet)) = barrier.members.remove(&key)
-                && meet.is_some_and(Meet::decided)
-            {
-                barrier.left = barrier.left.or(meet);
+            } else {
+                barrier.members.remove(&key);
             }
             barrier.changed = barrier.changed.max(index);
             // A barrier exists while it has members.
@@ -162,6 +160,27 @@ impl State {
                 self.barriers.remove(&b.name);
             }
             self.gathering.insert(b.name.clone());
+        }
+    }
+
+    /// A deleted allocation's decided members leave the decision with
+    /// their barrier while none of its other members holds it (the
+    /// anchor's allocation deleted before the others followed): they
+    /// follow it still (`left`).
+    pub(super) fn keep_decisions(&mut self, a: &Allocation) {
+        for (i, spec) in a.spec.tasks().iter().enumerate() {
+            let (Some(b), Some(meet)) = (&spec.barrier, a.tasks[i].meet()) else {
+                continue;
+            };
+            if let Some(barrier) = self.barriers.get_mut(&b.name)
+                && meet.decided()
+                && !barrier
+                    .members
+                    .values()
+                    .any(|(_, m)| m.is_some_and(Meet::decided))
+            {
+                barrier.left = Some(meet);
+            }
         }
     }
 
