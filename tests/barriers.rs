@@ -212,6 +212,24 @@ async fn a_barrier_out_of_range_or_misspelled_is_refused_naming_its_field() {
         assert_eq!(r.body["code"], "invalid_request", "{barrier}: {}", r.body);
         assert_eq!(r.body["errors"][0]["field"], field, "{barrier}: {}", r.body);
     }
+    // A poststop task is the cleanup, which no stop order reaches: it
+    // meets at no barrier (a timeout would hold it for ever).
+    let r = app
+        .call(
+            "PUT",
+            "/v1/allocations/x",
+            Some(json!({"tasks": [
+                {"name": "web"},
+                {"name": "clean", "lifecycle": {"hook": "poststop"}, "barrier": {"name": "t", "size": 2}}
+            ]})),
+        )
+        .await;
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(
+        r.body["errors"][0]["field"], "tasks[1].barrier",
+        "{}",
+        r.body
+    );
     for barrier in [
         json!({"name": "t", "size": 2, "members": 3}),
         json!({"name": "t"}),

@@ -31,7 +31,8 @@ pub struct BarrierView {
     pub name: String,
     /// How many members open it, together.
     pub size: u16,
-    /// How long it may gather from its first arrival; `null`: for ever.
+    /// How long it may gather, from the earliest arrival among the
+    /// members counted now (`arrived_at`); `null`: for ever.
     #[schema(value_type = Option<String>, example = "10m")]
     #[serde(serialize_with = "super::views::shown_opt")]
     pub timeout: Option<std::time::Duration>,

@@ -175,8 +175,9 @@ pub struct TaskSpecBody {
     /// A barrier the task starts together at with the other tasks that
     /// name it, in any allocation: it is allowed only once `size` of them
     /// are each otherwise allowed at once; then all are released together
-    /// and the barrier stays open. The caller's token must cover the name
-    /// (`semaphore_prefixes`, which cover barriers too).
+    /// and the barrier stays open. Not on a poststop task. The caller's
+    /// token must cover the name (`semaphore_prefixes`, which cover
+    /// barriers too).
     #[serde(default)]
     pub barrier: Option<BarrierBody>,
 }
@@ -192,9 +193,11 @@ pub struct BarrierBody {
     /// How many tasks open it (2 to 1000); every member must say the same.
     #[schema(minimum = 2, maximum = 1000)]
     pub size: u64,
-    /// How long it may gather, from its first arrival (1 s to 7 d; every
-    /// member must say the same): then every member's allocation is told
-    /// to stop ("Barrier Timeout") and fails. Absent: no limit.
+    /// How long it may gather (1 s to 7 d; every member must say the
+    /// same), from the earliest arrival among the members counted now (a
+    /// member that leaves the count takes its arrival with it): then
+    /// every member's allocation is told to stop ("Barrier Timeout") and
+    /// fails. Absent: no limit.
     #[serde(default)]
     #[schema(example = "10m")]
     pub timeout: Option<String>,

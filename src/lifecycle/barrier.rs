@@ -22,8 +22,9 @@ pub struct BarrierSpec {
     pub name: SemName,
     /// How many tasks open it, together.
     pub size: u16,
-    /// How long it may gather, from its first arrival, before every
-    /// member's allocation is told to stop; `None`: for ever.
+    /// How long it may gather, from the earliest arrival among the
+    /// members counted, before every member's allocation is told to stop;
+    /// `None`: for ever.
     pub timeout: Option<Duration>,
 }
 

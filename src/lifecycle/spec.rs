@@ -368,6 +368,20 @@ impl AllocSpec {
             check_dependencies(&mut errors, &tasks, i);
             check_acquire(&mut errors, &tasks[i], i);
             if let Some(b) = &task.barrier {
+                if task.is_poststop() {
+                    // Poststop tasks are the cleanup: no stop order reaches
+                    // them, so a barrier that timed out would hold one, and
+                    // its allocation, for ever.
+                    errors.push(FieldError::new(
+                        format!("tasks[{i}].barrier"),
+                        format!(
+                            "a poststop task cannot meet at a barrier: \"{}\" is the \
+                             allocation's cleanup, which must run whatever other allocations \
+                             do; name the barrier on a prestart, main or poststart task",
+                            task.name
+                        ),
+                    ));
+                }
                 let (min, max) = super::SIZE_RANGE;
                 if !(min..=max).contains(&b.size) {
                     errors.push(FieldError::new(

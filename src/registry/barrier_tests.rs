@@ -16,7 +16,7 @@ use crate::{
     store::MemoryStore,
 };
 
-fn barrier(size: u16, timeout: Option<u64>) -> BarrierSpec {
+pub(super) fn barrier(size: u16, timeout: Option<u64>) -> BarrierSpec {
     BarrierSpec {
         name: name("train"),
         size,
@@ -26,7 +26,7 @@ fn barrier(size: u16, timeout: Option<u64>) -> BarrierSpec {
 
 /// A prestart sidecar `side` (the main gate opens once it runs) and a
 /// main task `worker` at barrier `train`.
-fn spec(size: u16, timeout: Option<u64>) -> AllocSpec {
+pub(super) fn spec(size: u16, timeout: Option<u64>) -> AllocSpec {
     AllocSpec::new(
         vec![
             TaskSpec {
@@ -47,23 +47,23 @@ fn spec(size: u16, timeout: Option<u64>) -> AllocSpec {
 }
 
 /// Registers `alloc` and starts its sidecar: its worker arrives.
-async fn arrive(r: &Registry, alloc: &str, size: u16, timeout: Option<u64>) {
+pub(super) async fn arrive(r: &Registry, alloc: &str, size: u16, timeout: Option<u64>) {
     r.register(id(alloc), spec(size, timeout)).await.unwrap();
     report_task(r, alloc, "side", RunState::Running).await;
 }
 
-fn meet(r: &Registry, alloc: &str) -> Option<Meet> {
+pub(super) fn meet(r: &Registry, alloc: &str) -> Option<Meet> {
     r.get(alloc).unwrap().tasks[1].meet()
 }
 
-async fn allowed_within(r: &Registry, alloc: &str, within: Duration) -> bool {
+pub(super) async fn allowed_within(r: &Registry, alloc: &str, within: Duration) -> bool {
     r.wait_until(alloc, within, |a| a.allowed(1))
         .await
         .unwrap()
         .allowed(1)
 }
 
-fn gathering(r: &Registry, alloc: &str) -> Option<Gathering> {
+pub(super) fn gathering(r: &Registry, alloc: &str) -> Option<Gathering> {
     let a = r.get(alloc).unwrap();
     r.waiting_at_barrier(&a, 1).map(|(n, g)| {
         assert_eq!(n, name("train"));

@@ -16,7 +16,10 @@
 //! allocation's compare-and-swap keeps one of them whichever replica
 //! decides. Every other member then follows the anchor's decision, each
 //! by a write of its own allocation: a thousand members never meet in
-//! one transaction.
+//! one transaction. An anchor whose allocation is deleted before the
+//! others followed leaves its decision in the index (`left`), and they
+//! follow it still; only a view rebuilt from the records in that moment
+//! (a start) has lost it, and there they gather again.
 
 use std::{collections::BTreeMap, time::Duration};
 
@@ -32,6 +35,10 @@ pub type MemberKey = (u64, AllocId, usize);
 pub(super) struct Barrier {
     /// Each member's spec and standing.
     members: BTreeMap<MemberKey, (BarrierSpec, Option<Meet>)>,
+    /// The decision of a member whose allocation was deleted before any
+    /// other member followed it (`State::keep_decisions`): the others
+    /// follow it, though no record holds it any more.
+    left: Option<Meet>,
     /// The index of the last change of a member.
     changed: u64,
 }
@@ -84,7 +91,11 @@ impl Barrier {
                 None => {}
             }
         }
-        BarrierPhase::Gathering { arrived, first }
+        match self.left {
+            Some(Meet::Passed { at }) => BarrierPhase::Open(at),
+            Some(Meet::Closed { at }) => BarrierPhase::TimedOut(at),
+            _ => BarrierPhase::Gathering { arrived, first },
+        }
     }
 
     /// When a gathering barrier times out, if it does.
@@ -107,16 +118,12 @@ impl Barrier {
         }
     }
 
-    /// What member `key` is to be told now (`None`: nothing): the
-    /// decision once the anchor holds one, else, for the anchor alone,
-    /// the opening once `size` members arrived or the timeout once it
-    /// passed.
-    fn verdict(&self, key: &MemberKey, now: Timestamp) -> Option<Meet> {
-        self.verdict_in(self.phase(), key, now)
-    }
-
-    /// `verdict`, the phase known (it takes a pass over the members).
-    fn verdict_in(&self, phase: BarrierPhase, key: &MemberKey, now: Timestamp) -> Option<Meet> {
+    /// What member `key` is to be told now (`None`: nothing), the
+    /// barrier being in `phase` (`self.phase()`, which the caller reads
+    /// once: it counts every member): the decision once the anchor holds
+    /// one, else, for the anchor alone, the opening once `size` members
+    /// arrived or the timeout once it passed.
+    fn verdict(&self, phase: BarrierPhase, key: &MemberKey, now: Timestamp) -> Option<Meet> {
         let (_, meet) = self.members.get(key)?;
         if meet.is_some_and(Meet::decided) {
             return None;
@@ -161,6 +168,27 @@ impl State {
         }
     }
 
+    /// A deleted allocation's decided members leave the decision with
+    /// their barrier while none of its other members holds it (the
+    /// anchor's allocation deleted before the others followed): they
+    /// follow it still (`left`).
+    pub(super) fn keep_decisions(&mut self, a: &Allocation) {
+        for (i, spec) in a.spec.tasks().iter().enumerate() {
+            let (Some(b), Some(meet)) = (&spec.barrier, a.tasks[i].meet()) else {
+                continue;
+            };
+            if let Some(barrier) = self.barriers.get_mut(&b.name)
+                && meet.decided()
+                && !barrier
+                    .members
+                    .values()
+                    .any(|(_, m)| m.is_some_and(Meet::decided))
+            {
+                barrier.left = Some(meet);
+            }
+        }
+    }
+
     /// The members of the barriers in `names` to write a decision to now.
     pub(super) fn plan_meets(
         &self,
@@ -181,7 +209,7 @@ impl State {
                 _ => Box::new(b.members.keys()),
             };
             for key in keys {
-                if b.verdict_in(phase, key, now).is_some() {
+                if b.verdict(phase, key, now).is_some() {
                     out.push((key.1.clone(), key.2, name.clone()));
                 }
             }
@@ -317,7 +345,7 @@ impl Registry {
                         .state()
                         .barriers
                         .get(name)
-                        .and_then(|b| b.verdict(&key, now));
+                        .and_then(|b| b.verdict(b.phase(), &key, now));
                     Ok((
                         verdict.and_then(|m| a.meet_decided(i, m, now, next_index)),
                         (),

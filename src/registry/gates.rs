@@ -275,6 +275,9 @@ impl Gates {
         if let Some(p) = prev {
             state.index(p, false, index);
             state.index_members(p, false, index);
+            if next.is_none() {
+                state.keep_decisions(p);
+            }
         }
         if let Some(n) = next {
             state.index(n, true, index);
