@@ -17,7 +17,7 @@
 use std::time::{Duration, Instant};
 
 use super::{
-    BenchConfig, Conn, Proc, data_dir, metric, percentile, register, send_each, serve_args,
+    BenchConfig, Conn, Cpu, Proc, data_dir, metric, percentile, register, send_each, serve_args,
 };
 
 /// How long a poll asks to wait (the server's default maximum); one that
@@ -73,6 +73,9 @@ struct Round {
     ack: Duration,
     /// Every poll's answer, sorted.
     answers: Vec<Duration>,
+    /// CPU from the report sent to the last answer: the server's and this
+    /// process's (which shares the cores).
+    cpu: Cpu,
 }
 
 /// One round: `size` allocations `gang-{round}-{i}` at barrier
@@ -147,6 +150,7 @@ async fn round(config: &BenchConfig, server: &Proc, round: u32) -> std::io::Resu
     }
 
     // The last arrival.
+    let before = Cpu::sample(server.child.id())?;
     let sent = Instant::now();
     arrive(&mut conn, &format!("{prefix}-{}", size - 1)).await?;
     let ack = sent.elapsed();
@@ -167,6 +171,7 @@ async fn round(config: &BenchConfig, server: &Proc, round: u32) -> std::io::Resu
             }
         }
     }
+    let cpu = Cpu::sample(server.child.id())?.since(before);
     let status = conn
         .call("GET", &format!("/v1/barriers/{name}"), b"")
         .await?;
@@ -178,7 +183,7 @@ async fn round(config: &BenchConfig, server: &Proc, round: u32) -> std::io::Resu
         )));
     }
     answers.sort_unstable();
-    Ok(Round { ack, answers })
+    Ok(Round { ack, answers, cpu })
 }
 
 pub(super) async fn opening(config: &BenchConfig) -> std::io::Result<String> {
@@ -225,7 +230,9 @@ pub(super) async fn opening(config: &BenchConfig) -> std::io::Result<String> {
            within 100 ms)\n\
          - the last arrival answered → the last poll answered: {}\n\
          - the last arrival sent → the polls' p50: {}; the first (the anchor's decision): {}\n\
-         - the last arrival's report itself: {}",
+         - the last arrival's report itself: {}\n\
+         - CPU in that window (clock ticks of 10 ms): the server's request threads {}; its \
+           store writer {}; this process (the clients) {}",
         rounds.len(),
         list(&|r| percentile(&r.answers, 1.0)),
         ms(percentile(&lasts, 0.5)),
@@ -233,5 +240,8 @@ pub(super) async fn opening(config: &BenchConfig) -> std::io::Result<String> {
         list(&|r| percentile(&r.answers, 0.5)),
         list(&|r| r.answers[0]),
         list(&|r| r.ack),
+        list(&|r| Duration::from_secs_f64(r.cpu.requests)),
+        list(&|r| Duration::from_secs_f64(r.cpu.writer)),
+        list(&|r| Duration::from_secs_f64(r.cpu.client)),
     ))
 }
