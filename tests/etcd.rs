@@ -1,8 +1,9 @@
 //! Replicas over a real etcd cluster (`tests/common/etcd.rs`): writes
 //! through one replica seen and waited on through another, concurrent
 //! writers against one allocation through three replicas, compaction,
-//! etcd failures, and semaphores in the store (`mod semaphores`: watched
-//! and listed across replicas, compare-and-swap, grants on a stale view).
+//! etcd failures, semaphores in the store (`mod semaphores`: watched
+//! and listed across replicas, compare-and-swap, grants on a stale view),
+//! and barriers met through three replicas (`mod barriers`).
 
 mod common;
 
@@ -2169,5 +2170,303 @@ mod semaphores {
             semaphore("db", 7, made, mended)
         );
         assert_eq!(a.store.health(), StoreHealth::Ok);
+    }
+}
+
+/// Barriers through three replicas (SEMANTICS "Barriers"; decided once on
+/// the anchor, the first-registered member, and followed by every other
+/// member by a write of its own): members registered, arriving and waited
+/// on through different replicas.
+mod barriers {
+    use super::*;
+    use taskgate::{
+        lifecycle::{Allocation, BarrierSpec, Meet, SemName, StopKind},
+        registry::{BarrierPhase, timeline::What},
+    };
+
+    /// A main task `worker` at barrier `name` of `size`, behind a prestart
+    /// sidecar `side` (it arrives once `side` runs) when `gated`.
+    fn member(name: &str, size: u16, timeout: Duration, gated: bool) -> AllocSpec {
+        let worker = TaskSpec {
+            barrier: Some(BarrierSpec {
+                name: SemName::parse(name).unwrap(),
+                size,
+                timeout: Some(timeout),
+            }),
+            ..task("worker", None)
+        };
+        let mut tasks = vec![worker];
+        if gated {
+            let side = TaskSpec {
+                lifecycle: Some(Lifecycle {
+                    hook: Hook::Prestart,
+                    sidecar: true,
+                }),
+                ..task("side", None)
+            };
+            tasks.insert(0, side);
+        }
+        spec(tasks)
+    }
+
+    /// The position of `worker` in `a`.
+    fn worker(a: &Allocation) -> usize {
+        a.position("worker").unwrap()
+    }
+
+    /// `alloc` as `r` holds it once `worker`'s barrier decided for it
+    /// (bounded).
+    async fn decided(r: &Registry, alloc: &str) -> Arc<Allocation> {
+        let a = r
+            .wait_until(alloc, SETTLE, |a| {
+                a.tasks[worker(a)].meet().is_some_and(Meet::decided)
+            })
+            .await
+            .unwrap();
+        assert!(
+            a.tasks[worker(&a)].meet().is_some_and(Meet::decided),
+            "{alloc}'s barrier decided nothing for it within {SETTLE:?}: {:?}",
+            a.tasks[worker(&a)].meet()
+        );
+        a
+    }
+
+    /// `a`'s timeline entries about its barrier: (opened, timed out, stop
+    /// orders "Barrier Timeout").
+    fn barrier_entries(r: &Registry, a: &Allocation) -> (usize, usize, usize) {
+        let (mut open, mut closed, mut stop) = (0, 0, 0);
+        for e in r.timeline(a) {
+            match e.what {
+                What::Barrier { opened: true, .. } => open += 1,
+                What::Barrier { opened: false, .. } => closed += 1,
+                What::StopOrder {
+                    reason: StopKind::BarrierTimeout,
+                    ..
+                } => stop += 1,
+                _ => {}
+            }
+        }
+        (open, closed, stop)
+    }
+
+    /// Six members, each registered through one replica, its worker's
+    /// start-condition poll parked on the next and its sidecar reported
+    /// running through the third. The last arrival, through one replica,
+    /// releases the polls parked on all three; every replica then holds
+    /// every member passed at one time, with one "Barrier Open" in its
+    /// timeline and no "Barrier Timeout".
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn members_through_three_replicas_are_released_together_on_every_replica() {
+        if !available("members_through_three_replicas_are_released_together_on_every_replica") {
+            return;
+        }
+        const SIZE: usize = 6;
+        let cluster = Cluster::start(3);
+        let mut replicas = Vec::new();
+        for _ in 0..3 {
+            replicas.push(replica(cluster.endpoints(), "/bar/").await);
+        }
+        let alloc = |k: usize| format!("gang-{k}");
+        for k in 0..SIZE {
+            let s = member("train", SIZE as u16, Duration::from_secs(600), true);
+            replicas[k % 3].register(id(&alloc(k)), s).await.unwrap();
+        }
+        let last = replicas.iter().map(Registry::last_index).max().unwrap();
+        let mut parked = Vec::new();
+        for k in 0..SIZE {
+            let r = replicas[(k + 1) % 3].clone();
+            assert!(r.wait_view(last, SETTLE).await);
+            parked.push(tokio::spawn(async move {
+                r.wait_start(&alloc(k), "worker", Duration::from_secs(60), true)
+                    .await
+            }));
+        }
+        for r in &replicas {
+            common::parked(r, SIZE / 3).await;
+        }
+        let side = TaskName::parse("side").unwrap();
+        for k in 0..SIZE - 1 {
+            replicas[(k + 2) % 3]
+                .report(&alloc(k), vec![(side.clone(), running())])
+                .await
+                .unwrap();
+        }
+        // Every replica counts the five, and holds the barrier shut.
+        for (n, r) in replicas.iter().enumerate() {
+            let mut index = 0;
+            for _ in 0..100 {
+                let b = r.wait_barrier("train", index, SETTLE).await.unwrap();
+                if matches!(b.phase, BarrierPhase::Gathering { arrived: 5, .. }) {
+                    break;
+                }
+                assert!(
+                    matches!(b.phase, BarrierPhase::Gathering { .. }),
+                    "replica {n}: {:?} with 5 of {SIZE} arrived",
+                    b.phase
+                );
+                index = b.changed;
+            }
+            let b = r.barrier("train").unwrap();
+            assert!(
+                matches!(b.phase, BarrierPhase::Gathering { arrived: 5, .. }),
+                "replica {n}: {:?}",
+                b.phase
+            );
+        }
+        assert!(
+            parked.iter().all(|p| !p.is_finished()),
+            "no poll is answered before the last arrival"
+        );
+
+        // The last arrival, through replica 1.
+        replicas[1]
+            .report(&alloc(SIZE - 1), vec![(side, running())])
+            .await
+            .unwrap();
+        for (k, p) in parked.into_iter().enumerate() {
+            let (a, i) = tokio::time::timeout(SETTLE, p)
+                .await
+                .unwrap_or_else(|_| {
+                    panic!(
+                        "{}'s poll on replica {} was not woken",
+                        alloc(k),
+                        (k + 1) % 3
+                    )
+                })
+                .unwrap()
+                .unwrap();
+            assert!(a.allowed(i), "{} released", alloc(k));
+        }
+
+        let mut opened = Vec::new();
+        for (n, r) in replicas.iter().enumerate() {
+            for k in 0..SIZE {
+                let a = decided(r, &alloc(k)).await;
+                match a.tasks[worker(&a)].meet() {
+                    Some(Meet::Passed { at }) => opened.push(at),
+                    other => panic!("replica {n}: {} stands {other:?}", alloc(k)),
+                }
+                assert_eq!(
+                    barrier_entries(r, &a),
+                    (1, 0, 0),
+                    "replica {n}: {}'s timeline has one Barrier Open and no Barrier Timeout",
+                    alloc(k)
+                );
+            }
+            match r.barrier("train").unwrap().phase {
+                BarrierPhase::Open(at) => opened.push(at),
+                other => panic!("replica {n}: the barrier is {other:?}"),
+            }
+        }
+        assert!(
+            opened.windows(2).all(|w| w[0] == w[1]),
+            "one opening, whichever replica wrote it: {opened:?}"
+        );
+    }
+
+    /// A barrier of three with a timeout of one second: two members arrive
+    /// through two replicas, and the third is registered through the
+    /// third replica just before, at or just after the moment the timeout
+    /// passes. Each round the barrier ends open for every member or timed
+    /// out for every member (a third refused as `barrier_closed` only when
+    /// it timed out), the same on every replica, and so does every
+    /// member's timeline.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_timeout_racing_the_last_arrival_opens_for_all_or_times_out_for_all() {
+        if !available("a_timeout_racing_the_last_arrival_opens_for_all_or_times_out_for_all") {
+            return;
+        }
+        let cluster = Cluster::start(3);
+        let mut replicas = Vec::new();
+        for _ in 0..3 {
+            replicas.push(replica(cluster.endpoints(), "/race/").await);
+        }
+        const TIMEOUT: Duration = Duration::from_secs(1);
+        let (mut opened, mut timed_out) = (0, 0);
+        // The last registration's start, from the moment the timeout
+        // passes (milliseconds).
+        for (round, offset) in [-40i64, -20, -10, -5, 0, 5, 10, 20, 40]
+            .into_iter()
+            .enumerate()
+        {
+            let name = format!("race-{round}");
+            let alloc = |k: usize| format!("race-{round}-{k}");
+            let s = member(&name, 3, TIMEOUT, false);
+            let (first, _) = replicas[round % 3]
+                .register(id(&alloc(0)), s.clone())
+                .await
+                .unwrap();
+            let Some(Meet::Arrived { at }) = first.tasks[0].meet() else {
+                panic!(
+                    "a lone main task arrives as it registers: {:?}",
+                    first.tasks[0].meet()
+                );
+            };
+            replicas[(round + 1) % 3]
+                .register(id(&alloc(1)), s.clone())
+                .await
+                .unwrap();
+            // Real time: the timeout counts from the first arrival.
+            let due = at + TIMEOUT + time::Duration::milliseconds(offset);
+            let wait = (due - now()).try_into().unwrap_or(Duration::ZERO);
+            tokio::time::sleep(wait).await;
+            let third = replicas[(round + 2) % 3]
+                .register(id(&alloc(2)), s.clone())
+                .await;
+            let members = match third {
+                Ok(_) => 3,
+                Err(RegistryError::BarrierClosed { .. }) => 2,
+                Err(e) => panic!("round {round}: the third registration: {e}"),
+            };
+            let mut outcomes = Vec::new();
+            for (n, r) in replicas.iter().enumerate() {
+                for k in 0..members {
+                    let a = decided(r, &alloc(k)).await;
+                    let meet = a.tasks[0].meet().unwrap();
+                    let entries = barrier_entries(r, &a);
+                    match meet {
+                        Meet::Passed { .. } => {
+                            assert_eq!(
+                                entries,
+                                (1, 0, 0),
+                                "round {round}, replica {n}, {}",
+                                alloc(k)
+                            );
+                            assert!(a.allowed(0));
+                        }
+                        Meet::Closed { .. } => {
+                            assert_eq!(
+                                entries,
+                                (0, 1, 1),
+                                "round {round}, replica {n}, {}",
+                                alloc(k)
+                            );
+                            assert!(!a.allowed(0) && a.order().is_stop());
+                        }
+                        Meet::Arrived { .. } => unreachable!("decided"),
+                    }
+                    outcomes.push(meet);
+                }
+                let phase = r.barrier(&name).unwrap().phase;
+                outcomes.push(match phase {
+                    BarrierPhase::Open(at) => Meet::Passed { at },
+                    BarrierPhase::TimedOut(at) => Meet::Closed { at },
+                    other => panic!("round {round}, replica {n}: {other:?}"),
+                });
+            }
+            assert!(
+                outcomes.windows(2).all(|w| w[0] == w[1]),
+                "round {round} (offset {offset} ms, {members} members): one decision on every \
+                 replica for every member: {outcomes:?}"
+            );
+            match outcomes[0] {
+                Meet::Passed { .. } => {
+                    assert_eq!(members, 3, "open with its three members");
+                    opened += 1;
+                }
+                _ => timed_out += 1,
+            }
+        }
+        eprintln!("the race ended open {opened} times and timed out {timed_out} times");
     }
 }

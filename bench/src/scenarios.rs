@@ -18,6 +18,7 @@ use std::{
 
 use clap::Args;
 
+mod barriers;
 mod dependencies;
 mod etcd;
 mod hostile_graph;
@@ -62,9 +63,10 @@ pub struct BenchConfig {
     /// and without TTLs and --base-server-bin; needs valgrind), pipeline
     /// (`--clients` writers on one allocation and on one each, against
     /// --base-server-bin), streams (`--stream-readers` event streams
-    /// that never read, alternated with none, while writers write) and
+    /// that never read, alternated with none, while writers write),
     /// semaphores (a slot handed over in a line of `--semaphore-queued`
-    /// parked polls).
+    /// parked polls) and barriers (a barrier of `--barrier-size` members
+    /// opening: the last arrival to every member's parked poll answered).
     #[arg(
         long,
         value_delimiter = ',',
@@ -134,7 +136,8 @@ pub struct BenchConfig {
     pub base_server_bin: Option<PathBuf>,
     /// Alternations of each side in the liveness and dependencies
     /// comparisons (medians of them are reported); on a busy machine more
-    /// rounds of a shorter `--duration` follow its load better.
+    /// rounds of a shorter `--duration` follow its load better. Also the
+    /// barriers scenario's rounds (a barrier each).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub rounds: u32,
     /// Allocations (of five tasks) the liveness-scale scenario fills two
@@ -175,6 +178,11 @@ pub struct BenchConfig {
     /// Hand-overs the semaphores scenario measures, one after another.
     #[arg(long, default_value_t = 300)]
     pub semaphore_handovers: usize,
+    /// Members of the barriers scenario's barrier (2 to 1000), each an
+    /// allocation with its start-condition long-poll parked (one
+    /// connection each: mind `ulimit -n`).
+    #[arg(long, default_value_t = 1000)]
+    pub barrier_size: usize,
     /// Where the durable scenarios keep their data (a fresh temporary
     /// directory per scenario by default).
     #[arg(long)]
@@ -1000,6 +1008,7 @@ pub async fn run(config: BenchConfig) -> std::io::Result<()> {
             }
             "dependencies-hostile" => notes.push(hostile_graph::scenario(&config).await?),
             "semaphores" => notes.push(semaphores::handover(&config).await?),
+            "barriers" => notes.push(barriers::opening(&config).await?),
             "dependencies" | "dependencies-wake" | "dependencies-base" => {
                 if scenario != "dependencies-base" {
                     notes.push(dependencies::wake(&config).await?);
