@@ -486,7 +486,11 @@ impl Allocation {
         }
         let mut next = self.clone();
         next.tasks[i].set_meet(Some(meet));
-        if matches!(meet, Meet::Closed { .. }) && !next.order.is_stop() {
+        // A finished allocation (in `poststop`) takes the verdict only.
+        if matches!(meet, Meet::Closed { .. })
+            && !next.order.is_stop()
+            && self.state != CoordState::Poststop
+        {
             next.order = Desired::Stop(StopReason::barrier(barrier.name.clone()));
         }
         next.settle(self, now, false, next_index)
@@ -604,17 +608,24 @@ impl Allocation {
             .overdue()
             .and_then(|o| o.stage.as_ref())
             .map_or(&[], |(_, tasks)| tasks);
+        let timed_out = self
+            .order
+            .reason()
+            .is_some_and(|r| r.kind == StopKind::BarrierTimeout);
         let failed: Vec<TaskName> = self
             .spec
             .tasks()
             .iter()
             .zip(&self.tasks)
             .enumerate()
+            // A member fails by its barrier's timeout only when that was
+            // the allocation's order: one that finished before the verdict
+            // keeps the outcome its poststop tasks were given.
             .filter(|(i, (s, t))| {
                 !s.is_poststop()
                     && (t.failed
                         || overdue.contains(i)
-                        || matches!(t.meet(), Some(Meet::Closed { .. })))
+                        || (timed_out && matches!(t.meet(), Some(Meet::Closed { .. }))))
             })
             .map(|(_, (s, _))| s.name.clone())
             .collect();

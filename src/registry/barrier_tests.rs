@@ -325,3 +325,32 @@ async fn a_wait_on_a_barrier_ends_when_the_barrier_is_forgotten() {
     assert!(gone, "forgotten");
     assert!(waited < LONG, "answered at once, not after {waited:?}");
 }
+
+/// A member whose allocation finished before its barrier timed out (it
+/// never arrived again: its agent stopped before it ran) takes the
+/// verdict, and nothing else: a finished allocation's order and outcome,
+/// already given to its poststop tasks, do not change.
+#[tokio::test(start_paused = true)]
+async fn a_timeout_leaves_a_finished_member_s_outcome_as_it_was() {
+    let r = registry();
+    arrive(&r, "a", 2, Some(10)).await;
+    report_task(&r, "a", "worker", RunState::Dead).await;
+    let done = report_task(&r, "a", "side", RunState::Dead).await;
+    let before = done.outcome().expect("a finished");
+    assert_eq!(before.0, crate::lifecycle::Outcome::Succeeded);
+    arrive(&r, "b", 2, Some(10)).await;
+    tokio::time::advance(Duration::from_secs(11)).await;
+    let b = r
+        .wait_until("b", LONG, |b| b.order().is_stop())
+        .await
+        .unwrap();
+    assert_eq!(
+        b.order(),
+        &Desired::Stop(StopReason::barrier(name("train")))
+    );
+    settle(&r).await;
+    let a = r.get("a").unwrap();
+    assert!(matches!(a.tasks[1].meet(), Some(Meet::Closed { .. })));
+    assert_eq!(a.order(), done.order());
+    assert_eq!(a.outcome(), Some(before), "the outcome poststop was given");
+}

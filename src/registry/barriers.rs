@@ -333,6 +333,20 @@ impl Registry {
         i: usize,
         name: &SemName,
     ) -> Result<(), RegistryError> {
+        // The decision itself (the barrier still gathers) is made under
+        // the registrations' lock: a registration checks a barrier and
+        // publishes its member under it, so none is accepted between the
+        // decision and its publication (a registration after a timeout or
+        // an opening is refused, one before it is decided with the rest).
+        let gathers = {
+            let state = self.inner.gates.state();
+            let b = state.barriers.get(name);
+            b.is_some_and(|b| matches!(b.phase(), BarrierPhase::Gathering { .. }))
+        };
+        let _serial = match gathers {
+            true => Some(self.inner.registering.clone().lock_owned().await),
+            false => None,
+        };
         let written = self
             .write(
                 id.as_str(),

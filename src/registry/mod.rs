@@ -157,8 +157,9 @@ pub struct Registry {
 /// **Lock order.** A lock may be taken while holding only locks above it
 /// in this list, never one below it:
 /// 1. `registering`: a registration with dependencies on other allocations
-///    holds it from its check to its publication (tokio's; held across
-///    `.await`), and lets it go before any dependent is judged.
+///    or with barrier members holds it from its check to its publication
+///    (tokio's; held across `.await`), and lets it go before any dependent
+///    is judged; a barrier's decision (`barriers.rs`) is written under it.
 /// 2. a handle's write lock (`handle.rs`): one allocation's decisions, in
 ///    order; tokio's, held across `.await` by a registration or a deletion
 ///    until its change is published, and by any write on a store that
