@@ -539,6 +539,8 @@ impl Registry {
 #[cfg(test)]
 mod audit_tests;
 #[cfg(test)]
+mod barrier_properties;
+#[cfg(test)]
 mod barrier_tests;
 #[cfg(test)]
 mod gates_properties;
