@@ -964,7 +964,13 @@ fn barriers_and_their_stop_order_round_trip_and_refuse_damage() {
     let back = decode(&bytes).unwrap();
     assert_eq!(back, a);
     assert_eq!(
-        back.order().reason().unwrap().barrier.as_ref().unwrap().as_str(),
+        back.order()
+            .reason()
+            .unwrap()
+            .barrier
+            .as_ref()
+            .unwrap()
+            .as_str(),
         "train-3"
     );
     cut_or_changed_is_refused_or_one_encoding(&bytes, &[0x01, 0x02, 0x80]);
@@ -977,7 +983,9 @@ fn barriers_and_their_stop_order_round_trip_and_refuse_damage() {
         .expect("Barrier Timeout, task 4");
     bad[order + 1] = 1;
     assert!(
-        decode(&bad).unwrap_err().contains("names no task with a barrier"),
+        decode(&bad)
+            .unwrap_err()
+            .contains("names no task with a barrier"),
         "{:?}",
         decode(&bad)
     );
