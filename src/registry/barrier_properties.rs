@@ -6,8 +6,10 @@
 //! and die once let through, all-tasks restarts and the agents' `pending`
 //! after them, deletions, time passing past barrier timeouts and liveness
 //! TTLs (losses), and registry restarts (a new registry on the same
-//! store) drive the real registry (memory store, tokio's paused clock)
-//! and a small model written from the rules alone.
+//! store; some in the middle of a step, once the store took the step's
+//! change and a few more: a decision may be on the anchor and some of the
+//! members only) drive the real registry (memory store, tokio's paused
+//! clock) and a small model written from the rules alone.
 //!
 //! Each allocation is a prestart sidecar `side` (its main gate opens once
 //! it runs; under a TTL in some allocations) and one or two main tasks
@@ -139,6 +141,14 @@ enum Op {
     },
     /// The registry is dropped and another opened on the same store.
     Reopen,
+    /// The registry stops in the middle of the next step (one that asks
+    /// it something): once the step's own change and `after` more are
+    /// committed, the store takes no more; another registry is opened on
+    /// what it holds (a decision may be on the anchor, and on some of the
+    /// other members, or on none).
+    Crash {
+        after: usize,
+    },
 }
 
 /// Small barriers mostly (they open more often); no timeout, a short
@@ -170,6 +180,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..IDS).prop_map(|id| Op::Delete { id }),
         2 => prop_oneof![Just(1u64), Just(2), Just(4)].prop_map(|secs| Op::Pass { secs }),
         1 => Just(Op::Reopen),
+        1 => (0..4usize).prop_map(|after| Op::Crash { after }),
     ]
 }
 
@@ -582,19 +593,23 @@ impl Model {
                 }
                 Action::Delete { id }
             }
-            Op::Pass { .. } => unreachable!("time passes half a second at a time (`tick`)"),
+            Op::Pass { .. } | Op::Crash { .. } => unreachable!("not a step of its own"),
             Op::Reopen => {
-                // A restart gives every running task a full TTL.
-                for a in self.allocs.values_mut() {
-                    if a.tasks[0].state == RunState::Running {
-                        a.ttl_from = now;
-                    }
-                }
+                self.reopened();
                 Action::Reopen
             }
         };
         self.decide();
         Some(action)
+    }
+
+    /// A new registry: every running task gets a full TTL.
+    fn reopened(&mut self) {
+        for a in self.allocs.values_mut() {
+            if a.tasks[0].state == RunState::Running {
+                a.ttl_from = self.now;
+            }
+        }
     }
 
     /// Half a second passes: lossy sidecars silent for their TTL are lost,
@@ -652,10 +667,13 @@ impl Model {
 // ------------------------------------------------------------ the registry
 
 /// A memory store that keeps every change it commits, in order, for the
-/// invariants to replay.
+/// invariants to replay, and that takes only so many more changes when
+/// told (a registry that crashes).
 struct Logged {
     store: MemoryStore,
     log: Mutex<Vec<Committed>>,
+    /// How many more writes it admits (`None`: any).
+    budget: Mutex<Option<usize>>,
 }
 
 #[derive(Clone)]
@@ -684,8 +702,17 @@ impl Store for Logged {
         self.store.follow(from, follower)
     }
 
+    /// Each write is admitted once, before it is decided.
     fn admit(&self) -> Result<Admitted, StoreError> {
-        self.store.admit()
+        let mut budget = self.budget.lock().unwrap_or_else(PoisonError::into_inner);
+        match &mut *budget {
+            Some(0) => Err(StoreError::Io("the registry crashed".into())),
+            Some(n) => {
+                *n -= 1;
+                self.store.admit()
+            }
+            None => self.store.admit(),
+        }
     }
 
     /// Committed at once (the memory store's append), so the log is in
@@ -1138,6 +1165,29 @@ fn settled(
     Ok(())
 }
 
+/// Lets `r` go on until it has nothing left to do or the store took all
+/// it would, then drops it and waits until nothing of it is left (its
+/// writes in flight ended); the store takes changes again.
+async fn crashed(r: Registry, store: &Logged) -> Result<(), TestCaseError> {
+    let spent = || *store.budget.lock().unwrap() == Some(0);
+    for _ in 0..SETTLE_ROUNDS {
+        if spent() || (r.timers_idle() && r.gates_idle_now()) {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    let gone = Arc::downgrade(&r.inner);
+    drop(r);
+    for _ in 0..SETTLE_ROUNDS {
+        if gone.strong_count() == 0 {
+            *store.budget.lock().unwrap() = None;
+            return Ok(());
+        }
+        tokio::task::yield_now().await;
+    }
+    Err(TestCaseError::fail("the crashed registry never ended"))
+}
+
 struct Run {
     store: Arc<Logged>,
     t0: Timestamp,
@@ -1167,6 +1217,7 @@ fn run(start: [Terms; BARRIERS], ops: Vec<Op>) -> Result<(), TestCaseError> {
         let store = Arc::new(Logged {
             store: MemoryStore::new(),
             log: Mutex::default(),
+            budget: Mutex::default(),
         });
         // One clock across the registry's restarts: the records' times are
         // on it.
@@ -1183,23 +1234,43 @@ fn run(start: [Terms; BARRIERS], ops: Vec<Op>) -> Result<(), TestCaseError> {
             replay: Replay::default(),
             decided: [None; BARRIERS],
         };
+        let mut crash = None;
         for op in ops {
-            if let Op::Pass { secs } = op {
-                for _ in 0..2 * secs {
-                    tokio::time::advance(HALF).await;
-                    model.tick();
-                    run.check(&r, &model).await?;
+            match op {
+                Op::Pass { secs } => {
+                    for _ in 0..2 * secs {
+                        tokio::time::advance(HALF).await;
+                        model.tick();
+                        run.check(&r, &model).await?;
+                    }
+                    continue;
                 }
-                continue;
+                Op::Crash { after } => {
+                    crash = Some(after);
+                    continue;
+                }
+                _ => {}
             }
             let Some(action) = model.apply(&op) else {
                 continue;
             };
+            let crashing = match action {
+                Action::Reopen => None,
+                _ => crash.take(),
+            };
+            if let Some(after) = crashing {
+                // The step's own write is the first this step admits.
+                *store.budget.lock().unwrap() = Some(1 + after);
+            }
             let answer = drive(&r, &action).await?;
             if let Action::Register { answer: a, .. } = action {
                 prop_assert_eq!(answer, a, "the answer to {:?}", op);
             }
-            if let Action::Reopen = action {
+            if crashing.is_some() {
+                crashed(r, &store).await?;
+                r = Registry::open(store.clone(), config()).unwrap();
+                model.reopened();
+            } else if let Action::Reopen = action {
                 drop(r);
                 r = Registry::open(store.clone(), config()).unwrap();
             }
