@@ -677,7 +677,6 @@ struct Logged {
     budget: Mutex<Option<usize>>,
 }
 
-#[derive(Clone)]
 enum Committed {
     Put(Arc<Allocation>),
     Delete(AllocId),
