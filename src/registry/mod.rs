@@ -542,6 +542,8 @@ mod audit_tests;
 #[cfg(test)]
 mod barrier_audit_tests;
 #[cfg(test)]
+mod barrier_properties;
+#[cfg(test)]
 mod barrier_tests;
 #[cfg(test)]
 mod gates_properties;
