@@ -64,6 +64,7 @@ async fn register_answers_201_with_location_index_and_the_full_view() {
         "blocked_by",
         "acquire",
         "grants",
+        "barrier",
     ]
     .map(String::from)
     .to_vec();
