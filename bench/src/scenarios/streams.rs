@@ -19,7 +19,7 @@ use std::{
 use tokio::{io::AsyncWriteExt, net::TcpStream};
 
 use super::{
-    BenchConfig, Outcome, drive_cpu, event_reports, fill_histories,
+    BenchConfig, Outcome, drive_cpu, event_json, fill_histories,
     liveness::{Compared, fresh_server, order},
     metric, paced, percentile, register,
 };
@@ -29,8 +29,38 @@ use super::{
 /// windows after it measure readers that have long stopped reading.
 const SETTLE: Duration = Duration::from_secs(3);
 
-/// The writers' reports, as `event_reports` on `events-*`.
+/// The writers' allocations, `events-*`.
 const PREFIX: &str = "events";
+
+/// Writer `c`'s next report on its allocation, `pending` and `running` in
+/// turn, each with an event: every report is a change. The turn is kept
+/// per allocation across windows (a window's first report follows the
+/// last one's, whatever the number of reports between): a `running`
+/// report on a task already running is another agent's claim, refused
+/// 409 `task_claimed`.
+fn event_reports(
+    prefix: &'static str,
+) -> impl Fn(usize, u64) -> (&'static str, String, Vec<u8>) + Send + Sync + Clone + 'static {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static RUNNING: [AtomicBool; 4096] = [const { AtomicBool::new(false) }; 4096];
+    move |c, n| {
+        let was_running = RUNNING[c % RUNNING.len()].fetch_xor(true, Ordering::Relaxed);
+        let (state, kind) = if was_running {
+            ("pending", "Restarting")
+        } else {
+            ("running", "Started")
+        };
+        (
+            "PUT",
+            format!("/v1/allocations/{prefix}-{c}/tasks/web/state"),
+            format!(
+                r#"{{"state": "{state}", "event": {}}}"#,
+                event_json(kind, n)
+            )
+            .into_bytes(),
+        )
+    }
+}
 
 /// Opens `n` event streams that are never read: each sends its request
 /// and holds its connection. Returns once the server counts them all as
