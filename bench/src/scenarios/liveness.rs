@@ -425,10 +425,14 @@ pub(super) async fn heartbeats(config: &BenchConfig) -> std::io::Result<(Vec<Out
             let round = round + 1;
             let (o, cpu) = match load {
                 Load::Heartbeats => {
-                    // A task beats while it runs.
+                    // A task beats while it runs: started again, whatever
+                    // the reports' window left (a `running` report on a
+                    // task already running is another agent's claim, 409).
                     let path = |i| format!("/v1/allocations/bench-{i}/tasks/web/state");
-                    let body = r#"{"state": "running"}"#.to_owned();
-                    put_each(addr, 0..clients, clients, path, body, &[200], "start").await?;
+                    for (state, what) in [("pending", "restart"), ("running", "start")] {
+                        let body = format!(r#"{{"state": "{state}"}}"#);
+                        put_each(addr, 0..clients, clients, path, body, &[200], what).await?;
+                    }
                     drive_cpu(
                         &format!("heartbeats (PUT .../heartbeat, 204), round {round}"),
                         &server,
