@@ -133,7 +133,7 @@ fn view(s: &AppState, b: BarrierState) -> BarrierView {
 ///
 /// A barrier exists while tasks of registered allocations name it. With
 /// `index=N` the answer waits until a member changes past N, or `wait`
-/// elapses.
+/// elapses; a barrier forgotten meanwhile answers 404 at once.
 #[utoipa::path(
     get, path = "/v1/barriers/{name}", operation_id = "getBarrier", tag = "barriers",
     params(
@@ -159,17 +159,12 @@ pub async fn get(
             format!("no registered task names barrier {:?}", name.as_str()),
         )
     };
-    let state = if q.index == 0 {
-        s.registry.barrier(name.as_str())
-    } else {
-        if s.registry.barrier(name.as_str()).is_none() {
-            return Err(not_found());
-        }
-        s.registry
-            .wait_barrier(name.as_str(), q.index, s.wait_time(q.wait))
-            .await
-    }
-    .ok_or_else(not_found)?;
+    // Answers at once with `index` 0 (or past it), or once it is gone.
+    let state = s
+        .registry
+        .wait_barrier(name.as_str(), q.index, s.wait_time(q.wait))
+        .await
+        .ok_or_else(not_found)?;
     let v = view(&s, state);
     Ok(indexed(StatusCode::OK, v.modify_index, &v))
 }

@@ -238,7 +238,8 @@ pub async fn put(
 /// Read a semaphore: its holders and its queue (blocking query).
 ///
 /// With `index=N` the answer waits until the semaphore or its line changes
-/// past N, or `wait` elapses.
+/// past N, or `wait` elapses; a semaphore deleted meanwhile answers 404 at
+/// once.
 #[utoipa::path(
     get, path = "/v1/semaphores/{name}", operation_id = "getSemaphore", tag = "semaphores",
     params(
@@ -262,17 +263,12 @@ pub async fn get(
             name.to_string(),
         ))
     };
-    let state = if q.index == 0 {
-        s.registry.semaphore(name.as_str())
-    } else {
-        if s.registry.semaphore(name.as_str()).is_none() {
-            return Err(not_found());
-        }
-        s.registry
-            .wait_semaphore(name.as_str(), q.index, s.wait_time(q.wait))
-            .await
-    }
-    .ok_or_else(not_found)?;
+    // Answers at once with `index` 0 (or past it), or once it is gone.
+    let state = s
+        .registry
+        .wait_semaphore(name.as_str(), q.index, s.wait_time(q.wait))
+        .await
+        .ok_or_else(not_found)?;
     let v = view(&s, state);
     Ok(indexed(StatusCode::OK, v.modify_index, &v))
 }

@@ -404,21 +404,8 @@ impl Registry {
         index: u64,
         timeout: Duration,
     ) -> Option<BarrierState> {
-        let mut moved = self.inner.gates.moved.subscribe();
-        // A barrier forgotten has changed for good: the wait answers at once.
-        let changed = |r: &Self| {
-            let state = r.inner.gates.state();
-            state.barriers.get(name).map_or(u64::MAX, |b| b.changed)
-        };
-        let _ = tokio::time::timeout(timeout, async {
-            loop {
-                if changed(self) > index || self.is_shutting_down() {
-                    return;
-                }
-                if moved.changed().await.is_err() {
-                    return;
-                }
-            }
+        self.wait_gate(index, timeout, |state| {
+            state.barriers.get(name).map(|b| b.changed)
         })
         .await;
         self.barrier(name)

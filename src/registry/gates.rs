@@ -625,21 +625,41 @@ impl Registry {
     }
 
     /// Waits until semaphore `name`'s line or definition changed past
-    /// `index`, or `timeout` passed; the semaphore as it is then.
+    /// `index`, it is deleted, or `timeout` passed; the semaphore as it is
+    /// then.
     pub async fn wait_semaphore(
         &self,
         name: &str,
         index: u64,
         timeout: Duration,
     ) -> Option<SemaphoreState> {
+        self.wait_gate(index, timeout, |state| {
+            let def = state.defs.get(name)?;
+            Some(
+                state
+                    .lines
+                    .get(name)
+                    .map_or(def.modify_index, |l| l.changed.max(def.modify_index)),
+            )
+        })
+        .await;
+        self.semaphore(name)
+    }
+
+    /// Waits until the index `changed` reads from the gates (`None`: the
+    /// semaphore or barrier is gone, for good) passes `index`, or
+    /// `timeout` passed: a blocking query on a semaphore or a barrier.
+    pub(super) async fn wait_gate(
+        &self,
+        index: u64,
+        timeout: Duration,
+        changed: impl Fn(&State) -> Option<u64>,
+    ) {
         let mut moved = self.inner.gates.moved.subscribe();
-        let changed = |r: &Self| {
-            let state = r.inner.gates.state();
-            state.lines.get(name).map_or(0, |l| l.changed)
-        };
         let _ = tokio::time::timeout(timeout, async {
             loop {
-                if changed(self) > index || self.is_shutting_down() {
+                let now = changed(&self.inner.gates.state());
+                if now.is_none_or(|c| c > index) || self.is_shutting_down() {
                     return;
                 }
                 if moved.changed().await.is_err() {
@@ -648,7 +668,6 @@ impl Registry {
             }
         })
         .await;
-        self.semaphore(name)
     }
 
     /// Creates semaphore `name` or changes its limit and grant timeout.

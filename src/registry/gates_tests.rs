@@ -415,3 +415,29 @@ async fn a_shortened_grant_timeout_lapses_a_grant_already_past_it() {
         a.tasks[0].hold()
     );
 }
+
+/// A blocking query on a semaphore answers once the semaphore is deleted
+/// (none waiting on it, so its line goes with it), not when its wait
+/// runs out.
+#[tokio::test(start_paused = true)]
+async fn a_wait_on_a_semaphore_ends_when_it_is_deleted() {
+    let r = registry();
+    r.put_semaphore(name("db"), 1, Duration::from_secs(60))
+        .await
+        .unwrap();
+    settle(&r).await;
+    let index = r.semaphore("db").unwrap().changed;
+    let waiting = tokio::spawn({
+        let r = r.clone();
+        async move {
+            let started = tokio::time::Instant::now();
+            let answer = r.wait_semaphore("db", index, LONG).await;
+            (answer.is_none(), started.elapsed())
+        }
+    });
+    tokio::task::yield_now().await;
+    r.delete_semaphore(&name("db")).await.unwrap();
+    let (gone, waited) = waiting.await.unwrap();
+    assert!(gone, "deleted");
+    assert!(waited < LONG, "answered at once, not after {waited:?}");
+}
