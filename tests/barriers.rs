@@ -308,23 +308,11 @@ async fn a_barrier_that_does_not_gather_in_time_stops_and_fails_its_members() {
 
 #[tokio::test]
 async fn tokens_join_and_read_only_the_barriers_within_their_prefixes() {
-    use taskgate::http::{HttpConfig, auth::Auth};
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("tokens.json");
-    let sha = |s: &str| {
-        use sha2::Digest;
-        sha2::Sha256::digest(s.as_bytes())
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<String>()
-    };
     let tokens = json!({"tokens": [
-        {"name": "team-a", "role": "agent", "sha256": sha("a-secret"),
+        {"name": "team-a", "role": "agent", "sha256": common::sha256_hex("a-secret"),
          "semaphore_prefixes": ["team-a-"]},
     ]});
-    std::fs::write(&file, tokens.to_string()).unwrap();
-    let auth = Auth::load(Some(&file), Some("op-secret")).unwrap();
-    let app = common::test_app_auth(Default::default(), HttpConfig::default(), auth).await;
+    let app = common::with_token_file(Default::default(), tokens, "op-secret").await;
     let call = |method: &'static str, uri: &'static str, body: Option<Value>| {
         app.call_with(method, uri, &[("authorization", "Bearer a-secret")], body)
     };

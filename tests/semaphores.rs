@@ -251,16 +251,7 @@ async fn a_missing_semaphore_blocks_visibly_and_listing_pages_by_name() {
 /// one; a token's `alloc_prefixes` do not cover semaphores.
 #[tokio::test]
 async fn tokens_read_and_acquire_only_the_semaphores_within_their_prefixes() {
-    use taskgate::http::{HttpConfig, auth::Auth};
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("tokens.json");
-    let sha = |s: &str| {
-        use sha2::Digest;
-        sha2::Sha256::digest(s.as_bytes())
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<String>()
-    };
+    let sha = common::sha256_hex;
     let tokens = json!({"tokens": [
         {"name": "team-a", "role": "agent", "sha256": sha("a-secret"),
          "alloc_prefixes": ["team-a-"], "semaphore_prefixes": ["team-a-"]},
@@ -268,9 +259,7 @@ async fn tokens_read_and_acquire_only_the_semaphores_within_their_prefixes() {
         {"name": "ops-reader", "role": "reader", "sha256": sha("r-secret"),
          "semaphore_prefixes": ["team-"]},
     ]});
-    std::fs::write(&file, tokens.to_string()).unwrap();
-    let auth = Auth::load(Some(&file), Some("op-secret")).unwrap();
-    let app = common::test_app_auth(Default::default(), HttpConfig::default(), auth).await;
+    let app = common::with_token_file(Default::default(), tokens, "op-secret").await;
     let as_ = |secret: &'static str| [("authorization", format!("Bearer {secret}"))];
     let call = |secret: &'static str, method: &'static str, uri: String, body: Option<Value>| {
         let app = &app;
@@ -373,6 +362,8 @@ async fn tokens_read_and_acquire_only_the_semaphores_within_their_prefixes() {
         200
     );
     // A token file's prefix must read as the start of a name.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tokens.json");
     std::fs::write(
         &file,
         json!({"tokens": [{"name": "x", "role": "agent", "sha256": sha("x"),
@@ -380,7 +371,7 @@ async fn tokens_read_and_acquire_only_the_semaphores_within_their_prefixes() {
         .to_string(),
     )
     .unwrap();
-    let err = Auth::load(Some(&file), None).unwrap_err();
+    let err = taskgate::http::auth::Auth::load(Some(&file), None).unwrap_err();
     assert!(err.contains("semaphore_prefixes entry \"-bad\""), "{err}");
 }
 

@@ -131,21 +131,33 @@ pub const OPERATOR: &str = "operator-secret";
 /// A router whose server has tokens: an agent's and a reader's (both for
 /// every allocation), and the operator's (`AGENT`, `READER`, `OPERATOR`).
 pub async fn with_tokens(config: RegistryConfig) -> TestApp {
+    let tokens = serde_json::json!({"tokens": [
+        {"name": "agent", "role": "agent", "sha256": sha256_hex(AGENT)},
+        {"name": "reader", "role": "reader", "sha256": sha256_hex(READER)},
+    ]});
+    with_token_file(config, tokens, OPERATOR).await
+}
+
+/// A secret's SHA-256 in hex, as a token file holds it.
+pub fn sha256_hex(secret: &str) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(secret.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// A router whose server has the tokens of `tokens` (a token file's JSON)
+/// and the operator's secret `operator`.
+pub async fn with_token_file(
+    config: RegistryConfig,
+    tokens: serde_json::Value,
+    operator: &str,
+) -> TestApp {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("tokens.json");
-    let sha = |s: &str| {
-        use sha2::Digest;
-        sha2::Sha256::digest(s.as_bytes())
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<String>()
-    };
-    let tokens = serde_json::json!({"tokens": [
-        {"name": "agent", "role": "agent", "sha256": sha(AGENT)},
-        {"name": "reader", "role": "reader", "sha256": sha(READER)},
-    ]});
     std::fs::write(&file, tokens.to_string()).unwrap();
-    let auth = Auth::load(Some(&file), Some(OPERATOR)).unwrap();
+    let auth = Auth::load(Some(&file), Some(operator)).unwrap();
     test_app_auth(config, HttpConfig::default(), auth).await
 }
 
