@@ -37,6 +37,15 @@ struct Shard<T: ?Sized> {
 /// Shards per table (a power of two).
 const SHARDS: usize = 64;
 
+/// The shard of a value with this hash, from bits its table does not use:
+/// a table finds a slot by the hash's low bits and tells the entries in a
+/// group apart by its top seven (hashbrown's tag). Shards picked by the
+/// top bits left all of a shard's entries two tags, and a lookup compared
+/// about half the entries of each group it probed.
+fn shard_of(hash: u64) -> usize {
+    (hash >> 40) as usize % SHARDS
+}
+
 /// Shard sizes below which a shard is never swept.
 const SWEEP_FROM: usize = 256;
 
@@ -82,8 +91,7 @@ impl<T: ?Sized + Hash + Eq> Table<T> {
         same: impl Fn(&Arc<T>) -> bool,
         make: impl FnOnce() -> Arc<T>,
     ) -> Arc<T> {
-        // The top bits pick the shard; the table uses the low ones.
-        let shard = &self.shards[(hash >> (64 - SHARDS.trailing_zeros())) as usize];
+        let shard = &self.shards[shard_of(hash)];
         let mut shard = shard.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some((_, found)) = shard.set.find(hash, |(h, v)| *h == hash && same(v)) {
             return found.clone();
@@ -368,6 +376,26 @@ fn body(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A shard's entries keep every tag their table tells them apart by:
+    /// the shard depends on neither the hash's top seven bits nor the low
+    /// ones a table of a million slots uses, and every shard is used.
+    #[test]
+    fn the_shard_leaves_the_tables_bits_alone() {
+        let mut used = [false; SHARDS];
+        let mut rng = fastrand::Rng::with_seed(3);
+        for _ in 0..10_000 {
+            let h = rng.u64(..);
+            used[shard_of(h)] = true;
+            assert_eq!(shard_of(h), shard_of(h ^ (0x7f << 57)), "{h:#x}: top bits");
+            assert_eq!(
+                shard_of(h),
+                shard_of(h ^ ((1 << 20) - 1)),
+                "{h:#x}: low bits"
+            );
+        }
+        assert!(used.iter().all(|u| *u), "every shard is used");
+    }
 
     #[test]
     fn equal_strings_and_bodies_are_one_allocation() {
