@@ -181,7 +181,7 @@ impl AsyncWrite for Connection {
 type Incoming = hyper::Request<hyper::body::Incoming>;
 
 /// The router as hyper calls it.
-type Routed = TowerToHyperService<Router>;
+type Routed = TowerToHyperService<crate::http::Served>;
 
 /// The router, as hyper calls it for one connection: every request
 /// carries the connection's [`StreamSocket`] (an `Arc` clone and an
@@ -301,6 +301,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) {
     let graceful = GracefulShutdown::new();
+    let router = crate::http::served(router);
     let mut shutdown = pin!(shutdown);
     let mut accept_failing = false;
     loop {

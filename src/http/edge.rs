@@ -1,19 +1,33 @@
-//! What every request passes through, in one middleware (each axum
-//! `from_fn` layer costs a boxed future and a service clone per request,
-//! so the edge is one layer, not five): a span with the request ID, the
-//! host and cross-site checks (`site.rs`), authorization, the time bound
-//! on requests that do not wait, problem+json for axum's bare 405,
+//! What every request passes through, in one layer of the router (each
+//! layer costs a boxed future and a service clone per request, so the edge
+//! is one layer, not five): a span with the request ID, the host and
+//! cross-site checks (`site.rs`), authorization, the body limit, the time
+//! bound on requests that do not wait, problem+json for axum's bare 405,
 //! `?pretty`, and the request metrics.
+//!
+//! A long-poll holds its request's futures for all of its wait, so their
+//! size is memory per parked request: the edge is a layer of its own
+//! rather than axum's `middleware::from_fn` (whose future keeps the
+//! request's parts beside the middleware's and reaches the route through
+//! one more boxed service), and the futures that only some requests await
+//! (a JWT issuer's keys re-read, `?pretty`) are boxed when they are.
 
-use std::{sync::Arc, task::Poll, time::Duration};
+use std::{
+    convert::Infallible,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::{Duration, Instant},
+};
 
 use axum::{
     body::Body,
-    extract::{MatchedPath, Request, State},
+    extract::{DefaultBodyLimit, MatchedPath, Request},
     http::{HeaderValue, Method, StatusCode, header},
-    middleware::Next,
     response::{IntoResponse, Response},
+    routing::{Route, future::RouteFuture},
 };
+use tower::{Layer, Service};
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
@@ -66,26 +80,155 @@ fn client_request_id(req: &Request) -> Option<HeaderValue> {
     ok.then(|| v.clone())
 }
 
-/// Counts a request whose client went away before its answer (the future
-/// dropped mid-way) as status 499, as nginx does, so it is not lost from the
-/// metrics; a request that ends normally disarms it.
-struct Abandoned<'a> {
-    edge: &'a Edge,
-    method: &'a Method,
-    route: Option<&'a str>,
-    started: std::time::Instant,
-    span: &'a tracing::Span,
-    armed: bool,
+/// The edge as the router's layer (`Router::layer`): every route's
+/// requests, and the fallback's, pass through it.
+#[derive(Clone)]
+pub struct EdgeLayer(pub Arc<Edge>);
+
+impl Layer<Route> for EdgeLayer {
+    type Service = EdgeService;
+
+    fn layer(&self, route: Route) -> EdgeService {
+        EdgeService {
+            edge: self.0.clone(),
+            route,
+        }
+    }
 }
 
-impl Drop for Abandoned<'_> {
+/// A route behind the edge.
+#[derive(Clone)]
+pub struct EdgeService {
+    edge: Arc<Edge>,
+    route: Route,
+}
+
+impl Service<Request> for EdgeService {
+    type Response = Response;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        // A route is always ready.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request) -> Self::Future {
+        let passing = Passing::new(self.edge.clone(), &req);
+        let span = passing.span.clone();
+        Box::pin(edge(passing, self.route.clone(), req).instrument(span))
+    }
+}
+
+/// A request passing the edge: what its closing log line and metrics
+/// need. Dropped before it is answered (the client went away, and its
+/// future with it), it counts the request as status 499, as nginx does, so
+/// that it is not lost from the metrics.
+struct Passing {
+    edge: Arc<Edge>,
+    started: Instant,
+    method: Method,
+    matched: Option<MatchedPath>,
+    request_id: HeaderValue,
+    span: tracing::Span,
+    /// `?pretty`: the JSON answer is re-rendered indented.
+    pretty: bool,
+    answered: bool,
+}
+
+impl Passing {
+    fn new(edge: Arc<Edge>, req: &Request) -> Self {
+        let started = Instant::now();
+        let method = req.method().clone();
+        let matched = req.extensions().get::<MatchedPath>().cloned();
+        let route = matched.as_ref().map(MatchedPath::as_str);
+        let request_id = client_request_id(req).unwrap_or_else(|| {
+            HeaderValue::from_str(&format!("{:032x}", fastrand::u128(..)))
+                .expect("hex is a valid header value")
+        });
+        let span = if edge.traces {
+            traced(&method, route, &request_id, req.uri().path())
+        } else {
+            tracing::info_span!(
+                "request",
+                method = %method,
+                route = route.unwrap_or("unmatched"),
+                request_id = request_id.to_str().unwrap_or_default(),
+            )
+        };
+        let pretty = req.uri().query().is_some_and(|q| {
+            query_pairs(Some(q)).is_some_and(|pairs| {
+                pairs
+                    .iter()
+                    .any(|(k, v)| k == PRETTY && pretty_on(v) == Some(true))
+            })
+        });
+        Self {
+            edge,
+            started,
+            method,
+            matched,
+            request_id,
+            span,
+            pretty,
+            answered: false,
+        }
+    }
+
+    /// The matched route, if any.
+    fn route(&self) -> Option<&str> {
+        self.matched.as_ref().map(MatchedPath::as_str)
+    }
+
+    /// The request's closing log line and metrics; the answer with the
+    /// request ID and the store's ID.
+    fn answered(mut self, mut res: Response) -> Response {
+        self.answered = true;
+        // Status and latency go on the request's closing event rather than
+        // being recorded into the span: recording re-renders the span's
+        // fields, a cost every request would pay even when nothing is
+        // logged.
+        let latency = self.started.elapsed();
+        let status = res.status().as_u16();
+        if self.edge.traces {
+            answered(&self.span, status);
+        }
+        let latency_ms = latency.as_secs_f64() * 1000.0;
+        // A parked wait answered 503 `shutting_down` is the shutdown
+        // working as designed (every parked request gets one), not a
+        // failure; a 503 `jwt_keys_unavailable` is a refusal, logged at
+        // info (anyone can get one with a made-up `kid`).
+        let by_design = res
+            .extensions()
+            .get::<super::error::ProblemCode>()
+            .is_some_and(|c| c.0 == "shutting_down" || c.0 == "jwt_keys_unavailable");
+        if status >= 500 && !by_design {
+            tracing::warn!(parent: &self.span, status, latency_ms, "request failed");
+        } else {
+            tracing::debug!(parent: &self.span, status, latency_ms, "request");
+        }
+        self.edge.metrics.http_request(
+            self.method.as_str(),
+            self.route().unwrap_or("unmatched"),
+            status,
+            latency,
+        );
+        let request_id = std::mem::replace(&mut self.request_id, HeaderValue::from_static(""));
+        res.headers_mut().insert(REQUEST_ID_HEADER, request_id);
+        res.headers_mut()
+            .insert(STORE_HEADER, self.edge.store_id.clone());
+        res
+    }
+}
+
+impl Drop for Passing {
     fn drop(&mut self) {
-        if self.armed {
+        if !self.answered {
             let latency = self.started.elapsed();
-            tracing::debug!(parent: self.span, latency_ms = latency.as_secs_f64() * 1000.0, "the client went away before its answer");
+            tracing::debug!(parent: &self.span, latency_ms = latency.as_secs_f64() * 1000.0, "the client went away before its answer");
             self.edge.metrics.http_request(
                 self.method.as_str(),
-                self.route.unwrap_or("unmatched"),
+                self.route().unwrap_or("unmatched"),
                 499,
                 latency,
             );
@@ -93,43 +236,18 @@ impl Drop for Abandoned<'_> {
     }
 }
 
-pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Response {
-    let started = std::time::Instant::now();
-    let method = req.method().clone();
-    let matched = req.extensions().get::<MatchedPath>().cloned();
-    let route = matched.as_ref().map(MatchedPath::as_str);
-    let request_id = client_request_id(&req).unwrap_or_else(|| {
-        HeaderValue::from_str(&format!("{:032x}", fastrand::u128(..)))
-            .expect("hex is a valid header value")
-    });
-    let span = if edge.traces {
-        traced(&method, route, &request_id, req.uri().path())
-    } else {
-        tracing::info_span!(
-            "request",
-            method = %method,
-            route = route.unwrap_or("unmatched"),
-            request_id = request_id.to_str().unwrap_or_default(),
-        )
-    };
-    let pretty = req.uri().query().is_some_and(|q| {
-        query_pairs(Some(q)).is_some_and(|pairs| {
-            pairs
-                .iter()
-                .any(|(k, v)| k == PRETTY && pretty_on(v) == Some(true))
-        })
-    });
-
-    let mut abandoned = Abandoned {
-        edge: &edge,
-        method: &method,
-        route,
-        started,
-        span: &span,
-        armed: true,
-    };
-    let mut res = async {
-        let mut req = req;
+/// Everything the edge does with a request but what `Passing` does, in
+/// the request's span (`EdgeService::call`). One future, taking the
+/// request once: each future that takes it by value keeps room for it for
+/// as long as it lives.
+async fn edge(
+    passing: Passing,
+    mut route: Route,
+    mut req: Request,
+) -> Result<Response, Infallible> {
+    let edge = &*passing.edge;
+    let matched = passing.route();
+    let res = 'answer: {
         if let Err(refused) = edge.site.admit(&req) {
             // Client-given values, Debug-quoted: a log line stays one line.
             tracing::info!(
@@ -140,26 +258,33 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
                 refused.answer.status.as_u16(),
                 refused.why
             );
-            return refused.answer.into_response();
+            break 'answer refused.answer.into_response();
         }
-        let (checked, decided) = edge.auth.check(req, route).await;
-        req = checked;
+        let decided = match edge.auth.check_now(&req, matched) {
+            Ok(decided) => decided,
+            Err(keys) => {
+                let (checked, decided) =
+                    Box::pin(edge.auth.check_after_reread(req, matched, keys)).await;
+                req = checked;
+                decided
+            }
+        };
         let caller = match decided {
             Ok(caller) => caller,
-            Err(denied) => return *denied,
+            Err(denied) => break 'answer *denied,
         };
-        let waits = (method == Method::GET || method == Method::HEAD)
-            && route.is_some_and(|r| WAITING_ROUTES.contains(&r));
-        let stream = waits && route == Some(STREAM_ROUTE);
+        let waits = (req.method() == Method::GET || req.method() == Method::HEAD)
+            && matched.is_some_and(|r| WAITING_ROUTES.contains(&r));
+        let stream = waits && matched == Some(STREAM_ROUTE);
         // A token's waits count against its own limit while they last. A
         // stream always waits, so it takes its wait here; the other
-        // waiting routes take one only if they park (`parked_with_slot`).
+        // waiting routes take one only if they park (`handle`).
         let mut stream_slot = None;
         if let Some(token) = &caller {
             if stream {
                 match edge.auth.wait_slot(token) {
                     Some(slot) => stream_slot = Some(slot),
-                    None => return quota_exceeded(token),
+                    None => break 'answer quota_exceeded(token),
                 }
             }
             // Registration applies the caller's own quota and checks its
@@ -169,15 +294,17 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
                 .insert(super::auth::Caller(token.clone()));
         }
         if announced_length(&req).is_some_and(|n| n > edge.body_limit as u64) {
-            return payload_too_large().into_response();
+            break 'answer payload_too_large().into_response();
         }
+        DefaultBodyLimit::max(edge.body_limit).apply(&mut req);
+        let handler = route.call(req);
+        // The route's clone goes now rather than with the request.
+        drop(route);
+        let parks = caller.as_ref().filter(|_| waits && !stream);
         let res = if waits {
-            match caller.as_ref().filter(|_| !stream) {
-                Some(token) => parked_with_slot(&edge.auth, token, next.run(req)).await,
-                None => next.run(req).await,
-            }
+            handle(handler, parks.map(|token| (&*edge.auth, token))).await
         } else {
-            match tokio::time::timeout(edge.request_timeout, next.run(req)).await {
+            match tokio::time::timeout(edge.request_timeout, handle(handler, None)).await {
                 Ok(res) => res,
                 Err(_) => timed_out(),
             }
@@ -188,45 +315,13 @@ pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Re
             // slot goes with it.
             res = res.map(|body| axum::body::Body::new(Holding { body, _slot: slot }));
         }
-        if pretty { prettify(res).await } else { res }
-    }
-    .instrument(span.clone())
-    .await;
-
-    abandoned.armed = false;
-    drop(abandoned);
-    // Status and latency go on the request's closing event rather than
-    // being recorded into the span: recording re-renders the span's fields,
-    // a cost every request would pay even when nothing is logged.
-    let latency = started.elapsed();
-    let status = res.status().as_u16();
-    if edge.traces {
-        answered(&span, status);
-    }
-    let latency_ms = latency.as_secs_f64() * 1000.0;
-    // A parked wait answered 503 `shutting_down` is the shutdown working
-    // as designed (every parked request gets one), not a failure; a 503
-    // `jwt_keys_unavailable` is a refusal, logged at info (anyone can get
-    // one with a made-up `kid`).
-    let by_design = res
-        .extensions()
-        .get::<super::error::ProblemCode>()
-        .is_some_and(|c| c.0 == "shutting_down" || c.0 == "jwt_keys_unavailable");
-    if status >= 500 && !by_design {
-        tracing::warn!(parent: &span, status, latency_ms, "request failed");
-    } else {
-        tracing::debug!(parent: &span, status, latency_ms, "request");
-    }
-    edge.metrics.http_request(
-        method.as_str(),
-        route.unwrap_or("unmatched"),
-        status,
-        latency,
-    );
-    res.headers_mut().insert(REQUEST_ID_HEADER, request_id);
-    res.headers_mut()
-        .insert(STORE_HEADER, edge.store_id.clone());
-    res
+        if passing.pretty {
+            Box::pin(prettify(res)).await
+        } else {
+            res
+        }
+    };
+    Ok(passing.answered(res))
 }
 
 /// With traces on, the request's span: as without them, named as
@@ -281,32 +376,34 @@ fn quota_exceeded(token: &Token) -> Response {
     .into_response()
 }
 
-/// Runs a request of a waiting route (not the stream) for `token`, which
-/// takes one of the token's waits when, and only if, it parks, and holds
-/// it until it answers: a plain GET, or a blocking query or start-condition
-/// that answers at once, is no wait. It parks when its handler's future is
-/// first pending: these handlers await nothing but the registry's wait,
-/// which parks before it awaits, and answers without awaiting when it
-/// need not wait (the test `only_parked_requests_hold_a_token_s_waits`
-/// holds them to that). Taken here rather than in the registry, which
-/// knows nothing of tokens. With no wait left, the parked request is let
-/// go (dropping its future unparks it) and answered 429.
-async fn parked_with_slot(
-    auth: &Auth,
-    token: &Arc<Token>,
-    run: impl Future<Output = Response>,
+/// Runs the route's handler. A request of a waiting route (not the
+/// stream) made with a token (`parks`) takes one of the token's waits
+/// when, and only if, it parks, and holds it until it answers: a plain
+/// GET, or a blocking query or start-condition that answers at once, is no
+/// wait. It parks when its handler's future is first pending: these
+/// handlers await nothing but the registry's wait, which parks before it
+/// awaits, and answers without awaiting when it need not wait (the test
+/// `only_parked_requests_hold_a_token_s_waits` holds them to that). Taken
+/// here rather than in the registry, which knows nothing of tokens. With
+/// no wait left, the parked request is let go (dropping its future unparks
+/// it) and answered 429.
+async fn handle(
+    mut handler: RouteFuture<Infallible>,
+    parks: Option<(&Auth, &Arc<Token>)>,
 ) -> Response {
-    let mut run = std::pin::pin!(run);
     let mut slot = None;
-    std::future::poll_fn(|cx| match run.as_mut().poll(cx) {
-        Poll::Ready(res) => Poll::Ready(res),
-        Poll::Pending if slot.is_some() => Poll::Pending,
-        Poll::Pending => match auth.wait_slot(token) {
-            Some(taken) => {
-                slot = Some(taken);
-                Poll::Pending
-            }
-            None => Poll::Ready(quota_exceeded(token)),
+    std::future::poll_fn(|cx| match Pin::new(&mut handler).poll(cx) {
+        Poll::Ready(Ok(res)) => Poll::Ready(res),
+        Poll::Ready(Err(never)) => match never {},
+        Poll::Pending => match parks {
+            Some((auth, token)) if slot.is_none() => match auth.wait_slot(token) {
+                Some(taken) => {
+                    slot = Some(taken);
+                    Poll::Pending
+                }
+                None => Poll::Ready(quota_exceeded(token)),
+            },
+            _ => Poll::Pending,
         },
     })
     .await
