@@ -85,9 +85,21 @@ impl Default for HttpConfig {
 /// reading, so this bounds what streams can take to 256 MiB.
 pub const DEFAULT_MAX_STREAMS: usize = 1024;
 
-/// What every handler gets.
+/// What every handler gets: one pointer, copied into each request's
+/// futures (axum's and the handler's) for as long as a long-poll waits.
 #[derive(Clone)]
-pub struct AppState {
+pub struct AppState(Arc<AppStateInner>);
+
+impl std::ops::Deref for AppState {
+    type Target = AppStateInner;
+
+    fn deref(&self) -> &AppStateInner {
+        &self.0
+    }
+}
+
+/// What `AppState` points to.
+pub struct AppStateInner {
     pub registry: Registry,
     pub config: HttpConfig,
     /// One permit per open event stream (`config.max_streams`).
@@ -96,7 +108,7 @@ pub struct AppState {
     openapi: Arc<str>,
 }
 
-impl AppState {
+impl AppStateInner {
     /// How long a wait may last: the asked `wait` (or the default), capped,
     /// plus a random jitter of up to a sixteenth so that many clients with
     /// the same timeout do not all come back at once.
@@ -197,12 +209,12 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
         store_id: HeaderValue::from_str(store_id.as_str())
             .unwrap_or_else(|_| HeaderValue::from_static("unidentified")),
     };
-    let state = AppState {
+    let state = AppState(Arc::new(AppStateInner {
         registry,
         streams: Arc::new(tokio::sync::Semaphore::new(config.max_streams)),
         config,
         openapi: openapi::document().into(),
-    };
+    }));
     let api = Router::new()
         .route("/v1/allocations", get(allocations::list))
         .route(
