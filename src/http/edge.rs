@@ -6,11 +6,14 @@
 //! `?pretty`, and the request metrics.
 //!
 //! A long-poll holds its request's futures for all of its wait, so their
-//! size is memory per parked request: the edge is a layer of its own
+//! size is memory per parked request. The edge is a layer of its own
 //! rather than axum's `middleware::from_fn` (whose future keeps the
 //! request's parts beside the middleware's and reaches the route through
-//! one more boxed service), and the futures that only some requests await
-//! (a JWT issuer's keys re-read, `?pretty`) are boxed when they are.
+//! one more boxed service); it decides a request before its future starts
+//! (`arrive`, `admit`), so that the future holds the called handler and
+//! not the request too; and what only some requests await is not inline
+//! in everyone's (a JWT issuer's keys re-read is a future of its own,
+//! `?pretty` is boxed).
 
 use std::{
     convert::Infallible,
@@ -32,7 +35,7 @@ use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use super::{
-    auth::{Auth, STREAM_ROUTE, Token},
+    auth::{Auth, Decision, KeysToReread, STREAM_ROUTE, Token, WaitSlot},
     error::{ApiError, payload_too_large},
     query::{PRETTY, pretty_on, query_pairs},
 };
@@ -116,7 +119,110 @@ impl Service<Request> for EdgeService {
     fn call(&mut self, req: Request) -> Self::Future {
         let passing = Passing::new(self.edge.clone(), &req);
         let span = passing.span.clone();
-        Box::pin(edge(passing, self.route.clone(), req).instrument(span))
+        match span.in_scope(|| arrive(&passing, req, &mut self.route)) {
+            Arrival::Admitted(admitted) => Box::pin(edge(passing, admitted).instrument(span)),
+            Arrival::Reread(req, keys) => {
+                // A future of its own: the requests that need no keys
+                // re-read carry no room for the wait.
+                let mut route = self.route.clone();
+                let reread = async move {
+                    let auth = &passing.edge.auth;
+                    let (req, decided) = auth.check_after_reread(req, passing.route(), keys).await;
+                    let admitted = admit(&passing, req, decided, &mut route);
+                    edge(passing, admitted).await
+                };
+                Box::pin(reread.instrument(span))
+            }
+        }
+    }
+}
+
+/// What the edge makes of a request when it arrives.
+enum Arrival {
+    Admitted(Admitted),
+    /// Its JWT names a key that its issuer's keys lack: they are re-read
+    /// before it is decided.
+    Reread(Request, KeysToReread),
+}
+
+/// A request decided by the edge.
+#[allow(clippy::large_enum_variant)] // boxing the handler would cost every request an allocation
+enum Admitted {
+    /// Refused, or answered by the edge itself.
+    Answer(Response),
+    /// Let through: its route's handler, called.
+    Handler {
+        handler: RouteFuture<Infallible>,
+        /// The token whose wait the request takes if it parks (`handled`).
+        parks: Option<Arc<Token>>,
+        /// The wait an event stream took of its token.
+        stream_slot: Option<WaitSlot>,
+        /// Whether the route may wait (then no request timeout).
+        waits: bool,
+    },
+}
+
+/// The host and cross-site checks, and authorization when it need not
+/// wait (`Auth::check_now`); then `admit`.
+fn arrive(passing: &Passing, req: Request, route: &mut Route) -> Arrival {
+    let edge = &*passing.edge;
+    if let Err(refused) = edge.site.admit(&req) {
+        // Client-given values, Debug-quoted: a log line stays one line.
+        tracing::info!(
+            host = ?req.headers().get(header::HOST),
+            origin = ?req.headers().get(header::ORIGIN),
+            sec_fetch_site = ?req.headers().get("sec-fetch-site"),
+            "refused ({}): {}",
+            refused.answer.status.as_u16(),
+            refused.why
+        );
+        return Arrival::Admitted(Admitted::Answer(refused.answer.into_response()));
+    }
+    match edge.auth.check_now(&req, passing.route()) {
+        Ok(decided) => Arrival::Admitted(admit(passing, req, decided, route)),
+        Err(keys) => Arrival::Reread(req, keys),
+    }
+}
+
+/// The rest of the edge's decisions once authorization `decided`: a
+/// token's waits, the body limit; a request let through has its handler
+/// called.
+fn admit(passing: &Passing, mut req: Request, decided: Decision, route: &mut Route) -> Admitted {
+    let edge = &*passing.edge;
+    let matched = passing.route();
+    let caller = match decided {
+        Ok(caller) => caller,
+        Err(denied) => return Admitted::Answer(*denied),
+    };
+    let waits = (passing.method == Method::GET || passing.method == Method::HEAD)
+        && matched.is_some_and(|r| WAITING_ROUTES.contains(&r));
+    let stream = waits && matched == Some(STREAM_ROUTE);
+    // A token's waits count against its own limit while they last. A
+    // stream always waits, so it takes its wait here; the other waiting
+    // routes take one only if they park (`handled`).
+    let mut stream_slot = None;
+    if let Some(token) = &caller {
+        if stream {
+            match edge.auth.wait_slot(token) {
+                Some(slot) => stream_slot = Some(slot),
+                None => return Admitted::Answer(quota_exceeded(token)),
+            }
+        }
+        // Registration applies the caller's own quota and checks its
+        // dependencies' targets; a task query counts as a sign of life
+        // only from a caller that may act for the task.
+        req.extensions_mut()
+            .insert(super::auth::Caller(token.clone()));
+    }
+    if announced_length(&req).is_some_and(|n| n > edge.body_limit as u64) {
+        return Admitted::Answer(payload_too_large().into_response());
+    }
+    DefaultBodyLimit::max(edge.body_limit).apply(&mut req);
+    Admitted::Handler {
+        handler: route.call(req),
+        parks: caller.filter(|_| waits && !stream),
+        stream_slot,
+        waits,
     }
 }
 
@@ -236,92 +342,53 @@ impl Drop for Passing {
     }
 }
 
-/// Everything the edge does with a request but what `Passing` does, in
-/// the request's span (`EdgeService::call`). One future, taking the
-/// request once: each future that takes it by value keeps room for it for
-/// as long as it lives.
-async fn edge(
+/// A decided request to its answer, in the request's span
+/// (`EdgeService::call`): its handler run (within the request timeout,
+/// unless its route waits), then `Passing::answered`. A function returning
+/// an `async` block rather than an `async fn`, which would keep a second
+/// copy of each argument: a long-poll holds this future for all of its
+/// wait.
+#[allow(clippy::manual_async_fn)] // see above
+fn edge(
     passing: Passing,
-    mut route: Route,
-    mut req: Request,
-) -> Result<Response, Infallible> {
-    let edge = &*passing.edge;
-    let matched = passing.route();
-    let res = 'answer: {
-        if let Err(refused) = edge.site.admit(&req) {
-            // Client-given values, Debug-quoted: a log line stays one line.
-            tracing::info!(
-                host = ?req.headers().get(header::HOST),
-                origin = ?req.headers().get(header::ORIGIN),
-                sec_fetch_site = ?req.headers().get("sec-fetch-site"),
-                "refused ({}): {}",
-                refused.answer.status.as_u16(),
-                refused.why
-            );
-            break 'answer refused.answer.into_response();
-        }
-        let decided = match edge.auth.check_now(&req, matched) {
-            Ok(decided) => decided,
-            Err(keys) => {
-                let (checked, decided) =
-                    Box::pin(edge.auth.check_after_reread(req, matched, keys)).await;
-                req = checked;
-                decided
-            }
-        };
-        let caller = match decided {
-            Ok(caller) => caller,
-            Err(denied) => break 'answer *denied,
-        };
-        let waits = (req.method() == Method::GET || req.method() == Method::HEAD)
-            && matched.is_some_and(|r| WAITING_ROUTES.contains(&r));
-        let stream = waits && matched == Some(STREAM_ROUTE);
-        // A token's waits count against its own limit while they last. A
-        // stream always waits, so it takes its wait here; the other
-        // waiting routes take one only if they park (`handle`).
-        let mut stream_slot = None;
-        if let Some(token) = &caller {
-            if stream {
-                match edge.auth.wait_slot(token) {
-                    Some(slot) => stream_slot = Some(slot),
-                    None => break 'answer quota_exceeded(token),
+    mut admitted: Admitted,
+) -> impl Future<Output = Result<Response, Infallible>> + Send {
+    async move {
+        let res = match &mut admitted {
+            Admitted::Answer(res) => std::mem::take(res),
+            Admitted::Handler {
+                handler,
+                parks,
+                stream_slot,
+                waits,
+            } => {
+                let edge = &*passing.edge;
+                let parks = parks.as_ref().map(|token| (&*edge.auth, token));
+                let mut slot = None;
+                let run = std::future::poll_fn(|cx| handled(handler, parks, &mut slot, cx));
+                let res = if *waits {
+                    run.await
+                } else {
+                    match tokio::time::timeout(edge.request_timeout, run).await {
+                        Ok(res) => res,
+                        Err(_) => timed_out(),
+                    }
+                };
+                let mut res = problem_for_bare_405(res);
+                if let Some(slot) = stream_slot.take() {
+                    // A stream waits in its body, after this returns: the
+                    // token's slot goes with it.
+                    res = res.map(|body| axum::body::Body::new(Holding { body, _slot: slot }));
+                }
+                if passing.pretty {
+                    Box::pin(prettify(res)).await
+                } else {
+                    res
                 }
             }
-            // Registration applies the caller's own quota and checks its
-            // dependencies' targets; a task query counts as a sign of life
-            // only from a caller that may act for the task.
-            req.extensions_mut()
-                .insert(super::auth::Caller(token.clone()));
-        }
-        if announced_length(&req).is_some_and(|n| n > edge.body_limit as u64) {
-            break 'answer payload_too_large().into_response();
-        }
-        DefaultBodyLimit::max(edge.body_limit).apply(&mut req);
-        let handler = route.call(req);
-        // The route's clone goes now rather than with the request.
-        drop(route);
-        let parks = caller.as_ref().filter(|_| waits && !stream);
-        let res = if waits {
-            handle(handler, parks.map(|token| (&*edge.auth, token))).await
-        } else {
-            match tokio::time::timeout(edge.request_timeout, handle(handler, None)).await {
-                Ok(res) => res,
-                Err(_) => timed_out(),
-            }
         };
-        let mut res = problem_for_bare_405(res);
-        if let Some(slot) = stream_slot {
-            // A stream waits in its body, after this returns: the token's
-            // slot goes with it.
-            res = res.map(|body| axum::body::Body::new(Holding { body, _slot: slot }));
-        }
-        if passing.pretty {
-            Box::pin(prettify(res)).await
-        } else {
-            res
-        }
-    };
-    Ok(passing.answered(res))
+        Ok(passing.answered(res))
+    }
 }
 
 /// With traces on, the request's span: as without them, named as
@@ -376,37 +443,37 @@ fn quota_exceeded(token: &Token) -> Response {
     .into_response()
 }
 
-/// Runs the route's handler. A request of a waiting route (not the
+/// Polls the route's handler. A request of a waiting route (not the
 /// stream) made with a token (`parks`) takes one of the token's waits
-/// when, and only if, it parks, and holds it until it answers: a plain
-/// GET, or a blocking query or start-condition that answers at once, is no
-/// wait. It parks when its handler's future is first pending: these
-/// handlers await nothing but the registry's wait, which parks before it
-/// awaits, and answers without awaiting when it need not wait (the test
-/// `only_parked_requests_hold_a_token_s_waits` holds them to that). Taken
-/// here rather than in the registry, which knows nothing of tokens. With
-/// no wait left, the parked request is let go (dropping its future unparks
-/// it) and answered 429.
-async fn handle(
-    mut handler: RouteFuture<Infallible>,
+/// when, and only if, it parks, and holds it (in `slot`) until it answers:
+/// a plain GET, or a blocking query or start-condition that answers at
+/// once, is no wait. It parks when its handler's future is first pending:
+/// these handlers await nothing but the registry's wait, which parks
+/// before it awaits, and answers without awaiting when it need not wait
+/// (the test `only_parked_requests_hold_a_token_s_waits` holds them to
+/// that). Taken here rather than in the registry, which knows nothing of
+/// tokens. With no wait left, the parked request is let go (dropping its
+/// future unparks it) and answered 429.
+fn handled(
+    handler: &mut RouteFuture<Infallible>,
     parks: Option<(&Auth, &Arc<Token>)>,
-) -> Response {
-    let mut slot = None;
-    std::future::poll_fn(|cx| match Pin::new(&mut handler).poll(cx) {
+    slot: &mut Option<WaitSlot>,
+    cx: &mut Context<'_>,
+) -> Poll<Response> {
+    match Pin::new(handler).poll(cx) {
         Poll::Ready(Ok(res)) => Poll::Ready(res),
         Poll::Ready(Err(never)) => match never {},
         Poll::Pending => match parks {
             Some((auth, token)) if slot.is_none() => match auth.wait_slot(token) {
                 Some(taken) => {
-                    slot = Some(taken);
+                    *slot = Some(taken);
                     Poll::Pending
                 }
                 None => Poll::Ready(quota_exceeded(token)),
             },
             _ => Poll::Pending,
         },
-    })
-    .await
+    }
 }
 
 /// The body length a request announces in `Content-Length`.
