@@ -106,7 +106,13 @@ impl StreamSocket {
 /// A served TCP connection (under TLS, if any): the stream, bounded in how
 /// long a write may wait, and what its requests ask of its socket.
 struct Connection {
-    io: Pin<Box<tokio_io_timeout::TimeoutStream<TcpStream>>>,
+    io: TcpStream,
+    /// Longest time a write may wait for the client to read.
+    write_timeout: Duration,
+    /// Runs out `write_timeout` after a write was first found waiting for
+    /// the client; gone once a write is done. Made only then, and boxed:
+    /// the connections that are not writing (idle, parked) hold no timer.
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Marked by the event stream's handler; read by the writes, which run
     /// on the connection's own task after the handler answered (no
     /// ordering beyond the task's own is needed).
@@ -127,10 +133,35 @@ impl Connection {
             // Linux doubles the value asked for (the other half is its
             // bookkeeping) and counts that against the buffer: half is
             // asked so that what the kernel holds is `bytes`.
-            let socket = self.io.get_ref();
-            if let Err(e) = rustix::net::sockopt::set_socket_send_buffer_size(socket, bytes / 2) {
+            if let Err(e) = rustix::net::sockopt::set_socket_send_buffer_size(&self.io, bytes / 2) {
                 tracing::debug!(error = %e, "cannot set an event stream's send buffer");
             }
+        }
+    }
+
+    /// A write (or flush, or shutdown) as polled, bounded: one still
+    /// waiting for the client to read `write_timeout` after a write was
+    /// first found waiting fails (`TimedOut`, which ends the connection);
+    /// one that is done ends the wait.
+    fn bounded<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<std::io::Result<T>>,
+    ) -> Poll<std::io::Result<T>> {
+        if polled.is_ready() {
+            self.stalled = None;
+            return polled;
+        }
+        let timeout = self.write_timeout;
+        let stalled = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        match stalled.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                self.stalled = None;
+                Poll::Ready(Err(std::io::ErrorKind::TimedOut.into()))
+            }
+            Poll::Pending => Poll::Pending,
         }
     }
 }
@@ -141,39 +172,71 @@ impl AsyncRead for Connection {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        self.io.as_mut().poll_read(cx, buf)
+        Pin::new(&mut self.io).poll_read(cx, buf)
     }
 }
 
 impl AsyncWrite for Connection {
     fn poll_write(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        self.before_write();
-        self.io.as_mut().poll_write(cx, buf)
+        let this = self.get_mut();
+        this.before_write();
+        let polled = Pin::new(&mut this.io).poll_write(cx, buf);
+        this.bounded(cx, polled)
     }
 
     fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        self.before_write();
-        self.io.as_mut().poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        this.before_write();
+        let polled = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
+        this.bounded(cx, polled)
     }
 
     fn is_write_vectored(&self) -> bool {
         self.io.is_write_vectored()
     }
 
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        self.io.as_mut().poll_flush(cx)
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.io).poll_flush(cx);
+        this.bounded(cx, polled)
     }
 
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        self.io.as_mut().poll_shutdown(cx)
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.io).poll_shutdown(cx);
+        this.bounded(cx, polled)
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A plain connection's task: serves it, says how it ended, and counts
+    /// it closed. A future of its own rather than an `async` block, which
+    /// would keep what the connection was made of beside the connection
+    /// for as long as it is open (a task is as large as its future).
+    struct Serving<F> {
+        #[pin]
+        conn: F,
+        open: Option<crate::metrics::OpenConnection>,
+    }
+}
+
+impl<F: Future<Output = Result<(), hyper::Error>>> Future for Serving<F> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.project();
+        let served = std::task::ready!(this.conn.poll(cx));
+        log_end(served);
+        this.open.take();
+        Poll::Ready(())
     }
 }
 
@@ -181,7 +244,7 @@ impl AsyncWrite for Connection {
 type Incoming = hyper::Request<hyper::body::Incoming>;
 
 /// The router as hyper calls it.
-type Routed = TowerToHyperService<Router>;
+type Routed = TowerToHyperService<crate::http::Served>;
 
 /// The router, as hyper calls it for one connection: every request
 /// carries the connection's [`StreamSocket`] (an `Arc` clone and an
@@ -301,6 +364,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) {
     let graceful = GracefulShutdown::new();
+    let router = crate::http::served(router);
     let mut shutdown = pin!(shutdown);
     let mut accept_failing = false;
     loop {
@@ -335,11 +399,11 @@ pub async fn serve(
         let open = options.metrics.open_connection();
         // A client that stops reading its answer is dropped after the
         // write timeout, not held (with its buffers) for ever.
-        let mut io = tokio_io_timeout::TimeoutStream::new(stream);
-        io.set_write_timeout(Some(options.write_timeout));
         let socket = StreamSocket::default();
         let stream = Connection {
-            io: Box::pin(io),
+            io: stream,
+            write_timeout: options.write_timeout,
+            stalled: None,
             marked: socket.clone(),
             send_buffer: options.stream_send_buffer,
         };
@@ -353,11 +417,10 @@ pub async fn serve(
         // TLS stream needs.
         match options.tls.clone() {
             None => {
-                let builder = http1_builder(&options);
-                tokio::spawn(async move {
-                    let conn = builder.serve_connection(TokioIo::new(stream), service);
-                    log_end(watcher.watch(conn).await);
-                    drop(open);
+                let conn = http1_builder(&options).serve_connection(TokioIo::new(stream), service);
+                tokio::spawn(Serving {
+                    conn: watcher.watch(conn),
+                    open: Some(open),
                 });
             }
             Some(acceptor) => {

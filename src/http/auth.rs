@@ -458,46 +458,71 @@ enum Refusal {
     Reread { issuer: usize, generation: u64 },
 }
 
+impl Refusal {
+    /// The answer to a refused request. A decision after a re-read asks
+    /// for none.
+    fn into_answer(self) -> Box<Response> {
+        match self {
+            Refusal::Answer(res) => res,
+            Refusal::Reread { .. } => {
+                Box::new(unauthorized("the keys of the JWT's issuer lack its key"))
+            }
+        }
+    }
+}
+
 /// Whether a bearer token is shaped as a JWT (three dot-separated parts).
 fn jwt_shaped(secret: &str) -> bool {
     secret.bytes().filter(|b| *b == b'.').count() == 2
 }
 
+/// What `Auth::check_now` and `Auth::check_after_reread` decide: `Ok` lets
+/// the request through, with the token it was made with (none when
+/// authentication is off or the route needs none); `Err` is the 401 or 403
+/// to answer.
+pub type Decision = Result<Option<Arc<Token>>, Box<Response>>;
+
+/// A request `Auth::check_now` could not decide: its JWT names a key that
+/// its issuer's keys lack, so they are re-read first
+/// (`Auth::check_after_reread`).
+pub struct KeysToReread {
+    issuer: usize,
+    generation: u64,
+}
+
 impl Auth {
-    /// Decides a request: `Ok` lets it through, with the token it was made
-    /// with (none when authentication is off or the route needs none);
-    /// `Err` is the 401 or 403 to answer. `route` is the matched route;
-    /// unknown routes pass (they answer 404 whoever asks: nothing is
-    /// behind them). The request is taken and given back because a JWT's
-    /// keys may have to be re-read first, and a borrowed request cannot
-    /// wait (its body is not `Sync`).
-    pub async fn check(
+    /// Decides a request without waiting, as nearly every one is.
+    /// `route` is the matched route; unknown routes pass (they answer 404
+    /// whoever asks: nothing is behind them). `Err` when the keys of the
+    /// JWT's issuer must be re-read first: then `check_after_reread`. Two
+    /// steps so that the wait, which takes the request (a borrowed request
+    /// cannot wait: its body is not `Sync`), is a future of its own that
+    /// the requests that do not need it do not carry.
+    pub fn check_now(&self, req: &Request, route: Option<&str>) -> Result<Decision, KeysToReread> {
+        match self.decide(req, route, Reread::NotYet) {
+            Err(Refusal::Reread { issuer, generation }) => Err(KeysToReread { issuer, generation }),
+            decided => Ok(decided.map_err(Refusal::into_answer)),
+        }
+    }
+
+    /// Re-reads the keys of the JWT's issuer that `check_now` found lacking
+    /// the key the token names, then decides; the request is given back.
+    pub async fn check_after_reread(
         &self,
         req: Request,
         route: Option<&str>,
-    ) -> (Request, Result<Option<Arc<Token>>, Box<Response>>) {
-        let decided = match self.decide(&req, route, Reread::NotYet) {
-            Err(Refusal::Reread { issuer, generation }) => {
-                let reread = match &self.jwt {
-                    Some(jwt) => jwt.reread(issuer, generation).await,
-                    None => Reread::NotRead,
-                };
-                self.decide(&req, route, reread)
-            }
-            decided => decided,
+        keys: KeysToReread,
+    ) -> (Request, Decision) {
+        let reread = match &self.jwt {
+            Some(jwt) => jwt.reread(keys.issuer, keys.generation).await,
+            None => Reread::NotRead,
         };
-        let decided = decided.map_err(|refusal| match refusal {
-            Refusal::Answer(res) => res,
-            // A decision after a re-read asks for none.
-            Refusal::Reread { .. } => {
-                Box::new(unauthorized("the keys of the JWT's issuer lack its key"))
-            }
-        });
-        (req, decided)
+        let decided = self.decide(&req, route, reread);
+        (req, decided.map_err(Refusal::into_answer))
     }
 
-    /// `check`'s decision; `reread`: whether the keys of a JWT's issuer
-    /// were re-read for it.
+    /// The decision of `check_now` and `check_after_reread`; `reread`:
+    /// whether the keys of a JWT's issuer were re-read for it.
     fn decide(
         &self,
         req: &Request,
@@ -721,7 +746,8 @@ mod tests {
         );
     }
 
-    /// What `check` logs, and its answer's status.
+    /// What `check_now` (and `check_after_reread`) log, and the answer's
+    /// status.
     fn logged(auth: &Auth, method: &str, uri: &str, secret: Option<&str>) -> (String, u16) {
         #[derive(Clone, Default)]
         struct Buf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
@@ -748,8 +774,13 @@ mod tests {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
-        let (_, answer) = tracing::subscriber::with_default(subscriber, || {
-            runtime.block_on(auth.check(req, Some("/v1/allocations/{alloc_id}")))
+        let route = Some("/v1/allocations/{alloc_id}");
+        let answer = tracing::subscriber::with_default(subscriber, || {
+            auth.check_now(&req, route).unwrap_or_else(|keys| {
+                runtime
+                    .block_on(auth.check_after_reread(req, route, keys))
+                    .1
+            })
         });
         let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
         (text, answer.map_or_else(|r| r.status().as_u16(), |_| 200))

@@ -1,24 +1,41 @@
-//! What every request passes through, in one middleware (each axum
-//! `from_fn` layer costs a boxed future and a service clone per request,
-//! so the edge is one layer, not five): a span with the request ID, the
-//! host and cross-site checks (`site.rs`), authorization, the time bound
-//! on requests that do not wait, problem+json for axum's bare 405,
+//! What every request passes through, in one layer of the router (each
+//! layer costs a boxed future and a service clone per request, so the edge
+//! is one layer, not five): a span with the request ID, the host and
+//! cross-site checks (`site.rs`), authorization, the body limit, the time
+//! bound on requests that do not wait, problem+json for axum's bare 405,
 //! `?pretty`, and the request metrics.
+//!
+//! A long-poll holds its request's futures for all of its wait, so their
+//! size is memory per parked request. The edge is a layer of its own
+//! rather than axum's `middleware::from_fn` (whose future keeps the
+//! request's parts beside the middleware's and reaches the route through
+//! one more boxed service); it decides a request before its future starts
+//! (`arrive`, `admit`), so that the future holds the called handler and
+//! not the request too; and what only some requests await is not inline
+//! in everyone's (a JWT issuer's keys re-read is a future of its own,
+//! `?pretty` is boxed).
 
-use std::{sync::Arc, task::Poll, time::Duration};
+use std::{
+    convert::Infallible,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::{Duration, Instant},
+};
 
 use axum::{
     body::Body,
-    extract::{MatchedPath, Request, State},
+    extract::{DefaultBodyLimit, MatchedPath, Request},
     http::{HeaderValue, Method, StatusCode, header},
-    middleware::Next,
     response::{IntoResponse, Response},
+    routing::{Route, future::RouteFuture},
 };
+use tower::{Layer, Service};
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use super::{
-    auth::{Auth, STREAM_ROUTE, Token},
+    auth::{Auth, Decision, KeysToReread, STREAM_ROUTE, Token, WaitSlot},
     error::{ApiError, payload_too_large},
     query::{PRETTY, pretty_on, query_pairs},
 };
@@ -66,26 +83,258 @@ fn client_request_id(req: &Request) -> Option<HeaderValue> {
     ok.then(|| v.clone())
 }
 
-/// Counts a request whose client went away before its answer (the future
-/// dropped mid-way) as status 499, as nginx does, so it is not lost from the
-/// metrics; a request that ends normally disarms it.
-struct Abandoned<'a> {
-    edge: &'a Edge,
-    method: &'a Method,
-    route: Option<&'a str>,
-    started: std::time::Instant,
-    span: &'a tracing::Span,
-    armed: bool,
+/// The edge as the router's layer (`Router::layer`): every route's
+/// requests, and the fallback's, pass through it.
+#[derive(Clone)]
+pub struct EdgeLayer(pub Arc<Edge>);
+
+impl Layer<Route> for EdgeLayer {
+    type Service = EdgeService;
+
+    fn layer(&self, route: Route) -> EdgeService {
+        EdgeService {
+            edge: self.0.clone(),
+            route,
+        }
+    }
 }
 
-impl Drop for Abandoned<'_> {
+/// A route behind the edge.
+#[derive(Clone)]
+pub struct EdgeService {
+    edge: Arc<Edge>,
+    route: Route,
+}
+
+impl Service<Request> for EdgeService {
+    type Response = Response;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        // A route is always ready.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request) -> Self::Future {
+        let passing = Passing::new(self.edge.clone(), &req);
+        let span = passing.span.clone();
+        match span.in_scope(|| arrive(&passing, req, &mut self.route)) {
+            Arrival::Admitted(admitted) => Box::pin(edge(passing, admitted).instrument(span)),
+            Arrival::Reread(req, keys) => {
+                // A future of its own: the requests that need no keys
+                // re-read carry no room for the wait.
+                let mut route = self.route.clone();
+                let reread = async move {
+                    let auth = &passing.edge.auth;
+                    let (req, decided) = auth.check_after_reread(req, passing.route(), keys).await;
+                    let admitted = admit(&passing, req, decided, &mut route);
+                    edge(passing, admitted).await
+                };
+                Box::pin(reread.instrument(span))
+            }
+        }
+    }
+}
+
+/// What the edge makes of a request when it arrives.
+enum Arrival {
+    Admitted(Admitted),
+    /// Its JWT names a key that its issuer's keys lack: they are re-read
+    /// before it is decided.
+    Reread(Request, KeysToReread),
+}
+
+/// A request decided by the edge.
+#[allow(clippy::large_enum_variant)] // boxing the handler would cost every request an allocation
+enum Admitted {
+    /// Refused, or answered by the edge itself.
+    Answer(Response),
+    /// Let through: its route's handler, called.
+    Handler {
+        handler: RouteFuture<Infallible>,
+        /// The token whose wait the request takes if it parks (`handled`).
+        parks: Option<Arc<Token>>,
+        /// The wait an event stream took of its token.
+        stream_slot: Option<WaitSlot>,
+        /// Whether the route may wait (then no request timeout).
+        waits: bool,
+    },
+}
+
+/// The host and cross-site checks, and authorization when it need not
+/// wait (`Auth::check_now`); then `admit`.
+fn arrive(passing: &Passing, req: Request, route: &mut Route) -> Arrival {
+    let edge = &*passing.edge;
+    if let Err(refused) = edge.site.admit(&req) {
+        // Client-given values, Debug-quoted: a log line stays one line.
+        tracing::info!(
+            host = ?req.headers().get(header::HOST),
+            origin = ?req.headers().get(header::ORIGIN),
+            sec_fetch_site = ?req.headers().get("sec-fetch-site"),
+            "refused ({}): {}",
+            refused.answer.status.as_u16(),
+            refused.why
+        );
+        return Arrival::Admitted(Admitted::Answer(refused.answer.into_response()));
+    }
+    match edge.auth.check_now(&req, passing.route()) {
+        Ok(decided) => Arrival::Admitted(admit(passing, req, decided, route)),
+        Err(keys) => Arrival::Reread(req, keys),
+    }
+}
+
+/// The rest of the edge's decisions once authorization `decided`: a
+/// token's waits, the body limit; a request let through has its handler
+/// called.
+fn admit(passing: &Passing, mut req: Request, decided: Decision, route: &mut Route) -> Admitted {
+    let edge = &*passing.edge;
+    let matched = passing.route();
+    let caller = match decided {
+        Ok(caller) => caller,
+        Err(denied) => return Admitted::Answer(*denied),
+    };
+    let waits = (passing.method == Method::GET || passing.method == Method::HEAD)
+        && matched.is_some_and(|r| WAITING_ROUTES.contains(&r));
+    let stream = waits && matched == Some(STREAM_ROUTE);
+    // A token's waits count against its own limit while they last. A
+    // stream always waits, so it takes its wait here; the other waiting
+    // routes take one only if they park (`handled`).
+    let mut stream_slot = None;
+    if let Some(token) = &caller {
+        if stream {
+            match edge.auth.wait_slot(token) {
+                Some(slot) => stream_slot = Some(slot),
+                None => return Admitted::Answer(quota_exceeded(token)),
+            }
+        }
+        // Registration applies the caller's own quota and checks its
+        // dependencies' targets; a task query counts as a sign of life
+        // only from a caller that may act for the task.
+        req.extensions_mut()
+            .insert(super::auth::Caller(token.clone()));
+    }
+    if announced_length(&req).is_some_and(|n| n > edge.body_limit as u64) {
+        return Admitted::Answer(payload_too_large().into_response());
+    }
+    DefaultBodyLimit::max(edge.body_limit).apply(&mut req);
+    Admitted::Handler {
+        handler: route.call(req),
+        parks: caller.filter(|_| waits && !stream),
+        stream_slot,
+        waits,
+    }
+}
+
+/// A request passing the edge: what its closing log line and metrics
+/// need. Dropped before it is answered (the client went away, and its
+/// future with it), it counts the request as status 499, as nginx does, so
+/// that it is not lost from the metrics.
+struct Passing {
+    edge: Arc<Edge>,
+    started: Instant,
+    method: Method,
+    matched: Option<MatchedPath>,
+    request_id: HeaderValue,
+    span: tracing::Span,
+    /// `?pretty`: the JSON answer is re-rendered indented.
+    pretty: bool,
+    answered: bool,
+}
+
+impl Passing {
+    fn new(edge: Arc<Edge>, req: &Request) -> Self {
+        let started = Instant::now();
+        let method = req.method().clone();
+        let matched = req.extensions().get::<MatchedPath>().cloned();
+        let route = matched.as_ref().map(MatchedPath::as_str);
+        let request_id = client_request_id(req).unwrap_or_else(|| {
+            HeaderValue::from_str(&format!("{:032x}", fastrand::u128(..)))
+                .expect("hex is a valid header value")
+        });
+        let span = if edge.traces {
+            traced(&method, route, &request_id, req.uri().path())
+        } else {
+            tracing::info_span!(
+                "request",
+                method = %method,
+                route = route.unwrap_or("unmatched"),
+                request_id = request_id.to_str().unwrap_or_default(),
+            )
+        };
+        let pretty = req.uri().query().is_some_and(|q| {
+            query_pairs(Some(q)).is_some_and(|pairs| {
+                pairs
+                    .iter()
+                    .any(|(k, v)| k == PRETTY && pretty_on(v) == Some(true))
+            })
+        });
+        Self {
+            edge,
+            started,
+            method,
+            matched,
+            request_id,
+            span,
+            pretty,
+            answered: false,
+        }
+    }
+
+    /// The matched route, if any.
+    fn route(&self) -> Option<&str> {
+        self.matched.as_ref().map(MatchedPath::as_str)
+    }
+
+    /// The request's closing log line and metrics; the answer with the
+    /// request ID and the store's ID.
+    fn answered(mut self, mut res: Response) -> Response {
+        self.answered = true;
+        // Status and latency go on the request's closing event rather than
+        // being recorded into the span: recording re-renders the span's
+        // fields, a cost every request would pay even when nothing is
+        // logged.
+        let latency = self.started.elapsed();
+        let status = res.status().as_u16();
+        if self.edge.traces {
+            answered(&self.span, status);
+        }
+        let latency_ms = latency.as_secs_f64() * 1000.0;
+        // A parked wait answered 503 `shutting_down` is the shutdown
+        // working as designed (every parked request gets one), not a
+        // failure; a 503 `jwt_keys_unavailable` is a refusal, logged at
+        // info (anyone can get one with a made-up `kid`).
+        let by_design = res
+            .extensions()
+            .get::<super::error::ProblemCode>()
+            .is_some_and(|c| c.0 == "shutting_down" || c.0 == "jwt_keys_unavailable");
+        if status >= 500 && !by_design {
+            tracing::warn!(parent: &self.span, status, latency_ms, "request failed");
+        } else {
+            tracing::debug!(parent: &self.span, status, latency_ms, "request");
+        }
+        self.edge.metrics.http_request(
+            self.method.as_str(),
+            self.route().unwrap_or("unmatched"),
+            status,
+            latency,
+        );
+        let request_id = std::mem::replace(&mut self.request_id, HeaderValue::from_static(""));
+        res.headers_mut().insert(REQUEST_ID_HEADER, request_id);
+        res.headers_mut()
+            .insert(STORE_HEADER, self.edge.store_id.clone());
+        res
+    }
+}
+
+impl Drop for Passing {
     fn drop(&mut self) {
-        if self.armed {
+        if !self.answered {
             let latency = self.started.elapsed();
-            tracing::debug!(parent: self.span, latency_ms = latency.as_secs_f64() * 1000.0, "the client went away before its answer");
+            tracing::debug!(parent: &self.span, latency_ms = latency.as_secs_f64() * 1000.0, "the client went away before its answer");
             self.edge.metrics.http_request(
                 self.method.as_str(),
-                self.route.unwrap_or("unmatched"),
+                self.route().unwrap_or("unmatched"),
                 499,
                 latency,
             );
@@ -93,140 +342,53 @@ impl Drop for Abandoned<'_> {
     }
 }
 
-pub async fn edge(State(edge): State<Arc<Edge>>, req: Request, next: Next) -> Response {
-    let started = std::time::Instant::now();
-    let method = req.method().clone();
-    let matched = req.extensions().get::<MatchedPath>().cloned();
-    let route = matched.as_ref().map(MatchedPath::as_str);
-    let request_id = client_request_id(&req).unwrap_or_else(|| {
-        HeaderValue::from_str(&format!("{:032x}", fastrand::u128(..)))
-            .expect("hex is a valid header value")
-    });
-    let span = if edge.traces {
-        traced(&method, route, &request_id, req.uri().path())
-    } else {
-        tracing::info_span!(
-            "request",
-            method = %method,
-            route = route.unwrap_or("unmatched"),
-            request_id = request_id.to_str().unwrap_or_default(),
-        )
-    };
-    let pretty = req.uri().query().is_some_and(|q| {
-        query_pairs(Some(q)).is_some_and(|pairs| {
-            pairs
-                .iter()
-                .any(|(k, v)| k == PRETTY && pretty_on(v) == Some(true))
-        })
-    });
-
-    let mut abandoned = Abandoned {
-        edge: &edge,
-        method: &method,
-        route,
-        started,
-        span: &span,
-        armed: true,
-    };
-    let mut res = async {
-        let mut req = req;
-        if let Err(refused) = edge.site.admit(&req) {
-            // Client-given values, Debug-quoted: a log line stays one line.
-            tracing::info!(
-                host = ?req.headers().get(header::HOST),
-                origin = ?req.headers().get(header::ORIGIN),
-                sec_fetch_site = ?req.headers().get("sec-fetch-site"),
-                "refused ({}): {}",
-                refused.answer.status.as_u16(),
-                refused.why
-            );
-            return refused.answer.into_response();
-        }
-        let (checked, decided) = edge.auth.check(req, route).await;
-        req = checked;
-        let caller = match decided {
-            Ok(caller) => caller,
-            Err(denied) => return *denied,
-        };
-        let waits = (method == Method::GET || method == Method::HEAD)
-            && route.is_some_and(|r| WAITING_ROUTES.contains(&r));
-        let stream = waits && route == Some(STREAM_ROUTE);
-        // A token's waits count against its own limit while they last. A
-        // stream always waits, so it takes its wait here; the other
-        // waiting routes take one only if they park (`parked_with_slot`).
-        let mut stream_slot = None;
-        if let Some(token) = &caller {
-            if stream {
-                match edge.auth.wait_slot(token) {
-                    Some(slot) => stream_slot = Some(slot),
-                    None => return quota_exceeded(token),
+/// A decided request to its answer, in the request's span
+/// (`EdgeService::call`): its handler run (within the request timeout,
+/// unless its route waits), then `Passing::answered`. A function returning
+/// an `async` block rather than an `async fn`, which would keep a second
+/// copy of each argument: a long-poll holds this future for all of its
+/// wait.
+#[allow(clippy::manual_async_fn)] // see above
+fn edge(
+    passing: Passing,
+    mut admitted: Admitted,
+) -> impl Future<Output = Result<Response, Infallible>> + Send {
+    async move {
+        let res = match &mut admitted {
+            Admitted::Answer(res) => std::mem::take(res),
+            Admitted::Handler {
+                handler,
+                parks,
+                stream_slot,
+                waits,
+            } => {
+                let edge = &*passing.edge;
+                let parks = parks.as_ref().map(|token| (&*edge.auth, token));
+                let mut slot = None;
+                let run = std::future::poll_fn(|cx| handled(handler, parks, &mut slot, cx));
+                let res = if *waits {
+                    run.await
+                } else {
+                    match tokio::time::timeout(edge.request_timeout, run).await {
+                        Ok(res) => res,
+                        Err(_) => timed_out(),
+                    }
+                };
+                let mut res = problem_for_bare_405(res);
+                if let Some(slot) = stream_slot.take() {
+                    // A stream waits in its body, after this returns: the
+                    // token's slot goes with it.
+                    res = res.map(|body| axum::body::Body::new(Holding { body, _slot: slot }));
+                }
+                if passing.pretty {
+                    Box::pin(prettify(res)).await
+                } else {
+                    res
                 }
             }
-            // Registration applies the caller's own quota and checks its
-            // dependencies' targets; a task query counts as a sign of life
-            // only from a caller that may act for the task.
-            req.extensions_mut()
-                .insert(super::auth::Caller(token.clone()));
-        }
-        if announced_length(&req).is_some_and(|n| n > edge.body_limit as u64) {
-            return payload_too_large().into_response();
-        }
-        let res = if waits {
-            match caller.as_ref().filter(|_| !stream) {
-                Some(token) => parked_with_slot(&edge.auth, token, next.run(req)).await,
-                None => next.run(req).await,
-            }
-        } else {
-            match tokio::time::timeout(edge.request_timeout, next.run(req)).await {
-                Ok(res) => res,
-                Err(_) => timed_out(),
-            }
         };
-        let mut res = problem_for_bare_405(res);
-        if let Some(slot) = stream_slot {
-            // A stream waits in its body, after this returns: the token's
-            // slot goes with it.
-            res = res.map(|body| axum::body::Body::new(Holding { body, _slot: slot }));
-        }
-        if pretty { prettify(res).await } else { res }
+        Ok(passing.answered(res))
     }
-    .instrument(span.clone())
-    .await;
-
-    abandoned.armed = false;
-    drop(abandoned);
-    // Status and latency go on the request's closing event rather than
-    // being recorded into the span: recording re-renders the span's fields,
-    // a cost every request would pay even when nothing is logged.
-    let latency = started.elapsed();
-    let status = res.status().as_u16();
-    if edge.traces {
-        answered(&span, status);
-    }
-    let latency_ms = latency.as_secs_f64() * 1000.0;
-    // A parked wait answered 503 `shutting_down` is the shutdown working
-    // as designed (every parked request gets one), not a failure; a 503
-    // `jwt_keys_unavailable` is a refusal, logged at info (anyone can get
-    // one with a made-up `kid`).
-    let by_design = res
-        .extensions()
-        .get::<super::error::ProblemCode>()
-        .is_some_and(|c| c.0 == "shutting_down" || c.0 == "jwt_keys_unavailable");
-    if status >= 500 && !by_design {
-        tracing::warn!(parent: &span, status, latency_ms, "request failed");
-    } else {
-        tracing::debug!(parent: &span, status, latency_ms, "request");
-    }
-    edge.metrics.http_request(
-        method.as_str(),
-        route.unwrap_or("unmatched"),
-        status,
-        latency,
-    );
-    res.headers_mut().insert(REQUEST_ID_HEADER, request_id);
-    res.headers_mut()
-        .insert(STORE_HEADER, edge.store_id.clone());
-    res
 }
 
 /// With traces on, the request's span: as without them, named as
@@ -281,35 +443,37 @@ fn quota_exceeded(token: &Token) -> Response {
     .into_response()
 }
 
-/// Runs a request of a waiting route (not the stream) for `token`, which
-/// takes one of the token's waits when, and only if, it parks, and holds
-/// it until it answers: a plain GET, or a blocking query or start-condition
-/// that answers at once, is no wait. It parks when its handler's future is
-/// first pending: these handlers await nothing but the registry's wait,
-/// which parks before it awaits, and answers without awaiting when it
-/// need not wait (the test `only_parked_requests_hold_a_token_s_waits`
-/// holds them to that). Taken here rather than in the registry, which
-/// knows nothing of tokens. With no wait left, the parked request is let
-/// go (dropping its future unparks it) and answered 429.
-async fn parked_with_slot(
-    auth: &Auth,
-    token: &Arc<Token>,
-    run: impl Future<Output = Response>,
-) -> Response {
-    let mut run = std::pin::pin!(run);
-    let mut slot = None;
-    std::future::poll_fn(|cx| match run.as_mut().poll(cx) {
-        Poll::Ready(res) => Poll::Ready(res),
-        Poll::Pending if slot.is_some() => Poll::Pending,
-        Poll::Pending => match auth.wait_slot(token) {
-            Some(taken) => {
-                slot = Some(taken);
-                Poll::Pending
-            }
-            None => Poll::Ready(quota_exceeded(token)),
+/// Polls the route's handler. A request of a waiting route (not the
+/// stream) made with a token (`parks`) takes one of the token's waits
+/// when, and only if, it parks, and holds it (in `slot`) until it answers:
+/// a plain GET, or a blocking query or start-condition that answers at
+/// once, is no wait. It parks when its handler's future is first pending:
+/// these handlers await nothing but the registry's wait, which parks
+/// before it awaits, and answers without awaiting when it need not wait
+/// (the test `only_parked_requests_hold_a_token_s_waits` holds them to
+/// that). Taken here rather than in the registry, which knows nothing of
+/// tokens. With no wait left, the parked request is let go (dropping its
+/// future unparks it) and answered 429.
+fn handled(
+    handler: &mut RouteFuture<Infallible>,
+    parks: Option<(&Auth, &Arc<Token>)>,
+    slot: &mut Option<WaitSlot>,
+    cx: &mut Context<'_>,
+) -> Poll<Response> {
+    match Pin::new(handler).poll(cx) {
+        Poll::Ready(Ok(res)) => Poll::Ready(res),
+        Poll::Ready(Err(never)) => match never {},
+        Poll::Pending => match parks {
+            Some((auth, token)) if slot.is_none() => match auth.wait_slot(token) {
+                Some(taken) => {
+                    *slot = Some(taken);
+                    Poll::Pending
+                }
+                None => Poll::Ready(quota_exceeded(token)),
+            },
+            _ => Poll::Pending,
         },
-    })
-    .await
+    }
 }
 
 /// The body length a request announces in `Content-Length`.

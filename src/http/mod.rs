@@ -29,14 +29,13 @@ use std::{sync::Arc, time::Duration};
 
 use axum::{
     Router,
-    extract::DefaultBodyLimit,
     http::{HeaderValue, StatusCode, header},
-    middleware,
     response::{IntoResponse, Response},
     routing::{get, post, put},
 };
 use serde::Serialize;
-use tower_http::catch_panic::CatchPanicLayer;
+use tower::Layer;
+use tower_http::catch_panic::{CatchPanic, CatchPanicLayer};
 use utoipa_swagger_ui::{Config as SwaggerConfig, SwaggerUi};
 
 use crate::registry::Registry;
@@ -86,9 +85,21 @@ impl Default for HttpConfig {
 /// reading, so this bounds what streams can take to 256 MiB.
 pub const DEFAULT_MAX_STREAMS: usize = 1024;
 
-/// What every handler gets.
+/// What every handler gets: one pointer, copied into each request's
+/// futures (axum's and the handler's) for as long as a long-poll waits.
 #[derive(Clone)]
-pub struct AppState {
+pub struct AppState(Arc<AppStateInner>);
+
+impl std::ops::Deref for AppState {
+    type Target = AppStateInner;
+
+    fn deref(&self) -> &AppStateInner {
+        &self.0
+    }
+}
+
+/// What `AppState` points to.
+pub struct AppStateInner {
     pub registry: Registry,
     pub config: HttpConfig,
     /// One permit per open event stream (`config.max_streams`).
@@ -97,7 +108,7 @@ pub struct AppState {
     openapi: Arc<str>,
 }
 
-impl AppState {
+impl AppStateInner {
     /// How long a wait may last: the asked `wait` (or the default), capped,
     /// plus a random jitter of up to a sixteenth so that many clients with
     /// the same timeout do not all come back at once.
@@ -167,6 +178,23 @@ pub(crate) fn json<T: Serialize>(status: StatusCode, body: &T) -> Response {
     }
 }
 
+/// The application as it is served (`server::serve`): a request whose
+/// handler panics is answered 500 and said, the connection and the server
+/// going on. Around the router rather than one of its layers, each of
+/// which boxes every request's future once more.
+pub type Served = CatchPanic<Router, fn(Box<dyn std::any::Any + Send>) -> Response>;
+
+/// `router` as it is served.
+pub fn served(router: Router) -> Served {
+    CatchPanicLayer::custom(panicked as fn(_) -> _).layer(router)
+}
+
+/// The answer to a request whose handler panicked.
+fn panicked(_: Box<dyn std::any::Any + Send>) -> Response {
+    tracing::error!("a request handler panicked");
+    ApiError::internal().into_response()
+}
+
 /// The whole HTTP application.
 pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Router {
     let metrics = registry.metrics().clone();
@@ -181,13 +209,12 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
         store_id: HeaderValue::from_str(store_id.as_str())
             .unwrap_or_else(|_| HeaderValue::from_static("unidentified")),
     };
-    let body_limit = config.body_limit;
-    let state = AppState {
+    let state = AppState(Arc::new(AppStateInner {
         registry,
         streams: Arc::new(tokio::sync::Semaphore::new(config.max_streams)),
         config,
         openapi: openapi::document().into(),
-    };
+    }));
     let api = Router::new()
         .route("/v1/allocations", get(allocations::list))
         .route(
@@ -254,12 +281,35 @@ pub fn app(registry: Registry, config: HttpConfig, auth: Arc<auth::Auth>) -> Rou
         .into();
     api.merge(docs)
         .fallback(|| async { ApiError::not_found() })
-        .layer(DefaultBodyLimit::max(body_limit))
-        .layer(middleware::from_fn_with_state(Arc::new(edge), edge::edge))
-        .layer(CatchPanicLayer::custom(
-            |_: Box<dyn std::any::Any + Send>| {
-                tracing::error!("a request handler panicked");
-                ApiError::internal().into_response()
-            },
-        ))
+        .layer(edge::EdgeLayer(Arc::new(edge)))
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::{Router, body::Body, http::Request, routing::get};
+    use tower::ServiceExt;
+
+    /// A handler that panics is answered 500 problem+json, and the router
+    /// goes on answering.
+    #[tokio::test]
+    async fn a_panicking_handler_is_answered_500_and_the_router_goes_on() {
+        async fn panics() -> &'static str {
+            panic!("a handler's bug")
+        }
+        let served = super::served(
+            Router::new()
+                .route("/panics", get(panics))
+                .route("/answers", get(|| async { "answered" })),
+        );
+        let get = |uri| Request::get(uri).body(Body::empty()).unwrap();
+        let res = served.clone().oneshot(get("/panics")).await.unwrap();
+        assert_eq!(res.status(), 500);
+        assert_eq!(
+            res.headers()["content-type"],
+            "application/problem+json",
+            "answered as every error is"
+        );
+        let res = served.oneshot(get("/answers")).await.unwrap();
+        assert_eq!(res.status(), 200);
+    }
 }
