@@ -2,10 +2,10 @@
 //!
 //! Agents send the same few event types, messages and details again and
 //! again (`Started`, `Terminated` / `Exit Code: 0`, `exit_code` = `0`), for
-//! every task of every allocation. Each distinct string is kept once
-//! (`Sym`), and so is each distinct body of an event — its type, message
-//! and details (`EventBody`) — so an event in a task's history is a
-//! pointer to its body and a time.
+//! every task of every allocation. Each distinct type, message and
+//! details key is kept once (`Sym`), and so is each distinct body of an
+//! event — its type, message and details (`EventBody`) — so an event in a
+//! task's history is a pointer to its body and a time.
 //!
 //! Reference-counted: a table holds one reference of each entry, and
 //! entries nobody else holds are dropped from it once it has doubled since

@@ -119,13 +119,16 @@ impl std::fmt::Debug for Event {
     }
 }
 
-/// An event's details: string pairs in key order, each key once, each
-/// string shared (`Sym`).
+/// An event's details: string pairs in key order, each key once. A key is
+/// shared (`Sym`); a value is its body's own, as the body is shared: most
+/// values belong to one body (a `Started` event's pid), and keeping each
+/// in the process's string table too cost a million full histories 320
+/// MiB and a tenth of their start (see BENCHMARKS.md).
 ///
 /// One block of pairs, not a `BTreeMap`: a map allocates a node with room
 /// for eleven pairs (~540 bytes) for the one or two an event carries.
 #[derive(Clone, Default, PartialEq, Eq, Hash)]
-pub struct Details(Box<[(Sym, Sym)]>);
+pub struct Details(Box<[(Sym, Box<str>)]>);
 
 impl Details {
     pub fn len(&self) -> usize {
@@ -138,7 +141,7 @@ impl Details {
 
     /// In key order.
     pub fn iter(&self) -> impl ExactSizeIterator<Item = (&str, &str)> {
-        self.0.iter().map(|(k, v)| (k.as_str(), v.as_str()))
+        self.0.iter().map(|(k, v)| (k.as_str(), &**v))
     }
 
     pub fn get(&self, key: &str) -> Option<&str> {
@@ -154,12 +157,12 @@ impl Details {
         let mut pairs: Vec<(K, V)> = pairs.into_iter().collect();
         // Stable: of equal keys the later stays later.
         pairs.sort_by(|a, b| a.0.as_ref().cmp(b.0.as_ref()));
-        let mut out: Vec<(Sym, Sym)> = Vec::with_capacity(pairs.len());
+        let mut out: Vec<(Sym, Box<str>)> = Vec::with_capacity(pairs.len());
         for (k, v) in &pairs {
             let (k, v) = (k.as_ref(), v.as_ref());
             match out.last_mut() {
-                Some(last) if last.0 == k => last.1 = Sym::new(v),
-                _ => out.push((Sym::new(k), Sym::new(v))),
+                Some(last) if last.0 == k => last.1 = Box::from(v),
+                _ => out.push((Sym::new(k), Box::from(v))),
             }
         }
         Self(out.into_boxed_slice())
