@@ -542,7 +542,10 @@ mod tests {
             let (status, body) = exchange(&mut conn, path).await;
             assert_eq!(status, 500, "{path}: {body}");
             assert!(body.contains(r#""code":"internal""#), "{path}: {body}");
-            assert_eq!(exchange(&mut conn, "/answers").await, (200, "answered".into()));
+            assert_eq!(
+                exchange(&mut conn, "/answers").await,
+                (200, "answered".into())
+            );
         }
         drop(conn);
         stop.send(()).unwrap();
