@@ -20,7 +20,7 @@ use std::{
     pin::Pin,
     sync::Arc,
     task::{Context, Poll},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use axum::{
@@ -30,6 +30,7 @@ use axum::{
     response::{IntoResponse, Response},
     routing::{Route, future::RouteFuture},
 };
+use tokio::time::Instant;
 use tower::{Layer, Service};
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -125,9 +126,19 @@ impl Service<Request> for EdgeService {
                 // A future of its own: the requests that need no keys
                 // re-read carry no room for the wait.
                 let mut route = self.route.clone();
+                // The re-read counts against the request's time, as the
+                // handler does (`edge`).
                 let reread = async move {
                     let auth = &passing.edge.auth;
-                    let (req, decided) = auth.check_after_reread(req, passing.route(), keys).await;
+                    let reread = auth.check_after_reread(req, passing.route(), keys);
+                    let (req, decided) = if passing.waits() {
+                        reread.await
+                    } else {
+                        match tokio::time::timeout_at(passing.deadline(), reread).await {
+                            Ok(decided) => decided,
+                            Err(_) => return Ok(passing.answered(timed_out())),
+                        }
+                    };
                     let admitted = admit(&passing, req, decided, &mut route);
                     edge(passing, admitted).await
                 };
@@ -194,8 +205,7 @@ fn admit(passing: &Passing, mut req: Request, decided: Decision, route: &mut Rou
         Ok(caller) => caller,
         Err(denied) => return Admitted::Answer(*denied),
     };
-    let waits = (passing.method == Method::GET || passing.method == Method::HEAD)
-        && matched.is_some_and(|r| WAITING_ROUTES.contains(&r));
+    let waits = passing.waits();
     let stream = waits && matched == Some(STREAM_ROUTE);
     // A token's waits count against its own limit while they last. A
     // stream always waits, so it takes its wait here; the other waiting
@@ -286,6 +296,18 @@ impl Passing {
         self.matched.as_ref().map(MatchedPath::as_str)
     }
 
+    /// Whether the request may wait (then no request timeout).
+    fn waits(&self) -> bool {
+        (self.method == Method::GET || self.method == Method::HEAD)
+            && self.route().is_some_and(|r| WAITING_ROUTES.contains(&r))
+    }
+
+    /// When a request that does not wait runs out of time: the request
+    /// timeout from its arrival, which a JWT's keys re-read counts in.
+    fn deadline(&self) -> Instant {
+        self.started + self.edge.request_timeout
+    }
+
     /// The request's closing log line and metrics; the answer with the
     /// request ID and the store's ID.
     fn answered(mut self, mut res: Response) -> Response {
@@ -343,7 +365,7 @@ impl Drop for Passing {
 }
 
 /// A decided request to its answer, in the request's span
-/// (`EdgeService::call`): its handler run (within the request timeout,
+/// (`EdgeService::call`): its handler run (by the request's deadline,
 /// unless its route waits), then `Passing::answered`. A function returning
 /// an `async` block rather than an `async fn`, which would keep a second
 /// copy of each argument: a long-poll holds this future for all of its
@@ -369,7 +391,7 @@ fn edge(
                 let res = if *waits {
                     run.await
                 } else {
-                    match tokio::time::timeout(edge.request_timeout, run).await {
+                    match tokio::time::timeout_at(passing.deadline(), run).await {
                         Ok(res) => res,
                         Err(_) => timed_out(),
                     }
