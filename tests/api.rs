@@ -1639,8 +1639,18 @@ async fn every_answer_carries_its_request_id_and_is_counted_once() {
     let big = format!(r#"{{"tasks": [{{"name": "{}"}}]}}"#, "x".repeat(10_000));
     let alloc = "/v1/allocations/{alloc_id}";
     let state = "/v1/allocations/{alloc_id}/tasks/{task}/state";
+    // (method, uri, headers, body, route, status, code)
+    type Case<'a> = (
+        &'a str,
+        &'a str,
+        &'a [(&'a str, &'a str)],
+        Option<&'a str>,
+        &'a str,
+        u16,
+        &'a str,
+    );
     #[rustfmt::skip]
-    let cases: [(&str, &str, &[(&str, &str)], Option<&str>, &str, u16, &str); 8] = [
+    let cases: [Case; 8] = [
         ("GET", "/v1/health", &[("host", "evil.example")], None, "/v1/health", 421, "host_not_allowed"),
         ("PUT", "/v1/allocations/a2", &[("sec-fetch-site", "cross-site")], Some("{}"), alloc, 403, "cross_site_request"),
         ("PUT", "/v1/allocations/a2", &[("content-length", "10027")], Some(&big), alloc, 413, "payload_too_large"),
