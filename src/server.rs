@@ -464,3 +464,94 @@ fn log_end(served: Result<(), hyper::Error>) {
         tracing::debug!(error = %e, "connection ended with an error");
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::{sync::Arc, time::Duration};
+
+    use axum::{Router, routing::get};
+    use tokio::{
+        io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
+        net::{TcpListener, TcpStream},
+    };
+
+    use super::{ServeOptions, serve};
+    use crate::metrics::Metrics;
+
+    async fn panics() -> &'static str {
+        panic!("a handler's bug")
+    }
+
+    /// Panics once it was woken after parking, as a long-poll would be.
+    async fn panics_after_waiting() -> &'static str {
+        tokio::task::yield_now().await;
+        panic!("a waiting handler's bug")
+    }
+
+    /// Sends a GET on a kept-alive connection and reads its answer (framed
+    /// by Content-Length): its status and body.
+    async fn exchange(conn: &mut BufReader<TcpStream>, path: &str) -> (u16, String) {
+        let req = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n");
+        conn.get_mut().write_all(req.as_bytes()).await.unwrap();
+        let mut status = String::new();
+        conn.read_line(&mut status).await.unwrap();
+        let mut length = 0;
+        loop {
+            let mut line = String::new();
+            conn.read_line(&mut line).await.unwrap();
+            if line == "\r\n" {
+                break;
+            }
+            if let Some((name, value)) = line.split_once(':')
+                && name.eq_ignore_ascii_case("content-length")
+            {
+                length = value.trim().parse().unwrap();
+            }
+        }
+        let mut body = vec![0; length];
+        conn.read_exact(&mut body).await.unwrap();
+        let status = status.split(' ').nth(1).unwrap().parse().unwrap();
+        (status, String::from_utf8(body).unwrap())
+    }
+
+    /// Through the real connection loop, a handler that panics (at once,
+    /// or once woken from a wait) is answered 500 problem+json, and the
+    /// connection and the server go on serving.
+    #[tokio::test]
+    async fn a_panicking_handler_is_answered_500_and_its_connection_goes_on() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let router = Router::new()
+            .route("/panics", get(panics))
+            .route("/waits", get(panics_after_waiting))
+            .route("/answers", get(|| async { "answered" }));
+        let options = ServeOptions {
+            tls: None,
+            header_timeout: Duration::from_secs(10),
+            write_timeout: Duration::from_secs(10),
+            max_connections: 16,
+            metrics: Arc::new(Metrics::new()),
+            stream_send_buffer: None,
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(listener, router, options, async move {
+            let _ = stopped.await;
+        }));
+        let mut conn = BufReader::new(TcpStream::connect(addr).await.unwrap());
+        for path in ["/panics", "/waits", "/panics"] {
+            let (status, body) = exchange(&mut conn, path).await;
+            assert_eq!(status, 500, "{path}: {body}");
+            assert!(body.contains(r#""code":"internal""#), "{path}: {body}");
+            assert_eq!(
+                exchange(&mut conn, "/answers").await,
+                (200, "answered".into())
+            );
+        }
+        drop(conn);
+        stop.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(20), server)
+            .await
+            .expect("the server stopped")
+            .unwrap();
+    }
+}

@@ -1600,6 +1600,105 @@ async fn request_ids_are_echoed_or_generated() {
     assert!(problem.header("x-request-id").is_some());
 }
 
+/// How many requests `/metrics` counts under this method, route and
+/// status.
+async fn counted(app: &common::TestApp, method: &str, route: &str, status: u16) -> u64 {
+    let text = String::from_utf8(app.get("/metrics").await.raw).unwrap();
+    let series = format!(
+        "taskgate_http_request_duration_seconds_count{{method=\"{method}\",route=\"{route}\",status=\"{status}\"}} "
+    );
+    text.lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+/// Every answer carries the client's request ID and the store's ID, and
+/// is counted once under its status, whoever gives it: the edge's own
+/// refusals (a host not served, a cross-site write, a body announced over
+/// the limit, a request out of time), axum's 404 fallback and bare 405, a
+/// body over the limit sent without a length (refused as it is read), a
+/// handler's 400.
+#[tokio::test(start_paused = true)]
+async fn every_answer_carries_its_request_id_and_is_counted_once() {
+    if common::on_etcd(
+        "every_answer_carries_its_request_id_and_is_counted_once",
+        "runs on paused time and stalls the memory store's commits",
+    ) {
+        return;
+    }
+    let app = test_app_with(
+        RegistryConfig::default(),
+        HttpConfig {
+            body_limit: 8192,
+            request_timeout: Duration::from_secs(2),
+            ..HttpConfig::default()
+        },
+    )
+    .await;
+    app.register_five("a1").await;
+    let big = format!(r#"{{"tasks": [{{"name": "{}"}}]}}"#, "x".repeat(10_000));
+    let alloc = "/v1/allocations/{alloc_id}";
+    let state = "/v1/allocations/{alloc_id}/tasks/{task}/state";
+    // (method, uri, headers, body, route, status, code)
+    type Case<'a> = (
+        &'a str,
+        &'a str,
+        &'a [(&'a str, &'a str)],
+        Option<&'a str>,
+        &'a str,
+        u16,
+        &'a str,
+    );
+    #[rustfmt::skip]
+    let cases: [Case; 8] = [
+        ("GET", "/v1/health", &[("host", "evil.example")], None, "/v1/health", 421, "host_not_allowed"),
+        ("PUT", "/v1/allocations/a2", &[("sec-fetch-site", "cross-site")], Some("{}"), alloc, 403, "cross_site_request"),
+        ("PUT", "/v1/allocations/a2", &[("content-length", "10027")], Some(&big), alloc, 413, "payload_too_large"),
+        ("PUT", "/v1/allocations/a2", &[], Some(&big), alloc, 413, "payload_too_large"),
+        ("GET", "/nowhere", &[], None, "unmatched", 404, "not_found"),
+        ("POST", "/v1/allocations/a1", &[], None, alloc, 405, "method_not_allowed"),
+        ("GET", "/v1/allocations/a1?wiat=1s", &[], None, alloc, 400, "invalid_request"),
+        ("PUT", "/v1/allocations/a1/tasks/init/state", &[], Some(r#"{"state": "running"}"#), state, 503, "timeout"),
+    ];
+    for (n, (method, uri, headers, body, route, status, code)) in cases.into_iter().enumerate() {
+        let before = counted(&app, method, route, status).await;
+        let id = format!("case-{n}");
+        let mut req = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("x-request-id", &id);
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        if body.is_some() {
+            req = req.header("content-type", "application/json");
+        }
+        let stalls = code == "timeout";
+        app.store.stall_commits(stalls);
+        let a = app
+            .send(
+                req.body(body.map_or(Body::empty(), |b| Body::from(b.to_owned())))
+                    .unwrap(),
+            )
+            .await;
+        app.store.stall_commits(false);
+        a.assert_problem(status, code);
+        assert_eq!(
+            a.header("x-request-id"),
+            Some(id.as_str()),
+            "{method} {uri}"
+        );
+        assert!(a.header("x-taskgate-store").is_some(), "{method} {uri}");
+        assert_eq!(
+            counted(&app, method, route, status).await,
+            before + 1,
+            "{method} {uri} is counted once under {route} {status}"
+        );
+    }
+    let text = String::from_utf8(app.get("/metrics").await.raw).unwrap();
+    assert!(!text.contains("status=\"499\""), "{text}");
+}
+
 /// A commit the store fails is the store's failure, not a bug of the
 /// server: 503 `store_failed` with `Retry-After`, every time, and never
 /// the store's own text.

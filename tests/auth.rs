@@ -669,6 +669,113 @@ async fn only_parked_requests_hold_a_token_s_waits() {
     drop(streams);
 }
 
+/// How many requests `/metrics` counts under this method, route and
+/// status.
+async fn counted(app: &TestApp, method: &str, route: &str, status: u16) -> u64 {
+    let text = call(app, Some("operator-secret"), "GET", "/metrics", None).await;
+    let series = format!(
+        "taskgate_http_request_duration_seconds_count{{method=\"{method}\",route=\"{route}\",status=\"{status}\"}} "
+    );
+    String::from_utf8(text.raw)
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+/// The edge's refusals of a token (401, 403, 429 for a token with no
+/// wait left) carry the request's ID and are each counted once; a parked
+/// long-poll whose client goes away gives its token's wait back at once
+/// (the next one parks, not 429) and is counted once, as 499.
+#[tokio::test]
+async fn refusals_carry_their_request_id_and_an_abandoned_poll_gives_its_wait_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tokens.json");
+    let tokens = json!({"tokens": [
+        {"name": "team-a", "role": "agent", "sha256": hex_sha256("a-secret"),
+         "alloc_prefixes": ["a-"], "max_waiters": 1},
+    ]});
+    std::fs::write(&file, tokens.to_string()).unwrap();
+    let auth = Auth::load(Some(&file), Some("operator-secret")).unwrap();
+    let app = test_app_auth(RegistryConfig::default(), HttpConfig::default(), auth).await;
+    let a = call(
+        &app,
+        Some("a-secret"),
+        "PUT",
+        "/v1/allocations/a-1",
+        Some(five_tasks()),
+    )
+    .await;
+    assert_eq!(a.status, 201, "{}", a.body);
+    let poll_uri = "/v1/allocations/a-1/tasks/web/start-condition?wait=60s";
+    let poll_route = "/v1/allocations/{alloc_id}/tasks/{task}/start-condition";
+    let request = |token: Option<&str>, uri: &str, id: &str| {
+        let mut req = Request::get(uri).header("x-request-id", id);
+        if let Some(t) = token {
+            req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
+        }
+        req.body(Body::empty()).unwrap()
+    };
+    // Polls a request until it parks (bounded), and hands its future back.
+    let parked = |req| {
+        let app = &app;
+        async move {
+            let mut poll = Box::pin(app.send(req));
+            for _ in 0..10_000 {
+                tokio::select! {
+                    biased;
+                    a = &mut poll => panic!("the long-poll answered {} {}", a.status, a.body),
+                    () = tokio::task::yield_now() => {}
+                }
+                if app.registry.waiters() == 1 {
+                    return poll;
+                }
+            }
+            panic!("the long-poll never parked");
+        }
+    };
+
+    let alloc = "/v1/allocations/{alloc_id}";
+    for (token, uri, route, status, code) in [
+        (None, "/v1/allocations/a-1", alloc, 401, "unauthorized"),
+        (
+            Some("a-secret"),
+            "/v1/allocations/b-1",
+            alloc,
+            403,
+            "forbidden",
+        ),
+    ] {
+        let before = counted(&app, "GET", route, status).await;
+        let a = app.send(request(token, uri, code)).await;
+        a.assert_problem(status, code);
+        assert_eq!(a.header("x-request-id"), Some(code));
+        assert_eq!(
+            counted(&app, "GET", route, status).await,
+            before + 1,
+            "{code}"
+        );
+    }
+
+    let first = parked(request(Some("a-secret"), poll_uri, "first")).await;
+    let over = app.send(request(Some("a-secret"), poll_uri, "over")).await;
+    over.assert_problem(429, "quota_exceeded");
+    assert_eq!(over.header("x-request-id"), Some("over"));
+    assert_eq!(counted(&app, "GET", poll_route, 429).await, 1);
+
+    // The first poll's client goes away: its wait is the token's again.
+    drop(first);
+    assert_eq!(app.registry.waiters(), 0);
+    assert_eq!(counted(&app, "GET", poll_route, 499).await, 1);
+    let again = parked(request(Some("a-secret"), poll_uri, "again")).await;
+    app.registry.shutdown();
+    let again = again.await;
+    again.assert_problem(503, "shutting_down");
+    assert_eq!(again.header("x-request-id"), Some("again"));
+    assert_eq!(counted(&app, "GET", poll_route, 503).await, 1);
+    assert_eq!(counted(&app, "GET", poll_route, 499).await, 1);
+}
+
 /// Only a caller that may act for a task keeps it alive by long-polling
 /// it: with its agent gone, a task a reader token watches is declared lost
 /// once its TTL passes, while one an agent token watches stays alive.

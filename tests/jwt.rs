@@ -156,24 +156,29 @@ fn k8s_claims(ns: &str) -> Value {
     })
 }
 
-/// A JWKS server on loopback: serves what it is given, counts the requests.
+/// A JWKS server on loopback: serves what it is given, counts the requests;
+/// while `hold`'s guard is kept, a request is counted and not answered (a
+/// slow issuer).
 struct JwksServer {
     url: String,
     answer: Arc<Mutex<(StatusCode, String)>>,
     fetches: Arc<AtomicUsize>,
+    gate: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl JwksServer {
     async fn start(body: String) -> Self {
         let answer = Arc::new(Mutex::new((StatusCode::OK, body)));
         let fetches = Arc::new(AtomicUsize::new(0));
-        let (a, f) = (answer.clone(), fetches.clone());
+        let gate = Arc::new(tokio::sync::Mutex::new(()));
+        let (a, f, g) = (answer.clone(), fetches.clone(), gate.clone());
         let router = axum::Router::new().route(
             "/.well-known/jwks.json",
             axum::routing::get(move || {
-                let (a, f) = (a.clone(), f.clone());
+                let (a, f, g) = (a.clone(), f.clone(), g.clone());
                 async move {
                     f.fetch_add(1, Ordering::SeqCst);
+                    let _open = g.lock().await;
                     a.lock().unwrap().clone()
                 }
             }),
@@ -188,7 +193,13 @@ impl JwksServer {
             url,
             answer,
             fetches,
+            gate,
         }
+    }
+
+    /// Holds every answer until the guard is dropped.
+    async fn hold(&self) -> tokio::sync::OwnedMutexGuard<()> {
+        self.gate.clone().lock_owned().await
     }
 
     fn serve(&self, status: StatusCode, body: String) {
@@ -203,12 +214,17 @@ impl JwksServer {
 /// A server with the operator's static secret and these issuers, the
 /// keys of URL issuers fetched (as a starting server does).
 async fn server(dir: &Path, issuers: Value) -> TestApp {
+    server_with(dir, issuers, HttpConfig::default()).await
+}
+
+/// `server` with these HTTP settings.
+async fn server_with(dir: &Path, issuers: Value, http: HttpConfig) -> TestApp {
     let file = dir.join("issuers.json");
     std::fs::write(&file, issuers.to_string()).unwrap();
     let mut auth = Auth::load(None, Some(OPERATOR)).unwrap();
     auth.set_jwt_issuers(Issuers::load(&file).unwrap());
     auth.fetch_jwt_keys().unwrap().await;
-    test_app_auth(RegistryConfig::default(), HttpConfig::default(), auth).await
+    test_app_auth(RegistryConfig::default(), http, auth).await
 }
 
 fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
@@ -563,6 +579,110 @@ async fn a_key_the_issuer_lacks_after_a_read_is_a_401() {
     .await;
     refused(&a, "no key \"stranger\"");
     assert_eq!(jwks_server.fetches(), 2, "read again for it");
+}
+
+/// How many requests `/metrics` counts under this method, route and
+/// status.
+async fn counted(app: &TestApp, method: &str, route: &str, status: u16) -> u64 {
+    let text = call(app, OPERATOR, "GET", "/metrics").await;
+    let series = format!(
+        "taskgate_http_request_duration_seconds_count{{method=\"{method}\",route=\"{route}\",status=\"{status}\"}} "
+    );
+    String::from_utf8(text.raw)
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+/// A client that leaves while its JWT's issuer's keys are re-read (the
+/// issuer is slow) is counted once, as 499; the re-read goes on without
+/// it, so the key it brought is known to the next request.
+#[tokio::test]
+async fn a_client_that_leaves_during_a_keys_re_read_is_counted_as_499() {
+    let dir = tempfile::tempdir().unwrap();
+    let (k1, k2) = (Key::es256("k1"), Key::es256("k2"));
+    let jwks_server = JwksServer::start(jwks(&[&k1])).await;
+    let app = server(
+        dir.path(),
+        json!({"issuers": [{"issuer": K8S, "jwks_url": jwks_server.url, "audience": "taskgate",
+                            "role": "agent"}]}),
+    )
+    .await;
+    let route = "/v1/allocations/{alloc_id}";
+    let held = jwks_server.hold().await;
+    jwks_server.serve(StatusCode::OK, jwks(&[&k1, &k2]));
+    let token = k2.sign(&k8s_claims("team-a"));
+    let mut left = Box::pin(call(&app, &token, "GET", "/v1/allocations/web-1"));
+    // Until the re-read reaches the issuer (bounded).
+    for _ in 0..2_000 {
+        tokio::select! {
+            biased;
+            a = &mut left => panic!("answered during the re-read: {} {}", a.status, a.body),
+            () = tokio::time::sleep(std::time::Duration::from_millis(5)) => {}
+        }
+        if jwks_server.fetches() == 2 {
+            break;
+        }
+    }
+    assert_eq!(jwks_server.fetches(), 2, "the keys are being re-read");
+    drop(left);
+    assert_eq!(counted(&app, "GET", route, 499).await, 1);
+    drop(held);
+    let mut known = call(&app, &token, "GET", "/v1/allocations/web-1").await;
+    for _ in 0..2_000 {
+        if known.status != 503 {
+            break;
+        }
+        // The abandoned re-read is still being answered (bounded).
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        known = call(&app, &token, "GET", "/v1/allocations/web-1").await;
+    }
+    known.assert_problem(404, "allocation_not_found");
+    assert_eq!(jwks_server.fetches(), 2, "read once");
+    assert_eq!(counted(&app, "GET", route, 499).await, 1, "counted once");
+}
+
+/// The request timeout bounds a request that does not wait from its
+/// arrival, a re-read of its JWT's issuer's keys included: against an
+/// issuer that does not answer, the request is answered 503 `timeout`
+/// once the timeout has passed, not once the fetch gives up.
+#[tokio::test]
+async fn a_slow_keys_re_read_is_within_the_request_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let (k1, k2) = (Key::es256("k1"), Key::es256("k2"));
+    let jwks_server = JwksServer::start(jwks(&[&k1])).await;
+    let app = server_with(
+        dir.path(),
+        json!({"issuers": [{"issuer": K8S, "jwks_url": jwks_server.url, "audience": "taskgate",
+                            "role": "agent"}]}),
+        HttpConfig {
+            request_timeout: std::time::Duration::from_secs(2),
+            ..HttpConfig::default()
+        },
+    )
+    .await;
+    let _held = jwks_server.hold().await;
+    jwks_server.serve(StatusCode::OK, jwks(&[&k1, &k2]));
+    // From here the clock moves only when every task waits: the issuer
+    // never answers, so it moves to the first deadline.
+    tokio::time::pause();
+    let started = tokio::time::Instant::now();
+    let a = call(
+        &app,
+        &k2.sign(&k8s_claims("team-a")),
+        "PUT",
+        "/v1/allocations/web-1",
+    )
+    .await;
+    a.assert_problem(503, "timeout");
+    // Two seconds, to the timer's millisecond (the fetch would have given
+    // up after five).
+    let took = started.elapsed();
+    assert!(
+        took >= std::time::Duration::from_secs(2) && took < std::time::Duration::from_millis(2010),
+        "answered after {took:?}"
+    );
 }
 
 /// A 503 `jwt_keys_unavailable` is a refusal (said at info), not a failure

@@ -302,6 +302,70 @@ fn a_client_that_stops_reading_is_dropped_after_the_write_timeout() {
     drop(rude);
 }
 
+/// An event-stream client that stops reading is dropped after the write
+/// timeout as other answers' are, while its end stays open: the stream's
+/// writes (its own task's, long after its handler answered) are bounded
+/// too.
+#[test]
+fn a_stalled_event_stream_is_dropped_after_the_write_timeout() {
+    let (_server, addr) = start(&["--write-timeout", "500ms"]);
+    let mut reader = connect(addr);
+    reader
+        .write_all(b"GET /v1/events HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || gauge(addr, "taskgate_waiters")
+            == 1),
+        "the stream never opened"
+    );
+    // Changes until the stream stalls on its client and is dropped for it
+    // (then it no longer counts as a waiter).
+    let dropped = (0..2_000).any(|n| {
+        assert_eq!(exchange(addr, &report_with_event(n)).status, 200);
+        gauge(addr, "taskgate_waiters") == 0
+    });
+    assert!(
+        dropped,
+        "the server kept an event stream whose client stopped reading"
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || gauge(
+            addr,
+            "taskgate_connections"
+        ) == 1),
+        "the stream's connection is still open"
+    );
+    others_are_served(addr, Duration::from_secs(2));
+    drop(reader);
+}
+
+/// A client that sends a write's headers and never its body is answered
+/// 503 `timeout` (with its request ID) once the request timeout passes,
+/// not held; others are served meanwhile, and nothing was changed.
+#[test]
+fn a_body_that_never_comes_is_answered_at_the_request_timeout() {
+    let (_server, addr) = start(&["--request-timeout", "500ms"]);
+    let mut silent = connect(addr);
+    silent
+        .write_all(
+            b"PUT /v1/allocations/a1/tasks/web/state HTTP/1.1\r\nHost: localhost\r\n\
+              Content-Type: application/json\r\nContent-Length: 100\r\n\
+              X-Request-Id: silent-1\r\n\r\n",
+        )
+        .unwrap();
+    others_are_served(addr, Duration::from_secs(2));
+    let started = Instant::now();
+    let answer = read_answer(&mut silent).expect("an answer");
+    answer.assert_problem(503, "timeout");
+    assert_eq!(answer.header("x-request-id"), Some("silent-1"));
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let web = exchange(
+        addr,
+        &request("GET", "/v1/allocations/a1/tasks/web", None, b""),
+    );
+    assert_eq!(web.json()["state"], "pending");
+}
+
 /// Most bytes the server's end of a stalled event stream may hold in its
 /// kernel send queue: the stream's send buffer (`--stream-send-buffer`'s
 /// default), plus the segment the kernel was filling when the buffer ran

@@ -52,13 +52,17 @@ async fn exchange<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
 
 /// A TLS server with a certificate made now, and a client that trusts it.
 async fn tls_server() -> (Running, TlsConnector, tempfile::TempDir) {
+    tls_server_with(ServeConfig::for_tests()).await
+}
+
+/// `tls_server` with this configuration.
+async fn tls_server_with(mut config: ServeConfig) -> (Running, TlsConnector, tempfile::TempDir) {
     let made = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let cert = dir.path().join("cert.pem");
     let key = dir.path().join("key.pem");
     std::fs::write(&cert, made.cert.pem()).unwrap();
     std::fs::write(&key, made.key_pair.serialize_pem()).unwrap();
-    let mut config = ServeConfig::for_tests();
     config.tls_cert = Some(cert);
     config.tls_key = Some(key);
     let server = start(config).await;
@@ -83,6 +87,47 @@ async fn tls_connect(
         .connect(ServerName::try_from("localhost").unwrap(), tcp)
         .await
         .expect("handshake with the generated certificate")
+}
+
+/// Sends `request` on a new TLS connection and reads the whole answer
+/// (the request says `Connection: close`).
+async fn tls_send(connector: &TlsConnector, addr: std::net::SocketAddr, request: &[u8]) -> String {
+    let mut tls = tls_connect(connector, addr).await;
+    tls.write_all(request).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(BOUND, tls.read_to_end(&mut out))
+        .await
+        .expect("answered")
+        .unwrap();
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Opens an event stream over TLS and reads its answer's head, then
+/// nothing more: the stream's connection, and the client's address.
+async fn tls_stream(
+    connector: &TlsConnector,
+    addr: std::net::SocketAddr,
+) -> (
+    tokio_rustls::client::TlsStream<TcpStream>,
+    std::net::SocketAddr,
+) {
+    let mut reader = tls_connect(connector, addr).await;
+    let client = reader.get_ref().0.local_addr().unwrap();
+    reader
+        .write_all(b"GET /v1/events HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let mut byte = [0; 1];
+        tokio::time::timeout(BOUND, reader.read_exact(&mut byte))
+            .await
+            .expect("the stream's head")
+            .unwrap();
+        head.push(byte[0]);
+    }
+    assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+    (reader, client)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -137,16 +182,7 @@ async fn a_stalled_event_stream_over_tls_holds_a_bounded_kernel_send_queue() {
     let send = |request: Vec<u8>| {
         let connector = connector.clone();
         let addr = server.addr;
-        async move {
-            let mut tls = tls_connect(&connector, addr).await;
-            tls.write_all(&request).await.unwrap();
-            let mut out = Vec::new();
-            tokio::time::timeout(BOUND, tls.read_to_end(&mut out))
-                .await
-                .expect("answered")
-                .unwrap();
-            String::from_utf8_lossy(&out).into_owned()
-        }
+        async move { tls_send(&connector, addr, &request).await }
     };
     let spec = common::five_tasks().to_string();
     let answer = send(common::raw::json_request(
@@ -157,23 +193,7 @@ async fn a_stalled_event_stream_over_tls_holds_a_bounded_kernel_send_queue() {
     .await;
     assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
 
-    let mut reader = tls_connect(&connector, server.addr).await;
-    let client = reader.get_ref().0.local_addr().unwrap();
-    reader
-        .write_all(b"GET /v1/events HTTP/1.1\r\nHost: localhost\r\n\r\n")
-        .await
-        .unwrap();
-    // Its answer's head, and then nothing more is read.
-    let mut head = Vec::new();
-    while !head.ends_with(b"\r\n\r\n") {
-        let mut byte = [0; 1];
-        tokio::time::timeout(BOUND, reader.read_exact(&mut byte))
-            .await
-            .expect("the stream's head")
-            .unwrap();
-        head.push(byte[0]);
-    }
-    assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+    let (reader, client) = tls_stream(&connector, server.addr).await;
 
     // As in tests/rude.rs: the buffer, the segment being filled, room.
     let bound = taskgate::server::DEFAULT_STREAM_SEND_BUFFER as u64 + (128 << 10);
@@ -199,6 +219,46 @@ async fn a_stalled_event_stream_over_tls_holds_a_bounded_kernel_send_queue() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(common::raw::server_send_queue(server.addr, client).unwrap() <= bound);
+    drop(reader);
+    server.stop.send(()).unwrap();
+    server.task.await.unwrap().unwrap();
+}
+
+/// Under TLS too, an event-stream client that stops reading is dropped
+/// after the write timeout (the bound is under the TLS stream, on its
+/// encrypted writes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_event_stream_over_tls_is_dropped_after_the_write_timeout() {
+    let mut config = ServeConfig::for_tests();
+    config.write_timeout = Duration::from_millis(500);
+    let (server, connector, _dir) = tls_server_with(config).await;
+    let spec = common::five_tasks().to_string();
+    let put = common::raw::json_request("PUT", "/v1/allocations/a1", spec.as_bytes());
+    let answer = tls_send(&connector, server.addr, &put).await;
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+    let waiters = || async {
+        let metrics = common::raw::request("GET", "/metrics", None, b"");
+        let text = tls_send(&connector, server.addr, &metrics).await;
+        text.lines()
+            .find_map(|l| l.strip_prefix("taskgate_waiters "))
+            .map(|v| v.trim().parse::<u64>().unwrap())
+            .expect("taskgate_waiters")
+    };
+    let (reader, _client) = tls_stream(&connector, server.addr).await;
+    assert_eq!(waiters().await, 1);
+    let mut dropped = false;
+    for n in 0..2_000 {
+        let answer = tls_send(&connector, server.addr, &common::raw::report_with_event(n)).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        if waiters().await == 0 {
+            dropped = true;
+            break;
+        }
+    }
+    assert!(
+        dropped,
+        "the server kept a TLS event stream whose client stopped reading"
+    );
     drop(reader);
     server.stop.send(()).unwrap();
     server.task.await.unwrap().unwrap();

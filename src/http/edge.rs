@@ -20,7 +20,7 @@ use std::{
     pin::Pin,
     sync::Arc,
     task::{Context, Poll},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use axum::{
@@ -30,6 +30,7 @@ use axum::{
     response::{IntoResponse, Response},
     routing::{Route, future::RouteFuture},
 };
+use tokio::time::Instant;
 use tower::{Layer, Service};
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -125,9 +126,19 @@ impl Service<Request> for EdgeService {
                 // A future of its own: the requests that need no keys
                 // re-read carry no room for the wait.
                 let mut route = self.route.clone();
+                // The re-read counts against the request's time, as the
+                // handler does (`edge`).
                 let reread = async move {
                     let auth = &passing.edge.auth;
-                    let (req, decided) = auth.check_after_reread(req, passing.route(), keys).await;
+                    let reread = auth.check_after_reread(req, passing.route(), keys);
+                    let (req, decided) = if passing.waits() {
+                        reread.await
+                    } else {
+                        match tokio::time::timeout_at(passing.deadline(), reread).await {
+                            Ok(decided) => decided,
+                            Err(_) => return Ok(passing.answered(timed_out())),
+                        }
+                    };
                     let admitted = admit(&passing, req, decided, &mut route);
                     edge(passing, admitted).await
                 };
@@ -194,8 +205,7 @@ fn admit(passing: &Passing, mut req: Request, decided: Decision, route: &mut Rou
         Ok(caller) => caller,
         Err(denied) => return Admitted::Answer(*denied),
     };
-    let waits = (passing.method == Method::GET || passing.method == Method::HEAD)
-        && matched.is_some_and(|r| WAITING_ROUTES.contains(&r));
+    let waits = passing.waits();
     let stream = waits && matched == Some(STREAM_ROUTE);
     // A token's waits count against its own limit while they last. A
     // stream always waits, so it takes its wait here; the other waiting
@@ -286,6 +296,18 @@ impl Passing {
         self.matched.as_ref().map(MatchedPath::as_str)
     }
 
+    /// Whether the request may wait (then no request timeout).
+    fn waits(&self) -> bool {
+        (self.method == Method::GET || self.method == Method::HEAD)
+            && self.route().is_some_and(|r| WAITING_ROUTES.contains(&r))
+    }
+
+    /// When a request that does not wait runs out of time: the request
+    /// timeout from its arrival, which a JWT's keys re-read counts in.
+    fn deadline(&self) -> Instant {
+        self.started + self.edge.request_timeout
+    }
+
     /// The request's closing log line and metrics; the answer with the
     /// request ID and the store's ID.
     fn answered(mut self, mut res: Response) -> Response {
@@ -343,7 +365,7 @@ impl Drop for Passing {
 }
 
 /// A decided request to its answer, in the request's span
-/// (`EdgeService::call`): its handler run (within the request timeout,
+/// (`EdgeService::call`): its handler run (by the request's deadline,
 /// unless its route waits), then `Passing::answered`. A function returning
 /// an `async` block rather than an `async fn`, which would keep a second
 /// copy of each argument: a long-poll holds this future for all of its
@@ -369,7 +391,7 @@ fn edge(
                 let res = if *waits {
                     run.await
                 } else {
-                    match tokio::time::timeout(edge.request_timeout, run).await {
+                    match tokio::time::timeout_at(passing.deadline(), run).await {
                         Ok(res) => res,
                         Err(_) => timed_out(),
                     }
@@ -454,13 +476,22 @@ fn quota_exceeded(token: &Token) -> Response {
 /// that). Taken here rather than in the registry, which knows nothing of
 /// tokens. With no wait left, the parked request is let go (dropping its
 /// future unparks it) and answered 429.
+///
+/// A handler that panics is answered 500 here, within the edge, so that
+/// its answer has the request's ID and is counted as the 500 it is (caught
+/// outside, by `served`, the request would be counted as one whose client
+/// went away, and answered without its ID). The handler is not polled
+/// again.
 fn handled(
     handler: &mut RouteFuture<Infallible>,
     parks: Option<(&Auth, &Arc<Token>)>,
     slot: &mut Option<WaitSlot>,
     cx: &mut Context<'_>,
 ) -> Poll<Response> {
-    match Pin::new(handler).poll(cx) {
+    let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        Pin::new(&mut *handler).poll(cx)
+    }));
+    match polled.unwrap_or_else(|panic| Poll::Ready(Ok(super::panicked(panic)))) {
         Poll::Ready(Ok(res)) => Poll::Ready(res),
         Poll::Ready(Err(never)) => match never {},
         Poll::Pending => match parks {
@@ -562,5 +593,95 @@ impl http_body::Body for Holding {
 
     fn size_hint(&self) -> http_body::SizeHint {
         self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{sync::Arc, time::Duration};
+
+    use axum::{
+        Router,
+        body::Body,
+        http::{HeaderValue, Request},
+        routing::get,
+    };
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    use super::{Edge, EdgeLayer, REQUEST_ID_HEADER, STORE_HEADER};
+    use crate::metrics::{Metrics, Scrape};
+
+    /// A handler that panics at once, and one on a waiting route that
+    /// panics once it was woken after parking.
+    async fn panics() -> &'static str {
+        panic!("a handler's bug")
+    }
+
+    async fn panics_after_waiting() -> &'static str {
+        tokio::task::yield_now().await;
+        panic!("a waiting handler's bug")
+    }
+
+    /// A handler's panic is the edge's answer like any other: 500
+    /// problem+json with the request's ID and the store's, counted once as
+    /// the 500 it is (not as a client that went away, 499), on a route that
+    /// waits as on one that does not.
+    #[tokio::test]
+    async fn a_handler_s_panic_is_answered_with_its_request_id_and_counted_as_a_500() {
+        let metrics = Arc::new(Metrics::new());
+        let edge = Edge {
+            metrics: metrics.clone(),
+            auth: Arc::default(),
+            site: Arc::default(),
+            request_timeout: Duration::from_secs(30),
+            body_limit: 1024,
+            store_id: HeaderValue::from_static("store-1"),
+            traces: false,
+        };
+        let waiting = "/v1/allocations/{alloc_id}";
+        let served = crate::http::served(
+            Router::new()
+                .route("/panics", get(panics))
+                .route(waiting, get(panics_after_waiting))
+                .layer(EdgeLayer(Arc::new(edge))),
+        );
+        for (uri, route) in [("/panics", "/panics"), ("/v1/allocations/a1", waiting)] {
+            let req = Request::get(uri)
+                .header("host", "localhost")
+                .header(REQUEST_ID_HEADER, "mine-1")
+                .body(Body::empty())
+                .unwrap();
+            let res = served.clone().oneshot(req).await.unwrap();
+            assert_eq!(res.status(), 500, "{uri}");
+            assert_eq!(res.headers()["content-type"], "application/problem+json");
+            assert_eq!(
+                res.headers().get(REQUEST_ID_HEADER).map(|v| v.as_bytes()),
+                Some(&b"mine-1"[..]),
+                "{uri}: the request ID is on the answer"
+            );
+            assert_eq!(
+                res.headers().get(STORE_HEADER).map(|v| v.as_bytes()),
+                Some(&b"store-1"[..]),
+                "{uri}"
+            );
+            let body = res.into_body().collect().await.unwrap().to_bytes();
+            let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(problem["code"], "internal", "{uri}");
+            let text = metrics.render(Scrape::default());
+            let series = |status: u16| {
+                format!(
+                    "taskgate_http_request_duration_seconds_count{{method=\"GET\",route=\"{route}\",status=\"{status}\"}}"
+                )
+            };
+            assert!(
+                text.contains(&format!("{} 1\n", series(500))),
+                "{uri}: counted once as a 500:\n{text}"
+            );
+            assert!(
+                !text.contains(&series(499)),
+                "{uri}: not as a client that went away:\n{text}"
+            );
+        }
     }
 }

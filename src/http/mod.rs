@@ -178,10 +178,12 @@ pub(crate) fn json<T: Serialize>(status: StatusCode, body: &T) -> Response {
     }
 }
 
-/// The application as it is served (`server::serve`): a request whose
-/// handler panics is answered 500 and said, the connection and the server
-/// going on. Around the router rather than one of its layers, each of
-/// which boxes every request's future once more.
+/// The application as it is served (`server::serve`): a request that
+/// panics is answered 500 and said, the connection and the server going
+/// on. A handler's panic is caught by the edge (`edge::handled`), whose
+/// answer carries the request's ID and is counted; this catches what
+/// panics outside a handler. Around the router rather than one of its
+/// layers, each of which boxes every request's future once more.
 pub type Served = CatchPanic<Router, fn(Box<dyn std::any::Any + Send>) -> Response>;
 
 /// `router` as it is served.
