@@ -67,6 +67,17 @@ impl<'de, V: Deserialize<'de>, const MAX: usize> Deserialize<'de> for UniqueMap<
 /// (`Limits::max_tasks` by default).
 const MAX_TASKS: usize = 256;
 
+/// A count as a client sent it: JSON has one kind of number, and `2.0` is
+/// the integer 2 (as its schema's `integer` says). `None` for a fraction, a
+/// negative number or one past `u64`.
+pub fn whole(n: &serde_json::Number) -> Option<u64> {
+    n.as_u64().or_else(|| {
+        n.as_f64()
+            .filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f < u64::MAX as f64)
+            .map(|f| f as u64)
+    })
+}
+
 /// Implements `Deserialize` for request bodies so that they accept only a
 /// JSON object. serde's derive also takes an array of the fields in order
 /// (`["running"]` as a report), which is not in the contract. Each type
@@ -191,8 +202,8 @@ pub struct BarrierBody {
     #[schema(value_type = SemaphoreNameBody)]
     pub name: String,
     /// How many tasks open it (2 to 1000); every member must say the same.
-    #[schema(minimum = 2, maximum = 1000)]
-    pub size: u64,
+    #[schema(value_type = u64, minimum = 2, maximum = 1000)]
+    pub size: serde_json::Number,
     /// How long it may gather (1 s to 7 d; every member must say the
     /// same), from the earliest arrival among the members counted now (a
     /// member that leaves the count takes its arrival with it): then
@@ -371,7 +382,7 @@ impl RegisterBody {
                         errors.push(FieldError::new(field("name"), format!("{:?} {e}", b.name)))
                     })
                     .ok()?;
-                let Ok(size) = u16::try_from(b.size) else {
+                let Some(size) = whole(&b.size).and_then(|n| u16::try_from(n).ok()) else {
                     errors.push(FieldError::new(
                         field("size"),
                         format!("must be 2 to 1000, got {}", b.size),

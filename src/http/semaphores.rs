@@ -175,14 +175,7 @@ pub async fn put(
 ) -> Result<Response, ApiError> {
     let mut errors = Vec::new();
     let (min, max) = LIMIT_RANGE;
-    // JSON has one kind of number: `2.0` is the integer 2.
-    let whole = body.limit.as_u64().or_else(|| {
-        body.limit
-            .as_f64()
-            .filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f <= f64::from(u32::MAX))
-            .map(|f| f as u64)
-    });
-    let limit = match whole.and_then(|n| u32::try_from(n).ok()) {
+    let limit = match super::dto::whole(&body.limit).and_then(|n| u32::try_from(n).ok()) {
         Some(n) if (min..=max).contains(&n) => n,
         _ => {
             errors.push(FieldError::new(
