@@ -1603,13 +1603,7 @@ async fn request_ids_are_echoed_or_generated() {
 /// How many requests `/metrics` counts under this method, route and
 /// status.
 async fn counted(app: &common::TestApp, method: &str, route: &str, status: u16) -> u64 {
-    let text = String::from_utf8(app.get("/metrics").await.raw).unwrap();
-    let series = format!(
-        "taskgate_http_request_duration_seconds_count{{method=\"{method}\",route=\"{route}\",status=\"{status}\"}} "
-    );
-    text.lines()
-        .find_map(|l| l.strip_prefix(&series))
-        .map_or(0, |n| n.parse().unwrap())
+    common::requests_counted(&app.get("/metrics").await, method, route, status)
 }
 
 /// Every answer carries the client's request ID and the store's ID, and

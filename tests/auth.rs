@@ -672,15 +672,12 @@ async fn only_parked_requests_hold_a_token_s_waits() {
 /// How many requests `/metrics` counts under this method, route and
 /// status.
 async fn counted(app: &TestApp, method: &str, route: &str, status: u16) -> u64 {
-    let text = call(app, Some("operator-secret"), "GET", "/metrics", None).await;
-    let series = format!(
-        "taskgate_http_request_duration_seconds_count{{method=\"{method}\",route=\"{route}\",status=\"{status}\"}} "
-    );
-    String::from_utf8(text.raw)
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix(&series))
-        .map_or(0, |n| n.parse().unwrap())
+    common::requests_counted(
+        &call(app, Some("operator-secret"), "GET", "/metrics", None).await,
+        method,
+        route,
+        status,
+    )
 }
 
 /// The edge's refusals of a token (401, 403, 429 for a token with no

@@ -584,15 +584,12 @@ async fn a_key_the_issuer_lacks_after_a_read_is_a_401() {
 /// How many requests `/metrics` counts under this method, route and
 /// status.
 async fn counted(app: &TestApp, method: &str, route: &str, status: u16) -> u64 {
-    let text = call(app, OPERATOR, "GET", "/metrics").await;
-    let series = format!(
-        "taskgate_http_request_duration_seconds_count{{method=\"{method}\",route=\"{route}\",status=\"{status}\"}} "
-    );
-    String::from_utf8(text.raw)
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix(&series))
-        .map_or(0, |n| n.parse().unwrap())
+    common::requests_counted(
+        &call(app, OPERATOR, "GET", "/metrics").await,
+        method,
+        route,
+        status,
+    )
 }
 
 /// A client that leaves while its JWT's issuer's keys are re-read (the

@@ -138,6 +138,19 @@ pub async fn with_tokens(config: RegistryConfig) -> TestApp {
     with_token_file(config, tokens, OPERATOR).await
 }
 
+/// How many requests a `/metrics` answer counts under this method, route
+/// and status (0 if it names none).
+pub fn requests_counted(metrics: &Answer, method: &str, route: &str, status: u16) -> u64 {
+    let series = format!(
+        "taskgate_http_request_duration_seconds_count{{method=\"{method}\",route=\"{route}\",status=\"{status}\"}} "
+    );
+    std::str::from_utf8(&metrics.raw)
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .map_or(0, |n| n.parse().unwrap())
+}
+
 /// A secret's SHA-256 in hex, as a token file holds it.
 pub fn sha256_hex(secret: &str) -> String {
     use sha2::Digest;
