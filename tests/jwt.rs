@@ -281,6 +281,13 @@ fn k8s_issuer(jwks_file: &Path) -> Value {
            "alloc_prefix_suffix": "."})
 }
 
+/// The issuers' file of one issuer whose keys are read from `jwks_url`,
+/// its tokens agents'.
+fn url_issuer(jwks_url: &str) -> Value {
+    json!({"issuers": [{"issuer": K8S, "jwks_url": jwks_url, "audience": "taskgate",
+                        "role": "agent"}]})
+}
+
 /// Each case of the list, against an ES256 issuer whose keys are
 /// in a file, with the operator's static secret beside it.
 #[tokio::test]
@@ -564,12 +571,7 @@ async fn a_key_the_issuer_lacks_after_a_read_is_a_401() {
     let dir = tempfile::tempdir().unwrap();
     let (k1, stranger) = (Key::es256("k1"), Key::es256("stranger"));
     let jwks_server = JwksServer::start(jwks(&[&k1])).await;
-    let app = server(
-        dir.path(),
-        json!({"issuers": [{"issuer": K8S, "jwks_url": jwks_server.url, "audience": "taskgate",
-                            "role": "agent"}]}),
-    )
-    .await;
+    let app = server(dir.path(), url_issuer(&jwks_server.url)).await;
     let a = call(
         &app,
         &stranger.sign(&k8s_claims("team-a")),
@@ -600,12 +602,7 @@ async fn a_client_that_leaves_during_a_keys_re_read_is_counted_as_499() {
     let dir = tempfile::tempdir().unwrap();
     let (k1, k2) = (Key::es256("k1"), Key::es256("k2"));
     let jwks_server = JwksServer::start(jwks(&[&k1])).await;
-    let app = server(
-        dir.path(),
-        json!({"issuers": [{"issuer": K8S, "jwks_url": jwks_server.url, "audience": "taskgate",
-                            "role": "agent"}]}),
-    )
-    .await;
+    let app = server(dir.path(), url_issuer(&jwks_server.url)).await;
     let route = "/v1/allocations/{alloc_id}";
     let held = jwks_server.hold().await;
     jwks_server.serve(StatusCode::OK, jwks(&[&k1, &k2]));
@@ -651,8 +648,7 @@ async fn a_slow_keys_re_read_is_within_the_request_timeout() {
     let jwks_server = JwksServer::start(jwks(&[&k1])).await;
     let app = server_with(
         dir.path(),
-        json!({"issuers": [{"issuer": K8S, "jwks_url": jwks_server.url, "audience": "taskgate",
-                            "role": "agent"}]}),
+        url_issuer(&jwks_server.url),
         HttpConfig {
             request_timeout: std::time::Duration::from_secs(2),
             ..HttpConfig::default()
