@@ -455,7 +455,7 @@ enum Refusal {
     Answer(Box<Response>),
     /// A JWT's issuer lacks the key it names: re-read the issuer's keys,
     /// then decide again.
-    Reread { issuer: usize, generation: u64 },
+    Reread(KeysToReread),
 }
 
 impl Refusal {
@@ -464,7 +464,7 @@ impl Refusal {
     fn into_answer(self) -> Box<Response> {
         match self {
             Refusal::Answer(res) => res,
-            Refusal::Reread { .. } => {
+            Refusal::Reread(_) => {
                 Box::new(unauthorized("the keys of the JWT's issuer lack its key"))
             }
         }
@@ -500,7 +500,7 @@ impl Auth {
     /// the requests that do not need it do not carry.
     pub fn check_now(&self, req: &Request, route: Option<&str>) -> Result<Decision, KeysToReread> {
         match self.decide(req, route, Reread::NotYet) {
-            Err(Refusal::Reread { issuer, generation }) => Err(KeysToReread { issuer, generation }),
+            Err(Refusal::Reread(keys)) => Err(keys),
             decided => Ok(decided.map_err(Refusal::into_answer)),
         }
     }
@@ -559,7 +559,7 @@ impl Auth {
             (None, Some(jwt)) if jwt_shaped(secret) => match jwt.judge(secret, &hash, reread) {
                 Judged::Known(token, subject) => (token, Some(subject)),
                 Judged::Reread { issuer, generation } => {
-                    return Err(Refusal::Reread { issuer, generation });
+                    return Err(Refusal::Reread(KeysToReread { issuer, generation }));
                 }
                 Judged::Unauthorized(why) => {
                     tracing::info!(%route, method = %req.method(), "refused (401): JWT: {why}");
