@@ -24,3 +24,4 @@ pub mod store;
 pub mod supervise;
 pub mod telemetry;
 pub mod units;
+pub mod wire;

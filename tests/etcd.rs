@@ -276,6 +276,7 @@ async fn concurrent_writers_on_three_replicas_lose_nothing_and_apply_nothing_twi
     for (t, name) in names.iter().enumerate() {
         let got: Vec<String> = a.tasks[t]
             .events
+            .all()
             .iter()
             .map(|e| e.message.to_string())
             .collect();
@@ -718,6 +719,7 @@ async fn the_etcd_leader_killed_under_load_loses_no_acknowledged_change() {
             let a = r.get(&format!("k{n}")).unwrap();
             let history: Vec<String> = a.tasks[0]
                 .events
+                .all()
                 .iter()
                 .map(|e| e.message.to_string())
                 .collect();
@@ -1164,6 +1166,7 @@ async fn grants_through_three_replicas_never_pass_the_limit_and_are_made_once() 
 fn messages(r: &Registry, alloc: &str, task: usize) -> Vec<String> {
     r.get(alloc).unwrap().tasks[task]
         .events
+        .all()
         .iter()
         .map(|e| e.message.to_string())
         .collect()
@@ -1242,6 +1245,7 @@ async fn a_write_whose_answer_was_lost_is_applied_once() {
     assert_eq!(
         answer.tasks[0]
             .events
+            .all()
             .iter()
             .filter(|e| *e.message == *"once")
             .count(),
@@ -1458,6 +1462,7 @@ async fn wait_lost(r: &Registry, alloc: &str) -> Arc<taskgate::lifecycle::Alloca
 fn lost_events(r: &Registry, alloc: &str) -> usize {
     r.get(alloc).unwrap().tasks[0]
         .events
+        .all()
         .iter()
         .filter(|e| e.kind == taskgate::lifecycle::LOST_EVENT)
         .count()

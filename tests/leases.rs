@@ -482,6 +482,7 @@ async fn a_quorum_lost_past_the_ttl_answers_503_and_loses_only_the_silent() {
         assert_eq!(t.tasks[0].lost_at(), Some(at));
         let lost_events = t.tasks[0]
             .events
+            .all()
             .iter()
             .filter(|e| e.kind == taskgate::lifecycle::LOST_EVENT)
             .count();

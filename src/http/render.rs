@@ -152,7 +152,7 @@ fn task(out: &mut Vec<u8>, a: &Allocation, i: usize, live: &Liveness) -> Result 
     out.extend_from_slice(b",\"last_restart\":");
     optional_time(out, t.last_restart)?;
     out.extend_from_slice(b",\"events\":[");
-    for (n, e) in t.events.iter().enumerate() {
+    for (n, e) in t.events.all().iter().enumerate() {
         comma(out, n);
         out.extend_from_slice(b"{\"type\":");
         string(out, e.kind.as_str());

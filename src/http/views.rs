@@ -641,7 +641,7 @@ impl<'a> From<&'a Event> for EventView<'a> {
 }
 
 fn event_views<S: serde::Serializer>(events: &Events, s: S) -> Result<S::Ok, S::Error> {
-    s.collect_seq(events.iter().map(EventView::from))
+    s.collect_seq(events.all().iter().map(EventView::from))
 }
 
 /// Why a task is told to stop.

@@ -31,6 +31,7 @@ mod alloc;
 mod barrier;
 mod coordinator;
 mod deps;
+mod history;
 mod ids;
 mod intern;
 mod orders;
@@ -51,6 +52,7 @@ pub use deps::{
     Condition, Cycles, DepState, Dependency, MAX_DEPENDENCIES, Node, Positions, Target, Walk, Why,
     cycles, judge as judge_dependency, walk,
 };
+pub use history::Events;
 pub use ids::{AllocId, IdError, SemName, TaskName};
 pub use intern::{EventBody, Sym};
 pub use names::UnknownName;
@@ -62,8 +64,8 @@ pub use spec::{
     AllocSpec, DEADLINE_RANGE, Deadlines, Hook, Lifecycle, SpecInterner, Stage, TTL_RANGE, TaskSpec,
 };
 pub use task::{
-    Details, Event, EventInput, Events, IdemKey, KeySeen, LOST_EVENT, MAX_KEYS, RunState,
-    TaskExtra, TaskReport, TaskStatus,
+    Details, Event, EventInput, IdemKey, KeySeen, LOST_EVENT, MAX_KEYS, RunState, TaskExtra,
+    TaskReport, TaskStatus,
 };
 pub use trouble::{ListState, Trouble, TroubleKind};
 

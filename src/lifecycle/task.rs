@@ -4,7 +4,7 @@
 use std::{collections::BTreeMap, sync::Arc};
 
 use super::{
-    FieldError, Limits, MAX_EVENT_TYPE, MAX_EVENTS, Timestamp,
+    Events, FieldError, Limits, MAX_EVENT_TYPE, Timestamp,
     intern::{EventBody, Sym},
 };
 
@@ -178,128 +178,6 @@ impl std::fmt::Debug for Details {
 impl serde::Serialize for Details {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.collect_map(self.iter())
-    }
-}
-
-/// A task's most recent events, oldest first, at most `MAX_EVENTS`.
-///
-/// Shared between the versions of a record: every report makes a new
-/// version of its allocation, and copying each task's history into it
-/// would copy and free every event of every task (measured: see
-/// BENCHMARKS.md, "Event histories, interned"). Here a version copies one pointer per task,
-/// and adding an event copies the history's events (a body pointer and a
-/// time each), never a string. Empty histories hold no heap block at all.
-#[derive(Clone, Default)]
-pub struct Events(Option<Arc<[Event]>>);
-
-impl Events {
-    pub fn len(&self) -> usize {
-        self.0.as_ref().map_or(0, |e| e.len())
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.0.is_none()
-    }
-
-    /// Oldest first.
-    pub fn iter(&self) -> impl DoubleEndedIterator<Item = &Event> + ExactSizeIterator {
-        self.0.as_deref().unwrap_or_default().iter()
-    }
-
-    pub fn get(&self, i: usize) -> Option<&Event> {
-        self.0.as_ref()?.get(i)
-    }
-
-    pub fn last(&self) -> Option<&Event> {
-        self.iter().next_back()
-    }
-
-    /// The events of this history that `prev`, an earlier version of it,
-    /// did not have, oldest first: what follows the longest end of `prev`
-    /// this history starts with. Versions a process made share their
-    /// events (a pointer compare); versions decoded from a store compare
-    /// by value.
-    pub fn added_since(&self, prev: &Events) -> Vec<Event> {
-        // The same history (a task the change did not touch): nothing,
-        // without comparing its events one by one.
-        if let (Some(now), Some(before)) = (&self.0, &prev.0)
-            && Arc::ptr_eq(now, before)
-        {
-            return Vec::new();
-        }
-        let now = self.0.as_deref().unwrap_or_default();
-        let before = prev.0.as_deref().unwrap_or_default();
-        let same = |a: &Event, b: &Event| a == b;
-        let kept = (0..=before.len().min(now.len()))
-            .rev()
-            .find(|&k| {
-                before[before.len() - k..]
-                    .iter()
-                    .zip(&now[..k])
-                    .all(|(a, b)| same(a, b))
-            })
-            .unwrap_or(0);
-        now[kept..].to_vec()
-    }
-
-    /// The newest event of this type.
-    pub fn last_of(&self, kind: &str) -> Option<&Event> {
-        self.iter().rev().find(|e| e.kind == kind)
-    }
-
-    /// Appends an event, dropping the oldest beyond `MAX_EVENTS`.
-    pub fn push(&mut self, event: Event) {
-        let old = self.0.as_deref().unwrap_or_default();
-        let keep = old.len().min(MAX_EVENTS - 1);
-        let next: Arc<[Event]> = old[old.len() - keep..]
-            .iter()
-            .cloned()
-            .chain([event])
-            .collect();
-        self.0 = Some(next);
-    }
-}
-
-/// A history exactly as given (a stored record's), even past `MAX_EVENTS`.
-impl FromIterator<Event> for Events {
-    fn from_iter<I: IntoIterator<Item = Event>>(iter: I) -> Self {
-        let events: Arc<[Event]> = iter.into_iter().collect();
-        Self((!events.is_empty()).then_some(events))
-    }
-}
-
-impl PartialEq for Events {
-    fn eq(&self, other: &Self) -> bool {
-        // The common case, a task a change did not touch, is one pointer
-        // compare.
-        match (&self.0, &other.0) {
-            (Some(a), Some(b)) if Arc::ptr_eq(a, b) => true,
-            _ => {
-                self.len() == other.len()
-                    && self
-                        .0
-                        .iter()
-                        .flat_map(|a| a.iter())
-                        .zip(other.0.iter().flat_map(|b| b.iter()))
-                        .all(|(a, b)| a == b)
-            }
-        }
-    }
-}
-
-impl Eq for Events {}
-
-impl std::ops::Index<usize> for Events {
-    type Output = Event;
-
-    fn index(&self, i: usize) -> &Event {
-        self.get(i).expect("an event index within the history")
-    }
-}
-
-impl std::fmt::Debug for Events {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_list().entries(self.iter()).finish()
     }
 }
 
@@ -808,6 +686,7 @@ impl TaskStatus {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::lifecycle::MAX_EVENTS;
     use time::macros::datetime;
 
     /// An event is 16 bytes, and any time comes back exactly as given,
@@ -879,10 +758,10 @@ mod tests {
         let kinds = |v: Vec<Event>| v.iter().map(|e| e.kind.to_string()).collect::<Vec<_>>();
         assert_eq!(kinds(t.events.added_since(&prev)), ["new"]);
         // A decoded copy is another block: compared by value.
-        let copy: Events = prev.iter().cloned().collect();
+        let copy: Events = prev.all().iter().cloned().collect();
         assert_eq!(kinds(t.events.added_since(&copy)), ["new"]);
         assert!(t.events.added_since(&t.events.clone()).is_empty());
-        let same: Events = t.events.iter().cloned().collect();
+        let same: Events = t.events.all().iter().cloned().collect();
         assert!(t.events.added_since(&same).is_empty(), "compared by value");
         assert_eq!(t.events.added_since(&Events::default()).len(), MAX_EVENTS);
     }
@@ -998,7 +877,8 @@ mod tests {
             r.event = Some(event(&format!("e{i}")));
             t.apply(&r, T0);
         }
-        let kinds: Vec<_> = t.events.iter().map(|e| e.kind.as_str()).collect();
+        let events = t.events.all();
+        let kinds: Vec<_> = events.iter().map(|e| e.kind.as_str()).collect();
         assert_eq!(
             kinds,
             [
@@ -1016,18 +896,15 @@ mod tests {
             t.apply(&r, T0);
         }
         let copy = t.clone();
-        let (a, b) = (
-            t.events.0.as_ref().unwrap(),
-            copy.events.0.as_ref().unwrap(),
-        );
+        let (a, b) = (t.events.made().unwrap(), copy.events.made().unwrap());
         assert!(Arc::ptr_eq(a, b), "a copy is one pointer, not ten events");
 
         let mut next = copy.clone();
         let mut r = report(RunState::Running);
         r.event = Some(event("e10"));
         next.apply(&r, T1);
-        let old = t.events.0.as_ref().unwrap();
-        let new = next.events.0.as_ref().unwrap();
+        let old = t.events.made().unwrap();
+        let new = next.events.made().unwrap();
         assert_eq!(new.len(), MAX_EVENTS);
         for (o, n) in old[1..].iter().zip(new.iter()) {
             assert!(
@@ -1037,7 +914,7 @@ mod tests {
         }
         assert_eq!(next.events.last().unwrap().kind, "e10");
         assert_eq!(t.events.len(), MAX_EVENTS, "the old version is untouched");
-        assert_eq!(t.events[0].kind, "e0");
+        assert_eq!(t.events.all()[0].kind, "e0");
     }
 
     #[test]
@@ -1050,12 +927,14 @@ mod tests {
         assert_ne!(a, [e("a"), e("c")].into_iter().collect::<Events>());
         let none: Events = std::iter::empty().collect();
         assert_eq!(none, Events::default());
-        assert!(none.is_empty() && none.0.is_none(), "no block for nothing");
+        assert!(
+            none.is_empty() && none.made().is_none(),
+            "no block for nothing"
+        );
         assert_eq!(
-            a.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>(),
+            a.all().iter().map(|e| e.kind.as_str()).collect::<Vec<_>>(),
             ["a", "b"]
         );
-        assert_eq!(a.get(2), None);
     }
 
     #[test]
@@ -1092,8 +971,8 @@ mod tests {
         given.time = Some(T0);
         r.event = Some(given);
         t.apply(&r, T2);
-        assert_eq!(t.events[0].time(), T1);
-        assert_eq!(t.events[1].time(), T0);
+        assert_eq!(t.events.all()[0].time(), T1);
+        assert_eq!(t.events.all()[1].time(), T0);
     }
 
     #[test]
@@ -1270,6 +1149,7 @@ mod tests {
                 let kept = &inputs[inputs.len().saturating_sub(MAX_EVENTS)..];
                 let read = |events: &Events| -> Vec<EventInput> {
                     events
+                        .all()
                         .iter()
                         .map(|e| EventInput {
                             kind: e.kind.to_string(),

@@ -321,6 +321,7 @@ fn run(steps: Vec<Step>) -> Result<(), TestCaseError> {
         // Each event the store holds is in the published history once.
         let messages: Vec<String> = seen.tasks[0]
             .events
+            .all()
             .iter()
             .map(|e| e.message.to_string())
             .collect();

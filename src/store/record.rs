@@ -2,13 +2,13 @@
 //! files outlive changes to the in-memory types. The snapshot
 //! (`disk/snapshot.rs`) and the log (`disk/log.rs`) carry these bytes as they are.
 //!
-//! This build writes and reads version 5, a compact binary encoding
+//! This build writes and reads version 6, a compact binary encoding
 //! (integers are unsigned LEB128 varints, each in its shortest form,
 //! unless marked `zigzag`, signed; `str` is a varint length and UTF-8
 //! bytes):
 //!
 //! ```text
-//! record = 0x05 | id: str | state: u8 | create_index | modify_index
+//! record = 0x06 | id: str | state: u8 | create_index | modify_index
 //!        | created_at: time | modified_at: time | order | ext | tasks: varint | task*
 //! order  = 0 (run)
 //!        | reason: u8 (1 Leader Task Dead, 2 Sibling Task Failed, 3 Main Tasks Dead)
@@ -18,14 +18,12 @@
 //! task   = name: str | kind: u8 | state: u8 | flags: u8 | restarts
 //!        | restart_generation | modify_index
 //!        | [started_at: time] | [finished_at: time] | [last_restart: time]
-//!        | [ready_at: time] | events: varint | event* | ext
+//!        | [ready_at: time] | history | ext
 //! kind   = hook (0 none: a main task, 1 prestart, 2 poststart, 3 poststop)
 //!        | 0x10 sidecar | 0x20 leader | 0x40 readiness
 //! flags  = 0x01 failed | 0x02 started_at | 0x04 finished_at | 0x08 last_restart
 //!        | 0x10 ready | 0x20 ready_at | 0x40 stale | 0x80 reopened
-//! event  = 0 | type: str | message: str | details: varint | (key: str | value: str)*
-//!            | time                           (a body not written before)
-//!        | number: varint | time              (1 ≤ number ≤ bodies written so far)
+//! history = the task's events (`lifecycle/history.rs`)
 //! time   = unix seconds: zigzag | nanoseconds | UTC offset seconds: zigzag
 //! ext    = count: varint | (tag: u8 | len: varint | payload: len bytes)*
 //!          tags strictly increasing; each payload is read whole
@@ -60,13 +58,13 @@
 //! condition = 0 running | 1 ready | 2 succeeded | 3 dead
 //! ```
 //!
-//! Every change writes its whole record, every event of every history,
-//! and agents send the same few event bodies to every task of an
-//! allocation and again on each restart: so each body is written once
-//! per record. The bodies are numbered from 1 in the order the record
-//! writes them, and an event whose body was written before in the same
-//! record (in any task) is that number. A record that uses no extension
-//! (most) has one zero per `ext`.
+//! Every change writes its whole record, every event of every history.
+//! A history writes each distinct body once and numbers it (agents send
+//! the same few bodies again on each restart of a task); it is a unit of
+//! its own, with no reference into other tasks' histories, so a start
+//! keeps each history as its bytes until it is asked for
+//! (`lifecycle::Events`). A record that uses no extension (most) has one
+//! zero per `ext`.
 //!
 //! States are stored as their position in the tables below (`COORD`,
 //! `RUN`, `HOOK`), which are part of the format: never reorder them.
@@ -93,15 +91,18 @@
 
 use std::{sync::Arc, time::Duration};
 
-use crate::lifecycle::{
-    AllocId, AllocSpec, Allocation, BarrierSpec, Condition, CoordState, Deadlines, DepState,
-    Dependency, Desired, Event, EventBody, Hold, Hook, IdemKey, Lifecycle, Limits, Meet, Overdue,
-    RunState, SIZE_RANGE, SemName, StopKind, StopReason, TaskExtra, TaskName, TaskSpec, TaskStatus,
-    Timestamp, WRITE_MARKS, Why, WriteMark,
+use crate::{
+    lifecycle::{
+        AllocId, AllocSpec, Allocation, BarrierSpec, Condition, CoordState, Deadlines, DepState,
+        Dependency, Desired, Events, Hold, Hook, IdemKey, Lifecycle, Limits, Meet, Overdue,
+        RunState, SIZE_RANGE, SemName, StopKind, StopReason, TaskExtra, TaskName, TaskSpec,
+        TaskStatus, Timestamp, WRITE_MARKS, Why, WriteMark,
+    },
+    wire::{Reader, put_str, put_time, put_varint},
 };
 
 /// The record format this build writes and reads.
-pub const RECORD_VERSION: u8 = 5;
+pub const RECORD_VERSION: u8 = 6;
 
 const COORD: [CoordState; 6] = [
     CoordState::Init,
@@ -180,51 +181,6 @@ fn code<T: PartialEq + Copy>(table: &[T], value: T) -> u8 {
         .iter()
         .position(|&v| v == value)
         .expect("every variant has a code (tested)") as u8
-}
-
-fn put_varint(buf: &mut Vec<u8>, mut n: u64) {
-    while n >= 0x80 {
-        buf.push(n as u8 | 0x80);
-        n >>= 7;
-    }
-    buf.push(n as u8);
-}
-
-fn put_zigzag(buf: &mut Vec<u8>, n: i64) {
-    put_varint(buf, ((n << 1) ^ (n >> 63)) as u64);
-}
-
-fn put_str(buf: &mut Vec<u8>, s: &str) {
-    put_varint(buf, s.len() as u64);
-    buf.extend_from_slice(s.as_bytes());
-}
-
-fn put_time(buf: &mut Vec<u8>, t: Timestamp) {
-    put_zigzag(buf, t.unix_timestamp());
-    put_varint(buf, u64::from(t.nanosecond()));
-    put_zigzag(buf, i64::from(t.offset().whole_seconds()));
-}
-
-/// `put_time(buf, event.time())`, the same bytes; for a time the event
-/// holds as UTC nanoseconds (nearly all), without building the date: a
-/// record writes every event of every history on each change.
-fn put_event_time(buf: &mut Vec<u8>, event: &Event) {
-    match event.utc_nanos() {
-        Some(nanos) => {
-            put_zigzag(buf, nanos.div_euclid(1_000_000_000));
-            put_varint(buf, nanos.rem_euclid(1_000_000_000) as u64);
-            put_zigzag(buf, 0);
-        }
-        None => put_time(buf, event.time()),
-    }
-}
-
-fn put_details(buf: &mut Vec<u8>, event: &Event) {
-    put_varint(buf, event.details.len() as u64);
-    for (key, value) in event.details.iter() {
-        put_str(buf, key);
-        put_str(buf, value);
-    }
 }
 
 fn millis(d: Duration) -> u64 {
@@ -473,10 +429,6 @@ pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
     }
     put_alloc_ext(buf, a);
     put_varint(buf, specs.len() as u64);
-    let mut bodies = Bodies::default();
-    // The text-only bodies of events whose body holds their time, kept
-    // alive while their pointers are the numbers' keys.
-    let mut held = Vec::new();
     for (spec, status) in specs.iter().zip(&a.tasks) {
         put_str(buf, spec.name.as_str());
         let mut kind = match spec.lifecycle {
@@ -518,78 +470,8 @@ pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
         for t in times.iter().filter_map(|(_, t)| *t) {
             put_time(buf, t);
         }
-        put_varint(buf, status.events.len() as u64);
-        for event in status.events.iter() {
-            let text = if event.utc_nanos().is_some() {
-                event.body()
-            } else {
-                held.push(event.text_body());
-                &held[held.len() - 1]
-            };
-            match bodies.number(text) {
-                Some(n) => put_varint(buf, n),
-                None => {
-                    buf.push(0);
-                    put_str(buf, &event.kind);
-                    put_str(buf, &event.message);
-                    put_details(buf, event);
-                }
-            }
-            put_event_time(buf, event);
-        }
+        status.events.write(buf);
         put_task_ext(buf, spec, status);
-    }
-}
-
-/// The event bodies a record has written so far, each numbered from 1 in
-/// the order written: an event whose body is one of them is written as
-/// its number. Bodies are told apart by their pointer (the process shares
-/// each distinct text, `Event::text_body`), so a body shared by several
-/// tasks' events (every task `Received`, `Task Setup`, `Started`) is
-/// written once, and no text twice: a record has one encoding.
-#[derive(Default)]
-struct Bodies {
-    written: Vec<*const EventBody>,
-    /// Past `Bodies::SCAN` bodies, each pointer's number.
-    numbers: Option<foldhash::HashMap<*const EventBody, u64>>,
-}
-
-impl Bodies {
-    /// Up to this many bodies are looked up by a scan (a record's few).
-    const SCAN: usize = 32;
-
-    /// The number of `body` if written already; else `None`, and it is
-    /// numbered next (the caller writes it).
-    fn number(&mut self, body: &Arc<EventBody>) -> Option<u64> {
-        let ptr = Arc::as_ptr(body);
-        let found = match &self.numbers {
-            Some(numbers) => numbers.get(&ptr).copied(),
-            None => self
-                .written
-                .iter()
-                .position(|&p| p == ptr)
-                .map(|i| i as u64 + 1),
-        };
-        if found.is_none() {
-            self.written.push(ptr);
-            let n = self.written.len() as u64;
-            match &mut self.numbers {
-                Some(numbers) => {
-                    numbers.insert(ptr, n);
-                }
-                None if self.written.len() > Self::SCAN => {
-                    self.numbers = Some(
-                        self.written
-                            .iter()
-                            .enumerate()
-                            .map(|(i, &p)| (p, i as u64 + 1))
-                            .collect(),
-                    );
-                }
-                None => {}
-            }
-        }
-        found
     }
 }
 
@@ -610,78 +492,8 @@ pub fn decode(bytes: &[u8]) -> Result<Allocation, String> {
     }
 }
 
-/// Reads a record, after its version byte.
-struct Reader<'a> {
-    bytes: &'a [u8],
-}
-
+/// What only a record has: extension blocks, positions, codes.
 impl<'a> Reader<'a> {
-    fn byte(&mut self, what: &str) -> Result<u8, String> {
-        let (&b, rest) = self
-            .bytes
-            .split_first()
-            .ok_or_else(|| format!("cut short in {what}"))?;
-        self.bytes = rest;
-        Ok(b)
-    }
-
-    fn varint(&mut self, what: &str) -> Result<u64, String> {
-        let mut n = 0u64;
-        for shift in (0..64).step_by(7) {
-            let b = self.byte(what)?;
-            let bits = u64::from(b & 0x7f);
-            if shift == 63 && bits > 1 {
-                break;
-            }
-            n |= bits << shift;
-            if b & 0x80 == 0 {
-                // One way to write each number: no high zero groups.
-                if b == 0 && shift > 0 {
-                    break;
-                }
-                return Ok(n);
-            }
-        }
-        Err(format!(
-            "{what} is not a 64-bit number in its shortest form"
-        ))
-    }
-
-    fn zigzag(&mut self, what: &str) -> Result<i64, String> {
-        let n = self.varint(what)?;
-        Ok((n >> 1) as i64 ^ -((n & 1) as i64))
-    }
-
-    /// A count of items each at least `min_bytes` long: never more than
-    /// the bytes left could hold, so nothing is sized past them.
-    fn count(&mut self, what: &str, min_bytes: usize) -> Result<usize, String> {
-        let n = self.varint(what)?;
-        if n > (self.bytes.len() / min_bytes) as u64 {
-            return Err(format!("{what} ({n}) is more than the record holds"));
-        }
-        Ok(n as usize)
-    }
-
-    fn str(&mut self, what: &str) -> Result<&'a str, String> {
-        let len = self.count(what, 1)?;
-        let (s, rest) = self.bytes.split_at(len);
-        self.bytes = rest;
-        std::str::from_utf8(s).map_err(|_| format!("{what} is not UTF-8"))
-    }
-
-    fn time(&mut self, what: &str) -> Result<Timestamp, String> {
-        let (secs, nanos, offset) = self.time_parts(what)?;
-        time_of(secs, nanos, offset, what)
-    }
-
-    /// A time's seconds, nanoseconds and offset as written (`put_time`).
-    fn time_parts(&mut self, what: &str) -> Result<(i64, u32, i32), String> {
-        let secs = self.zigzag(what)?;
-        let nanos = u32::try_from(self.varint(what)?).map_err(|_| format!("bad {what}"))?;
-        let offset = i32::try_from(self.zigzag(what)?).map_err(|_| format!("bad {what}"))?;
-        Ok((secs, nanos, offset))
-    }
-
     /// An extension block: its entries' tags and payloads.
     fn ext(&mut self, what: &str) -> Result<Vec<(u8, Reader<'a>)>, String> {
         // An entry takes at least 2 bytes (a tag and an empty length).
@@ -755,41 +567,6 @@ struct AllocExt<'a> {
     poststop_told: Option<Reader<'a>>,
     writes: Vec<WriteMark>,
     clocks: crate::lifecycle::StageClocks,
-}
-
-/// The time written as `secs`, `nanos`, `offset` (`put_time`).
-fn time_of(secs: i64, nanos: u32, offset: i32, what: &str) -> Result<Timestamp, String> {
-    let offset =
-        time::UtcOffset::from_whole_seconds(offset).map_err(|e| format!("bad {what}: {e}"))?;
-    // From its date and time where it was given: near either end of the
-    // years, a time's instant in UTC can lie past that end.
-    let local = secs
-        .checked_add(i64::from(offset.whole_seconds()))
-        .ok_or_else(|| format!("bad {what}: out of range"))?;
-    Ok(Timestamp::from_unix_timestamp(local)
-        .and_then(|t| t.replace_nanosecond(nanos))
-        .map_err(|e| format!("bad {what}: {e}"))?
-        .replace_offset(offset))
-}
-
-/// An event with this body and the time written as `secs`, `nanos`,
-/// `offset`. A time in UTC that fits 64-bit nanoseconds (nearly every one)
-/// becomes the event's without the date arithmetic of a `Timestamp`: a
-/// store's load reads fifty million of them at a million allocations.
-fn event_of(body: Arc<EventBody>, (secs, nanos, offset): (i64, u32, i32)) -> Result<Event, String> {
-    let utc = (offset == 0 && nanos < 1_000_000_000)
-        .then(|| {
-            secs.checked_mul(1_000_000_000)?
-                .checked_add(i64::from(nanos))
-        })
-        .flatten();
-    match utc {
-        Some(at) if at != Event::IN_BODY => Ok(Event::at_utc_nanos(body, at)),
-        _ => Ok(Event::with_body(
-            body,
-            time_of(secs, nanos, offset, "an event time")?,
-        )),
-    }
 }
 
 fn alloc_ext<'a>(r: &mut Reader<'a>) -> Result<AllocExt<'a>, String> {
@@ -1059,11 +836,6 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
     // A task takes at least 9 bytes (an empty name is refused below).
     let n = r.count("the task count", 9)?;
     let (mut specs, mut statuses) = (Vec::with_capacity(n), Vec::with_capacity(n));
-    // One event's details, reused from event to event.
-    let mut details: Vec<(&str, &str)> = Vec::new();
-    // The event bodies written so far, by number, and by pointer (each
-    // is written once).
-    let (mut bodies, mut seen): (Vec<Arc<EventBody>>, _) = (Vec::new(), Bodies::default());
     for _ in 0..n {
         let name = r.str("a task name")?;
         let name = TaskName::parse(name).map_err(|e| format!("bad task name {name:?}: {e}"))?;
@@ -1097,44 +869,7 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
         let finished_at = time_if(FINISHED, "finished_at")?;
         let last_restart = time_if(LAST_RESTART, "last_restart")?;
         let ready_at = time_if(READY_AT, "ready_at")?;
-        // An event takes at least 4 bytes: a body's number and a time.
-        let n_events = r.count("the event count", 4)?;
-        let mut events = Vec::with_capacity(n_events);
-        for _ in 0..n_events {
-            let written = r.varint("an event body")?;
-            let body = if written == 0 {
-                let kind = r.str("an event type")?;
-                let message = r.str("an event message")?;
-                let n_details = r.count("the details count", 2)?;
-                details.clear();
-                for _ in 0..n_details {
-                    let key = r.str("a details key")?;
-                    let value = r.str("a details value")?;
-                    if details.last().is_some_and(|(last, _)| *last >= key) {
-                        return Err(format!("details key {key:?} out of order"));
-                    }
-                    details.push((key, value));
-                }
-                let body = EventBody::of_text(kind, message, &details);
-                if let Some(n) = seen.number(&body) {
-                    return Err(format!("event body {n} written again"));
-                }
-                bodies.push(body.clone());
-                body
-            } else {
-                usize::try_from(written - 1)
-                    .ok()
-                    .and_then(|i| bodies.get(i))
-                    .ok_or_else(|| {
-                        format!(
-                            "event body {written} of the {} written before it",
-                            bodies.len()
-                        )
-                    })?
-                    .clone()
-            };
-            events.push(event_of(body, r.time_parts("an event time")?)?);
-        }
+        let events = Events::read(&mut r).map_err(|e| format!("task {name}: {e}"))?;
         let (liveness, depends_on, extra, task_run, acquire, barrier) = task_ext(&mut r)?;
         specs.push(TaskSpec {
             name,
@@ -1153,7 +888,7 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
             started_at,
             finished_at,
             last_restart,
-            events: events.into_iter().collect(),
+            events,
             restart_generation,
             ready: flags & READY != 0,
             ready_at,

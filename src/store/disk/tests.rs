@@ -1438,7 +1438,7 @@ async fn a_write_refused_at_the_log_ceiling_never_comes_back_after_a_restart() {
     assert_eq!(a.modify_index, last, "the last change a writer was told of");
     let refused: std::collections::HashSet<String> =
         refused.iter().map(|n| format!("w{n} ")).collect();
-    for e in a.tasks[0].events.iter() {
+    for e in a.tasks[0].events.all().iter() {
         let key = e.message.split_inclusive(' ').next().unwrap_or_default();
         assert!(
             !refused.contains(key),

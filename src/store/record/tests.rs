@@ -1,5 +1,5 @@
 use super::*;
-use crate::lifecycle::{MAX_EVENTS, TaskReport};
+use crate::lifecycle::{Event, EventBody, Events, MAX_EVENTS, TaskReport};
 use time::macros::datetime;
 
 fn task(name: &str, hook: Option<Hook>, sidecar: bool, leader: bool) -> TaskSpec {
@@ -211,8 +211,8 @@ fn a_record_round_trips_exactly() {
     let a = full();
     let back = decode(&encode(&a)).unwrap();
     assert_eq!(
-        back.tasks[0].events[0].time().offset(),
-        a.tasks[0].events[0].time().offset()
+        back.tasks[0].events.all()[0].time().offset(),
+        a.tasks[0].events.all()[0].time().offset()
     );
 }
 
@@ -286,7 +286,7 @@ fn unknown_or_unordered_extensions_are_damage() {
 fn the_format_is_pinned_byte_for_byte() {
     // A change here breaks every data directory written before it.
     let expected: &[u8] = &[
-        5, // version
+        6, // version
         2, b'a', b'1', // id
         2,    // state: main
         3, 4, // create_index, modify_index
@@ -342,7 +342,7 @@ fn the_format_is_pinned_byte_for_byte() {
         }),
     );
     let expected: &[u8] = &[
-        5, 2, b'a', b'1', 2, 3, 4, //
+        6, 2, b'a', b'1', 2, 3, 4, //
         192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
         192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
         4, 2, // stop order: Deadline Exceeded in main
@@ -374,14 +374,14 @@ fn sample_with_events() -> Allocation {
         crate::lifecycle::Details::from_pairs([("exit_code", "1")]),
     );
     a.tasks[0].events = [started()].into_iter().collect();
-    a.tasks[1].events = [started(), terminated].into_iter().collect();
+    a.tasks[1].events = [started(), terminated, started()].into_iter().collect();
     a
 }
 
-/// `sample_with_events()` as written: a body the record wrote before
-/// is its number.
+/// `sample_with_events()` as written: a body its history wrote before
+/// is its number; each history numbers its own.
 const EVENTS: &[u8] = &[
-    5, 2, b'a', b'1', 2, 3, 4, //
+    6, 2, b'a', b'1', 2, 3, 4, //
     192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
     192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
     0, 0, 2, //
@@ -392,53 +392,61 @@ const EVENTS: &[u8] = &[
     192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
     0, // no extensions
     3, b'w', b'e', b'b', 0x20, 0, 0, 0, 0, 4, //
-    2, // two events: body 1 again, then a new body (2)
-    1, 192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+    3, // three events: a new body (1), another (2), body 1 again
+    0, 7, b'S', b't', b'a', b'r', b't', b'e', b'd', 0, 0, //
+    192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
     0, 10, b'T', b'e', b'r', b'm', b'i', b'n', b'a', b't', b'e', b'd', 1, b'x', //
     1, 9, b'e', b'x', b'i', b't', b'_', b'c', b'o', b'd', b'e', 1, b'1', //
     192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+    1, 192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
     0,
 ];
 
 #[test]
-fn an_event_body_is_written_once_per_record() {
+fn an_event_body_is_written_once_per_history() {
     let a = sample_with_events();
     assert_eq!(encode(&a), EVENTS);
     let back = decode(EVENTS).unwrap();
     assert_eq!(back, a);
-    // Read back, the two Started events share one body.
-    assert!(Arc::ptr_eq(
-        back.tasks[0].events[0].body(),
-        back.tasks[1].events[0].body()
-    ));
+    assert_eq!(encode(&back), EVENTS, "written again as read");
+    // Read back, the three Started events share one body.
+    let (init, web) = (back.tasks[0].events.all(), back.tasks[1].events.all());
+    assert!(Arc::ptr_eq(init[0].body(), web[0].body()));
+    assert!(Arc::ptr_eq(web[0].body(), web[2].body()));
 }
 
 #[test]
 fn a_body_number_not_written_before_or_a_body_written_twice_is_damage() {
-    // web's first event names body 2 while only body 1 is written.
-    let at = EVENTS
+    // The bytes of web's second event's body, and of its time.
+    let terminated = EVENTS
         .windows(2)
-        .position(|w| w == [2, 1])
-        .expect("web's two events, the first body 1")
-        + 1;
-    let mut bytes = EVENTS.to_vec();
-    bytes[at] = 2;
-    let e = decode(&bytes).unwrap_err();
+        .position(|w| w == [0, 10])
+        .expect("web's second event, a new body");
+    let time = terminated + 27;
+    assert_eq!(EVENTS[time], 192);
+    let with_body = |body: &[u8]| {
+        let mut bytes = EVENTS[..terminated].to_vec();
+        bytes.extend_from_slice(body);
+        bytes.extend_from_slice(&EVENTS[time..]);
+        decode(&bytes)
+    };
+    assert!(with_body(&EVENTS[terminated..time]).is_ok());
+    // Body 2 while only body 1 is written.
+    let e = with_body(&[2]).unwrap_err();
     assert!(e.contains("event body 2 of the 1 written before it"), "{e}");
-    bytes[at] = 0x80; // a varint cut short by the time after it: still damage
-    assert!(decode(&bytes).is_err());
-    // web's first event writes body 1's text again instead of its
-    // number: read alone it would be the same record, so it is refused
-    // (a record has one encoding).
-    let mut twice = EVENTS[..at].to_vec();
-    twice.extend_from_slice(&[0, 7, b'S', b't', b'a', b'r', b't', b'e', b'd', 0, 0]);
-    twice.extend_from_slice(&EVENTS[at + 1..]);
-    let e = decode(&twice).unwrap_err();
+    // A varint cut short by the time after it: still damage.
+    assert!(with_body(&[0x80]).is_err());
+    // Body 1's text again instead of its number: read alone it would be
+    // the same record, so it is refused (a record has one encoding).
+    let e = with_body(&[0, 7, b'S', b't', b'a', b'r', b't', b'e', b'd', 0, 0]).unwrap_err();
     assert!(e.contains("event body 1 written again"), "{e}");
+    // Body 1 of another task's history: not this one's.
+    let e = with_body(&[3]).unwrap_err();
+    assert!(e.contains("event body 3 of the 1 written before it"), "{e}");
 }
 
 #[test]
-fn tasks_sharing_their_events_write_each_body_once() {
+fn each_history_writes_each_of_its_bodies_once() {
     // The events benchmark's histories: five tasks, each given the
     // same ten events, then web ten of its own.
     let spec = AllocSpec::new(
@@ -459,13 +467,14 @@ fn tasks_sharing_their_events_write_each_body_once() {
             crate::lifecycle::Details::from_pairs([("exit_code", "0"), ("signal", "0")]),
         )
     };
-    // Each report's message is in the record once, and it reads back.
-    let once = |a: &Allocation, reports: &[u64]| {
+    // Each report's message is in the record once per task that has it,
+    // and it reads back.
+    let once = |a: &Allocation, reports: &[(u64, usize)]| {
         let bytes = encode(a);
-        for n in reports {
+        for (n, tasks) in reports {
             let text = format!("report {n} of this task");
             let found = bytes.windows(text.len()).filter(|w| *w == text.as_bytes());
-            assert_eq!(found.count(), 1, "{text}");
+            assert_eq!(found.count(), *tasks, "{text}");
         }
         assert_eq!(decode(&bytes).unwrap(), *a);
     };
@@ -473,10 +482,17 @@ fn tasks_sharing_their_events_write_each_body_once() {
     for task in a.tasks.iter_mut() {
         task.events = shared.iter().copied().map(event).collect();
     }
-    once(&a, &shared);
+    let in_all: Vec<(u64, usize)> = shared.iter().map(|&n| (n, 5)).collect();
+    once(&a, &in_all);
     let own: Vec<u64> = (100..100 + MAX_EVENTS as u64).collect();
     a.tasks[2].events = own.iter().copied().map(event).collect();
-    once(&a, &[shared, own].concat());
+    let in_four = shared.iter().map(|&n| (n, 4));
+    once(
+        &a,
+        &in_four
+            .chain(own.iter().map(|&n| (n, 1)))
+            .collect::<Vec<_>>(),
+    );
 }
 
 #[test]
@@ -523,7 +539,7 @@ fn other_versions_are_refused_by_name() {
             err.contains(&format!("record format version {v},")),
             "{err}"
         );
-        assert!(err.contains("reads version 5 only"), "{err}");
+        assert!(err.contains("reads version 6 only"), "{err}");
     }
     assert!(decode(b"").is_err());
 }
@@ -565,9 +581,15 @@ mod properties {
     use proptest::prelude::*;
 
     /// Decoding never panics, and whatever decodes is the one encoding
-    /// of its record (so a damaged record is never read as another).
+    /// of its record (so a damaged record is never read as another):
+    /// kept as stored, and with every history's events made, which
+    /// neither panics nor reads them as others.
     fn check(bytes: &[u8]) -> Result<(), TestCaseError> {
-        if let Ok(a) = decode(bytes) {
+        if let Ok(mut a) = decode(bytes) {
+            prop_assert_eq!(encode(&a), bytes);
+            for t in &mut a.tasks {
+                t.events = t.events.all().iter().cloned().collect();
+            }
             prop_assert_eq!(encode(&a), bytes);
         }
         Ok(())
@@ -655,7 +677,7 @@ mod properties {
             prop_assert_eq!(encode(&back), encode(&a));
             for (task, given) in [(0, events.clone()), (1, events.iter().rev().cloned().collect())] {
                 prop_assert_eq!(back.tasks[task].events.len(), given.len());
-                for (b, e) in back.tasks[task].events.iter().zip(&given) {
+                for (b, e) in back.tasks[task].events.all().iter().zip(&given) {
                     prop_assert_eq!((b.time(), b.time().offset()), (e.time(), e.time().offset()));
                     prop_assert!(Arc::ptr_eq(b.body(), e.body()));
                 }
@@ -728,8 +750,8 @@ mod properties {
             let back = back.unwrap();
             prop_assert_eq!(&back, &a);
             prop_assert_eq!(encode(&back), encode(&a));
-            let read: Vec<&Event> = back.tasks.iter().flat_map(|t| t.events.iter()).collect();
-            let written: Vec<&Event> = a.tasks.iter().flat_map(|t| t.events.iter()).collect();
+            let read: Vec<Event> = back.tasks.iter().flat_map(|t| t.events.all().to_vec()).collect();
+            let written: Vec<Event> = a.tasks.iter().flat_map(|t| t.events.all().to_vec()).collect();
             prop_assert_eq!(read.len(), written.len());
             for (b, e) in read.iter().zip(&written) {
                 prop_assert_eq!((b.time(), b.time().offset()), (e.time(), e.time().offset()));
@@ -842,39 +864,33 @@ mod properties {
     proptest! {
         /// An event's time is written as `put_time` writes it, byte for
         /// byte, whether the event holds it as UTC nanoseconds or its
-        /// body holds it.
+        /// body holds it; and read back as the event written, kept as
+        /// stored or made at once (its time read as UTC nanoseconds, or
+        /// as a date).
         #[test]
-        fn an_event_s_time_is_written_as_its_timestamp_is(
+        fn an_event_s_time_is_written_as_its_timestamp_is_and_read_back(
             t in any_time(),
             nanos in prop_oneof![any::<i64>(), -2_000_000_000i64..2_000_000_000],
         ) {
             let utc = Timestamp::from_unix_timestamp_nanos(i128::from(nanos)).unwrap();
             for t in [t, utc] {
                 let e = Event::new("Started", t, "", Default::default());
-                let (mut fast, mut plain) = (Vec::new(), Vec::new());
-                put_event_time(&mut fast, &e);
+                let mut written = Vec::new();
+                [e.clone()].into_iter().collect::<Events>().write(&mut written);
+                let mut plain = vec![1, 0];
+                put_str(&mut plain, "Started");
+                put_str(&mut plain, "");
+                plain.push(0);
                 put_time(&mut plain, t);
-                prop_assert_eq!(fast, plain, "{}", t);
-            }
-        }
-
-        /// An event read from a record is the event written, whichever
-        /// way its time is read (as UTC nanoseconds, or as a date).
-        #[test]
-        fn an_event_s_time_is_read_as_written(
-            t in any_time(),
-            nanos in prop_oneof![any::<i64>(), -2_000_000_000i64..2_000_000_000],
-        ) {
-            let utc = Timestamp::from_unix_timestamp_nanos(i128::from(nanos)).unwrap();
-            for t in [t, utc] {
-                let e = Event::new("Started", t, "", Default::default());
-                let mut bytes = Vec::new();
-                put_time(&mut bytes, t);
-                let parts = Reader { bytes: &bytes }.time_parts("a time").unwrap();
-                let read = event_of(e.body().clone(), parts).unwrap();
-                prop_assert_eq!(&read, &e);
-                prop_assert_eq!(read.utc_nanos(), e.utc_nanos());
-                prop_assert_eq!((read.time(), read.time().offset()), (t, t.offset()));
+                prop_assert_eq!(&written, &plain, "{}", t);
+                let stored = Events::read(&mut Reader { bytes: &plain }).unwrap();
+                let made = Events::read_made(&mut Reader { bytes: &plain }).unwrap();
+                prop_assert!(stored.is_stored());
+                for read in [stored.all()[0].clone(), made.all()[0].clone()] {
+                    prop_assert_eq!(&read, &e);
+                    prop_assert_eq!(read.utc_nanos(), e.utc_nanos());
+                    prop_assert_eq!((read.time(), read.time().offset()), (t, t.offset()));
+                }
             }
         }
     }
