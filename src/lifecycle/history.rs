@@ -496,7 +496,7 @@ mod tests {
         );
         next.push(new.clone());
         assert!(next.made().is_some(), "a report makes its events");
-        assert_eq!(next.added_since(&read), [new.clone()]);
+        assert_eq!(next.added_since(&read), std::slice::from_ref(&new));
         let (_, stored_next) = stored(&next.all());
         assert_eq!(stored_next.added_since(&read), [new]);
         assert_ne!(stored_next, read);
