@@ -853,3 +853,257 @@ async fn salvage_says_when_a_segment_is_missing() {
     assert!(said.contains(&newest), "{said}");
     assert!(said.contains("missing"), "{said}");
 }
+
+/// `PUT /v1/allocations/h/tasks/{task}/state` with this event (`time`
+/// given unless `None`), in run `run` if the task runs one; the answer.
+async fn event(base: &str, task: &str, run: Option<&str>, kind: &str, time: Option<&str>) -> Value {
+    let mut event = json!({"type": kind, "message": format!("{kind} of {task}")});
+    if kind == "Terminated" {
+        event["details"] = json!({"exit_code": "1", "signal": "0"});
+    }
+    if let Some(t) = time {
+        event["time"] = json!(t);
+    }
+    let mut req = common::http()
+        .put(format!("{base}/v1/allocations/h/tasks/{task}/state"))
+        .json(&json!({"state": "running", "event": event}));
+    if let Some(run) = run {
+        req = req.header("taskgate-run", run);
+    }
+    let res = req.send().await.unwrap();
+    assert_eq!(res.status(), 200, "{task} {kind}");
+    res.json().await.unwrap()
+}
+
+async fn get(base: &str, path: &str) -> Value {
+    let res = common::http()
+        .get(format!("{base}{path}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200, "{path}");
+    res.json().await.unwrap()
+}
+
+/// The events of task `i` in an allocation's view.
+fn events_of(view: &Value, i: usize) -> Vec<Value> {
+    view["tasks"][i]["events"].as_array().unwrap().clone()
+}
+
+/// The agents' events on an allocation's timeline, as `type task`.
+async fn agent_entries(base: &str) -> Vec<String> {
+    let timeline = get(base, "/v1/allocations/h/events").await;
+    (timeline["events"].as_array().unwrap().iter())
+        .filter(|e| e["details"]["source"] == "agent")
+        .map(|e| {
+            format!(
+                "{} {}",
+                e["type"].as_str().unwrap(),
+                e["task"].as_str().unwrap()
+            )
+        })
+        .collect()
+}
+
+/// A task's history read from the data directory (kept as its stored
+/// bytes until asked for) is the events it was before a SIGKILL, in the
+/// allocation's view, on the event stream, in `dump` and in what `dump
+/// --salvage` copies: times far from
+/// 1970, given in another offset and on the server's clock, bodies said
+/// again, details. From there a report's event and a restart order are
+/// each their own entry on the timeline (not the whole history again),
+/// the history grows by one, dropping its oldest, and reads so after the
+/// next start too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_s_events_read_the_same_after_a_restart_and_grow_from_there() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = start(dir.path(), "64MiB");
+    let base = server.base.clone();
+    healthy(&base).await;
+    let res = common::http()
+        .put(format!("{base}/v1/allocations/h"))
+        .json(&json!({"tasks": [{"name": "web"}, {"name": "side"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    let run = |view: &Value, i: usize| view["tasks"][i]["run"].as_str().unwrap().to_owned();
+    let web = run(
+        &event(
+            &base,
+            "web",
+            None,
+            "Started",
+            Some("2026-11-29T10:00:00.25Z"),
+        )
+        .await,
+        0,
+    );
+    let side = run(
+        &event(
+            &base,
+            "side",
+            None,
+            "Started",
+            Some("2026-11-29T10:00:00.25Z"),
+        )
+        .await,
+        1,
+    );
+    // Eleven more on web: its history full, the first two dropped.
+    for (kind, time) in [
+        ("Terminated", Some("2026-11-29T10:00:01Z")),
+        ("Started", Some("2026-11-29T10:00:02Z")),
+        ("Far", Some("2300-01-01T00:00:00Z")),
+        ("Long Ago", Some("1500-06-01T12:00:00+05:30")),
+        ("Terminated", Some("2026-11-29T10:00:03Z")),
+        ("Now", None),
+        ("Started", Some("1969-12-31T23:59:59.5Z")),
+        ("Far", Some("2300-01-01T00:00:00Z")),
+        ("Terminated", Some("2026-11-29T10:00:04Z")),
+        ("Started", Some("2262-04-11T23:47:16.854775807Z")),
+        ("Started", Some("2262-04-11T23:47:16.854775808Z")),
+    ] {
+        event(&base, "web", Some(&web), kind, time).await;
+    }
+    let before = get(&base, "/v1/allocations/h").await;
+    assert_eq!(events_of(&before, 0).len(), 10);
+    assert_eq!(events_of(&before, 0)[0]["time"], "2026-11-29T10:00:02Z");
+    assert_eq!(events_of(&before, 0)[2]["time"], "1500-06-01T06:30:00Z");
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+
+    let out = Command::new(taskgate_bin())
+        .args(["dump", "--data-dir", dir.path().to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dumped: Value =
+        serde_json::from_slice(out.stdout.split(|&b| b == b'\n').next().unwrap()).unwrap();
+    assert_eq!(dumped["id"], "h");
+    for i in 0..2 {
+        assert_eq!(
+            events_of(&dumped, i),
+            events_of(&before, i),
+            "dump, task {i}"
+        );
+    }
+    // Salvaged into a new directory, the same allocation.
+    let to = tempfile::tempdir().unwrap();
+    let (code, said) = salvage(dir.path(), &to.path().join("salvaged"));
+    assert_eq!(code, 0, "{said}");
+    let salvaged = start(&to.path().join("salvaged"), "64MiB");
+    healthy(&salvaged.base).await;
+    assert_eq!(get(&salvaged.base, "/v1/allocations/h").await, before);
+    drop(salvaged);
+
+    let mut server = start(dir.path(), "64MiB");
+    let base = server.base.clone();
+    healthy(&base).await;
+    assert_eq!(get(&base, "/v1/allocations/h").await, before);
+    assert_eq!(agent_entries(&base).await, Vec::<String>::new());
+    // A report to side: the stream's line holds web's history as read.
+    let poked = event(&base, "side", Some(&side), "Poke", None).await;
+    let index = poked["modify_index"].as_u64().unwrap();
+    let line = first_event(&base, index - 1).await;
+    assert_eq!(line["index"], index, "{line}");
+    assert_eq!(events_of(&line["allocation"], 0), events_of(&before, 0));
+    let mut side_events = events_of(&before, 1);
+    side_events.push(events_of(&poked, 1)[1].clone());
+    assert_eq!(events_of(&line["allocation"], 1), side_events);
+    assert_eq!(events_of(&poked, 1)[1]["type"], "Poke");
+    assert_eq!(agent_entries(&base).await, ["Poke side"]);
+    // A restart order: its "Restart Signaled" on the timeline and at the
+    // end of web's history, none of web's earlier events again.
+    let res = common::http()
+        .post(format!("{base}/v1/allocations/h/restart"))
+        .json(&json!({"task": "web", "reason": "after a start"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    let timeline = get(&base, "/v1/allocations/h/events").await;
+    let order = (timeline["events"].as_array().unwrap().iter())
+        .find(|e| e["type"] == "Restart Order")
+        .unwrap_or_else(|| panic!("no restart order: {timeline}"));
+    assert_eq!(order["details"]["reason"], "after a start", "{order}");
+    assert_eq!(order["details"]["tasks"], "web", "{order}");
+    assert_eq!(agent_entries(&base).await, ["Poke side"]);
+    let after = get(&base, "/v1/allocations/h").await;
+    let web_events = events_of(&after, 0);
+    assert_eq!(web_events[..9], events_of(&before, 0)[1..]);
+    assert_eq!(web_events[9]["type"], "Restart Signaled");
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+
+    let server = start(dir.path(), "64MiB");
+    healthy(&server.base).await;
+    assert_eq!(get(&server.base, "/v1/allocations/h").await, after);
+}
+
+/// A running task under a TTL whose agent is not heard after a SIGKILL
+/// and a start is lost from its history as read from the data directory:
+/// "Agent Lost" ends the events it had (far times, a body said again), it
+/// is one entry on the timeline with none of the earlier events, and the
+/// next start reads it so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_lost_after_a_restart_keeps_the_events_it_had() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = start(dir.path(), "64MiB");
+    let base = server.base.clone();
+    healthy(&base).await;
+    let res = common::http()
+        .put(format!("{base}/v1/allocations/h"))
+        .json(&json!({"tasks": [{"name": "web", "liveness": {"ttl": "3s"}}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    let up = event(&base, "web", None, "Started", Some("2026-11-29T10:00:00Z")).await;
+    let web = up["tasks"][0]["run"].as_str().unwrap().to_owned();
+    for (kind, time) in [
+        ("Far", Some("2300-01-01T00:00:00Z")),
+        ("Long Ago", Some("1500-06-01T12:00:00+05:30")),
+        ("Started", Some("2026-11-29T10:00:01Z")),
+    ] {
+        event(&base, "web", Some(&web), kind, time).await;
+    }
+    let before = get(&base, "/v1/allocations/h").await;
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    assert_eq!(before["tasks"][0]["lost"], false, "{before}");
+    assert_eq!(events_of(&before, 0).len(), 4);
+
+    let mut server = start(dir.path(), "64MiB");
+    let base = server.base.clone();
+    healthy(&base).await;
+    let mut lost = Value::Null;
+    for _ in 0..3000 {
+        lost = get(&base, "/v1/allocations/h").await;
+        if lost["tasks"][0]["lost"] == true {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(lost["tasks"][0]["lost"], true, "never lost: {lost}");
+    let events = events_of(&lost, 0);
+    assert_eq!(events[..4], events_of(&before, 0));
+    assert_eq!(events[4]["type"], "Agent Lost", "{lost}");
+    let timeline = get(&base, "/v1/allocations/h/events").await;
+    let types: Vec<&str> = (timeline["events"].as_array().unwrap().iter())
+        .filter(|e| e["task"] == "web" && e["type"] != "Task State")
+        .map(|e| e["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(types, ["Agent Lost"], "{timeline}");
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+
+    let server = start(dir.path(), "64MiB");
+    healthy(&server.base).await;
+    let again = get(&server.base, "/v1/allocations/h").await;
+    assert_eq!(events_of(&again, 0), events);
+}

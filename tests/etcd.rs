@@ -1419,6 +1419,144 @@ async fn a_paused_first_member_is_left_for_the_healthy_ones() {
     cluster.resume(0);
 }
 
+/// A task's history as replicas read it from etcd (kept as its stored
+/// bytes until asked for): replica B, following A's writes, and replica
+/// C, started after them, hold the events A wrote, times in other UTC
+/// offsets and past 64-bit nanoseconds, and bodies said again, included;
+/// B's timeline has each event once, as A's has; a restart order through
+/// B (which grows the history it read) and a report through C are each
+/// one more entry, the same on every replica that saw them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_history_read_from_etcd_is_the_events_written_on_every_replica() {
+    use taskgate::registry::{RestartTarget, timeline::What};
+    use time::macros::datetime;
+    if !available("a_history_read_from_etcd_is_the_events_written_on_every_replica") {
+        return;
+    }
+    let cluster = Cluster::start(3);
+    let prefix = "/history/";
+    let a = replica(cluster.endpoints(), prefix).await;
+    let b = replica(cluster.endpoints(), prefix).await;
+    let (web, side) = (
+        TaskName::parse("web").unwrap(),
+        TaskName::parse("side").unwrap(),
+    );
+    a.register(id("h"), spec(vec![task("web", None), task("side", None)]))
+        .await
+        .unwrap();
+    let up = a
+        .report(
+            "h",
+            vec![(web.clone(), running()), (side.clone(), running())],
+        )
+        .await
+        .unwrap();
+    let event = |kind: &str, time: time::OffsetDateTime| TaskReport {
+        event: Some(EventInput {
+            kind: kind.into(),
+            time: Some(time),
+            message: format!("{kind} here"),
+            details: BTreeMap::from([("exit_code".to_owned(), "1".to_owned())]),
+        }),
+        ..running()
+    };
+    // Twelve events on web, its history full (the first two dropped).
+    let t = datetime!(2026-11-29 10:00:00.25 UTC);
+    let mut last = up.clone();
+    for (kind, time) in [
+        ("Started", t),
+        ("Terminated", t + Duration::from_secs(1)),
+        ("Started", t + Duration::from_secs(2)),
+        ("Restarting", datetime!(2026-11-29 15:30 +05:30)),
+        ("Started", datetime!(2300-01-01 0:00 UTC)),
+        ("Started", datetime!(1500-06-01 12:00 -03:00)),
+        ("Terminated", t + Duration::from_secs(3)),
+        ("Restarting", datetime!(2026-11-29 15:30 +05:30)),
+        ("Started", datetime!(1969-12-31 23:59:59.5 UTC)),
+        ("Terminated", datetime!(2026-11-29 16:30 +06:30)),
+        ("Started", t + Duration::from_secs(4)),
+        ("Started", datetime!(2262-04-11 23:47:16.854775808 UTC)),
+    ] {
+        last = a
+            .report_as(
+                "h",
+                vec![(web.clone(), event(kind, time))],
+                None,
+                up.tasks[0].run,
+            )
+            .await
+            .unwrap();
+    }
+    let times = |x: &taskgate::lifecycle::Allocation, task: usize| -> Vec<String> {
+        (x.tasks[task].events.all().iter())
+            .map(|e| format!("{} {} {}", e.kind, e.time(), e.time().offset()))
+            .collect()
+    };
+    let agent_events = |r: &Registry, x: &taskgate::lifecycle::Allocation| -> Vec<String> {
+        r.timeline(x)
+            .into_iter()
+            .filter_map(|e| match e.what {
+                What::Agent { task, ref event } => {
+                    Some(format!("{task} {} {}", event.kind, e.time()))
+                }
+                _ => None,
+            })
+            .collect()
+    };
+    assert_eq!(last.tasks[0].events.len(), 10);
+    assert!(b.wait_view(last.modify_index, SETTLE).await);
+    let on_b = b.get("h").unwrap();
+    assert_eq!(*on_b, *last, "B holds what A wrote");
+    assert_eq!(times(&on_b, 0), times(&last, 0), "offsets kept");
+    let on_a = a.get("h").unwrap();
+    assert_eq!(agent_events(&b, &on_b), agent_events(&a, &on_a));
+    assert_eq!(agent_events(&b, &on_b).len(), 12, "each event once");
+
+    // A restart order through B: "Restart Signaled" ends web's history
+    // (its oldest dropped), one restart order on each timeline.
+    let (ordered, _) = b
+        .restart("h", RestartTarget::Task(web.clone()), "from b")
+        .await
+        .unwrap();
+    let web_events = ordered.tasks[0].events.all();
+    assert_eq!(web_events.len(), 10);
+    assert_eq!(web_events[..9], last.tasks[0].events.all()[1..]);
+    assert_eq!(web_events[9].kind, taskgate::lifecycle::RESTART_EVENT);
+    assert!(a.wait_view(ordered.modify_index, SETTLE).await);
+    assert_eq!(*a.get("h").unwrap(), *ordered);
+    for r in [&a, &b] {
+        let x = r.get("h").unwrap();
+        let orders: Vec<_> = (r.timeline(&x).into_iter())
+            .filter_map(|e| match e.what {
+                What::RestartOrder(o) => Some(o.event.message.to_string()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(orders, ["from b"]);
+        assert_eq!(agent_events(r, &x).len(), 12, "none of web's again");
+    }
+
+    // C starts after it all, reads every history from etcd; a report
+    // through it is its timeline's one agent event, and A's thirteenth.
+    let c = replica(cluster.endpoints(), prefix).await;
+    assert!(c.wait_view(ordered.modify_index, SETTLE).await);
+    assert_eq!(*c.get("h").unwrap(), *ordered);
+    let poked = c
+        .report_as(
+            "h",
+            vec![(side, event("Poke", t))],
+            None,
+            ordered.tasks[1].run,
+        )
+        .await
+        .unwrap();
+    assert_eq!(times(&poked, 0), times(&ordered, 0));
+    assert_eq!(agent_events(&c, &poked), [format!("1 Poke {t}")]);
+    assert!(a.wait_view(poked.modify_index, SETTLE).await);
+    assert_eq!(*a.get("h").unwrap(), *poked);
+    assert_eq!(agent_events(&a, &poked).len(), 13);
+}
+
 // ---- liveness over etcd (docs/replicas.md, "Liveness") ----
 
 /// A task under `ttl`, alone in its allocation.

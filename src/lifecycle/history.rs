@@ -1,16 +1,18 @@
-//! A task's event history (`Events`), and its stored form.
+//! A task's event history (`Events`), and the stored form of a record's
+//! histories.
 //!
 //! A store's start reads every history of every allocation: at a million
 //! allocations with full histories, fifty million events naming four
 //! million distinct bodies, and finding each body in the process's table
 //! (`intern.rs`) was two thirds of the start (BENCHMARKS.md, "Restart
-//! time"). So a history read from a store is kept as it was stored,
-//! checked but not made into events (`Repr::Packed`), until something
-//! asks for its events: a view made from it decodes it (and drops what it
-//! decoded), a report to its task makes a new history of events, and a
-//! record written from it copies the bytes as they are.
+//! time"). So the histories of a record read from a store are kept as
+//! they were stored, checked but not made into events (`Repr::Stored`),
+//! until something asks for a task's events: a view made from it decodes
+//! them (and drops what it decoded), a report to the task makes a new
+//! history of events, and the record written again unchanged copies the
+//! bytes as they are.
 //!
-//! The stored form of one history (`store/record.rs` embeds it in a task):
+//! The stored form (`store/record.rs` embeds one history in each task):
 //!
 //! ```text
 //! history = count: varint | event*
@@ -19,9 +21,12 @@
 //!         | number: varint | time              (1 ≤ number ≤ bodies written so far)
 //! ```
 //!
-//! Bodies are numbered from 1 in the order the history writes them, and
-//! no body is written twice: a history has one encoding, so two stored
-//! histories are the same events exactly when their bytes are equal.
+//! Agents send the same few bodies to every task of an allocation and
+//! again on each restart, so bodies are numbered across the record: from
+//! 1, in the order the record's histories write them, each written once
+//! (in whichever task says it first). A record's histories have one
+//! encoding: two records' histories are the same events exactly when
+//! their bytes are equal.
 
 use std::{borrow::Cow, sync::Arc};
 
@@ -47,9 +52,108 @@ enum Repr {
     Empty,
     /// Events made in this process.
     Made(Arc<[Event]>),
-    /// A history as a store holds it (`Events::write`), checked when read
-    /// (`Events::read`); never empty.
-    Stored(Arc<[u8]>),
+    /// The history of the task at this position in a stored record (not
+    /// empty).
+    Stored(Arc<Stored>, u32),
+}
+
+/// The histories of a stored record as stored, in task order, checked
+/// when read (`HistoriesReader`).
+pub struct Stored {
+    bytes: Box<[u8]>,
+    /// Where each task's history ends in `bytes`.
+    ends: Box<[u32]>,
+}
+
+impl Stored {
+    /// The bytes of the histories of the tasks up to `task`, and where
+    /// the last one starts.
+    fn upto(&self, task: u32) -> (&[u8], usize) {
+        let i = task as usize;
+        let start = if i == 0 { 0 } else { self.ends[i - 1] as usize };
+        (&self.bytes[..self.ends[i] as usize], start)
+    }
+
+    /// Calls `each` with every event of `task`'s history: its body's
+    /// text as written (`Text`) and its time's bytes.
+    fn walk<'a>(&'a self, task: u32, mut each: impl FnMut(Text<'a>, usize, &'a [u8])) {
+        let (bytes, start) = self.upto(task);
+        let mut r = Reader { bytes };
+        let mut bodies: Vec<&'a [u8]> = Vec::new();
+        while !r.bytes.is_empty() {
+            let mine = bytes.len() - r.bytes.len() >= start;
+            let n = r.varint("").expect(CHECKED);
+            for _ in 0..n {
+                let number = r.varint("").expect(CHECKED) as usize;
+                let body = if number == 0 {
+                    let text = r.bytes;
+                    Text::skip(&mut r);
+                    bodies.push(&text[..text.len() - r.bytes.len()]);
+                    bodies.len()
+                } else {
+                    number
+                };
+                let time = r.bytes;
+                r.time_parts("").expect(CHECKED);
+                if mine {
+                    let time = &time[..time.len() - r.bytes.len()];
+                    each(Text(bodies[body - 1]), body, time);
+                }
+            }
+        }
+    }
+}
+
+const CHECKED: &str = "a stored history is checked when read";
+
+/// A body's text as a history writes it: type, message, details.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct Text<'a>(&'a [u8]);
+
+impl<'a> Text<'a> {
+    /// Reads past one, checking it.
+    fn read(r: &mut Reader<'a>) -> Result<(), String> {
+        r.str("an event type")?;
+        r.str("an event message")?;
+        let n = r.count("the details count", 2)?;
+        let mut last: Option<&str> = None;
+        for _ in 0..n {
+            let key = r.str("a details key")?;
+            r.str("a details value")?;
+            if last.is_some_and(|last| last >= key) {
+                return Err(format!("details key {key:?} out of order"));
+            }
+            last = Some(key);
+        }
+        Ok(())
+    }
+
+    fn skip(r: &mut Reader<'a>) {
+        Self::read(r).expect(CHECKED);
+    }
+
+    /// The shared body it says.
+    fn body(self) -> Arc<EventBody> {
+        let mut r = Reader { bytes: self.0 };
+        let kind = r.str("").expect(CHECKED);
+        let message = r.str("").expect(CHECKED);
+        let n = r.varint("").expect(CHECKED) as usize;
+        let details: Vec<(&str, &str)> = (0..n)
+            .map(|_| (r.str("").expect(CHECKED), r.str("").expect(CHECKED)))
+            .collect();
+        EventBody::of_text(kind, message, &details)
+    }
+
+    /// The text of `event`'s body, written into `buf`.
+    fn write(buf: &mut Vec<u8>, event: &Event) {
+        put_str(buf, &event.kind);
+        put_str(buf, &event.message);
+        put_varint(buf, event.details.len() as u64);
+        for (key, value) in event.details.iter() {
+            put_str(buf, key);
+            put_str(buf, value);
+        }
+    }
 }
 
 impl Events {
@@ -57,9 +161,14 @@ impl Events {
         match &self.0 {
             Repr::Empty => 0,
             Repr::Made(e) => e.len(),
-            Repr::Stored(bytes) => Reader { bytes }
+            Repr::Stored(s, task) => {
+                let (bytes, start) = s.upto(*task);
+                Reader {
+                    bytes: &bytes[start..],
+                }
                 .varint("")
-                .expect("a history checked when read") as usize,
+                .expect(CHECKED) as usize
+            }
         }
     }
 
@@ -73,10 +182,18 @@ impl Events {
         match &self.0 {
             Repr::Empty => Cow::Borrowed(&[]),
             Repr::Made(e) => Cow::Borrowed(e),
-            Repr::Stored(bytes) => {
+            Repr::Stored(s, task) => {
+                // Each body once, however many of the events say it.
+                let mut made: Vec<Option<Arc<EventBody>>> = Vec::new();
                 let mut events = Vec::new();
-                read(&mut Reader { bytes }, Some(&mut events))
-                    .expect("a history checked when read");
+                s.walk(*task, |text, number, time| {
+                    if made.len() < number {
+                        made.resize(number, None);
+                    }
+                    let body = made[number - 1].get_or_insert_with(|| text.body());
+                    let at = At::read(&mut Reader { bytes: time }).expect(CHECKED);
+                    events.push(at.event(body.clone()));
+                });
                 Cow::Owned(events)
             }
         }
@@ -97,7 +214,9 @@ impl Events {
         match (&self.0, &other.0) {
             (Repr::Empty, Repr::Empty) => true,
             (Repr::Made(a), Repr::Made(b)) => Arc::ptr_eq(a, b),
-            (Repr::Stored(a), Repr::Stored(b)) => Arc::ptr_eq(a, b) || a == b,
+            (Repr::Stored(a, i), Repr::Stored(b, j)) => {
+                i == j && (Arc::ptr_eq(a, b) || a.upto(*i) == b.upto(*j))
+            }
             _ => false,
         }
     }
@@ -133,76 +252,9 @@ impl Events {
         self.0 = Repr::Made(next);
     }
 
-    /// Appends the stored form of this history to `buf`: the bytes it
-    /// was read from, if it was.
-    pub fn write(&self, buf: &mut Vec<u8>) {
-        let events = match &self.0 {
-            Repr::Empty => &[][..],
-            Repr::Made(events) => events,
-            Repr::Stored(bytes) => return buf.extend_from_slice(bytes),
-        };
-        put_varint(buf, events.len() as u64);
-        let mut bodies = Bodies::default();
-        // The text-only bodies of events whose body holds their time, kept
-        // alive while their pointers are the numbers' keys.
-        let mut held = Vec::new();
-        for event in events {
-            let text = if event.utc_nanos().is_some() {
-                event.body()
-            } else {
-                held.push(event.text_body());
-                &held[held.len() - 1]
-            };
-            match bodies.number(text) {
-                Some(n) => put_varint(buf, n),
-                None => {
-                    buf.push(0);
-                    put_str(buf, &event.kind);
-                    put_str(buf, &event.message);
-                    put_varint(buf, event.details.len() as u64);
-                    for (key, value) in event.details.iter() {
-                        put_str(buf, key);
-                        put_str(buf, value);
-                    }
-                }
-            }
-            // `put_time(buf, event.time())`, the same bytes; for a time
-            // held as UTC nanoseconds (nearly all), without building the
-            // date.
-            match event.utc_nanos() {
-                Some(nanos) => {
-                    put_zigzag(buf, nanos.div_euclid(1_000_000_000));
-                    put_varint(buf, nanos.rem_euclid(1_000_000_000) as u64);
-                    put_zigzag(buf, 0);
-                }
-                None => put_time(buf, event.time()),
-            }
-        }
-    }
-
-    /// Reads a stored history from `r` and checks all of it, as making
-    /// its events would, without making them: an error here is the only
-    /// one its events can have.
-    pub fn read(r: &mut Reader<'_>) -> Result<Events, String> {
-        let start = r.bytes;
-        read(r, None)?;
-        let bytes = &start[..start.len() - r.bytes.len()];
-        Ok(if bytes == [0] {
-            Events::default()
-        } else {
-            Events(Repr::Stored(Arc::from(bytes)))
-        })
-    }
-
-    /// `read`, with the events made now.
-    #[cfg(test)]
-    pub fn read_made(r: &mut Reader<'_>) -> Result<Events, String> {
-        let mut events = Vec::new();
-        read(r, Some(&mut events))?;
-        Ok(events.into_iter().collect())
-    }
-
-    /// The events, if made in this process.
+    /// The events made now, if kept as stored: what a record's histories
+    /// are written from when it no longer holds them all as they were
+    /// read.
     #[cfg(test)]
     pub fn made(&self) -> Option<&Arc<[Event]>> {
         match &self.0 {
@@ -214,69 +266,200 @@ impl Events {
     /// Whether the events are kept as stored (not made yet).
     #[cfg(test)]
     pub fn is_stored(&self) -> bool {
-        matches!(self.0, Repr::Stored(_))
+        matches!(self.0, Repr::Stored(..))
     }
 }
 
-/// Reads a stored history: into `made` if given (the bytes were checked
-/// before: a body written twice is not looked for), else checked only.
-fn read<'a>(r: &mut Reader<'a>, mut made: Option<&mut Vec<Event>>) -> Result<(), String> {
-    // An event takes at least 4 bytes: a body's number and a time.
-    let n = r.count("the event count", 4)?;
-    if let Some(made) = made.as_deref_mut() {
-        made.reserve_exact(n);
+/// Reads a record's histories, one per task in order, and checks all of
+/// them as making their events would, without making them: an error
+/// here is the only one their events can have. `finish` gives each
+/// task's history.
+#[derive(Default)]
+pub struct HistoriesReader<'a> {
+    bytes: Vec<u8>,
+    ends: Vec<u32>,
+    written: Written<'a>,
+}
+
+impl<'a> HistoriesReader<'a> {
+    /// Reads the next task's history from `r`.
+    pub fn read(&mut self, r: &mut Reader<'a>) -> Result<(), String> {
+        let start = r.bytes;
+        // An event takes at least 4 bytes: a body's number and a time.
+        let n = r.count("the event count", 4)?;
+        for _ in 0..n {
+            let number = r.varint("an event body")?;
+            if number == 0 {
+                let text = r.bytes;
+                Text::read(r)?;
+                self.written
+                    .add(Text(&text[..text.len() - r.bytes.len()]))?;
+            } else if number > self.written.len() as u64 {
+                return Err(format!(
+                    "event body {number} of the {} written before it",
+                    self.written.len()
+                ));
+            }
+            At::read(r)?;
+        }
+        self.bytes
+            .extend_from_slice(&start[..start.len() - r.bytes.len()]);
+        let end = u32::try_from(self.bytes.len())
+            .map_err(|_| "histories past 4 GiB in one record".to_owned())?;
+        self.ends.push(end);
+        Ok(())
     }
-    // The bodies written so far: made, or (when checking) their bytes.
-    let mut bodies: Vec<Arc<EventBody>> = Vec::new();
-    let mut written = Written::default();
-    // One event's details, reused from event to event.
-    let mut details: Vec<(&str, &str)> = Vec::new();
-    for _ in 0..n {
-        let number = r.varint("an event body")?;
-        let body = if number == 0 {
-            let start = r.bytes;
-            let kind = r.str("an event type")?;
-            let message = r.str("an event message")?;
-            let n_details = r.count("the details count", 2)?;
-            details.clear();
-            for _ in 0..n_details {
-                let key = r.str("a details key")?;
-                let value = r.str("a details value")?;
-                if details.last().is_some_and(|(last, _)| *last >= key) {
-                    return Err(format!("details key {key:?} out of order"));
+
+    /// Each task's history, in the order read.
+    pub fn finish(self) -> Vec<Events> {
+        let stored = Arc::new(Stored {
+            bytes: self.bytes.into_boxed_slice(),
+            ends: self.ends.into_boxed_slice(),
+        });
+        (0..stored.ends.len() as u32)
+            .map(|task| {
+                let (bytes, start) = stored.upto(task);
+                if bytes[start..] == [0] {
+                    Events::default()
+                } else {
+                    Events(Repr::Stored(stored.clone(), task))
                 }
-                details.push((key, value));
+            })
+            .collect()
+    }
+}
+
+/// Writes a record's histories, one per task in order (`write`): as
+/// they were read if the record holds them all so, else numbering each
+/// body across the record.
+pub struct HistoriesWriter<'a> {
+    /// The record's histories as read, if it holds each of them so.
+    stored: Option<&'a Stored>,
+    /// Whether any history is kept as stored (its bodies are then told
+    /// apart by their text, not their pointer).
+    any_stored: bool,
+    pointers: Bodies,
+    texts: Texts,
+    /// The text-only bodies of events whose body holds their time, kept
+    /// alive while their pointers are the numbers' keys.
+    held: Vec<Arc<EventBody>>,
+}
+
+impl<'a> HistoriesWriter<'a> {
+    /// For a record whose tasks' histories are `histories`, in order.
+    pub fn new<'h>(histories: impl Iterator<Item = &'h Events> + Clone) -> Self
+    where
+        'h: 'a,
+    {
+        let any_stored = histories.clone().any(|h| matches!(h.0, Repr::Stored(..)));
+        // All as read: each task's own, of one record of this many tasks;
+        // a task empty now was empty then (else its bodies, which later
+        // tasks may name, would go unwritten).
+        let mut first: Option<&'a Arc<Stored>> = None;
+        let mut as_read = true;
+        let mut count = 0;
+        for (i, h) in histories.clone().enumerate() {
+            count += 1;
+            match &h.0 {
+                Repr::Stored(s, task) => {
+                    as_read &= *task as usize == i && first.is_none_or(|f| Arc::ptr_eq(f, s));
+                    first = Some(s);
+                }
+                Repr::Made(_) => as_read = false,
+                Repr::Empty => {}
             }
-            if made.is_some() {
-                bodies.push(EventBody::of_text(kind, message, &details));
-                bodies.last()
-            } else {
-                written.add(&start[..start.len() - r.bytes.len()])?;
-                None
-            }
-        } else {
-            let defined = if made.is_some() {
-                bodies.len()
-            } else {
-                written.len()
-            };
-            let i = usize::try_from(number - 1)
-                .ok()
-                .filter(|&i| i < defined)
-                .ok_or_else(|| format!("event body {number} of the {defined} written before it"))?;
-            bodies.get(i)
-        };
-        let at = At::read(r)?;
-        if let (Some(made), Some(body)) = (made.as_deref_mut(), body) {
-            made.push(at.event(body.clone()));
+        }
+        let stored = first
+            .filter(|s| as_read && s.ends.len() == count)
+            .filter(|s| {
+                histories.enumerate().all(|(i, h)| {
+                    let (bytes, start) = s.upto(i as u32);
+                    !h.is_empty() || bytes[start..] == [0]
+                })
+            })
+            .map(|s| &**s);
+        Self {
+            stored,
+            any_stored,
+            pointers: Bodies::default(),
+            texts: Texts::default(),
+            held: Vec::new(),
         }
     }
-    Ok(())
+
+    /// Appends the stored form of the history of task `task`,
+    /// `events`, to `buf`.
+    pub fn write(&mut self, task: usize, events: &'a Events, buf: &mut Vec<u8>) {
+        if let Some(s) = self.stored {
+            let (bytes, start) = s.upto(task as u32);
+            return buf.extend_from_slice(&bytes[start..]);
+        }
+        put_varint(buf, events.len() as u64);
+        match &events.0 {
+            Repr::Empty => {}
+            Repr::Made(events) => {
+                for event in events.iter() {
+                    self.event(buf, event);
+                }
+            }
+            Repr::Stored(s, task) => s.walk(*task, |text, _, time| {
+                match self.texts.number(text.0) {
+                    Some(n) => put_varint(buf, n),
+                    None => {
+                        buf.push(0);
+                        buf.extend_from_slice(text.0);
+                    }
+                }
+                buf.extend_from_slice(time);
+            }),
+        }
+    }
+
+    fn event(&mut self, buf: &mut Vec<u8>, event: &Event) {
+        let found = if self.any_stored {
+            // Told apart by text: a stored history's bodies have no
+            // pointer yet.
+            let at = buf.len();
+            Text::write(buf, event);
+            let found = self.texts.number(&buf[at..]);
+            if found.is_some() {
+                buf.truncate(at);
+            } else {
+                buf.insert(at, 0);
+            }
+            found
+        } else {
+            let text = if event.utc_nanos().is_some() {
+                event.body()
+            } else {
+                self.held.push(event.text_body());
+                &self.held[self.held.len() - 1]
+            };
+            let found = self.pointers.number(text);
+            if found.is_none() {
+                buf.push(0);
+                Text::write(buf, event);
+            }
+            found
+        };
+        if let Some(n) = found {
+            put_varint(buf, n);
+        }
+        // `put_time(buf, event.time())`, the same bytes; for a time held
+        // as UTC nanoseconds (nearly all), without building the date.
+        match event.utc_nanos() {
+            Some(nanos) => {
+                put_zigzag(buf, nanos.div_euclid(1_000_000_000));
+                put_varint(buf, nanos.rem_euclid(1_000_000_000) as u64);
+                put_zigzag(buf, 0);
+            }
+            None => put_time(buf, event.time()),
+        }
+    }
 }
 
 /// An event's time as read: UTC nanoseconds since 1970 (nearly every
-/// one), without the date arithmetic of a `Timestamp` (a store's start
-/// reads fifty million of them at a million allocations), or as given.
+/// one), without the date arithmetic of a `Timestamp`, or as given.
 enum At {
     Utc(i64),
     Given(Timestamp),
@@ -305,14 +488,14 @@ impl At {
     }
 }
 
-/// The bodies a history being checked has written, as their bytes (one
+/// The bodies a record being read has written, as their text (one
 /// encoding each: two bodies say the same exactly when their bytes are
 /// equal), to refuse one written twice.
 #[derive(Default)]
 struct Written<'a> {
-    bodies: Vec<&'a [u8]>,
+    bodies: Vec<Text<'a>>,
     /// Past `SCAN` bodies, all of them.
-    set: Option<foldhash::HashSet<&'a [u8]>>,
+    set: Option<foldhash::HashSet<Text<'a>>>,
 }
 
 impl<'a> Written<'a> {
@@ -320,16 +503,14 @@ impl<'a> Written<'a> {
         self.bodies.len()
     }
 
-    fn add(&mut self, body: &'a [u8]) -> Result<(), String> {
+    fn add(&mut self, body: Text<'a>) -> Result<(), String> {
         let seen = match &mut self.set {
             Some(set) => !set.insert(body),
             None => self.bodies.contains(&body),
         };
-        if let Some(n) = seen.then(|| self.bodies.iter().position(|b| *b == body)) {
-            return Err(format!(
-                "event body {} written again",
-                n.map_or(0, |n| n + 1)
-            ));
+        if seen {
+            let n = self.bodies.iter().position(|b| *b == body).unwrap_or(0);
+            return Err(format!("event body {} written again", n + 1));
         }
         self.bodies.push(body);
         if self.set.is_none() && self.bodies.len() > SCAN {
@@ -339,15 +520,51 @@ impl<'a> Written<'a> {
     }
 }
 
-/// Up to this many bodies are looked up by a scan (a history's few).
+/// Up to this many bodies are looked up by a scan (a record's few).
 const SCAN: usize = 32;
 
-/// The event bodies a history has written so far, each numbered from 1 in
+/// The bodies a record being written has written, by their text, each
+/// numbered from 1 in the order written.
+#[derive(Default)]
+struct Texts {
+    written: Vec<Box<[u8]>>,
+    /// Past `SCAN` bodies, each text's number.
+    numbers: Option<foldhash::HashMap<Box<[u8]>, u64>>,
+}
+
+impl Texts {
+    /// The number of `text` if written already; else `None`, and it is
+    /// numbered next (the caller writes it).
+    fn number(&mut self, text: &[u8]) -> Option<u64> {
+        let found = match &self.numbers {
+            Some(numbers) => numbers.get(text).copied(),
+            None => (self.written.iter())
+                .position(|t| **t == *text)
+                .map(|i| i as u64 + 1),
+        };
+        if found.is_none() {
+            self.written.push(text.into());
+            let n = self.written.len() as u64;
+            match &mut self.numbers {
+                Some(numbers) => {
+                    numbers.insert(text.into(), n);
+                }
+                None if self.written.len() > SCAN => {
+                    self.numbers = Some((self.written.iter().cloned()).zip(1..).collect());
+                }
+                None => {}
+            }
+        }
+        found
+    }
+}
+
+/// The event bodies a record has written so far, each numbered from 1 in
 /// the order written: an event whose body is one of them is written as
 /// its number. Bodies are told apart by their pointer (the process shares
-/// each distinct text, `Event::text_body`), so a body that several events
-/// say (each `Restarting`, `Started` of a restarting task) is written
-/// once, and no text twice: a history has one encoding.
+/// each distinct text, `Event::text_body`), so a body shared by several
+/// tasks' events (every task `Received`, `Task Setup`, `Started`) is
+/// written once, and no text twice: a record has one encoding.
 #[derive(Default)]
 struct Bodies {
     written: Vec<*const EventBody>,
@@ -427,6 +644,84 @@ mod tests {
     use super::*;
     use crate::lifecycle::Details;
 
+    /// One history written as a record of one task writes it.
+    trait WriteOne {
+        fn write(&self, buf: &mut Vec<u8>);
+    }
+
+    impl WriteOne for Events {
+        fn write(&self, buf: &mut Vec<u8>) {
+            HistoriesWriter::new(std::iter::once(self)).write(0, self, buf);
+        }
+    }
+
+    /// One history read as a record of one task reads it, kept as stored.
+    fn read_one(r: &mut Reader<'_>) -> Result<Events, String> {
+        let mut reading = HistoriesReader::default();
+        reading.read(r)?;
+        Ok(reading.finish().pop().expect("one task's"))
+    }
+
+    /// `read_one`, with the events made at once.
+    fn read_made(r: &mut Reader<'_>) -> Result<Events, String> {
+        Ok(read_one(r)?.all().iter().cloned().collect())
+    }
+
+    /// `tasks`' histories written as one record writes them, and read
+    /// back, kept as stored.
+    fn record(tasks: &[Events]) -> (Vec<u8>, Vec<Events>) {
+        let mut bytes = Vec::new();
+        let mut writing = HistoriesWriter::new(tasks.iter());
+        for (i, h) in tasks.iter().enumerate() {
+            writing.write(i, h, &mut bytes);
+        }
+        let mut r = Reader { bytes: &bytes };
+        let mut reading = HistoriesReader::default();
+        for _ in tasks {
+            reading.read(&mut r).unwrap();
+        }
+        assert!(r.bytes.is_empty());
+        let read = reading.finish();
+        (bytes, read)
+    }
+
+    /// Histories across tasks: a body one task wrote is a number in the
+    /// next; written again as read, with any of them made into events
+    /// (a record written after a report to one of its tasks), and with
+    /// a task emptied (its bodies then written where next said).
+    #[test]
+    fn a_record_s_histories_number_bodies_across_tasks_made_or_stored() {
+        let events = history();
+        let tasks: Vec<Events> = vec![
+            events[..2].iter().cloned().collect(),
+            Events::default(),
+            events.iter().cloned().collect(),
+        ];
+        let (bytes, read) = record(&tasks);
+        let started = bytes.windows(7).filter(|w| *w == b"Started");
+        assert_eq!(started.count(), 1, "written once in the record");
+        assert!(read[0].is_stored() && read[1].is_empty() && read[2].is_stored());
+        assert_eq!(read, tasks);
+        assert_eq!(record(&read).0, bytes, "as read");
+        for made in 0..3 {
+            let mut some = read.clone();
+            some[made] = some[made].all().iter().cloned().collect();
+            assert_eq!(record(&some).0, bytes, "task {made} made");
+        }
+        // A first task emptied: the last writes what it named.
+        let mut emptied = read.clone();
+        emptied[0] = Events::default();
+        let (again, back) = record(&emptied);
+        assert_eq!(back, emptied);
+        assert_eq!(back[2].all()[..], events[..]);
+        assert_ne!(again, bytes);
+        // The same histories read from another record's bytes: the same.
+        let (_, other) = record(&tasks);
+        for (a, b) in read.iter().zip(&other) {
+            assert!(a.added_since(b).is_empty() && a == b);
+        }
+    }
+
     /// A history with what its stored form has ways to write: a body said
     /// again (by its number), details, a time in another offset (its body
     /// holds it) and one past 64-bit nanoseconds.
@@ -457,10 +752,18 @@ mod tests {
         ]
     }
 
+    /// `events` written, and read back.
+    fn stored_of(events: &Events) -> (Vec<u8>, Events) {
+        let mut bytes = Vec::new();
+        events.write(&mut bytes);
+        let read = read_one(&mut Reader { bytes: &bytes }).unwrap();
+        (bytes, read)
+    }
+
     fn stored(events: &[Event]) -> (Vec<u8>, Events) {
         let mut bytes = Vec::new();
         events.iter().cloned().collect::<Events>().write(&mut bytes);
-        let read = Events::read(&mut Reader { bytes: &bytes }).unwrap();
+        let read = read_one(&mut Reader { bytes: &bytes }).unwrap();
         (bytes, read)
     }
 
@@ -506,6 +809,167 @@ mod tests {
         assert!(empty.is_empty() && !empty.is_stored());
     }
 
+    /// Forty bodies, then each said again: past the scans of the writer
+    /// (`Bodies`) and of the check (`Written`), which then look bodies up
+    /// by hash.
+    fn past_the_scan() -> Vec<Event> {
+        let t = datetime!(2026-11-29 12:00 UTC);
+        (0..40)
+            .chain((0..40).rev())
+            .enumerate()
+            .map(|(n, i)| {
+                let at = t + time::Duration::seconds(n as i64);
+                Event::new(&format!("k{i}"), at, "", Details::default())
+            })
+            .collect()
+    }
+
+    /// What a history read from `bytes` is, if it is read at all: the
+    /// events making them would make, written again as the bytes read,
+    /// made or not (their one encoding).
+    fn read_as_made(bytes: &[u8]) -> Result<Events, String> {
+        let mut r = Reader { bytes };
+        let checked = read_one(&mut r)?;
+        let read = &bytes[..bytes.len() - r.bytes.len()];
+        let made = read_made(&mut Reader { bytes })
+            .unwrap_or_else(|e| panic!("checked, but its events cannot be made: {e}"));
+        assert_eq!(checked.len(), made.len());
+        assert_eq!(&*checked.all(), &*made.all());
+        let (mut again, mut made_again) = (Vec::new(), Vec::new());
+        checked.write(&mut again);
+        made.write(&mut made_again);
+        assert_eq!(again, read);
+        assert_eq!(made_again, read, "one encoding");
+        Ok(checked)
+    }
+
+    /// Past the scans, each body is written once and said by its number
+    /// after, and a body written twice or a number not written yet is
+    /// still refused when read.
+    #[test]
+    fn a_history_past_the_scan_writes_each_body_once_and_refuses_one_written_twice() {
+        let events = past_the_scan();
+        let (bytes, read) = stored(&events);
+        assert_eq!(&*read.all(), &events[..]);
+        for i in 0..40 {
+            let mut body = vec![0];
+            put_str(&mut body, &format!("k{i}"));
+            put_str(&mut body, "");
+            body.push(0);
+            let found = bytes.windows(body.len()).filter(|w| *w == body);
+            assert_eq!(found.count(), 1, "k{i}");
+        }
+        read_as_made(&bytes).unwrap();
+        // By hand: the forty bodies, then a last event.
+        let t = datetime!(2026-11-29 12:00 UTC);
+        let with_last = |last: &[u8]| {
+            let mut b = Vec::new();
+            put_varint(&mut b, 41);
+            for i in 0..40 {
+                b.push(0);
+                put_str(&mut b, &format!("k{i}"));
+                put_str(&mut b, "");
+                b.push(0);
+                put_time(&mut b, t);
+            }
+            b.extend_from_slice(last);
+            put_time(&mut b, t);
+            b
+        };
+        let last = read_as_made(&with_last(&[36])).unwrap().last().unwrap();
+        assert_eq!(last.kind, "k35");
+        let mut again = vec![0];
+        put_str(&mut again, "k35");
+        put_str(&mut again, "");
+        again.push(0);
+        let e = read_one(&mut Reader {
+            bytes: &with_last(&again),
+        })
+        .unwrap_err();
+        assert!(e.contains("event body 36 written again"), "{e}");
+        let e = read_one(&mut Reader {
+            bytes: &with_last(&[41]),
+        })
+        .unwrap_err();
+        assert!(
+            e.contains("event body 41 of the 40 written before it"),
+            "{e}"
+        );
+    }
+
+    /// Readers on several threads make a stored history's events at
+    /// once, while other bodies are made and swept from the table: each
+    /// text is one body across all of them, so a history grown from any
+    /// readers' events writes each text once, and reads back.
+    #[test]
+    fn readers_on_several_threads_make_one_body_per_text() {
+        let t = datetime!(2026-11-29 10:00 UTC);
+        let events: Vec<Event> = (0..40)
+            .map(|i| {
+                let at = t + time::Duration::seconds(i);
+                Event::new(
+                    &format!("read-at-once-{}", i % 12),
+                    at,
+                    "",
+                    Details::default(),
+                )
+            })
+            .collect();
+        let (bytes, stored) = stored(&events);
+        drop(events);
+        let made: Vec<Vec<Event>> = std::thread::scope(|s| {
+            s.spawn(|| {
+                for i in 0..20_000 {
+                    drop(EventBody::of_text(&format!("churn-{i}"), "", &[]));
+                }
+            });
+            let readers: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        (0..50)
+                            .flat_map(|_| stored.all().into_owned())
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            readers.into_iter().map(|r| r.join().unwrap()).collect()
+        });
+        let all: Vec<&Event> = made.iter().flatten().collect();
+        for e in &all {
+            let first = all.iter().find(|f| f.kind == e.kind).unwrap();
+            assert!(Arc::ptr_eq(e.body(), first.body()), "{}", e.kind);
+        }
+        let mixed: Events = (0..40).map(|i| made[i % 4][i].clone()).collect();
+        let mut again = Vec::new();
+        mixed.write(&mut again);
+        assert_eq!(again, bytes);
+        assert_eq!(read_as_made(&again).unwrap(), stored);
+    }
+
+    /// A history with every way of writing an event, past the scans, cut
+    /// at every length (refused) and with each byte changed: refused
+    /// when read, or read as making its events reads them, and written
+    /// again as read.
+    #[test]
+    fn every_cut_and_changed_byte_of_a_history_is_refused_or_made_as_read() {
+        let mut events = history();
+        events.extend(past_the_scan());
+        let (bytes, _) = stored(&events);
+        for len in 0..bytes.len() {
+            let cut = read_one(&mut Reader {
+                bytes: &bytes[..len],
+            });
+            assert!(cut.is_err(), "cut at {len}");
+        }
+        for at in 0..bytes.len() {
+            for flip in [1, 2, 4, 8, 0x10, 0x20, 0x40, 0x80, 0xff] {
+                let mut changed = bytes.clone();
+                changed[at] ^= flip;
+                let _ = read_as_made(&changed);
+            }
+        }
+    }
+
     proptest! {
         /// Whatever a history's check lets through makes its events
         /// without a panic, as the events it was written from: the bytes
@@ -528,10 +992,10 @@ mod tests {
                 }
             }
             let mut r = Reader { bytes: &bytes };
-            let checked = Events::read(&mut r);
+            let checked = read_one(&mut r);
             let rest = r.bytes.len();
             let mut r = Reader { bytes: &bytes };
-            let made = Events::read_made(&mut r);
+            let made = read_made(&mut r);
             if let Ok(checked) = checked {
                 let made = made.expect("a checked history makes its events");
                 prop_assert_eq!(rest, r.bytes.len());
@@ -541,6 +1005,72 @@ mod tests {
                 made.write(&mut again);
                 prop_assert_eq!(&again[..], &bytes[..bytes.len() - rest]);
             }
+        }
+
+        /// A history kept as stored and the same history made here
+        /// (a fresh block, so compared by value) read, compare, grow and
+        /// write alike, whatever they hold (texts said again, times in
+        /// other offsets and past 64-bit nanoseconds, more than
+        /// `MAX_EVENTS`) and whatever is added to them.
+        #[test]
+        fn a_stored_history_reads_compares_grows_and_writes_as_the_made_one(
+            held in prop::collection::vec((0..4usize, 0..6usize), 0..14),
+            added in prop::collection::vec((0..4usize, 0..6usize), 0..4),
+        ) {
+            let texts = ["Started", "Terminated", "Restarting", "Restart Signaled"];
+            let times = [
+                datetime!(2026-11-29 10:00:00.25 UTC),
+                datetime!(2026-11-29 10:00:01 UTC),
+                datetime!(2026-11-29 15:30 +05:30),
+                // The same instant in another offset.
+                datetime!(2026-11-29 11:00 +01:00),
+                datetime!(2300-01-01 0:00 UTC),
+                datetime!(1500-06-01 12:00 +05:30),
+            ];
+            let event = |&(text, time): &(usize, usize)| {
+                let details = Details::from_pairs([("n", text.to_string())]);
+                Event::new(texts[text], times[time], "", details)
+            };
+            let fresh = |e: &Events| e.all().iter().cloned().collect::<Events>();
+            let held: Vec<Event> = held.iter().map(event).collect();
+            let (bytes, stored) = stored(&held);
+            let made: Events = held.iter().cloned().collect();
+            prop_assert_eq!(stored.is_stored(), !held.is_empty());
+            prop_assert_eq!(stored.len(), made.len());
+            prop_assert_eq!(stored.is_empty(), made.is_empty());
+            prop_assert_eq!(&*stored.all(), &*made.all());
+            prop_assert_eq!(&stored, &made);
+            prop_assert_eq!(&made, &stored);
+            prop_assert_eq!(stored.last(), made.last());
+            for kind in texts {
+                prop_assert_eq!(stored.last_of(kind), made.last_of(kind));
+            }
+            let mut again = Vec::new();
+            made.write(&mut again);
+            prop_assert_eq!(&again, &bytes);
+            let (mut grown_stored, mut grown_made) = (stored.clone(), made.clone());
+            for e in added.iter().map(event) {
+                grown_stored.push(e.clone());
+                grown_made.push(e);
+            }
+            prop_assert_eq!(&*grown_stored.all(), &*grown_made.all());
+            let (grown_bytes, grown_read) = stored_of(&grown_made);
+            let mut again = Vec::new();
+            grown_stored.write(&mut again);
+            prop_assert_eq!(&again, &grown_bytes);
+            // What a version added since the one before, as made here.
+            let added_made = fresh(&grown_made).added_since(&fresh(&made));
+            for (now, before) in [
+                (&grown_stored, &stored),
+                (&grown_read, &stored),
+                (&grown_read, &made),
+                (&grown_made, &stored),
+            ] {
+                prop_assert_eq!(&now.added_since(before), &added_made);
+                prop_assert_eq!(now == before, fresh(now) == fresh(before));
+            }
+            prop_assert!(stored.added_since(&stored.clone()).is_empty());
+            prop_assert!(grown_read.added_since(&stored_of(&grown_made).1).is_empty());
         }
     }
 }

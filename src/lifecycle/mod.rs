@@ -52,7 +52,7 @@ pub use deps::{
     Condition, Cycles, DepState, Dependency, MAX_DEPENDENCIES, Node, Positions, Target, Walk, Why,
     cycles, judge as judge_dependency, walk,
 };
-pub use history::Events;
+pub use history::{Events, HistoriesReader, HistoriesWriter};
 pub use ids::{AllocId, IdError, SemName, TaskName};
 pub use intern::{EventBody, Sym};
 pub use names::UnknownName;

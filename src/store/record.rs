@@ -2,13 +2,13 @@
 //! files outlive changes to the in-memory types. The snapshot
 //! (`disk/snapshot.rs`) and the log (`disk/log.rs`) carry these bytes as they are.
 //!
-//! This build writes and reads version 6, a compact binary encoding
+//! This build writes and reads version 5, a compact binary encoding
 //! (integers are unsigned LEB128 varints, each in its shortest form,
 //! unless marked `zigzag`, signed; `str` is a varint length and UTF-8
 //! bytes):
 //!
 //! ```text
-//! record = 0x06 | id: str | state: u8 | create_index | modify_index
+//! record = 0x05 | id: str | state: u8 | create_index | modify_index
 //!        | created_at: time | modified_at: time | order | ext | tasks: varint | task*
 //! order  = 0 (run)
 //!        | reason: u8 (1 Leader Task Dead, 2 Sibling Task Failed, 3 Main Tasks Dead)
@@ -18,12 +18,14 @@
 //! task   = name: str | kind: u8 | state: u8 | flags: u8 | restarts
 //!        | restart_generation | modify_index
 //!        | [started_at: time] | [finished_at: time] | [last_restart: time]
-//!        | [ready_at: time] | history | ext
+//!        | [ready_at: time] | events: varint | event* | ext
 //! kind   = hook (0 none: a main task, 1 prestart, 2 poststart, 3 poststop)
 //!        | 0x10 sidecar | 0x20 leader | 0x40 readiness
 //! flags  = 0x01 failed | 0x02 started_at | 0x04 finished_at | 0x08 last_restart
 //!        | 0x10 ready | 0x20 ready_at | 0x40 stale | 0x80 reopened
-//! history = the task's events (`lifecycle/history.rs`)
+//! event  = 0 | type: str | message: str | details: varint | (key: str | value: str)*
+//!            | time                           (a body not written before)
+//!        | number: varint | time              (1 ≤ number ≤ bodies written so far)
 //! time   = unix seconds: zigzag | nanoseconds | UTC offset seconds: zigzag
 //! ext    = count: varint | (tag: u8 | len: varint | payload: len bytes)*
 //!          tags strictly increasing; each payload is read whole
@@ -58,13 +60,14 @@
 //! condition = 0 running | 1 ready | 2 succeeded | 3 dead
 //! ```
 //!
-//! Every change writes its whole record, every event of every history.
-//! A history writes each distinct body once and numbers it (agents send
-//! the same few bodies again on each restart of a task); it is a unit of
-//! its own, with no reference into other tasks' histories, so a start
-//! keeps each history as its bytes until it is asked for
-//! (`lifecycle::Events`). A record that uses no extension (most) has one
-//! zero per `ext`.
+//! Every change writes its whole record, every event of every history,
+//! and agents send the same few event bodies to every task of an
+//! allocation and again on each restart: so each body is written once
+//! per record. The bodies are numbered from 1 in the order the record
+//! writes them, and an event whose body was written before in the same
+//! record (in any task) is that number (`lifecycle/history.rs`, which
+//! keeps a record's histories as stored until they are asked for). A
+//! record that uses no extension (most) has one zero per `ext`.
 //!
 //! States are stored as their position in the tables below (`COORD`,
 //! `RUN`, `HOOK`), which are part of the format: never reorder them.
@@ -94,15 +97,15 @@ use std::{sync::Arc, time::Duration};
 use crate::{
     lifecycle::{
         AllocId, AllocSpec, Allocation, BarrierSpec, Condition, CoordState, Deadlines, DepState,
-        Dependency, Desired, Events, Hold, Hook, IdemKey, Lifecycle, Limits, Meet, Overdue,
-        RunState, SIZE_RANGE, SemName, StopKind, StopReason, TaskExtra, TaskName, TaskSpec,
-        TaskStatus, Timestamp, WRITE_MARKS, Why, WriteMark,
+        Dependency, Desired, HistoriesReader, HistoriesWriter, Hold, Hook, IdemKey, Lifecycle,
+        Limits, Meet, Overdue, RunState, SIZE_RANGE, SemName, StopKind, StopReason, TaskExtra,
+        TaskName, TaskSpec, TaskStatus, Timestamp, WRITE_MARKS, Why, WriteMark,
     },
     wire::{Reader, put_str, put_time, put_varint},
 };
 
 /// The record format this build writes and reads.
-pub const RECORD_VERSION: u8 = 6;
+pub const RECORD_VERSION: u8 = 5;
 
 const COORD: [CoordState; 6] = [
     CoordState::Init,
@@ -429,7 +432,8 @@ pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
     }
     put_alloc_ext(buf, a);
     put_varint(buf, specs.len() as u64);
-    for (spec, status) in specs.iter().zip(&a.tasks) {
+    let mut histories = HistoriesWriter::new(a.tasks.iter().map(|t| &t.events));
+    for (i, (spec, status)) in specs.iter().zip(&a.tasks).enumerate() {
         put_str(buf, spec.name.as_str());
         let mut kind = match spec.lifecycle {
             None => 0,
@@ -470,7 +474,7 @@ pub fn encode_into(a: &Allocation, buf: &mut Vec<u8>) {
         for t in times.iter().filter_map(|(_, t)| *t) {
             put_time(buf, t);
         }
-        status.events.write(buf);
+        histories.write(i, &status.events, buf);
         put_task_ext(buf, spec, status);
     }
 }
@@ -836,6 +840,8 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
     // A task takes at least 9 bytes (an empty name is refused below).
     let n = r.count("the task count", 9)?;
     let (mut specs, mut statuses) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    // The tasks' histories, kept as stored (`lifecycle::Events`).
+    let mut histories = HistoriesReader::default();
     for _ in 0..n {
         let name = r.str("a task name")?;
         let name = TaskName::parse(name).map_err(|e| format!("bad task name {name:?}: {e}"))?;
@@ -869,7 +875,7 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
         let finished_at = time_if(FINISHED, "finished_at")?;
         let last_restart = time_if(LAST_RESTART, "last_restart")?;
         let ready_at = time_if(READY_AT, "ready_at")?;
-        let events = Events::read(&mut r).map_err(|e| format!("task {name}: {e}"))?;
+        (histories.read(&mut r)).map_err(|e| format!("task {name}: {e}"))?;
         let (liveness, depends_on, extra, task_run, acquire, barrier) = task_ext(&mut r)?;
         specs.push(TaskSpec {
             name,
@@ -888,7 +894,7 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
             started_at,
             finished_at,
             last_restart,
-            events,
+            events: Default::default(),
             restart_generation,
             ready: flags & READY != 0,
             ready_at,
@@ -901,6 +907,9 @@ fn decode_binary(bytes: &[u8]) -> Result<Allocation, String> {
     }
     if !r.bytes.is_empty() {
         return Err(format!("{} bytes after the record's end", r.bytes.len()));
+    }
+    for (status, events) in statuses.iter_mut().zip(histories.finish()) {
+        status.events = events;
     }
     let order = match order {
         None => Desired::Run,

@@ -82,7 +82,7 @@ fn the_two_kinds_of_record_are_never_taken_for_each_other() {
         time::OffsetDateTime::UNIX_EPOCH,
     );
     let err = decode_semaphore(&encode(&a)).unwrap_err();
-    assert!(err.contains("format byte 0x06,"), "{err}");
+    assert!(err.contains("format byte 0x05,"), "{err}");
 }
 
 #[test]

@@ -1,5 +1,5 @@
 use super::*;
-use crate::lifecycle::{Event, EventBody, Events, MAX_EVENTS, TaskReport};
+use crate::lifecycle::{Event, EventBody, MAX_EVENTS, TaskReport};
 use time::macros::datetime;
 
 fn task(name: &str, hook: Option<Hook>, sidecar: bool, leader: bool) -> TaskSpec {
@@ -286,7 +286,7 @@ fn unknown_or_unordered_extensions_are_damage() {
 fn the_format_is_pinned_byte_for_byte() {
     // A change here breaks every data directory written before it.
     let expected: &[u8] = &[
-        6, // version
+        5, // version
         2, b'a', b'1', // id
         2,    // state: main
         3, 4, // create_index, modify_index
@@ -342,7 +342,7 @@ fn the_format_is_pinned_byte_for_byte() {
         }),
     );
     let expected: &[u8] = &[
-        6, 2, b'a', b'1', 2, 3, 4, //
+        5, 2, b'a', b'1', 2, 3, 4, //
         192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
         192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
         4, 2, // stop order: Deadline Exceeded in main
@@ -374,14 +374,14 @@ fn sample_with_events() -> Allocation {
         crate::lifecycle::Details::from_pairs([("exit_code", "1")]),
     );
     a.tasks[0].events = [started()].into_iter().collect();
-    a.tasks[1].events = [started(), terminated, started()].into_iter().collect();
+    a.tasks[1].events = [started(), terminated].into_iter().collect();
     a
 }
 
-/// `sample_with_events()` as written: a body its history wrote before
-/// is its number; each history numbers its own.
+/// `sample_with_events()` as written: a body the record wrote before
+/// is its number.
 const EVENTS: &[u8] = &[
-    6, 2, b'a', b'1', 2, 3, 4, //
+    5, 2, b'a', b'1', 2, 3, 4, //
     192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
     192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
     0, 0, 2, //
@@ -392,61 +392,53 @@ const EVENTS: &[u8] = &[
     192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
     0, // no extensions
     3, b'w', b'e', b'b', 0x20, 0, 0, 0, 0, 4, //
-    3, // three events: a new body (1), another (2), body 1 again
-    0, 7, b'S', b't', b'a', b'r', b't', b'e', b'd', 0, 0, //
-    192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
+    2, // two events: body 1 again, then a new body (2)
+    1, 192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
     0, 10, b'T', b'e', b'r', b'm', b'i', b'n', b'a', b't', b'e', b'd', 1, b'x', //
     1, 9, b'e', b'x', b'i', b't', b'_', b'c', b'o', b'd', b'e', 1, b'1', //
     192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
-    1, 192, 174, 139, 176, 13, 149, 154, 239, 58, 0, //
     0,
 ];
 
 #[test]
-fn an_event_body_is_written_once_per_history() {
+fn an_event_body_is_written_once_per_record() {
     let a = sample_with_events();
     assert_eq!(encode(&a), EVENTS);
     let back = decode(EVENTS).unwrap();
     assert_eq!(back, a);
-    assert_eq!(encode(&back), EVENTS, "written again as read");
-    // Read back, the three Started events share one body.
-    let (init, web) = (back.tasks[0].events.all(), back.tasks[1].events.all());
-    assert!(Arc::ptr_eq(init[0].body(), web[0].body()));
-    assert!(Arc::ptr_eq(web[0].body(), web[2].body()));
+    // Read back, the two Started events share one body.
+    assert!(Arc::ptr_eq(
+        back.tasks[0].events.all()[0].body(),
+        back.tasks[1].events.all()[0].body()
+    ));
 }
 
 #[test]
 fn a_body_number_not_written_before_or_a_body_written_twice_is_damage() {
-    // The bytes of web's second event's body, and of its time.
-    let terminated = EVENTS
+    // web's first event names body 2 while only body 1 is written.
+    let at = EVENTS
         .windows(2)
-        .position(|w| w == [0, 10])
-        .expect("web's second event, a new body");
-    let time = terminated + 27;
-    assert_eq!(EVENTS[time], 192);
-    let with_body = |body: &[u8]| {
-        let mut bytes = EVENTS[..terminated].to_vec();
-        bytes.extend_from_slice(body);
-        bytes.extend_from_slice(&EVENTS[time..]);
-        decode(&bytes)
-    };
-    assert!(with_body(&EVENTS[terminated..time]).is_ok());
-    // Body 2 while only body 1 is written.
-    let e = with_body(&[2]).unwrap_err();
+        .position(|w| w == [2, 1])
+        .expect("web's two events, the first body 1")
+        + 1;
+    let mut bytes = EVENTS.to_vec();
+    bytes[at] = 2;
+    let e = decode(&bytes).unwrap_err();
     assert!(e.contains("event body 2 of the 1 written before it"), "{e}");
-    // A varint cut short by the time after it: still damage.
-    assert!(with_body(&[0x80]).is_err());
-    // Body 1's text again instead of its number: read alone it would be
-    // the same record, so it is refused (a record has one encoding).
-    let e = with_body(&[0, 7, b'S', b't', b'a', b'r', b't', b'e', b'd', 0, 0]).unwrap_err();
+    bytes[at] = 0x80; // a varint cut short by the time after it: still damage
+    assert!(decode(&bytes).is_err());
+    // web's first event writes body 1's text again instead of its
+    // number: read alone it would be the same record, so it is refused
+    // (a record has one encoding).
+    let mut twice = EVENTS[..at].to_vec();
+    twice.extend_from_slice(&[0, 7, b'S', b't', b'a', b'r', b't', b'e', b'd', 0, 0]);
+    twice.extend_from_slice(&EVENTS[at + 1..]);
+    let e = decode(&twice).unwrap_err();
     assert!(e.contains("event body 1 written again"), "{e}");
-    // Body 1 of another task's history: not this one's.
-    let e = with_body(&[3]).unwrap_err();
-    assert!(e.contains("event body 3 of the 1 written before it"), "{e}");
 }
 
 #[test]
-fn each_history_writes_each_of_its_bodies_once() {
+fn tasks_sharing_their_events_write_each_body_once() {
     // The events benchmark's histories: five tasks, each given the
     // same ten events, then web ten of its own.
     let spec = AllocSpec::new(
@@ -467,14 +459,13 @@ fn each_history_writes_each_of_its_bodies_once() {
             crate::lifecycle::Details::from_pairs([("exit_code", "0"), ("signal", "0")]),
         )
     };
-    // Each report's message is in the record once per task that has it,
-    // and it reads back.
-    let once = |a: &Allocation, reports: &[(u64, usize)]| {
+    // Each report's message is in the record once, and it reads back.
+    let once = |a: &Allocation, reports: &[u64]| {
         let bytes = encode(a);
-        for (n, tasks) in reports {
+        for n in reports {
             let text = format!("report {n} of this task");
             let found = bytes.windows(text.len()).filter(|w| *w == text.as_bytes());
-            assert_eq!(found.count(), *tasks, "{text}");
+            assert_eq!(found.count(), 1, "{text}");
         }
         assert_eq!(decode(&bytes).unwrap(), *a);
     };
@@ -482,17 +473,10 @@ fn each_history_writes_each_of_its_bodies_once() {
     for task in a.tasks.iter_mut() {
         task.events = shared.iter().copied().map(event).collect();
     }
-    let in_all: Vec<(u64, usize)> = shared.iter().map(|&n| (n, 5)).collect();
-    once(&a, &in_all);
+    once(&a, &shared);
     let own: Vec<u64> = (100..100 + MAX_EVENTS as u64).collect();
     a.tasks[2].events = own.iter().copied().map(event).collect();
-    let in_four = shared.iter().map(|&n| (n, 4));
-    once(
-        &a,
-        &in_four
-            .chain(own.iter().map(|&n| (n, 1)))
-            .collect::<Vec<_>>(),
-    );
+    once(&a, &[shared, own].concat());
 }
 
 #[test]
@@ -539,14 +523,15 @@ fn other_versions_are_refused_by_name() {
             err.contains(&format!("record format version {v},")),
             "{err}"
         );
-        assert!(err.contains("reads version 6 only"), "{err}");
+        assert!(err.contains("reads version 5 only"), "{err}");
     }
     assert!(decode(b"").is_err());
 }
 
 /// `bytes` cut at every length is refused; with any byte changed by
 /// each of `flips` it is refused or decodes to what encodes back to
-/// the same bytes (no change may panic or size anything past the
+/// the same bytes, kept as stored and with one history's events made
+/// after another (no change may panic or size anything past the
 /// record).
 fn cut_or_changed_is_refused_or_one_encoding(bytes: &[u8], flips: &[u8]) {
     for len in 0..bytes.len() {
@@ -556,8 +541,13 @@ fn cut_or_changed_is_refused_or_one_encoding(bytes: &[u8], flips: &[u8]) {
         for &flip in flips {
             let mut changed = bytes.to_vec();
             changed[at] ^= flip;
-            if let Ok(a) = decode(&changed) {
+            if let Ok(mut a) = decode(&changed) {
                 assert_eq!(encode(&a), changed, "byte {at} ^ {flip:#x}");
+                for i in 0..a.tasks.len() {
+                    let t = &mut a.tasks[i];
+                    t.events = t.events.all().iter().cloned().collect();
+                    assert_eq!(encode(&a), changed, "byte {at} ^ {flip:#x}, task {i} made");
+                }
             }
         }
     }
@@ -582,15 +572,17 @@ mod properties {
 
     /// Decoding never panics, and whatever decodes is the one encoding
     /// of its record (so a damaged record is never read as another):
-    /// kept as stored, and with every history's events made, which
-    /// neither panics nor reads them as others.
+    /// with its histories kept as stored, with some of them made into
+    /// events and with all of them, each of which neither panics nor
+    /// reads them as others.
     fn check(bytes: &[u8]) -> Result<(), TestCaseError> {
         if let Ok(mut a) = decode(bytes) {
             prop_assert_eq!(encode(&a), bytes);
-            for t in &mut a.tasks {
+            for i in 0..a.tasks.len() {
+                let t = &mut a.tasks[i];
                 t.events = t.events.all().iter().cloned().collect();
+                prop_assert_eq!(encode(&a), bytes, "task {} made", i);
             }
-            prop_assert_eq!(encode(&a), bytes);
         }
         Ok(())
     }
@@ -865,8 +857,8 @@ mod properties {
         /// An event's time is written as `put_time` writes it, byte for
         /// byte, whether the event holds it as UTC nanoseconds or its
         /// body holds it; and read back as the event written, kept as
-        /// stored or made at once (its time read as UTC nanoseconds, or
-        /// as a date).
+        /// stored and made (its time read as UTC nanoseconds, or as a
+        /// date).
         #[test]
         fn an_event_s_time_is_written_as_its_timestamp_is_and_read_back(
             t in any_time(),
@@ -875,22 +867,19 @@ mod properties {
             let utc = Timestamp::from_unix_timestamp_nanos(i128::from(nanos)).unwrap();
             for t in [t, utc] {
                 let e = Event::new("Started", t, "", Default::default());
-                let mut written = Vec::new();
-                [e.clone()].into_iter().collect::<Events>().write(&mut written);
-                let mut plain = vec![1, 0];
-                put_str(&mut plain, "Started");
-                put_str(&mut plain, "");
-                plain.push(0);
-                put_time(&mut plain, t);
-                prop_assert_eq!(&written, &plain, "{}", t);
-                let stored = Events::read(&mut Reader { bytes: &plain }).unwrap();
-                let made = Events::read_made(&mut Reader { bytes: &plain }).unwrap();
-                prop_assert!(stored.is_stored());
-                for read in [stored.all()[0].clone(), made.all()[0].clone()] {
-                    prop_assert_eq!(&read, &e);
-                    prop_assert_eq!(read.utc_nanos(), e.utc_nanos());
-                    prop_assert_eq!((read.time(), read.time().offset()), (t, t.offset()));
-                }
+                let mut a = sample();
+                a.tasks[0].events = [e.clone()].into_iter().collect();
+                let bytes = encode(&a);
+                let mut time = Vec::new();
+                put_time(&mut time, t);
+                prop_assert!(bytes.windows(time.len()).any(|w| w == time), "{}", t);
+                let back = decode(&bytes).unwrap();
+                prop_assert!(back.tasks[0].events.is_stored());
+                let read = back.tasks[0].events.all()[0].clone();
+                prop_assert_eq!(&read, &e);
+                prop_assert_eq!(read.utc_nanos(), e.utc_nanos());
+                prop_assert_eq!((read.time(), read.time().offset()), (t, t.offset()));
+                prop_assert_eq!(encode(&back), bytes);
             }
         }
     }
