@@ -356,6 +356,22 @@ impl Allocation {
         }
     }
 
+    /// Makes every task's events kept as stored once another task's
+    /// are made (a report added one): a record's histories are written
+    /// back as they were read only while all of them are kept so, and
+    /// one written from a mix numbers its bodies by their text while
+    /// every view of it decodes the rest (`lifecycle/history.rs`).
+    pub fn settle_histories(&mut self) {
+        let stored = |t: &TaskStatus| t.events.is_stored();
+        if self.tasks.iter().any(stored)
+            && !self.tasks.iter().all(|t| stored(t) || t.events.is_empty())
+        {
+            for t in &mut self.tasks {
+                t.events.make();
+            }
+        }
+    }
+
     /// The last writes that made this record, oldest first.
     pub fn writes(&self) -> &[WriteMark] {
         self.writes.as_deref().map_or(&[], Vec::as_slice)

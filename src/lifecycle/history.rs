@@ -252,21 +252,25 @@ impl Events {
         self.0 = Repr::Made(next);
     }
 
-    /// The events made now, if kept as stored: what a record's histories
-    /// are written from when it no longer holds them all as they were
-    /// read.
+    /// Makes the events now if kept as stored (`Allocation::settle_histories`).
+    pub fn make(&mut self) {
+        if self.is_stored() {
+            *self = self.all().iter().cloned().collect();
+        }
+    }
+
+    /// Whether the events are kept as stored (not made yet).
+    pub fn is_stored(&self) -> bool {
+        matches!(self.0, Repr::Stored(..))
+    }
+
+    /// The events, if made in this process.
     #[cfg(test)]
     pub fn made(&self) -> Option<&Arc<[Event]>> {
         match &self.0 {
             Repr::Made(e) => Some(e),
             _ => None,
         }
-    }
-
-    /// Whether the events are kept as stored (not made yet).
-    #[cfg(test)]
-    pub fn is_stored(&self) -> bool {
-        matches!(self.0, Repr::Stored(..))
     }
 }
 

@@ -1094,3 +1094,55 @@ mod dependencies {
         until(&r, "app", |a| why(a) == Some(Why::NotRegistered)).await;
     }
 }
+
+/// A disk store's start keeps every history as stored; the first report
+/// after it makes every task's events, not only its own (so the record
+/// is written from events alone, and views decode nothing), and the
+/// record it writes reads back as the allocation.
+#[tokio::test]
+async fn a_report_after_a_restart_makes_every_task_s_stored_events() {
+    use crate::{
+        lifecycle::EventInput,
+        store::{DiskStore, DiskStoreConfig},
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let open = || {
+        let store = DiskStore::open(DiskStoreConfig::new(dir.path().to_owned())).unwrap();
+        Registry::open(Arc::new(store), RegistryConfig::default()).unwrap()
+    };
+    let with_event = |task: &str, state: RunState, kind: &str| {
+        let mut r = report(task, state);
+        r[0].1.event = Some(EventInput {
+            kind: kind.to_owned(),
+            time: None,
+            message: String::new(),
+            details: Default::default(),
+        });
+        r
+    };
+    let r = open();
+    r.register(id("a1"), two_stage()).await.unwrap();
+    r.report("a1", with_event("init", RunState::Running, "Started"))
+        .await
+        .unwrap();
+    r.report("a1", with_event("init", RunState::Dead, "Terminated"))
+        .await
+        .unwrap();
+    let before = r
+        .report("a1", with_event("web", RunState::Running, "Started"))
+        .await
+        .unwrap();
+    drop(r);
+    let r = open();
+    let read = r.get("a1").unwrap();
+    assert!(read.tasks.iter().all(|t| t.events.is_stored()));
+    assert_eq!(*read, *before);
+    let run = read.tasks[1].run;
+    let healthy = with_event("web", RunState::Running, "Healthy");
+    let after = r.report_as("a1", healthy, None, run).await.unwrap();
+    assert!(after.tasks.iter().all(|t| !t.events.is_stored()));
+    assert_eq!(after.tasks[0].events, before.tasks[0].events);
+    assert_eq!(after.tasks[1].events.len(), 2);
+    drop(r);
+    assert_eq!(*open().get("a1").unwrap(), *after);
+}

@@ -322,7 +322,7 @@ impl Registry {
             let (write, handle, base) = self.lock_live(id).await?;
             let current = base.record().clone();
             let stamp = current.modify_index + 1;
-            let (next, out) = match decide(&current, &|| stamp) {
+            let (mut next, out) = match decide(&current, &|| stamp) {
                 Ok((Some(next), out)) => (next, out),
                 // An answer that changes nothing, or a refusal, holds only
                 // on the newest version, and only once it is durable.
@@ -336,6 +336,7 @@ impl Registry {
                     return Ok((current, out));
                 }
             };
+            next.settle_histories();
             let live = self
                 .live_ops(&handle, &current, &next, &mut granted)
                 .await?;
