@@ -7,6 +7,7 @@
 
 use time::OffsetDateTime;
 
+#[inline]
 pub fn put_varint(buf: &mut Vec<u8>, mut n: u64) {
     while n >= 0x80 {
         buf.push(n as u8 | 0x80);
@@ -15,15 +16,18 @@ pub fn put_varint(buf: &mut Vec<u8>, mut n: u64) {
     buf.push(n as u8);
 }
 
+#[inline]
 pub fn put_zigzag(buf: &mut Vec<u8>, n: i64) {
     put_varint(buf, ((n << 1) ^ (n >> 63)) as u64);
 }
 
+#[inline]
 pub fn put_str(buf: &mut Vec<u8>, s: &str) {
     put_varint(buf, s.len() as u64);
     buf.extend_from_slice(s.as_bytes());
 }
 
+#[inline]
 pub fn put_time(buf: &mut Vec<u8>, t: OffsetDateTime) {
     put_zigzag(buf, t.unix_timestamp());
     put_varint(buf, u64::from(t.nanosecond()));
@@ -52,6 +56,7 @@ pub struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
+    #[inline]
     pub fn byte(&mut self, what: &str) -> Result<u8, String> {
         let (&b, rest) = self
             .bytes
@@ -61,6 +66,7 @@ impl<'a> Reader<'a> {
         Ok(b)
     }
 
+    #[inline]
     pub fn varint(&mut self, what: &str) -> Result<u64, String> {
         let mut n = 0u64;
         for shift in (0..64).step_by(7) {
@@ -83,6 +89,7 @@ impl<'a> Reader<'a> {
         ))
     }
 
+    #[inline]
     pub fn zigzag(&mut self, what: &str) -> Result<i64, String> {
         let n = self.varint(what)?;
         Ok((n >> 1) as i64 ^ -((n & 1) as i64))
@@ -90,6 +97,7 @@ impl<'a> Reader<'a> {
 
     /// A count of items each at least `min_bytes` long: never more than
     /// the bytes left could hold, so nothing is sized past them.
+    #[inline]
     pub fn count(&mut self, what: &str, min_bytes: usize) -> Result<usize, String> {
         let n = self.varint(what)?;
         if n > (self.bytes.len() / min_bytes) as u64 {
@@ -98,6 +106,7 @@ impl<'a> Reader<'a> {
         Ok(n as usize)
     }
 
+    #[inline]
     pub fn str(&mut self, what: &str) -> Result<&'a str, String> {
         let len = self.count(what, 1)?;
         let (s, rest) = self.bytes.split_at(len);
@@ -111,6 +120,7 @@ impl<'a> Reader<'a> {
     }
 
     /// A time's seconds, nanoseconds and offset as written (`put_time`).
+    #[inline]
     pub fn time_parts(&mut self, what: &str) -> Result<(i64, u32, i32), String> {
         let secs = self.zigzag(what)?;
         let nanos = u32::try_from(self.varint(what)?).map_err(|_| format!("bad {what}"))?;
