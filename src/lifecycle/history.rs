@@ -1112,10 +1112,20 @@ mod tests {
                 1..5,
             ),
             at_own_positions in any::<bool>(),
+            b_renames_a in any::<bool>(),
             added in (0..4usize, 0..6usize),
         ) {
             let of = |h: &[Vec<(usize, usize)>]| -> Vec<Events> {
                 h.iter().map(|h| h.iter().map(pooled).collect()).collect()
+            };
+            // The same bytes but for the texts: a history naming only
+            // bodies earlier tasks wrote is the same bytes in both
+            // records, and other events.
+            let b = if b_renames_a {
+                let rename = |h: &Vec<(usize, usize)>| h.iter().map(|&(t, at)| ((t + 1) % 4, at)).collect();
+                a.iter().map(rename).collect()
+            } else {
+                b
             };
             let (a_made, b_made) = (of(&a), of(&b));
             let (a_bytes, a1) = record(&a_made);
