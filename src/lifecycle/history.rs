@@ -974,6 +974,38 @@ mod tests {
         }
     }
 
+    /// Whether `tasks` are the histories of one record as `read` was
+    /// read, each at its position, in a record of as many tasks (an empty
+    /// one empty in both): only then are they copied as read.
+    fn own(tasks: &[Events], read: &[Events]) -> bool {
+        tasks.len() == read.len()
+            && tasks.iter().any(Events::is_stored)
+            && tasks.iter().zip(read).all(|(t, r)| match (&t.0, &r.0) {
+                (Repr::Empty, Repr::Empty) => true,
+                (Repr::Stored(a, i), Repr::Stored(b, j)) => Arc::ptr_eq(a, b) && i == j,
+                _ => false,
+            })
+    }
+
+    const TEXTS: [&str; 4] = ["Started", "Terminated", "Restarting", "Restart Signaled"];
+
+    /// Event `(text, time)` of a few texts and times: times in other
+    /// offsets (one the same instant as another) and past 64-bit
+    /// nanoseconds, whose bodies hold them.
+    fn pooled(&(text, time): &(usize, usize)) -> Event {
+        let times = [
+            datetime!(2026-11-29 10:00:00.25 UTC),
+            datetime!(2026-11-29 10:00:01 UTC),
+            datetime!(2026-11-29 15:30 +05:30),
+            // The same instant in another offset.
+            datetime!(2026-11-29 11:00 +01:00),
+            datetime!(2300-01-01 0:00 UTC),
+            datetime!(1500-06-01 12:00 +05:30),
+        ];
+        let details = Details::from_pairs([("n", text.to_string())]);
+        Event::new(TEXTS[text], times[time], "", details)
+    }
+
     proptest! {
         /// Whatever a history's check lets through makes its events
         /// without a panic, as the events it was written from: the bytes
@@ -1021,20 +1053,7 @@ mod tests {
             held in prop::collection::vec((0..4usize, 0..6usize), 0..14),
             added in prop::collection::vec((0..4usize, 0..6usize), 0..4),
         ) {
-            let texts = ["Started", "Terminated", "Restarting", "Restart Signaled"];
-            let times = [
-                datetime!(2026-11-29 10:00:00.25 UTC),
-                datetime!(2026-11-29 10:00:01 UTC),
-                datetime!(2026-11-29 15:30 +05:30),
-                // The same instant in another offset.
-                datetime!(2026-11-29 11:00 +01:00),
-                datetime!(2300-01-01 0:00 UTC),
-                datetime!(1500-06-01 12:00 +05:30),
-            ];
-            let event = |&(text, time): &(usize, usize)| {
-                let details = Details::from_pairs([("n", text.to_string())]);
-                Event::new(texts[text], times[time], "", details)
-            };
+            let (texts, event) = (TEXTS, pooled);
             let fresh = |e: &Events| e.all().iter().cloned().collect::<Events>();
             let held: Vec<Event> = held.iter().map(event).collect();
             let (bytes, stored) = stored(&held);
@@ -1075,6 +1094,154 @@ mod tests {
             }
             prop_assert!(stored.added_since(&stored.clone()).is_empty());
             prop_assert!(grown_read.added_since(&stored_of(&grown_made).1).is_empty());
+        }
+    }
+    proptest! {
+        /// Histories from two records (one read twice, as two replicas
+        /// read the same bytes), made or not, grown, emptied, at other
+        /// positions, in records of other task counts: copied as read
+        /// exactly when they are one record's own (`own`), and whatever
+        /// the mix written, read back, compared and grown as the events
+        /// they hold, in their one encoding.
+        #[test]
+        fn any_mix_of_histories_writes_compares_and_grows_as_its_events(
+            a in prop::collection::vec(prop::collection::vec((0..4usize, 0..6usize), 0..5), 3),
+            b in prop::collection::vec(prop::collection::vec((0..4usize, 0..6usize), 0..5), 3),
+            picks in prop::collection::vec(
+                (prop_oneof![3 => Just(0usize), 4 => 0..7usize], 0..3usize),
+                1..5,
+            ),
+            at_own_positions in any::<bool>(),
+            b_renames_a in any::<bool>(),
+            added in (0..4usize, 0..6usize),
+        ) {
+            let of = |h: &[Vec<(usize, usize)>]| -> Vec<Events> {
+                h.iter().map(|h| h.iter().map(pooled).collect()).collect()
+            };
+            // The same bytes but for the texts: a history naming only
+            // bodies earlier tasks wrote is the same bytes in both
+            // records, and other events.
+            let b = if b_renames_a {
+                let rename = |h: &Vec<(usize, usize)>| h.iter().map(|&(t, at)| ((t + 1) % 4, at)).collect();
+                a.iter().map(rename).collect()
+            } else {
+                b
+            };
+            let (a_made, b_made) = (of(&a), of(&b));
+            let (a_bytes, a1) = record(&a_made);
+            let (_, a2) = record(&a_made);
+            let (_, b1) = record(&b_made);
+            let added = pooled(&added);
+            let grown = |e: &Events| {
+                let mut e = e.clone();
+                e.push(added.clone());
+                e
+            };
+            let fresh = |e: &Events| e.all().iter().cloned().collect::<Events>();
+            prop_assert_eq!(&a_bytes, &record(&a1).0);
+            let check = |tasks: &[Events]| -> Result<(), TestCaseError> {
+                let made: Vec<Events> = tasks.iter().map(fresh).collect();
+                let copies = HistoriesWriter::new(tasks.iter()).stored.is_some();
+                prop_assert_eq!(copies, [&a1, &a2, &b1].iter().any(|r| own(tasks, r)));
+                let (bytes, back) = record(tasks);
+                prop_assert_eq!(&bytes, &record(&made).0, "one encoding");
+                prop_assert_eq!(&record(&back).0, &bytes, "as read");
+                prop_assert_eq!(&back, &made);
+                for (i, t) in tasks.iter().enumerate() {
+                    prop_assert_eq!(t.len(), made[i].len());
+                    prop_assert_eq!(t.is_empty(), made[i].is_empty());
+                    prop_assert_eq!(&*t.all(), &*made[i].all());
+                    for (j, u) in tasks.iter().enumerate() {
+                        let (mi, mj) = (fresh(&made[i]), fresh(&made[j]));
+                        prop_assert_eq!(t == u, mi == mj, "tasks {} and {}", i, j);
+                        prop_assert_eq!(t == &back[j], mi == mj);
+                        let since = mi.added_since(&mj);
+                        prop_assert_eq!(&t.added_since(u), &since, "tasks {} and {}", i, j);
+                        prop_assert_eq!(&back[i].added_since(u), &since);
+                        prop_assert_eq!(&t.added_since(&back[j]), &since);
+                    }
+                    let (g, gm) = (grown(t), grown(&made[i]));
+                    prop_assert_eq!(&*g.all(), &*gm.all());
+                    prop_assert_eq!(g.added_since(t), gm.added_since(&fresh(&made[i])));
+                }
+                Ok(())
+            };
+            let sources = [&a1, &a2, &b1, &a_made, &b_made];
+            let tasks: Vec<Events> = (picks.iter().enumerate())
+                .map(|(i, &(source, at))| {
+                    let at = if at_own_positions { i % 3 } else { at };
+                    match source {
+                        5 => Events::default(),
+                        6 => grown(&a1[at]),
+                        s => sources[s][at].clone(),
+                    }
+                })
+                .collect();
+            check(&tasks)?;
+            // The record as read, and each way it can stop being so.
+            check(&a1)?;
+            for k in 0..3 {
+                for with in [fresh(&a1[k]), a2[k].clone(), Events::default(), grown(&a1[k])] {
+                    let mut some = a1.clone();
+                    some[k] = with;
+                    check(&some)?;
+                }
+            }
+            check(&a1[..2])?;
+            check(&[a1.clone(), vec![Events::default()]].concat())?;
+            check(&[a1.clone(), vec![a1[0].clone()]].concat())?;
+            check(&a1.iter().rev().cloned().collect::<Vec<_>>())?;
+        }
+
+        /// A record's histories, a body the first task writes named by
+        /// number in the last, with bytes changed, inserted or removed:
+        /// refused when read, or each task's events are made (no panic)
+        /// and the histories written again, kept as stored or made, are
+        /// the bytes read.
+        #[test]
+        fn damaged_histories_across_tasks_are_refused_when_read_or_make_their_events(
+            edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0..3u8), 1..6)
+        ) {
+            let events = history();
+            let tasks: Vec<Events> = vec![
+                events[..2].iter().cloned().collect(),
+                Events::default(),
+                events.iter().cloned().collect(),
+            ];
+            let (mut bytes, _) = record(&tasks);
+            for (at, value, kind) in edits {
+                let i = at.index(bytes.len());
+                match kind {
+                    0 => bytes[i] = value,
+                    1 => bytes.insert(i, value),
+                    _ if bytes.len() > 1 => {
+                        bytes.remove(i);
+                    }
+                    _ => {}
+                }
+            }
+            let mut r = Reader { bytes: &bytes };
+            let mut reading = HistoriesReader::default();
+            if (0..3).try_for_each(|_| reading.read(&mut r)).is_ok() {
+                let read_bytes = &bytes[..bytes.len() - r.bytes.len()];
+                let read = reading.finish();
+                let made: Vec<Events> = read
+                    .iter()
+                    .map(|h| {
+                        let all = h.all();
+                        assert_eq!(h.len(), all.len());
+                        all.iter().cloned().collect()
+                    })
+                    .collect();
+                let mut again = Vec::new();
+                let mut writing = HistoriesWriter::new(read.iter());
+                for (i, h) in read.iter().enumerate() {
+                    writing.write(i, h, &mut again);
+                }
+                prop_assert_eq!(&again[..], read_bytes, "as read");
+                prop_assert_eq!(&record(&made).0[..], read_bytes, "made");
+                prop_assert_eq!(&read, &made);
+            }
         }
     }
 }

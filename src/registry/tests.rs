@@ -1098,7 +1098,8 @@ mod dependencies {
 /// A disk store's start keeps every history as stored; the first report
 /// after it makes every task's events, not only its own (so the record
 /// is written from events alone, and views decode nothing), and the
-/// record it writes reads back as the allocation.
+/// record it writes reads back as the allocation; so does an order
+/// (a restart of one task).
 #[tokio::test]
 async fn a_report_after_a_restart_makes_every_task_s_stored_events() {
     use crate::{
@@ -1145,4 +1146,23 @@ async fn a_report_after_a_restart_makes_every_task_s_stored_events() {
     assert_eq!(after.tasks[1].events.len(), 2);
     drop(r);
     assert_eq!(*open().get("a1").unwrap(), *after);
+    // An order, not a report, adding one task's event: the same.
+    let r = open();
+    assert!(
+        r.get("a1")
+            .unwrap()
+            .tasks
+            .iter()
+            .all(|t| t.events.is_stored())
+    );
+    let web = TaskName::parse("web").unwrap();
+    let (restarted, _) = r
+        .restart("a1", RestartTarget::Task(web), "again")
+        .await
+        .unwrap();
+    assert!(restarted.tasks.iter().all(|t| !t.events.is_stored()));
+    assert_eq!(restarted.tasks[0].events, after.tasks[0].events);
+    assert_eq!(restarted.tasks[1].events.len(), 3);
+    drop(r);
+    assert_eq!(*open().get("a1").unwrap(), *restarted);
 }
