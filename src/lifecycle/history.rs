@@ -25,8 +25,9 @@
 //! again on each restart, so bodies are numbered across the record: from
 //! 1, in the order the record's histories write them, each written once
 //! (in whichever task says it first). A record's histories have one
-//! encoding: two records' histories are the same events exactly when
-//! their bytes are equal.
+//! encoding: two records' histories whose bytes are equal are the same
+//! events. (Not the other way round: events compare their times by the
+//! instant, and two offsets of one instant are written apart.)
 
 use std::{borrow::Cow, sync::Arc};
 
