@@ -128,3 +128,31 @@ impl<'a> Reader<'a> {
         Ok((secs, nanos, offset))
     }
 }
+
+/// Damage for the stored form's property tests.
+#[cfg(test)]
+pub mod damage {
+    use proptest::{prelude::*, sample::Index};
+
+    /// Up to `n` edits (exclusive end), each a byte changed, inserted or
+    /// removed.
+    pub fn edits(n: std::ops::Range<usize>) -> impl Strategy<Value = Vec<(Index, u8, u8)>> {
+        prop::collection::vec((any::<Index>(), any::<u8>(), 0..3u8), n)
+    }
+
+    /// `bytes` with `edits` applied in order (a removal that would leave
+    /// nothing is skipped).
+    pub fn apply(bytes: &mut Vec<u8>, edits: Vec<(Index, u8, u8)>) {
+        for (at, value, kind) in edits {
+            let i = at.index(bytes.len());
+            match kind {
+                0 => bytes[i] = value,
+                1 => bytes.insert(i, value),
+                _ if bytes.len() > 1 => {
+                    bytes.remove(i);
+                }
+                _ => {}
+            }
+        }
+    }
+}

@@ -905,6 +905,20 @@ async fn agent_entries(base: &str) -> Vec<String> {
         .collect()
 }
 
+/// A server on `dir`, healthy, with allocation `h` of `spec` registered.
+async fn started_with_h(dir: &Path, spec: Value) -> Server {
+    let server = start(dir, "64MiB");
+    healthy(&server.base).await;
+    let res = common::http()
+        .put(format!("{}/v1/allocations/h", server.base))
+        .json(&spec)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    server
+}
+
 /// A task's history read from the data directory (kept as its stored
 /// bytes until asked for) is the events it was before a SIGKILL, in the
 /// allocation's view, on the event stream, in `dump` and in what `dump
@@ -917,16 +931,12 @@ async fn agent_entries(base: &str) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_s_events_read_the_same_after_a_restart_and_grow_from_there() {
     let dir = tempfile::tempdir().unwrap();
-    let mut server = start(dir.path(), "64MiB");
+    let mut server = started_with_h(
+        dir.path(),
+        json!({"tasks": [{"name": "web"}, {"name": "side"}]}),
+    )
+    .await;
     let base = server.base.clone();
-    healthy(&base).await;
-    let res = common::http()
-        .put(format!("{base}/v1/allocations/h"))
-        .json(&json!({"tasks": [{"name": "web"}, {"name": "side"}]}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(res.status(), 201);
     let run = |view: &Value, i: usize| view["tasks"][i]["run"].as_str().unwrap().to_owned();
     let web = run(
         &event(
@@ -1053,16 +1063,12 @@ async fn a_task_s_events_read_the_same_after_a_restart_and_grow_from_there() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_lost_after_a_restart_keeps_the_events_it_had() {
     let dir = tempfile::tempdir().unwrap();
-    let mut server = start(dir.path(), "64MiB");
+    let mut server = started_with_h(
+        dir.path(),
+        json!({"tasks": [{"name": "web", "liveness": {"ttl": "3s"}}]}),
+    )
+    .await;
     let base = server.base.clone();
-    healthy(&base).await;
-    let res = common::http()
-        .put(format!("{base}/v1/allocations/h"))
-        .json(&json!({"tasks": [{"name": "web", "liveness": {"ttl": "3s"}}]}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(res.status(), 201);
     let up = event(&base, "web", None, "Started", Some("2026-11-29T10:00:00Z")).await;
     let web = up["tasks"][0]["run"].as_str().unwrap().to_owned();
     for (kind, time) in [

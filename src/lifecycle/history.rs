@@ -647,7 +647,7 @@ mod tests {
     use time::macros::datetime;
 
     use super::*;
-    use crate::lifecycle::Details;
+    use crate::{lifecycle::Details, wire::damage};
 
     /// One history written as a record of one task writes it.
     trait WriteOne {
@@ -1014,20 +1014,10 @@ mod tests {
         /// never when its events are asked for.
         #[test]
         fn a_checked_history_always_makes_its_events(
-            edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0..3u8), 0..6)
+            edits in damage::edits(0..6)
         ) {
             let (mut bytes, _) = stored(&history());
-            for (at, value, kind) in edits {
-                let i = at.index(bytes.len());
-                match kind {
-                    0 => bytes[i] = value,
-                    1 => bytes.insert(i, value),
-                    _ if bytes.len() > 1 => {
-                        bytes.remove(i);
-                    }
-                    _ => {}
-                }
-            }
+            damage::apply(&mut bytes, edits);
             let mut r = Reader { bytes: &bytes };
             let checked = read_one(&mut r);
             let rest = r.bytes.len();
@@ -1201,7 +1191,7 @@ mod tests {
         /// the bytes read.
         #[test]
         fn damaged_histories_across_tasks_are_refused_when_read_or_make_their_events(
-            edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0..3u8), 1..6)
+            edits in damage::edits(1..6)
         ) {
             let events = history();
             let tasks: Vec<Events> = vec![
@@ -1210,17 +1200,7 @@ mod tests {
                 events.iter().cloned().collect(),
             ];
             let (mut bytes, _) = record(&tasks);
-            for (at, value, kind) in edits {
-                let i = at.index(bytes.len());
-                match kind {
-                    0 => bytes[i] = value,
-                    1 => bytes.insert(i, value),
-                    _ if bytes.len() > 1 => {
-                        bytes.remove(i);
-                    }
-                    _ => {}
-                }
-            }
+            damage::apply(&mut bytes, edits);
             let mut r = Reader { bytes: &bytes };
             let mut reading = HistoriesReader::default();
             if (0..3).try_for_each(|_| reading.read(&mut r)).is_ok() {

@@ -568,6 +568,7 @@ fn every_cut_and_changed_byte_is_refused_or_still_a_valid_record() {
 
 mod properties {
     use super::*;
+    use crate::wire::damage;
     use proptest::prelude::*;
 
     /// Decoding never panics, and whatever decodes is the one encoding
@@ -896,20 +897,10 @@ mod properties {
 
         #[test]
         fn records_with_bytes_changed_inserted_or_removed(
-            edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0..3u8), 1..6)
+            edits in damage::edits(1..6)
         ) {
             let mut bytes = encode(&full());
-            for (at, value, kind) in edits {
-                let i = at.index(bytes.len());
-                match kind {
-                    0 => bytes[i] = value,
-                    1 => bytes.insert(i, value),
-                    _ if bytes.len() > 1 => {
-                        bytes.remove(i);
-                    }
-                    _ => {}
-                }
-            }
+            damage::apply(&mut bytes, edits);
             check(&bytes)?;
         }
     }
