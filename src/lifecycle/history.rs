@@ -283,7 +283,7 @@ impl Events {
 pub struct HistoriesReader<'a> {
     bytes: Vec<u8>,
     ends: Vec<u32>,
-    written: Written<'a>,
+    written: Numbered<Text<'a>>,
 }
 
 impl<'a> HistoriesReader<'a> {
@@ -297,8 +297,10 @@ impl<'a> HistoriesReader<'a> {
             if number == 0 {
                 let text = r.bytes;
                 Text::read(r)?;
-                self.written
-                    .add(Text(&text[..text.len() - r.bytes.len()]))?;
+                let text = Text(&text[..text.len() - r.bytes.len()]);
+                if let Some(n) = self.written.number(&text) {
+                    return Err(format!("event body {n} written again"));
+                }
             } else if number > self.written.len() as u64 {
                 return Err(format!(
                     "event body {number} of the {} written before it",
@@ -343,8 +345,8 @@ pub struct HistoriesWriter<'a> {
     /// Whether any history is kept as stored (its bodies are then told
     /// apart by their text, not their pointer).
     any_stored: bool,
-    pointers: Bodies,
-    texts: Texts,
+    pointers: Numbered<*const EventBody>,
+    texts: Numbered<Vec<u8>>,
     /// The text-only bodies of events whose body holds their time, kept
     /// alive while their pointers are the numbers' keys.
     held: Vec<Arc<EventBody>>,
@@ -386,8 +388,8 @@ impl<'a> HistoriesWriter<'a> {
         Self {
             stored,
             any_stored,
-            pointers: Bodies::default(),
-            texts: Texts::default(),
+            pointers: Numbered::default(),
+            texts: Numbered::default(),
             held: Vec::new(),
         }
     }
@@ -440,7 +442,7 @@ impl<'a> HistoriesWriter<'a> {
                 self.held.push(event.text_body());
                 &self.held[self.held.len() - 1]
             };
-            let found = self.pointers.number(text);
+            let found = self.pointers.number(&Arc::as_ptr(text));
             if found.is_none() {
                 buf.push(0);
                 Text::write(buf, event);
@@ -493,118 +495,59 @@ impl At {
     }
 }
 
-/// The bodies a record being read has written, as their text (one
-/// encoding each: two bodies say the same exactly when their bytes are
-/// equal), to refuse one written twice.
-#[derive(Default)]
-struct Written<'a> {
-    bodies: Vec<Text<'a>>,
-    /// Past `SCAN` bodies, all of them.
-    set: Option<foldhash::HashSet<Text<'a>>>,
-}
-
-impl<'a> Written<'a> {
-    fn len(&self) -> usize {
-        self.bodies.len()
-    }
-
-    fn add(&mut self, body: Text<'a>) -> Result<(), String> {
-        let seen = match &mut self.set {
-            Some(set) => !set.insert(body),
-            None => self.bodies.contains(&body),
-        };
-        if seen {
-            let n = self.bodies.iter().position(|b| *b == body).unwrap_or(0);
-            return Err(format!("event body {} written again", n + 1));
-        }
-        self.bodies.push(body);
-        if self.set.is_none() && self.bodies.len() > SCAN {
-            self.set = Some(self.bodies.iter().copied().collect());
-        }
-        Ok(())
-    }
-}
-
 /// Up to this many bodies are looked up by a scan (a record's few).
 const SCAN: usize = 32;
 
-/// The bodies a record being written has written, by their text, each
-/// numbered from 1 in the order written.
-#[derive(Default)]
-struct Texts {
-    written: Vec<Box<[u8]>>,
-    /// Past `SCAN` bodies, each text's number.
-    numbers: Option<foldhash::HashMap<Box<[u8]>, u64>>,
+/// The bodies a record has written so far, each numbered from 1 in the
+/// order written: an event whose body is one of them is written as its
+/// number, and a record read that writes one twice is damage (one
+/// encoding). Told apart by their pointer when every history is made
+/// (the process shares each distinct text, `Event::text_body`), else by
+/// their text (two bodies say the same exactly when their bytes are
+/// equal), so a body several tasks say (every task's `Received`, `Task
+/// Setup`, `Started`) is written once.
+struct Numbered<K> {
+    written: Vec<K>,
+    /// Past `SCAN` bodies, each one's number.
+    numbers: Option<foldhash::HashMap<K, u64>>,
 }
 
-impl Texts {
-    /// The number of `text` if written already; else `None`, and it is
-    /// numbered next (the caller writes it).
-    fn number(&mut self, text: &[u8]) -> Option<u64> {
-        let found = match &self.numbers {
-            Some(numbers) => numbers.get(text).copied(),
-            None => (self.written.iter())
-                .position(|t| **t == *text)
-                .map(|i| i as u64 + 1),
-        };
-        if found.is_none() {
-            self.written.push(text.into());
-            let n = self.written.len() as u64;
-            match &mut self.numbers {
-                Some(numbers) => {
-                    numbers.insert(text.into(), n);
-                }
-                None if self.written.len() > SCAN => {
-                    self.numbers = Some((self.written.iter().cloned()).zip(1..).collect());
-                }
-                None => {}
-            }
+impl<K> Default for Numbered<K> {
+    fn default() -> Self {
+        Self {
+            written: Vec::new(),
+            numbers: None,
         }
-        found
     }
 }
 
-/// The event bodies a record has written so far, each numbered from 1 in
-/// the order written: an event whose body is one of them is written as
-/// its number. Bodies are told apart by their pointer (the process shares
-/// each distinct text, `Event::text_body`), so a body shared by several
-/// tasks' events (every task `Received`, `Task Setup`, `Started`) is
-/// written once, and no text twice: a record has one encoding.
-#[derive(Default)]
-struct Bodies {
-    written: Vec<*const EventBody>,
-    /// Past `SCAN` bodies, each pointer's number.
-    numbers: Option<foldhash::HashMap<*const EventBody, u64>>,
-}
+impl<K: Eq + std::hash::Hash + Clone> Numbered<K> {
+    fn len(&self) -> usize {
+        self.written.len()
+    }
 
-impl Bodies {
     /// The number of `body` if written already; else `None`, and it is
     /// numbered next (the caller writes it).
-    fn number(&mut self, body: &Arc<EventBody>) -> Option<u64> {
-        let ptr = Arc::as_ptr(body);
+    fn number<Q>(&mut self, body: &Q) -> Option<u64>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: Eq + std::hash::Hash + ToOwned<Owned = K> + ?Sized,
+    {
         let found = match &self.numbers {
-            Some(numbers) => numbers.get(&ptr).copied(),
-            None => self
-                .written
-                .iter()
-                .position(|&p| p == ptr)
+            Some(numbers) => numbers.get(body).copied(),
+            None => (self.written.iter())
+                .position(|k| k.borrow() == body)
                 .map(|i| i as u64 + 1),
         };
         if found.is_none() {
-            self.written.push(ptr);
+            self.written.push(body.to_owned());
             let n = self.written.len() as u64;
             match &mut self.numbers {
                 Some(numbers) => {
-                    numbers.insert(ptr, n);
+                    numbers.insert(body.to_owned(), n);
                 }
                 None if self.written.len() > SCAN => {
-                    self.numbers = Some(
-                        self.written
-                            .iter()
-                            .enumerate()
-                            .map(|(i, &p)| (p, i as u64 + 1))
-                            .collect(),
-                    );
+                    self.numbers = Some((self.written.iter().cloned()).zip(1..).collect());
                 }
                 None => {}
             }
@@ -814,9 +757,8 @@ mod tests {
         assert!(empty.is_empty() && !empty.is_stored());
     }
 
-    /// Forty bodies, then each said again: past the scans of the writer
-    /// (`Bodies`) and of the check (`Written`), which then look bodies up
-    /// by hash.
+    /// Forty bodies, then each said again: past the scans (`Numbered`)
+    /// of the writer and of the check, which then look bodies up by hash.
     fn past_the_scan() -> Vec<Event> {
         let t = datetime!(2026-11-29 12:00 UTC);
         (0..40)
