@@ -396,8 +396,12 @@ impl Inner {
         let k = &life.kept;
         if k.lease.load(Ordering::SeqCst) == 0 {
             // No live key seen yet (the view lags behind the write that
-            // made the task running): sent once it is.
+            // made the task running), or it went: sent once one is. A
+            // run whose key went is marked again now, not when this
+            // replica's decision was due: the replicas that heard nothing
+            // declare it lost `GRACE` after the key went.
             k.want.store(true, Ordering::SeqCst);
+            self.mark_again(handle);
             return;
         }
         let gap = match sign {

@@ -768,6 +768,33 @@ async fn a_lease_that_ends_while_its_agent_is_heard_here_is_marked_again() {
     assert_eq!(lost, 1);
 }
 
+/// A sign of life that comes after this replica's view saw the run's live
+/// key go, when it had heard nothing of the run within the TTL, marks the
+/// run again at once: the other replicas, which heard nothing either,
+/// declare the run lost `GRACE` after they saw the key go, and a 204 to
+/// this sign promises a TTL (found by the history tier: a task declared
+/// lost 0.47 s after a heartbeat answered 204).
+#[tokio::test(start_paused = true)]
+async fn a_sign_heard_after_the_live_key_went_marks_the_run_again_within_the_grace() {
+    let (store, r) = open();
+    timed_running(&store, &r).await;
+    tokio::time::sleep(TTL * 2).await;
+    lease_ends(&store);
+    run_for(&store, GRACE / 4).await;
+    assert_eq!(live_lease(&store), None, "nothing heard: not marked again");
+    r.heartbeat("t1", "web").unwrap();
+    run_for(&store, GRACE / 4).await;
+    let new = live_lease(&store).expect("marked again before the others' grace is over");
+    assert_ne!(new, 1, "under a new lease");
+    assert_eq!(
+        renewals(&store).last(),
+        Some(&new),
+        "and the sign renews it"
+    );
+    run_for(&store, GRACE * 3).await;
+    assert!(!r.get("t1").unwrap().tasks[0].lost());
+}
+
 /// A replica that heard nothing of a run waits `GRACE` after its live key
 /// went before it declares the run lost; a replica that heard the agent
 /// and marked the run again meanwhile wins, even where this replica's
