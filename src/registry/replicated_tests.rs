@@ -17,6 +17,8 @@ use crate::{
     },
 };
 
+mod promise;
+
 type Pending<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
 
 #[derive(Default)]
@@ -43,6 +45,11 @@ struct State {
     semaphores: BTreeMap<String, (u64, Arc<Semaphore>)>,
     /// Grants refused because a semaphore they were decided on moved.
     refused_grants: usize,
+    /// The next marks refused, each by a change of the record that lands
+    /// just before it (another replica's write).
+    racing: usize,
+    /// Marks wait (in flight) while this holds.
+    stalled: bool,
 }
 
 impl State {
@@ -63,6 +70,34 @@ impl State {
             };
             self.live.contains_key(&(id.to_string(), task.to_string()))
         })
+    }
+
+    /// `Leases::mark`, as etcd's transaction: applied only while the
+    /// record is at `expect` and the live keys it writes are gone.
+    fn mark(&mut self, id: &AllocId, expect: u64, live: Vec<LiveOp>) -> Result<u64, AppendError> {
+        if self.racing > 0
+            && let Some((_, mut a)) = self.records.get(id.as_str()).cloned()
+        {
+            self.racing -= 1;
+            self.revision += 1;
+            let seen = self.revision;
+            a.modify_index = seen;
+            self.records.insert(id.to_string(), (seen, a.clone()));
+            self.hold(Change::Put(Arc::new(a)));
+            return Err(AppendError::Conflict { seen });
+        }
+        let now = self.records.get(id.as_str()).map_or(0, |r| r.0);
+        if now != expect {
+            return Err(AppendError::Conflict { seen: now });
+        }
+        if self.live_present(id, &live, true) {
+            return Err(AppendError::Conflict {
+                seen: self.revision,
+            });
+        }
+        self.revision += 1;
+        self.apply_live(id, live);
+        Ok(self.revision)
     }
 
     /// Applies liveness ops on `id`'s keys, holding the changes.
@@ -293,19 +328,20 @@ impl Leases for HeldLeases {
         expect: u64,
         live: Vec<LiveOp>,
     ) -> Pending<Result<u64, AppendError>> {
-        let mut s = self.0.lock().unwrap();
-        let now = s.records.get(id.as_str()).map_or(0, |r| r.0);
-        if now != expect {
-            return Box::pin(async move { Err(AppendError::Conflict { seen: now }) });
+        let state = self.0.clone();
+        let id = id.clone();
+        let mark = move || state.lock().unwrap().mark(&id, expect, live);
+        if !self.0.lock().unwrap().stalled {
+            let done = mark();
+            return Box::pin(async move { done });
         }
-        if s.live_present(id, &live, true) {
-            let seen = s.revision;
-            return Box::pin(async move { Err(AppendError::Conflict { seen }) });
-        }
-        s.revision += 1;
-        let index = s.revision;
-        s.apply_live(id, live);
-        Box::pin(async move { Ok(index) })
+        let state = self.0.clone();
+        Box::pin(async move {
+            while state.lock().unwrap().stalled {
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+            mark()
+        })
     }
 
     fn keep_alive(&self, lease: Lease) {

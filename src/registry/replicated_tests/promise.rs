@@ -1,0 +1,101 @@
+//! What a 2xx to a sign of life promises with replicas on a store with
+//! leases (docs/replicas.md, "Slack: what a 204 promises"): the task is not
+//! declared lost within its TTL after it, whatever the store does to the
+//! run's lease, unless the replica that answered died or could not reach
+//! the store. Each test puts a sign of life and another replica's lost
+//! decision in one order, on `Held` with paused time.
+
+use super::*;
+
+fn revision(store: &Held) -> u64 {
+    store.0.lock().unwrap().revision
+}
+
+/// A replica on `store` (its wall clock on tokio's) with `default` as its
+/// `--default-liveness-ttl`.
+fn replica(store: &Arc<Held>, default: Option<std::time::Duration>) -> Registry {
+    let config = RegistryConfig {
+        clock: super::super::clock::Clock::tokio(),
+        default_liveness_ttl: default,
+        ..RegistryConfig::default()
+    };
+    Registry::open(store.clone(), config).unwrap()
+}
+
+/// A heartbeat heard while this replica's view lags the live key's end
+/// renews the lease it still knows (etcd has ended it: nothing to renew),
+/// and is answered 204: once the view catches up, the run is marked again,
+/// before the replicas that saw the key go first end their grace.
+#[tokio::test(start_paused = true)]
+async fn a_sign_heard_on_a_view_behind_the_key_s_end_marks_the_run_again_once_it_catches_up() {
+    let store = Arc::new(Held::default());
+    let (r, o) = (replica(&store, None), replica(&store, None));
+    timed_running(&store, &r).await;
+    tokio::time::sleep(TTL * 2).await;
+    lease_ends(&store);
+    // `o` sees the key go; `r` does not yet, and hears the agent.
+    store.deliver_to(1, revision(&store));
+    tokio::time::sleep(GRACE / 2).await;
+    r.heartbeat("t1", "web").unwrap();
+    assert_eq!(renewals(&store).last(), Some(&1), "the lease it knows");
+    run_for(&store, GRACE * 3).await;
+    for x in [&r, &o] {
+        assert!(!x.get("t1").unwrap().tasks[0].lost(), "lost after a 204");
+    }
+    assert!(live_lease(&store).is_some_and(|l| l != 1), "marked again");
+}
+
+/// Two tasks whose leases end at once (a resumed leader revokes every
+/// lease), each heard within its TTL by another replica: each replica
+/// marks again the run it heard, and neither replica's lost decision
+/// takes the run the other heard.
+#[tokio::test(start_paused = true)]
+async fn two_runs_whose_leases_end_at_once_are_each_marked_again_by_the_replica_that_heard_it() {
+    let store = Arc::new(Held::default());
+    let (r, o) = (replica(&store, None), replica(&store, None));
+    let spec = || {
+        let tasks = ["web", "db"].map(|n| {
+            let mut t = TaskSpec::named(TaskName::parse(n).unwrap());
+            t.liveness = Some(TTL);
+            t
+        });
+        AllocSpec::new(tasks.to_vec(), &Limits::default()).unwrap()
+    };
+    let rr = r.clone();
+    delivered(&store, async move {
+        rr.register(AllocId::parse("t1").unwrap(), spec())
+            .await
+            .unwrap()
+    })
+    .await;
+    let rr = r.clone();
+    delivered(&store, async move {
+        let mut both = running();
+        both.push((TaskName::parse("db").unwrap(), both[0].1.clone()));
+        rr.report("t1", both).await.unwrap()
+    })
+    .await;
+    assert_eq!(store.0.lock().unwrap().live.len(), 2);
+    tokio::time::sleep(TTL * 2).await;
+    r.heartbeat("t1", "web").unwrap();
+    o.heartbeat("t1", "db").unwrap();
+    {
+        let mut s = store.0.lock().unwrap();
+        let keys: Vec<(String, String)> = s.live.keys().cloned().collect();
+        s.live.clear();
+        s.revision += 1;
+        for (id, task) in keys {
+            s.hold(Change::Liveness(Liveness::Live {
+                id: AllocId::parse(&id).unwrap(),
+                task: TaskName::parse(&task).unwrap(),
+                lease: None,
+            }));
+        }
+    }
+    run_for(&store, GRACE * 3).await;
+    for x in [&r, &o] {
+        let a = x.get("t1").unwrap();
+        assert!(!a.tasks[0].lost() && !a.tasks[1].lost(), "lost after a 204");
+    }
+    assert_eq!(store.0.lock().unwrap().live.len(), 2, "both marked again");
+}
