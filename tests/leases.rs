@@ -77,7 +77,8 @@ fn running() -> TaskReport {
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Beat {
     Taken,
-    /// 503 `store_unavailable`: etcd does not acknowledge renewals now.
+    /// 503 `store_unavailable`: etcd does not acknowledge renewals now, or
+    /// the run's lease has ended and the run is not marked again yet.
     Unavailable,
     /// 409 `task_lost`.
     Lost,
@@ -124,7 +125,9 @@ impl Agents {
         for id in which {
             let beat = match r.heartbeat(id, "web") {
                 Ok(_) => Beat::Taken,
-                Err(RegistryError::Unrenewed { .. }) => Beat::Unavailable,
+                Err(RegistryError::Unrenewed { .. } | RegistryError::LeaseEnded { .. }) => {
+                    Beat::Unavailable
+                }
                 // Checked by the caller, with the others.
                 Err(RegistryError::TaskLost { .. }) => Beat::Lost,
                 Err(e) => panic!("{id}: a heartbeat was answered {e}"),

@@ -524,7 +524,9 @@ impl From<RegistryError> for ApiError {
                      one; see docs/replicas.md)"
                 ),
             ),
-            RegistryError::Behind { .. } | RegistryError::Unrenewed { .. } => {
+            RegistryError::Behind { .. }
+            | RegistryError::Unrenewed { .. }
+            | RegistryError::LeaseEnded { .. } => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", detail)
                     .retry_later()
             }
@@ -689,6 +691,17 @@ mod tests {
             (503, "store_unavailable")
         );
         assert!(unrenewed.retry_after);
+        // A heartbeat while its run's lease has ended and the run is not
+        // marked again yet.
+        let ended = ApiError::from(RegistryError::LeaseEnded {
+            alloc: "a".into(),
+            task: "web".into(),
+        });
+        assert_eq!(
+            (ended.status.as_u16(), ended.code),
+            (503, "store_unavailable")
+        );
+        assert!(ended.retry_after);
     }
 
     /// The disk store after a failed write (here: EIO on the log's fsync)

@@ -185,6 +185,16 @@ pub enum RegistryError {
          cannot be kept for the task's TTL; send it again"
     )]
     Unrenewed { alloc: String, task: String },
+    /// A sign of life heard while this replica's view holds the run's
+    /// live key gone (its lease ended; docs/replicas.md, "Liveness"): the
+    /// run is being marked again under a new lease, and until then no
+    /// lease carries the sign.
+    #[error(
+        "the sign of life for task \"{task}\" of allocation \"{alloc}\" was heard, but the \
+         etcd lease of its run has ended and the run is not marked again under a new one yet, \
+         so it cannot be kept for the task's TTL; send it again"
+    )]
+    LeaseEnded { alloc: String, task: String },
     #[error(transparent)]
     Store(#[from] StoreError),
 }

@@ -537,9 +537,17 @@ impl Registry {
         self.inner.renew(&handle, i, Sign::Came);
         // Heard (a replica that heard a run's agent within its TTL marks
         // it again if its lease ends), but not acknowledged while no
-        // lease renewal is: the agent tries again.
+        // lease renewal is, nor while the run's lease has ended and the
+        // run is not marked again yet (the other replicas' lost decision
+        // may land before this replica's mark): the agent tries again.
         if self.inner.unrenewed(&handle, &a, i) {
             return Err(RegistryError::Unrenewed {
+                alloc: id.to_owned(),
+                task: task.to_owned(),
+            });
+        }
+        if self.inner.lease_gone(&handle, &a, i).is_some() {
+            return Err(RegistryError::LeaseEnded {
                 alloc: id.to_owned(),
                 task: task.to_owned(),
             });

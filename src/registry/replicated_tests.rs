@@ -818,7 +818,13 @@ async fn a_sign_heard_after_the_live_key_went_marks_the_run_again_within_the_gra
     lease_ends(&store);
     run_for(&store, GRACE / 4).await;
     assert_eq!(live_lease(&store), None, "nothing heard: not marked again");
-    r.heartbeat("t1", "web").unwrap();
+    // Heard, not acknowledged until the run is marked again (see
+    // `promise::a_heartbeat_answered_while_the_live_key_is_gone_is_not_followed_by_a_loss`).
+    let answer = r.heartbeat("t1", "web").map(|_| ());
+    assert!(
+        matches!(answer, Err(RegistryError::LeaseEnded { .. })),
+        "{answer:?}"
+    );
     run_for(&store, GRACE / 4).await;
     let new = live_lease(&store).expect("marked again before the others' grace is over");
     assert_ne!(new, 1, "under a new lease");
@@ -827,6 +833,7 @@ async fn a_sign_heard_after_the_live_key_went_marks_the_run_again_within_the_gra
         Some(&new),
         "and the sign renews it"
     );
+    r.heartbeat("t1", "web").unwrap();
     run_for(&store, GRACE * 3).await;
     assert!(!r.get("t1").unwrap().tasks[0].lost());
 }

@@ -6,6 +6,43 @@
 //! decision in one order, on `Held` with paused time.
 
 use super::*;
+use crate::lifecycle::UNTIL_TOLD;
+
+/// Another replica, which heard nothing of `t1`'s web run, declares it
+/// lost now, on the record as the store holds it: its compare-and-swap,
+/// which holds only while web's live key is gone (as etcd's). True if it
+/// committed.
+fn lost_elsewhere(store: &Held, now: Timestamp) -> bool {
+    let mut s = store.0.lock().unwrap();
+    if s.live.contains_key(&("t1".to_string(), "web".to_string())) {
+        s.refused_live += 1;
+        return false;
+    }
+    let (index, a) = s.records.get("t1").unwrap().clone();
+    let placeholder = index + 1;
+    let Some(mut next) = a.tick_lapsed(
+        now,
+        &|_| Some(UNTIL_TOLD),
+        &|_| a.tasks[0].started_at,
+        None,
+        || placeholder,
+    ) else {
+        return false;
+    };
+    s.revision += 1;
+    let revision = s.revision;
+    next.restamp(placeholder, revision);
+    s.records.insert("t1".into(), (revision, next.clone()));
+    s.hold(Change::Put(Arc::new(next)));
+    s.apply_live(
+        &a.id,
+        vec![LiveOp::End {
+            task: TaskName::parse("web").unwrap(),
+            lapsed: true,
+        }],
+    );
+    true
+}
 
 fn revision(store: &Held) -> u64 {
     store.0.lock().unwrap().revision
@@ -20,6 +57,31 @@ fn replica(store: &Arc<Held>, default: Option<std::time::Duration>) -> Registry 
         ..RegistryConfig::default()
     };
     Registry::open(store.clone(), config).unwrap()
+}
+
+/// The 2xx given to a sign of life heard while this replica's view holds
+/// the run's live key gone, and the other replicas' lost decision: it may
+/// commit before this replica's mark again (it is due at the end of their
+/// grace, and the sign may come just before). A heartbeat is not
+/// acknowledged then (503, its sign heard): the 204 would promise a TTL
+/// that no lease carries yet.
+#[tokio::test(start_paused = true)]
+async fn a_heartbeat_answered_while_the_live_key_is_gone_is_not_followed_by_a_loss() {
+    let (store, r) = open();
+    timed_running(&store, &r).await;
+    tokio::time::sleep(TTL * 2).await;
+    lease_ends(&store);
+    run_for(&store, GRACE / 2).await;
+    let answer = r.heartbeat("t1", "web");
+    // Another replica's decision commits before this one's mark again.
+    assert!(lost_elsewhere(&store, r.now()));
+    run_for(&store, GRACE * 3).await;
+    assert!(r.get("t1").unwrap().tasks[0].lost());
+    assert!(
+        matches!(answer, Err(RegistryError::LeaseEnded { .. })),
+        "a heartbeat answered {:?} while no lease carried it, and its task lost right after",
+        answer.map(|_| "204")
+    );
 }
 
 /// A heartbeat heard while this replica's view lags the live key's end
@@ -43,6 +105,38 @@ async fn a_sign_heard_on_a_view_behind_the_key_s_end_marks_the_run_again_once_it
         assert!(!x.get("t1").unwrap().tasks[0].lost(), "lost after a 204");
     }
     assert!(live_lease(&store).is_some_and(|l| l != 1), "marked again");
+}
+
+/// A sign heard while this replica's mark again (for a sign heard before)
+/// is on its way is answered 503, and renews the new lease once the view
+/// holds it: that lease was granted before the sign, so without that
+/// renewal it would end less than a TTL after it.
+#[tokio::test(start_paused = true)]
+async fn a_sign_heard_while_a_mark_again_is_on_its_way_renews_the_new_lease() {
+    let (store, r) = open();
+    timed_running(&store, &r).await;
+    tokio::time::sleep(TTL / 2).await;
+    r.heartbeat("t1", "web").unwrap();
+    store.0.lock().unwrap().stalled = true;
+    lease_ends(&store);
+    run_for(&store, GRACE / 2).await;
+    assert_eq!(live_lease(&store), None, "the mark again is on its way");
+    let granted = store.0.lock().unwrap().leases;
+    let answer = r.heartbeat("t1", "web").map(|_| ());
+    assert!(
+        matches!(answer, Err(RegistryError::LeaseEnded { .. })),
+        "{answer:?}"
+    );
+    let before = renewals(&store).len();
+    store.0.lock().unwrap().stalled = false;
+    run_for(&store, std::time::Duration::from_millis(10)).await;
+    assert_eq!(live_lease(&store), Some(granted), "marked again");
+    assert_eq!(
+        renewals(&store)[before..],
+        [granted],
+        "the new lease renewed for the sign heard while it was on its way"
+    );
+    r.heartbeat("t1", "web").unwrap();
 }
 
 /// Two tasks whose leases end at once (a resumed leader revokes every
