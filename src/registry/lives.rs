@@ -144,6 +144,20 @@ fn marking_done(handle: &Handle, tasks: impl IntoIterator<Item = usize>) {
     }
 }
 
+/// Task `i`'s run of `a` marked again: `mark` under a new lease.
+async fn under_new_lease(
+    leases: &dyn Leases,
+    a: &Allocation,
+    i: usize,
+    mark: Mark,
+) -> Result<LiveOp, RegistryError> {
+    let lease = leases.grant(mark.ttl).await?;
+    Ok(LiveOp::Start {
+        task: a.task_name(i).clone(),
+        mark: Mark { lease, ..mark },
+    })
+}
+
 /// Applies a liveness key the store listed or changed to the handle of its
 /// allocation in `map` (if the view holds it, with that task). Returns the
 /// handle, and whether a live key was written (its lease is new).
@@ -216,6 +230,24 @@ impl Inner {
                 .lives()
                 .seen(i, now)
                 .filter(|&h| t.started_at.is_some_and(|s| h > s)),
+        })
+    }
+
+    /// Leased: the mark to write again for task `i` of `a` (the same run,
+    /// under the TTL of its mark; its lease to be granted), if the run's
+    /// live key is gone and this replica heard its agent within that TTL
+    /// (as of `now`).
+    fn to_mark_again(
+        &self,
+        handle: &Handle,
+        a: &Allocation,
+        i: usize,
+        now: Timestamp,
+    ) -> Option<Mark> {
+        let g = self.lease_gone(handle, a, i)?;
+        g.heard_within(now).then_some(Mark {
+            ttl: g.ttl,
+            ..g.mark
         })
     }
 
@@ -307,16 +339,7 @@ impl Inner {
         let Some(a) = handle.current() else { return };
         let now = self.config.clock.now();
         let todo: Vec<(usize, Mark)> = (0..a.tasks.len())
-            .filter_map(|i| {
-                let g = self.lease_gone(handle, &a, i)?;
-                g.heard_within(now).then_some((
-                    i,
-                    Mark {
-                        ttl: g.ttl,
-                        ..g.mark
-                    },
-                ))
-            })
+            .filter_map(|i| Some((i, self.to_mark_again(handle, &a, i, now)?)))
             .filter(|&(i, _)| {
                 handle
                     .lives()
@@ -665,11 +688,7 @@ impl Registry {
         };
         let mut ops = Vec::new();
         for &(i, mark) in todo {
-            let lease = leases.grant(mark.ttl).await?;
-            ops.push(LiveOp::Start {
-                task: a.task_name(i).clone(),
-                mark: Mark { lease, ..mark },
-            });
+            ops.push(under_new_lease(leases.as_ref(), a, i, mark).await?);
         }
         match leases.mark(&a.id, a.modify_index, ops).await {
             Ok(index) => {
@@ -751,10 +770,53 @@ impl Registry {
                         lapsed,
                     });
                 }
+                // The run goes on, its live key gone, and this replica
+                // heard its agent within its TTL (a report this write
+                // answers, say): marked again in the same transaction, so
+                // that no lost decision can land between the write's
+                // answer and the mark (`mark_again` would come after).
+                _ if ran && runs && !new_run => {
+                    if let Some(mark) = self.inner.to_mark_again(handle, current, i, self.now()) {
+                        ops.push(under_new_lease(leases.as_ref(), current, i, mark).await?);
+                    }
+                }
                 _ => {}
             }
         }
         Ok(ops)
+    }
+
+    /// Leased: before a decision on `a` that writes nothing is answered,
+    /// the runs of `a` this replica heard within their TTL whose live key
+    /// is gone are marked again (else a lost decision could land between
+    /// the answer and `mark_again`), in a transaction that holds only while
+    /// `a` is the newest record. `None`: no run to mark; `Some(Ok(index))`:
+    /// marked; `Some(Err(seen))`: refused, the store being at `seen`.
+    pub(super) async fn mark_before_answer(
+        &self,
+        handle: &Handle,
+        a: &Allocation,
+    ) -> Result<Option<Result<u64, u64>>, RegistryError> {
+        let Some(leases) = self.inner.lives.leases() else {
+            return Ok(None);
+        };
+        let now = self.now();
+        let mut ops = Vec::new();
+        for i in 0..a.tasks.len() {
+            if let Some(mark) = self.inner.to_mark_again(handle, a, i, now) {
+                ops.push(under_new_lease(leases.as_ref(), a, i, mark).await?);
+            }
+        }
+        if ops.is_empty() {
+            return Ok(None);
+        }
+        match leases.mark(&a.id, a.modify_index, ops).await {
+            Ok(index) => Ok(Some(Ok(index))),
+            Err(AppendError::Conflict { seen } | AppendError::Landed { seen }) => {
+                Ok(Some(Err(seen)))
+            }
+            Err(AppendError::Store(e)) => Err(e.into()),
+        }
     }
 }
 

@@ -160,8 +160,9 @@ impl Registry {
     /// Whether a decision on `base` that writes nothing (or refuses)
     /// holds: a version not yet published holds once it is (an error if it
     /// failed); on a store others write, only while the store's quorum
-    /// still holds that version. If it does not, the view has caught up
-    /// with the newer one on return.
+    /// still holds that version (asked by marking runs again, when some
+    /// are to be). If it does not, the view has caught up with the newer
+    /// one on return.
     async fn holds(&self, handle: &Handle, base: &Base) -> Result<bool, RegistryError> {
         if let Base::Pending(p) = base
             && !p.outcome().await
@@ -169,6 +170,20 @@ impl Registry {
             return Err(parent_failed());
         }
         let a = base.record();
+        // Leased, the runs this replica heard whose live key is gone are
+        // marked again before the answer: that transaction's compare is
+        // the check.
+        match self.mark_before_answer(handle, a).await? {
+            Some(Ok(index)) => {
+                self.reach(index).await;
+                return Ok(true);
+            }
+            Some(Err(seen)) => {
+                self.catch_up(handle, a.modify_index, seen).await;
+                return Ok(false);
+            }
+            None => {}
+        }
         let Some(read) = self.inner.store.quorum_read(&a.id) else {
             return Ok(true);
         };

@@ -6,7 +6,7 @@
 //! decision in one order, on `Held` with paused time.
 
 use super::*;
-use crate::lifecycle::UNTIL_TOLD;
+use crate::lifecycle::{EventInput, UNTIL_TOLD};
 
 /// Another replica, which heard nothing of `t1`'s web run, declares it
 /// lost now, on the record as the store holds it: its compare-and-swap,
@@ -48,6 +48,27 @@ fn revision(store: &Held) -> u64 {
     store.0.lock().unwrap().revision
 }
 
+/// A report of web running, with an event: a change of the record.
+fn running_with_event() -> Vec<(TaskName, TaskReport)> {
+    let mut r = running();
+    r[0].1.event = Some(EventInput {
+        kind: "Checked".into(),
+        time: None,
+        message: "still here".into(),
+        details: Default::default(),
+    });
+    r
+}
+
+/// `reports` for `t1` through `r`, from the agent of web's current run.
+async fn report(
+    r: Registry,
+    reports: Vec<(TaskName, TaskReport)>,
+) -> Result<Arc<Allocation>, RegistryError> {
+    let run = r.get("t1").unwrap().tasks[0].run;
+    r.report_as("t1", reports, None, run).await
+}
+
 /// A replica on `store` (its wall clock on tokio's) with `default` as its
 /// `--default-liveness-ttl`.
 fn replica(store: &Arc<Held>, default: Option<std::time::Duration>) -> Registry {
@@ -81,6 +102,111 @@ async fn a_heartbeat_answered_while_the_live_key_is_gone_is_not_followed_by_a_lo
         matches!(answer, Err(RegistryError::LeaseEnded { .. })),
         "a heartbeat answered {:?} while no lease carried it, and its task lost right after",
         answer.map(|_| "204")
+    );
+}
+
+/// A report that changes the record, heard while this replica's view holds
+/// the run's live key gone, commits with the run marked again (one
+/// transaction): another replica's lost decision, decided on the record
+/// the report wrote, is refused, however soon after it comes.
+#[tokio::test(start_paused = true)]
+async fn a_report_answered_while_the_live_key_is_gone_is_not_followed_by_a_loss() {
+    let (store, r) = open();
+    timed_running(&store, &r).await;
+    tokio::time::sleep(TTL * 2).await;
+    lease_ends(&store);
+    run_for(&store, GRACE / 2).await;
+    let before = revision(&store);
+    let report = {
+        let r = r.clone();
+        tokio::spawn(report(r, running_with_event()))
+    };
+    for _ in 0..1_000 {
+        if revision(&store) != before {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert_ne!(revision(&store), before, "the report committed");
+    let lost = lost_elsewhere(&store, r.now());
+    let mut answer = None;
+    for _ in 0..1_000 {
+        if report.is_finished() {
+            answer = Some(report.await.unwrap());
+            break;
+        }
+        run_for(&store, std::time::Duration::from_millis(1)).await;
+    }
+    let answer = answer.expect("the report was answered");
+    run_for(&store, GRACE * 3).await;
+    assert!(answer.is_ok(), "{answer:?}");
+    assert!(!lost, "a lost decision on the report's record was taken");
+    assert!(!r.get("t1").unwrap().tasks[0].lost());
+    assert!(live_lease(&store).is_some(), "the run is marked again");
+}
+
+/// A report that changes the record, heard near the end of the other
+/// replicas' grace: this replica's mark again, decided on the record
+/// before the report, is refused by the report's own write; the run is
+/// still marked again before the others decide.
+#[tokio::test(start_paused = true)]
+async fn a_report_near_the_end_of_the_grace_keeps_its_run() {
+    let store = Arc::new(Held::default());
+    let (r, o) = (replica(&store, None), replica(&store, None));
+    timed_running(&store, &r).await;
+    tokio::time::sleep(TTL * 2).await;
+    lease_ends(&store);
+    run_for(&store, GRACE - std::time::Duration::from_millis(100)).await;
+    delivered(&store, report(r.clone(), running_with_event()))
+        .await
+        .unwrap();
+    run_for(&store, GRACE * 3).await;
+    for x in [&r, &o] {
+        assert!(!x.get("t1").unwrap().tasks[0].lost(), "lost after a 2xx");
+    }
+}
+
+/// A report that changes nothing (a running task reported running again)
+/// is answered once the store confirms the record it was decided on is the
+/// newest; heard while the run's live key is gone, that confirmation is
+/// the run marked again: the other replicas' lost decision, landing while
+/// the mark is on its way, makes the report decided again (409
+/// `task_lost`), not answered 2xx and followed by the loss.
+#[tokio::test(start_paused = true)]
+async fn a_report_that_changes_nothing_while_the_live_key_is_gone_is_not_followed_by_a_loss() {
+    let (store, r) = open();
+    timed_running(&store, &r).await;
+    tokio::time::sleep(TTL * 2).await;
+    lease_ends(&store);
+    run_for(&store, GRACE / 2).await;
+    // This replica's marks are slow to land.
+    store.0.lock().unwrap().stalled = true;
+    let before = revision(&store);
+    let report = {
+        let r = r.clone();
+        tokio::spawn(report(r, running()))
+    };
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(revision(&store), before, "a report that changes nothing");
+    // The others' decision lands meanwhile.
+    assert!(lost_elsewhere(&store, r.now()));
+    store.0.lock().unwrap().stalled = false;
+    let mut answer = None;
+    for _ in 0..1_000 {
+        if report.is_finished() {
+            answer = Some(report.await.unwrap());
+            break;
+        }
+        run_for(&store, std::time::Duration::from_millis(1)).await;
+    }
+    let answer = answer.expect("the report was answered");
+    assert!(r.get("t1").unwrap().tasks[0].lost());
+    assert!(
+        matches!(answer, Err(RegistryError::TaskLost { .. })),
+        "a report answered {:?}, and its task lost right after",
+        answer.map(|_| "2xx")
     );
 }
 
