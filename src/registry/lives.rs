@@ -51,8 +51,9 @@ use crate::{
 /// After a mark that could not be written, the next try.
 const RETRY: Duration = Duration::from_secs(1);
 
-/// After a mark again that could not be written, the next try (sooner: the
-/// other replicas decide the run lost `GRACE` after its live key went).
+/// After a mark again that failed (the store did not answer), the next try
+/// (sooner: the other replicas decide the run lost `GRACE` after its live
+/// key went).
 const REMARK_RETRY: Duration = Duration::from_millis(250);
 
 /// How long a replica that heard no sign of life of a run within its TTL
@@ -355,10 +356,11 @@ impl Inner {
             let outcome = registry.mark_again_now(&a, &todo).await;
             marking_done(&handle, todo.iter().map(|&(i, _)| i));
             match outcome {
-                Ok(true) => {}
-                // Not written (the record or a live key moved on): looked
-                // at again once the view holds that, not at once.
-                Ok(false) => tokio::time::sleep(REMARK_RETRY).await,
+                // Written; or not (the record or a live key moved on), and
+                // the view holds what refused it: looked at again now, on
+                // that (another replica's writes must not keep the run
+                // unmarked past the others' grace).
+                Ok(_) => {}
                 Err(e) => {
                     tracing::warn!(alloc = %a.id, error = %e, "a run whose lease ended while its agent was heard could not be marked again; trying again");
                     tokio::time::sleep(REMARK_RETRY).await;
@@ -698,9 +700,11 @@ impl Registry {
                 Ok(true)
             }
             // The record moved on, or another replica marked the run
-            // again: once the view holds that, the next look decides.
+            // again: once the view holds that (something newer than `a`
+            // at least), the next look decides.
             Err(AppendError::Conflict { seen } | AppendError::Landed { seen }) => {
-                self.wait_view(seen, Duration::from_secs(10)).await;
+                let newer = seen.max(a.modify_index + 1);
+                self.wait_view(newer, Duration::from_secs(10)).await;
                 Ok(false)
             }
             Err(AppendError::Store(e)) => Err(e.into()),

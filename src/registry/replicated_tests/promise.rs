@@ -210,6 +210,30 @@ async fn a_report_that_changes_nothing_while_the_live_key_is_gone_is_not_followe
     );
 }
 
+/// A mark again refused because the record moved (another replica's
+/// write landed between this view and the store) is tried again as soon
+/// as the view holds the change that refused it: the other replicas
+/// decide the run lost `GRACE` after they saw its live key go, and a
+/// replica that waits a fixed pause after each refusal runs out of it
+/// when writes keep landing.
+#[tokio::test(start_paused = true)]
+async fn a_mark_again_refused_by_record_changes_is_tried_again_within_the_grace() {
+    let store = Arc::new(Held::default());
+    let (r, o) = (replica(&store, None), replica(&store, None));
+    timed_running(&store, &r).await;
+    tokio::time::sleep(TTL / 2).await;
+    r.heartbeat("t1", "web").unwrap();
+    // The next five marks each lose to a change of the record.
+    store.0.lock().unwrap().racing = 5;
+    lease_ends(&store);
+    run_for(&store, GRACE * 3).await;
+    for x in [&r, &o] {
+        assert!(!x.get("t1").unwrap().tasks[0].lost(), "lost after a 204");
+    }
+    assert_eq!(store.0.lock().unwrap().racing, 0, "five marks refused");
+    assert!(live_lease(&store).is_some(), "marked again");
+}
+
 /// A heartbeat heard while this replica's view lags the live key's end
 /// renews the lease it still knows (etcd has ended it: nothing to renew),
 /// and is answered 204: once the view catches up, the run is marked again,
