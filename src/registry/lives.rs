@@ -252,14 +252,26 @@ impl Inner {
         })
     }
 
+    /// Whether task `i` of `a` has its signs of life kept here: it runs
+    /// under a TTL (its own, or this replica's default), or, leased, the
+    /// store keeps liveness keys for the allocation (another replica's
+    /// default gave it a TTL: its signs renew its lease and count for
+    /// marking it again all the same).
+    pub(super) fn watched(&self, handle: &Handle, a: &Allocation, i: usize) -> bool {
+        a.spec.ttl(i, self.config.default_liveness_ttl).is_some()
+            || (self.lives.leases().is_some() && handle.lives().made())
+    }
+
     /// Leased: task `i` of `a` is to be declared lost now: its run's live
     /// key is gone, this replica heard no sign of life of it within its
     /// TTL (else it marks the run again: `mark_again`), and the key went
     /// `GRACE` ago or more (the time a replica that heard the agent has to
     /// mark it again first). `Some(the latest sign of life known)`: this
     /// replica's own, or the moment the lease was last renewed as its
-    /// expiry tells, whichever is later.
+    /// expiry tells, whichever is later. Never for a task this replica
+    /// knows no TTL of (the replica whose default gave it one decides).
     pub(super) fn lapsed(&self, handle: &Handle, a: &Allocation, i: usize) -> Option<Timestamp> {
+        a.spec.ttl(i, self.config.default_liveness_ttl)?;
         let g = self.lease_gone(handle, a, i)?;
         let now = self.config.clock.now();
         if g.heard_within(now) || g.at.is_some_and(|at| plus(at, GRACE) > now) {
@@ -311,6 +323,8 @@ impl Inner {
                     again = true;
                     plus(heard, g.ttl)
                 }
+                // Not this replica's to decide (`lapsed`).
+                _ if a.spec.ttl(i, self.config.default_liveness_ttl).is_none() => continue,
                 _ => g.at.map_or(now, |at| plus(at, GRACE)),
             };
             next = Some(next.map_or(at, |n| n.min(at)));
@@ -523,7 +537,7 @@ impl Registry {
             if let Some(i) = a.position(name.as_str())
                 && taken(&a, i, report)
             {
-                if a.spec.ttl(i, default).is_some() {
+                if self.inner.watched(&handle, &a, i) {
                     handle.lives().touch(a.tasks.len(), i, now);
                 }
                 self.inner.renew(&handle, i, Sign::Came);
@@ -553,10 +567,7 @@ impl Registry {
         let i = self.task_position(&a, task)?;
         a.check_run(i, run)
             .map_err(|why| RegistryError::refused(&a, i, why, run, None))?;
-        if a.spec
-            .ttl(i, self.inner.config.default_liveness_ttl)
-            .is_some()
-        {
+        if self.inner.watched(&handle, &a, i) {
             handle.lives().touch(a.tasks.len(), i, self.now());
         }
         self.inner.renew(&handle, i, Sign::Came);
@@ -590,12 +601,10 @@ impl Registry {
         a: &Allocation,
         i: usize,
     ) -> Option<ParkedLife> {
-        // Leased, a task may have liveness keys this replica knows no TTL
-        // for (another replica's default): renewed all the same.
-        let leased = self.inner.lives.leases().is_some();
-        if self.ttl(a, i).is_none() && !(leased && handle.lives().made()) {
+        if !self.inner.watched(handle, a, i) {
             return None;
         }
+        let leased = self.inner.lives.leases().is_some();
         handle.lives().touch(a.tasks.len(), i, self.now());
         let ended: Option<Box<dyn FnOnce() + Send>> = leased.then(|| {
             let (inner, handle) = (Arc::downgrade(&self.inner), handle.clone());
@@ -847,9 +856,7 @@ impl Inner {
         let Some(leases) = self.lives.leases() else {
             return false;
         };
-        a.tasks[i].state == RunState::Running
-            && (a.spec.ttl(i, self.config.default_liveness_ttl).is_some() || handle.lives().made())
-            && !leases.renewing()
+        a.tasks[i].state == RunState::Running && self.watched(handle, a, i) && !leases.renewing()
     }
 
     /// Whether the store measures silences (`Liveness::Leased`).

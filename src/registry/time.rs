@@ -273,7 +273,10 @@ impl Inner {
     /// uses no TTL and no deadline (one check of its spec).
     pub(super) fn reschedule(&self, handle: &Arc<Handle>, a: &Allocation) {
         let default = self.config.default_liveness_ttl;
-        if !a.spec.timed(default) && !a.spec.gated() {
+        // Leased, a task may run under another replica's default TTL:
+        // its liveness keys are watched here all the same (`lease_due`).
+        let watched = self.lives_leased() && handle.lives().made();
+        if !(a.spec.timed(default) || a.spec.gated() || watched) {
             return;
         }
         // Leased, the view decides only once it holds all of `a` (the

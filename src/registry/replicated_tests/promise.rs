@@ -210,6 +210,41 @@ async fn a_report_that_changes_nothing_while_the_live_key_is_gone_is_not_followe
     );
 }
 
+/// A replica whose `--default-liveness-ttl` does not cover a task (another
+/// replica's default started its run under a TTL: a rolling change of the
+/// setting) renews the run's lease for the signs it hears, and counts them:
+/// when the lease ends early, it marks the run again.
+#[tokio::test(start_paused = true)]
+async fn a_replica_without_the_task_s_ttl_marks_again_a_run_it_heard() {
+    let store = Arc::new(Held::default());
+    let (o, r) = (replica(&store, Some(TTL)), replica(&store, None));
+    let oo = o.clone();
+    delivered(&store, async move {
+        oo.register(AllocId::parse("t1").unwrap(), web())
+            .await
+            .unwrap()
+    })
+    .await;
+    let oo = o.clone();
+    delivered(
+        &store,
+        async move { oo.report("t1", running()).await.unwrap() },
+    )
+    .await;
+    assert_eq!(live_lease(&store), Some(1), "under the other's default");
+    tokio::time::sleep(TTL * 2).await;
+    let before = renewals(&store).len();
+    r.heartbeat("t1", "web").unwrap();
+    assert_eq!(renewals(&store)[before..], [1], "renewed for the sign");
+    tokio::time::sleep(TTL / 2).await;
+    lease_ends(&store);
+    run_for(&store, GRACE * 3).await;
+    for x in [&r, &o] {
+        assert!(!x.get("t1").unwrap().tasks[0].lost(), "lost after a 204");
+    }
+    assert!(live_lease(&store).is_some_and(|l| l != 1), "marked again");
+}
+
 /// A mark again refused because the record moved (another replica's
 /// write landed between this view and the store) is tried again as soon
 /// as the view holds the change that refused it: the other replicas
