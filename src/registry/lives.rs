@@ -225,12 +225,13 @@ impl Inner {
             // the nearest in it.
             ttl: mark.ttl.clamp(min, max),
             at: keys.gone_at,
-            // After the run began: the report that began it is no sign
-            // of the run's life since.
+            // From the run's beginning on: the signs before it were
+            // another run's (the report that began it counts, heard as of
+            // its decision: `Registry::heard_at`).
             heard: handle
                 .lives()
                 .seen(i, now)
-                .filter(|&h| t.started_at.is_some_and(|s| h > s)),
+                .filter(|&h| t.started_at.is_some_and(|s| h >= s)),
         })
     }
 
@@ -541,6 +542,28 @@ impl Registry {
                     handle.lives().touch(a.tasks.len(), i, now);
                 }
                 self.inner.renew(&handle, i, Sign::Came);
+            }
+        }
+    }
+
+    /// Leased: signs of life of `tasks` of `a` at `now`, the reports a
+    /// write decides at `now` (a run a report begins begins then: its
+    /// report is a sign of that run's life, `Inner::lease_gone`).
+    pub(super) fn heard_at(
+        &self,
+        a: &Allocation,
+        tasks: impl IntoIterator<Item = usize>,
+        now: Timestamp,
+    ) {
+        if !self.inner.lives_leased() {
+            return;
+        }
+        let Ok(handle) = self.handle(a.id.as_str()) else {
+            return;
+        };
+        for i in tasks {
+            if self.inner.watched(&handle, a, i) {
+                handle.lives().touch(a.tasks.len(), i, now);
             }
         }
     }

@@ -893,6 +893,8 @@ impl Registry {
                                 for (i, r) in reports {
                                     a.check_report(*i, r, run).map_err(|why| refused(*i, why))?;
                                 }
+                                // A sign of life of the run it begins too.
+                                self.heard_at(a, reports.iter().map(|(i, _)| *i), now);
                                 a.report_keyed(reports, key, now, next_index)
                             }
                         };

@@ -378,3 +378,19 @@ async fn two_runs_whose_leases_end_at_once_are_each_marked_again_by_the_replica_
     }
     assert_eq!(store.0.lock().unwrap().live.len(), 2, "both marked again");
 }
+
+/// The report that began a run was answered 2xx: when the run's lease
+/// ends early before any other sign, the replica that took that report
+/// marks the run again.
+#[tokio::test(start_paused = true)]
+async fn a_run_whose_lease_ends_right_after_the_report_that_began_it_is_marked_again() {
+    let store = Arc::new(Held::default());
+    let (r, o) = (replica(&store, None), replica(&store, None));
+    timed_running(&store, &r).await;
+    tokio::time::sleep(GRACE).await;
+    lease_ends(&store);
+    run_for(&store, GRACE * 3).await;
+    for x in [&r, &o] {
+        assert!(!x.get("t1").unwrap().tasks[0].lost(), "lost after a 2xx");
+    }
+}
