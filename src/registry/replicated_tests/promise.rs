@@ -44,6 +44,13 @@ fn lost_elsewhere(store: &Held, now: Timestamp) -> bool {
     true
 }
 
+/// Asserts that no replica of `replicas` holds `t1`'s web lost.
+fn not_lost(replicas: &[&Registry]) {
+    for x in replicas {
+        assert!(!x.get("t1").unwrap().tasks[0].lost(), "lost after a 204");
+    }
+}
+
 fn revision(store: &Held) -> u64 {
     store.0.lock().unwrap().revision
 }
@@ -239,9 +246,7 @@ async fn a_replica_without_the_task_s_ttl_marks_again_a_run_it_heard() {
     tokio::time::sleep(TTL / 2).await;
     lease_ends(&store);
     run_for(&store, GRACE * 3).await;
-    for x in [&r, &o] {
-        assert!(!x.get("t1").unwrap().tasks[0].lost(), "lost after a 204");
-    }
+    not_lost(&[&r, &o]);
     assert!(live_lease(&store).is_some_and(|l| l != 1), "marked again");
 }
 
@@ -262,9 +267,7 @@ async fn a_mark_again_refused_by_record_changes_is_tried_again_within_the_grace(
     store.0.lock().unwrap().racing = 5;
     lease_ends(&store);
     run_for(&store, GRACE * 3).await;
-    for x in [&r, &o] {
-        assert!(!x.get("t1").unwrap().tasks[0].lost(), "lost after a 204");
-    }
+    not_lost(&[&r, &o]);
     assert_eq!(store.0.lock().unwrap().racing, 0, "five marks refused");
     assert!(live_lease(&store).is_some(), "marked again");
 }
@@ -286,9 +289,7 @@ async fn a_sign_heard_on_a_view_behind_the_key_s_end_marks_the_run_again_once_it
     r.heartbeat("t1", "web").unwrap();
     assert_eq!(renewals(&store).last(), Some(&1), "the lease it knows");
     run_for(&store, GRACE * 3).await;
-    for x in [&r, &o] {
-        assert!(!x.get("t1").unwrap().tasks[0].lost(), "lost after a 204");
-    }
+    not_lost(&[&r, &o]);
     assert!(live_lease(&store).is_some_and(|l| l != 1), "marked again");
 }
 
