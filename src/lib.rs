@@ -14,6 +14,7 @@ pub mod health;
 #[doc(hidden)]
 pub mod http;
 pub mod lifecycle;
+pub mod logs;
 pub mod metrics;
 pub mod operator;
 pub mod registry;

@@ -137,7 +137,10 @@ fn main() -> ExitCode {
                 None => {
                     let logs = tracing_subscriber::fmt().with_env_filter(filter);
                     match config.log_format {
-                        LogFormat::Text => logs.with_ansi(std::io::stdout().is_terminal()).init(),
+                        LogFormat::Text => logs
+                            .fmt_fields(taskgate::logs::LogFields)
+                            .with_ansi(std::io::stdout().is_terminal())
+                            .init(),
                         LogFormat::Json => logs.json().with_current_span(true).init(),
                     }
                 }
@@ -192,6 +195,7 @@ fn with_traces(telemetry: &Telemetry, filter: EnvFilter, format: LogFormat) {
         LogFormat::Text => registry
             .with(
                 tracing_subscriber::fmt::layer()
+                    .fmt_fields(taskgate::logs::LogFields)
                     .with_ansi(std::io::stdout().is_terminal())
                     .with_filter(filter),
             )

@@ -262,18 +262,14 @@ impl Passing {
             HeaderValue::from_str(&format!("{:032x}", fastrand::u128(..)))
                 .expect("hex is a valid header value")
         });
-        // The fields as they are (`%`), not Debug-quoted: the log layer
-        // renders them when the span is made, for every request, and
-        // quoting a string escapes it a character at a time. Neither can
-        // break a line: the route is ours, a request ID visible ASCII.
         let span = if edge.traces {
             traced(&method, route, &request_id, req.uri().path())
         } else {
             tracing::info_span!(
                 "request",
                 method = %method,
-                route = %route.unwrap_or("unmatched"),
-                request_id = %request_id.to_str().unwrap_or_default(),
+                route = route.unwrap_or("unmatched"),
+                request_id = request_id.to_str().unwrap_or_default(),
             )
         };
         let pretty = req.uri().query().is_some_and(|q| {
@@ -433,8 +429,8 @@ fn traced(
     let span = tracing::info_span!(
         "request",
         method = %method,
-        route = %route.unwrap_or("unmatched"),
-        request_id = %request_id.to_str().unwrap_or_default(),
+        route = route.unwrap_or("unmatched"),
+        request_id = request_id.to_str().unwrap_or_default(),
         "otel.name" = %format_args!("{method} {}", route.unwrap_or("unmatched")),
         "otel.kind" = "server",
     );
