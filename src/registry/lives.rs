@@ -159,6 +159,26 @@ async fn under_new_lease(
     })
 }
 
+/// Marks the runs `todo` of `a` again, each under a new lease, in one
+/// transaction that holds only while the store holds `a` and their live
+/// keys are still gone: `Ok(index)` written, `Err(seen)` refused (the store
+/// being at `seen`).
+async fn write_marks_again(
+    leases: &dyn Leases,
+    a: &Allocation,
+    todo: &[(usize, Mark)],
+) -> Result<Result<u64, u64>, RegistryError> {
+    let mut ops = Vec::new();
+    for &(i, mark) in todo {
+        ops.push(under_new_lease(leases, a, i, mark).await?);
+    }
+    match leases.mark(&a.id, a.modify_index, ops).await {
+        Ok(index) => Ok(Ok(index)),
+        Err(AppendError::Conflict { seen } | AppendError::Landed { seen }) => Ok(Err(seen)),
+        Err(AppendError::Store(e)) => Err(e.into()),
+    }
+}
+
 /// Applies a liveness key the store listed or changed to the handle of its
 /// allocation in `map` (if the view holds it, with that task). Returns the
 /// handle, and whether a live key was written (its lease is new).
@@ -251,6 +271,17 @@ impl Inner {
             ttl: g.ttl,
             ..g.mark
         })
+    }
+
+    /// Leased: the marks to write again for the tasks of `a`, now
+    /// (`to_mark_again`), with their positions.
+    fn marks_again<'a>(
+        &'a self,
+        handle: &'a Handle,
+        a: &'a Allocation,
+    ) -> impl Iterator<Item = (usize, Mark)> + 'a {
+        let now = self.config.clock.now();
+        (0..a.tasks.len()).filter_map(move |i| Some((i, self.to_mark_again(handle, a, i, now)?)))
     }
 
     /// Whether task `i` of `a` has its signs of life kept here: it runs
@@ -353,9 +384,8 @@ impl Inner {
             return;
         };
         let Some(a) = handle.current() else { return };
-        let now = self.config.clock.now();
-        let todo: Vec<(usize, Mark)> = (0..a.tasks.len())
-            .filter_map(|i| Some((i, self.to_mark_again(handle, &a, i, now)?)))
+        let todo: Vec<(usize, Mark)> = self
+            .marks_again(handle, &a)
             .filter(|&(i, _)| {
                 handle
                     .lives()
@@ -720,11 +750,7 @@ impl Registry {
         let Some(leases) = self.inner.lives.leases() else {
             return Ok(true);
         };
-        let mut ops = Vec::new();
-        for &(i, mark) in todo {
-            ops.push(under_new_lease(leases.as_ref(), a, i, mark).await?);
-        }
-        match leases.mark(&a.id, a.modify_index, ops).await {
+        match write_marks_again(leases.as_ref(), a, todo).await? {
             Ok(index) => {
                 let tasks: Vec<&str> = todo.iter().map(|&(i, _)| a.task_name(i).as_str()).collect();
                 tracing::warn!(alloc = %a.id, ?tasks, index, "the lease of a run ended while this replica heard its agent within the TTL (etcd ended it early: a leader that resumed from a pause, or a quorum lost for longer than the TTL); the run is marked again with a new lease, not declared lost");
@@ -734,12 +760,11 @@ impl Registry {
             // The record moved on, or another replica marked the run
             // again: once the view holds that (something newer than `a`
             // at least), the next look decides.
-            Err(AppendError::Conflict { seen } | AppendError::Landed { seen }) => {
+            Err(seen) => {
                 let newer = seen.max(a.modify_index + 1);
                 self.wait_view(newer, Duration::from_secs(10)).await;
                 Ok(false)
             }
-            Err(AppendError::Store(e)) => Err(e.into()),
         }
     }
 
@@ -836,23 +861,11 @@ impl Registry {
         let Some(leases) = self.inner.lives.leases() else {
             return Ok(None);
         };
-        let now = self.now();
-        let mut ops = Vec::new();
-        for i in 0..a.tasks.len() {
-            if let Some(mark) = self.inner.to_mark_again(handle, a, i, now) {
-                ops.push(under_new_lease(leases.as_ref(), a, i, mark).await?);
-            }
-        }
-        if ops.is_empty() {
+        let todo: Vec<(usize, Mark)> = self.inner.marks_again(handle, a).collect();
+        if todo.is_empty() {
             return Ok(None);
         }
-        match leases.mark(&a.id, a.modify_index, ops).await {
-            Ok(index) => Ok(Some(Ok(index))),
-            Err(AppendError::Conflict { seen } | AppendError::Landed { seen }) => {
-                Ok(Some(Err(seen)))
-            }
-            Err(AppendError::Store(e)) => Err(e.into()),
-        }
+        write_marks_again(leases.as_ref(), a, &todo).await.map(Some)
     }
 }
 

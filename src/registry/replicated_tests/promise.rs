@@ -44,10 +44,22 @@ fn lost_elsewhere(store: &Held, now: Timestamp) -> bool {
     true
 }
 
+/// The answer of a report sent in `report`, while the store hands its
+/// changes over a millisecond at a time (bounded: a second).
+async fn answer_of<T: Send + 'static>(store: &Held, report: tokio::task::JoinHandle<T>) -> T {
+    for _ in 0..1_000 {
+        if report.is_finished() {
+            return report.await.unwrap();
+        }
+        run_for(store, std::time::Duration::from_millis(1)).await;
+    }
+    panic!("the report was not answered within a second");
+}
+
 /// Asserts that no replica of `replicas` holds `t1`'s web lost.
 fn not_lost(replicas: &[&Registry]) {
     for x in replicas {
-        assert!(!x.get("t1").unwrap().tasks[0].lost(), "lost after a 204");
+        assert!(!x.get("t1").unwrap().tasks[0].lost(), "lost after a 2xx");
     }
 }
 
@@ -136,15 +148,7 @@ async fn a_report_answered_while_the_live_key_is_gone_is_not_followed_by_a_loss(
     }
     assert_ne!(revision(&store), before, "the report committed");
     let lost = lost_elsewhere(&store, r.now());
-    let mut answer = None;
-    for _ in 0..1_000 {
-        if report.is_finished() {
-            answer = Some(report.await.unwrap());
-            break;
-        }
-        run_for(&store, std::time::Duration::from_millis(1)).await;
-    }
-    let answer = answer.expect("the report was answered");
+    let answer = answer_of(&store, report).await;
     run_for(&store, GRACE * 3).await;
     assert!(answer.is_ok(), "{answer:?}");
     assert!(!lost, "a lost decision on the report's record was taken");
@@ -168,9 +172,7 @@ async fn a_report_near_the_end_of_the_grace_keeps_its_run() {
         .await
         .unwrap();
     run_for(&store, GRACE * 3).await;
-    for x in [&r, &o] {
-        assert!(!x.get("t1").unwrap().tasks[0].lost(), "lost after a 2xx");
-    }
+    not_lost(&[&r, &o]);
 }
 
 /// A report that changes nothing (a running task reported running again)
@@ -200,15 +202,7 @@ async fn a_report_that_changes_nothing_while_the_live_key_is_gone_is_not_followe
     // The others' decision lands meanwhile.
     assert!(lost_elsewhere(&store, r.now()));
     store.0.lock().unwrap().stalled = false;
-    let mut answer = None;
-    for _ in 0..1_000 {
-        if report.is_finished() {
-            answer = Some(report.await.unwrap());
-            break;
-        }
-        run_for(&store, std::time::Duration::from_millis(1)).await;
-    }
-    let answer = answer.expect("the report was answered");
+    let answer = answer_of(&store, report).await;
     assert!(r.get("t1").unwrap().tasks[0].lost());
     assert!(
         matches!(answer, Err(RegistryError::TaskLost { .. })),
@@ -391,7 +385,5 @@ async fn a_run_whose_lease_ends_right_after_the_report_that_began_it_is_marked_a
     tokio::time::sleep(GRACE).await;
     lease_ends(&store);
     run_for(&store, GRACE * 3).await;
-    for x in [&r, &o] {
-        assert!(!x.get("t1").unwrap().tasks[0].lost(), "lost after a 2xx");
-    }
+    not_lost(&[&r, &o]);
 }
