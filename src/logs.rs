@@ -1,11 +1,13 @@
 //! How the text log writes fields: exactly as tracing-subscriber's own
-//! formatter (`DefaultFields`) does, with one shortcut. A string field
-//! whose value needs no escaping is written directly (`name="value"`),
-//! not through `core::fmt` with styling that is off. Every request's span
-//! has three such fields (method, route, request ID), and the log layer
-//! writes them when the span is made, whether anything is logged in it or
-//! not: through `DefaultFields` that was 11% of a heartbeat's instructions
-//! (`taskgate-bench --scenarios instructions`).
+//! formatter (`DefaultFields`) does, with one shortcut. Without styling, a
+//! field is written directly (`name=` and its value; a string that needs
+//! no escaping as itself between quotes), not through `core::fmt` with
+//! styling that is off. Every request's span has three such fields
+//! (method, route, request ID), and the log layer writes them when the
+//! span is made, whether anything is logged in it or not: through
+//! `DefaultFields` that was 11% of a heartbeat's instructions, and the
+//! method (a `%` field) another 4% (`taskgate-bench --scenarios
+//! instructions`).
 
 use std::fmt;
 
@@ -23,15 +25,29 @@ use tracing_subscriber::{
 pub struct LogFields;
 
 impl<'w> FormatFields<'w> for LogFields {
-    fn format_fields<R: RecordFields>(&self, writer: Writer<'w>, fields: R) -> fmt::Result {
-        let mut visitor = Fields {
-            writer,
-            empty: true,
-            result: Ok(()),
-        };
-        fields.record(&mut visitor);
-        visitor.result
+    fn format_fields<R: RecordFields>(&self, mut writer: Writer<'w>, fields: R) -> fmt::Result {
+        if writer.has_ansi_escapes() {
+            return record(writer, fields);
+        }
+        // Without styling, into a buffer and then into the writer at
+        // once: a span's fields are kept in a string that grew five times
+        // when written piece by piece. (`Writer::new` styles nothing and
+        // sanitizes messages, as the log layer does unless told otherwise.)
+        let mut buffer = String::with_capacity(256);
+        let recorded = record(Writer::new(&mut buffer), fields);
+        writer.write_str(&buffer)?;
+        recorded
     }
+}
+
+fn record<R: RecordFields>(writer: Writer<'_>, fields: R) -> fmt::Result {
+    let mut visitor = Fields {
+        writer,
+        empty: true,
+        result: Ok(()),
+    };
+    fields.record(&mut visitor);
+    visitor.result
 }
 
 /// Writes one set of fields: plain strings itself, the rest through
@@ -65,31 +81,54 @@ fn plain(s: &str) -> bool {
         .all(|b| (b' '..=b'~').contains(&b) && b != b'"' && b != b'\\')
 }
 
-impl Visit for Fields<'_> {
-    fn record_str(&mut self, field: &Field, value: &str) {
+impl Fields<'_> {
+    /// Whether this field is written here, not by `DefaultVisitor`: no
+    /// styling, and not a name it writes in a way of its own.
+    fn direct(&self, field: &Field) -> bool {
         let name = field.name();
         let special = name == "message" || name.starts_with("r#") || name.starts_with("log.");
-        if special || self.writer.has_ansi_escapes() || !plain(value) || self.result.is_err() {
-            return self.default(field, |v| v.record_str(field, value));
-        }
+        !special && !self.writer.has_ansi_escapes() && self.result.is_ok()
+    }
+
+    /// ` name=` and then the value, as `DefaultVisitor` writes it with
+    /// styling off.
+    fn write(&mut self, field: &Field, value: impl FnOnce(&mut Writer<'_>) -> fmt::Result) {
         let w = &mut self.writer;
         let pad = if self.empty { "" } else { " " };
         self.result = (|| {
             w.write_str(pad)?;
-            w.write_str(name)?;
-            w.write_str("=\"")?;
-            w.write_str(value)?;
-            w.write_char('"')
+            w.write_str(field.name())?;
+            w.write_char('=')?;
+            value(w)
         })();
         self.empty = false;
+    }
+}
+
+impl Visit for Fields<'_> {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        if !self.direct(field) || !plain(value) {
+            return self.default(field, |v| v.record_str(field, value));
+        }
+        self.write(field, |w| {
+            w.write_char('"')?;
+            w.write_str(value)?;
+            w.write_char('"')
+        });
     }
 
     fn record_error(&mut self, field: &Field, value: &(dyn std::error::Error + 'static)) {
         self.default(field, |v| v.record_error(field, value));
     }
 
+    /// Also every number and bool (`Visit`'s defaults) and `%` fields
+    /// (`DisplayValue`, whose `Debug` is its `Display`): the request span's
+    /// method is one.
     fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
-        self.default(field, |v| v.record_debug(field, value));
+        if !self.direct(field) {
+            return self.default(field, |v| v.record_debug(field, value));
+        }
+        self.write(field, |w| write!(w, "{value:?}"));
     }
 }
 
@@ -172,6 +211,7 @@ mod tests {
             }
             tracing::info!(only = "plain");
             tracing::info!(n = 1i64, first = "plain", then = "plain too");
+            tracing::info!(long = "x".repeat(1000), next = 1u8);
         });
         let bytes = kept.0.lock().unwrap().clone();
         String::from_utf8(bytes).unwrap()

@@ -252,7 +252,7 @@ impl<S: Send + Sync> FromRequestParts<S> for SemaphorePath {
 pub struct RunHeader(pub Option<u64>);
 
 /// The header's name.
-pub const RUN_HEADER: &str = "taskgate-run";
+pub const RUN_HEADER: axum::http::HeaderName = axum::http::HeaderName::from_static("taskgate-run");
 
 impl<S: Send + Sync> FromRequestParts<S> for RunHeader {
     type Rejection = ApiError;
@@ -286,7 +286,8 @@ impl<S: Send + Sync> FromRequestParts<S> for RunHeader {
 pub struct IdempotencyKey(pub Option<String>);
 
 /// The header's name.
-pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+pub const IDEMPOTENCY_KEY: axum::http::HeaderName =
+    axum::http::HeaderName::from_static("idempotency-key");
 
 /// Longest key taken.
 pub const MAX_IDEMPOTENCY_KEY: usize = 255;

@@ -42,7 +42,8 @@ use crate::registry::Registry;
 use error::ApiError;
 
 /// The allocation's `modify_index` after the call.
-pub const INDEX_HEADER: &str = "x-taskgate-index";
+pub const INDEX_HEADER: axum::http::HeaderName =
+    axum::http::HeaderName::from_static("x-taskgate-index");
 /// The token of the next page of a listing.
 pub const NEXT_TOKEN_HEADER: &str = "x-taskgate-nexttoken";
 

@@ -4,7 +4,7 @@
 
 use axum::{
     extract::FromRequestParts,
-    http::{HeaderValue, StatusCode, request::Parts},
+    http::{HeaderName, HeaderValue, StatusCode, request::Parts},
     response::Response,
 };
 use serde::Serialize;
@@ -16,7 +16,10 @@ use super::{
 };
 use crate::lifecycle::{Allocation, CoordState, DesiredKind};
 
-pub const PREFERENCE_APPLIED: &str = "preference-applied";
+pub const PREFERENCE_APPLIED: HeaderName = HeaderName::from_static("preference-applied");
+/// The request's header (a `HeaderName` made at compile time: a `&str`
+/// is parsed on each use).
+const PREFER: HeaderName = HeaderName::from_static("prefer");
 
 /// Whether the request prefers a minimal answer. Never refuses a request:
 /// preferences a server does not know are ignored (RFC 7240 §2).
@@ -45,7 +48,7 @@ impl<S: Send + Sync> FromRequestParts<S> for Prefer {
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
         let minimal = parts
             .headers
-            .get_all("prefer")
+            .get_all(PREFER)
             .iter()
             .filter_map(|v| v.to_str().ok())
             .any(asks_minimal);
