@@ -26,13 +26,16 @@ pub struct LogFields;
 
 impl<'w> FormatFields<'w> for LogFields {
     fn format_fields<R: RecordFields>(&self, mut writer: Writer<'w>, fields: R) -> fmt::Result {
-        if writer.has_ansi_escapes() {
+        // The buffer's `Writer::new` styles nothing and escapes control
+        // characters in messages and errors: a writer that does otherwise
+        // (a log layer told `with_ansi_sanitization(false)`) is written to
+        // directly.
+        if writer.has_ansi_escapes() || !writer.sanitizes_ansi_escapes() {
             return record(writer, fields);
         }
         // Without styling, into a buffer and then into the writer at
         // once: a span's fields are kept in a string that grew five times
-        // when written piece by piece. (`Writer::new` styles nothing and
-        // sanitizes messages, as the log layer does unless told otherwise.)
+        // when written piece by piece.
         let mut buffer = String::with_capacity(256);
         let recorded = record(Writer::new(&mut buffer), fields);
         writer.write_str(&buffer)?;
@@ -165,8 +168,9 @@ mod tests {
     }
 
     /// What the text log writes for spans and events of every kind of
-    /// field, through `fields`, with ANSI styling or without.
-    fn logged<N>(fields: N, ansi: bool) -> String
+    /// field, through `fields`, with ANSI styling or without, and with the
+    /// control characters of messages and errors escaped or not.
+    fn logged<N>(fields: N, ansi: bool, sanitized: bool) -> String
     where
         N: for<'w> FormatFields<'w> + Send + Sync + 'static,
     {
@@ -174,6 +178,7 @@ mod tests {
         let subscriber = tracing_subscriber::fmt()
             .with_writer(kept.clone())
             .with_ansi(ansi)
+            .with_ansi_sanitization(sanitized)
             .without_time()
             .fmt_fields(fields)
             .finish();
@@ -219,14 +224,14 @@ mod tests {
 
     #[test]
     fn fields_are_written_exactly_as_tracing_subscriber_writes_them() {
-        for ansi in [false, true] {
-            let ours = logged(LogFields, ansi);
-            let theirs = logged(DefaultFields::new(), ansi);
+        for (ansi, sanitized) in [(false, true), (true, true), (false, false), (true, false)] {
+            let ours = logged(LogFields, ansi, sanitized);
+            let theirs = logged(DefaultFields::new(), ansi, sanitized);
             assert!(
                 ours.contains(r#"route="/v1/allocations/{alloc_id}""#) || ansi,
                 "{ours}"
             );
-            assert_eq!(ours, theirs, "ansi: {ansi}");
+            assert_eq!(ours, theirs, "ansi: {ansi}, sanitized: {sanitized}");
         }
     }
 
