@@ -142,6 +142,7 @@ mod tests {
         sync::{Arc, Mutex},
     };
 
+    use tracing::field::Empty;
     use tracing_subscriber::fmt::{MakeWriter, format::DefaultFields};
 
     use super::*;
@@ -164,6 +165,16 @@ mod tests {
         type Writer = Kept;
         fn make_writer(&'a self) -> Kept {
             self.clone()
+        }
+    }
+
+    /// A value whose formatting fails after writing part of it.
+    struct Fails;
+
+    impl fmt::Display for Fails {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("half")?;
+            Err(fmt::Error)
         }
     }
 
@@ -195,6 +206,7 @@ mod tests {
                 "ünïcode",
                 "",
                 "del\u{7f}",
+                "c1 \u{9b}31m",
             ];
             for s in strings {
                 let span =
@@ -217,6 +229,26 @@ mod tests {
             tracing::info!(only = "plain");
             tracing::info!(n = 1i64, first = "plain", then = "plain too");
             tracing::info!(long = "x".repeat(1000), next = 1u8);
+            // `log.` fields (a `log` record's metadata: not written, and no
+            // space for them), fields recorded after their span was made,
+            // and a value whose formatting fails (what was written of the
+            // span's fields is kept; the event is not written).
+            tracing::info!(log.target = "t", first = 1, log.file = "f", then = "x");
+            let span = tracing::info_span!("later", a = Empty, b = Empty, c = 3);
+            span.in_scope(|| {
+                span.record("b", "plain");
+                tracing::info!("recorded");
+                span.record("a", tracing::field::display(Fails));
+                span.record("b", 5);
+                tracing::info!("after a failed record");
+            });
+            let span = tracing::info_span!("empty", a = Empty);
+            span.in_scope(|| {
+                tracing::info!("nothing recorded");
+                span.record("a", "x");
+                tracing::info!("recorded");
+            });
+            tracing::info!(a = 1, bad = %Fails, b = 2);
         });
         let bytes = kept.0.lock().unwrap().clone();
         String::from_utf8(bytes).unwrap()
