@@ -213,12 +213,12 @@ impl Site {
     }
 }
 
-/// Refuses a request that would change something and that a browser sent
-/// from a page of another site (see the module doc).
 /// A browser's `Sec-Fetch-Site` (made at compile time: a `&str` is parsed
 /// on each use).
 const SEC_FETCH_SITE: HeaderName = HeaderName::from_static("sec-fetch-site");
 
+/// Refuses a request that would change something and that a browser sent
+/// from a page of another site (see the module doc).
 fn cross_site(method: &Method, headers: &HeaderMap) -> Result<(), Box<Refused>> {
     if matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS) {
         return Ok(());
