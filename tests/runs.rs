@@ -221,6 +221,67 @@ async fn a_dead_task_stays_dead_until_an_all_tasks_restart_or_a_restore() {
     );
 }
 
+/// An all-tasks restart is not used up by a `dead` report that its agent
+/// sent before it heard of the order: the second of the two reports of
+/// one end (`Terminated`, then `Not Restarting`) landing after the order,
+/// or the end of a task that was running when the order was made. Each
+/// agent's `pending` after it is taken, and the coordinator leaves
+/// `init`. (The allocation stuck in `init` for good, each agent waiting
+/// for an order that had come: `tests/agent.rs`'s all-tasks restart
+/// found it, under load.)
+#[tokio::test]
+async fn a_dead_report_sent_before_its_agent_heard_of_an_all_tasks_restart_does_not_use_it_up() {
+    let app = test_app().await;
+    app.register_five("r9").await;
+    for (task, state) in [
+        ("init", "running"),
+        ("init", "dead"),
+        ("proxy", "running"),
+        ("web", "running"),
+        ("announce", "running"),
+    ] {
+        let a = app.report("r9", task, json!({"state": state})).await;
+        assert_eq!(a.status, StatusCode::OK, "{task} {state}: {}", a.body);
+    }
+    let exited =
+        json!({"state": "dead", "event": {"type": "Terminated", "message": "Exit Code: 0"}});
+    app.report("r9", "announce", exited.clone()).await;
+    let a = app
+        .call(
+            "POST",
+            "/v1/allocations/r9/restart",
+            Some(json!({"all_tasks": true})),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    // Sent before the agents heard of the order.
+    let not_restarting = json!({"state": "dead", "failed": true,
+        "event": {"type": "Not Restarting", "message": "the task completed"}});
+    for (task, report) in [("announce", not_restarting), ("proxy", exited)] {
+        let a = app.report("r9", task, report).await;
+        assert_eq!(a.status, StatusCode::OK, "{task}: {}", a.body);
+    }
+    let view = app.get("/v1/allocations/r9").await.body;
+    assert_eq!(view["coordinator_state"], "init", "{view}");
+    let desired: Vec<&Value> = view["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| &t["desired"])
+        .collect();
+    assert!(
+        desired.iter().all(|d| *d == "run"),
+        "a death from before the order told nobody to stop: {view}"
+    );
+    // The agents heard of it: each runs its task again.
+    for task in ["init", "proxy", "web", "announce"] {
+        let a = app.report("r9", task, json!({"state": "pending"})).await;
+        assert_eq!(a.status, StatusCode::OK, "{task}: {}", a.body);
+    }
+    let view = app.get("/v1/allocations/r9").await.body;
+    assert_eq!(view["coordinator_state"], "prestart", "{view}");
+}
+
 /// `ready: true` for a task that declares no readiness is 400, from a
 /// report, a batch and a restore alike.
 #[tokio::test]

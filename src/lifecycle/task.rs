@@ -378,7 +378,8 @@ pub struct TaskStatus {
     /// the task `running`. Never reused, since indexes only go up, across
     /// deletions and restarts too.
     pub run: Option<u64>,
-    /// An operator's restore was made after the task died: a report may
+    /// An operator's restore was made after the task died, or it died
+    /// while an all-tasks restart was owed to it (`apply`): a report may
     /// take it out of `dead` (as after an all-tasks restart, which leaves
     /// it `stale`). Cleared when it leaves `dead` or dies again.
     pub reopened: bool,
@@ -630,12 +631,19 @@ impl TaskStatus {
     /// after a restart order, which makes its state count again). A lost
     /// task takes no report (the registry refuses it first); a restore
     /// clears the loss before it applies.
+    ///
+    /// A `dead` report while a restart order is owed (`stale`) does not
+    /// use the order up: its agent sent it before it heard of the order,
+    /// and runs the task again once it does. Of a task already `dead` it
+    /// says nothing new (the task stays stale); a task that dies now
+    /// counts as dead and may still leave `dead` once (`reopened`).
     pub fn apply(&mut self, report: &TaskReport, now: Timestamp) {
         if self.lost() {
             return;
         }
         let from = self.state;
         let to = report.state;
+        let order_stands = self.stale && to == RunState::Dead;
         if from != to && (from == RunState::Dead || to == RunState::Dead) {
             self.reopened = false;
         }
@@ -655,7 +663,8 @@ impl TaskStatus {
         }
         self.state = to;
         self.failed = report.failed;
-        self.stale = false;
+        self.stale = order_stands && from == RunState::Dead;
+        self.reopened |= order_stands && from != RunState::Dead;
         match (to, report.ready) {
             (RunState::Running, Some(true)) => {
                 if !self.ready {
@@ -811,13 +820,36 @@ mod tests {
     }
 
     #[test]
-    fn any_report_makes_a_stale_state_count_again() {
+    fn a_report_makes_a_stale_state_count_again_and_a_death_keeps_the_order() {
+        // Out of `dead`, or into another state: the state counts.
+        for (from, to) in [
+            (RunState::Dead, RunState::Pending),
+            (RunState::Running, RunState::Running),
+            (RunState::Pending, RunState::Pending),
+        ] {
+            let mut t = TaskStatus::new(1);
+            t.apply(&report(from), T0);
+            t.stale = true;
+            t.apply(&report(to), T1);
+            assert!(!t.stale && !t.reopened, "{from:?} → {to:?}");
+        }
+        // A `dead` task reported `dead` again: nothing new, still stale,
+        // and it may still leave `dead`.
         let mut t = TaskStatus::new(1);
         t.apply(&report(RunState::Dead), T0);
         t.stale = true;
         t.apply(&report(RunState::Dead), T1);
-        assert!(!t.stale);
+        assert!(t.stale && t.may_leave_dead());
         assert_eq!(t.finished_at, Some(T0));
+        // A task that dies while the order is owed: its death counts, and
+        // it may leave `dead` once.
+        let mut t = TaskStatus::new(1);
+        t.apply(&report(RunState::Running), T0);
+        t.stale = true;
+        t.apply(&report(RunState::Dead), T1);
+        assert!(!t.stale && t.may_leave_dead());
+        t.apply(&report(RunState::Pending), T1);
+        assert!(!t.may_leave_dead());
     }
 
     fn event(kind: &str) -> EventInput {
