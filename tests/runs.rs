@@ -255,7 +255,7 @@ async fn a_dead_report_sent_before_its_agent_heard_of_an_all_tasks_restart_does_
         .await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.body);
     // Sent before the agents heard of the order.
-    let not_restarting = json!({"state": "dead", "failed": true,
+    let not_restarting = json!({"state": "dead",
         "event": {"type": "Not Restarting", "message": "the task completed"}});
     for (task, report) in [("announce", not_restarting), ("proxy", exited)] {
         let a = app.report("r9", task, report).await;
@@ -269,10 +269,7 @@ async fn a_dead_report_sent_before_its_agent_heard_of_an_all_tasks_restart_does_
         .iter()
         .map(|t| &t["desired"])
         .collect();
-    assert!(
-        desired.iter().all(|d| *d == "run"),
-        "a death from before the order told nobody to stop: {view}"
-    );
+    assert!(desired.iter().all(|d| *d == "run"), "{view}");
     // The agents heard of it: each runs its task again.
     for task in ["init", "proxy", "web", "announce"] {
         let a = app.report("r9", task, json!({"state": "pending"})).await;

@@ -632,11 +632,12 @@ impl TaskStatus {
     /// task takes no report (the registry refuses it first); a restore
     /// clears the loss before it applies.
     ///
-    /// A `dead` report while a restart order is owed (`stale`) does not
-    /// use the order up: its agent sent it before it heard of the order,
-    /// and runs the task again once it does. Of a task already `dead` it
-    /// says nothing new (the task stays stale); a task that dies now
-    /// counts as dead and may still leave `dead` once (`reopened`).
+    /// A `dead` report while a restart order is owed (`stale`) counts, but
+    /// does not use the order up: the task may still leave `dead` once
+    /// (`reopened`). Its agent may have sent it before it heard of the
+    /// order (its task ended as the order was made, or the order came
+    /// between its two reports of one end), and runs the task again once
+    /// it does.
     pub fn apply(&mut self, report: &TaskReport, now: Timestamp) {
         if self.lost() {
             return;
@@ -663,8 +664,8 @@ impl TaskStatus {
         }
         self.state = to;
         self.failed = report.failed;
-        self.stale = order_stands && from == RunState::Dead;
-        self.reopened |= order_stands && from != RunState::Dead;
+        self.stale = false;
+        self.reopened |= order_stands;
         match (to, report.ready) {
             (RunState::Running, Some(true)) => {
                 if !self.ready {
@@ -820,36 +821,36 @@ mod tests {
     }
 
     #[test]
-    fn a_report_makes_a_stale_state_count_again_and_a_death_keeps_the_order() {
-        // Out of `dead`, or into another state: the state counts.
+    fn any_report_makes_a_stale_state_count_again_and_a_death_keeps_the_order() {
         for (from, to) in [
             (RunState::Dead, RunState::Pending),
             (RunState::Running, RunState::Running),
             (RunState::Pending, RunState::Pending),
+            (RunState::Dead, RunState::Dead),
+            (RunState::Running, RunState::Dead),
         ] {
             let mut t = TaskStatus::new(1);
             t.apply(&report(from), T0);
             t.stale = true;
             t.apply(&report(to), T1);
-            assert!(!t.stale && !t.reopened, "{from:?} → {to:?}");
+            assert!(!t.stale, "{from:?} → {to:?}");
+            // Dead while the order was owed: it may still leave `dead`,
+            // once.
+            assert_eq!(
+                t.may_leave_dead(),
+                to == RunState::Dead,
+                "{from:?} → {to:?}"
+            );
+            if from == RunState::Dead {
+                assert_eq!(t.finished_at, Some(T0));
+            }
+            t.apply(&report(RunState::Pending), T1);
+            t.apply(&report(RunState::Dead), T1);
+            assert!(
+                !t.may_leave_dead(),
+                "{from:?} → {to:?}, then a death of its own"
+            );
         }
-        // A `dead` task reported `dead` again: nothing new, still stale,
-        // and it may still leave `dead`.
-        let mut t = TaskStatus::new(1);
-        t.apply(&report(RunState::Dead), T0);
-        t.stale = true;
-        t.apply(&report(RunState::Dead), T1);
-        assert!(t.stale && t.may_leave_dead());
-        assert_eq!(t.finished_at, Some(T0));
-        // A task that dies while the order is owed: its death counts, and
-        // it may leave `dead` once.
-        let mut t = TaskStatus::new(1);
-        t.apply(&report(RunState::Running), T0);
-        t.stale = true;
-        t.apply(&report(RunState::Dead), T1);
-        assert!(!t.stale && t.may_leave_dead());
-        t.apply(&report(RunState::Pending), T1);
-        assert!(!t.may_leave_dead());
     }
 
     fn event(kind: &str) -> EventInput {
