@@ -381,6 +381,24 @@ async fn a_task_an_operators_restore_names_dead_stays_dead() {
     a.assert_problem(409, "task_dead");
     let a = app.report("r14", "init", json!({"state": "pending"})).await;
     assert_eq!(a.status, StatusCode::OK, "init, not named: {}", a.body);
+    // Dead again; a restore that does not name it reopens it, the next
+    // one names it dead.
+    app.report("r14", "init", json!({"state": "dead"})).await;
+    for tasks in [
+        json!({"proxy": {"state": "running"}}),
+        json!({"init": {"state": "dead"}}),
+    ] {
+        let a = app
+            .call(
+                "POST",
+                "/v1/allocations/r14/restore",
+                Some(json!({"tasks": tasks})),
+            )
+            .await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    }
+    let a = app.report("r14", "init", json!({"state": "pending"})).await;
+    a.assert_problem(409, "task_dead");
 }
 
 /// Once the coordinator is in `poststop` no task but a poststop one leaves

@@ -1132,9 +1132,13 @@ impl Allocation {
         if restore {
             // A restore clears every loss: a task it names takes the
             // given state, one it does not waits for a new agent. A dead
-            // task it does not name may leave `dead` again.
+            // task it does not name may leave `dead` again; one it names
+            // `dead` may not, whatever reopened it before.
             for (i, t) in next.tasks.iter_mut().enumerate() {
                 let named = reports.iter().any(|(r, _)| *r == i);
+                if named {
+                    t.reopened = false;
+                }
                 if t.lost() {
                     if named {
                         t.forget_loss();
