@@ -386,6 +386,62 @@ fn a_failed_task_is_restarted_by_its_policy_and_then_reported_by_how_it_ended() 
     assert_eq!(t["events"][1]["details"]["exit_code"], "7");
 }
 
+/// A restart order that lands after the task's run ended but before its
+/// agent reported how (here: while the agent stops what the run left
+/// behind), when the restart policy runs the task again: the agent's
+/// `pending` answers the order, so the next run is not killed for it
+/// once more. (The agent had not marked the order seen: its next run was
+/// stopped at once, "told to restart", and a third one started.)
+#[test]
+fn a_restart_order_answered_by_the_policys_restart_does_not_stop_the_next_run() {
+    let server = Server::start(&["--in-memory"]);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = web_only(dir.path());
+    let d = dir.path().display();
+    // The first run leaves a process that ignores SIGTERM until `release`
+    // exists (the agent waits for it before it reports), and fails; the
+    // others wait for `finish`.
+    let cmd = format!(
+        "echo $$ >> {d}/runs; if [ $(wc -l < {d}/runs) -eq 1 ]; then \
+         (trap '' TERM; touch {d}/held; \
+         for i in $(seq 1 600); do [ -f {d}/release ] && break; sleep 0.05; done) & \
+         for i in $(seq 1 600); do [ -f {d}/held ] && break; sleep 0.01; done; exit 1; fi; \
+         for i in $(seq 1 600); do [ -f {d}/finish ] && break; sleep 0.05; done"
+    );
+    let flags = task_flags(
+        &server.base,
+        "a17",
+        "web",
+        &spec,
+        &["--restart-delay", "0s", "--kill-timeout", "30s"],
+    );
+    let mut child = agent_with_stderr(&flags, &cmd);
+    let lines = stderr_lines(&mut child);
+    wait_lines(&lines, "the first run's end", |l| {
+        l.iter().any(|l| l.contains("exited"))
+    });
+    // The server still has the task running: the order names it.
+    let restart = Command::new("curl")
+        .args(["-s", "-X", "POST", "-H", "Content-Type: application/json"])
+        .args(["-d", r#"{"all_tasks": true}"#])
+        .arg(format!("{}/v1/allocations/a17/restart", server.base))
+        .output()
+        .unwrap();
+    let answer: Value = serde_json::from_slice(&restart.stdout).unwrap();
+    assert_eq!(answer["restarted"], json!(["web"]), "{answer}");
+    std::fs::write(dir.path().join("release"), "").unwrap();
+    read_pids(&dir.path().join("runs"), 2);
+    // The last run's agent waits on its task: nothing came since.
+    wait_parked(&server.base, 1);
+    std::fs::write(dir.path().join("finish"), "").unwrap();
+    let mut web = [Agent { child, task: "web" }];
+    assert_eq!(exits(&mut web), [("web", 0)]);
+    let log = lines.lock().unwrap().join("\n");
+    let t = get(&server.base, "/v1/allocations/a17/tasks/web");
+    assert_eq!(t["restarts"], 1, "the policy's restart only: {t}\n{log}");
+    assert!(!log.contains("told to restart"), "{log}");
+}
+
 #[test]
 fn deleting_the_allocation_ends_the_agent_and_its_task() {
     let server = Server::start(&["--in-memory"]);

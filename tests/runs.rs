@@ -265,6 +265,175 @@ async fn a_dead_report_sent_before_its_agent_heard_of_an_all_tasks_restart_does_
     assert_eq!(view["coordinator_state"], "prestart", "{view}");
 }
 
+/// A restart order of `id` (`{"all_tasks": true}`, `{"task": ...}`, `{}`).
+async fn restart(app: &TestApp, id: &str, body: Value) {
+    let a = app
+        .call("POST", &format!("/v1/allocations/{id}/restart"), Some(body))
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+}
+
+/// A failure reported while an all-tasks restart is owed to the task
+/// counts ("Stale states do not count") and is final: the others are told
+/// to stop, and the task stays dead and failed, the root cause. Here the
+/// order lands between web's two reports of a failed end (`Terminated`,
+/// then `Not Restarting`). (Let out of `dead`, web was told to stop before
+/// it started, and its agent's report of that, dead and not failed, lost
+/// the failure: the allocation ended `succeeded`, stopped by "Sibling Task
+/// Failed" naming a task that had not failed.)
+#[tokio::test]
+async fn a_failure_reported_while_an_all_tasks_restart_is_owed_is_final() {
+    let app = test_app().await;
+    app.register_five("r10").await;
+    for (task, state) in [
+        ("init", "running"),
+        ("init", "dead"),
+        ("proxy", "running"),
+        ("web", "running"),
+        ("announce", "running"),
+    ] {
+        let a = app.report("r10", task, json!({"state": state})).await;
+        assert_eq!(a.status, StatusCode::OK, "{task} {state}: {}", a.body);
+    }
+    let failed = |kind: &str| {
+        json!({"state": "dead", "failed": true,
+               "event": {"type": kind, "message": "Exit Code: 1"}})
+    };
+    app.report("r10", "web", failed("Terminated")).await;
+    restart(&app, "r10", json!({"all_tasks": true})).await;
+    let a = app.report("r10", "web", failed("Not Restarting")).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    let sibling_failed = json!({"type": "Sibling Task Failed", "task": "web", "stage": null});
+    assert_eq!(a.task("proxy")["stop_reason"], sibling_failed, "{}", a.body);
+    // Each agent hears of the order. web's finds its task dead.
+    let a = app.report("r10", "web", json!({"state": "pending"})).await;
+    a.assert_problem(409, "task_dead");
+    // The tasks still running are killed.
+    let killed = json!({"state": "dead", "event": {"type": "Killed", "message": "stop"}});
+    for task in ["announce", "proxy"] {
+        let a = app.report("r10", task, killed.clone()).await;
+        assert_eq!(a.status, StatusCode::OK, "{task}: {}", a.body);
+    }
+    let view = app.get("/v1/allocations/r10").await.body;
+    assert_eq!(view["coordinator_state"], "poststop", "{view}");
+    assert_eq!(view["outcome"], "failed", "{view}");
+    assert_eq!(view["failed_tasks"], json!(["web"]), "{view}");
+}
+
+/// A one-task or running-tasks restart names running tasks only: a death
+/// reported after it counts and uses it up, so the task stays dead (its
+/// agent, hearing of the order, finds it dead).
+#[tokio::test]
+async fn a_task_that_dies_after_a_one_task_or_running_tasks_restart_stays_dead() {
+    let app = test_app().await;
+    let spec = json!({"tasks": [{"name": "web"}, {"name": "worker"}, {"name": "batch"}]});
+    let a = app.call("PUT", "/v1/allocations/r11", Some(spec)).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    for task in ["web", "worker", "batch"] {
+        app.report("r11", task, json!({"state": "running"})).await;
+    }
+    let exited =
+        json!({"state": "dead", "event": {"type": "Terminated", "message": "Exit Code: 0"}});
+    for (task, order) in [("worker", json!({"task": "worker"})), ("batch", json!({}))] {
+        restart(&app, "r11", order).await;
+        let a = app.report("r11", task, exited.clone()).await;
+        assert_eq!(a.status, StatusCode::OK, "{task}: {}", a.body);
+        let a = app.report("r11", task, json!({"state": "pending"})).await;
+        a.assert_problem(409, "task_dead");
+    }
+}
+
+/// An operator's restore is an order of its own: a task it names `dead`
+/// stays dead, though an all-tasks restart was owed to it (only the dead
+/// tasks it does not name may leave `dead`).
+#[tokio::test]
+async fn a_task_an_operators_restore_names_dead_stays_dead() {
+    let app = test_app().await;
+    app.register_five("r14").await;
+    for task in ["init", "proxy", "web"] {
+        app.report("r14", task, json!({"state": "running"})).await;
+    }
+    app.report("r14", "init", json!({"state": "dead"})).await;
+    restart(&app, "r14", json!({"all_tasks": true})).await;
+    let a = app
+        .call(
+            "POST",
+            "/v1/allocations/r14/restore",
+            Some(json!({"tasks": {"web": {"state": "dead"}, "proxy": {"state": "running"}}})),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    let a = app.report("r14", "web", json!({"state": "pending"})).await;
+    a.assert_problem(409, "task_dead");
+    let a = app.report("r14", "init", json!({"state": "pending"})).await;
+    assert_eq!(a.status, StatusCode::OK, "init, not named: {}", a.body);
+    // Dead again; a restore that does not name it reopens it, the next
+    // one names it dead.
+    app.report("r14", "init", json!({"state": "dead"})).await;
+    for tasks in [
+        json!({"proxy": {"state": "running"}}),
+        json!({"init": {"state": "dead"}}),
+    ] {
+        let a = app
+            .call(
+                "POST",
+                "/v1/allocations/r14/restore",
+                Some(json!({"tasks": tasks})),
+            )
+            .await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    }
+    let a = app.report("r14", "init", json!({"state": "pending"})).await;
+    a.assert_problem(409, "task_dead");
+}
+
+/// Once the coordinator is in `poststop` no task but a poststop one leaves
+/// `dead`: no gate of its stage opens there again, and a restart is
+/// refused. Here the all-tasks restart lands as web's run ends, so every
+/// task but the poststop one is dead; then an operator's restore that
+/// names only the cleanup (a dead task it does not name is reopened)
+/// finishes the allocation at once. (Taken, web's `pending` left it
+/// waiting for good at a gate that never opens.)
+#[tokio::test]
+async fn no_task_but_a_poststop_one_leaves_dead_in_poststop() {
+    let app = test_app().await;
+    let spec = json!({"tasks": [{"name": "web"},
+        {"name": "cleanup", "lifecycle": {"hook": "poststop"}}]});
+    let a = app.call("PUT", "/v1/allocations/r12", Some(spec)).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
+    app.report("r12", "web", json!({"state": "running"})).await;
+    restart(&app, "r12", json!({"all_tasks": true})).await;
+    app.report("r12", "web", json!({"state": "dead"})).await;
+    let view = app.get("/v1/allocations/r12").await.body;
+    assert_eq!(view["coordinator_state"], "poststop", "{view}");
+    let a = app.report("r12", "web", json!({"state": "pending"})).await;
+    a.assert_problem(409, "task_dead");
+    for state in ["running", "dead"] {
+        let a = app.report("r12", "cleanup", json!({"state": state})).await;
+        assert_eq!(a.status, StatusCode::OK, "cleanup {state}: {}", a.body);
+    }
+    let a = app
+        .call(
+            "POST",
+            "/v1/allocations/r12/restore",
+            Some(json!({"tasks": {"cleanup": {"state": "pending"}}})),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.body);
+    assert_eq!(a.body["coordinator_state"], "poststop", "{}", a.body);
+    let a = app.report("r12", "web", json!({"state": "pending"})).await;
+    a.assert_problem(409, "task_dead");
+    let a = app
+        .report("r12", "cleanup", json!({"state": "running"}))
+        .await;
+    assert_eq!(
+        a.status,
+        StatusCode::OK,
+        "the cleanup runs again: {}",
+        a.body
+    );
+}
+
 /// `ready: true` for a task that declares no readiness is 400, from a
 /// report, a batch and a restore alike.
 #[tokio::test]

@@ -446,6 +446,12 @@ impl Agent {
                 (t, index) = self.api.task_in_allocation(index).await?;
             }
             self.learn(&t);
+            // The `pending` below answers every restart order made so far
+            // (the server takes a task's first report after an order as
+            // its answer): the run it leads to is not stopped for one of
+            // them again. One that came as the last run ended, before its
+            // agent saw it, was answered by the policy's restart.
+            self.generation = self.generation.max(t.restart_generation);
         }
         match self.report("pending", false, None).await {
             Ok(()) => Ok(true),

@@ -370,7 +370,7 @@ fn batch(
         (status = 200, description = "The restored allocation", body = WriteView,
          headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
         (status = 404, description = "`allocation_not_found` or `task_not_found`", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "An agent's restore (a resume, SEMANTICS \"Runs\") only: `task_lost` for a named task that was declared lost, `task_dead` for a dead task no order reopened", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "An agent's restore (a resume, SEMANTICS \"Runs\") only: `task_lost` for a named task that was declared lost, `task_dead` for a dead task no order reopened (or any but a poststop task once the allocation is in poststop)", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn restore(

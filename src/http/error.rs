@@ -112,7 +112,7 @@ pub const CODES: &[(&str, u16, &str)] = &[
     (
         "task_dead",
         409,
-        "The task is dead (`finished_at` says since when), and a report may take it out of `dead` only after an operator's all-tasks restart or restore made after it died. An agent that finds its task dead reports nothing and exits; an operator restarts every task (`POST .../restart` with `{\"all_tasks\": true}`) or restores the allocation to run it again.",
+        "The task is dead (`finished_at` says since when), and a report may take it out of `dead` only after an operator's all-tasks restart or restore made after it died (or owed to it when it was reported dead), and never once the allocation is in `poststop`, unless it is a poststop task. An agent that finds its task dead reports nothing and exits; an operator restarts every task (`POST .../restart` with `{\"all_tasks\": true}`) or restores the allocation to run it again.",
     ),
     (
         "barrier_closed",

@@ -110,7 +110,7 @@ pub async fn get(
         (status = 200, description = "The allocation after the report", body = WriteView,
          headers(("X-Taskgate-Index" = u64, description = "The allocation's modify_index"))),
         (status = 404, description = "`allocation_not_found` or `task_not_found`", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "`task_lost`: the task was declared lost (`lost_at` says when); `run_superseded`: the `Taskgate-Run` named is not the task's current run (`current_run`); either way its agent must stop its process. `task_claimed`: a `running` report not naming the current run of a task running under it (`run`, `last_seen`): another agent runs the task. `task_dead`: the task is dead and no order reopened it (`finished_at`)", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`task_lost`: the task was declared lost (`lost_at` says when); `run_superseded`: the `Taskgate-Run` named is not the task's current run (`current_run`); either way its agent must stop its process. `task_claimed`: a `running` report not naming the current run of a task running under it (`run`, `last_seen`): another agent runs the task. `task_dead`: the task is dead and no order reopened it, or its allocation is in poststop and it is not a poststop task (`finished_at`)", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "`idempotency_key_reused`: the key came before with another request", body = Problem, content_type = "application/problem+json"),
     )
 )]

@@ -687,8 +687,22 @@ impl Allocation {
             .find_map(|i| self.tasks[i].lost_at().map(|at| (i, at)))
     }
 
+    /// Whether the restart order a stale task owes is an all-tasks one
+    /// (`TaskStatus::apply_owing`): the coordinator is back in `init`,
+    /// where only such an order puts it (a registration leaves it at
+    /// once), until every task is `pending` again (or every one that is
+    /// not a poststop task is dead). A one-task or running-tasks restart
+    /// made there names tasks that owe the all-tasks one too.
+    fn owes_all_tasks(&self) -> bool {
+        self.state == CoordState::Init
+    }
+
     /// Whether a report for task `i` may be applied, `run` being the run
-    /// its agent names (`Taskgate-Run`), if any (SEMANTICS, "Runs").
+    /// its agent names (`Taskgate-Run`), if any (SEMANTICS, "Runs"). A
+    /// dead task leaves `dead` only after an order reopened it, and never
+    /// once the coordinator is in `poststop`, unless it is a poststop
+    /// task: no gate of its stage opens there again (a restart is refused
+    /// there), so its agent would wait for good.
     pub fn check_report(
         &self,
         i: usize,
@@ -704,7 +718,11 @@ impl Allocation {
         {
             return Err(Refusal::Claimed { run: current });
         }
-        if t.state == RunState::Dead && report.state != RunState::Dead && !t.may_leave_dead() {
+        let finished = self.state == CoordState::Poststop && !self.spec.tasks()[i].is_poststop();
+        if t.state == RunState::Dead
+            && report.state != RunState::Dead
+            && (!t.may_leave_dead() || finished)
+        {
             return Err(Refusal::Dead {
                 finished_at: t.finished_at,
             });
@@ -1092,8 +1110,9 @@ impl Allocation {
         next_index: impl FnOnce() -> u64,
     ) -> Option<Self> {
         let mut next = self.clone();
+        let all_tasks = self.owes_all_tasks();
         for (i, r) in reports {
-            next.tasks[*i].apply(r, now);
+            next.tasks[*i].apply_owing(r, now, all_tasks);
         }
         next.state = evaluate(CoordState::Prestart, &next.spec, &next.tasks);
         next.settle(self, now, false, next_index)
@@ -1113,9 +1132,13 @@ impl Allocation {
         if restore {
             // A restore clears every loss: a task it names takes the
             // given state, one it does not waits for a new agent. A dead
-            // task it does not name may leave `dead` again.
+            // task it does not name may leave `dead` again; one it names
+            // `dead` may not, whatever reopened it before.
             for (i, t) in next.tasks.iter_mut().enumerate() {
                 let named = reports.iter().any(|(r, _)| *r == i);
+                if named {
+                    t.reopened = false;
+                }
                 if t.lost() {
                     if named {
                         t.forget_loss();
@@ -1127,8 +1150,12 @@ impl Allocation {
                 }
             }
         }
+        // An operator's restore is an order of its own, after which the
+        // coordinator is no longer in `init`: its reports use up any
+        // order owed.
+        let all_tasks = !restore && self.owes_all_tasks();
         for (i, r) in reports {
-            next.tasks[*i].apply(r, now);
+            next.tasks[*i].apply_owing(r, now, all_tasks);
         }
         if restore {
             next.order = Desired::Run;

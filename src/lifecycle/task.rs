@@ -378,10 +378,11 @@ pub struct TaskStatus {
     /// the task `running`. Never reused, since indexes only go up, across
     /// deletions and restarts too.
     pub run: Option<u64>,
-    /// An operator's restore was made after the task died, or it died
-    /// while an all-tasks restart was owed to it (`apply`): a report may
-    /// take it out of `dead` (as after an all-tasks restart, which leaves
-    /// it `stale`). Cleared when it leaves `dead` or dies again.
+    /// An operator's restore was made after the task died, or it died,
+    /// not failed, while an all-tasks restart was owed to it
+    /// (`apply_owing`): a report may take it out of `dead` (as after an
+    /// all-tasks restart, which leaves it `stale`). Cleared when it leaves
+    /// `dead` or dies again.
     pub reopened: bool,
     /// What few tasks carry (a loss, idempotency keys), out of line: the
     /// others pay one pointer for it, and a new version of the record
@@ -625,6 +626,12 @@ impl TaskStatus {
         self.state == RunState::Running && (self.ready || !readiness)
     }
 
+    /// Applies a report with the rules of docs/lifecycle.md, to a task
+    /// that owes no all-tasks restart: `apply_owing` with `false`.
+    pub fn apply(&mut self, report: &TaskReport, now: Timestamp) {
+        self.apply_owing(report, now, false);
+    }
+
     /// Applies a report with the rules of docs/lifecycle.md. A report with
     /// the same state, the same flag, the same readiness and no event
     /// leaves the status untouched (unless it is the task's first report
@@ -632,19 +639,25 @@ impl TaskStatus {
     /// task takes no report (the registry refuses it first); a restore
     /// clears the loss before it applies.
     ///
-    /// A `dead` report while a restart order is owed (`stale`) counts, but
+    /// `all_tasks`: the order a stale task owes is an all-tasks restart
+    /// (its allocation is back in `init`, where only such an order puts
+    /// it). A `dead` report then counts, but one that is not a failure
     /// does not use the order up: the task may still leave `dead` once
     /// (`reopened`). Its agent may have sent it before it heard of the
     /// order (its task ended as the order was made, or the order came
     /// between its two reports of one end), and runs the task again once
-    /// it does.
-    pub fn apply(&mut self, report: &TaskReport, now: Timestamp) {
+    /// it does. A failure is final: it tells the others to stop ("Sibling
+    /// Task Failed"), so a run its agent began again would be told to
+    /// stop before it starts, and the report of that would lose the
+    /// failure. A one-task or running-tasks restart never names a dead
+    /// task: a death reported after one uses it up.
+    pub fn apply_owing(&mut self, report: &TaskReport, now: Timestamp, all_tasks: bool) {
         if self.lost() {
             return;
         }
         let from = self.state;
         let to = report.state;
-        let order_stands = self.stale && to == RunState::Dead;
+        let order_stands = all_tasks && self.stale && to == RunState::Dead && !report.failed;
         if from != to && (from == RunState::Dead || to == RunState::Dead) {
             self.reopened = false;
         }
@@ -821,35 +834,37 @@ mod tests {
     }
 
     #[test]
-    fn any_report_makes_a_stale_state_count_again_and_a_death_keeps_the_order() {
-        for (from, to) in [
-            (RunState::Dead, RunState::Pending),
-            (RunState::Running, RunState::Running),
-            (RunState::Pending, RunState::Pending),
-            (RunState::Dead, RunState::Dead),
-            (RunState::Running, RunState::Dead),
-        ] {
-            let mut t = TaskStatus::new(1);
-            t.apply(&report(from), T0);
-            t.stale = true;
-            t.apply(&report(to), T1);
-            assert!(!t.stale, "{from:?} → {to:?}");
-            // Dead while the order was owed: it may still leave `dead`,
-            // once.
-            assert_eq!(
-                t.may_leave_dead(),
-                to == RunState::Dead,
-                "{from:?} → {to:?}"
-            );
-            if from == RunState::Dead {
-                assert_eq!(t.finished_at, Some(T0));
+    fn any_report_makes_a_stale_state_count_again_and_a_death_may_keep_an_all_tasks_restart() {
+        let failed = TaskReport {
+            failed: true,
+            ..report(RunState::Dead)
+        };
+        for all_tasks in [false, true] {
+            for (from, to) in [
+                (RunState::Dead, report(RunState::Pending)),
+                (RunState::Running, report(RunState::Running)),
+                (RunState::Pending, report(RunState::Pending)),
+                (RunState::Dead, report(RunState::Dead)),
+                (RunState::Running, report(RunState::Dead)),
+                (RunState::Running, failed.clone()),
+            ] {
+                let case = format!("{from:?} → {to:?}, all tasks: {all_tasks}");
+                let mut t = TaskStatus::new(1);
+                t.apply(&report(from), T0);
+                t.stale = true;
+                t.apply_owing(&to, T1, all_tasks);
+                assert!(!t.stale, "{case}");
+                // Dead, not failed, while an all-tasks restart was owed:
+                // it may still leave `dead`, once.
+                let kept = all_tasks && to.state == RunState::Dead && !to.failed;
+                assert_eq!(t.may_leave_dead(), kept, "{case}");
+                if from == RunState::Dead {
+                    assert_eq!(t.finished_at, Some(T0), "{case}");
+                }
+                t.apply(&report(RunState::Pending), T1);
+                t.apply_owing(&report(RunState::Dead), T1, all_tasks);
+                assert!(!t.may_leave_dead(), "{case}, then a death of its own");
             }
-            t.apply(&report(RunState::Pending), T1);
-            t.apply(&report(RunState::Dead), T1);
-            assert!(
-                !t.may_leave_dead(),
-                "{from:?} → {to:?}, then a death of its own"
-            );
         }
     }
 

@@ -551,7 +551,13 @@ impl Model {
             }
             Op::Pending { id, k } => {
                 let a = self.allocs.get_mut(&id)?;
-                let told: Vec<usize> = (0..a.tasks.len()).filter(|&i| a.tasks[i].stale).collect();
+                // No task leaves `dead` in `poststop`.
+                let told: Vec<usize> = (0..a.tasks.len())
+                    .filter(|&i| {
+                        a.tasks[i].stale
+                            && !(a.tasks[i].state == RunState::Dead && a.coord == Coord::Poststop)
+                    })
+                    .collect();
                 if told.is_empty() {
                     return None;
                 }

@@ -110,7 +110,8 @@ pub enum RegistryError {
     /// The task is dead, and no order since lets it leave `dead`.
     #[error(
         "task \"{task}\" of allocation \"{alloc}\" is dead{}: it stays dead until an \
-         operator's all-tasks restart or restore; an agent that finds its task dead reports \
+         operator's all-tasks restart or restore (only a restore once the allocation is in \
+         poststop); an agent that finds its task dead reports \
          nothing and exits",
         match finished_at { Some(t) => format!(" (since {t})"), None => String::new() }
     )]

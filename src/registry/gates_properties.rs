@@ -134,7 +134,10 @@ enum Stand {
 struct MTask {
     acquire: Vec<usize>,
     state: RunState,
-    /// An all-tasks restart came after it died (and no report since).
+    /// An all-tasks restart came after it died, and no report since but
+    /// a `dead` one, not failed, while the coordinator was still in
+    /// `init` (a task running at the order is not followed here: the
+    /// model lets its death use the order up).
     may_leave_dead: bool,
     stand: Option<Stand>,
 }
@@ -145,8 +148,7 @@ struct MAlloc {
     /// Held by an all-tasks restart until every task is `pending`.
     init: bool,
     /// Every task was dead at once: the coordinator is in `poststop` for
-    /// good (a task an earlier restart let out of `dead` may still report,
-    /// but no gate of a main task opens again).
+    /// good, and no task leaves `dead` again.
     finished: bool,
 }
 
@@ -248,17 +250,20 @@ impl Model {
                 let Some(t) = a.tasks.get(*task) else {
                     return false;
                 };
-                // Dead is final until an order; a second `running` is
-                // another agent's claim.
-                if (t.state == RunState::Dead && *state != RunState::Dead && !t.may_leave_dead)
+                // Dead is final until an order, and in `poststop`; a
+                // second `running` is another agent's claim.
+                if (t.state == RunState::Dead
+                    && *state != RunState::Dead
+                    && (!t.may_leave_dead || a.finished))
                     || (t.state == RunState::Running && *state == RunState::Running)
                 {
                     return false;
                 }
                 let before = a.states();
+                let init = a.init;
                 let t = &mut a.tasks[*task];
                 t.state = *state;
-                t.may_leave_dead = false;
+                t.may_leave_dead &= init && *state == RunState::Dead;
                 a.keep(&before, stamp);
             }
             Op::RestartRunning { id } => {
