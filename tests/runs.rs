@@ -184,7 +184,7 @@ async fn a_dead_task_stays_dead_until_an_all_tasks_restart_or_a_restore() {
         )
         .await;
     a.assert_problem(409, "task_not_running");
-    app.restart_all("r4").await;
+    restart(&app, "r4", json!({"all_tasks": true})).await;
     let a = app.report("r4", "init", json!({"state": "pending"})).await;
     assert_eq!(
         a.status,
@@ -239,7 +239,7 @@ async fn a_dead_report_sent_before_its_agent_heard_of_an_all_tasks_restart_does_
     let exited =
         json!({"state": "dead", "event": {"type": "Terminated", "message": "Exit Code: 0"}});
     app.report("r9", "announce", exited.clone()).await;
-    app.restart_all("r9").await;
+    restart(&app, "r9", json!({"all_tasks": true})).await;
     // Sent before the agents heard of the order.
     let not_restarting = json!({"state": "dead",
         "event": {"type": "Not Restarting", "message": "the task completed"}});
@@ -621,7 +621,7 @@ async fn an_operator_stop_ends_the_allocation_stopped_and_a_restart_clears_it() 
     app.register_five("r9").await;
     app.report("r9", "proxy", json!({"state": "running"})).await;
     app.call("POST", "/v1/allocations/r9/stop", None).await;
-    app.restart_all("r9").await;
+    restart(&app, "r9", json!({"all_tasks": true})).await;
     let a = app.get("/v1/allocations/r9").await;
     assert_eq!(
         a.task("proxy")["desired"],

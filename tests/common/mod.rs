@@ -17,7 +17,7 @@ use axum::{
     http::{HeaderMap, Method, Request, StatusCode, header},
 };
 use http_body_util::BodyExt;
-use serde_json::{Value, json};
+use serde_json::Value;
 use taskgate::{
     app::Application,
     config::ServeConfig,
@@ -314,16 +314,6 @@ impl TestApp {
             .call("PUT", &format!("/v1/allocations/{id}"), Some(five_tasks()))
             .await;
         assert_eq!(a.status, StatusCode::CREATED, "{}", a.body);
-        a
-    }
-
-    /// An operator's all-tasks restart of `id`, taken (200).
-    pub async fn restart_all(&self, id: &str) -> Answer {
-        let uri = format!("/v1/allocations/{id}/restart");
-        let a = self
-            .call("POST", &uri, Some(json!({"all_tasks": true})))
-            .await;
-        assert_eq!(a.status, StatusCode::OK, "{}", a.body);
         a
     }
 
