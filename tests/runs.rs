@@ -214,6 +214,24 @@ async fn a_dead_task_stays_dead_until_an_all_tasks_restart_or_a_restore() {
     );
 }
 
+/// The five tasks of `id` in `poststart`: init done, proxy, web and
+/// announce running.
+async fn five_in_poststart(app: &TestApp, id: &str) {
+    app.register_five(id).await;
+    for (task, state) in [
+        ("init", "running"),
+        ("init", "dead"),
+        ("proxy", "running"),
+        ("web", "running"),
+        ("announce", "running"),
+    ] {
+        let a = app.report(id, task, json!({"state": state})).await;
+        assert_eq!(a.status, StatusCode::OK, "{task} {state}: {}", a.body);
+    }
+    let view = app.get(&format!("/v1/allocations/{id}")).await.body;
+    assert_eq!(view["coordinator_state"], "poststart", "{view}");
+}
+
 /// An all-tasks restart is not used up by a `dead` report that its agent
 /// sent before it heard of the order: the second of the two reports of
 /// one end (`Terminated`, then `Not Restarting`) landing after the order,
@@ -225,17 +243,7 @@ async fn a_dead_task_stays_dead_until_an_all_tasks_restart_or_a_restore() {
 #[tokio::test]
 async fn a_dead_report_sent_before_its_agent_heard_of_an_all_tasks_restart_does_not_use_it_up() {
     let app = test_app().await;
-    app.register_five("r9").await;
-    for (task, state) in [
-        ("init", "running"),
-        ("init", "dead"),
-        ("proxy", "running"),
-        ("web", "running"),
-        ("announce", "running"),
-    ] {
-        let a = app.report("r9", task, json!({"state": state})).await;
-        assert_eq!(a.status, StatusCode::OK, "{task} {state}: {}", a.body);
-    }
+    five_in_poststart(&app, "r9").await;
     let exited =
         json!({"state": "dead", "event": {"type": "Terminated", "message": "Exit Code: 0"}});
     app.report("r9", "announce", exited.clone()).await;
@@ -284,17 +292,7 @@ async fn restart(app: &TestApp, id: &str, body: Value) {
 #[tokio::test]
 async fn a_failure_reported_while_an_all_tasks_restart_is_owed_is_final() {
     let app = test_app().await;
-    app.register_five("r10").await;
-    for (task, state) in [
-        ("init", "running"),
-        ("init", "dead"),
-        ("proxy", "running"),
-        ("web", "running"),
-        ("announce", "running"),
-    ] {
-        let a = app.report("r10", task, json!({"state": state})).await;
-        assert_eq!(a.status, StatusCode::OK, "{task} {state}: {}", a.body);
-    }
+    five_in_poststart(&app, "r10").await;
     let failed = |kind: &str| {
         json!({"state": "dead", "failed": true,
                "event": {"type": kind, "message": "Exit Code: 1"}})
