@@ -79,20 +79,7 @@ fn an_all_tasks_restart_replays_the_order() {
     let dir = tempfile::tempdir().unwrap();
     let mut agents = start_five(&server.base, dir.path(), "a2");
     wait_log(dir.path(), "announce", 1);
-    let restart = Command::new("curl")
-        .args([
-            "-s",
-            "-X",
-            "POST",
-            "-H",
-            "Content-Type: application/json",
-            "-d",
-            r#"{"all_tasks": true}"#,
-        ])
-        .arg(format!("{}/v1/allocations/a2/restart", server.base))
-        .output()
-        .unwrap();
-    let answer: Value = serde_json::from_slice(&restart.stdout).unwrap();
+    let answer = restart_all_tasks(&server.base, "a2");
     assert_eq!(
         answer["restarted"],
         json!(["init", "proxy", "web", "announce"]),
@@ -421,13 +408,7 @@ fn a_restart_order_answered_by_the_policys_restart_does_not_stop_the_next_run() 
         l.iter().any(|l| l.contains("exited"))
     });
     // The server still has the task running: the order names it.
-    let restart = Command::new("curl")
-        .args(["-s", "-X", "POST", "-H", "Content-Type: application/json"])
-        .args(["-d", r#"{"all_tasks": true}"#])
-        .arg(format!("{}/v1/allocations/a17/restart", server.base))
-        .output()
-        .unwrap();
-    let answer: Value = serde_json::from_slice(&restart.stdout).unwrap();
+    let answer = restart_all_tasks(&server.base, "a17");
     assert_eq!(answer["restarted"], json!(["web"]), "{answer}");
     std::fs::write(dir.path().join("release"), "").unwrap();
     read_pids(&dir.path().join("runs"), 2);

@@ -627,7 +627,9 @@ impl TaskStatus {
     }
 
     /// Applies a report with the rules of docs/lifecycle.md, to a task
-    /// that owes no all-tasks restart: `apply_owing` with `false`.
+    /// that owes no all-tasks restart: `apply_owing` with `false` (the
+    /// tests' shorthand; an allocation knows what its tasks owe).
+    #[cfg(test)]
     pub fn apply(&mut self, report: &TaskReport, now: Timestamp) {
         self.apply_owing(report, now, false);
     }

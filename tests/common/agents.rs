@@ -197,6 +197,17 @@ pub fn start_five(base: &str, dir: &Path, alloc: &str) -> Vec<Agent> {
         .collect()
 }
 
+/// An operator's all-tasks restart of `alloc`, sent with curl: its answer.
+pub fn restart_all_tasks(base: &str, alloc: &str) -> Value {
+    let out = Command::new("curl")
+        .args(["-s", "-X", "POST", "-H", "Content-Type: application/json"])
+        .args(["-d", r#"{"all_tasks": true}"#])
+        .arg(format!("{base}/v1/allocations/{alloc}/restart"))
+        .output()
+        .expect("curl runs");
+    serde_json::from_slice(&out.stdout).expect("the answer is JSON")
+}
+
 /// The HTTP status of `METHOD url` sent with curl (as an operator types
 /// it), with a JSON body if any.
 pub fn curl_status(method: &str, url: &str, json: Option<&str>) -> String {
